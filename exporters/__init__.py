@@ -1,0 +1,1 @@
+"""Exporters: checkpoint reading, PyTorch sub-part modules, ModelBuilder, Olive and OpenVINO."""

@@ -1,0 +1,337 @@
+"""The ``llm_decoder`` sub-part through onnxruntime-genai's ModelBuilder.
+
+ModelBuilder turns a standard Qwen3 Hugging Face checkpoint into an ONNX decoder
+with GroupQueryAttention and (for int4) MatMulNBits.  With ``exclude_embeds=true
+exclude_lm_head=true`` the graph takes ``inputs_embeds`` and returns the final-norm
+``hidden_states``: the contract of ``llm_decoder`` in MODEL.md.
+
+ModelBuilder runs as a subprocess of its CLI with the current interpreter
+(``python -m onnxruntime_genai.models.builder``): in 0.18 calling ``create_model``
+from Python without its private ``parse_extra_options`` fails, and the CLI's own
+``--help`` crashes, so the CLI with explicit arguments is the stable surface.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from higgs_pack.exporters import onnx_utils
+from higgs_pack.exporters.result import ExportResult
+from higgs_pack.manifests.constants import SubPart
+from higgs_pack.manifests.errors import (
+    BuildError,
+    BuildPlanError,
+    CheckpointError,
+    unknown_choice,
+)
+
+#: Precisions this exporter builds (ModelBuilder ``-p``).
+PRECISIONS = ("fp32", "fp16", "int4")
+#: Execution providers this exporter builds for (ModelBuilder ``-e``).
+EXECUTION_PROVIDERS = ("cpu", "cuda", "dml")
+#: Options every build passes; they make the graph the ``llm_decoder`` contract.
+REQUIRED_EXTRA_OPTIONS: dict[str, str] = {"exclude_embeds": "true", "exclude_lm_head": "true"}
+#: Options that would break the contract or produce no model.
+FORBIDDEN_EXTRA_OPTIONS = ("config_only", "include_hidden_states")
+#: ModelBuilder's documented int4 defaults (``--extra_options`` help, 0.18); the
+#: recorded values are read back from the graph, these only fill what it omits.
+INT4_DEFAULTS: dict[str, Any] = {
+    "block_size": 32,
+    "accuracy_level": {"cpu": 4, "cuda": 0, "dml": 0},
+    "is_symmetric": True,
+    "algo_config": "default",
+    "op_types_to_quantize": ["MatMul"],
+}
+#: Files ModelBuilder writes that the sub-part keeps besides the graph.
+GENAI_CONFIG = "genai_config.json"
+#: Characters of ModelBuilder's log quoted in a BuildError.
+LOG_TAIL_CHARS = 4000
+
+
+def _format_option(key: str, value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float, str)):
+        return str(value)
+    raise BuildPlanError(
+        f"extra option {key}={value!r} must be a str, int, float or bool (ModelBuilder takes "
+        f"KEY=VALUE strings; join lists as ModelBuilder documents, e.g. op_types_to_quantize='MatMul/Gather')."
+    )
+
+
+def _extra_options(extra_options: dict[str, Any] | None) -> dict[str, str]:
+    options = {key: _format_option(key, value) for key, value in (extra_options or {}).items()}
+    for key, required in REQUIRED_EXTRA_OPTIONS.items():
+        if options.get(key, required).lower() != required:
+            raise BuildPlanError(
+                f"extra option {key}={options[key]} conflicts with the llm_decoder contract "
+                f"(inputs_embeds in, hidden_states out), which needs {key}={required}; "
+                "drop it from extra_options=."
+            )
+    for key in FORBIDDEN_EXTRA_OPTIONS:
+        if key in options:
+            raise BuildPlanError(
+                f"extra option {key!r} is not allowed for the llm_decoder sub-part (it changes "
+                "the graph's outputs or writes no model); drop it from extra_options=."
+            )
+    return {**options, **REQUIRED_EXTRA_OPTIONS}
+
+
+def _log_tail(log_path: Path) -> str:
+    text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    # tqdm redraws with carriage returns: keep only the last state of each line.
+    lines = [line.rsplit("\r", 1)[-1] for line in text.splitlines()]
+    return "\n".join(lines)[-LOG_TAIL_CHARS:]
+
+
+def _version(distribution: str) -> str:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def build_llm_decoder(
+    hf_dir: Path,
+    out_dir: Path,
+    *,
+    precision: str,
+    execution_provider: str,
+    cache_dir: Path,
+    extra_options: dict[str, Any] | None = None,
+    bundle_dir: Path | None = None,
+    overwrite: bool = False,
+    timeout_s: float | None = None,
+) -> ExportResult:
+    """Build the ONNX ``llm_decoder`` with onnxruntime-genai's ModelBuilder.
+
+    The graph has no embedding and no LM head. Inputs: ``inputs_embeds``
+    [batch_size, sequence_length, hidden] (float32; float16 for the cuda/dml fp16
+    graphs), ``attention_mask`` int64 [batch_size, total_sequence_length],
+    ``past_key_values.{i}.key`` / ``.value`` [batch_size, kv_heads,
+    past_sequence_length, head_dim] for every layer ``i`` (+ ``position_ids`` on
+    dml). Outputs: ``hidden_states`` [batch_size, sequence_length, hidden] after
+    the final RMSNorm, and ``present.{i}.key`` / ``.value`` [batch_size, kv_heads,
+    total_sequence_length, head_dim].
+
+    Writes into ``out_dir``: the graph (``model.onnx`` unless ``extra_options``
+    sets ``filename``), its external data (``model.onnx.data``) and
+    ``genai_config.json``. The tokenizer files ModelBuilder also writes there are
+    removed (the bundle keeps one tokenizer at its root) and listed in
+    ``options["removed_files"]``. ModelBuilder's log goes to
+    ``cache_dir/modelbuilder-<ep>-<precision>.log``.
+
+    Args:
+        hf_dir (`Path`): A standard Qwen3 Hugging Face checkpoint directory
+            (``config.json`` with ``model_type: "qwen3"`` and safetensors weights
+            named ``model.*``), read offline.
+        out_dir (`Path`): Where the sub-part goes, normally ``<bundle>/llm_decoder/``.
+            Created if missing; must be empty unless ``overwrite=True``.
+        precision (`str`): ``"fp32"``, ``"fp16"`` or ``"int4"`` (ModelBuilder ``-p``).
+        execution_provider (`str`): ``"cpu"``, ``"cuda"`` or ``"dml"`` (``-e``); the
+            graph is specialised for it (fp16 KV on cuda/dml, ``position_ids`` on dml).
+        cache_dir (`Path`): ModelBuilder's scratch directory (``-c``) and the log's
+            home; must be outside the bundle.
+        extra_options (`dict`, *optional*): More ModelBuilder ``--extra_options``,
+            for example ``{"block_size": 64, "accuracy_level": 4}`` for int4. Values
+            are str, int, float or bool. ``exclude_embeds`` / ``exclude_lm_head``
+            are always ``true``.
+        bundle_dir (`Path`, *optional*): The bundle root that ``ExportResult.files``
+            are relative to. Defaults to ``out_dir.parent``.
+        overwrite (`bool`, *optional*, defaults to `False`): Empty a non-empty
+            ``out_dir`` first instead of refusing.
+        timeout_s (`float`, *optional*): Kill ModelBuilder after this many seconds.
+
+    Returns:
+        `ExportResult`: ``subpart="llm_decoder"``, ``exporter="modelbuilder"``,
+        ``passes=["ModelBuilder"]``; ``files`` = graph, external data,
+        ``genai_config.json``; ``quantization`` (int4) = the ``bits``,
+        ``block_size`` and ``accuracy_level`` read from the MatMulNBits nodes, plus
+        ``is_symmetric``, ``algo_config`` and the quantized op counts; tool versions
+        of onnxruntime-genai, onnxruntime, onnx and transformers.
+
+    Raises:
+        BuildPlanError: Unknown precision or execution provider, a forbidden or
+            malformed extra option, a non-empty ``out_dir`` without ``overwrite``,
+            or ``cache_dir`` inside the bundle.
+        CheckpointError: ``hf_dir`` has no ``config.json``.
+        BuildError: ModelBuilder failed or timed out (the message ends with the tail
+            of its log), or wrote no graph, or its external data points outside
+            the bundle.
+    """
+    hf_dir, out_dir, cache_dir = Path(hf_dir), Path(out_dir), Path(cache_dir)
+    bundle_dir = Path(bundle_dir) if bundle_dir is not None else out_dir.parent
+    if precision not in PRECISIONS:
+        raise BuildPlanError(
+            unknown_choice(
+                "precision for ModelBuilder", precision, PRECISIONS, "--precision / precision="
+            )
+        )
+    if execution_provider not in EXECUTION_PROVIDERS:
+        raise BuildPlanError(
+            unknown_choice(
+                "execution provider for ModelBuilder",
+                execution_provider,
+                EXECUTION_PROVIDERS,
+                "--target / execution_provider=",
+            )
+        )
+    options = _extra_options(extra_options)
+    if not (hf_dir / "config.json").is_file():
+        raise CheckpointError(
+            f"{hf_dir} is not a Hugging Face checkpoint directory (no config.json); pass the "
+            "remapped Qwen3 checkpoint as hf_dir=."
+        )
+    if cache_dir.resolve().is_relative_to(bundle_dir.resolve()):
+        raise BuildPlanError(
+            f"cache_dir={cache_dir} is inside the bundle {bundle_dir}; ModelBuilder's scratch "
+            "files would be packaged. Pass a cache_dir= outside the bundle."
+        )
+    if out_dir.exists() and any(out_dir.iterdir()):
+        if not overwrite:
+            raise BuildPlanError(
+                f"out_dir={out_dir} is not empty; stale files would mix with the new build. "
+                "Empty it or pass overwrite=True."
+            )
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+
+    command = [
+        sys.executable,
+        "-m",
+        "onnxruntime_genai.models.builder",
+        "-i", str(hf_dir.resolve()),
+        "-o", str(out_dir.resolve()),
+        "-p", precision,
+        "-e", execution_provider,
+        "-c", str(cache_dir.resolve()),
+        "--extra_options",
+        *(f"{key}={value}" for key, value in options.items()),
+    ]  # fmt: skip
+    # The checkpoint is local: never let a typo turn into a Hub download.
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    log_path = cache_dir / f"modelbuilder-{execution_provider}-{precision}.log"
+    with log_path.open("w") as log:
+        log.write("$ " + " ".join(command) + "\n")
+        log.flush()
+        try:
+            completed = subprocess.run(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                timeout=timeout_s,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            raise BuildError(
+                f"ModelBuilder ({execution_provider}, {precision}) did not finish in {timeout_s} s; "
+                f"log {log_path}:\n{_log_tail(log_path)}"
+            ) from None
+
+    genai_config_path = out_dir / GENAI_CONFIG
+    if completed.returncode != 0 or not genai_config_path.is_file():
+        raise BuildError(
+            f"ModelBuilder ({execution_provider}, {precision}) failed with exit status "
+            f"{completed.returncode} on {hf_dir}; log {log_path}:\n{_log_tail(log_path)}"
+        )
+    genai_config = json.loads(genai_config_path.read_text())
+    model_name = genai_config["model"]["decoder"]["filename"]
+    model_path = out_dir / model_name
+    if not model_path.is_file():
+        raise BuildError(
+            f"ModelBuilder reported success but {model_path} is missing; log {log_path}:\n"
+            f"{_log_tail(log_path)}"
+        )
+
+    files = onnx_utils.onnx_files(model_path, bundle_dir)
+    keep = {*files, (genai_config_path.resolve().relative_to(bundle_dir.resolve())).as_posix()}
+    removed: list[str] = []
+    for path in sorted(out_dir.iterdir()):
+        rel = path.resolve().relative_to(bundle_dir.resolve()).as_posix()
+        if rel not in keep:
+            removed.append(path.name)
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    files.append(genai_config_path.resolve().relative_to(bundle_dir.resolve()).as_posix())
+
+    inputs, outputs = onnx_utils.onnx_io_signature(model_path)
+    quantization: dict[str, Any] = {}
+    if precision == "int4":
+        ops = onnx_utils.quantized_ops(model_path)
+        matmul = ops.get("MatMulNBits", {})
+        quantization = {
+            "method": "modelbuilder-weight-only",
+            "bits": _single(matmul.get("bits"), 4),
+            "block_size": _single(
+                matmul.get("block_size"),
+                int(options.get("block_size", INT4_DEFAULTS["block_size"])),
+            ),
+            "accuracy_level": _single(
+                matmul.get("accuracy_level"),
+                int(
+                    options.get(
+                        "accuracy_level", INT4_DEFAULTS["accuracy_level"][execution_provider]
+                    )
+                ),
+            ),
+            "is_symmetric": options.get("is_symmetric", "true").lower() == "true",
+            "algo_config": options.get("algo_config", INT4_DEFAULTS["algo_config"]),
+            "quantized_ops": {op: entry["count"] for op, entry in ops.items()},
+        }
+        if not ops:
+            raise BuildError(
+                f"ModelBuilder int4 build of {hf_dir} has no MatMulNBits node; log {log_path}:\n"
+                f"{_log_tail(log_path)}"
+            )
+
+    return ExportResult(
+        subpart=SubPart.LLM_DECODER.value,
+        format="onnx",
+        files=files,
+        entry=files[0],
+        exporter="modelbuilder",
+        passes=["ModelBuilder"],
+        tool_versions={
+            "onnxruntime-genai": _version("onnxruntime-genai"),
+            **onnx_utils.onnx_tool_versions(),
+            "transformers": _version("transformers"),
+        },
+        precision=precision,
+        quantization=quantization,
+        inputs=inputs,
+        outputs=outputs,
+        options={
+            "execution_provider": execution_provider,
+            "extra_options": options,
+            "opset": _opsets(model_path),
+            "op_types": onnx_utils.op_type_counts(model_path),
+            "removed_files": removed,
+        },
+    )
+
+
+def _single(values: list[Any] | None, default: Any) -> Any:
+    """One value if every node agrees, the list if they differ, ``default`` if unset."""
+    if not values:
+        return default
+    return values[0] if len(values) == 1 else values
+
+
+def _opsets(model_path: Path) -> dict[str, int]:
+    import onnx
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    return {(entry.domain or "ai.onnx"): int(entry.version) for entry in model.opset_import}

@@ -1,0 +1,444 @@
+"""Small sub-parts (embeddings, audio heads, codec) to ONNX through Olive passes.
+
+The conversion and every precision step are Olive 0.13 passes, run one after the
+other on an in-memory module:
+
+==========  =====================================================================
+precision   passes
+==========  =====================================================================
+fp32        ``OnnxConversion``
+fp16        ``OnnxConversion`` → ``OnnxFloatToFloat16``
+int8        ``OnnxConversion`` → ``OnnxBlockWiseRtnQuantization`` (bits=8)
+int4        ``OnnxConversion`` → ``OnnxBlockWiseRtnQuantization`` (bits=4)
+==========  =====================================================================
+
+``OnnxConversion`` uses the TorchScript exporter (``torch.onnx.export(...,
+dynamo=False)``) at opset 20: that is what was measured to export the codec with
+a dynamic frame axis.  ``OnnxBlockWiseRtnQuantization`` replaces ``MatMul`` with
+a constant 2-D weight by ``MatMulNBits`` and ``Gather`` on a constant table by
+``GatherBlockQuantized`` (ONNX Runtime contrib ops).
+
+How Olive is driven: the module is wrapped in an Olive ``PyTorchModelHandler``
+whose ``model_loader`` returns it and whose ``dummy_inputs_func`` returns the
+example inputs; each pass is built with ``create_pass_from_dict(PassClass,
+config, disable_search=True)`` and applied with ``Pass.run(model_handler,
+output_path)``.  No Olive engine, no workflow cache, no footprint files.
+Everything Olive writes (intermediate models, the TorchScript export's temporary
+files, its log) stays in a private temporary directory under ``work_dir`` that is
+removed afterwards; only the final ``<name>.onnx`` (+ ``<name>.onnx.data``)
+lands in ``out_dir``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from higgs_pack.exporters import onnx_utils
+from higgs_pack.exporters.result import ExportResult
+from higgs_pack.manifests.errors import BuildError, BuildPlanError, unknown_choice
+
+if TYPE_CHECKING:
+    import torch
+
+#: Olive pass class names (as recorded in ``ExportResult.passes``).
+CONVERSION_PASS = "OnnxConversion"
+FP16_PASS = "OnnxFloatToFloat16"
+RTN_PASS = "OnnxBlockWiseRtnQuantization"
+
+
+@dataclass(frozen=True)
+class PrecisionPlan:
+    """How one precision is reached after conversion.
+
+    Attributes:
+        passes: Olive pass class names, in order, after ``OnnxConversion``.
+        bits: Weight bits for RTN quantization (``None`` when not quantized).
+    """
+
+    passes: tuple[str, ...]
+    bits: int | None = None
+
+
+#: precision -> Olive passes after conversion (data; nothing heavy imported to plan).
+PRECISION_PLANS: dict[str, PrecisionPlan] = {
+    "fp32": PrecisionPlan(()),
+    "fp16": PrecisionPlan((FP16_PASS,)),
+    "int8": PrecisionPlan((RTN_PASS,), bits=8),
+    "int4": PrecisionPlan((RTN_PASS,), bits=4),
+}
+
+#: Opset of the conversion (measured to work for the codec).
+OPSET = 20
+#: Above this many bytes of weights the tensors go to ``<name>.onnx.data``.
+EXTERNAL_DATA_THRESHOLD = 16 * 1024 * 1024
+#: Defaults of the RTN pass as this exporter uses them.
+RTN_BLOCK_SIZE = 128
+#: Characters of Olive's log quoted in a BuildError.
+LOG_TAIL_CHARS = 4000
+
+
+def plan_passes(precision: str, *, name: str = "sub-part") -> list[str]:
+    """The Olive passes :func:`export_onnx` runs for ``precision`` (no heavy import).
+
+    Args:
+        precision: ``"fp32"``, ``"fp16"``, ``"int8"`` or ``"int4"``.
+        name: The sub-part, for the error message.
+
+    Returns:
+        Pass class names in order, ``OnnxConversion`` first.
+
+    Raises:
+        BuildPlanError: Unknown precision (the message lists the known ones).
+    """
+    if precision not in PRECISION_PLANS:
+        raise BuildPlanError(
+            unknown_choice(
+                f"precision for the Olive ONNX exporter ({name})",
+                precision,
+                PRECISION_PLANS,
+                "--precision / precision=",
+            )
+        )
+    return [CONVERSION_PASS, *PRECISION_PLANS[precision].passes]
+
+
+def _version(distribution: str) -> str:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+@contextlib.contextmanager
+def _olive_log(log_path: Path) -> Iterator[None]:
+    """Copy Olive's (and ONNX Runtime's quantizer's) log records into ``log_path``."""
+    handler = logging.FileHandler(log_path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    handler.setLevel(logging.DEBUG)
+    loggers = [logging.getLogger(name) for name in ("olive", "onnxruntime")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        if lg.level == logging.NOTSET or lg.level > logging.INFO:
+            lg.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.removeHandler(handler)
+            lg.setLevel(level)
+        handler.close()
+
+
+@contextlib.contextmanager
+def _tempdir_under(path: Path) -> Iterator[None]:
+    """Point ``tempfile`` at ``path`` (Olive's TorchScript export writes the full model there)."""
+    saved = tempfile.tempdir
+    tempfile.tempdir = str(path)
+    try:
+        yield
+    finally:
+        tempfile.tempdir = saved
+
+
+def _log_tail(log_path: Path) -> str:
+    if not log_path.exists():
+        return ""
+    return log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+
+
+def _normalise_dynamic_axes(
+    dynamic_axes: Mapping[str, Any], names: Sequence[str]
+) -> dict[str, dict[int, str]]:
+    normalised: dict[str, dict[int, str]] = {}
+    for tensor, axes in dynamic_axes.items():
+        if tensor not in names:
+            raise BuildPlanError(
+                f"dynamic_axes names {tensor!r}, which is neither an input nor an output "
+                f"({', '.join(names)}); fix dynamic_axes=."
+            )
+        if isinstance(axes, Mapping):
+            normalised[tensor] = {int(axis): str(label) for axis, label in axes.items()}
+        else:
+            normalised[tensor] = {int(axis): f"{tensor}_dim{int(axis)}" for axis in axes}
+    return normalised
+
+
+def _finalize(model_path: Path, out_dir: Path, name: str, threshold: int) -> Path:
+    """Move Olive's last model to ``out_dir/<name>.onnx`` (+ ``<name>.onnx.data``).
+
+    Weights above ``threshold`` bytes stay external in one file named after the
+    model; smaller models are written as one self-contained file.
+    """
+    import onnx
+
+    final = out_dir / f"{name}.onnx"
+    data_name = f"{name}.onnx.data"
+    for stale in (final, out_dir / data_name):
+        stale.unlink(missing_ok=True)
+
+    locations = onnx_utils.external_data_locations(model_path)
+    weight_bytes = model_path.stat().st_size + sum(
+        (model_path.parent / loc).stat().st_size for loc in locations
+    )
+    if weight_bytes <= threshold or len(locations) != 1:
+        # Small (or split over several files): load it whole and re-save.
+        proto = onnx.load(str(model_path), load_external_data=True)
+        if weight_bytes <= threshold:
+            onnx.save_model(proto, str(final))
+        else:
+            onnx.save_model(
+                proto,
+                str(final),
+                save_as_external_data=True,
+                all_tensors_to_one_file=True,
+                location=data_name,
+                size_threshold=1024,
+            )
+    else:
+        # One external file: move it and rewrite the locations (no copy of the weights).
+        from onnx import external_data_helper
+
+        proto = onnx.load(str(model_path), load_external_data=False)
+        shutil.move(str(model_path.parent / locations[0]), str(out_dir / data_name))
+        for tensor in external_data_helper._get_all_tensors(proto):
+            if external_data_helper.uses_external_data(tensor):
+                for entry in tensor.external_data:
+                    if entry.key == "location":
+                        entry.value = data_name
+        onnx.save_model(proto, str(final))
+    for path in (final, out_dir / data_name):
+        if path.exists():
+            path.chmod(0o644)
+    return final
+
+
+def export_onnx(
+    module: torch.nn.Module,
+    example_inputs: tuple,
+    *,
+    input_names: Sequence[str],
+    output_names: Sequence[str],
+    dynamic_axes: Mapping[str, Any],
+    out_dir: Path,
+    name: str,
+    precision: str,
+    work_dir: Path,
+    subpart: str | None = None,
+    bundle_dir: Path | None = None,
+    opset: int = OPSET,
+    block_size: int = RTN_BLOCK_SIZE,
+    accuracy_level: int | None = None,
+    is_symmetric: bool = True,
+    keep_io_types: bool = False,
+    external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
+    keep_work_dir: bool = False,
+) -> ExportResult:
+    """Export a PyTorch module to ONNX with Olive, then cast or quantize it.
+
+    Runs :func:`plan_passes` ``(precision)``: Olive ``OnnxConversion`` (TorchScript
+    exporter, ``opset``), then ``OnnxFloatToFloat16`` (fp16) or
+    ``OnnxBlockWiseRtnQuantization`` (int4 / int8: MatMul → MatMulNBits, Gather →
+    GatherBlockQuantized, symmetric, ``block_size`` along the reduction axis /
+    the table's row axis).
+
+    Writes ``out_dir/<name>.onnx`` and, when the weights exceed
+    ``external_data_threshold`` bytes, ``out_dir/<name>.onnx.data`` (all tensors in
+    that one file, referenced by the relative location ``<name>.onnx.data``). A
+    previous ``<name>.onnx`` / ``<name>.onnx.data`` is replaced; nothing else in
+    ``out_dir`` is touched.
+
+    Dtypes: fp32 and int4/int8 graphs take and return float32 (int4/int8 only
+    change the stored weights). fp16 graphs are cast end to end with
+    ``keep_io_types=False`` by default, so their floating inputs and outputs are
+    **float16** and the recorded I/O signature says so (a runtime casts its
+    float32 arrays to the declared dtype); integer I/O (token ids, codes) stays
+    int64. ``keep_io_types=True`` keeps float32 at the boundary instead.
+
+    Args:
+        module (`torch.nn.Module`): The sub-part module, on CPU, in float32; put
+            in eval mode here.
+        example_inputs (`tuple` of `torch.Tensor`): One positional example per
+            input, for example ``(codes,)`` with ``codes`` int64 [1, 3, 8]. Use a
+            length other than the one you test with, and at least 2 on a dynamic
+            axis (a size-1 axis can be specialised by tracing).
+        input_names (`Sequence[str]`): Graph input names, one per example input.
+        output_names (`Sequence[str]`): Graph output names, in ``forward``'s order.
+        dynamic_axes (`Mapping`): tensor name -> ``{axis: symbolic name}`` (or a list
+            of axes, named ``<tensor>_dim<axis>``), as for ``torch.onnx.export``.
+        out_dir (`Path`): Directory of the final files (created if missing).
+        name (`str`): File stem: ``<name>.onnx``.
+        precision (`str`): ``"fp32"``, ``"fp16"``, ``"int8"`` or ``"int4"``.
+        work_dir (`Path`): Parent of Olive's private temporary directory; must be
+            outside the bundle. Large exports need free space there of about twice
+            the fp32 weights.
+        subpart (`str`, *optional*): The ``ExportResult.subpart``; defaults to ``name``.
+        bundle_dir (`Path`, *optional*): Root the returned ``files`` are relative to;
+            defaults to ``out_dir``.
+        opset (`int`, *optional*, defaults to 20): Default-domain opset.
+        block_size (`int`, *optional*, defaults to 128): RTN block size (a power of
+            two ≥ 16; along K for MatMul, along the row for Gather tables).
+        accuracy_level (`int`, *optional*): MatMulNBits ``accuracy_level`` (0/1 fp32,
+            2 fp16, 3 bf16, 4 int8 activations); unset leaves ONNX Runtime's default.
+        is_symmetric (`bool`, *optional*, defaults to `True`): Symmetric RTN (no zero
+            points).
+        keep_io_types (`bool`, *optional*, defaults to `False`): fp16 only: keep
+            float32 graph inputs/outputs (Cast nodes at the boundary).
+        external_data_threshold (`int`, *optional*, defaults to 16 MiB): Model bytes
+            above which the weights are stored in ``<name>.onnx.data``.
+        keep_work_dir (`bool`, *optional*, defaults to `False`): Keep Olive's
+            temporary directory (intermediate models, ``olive.log``) for debugging.
+
+    Returns:
+        `ExportResult`: ``exporter="olive"``, ``passes`` = Olive class names,
+        ``files`` = ``[<name>.onnx(, <name>.onnx.data)]`` relative to ``bundle_dir``,
+        ``quantization`` = the RTN settings and quantized op counts/attributes read
+        from the graph (int4/int8) or the fp16 settings, tool versions of olive-ai,
+        onnx, onnxruntime, onnxscript and torch, and the graph's I/O signature.
+
+    Raises:
+        BuildPlanError: Unknown precision; names/examples/dynamic axes that do not
+            match; ``work_dir`` inside the bundle.
+        BuildError: An Olive pass failed (the message quotes the tail of Olive's
+            log), or int4/int8 found no MatMul/Gather with constant weights to
+            quantize.
+    """
+    passes = plan_passes(precision, name=name)
+    plan = PRECISION_PLANS[precision]
+    out_dir, work_dir = Path(out_dir), Path(work_dir)
+    bundle_dir = Path(bundle_dir) if bundle_dir is not None else out_dir
+    input_names, output_names = list(input_names), list(output_names)
+    if len(input_names) != len(example_inputs):
+        raise BuildPlanError(
+            f"{name}: {len(input_names)} input_names {input_names} for {len(example_inputs)} "
+            "example_inputs; give one name per positional example."
+        )
+    axes = _normalise_dynamic_axes(dynamic_axes, input_names + output_names)
+    if plan.bits is not None and (block_size < 16 or block_size & (block_size - 1)):
+        raise BuildPlanError(
+            f"{name}: block_size={block_size} for {RTN_PASS}; it must be a power of two >= 16."
+        )
+    if work_dir.resolve().is_relative_to(bundle_dir.resolve()):
+        raise BuildPlanError(
+            f"work_dir={work_dir} is inside the bundle {bundle_dir}; pass a work_dir= outside it."
+        )
+
+    import torch
+    from olive.model import PyTorchModelHandler
+    from olive.passes.olive_pass import create_pass_from_dict
+    from olive.passes.onnx.conversion import OnnxConversion
+    from olive.passes.onnx.float16_conversion import OnnxFloatToFloat16
+    from olive.passes.onnx.rtn_quantization import OnnxBlockWiseRtnQuantization
+
+    pass_classes = {
+        cls.__name__: cls
+        for cls in (OnnxConversion, OnnxFloatToFloat16, OnnxBlockWiseRtnQuantization)
+    }
+    external = {"save_as_external_data": True, "all_tensors_to_one_file": True}
+    pass_configs: dict[str, dict[str, Any]] = {
+        CONVERSION_PASS: {
+            "target_opset": opset,
+            "use_dynamo_exporter": False,
+            "device": "cpu",
+            **external,
+        },
+        FP16_PASS: {"keep_io_types": keep_io_types, **external},
+        RTN_PASS: {
+            "bits": plan.bits,
+            "block_size": block_size,
+            "is_symmetric": is_symmetric,
+            **({"accuracy_level": accuracy_level} if accuracy_level is not None else {}),
+            **external,
+        },
+    }
+
+    module = module.eval()
+    examples = tuple(example_inputs)
+    io_config = {"input_names": input_names, "output_names": output_names, "dynamic_axes": axes}
+    handler = PyTorchModelHandler(
+        model_loader=lambda _path: module,
+        io_config=io_config,
+        dummy_inputs_func=lambda _handler: examples,
+    )
+
+    work_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f"olive-{name}-{precision}-", dir=work_dir))
+    log_path = scratch / "olive.log"
+    try:
+        tmp = scratch / "tmp"
+        tmp.mkdir()
+        model = handler
+        with _olive_log(log_path), _tempdir_under(tmp), torch.no_grad():
+            for index, pass_name in enumerate(passes):
+                step_dir = scratch / f"{index}-{pass_name}"
+                step_dir.mkdir()
+                olive_pass = create_pass_from_dict(
+                    pass_classes[pass_name], pass_configs[pass_name], disable_search=True
+                )
+                try:
+                    model = olive_pass.run(model, str(step_dir / "model.onnx"))
+                except Exception as error:
+                    raise BuildError(
+                        f"Olive {pass_name} failed on {name} ({precision}): "
+                        f"{type(error).__name__}: {error}\nOlive log tail ({log_path}):\n"
+                        f"{_log_tail(log_path)}"
+                    ) from error
+        final = _finalize(Path(model.model_path), out_dir, name, external_data_threshold)
+    finally:
+        if not keep_work_dir:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    inputs, outputs = onnx_utils.onnx_io_signature(final)
+    quantization: dict[str, Any] = {}
+    if plan.bits is not None:
+        ops = onnx_utils.quantized_ops(final)
+        if not ops:
+            raise BuildError(
+                f"{RTN_PASS} quantized nothing in {name} ({precision}): the graph has no MatMul "
+                "with a constant 2-D weight and no Gather on a constant table. Export it at "
+                "fp32/fp16 instead (precision=)."
+            )
+        quantization = {
+            "method": "rtn",
+            "bits": plan.bits,
+            "block_size": block_size,
+            "is_symmetric": is_symmetric,
+            "accuracy_level": accuracy_level,
+            "quantized_ops": ops,
+        }
+    elif precision == "fp16":
+        quantization = {"method": "float16-cast", "keep_io_types": keep_io_types}
+
+    return ExportResult(
+        subpart=subpart or name,
+        format="onnx",
+        files=onnx_utils.onnx_files(final, bundle_dir),
+        entry=final.resolve().relative_to(bundle_dir.resolve()).as_posix(),
+        exporter="olive",
+        passes=passes,
+        tool_versions={
+            "olive-ai": _version("olive-ai"),
+            **onnx_utils.onnx_tool_versions(),
+            "onnxscript": _version("onnxscript"),
+            "torch": torch.__version__,
+        },
+        precision=precision,
+        quantization=quantization,
+        inputs=inputs,
+        outputs=outputs,
+        options={
+            "opset": opset,
+            "exporter": "torchscript",
+            "dynamic_axes": {k: {str(a): v for a, v in ax.items()} for k, ax in axes.items()},
+            "op_types": onnx_utils.op_type_counts(final),
+        },
+    )

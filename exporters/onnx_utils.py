@@ -1,0 +1,222 @@
+"""Reading what an ONNX file declares, without loading its weights.
+
+Every function here opens the graph with ``onnx.load(path,
+load_external_data=False)``, so a 1.5 GB embedding table costs nothing to
+inspect.  Used by the ModelBuilder and Olive exporters to fill
+:class:`~higgs_pack.exporters.result.ExportResult` and to check that a bundle's
+external data stays inside the bundle.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import onnx
+from onnx import external_data_helper
+
+from higgs_pack.exporters.result import TensorSpec
+from higgs_pack.manifests.errors import BuildError
+
+#: Weight-only quantized ops (ONNX Runtime contrib ops) whose settings we record.
+QUANTIZED_OP_TYPES = ("MatMulNBits", "GatherBlockQuantized")
+
+
+def _load_graph(path: str | os.PathLike) -> onnx.ModelProto:
+    path = Path(path)
+    if not path.is_file():
+        raise BuildError(f"ONNX file {path} does not exist; the exporter did not write it.")
+    return onnx.load(str(path), load_external_data=False)
+
+
+def dtype_name(elem_type: int) -> str:
+    """Map an ONNX ``TensorProto`` element type to its numpy name.
+
+    Args:
+        elem_type: ``onnx.TensorProto.FLOAT`` (1), ``INT64`` (7), ``FLOAT16`` (10)...
+
+    Returns:
+        ``"float32"``, ``"int64"``, ``"float16"``...; types numpy lacks
+        (``bfloat16``, ``float8e4m3fn``...) are returned as ONNX spells them, lower-cased.
+    """
+    try:
+        return onnx.helper.tensor_dtype_to_np_dtype(elem_type).name
+    except (KeyError, TypeError, ValueError):
+        return onnx.TensorProto.DataType.Name(elem_type).lower()
+
+
+def _tensor_spec(value: onnx.ValueInfoProto, where: str) -> TensorSpec:
+    tensor_type = value.type.tensor_type
+    if not value.type.HasField("tensor_type"):
+        raise BuildError(
+            f"{where}: {value.name!r} is not a tensor; only tensor I/O can be recorded."
+        )
+    if not tensor_type.HasField("shape"):
+        raise BuildError(
+            f"{where}: {value.name!r} has no declared rank; the exporter must declare the shape "
+            "(symbolic axes through dynamic_axes=...)."
+        )
+    shape: list[int | str] = []
+    for dim in tensor_type.shape.dim:
+        if dim.HasField("dim_value"):
+            shape.append(int(dim.dim_value))
+        elif dim.HasField("dim_param") and dim.dim_param:
+            shape.append(dim.dim_param)
+        else:
+            shape.append("?")
+    return TensorSpec(name=value.name, dtype=dtype_name(tensor_type.elem_type), shape=shape)
+
+
+def onnx_io_signature(path: str | os.PathLike) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """Read the inputs and outputs an ONNX graph declares.
+
+    Initializers that some exporters also list as graph inputs are left out.
+
+    Args:
+        path: The ``.onnx`` file (its external data is not read).
+
+    Returns:
+        ``(inputs, outputs)``, each a list of :class:`TensorSpec` in graph order;
+        dtypes as numpy names, symbolic axes as their ``dim_param`` strings.
+
+    Raises:
+        BuildError: The file is missing, or an input/output has no declared rank.
+    """
+    model = _load_graph(path)
+    initializers = {init.name for init in model.graph.initializer}
+    inputs = [_tensor_spec(v, str(path)) for v in model.graph.input if v.name not in initializers]
+    outputs = [_tensor_spec(v, str(path)) for v in model.graph.output]
+    return inputs, outputs
+
+
+def _all_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    # Initializers and tensor attributes of every graph, subgraphs included.
+    return external_data_helper._get_all_tensors(model)
+
+
+def external_data_locations(path: str | os.PathLike) -> list[str]:
+    """The ``location`` of every external-data tensor, as written in the graph.
+
+    Args:
+        path: The ``.onnx`` file.
+
+    Returns:
+        Distinct locations in first-seen order (usually one, ``"model.onnx.data"``).
+    """
+    model = _load_graph(path)
+    seen: dict[str, None] = {}
+    for tensor in _all_tensors(model):
+        if external_data_helper.uses_external_data(tensor):
+            seen.setdefault(external_data_helper.ExternalDataInfo(tensor).location, None)
+    return list(seen)
+
+
+def check_external_data(path: str | os.PathLike, bundle_dir: str | os.PathLike) -> None:
+    """Check that every external-data file of a graph is a relative path inside the bundle.
+
+    Args:
+        path: The ``.onnx`` file, somewhere inside ``bundle_dir``.
+        bundle_dir: The bundle root.
+
+    Raises:
+        BuildError: A location is absolute, climbs out with ``..``, resolves outside
+            ``bundle_dir``, or names a file that does not exist.
+    """
+    path = Path(path)
+    root = Path(bundle_dir).resolve()
+    for location in external_data_locations(path):
+        posix = PurePosixPath(location.replace("\\", "/"))
+        if posix.is_absolute() or Path(location).is_absolute() or ".." in posix.parts:
+            raise BuildError(
+                f"{path}: external data location {location!r} must be a relative path next to "
+                "the model; re-save the model with onnx.save(..., location='<name>.onnx.data')."
+            )
+        target = (path.parent / posix).resolve()
+        if not target.is_relative_to(root):
+            raise BuildError(
+                f"{path}: external data {location!r} resolves to {target}, outside the bundle {root}."
+            )
+        if not target.is_file():
+            raise BuildError(f"{path}: external data file {location!r} is missing ({target}).")
+
+
+def onnx_files(path: str | os.PathLike, bundle_dir: str | os.PathLike) -> list[str]:
+    """The model file and its external-data files, relative to the bundle.
+
+    Args:
+        path: The ``.onnx`` file, somewhere inside ``bundle_dir``.
+        bundle_dir: The bundle root.
+
+    Returns:
+        POSIX paths relative to ``bundle_dir``: the model first, then each external
+        data file once, for example ``["llm_decoder/model.onnx",
+        "llm_decoder/model.onnx.data"]``.
+
+    Raises:
+        BuildError: As :func:`check_external_data`, or the model is outside the bundle.
+    """
+    path = Path(path).resolve()
+    root = Path(bundle_dir).resolve()
+    if not path.is_relative_to(root):
+        raise BuildError(f"ONNX file {path} is outside the bundle {root}.")
+    check_external_data(path, root)
+    files = [path.relative_to(root).as_posix()]
+    for location in external_data_locations(path):
+        rel = (path.parent / location.replace("\\", "/")).resolve().relative_to(root).as_posix()
+        if rel not in files:
+            files.append(rel)
+    return files
+
+
+def op_type_counts(path: str | os.PathLike) -> dict[str, int]:
+    """Count nodes per op type in the main graph.
+
+    Args:
+        path: The ``.onnx`` file.
+
+    Returns:
+        ``{"MatMulNBits": 14, "GroupQueryAttention": 2, ...}``, sorted by op type.
+    """
+    counts = Counter(node.op_type for node in _load_graph(path).graph.node)
+    return dict(sorted(counts.items()))
+
+
+def quantized_ops(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    """Summarise the weight-only quantized nodes of a graph.
+
+    Reads the attributes the quantizer wrote, so the record is what was used, not
+    what was asked for.
+
+    Args:
+        path: The ``.onnx`` file.
+
+    Returns:
+        op type -> ``{"count": n, "bits": [...], "block_size": [...],
+        "accuracy_level": [...]}`` (the distinct attribute values, sorted; an
+        attribute the nodes do not set is omitted) for each op in
+        :data:`QUANTIZED_OP_TYPES` present in the graph.
+    """
+    summary: dict[str, dict[str, Any]] = {}
+    for node in _load_graph(path).graph.node:
+        if node.op_type not in QUANTIZED_OP_TYPES:
+            continue
+        entry = summary.setdefault(node.op_type, {"count": 0})
+        entry["count"] += 1
+        for attr in node.attribute:
+            if attr.name in ("bits", "block_size", "accuracy_level", "quantize_axis"):
+                values = entry.setdefault(attr.name, [])
+                value = onnx.helper.get_attribute_value(attr)
+                if value not in values:
+                    values.append(value)
+                    values.sort()
+    return summary
+
+
+def onnx_tool_versions() -> dict[str, str]:
+    """Versions of ``onnx`` and ``onnxruntime`` in this interpreter (distribution names)."""
+    import onnxruntime
+
+    return {"onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}

@@ -1,0 +1,692 @@
+"""OpenVINO IR export: the stateful Qwen3 decoder and the small sub-parts.
+
+Two mechanisms, one per kind of sub-part:
+
+* ``llm_decoder`` -- :func:`convert_llm_decoder`. optimum-intel's OpenVINO
+  exporter, called through its Python API because the export takes
+  ``inputs_embeds`` (no embedding inside) and returns the final hidden state (no
+  LM head inside)::
+
+      cfg = optimum.exporters.openvino.model_configs.get_vlm_text_generation_config(
+          "qwen3", model.config, int_dtype="int64", float_dtype="fp32")
+      optimum.exporters.openvino.convert.export_models(
+          {"llm_decoder": (model_with_identity_lm_head, cfg)}, tmp_dir,
+          output_names=["llm_decoder.xml"], stateful=True)
+
+  The KV cache becomes ReadValue/Assign state and a ``beam_idx`` input is added.
+  Olive's ``OpenVINOOptimumConversion`` cannot express this: it runs
+  ``main_export`` from JSON with an ``input_ids`` input only (custom export
+  configs are Python objects). The IR is then renamed (``logits`` ->
+  ``hidden_states``) and its weights compressed with ``nncf.compress_weights``.
+
+* ``text_embed``, ``audio_embed``, ``audio_heads``, ``audio_tokenizer``,
+  ``audio_encoder`` -- :func:`convert_subpart`. By default (``engine="olive"``)
+  Olive's passes run one by one, without a workflow or its cache:
+  ``OpenVINOConversion`` (``static=False`` with an ``example_input_func``: that
+  is the only way to give it int64 inputs; it takes input names from the
+  module's ``forward`` signature and ignores ``io_config``) then, for int8/int4,
+  ``OpenVINOWeightCompression``. Olive cannot name outputs nor give partial shapes
+  such as ``[?, ?, 8]``, so a last plain-OpenVINO step sets the ``SUBPART_IO``
+  names, reshapes and saves. ``engine="openvino"`` does the same with
+  ``openvino.convert_model`` + ``nncf.compress_weights`` directly (no Olive
+  import, which costs about 7 s, and real exceptions: Olive's conversion replaces
+  any converter error by "Invalid config file").
+
+Gotchas measured here (openvino 2026.4.1, nncf 3.4, optimum-intel 2.2, olive 0.13):
+
+* ``openvino.save_model`` compresses float32 constants to float16 unless
+  ``compress_to_fp16=False``; every save here passes it explicitly. That flag is
+  also how an fp16 IR is made: weights stored as f16 constants followed by a
+  Convert to f32; the compute precision is the device's
+  ``INFERENCE_PRECISION_HINT``.
+* Olive's ``OpenVINOWeightCompression`` saves with the default
+  ``compress_to_fp16=True``, so float weights NNCF leaves alone come out f16;
+  :func:`weight_summary` records what the IR really holds.
+* NNCF's default group size 128 must divide the input width of every MatMul:
+  ``AdvancedCompressionParameters(group_size_fallback_mode=ADJUST)`` picks a
+  smaller one where needed (the tiny model's 64-wide layers get 64); the group
+  sizes actually used are recorded. Without ``all_layers=True`` NNCF keeps one
+  layer in INT8 (the backup mode).
+* Stateful IRs keep their state after ``compress_weights`` and ``reshape``; the
+  state shapes stay dynamic.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import shutil
+import tempfile
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import openvino as ov
+
+from higgs_pack.exporters.result import ExportResult, TensorSpec
+from higgs_pack.manifests.constants import FP32_ONLY, SUBPART_IO, SubPart
+from higgs_pack.manifests.errors import BuildError, BuildPlanError, unknown_choice
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+Precision = Literal["fp32", "fp16", "int8", "int4"]
+
+#: Precisions the OpenVINO exporters accept.
+PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "int8", "int4")
+
+#: Sub-part conversion mechanisms for :func:`convert_subpart`.
+ENGINES: tuple[str, ...] = ("olive", "openvino")
+
+#: Inputs of the stateful decoder IR, in the order optimum-intel writes them.
+DECODER_INPUTS: tuple[str, ...] = ("attention_mask", "position_ids", "inputs_embeds", "beam_idx")
+
+#: The decoder IR's single output after renaming.
+DECODER_OUTPUT = "hidden_states"
+
+#: Key under which higgs-pack writes its own entries into an IR's ``rt_info``.
+RT_INFO_KEY = "higgs_pack"
+
+_INT_WEIGHT_TYPES = {"u4": "int4", "i4": "int4", "u8": "int8", "i8": "int8"}
+_FLOAT_WEIGHT_TYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def tool_versions(*distributions: str) -> dict[str, str]:
+    """Installed versions of some distributions.
+
+    Args:
+        *distributions: PyPI names, for example ``"openvino", "nncf"``.
+
+    Returns:
+        name -> version, for those installed (others are left out).
+    """
+    versions = {}
+    for dist in distributions:
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def _check_precision(precision: str, subpart: SubPart) -> None:
+    if precision not in PRECISIONS:
+        raise BuildPlanError(unknown_choice("precision", precision, PRECISIONS, "--precision / precision="))
+    if subpart in FP32_ONLY and precision != "fp32":
+        raise BuildPlanError(
+            f"sub-part {subpart.value} is always exported at fp32 (int4/fp16 codecs are too lossy), "
+            f"got precision {precision!r}; pass precision='fp32' for it"
+        )
+
+
+def _dtype_name(element_type: ov.Type) -> str:
+    try:
+        return np.dtype(element_type.to_dtype()).name
+    except (RuntimeError, TypeError, ValueError):
+        return element_type.get_type_name()
+
+
+def _spec(port: ov.Output) -> TensorSpec:
+    shape: list[int | str] = []
+    for dim in port.get_partial_shape():
+        shape.append(dim.get_length() if dim.is_static else ("?" if dim.get_max_length() < 0 else str(dim)))
+    return TensorSpec(name=port.get_any_name(), dtype=_dtype_name(port.get_element_type()), shape=shape)
+
+
+def _read(xml: str | Path | ov.Model) -> ov.Model:
+    if isinstance(xml, ov.Model):
+        return xml
+    path = Path(xml)
+    if not path.is_file():
+        raise BuildError(f"OpenVINO IR {path} does not exist; the exporter did not write it.")
+    return ov.Core().read_model(path)
+
+
+def ir_io_signature(xml: str | Path | ov.Model) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """Read the inputs and outputs an OpenVINO IR declares.
+
+    Args:
+        xml: The ``.xml`` file (its ``.bin`` beside it) or an ``openvino.Model``.
+
+    Returns:
+        ``(inputs, outputs)``, lists of :class:`TensorSpec` in graph order; dtypes as
+        numpy names (``"float32"``, ``"int64"``, ``"int32"``...), fixed axes as ints,
+        dynamic axes as ``"?"`` (bounded ones as OpenVINO prints them, ``"1..8"``).
+        State variables of a stateful IR are not inputs and are not listed.
+
+    Raises:
+        BuildError: The file does not exist.
+    """
+    model = _read(xml)
+    return [_spec(p) for p in model.inputs], [_spec(p) for p in model.outputs]
+
+
+def is_stateful(xml: str | Path | ov.Model) -> bool:
+    """Whether an IR keeps state (the KV cache) in ReadValue/Assign variables.
+
+    Args:
+        xml: The ``.xml`` file or an ``openvino.Model``.
+
+    Returns:
+        ``True`` if the model has sinks (Assign) or variables.
+
+    Raises:
+        BuildError: The file does not exist.
+    """
+    model = _read(xml)
+    return bool(model.get_sinks()) or bool(model.get_variables())
+
+
+def weight_summary(xml: str | Path | ov.Model) -> dict[str, Any]:
+    """Count the weight constants of an IR by storage type, as NNCF left them.
+
+    Weights are constants of rank >= 2 whose last axis is not 1 (that excludes
+    the per-group scales and zero points).
+
+    Args:
+        xml: The ``.xml`` file or an ``openvino.Model``.
+
+    Returns:
+        ``{"weights": {"int4": n, "int8": n, "float16": n, "float32": n},
+        "int4_group_sizes": [64, 128]}`` (zero counts and an empty group-size list
+        are left out). An int4 weight ``[out, groups, group_size]`` gives its group size.
+    """
+    model = _read(xml)
+    counts: Counter[str] = Counter()
+    group_sizes: set[int] = set()
+    for node in model.get_ordered_ops():
+        if node.get_type_name() != "Constant":
+            continue
+        shape = node.get_output_partial_shape(0)
+        if shape.rank.get_length() < 2 or not shape.is_static or shape[-1].get_length() == 1:
+            continue
+        kind = node.get_output_element_type(0).get_type_name()
+        label = _INT_WEIGHT_TYPES.get(kind) or _FLOAT_WEIGHT_TYPES.get(kind)
+        if label is None:
+            continue
+        counts[label] += 1
+        if label == "int4" and shape.rank.get_length() == 3:
+            group_sizes.add(shape[-1].get_length())
+    summary: dict[str, Any] = {"weights": dict(sorted(counts.items()))}
+    if group_sizes:
+        summary["int4_group_sizes"] = sorted(group_sizes)
+    return summary
+
+
+def _compress_settings(precision: str, group_size: int, ratio: float, all_layers: bool) -> dict[str, Any]:
+    """The NNCF settings asked for, JSON-ready (mode names as NNCF spells their values)."""
+    if precision == "int4":
+        return {
+            "mode": "int4_asym",
+            "group_size": group_size,
+            "ratio": ratio,
+            "all_layers": all_layers,
+            "group_size_fallback_mode": "adjust",
+            "backup_mode": "int8_asym",
+        }
+    if precision == "int8":
+        return {"mode": "int8_asym", "granularity": "per_channel"}
+    return {}
+
+
+def _nncf_kwargs(settings: Mapping[str, Any]) -> dict[str, Any]:
+    import nncf
+    from nncf.quantization.advanced_parameters import GroupSizeFallbackMode
+
+    kwargs: dict[str, Any] = {"mode": nncf.CompressWeightsMode(settings["mode"])}
+    if settings["mode"] == "int4_asym":
+        kwargs.update(
+            group_size=settings["group_size"],
+            ratio=settings["ratio"],
+            all_layers=settings["all_layers"],
+            advanced_parameters=nncf.AdvancedCompressionParameters(
+                group_size_fallback_mode=GroupSizeFallbackMode(settings["group_size_fallback_mode"])
+            ),
+        )
+    return kwargs
+
+
+def _compress(model: ov.Model, precision: str, group_size: int, ratio: float, all_layers: bool
+              ) -> tuple[ov.Model, dict[str, Any]]:
+    """Apply ``nncf.compress_weights`` for int8/int4; return the model and the settings used."""
+    settings = _compress_settings(precision, group_size, ratio, all_layers)
+    if not settings:
+        return model, {}
+    import nncf
+
+    try:
+        model = nncf.compress_weights(model, **_nncf_kwargs(settings))
+    except Exception as exc:  # NNCF raises many types; keep the cause
+        raise BuildError(f"nncf.compress_weights failed for precision {precision!r} ({settings}): {exc}") from exc
+    return model, settings
+
+
+def _set_rt_info(model: ov.Model, subpart: SubPart, precision: str, quantization: Mapping[str, Any],
+                 versions: Mapping[str, str]) -> None:
+    model.set_rt_info(subpart.value, [RT_INFO_KEY, "subpart"])
+    model.set_rt_info(precision, [RT_INFO_KEY, "precision"])
+    model.set_rt_info(json.dumps(dict(quantization), sort_keys=True), [RT_INFO_KEY, "quantization"])
+    model.set_rt_info(json.dumps(dict(versions), sort_keys=True), [RT_INFO_KEY, "tool_versions"])
+
+
+def _save(model: ov.Model, xml: Path, precision: str) -> None:
+    xml.parent.mkdir(parents=True, exist_ok=True)
+    ov.save_model(model, xml, compress_to_fp16=(precision == "fp16"))
+
+
+def _relative_files(xml: Path, bundle_dir: Path) -> list[str]:
+    root = bundle_dir.resolve()
+    files = []
+    for path in (xml, xml.with_suffix(".bin")):
+        path = path.resolve()
+        if not path.is_relative_to(root):
+            raise BuildError(f"{path} is outside the bundle {root}; pass out_dir inside bundle_dir.")
+        files.append(path.relative_to(root).as_posix())
+    return files
+
+
+def _partial_shape(shape: Sequence[int | str | None]) -> ov.PartialShape:
+    dims = []
+    for d in shape:
+        if d is None or isinstance(d, str) or (isinstance(d, int) and d < 0):
+            dims.append(ov.Dimension())
+        else:
+            dims.append(ov.Dimension(int(d)))
+    return ov.PartialShape(dims)
+
+
+def _name_and_shape(model: ov.Model, input_names: Sequence[str], output_names: Sequence[str],
+                    input_shapes: Sequence[Sequence[int | str | None]] | None, where: str) -> None:
+    """Give the IR's ports their contract names (by position) and, optionally, shapes."""
+    if len(model.inputs) != len(input_names):
+        got = [p.get_names() for p in model.inputs]
+        raise BuildError(f"{where}: the converted graph has {len(got)} inputs {got}, expected {list(input_names)}")
+    if len(model.outputs) != len(output_names):
+        raise BuildError(
+            f"{where}: the converted graph has {len(model.outputs)} outputs, expected {list(output_names)}; "
+            "the module's forward must return exactly those tensors"
+        )
+    for port, name in zip(model.inputs, input_names, strict=True):
+        port.get_tensor().set_names({name})
+    for port, name in zip(model.outputs, output_names, strict=True):
+        port.get_tensor().set_names({name})
+    if input_shapes is not None:
+        if len(input_shapes) != len(input_names):
+            raise BuildError(f"{where}: {len(input_shapes)} input shapes given for inputs {list(input_names)}")
+        try:
+            model.reshape({name: _partial_shape(s) for name, s in zip(input_names, input_shapes, strict=True)})
+        except RuntimeError as exc:
+            raise BuildError(f"{where}: cannot reshape inputs {list(input_names)} to {input_shapes}: {exc}") from exc
+
+
+# ----------------------------------------------------------------------------- decoder
+
+
+def convert_llm_decoder(
+    hf_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    precision: Precision,
+    group_size: int = 128,
+    ratio: float = 1.0,
+    all_layers: bool = False,
+    bundle_dir: str | Path | None = None,
+    name: str = "llm_decoder",
+) -> ExportResult:
+    """Export the Qwen3 body as a stateful OpenVINO IR and compress its weights.
+
+    The graph takes embeddings and returns final-norm hidden states: the LM head
+    is replaced by an identity before export and the output renamed
+    ``hidden_states``. The KV cache lives in the IR's state.
+
+    IR inputs: ``attention_mask`` int64 [batch, past+sequence] (ones),
+    ``position_ids`` int64 [batch, sequence], ``inputs_embeds`` float32
+    [batch, sequence, hidden], ``beam_idx`` int32 [batch] (``[0]`` for batch 1).
+    Output: ``hidden_states`` float32 [batch, sequence, hidden].
+
+    Args:
+        hf_dir: A standard Qwen3 Hugging Face directory (``config.json`` with
+            ``model_type: "qwen3"`` and safetensors weights).
+        out_dir: Where ``<name>.xml`` and ``<name>.bin`` are written (created if needed).
+        precision: ``"int4"`` (NNCF INT4_ASYM, grouped), ``"int8"`` (NNCF INT8_ASYM,
+            per output channel), ``"fp16"`` (weights stored as float16) or ``"fp32"``.
+        group_size: int4 only: weights per quantization group along the input axis;
+            where it does not divide a layer's width NNCF uses a smaller one
+            (recorded in ``quantization["effective"]``).
+        ratio: int4 only: share of the ratio-defining layers in int4, the rest in int8.
+        all_layers: int4 only: also put the layers NNCF keeps in int8 by default
+            into int4.
+        bundle_dir: Root the returned file paths are relative to (default ``out_dir``).
+        name: File stem of the IR.
+
+    Returns:
+        An :class:`ExportResult` with ``exporter="optimum-intel"``, the passes
+        applied, tool versions (openvino, nncf, optimum-intel, transformers, torch),
+        the NNCF settings asked for and the weight types found in the IR, and the
+        IR's I/O signature. ``options`` records ``stateful=True`` and the export config.
+
+    Raises:
+        BuildPlanError: Unknown precision.
+        CheckpointError: ``hf_dir`` is not a Qwen3 directory.
+        BuildError: The export or the compression failed.
+    """
+    import torch
+    from optimum.exporters.openvino.convert import export_models
+    from optimum.exporters.openvino.model_configs import get_vlm_text_generation_config
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from higgs_pack.manifests.errors import CheckpointError
+
+    subpart = SubPart.LLM_DECODER
+    _check_precision(precision, subpart)
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    bundle_dir = Path(bundle_dir) if bundle_dir is not None else out_dir
+    if not (hf_dir / "config.json").is_file():
+        raise CheckpointError(f"{hf_dir} has no config.json; pass a Qwen3 Hugging Face directory as hf_dir=")
+    config = AutoConfig.from_pretrained(hf_dir)
+    if config.model_type != "qwen3":
+        raise CheckpointError(
+            f"{hf_dir}: model_type is {config.model_type!r}, expected 'qwen3' (the checkpoint's body "
+            "remapped to a standard Qwen3 directory)"
+        )
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    model.lm_head = torch.nn.Identity()
+    export_config = get_vlm_text_generation_config("qwen3", model.config, int_dtype="int64", float_dtype="fp32")
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    xml = out_dir / f"{name}.xml"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-export-", dir=out_dir))
+    try:
+        try:
+            export_models({name: (model, export_config)}, tmp, output_names=[f"{name}.xml"], stateful=True)
+        except Exception as exc:
+            raise BuildError(f"optimum-intel export of {hf_dir} failed: {exc}") from exc
+        del model
+        ov_model = ov.Core().read_model(tmp / f"{name}.xml")
+        if not is_stateful(ov_model):
+            raise BuildError(f"optimum-intel exported {hf_dir} without state; expected a stateful KV cache")
+        ov_model.outputs[0].get_tensor().set_names({DECODER_OUTPUT})
+        ov_model, settings = _compress(ov_model, precision, group_size, ratio, all_layers)
+        versions = tool_versions("openvino", "nncf", "optimum-intel", "transformers", "torch")
+        quantization = {**settings, "effective": weight_summary(ov_model)} if settings else {}
+        _set_rt_info(ov_model, subpart, precision, quantization, versions)
+        _save(ov_model, xml, precision)
+        del ov_model
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    passes = ["export_models(stateful=True)"]
+    if precision in ("int8", "int4"):
+        passes.append("nncf.compress_weights")
+    elif precision == "fp16":
+        passes.append("save_model(compress_to_fp16=True)")
+    inputs, outputs = ir_io_signature(xml)
+    files = _relative_files(xml, bundle_dir)
+    return ExportResult(
+        subpart=subpart,
+        format="openvino",
+        files=files,
+        entry=files[0],
+        exporter="optimum-intel",
+        passes=passes,
+        tool_versions=versions,
+        precision=precision,
+        quantization=quantization,
+        inputs=inputs,
+        outputs=outputs,
+        options={
+            "stateful": True,
+            "export_config": "get_vlm_text_generation_config('qwen3', int_dtype='int64', float_dtype='fp32')",
+            "lm_head": "identity",
+            "compress_to_fp16": precision == "fp16",
+            "weights": weight_summary(xml),
+        },
+    )
+
+
+# ----------------------------------------------------------------------------- sub-parts
+
+
+def _convert_olive(module: torch.nn.Module, example_inputs: tuple, precision: str, settings: Mapping[str, Any],
+                   name: str, work: Path) -> tuple[ov.Model, list[str]]:
+    from olive.model import PyTorchModelHandler
+    from olive.passes.olive_pass import create_pass_from_dict
+    from olive.passes.openvino.compression import OpenVINOWeightCompression
+    from olive.passes.openvino.conversion import OpenVINOConversion
+
+    handler = PyTorchModelHandler(model_loader=lambda _path: module)
+    conversion = create_pass_from_dict(
+        OpenVINOConversion,
+        {
+            # A function, so Olive calls it; it is the only way to give int64 examples.
+            "example_input_func": lambda: tuple(example_inputs),
+            "static": False,
+            "compress_to_fp16": precision == "fp16",
+            "model_name": name,
+        },
+        disable_search=True,
+    )
+    try:
+        converted = conversion.run(handler, str(work / "conversion"))
+    except ValueError as exc:
+        raise BuildError(
+            f"Olive OpenVINOConversion failed for {name} ({exc}); Olive hides the converter's error: "
+            "rerun with engine='openvino' to see it"
+        ) from exc
+    passes = ["OpenVINOConversion"]
+    if settings:
+        compress_config = {k: v for k, v in settings.items() if k in ("mode", "group_size", "ratio", "all_layers")}
+        extra: dict[str, Any] = {}
+        if "group_size_fallback_mode" in settings:
+            extra["advanced_compression_parameters"] = {
+                "group_size_fallback_mode": settings["group_size_fallback_mode"]
+            }
+        compression = create_pass_from_dict(
+            OpenVINOWeightCompression,
+            {"compress_config": compress_config, "extra_args": extra or None},
+            disable_search=True,
+        )
+        converted = compression.run(converted, str(work / "compression"))
+        passes.append("OpenVINOWeightCompression")
+    return ov.Core().read_model(converted.model_config["model"]), passes
+
+
+def _convert_openvino(module: torch.nn.Module, example_inputs: tuple, precision: str,
+                      settings: Mapping[str, Any]) -> tuple[ov.Model, list[str]]:
+    try:
+        model = ov.convert_model(module, example_input=tuple(example_inputs))
+    except Exception as exc:
+        raise BuildError(f"openvino.convert_model failed: {exc}") from exc
+    passes = ["convert_model"]
+    if settings:
+        model, _ = _compress(model, precision, settings.get("group_size", 128), settings.get("ratio", 1.0),
+                             settings.get("all_layers", False))
+        passes.append("nncf.compress_weights")
+    return model, passes
+
+
+def convert_subpart(
+    module: torch.nn.Module,
+    example_inputs: tuple,
+    *,
+    subpart: SubPart | str,
+    out_dir: str | Path,
+    precision: Precision,
+    input_names: Sequence[str] | None = None,
+    output_names: Sequence[str] | None = None,
+    input_shapes: Sequence[Sequence[int | str | None]] | None = None,
+    name: str | None = None,
+    group_size: int = 128,
+    ratio: float = 1.0,
+    all_layers: bool = True,
+    engine: Literal["olive", "openvino"] = "olive",
+    bundle_dir: str | Path | None = None,
+) -> ExportResult:
+    """Convert one small sub-part (embeddings, audio heads, codec) to OpenVINO IR.
+
+    Args:
+        module: The PyTorch module, in eval mode; ``forward`` takes the inputs in
+            the order of ``input_names`` and returns the outputs in the order of
+            ``output_names`` (a tensor or a tuple).
+        example_inputs: One tensor per input, for tracing: int64 for ids/codes
+            (``codes`` int64 [batch, frames, 8]), float32 otherwise. Their sizes only
+            shape the trace; axes stay dynamic unless ``input_shapes`` fixes them.
+        subpart: Which sub-part (``"text_embed"``, ``"audio_embed"``,
+            ``"audio_heads"``, ``"audio_tokenizer"``, ``"audio_encoder"``).
+        out_dir: Where ``<name>.xml`` / ``<name>.bin`` are written.
+        precision: ``"fp32"``, ``"fp16"`` (weights stored as float16), ``"int8"``
+            (NNCF INT8_ASYM per channel) or ``"int4"`` (NNCF INT4_ASYM grouped). The
+            codec sub-parts accept fp32 only.
+        input_names: Graph input names, default ``SUBPART_IO[subpart][0]``.
+        output_names: Graph output names, default ``SUBPART_IO[subpart][1]``.
+        input_shapes: One shape per input; each axis an int (fixed) or ``None``,
+            ``-1`` or a string (dynamic), e.g. ``[[None, None, 8]]`` for ``codes``.
+            ``None`` (the default) leaves every axis dynamic. All-int shapes give
+            a static IR (see also :func:`reshape_static`).
+        name: File stem (default the sub-part name).
+        group_size: int4 only: NNCF group size (adjusted down where it does not divide).
+        ratio: int4 only: share of weights in int4, the rest int8.
+        all_layers: int4 only: compress every layer to int4 (default ``True``: a
+            one-MatMul head would otherwise stay in NNCF's int8 backup).
+        engine: ``"olive"`` (Olive's OpenVINOConversion + OpenVINOWeightCompression
+            passes) or ``"openvino"`` (``openvino.convert_model`` + ``nncf.compress_weights``).
+        bundle_dir: Root the returned file paths are relative to (default ``out_dir``).
+
+    Returns:
+        An :class:`ExportResult` (``exporter`` ``"olive"`` or ``"openvino"``), with the
+        I/O signature read back from the saved IR.
+
+    Raises:
+        BuildPlanError: Unknown sub-part, precision or engine, or a codec at a
+            precision other than fp32.
+        BuildError: Conversion, compression or renaming failed, or the graph's
+            inputs/outputs do not match the names.
+    """
+    try:
+        subpart = SubPart(subpart)
+    except ValueError:
+        raise BuildPlanError(
+            unknown_choice("sub-part", str(subpart), [s.value for s in SubPart], "subpart=")
+        ) from None
+    if subpart is SubPart.LLM_DECODER:
+        raise BuildPlanError("llm_decoder is exported with convert_llm_decoder(), not convert_subpart()")
+    _check_precision(precision, subpart)
+    if engine not in ENGINES:
+        raise BuildPlanError(unknown_choice("OpenVINO conversion engine", engine, ENGINES, "engine="))
+    default_in, default_out = SUBPART_IO[subpart]
+    input_names = list(input_names or default_in)
+    output_names = list(output_names or default_out)
+    name = name or subpart.value
+    out_dir = Path(out_dir)
+    bundle_dir = Path(bundle_dir) if bundle_dir is not None else out_dir
+    xml = out_dir / f"{name}.xml"
+    settings = _compress_settings(precision, group_size, ratio, all_layers)
+
+    import torch
+
+    module = module.eval()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{name}-convert-", dir=out_dir))
+    try:
+        with torch.no_grad():
+            if engine == "olive":
+                model, passes = _convert_olive(module, example_inputs, precision, settings, name, work)
+            else:
+                model, passes = _convert_openvino(module, example_inputs, precision, settings)
+        _name_and_shape(model, input_names, output_names, input_shapes, f"{subpart.value} ({engine})")
+        versions = tool_versions("openvino", "nncf", "torch", *(("olive-ai",) if engine == "olive" else ()))
+        if not settings:
+            versions.pop("nncf", None)
+        quantization = {**settings, "effective": weight_summary(model)} if settings else {}
+        _set_rt_info(model, subpart, precision, quantization, versions)
+        _save(model, xml, precision)
+        del model
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if precision == "fp16" and engine == "openvino":
+        passes.append("save_model(compress_to_fp16=True)")
+    inputs, outputs = ir_io_signature(xml)
+    files = _relative_files(xml, bundle_dir)
+    return ExportResult(
+        subpart=subpart,
+        format="openvino",
+        files=files,
+        entry=files[0],
+        exporter=engine,
+        passes=passes,
+        tool_versions=versions,
+        precision=precision,
+        quantization=quantization,
+        inputs=inputs,
+        outputs=outputs,
+        options={
+            "engine": engine,
+            "input_shapes": [list(s) for s in input_shapes] if input_shapes is not None else None,
+            "compress_to_fp16": precision == "fp16",
+            "weights": weight_summary(xml),
+        },
+    )
+
+
+# ----------------------------------------------------------------------------- static shapes
+
+
+def reshape_static(xml: str | Path, shapes: Mapping[str, Sequence[int]], out_xml: str | Path | None = None) -> Path:
+    """Write a copy of an IR with fixed input shapes (for NPU builds).
+
+    NPUs compile static graphs only: for example ``text_embed`` / ``audio_embed`` /
+    ``audio_heads`` for one frame (``{"codes": [1, 1, 8]}``) and the codec for a
+    fixed chunk of frames. On a stateful decoder only the inputs become static;
+    its state keeps dynamic shapes (NPU runs such IRs through the NPUW LLM
+    pipeline instead).
+
+    Args:
+        xml: The dynamic ``.xml`` file.
+        shapes: Input name -> fixed shape (non-negative ints) for every input
+            that has a dynamic axis; inputs already static may be left out.
+        out_xml: Where to write the static IR (default ``<stem>_static.xml`` beside
+            ``xml``). Must differ from ``xml``.
+
+    Returns:
+        The path of the written ``.xml`` (its ``.bin`` beside it). Weights are
+        saved as they are (no fp16 compression).
+
+    Raises:
+        BuildError: ``xml`` is missing, ``out_xml`` equals it, a name is not an input
+            (the message lists the inputs), a shape is not all fixed sizes, the
+            reshape fails, or an input would stay dynamic.
+    """
+    xml = Path(xml)
+    out_xml = Path(out_xml) if out_xml is not None else xml.with_name(f"{xml.stem}_static.xml")
+    if out_xml.resolve() == xml.resolve():
+        raise BuildError(f"reshape_static would overwrite {xml} while reading it; pass another out_xml=")
+    model = _read(xml)
+    names = [p.get_any_name() for p in model.inputs]
+    target: dict[str, ov.PartialShape] = {}
+    for input_name, shape in shapes.items():
+        if input_name not in names:
+            raise BuildError(unknown_choice("input", input_name, names, "shapes={name: [dims]}"))
+        if not all(isinstance(d, (int, np.integer)) and d >= 0 for d in shape):
+            raise BuildError(f"{xml.name}: static shape for {input_name!r} must be non-negative ints, got {shape}")
+        target[input_name] = ov.PartialShape([int(d) for d in shape])
+    try:
+        model.reshape(target)
+    except RuntimeError as exc:
+        raise BuildError(f"{xml.name}: reshape to {dict(shapes)} failed: {exc}") from exc
+    dynamic = [p.get_any_name() for p in model.inputs if p.get_partial_shape().is_dynamic]
+    if dynamic:
+        raise BuildError(
+            f"{xml.name}: inputs {dynamic} are still dynamic; give their shapes in shapes= "
+            f"(inputs: {names})"
+        )
+    out_xml.parent.mkdir(parents=True, exist_ok=True)
+    ov.save_model(model, out_xml, compress_to_fp16=False)
+    return out_xml

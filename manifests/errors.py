@@ -1,0 +1,74 @@
+"""Every error higgs-pack raises on purpose, in one place.
+
+Each message says what is wrong, what is allowed, and the flag (CLI) or keyword
+(Python) that fixes it.  All derive from :class:`HiggsPackError`, so callers can
+catch one type; the CLI turns them into a one-line message and exit status 2.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class HiggsPackError(Exception):
+    """Base class of every error raised on purpose by higgs-pack."""
+
+
+class ManifestError(HiggsPackError):
+    """``manifest.json`` is missing, not JSON, or breaks the schema."""
+
+
+class UnsupportedFormatVersion(ManifestError):
+    """The manifest was written by a newer higgs-pack than this one."""
+
+
+class BundleError(HiggsPackError):
+    """A bundle's files disagree with its manifest (missing, tampered, outside it)."""
+
+
+class SignatureMismatch(BundleError):
+    """A graph's inputs or outputs differ from the I/O signature in the manifest."""
+
+
+class CheckpointError(HiggsPackError):
+    """A Higgs-Audio-v3 checkpoint cannot be found or read, or its layout is wrong."""
+
+
+class BuildPlanError(HiggsPackError):
+    """An unknown target or precision, or a combination that is not supported."""
+
+
+class BuildError(HiggsPackError):
+    """An exporter or a pass failed, or the built bundle failed its own checks."""
+
+
+class ExecutionProviderUnavailable(HiggsPackError):
+    """The execution provider or OpenVINO device asked for is not usable here."""
+
+
+class InputError(HiggsPackError):
+    """Bad user input: empty text, text too long, unreadable or unusable audio."""
+
+
+class NumericalError(HiggsPackError):
+    """A sub-part produced non-finite or all-zero output."""
+
+
+class PackagingError(HiggsPackError):
+    """A bundle cannot be packaged, or an archive or wheel is damaged."""
+
+
+def unknown_choice(kind: str, value: str, known: Iterable[str], fix: str) -> str:
+    """Format "unknown <kind> 'x'; known: a, b (did you mean 'a'?) <fix>".
+
+    Args:
+        kind: What was asked for, for example ``"target"``.
+        value: The value given.
+        known: The accepted values.
+        fix: The flag or keyword that sets the value, for example ``"--target / target="``.
+    """
+    known = sorted(known)
+    close = difflib.get_close_matches(value, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown {kind} {value!r}{hint}; known: {', '.join(known)}. Set it with {fix}."

@@ -1,0 +1,124 @@
+"""nox sessions: build-/verify-/package-<target>, tests, lint, bench.
+
+Thin by design: every session calls the ``higgs-pack`` CLI or a module of the
+package; the logic lives there.  Build-side sessions share one virtualenv
+(``.nox/build-env``: torch, ModelBuilder, Olive, OpenVINO… about 5 GB) that is
+created once and reused while pyproject.toml is unchanged.  verify-<target>
+sessions use a runtime-only venv (no torch) per target, as a bundle user has.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+import nox
+
+nox.needs_version = ">=2024.4.15"
+nox.options.sessions = ["lint", "tests"]
+nox.options.reuse_venv = "yes"
+
+ROOT = Path(__file__).parent
+BUILD_ENV = ROOT / ".nox" / "build-env"
+CASES = ROOT.parent / "shared" / "cases"
+# Mirrors the target registry (targets/declarations.py); tests/test_targets.py checks they agree.
+TARGETS = ("cpu", "cuda", "dml", "openvino")
+DEFAULT_PRECISION = {"cpu": "int4", "cuda": "fp16", "dml": "fp16", "openvino": "int4"}
+# The runtime extra a bundle user installs, per target (verify sessions).
+RUNTIME_EXTRA = {"cpu": "cpu", "cuda": "cpu", "dml": "cpu", "openvino": "openvino"}
+
+
+def _bin(name: str) -> str:
+    return str(BUILD_ENV / ("Scripts" if sys.platform == "win32" else "bin") / name)
+
+
+def build_env(session: nox.Session) -> None:
+    """Create or refresh the shared build venv (editable install of .[build,dev])."""
+    stamp = BUILD_ENV / ".stamp"
+    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    if stamp.is_file() and stamp.read_text() == want:
+        return
+    if not (BUILD_ENV / "pyvenv.cfg").is_file():
+        session.run(sys.executable, "-m", "venv", str(BUILD_ENV), external=True)
+        session.run(_bin("python"), "-m", "pip", "install", "-q", "-U", "pip", external=True)
+    session.run(_bin("python"), "-m", "pip", "install", "-q", "-e", f"{ROOT}[build,dev]", external=True)
+    stamp.write_text(want)
+
+
+def _bundle(target: str, precision: str | None = None) -> Path:
+    return ROOT / "dist" / f"higgs-audio-v3-tiny-{target}-{precision or DEFAULT_PRECISION[target]}"
+
+
+def _option(args: list[str], flag: str) -> str | None:
+    if flag in args:
+        i = args.index(flag)
+        return args[i + 1] if i + 1 < len(args) else None
+    return None
+
+
+for _target in TARGETS:
+
+    @nox.session(name=f"build-{_target}", venv_backend="none", default=False, tags=["build"])
+    def _build(session: nox.Session, target: str = _target) -> None:
+        """Build dist/higgs-audio-v3-tiny-<target>-<precision>/ (args after -- go to `higgs-pack build`),
+        then speak the English case with it."""
+        build_env(session)
+        args = list(session.posargs)
+        session.run(_bin("higgs-pack"), "build", "--target", target, "--force", *args, external=True)
+        if target in ("cpu", "openvino") and "--model" not in args and "--out" not in args:
+            bundle = _bundle(target, _option(args, "--precision"))
+            wav = bundle.parent / f"{bundle.name}.wav"
+            session.run(_bin("higgs-pack"), "synthesize", str(bundle), "--text-file",
+                        str(CASES / "text_en_basic.txt"), "-o", str(wav), "--no-progress", external=True)
+
+    @nox.session(name=f"verify-{_target}", reuse_venv=True, default=False, tags=["verify"])
+    def _verify(session: nox.Session, target: str = _target) -> None:
+        """Verify the default bundle in a runtime-only venv (no torch): files, signatures,
+        parity vs golden outputs, and synthesis of shared/cases."""
+        session.install(f"{ROOT}[{RUNTIME_EXTRA[target]}]")
+        bundle = session.posargs[0] if session.posargs else str(_bundle(target))
+        if not Path(bundle).exists():
+            session.error(f"{bundle} does not exist; run `nox -s build-{target}` first")
+        session.run("python", "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)")
+        args = ["--cases", str(CASES)] if CASES.is_dir() else []
+        session.run("higgs-pack", "verify", bundle, *args, *session.posargs[1:])
+
+    @nox.session(name=f"package-{_target}", venv_backend="none", default=False, tags=["package"])
+    def _package(session: nox.Session, target: str = _target) -> None:
+        """Build the bundle if missing, package it as a wheel and an archive into dist/,
+        then install-check the wheel in a fresh venv without torch."""
+        build_env(session)
+        bundle = _bundle(target)
+        if not (bundle / "manifest.json").is_file():
+            session.run(_bin("higgs-pack"), "build", "--target", target, external=True)
+        session.run(_bin("higgs-pack"), "package", str(bundle), "--format", "all", "--force", external=True)
+        session.run(_bin("python"), "-m", "higgs_pack.targets.install_check", "--target", target,
+                    "--bundle", str(bundle), "--dist", str(ROOT / "dist"), "--higgs-pack-src", str(ROOT),
+                    "--cases", str(CASES), external=True)
+
+
+@nox.session(venv_backend="none")
+def tests(session: nox.Session) -> None:
+    """Run the test suite (tiny checkpoint, real tools) in the shared build venv."""
+    build_env(session)
+    env = {"HIGGS_PACK_CACHE": str(ROOT / ".nox" / "cache")}
+    session.run(_bin("python"), "-m", "pytest", "-q", *session.posargs, env=env, external=True)
+
+
+@nox.session(venv_backend="none")
+def lint(session: nox.Session) -> None:
+    """ruff check + format check."""
+    build_env(session)
+    session.run(_bin("ruff"), "check", ".", external=True)
+
+
+@nox.session(venv_backend="none", default=False)
+def bench(session: nox.Session) -> None:
+    """Benchmark PyTorch reference vs bundles side by side (-- --preset full for real size);
+    writes dist/bench.json."""
+    build_env(session)
+    env = {"HIGGS_PACK_CACHE": os.environ.get("HIGGS_PACK_CACHE", str(ROOT / ".nox" / "cache"))}
+    session.run(_bin("python"), "-m", "higgs_pack.targets.bench", "--out", str(ROOT / "dist" / "bench.json"),
+                *session.posargs, env=env, external=True)

@@ -1,0 +1,143 @@
+"""Audio in and out: reference clips for voice cloning, and wav writing.
+
+soundfile (libsndfile) reads and writes, soxr resamples.  Every problem with a
+user's file becomes an :class:`~higgs_pack.manifests.errors.InputError` that names
+the file and what to do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import soundfile as sf
+import soxr
+
+from higgs_pack.manifests.errors import InputError
+
+#: Shortest usable reference, seconds (shorter clips carry too little voice).
+MIN_REFERENCE_S = 0.5
+#: Longest reference accepted, seconds (it is spent as prompt positions).
+MAX_REFERENCE_S = 60.0
+#: Clips are padded with silence to at least this long (upstream padded to 1 s; MODEL.md).
+PAD_REFERENCE_TO_S = 1.0
+#: Peak below which a clip counts as silence (float samples in [-1, 1]).
+SILENCE_PEAK = 1e-3
+
+
+def load_audio(path: str | Path) -> tuple[np.ndarray, int]:
+    """Read any libsndfile format as mono float32.
+
+    Args:
+        path: wav/flac/ogg/… file.
+
+    Returns:
+        ``(samples, sample_rate)``: float32 [samples] in [-1, 1] (channels averaged), Hz.
+
+    Raises:
+        InputError: missing, unreadable, not audio, or empty.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"reference audio {path} does not exist; pass an existing file with --ref-audio")
+    try:
+        data, rate = sf.read(path, dtype="float32", always_2d=True)
+    except (sf.LibsndfileError, RuntimeError, ValueError) as exc:
+        raise InputError(
+            f"reference audio {path} is not a readable audio file ({exc}); "
+            "give a wav, flac or ogg file with --ref-audio"
+        ) from exc
+    if data.size == 0:
+        raise InputError(f"reference audio {path} holds no samples; give a recording of speech")
+    return data.mean(axis=1).astype(np.float32), int(rate)
+
+
+def prepare_reference(samples: np.ndarray, rate: int, target_rate: int, hop_length: int,
+                      source: str = "reference audio") -> np.ndarray:
+    """Turn a mono clip into what the codec encoder accepts.
+
+    Resamples to ``target_rate`` (soxr, high quality), refuses clips that are too
+    short, too long or silent, pads with trailing silence to at least 1 s and to
+    a whole number of ``hop_length``-sample frames (the traced encoder only
+    accepts whole frames; MODEL.md).
+
+    Args:
+        samples: float32 [samples] mono.
+        rate: its sample rate in Hz.
+        target_rate: the codec's sample rate (24000 Hz).
+        hop_length: samples per codec frame (960).
+        source: name used in messages.
+
+    Returns:
+        float32 [k * hop_length] at ``target_rate``.
+
+    Raises:
+        InputError: too short (< 0.5 s), too long (> 60 s), silent or non-finite.
+    """
+    if not np.isfinite(samples).all():
+        raise InputError(f"{source} contains NaN or infinite samples; re-export the file")
+    seconds = len(samples) / rate
+    if seconds < MIN_REFERENCE_S:
+        raise InputError(
+            f"{source} is {seconds:.2f} s long; a voice reference needs at least {MIN_REFERENCE_S} s "
+            "of speech (3-10 s works best)"
+        )
+    if seconds > MAX_REFERENCE_S:
+        raise InputError(f"{source} is {seconds:.1f} s long; use a clip of at most {MAX_REFERENCE_S:.0f} s")
+    if float(np.abs(samples).max()) < SILENCE_PEAK:
+        raise InputError(f"{source} is silent (peak below {SILENCE_PEAK}); give a recording of speech")
+    if rate != target_rate:
+        samples = soxr.resample(samples, rate, target_rate, quality="HQ").astype(np.float32)
+    length = max(len(samples), int(PAD_REFERENCE_TO_S * target_rate))
+    length = -(-length // hop_length) * hop_length
+    out = np.zeros(length, dtype=np.float32)
+    out[: len(samples)] = samples
+    return out
+
+
+@dataclass(frozen=True)
+class WavWritten:
+    """What :func:`write_wav` did.
+
+    Attributes:
+        path: file written.
+        peak: peak absolute sample before any scaling.
+        scaled: True when the audio was scaled down to avoid clipping 16-bit PCM.
+    """
+
+    path: Path
+    peak: float
+    scaled: bool
+
+
+def write_wav(path: str | Path, samples: np.ndarray, sample_rate: int, *, subtype: str = "PCM_16") -> WavWritten:
+    """Write mono audio without silent wrapping or clipping.
+
+    16-bit PCM cannot hold samples beyond [-1, 1]: such audio is scaled down to a
+    0.999 peak and the result says so (``scaled``); ``subtype="FLOAT"`` keeps it as is.
+
+    Args:
+        path: output ``.wav`` path (parent directories must exist).
+        samples: float32 [samples].
+        sample_rate: Hz.
+        subtype: ``"PCM_16"`` or ``"FLOAT"``.
+
+    Raises:
+        InputError: bad subtype, non-finite samples, or an unwritable path.
+    """
+    if subtype not in ("PCM_16", "FLOAT"):
+        raise InputError(f"unknown wav format {subtype!r}; use PCM_16 (16-bit) or FLOAT")
+    samples = np.asarray(samples, dtype=np.float32).reshape(-1)
+    if not np.isfinite(samples).all():
+        raise InputError("refusing to write audio with NaN/inf samples")
+    peak = float(np.abs(samples).max()) if samples.size else 0.0
+    scaled = subtype == "PCM_16" and peak > 1.0
+    if scaled:
+        samples = samples * (0.999 / peak)
+    path = Path(path)
+    try:
+        sf.write(path, samples, sample_rate, subtype=subtype, format="WAV")
+    except (sf.LibsndfileError, RuntimeError, OSError) as exc:
+        raise InputError(f"cannot write {path}: {exc}; choose a writable path with -o") from exc
+    return WavWritten(path, peak, scaled)

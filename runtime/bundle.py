@@ -1,0 +1,231 @@
+"""Open a bundle: validate everything, then create sessions on the right backend.
+
+``load()`` checks the manifest schema and version, every path (inside the
+bundle, no symlink escapes, ONNX external-data locations too) and the sha256 of
+every file *before* any session is created; then opens each sub-part on the
+bundle's backend and checks its I/O signature against the manifest.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from higgs_pack.manifests.constants import SubPart
+from higgs_pack.manifests.errors import BundleError, ExecutionProviderUnavailable
+from higgs_pack.manifests.manifest import check_files, read_manifest, resolve_inside
+from higgs_pack.runtime.pipeline import ModelConstants, Pipeline
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """A bundle directory whose manifest has been read and validated.
+
+    Attributes:
+        path: the bundle directory.
+        manifest: the validated manifest dict.
+    """
+
+    path: Path
+    manifest: dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        return self.manifest["name"]
+
+    def file(self, relpath: str) -> Path:
+        """Absolute path of a bundle file, proven to be inside the bundle."""
+        return resolve_inside(self.path, relpath)
+
+    def subpart(self, part: SubPart | str) -> dict[str, Any]:
+        """The manifest entry of one sub-part."""
+        return self.manifest["subparts"][str(part)]
+
+
+def find_bundle(name_or_path: str | Path) -> Path:
+    """Resolve a bundle directory from a path or the name of an installed bundle.
+
+    Installed bundle wheels register themselves in the ``higgs_pack.bundles``
+    entry-point group (see ``higgs-pack list``).
+
+    Raises:
+        BundleError: neither a directory nor an installed bundle name.
+    """
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    from higgs_pack.runtime.installed import installed_bundles  # noqa: PLC0415
+
+    found = installed_bundles()
+    if str(name_or_path) in found:
+        return found[str(name_or_path)]
+    known = ", ".join(sorted(found)) or "none installed"
+    raise BundleError(
+        f"{name_or_path}: no such bundle directory, and no installed bundle of that name "
+        f"(installed: {known}). Pass a bundle directory, or pip install a bundle wheel"
+    )
+
+
+def open_bundle(name_or_path: str | Path, *, check_hashes: bool = True) -> Bundle:
+    """Read and validate a bundle without creating any session.
+
+    Args:
+        name_or_path: bundle directory or installed bundle name.
+        check_hashes: compare every file's sha256 (streamed); sizes are always checked.
+
+    Raises:
+        BundleError, ManifestError, UnsupportedFormatVersion: see ``manifests.manifest``.
+    """
+    path = find_bundle(name_or_path)
+    manifest = read_manifest(path)
+    report = check_files(path, manifest, hashes=check_hashes)
+    report.raise_for_problems(path)
+    bundle = Bundle(path.resolve(), manifest)
+    for part, spec in manifest["subparts"].items():
+        if spec["format"] == "onnx":
+            check_external_data(bundle, part, spec)
+    return bundle
+
+
+def check_external_data(bundle: Bundle, part: str, spec: dict[str, Any]) -> None:
+    """Prove every ONNX external-data location of a sub-part stays inside the bundle.
+
+    Reads the graph without its weights (``onnx.load(load_external_data=False)``).
+
+    Raises:
+        BundleError: a location is absolute, uses ``..``, leaves the bundle, or is
+            not one of the files listed in the manifest.
+    """
+    try:
+        import onnx
+        from onnx.external_data_helper import _get_all_tensors, uses_external_data
+    except ImportError:  # pragma: no cover - onnx comes with every ONNX Runtime extra
+        log.warning("onnx is not installed; external-data locations of %s not checked", part)
+        return
+    entry = bundle.file(spec["entry"])
+    model = onnx.load(str(entry), load_external_data=False)
+    base = entry.parent.relative_to(bundle.path)
+    listed = set(spec["files"])
+    for tensor in _get_all_tensors(model):
+        if not uses_external_data(tensor):
+            continue
+        location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+        rel = (base / location).as_posix() if location else ""
+        if not location or Path(location).is_absolute() or ".." in Path(location).parts:
+            raise BundleError(
+                f"{part}: external data location {location!r} of tensor {tensor.name!r} points "
+                "outside the bundle; the bundle is damaged or tampered with: rebuild it"
+            )
+        resolve_inside(bundle.path, rel)
+        if rel not in listed:
+            raise BundleError(
+                f"{part}: external data file {rel!r} is not listed in the manifest; rebuild the bundle"
+            )
+
+
+Opener = Callable[..., dict[str, Any]]
+
+
+def _open_onnxruntime(bundle: Bundle, *, execution_provider: str | None, device: str | None,
+                      allow_fallback: bool, cache_dir: Path | None) -> dict[str, Any]:
+    from higgs_pack.runtime.ort_backend import OrtDecoder, OrtSubPart, check_signature, create_session
+
+    if device is not None:
+        raise ExecutionProviderUnavailable(
+            f"{bundle.name} is an ONNX Runtime bundle; choose its provider with --execution-provider "
+            "(execution_provider=), not --device (that is for OpenVINO bundles)"
+        )
+    m = bundle.manifest
+    ep = execution_provider or m["execution_provider"]
+    provider_options = m["provider_options"] if ep == m["execution_provider"] else {}
+    parts: dict[str, Any] = {"description": {}}
+    for part, spec in m["subparts"].items():
+        session, used = create_session(
+            bundle.file(spec["entry"]), ep, provider_options=provider_options,
+            session_options=m["session_options"], allow_fallback=allow_fallback,
+        )
+        check_signature(session, part, spec)
+        if part == SubPart.LLM_DECODER:
+            parts[part] = OrtDecoder(session, max_length=m["constants"]["max_position_embeddings"])
+        else:
+            parts[part] = OrtSubPart(session, part)
+        parts["description"][part] = used
+    return parts
+
+
+def _open_openvino(bundle: Bundle, *, execution_provider: str | None, device: str | None,
+                   allow_fallback: bool, cache_dir: Path | None) -> dict[str, Any]:
+    from higgs_pack.runtime.openvino_backend import open_openvino_parts
+
+    if execution_provider is not None:
+        raise ExecutionProviderUnavailable(
+            f"{bundle.name} is an OpenVINO IR bundle; choose its device with --device (device=), "
+            "not --execution-provider (that is for ONNX Runtime bundles)"
+        )
+    return open_openvino_parts(bundle, device=device, allow_fallback=allow_fallback, cache_dir=cache_dir)
+
+
+#: manifest ``backend`` -> function opening every sub-part (one entry per backend).
+BACKENDS: dict[str, Opener] = {"onnxruntime": _open_onnxruntime, "openvino": _open_openvino}
+
+
+def load(
+    bundle: str | Path | Bundle,
+    *,
+    execution_provider: str | None = None,
+    device: str | None = None,
+    allow_fallback: bool = False,
+    check_hashes: bool = True,
+    cache_dir: str | Path | None = None,
+) -> Pipeline:
+    """Load a bundle for synthesis.
+
+    Args:
+        bundle: bundle directory, installed bundle name, or an opened :class:`Bundle`.
+        execution_provider: ONNX Runtime bundles: override the manifest's provider
+            (``cpu``, ``cuda``, ``dml``, ``openvino``).
+        device: OpenVINO bundles: override the manifest's device (``CPU``, ``GPU``,
+            ``NPU``, ``AUTO``, ``HETERO:…``).
+        allow_fallback: permit another provider/device when the one asked for is
+            missing; the fallback is logged and shown in ``Pipeline.description``.
+        check_hashes: verify every file's sha256 before opening (default True).
+        cache_dir: OpenVINO model cache directory (default: ``<bundle>/.ov_cache``
+            when writable, else none).
+
+    Returns:
+        A :class:`~higgs_pack.runtime.pipeline.Pipeline` ready for
+        :func:`higgs_pack.runtime.generate.synthesize`.
+
+    Raises:
+        BundleError, ManifestError, UnsupportedFormatVersion: the bundle is not valid.
+        SignatureMismatch: a graph's I/O differs from the manifest.
+        ExecutionProviderUnavailable: provider or device missing (and no fallback asked).
+    """
+    from tokenizers import Tokenizer
+
+    opened = bundle if isinstance(bundle, Bundle) else open_bundle(bundle, check_hashes=check_hashes)
+    m = opened.manifest
+    parts = BACKENDS[m["backend"]](
+        opened, execution_provider=execution_provider, device=device,
+        allow_fallback=allow_fallback, cache_dir=Path(cache_dir) if cache_dir else None,
+    )
+    tokenizer = Tokenizer.from_file(str(opened.file(m["tokenizer"]["file"])))
+    gen = dict(m["generation"])
+    sampling = {k: gen.pop(k) for k in ("temperature", "top_k", "top_p", "repeat_guard_frames") if k in gen}
+    return Pipeline(
+        tokenizer=tokenizer,
+        constants=ModelConstants.from_dict(m["constants"]),
+        text_embed=parts[SubPart.TEXT_EMBED],
+        decoder=parts[SubPart.LLM_DECODER],
+        audio_embed=parts[SubPart.AUDIO_EMBED],
+        audio_heads=parts[SubPart.AUDIO_HEADS],
+        audio_tokenizer=parts[SubPart.AUDIO_TOKENIZER],
+        audio_encoder=parts.get(SubPart.AUDIO_ENCODER),
+        description=parts["description"],
+        generation_defaults={**gen, "sampling": sampling},
+    )

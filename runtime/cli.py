@@ -1,0 +1,214 @@
+"""The ``higgs-pack`` command line (one thin click group).
+
+Runtime commands (synthesize, inspect, verify, list) are defined here; build
+commands (build, package, make-tiny-checkpoint) live beside targets/ and are
+found through the ``higgs_pack.commands`` entry points, imported only when one
+of them runs, so a runtime-only install (no torch) works.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+from higgs_pack.manifests.errors import HiggsPackError
+
+COMMAND_GROUP = "higgs_pack.commands"
+
+
+class _Group(click.Group):
+    """Adds lazily imported plugin commands and turns HiggsPackError into exit status 2."""
+
+    def _plugins(self) -> dict[str, importlib.metadata.EntryPoint]:
+        return {ep.name: ep for ep in importlib.metadata.entry_points(group=COMMAND_GROUP)}
+
+    def list_commands(self, ctx):
+        return sorted(set(super().list_commands(ctx)) | set(self._plugins()))
+
+    def get_command(self, ctx, name):
+        command = super().get_command(ctx, name)
+        if command is not None:
+            return command
+        ep = self._plugins().get(name)
+        if ep is None:
+            return None
+        try:
+            return ep.load()
+        except ImportError as exc:
+            raise click.ClickException(
+                f"`higgs-pack {name}` needs the build tools, which are not installed ({exc}); "
+                "pip install 'higgs-pack[build]'"
+            ) from exc
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except HiggsPackError as exc:
+            click.echo(f"error: {exc}", err=True)
+            ctx.exit(2)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="higgs-pack")
+@click.option("-v", "--verbose", count=True, help="More logging (-vv for debug).")
+def main(verbose: int) -> None:
+    """Build, package, verify and run Higgs-Audio-v3 bundles."""
+    level = logging.WARNING - 10 * min(verbose, 2)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+
+
+def _read_text(text: str | None, text_file: Path | None) -> str:
+    if text is not None and text_file is not None:
+        raise click.UsageError("give the text once: --text or --text-file, not both")
+    if text_file is not None:
+        return sys.stdin.read() if str(text_file) == "-" else text_file.read_text(encoding="utf-8")
+    if text is None:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise click.UsageError("no text: pass --text \"…\", --text-file FILE, or pipe text on stdin")
+        return sys.stdin.read()
+    return text
+
+
+@main.command()
+@click.argument("bundle")
+@click.option("--text", "-t", help="Text to speak ('-' or omitted: read stdin).")
+@click.option("--text-file", type=click.Path(path_type=Path, dir_okay=False, allow_dash=True),
+              help="Read the text from a file ('-' for stdin).")
+@click.option("-o", "--output", type=click.Path(path_type=Path, dir_okay=False), required=True,
+              help="Output .wav (24 kHz mono).")
+@click.option("--ref-audio", type=click.Path(path_type=Path, dir_okay=False),
+              help="Reference voice to clone (any sample rate / channels libsndfile reads).")
+@click.option("--ref-text", help="Exact transcript of --ref-audio.")
+@click.option("--execution-provider", help="ONNX Runtime bundles: cpu, cuda, dml or openvino.")
+@click.option("--device", help="OpenVINO bundles: CPU, GPU, NPU, AUTO, HETERO:….")
+@click.option("--allow-fallback", is_flag=True, help="Permit another provider/device if the one asked for is missing.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--temperature", type=float, help="0 = greedy. Default from the bundle (0.8).")
+@click.option("--top-k", type=int, help="Default from the bundle (50).")
+@click.option("--top-p", type=float, help="Default from the bundle (1.0 = off).")
+@click.option("--max-frames", type=int, help="Frame cap per chunk (25 frames = 1 s). Default: from text length.")
+@click.option("--float", "as_float", is_flag=True, help="Write 32-bit float wav instead of 16-bit PCM.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def synthesize(bundle, text, text_file, output, ref_audio, ref_text, execution_provider, device,
+               allow_fallback, seed, temperature, top_k, top_p, max_frames, as_float, no_progress):
+    """Speak TEXT with BUNDLE (a directory or an installed bundle name) into a wav."""
+    from dataclasses import replace
+
+    from tqdm import tqdm
+
+    from higgs_pack.runtime.audio import load_audio, prepare_reference, write_wav
+    from higgs_pack.runtime.bundle import load
+    from higgs_pack.runtime.delay import SamplingOptions
+    from higgs_pack.runtime.generate import synthesize as run
+
+    words = _read_text(text, text_file)
+    if (ref_audio is None) != (ref_text is None):
+        raise click.UsageError("voice cloning needs both --ref-audio and --ref-text")
+    pipeline = load(bundle, execution_provider=execution_provider, device=device, allow_fallback=allow_fallback)
+    c = pipeline.constants
+    ref = None
+    if ref_audio is not None:
+        samples, rate = load_audio(ref_audio)
+        ref = prepare_reference(samples, rate, c.sample_rate, c.hop_length, str(ref_audio))
+    options = SamplingOptions(**pipeline.generation_defaults.get("sampling", {}))
+    overrides = {k: v for k, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)) if v is not None}
+    options = replace(options, seed=seed, **overrides)
+    try:
+        options.validate()
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
+    bar = tqdm(total=0, unit="frame", disable=no_progress, desc="synthesizing", leave=False)
+
+    def progress(done: int, total: int) -> None:
+        if bar.total != total:
+            bar.reset(total=total)
+        bar.n = done
+        bar.refresh()
+
+    try:
+        result = run(pipeline, words, ref_samples=ref, ref_text=ref_text, options=options,
+                     max_frames=max_frames, progress=progress)
+    finally:
+        bar.close()
+    written = write_wav(output, result.samples, result.sample_rate, subtype="FLOAT" if as_float else "PCM_16")
+    stops = ", ".join(r.stop_reason for r in result.chunks)
+    click.echo(f"wrote {output}: {result.seconds_of_audio:.2f} s at {result.sample_rate} Hz, "
+               f"{len(result.codes)} frames in {len(result.chunks)} chunk(s), stop: {stops}")
+    if result.frame_cap_hit:
+        click.echo("note: the frame cap was reached before the model ended the speech "
+                   "(raise it with --max-frames)", err=True)
+    if written.scaled:
+        click.echo(f"note: peak {written.peak:.2f} exceeded 16-bit range; audio was scaled down "
+                   "(use --float to keep it unscaled)", err=True)
+
+
+@main.command()
+@click.argument("bundle")
+@click.option("--json", "as_json", is_flag=True, help="Print the whole manifest as JSON.")
+def inspect(bundle, as_json):
+    """Describe BUNDLE: target, precision, provider, sub-parts, sizes, tools."""
+    from higgs_pack.runtime.bundle import open_bundle
+
+    opened = open_bundle(bundle, check_hashes=False)
+    m = opened.manifest
+    if as_json:
+        click.echo(json.dumps(m, indent=2, sort_keys=True))
+        return
+    size = sum(f["size"] for f in m["files"])
+    where = m["execution_provider"] if m["backend"] == "onnxruntime" else m["device"]
+    click.echo(f"{m['name']}  ({opened.path})")
+    click.echo(f"  model      {m['model']['id']}  checkpoint sha256 {m['model']['checkpoint_sha256'][:16]}…")
+    click.echo(f"  target     {m['target']}  precision {m['precision']}  backend {m['backend']} on {where}")
+    click.echo(f"  requires   {', '.join(m['runtime_requirements'])}")
+    click.echo(f"  size       {size / 1e6:.1f} MB in {len(m['files'])} files")
+    for part, spec in m["subparts"].items():
+        part_size = sum(f["size"] for f in m["files"] if f["path"] in spec["files"])
+        passes = "+".join(spec["passes"]) or "-"
+        click.echo(f"  {part:<16} {spec['format']:<8} {spec['precision']:<5} {part_size / 1e6:8.2f} MB  "
+                   f"{spec['exporter']}: {passes}")
+    ins = ", ".join(f"{t['name']}{t['shape']}" for t in m["subparts"]["llm_decoder"]["inputs"][:3])
+    click.echo(f"  decoder in {ins}, …")
+
+
+@main.command()
+@click.argument("bundle")
+@click.option("--execution-provider", help="ONNX Runtime bundles: provider to verify on.")
+@click.option("--device", help="OpenVINO bundles: device to verify on.")
+@click.option("--allow-fallback", is_flag=True, help="Permit another provider/device if missing.")
+@click.option("--cases", type=click.Path(path_type=Path, file_okay=False),
+              help="Folder of cases to synthesize (text_en_basic.txt, text_zh.txt, ref_en_16k.wav/.txt).")
+@click.option("--report", type=click.Path(path_type=Path, dir_okay=False), help="Also write the report as JSON.")
+def verify(bundle, execution_provider, device, allow_fallback, cases, report):
+    """Check BUNDLE (directory, installed name, or archive): files, signatures, parity, speech."""
+    from higgs_pack.runtime.verify import verify_any
+
+    result = verify_any(bundle, execution_provider=execution_provider, device=device,
+                        allow_fallback=allow_fallback, cases_dir=cases)
+    click.echo(result.render())
+    if report:
+        report.write_text(json.dumps(result.to_dict(), indent=2) + "\n", encoding="utf-8")
+    if not result.ok:
+        sys.exit(1)
+
+
+@main.command(name="list")
+def list_bundles():
+    """List bundles installed as wheels (usable by name)."""
+    from higgs_pack.runtime.bundle import open_bundle
+    from higgs_pack.runtime.installed import installed_bundles
+
+    found = installed_bundles()
+    if not found:
+        click.echo("no bundles installed (pip install a bundle wheel built by `higgs-pack package`)")
+        return
+    for name, path in sorted(found.items()):
+        try:
+            m = open_bundle(path, check_hashes=False).manifest
+            click.echo(f"{name:<44} {m['target']:<9} {m['precision']:<5} {path}")
+        except HiggsPackError as exc:
+            click.echo(f"{name:<44} BROKEN: {exc}")

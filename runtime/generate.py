@@ -1,0 +1,383 @@
+"""The Higgs-Audio-v3 text-to-speech loop, in numpy, for every backend.
+
+One loop serves every target and the PyTorch oracle: it only talks to a
+:class:`~higgs_pack.runtime.pipeline.Pipeline`.  Prompt formats, the delay
+pattern and the stop rules follow MODEL.md ("Special tokens and prompts",
+"Generation loop").
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from higgs_pack.manifests.errors import InputError, NumericalError
+from higgs_pack.runtime.delay import SamplingOptions, apply_delay, sample_codes, undo_delay
+from higgs_pack.runtime.pipeline import Pipeline
+
+#: Frame cap per text token and its floor, when the caller gives no ``max_frames``.
+#: 10 frames (0.4 s at 25 fps) per token is well above normal speech
+#: (about 0.2-0.3 s per English BPE token), so the cap only stops runaway output.
+FRAMES_PER_TEXT_TOKEN = 10.0
+MIN_MAX_FRAMES = 50
+
+ProgressCallback = Callable[[int, int], None]
+"""Called as ``progress(frames_done, frame_cap)`` after every generated frame."""
+
+
+@dataclass
+class GenerationResult:
+    """Codes generated for one prompt.
+
+    Attributes:
+        delayed: int64 [steps, N] as sampled (delay pattern applied).
+        codes: int64 [frames, N] after undoing the delay, values 0..1023.
+        stop_reason: ``"eoc"``, ``"repeat_guard"`` or ``"max_frames"``.
+        prompt_length: prompt positions fed to the decoder.
+        first_frame_s: seconds from the start until the first frame was sampled.
+        seconds: seconds spent in the loop (prefill included, codec excluded).
+        decoder_seconds: of which inside ``decoder.forward``.
+    """
+
+    delayed: np.ndarray
+    codes: np.ndarray
+    stop_reason: str
+    prompt_length: int
+    first_frame_s: float
+    seconds: float
+    decoder_seconds: float
+
+
+@dataclass
+class SynthesisResult:
+    """Speech for one text.
+
+    Attributes:
+        samples: float32 [samples], mono, nominally in [-1, 1].
+        sample_rate: Hz (24000 for Higgs-Audio-v3).
+        codes: int64 [frames, N], all chunks joined.
+        chunks: per-chunk :class:`GenerationResult` (one unless the text was split).
+        frame_cap_hit: True when some chunk stopped at its frame cap, not at EOC.
+    """
+
+    samples: np.ndarray
+    sample_rate: int
+    codes: np.ndarray
+    chunks: list[GenerationResult] = field(default_factory=list)
+
+    @property
+    def frame_cap_hit(self) -> bool:
+        return any(c.stop_reason == "max_frames" for c in self.chunks)
+
+    @property
+    def seconds_of_audio(self) -> float:
+        return len(self.samples) / self.sample_rate
+
+
+def _check_finite(name: str, array: np.ndarray, pipeline: Pipeline) -> np.ndarray:
+    if not np.isfinite(array).all():
+        raise NumericalError(
+            f"{name} returned non-finite values (NaN/inf) on {pipeline.description.get(name, 'its backend')}; "
+            "the export or the execution provider is broken for this input: run `higgs-pack verify` "
+            "on the bundle, or try another --execution-provider / --device"
+        )
+    return array
+
+
+def build_prompt(
+    pipeline: Pipeline,
+    text: str,
+    ref_codes: np.ndarray | None = None,
+    ref_text: str | None = None,
+) -> np.ndarray:
+    """Embed the prompt (MODEL.md "Special tokens and prompts").
+
+    Zero-shot: ``<|tts|> <|text|> tok(text) <|audio|>``.  Voice clone:
+    ``<|tts|> <|ref_text|> tok(ref_text) <|ref_audio|> [delay-patterned reference
+    codes] <|text|> tok(text) <|audio|>``.
+
+    Args:
+        pipeline: the backend.
+        text: the text to speak (already validated non-empty).
+        ref_codes: int64 [frames, N] codec codes of the reference voice, or None.
+        ref_text: transcript of the reference audio (required with ``ref_codes``).
+
+    Returns:
+        float32 [1, positions, H] ``inputs_embeds``.
+    """
+    sp = pipeline.constants.special_tokens
+    tok = pipeline.tokenizer
+
+    def ids(s: str) -> list[int]:
+        return tok.encode(s, add_special_tokens=False).ids
+
+    def embed_ids(seq: list[int]) -> np.ndarray:
+        arr = np.asarray([seq], dtype=np.int64)
+        return pipeline.text_embed.run({"input_ids": arr})["inputs_embeds"]
+
+    pieces: list[np.ndarray] = []
+    if ref_codes is not None:
+        if ref_text is None:
+            raise InputError("a reference voice needs its transcript: pass --ref-text / ref_text=")
+        pieces.append(embed_ids([sp["tts"], sp["ref_text"], *ids(ref_text), sp["ref_audio"]]))
+        c = pipeline.constants
+        delayed = apply_delay(ref_codes, c.boc, c.eoc)[None]
+        pieces.append(pipeline.audio_embed.run({"codes": delayed})["audio_embeds"])
+        pieces.append(embed_ids([sp["text"], *ids(text), sp["audio"]]))
+    else:
+        pieces.append(embed_ids([sp["tts"], sp["text"], *ids(text), sp["audio"]]))
+    return np.concatenate([p.astype(np.float32) for p in pieces], axis=1)
+
+
+def generate_codes(
+    pipeline: Pipeline,
+    prompt_embeds: np.ndarray,
+    options: SamplingOptions,
+    max_frames: int,
+    progress: ProgressCallback | None = None,
+) -> GenerationResult:
+    """Run the decoder loop with audio feedback until EOC, the repeat guard or the cap.
+
+    Per step (MODEL.md "Generation loop"): audio_heads on the last hidden state
+    -> logits [N, 1026]; sample each codebook; during the first N steps codebooks
+    above the step are forced to BOC; after codebook 0 emits EOC (or the repeat
+    guard fires) codebook ``c`` is forced to EOC from ``c`` steps later and the
+    loop stops when all are EOC; the N codes go through audio_embed as the next
+    decoder input.
+
+    Args:
+        pipeline: the backend; its decoder is reset first.
+        prompt_embeds: float32 [1, P, H].
+        options: sampling options (validated here).
+        max_frames: frame cap (steps = max_frames + N - 1 at most).
+        progress: optional callback, see :data:`ProgressCallback`.
+
+    Returns:
+        A :class:`GenerationResult`.
+
+    Raises:
+        InputError: prompt + cap exceed the decoder's context length.
+        NumericalError: a sub-part returned NaN/inf or an all-zero hidden state.
+    """
+    options.validate()
+    c = pipeline.constants
+    n, vocab = c.num_codebooks, c.audio_vocab_size
+    prompt_len = prompt_embeds.shape[1]
+    max_steps = max_frames + n - 1
+    if prompt_len + max_steps > pipeline.decoder.max_length:
+        raise InputError(
+            f"prompt of {prompt_len} positions + up to {max_steps} audio steps exceeds the "
+            f"decoder's context of {pipeline.decoder.max_length} positions; shorten the text "
+            "or the reference audio, or lower --max-frames"
+        )
+    rng = np.random.default_rng(options.seed)
+    base_allowed = np.zeros((n, vocab), dtype=bool)
+    base_allowed[:, : c.codebook_size] = True
+    base_allowed[0, c.eoc] = True  # only codebook 0 may start the end (MODEL.md)
+
+    start = time.perf_counter()
+    decoder_s = 0.0
+    first_frame_s = math.nan
+    pipeline.decoder.reset()
+    t0 = time.perf_counter()
+    hidden = pipeline.decoder.forward(prompt_embeds.astype(np.float32))
+    decoder_s += time.perf_counter() - t0
+    delayed: list[np.ndarray] = []
+    eoc_step: int | None = None
+    stop_reason = "max_frames"
+    run_value, run_length = -1, 0
+    for step in range(max_steps):
+        last = _check_finite("llm_decoder", hidden[:, -1:], pipeline)
+        if not last.any():
+            raise NumericalError(
+                f"llm_decoder returned an all-zero hidden state at step {step} on "
+                f"{pipeline.description.get('llm_decoder', 'its backend')}; run `higgs-pack verify`"
+            )
+        logits = pipeline.audio_heads.run({"hidden_states": last})["audio_logits"]
+        logits = _check_finite("audio_heads", logits, pipeline)[0, -1].reshape(n, vocab)
+        codes = sample_codes(logits, base_allowed, options, rng)
+        if step < n - 1:
+            codes[step + 1 :] = c.boc
+        if eoc_step is not None:
+            codes[: step - eoc_step + 1] = c.eoc
+        elif codes[0] == c.eoc:
+            eoc_step, stop_reason = step, "eoc"
+            codes[0] = c.eoc
+        else:
+            run_length = run_length + 1 if codes[0] == run_value else 1
+            run_value = int(codes[0])
+            if options.repeat_guard_frames and run_length >= options.repeat_guard_frames:
+                eoc_step, stop_reason = step + 1, "repeat_guard"
+        delayed.append(codes)
+        if step == 0:
+            first_frame_s = time.perf_counter() - start
+        if progress is not None:
+            progress(step + 1, max_steps)
+        if eoc_step is not None and step - eoc_step >= n - 1:
+            break
+        if step == max_steps - 1:
+            break
+        embeds = pipeline.audio_embed.run({"codes": codes[None, None, :]})["audio_embeds"]
+        t0 = time.perf_counter()
+        hidden = pipeline.decoder.forward(embeds.astype(np.float32))
+        decoder_s += time.perf_counter() - t0
+    delayed_arr = np.stack(delayed).astype(np.int64)
+    return GenerationResult(
+        delayed=delayed_arr,
+        codes=undo_delay(delayed_arr, c.codebook_size),
+        stop_reason=stop_reason,
+        prompt_length=prompt_len,
+        first_frame_s=first_frame_s,
+        seconds=time.perf_counter() - start,
+        decoder_seconds=decoder_s,
+    )
+
+
+def decode_codes(pipeline: Pipeline, codes: np.ndarray) -> np.ndarray:
+    """Codec-decode codes to a waveform.
+
+    Args:
+        codes: int64 [frames T, N], values 0..1023.
+
+    Returns:
+        float32 [T * hop_length] samples at ``sample_rate`` Hz (empty if T == 0).
+    """
+    if codes.shape[0] == 0:
+        return np.zeros(0, dtype=np.float32)
+    out = pipeline.audio_tokenizer.run({"audio_codes": codes.T[None].astype(np.int64)})["waveform"]
+    return _check_finite("audio_tokenizer", out, pipeline).reshape(-1).astype(np.float32)
+
+
+def encode_reference(pipeline: Pipeline, samples: np.ndarray) -> np.ndarray:
+    """Codec-encode a reference voice.
+
+    Args:
+        samples: float32 [samples] mono at the codec's sample rate, length a
+            multiple of ``hop_length`` (see :func:`higgs_pack.runtime.audio.prepare_reference`).
+
+    Returns:
+        int64 [frames, N] codes.
+    """
+    if pipeline.audio_encoder is None:
+        raise InputError("this bundle has no audio_encoder, so it cannot clone a voice")
+    out = pipeline.audio_encoder.run({"waveform": samples.reshape(1, 1, -1).astype(np.float32)})
+    return out["audio_codes"][0].T.astype(np.int64)
+
+
+_SENTENCE_END = re.compile(r"(?<=[.!?;。！？；…])\s*|\n+")
+
+
+def split_sentences(text: str) -> list[str]:
+    """Split text after sentence punctuation (Latin and CJK) and at line breaks."""
+    return [s.strip() for s in _SENTENCE_END.split(text) if s and s.strip()]
+
+
+def frame_cap(n_text_tokens: int, frames_per_token: float = FRAMES_PER_TEXT_TOKEN,
+              minimum: int = MIN_MAX_FRAMES) -> int:
+    """Default frame cap for a text of ``n_text_tokens`` BPE tokens (frames at 25 fps)."""
+    return max(minimum, math.ceil(frames_per_token * n_text_tokens))
+
+
+def synthesize(
+    pipeline: Pipeline,
+    text: str,
+    *,
+    ref_samples: np.ndarray | None = None,
+    ref_text: str | None = None,
+    options: SamplingOptions | None = None,
+    max_frames: int | None = None,
+    progress: ProgressCallback | None = None,
+) -> SynthesisResult:
+    """Speak ``text`` (optionally in the voice of a reference clip).
+
+    Text whose prompt plus frame cap does not fit the decoder's context is split
+    into sentences, each spoken with the same options and joined.
+
+    Args:
+        pipeline: a loaded bundle (``higgs_pack.runtime.load``) or the oracle.
+        text: what to say; inline controls like ``<|emotion:amusement|>`` pass as text.
+        ref_samples: float32 [samples] mono at ``sample_rate`` Hz, a multiple of
+            ``hop_length`` long (see ``audio.prepare_reference``), or None.
+        ref_text: transcript of ``ref_samples``.
+        options: sampling options (default: manifest defaults, else temperature 0.8, top-k 50).
+        max_frames: frame cap per chunk; default derived from the text length
+            (:func:`frame_cap`).
+        progress: per-frame callback.
+
+    Returns:
+        A :class:`SynthesisResult` (float32 samples at 24000 Hz).
+
+    Raises:
+        InputError: empty/whitespace text, missing ``ref_text``, or one sentence too long.
+        NumericalError: non-finite or all-zero sub-part output.
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise InputError("text is empty or only whitespace; give the words to speak with --text / text=")
+    if options is None:
+        options = SamplingOptions(**pipeline.generation_defaults.get("sampling", {}))
+    if (ref_samples is None) != (ref_text is None or not ref_text.strip()):
+        raise InputError(
+            "voice cloning needs both the reference audio and its transcript: "
+            "pass --ref-audio with --ref-text (ref_samples= with ref_text=)"
+        )
+    gen = pipeline.generation_defaults
+    ref_codes = encode_reference(pipeline, ref_samples) if ref_samples is not None else None
+    chunks = _plan_chunks(pipeline, text.strip(), ref_codes, ref_text, max_frames, gen)
+    results: list[GenerationResult] = []
+    for chunk_text, cap in chunks:
+        embeds = build_prompt(pipeline, chunk_text, ref_codes, ref_text)
+        results.append(generate_codes(pipeline, embeds, options, cap, progress))
+    codes = np.concatenate([r.codes for r in results], axis=0)
+    pieces = [decode_codes(pipeline, r.codes) for r in results]
+    gap = np.zeros(int(0.2 * pipeline.constants.sample_rate), dtype=np.float32)
+    joined: list[np.ndarray] = []
+    for i, piece in enumerate(pieces):
+        if i:
+            joined.append(gap)
+        joined.append(piece)
+    samples = np.concatenate(joined) if joined else np.zeros(0, np.float32)
+    return SynthesisResult(samples, pipeline.constants.sample_rate, codes, results)
+
+
+def _plan_chunks(pipeline, text, ref_codes, ref_text, max_frames, gen):
+    """Split ``text`` into (chunk, frame cap) pairs that fit the context."""
+    tok = pipeline.tokenizer
+    limit = pipeline.decoder.max_length
+    n = pipeline.constants.num_codebooks
+    ref_positions = 0
+    if ref_codes is not None:
+        ref_positions = len(tok.encode(ref_text, add_special_tokens=False).ids) + 3 + ref_codes.shape[0] + n - 1
+    fpt = gen.get("frames_per_text_token", FRAMES_PER_TEXT_TOKEN)
+    floor = gen.get("min_max_frames", MIN_MAX_FRAMES)
+
+    def need(chunk: str) -> tuple[int, int]:
+        tokens = len(tok.encode(chunk, add_special_tokens=False).ids)
+        cap = max_frames if max_frames is not None else frame_cap(tokens, fpt, floor)
+        return ref_positions + tokens + 3 + cap + n - 1, cap
+
+    total, cap = need(text)
+    if total <= limit:
+        return [(text, cap)]
+    chunks: list[tuple[str, int]] = []
+    current = ""
+    for sentence in split_sentences(text):
+        candidate = f"{current} {sentence}".strip() if current else sentence
+        if need(candidate)[0] <= limit:
+            current = candidate
+            continue
+        if current:
+            chunks.append((current, need(current)[1]))
+        if need(sentence)[0] > limit:
+            raise InputError(
+                f"one sentence needs {need(sentence)[0]} positions (text + audio frames), more than "
+                f"the decoder's context of {limit}: split it with punctuation, or lower --max-frames"
+            )
+        current = sentence
+    if current:
+        chunks.append((current, need(current)[1]))
+    return chunks

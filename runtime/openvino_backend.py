@@ -1,0 +1,440 @@
+"""OpenVINO runtime backend: sub-parts and the stateful decoder on an OpenVINO device.
+
+Runtime code: imports numpy, openvino and higgs-pack's manifests and pipeline
+only (no torch, no exporters). The device string is normalised once
+(:func:`normalize_device`) and checked against ``Core.available_devices``
+(:func:`check_device`); a device that is missing is an error unless the caller
+passed ``allow_fallback=True``, and then the fallback to CPU is logged and
+written into the runner's ``description``. After compiling, the devices OpenVINO
+reports in ``EXECUTION_DEVICES`` are checked too.
+
+Compiling from the ``.xml`` path with ``CACHE_DIR`` set lets OpenVINO import the
+compiled blob on the next load instead of reading and compiling the IR again.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openvino as ov
+
+from higgs_pack.manifests.errors import (
+    BundleError,
+    ExecutionProviderUnavailable,
+    InputError,
+    SignatureMismatch,
+)
+
+log = logging.getLogger(__name__)
+
+#: Single OpenVINO devices a bundle may name (optionally with an index: ``GPU.1``).
+PLAIN_DEVICES: tuple[str, ...] = ("CPU", "GPU", "NPU")
+
+#: Virtual devices that take a list of devices after a colon (``AUTO`` alone is allowed).
+META_DEVICES: tuple[str, ...] = ("AUTO", "HETERO", "MULTI")
+
+#: Inputs the stateful decoder IR (optimum-intel, see ``exporters/openvino.py``) may declare.
+DECODER_INPUTS: tuple[str, ...] = ("inputs_embeds", "attention_mask", "position_ids", "beam_idx")
+
+#: Name of the decoder IR's output.
+DECODER_OUTPUT = "hidden_states"
+
+_PLAIN_RE = re.compile(r"^(CPU|GPU|NPU)(\.\d+)?$")
+_DEVICE_FIX = "--device / device="
+_ALLOWED_FORMS = "CPU, GPU, GPU.<n>, NPU, AUTO, AUTO:<devices>, HETERO:<devices>, MULTI:<devices>"
+
+
+def runtime_versions() -> dict[str, str]:
+    """Versions of the runtime packages this backend uses.
+
+    Returns:
+        ``{"openvino": "2026.4.1"}`` (the distribution's version; the build string
+        ``openvino.__version__`` if the distribution metadata is missing).
+    """
+    try:
+        return {"openvino": importlib.metadata.version("openvino")}
+    except importlib.metadata.PackageNotFoundError:
+        return {"openvino": ov.__version__}
+
+
+def normalize_device(device: str) -> str:
+    """Upper-case and validate an OpenVINO device string.
+
+    Accepted forms: ``CPU``, ``GPU``, ``GPU.<n>``, ``NPU``, ``AUTO``, and
+    ``AUTO:`` / ``HETERO:`` / ``MULTI:`` followed by a comma-separated list of
+    single devices (``"auto:gpu,cpu"`` -> ``"AUTO:GPU,CPU"``). Spaces are removed.
+
+    Args:
+        device: The device string from the user or the manifest.
+
+    Returns:
+        The normalised string.
+
+    Raises:
+        ExecutionProviderUnavailable: The string is not one of the accepted forms
+            (the message lists them and the ``--device`` flag / ``device=`` keyword).
+    """
+    text = re.sub(r"\s+", "", str(device)).upper()
+    base, sep, rest = text.partition(":")
+    ok = False
+    if not sep:
+        ok = bool(_PLAIN_RE.match(text)) or text == "AUTO"
+    elif base in META_DEVICES and rest:
+        ok = all(_PLAIN_RE.match(part) for part in rest.split(","))
+    if not ok:
+        raise ExecutionProviderUnavailable(
+            f"unknown OpenVINO device {device!r}; allowed forms: {_ALLOWED_FORMS}. "
+            f"Set it with {_DEVICE_FIX}"
+        )
+    return text
+
+
+def _present(name: str, available: list[str]) -> bool:
+    """Whether one single device (``GPU``, ``GPU.1``) is among ``available``."""
+    if name in available:
+        return True
+    base, _, index = name.partition(".")
+    if not index:  # "GPU" while OpenVINO lists "GPU.0", "GPU.1"
+        return any(a.startswith(base + ".") for a in available)
+    return index == "0" and base in available  # "GPU.0" while OpenVINO lists one "GPU"
+
+
+def check_device(core: ov.Core, device: str, allow_fallback: bool = False) -> tuple[str, str]:
+    """Check that a device is usable here, before anything is compiled.
+
+    A single device must be in ``core.available_devices``; ``HETERO:`` and
+    ``MULTI:`` need every listed device; ``AUTO:`` needs at least one (choosing
+    among them is what AUTO is asked to do); bare ``AUTO`` needs any device.
+
+    Args:
+        core: The ``openvino.Core``.
+        device: The requested device (normalised here).
+        allow_fallback: Run on ``CPU`` when the device is missing, with a warning,
+            instead of raising.
+
+    Returns:
+        ``(device, description)``: the device to compile for and a description,
+        ``"CPU"`` or ``"CPU (fallback from GPU)"``.
+
+    Raises:
+        ExecutionProviderUnavailable: The string is invalid, or the device is not
+            available and ``allow_fallback`` is false (the message names the
+            devices present and the ``--device`` flag / ``device=`` keyword).
+    """
+    available = list(core.available_devices)
+    try:
+        device = normalize_device(device)
+    except ExecutionProviderUnavailable as exc:
+        raise ExecutionProviderUnavailable(f"{exc} Devices present here: {', '.join(available) or 'none'}") from None
+    base, _, rest = device.partition(":")
+    if base in META_DEVICES:
+        listed = rest.split(",") if rest else []
+        missing = [d for d in listed if not _present(d, available)]
+        ok = bool(available) and (len(missing) < len(listed) if base == "AUTO" and listed else not missing)
+    else:
+        missing = [device]
+        ok = _present(device, available)
+    if ok:
+        return device, device
+    if allow_fallback and "CPU" in available:
+        log.warning("OpenVINO device %s is not available (present: %s); falling back to CPU as asked",
+                    device, ", ".join(available))
+        return "CPU", f"CPU (fallback from {device})"
+    raise ExecutionProviderUnavailable(
+        f"OpenVINO device {device} is not available here ({', '.join(missing)} missing); devices present: "
+        f"{', '.join(available) or 'none'}. Choose one of them with {_DEVICE_FIX} (for example "
+        f"--device {available[0] if available else 'CPU'}), or pass allow_fallback=True to run on CPU"
+    )
+
+
+def precision_config(device: str, precision: str, *, stateful: bool = False) -> dict[str, str]:
+    """Compile properties that keep an fp32 bundle in fp32 on the device.
+
+    OpenVINO's CPU plugin computes in bf16 on CPUs with AMX/AVX512-BF16 and keeps
+    the KV cache in u8 by default; its GPU plugin computes in f16. For
+    ``precision == "fp32"`` this returns ``INFERENCE_PRECISION_HINT=f32`` on CPU
+    and GPU, and ``KV_CACHE_PRECISION=f32`` on CPU for a stateful decoder. Other
+    precisions and devices (NPU, AUTO, ...) get no override.
+
+    Args:
+        device: The (normalised) device the model is compiled for.
+        precision: The sub-part's precision in the manifest.
+        stateful: Whether the model is the stateful decoder.
+
+    Returns:
+        A properties dict to merge into ``compile_model``'s config.
+    """
+    base = device.split(".")[0]
+    if precision != "fp32" or base not in ("CPU", "GPU"):
+        return {}
+    config = {"INFERENCE_PRECISION_HINT": "f32"}
+    if stateful and base == "CPU":
+        config["KV_CACHE_PRECISION"] = "f32"
+    return config
+
+
+def _numpy_dtype(port) -> np.dtype:
+    return np.dtype(port.get_element_type().to_dtype())
+
+
+def _output(value: np.ndarray) -> np.ndarray:
+    if np.issubdtype(value.dtype, np.floating):
+        return value.astype(np.float32, copy=False)
+    if np.issubdtype(value.dtype, np.integer):
+        return value.astype(np.int64, copy=False)
+    return value
+
+
+def compile_ir(core: ov.Core, xml_path: str | os.PathLike, device: str, cache_dir: str | os.PathLike | None = None,
+               config: Mapping[str, Any] | None = None, *, allow_fallback: bool = False
+               ) -> tuple[ov.CompiledModel, str, str]:
+    """Compile an IR file for a device, with the model cache when asked.
+
+    Args:
+        core: The ``openvino.Core``.
+        xml_path: The ``.xml`` file (its ``.bin`` beside it).
+        device: Requested device (see :func:`normalize_device`).
+        cache_dir: OpenVINO model cache directory (``CACHE_DIR``); created if needed.
+        config: Extra compile properties (``INFERENCE_PRECISION_HINT``, ``NUM_STREAMS``...).
+        allow_fallback: See :func:`check_device`.
+
+    Returns:
+        ``(compiled_model, device, description)``; the description names the
+        device used, any fallback, and the execution devices when they differ.
+
+    Raises:
+        BundleError: The IR or its weights are missing.
+        ExecutionProviderUnavailable: The device is unavailable, OpenVINO cannot
+            compile for it, or it compiled onto other devices than asked.
+    """
+    path = Path(xml_path)
+    for file in (path, path.with_suffix(".bin")):
+        if not file.is_file():
+            raise BundleError(f"OpenVINO file {file} is missing; the bundle is incomplete: rebuild or re-download it")
+    device, description = check_device(core, device, allow_fallback)
+    properties: dict[str, Any] = dict(config or {})
+    if cache_dir is not None:
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        properties["CACHE_DIR"] = str(cache_dir)
+    try:
+        compiled = core.compile_model(str(path), device, properties)
+    except RuntimeError as exc:
+        raise ExecutionProviderUnavailable(
+            f"OpenVINO could not compile {path.name} for {device} with {properties}: {exc}"
+        ) from exc
+    try:
+        used = [str(d) for d in compiled.get_property("EXECUTION_DEVICES")]
+    except RuntimeError:
+        used = []
+    if used and device.split(":")[0] not in META_DEVICES:
+        base = device.split(".")[0]
+        if not all(u.split(".")[0] == base for u in used):
+            raise ExecutionProviderUnavailable(
+                f"{path.name}: asked for {device} but OpenVINO compiled it for {', '.join(used)}"
+            )
+    elif used:
+        description = f"{description} (executing on {', '.join(used)})"
+    return compiled, device, description
+
+
+def _signature(ports) -> dict[str, tuple[str, int]]:
+    return {p.get_any_name(): (_numpy_dtype(p).name, p.get_partial_shape().rank.get_length()) for p in ports}
+
+
+def check_signature(runner: OvSubPart | OvStatefulDecoder, subpart: str, spec: Mapping[str, Any]) -> None:
+    """Compare a compiled IR's inputs/outputs with the manifest's I/O signature.
+
+    Names, element types (numpy names) and ranks must match; dynamic axes are not
+    compared by name.
+
+    Args:
+        runner: An :class:`OvSubPart` or :class:`OvStatefulDecoder`.
+        subpart: The sub-part name, for the message.
+        spec: The manifest entry, with ``inputs`` and ``outputs`` lists of
+            ``{"name", "dtype", "shape"}``.
+
+    Raises:
+        SignatureMismatch: Naming the sub-part and both signatures.
+    """
+    def want(items):
+        return {t["name"]: (t["dtype"], len(t["shape"])) for t in items}
+
+    compiled = runner.compiled
+    for kind, got, expected in (
+        ("inputs", _signature(compiled.inputs), want(spec["inputs"])),
+        ("outputs", _signature(compiled.outputs), want(spec["outputs"])),
+    ):
+        if got != expected:
+            diff = sorted(set(got.items()) ^ set(expected.items()))
+            raise SignatureMismatch(
+                f"{subpart}: IR {kind} differ from the manifest: IR has {got}, manifest says {expected} "
+                f"(differences: {diff}). The bundle's files and manifest do not belong together: rebuild the bundle"
+            )
+
+
+class OvSubPart:
+    """A stateless sub-part compiled once on an OpenVINO device (a ``SubPartRunner``).
+
+    Inputs are cast to the element type the IR declares; floating outputs come
+    back as float32 and integer outputs as int64, copied out of the request.
+
+    Args:
+        core: The ``openvino.Core`` (shared by all sub-parts of a bundle).
+        xml_path: The sub-part's ``.xml`` file.
+        device: OpenVINO device, e.g. ``"CPU"``, ``"GPU"``, ``"AUTO"``.
+        cache_dir: Model cache directory (``CACHE_DIR``) or ``None``.
+        config: Extra compile properties (see :func:`precision_config`).
+        allow_fallback: Compile for CPU when ``device`` is missing (logged, and
+            said in :attr:`description`).
+
+    Attributes:
+        compiled: The ``openvino.CompiledModel``.
+        device: The device compiled for.
+        description: e.g. ``"CPU"`` or ``"CPU (fallback from GPU)"``.
+        input_names, output_names: Tensor names, in graph order.
+
+    Raises:
+        BundleError: The IR file is missing.
+        ExecutionProviderUnavailable: As :func:`compile_ir`.
+    """
+
+    def __init__(self, core: ov.Core, xml_path: str | os.PathLike, device: str,
+                 cache_dir: str | os.PathLike | None = None, config: Mapping[str, Any] | None = None, *,
+                 allow_fallback: bool = False):
+        self.path = Path(xml_path)
+        self.compiled, self.device, self.description = compile_ir(
+            core, xml_path, device, cache_dir, config, allow_fallback=allow_fallback
+        )
+        self._inputs = {p.get_any_name(): _numpy_dtype(p) for p in self.compiled.inputs}
+        self.input_names = list(self._inputs)
+        self.output_names = [p.get_any_name() for p in self.compiled.outputs]
+        self._request = self.compiled.create_infer_request()
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run once.
+
+        Args:
+            feeds: Input name -> array, names as in ``SUBPART_IO`` (see
+                :mod:`higgs_pack.runtime.pipeline` for shapes and dtypes).
+
+        Returns:
+            Output name -> array (float32 or int64), owned by the caller.
+
+        Raises:
+            ValueError: ``feeds`` lacks an input or has an unknown one.
+        """
+        if set(feeds) != set(self._inputs):
+            raise ValueError(
+                f"{self.path.name}: feeds {sorted(feeds)} do not match the IR inputs {self.input_names}"
+            )
+        cast = {k: np.ascontiguousarray(v, dtype=self._inputs[k]) for k, v in feeds.items()}
+        results = self._request.infer(cast, share_inputs=False, share_outputs=False)
+        return {name: _output(np.asarray(results[port]))
+                for name, port in zip(self.output_names, self.compiled.outputs, strict=True)}
+
+
+class OvStatefulDecoder:
+    """The stateful Qwen3 decoder IR (a ``Decoder``): the KV cache lives in the request's state.
+
+    Each :meth:`forward` appends positions: it feeds ``attention_mask`` = ones
+    [1, past+S], ``position_ids`` = past..past+S-1 [1, S] and ``beam_idx`` = [0],
+    whichever the IR declares.
+
+    Args:
+        core: The ``openvino.Core``.
+        xml_path: The decoder's ``.xml`` (from ``convert_llm_decoder``).
+        device: OpenVINO device.
+        cache_dir: Model cache directory or ``None``.
+        config: Extra compile properties (see :func:`precision_config` with ``stateful=True``).
+        max_length: Most positions one request may use (the manifest's
+            ``max_position_embeddings`` or less).
+        allow_fallback: See :class:`OvSubPart`.
+
+    Attributes:
+        compiled, device, description: As :class:`OvSubPart`.
+        max_length: As given.
+        length: Positions in the cache since the last :meth:`reset`.
+
+    Raises:
+        BundleError: The IR file is missing.
+        ExecutionProviderUnavailable: As :func:`compile_ir`.
+        SignatureMismatch: The IR has no state (a stateless decoder), no
+            ``inputs_embeds`` input or no ``hidden_states`` output.
+    """
+
+    def __init__(self, core: ov.Core, xml_path: str | os.PathLike, device: str,
+                 cache_dir: str | os.PathLike | None = None, config: Mapping[str, Any] | None = None, *,
+                 max_length: int, allow_fallback: bool = False):
+        self.path = Path(xml_path)
+        self.max_length = int(max_length)
+        self.compiled, self.device, self.description = compile_ir(
+            core, xml_path, device, cache_dir, config, allow_fallback=allow_fallback
+        )
+        inputs = {p.get_any_name(): _numpy_dtype(p) for p in self.compiled.inputs}
+        outputs = [p.get_any_name() for p in self.compiled.outputs]
+        if "inputs_embeds" not in inputs or DECODER_OUTPUT not in outputs:
+            raise SignatureMismatch(
+                f"{self.path.name}: expected an inputs_embeds input and a {DECODER_OUTPUT} output, IR has "
+                f"inputs {sorted(inputs)} and outputs {outputs}; rebuild the bundle with the openvino target"
+            )
+        unknown = sorted(set(inputs) - set(DECODER_INPUTS))
+        if unknown:
+            raise SignatureMismatch(
+                f"{self.path.name}: inputs {unknown} are not fed by the stateful decoder runner (it feeds "
+                f"{list(DECODER_INPUTS)}); is this a stateless IR with explicit KV inputs?"
+            )
+        self._request = self.compiled.create_infer_request()
+        if not self._request.query_state():
+            raise SignatureMismatch(
+                f"{self.path.name}: the decoder IR is stateless (no ReadValue/Assign state) but a stateful "
+                "KV-cache decoder is expected; rebuild it with convert_llm_decoder (stateful=True)"
+            )
+        self._inputs = inputs
+        self._output = self.compiled.output(DECODER_OUTPUT)
+        self.length = 0
+
+    def reset(self) -> None:
+        """Forget the KV cache; the next :meth:`forward` starts at position 0."""
+        self._request.reset_state()
+        self.length = 0
+
+    def forward(self, inputs_embeds: np.ndarray) -> np.ndarray:
+        """Append ``S`` positions and return their hidden states.
+
+        Args:
+            inputs_embeds: float32 [1, S, hidden] (cast to the IR's type).
+
+        Returns:
+            float32 [1, S, hidden]: final-norm hidden states of the new positions.
+
+        Raises:
+            ValueError: ``inputs_embeds`` is not [1, S, hidden] with S >= 1.
+            InputError: The cache would exceed :attr:`max_length` positions.
+        """
+        embeds = np.asarray(inputs_embeds)
+        if embeds.ndim != 3 or embeds.shape[0] != 1 or embeds.shape[1] < 1:
+            raise ValueError(f"inputs_embeds must be [1, S, hidden] with S >= 1, got {embeds.shape}")
+        s = embeds.shape[1]
+        total = self.length + s
+        if total > self.max_length:
+            raise InputError(
+                f"the decoder would hold {total} positions, more than max_length={self.max_length}; "
+                "shorten the text or lower max_frames="
+            )
+        feeds = {
+            "inputs_embeds": np.ascontiguousarray(embeds, dtype=self._inputs["inputs_embeds"]),
+            "attention_mask": np.ones((1, total), dtype=np.int64),
+            "position_ids": np.arange(self.length, total, dtype=np.int64)[None],
+            "beam_idx": np.zeros((1,), dtype=np.int32),
+        }
+        feeds = {k: v.astype(self._inputs[k], copy=False) for k, v in feeds.items() if k in self._inputs}
+        results = self._request.infer(feeds, share_inputs=False, share_outputs=False)
+        self.length = total
+        return np.asarray(results[self._output]).astype(np.float32, copy=False)

@@ -1,0 +1,253 @@
+"""ONNX Runtime backend: sessions on the execution provider a bundle names.
+
+Never falls back silently: the provider asked for must be the one the session
+uses (``session.get_providers()``), unless the caller passed
+``allow_fallback=True``, and then the fallback is logged and recorded in the
+pipeline description.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from higgs_pack.manifests.constants import EXECUTION_PROVIDERS
+from higgs_pack.manifests.errors import ExecutionProviderUnavailable, SignatureMismatch, unknown_choice
+
+log = logging.getLogger(__name__)
+
+#: ONNX element type strings -> numpy dtypes.
+ORT_TYPES = {
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(double)": np.float64,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+    "tensor(int8)": np.int8,
+    "tensor(uint8)": np.uint8,
+    "tensor(bool)": np.bool_,
+}
+
+#: Distributions that all install the one ``onnxruntime`` module.
+ORT_DISTRIBUTIONS = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-directml", "onnxruntime-openvino")
+
+
+def installed_ort_distributions() -> list[str]:
+    """Names of the onnxruntime distributions installed in this environment."""
+    found = []
+    for name in ORT_DISTRIBUTIONS:
+        try:
+            importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        found.append(name)
+    return found
+
+
+def import_ort():
+    """Import onnxruntime, refusing a broken environment.
+
+    Raises:
+        ExecutionProviderUnavailable: onnxruntime is not installed, or two of its
+            distributions are (they overwrite each other's files: measured with
+            onnxruntime + onnxruntime-openvino).
+    """
+    dists = installed_ort_distributions()
+    if len(dists) > 1:
+        raise ExecutionProviderUnavailable(
+            f"{' and '.join(dists)} are installed together; they ship the same `onnxruntime` module "
+            "and overwrite each other. Keep exactly one: pip uninstall -y "
+            f"{' '.join(dists)} && pip install <the one you need>"
+        )
+    try:
+        import onnxruntime as ort
+    except ImportError as exc:
+        raise ExecutionProviderUnavailable(
+            "onnxruntime is not installed; install the runtime for this bundle, e.g. "
+            "pip install 'higgs-pack[cpu]' (or [cuda], [dml])"
+        ) from exc
+    return ort
+
+
+def session_options_for(ep: str, options: dict[str, Any]):
+    """Build ``SessionOptions`` for a provider.
+
+    DirectML needs memory patterns off and sequential execution (ONNX Runtime's
+    DirectML documentation); these are forced whenever ``ep == "dml"``.
+
+    Args:
+        ep: bundle EP name.
+        options: manifest ``session_options`` (``intra_op_num_threads``, ``graph_optimization_level``,
+            ``log_severity_level``).
+    """
+    ort = import_ort()
+    so = ort.SessionOptions()
+    for key, value in options.items():
+        if key == "graph_optimization_level":
+            so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, value)
+        else:
+            setattr(so, key, value)
+    if ep == "dml":
+        so.enable_mem_pattern = False
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    return so
+
+
+def create_session(path: Path, ep: str, *, provider_options: dict[str, Any] | None = None,
+                   session_options: dict[str, Any] | None = None,
+                   allow_fallback: bool = False) -> tuple[Any, str]:
+    """Create an InferenceSession on ``ep`` and prove it took the session.
+
+    Args:
+        path: the ``.onnx`` file (external data beside it).
+        ep: bundle EP name: ``cpu``, ``cuda``, ``dml`` or ``openvino``.
+        provider_options: options for that provider.
+        session_options: see :func:`session_options_for`.
+        allow_fallback: permit running on the CPU provider when ``ep`` is not
+            available; the returned description then says so.
+
+    Returns:
+        ``(session, description)``, e.g. ``("…", "CUDAExecutionProvider")`` or
+        ``"CPUExecutionProvider (fallback from CUDAExecutionProvider)"``.
+
+    Raises:
+        ExecutionProviderUnavailable: unknown EP, provider not installed, or the
+            session silently landed on another provider.
+    """
+    ort = import_ort()
+    if ep not in EXECUTION_PROVIDERS:
+        raise ExecutionProviderUnavailable(
+            unknown_choice("execution provider", ep, EXECUTION_PROVIDERS, "--execution-provider / execution_provider=")
+        )
+    row = EXECUTION_PROVIDERS[ep]
+    available = ort.get_available_providers()
+    wanted = row.ort_provider
+    providers: list[Any] = [(wanted, provider_options or {})]
+    note = wanted
+    if wanted not in available:
+        if not allow_fallback or ep == "cpu":
+            raise ExecutionProviderUnavailable(
+                f"this bundle runs on {wanted}, which is not available here (installed providers: "
+                f"{', '.join(available)}; distributions: {', '.join(installed_ort_distributions()) or 'none'}). "
+                f"Install it with pip install 'higgs-pack[{row.extra}]' ({row.requirement}), or run on the "
+                "CPU explicitly with --execution-provider cpu (execution_provider='cpu')"
+            )
+        log.warning("%s is not available; falling back to CPUExecutionProvider as asked", wanted)
+        providers = ["CPUExecutionProvider"]
+        wanted = "CPUExecutionProvider"
+        note = f"CPUExecutionProvider (fallback from {row.ort_provider})"
+    elif wanted != "CPUExecutionProvider":
+        providers.append("CPUExecutionProvider")
+    so = session_options_for(ep, session_options or {})
+    session = ort.InferenceSession(str(path), sess_options=so, providers=providers)
+    used = session.get_providers()
+    if not used or used[0] != wanted:
+        raise ExecutionProviderUnavailable(
+            f"{path.name}: asked for {wanted} but ONNX Runtime created the session on "
+            f"{', '.join(used)} (its library failed to load?). Installed providers: {', '.join(available)}"
+        )
+    return session, note
+
+
+def check_signature(session, subpart: str, spec: dict[str, Any]) -> None:
+    """Compare a session's inputs/outputs with the manifest's I/O signature.
+
+    Names, element types and ranks must match (symbolic dims may differ in name).
+
+    Raises:
+        SignatureMismatch: naming the sub-part, the tensor and both signatures.
+    """
+    def sig(items):
+        return {i.name: (str(np.dtype(ORT_TYPES.get(i.type, np.void))), len(i.shape)) for i in items}
+
+    def want(items):
+        return {t["name"]: (t["dtype"], len(t["shape"])) for t in items}
+
+    for kind, got, expected in (
+        ("inputs", sig(session.get_inputs()), want(spec["inputs"])),
+        ("outputs", sig(session.get_outputs()), want(spec["outputs"])),
+    ):
+        if got != expected:
+            diff = sorted(set(got.items()) ^ set(expected.items()))
+            raise SignatureMismatch(
+                f"{subpart}: graph {kind} differ from the manifest: graph has {got}, manifest says "
+                f"{expected} (differences: {diff}). The bundle's files and manifest do not belong "
+                "together: rebuild the bundle"
+            )
+
+
+class OrtSubPart:
+    """A stateless sub-part on an ONNX Runtime session.
+
+    Floating inputs are cast to the dtype the graph declares (fp16 graphs take
+    float16); floating outputs come back as float32.
+    """
+
+    def __init__(self, session, name: str):
+        self.session = session
+        self.name = name
+        self._in_types = {i.name: ORT_TYPES[i.type] for i in session.get_inputs()}
+        self._outputs = [o.name for o in session.get_outputs()]
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run once; see :mod:`higgs_pack.runtime.pipeline` for names and shapes."""
+        cast = {k: np.ascontiguousarray(v, dtype=self._in_types[k]) for k, v in feeds.items()}
+        outs = self.session.run(self._outputs, cast)
+        return {
+            k: (v.astype(np.float32) if np.issubdtype(v.dtype, np.floating) else v)
+            for k, v in zip(self._outputs, outs, strict=True)
+        }
+
+
+class OrtDecoder:
+    """The ModelBuilder decoder (``exclude_embeds``, ``exclude_lm_head``) with its KV cache.
+
+    Graph I/O (MODEL.md, measured): inputs ``inputs_embeds`` [1,S,H],
+    ``attention_mask`` int64 [1, past+S], ``past_key_values.{i}.key|value``
+    [1, kv_heads, past, head_dim] (+ ``position_ids`` [1,S] for dml); outputs
+    ``hidden_states`` and ``present.{i}.key|value``.  Presents stay as OrtValues
+    and are fed back without copies to numpy.
+    """
+
+    def __init__(self, session, *, max_length: int):
+        self.session = session
+        self.max_length = max_length
+        ort = import_ort()
+        self._ort = ort
+        inputs = {i.name: i for i in session.get_inputs()}
+        self._embed_type = ORT_TYPES[inputs["inputs_embeds"].type]
+        self._past = sorted(n for n in inputs if n.startswith("past_key_values."))
+        self._present = [n.replace("past_key_values.", "present.") for n in self._past]
+        self._has_position_ids = "position_ids" in inputs
+        self._kv_type = ORT_TYPES[inputs[self._past[0]].type] if self._past else np.float32
+        shape = inputs[self._past[0]].shape if self._past else []
+        self._kv_heads, self._head_dim = int(shape[1]), int(shape[3])
+        self._outputs = ["hidden_states", *self._present]
+        self.reset()
+
+    def reset(self) -> None:
+        """Empty the KV cache."""
+        empty = np.zeros((1, self._kv_heads, 0, self._head_dim), dtype=self._kv_type)
+        self._cache = {n: self._ort.OrtValue.ortvalue_from_numpy(empty) for n in self._past}
+        self._length = 0
+
+    def forward(self, inputs_embeds: np.ndarray) -> np.ndarray:
+        """float32 [1, S, H] -> float32 [1, S, H]; grows the cache by S."""
+        s = inputs_embeds.shape[1]
+        total = self._length + s
+        ov = self._ort.OrtValue.ortvalue_from_numpy
+        feeds = {
+            "inputs_embeds": ov(np.ascontiguousarray(inputs_embeds, dtype=self._embed_type)),
+            "attention_mask": ov(np.ones((1, total), dtype=np.int64)),
+            **self._cache,
+        }
+        if self._has_position_ids:
+            feeds["position_ids"] = ov(np.arange(self._length, total, dtype=np.int64)[None])
+        outs = self.session.run_with_ort_values(self._outputs, feeds)
+        self._cache = dict(zip(self._past, outs[1:], strict=True))
+        self._length = total
+        return outs[0].numpy().astype(np.float32)

@@ -1,0 +1,1 @@
+"""Target declarations (cpu, cuda, dml, openvino), their registry and the build loop."""

@@ -1,0 +1,130 @@
+"""Target declarations and their registry.
+
+A :class:`Target` is data: where the bundle runs, what it needs installed, its
+precisions, and a table sub-part -> :class:`Recipe` (which exporter builds it and
+at which precision).  The build loop in :mod:`higgs_pack.targets.build` is
+generic; adding a target is adding one declaration (see ``cpu.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from higgs_pack.exporters.catalog import get_exporter
+from higgs_pack.manifests.constants import FP32_ONLY, SubPart
+from higgs_pack.manifests.errors import BuildPlanError, unknown_choice
+
+#: Minimum similarity to the PyTorch reference's golden outputs, per sub-part
+#: precision (cosine for float outputs).  Measured on the tiny checkpoint with margin;
+#: recorded per sub-part in every manifest, so verify uses the build's own rule.
+COSINE_THRESHOLDS = {"fp32": 0.9999, "fp16": 0.995, "int8": 0.98, "int4": 0.9}
+#: The codec encoder outputs codes: fraction of equal codes at fp32 (near-ties in
+#: the residual quantizer may flip under float reordering).
+CODE_AGREEMENT_THRESHOLD = 0.9
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How one sub-part is built for a target.
+
+    Attributes:
+        exporter: name in :data:`higgs_pack.exporters.catalog.EXPORTERS`.
+        precision: ``"target"`` (follow the bundle's precision) or a fixed one (``"fp32"``).
+        options: extra keyword arguments for the exporter (e.g. ``execution_provider``).
+    """
+
+    exporter: str
+    precision: str = "target"
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One hardware target.
+
+    Attributes:
+        name: ``cpu``, ``cuda``, ``dml``, ``openvino``.
+        description: one line for ``--help`` and wheel metadata.
+        backend: ``onnxruntime`` or ``openvino``.
+        execution_provider: bundle EP name (onnxruntime targets).
+        device: default OpenVINO device (openvino targets).
+        extra: the ``higgs-pack[extra]`` a user of the bundle installs.
+        runtime_requirements: requirement strings recorded in the manifest.
+        precisions: allowed bundle precisions; the first is the default.
+        recipes: sub-part -> recipe; must cover all six sub-parts.
+        provider_options, session_options: recorded in the manifest for the runtime.
+        platform_marker: PEP 508 marker for wheels (``sys_platform == 'win32'`` for dml).
+        verify_on: EP or device the build-time checks run on when the target's own
+            hardware is missing (``None`` = the target's own).
+        variants: optional build variants (e.g. ``"npu"``: static shapes).
+    """
+
+    name: str
+    description: str
+    backend: str
+    precisions: tuple[str, ...]
+    recipes: Mapping[SubPart, Recipe]
+    extra: str
+    runtime_requirements: tuple[str, ...]
+    execution_provider: str | None = None
+    device: str | None = None
+    provider_options: Mapping[str, Any] = field(default_factory=dict)
+    session_options: Mapping[str, Any] = field(default_factory=dict)
+    platform_marker: str | None = None
+    verify_on: str | None = None
+    variants: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        missing = set(SubPart) - set(self.recipes)
+        if missing:
+            raise BuildPlanError(f"target {self.name!r} declares no recipe for {sorted(map(str, missing))}")
+        object.__setattr__(self, "recipes", MappingProxyType(dict(self.recipes)))
+
+    @property
+    def default_precision(self) -> str:
+        return self.precisions[0]
+
+    def precision_for(self, part: SubPart, precision: str) -> str:
+        """Effective precision of one sub-part in a bundle of ``precision``."""
+        rule = self.recipes[part].precision
+        if part in FP32_ONLY:
+            return "fp32"
+        return precision if rule == "target" else rule
+
+
+_REGISTRY: dict[str, Target] = {}
+
+
+def register(target: Target) -> Target:
+    """Add a target to the registry; a second target of the same name is refused."""
+    if target.name in _REGISTRY:
+        raise BuildPlanError(f"target {target.name!r} is already registered")
+    for part, recipe in target.recipes.items():
+        info = get_exporter(recipe.exporter)
+        for precision in target.precisions:
+            eff = target.precision_for(part, precision)
+            if eff not in info.precisions:
+                raise BuildPlanError(
+                    f"target {target.name!r}: exporter {info.name!r} of {part} cannot build {eff} "
+                    f"(it builds {', '.join(info.precisions)})"
+                )
+    _REGISTRY[target.name] = target
+    return target
+
+
+def targets() -> dict[str, Target]:
+    """All registered targets by name (declarations are imported on first use)."""
+    from higgs_pack.targets import declarations  # noqa: F401  (registers the targets)
+
+    return dict(_REGISTRY)
+
+
+def get_target(name: str) -> Target:
+    """Look up a target; unknown names raise :class:`BuildPlanError` listing the known ones."""
+    known = targets()
+    if name not in known:
+        raise BuildPlanError(unknown_choice("target", name, known, "--target / target="))
+    return known[name]

@@ -1,0 +1,68 @@
+"""Build-side commands (build, make-tiny-checkpoint, package), registered through
+the ``higgs_pack.commands`` entry points and imported only when they run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+def _target_names() -> list[str]:
+    from higgs_pack.targets.base import targets
+
+    return sorted(targets())
+
+
+@click.command()
+@click.option("--target", "-t", required=True, help="cpu, cuda, dml or openvino.")
+@click.option("--precision", "-p", help="int4, int8, fp16 or fp32 (default: the target's default).")
+@click.option("--model", "-m", help="Checkpoint directory or Hugging Face repo id (default: the embedded tiny checkpoint).")
+@click.option("--out", "-o", type=click.Path(path_type=Path, file_okay=False),
+              help="Bundle directory (default: dist/<model-slug>-<target>-<precision>).")
+@click.option("--variant", help="Target variant, e.g. npu (openvino: static shapes for Intel NPUs).")
+@click.option("--npu", is_flag=True, help="Shorthand for --variant npu.")
+@click.option("--force", is_flag=True, help="Replace an existing bundle (only once the new one passed verification).")
+@click.option("--plan", "plan_only", is_flag=True, help="Print the build plan and stop.")
+def build(target, precision, model, out, variant, npu, force, plan_only):
+    """Build a bundle for one hardware target."""
+    from higgs_pack.targets.plan import make_plan
+
+    if npu:
+        if variant not in (None, "npu"):
+            raise click.UsageError(f"--npu conflicts with --variant {variant}")
+        variant = "npu"
+    plan = make_plan(target, precision, variant)
+    if plan_only:
+        click.echo(plan.render())
+        return
+    from higgs_pack.targets.build import build as run_build
+
+    path = run_build(target, precision=precision, model=model, out=out, variant=variant, force=force,
+                     progress=lambda msg: click.echo(msg, err=True))
+    click.echo(str(path))
+
+
+@click.command("make-tiny-checkpoint")
+@click.argument("out", type=click.Path(path_type=Path, file_okay=False))
+@click.option("--preset", default="tiny", show_default=True, help="tiny (tests), bench (benchmarks) or full (real size, ~8 GB).")
+@click.option("--seed", default=0, show_default=True, type=int)
+def make_tiny_checkpoint(out, preset, seed):
+    """Write a random Higgs-Audio-v3 checkpoint in the real layout (deterministic per seed)."""
+    from higgs_pack.exporters.tiny import make_tiny_checkpoint as make
+
+    click.echo(str(make(out, preset=preset, seed=seed)))
+
+
+@click.command()
+@click.argument("bundle", type=click.Path(path_type=Path, file_okay=False))
+@click.option("--format", "fmt", type=click.Choice(["wheel", "archive", "zip", "all"]), default="all", show_default=True,
+              help="wheel, archive (.tar.gz), zip, or all (wheel + .tar.gz).")
+@click.option("--out-dir", "-o", type=click.Path(path_type=Path, file_okay=False), default=Path("dist"), show_default=True)
+@click.option("--force", is_flag=True, help="Overwrite existing output files.")
+def package(bundle, fmt, out_dir, force):
+    """Package BUNDLE as a per-hardware wheel and/or an archive."""
+    from higgs_pack.targets.packaging import package_bundle
+
+    for path in package_bundle(bundle, formats=fmt, out_dir=out_dir, force=force):
+        click.echo(str(path))

@@ -1,0 +1,39 @@
+"""The registered targets.  Adding a target = adding one ``register(Target(...))`` here.
+
+Sub-part tools per target follow DESIGN.md's table: ModelBuilder for the ONNX
+decoders, Olive for the other ONNX sub-parts, optimum-intel + NNCF and Olive's
+OpenVINO passes for the native OpenVINO target; codec sub-parts always fp32.
+"""
+
+from __future__ import annotations
+
+from higgs_pack.manifests.constants import EXECUTION_PROVIDERS, OPENVINO_REQUIREMENT, SubPart
+from higgs_pack.targets.base import Recipe, Target, register
+
+
+def _onnx_recipes(ep: str) -> dict[SubPart, Recipe]:
+    module = Recipe("olive-onnx")
+    return {
+        SubPart.LLM_DECODER: Recipe("modelbuilder", options={"execution_provider": ep}),
+        SubPart.TEXT_EMBED: module,
+        SubPart.AUDIO_EMBED: module,
+        SubPart.AUDIO_HEADS: module,
+        SubPart.AUDIO_TOKENIZER: Recipe("olive-onnx", precision="fp32"),
+        SubPart.AUDIO_ENCODER: Recipe("olive-onnx", precision="fp32"),
+    }
+
+
+CPU = register(
+    Target(
+        name="cpu",
+        description="ONNX Runtime on the CPU execution provider (x86-64 and ARM64)",
+        backend="onnxruntime",
+        execution_provider="cpu",
+        precisions=("int4", "fp16", "fp32"),
+        recipes=_onnx_recipes("cpu"),
+        extra="cpu",
+        runtime_requirements=(EXECUTION_PROVIDERS["cpu"].requirement, "onnx>=1.17"),
+    )
+)
+
+_ = OPENVINO_REQUIREMENT  # used by the openvino declaration

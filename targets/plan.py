@@ -1,0 +1,85 @@
+"""Build plans: target x precision x sub-part -> exporter, passes, precision.
+
+Computed and validated before anything heavy is imported, so a bad request
+fails in milliseconds with a message naming both values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from higgs_pack.exporters.catalog import ExporterInfo, get_exporter
+from higgs_pack.manifests.constants import SubPart
+from higgs_pack.manifests.errors import BuildPlanError
+from higgs_pack.targets.base import Target, get_target
+
+
+@dataclass(frozen=True)
+class PlannedSubPart:
+    """One row of a build plan.
+
+    Attributes:
+        subpart: which sub-part.
+        exporter: the catalogue row that builds it.
+        precision: its effective precision.
+        passes: tool passes, in order.
+        options: exporter keyword options from the recipe.
+    """
+
+    subpart: SubPart
+    exporter: ExporterInfo
+    precision: str
+    passes: tuple[str, ...]
+    options: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    """A validated plan for one bundle."""
+
+    target: Target
+    precision: str
+    rows: tuple[PlannedSubPart, ...]
+    variant: str | None = None
+
+    def render(self) -> str:
+        """Human-readable table (``higgs-pack build --plan``)."""
+        lines = [f"plan: target {self.target.name}, precision {self.precision}"
+                 + (f", variant {self.variant}" if self.variant else "")]
+        for row in self.rows:
+            lines.append(f"  {row.subpart.value:<16} {row.precision:<5} {row.exporter.name:<17} "
+                         f"{' -> '.join(row.passes)}")
+        return "\n".join(lines)
+
+
+def make_plan(target: str | Target, precision: str | None = None, variant: str | None = None) -> BuildPlan:
+    """Plan a build.
+
+    Args:
+        target: target name or declaration.
+        precision: bundle precision; default the target's default.
+        variant: optional target variant (e.g. ``"npu"`` for openvino).
+
+    Raises:
+        BuildPlanError: unknown target, a precision the target does not support
+            (naming both and the allowed ones), or an unknown variant.
+    """
+    t = get_target(target) if isinstance(target, str) else target
+    precision = precision or t.default_precision
+    if precision not in t.precisions:
+        raise BuildPlanError(
+            f"target {t.name!r} does not support precision {precision!r}; it supports "
+            f"{', '.join(t.precisions)} (set it with --precision / precision=)"
+        )
+    variants = getattr(t, "variants", ())
+    if variant is not None and variant not in variants:
+        allowed = ", ".join(variants) or "none"
+        raise BuildPlanError(f"target {t.name!r} has no variant {variant!r}; variants: {allowed}")
+    rows = []
+    for part in SubPart:
+        recipe = t.recipes[part]
+        info = get_exporter(recipe.exporter)
+        eff = t.precision_for(part, precision)
+        rows.append(PlannedSubPart(part, info, eff, info.passes[eff], dict(recipe.options)))
+    return BuildPlan(t, precision, tuple(rows), variant)

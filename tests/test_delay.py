@@ -1,0 +1,81 @@
+"""The delay pattern and sampling rules of MODEL.md, tested directly (no model)."""
+
+import numpy as np
+import pytest
+
+from higgs_pack.runtime.delay import SamplingOptions, apply_delay, sample_codes, undo_delay
+
+BOC, EOC, N = 1024, 1025, 8
+
+
+def test_apply_delay_shifts_codebook_c_by_c_frames():
+    codes = np.arange(5 * N).reshape(5, N) % 1000
+    delayed = apply_delay(codes, BOC, EOC)
+    assert delayed.shape == (5 + N - 1, N)
+    for c in range(N):
+        assert (delayed[:c, c] == BOC).all()
+        assert (delayed[c : c + 5, c] == codes[:, c]).all()
+        assert (delayed[c + 5 :, c] == EOC).all()
+
+
+def test_undo_delay_inverts_apply_delay():
+    rng = np.random.default_rng(1)
+    codes = rng.integers(0, 1024, size=(13, N))
+    assert np.array_equal(undo_delay(apply_delay(codes, BOC, EOC), 1024), codes)
+
+
+def test_undo_delay_of_a_short_run_is_empty():
+    assert undo_delay(np.full((3, N), BOC), 1024).shape == (0, N)
+
+
+def _allowed():
+    allowed = np.zeros((N, 1026), dtype=bool)
+    allowed[:, :1024] = True
+    return allowed
+
+
+def test_greedy_is_argmax_and_never_picks_forbidden_codes():
+    logits = np.zeros((N, 1026), dtype=np.float32)
+    logits[:, 1024] = 100.0  # BOC is never allowed to be sampled
+    logits[np.arange(N), np.arange(N) * 3] = 5.0
+    out = sample_codes(logits, _allowed(), SamplingOptions(temperature=0), np.random.default_rng(0))
+    assert out.tolist() == [c * 3 for c in range(N)]
+
+
+def test_top_k_one_equals_greedy_and_seed_repeats():
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(N, 1026)).astype(np.float32)
+    greedy = sample_codes(logits, _allowed(), SamplingOptions(temperature=0), np.random.default_rng(0))
+    top1 = sample_codes(logits, _allowed(), SamplingOptions(temperature=0.8, top_k=1), np.random.default_rng(0))
+    assert np.array_equal(greedy, top1)
+    a = sample_codes(logits, _allowed(), SamplingOptions(), np.random.default_rng(7))
+    b = sample_codes(logits, _allowed(), SamplingOptions(), np.random.default_rng(7))
+    assert np.array_equal(a, b)
+
+
+def test_top_p_keeps_only_the_nucleus():
+    logits = np.full((N, 1026), -50.0, dtype=np.float32)
+    logits[:, 10] = 10.0  # ~all the mass
+    logits[:, 11] = 9.0
+    rng = np.random.default_rng(0)
+    draws = {int(sample_codes(logits, _allowed(), SamplingOptions(top_k=0, top_p=0.5), rng)[0]) for _ in range(50)}
+    assert draws == {10}
+
+
+def test_sampling_follows_the_distribution():
+    logits = np.full((N, 1026), -np.inf, dtype=np.float32)
+    logits[:, 0] = np.log(0.25)
+    logits[:, 1] = np.log(0.75)
+    rng = np.random.default_rng(0)
+    draws = np.stack([sample_codes(logits, _allowed(), SamplingOptions(temperature=1, top_k=0), rng)
+                      for _ in range(400)])
+    assert 0.68 < (draws == 1).mean() < 0.82
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"temperature": -1}, "temperature"), ({"top_k": -2}, "top_k"), ({"top_p": 0}, "top_p"),
+    ({"repeat_guard_frames": -1}, "repeat_guard_frames"),
+])
+def test_bad_sampling_options_name_the_option(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingOptions(**kwargs).validate()

@@ -145,7 +145,7 @@ _ST_DTYPES: dict[str, tuple[str, int]] = {
 
 
 @dataclass(frozen=True)
-class TensorSpec:
+class LazyTensor:
     """A tensor to be written: its name, shape and dtype, and how to make it.
 
     ``make`` is called exactly once, when the tensor's bytes are written, so a writer
@@ -177,7 +177,7 @@ def _st_dtype(dtype: Any) -> tuple[str, int]:
 
 
 def write_safetensors(
-    path: Path, specs: Sequence[TensorSpec], metadata: dict[str, str] | None = None
+    path: Path, specs: Sequence[LazyTensor], metadata: dict[str, str] | None = None
 ) -> int:
     """Write one safetensors file, streaming: one tensor in memory at a time.
 
@@ -235,12 +235,12 @@ def write_safetensors(
     return offset
 
 
-def plan_shards(specs: Sequence[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
+def plan_shards(specs: Sequence[LazyTensor], max_shard_bytes: int) -> list[list[LazyTensor]]:
     """Split ``specs`` in order into shards of at most ``max_shard_bytes`` data bytes.
 
     A tensor larger than the limit gets a shard of its own.
     """
-    shards: list[list[TensorSpec]] = [[]]
+    shards: list[list[LazyTensor]] = [[]]
     size = 0
     for spec in specs:
         if shards[-1] and size + spec.nbytes > max_shard_bytes:
@@ -252,7 +252,7 @@ def plan_shards(specs: Sequence[TensorSpec], max_shard_bytes: int) -> list[list[
 
 
 def write_sharded_safetensors(
-    out_dir: Path, specs: Sequence[TensorSpec], max_shard_bytes: int
+    out_dir: Path, specs: Sequence[LazyTensor], max_shard_bytes: int
 ) -> list[Path]:
     """Write ``specs`` as ``model.safetensors`` or as shards with an index.
 
@@ -1038,7 +1038,7 @@ class HiggsCheckpoint:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         specs = [
-            TensorSpec(
+            LazyTensor(
                 hf_qwen3_name(name),
                 self._shape(name),
                 self.tensor_dtype(name),

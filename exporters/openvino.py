@@ -89,6 +89,9 @@ DECODER_INPUTS: tuple[str, ...] = ("attention_mask", "position_ids", "inputs_emb
 #: The decoder IR's single output after renaming.
 DECODER_OUTPUT = "hidden_states"
 
+#: How the decoder export is named in ``ExportResult.passes`` (as in ``exporters/catalog.py``).
+DECODER_EXPORT_PASS = "optimum-intel stateful export (inputs_embeds)"
+
 #: Key under which higgs-pack writes its own entries into an IR's ``rt_info``.
 RT_INFO_KEY = "higgs_pack"
 
@@ -340,6 +343,7 @@ def convert_llm_decoder(
     all_layers: bool = False,
     bundle_dir: str | Path | None = None,
     name: str = "llm_decoder",
+    work_dir: str | Path | None = None,
 ) -> ExportResult:
     """Export the Qwen3 body as a stateful OpenVINO IR and compress its weights.
 
@@ -366,6 +370,8 @@ def convert_llm_decoder(
             into int4.
         bundle_dir: Root the returned file paths are relative to (default ``out_dir``).
         name: File stem of the IR.
+        work_dir: Parent of the temporary export directory (default ``out_dir``);
+            it is removed afterwards.
 
     Returns:
         An :class:`ExportResult` with ``exporter="optimum-intel"``, the passes
@@ -403,7 +409,9 @@ def convert_llm_decoder(
 
     out_dir.mkdir(parents=True, exist_ok=True)
     xml = out_dir / f"{name}.xml"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-export-", dir=out_dir))
+    work_parent = Path(work_dir) if work_dir is not None else out_dir
+    work_parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-export-", dir=work_parent))
     try:
         try:
             export_models({name: (model, export_config)}, tmp, output_names=[f"{name}.xml"], stateful=True)
@@ -423,11 +431,11 @@ def convert_llm_decoder(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    passes = ["export_models(stateful=True)"]
-    if precision in ("int8", "int4"):
-        passes.append("nncf.compress_weights")
+    passes = [DECODER_EXPORT_PASS]
+    if settings:
+        passes.append(f"nncf.compress_weights({settings['mode'].upper()})")
     elif precision == "fp16":
-        passes.append("save_model(compress_to_fp16=True)")
+        passes.append("save_model(compress_to_fp16)")
     inputs, outputs = ir_io_signature(xml)
     files = _relative_files(xml, bundle_dir)
     return ExportResult(
@@ -447,12 +455,30 @@ def convert_llm_decoder(
             "export_config": "get_vlm_text_generation_config('qwen3', int_dtype='int64', float_dtype='fp32')",
             "lm_head": "identity",
             "compress_to_fp16": precision == "fp16",
-            "weights": weight_summary(xml),
+            "weight_storage": weight_summary(xml),
         },
     )
 
 
 # ----------------------------------------------------------------------------- sub-parts
+
+
+def _shapes_from_dynamic_axes(example_inputs: Sequence[Any], input_names: Sequence[str],
+                              dynamic_axes: Mapping[str, Any]) -> list[list[int | str]]:
+    """``torch.onnx``-style dynamic axes -> one partial shape per input (example sizes elsewhere)."""
+    if len(example_inputs) != len(input_names):
+        raise BuildError(f"{len(example_inputs)} example inputs given for inputs {list(input_names)}")
+    shapes: list[list[int | str]] = []
+    for example, input_name in zip(example_inputs, input_names, strict=True):
+        shape: list[int | str] = [int(d) for d in example.shape]
+        axes = dynamic_axes.get(input_name) or {}
+        named = axes.items() if isinstance(axes, Mapping) else ((a, f"{input_name}_dim{a}") for a in axes)
+        for axis, label in named:
+            if not -len(shape) <= int(axis) < len(shape):
+                raise BuildError(f"dynamic axis {axis} of {input_name!r} is outside its rank {len(shape)}")
+            shape[int(axis)] = str(label)
+        shapes.append(shape)
+    return shapes
 
 
 def _convert_olive(module: torch.nn.Module, example_inputs: tuple, precision: str, settings: Mapping[str, Any],
@@ -495,7 +521,7 @@ def _convert_olive(module: torch.nn.Module, example_inputs: tuple, precision: st
             disable_search=True,
         )
         converted = compression.run(converted, str(work / "compression"))
-        passes.append("OpenVINOWeightCompression")
+        passes.append(f"OpenVINOWeightCompression({settings['mode'].upper()})")
     return ov.Core().read_model(converted.model_config["model"]), passes
 
 
@@ -509,7 +535,7 @@ def _convert_openvino(module: torch.nn.Module, example_inputs: tuple, precision:
     if settings:
         model, _ = _compress(model, precision, settings.get("group_size", 128), settings.get("ratio", 1.0),
                              settings.get("all_layers", False))
-        passes.append("nncf.compress_weights")
+        passes.append(f"nncf.compress_weights({settings['mode'].upper()})")
     return model, passes
 
 
@@ -523,12 +549,14 @@ def convert_subpart(
     input_names: Sequence[str] | None = None,
     output_names: Sequence[str] | None = None,
     input_shapes: Sequence[Sequence[int | str | None]] | None = None,
+    dynamic_axes: Mapping[str, Any] | None = None,
     name: str | None = None,
     group_size: int = 128,
     ratio: float = 1.0,
     all_layers: bool = True,
     engine: Literal["olive", "openvino"] = "olive",
     bundle_dir: str | Path | None = None,
+    work_dir: str | Path | None = None,
 ) -> ExportResult:
     """Convert one small sub-part (embeddings, audio heads, codec) to OpenVINO IR.
 
@@ -551,6 +579,12 @@ def convert_subpart(
             ``-1`` or a string (dynamic), e.g. ``[[None, None, 8]]`` for ``codes``.
             ``None`` (the default) leaves every axis dynamic. All-int shapes give
             a static IR (see also :func:`reshape_static`).
+        dynamic_axes: Alternative to ``input_shapes``, as for ``torch.onnx.export``:
+            input name -> ``{axis: symbolic name}`` or a list of axes. Those axes are
+            dynamic, every other axis keeps the example's size (``{"codes": {0:
+            "batch", 1: "frames"}}`` with a [1, 3, 8] example gives [?, ?, 8]).
+            Output entries are ignored (OpenVINO infers output shapes); OpenVINO IR
+            keeps no axis names, so the signature says ``"?"``.
         name: File stem (default the sub-part name).
         group_size: int4 only: NNCF group size (adjusted down where it does not divide).
         ratio: int4 only: share of weights in int4, the rest int8.
@@ -559,14 +593,16 @@ def convert_subpart(
         engine: ``"olive"`` (Olive's OpenVINOConversion + OpenVINOWeightCompression
             passes) or ``"openvino"`` (``openvino.convert_model`` + ``nncf.compress_weights``).
         bundle_dir: Root the returned file paths are relative to (default ``out_dir``).
+        work_dir: Parent of the temporary directory for intermediate IRs (default
+            ``out_dir``); it is removed afterwards.
 
     Returns:
         An :class:`ExportResult` (``exporter`` ``"olive"`` or ``"openvino"``), with the
         I/O signature read back from the saved IR.
 
     Raises:
-        BuildPlanError: Unknown sub-part, precision or engine, or a codec at a
-            precision other than fp32.
+        BuildPlanError: Unknown sub-part, precision or engine, a codec at a
+            precision other than fp32, or both ``input_shapes`` and ``dynamic_axes``.
         BuildError: Conversion, compression or renaming failed, or the graph's
             inputs/outputs do not match the names.
     """
@@ -589,12 +625,18 @@ def convert_subpart(
     bundle_dir = Path(bundle_dir) if bundle_dir is not None else out_dir
     xml = out_dir / f"{name}.xml"
     settings = _compress_settings(precision, group_size, ratio, all_layers)
+    if dynamic_axes is not None:
+        if input_shapes is not None:
+            raise BuildPlanError("pass input_shapes= or dynamic_axes=, not both")
+        input_shapes = _shapes_from_dynamic_axes(example_inputs, input_names, dynamic_axes)
 
     import torch
 
     module = module.eval()
     out_dir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{name}-convert-", dir=out_dir))
+    work_parent = Path(work_dir) if work_dir is not None else out_dir
+    work_parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{name}-convert-", dir=work_parent))
     try:
         with torch.no_grad():
             if engine == "olive":
@@ -611,8 +653,8 @@ def convert_subpart(
         del model
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    if precision == "fp16" and engine == "openvino":
-        passes.append("save_model(compress_to_fp16=True)")
+    if precision == "fp16":
+        passes.append("compress_to_fp16")
     inputs, outputs = ir_io_signature(xml)
     files = _relative_files(xml, bundle_dir)
     return ExportResult(
@@ -631,7 +673,7 @@ def convert_subpart(
             "engine": engine,
             "input_shapes": [list(s) for s in input_shapes] if input_shapes is not None else None,
             "compress_to_fp16": precision == "fp16",
-            "weights": weight_summary(xml),
+            "weight_storage": weight_summary(xml),
         },
     )
 

@@ -40,6 +40,7 @@ import hashlib
 import importlib.util
 import json
 import math
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,7 @@ from higgs_pack.exporters.checkpoint import (
     CODEC_PREFIX,
     MODEL_TYPE,
     PUBLISHED_CODEC_CONFIG,
-    TensorSpec,
+    LazyTensor,
     llm_tensor_shapes,
     write_sharded_safetensors,
 )
@@ -323,7 +324,7 @@ def _bf16(make: Any) -> Any:
     return lambda: make().to(torch.bfloat16)
 
 
-def _backbone_specs(spec: Preset, text_config: dict[str, Any], seed: int) -> list[TensorSpec]:
+def _backbone_specs(spec: Preset, text_config: dict[str, Any], seed: int) -> list[LazyTensor]:
     import torch
 
     shapes = llm_tensor_shapes(text_config)
@@ -334,11 +335,11 @@ def _backbone_specs(spec: Preset, text_config: dict[str, Any], seed: int) -> lis
             make = _bf16(lambda shape=shape: torch.ones(shape))
         else:
             make = _bf16(lambda name=name, shape=shape: _normal(seed, name, shape, _BACKBONE_STD))
-        out.append(TensorSpec(name, shape, torch.bfloat16, make))
+        out.append(LazyTensor(name, shape, torch.bfloat16, make))
     return out
 
 
-def _codec_specs(codec_cfg: Any, seed: int) -> list[TensorSpec]:
+def _codec_specs(codec_cfg: Any, seed: int) -> list[LazyTensor]:
     """Specs of the codec state dict, with per-module random init (see module docstring)."""
     import torch
     from transformers import HiggsAudioV2TokenizerModel
@@ -358,7 +359,7 @@ def _codec_specs(codec_cfg: Any, seed: int) -> list[TensorSpec]:
         at = next(i for i, (k, _) in enumerate(entries) if k.startswith("semantic_model."))
         entries.insert(at, (key, (int(codec_cfg.semantic_model_config.hidden_size),)))
     return [
-        TensorSpec(
+        LazyTensor(
             CODEC_PREFIX + key,
             shape,
             torch.bfloat16,
@@ -403,7 +404,10 @@ def _codec_init(key: str, shape: tuple[int, ...], owner: Any, seed: int) -> Any:
         fan_in = math.prod(shape[1:])
     else:
         return _normal(seed, name, shape, _BACKBONE_STD)
-    return _normal(seed, name, shape, 1.0 / math.sqrt(fan_in))
+    gain = 1.0
+    if re.search(r"\.res_unit(s\.)?\d+\.conv2\.weight$", key) or key == "acoustic_decoder.conv2.weight":
+        gain = 0.1 if key != "acoustic_decoder.conv2.weight" else 0.03
+    return _normal(seed, name, shape, gain / math.sqrt(fan_in))
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -450,6 +454,26 @@ def higgs_added_tokens(stock: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return kept
 
 
+def _replace_added_tokens(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """Swap the ``added_tokens`` array of a tokenizer.json text for the Higgs one.
+
+    Only that array is re-serialized (in the file's own 2-space style); the 11 MB of
+    vocabulary and merges are kept byte for byte, which is 20x faster than a JSON round
+    trip through the pure-Python encoder.
+    """
+    start = text.find('  "added_tokens": [')
+    end = text.find("\n  ],", start)
+    if start < 0 or end < 0:  # another layout: round-trip the whole file
+        tok = json.loads(text)
+        tok["added_tokens"] = higgs_added_tokens(tok["added_tokens"])
+        return json.dumps(tok, indent=2, ensure_ascii=False), tok["added_tokens"]
+    end += len("\n  ]")
+    stock = json.loads("{" + text[start:end].strip() + "}")["added_tokens"]
+    added = higgs_added_tokens(stock)
+    block = json.dumps(added, indent=2, ensure_ascii=False).replace("\n", "\n  ")
+    return text[:start] + '  "added_tokens": ' + block + text[end:], added
+
+
 def write_higgs_tokenizer(out: Path, *, model_max_length: int = 4096) -> list[Path]:
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json to ``out``.
 
@@ -460,12 +484,11 @@ def write_higgs_tokenizer(out: Path, *, model_max_length: int = 4096) -> list[Pa
         The three written files.
     """
     stock_dir = _stock_tokenizer_dir()
-    tok = json.loads((stock_dir / "tokenizer.json").read_text(encoding="utf-8"))
-    added = higgs_added_tokens(tok["added_tokens"])
-    tok["added_tokens"] = added
+    text = (stock_dir / "tokenizer.json").read_text(encoding="utf-8")
+    text, added = _replace_added_tokens(text)
     out = Path(out)
     paths = [out / "tokenizer.json", out / "tokenizer_config.json", out / "special_tokens_map.json"]
-    paths[0].write_text(json.dumps(tok, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    paths[0].write_text(text, encoding="utf-8")
 
     stock_cfg = json.loads((stock_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
     flags = ("lstrip", "normalized", "rstrip", "single_word", "special")

@@ -151,7 +151,9 @@ def _open_onnxruntime(bundle: Bundle, *, execution_provider: str | None, device:
         )
         check_signature(session, part, spec)
         if part == SubPart.LLM_DECODER:
-            parts[part] = OrtDecoder(session, max_length=m["constants"]["max_position_embeddings"])
+            c = m["constants"]
+            parts[part] = OrtDecoder(session, max_length=c["max_position_embeddings"],
+                                     kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"])
         else:
             parts[part] = OrtSubPart(session, part)
         parts["description"][part] = used

@@ -213,7 +213,7 @@ class OrtDecoder:
     and are fed back without copies to numpy.
     """
 
-    def __init__(self, session, *, max_length: int):
+    def __init__(self, session, *, max_length: int, kv_heads: int, head_dim: int):
         self.session = session
         self.max_length = max_length
         ort = import_ort()
@@ -224,8 +224,7 @@ class OrtDecoder:
         self._present = [n.replace("past_key_values.", "present.") for n in self._past]
         self._has_position_ids = "position_ids" in inputs
         self._kv_type = ORT_TYPES[inputs[self._past[0]].type] if self._past else np.float32
-        shape = inputs[self._past[0]].shape if self._past else []
-        self._kv_heads, self._head_dim = int(shape[1]), int(shape[3])
+        self._kv_heads, self._head_dim = kv_heads, head_dim
         self._outputs = ["hidden_states", *self._present]
         self.reset()
 

@@ -22,7 +22,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.manifests.constants import FORMAT_VERSION, SubPart
+from higgs_pack.manifests.constants import FORMAT_VERSION, SUBPART_IO, SubPart
 from higgs_pack.manifests.errors import BuildError, BundleError, HiggsPackError
 from higgs_pack.manifests.manifest import MANIFEST_NAME, file_entry, read_manifest, write_manifest
 from higgs_pack.targets.base import CODE_AGREEMENT_THRESHOLD, COSINE_THRESHOLDS
@@ -183,45 +183,42 @@ def build(
 
 
 def _export_all(plan: BuildPlan, ckpt, bundle_dir: Path, work_dir: Path, say) -> dict[SubPart, Any]:
-    from higgs_pack.exporters.specs import module_specs
+    """Run every planned exporter; decoders get a standard Qwen3 HF dir, the rest torch modules."""
+    from higgs_pack.exporters.torch_modules import DYNAMIC_AXES, build_modules, example_inputs
 
     results: dict[SubPart, Any] = {}
     hf_dir = None
-    specs = None
+    modules = None
     for row in plan.rows:
         fn = row.exporter.load()
-        say(f"exporting {row.subpart.value} ({row.precision}) with {row.exporter.name}")
+        part = row.subpart
+        say(f"exporting {part.value} ({row.precision}) with {row.exporter.name}")
         try:
             if row.exporter.kind == "decoder":
                 if hf_dir is None:
                     hf_dir = ckpt.write_qwen3_hf_dir(work_dir / "qwen3-hf")
-                results[row.subpart] = fn(
-                    hf_dir, bundle_dir / row.subpart.value, precision=row.precision,
-                    bundle_dir=bundle_dir, **_decoder_kwargs(row, work_dir),
-                )
+                kwargs = dict(row.options)
+                if row.exporter.name == "modelbuilder":
+                    kwargs.setdefault("cache_dir", work_dir / "modelbuilder-cache")
+                else:
+                    kwargs.setdefault("work_dir", work_dir / part.value)
+                results[part] = fn(hf_dir, bundle_dir / part.value, precision=row.precision,
+                                   bundle_dir=bundle_dir, **kwargs)
             else:
-                if specs is None:
-                    specs = module_specs(ckpt)
-                spec = specs[row.subpart]
-                results[row.subpart] = fn(
-                    spec.module, spec.example_inputs, input_names=spec.input_names,
-                    output_names=spec.output_names, **spec.shape_kwargs(row.exporter.format),
-                    out_dir=bundle_dir, name=row.subpart.value, precision=row.precision,
-                    work_dir=work_dir / row.subpart.value, subpart=row.subpart.value,
-                    bundle_dir=bundle_dir, **row.options,
+                if modules is None:
+                    modules = build_modules(ckpt)
+                inputs, outputs = SUBPART_IO[part]
+                results[part] = fn(
+                    modules[part], example_inputs(part, ckpt.constants), input_names=list(inputs),
+                    output_names=list(outputs), dynamic_axes=DYNAMIC_AXES[part], out_dir=bundle_dir,
+                    name=part.value, precision=row.precision, work_dir=work_dir / part.value,
+                    subpart=part.value, bundle_dir=bundle_dir, **row.options,
                 )
         except HiggsPackError:
             raise
         except Exception as exc:  # an exporter's own failure: name the sub-part and tool
-            raise BuildError(f"{row.exporter.name} failed on {row.subpart.value} ({row.precision}): {exc}") from exc
+            raise BuildError(f"{row.exporter.name} failed on {part.value} ({row.precision}): {exc}") from exc
     return results
-
-
-def _decoder_kwargs(row, work_dir: Path) -> dict[str, Any]:
-    kwargs = dict(row.options)
-    if row.exporter.name == "modelbuilder":
-        kwargs.setdefault("cache_dir", work_dir / "modelbuilder-cache")
-    return kwargs
 
 
 def _copy_tokenizer(ckpt, bundle_dir: Path) -> str:

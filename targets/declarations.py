@@ -36,4 +36,54 @@ CPU = register(
     )
 )
 
-_ = OPENVINO_REQUIREMENT  # used by the openvino declaration
+CUDA = register(
+    Target(
+        name="cuda",
+        description="ONNX Runtime on the CUDA execution provider (NVIDIA GPUs)",
+        backend="onnxruntime",
+        execution_provider="cuda",
+        precisions=("fp16", "int4", "fp32"),
+        recipes=_onnx_recipes("cuda"),
+        extra="cuda",
+        runtime_requirements=(EXECUTION_PROVIDERS["cuda"].requirement, "onnx>=1.17"),
+        provider_options={"device_id": 0},
+        verify_on="cpu",
+    )
+)
+
+DML = register(
+    Target(
+        name="dml",
+        description="ONNX Runtime on the DirectML execution provider (Windows GPUs)",
+        backend="onnxruntime",
+        execution_provider="dml",
+        precisions=("fp16", "int4"),
+        recipes=_onnx_recipes("dml"),
+        extra="dml",
+        runtime_requirements=(EXECUTION_PROVIDERS["dml"].requirement, "onnx>=1.17"),
+        provider_options={"device_id": 0},
+        platform_marker="sys_platform == 'win32'",
+        verify_on="cpu",
+    )
+)
+
+OPENVINO = register(
+    Target(
+        name="openvino",
+        description="Native OpenVINO IR for Intel CPUs, iGPUs and NPUs (NNCF weight compression)",
+        backend="openvino",
+        device="CPU",
+        precisions=("int4", "int8", "fp16", "fp32"),
+        recipes={
+            SubPart.LLM_DECODER: Recipe("optimum-openvino"),
+            SubPart.TEXT_EMBED: Recipe("olive-openvino"),
+            SubPart.AUDIO_EMBED: Recipe("olive-openvino"),
+            SubPart.AUDIO_HEADS: Recipe("olive-openvino"),
+            SubPart.AUDIO_TOKENIZER: Recipe("olive-openvino", precision="fp32"),
+            SubPart.AUDIO_ENCODER: Recipe("olive-openvino", precision="fp32"),
+        },
+        extra="openvino",
+        runtime_requirements=(OPENVINO_REQUIREMENT,),
+        variants=("npu",),
+    )
+)

@@ -28,6 +28,7 @@ from higgs_pack.exporters.openvino import (  # noqa: E402
     reshape_static,
     weight_summary,
 )
+from higgs_pack.manifests.constants import SUBPART_IO, SubPart  # noqa: E402
 from higgs_pack.manifests.errors import (  # noqa: E402
     BuildError,
     BuildPlanError,
@@ -156,9 +157,13 @@ def subparts(tmp_path_factory):
             module = make_module(kind)
             out = tmp_path_factory.mktemp(f"{kind}-{precision}-{engine}")
             start = time.perf_counter()
+            if engine == "olive":
+                kwargs = {"input_shapes": SHAPES[kind], "out_dir": out}
+            else:  # torch.onnx-style axes, a sub-folder of the bundle, a work dir outside it
+                kwargs = {"dynamic_axes": {SUBPART_IO[SubPart(kind)][0][0]: {0: "batch", 1: "frames"}},
+                          "out_dir": out / kind, "bundle_dir": out, "work_dir": out.parent / f"{out.name}-work"}
             result = convert_subpart(
-                module, (example(kind, 3),), subpart=kind, out_dir=out, precision=precision,
-                input_shapes=SHAPES[kind], engine=engine,
+                module, (example(kind, 3),), subpart=kind, precision=precision, engine=engine, **kwargs
             )
             print(f"\nconvert {kind} {precision} ({engine}): {time.perf_counter() - start:.1f} s")
             cache[key] = (module, result, out / result.entry)
@@ -177,7 +182,7 @@ def test_decoder_fp32_matches_pytorch_and_reset(decoders, embeds_and_reference):
     assert result.exporter == "optimum-intel" and result.format == "openvino"
     assert result.files == ["llm_decoder.xml", "llm_decoder.bin"] and result.entry == "llm_decoder.xml"
     assert {"openvino", "nncf", "optimum-intel", "transformers"} <= set(result.tool_versions)
-    assert result.quantization == {}
+    assert result.quantization == {} and result.passes == ["optimum-intel stateful export (inputs_embeds)"]
     assert result.options["stateful"] is True
     assert result.input_names == ["attention_mask", "position_ids", "inputs_embeds", "beam_idx"]
     assert result.output_names == ["hidden_states"]
@@ -215,6 +220,7 @@ def test_decoder_compressed(decoders, embeds_and_reference, precision):
     assert is_stateful(xml)
     q = result.quantization
     assert q["mode"] == f"{precision}_asym"
+    assert result.passes[-1] == f"nncf.compress_weights({precision.upper()}_ASYM)"
     weights = q["effective"]["weights"]
     assert weights.get(precision, 0) > 0
     if precision == "int4":
@@ -337,7 +343,7 @@ def test_subpart_matches_pytorch(subparts, kind, precision):
     elif precision == "fp16":
         assert cosine(got, expected) > 0.999 and "float16" in weights
     else:
-        assert result.passes == ["OpenVINOConversion", "OpenVINOWeightCompression"]
+        assert result.passes == ["OpenVINOConversion", f"OpenVINOWeightCompression({precision.upper()}_ASYM)"]
         assert result.quantization["mode"] == f"{precision}_asym" and precision in weights
         assert cosine(got, expected) > 0.98
     print(f"\n{kind} {precision}: cosine {cosine(got, expected):.6f} max abs {np.abs(got - expected).max():.2e}")
@@ -345,8 +351,12 @@ def test_subpart_matches_pytorch(subparts, kind, precision):
 
 def test_subpart_openvino_engine(subparts):
     module, result, xml = subparts("audio_embed", "int4", engine="openvino")
-    assert result.exporter == "openvino" and result.passes == ["convert_model", "nncf.compress_weights"]
+    assert result.exporter == "openvino" and result.passes == ["convert_model", "nncf.compress_weights(INT4_ASYM)"]
     assert "olive-ai" not in result.tool_versions
+    assert result.inputs[0].shape == ["?", "?", CODEBOOKS]
+    assert result.options["input_shapes"] == [["batch", "frames", CODEBOOKS]]
+    assert result.files == ["audio_embed/audio_embed.xml", "audio_embed/audio_embed.bin"]
+    assert sorted(p.name for p in xml.parent.iterdir()) == ["audio_embed.bin", "audio_embed.xml"]
     x = example("audio_embed", 5)
     with torch.no_grad():
         expected = module(x).numpy()

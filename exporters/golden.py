@@ -1,0 +1,92 @@
+"""Golden inputs/outputs captured from the PyTorch oracle at build time.
+
+Saved as ``reference/golden.npz`` in the bundle (plain numpy arrays; loaded with
+``allow_pickle=False``).  Keys are ``<sub-part>/in/<tensor>`` and
+``<sub-part>/out/<tensor>`` (see :func:`higgs_pack.runtime.verify.subpart_parity`),
+plus ``greedy/delayed``: the oracle's greedy codes for :data:`GREEDY_TEXT`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from higgs_pack.runtime.delay import SamplingOptions
+from higgs_pack.runtime.generate import build_prompt, generate_codes
+
+#: Text of the greedy-parity check (recorded in the manifest's ``reference.cases``).
+GREEDY_TEXT = "The quick brown fox jumps over the lazy dog."
+#: Frames of greedy decoding captured (>= the 16 the fp32 check requires).
+GREEDY_FRAMES = 24
+#: Seconds of the synthetic codec-encoder probe (a whole number of 960-sample frames at 24 kHz).
+ENCODER_PROBE_FRAMES = 30
+
+
+def _probe_waveform(sample_rate: int, hop: int, rng: np.random.Generator) -> np.ndarray:
+    """A deterministic voiced-like signal: a 120->300 Hz chirp with harmonics plus noise."""
+    n = ENCODER_PROBE_FRAMES * hop
+    t = np.arange(n) / sample_rate
+    f0 = 120 + 180 * t / t[-1]
+    phase = 2 * np.pi * np.cumsum(f0) / sample_rate
+    wave = sum(np.sin(k * phase) / k for k in range(1, 6)) * 0.3
+    wave = wave * (0.6 + 0.4 * np.sin(2 * np.pi * 3 * t)) + 0.01 * rng.standard_normal(n)
+    return wave.astype(np.float32)
+
+
+def capture_golden(ckpt, out_path: Path, *, seed: int = 1234) -> int:
+    """Run the oracle on fixed inputs and save the results.
+
+    Args:
+        ckpt: an open :class:`~higgs_pack.exporters.checkpoint.HiggsCheckpoint`.
+        out_path: where to write the ``.npz`` (parent directories are created).
+        seed: seed of the random probe codes.
+
+    Returns:
+        The number of greedy frames captured (:data:`GREEDY_FRAMES`).
+    """
+    from higgs_pack.exporters.reference import reference_pipeline
+
+    pipe = reference_pipeline(ckpt)
+    c = pipe.constants
+    rng = np.random.default_rng(seed)
+    g: dict[str, np.ndarray] = {}
+
+    sp = c.special_tokens
+    text_ids = pipe.tokenizer.encode(GREEDY_TEXT, add_special_tokens=False).ids
+    ids = np.asarray([[sp["tts"], sp["text"], *text_ids, sp["audio"]]], dtype=np.int64)
+    embeds = pipe.text_embed.run({"input_ids": ids})["inputs_embeds"]
+    g["text_embed/in/input_ids"], g["text_embed/out/inputs_embeds"] = ids, embeds
+
+    pipe.decoder.reset()
+    hidden = pipe.decoder.forward(embeds)
+    step_codes = rng.integers(0, c.codebook_size, size=(1, 1, c.num_codebooks), dtype=np.int64)
+    step_embeds = pipe.audio_embed.run({"codes": step_codes})["audio_embeds"]
+    g["llm_decoder/in/inputs_embeds"], g["llm_decoder/out/hidden_states"] = embeds, hidden
+    g["llm_decoder/in/step_embeds"] = step_embeds
+    g["llm_decoder/out/step_hidden_states"] = pipe.decoder.forward(step_embeds)
+
+    codes = rng.integers(0, c.codebook_size, size=(1, 6, c.num_codebooks), dtype=np.int64)
+    codes[0, 0, 1:] = c.boc
+    codes[0, -1, 0] = c.eoc
+    g["audio_embed/in/codes"] = codes
+    g["audio_embed/out/audio_embeds"] = pipe.audio_embed.run({"codes": codes})["audio_embeds"]
+
+    g["audio_heads/in/hidden_states"] = hidden
+    g["audio_heads/out/audio_logits"] = pipe.audio_heads.run({"hidden_states": hidden})["audio_logits"]
+
+    audio_codes = rng.integers(0, c.codebook_size, size=(1, c.num_codebooks, 12), dtype=np.int64)
+    g["audio_tokenizer/in/audio_codes"] = audio_codes
+    g["audio_tokenizer/out/waveform"] = pipe.audio_tokenizer.run({"audio_codes": audio_codes})["waveform"]
+
+    wave = _probe_waveform(c.sample_rate, c.hop_length, rng)[None, None]
+    g["audio_encoder/in/waveform"] = wave
+    g["audio_encoder/out/audio_codes"] = pipe.audio_encoder.run({"waveform": wave})["audio_codes"]
+
+    greedy = generate_codes(pipe, build_prompt(pipe, GREEDY_TEXT),
+                            SamplingOptions(temperature=0.0, repeat_guard_frames=0), max_frames=GREEDY_FRAMES)
+    g["greedy/delayed"] = greedy.delayed
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_path, "wb") as handle:
+        np.savez(handle, **g)
+    return GREEDY_FRAMES

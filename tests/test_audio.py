@@ -1,0 +1,70 @@
+"""Reference-audio preparation and wav writing on real audio from shared/cases."""
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from higgs_pack.manifests.errors import InputError
+from higgs_pack.runtime.audio import load_audio, prepare_reference, write_wav
+
+SR, HOP = 24000, 960
+
+
+def test_case_clip_is_resampled_padded_to_whole_frames(cases_dir):
+    samples, rate = load_audio(cases_dir / "ref_en_16k.wav")
+    assert rate == 16000
+    assert 6.5 < len(samples) / rate < 7.5
+    out = prepare_reference(samples, rate, SR, HOP)
+    assert out.dtype == np.float32 and len(out) % HOP == 0
+    assert abs(len(out) - len(samples) * 1.5) < HOP + 10
+
+
+def test_stereo_48k_is_downmixed(tmp_path):
+    t = np.arange(48000 * 2) / 48000
+    left = 0.5 * np.sin(2 * np.pi * 220 * t)
+    sf.write(tmp_path / "st.wav", np.stack([left, -left * 0 + left], axis=1), 48000)
+    samples, rate = load_audio(tmp_path / "st.wav")
+    assert samples.ndim == 1 and rate == 48000
+    out = prepare_reference(samples, rate, SR, HOP)
+    assert len(out) == 2 * SR
+
+
+def test_short_clip_is_padded_to_one_second():
+    out = prepare_reference(0.3 * np.ones(int(0.6 * SR), np.float32), SR, SR, HOP)
+    assert len(out) == SR
+
+
+@pytest.mark.parametrize(("samples", "message"), [
+    (np.ones(1000, np.float32) * 0.3, "needs at least 0.5 s"),
+    (np.zeros(SR * 2, np.float32), "is silent"),
+    (np.full(SR * 2, np.nan, np.float32), "NaN"),
+    (np.ones(SR * 61, np.float32) * 0.1, "at most 60 s"),
+])
+def test_unusable_reference_clips_are_refused(samples, message):
+    with pytest.raises(InputError, match=message):
+        prepare_reference(samples, SR, SR, HOP)
+
+
+def test_missing_corrupt_and_non_audio_files(tmp_path):
+    with pytest.raises(InputError, match="does not exist"):
+        load_audio(tmp_path / "nope.wav")
+    (tmp_path / "text.wav").write_text("this is not audio")
+    with pytest.raises(InputError, match="not a readable audio file"):
+        load_audio(tmp_path / "text.wav")
+    good = tmp_path / "good.wav"
+    sf.write(good, np.zeros(48000, np.float32) + 0.1, 24000)
+    (tmp_path / "cut.wav").write_bytes(good.read_bytes()[:30])
+    with pytest.raises(InputError):
+        load_audio(tmp_path / "cut.wav")
+
+
+def test_loud_audio_is_scaled_not_clipped(tmp_path):
+    x = np.array([0.0, 1.8, -1.2, 0.5], np.float32)
+    w = write_wav(tmp_path / "a.wav", x, SR)
+    assert w.scaled and w.peak == pytest.approx(1.8)
+    back, rate = sf.read(tmp_path / "a.wav", dtype="float32")
+    assert rate == SR and np.abs(back).max() <= 1.0
+    assert back[1] > 0.99 and back[2] < -0.6  # scaled, sign and order kept (no wrap)
+    w = write_wav(tmp_path / "f.wav", x, SR, subtype="FLOAT")
+    assert not w.scaled and sf.read(tmp_path / "f.wav", dtype="float32")[0][1] == pytest.approx(1.8)
+    assert sf.info(tmp_path / "a.wav").subtype == "PCM_16"

@@ -70,7 +70,7 @@ EXPORTERS: dict[str, ExporterInfo] = {
             {
                 "fp32": ("OnnxConversion",),
                 "fp16": ("OnnxConversion", "OnnxFloatToFloat16"),
-                "int4": ("OnnxConversion", "OnnxBlockwiseRtnQuantization"),
+                "int4": ("OnnxConversion", "OnnxBlockWiseRtnQuantization"),
             },
             ("olive-ai", "onnx", "onnxruntime", "torch"),
         ),

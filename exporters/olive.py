@@ -254,7 +254,10 @@ def export_onnx(
     ``external_data_threshold`` bytes, ``out_dir/<name>.onnx.data`` (all tensors in
     that one file, referenced by the relative location ``<name>.onnx.data``). A
     previous ``<name>.onnx`` / ``<name>.onnx.data`` is replaced; nothing else in
-    ``out_dir`` is touched.
+    ``out_dir`` is touched. The RTN pass renames a quantized node's output
+    (``<out>_Q4``); when that node is a graph output (``text_embed``'s Gather) the
+    declared ``output_names`` are restored and the rename is recorded in
+    ``options["renamed_outputs"]``.
 
     Dtypes: fp32 and int4/int8 graphs take and return float32 (int4/int8 only
     change the stored weights). fp16 graphs are cast end to end with
@@ -393,6 +396,7 @@ def export_onnx(
                         f"{_log_tail(log_path)}"
                     ) from error
         final = _finalize(Path(model.model_path), out_dir, name, external_data_threshold)
+        renamed = onnx_utils.rename_graph_outputs(final, output_names)
     finally:
         if not keep_work_dir:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -440,5 +444,6 @@ def export_onnx(
             "exporter": "torchscript",
             "dynamic_axes": {k: {str(a): v for a, v in ax.items()} for k, ax in axes.items()},
             "op_types": onnx_utils.op_type_counts(final),
+            "renamed_outputs": renamed,
         },
     )

@@ -220,3 +220,53 @@ def onnx_tool_versions() -> dict[str, str]:
     import onnxruntime
 
     return {"onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}
+
+
+def rename_graph_outputs(
+    path: str | os.PathLike, names: list[str] | tuple[str, ...]
+) -> dict[str, str]:
+    """Give a graph's outputs the declared names, in place (weights untouched).
+
+    Olive's ``OnnxBlockWiseRtnQuantization`` renames the output of every node it
+    quantizes to ``<name>_Q4`` / ``_Q8``; when a quantized Gather feeds a graph
+    output directly (``text_embed``), the graph output is renamed with it. The
+    bundle's I/O contract (``SUBPART_IO``) needs the declared names back.
+
+    Args:
+        path: The ``.onnx`` file (external data, if any, stays where it is).
+        names: Wanted output names, in graph output order.
+
+    Returns:
+        ``{old: new}`` for each output that was renamed (empty when none was).
+
+    Raises:
+        BuildError: The graph has a different number of outputs, or a wanted name
+            is already taken by another tensor of the graph.
+    """
+    model = onnx.load(str(path), load_external_data=False)
+    graph = model.graph
+    if len(graph.output) != len(names):
+        raise BuildError(
+            f"{path}: the graph has {len(graph.output)} outputs "
+            f"{[o.name for o in graph.output]}, expected {len(names)} ({list(names)}); "
+            "fix output_names=."
+        )
+    renamed = {
+        o.name: wanted for o, wanted in zip(graph.output, names, strict=True) if o.name != wanted
+    }
+    if not renamed:
+        return {}
+    taken = {i.name for i in graph.input} | {i.name for i in graph.initializer}
+    taken |= {name for node in graph.node for name in node.output}
+    clashes = sorted(set(renamed.values()) & (taken - set(renamed)))
+    if clashes:
+        raise BuildError(
+            f"{path}: cannot rename outputs to {clashes}: the graph already uses those names."
+        )
+    for node in graph.node:
+        node.output[:] = [renamed.get(o, o) for o in node.output]
+        node.input[:] = [renamed.get(i, i) for i in node.input]
+    for value in [*graph.output, *graph.value_info]:
+        value.name = renamed.get(value.name, value.name)
+    onnx.save_model(model, str(path))
+    return renamed

@@ -438,3 +438,51 @@ class OvStatefulDecoder:
         results = self._request.infer(feeds, share_inputs=False, share_outputs=False)
         self.length = total
         return np.asarray(results[self._output]).astype(np.float32, copy=False)
+
+
+def open_openvino_parts(bundle: Any, *, device: str | None = None, allow_fallback: bool = False,
+                        cache_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Compile every sub-part of an OpenVINO IR bundle (used by ``runtime.bundle.load``).
+
+    fp32 sub-parts are compiled with :func:`precision_config` so that an fp32 bundle
+    really computes in fp32 (OpenVINO's CPU plugin otherwise picks bf16 on AMX
+    CPUs and a u8 KV cache; its GPU plugin f16).
+
+    Args:
+        bundle: an opened ``runtime.bundle.Bundle``.
+        device: OpenVINO device overriding the manifest's (``CPU``, ``GPU``, ``NPU``, ``AUTO``, ``HETERO:…``).
+        allow_fallback: compile on CPU when the device is missing (logged, described).
+        cache_dir: model cache; default ``<cache root>/openvino/<bundle name>-<checkpoint digest>``.
+
+    Returns:
+        ``{sub-part name: runner, "description": {sub-part: device description}}``.
+
+    Raises:
+        ExecutionProviderUnavailable: unknown or missing device (and no fallback asked).
+        SignatureMismatch: an IR's I/O differs from the manifest, or the decoder is stateless.
+    """
+    from higgs_pack.runtime.paths import cache_root
+
+    m = bundle.manifest
+    core = ov.Core()
+    wanted = device or m["device"] or "CPU"
+    chosen, _ = check_device(core, wanted, allow_fallback=allow_fallback)
+    if cache_dir is None:
+        cache_dir = cache_root() / "openvino" / f"{m['name']}-{m['model']['checkpoint_sha256'][:12]}"
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    extra = dict(m["provider_options"].get(chosen.split(".")[0], {}))
+    parts: dict[str, Any] = {"description": {}}
+    for part, spec in m["subparts"].items():
+        xml = bundle.file(spec["entry"])
+        stateful = bool(spec["options"].get("stateful", part == "llm_decoder"))
+        config = {**precision_config(chosen, spec["precision"], stateful=stateful), **extra}
+        if part == "llm_decoder":
+            limit = m["generation"].get("max_prompt_length") or m["constants"]["max_position_embeddings"]
+            runner: Any = OvStatefulDecoder(core, xml, chosen, cache_dir, config, max_length=limit,
+                                            allow_fallback=allow_fallback)
+        else:
+            runner = OvSubPart(core, xml, chosen, cache_dir, config, allow_fallback=allow_fallback)
+        check_signature(runner, part, spec)
+        parts[part] = runner
+        parts["description"][part] = f"OpenVINO {runner.description}"
+    return parts

@@ -20,7 +20,7 @@ from higgs_pack.manifests.errors import BuildPlanError, unknown_choice
 #: Minimum similarity to the PyTorch reference's golden outputs, per sub-part
 #: precision (cosine for float outputs).  Measured on the tiny checkpoint with margin;
 #: recorded per sub-part in every manifest, so verify uses the build's own rule.
-COSINE_THRESHOLDS = {"fp32": 0.9999, "fp16": 0.995, "int8": 0.98, "int4": 0.9}
+COSINE_THRESHOLDS = {"fp32": 0.9999, "fp16": 0.995, "int8": 0.98, "int4": 0.97}
 #: The codec encoder outputs codes: fraction of equal codes at fp32 (near-ties in
 #: the residual quantizer may flip under float reordering).
 CODE_AGREEMENT_THRESHOLD = 0.9

@@ -10,7 +10,6 @@ that loads and never touches an existing bundle.
 from __future__ import annotations
 
 import logging
-import os
 import platform
 import re
 import shutil
@@ -25,6 +24,7 @@ from typing import Any
 from higgs_pack.manifests.constants import FORMAT_VERSION, SUBPART_IO, SubPart
 from higgs_pack.manifests.errors import BuildError, BundleError, HiggsPackError
 from higgs_pack.manifests.manifest import MANIFEST_NAME, file_entry, read_manifest, write_manifest
+from higgs_pack.runtime.paths import cache_root
 from higgs_pack.targets.base import CODE_AGREEMENT_THRESHOLD, COSINE_THRESHOLDS
 from higgs_pack.targets.plan import BuildPlan, make_plan
 
@@ -33,11 +33,6 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL_SLUG = "higgs-audio-v3-tiny"
 DEFAULT_LICENSE = "research / non-commercial (Boson AI Higgs Audio licence; see the model card)"
 REFERENCE_FILE = "reference/golden.npz"
-
-
-def cache_root() -> Path:
-    """Where built-in checkpoints and tool caches live (``$HIGGS_PACK_CACHE`` or ``~/.cache/higgs-pack``)."""
-    return Path(os.environ.get("HIGGS_PACK_CACHE", Path.home() / ".cache" / "higgs-pack"))
 
 
 def default_checkpoint(preset: str = "tiny", seed: int = 0) -> Path:

@@ -4,7 +4,7 @@ No tool is mocked: a random 2-layer Qwen3 goes through onnxruntime-genai's
 ModelBuilder CLI, and audio-head / audio-embedding modules at the real table
 shape [8*1026, H] go through Olive's OnnxConversion, OnnxFloatToFloat16 and
 OnnxBlockWiseRtnQuantization; every graph is run with ONNX Runtime (CPU) and
-compared with PyTorch.  Each model is built once per module (about 30 s in all
+compared with PyTorch.  Each model is built once per module (about 40 s in all
 on 2 cores, mostly ModelBuilder's interpreter start-up).
 """
 
@@ -292,6 +292,17 @@ class AudioEmbed(torch.nn.Module):
         return torch.nn.functional.embedding(codes + self.offsets, self.weight).sum(dim=2)
 
 
+class TextEmbed(torch.nn.Module):
+    """input_ids int64 [B, S] -> inputs_embeds [B, S, H]: a Gather that is the graph output."""
+
+    def __init__(self, table: torch.Tensor):
+        super().__init__()
+        self.weight = torch.nn.Parameter(table.clone())
+
+    def forward(self, input_ids):
+        return torch.nn.functional.embedding(input_ids, self.weight)
+
+
 @pytest.fixture(scope="module")
 def audio_table():
     return (
@@ -317,23 +328,39 @@ SPECS = {
             "audio_embeds": {0: "batch", 1: "frames"},
         },
     },
+    "text_embed": {
+        "input_names": ["input_ids"],
+        "output_names": ["inputs_embeds"],
+        "dynamic_axes": {
+            "input_ids": {0: "batch", 1: "sequence"},
+            "inputs_embeds": {0: "batch", 1: "sequence"},
+        },
+    },
+}
+#: Sub-part -> the op int4/int8 must produce.
+QUANTIZED_OP = {
+    "audio_heads": "MatMulNBits",
+    "audio_embed": "GatherBlockQuantized",
+    "text_embed": "GatherBlockQuantized",
 }
 
 
 def make_module(name: str, table: torch.Tensor):
+    """The module and a [1, 3, ...] example (tests run at [2, 7, ...])."""
     if name == "audio_heads":
         return AudioHeads(table), (torch.randn(1, 3, HIDDEN),)
+    if name == "text_embed":
+        return TextEmbed(table[:1000]), (torch.randint(0, 1000, (1, 3)),)
     return AudioEmbed(table), (torch.randint(0, AUDIO_VOCAB, (1, 3, NUM_CODEBOOKS)),)
 
 
-def test_inputs(name: str) -> torch.Tensor:
+def sample_inputs(name: str) -> torch.Tensor:
     generator = torch.Generator().manual_seed(3)
     if name == "audio_heads":
         return torch.randn(2, 7, HIDDEN, generator=generator)
+    if name == "text_embed":
+        return torch.randint(0, 1000, (2, 7), generator=generator)
     return torch.randint(0, AUDIO_VOCAB, (2, 7, NUM_CODEBOOKS), generator=generator)
-
-
-test_inputs.__test__ = False  # a helper, not a test
 
 
 @pytest.fixture(scope="module")
@@ -374,14 +401,16 @@ def test_olive_fp32_exact(olive_exports, name):
     result, bundle, module = olive_exports[name, "fp32"]
     assert result.exporter == "olive"
     assert result.passes == ["OnnxConversion"]
-    assert result.files == [f"fp32/{name}.onnx"]  # 2 MB of weights: one self-contained file
+    assert result.files == [f"fp32/{name}.onnx"]  # <= 2 MB of weights: one self-contained file
+    assert result.subpart == name
     assert result.input_names == SPECS[name]["input_names"]
     assert result.output_names == SPECS[name]["output_names"]
-    assert result.inputs[0].shape[:2] == ["batch", "frames"]
-    assert result.outputs[0].shape[:2] == ["batch", "frames"]
+    axes = SPECS[name]["dynamic_axes"][SPECS[name]["input_names"][0]]
+    assert result.inputs[0].shape[:2] == [axes[0], axes[1]]
+    assert result.outputs[0].shape[:2] == [axes[0], axes[1]]
     assert set(result.tool_versions) >= {"olive-ai", "onnx", "onnxruntime", "torch"}
     assert result.options["opset"] == 20
-    x = test_inputs(name)
+    x = sample_inputs(name)
     with torch.no_grad():
         expected = module(x).numpy()
     got = _run_olive(result, bundle, x)
@@ -398,7 +427,8 @@ def test_olive_fp16(olive_exports, name):
     # The graph's declared dtypes are what the signature says: float I/O became float16.
     assert result.outputs[0].dtype == "float16"
     assert result.inputs[0].dtype == ("float16" if name == "audio_heads" else "int64")
-    x = test_inputs(name)
+    assert result.output_names == SPECS[name]["output_names"]
+    x = sample_inputs(name)
     with torch.no_grad():
         expected = module(x).numpy()
     assert cosine(_run_olive(result, bundle, x), expected) > 0.98
@@ -410,23 +440,24 @@ def test_olive_rtn(olive_exports, name, precision):
     result, bundle, module = olive_exports[name, precision]
     assert result.passes == ["OnnxConversion", "OnnxBlockWiseRtnQuantization"]
     bits = int(precision[3:])
-    op = "MatMulNBits" if name == "audio_heads" else "GatherBlockQuantized"
+    op = QUANTIZED_OP[name]
     ops = result.options["op_types"]
     assert ops.get(op) == 1
     assert "MatMul" not in ops
-    # No float copy of the [8*1026, H] table is left beside the quantized one.
+    # No float copy of the table is left beside the quantized one.
     model = onnx.load(str(bundle / result.entry))
     floats = [i for i in model.graph.initializer if i.data_type == onnx.TensorProto.FLOAT]
-    assert (
-        max((int(np.prod(i.dims)) for i in floats), default=0)
-        < NUM_CODEBOOKS * AUDIO_VOCAB * HIDDEN
-    )
+    assert max((int(np.prod(i.dims)) for i in floats), default=0) < module.weight.numel()
+    # The quantizer renames a quantized node's output; the declared names are restored.
+    assert result.output_names == SPECS[name]["output_names"]
+    if name == "text_embed":
+        assert result.options["renamed_outputs"] == {f"inputs_embeds_Q{bits}": "inputs_embeds"}
     assert result.quantization["bits"] == bits
     assert result.quantization["block_size"] == 128
     assert result.quantization["quantized_ops"][op]["bits"] == [bits]
     assert result.inputs[0].dtype == ("float32" if name == "audio_heads" else "int64")
     assert result.outputs[0].dtype == "float32"
-    x = test_inputs(name)
+    x = sample_inputs(name)
     with torch.no_grad():
         expected = module(x).numpy()
     assert cosine(_run_olive(result, bundle, x), expected) > 0.98
@@ -450,7 +481,7 @@ def test_olive_external_data(audio_table, tmp_path):
         "audio_heads.onnx.data"
     ]
     assert sorted(p.name for p in bundle.iterdir()) == ["audio_heads.onnx", "audio_heads.onnx.data"]
-    x = test_inputs("audio_heads")
+    x = sample_inputs("audio_heads")
     with torch.no_grad():
         expected = module(x).numpy()
     assert np.abs(_run_olive(result, bundle, x) - expected).max() < 1e-5

@@ -21,7 +21,7 @@ def test_cpu_plan_uses_the_declared_tools():
     rows = {r.subpart: r for r in plan.rows}
     assert rows[SubPart.LLM_DECODER].exporter.name == "modelbuilder"
     assert rows[SubPart.LLM_DECODER].options == {"execution_provider": "cpu"}
-    assert rows[SubPart.AUDIO_HEADS].passes == ("OnnxConversion", "OnnxBlockwiseRtnQuantization")
+    assert rows[SubPart.AUDIO_HEADS].passes == ("OnnxConversion", "OnnxBlockWiseRtnQuantization")
     assert rows[SubPart.AUDIO_TOKENIZER].precision == "fp32"
     assert rows[SubPart.AUDIO_ENCODER].precision == "fp32"
     assert make_plan("cpu", "fp16").rows[1].passes[-1] in ("OnnxFloatToFloat16", "ModelBuilder(fp16, exclude_embeds, exclude_lm_head)")

@@ -1,0 +1,187 @@
+"""Sub-part torch modules (contracts, ONNX export vs ONNX Runtime) and the PyTorch oracle."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+ort = pytest.importorskip("onnxruntime")
+pytest.importorskip("transformers")
+
+from higgs_pack.exporters.reference import (  # noqa: E402
+    TorchDecoder,
+    TorchRunner,
+    reference_pipeline,
+)
+from higgs_pack.exporters.torch_modules import (  # noqa: E402
+    DYNAMIC_AXES,
+    AudioEmbed,
+    AudioHeads,
+    CodecEncoder,
+    build_modules,
+    example_inputs,
+    export_onnx,
+    io_config,
+)
+from higgs_pack.manifests.constants import SUBPART_IO, SubPart  # noqa: E402
+from higgs_pack.manifests.errors import InputError  # noqa: E402
+from higgs_pack.runtime.pipeline import Pipeline  # noqa: E402
+
+EXPORTED = list(DYNAMIC_AXES)
+
+
+@pytest.fixture(scope="module")
+def modules(tiny_ckpt):
+    return build_modules(tiny_ckpt)
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny_ckpt) -> Pipeline:
+    return reference_pipeline(tiny_ckpt)
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.ravel().astype(np.float64), b.ravel().astype(np.float64)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+# ----------------------------------------------------------------------------- module contracts
+
+
+def test_audio_embed_sums_offset_rows():
+    table = torch.randn(3 * 5, 4)
+    module = AudioEmbed(table, num_codebooks=3, audio_vocab_size=5)
+    codes = torch.tensor([[[0, 4, 2], [1, 1, 3]]])
+    out = module(codes)
+    expected = torch.stack(
+        [sum(table[codes[0, t, c] + 5 * c] for c in range(3)) for t in range(2)]
+    ).unsqueeze(0)
+    torch.testing.assert_close(out, expected)
+
+
+def test_audio_heads_reshape_per_codebook():
+    weight = torch.randn(3 * 5, 4)
+    hidden = torch.randn(2, 6, 4)
+    out = AudioHeads(weight, 3, 5)(hidden)
+    assert out.shape == (2, 6, 3, 5)
+    torch.testing.assert_close(out[1, 2, 2], hidden[1, 2] @ weight[10:15].T)
+
+
+def test_codec_modules_match_transformers(tiny_ckpt, modules):
+    codec = tiny_ckpt.codec()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for frames in (6, 13):
+            wave = 0.1 * torch.randn(2, 1, frames * 960, generator=g)
+            codes = modules[SubPart.AUDIO_ENCODER](wave)
+            assert codes.dtype == torch.int64 and codes.shape == (2, 8, frames)
+            assert torch.equal(codes, codec.encode(wave).audio_codes)
+            out = modules[SubPart.AUDIO_TOKENIZER](codes)
+            assert out.shape == (2, 1, frames * 960)
+            torch.testing.assert_close(out, codec.decode(codes).audio_values)
+
+
+def test_codec_encoder_refuses_partial_frames(modules):
+    with pytest.raises(InputError, match=r"not a multiple of 960; pad"):
+        modules[SubPart.AUDIO_ENCODER](torch.zeros(1, 1, 1000))
+    assert isinstance(modules[SubPart.AUDIO_ENCODER], CodecEncoder)
+
+
+def test_io_config_names(tiny_ckpt):
+    for sp in EXPORTED:
+        cfg = io_config(sp, tiny_ckpt.constants)
+        assert (tuple(cfg["input_names"]), tuple(cfg["output_names"])) == SUBPART_IO[sp]
+        assert set(cfg["dynamic_axes"]) == set(SUBPART_IO[sp][0] + SUBPART_IO[sp][1])
+
+
+# ----------------------------------------------------------------------------- ONNX export
+
+
+@pytest.mark.parametrize("subpart", EXPORTED, ids=str)
+def test_onnx_export_runs_on_ort_at_other_lengths(subpart, modules, tiny_ckpt, tmp_path: Path):
+    """Exported at length 5, run at 3 and 11 with batch 2: same as torch."""
+    module = modules[subpart]
+    path = export_onnx(subpart, module, tmp_path / f"{subpart}.onnx", tiny_ckpt.constants)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    inputs, outputs = SUBPART_IO[subpart]
+    assert [i.name for i in session.get_inputs()] == list(inputs)
+    assert [o.name for o in session.get_outputs()] == list(outputs)
+    for length in (3, 11):
+        (x,) = example_inputs(subpart, tiny_ckpt.constants, length)
+        x = torch.cat([x, x.flip(1) if x.dtype == torch.int64 else 0.5 * x])  # batch 2
+        with torch.no_grad():
+            expected = module(x).numpy()
+        (got,) = session.run(None, {inputs[0]: x.numpy()})
+        assert got.shape == expected.shape
+        if subpart == SubPart.AUDIO_ENCODER:
+            assert got.dtype == np.int64
+            np.testing.assert_array_equal(got, expected)
+        else:
+            assert got.dtype == np.float32
+            assert cosine(got, expected) > 0.9999
+            np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-3)
+
+
+# ----------------------------------------------------------------------------- the oracle
+
+
+def test_pipeline_fields(pipeline: Pipeline, tiny_ckpt):
+    assert pipeline.constants == tiny_ckpt.constants
+    assert pipeline.tokenizer.token_to_id("<|audio|>") == 151670
+    assert set(pipeline.description) == {sp.value for sp in SubPart}
+    assert set(pipeline.description.values()) == {"pytorch"}
+    assert pipeline.generation_defaults == {}
+    assert isinstance(pipeline.decoder, TorchDecoder)
+    assert pipeline.decoder.max_length == 4096
+    assert isinstance(pipeline.text_embed, TorchRunner)
+
+
+def test_runners_take_and_give_numpy(pipeline: Pipeline):
+    ids = np.array([pipeline.tokenizer.encode("<|tts|><|text|>Hello<|audio|>").ids])
+    embeds = pipeline.text_embed.run({"input_ids": ids})["inputs_embeds"]
+    assert embeds.dtype == np.float32 and embeds.shape == (1, ids.shape[1], 64)
+    codes = np.random.default_rng(0).integers(0, 1026, (1, 4, 8))
+    audio = pipeline.audio_embed.run({"codes": codes.astype(np.int32)})["audio_embeds"]
+    assert audio.shape == (1, 4, 64)
+    logits = pipeline.audio_heads.run({"hidden_states": embeds})["audio_logits"]
+    assert logits.shape == (1, ids.shape[1], 8, 1026) and logits.dtype == np.float32
+    wave = pipeline.audio_tokenizer.run({"audio_codes": codes.transpose(0, 2, 1) % 1024})["waveform"]
+    assert wave.shape == (1, 1, 4 * 960) and wave.dtype == np.float32
+    back = pipeline.audio_encoder.run({"waveform": wave})["audio_codes"]
+    assert back.shape == (1, 8, 4) and back.dtype == np.int64
+    with pytest.raises(InputError, match="missing input 'input_ids'"):
+        pipeline.text_embed.run({"ids": ids})
+
+
+def test_decoder_with_cache_equals_full_sequence(pipeline: Pipeline):
+    rng = np.random.default_rng(0)
+    ids = np.array([pipeline.tokenizer.encode("<|tts|><|text|>Hello world.<|audio|>").ids])
+    prompt = pipeline.text_embed.run({"input_ids": ids})["inputs_embeds"]
+    frames = pipeline.audio_embed.run({"codes": rng.integers(0, 1024, (1, 4, 8))})["audio_embeds"]
+    decoder = pipeline.decoder
+
+    decoder.reset()
+    full = decoder.forward(np.concatenate([prompt, frames], axis=1))
+    decoder.reset()
+    steps = [decoder.forward(prompt)] + [decoder.forward(frames[:, i : i + 1]) for i in range(4)]
+    assert decoder.length == prompt.shape[1] + 4
+    incremental = np.concatenate(steps, axis=1)
+    np.testing.assert_allclose(incremental, full, atol=1e-5, rtol=0)
+    assert float(full.std()) > 0.5  # final-norm hidden states, not degenerate
+    logits = pipeline.audio_heads.run({"hidden_states": full[:, -1:]})["audio_logits"][0, 0]
+    assert len(set(logits.argmax(-1).tolist())) > 1  # codebooks disagree: not a constant model
+
+    decoder.reset()
+    np.testing.assert_allclose(decoder.forward(prompt), steps[0], atol=1e-6, rtol=0)
+
+
+def test_decoder_refuses_bad_shapes_and_overflow(tiny_ckpt):
+    decoder = TorchDecoder(tiny_ckpt.qwen3_model(), max_length=6)
+    with pytest.raises(InputError, match=r"expected \[1, S, 64\]"):
+        decoder.forward(np.zeros((1, 3, 32), np.float32))
+    decoder.forward(np.zeros((1, 4, 64), np.float32))
+    with pytest.raises(InputError, match="more than the decoder's 6"):
+        decoder.forward(np.zeros((1, 3, 64), np.float32))

@@ -628,7 +628,8 @@ class HiggsCheckpoint:
                 name_to_file.update({n: f for n in names})
             return files, name_to_file, index_path
         if single.is_file():
-            return [single], {n: single for n in self._handle(single).keys()}, None
+            names = self._handle(single).keys()  # safe_open handles are not iterable
+            return [single], {n: single for n in names}, None
         pickles = sorted(p.name for p in self.root.glob("*.bin")) + sorted(
             p.name for p in self.root.glob("*.pt")
         )
@@ -758,7 +759,9 @@ class HiggsCheckpoint:
             CheckpointError: a special token is not an added token of the tokenizer, or
                 its id is outside the embedding.
         """
-        added = {tok.content: int(i) for i, tok in self.tokenizer.get_added_tokens_decoder().items()}
+        added = {
+            tok.content: int(i) for i, tok in self.tokenizer.get_added_tokens_decoder().items()
+        }
         vocab = int(self._text_config["vocab_size"])
         ids: dict[str, int] = {}
         for role, text in SPECIAL_TOKENS.items():
@@ -1018,7 +1021,9 @@ class HiggsCheckpoint:
 
     # ------------------------------------------------------------------ HF directory
 
-    def write_qwen3_hf_dir(self, out_dir: str | Path, *, max_shard_bytes: int = 4_500_000_000) -> Path:
+    def write_qwen3_hf_dir(
+        self, out_dir: str | Path, *, max_shard_bytes: int = 4_500_000_000
+    ) -> Path:
         """Write the backbone as a standard Qwen3 HF directory (for ModelBuilder / optimum-intel).
 
         ``config.json`` is the text config with ``model_type: qwen3``,
@@ -1067,8 +1072,7 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(
-            f"{path}: cannot read {what} ({exc}). The file is damaged; re-download the "
-            f"checkpoint."
+            f"{path}: cannot read {what} ({exc}). The file is damaged; re-download the checkpoint."
         ) from exc
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: {what} is not a JSON object; re-download the checkpoint.")
@@ -1113,7 +1117,9 @@ def _load_strict(
                 f"{list(expected[k].shape)} from config.json. The weights do not belong to "
                 f"this config."
             )
-    model.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False, assign=True)
+    model.load_state_dict(
+        {k: v for k, v in state.items() if k in expected}, strict=False, assign=True
+    )
 
 
 def _check_no_meta(model: Any, what: str) -> None:

@@ -58,7 +58,9 @@ class TorchRunner:
         InputError: (from ``run``) a feed is missing or not numeric.
     """
 
-    def __init__(self, module: nn.Module, input_names: tuple[str, ...], output_names: tuple[str, ...]) -> None:
+    def __init__(
+        self, module: nn.Module, input_names: tuple[str, ...], output_names: tuple[str, ...]
+    ) -> None:
         self.module = module.eval()
         self.input_names = tuple(input_names)
         self.output_names = tuple(output_names)

@@ -405,7 +405,10 @@ def _codec_init(key: str, shape: tuple[int, ...], owner: Any, seed: int) -> Any:
     else:
         return _normal(seed, name, shape, _BACKBONE_STD)
     gain = 1.0
-    if re.search(r"\.res_unit(s\.)?\d+\.conv2\.weight$", key) or key == "acoustic_decoder.conv2.weight":
+    if (
+        re.search(r"\.res_unit(s\.)?\d+\.conv2\.weight$", key)
+        or key == "acoustic_decoder.conv2.weight"
+    ):
         gain = 0.1 if key != "acoustic_decoder.conv2.weight" else 0.03
     return _normal(seed, name, shape, gain / math.sqrt(fan_in))
 
@@ -492,9 +495,7 @@ def write_higgs_tokenizer(out: Path, *, model_max_length: int = 4096) -> list[Pa
 
     stock_cfg = json.loads((stock_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
     flags = ("lstrip", "normalized", "rstrip", "single_word", "special")
-    decoder = {
-        str(t["id"]): {"content": t["content"], **{k: t[k] for k in flags}} for t in added
-    }
+    decoder = {str(t["id"]): {"content": t["content"], **{k: t[k] for k in flags}} for t in added}
     higgs = list(HIGGS_SPECIAL_IDS)
     additional = [*stock_cfg.get("additional_special_tokens", []), *higgs]
     cfg = {
@@ -515,7 +516,13 @@ def write_higgs_tokenizer(out: Path, *, model_max_length: int = 4096) -> list[Pa
     paths[1].write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
     def token(text: str) -> dict[str, Any]:
-        return {"content": text, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
+        return {
+            "content": text,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+        }
 
     special_map = {
         "additional_special_tokens": additional,

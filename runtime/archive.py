@@ -118,11 +118,14 @@ def extracted_archive(path: str | Path) -> Iterator[Path]:
     kind = archive_kind(path)
     if not path.is_file():
         raise PackagingError(f"{path}: no such archive file")
-    with tempfile.TemporaryDirectory(prefix="higgs-pack-archive-") as tmp:
-        root = Path(tmp)
+    tmp: tempfile.TemporaryDirectory[str] | None = None
+    try:
         try:
             with _open(path, kind) as (entries, reader):
                 top, wanted, dist_info = _validate(path, entries, wheel=kind == "wheel")
+                # Only now, with every member checked, does anything touch the disk.
+                tmp = tempfile.TemporaryDirectory(prefix="higgs-pack-archive-")
+                root = Path(tmp.name)
                 _check_space(path, wanted, root)
                 hashes = _extract(path, wanted, reader, root)
                 sums = _wheel_record(reader, entries, top, dist_info) if kind == "wheel" else None
@@ -133,6 +136,9 @@ def extracted_archive(path: str | Path) -> Iterator[Path]:
             sums = _read_sums(path, bundle, hashes)
         _compare_sums(path, top, hashes, sums, source="RECORD" if kind == "wheel" else CHECKSUMS_NAME)
         yield bundle
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
 
 
 @contextmanager
@@ -242,12 +248,11 @@ def _validate(path: Path, entries: list[Entry], *, wheel: bool) -> tuple[str, li
     tops = sorted({e.name.split("/")[0] for e in wanted})
     if len(tops) != 1:
         shown = ", ".join(repr(t) for t in tops[:5]) or "none"
-        raise _refuse(path, tops[1] if len(tops) > 1 else "", f"is a second top-level entry (top level: {shown}); "
-                      "a bundle archive has exactly one top-level folder")
+        raise _refuse(path, tops[1] if len(tops) > 1 else "", f"is a second top-level entry (top level: {shown})")
     top = tops[0]
     files = {e.name for e in wanted if e.kind == "file"}
     if top in files:
-        raise _refuse(path, top, "is a file at the top level; a bundle archive has one top-level folder")
+        raise _refuse(path, top, "is a file at the top level")
     for entry in wanted:
         parents = PurePosixPath(entry.name).parents
         clash = next((str(p) for p in parents if str(p) in files), None)

@@ -325,9 +325,8 @@ def synthesize(
             "voice cloning needs both the reference audio and its transcript: "
             "pass --ref-audio with --ref-text (ref_samples= with ref_text=)"
         )
-    gen = pipeline.generation_defaults
     ref_codes = encode_reference(pipeline, ref_samples) if ref_samples is not None else None
-    chunks = _plan_chunks(pipeline, text.strip(), ref_codes, ref_text, max_frames, gen)
+    chunks = plan_chunks(pipeline, text.strip(), ref_codes, ref_text, max_frames)
     results: list[GenerationResult] = []
     for chunk_text, cap in chunks:
         embeds = build_prompt(pipeline, chunk_text, ref_codes, ref_text)
@@ -344,8 +343,17 @@ def synthesize(
     return SynthesisResult(samples, pipeline.constants.sample_rate, codes, results)
 
 
-def _plan_chunks(pipeline, text, ref_codes, ref_text, max_frames, gen):
-    """Split ``text`` into (chunk, frame cap) pairs that fit the context."""
+def plan_chunks(pipeline: Pipeline, text: str, ref_codes: np.ndarray | None = None,
+                ref_text: str | None = None, max_frames: int | None = None) -> list[tuple[str, int]]:
+    """Split ``text`` into ``(chunk, frame cap)`` pairs whose prompt + frames fit the context.
+
+    The whole text is one chunk when it fits; otherwise sentences are packed
+    greedily into chunks (the reference voice, if any, is repeated in each prompt).
+
+    Raises:
+        InputError: a single sentence does not fit.
+    """
+    gen = pipeline.generation_defaults
     tok = pipeline.tokenizer
     limit = pipeline.decoder.max_length
     n = pipeline.constants.num_codebooks

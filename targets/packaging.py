@@ -394,7 +394,12 @@ def write_tar_gz(content: BundleContent, dest: Path, epoch: int) -> None:
                 tar.addfile(info(relpath, None))
                 continue
             with member.open() as reader:
-                tar.addfile(info(relpath, member), reader)
+                try:
+                    tar.addfile(info(relpath, member), reader)  # reads exactly member.size bytes
+                except OSError:
+                    member.check(reader)  # the file shrank: say so
+                    raise
+                reader.read(1)  # a file that grew shows up as a size mismatch
                 member.check(reader)
 
 

@@ -33,3 +33,30 @@ def cases_dir() -> Path:
     if not path.is_dir():
         pytest.skip(f"test cases folder {path} is missing")
     return path
+
+
+def _build(tmp_path_factory, checkpoint: Path, target: str, precision: str) -> Path:
+    from higgs_pack.targets.build import build
+
+    out = tmp_path_factory.mktemp(f"bundle-{target}-{precision}") / f"higgs-audio-v3-tiny-{target}-{precision}"
+    return build(target, precision=precision, model=checkpoint, out=out)
+
+
+@pytest.fixture(scope="session")
+def cpu_fp32_bundle(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path) -> Path:
+    """A real cpu fp32 bundle of the tiny checkpoint, built once per session (~40 s)."""
+    return _build(tmp_path_factory, tiny_checkpoint, "cpu", "fp32")
+
+
+@pytest.fixture(scope="session")
+def cpu_int4_bundle(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path) -> Path:
+    """A real cpu int4 bundle (the default precision), built once per session (~30 s)."""
+    return _build(tmp_path_factory, tiny_checkpoint, "cpu", "int4")
+
+
+@pytest.fixture
+def bundle_copy(tmp_path: Path, cpu_fp32_bundle: Path) -> Path:
+    """A private copy of the cpu fp32 bundle that a test may damage."""
+    import shutil
+
+    return Path(shutil.copytree(cpu_fp32_bundle, tmp_path / cpu_fp32_bundle.name))

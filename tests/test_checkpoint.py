@@ -45,7 +45,7 @@ def rewrite_as_single_file(root: Path, drop=(), add=None, transform=None) -> Non
     tensors = {}
     for path in sorted(root.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 tensors[name] = f.get_tensor(name)
         path.unlink()
     (root / INDEX_NAME).unlink(missing_ok=True)
@@ -77,9 +77,20 @@ def test_constants_resolved_by_name(tiny_ckpt: HiggsCheckpoint):
         "ref_text": 151680,
     }
     assert set(c.special_tokens) == set(SPECIAL_TOKENS)
-    assert (c.hidden_size, c.num_layers, c.num_attention_heads, c.num_key_value_heads) == (64, 2, 4, 2)
+    assert (c.hidden_size, c.num_layers, c.num_attention_heads, c.num_key_value_heads) == (
+        64,
+        2,
+        4,
+        2,
+    )
     assert (c.head_dim, c.max_position_embeddings, c.text_vocab_size) == (16, 4096, 151936)
-    assert (c.num_codebooks, c.codebook_size, c.audio_vocab_size, c.boc, c.eoc) == (8, 1024, 1026, 1024, 1025)
+    assert (c.num_codebooks, c.codebook_size, c.audio_vocab_size, c.boc, c.eoc) == (
+        8,
+        1024,
+        1026,
+        1024,
+        1025,
+    )
     assert (c.sample_rate, c.frame_rate, c.hop_length) == (24000, 25, 960)
     assert ModelConstants.from_dict(json.loads(json.dumps(c.to_dict()))) == c
 
@@ -108,7 +119,10 @@ def test_lazy_tensors(tiny_ckpt: HiggsCheckpoint):
     assert tiny_ckpt.tensor_file(AUDIO_EMBEDDING).name == SHARD2
     assert tiny_ckpt.audio_table().dtype == torch.float32
     assert torch.equal(tiny_ckpt.audio_head_weight(), tiny_ckpt.audio_table())  # tied
-    with pytest.raises(CheckpointError, match=r"no tensor 'body\.norm\.weigth' \(did you mean 'body\.norm\.weight'\?\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"no tensor 'body\.norm\.weigth' \(did you mean 'body\.norm\.weight'\?\)",
+    ):
         tiny_ckpt.tensor("body.norm.weigth")
 
 
@@ -270,7 +284,9 @@ def _no_tokenizer(root: Path) -> None:
 
 def _tokenizer_without_ref_text(root: Path) -> None:
     path = root / "tokenizer.json"
-    path.write_text(path.read_text(encoding="utf-8").replace("<|ref_text|>", "<|ref_txt|>"), encoding="utf-8")
+    path.write_text(
+        path.read_text(encoding="utf-8").replace("<|ref_text|>", "<|ref_txt|>"), encoding="utf-8"
+    )
 
 
 BROKEN = {
@@ -280,16 +296,31 @@ BROKEN = {
         _plain_qwen3,
         r"model_type is 'qwen3', expected 'higgs_multimodal_qwen3'.*plain Qwen3 checkpoint",
     ),
-    "no-weights": (_no_weights, r"no model\.safetensors and no model\.safetensors\.index\.json.*pytorch_model\.bin: pickled weights are never loaded"),
-    "missing-shard": (_missing_shard, r"index\.json lists shard model-00002-of-00002\.safetensors, which is missing"),
-    "truncated-shard": (_truncated_shard, r"model-00002-of-00002\.safetensors: cannot read safetensors file .*damaged"),
+    "no-weights": (
+        _no_weights,
+        r"no model\.safetensors and no model\.safetensors\.index\.json.*pytorch_model\.bin: pickled weights are never loaded",
+    ),
+    "missing-shard": (
+        _missing_shard,
+        r"index\.json lists shard model-00002-of-00002\.safetensors, which is missing",
+    ),
+    "truncated-shard": (
+        _truncated_shard,
+        r"model-00002-of-00002\.safetensors: cannot read safetensors file .*damaged",
+    ),
     "index-not-json": (_index_not_json, r"model\.safetensors\.index\.json: cannot read"),
-    "missing-tensor": (_missing_tensor, r"model\.safetensors: tensor 'body\.layers\.1\.mlp\.down_proj\.weight' is missing"),
+    "missing-tensor": (
+        _missing_tensor,
+        r"model\.safetensors: tensor 'body\.layers\.1\.mlp\.down_proj\.weight' is missing",
+    ),
     "shape-mismatch": (
         _wrong_shape,
         r"tensor 'body\.layers\.0\.mlp\.gate_proj\.weight' has shape \[128, 64\], expected \[96, 64\]",
     ),
-    "no-codec": (_no_codec, r"no codec tensors under prefix 'tied\.embedding\.modality_embeddings\.0\.model\.'"),
+    "no-codec": (
+        _no_codec,
+        r"no codec tensors under prefix 'tied\.embedding\.modality_embeddings\.0\.model\.'",
+    ),
     "no-tokenizer": (_no_tokenizer, r"no tokenizer\.json"),
     "missing-special-token": (
         _tokenizer_without_ref_text,
@@ -315,12 +346,16 @@ def test_broken_checkpoint_is_a_clear_checkpoint_error(broken):
 
 
 def test_missing_directory_and_file_instead_of_directory(tmp_path: Path):
-    with pytest.raises(CheckpointError, match=r"checkpoint directory .*nothere does not exist.*--model / model="):
+    with pytest.raises(
+        CheckpointError, match=r"checkpoint directory .*nothere does not exist.*--model / model="
+    ):
         open_checkpoint(tmp_path / "nothere")
     with pytest.raises(CheckpointError, match="does not exist"):
         open_checkpoint(str(tmp_path / "a" / "b" / "c"))
     (tmp_path / "file").write_text("x")
-    with pytest.raises(CheckpointError, match=r"is a file; a Higgs-Audio-v3 checkpoint is a directory"):
+    with pytest.raises(
+        CheckpointError, match=r"is a file; a Higgs-Audio-v3 checkpoint is a directory"
+    ):
         open_checkpoint(tmp_path / "file")
 
 
@@ -328,21 +363,31 @@ def test_codec_tensor_missing_is_named_when_the_codec_loads(tiny_checkpoint: Pat
     root = copy_of(tiny_checkpoint, tmp_path / "nofc2")
     rewrite_as_single_file(root, drop=[CODEC_PREFIX + "fc2.weight"])
     ckpt = open_checkpoint(root)  # the layout check only needs some codec tensors
-    with pytest.raises(CheckpointError, match=r"tensor 'tied\.embedding\.modality_embeddings\.0\.model\.fc2\.weight' is missing"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"tensor 'tied\.embedding\.modality_embeddings\.0\.model\.fc2\.weight' is missing",
+    ):
         ckpt.codec()
 
 
 def test_codec_shape_mismatch_names_tensor_and_shapes(tiny_checkpoint: Path, tmp_path: Path):
     root = copy_of(tiny_checkpoint, tmp_path / "dim8")
     edit_json(root / "config.json", lambda c: c["audio_tokenizer_config"].update(codebook_dim=8))
-    with pytest.raises(CheckpointError, match=r"quantizer\.quantizers\.0\.codebook\.embed' has shape \[1024, 16\], expected \[1024, 8\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"quantizer\.quantizers\.0\.codebook\.embed' has shape \[1024, 16\], expected \[1024, 8\]",
+    ):
         open_checkpoint(root).codec()
 
 
 def test_inconsistent_audio_config(tiny_checkpoint: Path, tmp_path: Path):
     root = copy_of(tiny_checkpoint, tmp_path / "nq")
-    edit_json(root / "config.json", lambda c: c["audio_tokenizer_config"].update(target_bandwidths=[4]))
-    with pytest.raises(CheckpointError, match=r"num_codebooks is 8 but the codec has 16 quantizers"):
+    edit_json(
+        root / "config.json", lambda c: c["audio_tokenizer_config"].update(target_bandwidths=[4])
+    )
+    with pytest.raises(
+        CheckpointError, match=r"num_codebooks is 8 but the codec has 16 quantizers"
+    ):
         open_checkpoint(root)
 
 

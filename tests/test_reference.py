@@ -74,7 +74,7 @@ def test_codec_modules_match_transformers(tiny_ckpt, modules):
     codec = tiny_ckpt.codec()
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
-        for frames in (6, 13):
+        for frames in (4, 9):
             wave = 0.1 * torch.randn(2, 1, frames * 960, generator=g)
             codes = modules[SubPart.AUDIO_ENCODER](wave)
             assert codes.dtype == torch.int64 and codes.shape == (2, 8, frames)
@@ -148,7 +148,9 @@ def test_runners_take_and_give_numpy(pipeline: Pipeline):
     assert audio.shape == (1, 4, 64)
     logits = pipeline.audio_heads.run({"hidden_states": embeds})["audio_logits"]
     assert logits.shape == (1, ids.shape[1], 8, 1026) and logits.dtype == np.float32
-    wave = pipeline.audio_tokenizer.run({"audio_codes": codes.transpose(0, 2, 1) % 1024})["waveform"]
+    wave = pipeline.audio_tokenizer.run({"audio_codes": codes.transpose(0, 2, 1) % 1024})[
+        "waveform"
+    ]
     assert wave.shape == (1, 1, 4 * 960) and wave.dtype == np.float32
     back = pipeline.audio_encoder.run({"waveform": wave})["audio_codes"]
     assert back.shape == (1, 8, 4) and back.dtype == np.int64

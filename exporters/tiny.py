@@ -255,11 +255,25 @@ def make_tiny_checkpoint(
             "note": "random weights written by higgs-pack; not a trained model",
         },
     }
-    specs = _backbone_specs(spec, text_config, seed) + _codec_specs(codec_cfg, seed)
+    specs = tensor_plan(preset, seed)
     write_sharded_safetensors(out, specs, max_shard_bytes or spec.max_shard_bytes)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     write_higgs_tokenizer(out, model_max_length=spec.max_position_embeddings)
     return out
+
+
+def tensor_plan(preset: str = "tiny", seed: int = 0) -> list[LazyTensor]:
+    """Every tensor of a generated checkpoint, in layout order, not yet made.
+
+    Names, shapes and dtypes are known without generating anything (the codec's come
+    from a ``HiggsAudioV2TokenizerModel`` built on the meta device); each
+    :class:`LazyTensor` draws its values when written.
+
+    Raises:
+        BuildPlanError: unknown preset.
+    """
+    spec = get_preset(preset)
+    return _backbone_specs(spec, _text_config(spec), seed) + _codec_specs(_codec_config(spec), seed)
 
 
 # --------------------------------------------------------------------------- configs

@@ -46,13 +46,32 @@ from typing import Any
 
 from higgs_pack.manifests.errors import HiggsPackError
 
-#: Marker environments of the platforms checked with ``pip --platform`` (PEP 508 names).
-PLATFORM_MARKERS: dict[str, dict[str, str]] = {
-    "manylinux_2_28_x86_64": {"sys_platform": "linux", "platform_system": "Linux", "os_name": "posix",
-                              "platform_machine": "x86_64"},
-    "win_amd64": {"sys_platform": "win32", "platform_system": "Windows", "os_name": "nt",
-                  "platform_machine": "AMD64"},
-}
+@dataclass(frozen=True)
+class Platform:
+    """A platform the resolver check covers.
+
+    Attributes:
+        label: for messages.
+        tags: ``pip --platform`` tags, newest first (pip does not expand
+            ``manylinux_2_28`` to older glibc tags by itself).
+        markers: PEP 508 marker environment of the platform.
+    """
+
+    label: str
+    tags: tuple[str, ...]
+    markers: Mapping[str, str]
+
+
+LINUX_X86_64 = Platform(
+    "Linux x86-64 (glibc >= 2.28)",
+    (*(f"manylinux_2_{minor}_x86_64" for minor in range(28, 16, -1)), "manylinux2014_x86_64"),
+    {"sys_platform": "linux", "platform_system": "Linux", "os_name": "posix", "platform_machine": "x86_64"},
+)
+WINDOWS_AMD64 = Platform(
+    "Windows x86-64",
+    ("win_amd64",),
+    {"sys_platform": "win32", "platform_system": "Windows", "os_name": "nt", "platform_machine": "AMD64"},
+)
 
 
 @dataclass(frozen=True)
@@ -61,12 +80,12 @@ class CheckPlan:
 
     Attributes:
         runs_here: install into a fresh venv and run verify + synthesize.
-        platforms: ``pip --platform`` tags the resolver check covers (when not run here).
+        platforms: platforms the resolver check covers (when not run here).
         needs: the hardware / OS the bundle needs, for the "skipped" message.
     """
 
     runs_here: bool
-    platforms: tuple[str, ...] = ()
+    platforms: tuple[Platform, ...] = ()
     needs: str = ""
 
 
@@ -74,9 +93,9 @@ class CheckPlan:
 CHECK_PLANS: dict[str, CheckPlan] = {
     "cpu": CheckPlan(runs_here=True),
     "openvino": CheckPlan(runs_here=True),
-    "cuda": CheckPlan(runs_here=False, platforms=("manylinux_2_28_x86_64", "win_amd64"),
+    "cuda": CheckPlan(runs_here=False, platforms=(LINUX_X86_64, WINDOWS_AMD64),
                       needs="an NVIDIA GPU with the CUDA 12 / cuDNN 9 runtime (Linux or Windows)"),
-    "dml": CheckPlan(runs_here=False, platforms=("win_amd64",),
+    "dml": CheckPlan(runs_here=False, platforms=(WINDOWS_AMD64,),
                      needs="Windows 10/11 with a DirectX 12 GPU (DirectML)"),
 }
 
@@ -212,7 +231,7 @@ def check_resolves(wheel: WheelInfo, target: Any, plan: CheckPlan, work: Path, r
     pyver = f"{sys.version_info.major}.{sys.version_info.minor}"
     wanted = [r for r in wheel.requires if Requirement(r).name != "higgs-pack"] + _extra_requirements(target.extra)
     for platform in plan.platforms:
-        env = {**PLATFORM_MARKERS[platform], "extra": target.extra}
+        env = {**platform.markers, "extra": target.extra}
         reqs, skipped = [], []
         for raw in wanted:
             req = Requirement(raw)
@@ -222,15 +241,17 @@ def check_resolves(wheel: WheelInfo, target: Any, plan: CheckPlan, work: Path, r
             req.marker = None
             reqs.append(str(req))
         reqs = list(dict.fromkeys(reqs))
+        tags = [arg for tag in platform.tags for arg in ("--platform", tag)]
         cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--only-binary=:all:",
-               "--platform", platform, "--python-version", pyver, "--implementation", "cp",
-               "--target", str(work / f"dry-{platform}"), *reqs]
+               *tags, "--python-version", pyver, "--implementation", "cp",
+               "--target", str(work / f"dry-{platform.tags[0]}"), *reqs]
         proc = _run(cmd)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("Would install")]
         detail = lines[-1] if lines and not proc.returncode else _tail(proc)
         if skipped:
-            detail += f" (not needed on {platform}: {', '.join(skipped)})"
-        results.add("FAIL" if proc.returncode else "ok", f"requirements resolve for {platform} / Python {pyver}", detail)
+            detail += f" (not needed on {platform.label}: {', '.join(skipped)})"
+        results.add("FAIL" if proc.returncode else "ok",
+                    f"runtime requirements have wheels for {platform.label}, CPython {pyver}", detail)
 
 
 def check_in_fresh_venv(wheel: WheelInfo, target: Any, source: str, cases: Path | None, work: Path,

@@ -20,12 +20,14 @@ from higgs_pack.exporters.checkpoint import (  # noqa: E402
     TEXT_EMBEDDING,
     llm_tensor_shapes,
     open_checkpoint,
+    plan_shards,
 )
 from higgs_pack.exporters.tiny import (  # noqa: E402
     HIGGS_SPECIAL_IDS,
     PRESETS,
     get_preset,
     make_tiny_checkpoint,
+    tensor_plan,
 )
 from higgs_pack.manifests.errors import BuildPlanError  # noqa: E402
 
@@ -178,3 +180,15 @@ def test_random_codec_is_not_degenerate(tiny_ckpt):
     assert torch.isfinite(wave).all() and 1e-3 < float(wave.std()) < 1.0
     assert again.shape == (1, 8, 12)
     assert all(len(set(row.tolist())) > 3 for row in again[0])
+
+
+def test_full_preset_streams_in_shards_of_at_most_4_5_gb():
+    """The ``full`` plan (same writer as ``tiny``) is made lazily: nothing is generated here."""
+    plan = tensor_plan("full")
+    total = sum(t.nbytes for t in plan)
+    assert 8.0e9 < total < 9.0e9  # 4.0 B bf16 backbone + 0.4 GB codec
+    shards = plan_shards(plan, get_preset("full").max_shard_bytes)
+    assert len(shards) == 2
+    assert all(sum(t.nbytes for t in shard) <= 4_500_000_000 for shard in shards)
+    assert plan[0].name == TEXT_EMBEDDING and plan[0].shape == (151936, 2560)
+    assert {t.dtype for t in plan} == {torch.bfloat16}

@@ -1,0 +1,199 @@
+"""Every bad bundle the runtime must refuse, each with its message, and builds that must not land."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from higgs_pack.manifests.constants import FORMAT_VERSION
+from higgs_pack.manifests.errors import (
+    BundleError,
+    CheckpointError,
+    ExecutionProviderUnavailable,
+    ManifestError,
+    SignatureMismatch,
+    UnsupportedFormatVersion,
+)
+from higgs_pack.manifests.manifest import file_entry, read_manifest, write_manifest
+from higgs_pack.runtime.bundle import load
+
+
+def _edit_manifest(bundle: Path, edit) -> None:
+    path = bundle / "manifest.json"
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def _rehash(bundle: Path, relpath: str) -> None:
+    m = read_manifest(bundle)
+    m["files"] = [file_entry(bundle, relpath) if f["path"] == relpath else f for f in m["files"]]
+    write_manifest(bundle, m)
+
+
+def test_tampered_file_is_refused_before_any_session(bundle_copy):
+    target = bundle_copy / "audio_heads.onnx"
+    data = bytearray(target.read_bytes())
+    data[-10] ^= 0xFF
+    target.write_bytes(bytes(data))
+    with pytest.raises(BundleError, match=r"changed since build: audio_heads.onnx \(sha256 differs\)"):
+        load(bundle_copy)
+
+
+def test_truncated_file_is_refused(bundle_copy):
+    target = bundle_copy / "llm_decoder" / "model.onnx.data"
+    target.write_bytes(target.read_bytes()[:100])
+    with pytest.raises(BundleError, match=r"llm_decoder/model.onnx.data \(size 100 bytes, expected"):
+        load(bundle_copy)
+
+
+def test_missing_file_is_named(bundle_copy):
+    (bundle_copy / "audio_encoder.onnx").unlink()
+    with pytest.raises(BundleError, match="missing: audio_encoder.onnx"):
+        load(bundle_copy)
+
+
+def test_no_manifest_is_not_a_bundle(tmp_path):
+    with pytest.raises(BundleError, match="not a bundle .manifest.json is missing"):
+        load(tmp_path)
+
+
+@pytest.mark.parametrize("path", ["../outside.onnx", "/etc/passwd", "a/../../b"])
+def test_manifest_path_outside_the_bundle(bundle_copy, path):
+    def edit(m):
+        m["files"][0]["path"] = path
+
+    _edit_manifest(bundle_copy, edit)
+    with pytest.raises((ManifestError, BundleError), match="outside the bundle|invalid at files/0/path"):
+        load(bundle_copy)
+
+
+def test_symlink_leaving_the_bundle(bundle_copy, tmp_path):
+    outside = tmp_path / "elsewhere.onnx"
+    shutil.copyfile(bundle_copy / "audio_heads.onnx", outside)
+    (bundle_copy / "audio_heads.onnx").unlink()
+    (bundle_copy / "audio_heads.onnx").symlink_to(outside)
+    with pytest.raises(BundleError, match="outside the bundle"):
+        load(bundle_copy)
+
+
+def test_external_data_location_outside_the_bundle(bundle_copy):
+    import onnx
+
+    model_path = bundle_copy / "text_embed.onnx"
+    model = onnx.load(str(model_path), load_external_data=False)
+    for tensor in model.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = "../../secret.data"
+    onnx.save_model(model, str(model_path))
+    _rehash(bundle_copy, "text_embed.onnx")
+    with pytest.raises(BundleError, match="external data location '../../secret.data'"):
+        load(bundle_copy)
+
+
+def test_newer_format_version(bundle_copy):
+    _edit_manifest(bundle_copy, lambda m: m.update(format_version=FORMAT_VERSION + 1))
+    with pytest.raises(UnsupportedFormatVersion, match=f"format_version {FORMAT_VERSION + 1} is newer .* upgrade higgs-pack"):
+        load(bundle_copy)
+
+
+def test_unknown_manifest_key(bundle_copy):
+    _edit_manifest(bundle_copy, lambda m: m.update(unexpected=True))
+    with pytest.raises(ManifestError, match="Additional properties are not allowed .'unexpected'"):
+        load(bundle_copy)
+
+
+def test_manifest_that_is_not_json(bundle_copy):
+    (bundle_copy / "manifest.json").write_text("{ not json")
+    with pytest.raises(ManifestError, match="not readable JSON"):
+        load(bundle_copy)
+
+
+def test_provider_not_installed(bundle_copy):
+    _edit_manifest(bundle_copy, lambda m: m.update(execution_provider="cuda"))
+    with pytest.raises(ExecutionProviderUnavailable,
+                       match=r"runs on CUDAExecutionProvider, which is not available here \(installed providers: .*CPUExecutionProvider.*higgs-pack\[cuda\].*--execution-provider cpu"):
+        load(bundle_copy)
+
+
+def test_explicit_fallback_is_recorded(bundle_copy):
+    _edit_manifest(bundle_copy, lambda m: m.update(execution_provider="cuda"))
+    pipe = load(bundle_copy, allow_fallback=True)
+    assert pipe.description["llm_decoder"] == "CPUExecutionProvider (fallback from CUDAExecutionProvider)"
+    pipe = load(bundle_copy, execution_provider="cpu")
+    assert pipe.description["llm_decoder"] == "CPUExecutionProvider"
+
+
+def test_unknown_execution_provider(bundle_copy):
+    with pytest.raises(ExecutionProviderUnavailable, match="unknown execution provider 'cpux' .did you mean 'cpu'"):
+        load(bundle_copy, execution_provider="cpux")
+
+
+def test_graph_io_differs_from_manifest(bundle_copy):
+    def edit(m):
+        m["subparts"]["audio_heads"]["inputs"][0]["name"] = "hidden"
+
+    _edit_manifest(bundle_copy, edit)
+    with pytest.raises(SignatureMismatch, match="audio_heads: graph inputs differ from the manifest"):
+        load(bundle_copy)
+
+
+def test_verify_reports_instead_of_raising(bundle_copy):
+    from higgs_pack.runtime.verify import verify_bundle
+
+    (bundle_copy / "audio_encoder.onnx").write_bytes(b"garbage")
+    report = verify_bundle(bundle_copy)
+    assert not report.ok
+    assert "audio_encoder.onnx" in report.render() and "FAIL" in report.render()
+
+
+# --------------------------------------------------------------- builds that must not land
+
+
+def test_failed_build_leaves_nothing_and_keeps_the_old_bundle(tmp_path, tiny_checkpoint, cpu_fp32_bundle):
+    from higgs_pack.targets.build import build
+
+    broken = Path(shutil.copytree(tiny_checkpoint, tmp_path / "broken"))
+    config = json.loads((broken / "config.json").read_text())
+    config["model_type"] = "llama"
+    (broken / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "dist" / "b"
+    with pytest.raises(CheckpointError, match="model_type"):
+        build("cpu", precision="fp32", model=broken, out=out)
+    assert not out.exists()
+    dist = tmp_path / "dist"
+    assert not dist.exists() or list(dist.iterdir()) == []  # no staging directory left behind
+
+    existing = Path(shutil.copytree(cpu_fp32_bundle, tmp_path / "good"))
+    before = (existing / "manifest.json").read_bytes()
+    with pytest.raises(BundleError, match="already holds a bundle; pass --force"):
+        build("cpu", precision="fp32", model=tiny_checkpoint, out=existing)
+    with pytest.raises(CheckpointError):
+        build("cpu", precision="fp32", model=broken, out=existing, force=True)
+    assert (existing / "manifest.json").read_bytes() == before
+    load(existing)
+
+
+def test_failure_midway_through_export_leaves_nothing(tmp_path, tiny_checkpoint):
+    """The codec state dict is damaged: the decoder exports, then the codec export fails."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from higgs_pack.manifests.errors import HiggsPackError
+    from higgs_pack.targets.build import build
+
+    broken = Path(shutil.copytree(tiny_checkpoint, tmp_path / "broken"))
+    index = json.loads((broken / "model.safetensors.index.json").read_text())
+    codec_key = next(k for k in index["weight_map"] if ".model." in k and k.endswith("weight"))
+    shard = broken / index["weight_map"][codec_key]
+    with safe_open(str(shard), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    tensors[codec_key] = tensors[codec_key].flatten()[:3].clone()
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    out = tmp_path / "dist" / "b"
+    with pytest.raises(HiggsPackError):
+        build("cpu", precision="fp32", model=broken, out=out)
+    assert not out.exists()
+    assert list((tmp_path / "dist").iterdir()) == []

@@ -53,6 +53,27 @@ INT4_DEFAULTS: dict[str, Any] = {
 GENAI_CONFIG = "genai_config.json"
 #: Characters of ModelBuilder's log quoted in a BuildError.
 LOG_TAIL_CHARS = 4000
+#: (execution provider, precision) pairs for which ModelBuilder 0.18 picks the packed
+#: ``Attention`` contrib op and writes an invalid graph: the op gets no past/present
+#: inputs (``make_packed_attention`` reads ``past_key_values``/``present_key_values``
+#: keys that ``make_attention`` never passes), so ``present.{i}.key`` is a graph output
+#: no node produces and ONNX Runtime refuses the file ("Graph output (present.0.key)
+#: does not exist in the graph"); measured here for cuda and dml at fp32.  For these
+#: pairs ModelBuilder runs with packed Attention switched off and falls through to its
+#: ``MultiHeadAttention`` path (separate KV cache tensors, ``position_ids`` input),
+#: which runs on CPU, CUDA (float and float16 kernels) and DirectML.
+NO_PACKED_ATTENTION = frozenset({("cuda", "fp32"), ("dml", "fp32")})
+#: Runs ModelBuilder's CLI with ``Model.is_packed_attn_supported`` returning False.
+_NO_PACKED_ATTENTION_LAUNCHER = (
+    "import runpy\n"
+    "import onnxruntime_genai.models  # puts ModelBuilder's own modules on sys.path\n"
+    "import builders.base as base\n"
+    "if not hasattr(base.Model, 'is_packed_attn_supported'):\n"
+    "    raise SystemExit('higgs-pack: this ModelBuilder has no Model.is_packed_attn_supported; '\n"
+    "                    'the packed-Attention workaround needs revisiting')\n"
+    "base.Model.is_packed_attn_supported = lambda self: False\n"
+    "runpy.run_module('onnxruntime_genai.models.builder', run_name='__main__', alter_sys=True)\n"
+)
 
 
 def _format_option(key: str, value: Any) -> str:
@@ -117,7 +138,7 @@ def build_llm_decoder(
     graphs), ``attention_mask`` int64 [batch_size, total_sequence_length],
     ``past_key_values.{i}.key`` / ``.value`` [batch_size, kv_heads,
     past_sequence_length, head_dim] for every layer ``i`` (+ ``position_ids`` on
-    dml). Outputs: ``hidden_states`` [batch_size, sequence_length, hidden] after
+    dml, and on cuda fp32: see :data:`NO_PACKED_ATTENTION`). Outputs: ``hidden_states`` [batch_size, sequence_length, hidden] after
     the final RMSNorm, and ``present.{i}.key`` / ``.value`` [batch_size, kv_heads,
     total_sequence_length, head_dim].
 
@@ -204,10 +225,11 @@ def build_llm_decoder(
     out_dir.mkdir(parents=True, exist_ok=True)
     cache_dir.mkdir(parents=True, exist_ok=True)
 
+    workaround = (execution_provider, precision) in NO_PACKED_ATTENTION
+    launcher = ["-c", _NO_PACKED_ATTENTION_LAUNCHER] if workaround else ["-m", "onnxruntime_genai.models.builder"]
     command = [
         sys.executable,
-        "-m",
-        "onnxruntime_genai.models.builder",
+        *launcher,
         "-i", str(hf_dir.resolve()),
         "-o", str(out_dir.resolve()),
         "-p", precision,
@@ -257,6 +279,7 @@ def build_llm_decoder(
             f"{_log_tail(log_path)}"
         )
 
+    _check_outputs_produced(model_path, log_path)
     files = onnx_utils.onnx_files(model_path, bundle_dir)
     keep = {*files, (genai_config_path.resolve().relative_to(bundle_dir.resolve())).as_posix()}
     removed: list[str] = []
@@ -319,8 +342,26 @@ def build_llm_decoder(
             "opset": _opsets(model_path),
             "op_types": onnx_utils.op_type_counts(model_path),
             "removed_files": removed,
+            **({"workarounds": ["packed Attention off (ModelBuilder 0.18 writes no present KV with it): "
+                                "MultiHeadAttention path"]} if workaround else {}),
         },
     )
+
+
+def _check_outputs_produced(model_path: Path, log_path: Path) -> None:
+    """Refuse a graph whose declared outputs no node produces (ModelBuilder bugs)."""
+    import onnx
+
+    graph = onnx.load(str(model_path), load_external_data=False).graph
+    produced = {o for node in graph.node for o in node.output}
+    produced |= {i.name for i in graph.input} | {i.name for i in graph.initializer}
+    orphans = [o.name for o in graph.output if o.name not in produced]
+    if orphans:
+        raise BuildError(
+            f"ModelBuilder wrote {model_path} with graph outputs no node produces: {orphans[:4]} "
+            f"(ONNX Runtime would refuse it); log {log_path}. This is a ModelBuilder bug for this "
+            "execution provider and precision: build another --precision or --target."
+        )
 
 
 def _single(values: list[Any] | None, default: Any) -> Any:

@@ -344,8 +344,14 @@ def convert_llm_decoder(
     bundle_dir: str | Path | None = None,
     name: str = "llm_decoder",
     work_dir: str | Path | None = None,
+    static_kv_length: int | None = None,
+    static_step: int = 1,
 ) -> ExportResult:
     """Export the Qwen3 body as a stateful OpenVINO IR and compress its weights.
+
+    With ``static_kv_length`` (the ``npu`` variant) the decoder is exported instead
+    by :func:`convert_static_decoder`: stateless, every shape fixed, the KV cache
+    in fixed-size buffers the runtime owns.
 
     The graph takes embeddings and returns final-norm hidden states: the LM head
     is replaced by an identity before export and the output renamed
@@ -372,6 +378,9 @@ def convert_llm_decoder(
         name: File stem of the IR.
         work_dir: Parent of the temporary export directory (default ``out_dir``);
             it is removed afterwards.
+        static_kv_length: Export the fully static, stateless decoder with KV buffers
+            of this many positions (see :func:`convert_static_decoder`).
+        static_step: With ``static_kv_length``: positions per decoder call (1).
 
     Returns:
         An :class:`ExportResult` with ``exporter="optimum-intel"``, the passes
@@ -384,6 +393,11 @@ def convert_llm_decoder(
         CheckpointError: ``hf_dir`` is not a Qwen3 directory.
         BuildError: The export or the compression failed.
     """
+    if static_kv_length is not None:
+        return convert_static_decoder(
+            hf_dir, out_dir, precision=precision, kv_length=static_kv_length, step=static_step,
+            group_size=group_size, ratio=ratio, all_layers=all_layers, bundle_dir=bundle_dir, name=name,
+        )
     import torch
     from optimum.exporters.openvino.convert import export_models
     from optimum.exporters.openvino.model_configs import get_vlm_text_generation_config
@@ -454,6 +468,230 @@ def convert_llm_decoder(
             "stateful": True,
             "export_config": "get_vlm_text_generation_config('qwen3', int_dtype='int64', float_dtype='fp32')",
             "lm_head": "identity",
+            "compress_to_fp16": precision == "fp16",
+            "weight_storage": weight_summary(xml),
+        },
+    )
+
+
+# ----------------------------------------------------------------------------- static decoder (npu)
+
+#: Names of the static decoder's KV inputs/outputs (as ModelBuilder names them), per layer ``i``.
+STATIC_PAST = "past_key_values.{i}.{kind}"
+STATIC_PRESENT = "present.{i}.{kind}"
+#: Non-KV inputs of the static decoder IR, in graph order.
+STATIC_DECODER_INPUTS: tuple[str, ...] = ("inputs_embeds", "attention_mask", "position_ids")
+#: How the static decoder export is named in ``ExportResult.passes``.
+STATIC_DECODER_PASS = "convert_model(static KV-window decoder)"
+
+
+def _static_decoder_module(body: Any, kv_length: int) -> torch.nn.Module:
+    """Wrap a transformers ``Qwen3Model`` as a stateless step over fixed-size KV buffers.
+
+    ``forward(inputs_embeds [1, S, H], attention_mask int64 [1, kv_length + S],
+    position_ids int64 [1, S], *past)`` where ``past`` is ``key_0, value_0, key_1, …``,
+    each float32 [1, kv_heads, kv_length, head_dim] (post-RoPE keys, as transformers
+    caches them). ``attention_mask[:, :kv_length]`` says which buffer slots hold
+    real positions, ``attention_mask[:, kv_length:]`` which of the S new rows are real
+    (padding rows come last); new rows attend causally among themselves. Returns the
+    final-norm hidden states [1, S, H] and, per layer, the new keys and values
+    [1, kv_heads, S, head_dim] for the runtime to write into its buffers. The layer
+    arithmetic is transformers' Qwen3 (same modules, ``apply_rotary_pos_emb``,
+    ``repeat_kv``, eager softmax attention in float32).
+    """
+    import torch
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb, repeat_kv
+
+    class StaticKVDecoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = body
+
+        def forward(self, inputs_embeds, attention_mask, position_ids, *past):
+            b, s, _ = inputs_embeds.shape
+            cos, sin = self.body.rotary_emb(inputs_embeds, position_ids)
+            valid = attention_mask.to(torch.bool)
+            causal = torch.ones(s, s, dtype=torch.bool).tril()
+            allowed = torch.cat(
+                [valid[:, None, None, :kv_length].expand(b, 1, s, kv_length),
+                 causal[None, None] & valid[:, None, None, kv_length:]],
+                dim=-1,
+            )
+            dtype = inputs_embeds.dtype
+            bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+            hidden = inputs_embeds
+            presents = []
+            for i, layer in enumerate(self.body.layers):
+                attn = layer.self_attn
+                h = layer.input_layernorm(hidden)
+                shape = (b, s, -1, attn.head_dim)
+                q = attn.q_norm(attn.q_proj(h).view(shape)).transpose(1, 2)
+                k = attn.k_norm(attn.k_proj(h).view(shape)).transpose(1, 2)
+                v = attn.v_proj(h).view(shape).transpose(1, 2)
+                q, k = apply_rotary_pos_emb(q, k, cos, sin)
+                keys = repeat_kv(torch.cat([past[2 * i], k], dim=2), attn.num_key_value_groups)
+                values = repeat_kv(torch.cat([past[2 * i + 1], v], dim=2), attn.num_key_value_groups)
+                scores = torch.matmul(q, keys.transpose(2, 3)) * attn.scaling + bias
+                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+                out = torch.matmul(probs, values).transpose(1, 2).reshape(b, s, -1)
+                hidden = hidden + attn.o_proj(out)
+                hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+                presents += [k, v]
+            return (self.body.norm(hidden), *presents)
+
+    return StaticKVDecoder().eval()
+
+
+def convert_static_decoder(
+    hf_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    precision: Precision,
+    kv_length: int,
+    step: int = 1,
+    group_size: int = 128,
+    ratio: float = 1.0,
+    all_layers: bool = False,
+    bundle_dir: str | Path | None = None,
+    name: str = "llm_decoder",
+) -> ExportResult:
+    """Export the Qwen3 body as a fully static, stateless OpenVINO IR (the NPU decoder).
+
+    Why this and not the stateful IR with the NPU plugin's NPUW LLM properties
+    (``NPU_USE_NPUW``, ``NPUW_LLM``, ``NPUW_LLM_MAX_PROMPT_LEN``…, as OpenVINO GenAI
+    sets them): NPUW reshapes the stateful graph into its own static prefill and
+    generate models *inside the NPU plugin*, so on a machine without an NPU (all of
+    ours, and CI) nothing of what the NPU would run can be compiled or checked, and
+    the stateful IR keeps dynamic state shapes that verify cannot prove static. This
+    graph is what the NPU compiles, byte for byte, and it runs on the CPU device
+    too: its static shapes, its parity against PyTorch (cosine 1.0 at fp32 on the
+    tiny model, token by token) and the whole TTS loop on it are tested here. It
+    needs no plugin-specific properties. The price: the KV buffers cross the device
+    boundary on every call, and the prompt is fed ``step`` positions per call (1:
+    prefill is token by token) since every call has the same shape.
+
+    IR inputs (all shapes fixed, batch 1): ``inputs_embeds`` float32 [1, step, H],
+    ``attention_mask`` int64 [1, kv_length + step] (buffer slots in use, then the
+    real new rows), ``position_ids`` int64 [1, step], and per layer ``i``
+    ``past_key_values.{i}.key`` / ``.value`` float32 [1, kv_heads, kv_length, head_dim].
+    Outputs: ``hidden_states`` float32 [1, step, H] and ``present.{i}.key`` /
+    ``.value`` float32 [1, kv_heads, step, head_dim] (only the new positions; the
+    runtime writes them into its buffers, see
+    ``higgs_pack.runtime.openvino_backend.OvStaticKVDecoder``).
+
+    Args:
+        hf_dir: A standard Qwen3 Hugging Face directory.
+        out_dir: Where ``<name>.xml`` / ``.bin`` are written.
+        precision: As :func:`convert_llm_decoder` (NNCF weight compression).
+        kv_length: Positions the KV buffers hold (prompt + generated frames).
+        step: Positions per call.
+        group_size, ratio, all_layers: NNCF settings, as :func:`convert_llm_decoder`.
+        bundle_dir: Root the returned file paths are relative to (default ``out_dir``).
+        name: File stem of the IR.
+
+    Returns:
+        An :class:`ExportResult` (``exporter="openvino"``); ``options`` records
+        ``stateful=False``, ``static=True``, ``kv_length``, ``step`` and ``static_shapes``.
+
+    Raises:
+        BuildPlanError: Unknown precision, or ``kv_length`` / ``step`` not positive.
+        CheckpointError: ``hf_dir`` is not a Qwen3 directory.
+        BuildError: Conversion or compression failed, or a shape stayed dynamic.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from higgs_pack.manifests.errors import CheckpointError
+
+    subpart = SubPart.LLM_DECODER
+    _check_precision(precision, subpart)
+    if int(kv_length) < 1 or int(step) < 1:
+        raise BuildPlanError(
+            f"static decoder needs kv_length >= 1 and step >= 1, got kv_length={kv_length}, step={step} "
+            "(set static_kv_length= / static_step= in the variant's llm_decoder options)"
+        )
+    kv_length, step = int(kv_length), int(step)
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    bundle_dir = Path(bundle_dir) if bundle_dir is not None else out_dir
+    if not (hf_dir / "config.json").is_file():
+        raise CheckpointError(f"{hf_dir} has no config.json; pass a Qwen3 Hugging Face directory as hf_dir=")
+    config = AutoConfig.from_pretrained(hf_dir)
+    if config.model_type != "qwen3":
+        raise CheckpointError(f"{hf_dir}: model_type is {config.model_type!r}, expected 'qwen3'")
+    if kv_length + step > config.max_position_embeddings:
+        raise BuildPlanError(
+            f"static kv_length {kv_length} + step {step} exceeds the model's context of "
+            f"{config.max_position_embeddings} positions; lower static_kv_length"
+        )
+    layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    hidden = config.hidden_size
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    module = _static_decoder_module(model.model, kv_length)
+    past_names = [STATIC_PAST.format(i=i, kind=kind) for i in range(layers) for kind in ("key", "value")]
+    input_names = [*STATIC_DECODER_INPUTS, *past_names]
+    output_names = [DECODER_OUTPUT, *(STATIC_PRESENT.format(i=i, kind=kind)
+                                      for i in range(layers) for kind in ("key", "value"))]
+    shapes = {
+        "inputs_embeds": [1, step, hidden],
+        "attention_mask": [1, kv_length + step],
+        "position_ids": [1, step],
+        **{n: [1, kv_heads, kv_length, head_dim] for n in past_names},
+    }
+    example = (
+        torch.zeros(1, step, hidden),
+        torch.ones(1, kv_length + step, dtype=torch.int64),
+        torch.arange(step, dtype=torch.int64)[None],
+        *(torch.zeros(*shapes[n]) for n in past_names),
+    )
+    try:
+        with torch.no_grad():
+            ov_model = ov.convert_model(module, example_input=example)
+    except Exception as exc:
+        raise BuildError(f"openvino.convert_model failed on the static decoder of {hf_dir}: {exc}") from exc
+    del model, module
+    _name_and_shape(ov_model, input_names, output_names, [shapes[n] for n in input_names], "static llm_decoder")
+    dynamic = [p.get_any_name() for p in (*ov_model.inputs, *ov_model.outputs) if p.get_partial_shape().is_dynamic]
+    if dynamic:
+        raise BuildError(f"static llm_decoder: {dynamic} stayed dynamic after reshaping to {shapes}")
+    ov_model, settings = _compress(ov_model, precision, group_size, ratio, all_layers)
+    versions = tool_versions("openvino", "nncf", "transformers", "torch")
+    if not settings:
+        versions.pop("nncf", None)
+    quantization = {**settings, "effective": weight_summary(ov_model)} if settings else {}
+    _set_rt_info(ov_model, subpart, precision, quantization, versions)
+    xml = out_dir / f"{name}.xml"
+    _save(ov_model, xml, precision)
+    del ov_model
+
+    passes = [STATIC_DECODER_PASS]
+    if settings:
+        passes.append(f"nncf.compress_weights({settings['mode'].upper()})")
+    elif precision == "fp16":
+        passes.append("save_model(compress_to_fp16)")
+    inputs, outputs = ir_io_signature(xml)
+    files = _relative_files(xml, bundle_dir)
+    return ExportResult(
+        subpart=subpart,
+        format="openvino",
+        files=files,
+        entry=files[0],
+        exporter="openvino",
+        passes=passes,
+        tool_versions=versions,
+        precision=precision,
+        quantization=quantization,
+        inputs=inputs,
+        outputs=outputs,
+        options={
+            "stateful": False,
+            "static": True,
+            "kv_length": kv_length,
+            "step": step,
+            "static_shapes": {t.name: list(t.shape) for t in (*inputs, *outputs)},
+            "kv_layout": "past_key_values.{i}.key|value [1, kv_heads, kv_length, head_dim] in, "
+                         "present.{i}.key|value [1, kv_heads, step, head_dim] out (new positions only)",
+            "lm_head": "none",
             "compress_to_fp16": precision == "fp16",
             "weight_storage": weight_summary(xml),
         },
@@ -539,6 +777,172 @@ def _convert_openvino(module: torch.nn.Module, example_inputs: tuple, precision:
     return model, passes
 
 
+# ----------------------------------------------------------------------------- static sub-parts (npu)
+
+
+def _resize(example: torch.Tensor, axis: int, size: int) -> torch.Tensor:
+    """Repeat (then cut) an example tensor along ``axis`` to ``size`` positions."""
+    import torch
+
+    n = int(example.shape[axis])
+    reps = -(-size // n)
+    return torch.cat([example] * reps, dim=axis).narrow(axis, 0, size).contiguous()
+
+
+def _receptive_field(module: torch.nn.Module, example: torch.Tensor, axis: int, out_axis: int) -> int:
+    """How far (in input positions along ``axis``) one changed input position changes the output."""
+    import torch
+
+    n = int(example.shape[axis])
+    center = n // 2
+    index: list[Any] = [slice(None)] * example.ndim
+    index[axis] = center
+    changed = example.clone()
+    if changed.dtype.is_floating_point:
+        changed[tuple(index)] += 0.5
+    else:
+        changed[tuple(index)] = (changed[tuple(index)] + 1) % (int(example.max()) + 1)
+    with torch.no_grad():
+        base, other = module(example), module(changed)
+    diff = (other - base).abs().movedim(out_axis, 0).reshape(other.shape[out_axis], -1).amax(dim=1)
+    where = torch.nonzero(diff > 0).flatten()
+    if where.numel() == 0:
+        return 0
+    out_len = int(other.shape[out_axis])
+    first = int(where.min()) * n // out_len
+    last = -(-(int(where.max()) + 1) * n // out_len) - 1
+    reach = max(center - first, last - center)
+    if center - first >= center or last - center >= n - center - 1:
+        raise BuildError(
+            f"the receptive field reaches the ends of the {n}-position static chunk (changes at {first}..{last} "
+            f"from position {center}); raise the chunk size in static_axes= or give chunk_context= explicitly"
+        )
+    return reach
+
+
+class _StaticPlan:
+    """The static-shape options of one sub-part (see ``convert_subpart(static_axes=...)``)."""
+
+    def __init__(self, subpart: SubPart, module: Any, examples: tuple, input_names: list[str],
+                 shapes: list[list[int]], chunking: dict[str, Any], wrapper: Any = None) -> None:
+        self.subpart, self.module, self.examples = subpart, module, examples
+        self.input_names, self.shapes, self.chunking, self.wrapper = input_names, shapes, chunking, wrapper
+
+    @classmethod
+    def make(cls, subpart: SubPart, module: Any, example_inputs: Sequence[Any], input_names: list[str],
+             output_names: list[str], input_shapes: Sequence[Sequence[int | str | None]] | None,
+             dynamic_axes: Mapping[str, Any] | None, static_axes: Mapping[str, int], chunk_context: int | str,
+             pad_mask: bool, allow_chunks: bool) -> _StaticPlan:
+        import torch
+
+        where = f"{subpart.value}: static_axes={dict(static_axes)}"
+        if dynamic_axes is None or input_shapes is None:
+            raise BuildPlanError(f"{where} needs dynamic_axes= naming the symbolic axes")
+        if len(input_names) != 1 or len(output_names) != 1:
+            raise BuildPlanError(f"{where}: static sub-parts take one input and give one output, "
+                                 f"got {input_names} -> {output_names}")
+        labels = [d for d in input_shapes[0] if isinstance(d, str)]
+        missing = sorted(set(labels) - set(static_axes))
+        if missing:
+            raise BuildPlanError(f"{where} gives no size for axes {missing} of {input_names[0]} {list(input_shapes[0])}")
+        if any(not isinstance(v, int) or v < 1 for v in static_axes.values()):
+            raise BuildPlanError(f"{where}: sizes must be positive ints")
+        shape = [static_axes[d] if isinstance(d, str) else int(d) for d in input_shapes[0]]
+        seq = [i for i, d in enumerate(input_shapes[0]) if isinstance(d, str) and d != "batch"]
+        out_axes = dynamic_axes.get(output_names[0]) or {}
+        out_seq = [int(a) for a, label in (out_axes.items() if isinstance(out_axes, Mapping) else ())
+                   if label != "batch"]
+        if len(seq) != 1 or len(out_seq) != 1:
+            raise BuildPlanError(f"{where}: expected one non-batch symbolic axis on {input_names[0]} and "
+                                 f"{output_names[0]}, dynamic_axes are {dict(dynamic_axes)}")
+        axis, out_axis = seq[0], out_seq[0]
+        chunk = shape[axis]
+        example = example_inputs[0]
+        for i, size in enumerate(shape):
+            example = _resize(example, i, size)
+        if chunk_context == "auto":
+            context = _receptive_field(module, example, axis, out_axis) + 1 if allow_chunks and chunk > 1 else 0
+        else:
+            context = int(chunk_context)
+        if allow_chunks and context and 2 * context >= chunk:
+            raise BuildPlanError(f"{where}: chunk_context {context} leaves no core in a {chunk}-position chunk; "
+                                 "raise the static size or lower chunk_context")
+        label = input_shapes[0][axis]
+        chunking = {"input": input_names[0], "input_axis": axis, "output": output_names[0],
+                    "output_axis": out_axis, "context": context, "split": bool(allow_chunks),
+                    "valid_input": None}
+        names, shapes, examples, wrapper = [input_names[0]], [shape], (example,), None
+        if pad_mask:
+            wrapper = _pad_masked(module, chunk)
+            valid = f"valid_{label}"
+            chunking["valid_input"] = valid
+            names, shapes = [*names, valid], [*shapes, [1]]
+            examples = (example, torch.tensor([chunk], dtype=torch.int64))
+        return cls(subpart, wrapper if wrapper is not None else module, examples, names, shapes, chunking, wrapper)
+
+    def traced(self) -> tuple[Any, tuple, list[str], list[list[int]]]:
+        """What to convert: module, example inputs (at the static shape), input names and shapes."""
+        return self.module, self.examples, self.input_names, self.shapes
+
+    def check_static(self, model: ov.Model) -> None:
+        dynamic = [f"{p.get_any_name()} {p.get_partial_shape()}" for p in (*model.inputs, *model.outputs)
+                   if p.get_partial_shape().is_dynamic]
+        if dynamic:
+            raise BuildError(f"{self.subpart.value}: {dynamic} stayed dynamic after reshaping to {self.shapes}")
+
+    def release(self) -> None:
+        if self.wrapper is not None:
+            self.wrapper.remove_hooks()
+
+    def manifest_options(self, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]) -> dict[str, Any]:
+        return {
+            "static": True,
+            "static_shapes": {t.name: list(t.shape) for t in (*inputs, *outputs)},
+            "chunking": dict(self.chunking),
+        }
+
+
+def _pad_masked(module: Any, chunk: int) -> Any:
+    """Wrap a one-input convolutional module: ``forward(inputs, valid)`` zeroes every
+    Conv1d/ConvTranspose1d input beyond ``valid`` positions of the chunk (scaled to the
+    layer's rate, ``length // chunk`` samples per position)."""
+    import torch
+
+    class PadMasked(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = module
+            self._valid: Any = None
+            self._handles = [m.register_forward_pre_hook(self._mask) for m in module.modules()
+                             if isinstance(m, (torch.nn.Conv1d, torch.nn.ConvTranspose1d))]
+            if not self._handles:
+                raise BuildPlanError("pad_mask=True needs a module with Conv1d/ConvTranspose1d layers")
+
+        def _mask(self, _layer: Any, args: tuple) -> tuple | None:
+            if self._valid is None:
+                return None
+            x = args[0]
+            length = int(x.shape[-1])
+            if length % chunk:
+                raise BuildError(f"pad_mask: a convolution input has {length} positions, not a multiple of "
+                                 f"the {chunk}-position chunk; this module cannot be masked per layer")
+            keep = torch.arange(length) < self._valid * (length // chunk)
+            return (x * keep.to(x.dtype), *args[1:])
+
+        def forward(self, inputs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+            self._valid = valid
+            try:
+                return self.inner(inputs)
+            finally:
+                self._valid = None
+
+        def remove_hooks(self) -> None:
+            for handle in self._handles:
+                handle.remove()
+
+    return PadMasked().eval()
+
+
 def convert_subpart(
     module: torch.nn.Module,
     example_inputs: tuple,
@@ -557,8 +961,18 @@ def convert_subpart(
     engine: Literal["olive", "openvino"] = "olive",
     bundle_dir: str | Path | None = None,
     work_dir: str | Path | None = None,
+    static_axes: Mapping[str, int] | None = None,
+    chunk_context: int | Literal["auto"] = 0,
+    pad_mask: bool = False,
+    allow_chunks: bool = True,
+    device_overrides: Mapping[str, str] | None = None,
 ) -> ExportResult:
     """Convert one small sub-part (embeddings, audio heads, codec) to OpenVINO IR.
+
+    With ``static_axes`` (the ``npu`` variant) every input axis gets a fixed size
+    and the manifest options say how the runtime pads or chunks real inputs into
+    that shape (``static``, ``static_shapes``, ``chunking``); see
+    ``higgs_pack.runtime.openvino_backend.OvStaticSubPart``.
 
     Args:
         module: The PyTorch module, in eval mode; ``forward`` takes the inputs in
@@ -595,6 +1009,25 @@ def convert_subpart(
         bundle_dir: Root the returned file paths are relative to (default ``out_dir``).
         work_dir: Parent of the temporary directory for intermediate IRs (default
             ``out_dir``); it is removed afterwards.
+        static_axes: Symbolic axis name (as in ``dynamic_axes``: ``"batch"``,
+            ``"sequence"``, ``"frames"``, ``"samples"``) -> fixed size, for every
+            symbolic axis of the inputs, e.g. ``{"batch": 1, "frames": 1}``. The
+            one non-batch axis is the chunk axis the runtime pads or splits along.
+        chunk_context: Static only: input positions of context the runtime adds on
+            each side of a chunk when it splits a longer input, then drops from the
+            output; ``"auto"`` measures the module's receptive field (perturb one
+            position, see how far the output changes) and adds one.
+        pad_mask: Static only, single-input convolutional modules (the codec
+            decoder): add an int64 [1] input ``valid_<axis>`` and zero every
+            Conv1d/ConvTranspose1d input beyond that many positions (scaled to each
+            layer's rate), so a zero-padded chunk decodes exactly like the unpadded
+            input (every conv sees the zeros its own padding would add).
+        allow_chunks: Static only: whether the runtime may split inputs longer than
+            the static axis into chunks (False for ``text_embed``: a longer prompt is
+            refused with an error naming both lengths).
+        device_overrides: Recorded in the manifest: bundle device -> device this
+            sub-part is compiled for instead (``{"NPU": "CPU"}`` keeps a dynamic
+            sub-part off the NPU).
 
     Returns:
         An :class:`ExportResult` (``exporter`` ``"olive"`` or ``"openvino"``), with the
@@ -602,7 +1035,8 @@ def convert_subpart(
 
     Raises:
         BuildPlanError: Unknown sub-part, precision or engine, a codec at a
-            precision other than fp32, or both ``input_shapes`` and ``dynamic_axes``.
+            precision other than fp32, both ``input_shapes`` and ``dynamic_axes``, or
+            static options that do not fit the sub-part's axes.
         BuildError: Conversion, compression or renaming failed, or the graph's
             inputs/outputs do not match the names.
     """
@@ -633,6 +1067,13 @@ def convert_subpart(
     import torch
 
     module = module.eval()
+    static = None
+    if static_axes is not None:
+        static = _StaticPlan.make(subpart, module, example_inputs, input_names, output_names, input_shapes,
+                                  dynamic_axes, static_axes, chunk_context, pad_mask, allow_chunks)
+        module, example_inputs, input_names, input_shapes = static.traced()
+    elif pad_mask or chunk_context:
+        raise BuildPlanError(f"{subpart.value}: pad_mask= and chunk_context= need static_axes=")
     out_dir.mkdir(parents=True, exist_ok=True)
     work_parent = Path(work_dir) if work_dir is not None else out_dir
     work_parent.mkdir(parents=True, exist_ok=True)
@@ -644,6 +1085,8 @@ def convert_subpart(
             else:
                 model, passes = _convert_openvino(module, example_inputs, precision, settings)
         _name_and_shape(model, input_names, output_names, input_shapes, f"{subpart.value} ({engine})")
+        if static is not None:
+            static.check_static(model)
         versions = tool_versions("openvino", "nncf", "torch", *(("olive-ai",) if engine == "olive" else ()))
         if not settings:
             versions.pop("nncf", None)
@@ -652,11 +1095,23 @@ def convert_subpart(
         _save(model, xml, precision)
         del model
     finally:
+        if static is not None:
+            static.release()
         shutil.rmtree(work, ignore_errors=True)
     if precision == "fp16":
         passes.append("compress_to_fp16")
     inputs, outputs = ir_io_signature(xml)
     files = _relative_files(xml, bundle_dir)
+    options: dict[str, Any] = {
+        "engine": engine,
+        "input_shapes": [list(sh) for sh in input_shapes] if input_shapes is not None else None,
+        "compress_to_fp16": precision == "fp16",
+        "weight_storage": weight_summary(xml),
+    }
+    if static is not None:
+        options.update(static.manifest_options(inputs, outputs))
+    if device_overrides:
+        options["device_overrides"] = dict(device_overrides)
     return ExportResult(
         subpart=subpart,
         format="openvino",
@@ -669,12 +1124,7 @@ def convert_subpart(
         quantization=quantization,
         inputs=inputs,
         outputs=outputs,
-        options={
-            "engine": engine,
-            "input_shapes": [list(s) for s in input_shapes] if input_shapes is not None else None,
-            "compress_to_fp16": precision == "fp16",
-            "weight_storage": weight_summary(xml),
-        },
+        options=options,
     )
 
 

@@ -387,6 +387,8 @@ def export_onnx(
         warnings.filterwarnings(
             "ignore", "You are using the legacy TorchScript", DeprecationWarning
         )
+        # The semantic branch's frame stride (`[:, ::2]`) is a Slice with steps=2.
+        warnings.filterwarnings("ignore", "Constant folding - Only steps=1", UserWarning)
         torch.onnx.export(
             module.eval(),
             example_inputs(subpart, constants, length),

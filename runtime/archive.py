@@ -246,9 +246,11 @@ def _validate(path: Path, entries: list[Entry], *, wheel: bool) -> tuple[str, li
         dist_info = infos.pop()
     wanted = [e for e in entries if e.name.split("/")[0] != dist_info]
     tops = sorted({e.name.split("/")[0] for e in wanted})
+    if not tops:
+        raise _corrupt(path, "it holds no bundle folder")
     if len(tops) != 1:
-        shown = ", ".join(repr(t) for t in tops[:5]) or "none"
-        raise _refuse(path, tops[1] if len(tops) > 1 else "", f"is a second top-level entry (top level: {shown})")
+        shown = ", ".join(repr(t) for t in tops[:5])
+        raise _refuse(path, tops[1], f"is a second top-level entry (top level: {shown})")
     top = tops[0]
     files = {e.name for e in wanted if e.kind == "file"}
     if top in files:

@@ -212,3 +212,7 @@ def list_bundles():
             click.echo(f"{name:<44} {m['target']:<9} {m['precision']:<5} {path}")
         except HiggsPackError as exc:
             click.echo(f"{name:<44} BROKEN: {exc}")
+
+
+if __name__ == "__main__":
+    main()

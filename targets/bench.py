@@ -41,6 +41,7 @@ adds records by being named in ``--systems``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import io
 import itertools
 import json
@@ -318,10 +319,12 @@ def _load_bundle(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     from higgs_pack.runtime.bundle import load, open_bundle
 
     backend = spec["backend"]
-    if backend == "openvino":
-        import openvino  # noqa: F401 (import time is not load time)
-    else:
-        import onnxruntime  # noqa: F401
+    t0 = time.perf_counter()  # imports are reported apart: they are not model loading
+    modules = ["higgs_pack.runtime.openvino_backend"] if backend == "openvino" else [
+        "onnxruntime", "higgs_pack.runtime.ort_backend"]
+    for module in ("tokenizers", *modules):
+        importlib.import_module(module)
+    import_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     opened = open_bundle(spec["bundle"])
     t1 = time.perf_counter()
@@ -332,17 +335,23 @@ def _load_bundle(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         kwargs["cache_dir"] = spec["ov_cache"]
     pipeline = load(opened, **kwargs)
     t2 = time.perf_counter()
-    info = {"load_s": t2 - t0, "validate_s": t1 - t0, "description": dict(pipeline.description),
+    info = {"load_s": t2 - t0, "validate_s": t1 - t0, "import_s": import_s,
+            "description": dict(pipeline.description),
             "versions": _versions(["onnxruntime", "openvino"])}
     return pipeline, info
 
 
 def _load_pytorch(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    t0 = time.perf_counter()
     import torch
+    import transformers
 
     from higgs_pack.exporters.checkpoint import open_checkpoint
     from higgs_pack.exporters.reference import reference_pipeline
 
+    for name in ("Qwen3Model", "HiggsAudioV2TokenizerModel", "DynamicCache"):
+        getattr(transformers, name, None)  # transformers imports these lazily (seconds)
+    import_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     ckpt = open_checkpoint(spec["checkpoint"])
     pipeline = reference_pipeline(ckpt, with_encoder=False)
@@ -350,7 +359,7 @@ def _load_pytorch(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     decoder = pipeline.decoder.model
     decoder_bytes = sum(p.numel() * p.element_size() for n, p in decoder.named_parameters()
                         if "embed_tokens" not in n)
-    info = {"load_s": load_s, "decoder_weight_bytes": int(decoder_bytes),
+    info = {"load_s": load_s, "import_s": import_s, "decoder_weight_bytes": int(decoder_bytes),
             "torch_threads": torch.get_num_threads(),
             "versions": _versions(["torch", "transformers"])}
     return pipeline, info
@@ -360,6 +369,7 @@ def worker_measure(spec: dict[str, Any]) -> dict[str, Any]:
     """Measure one system in this process (run as ``--worker``): load, warm up, timed runs."""
     from higgs_pack.runtime.delay import SamplingOptions
 
+    loadavg = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     pipeline, info = (_load_pytorch if spec["kind"] == PYTORCH else _load_bundle)(spec)
     info["rss_after_load_mb"] = _rss_now_mb()
     if spec.get("load_only"):
@@ -372,7 +382,9 @@ def worker_measure(spec: dict[str, Any]) -> dict[str, Any]:
         _one_run(pipeline, logs, spec["text"], spec["frames"], options)
     runs = [_one_run(pipeline, logs, spec["text"], spec["frames"], options)
             for _ in range(spec["repeats"])]
-    return {**info, **_median_runs(runs), "peak_rss_mb": _peak_rss_mb()}
+    # the 1-minute load average before and after: other work on the machine skews timings
+    after = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return {**info, **_median_runs(runs), "peak_rss_mb": _peak_rss_mb(), "loadavg_1m": [loadavg, after]}
 
 
 def worker_checkpoint(spec: dict[str, Any]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ that loads and never touches an existing bundle.
 
 from __future__ import annotations
 
+import json
 import logging
 import platform
 import re
@@ -250,7 +251,7 @@ def _assemble(plan: BuildPlan, ckpt, slug: str, source: str, bundle_dir: Path, r
     files = sorted(
         p.relative_to(bundle_dir).as_posix() for p in bundle_dir.rglob("*") if p.is_file() and p.name != MANIFEST_NAME
     )
-    return {
+    manifest = {
         "format_version": FORMAT_VERSION,
         "name": bundle_name(slug, plan),
         "model": {"id": ckpt.model_id, "slug": slug, "checkpoint_sha256": ckpt.digest(), "license": DEFAULT_LICENSE},
@@ -280,6 +281,19 @@ def _assemble(plan: BuildPlan, ckpt, slug: str, source: str, bundle_dir: Path, r
         "reference": {"file": REFERENCE_FILE, "cases": [greedy_text], "greedy_frames": greedy_frames},
         "verification": {},
     }
+    return _apply_variant(manifest, plan)
+
+
+def _apply_variant(manifest: dict[str, Any], plan: BuildPlan) -> dict[str, Any]:
+    """Lay the variant's manifest entries over the target's (dicts merged, others replaced)."""
+    spec = plan.variant_spec
+    for key, value in (spec.manifest.items() if spec is not None else ()):
+        value = json.loads(json.dumps(value))  # plain JSON data, never shared with the declaration
+        if isinstance(value, dict) and isinstance(manifest.get(key), dict):
+            manifest[key] = {**manifest[key], **value}
+        else:
+            manifest[key] = value
+    return manifest
 
 
 def _verify_and_record(plan: BuildPlan, bundle_dir: Path, manifest: dict[str, Any]) -> None:
@@ -287,8 +301,9 @@ def _verify_and_record(plan: BuildPlan, bundle_dir: Path, manifest: dict[str, An
 
     t = plan.target
     kwargs: dict[str, Any] = {}
-    if t.verify_on is not None:
-        kwargs = {"execution_provider": t.verify_on} if t.backend == "onnxruntime" else {"device": t.verify_on}
+    verify_on = (plan.variant_spec.verify_on if plan.variant_spec is not None else None) or t.verify_on
+    if verify_on is not None:
+        kwargs = {"execution_provider": verify_on} if t.backend == "onnxruntime" else {"device": verify_on}
     report = verify_bundle(bundle_dir, synthesize_cases=False, **kwargs)
     if not report.ok:
         failed = "; ".join(f"{c.name}: {c.detail}" for c in report.checks if c.ok is False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from higgs_pack.manifests.constants import EXECUTION_PROVIDERS, OPENVINO_REQUIREMENT, SubPart
 from higgs_pack.targets.base import Recipe, Target, register
+from higgs_pack.targets.plan import Variant
 
 
 def _onnx_recipes(ep: str) -> dict[SubPart, Recipe]:
@@ -67,6 +68,37 @@ DML = register(
     )
 )
 
+#: NPU variant: static lengths in positions. The prompt (text tokens, or for a voice
+#: clone its transcript + ~25 reference frames per second + the text) fits in
+#: NPU_MAX_PROMPT; the decoder's KV window holds prompt + generated frames (the TTS
+#: loop splits longer texts into sentences to fit it).
+NPU_MAX_PROMPT = 512
+NPU_KV_LENGTH = 1024
+#: Codec decoder chunk in frames (5.12 s at 25 fps); the context around each chunk is
+#: the decoder's receptive field, measured at build time (about 11 frames).
+NPU_CODEC_CHUNK = 128
+
+NPU = Variant(
+    "npu",
+    description="static shapes for Intel NPUs",
+    options={
+        # Stateless decoder with fixed-size KV buffers (why: convert_static_decoder's docstring).
+        SubPart.LLM_DECODER: {"static_kv_length": NPU_KV_LENGTH, "static_step": 1},
+        SubPart.TEXT_EMBED: {"static_axes": {"batch": 1, "sequence": NPU_MAX_PROMPT}, "allow_chunks": False},
+        SubPart.AUDIO_EMBED: {"static_axes": {"batch": 1, "frames": 1}},
+        SubPart.AUDIO_HEADS: {"static_axes": {"batch": 1, "frames": 1}},
+        SubPart.AUDIO_TOKENIZER: {"static_axes": {"batch": 1, "frames": NPU_CODEC_CHUNK},
+                                  "chunk_context": "auto", "pad_mask": True},
+        # The codec encoder runs once per voice clone, outside the loop. A padded static
+        # chunk changes its codes (HuBERT's attention and GroupNorm see the padding:
+        # 0.10 code agreement on the tiny model for a 30-frame probe in a 250-frame
+        # chunk), so it stays dynamic and runs on the CPU when the bundle runs on the NPU.
+        SubPart.AUDIO_ENCODER: {"device_overrides": {"NPU": "CPU"}},
+    },
+    manifest={"device": "NPU", "generation": {"max_prompt_length": NPU_MAX_PROMPT}},
+    verify_on="CPU",
+)
+
 OPENVINO = register(
     Target(
         name="openvino",
@@ -84,6 +116,6 @@ OPENVINO = register(
         },
         extra="openvino",
         runtime_requirements=(OPENVINO_REQUIREMENT,),
-        variants=("npu",),
+        variants=(NPU,),
     )
 )

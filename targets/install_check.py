@@ -46,6 +46,7 @@ from typing import Any
 
 from higgs_pack.manifests.errors import HiggsPackError
 
+
 @dataclass(frozen=True)
 class Platform:
     """A platform the resolver check covers.
@@ -323,8 +324,10 @@ def _run(cmd: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: Path 
 
 
 def _tail(proc: subprocess.CompletedProcess[str], lines: int = 12) -> str:
+    """Exit status and the error lines (``ERROR…``, ``error:…``) or else the last ``lines`` lines."""
     text = (proc.stdout + "\n" + proc.stderr).strip().splitlines()
-    return f"exit {proc.returncode}: " + " | ".join(text[-lines:])
+    errors = [ln for ln in text if ln.lstrip().lower().startswith("error")]
+    return f"exit {proc.returncode}: " + " | ".join((errors or text)[-lines:])
 
 
 def find_wheel(bundle: Path, dist: Path) -> Path:

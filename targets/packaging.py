@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import IO, Any, BinaryIO
 
 from higgs_pack.manifests.errors import HiggsPackError, PackagingError, unknown_choice
-from higgs_pack.manifests.manifest import CHUNK, MANIFEST_NAME, sha256_file
+from higgs_pack.manifests.manifest import CHUNK, MANIFEST_NAME, read_manifest, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -272,24 +272,34 @@ def package_bundle(
     """
     if formats not in FORMATS:
         raise PackagingError(unknown_choice("package format", str(formats), FORMATS, "--format / formats="))
-    content = collect(bundle)
+    # Cheap checks first (manifest only), so a mistake is reported before hashing gigabytes.
+    from higgs_pack.runtime.bundle import find_bundle
+
+    try:
+        path = find_bundle(bundle).resolve()
+        manifest = read_manifest(path)
+    except HiggsPackError as exc:
+        raise PackagingError(f"cannot package {bundle}: {exc}") from exc
     out = Path(out_dir).resolve()
-    if out == content.path or content.path in out.parents:
+    if out == path or path in out.parents:
         raise PackagingError(
-            f"output folder {out} is inside the bundle {content.path}; packaging into the bundle "
+            f"output folder {out} is inside the bundle {path}; packaging into the bundle "
             "would change it. Choose a folder outside it with --out-dir (out_dir=)"
         )
     if out.exists() and not out.is_dir():
         raise PackagingError(f"output folder {out} exists and is not a folder; choose another --out-dir (out_dir=)")
-    names = output_names(content.manifest, FORMATS[formats])
+    names = output_names(manifest, FORMATS[formats])
     targets = {kind: out / name for kind, name in names.items()}
     if not force:
-        for path in targets.values():
-            if path.exists():
+        for target in targets.values():
+            if target.exists():
                 raise PackagingError(
-                    f"{path} already exists; pass --force (force=True) to overwrite it, or choose "
+                    f"{target} already exists; pass --force (force=True) to overwrite it, or choose "
                     "another --out-dir (out_dir=)"
                 )
+    if "wheel" in targets:
+        _target_of(manifest, path)
+    content = collect(path)
     out.mkdir(parents=True, exist_ok=True)
     epoch = source_date_epoch()
     written = []
@@ -445,12 +455,7 @@ def write_wheel(content: BundleContent, dest: Path, epoch: int) -> None:
     Raises:
         PackagingError: the ``wheel`` package is missing or its writer changed.
     """
-    from higgs_pack.targets.base import get_target
-
-    try:
-        target = get_target(content.manifest["target"])
-    except HiggsPackError as exc:
-        raise PackagingError(f"cannot package {content.path} as a wheel: {exc}") from exc
+    target = _target_of(content.manifest, content.path)
     writer = _wheel_writer_class()
     package = dist_name(content.name)
     if any(m.relpath == "__init__.py" for m in content.members):
@@ -463,6 +468,24 @@ def write_wheel(content: BundleContent, dest: Path, epoch: int) -> None:
         wf.writestr(f"{info}/METADATA", wheel_metadata(content, target))
         wf.writestr(f"{info}/WHEEL", _wheel_file())
         wf.writestr(f"{info}/entry_points.txt", f"[higgs_pack.bundles]\n{content.name} = {package}\n")
+
+
+def _target_of(manifest: dict[str, Any], path: Path) -> Any:
+    """The registered :class:`~higgs_pack.targets.base.Target` of a bundle (its extra and marker).
+
+    Raises:
+        PackagingError: the bundle's target is not registered in this higgs-pack.
+    """
+    from higgs_pack.targets.base import targets
+
+    known = targets()
+    if manifest["target"] not in known:
+        raise PackagingError(
+            f"cannot package {path} as a wheel: its target {manifest['target']!r} is not a target of this "
+            f"higgs-pack (known: {', '.join(sorted(known))}), so its runtime extra is unknown; upgrade "
+            "higgs-pack or package it as an archive (--format archive / formats='archive')"
+        )
+    return known[manifest["target"]]
 
 
 def _wheel_writer_class() -> Callable[[Path, int], Any]:

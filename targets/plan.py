@@ -6,13 +6,50 @@ fails in milliseconds with a message naming both values.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from higgs_pack.exporters.catalog import ExporterInfo, get_exporter
 from higgs_pack.manifests.constants import SubPart
 from higgs_pack.manifests.errors import BuildPlanError
 from higgs_pack.targets.base import Target, get_target
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A named build variant of a target (``--variant NAME``): data the generic build loop applies.
+
+    Declared in a target's ``variants`` (a plain string there is a variant with no
+    overrides).
+
+    Attributes:
+        name: ``--variant`` value and bundle-name suffix (``npu`` ->
+            ``<slug>-<target>-<precision>-npu``).
+        description: one line for the plan and ``--help``.
+        options: sub-part -> exporter keyword options laid over the recipe's
+            (e.g. ``{SubPart.AUDIO_HEADS: {"static_axes": {"batch": 1, "frames": 1}}}``).
+        manifest: top-level manifest entries: dict values are merged into the
+            target's (``provider_options``, ``generation``), others replace it
+            (``device``).
+        verify_on: EP or device the build-time verification runs on (``None``: the
+            target's ``verify_on``).
+    """
+
+    name: str
+    description: str = ""
+    options: Mapping[SubPart, Mapping[str, Any]] = field(default_factory=dict)
+    manifest: Mapping[str, Any] = field(default_factory=dict)
+    verify_on: str | None = None
+
+
+def target_variants(target: Target) -> dict[str, Variant]:
+    """The variants a target declares, by name (strings become option-less variants)."""
+    out: dict[str, Variant] = {}
+    for v in getattr(target, "variants", ()):
+        spec = Variant(v) if isinstance(v, str) else v
+        out[spec.name] = spec
+    return out
 
 
 @dataclass(frozen=True)
@@ -24,7 +61,8 @@ class PlannedSubPart:
         exporter: the catalogue row that builds it.
         precision: its effective precision.
         passes: tool passes, in order.
-        options: exporter keyword options from the recipe.
+        options: exporter keyword options from the recipe, with the variant's on top.
+        variant_options: the part of ``options`` the variant set (shown by ``render``).
     """
 
     subpart: SubPart
@@ -32,6 +70,7 @@ class PlannedSubPart:
     precision: str
     passes: tuple[str, ...]
     options: dict[str, Any]
+    variant_options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -42,14 +81,20 @@ class BuildPlan:
     precision: str
     rows: tuple[PlannedSubPart, ...]
     variant: str | None = None
+    variant_spec: Variant | None = None
 
     def render(self) -> str:
         """Human-readable table (``higgs-pack build --plan``)."""
         lines = [f"plan: target {self.target.name}, precision {self.precision}"
                  + (f", variant {self.variant}" if self.variant else "")]
+        if self.variant_spec is not None and self.variant_spec.description:
+            lines[0] += f" ({self.variant_spec.description})"
         for row in self.rows:
             lines.append(f"  {row.subpart.value:<16} {row.precision:<5} {row.exporter.name:<17} "
                          f"{' -> '.join(row.passes)}")
+            if row.variant_options:
+                opts = ", ".join(f"{k}={v}" for k, v in row.variant_options.items())
+                lines.append(f"  {'':<16} {'':<5} {self.variant}: {opts}")
         return "\n".join(lines)
 
 
@@ -72,14 +117,17 @@ def make_plan(target: str | Target, precision: str | None = None, variant: str |
             f"target {t.name!r} does not support precision {precision!r}; it supports "
             f"{', '.join(t.precisions)} (set it with --precision / precision=)"
         )
-    variants = getattr(t, "variants", ())
+    variants = target_variants(t)
     if variant is not None and variant not in variants:
         allowed = ", ".join(variants) or "none"
-        raise BuildPlanError(f"target {t.name!r} has no variant {variant!r}; variants: {allowed}")
+        raise BuildPlanError(f"target {t.name!r} has no variant {variant!r}; variants: {allowed} "
+                             "(set it with --variant / variant=)")
+    spec = variants[variant] if variant is not None else None
     rows = []
     for part in SubPart:
         recipe = t.recipes[part]
         info = get_exporter(recipe.exporter)
         eff = t.precision_for(part, precision)
-        rows.append(PlannedSubPart(part, info, eff, info.passes[eff], dict(recipe.options)))
-    return BuildPlan(t, precision, tuple(rows), variant)
+        extra = dict(spec.options.get(part, {})) if spec is not None else {}
+        rows.append(PlannedSubPart(part, info, eff, info.passes[eff], {**recipe.options, **extra}, extra))
+    return BuildPlan(t, precision, tuple(rows), variant, spec)

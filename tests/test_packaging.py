@@ -201,6 +201,34 @@ def test_dml_wheel_carries_the_windows_marker(tmp_path: Path) -> None:
     ]
     assert "Operating System :: Microsoft :: Windows" in meta.get_all("Classifier")
 
+    from higgs_pack.targets.base import get_target
+    from higgs_pack.targets.install_check import Results, check_metadata, read_wheel
+
+    wheel = read_wheel(whl)
+    assert (wheel.bundle_name, wheel.package) == ("hand-made-dml-fp32", "hand_made_dml_fp32")
+    results = Results()
+    check_metadata(wheel, get_target("dml"), results)
+    assert not results.failed, results.lines
+    results = Results()
+    check_metadata(wheel, get_target("cuda"), results)
+    assert [name for status, name, _ in results.lines if status == "FAIL"] == [
+        "wheel names its bundle", "Requires-Dist higgs-pack extra and marker"]
+
+
+def test_package_command(bundle: Path, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from higgs_pack.runtime.cli import main
+
+    args = ["package", str(bundle), "--format", "zip", "--out-dir", str(tmp_path / "out")]
+    first = CliRunner().invoke(main, args)
+    assert first.exit_code == 0, first.output
+    assert first.output.strip() == str(tmp_path / "out" / f"{NAME}.zip")
+    again = CliRunner().invoke(main, args)
+    assert again.exit_code == 2
+    assert f"{NAME}.zip already exists; pass --force (force=True)" in again.output
+    assert CliRunner().invoke(main, [*args, "--force"]).exit_code == 0
+
 
 def test_only_listed_files_are_packaged(bundle: Path, tmp_path: Path) -> None:
     (bundle / ".ov_cache").mkdir()
@@ -244,6 +272,18 @@ def test_not_a_bundle(tmp_path: Path) -> None:
     with pytest.raises(PackagingError, match=r"cannot package .*empty: .*not a bundle \(manifest.json is missing\)"):
         package_bundle(tmp_path / "empty", formats="all", out_dir=tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_wheel_needs_a_registered_target(tmp_path: Path) -> None:
+    src = make_bundle(tmp_path / "tpu", name="hand-made-tpu-fp32", target="cpu")
+    manifest = read_manifest(src)
+    manifest["target"] = "tpu"
+    write_manifest(src, manifest)
+    with pytest.raises(PackagingError, match=r"cannot package .* as a wheel: its target 'tpu' is not a target of this higgs-pack \(known: cpu, cuda, dml, openvino\)"):
+        package_bundle(src, formats="all", out_dir=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    tgz, = package_bundle(src, formats="archive", out_dir=tmp_path / "out")  # archives need no target
+    assert tgz.name == "hand-made-tpu-fp32.tar.gz"
 
 
 def test_changed_file_is_named(bundle: Path, tmp_path: Path) -> None:
@@ -483,6 +523,7 @@ MAX_RSS_BYTES = 500 << 20
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="peak RSS is read from /proc (Linux)")
 def test_sparse_multi_gb_file_streams_with_zip64(tmp_path: Path) -> None:
     src = make_bundle(tmp_path / "big")
     member = "llm_decoder/model.onnx.data"
@@ -490,12 +531,15 @@ def test_sparse_multi_gb_file_streams_with_zip64(tmp_path: Path) -> None:
         handle.truncate(BIG)  # sparse: 3 GiB of zeros, no disk used
     relist(src)
     expected = next(e["sha256"] for e in read_manifest(src)["files"] if e["path"] == member)
+    # Peak RSS of the child since its exec: /proc's VmHWM (ru_maxrss would include the
+    # pytest parent's peak, inherited through fork + exec).
     code = (
-        "import json, resource, sys, time\n"
+        "import json, re, sys, time\n"
         "from higgs_pack.targets.packaging import package_bundle\n"
         "t = time.perf_counter(); package_bundle(sys.argv[1], formats='all', out_dir=sys.argv[2])\n"
-        "print(json.dumps({'seconds': round(time.perf_counter() - t, 1),\n"
-        "                  'maxrss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))\n"
+        "status = open('/proc/self/status').read()\n"
+        "peak = int(re.search(r'VmHWM:\\s+(\\d+) kB', status).group(1)) * 1024\n"
+        "print(json.dumps({'seconds': round(time.perf_counter() - t, 1), 'peak_rss': peak}))\n"
     )
     out = tmp_path / "out"
     try:
@@ -504,7 +548,7 @@ def test_sparse_multi_gb_file_streams_with_zip64(tmp_path: Path) -> None:
         stats = json.loads(proc.stdout)
         sizes = {p.name: p.stat().st_size for p in out.iterdir()}
         print(f"3 GiB sparse member, wheel + tar.gz: {stats}, sizes {sizes}")
-        assert stats["maxrss"] < MAX_RSS_BYTES, stats
+        assert stats["peak_rss"] < MAX_RSS_BYTES, stats
         with zipfile.ZipFile(out / WHEEL) as zf:
             info = zf.getinfo(f"hand_made_cpu_fp32/{member}")
             assert info.file_size == BIG and info.compress_type == zipfile.ZIP_STORED

@@ -1,0 +1,170 @@
+"""The benchmark (``python -m higgs_pack.targets.bench``): system names, records, ratios,
+table, JSON, and the real measuring code path on the tiny checkpoint.
+
+The end-to-end test runs the PyTorch reference in its worker subprocess on the tiny
+checkpoint (seconds); the ``slow`` one also builds a tiny cpu fp32 bundle in a temporary
+cache (about a minute on 2 cores) and checks it is reused on the next run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from higgs_pack.manifests.errors import BuildPlanError
+from higgs_pack.targets import bench
+
+#: Keys every measured record carries, with their types.
+RECORD_TYPES = {
+    "system": str, "precision": str, "label": str, "preset": str,
+    "frames_per_s": float, "first_frame_ms": float, "rtf": float, "peak_rss_mb": float,
+    "bundle_mb": float, "outside_decoder_frac": float, "load_s": float, "step_ms": dict,
+    "frames": int, "steps": int, "audio_s": float,
+}
+POSITIVE = ("frames_per_s", "first_frame_ms", "rtf", "peak_rss_mb", "bundle_mb", "load_s", "audio_s")
+
+
+def check_record(record: dict) -> None:
+    assert "error" not in record, record.get("error")
+    for key, kind in RECORD_TYPES.items():
+        assert isinstance(record[key], kind), (key, record[key])
+    for key in POSITIVE:
+        assert record[key] > 0 and math.isfinite(record[key]), (key, record[key])
+    assert 0 <= record["outside_decoder_frac"] < 1
+    assert record["steps"] == record["frames"] + 7  # delay ramp of 8 codebooks
+    assert record["frames_per_s_min"] <= record["frames_per_s"] <= record["frames_per_s_max"]
+    assert set(record["step_ms"]) == {"decoder", "heads", "embed", "other"}
+    assert sum(record["step_ms"].values()) == pytest.approx(1e3 / record["frames_per_s"], rel=0.25)
+    assert record["audio_s"] == pytest.approx(record["frames"] / 25)
+
+
+# ----------------------------------------------------------------------------- fast, no models
+
+
+@pytest.mark.parametrize(
+    ("text", "label", "target", "precision", "variant", "device"),
+    [
+        ("pytorch", "pytorch", None, "fp32", None, None),
+        ("cpu", "cpu-int4", "cpu", "int4", None, None),
+        ("cpu-fp32", "cpu-fp32", "cpu", "fp32", None, None),
+        ("openvino-int8@GPU", "openvino-int8@GPU", "openvino", "int8", None, "GPU"),
+        ("openvino-int4-npu", "openvino-int4-npu", "openvino", "int4", "npu", None),
+    ],
+)
+def test_parse_system(text, label, target, precision, variant, device):
+    spec = bench.parse_system(text)
+    assert (spec.label, spec.target, spec.precision, spec.variant, spec.device) == (
+        label, target, precision, variant, device)
+    assert spec.is_pytorch == (text == "pytorch")
+
+
+@pytest.mark.parametrize(("text", "named"), [("cpu-int9", "int9"), ("openvno-int4", "openvno")])
+def test_parse_system_rejects_unknown(text, named):
+    with pytest.raises(BuildPlanError, match=named):
+        bench.parse_system(text)
+
+
+def _fake(label, system, precision, fps, **extra):
+    return {"label": label, "system": system, "precision": precision, "preset": extra.pop("preset", "bench"),
+            "frames_per_s": fps, "rtf": 10.0 / fps, "peak_rss_mb": 100.0, "first_frame_ms": 5.0,
+            "bundle_mb": 10.0, "outside_decoder_frac": 0.1, "step_ms": {"decoder": 900 / fps, "other": 100 / fps},
+            **extra}
+
+
+def test_ratios_goals_and_table(tmp_path):
+    records = [
+        _fake("pytorch", "pytorch", "fp32", 10.0),
+        _fake("cpu-int4", "cpu", "int4", 30.0, device="cpu"),
+        _fake("openvino-int4", "openvino", "int4", 36.0, device="CPU", load_s=2.0, load_warm_s=0.5),
+        _fake("openvino-int4", "openvino", "int4", 50.0, device="CPU", preset="tiny", load_warm_s=0.4),
+        {"label": "cpu-fp16", "system": "cpu", "precision": "fp16", "preset": "bench", "error": "build: boom"},
+    ]
+    bench.add_ratios(records)
+    assert records[1]["speedup_vs_pytorch"] == pytest.approx(3.0)
+    assert records[2]["speedup_vs_cpu"] == pytest.approx(1.2) and records[2]["vs_cpu"] == "cpu-int4"
+    assert "speedup_vs_cpu" not in records[0] and "speedup_vs_pytorch" not in records[0]
+    assert "speedup_vs_pytorch" not in records[3]  # other preset, no PyTorch record there
+    goals = {goal: (met, numbers) for goal, met, numbers in bench.goal_checks(records)}
+    assert goals["cpu int4 >= 2x PyTorch frames/s"] == (True, "3.00x")
+    assert goals["openvino int4 >= cpu int4 frames/s"][0] is True
+    assert goals["openvino-int4 warm-cache load < 1 s (tiny)"][0] is True
+
+    roof = records[1] | {"decoder_weight_mb": 300.0}
+    bench._roofline(roof, {"bandwidth_gbps": 10.0})
+    assert roof["roofline_min_frame_ms"] == pytest.approx(30.0)
+    assert roof["roofline_frac"] == pytest.approx(0.9)
+    assert roof["roofline_frac_decoder"] == pytest.approx(1.0)
+
+    table = bench.render_table(records)
+    for text in ("pytorch", "cpu-int4", "3.00x", "1.20x", "error"):
+        assert text in table
+    details = bench.render_details(records)
+    assert "ERROR build: boom" in details and "met" in details
+
+    out = tmp_path / "bench.json"
+    bench.write_records(records[:2], out)
+    bench.write_records([records[2]], out, append=True)
+    assert [r["label"] for r in json.loads(out.read_text())] == ["pytorch", "cpu-int4", "openvino-int4"]
+    bench.write_records([records[2]], out)
+    assert len(json.loads(out.read_text())) == 1
+
+
+def test_bandwidth_measurement():
+    bw = bench.measure_bandwidth(mib=16, repeats=2, threads=2)
+    assert bw["bandwidth_gbps"] > 0 and bw["bandwidth_copy_gbps"] > 0 and bw["bandwidth_read_1t_gbps"] > 0
+
+
+def test_worker_failure_is_reported(tmp_path):
+    with pytest.raises(bench.WorkerError, match="measure worker exited"):
+        bench._spawn("measure", {"kind": "bundle", "bundle": str(tmp_path / "missing"), "backend": "onnxruntime"},
+                     cache=tmp_path)
+
+
+# ----------------------------------------------------------------------------- the real code path
+
+
+def test_bench_pytorch_on_tiny_checkpoint(tiny_checkpoint, tmp_path):
+    out = tmp_path / "bench.json"
+    code = bench.main(["--preset", "tiny", "--systems", "pytorch", "--checkpoint", str(tiny_checkpoint),
+                       "--frames", "8", "--repeats", "1", "--bandwidth-mib", "32", "--cache",
+                       str(tmp_path / "cache"), "--out", str(out), "--quiet"])
+    assert code == 0
+    (record,) = json.loads(out.read_text())
+    check_record(record)
+    assert (record["system"], record["precision"], record["preset"]) == ("pytorch", "fp32", "tiny")
+    assert record["bundle_mb"] == pytest.approx(
+        sum(p.stat().st_size for p in Path(tiny_checkpoint).iterdir()) / 1e6)
+    assert record["decoder_weight_mb"] > 0 and record["bandwidth_gbps"] > 0
+    assert record["roofline_frac"] > 0
+
+
+@pytest.mark.slow
+def test_bench_cpu_bundle_built_then_reused(tiny_checkpoint, tmp_path):
+    cache = tmp_path / "cache"
+    options = bench.BenchOptions(preset="tiny", systems=("pytorch", "cpu-fp32"), frames=8, repeats=1,
+                                 checkpoint=str(tiny_checkpoint), cache=str(cache), bandwidth_mib=32,
+                                 out=None, quiet=True)
+    torch_rec, cpu_rec = bench.run_bench(options)
+    for record in (torch_rec, cpu_rec):
+        check_record(record)
+    assert (cpu_rec["system"], cpu_rec["precision"], cpu_rec["backend"]) == ("cpu", "fp32", "onnxruntime")
+    assert cpu_rec["build_cached"] is False and cpu_rec["build_s"] > 0
+    assert cpu_rec["speedup_vs_pytorch"] == pytest.approx(cpu_rec["frames_per_s"] / torch_rec["frames_per_s"])
+    bundle = cache / "bundles" / f"{Path(tiny_checkpoint).name}-cpu-fp32"
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert cpu_rec["bundle_mb"] == pytest.approx(sum(f["size"] for f in manifest["files"]) / 1e6)
+    assert cpu_rec["decoder_weight_mb"] > 0 and cpu_rec["load_s"] > 0
+
+    again = bench.run_bench(bench.BenchOptions(
+        preset="tiny", systems=(), bundles=(str(bundle),), frames=8, repeats=1, warmup=0,
+        bandwidth_mib=0, cache=str(cache), out=None, quiet=True))
+    (rec,) = again
+    check_record(rec)
+    assert rec["label"] == "cpu-fp32" and "roofline_frac" not in rec
+    (rec2,) = bench.run_bench(bench.BenchOptions(
+        preset="tiny", systems=("cpu-fp32",), frames=8, repeats=1, warmup=0, bandwidth_mib=0,
+        checkpoint=str(tiny_checkpoint), cache=str(cache), out=None, quiet=True))
+    assert rec2["build_cached"] is True

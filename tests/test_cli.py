@@ -1,0 +1,114 @@
+"""The higgs-pack command line, run as a user runs it (subprocess of the console script)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import soundfile as sf
+
+HIGGS = [sys.executable, "-m", "higgs_pack.runtime.cli"]
+
+
+def run(*args, input=None, check=True):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    out = subprocess.run([*HIGGS, *map(str, args)], capture_output=True, text=True, input=input, env=env)
+    if check and out.returncode != 0:
+        raise AssertionError(f"exit {out.returncode}\n{out.stdout}\n{out.stderr}")
+    return out
+
+
+def test_synthesize_text_file_and_stdin(cpu_int4_bundle, cases_dir, tmp_path):
+    wav = tmp_path / "a.wav"
+    out = run("synthesize", cpu_int4_bundle, "--text-file", cases_dir / "text_en_basic.txt", "-o", wav,
+              "--no-progress", "--max-frames", "30")
+    assert "wrote" in out.stdout and "frames" in out.stdout
+    info = sf.info(wav)
+    assert (info.samplerate, info.channels, info.subtype) == (24000, 1, "PCM_16")
+    wav2 = tmp_path / "b.wav"
+    run("synthesize", cpu_int4_bundle, "-o", wav2, "--no-progress", "--max-frames", "20", "--float",
+        input="Piped text works too.")
+    assert sf.info(wav2).subtype == "FLOAT"
+
+
+def test_synthesize_reports_the_frame_cap(cpu_int4_bundle, tmp_path):
+    out = run("synthesize", cpu_int4_bundle, "--text", "Hi.", "-o", tmp_path / "c.wav", "--no-progress",
+              "--max-frames", "10", "--seed", "5")
+    assert "stop: max_frames" not in out.stdout or "frame cap was reached" in out.stderr
+
+
+def test_synthesize_clone(cpu_int4_bundle, cases_dir, tmp_path):
+    run("synthesize", cpu_int4_bundle, "--text", "Cloned voice.", "-o", tmp_path / "d.wav", "--no-progress",
+        "--ref-audio", cases_dir / "ref_en_16k.wav", "--ref-text", (cases_dir / "ref_en_16k.txt").read_text(),
+        "--max-frames", "15")
+    assert sf.info(tmp_path / "d.wav").frames > 0
+
+
+def test_bad_inputs_exit_2_with_a_message(cpu_int4_bundle, tmp_path):
+    out = run("synthesize", cpu_int4_bundle, "--text", "   ", "-o", tmp_path / "e.wav", check=False)
+    assert out.returncode == 2 and "text is empty or only whitespace" in out.stderr
+    (tmp_path / "x.wav").write_text("not audio")
+    out = run("synthesize", cpu_int4_bundle, "--text", "Hi.", "-o", tmp_path / "f.wav",
+              "--ref-audio", tmp_path / "x.wav", "--ref-text", "Hi.", check=False)
+    assert out.returncode == 2 and "not a readable audio file" in out.stderr
+    out = run("synthesize", tmp_path / "nope", "--text", "Hi.", "-o", tmp_path / "g.wav", check=False)
+    assert out.returncode == 2 and "no such bundle directory" in out.stderr
+    out = run("synthesize", cpu_int4_bundle, "--text", "Hi.", "-o", tmp_path / "h.wav", "--top-p", "0", check=False)
+    assert out.returncode == 2 and "top_p must be in (0, 1]" in out.stderr
+
+
+def test_inspect_and_verify(cpu_int4_bundle, cases_dir, tmp_path):
+    out = run("inspect", cpu_int4_bundle)
+    assert "higgs-audio-v3-tiny-cpu-int4" in out.stdout and "llm_decoder" in out.stdout
+    assert "OnnxBlockWiseRtnQuantization" in out.stdout
+    report = tmp_path / "report.json"
+    out = run("verify", cpu_int4_bundle, "--report", report)
+    assert "result: PASS" in out.stdout and report.is_file()
+
+
+def test_verify_fails_on_a_damaged_bundle(bundle_copy):
+    (bundle_copy / "audio_heads.onnx").write_bytes(b"x")
+    out = run("verify", bundle_copy, check=False)
+    assert out.returncode == 1 and "FAIL" in out.stdout
+
+
+def test_build_plan_and_unknown_target():
+    out = run("build", "--target", "cpu", "--plan")
+    assert "llm_decoder" in out.stdout and "modelbuilder" in out.stdout
+    out = run("build", "--target", "gpu", check=False)
+    assert out.returncode == 2 and "unknown target 'gpu'" in out.stderr
+    out = run("build", "--target", "cpu", "--precision", "int8", check=False)
+    assert out.returncode == 2 and "target 'cpu' does not support precision 'int8'" in out.stderr
+
+
+def test_make_tiny_checkpoint_is_deterministic(tmp_path):
+    run("make-tiny-checkpoint", tmp_path / "a", "--seed", "3")
+    run("make-tiny-checkpoint", tmp_path / "b", "--seed", "3")
+    names = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "b").iterdir())
+    for name in names:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+
+def test_runtime_commands_do_not_import_build_tools(cpu_int4_bundle, tmp_path):
+    code = (
+        "import sys\n"
+        "from higgs_pack.runtime.cli import main\n"
+        f"main(['synthesize', {str(cpu_int4_bundle)!r}, '--text', 'Hi.', '-o', {str(tmp_path / 'r.wav')!r},"
+        " '--no-progress', '--max-frames', '10'], standalone_mode=False)\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'olive', 'onnxruntime_genai', 'optimum') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+        "import higgs_pack.runtime.bundle, higgs_pack.runtime.verify\n"
+        "bad = sorted(m for m in sys.modules if m.startswith(('higgs_pack.targets', 'higgs_pack.exporters')))\n"
+        "assert not bad, bad\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def test_installed_layout_has_no_bare_top_level_packages():
+    import higgs_pack.runtime
+
+    site = Path(higgs_pack.runtime.__file__).resolve().parents[1]
+    for bare in ("runtime", "targets", "exporters", "manifests"):
+        assert not (site / bare / "__init__.py").exists() or site.name == Path(__file__).resolve().parents[1].name

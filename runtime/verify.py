@@ -176,10 +176,13 @@ def verify_bundle(
 ) -> VerifyReport:
     """Check a bundle end to end, on the runtime alone (no torch, no checkpoint).
 
-    Checks, in order: manifest + every file's size and sha256; sub-part I/O
-    signatures (at load); per-sub-part parity against ``reference/golden.npz``
+    Checks, in order: manifest + every file's size and sha256; the backend's
+    :data:`STRUCTURE_CHECKS` on the files (OpenVINO: the decoder's state, static
+    shapes); sub-part I/O signatures (at load); per-sub-part parity against ``reference/golden.npz``
     with the manifest's thresholds; greedy codes vs the oracle (fp32: exact for
-    at least 16 frames); then, when ``cases_dir`` is given, synthesis of its
+    at least 16 frames); the backend's :data:`RUNTIME_CHECKS` (OpenVINO: GPU and
+    NPU devices where present; ONNX Runtime: node placement on a non-CPU provider);
+    then, when ``cases_dir`` is given, synthesis of its
     English and Chinese texts and a voice clone from ``ref_en_16k.wav``.
 
     Args:
@@ -188,8 +191,8 @@ def verify_bundle(
         cases_dir: folder with ``text_en_basic.txt``, ``text_zh.txt``,
             ``ref_en_16k.wav`` and ``ref_en_16k.txt`` (``shared/cases``).
         synthesize_cases: set False to skip synthesis.
-        extra_checks: callables ``f(bundle, pipeline, report)`` run after parity
-            (backend-specific checks, e.g. statefulness or op coverage).
+        extra_checks: callables ``f(bundle, pipeline, report)`` run after parity,
+            after the backend's own :data:`RUNTIME_CHECKS`.
 
     Returns:
         A :class:`VerifyReport`; ``report.ok`` is False when any check failed.
@@ -209,6 +212,8 @@ def verify_bundle(
                f"missing {files.missing}, changed {files.mismatched}")
     if not files.ok:
         return report
+    for structure_check in STRUCTURE_CHECKS.get(m["backend"], ()):
+        structure_check(opened, report)
     try:
         pipeline = load(opened, execution_provider=execution_provider, device=device,
                         allow_fallback=allow_fallback)
@@ -253,7 +258,7 @@ def verify_bundle(
         report.add("greedy codes", None, f"skipped: {blocked[0]}: {cannot_run[blocked[0]]}")
     else:
         _check_greedy(pipeline, opened, golden, report)
-    for extra_check in extra_checks or []:
+    for extra_check in (*RUNTIME_CHECKS.get(m["backend"], ()), *(extra_checks or [])):
         extra_check(opened, pipeline, report)
     if synthesize_cases and cases_dir is not None:
         if blocked:
@@ -318,6 +323,148 @@ def _check_cases(pipeline: Pipeline, cases: Path, report: VerifyReport) -> None:
                    f"{out.seconds_of_audio:.2f} s audio, {len(out.codes)} frames, stop {stops}, "
                    f"peak {float(np.abs(out.samples).max()) if out.samples.size else 0:.3f}, "
                    f"RTF {seconds / max(out.seconds_of_audio, 1e-9):.3f}")
+
+
+# ----------------------------------------------------------------------------- backend checks
+
+
+def check_decoder_state(bundle: Bundle, report: VerifyReport) -> None:
+    """OpenVINO: the decoder IR keeps its KV cache as state exactly when the manifest says so."""
+    from higgs_pack.runtime.openvino_backend import ir_state_variables
+
+    spec = bundle.subpart(SubPart.LLM_DECODER)
+    options = spec["options"]
+    declared = bool(options.get("stateful", not options.get("static")))
+    try:
+        variables = ir_state_variables(bundle.file(spec["entry"]))
+    except (HiggsPackError, RuntimeError) as exc:
+        report.add("decoder state", False, f"cannot read {spec['entry']}: {exc}")
+        return
+    if declared and variables:
+        report.add("decoder state", True, f"stateful as declared: {len(variables)} state variables (KV cache)")
+    elif not declared and not variables:
+        report.add("decoder state", True, f"stateless as declared (static KV window of "
+                   f"{options.get('kv_length', '?')} positions held by the runtime)")
+    else:
+        said, found = ("stateful", "no state variables (a stateless IR)") if declared else \
+            ("stateless", f"{len(variables)} state variables")
+        report.add("decoder state", False, f"the manifest declares a {said} decoder but {spec['entry']} has "
+                   f"{found}; the files and the manifest do not belong together: rebuild the bundle")
+
+
+def check_static_shapes(bundle: Bundle, report: VerifyReport) -> None:
+    """OpenVINO: every sub-part whose manifest promises static shapes has no dynamic dimension."""
+    from higgs_pack.runtime.openvino_backend import static_shape_problems
+
+    try:
+        problems = static_shape_problems(bundle)
+    except (HiggsPackError, RuntimeError) as exc:
+        report.add("static shapes", False, f"cannot read the IRs: {exc}")
+        return
+    if not problems:
+        report.add("static shapes", None, "no sub-part promises static shapes (a dynamic bundle; "
+                   "NPUs need one built with --npu)")
+        return
+    bad = {part: p for part, p in problems.items() if p}
+    if bad:
+        report.add("static shapes", False, "; ".join(f"{part}: {', '.join(p)}" for part, p in bad.items()))
+    else:
+        dynamic = sorted(set(bundle.manifest["subparts"]) - set(problems))
+        report.add("static shapes", True, f"{len(problems)} sub-parts fully static as promised"
+                   + (f" (dynamic, not promised: {', '.join(dynamic)})" if dynamic else ""))
+
+
+#: OpenVINO device -> what it is, for skip messages.
+DEVICE_LABELS = {"GPU": "Intel GPU", "NPU": "Intel NPU"}
+
+
+def _check_on_device(device: str, bundle: Bundle, pipeline: Pipeline, report: VerifyReport) -> None:
+    """OpenVINO: load the bundle on ``device`` and check parity there, when the device exists."""
+    import openvino as ov
+
+    name = f"device {device}"
+    available = list(ov.Core().available_devices)
+    if not any(d.split(".")[0] == device for d in available):
+        report.add(name, None, f"no {DEVICE_LABELS.get(device, device)} (OpenVINO '{device}' device) on this "
+                   f"machine (devices: {', '.join(available) or 'none'})")
+        return
+    if any(desc.startswith(f"OpenVINO {device}") for desc in pipeline.description.values()):
+        report.add(name, None, f"the checks above ran on {device}")
+        return
+    subparts = bundle.manifest["subparts"]
+    if device == "NPU" and not all(s["options"].get("static") or s["options"].get("device_overrides", {}).get("NPU")
+                                   for s in subparts.values()):
+        report.add(name, None, "this bundle has dynamic shapes and the NPU compiles static ones only: "
+                   "build the npu variant (higgs-pack build --target openvino --npu)")
+        return
+    try:
+        other = load(bundle, device=device)
+        golden = read_golden(bundle)
+        scores = {part: subpart_parity(other, golden, part, spec["parity"]["metric"])[0]
+                  for part, spec in subparts.items()}
+    except HiggsPackError as exc:
+        report.add(name, False, f"on {device}: {exc}")
+        return
+    failed = [p for p, v in scores.items() if v < subparts[p]["parity"]["threshold"]]
+    detail = ", ".join(f"{p} {v:.4f}" for p, v in scores.items())
+    report.add(name, not failed, f"parity on {device}: {detail}" + (f"; below threshold: {failed}" if failed else ""),
+               min(scores.values()))
+
+
+def check_gpu(bundle: Bundle, pipeline: Pipeline, report: VerifyReport) -> None:
+    """OpenVINO: parity on the Intel GPU (``GPU``), or skipped naming the missing device."""
+    _check_on_device("GPU", bundle, pipeline, report)
+
+
+def check_npu(bundle: Bundle, pipeline: Pipeline, report: VerifyReport) -> None:
+    """OpenVINO: parity on the Intel NPU (``NPU``) for static bundles, or skipped with the reason."""
+    _check_on_device("NPU", bundle, pipeline, report)
+
+
+def check_node_placement(bundle: Bundle, pipeline: Pipeline, report: VerifyReport) -> None:
+    """ONNX Runtime: on a provider other than CPU, which nodes it left on the CPU provider.
+
+    Informational (the OpenVINO EP leaves ModelBuilder's GroupQueryAttention on the
+    CPU EP): each sub-part is run once more with ORT profiling, and the profile says
+    which provider ran each node.
+    """
+    from higgs_pack.manifests.constants import EXECUTION_PROVIDERS
+    from higgs_pack.runtime.ort_backend import bundle_node_placement
+
+    by_provider = {row.ort_provider: name for name, row in EXECUTION_PROVIDERS.items()}
+    used = {desc for desc in pipeline.description.values()}
+    eps = sorted({by_provider[u] for u in used if u in by_provider and u != "CPUExecutionProvider"})
+    if not eps:
+        report.add("node placement", None, f"every sub-part runs on {', '.join(sorted(used))}; placement is "
+                   "checked on other providers")
+        return
+    ep = eps[0]
+    provider = EXECUTION_PROVIDERS[ep].ort_provider
+    try:
+        placements = bundle_node_placement(bundle, ep, read_golden(bundle))
+    except HiggsPackError as exc:
+        report.add("node placement", False, str(exc))
+        return
+    on_cpu = {part: pl.on("CPUExecutionProvider") for part, pl in placements.items()}
+    taken = sum(len(pl.on(provider)) for pl in placements.values())
+    left = sum(len(nodes) for nodes in on_cpu.values())
+    if not left:
+        report.add("node placement", True, f"{provider} ran every node ({taken} nodes or fused subgraphs)", 0)
+        return
+    parts = []
+    for part, nodes in on_cpu.items():
+        if nodes:
+            ops = ", ".join(f"{op} x{n}" for op, n in sorted(placements[part].op_counts("CPUExecutionProvider").items()))
+            names = ", ".join(n for n, _ in nodes[:4]) + (" …" if len(nodes) > 4 else "")
+            parts.append(f"{part}: {ops} ({names})")
+    report.add("node placement", True, f"{left} nodes left on CPUExecutionProvider, {taken} nodes or fused "
+               f"subgraphs on {provider}: " + "; ".join(parts), left)
+
+
+#: backend -> checks on the bundle's files, run before any session is created.
+STRUCTURE_CHECKS: dict[str, tuple] = {"openvino": (check_decoder_state, check_static_shapes)}
+#: backend -> checks on the loaded pipeline, run after parity and greedy decoding.
+RUNTIME_CHECKS: dict[str, tuple] = {"openvino": (check_gpu, check_npu), "onnxruntime": (check_node_placement,)}
 
 
 def verify_any(target: str | Path, **kwargs: Any) -> VerifyReport:

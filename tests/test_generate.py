@@ -1,0 +1,96 @@
+"""The generation loop's own rules (MODEL.md "Generation loop") on the tiny model's oracle."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from higgs_pack.runtime.delay import SamplingOptions
+from higgs_pack.runtime.generate import build_prompt, generate_codes
+
+BOC, EOC, N = 1024, 1025, 8
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_ckpt):
+    from higgs_pack.exporters.reference import reference_pipeline
+
+    return reference_pipeline(tiny_ckpt)
+
+
+class BiasedHeads:
+    """Wraps the real audio head and pushes chosen codes up at chosen steps (tests the loop, not the head)."""
+
+    def __init__(self, inner, bias):
+        self.inner, self.bias, self.step = inner, bias, 0
+
+    def run(self, feeds):
+        out = self.inner.run(feeds)
+        logits = out["audio_logits"].copy()
+        for codebook, code in self.bias(self.step):
+            logits[0, -1, codebook, code] += 1000.0
+        self.step += 1
+        return {"audio_logits": logits}
+
+
+def _run(oracle, bias=None, **options):
+    pipe = replace(oracle, audio_heads=BiasedHeads(oracle.audio_heads, bias)) if bias else oracle
+    opts = SamplingOptions(**{"seed": 0, **options})
+    return generate_codes(pipe, build_prompt(pipe, "Hello world."), opts, max_frames=30)
+
+
+def test_start_ramp_forces_boc_above_the_step(oracle):
+    delayed = _run(oracle, repeat_guard_frames=0).delayed
+    for step in range(N - 1):
+        assert (delayed[step, step + 1 :] == BOC).all()
+        assert (delayed[step, : step + 1] < 1024).all()
+    assert (delayed[N - 1 :] < 1024).all()
+
+
+def test_eoc_on_codebook_0_ends_after_n_minus_1_more_frames(oracle):
+    result = _run(oracle, bias=lambda s: [(0, EOC)] if s == 12 else [], repeat_guard_frames=0)
+    d = result.delayed
+    assert result.stop_reason == "eoc"
+    assert len(d) == 12 + N  # EOC at step 12, then 7 more steps
+    for j in range(N):
+        assert (d[12 + j, : j + 1] == EOC).all()
+        assert (d[12 + j, j + 1 :] < 1024).all()
+    assert result.codes.shape == (12 + N - (N - 1) - 1, N)  # frames whose every codebook is real
+
+
+def test_only_codebook_0_may_emit_eoc_and_boc_is_never_sampled(oracle):
+    result = _run(oracle, bias=lambda s: [(3, EOC), (5, BOC)], repeat_guard_frames=0)
+    d = result.delayed
+    assert result.stop_reason == "max_frames"
+    assert (d[N - 1 :] < 1024).all()
+
+
+def test_repeat_guard_stops_runaway_codebook_0(oracle):
+    result = _run(oracle, bias=lambda s: [(0, 7)], repeat_guard_frames=10)
+    assert result.stop_reason == "repeat_guard"
+    assert len(result.delayed) == 10 + N
+
+
+def test_frame_cap(oracle):
+    result = _run(oracle, repeat_guard_frames=0)
+    assert result.stop_reason == "max_frames"
+    assert len(result.delayed) == 30 + N - 1 and result.codes.shape == (30, N)
+
+
+def test_audio_feedback_changes_the_next_step(oracle):
+    a = _run(oracle, temperature=0, repeat_guard_frames=0).delayed
+    b = _run(oracle, bias=lambda s: [(0, 3)] if s == 2 else [], temperature=0, repeat_guard_frames=0).delayed
+    assert np.array_equal(a[:2], b[:2]) and b[2, 0] == 3
+    assert not np.array_equal(a[3:], b[3:])
+
+
+def test_prompt_layout_zero_shot_and_clone(oracle):
+    sp = oracle.constants.special_tokens
+    text_ids = oracle.tokenizer.encode("Hello world.", add_special_tokens=False).ids
+    zero = build_prompt(oracle, "Hello world.")
+    ids = np.array([[sp["tts"], sp["text"], *text_ids, sp["audio"]]])
+    assert np.allclose(zero, oracle.text_embed.run({"input_ids": ids})["inputs_embeds"])
+    ref = np.random.default_rng(0).integers(0, 1024, size=(5, N))
+    clone = build_prompt(oracle, "Hello world.", ref, "Ref.")
+    ref_ids = oracle.tokenizer.encode("Ref.", add_special_tokens=False).ids
+    assert clone.shape[1] == 3 + len(ref_ids) + (5 + N - 1) + len(text_ids) + 2

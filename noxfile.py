@@ -99,6 +99,22 @@ for _target in TARGETS:
                     "--cases", str(CASES), external=True)
 
 
+@nox.session(name="verify-cpu-on-openvino-ep", reuse_venv=True, default=False, tags=["verify"])
+def verify_cpu_on_openvino_ep(session: nox.Session) -> None:
+    """Verify the cpu bundle on ONNX Runtime's OpenVINO EP (args: [BUNDLE] [verify options]).
+
+    Its own venv: onnxruntime-openvino ships the same `onnxruntime` module as onnxruntime,
+    so higgs-pack goes in without the [cpu] extra (base + onnx). Fails loudly when the EP
+    does not take a session; reports the nodes it leaves on the CPU EP."""
+    session.install("onnxruntime-openvino>=1.24", "onnx>=1.17")
+    session.install(str(ROOT))
+    bundle = session.posargs[0] if session.posargs else str(_bundle("cpu"))
+    if not Path(bundle).exists():
+        session.error(f"{bundle} does not exist; run `nox -s build-cpu` first")
+    args = ["--cases", str(CASES)] if CASES.is_dir() else []
+    session.run("higgs-pack", "verify", bundle, "--execution-provider", "openvino", *args, *session.posargs[1:])
+
+
 @nox.session(venv_backend="none")
 def tests(session: nox.Session) -> None:
     """Run the test suite (tiny checkpoint, real tools) in the shared build venv."""

@@ -80,7 +80,7 @@ EXECUTION_PROVIDERS: dict[str, ExecutionProvider] = {
             "dml",
             "DmlExecutionProvider",
             "onnxruntime-directml",
-            "onnxruntime-directml>=1.31,<1.33; sys_platform == 'win32'",
+            "onnxruntime-directml>=1.24,<1.33; sys_platform == 'win32'",
             "dml",
         ),
         ExecutionProvider(

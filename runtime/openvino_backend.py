@@ -51,6 +51,16 @@ _DEVICE_FIX = "--device / device="
 _ALLOWED_FORMS = "CPU, GPU, GPU.<n>, NPU, AUTO, AUTO:<devices>, HETERO:<devices>, MULTI:<devices>"
 
 
+#: What OpenVINO says when an IR's weights file does not fit its XML (measured: a
+#: truncated .bin gives "Incorrect weights in bin file!").
+_DAMAGED_IR = re.compile(r"weights in bin file|bin file is|Incorrect weights", re.IGNORECASE)
+
+
+def _last_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
+
+
 def runtime_versions() -> dict[str, str]:
     """Versions of the runtime packages this backend uses.
 
@@ -91,7 +101,7 @@ def normalize_device(device: str) -> str:
     if not ok:
         raise ExecutionProviderUnavailable(
             f"unknown OpenVINO device {device!r}; allowed forms: {_ALLOWED_FORMS}. "
-            f"Set it with {_DEVICE_FIX}"
+            f"Set it with {_DEVICE_FIX}."
         )
     return text
 
@@ -150,7 +160,8 @@ def check_device(core: ov.Core, device: str, allow_fallback: bool = False) -> tu
     raise ExecutionProviderUnavailable(
         f"OpenVINO device {device} is not available here ({', '.join(missing)} missing); devices present: "
         f"{', '.join(available) or 'none'}. Choose one of them with {_DEVICE_FIX} (for example "
-        f"--device {available[0] if available else 'CPU'}), or pass allow_fallback=True to run on CPU"
+        f"--device {available[0] if available else 'CPU'}), or pass --allow-fallback (allow_fallback=True) "
+        "to run on CPU"
     )
 
 
@@ -226,6 +237,12 @@ def compile_ir(core: ov.Core, xml_path: str | os.PathLike, device: str, cache_di
     try:
         compiled = core.compile_model(str(path), device, properties)
     except RuntimeError as exc:
+        if _DAMAGED_IR.search(str(exc)):
+            raise BundleError(
+                f"OpenVINO cannot read {path.name} with its weights {path.with_suffix('.bin').name} "
+                f"({_last_line(exc)}): the .bin is damaged or belongs to another IR; rebuild or re-download "
+                "the bundle"
+            ) from exc
         raise ExecutionProviderUnavailable(
             f"OpenVINO could not compile {path.name} for {device} with {properties}: {exc}"
         ) from exc

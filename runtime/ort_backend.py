@@ -242,6 +242,11 @@ class OrtDecoder:
         ort = import_ort()
         self._ort = ort
         inputs = {i.name: i for i in session.get_inputs()}
+        if "inputs_embeds" not in inputs:
+            raise SignatureMismatch(
+                f"llm_decoder: the graph has no inputs_embeds input (inputs: {sorted(inputs)}); it was not "
+                "built with exclude_embeds. Rebuild the bundle with `higgs-pack build`"
+            )
         self._embed_type = ORT_TYPES[inputs["inputs_embeds"].type]
         self._past = sorted(n for n in inputs if n.startswith("past_key_values."))
         self._present = [n.replace("past_key_values.", "present.") for n in self._past]

@@ -432,7 +432,7 @@ def check_node_placement(bundle: Bundle, pipeline: Pipeline, report: VerifyRepor
     from higgs_pack.runtime.ort_backend import bundle_node_placement
 
     by_provider = {row.ort_provider: name for name, row in EXECUTION_PROVIDERS.items()}
-    used = {desc for desc in pipeline.description.values()}
+    used = set(pipeline.description.values())
     eps = sorted({by_provider[u] for u in used if u in by_provider and u != "CPUExecutionProvider"})
     if not eps:
         report.add("node placement", None, f"every sub-part runs on {', '.join(sorted(used))}; placement is "

@@ -469,10 +469,11 @@ def test_installed_wheel_is_found_by_name(bundle: Path, tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def built_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from higgs_pack.targets.build import build
+def built_bundle(tmp_path_factory: pytest.TempPathFactory, cpu_fp32_bundle: Path) -> Path:
+    """A private copy of the session's real cpu fp32 bundle (built once for all test files)."""
+    import shutil
 
-    return build("cpu", precision="fp32", out=tmp_path_factory.mktemp("built") / "bundle", force=True)
+    return Path(shutil.copytree(cpu_fp32_bundle, tmp_path_factory.mktemp("built") / "bundle"))
 
 
 @pytest.mark.slow

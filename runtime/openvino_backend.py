@@ -221,7 +221,7 @@ def compile_ir(core: ov.Core, xml_path: str | os.PathLike, device: str, cache_di
         device used, any fallback, and the execution devices when they differ.
 
     Raises:
-        BundleError: The IR or its weights are missing.
+        BundleError: The IR or its weights are missing, or the weights do not fit the IR.
         ExecutionProviderUnavailable: The device is unavailable, OpenVINO cannot
             compile for it, or it compiled onto other devices than asked.
     """

@@ -28,6 +28,30 @@ TARGETS = ("cpu", "cuda", "dml", "openvino")
 DEFAULT_PRECISION = {"cpu": "int4", "cuda": "fp16", "dml": "fp16", "openvino": "int4"}
 # The runtime extra a bundle user installs, per target (verify sessions).
 RUNTIME_EXTRA = {"cpu": "cpu", "cuda": "cpu", "dml": "cpu", "openvino": "openvino"}
+# GPU targets: verify-<target> runs higgs_pack.targets.static_checks (static checks, CPU parity,
+# and the GPU provider when _gpu_runtime finds the hardware).
+GPU_TARGETS = ("cuda", "dml")
+
+
+def _gpu_runtime(target: str) -> tuple[str, bool]:
+    """(extra to install, hardware known present) for verify-cuda / verify-dml.
+
+    cuda: an NVIDIA driver answering `nvidia-smi` -> [cuda] (onnxruntime-gpu); dml: Windows ->
+    [dml] (onnxruntime-directml).  Otherwise [cpu]: the GPU checks are skipped with a reason.
+    HIGGS_PACK_VERIFY_GPU=0/1 overrides the detection.
+    """
+    import shutil
+    import subprocess
+
+    forced = os.environ.get("HIGGS_PACK_VERIFY_GPU")
+    if target == "cuda":
+        found = shutil.which("nvidia-smi") is not None and subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, check=False).returncode == 0
+    else:
+        found = sys.platform == "win32"
+    if forced is not None:
+        found = forced == "1"
+    return (target if found else "cpu"), (found and target == "cuda")
 
 
 def _bin(name: str) -> str:
@@ -76,13 +100,20 @@ for _target in TARGETS:
     @nox.session(name=f"verify-{_target}", reuse_venv=True, default=False, tags=["verify"])
     def _verify(session: nox.Session, target: str = _target) -> None:
         """Verify the default bundle in a runtime-only venv (no torch): files, signatures,
-        parity vs golden outputs, and synthesis of shared/cases."""
-        session.install(f"{ROOT}[{RUNTIME_EXTRA[target]}]")
+        parity vs golden outputs, and synthesis of shared/cases.  cuda/dml: static checks
+        (onnx.checker, dtypes, op coverage, decoder I/O), parity on the CPU provider, and the
+        GPU provider where the hardware is found (else skipped, naming the hardware)."""
+        extra, hardware = _gpu_runtime(target) if target in GPU_TARGETS else (RUNTIME_EXTRA[target], False)
+        session.install(f"{ROOT}[{extra}]")
         bundle = session.posargs[0] if session.posargs else str(_bundle(target))
         if not Path(bundle).exists():
             session.error(f"{bundle} does not exist; run `nox -s build-{target}` first")
         session.run("python", "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)")
         args = ["--cases", str(CASES)] if CASES.is_dir() else []
+        if target in GPU_TARGETS:
+            session.run("python", "-m", "higgs_pack.targets.static_checks", bundle, *args,
+                        *(["--require-gpu"] if hardware else []), *session.posargs[1:])
+            return
         session.run("higgs-pack", "verify", bundle, *args, *session.posargs[1:])
 
     @nox.session(name=f"package-{_target}", venv_backend="none", default=False, tags=["package"])

@@ -280,6 +280,7 @@ def build_llm_decoder(
         )
 
     _check_outputs_produced(model_path, log_path)
+    repaired = _repair_constant_shapes(model_path)
     files = onnx_utils.onnx_files(model_path, bundle_dir)
     keep = {*files, (genai_config_path.resolve().relative_to(bundle_dir.resolve())).as_posix()}
     removed: list[str] = []
@@ -342,10 +343,49 @@ def build_llm_decoder(
             "opset": _opsets(model_path),
             "op_types": onnx_utils.op_type_counts(model_path),
             "removed_files": removed,
+            "repaired_value_info": repaired,
             **({"workarounds": ["packed Attention off (ModelBuilder 0.18 writes no present KV with it): "
                                 "MultiHeadAttention path"]} if workaround else {}),
         },
     )
+
+
+def _repair_constant_shapes(model_path: Path) -> list[str]:
+    """Give Constant outputs the shape of their value in the graph's ``value_info``.
+
+    ModelBuilder 0.18 declares its 1-D int64 constants (``/model/constant_nodes/INT64/[1]``,
+    ``[0, -1, 16]``…) as rank-0 tensors in ``value_info``.  ONNX Runtime ignores that,
+    but ``onnx.checker.check_model(full_check=True)`` refuses the graph ("Inferred shape and
+    existing shape differ in rank", then every Reshape/Concat fed by one).  Only the
+    declared shapes of those Constant outputs change; no node, weight or graph I/O does.
+
+    Returns:
+        The names of the tensors whose declared shape was corrected.
+    """
+    import onnx
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    values = {}
+    for node in model.graph.node:
+        if node.op_type == "Constant" and not node.domain:
+            for attribute in node.attribute:
+                if attribute.name == "value" and attribute.HasField("t"):
+                    values[node.output[0]] = list(attribute.t.dims)
+    repaired: list[str] = []
+    for info in model.graph.value_info:
+        dims = values.get(info.name)
+        if dims is None or not info.type.HasField("tensor_type"):
+            continue
+        shape = info.type.tensor_type.shape
+        declared = [d.dim_value if d.HasField("dim_value") else None for d in shape.dim]
+        if declared != dims:
+            shape.ClearField("dim")
+            for size in dims:
+                shape.dim.add().dim_value = size
+            repaired.append(info.name)
+    if repaired:
+        onnx.save_model(model, str(model_path))  # weights stay in the external data file, untouched
+    return repaired
 
 
 def _check_outputs_produced(model_path: Path, log_path: Path) -> None:

@@ -32,6 +32,14 @@ Two mechanisms, one per kind of sub-part:
   import, which costs about 7 s, and real exceptions: Olive's conversion replaces
   any converter error by "Invalid config file").
 
+NPU bundles (the openvino target's ``npu`` variant) are fully static: the decoder
+comes from :func:`convert_static_decoder` (stateless, fixed-size KV buffers; the
+docstring says why not the stateful IR with NPUW properties), the small sub-parts
+from ``convert_subpart(static_axes=...)``, which also records how the runtime pads
+or chunks real inputs into the static shapes (``options.chunking``). The codec
+decoder gets a ``valid_frames`` input that zeroes every convolution input past the
+real frames, so a padded chunk decodes exactly like the unpadded codes.
+
 Gotchas measured here (openvino 2026.4.1, nncf 3.4, optimum-intel 2.2, olive 0.13):
 
 * ``openvino.save_model`` compresses float32 constants to float16 unless
@@ -224,11 +232,16 @@ def weight_summary(xml: str | Path | ov.Model) -> dict[str, Any]:
     return summary
 
 
-def _compress_settings(precision: str, group_size: int, ratio: float, all_layers: bool) -> dict[str, Any]:
-    """The NNCF settings asked for, JSON-ready (mode names as NNCF spells their values)."""
+def _compress_settings(precision: str, group_size: int, ratio: float, all_layers: bool,
+                       symmetric: bool = False) -> dict[str, Any]:
+    """The NNCF settings asked for, JSON-ready (mode names as NNCF spells their values).
+
+    ``symmetric`` selects INT4_SYM for int4 (what Intel's NPU plugin wants, per the
+    OpenVINO GenAI NPU guide); int8 stays INT8_ASYM per channel.
+    """
     if precision == "int4":
         return {
-            "mode": "int4_asym",
+            "mode": "int4_sym" if symmetric else "int4_asym",
             "group_size": group_size,
             "ratio": ratio,
             "all_layers": all_layers,
@@ -245,7 +258,7 @@ def _nncf_kwargs(settings: Mapping[str, Any]) -> dict[str, Any]:
     from nncf.quantization.advanced_parameters import GroupSizeFallbackMode
 
     kwargs: dict[str, Any] = {"mode": nncf.CompressWeightsMode(settings["mode"])}
-    if settings["mode"] == "int4_asym":
+    if settings["mode"] in ("int4_asym", "int4_sym"):
         kwargs.update(
             group_size=settings["group_size"],
             ratio=settings["ratio"],
@@ -257,10 +270,10 @@ def _nncf_kwargs(settings: Mapping[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def _compress(model: ov.Model, precision: str, group_size: int, ratio: float, all_layers: bool
-              ) -> tuple[ov.Model, dict[str, Any]]:
+def _compress(model: ov.Model, precision: str, group_size: int, ratio: float, all_layers: bool,
+              symmetric: bool = False) -> tuple[ov.Model, dict[str, Any]]:
     """Apply ``nncf.compress_weights`` for int8/int4; return the model and the settings used."""
-    settings = _compress_settings(precision, group_size, ratio, all_layers)
+    settings = _compress_settings(precision, group_size, ratio, all_layers, symmetric)
     if not settings:
         return model, {}
     import nncf
@@ -346,6 +359,7 @@ def convert_llm_decoder(
     work_dir: str | Path | None = None,
     static_kv_length: int | None = None,
     static_step: int = 1,
+    symmetric: bool = False,
 ) -> ExportResult:
     """Export the Qwen3 body as a stateful OpenVINO IR and compress its weights.
 
@@ -381,6 +395,7 @@ def convert_llm_decoder(
         static_kv_length: Export the fully static, stateless decoder with KV buffers
             of this many positions (see :func:`convert_static_decoder`).
         static_step: With ``static_kv_length``: positions per decoder call (1).
+        symmetric: int4 only: INT4_SYM instead of INT4_ASYM (NPU bundles).
 
     Returns:
         An :class:`ExportResult` with ``exporter="optimum-intel"``, the passes
@@ -396,7 +411,8 @@ def convert_llm_decoder(
     if static_kv_length is not None:
         return convert_static_decoder(
             hf_dir, out_dir, precision=precision, kv_length=static_kv_length, step=static_step,
-            group_size=group_size, ratio=ratio, all_layers=all_layers, bundle_dir=bundle_dir, name=name,
+            group_size=group_size, ratio=ratio, all_layers=all_layers, symmetric=symmetric,
+            bundle_dir=bundle_dir, name=name,
         )
     import torch
     from optimum.exporters.openvino.convert import export_models
@@ -436,7 +452,7 @@ def convert_llm_decoder(
         if not is_stateful(ov_model):
             raise BuildError(f"optimum-intel exported {hf_dir} without state; expected a stateful KV cache")
         ov_model.outputs[0].get_tensor().set_names({DECODER_OUTPUT})
-        ov_model, settings = _compress(ov_model, precision, group_size, ratio, all_layers)
+        ov_model, settings = _compress(ov_model, precision, group_size, ratio, all_layers, symmetric)
         versions = tool_versions("openvino", "nncf", "optimum-intel", "transformers", "torch")
         quantization = {**settings, "effective": weight_summary(ov_model)} if settings else {}
         _set_rt_info(ov_model, subpart, precision, quantization, versions)
@@ -552,6 +568,7 @@ def convert_static_decoder(
     group_size: int = 128,
     ratio: float = 1.0,
     all_layers: bool = False,
+    symmetric: bool = False,
     bundle_dir: str | Path | None = None,
     name: str = "llm_decoder",
 ) -> ExportResult:
@@ -585,7 +602,7 @@ def convert_static_decoder(
         precision: As :func:`convert_llm_decoder` (NNCF weight compression).
         kv_length: Positions the KV buffers hold (prompt + generated frames).
         step: Positions per call.
-        group_size, ratio, all_layers: NNCF settings, as :func:`convert_llm_decoder`.
+        group_size, ratio, all_layers, symmetric: NNCF settings, as :func:`convert_llm_decoder`.
         bundle_dir: Root the returned file paths are relative to (default ``out_dir``).
         name: File stem of the IR.
 
@@ -654,7 +671,7 @@ def convert_static_decoder(
     dynamic = [p.get_any_name() for p in (*ov_model.inputs, *ov_model.outputs) if p.get_partial_shape().is_dynamic]
     if dynamic:
         raise BuildError(f"static llm_decoder: {dynamic} stayed dynamic after reshaping to {shapes}")
-    ov_model, settings = _compress(ov_model, precision, group_size, ratio, all_layers)
+    ov_model, settings = _compress(ov_model, precision, group_size, ratio, all_layers, symmetric)
     versions = tool_versions("openvino", "nncf", "transformers", "torch")
     if not settings:
         versions.pop("nncf", None)
@@ -772,7 +789,7 @@ def _convert_openvino(module: torch.nn.Module, example_inputs: tuple, precision:
     passes = ["convert_model"]
     if settings:
         model, _ = _compress(model, precision, settings.get("group_size", 128), settings.get("ratio", 1.0),
-                             settings.get("all_layers", False))
+                             settings.get("all_layers", False), settings.get("mode") == "int4_sym")
         passes.append(f"nncf.compress_weights({settings['mode'].upper()})")
     return model, passes
 
@@ -966,6 +983,7 @@ def convert_subpart(
     pad_mask: bool = False,
     allow_chunks: bool = True,
     device_overrides: Mapping[str, str] | None = None,
+    symmetric: bool = False,
 ) -> ExportResult:
     """Convert one small sub-part (embeddings, audio heads, codec) to OpenVINO IR.
 
@@ -1028,6 +1046,7 @@ def convert_subpart(
         device_overrides: Recorded in the manifest: bundle device -> device this
             sub-part is compiled for instead (``{"NPU": "CPU"}`` keeps a dynamic
             sub-part off the NPU).
+        symmetric: int4 only: NNCF INT4_SYM instead of INT4_ASYM (NPU bundles).
 
     Returns:
         An :class:`ExportResult` (``exporter`` ``"olive"`` or ``"openvino"``), with the
@@ -1058,7 +1077,7 @@ def convert_subpart(
     out_dir = Path(out_dir)
     bundle_dir = Path(bundle_dir) if bundle_dir is not None else out_dir
     xml = out_dir / f"{name}.xml"
-    settings = _compress_settings(precision, group_size, ratio, all_layers)
+    settings = _compress_settings(precision, group_size, ratio, all_layers, symmetric)
     if dynamic_axes is not None:
         if input_shapes is not None:
             raise BuildPlanError("pass input_shapes= or dynamic_axes=, not both")

@@ -143,6 +143,10 @@ def _open_onnxruntime(bundle: Bundle, *, execution_provider: str | None, device:
     m = bundle.manifest
     ep = execution_provider or m["execution_provider"]
     provider_options = m["provider_options"] if ep == m["execution_provider"] else {}
+    # --execution-provider cpu on a bundle built for another provider is a fallback the caller
+    # asked for (a cuda/dml fp16 or int4 bundle on the CPU): the description says so.
+    override = "" if ep != "cpu" or m["execution_provider"] == "cpu" else (
+        f" (explicit --execution-provider cpu; bundle built for {m['execution_provider']})")
     parts: dict[str, Any] = {"description": {}}
     for part, spec in m["subparts"].items():
         session, used = create_session(
@@ -156,7 +160,7 @@ def _open_onnxruntime(bundle: Bundle, *, execution_provider: str | None, device:
                                      kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"])
         else:
             parts[part] = OrtSubPart(session, part)
-        parts["description"][part] = used
+        parts["description"][part] = used + override
     return parts
 
 

@@ -118,7 +118,7 @@ def build_prompt(
 
     def embed_ids(seq: list[int]) -> np.ndarray:
         arr = np.asarray([seq], dtype=np.int64)
-        return pipeline.text_embed.run({"input_ids": arr})["inputs_embeds"]
+        return _check_finite("text_embed", pipeline.text_embed.run({"input_ids": arr})["inputs_embeds"], pipeline)
 
     pieces: list[np.ndarray] = []
     if ref_codes is not None:
@@ -127,7 +127,8 @@ def build_prompt(
         pieces.append(embed_ids([sp["tts"], sp["ref_text"], *ids(ref_text), sp["ref_audio"]]))
         c = pipeline.constants
         delayed = apply_delay(ref_codes, c.boc, c.eoc)[None]
-        pieces.append(pipeline.audio_embed.run({"codes": delayed})["audio_embeds"])
+        pieces.append(_check_finite("audio_embed", pipeline.audio_embed.run({"codes": delayed})["audio_embeds"],
+                                    pipeline))
         pieces.append(embed_ids([sp["text"], *ids(text), sp["audio"]]))
     else:
         pieces.append(embed_ids([sp["tts"], sp["text"], *ids(text), sp["audio"]]))
@@ -222,7 +223,8 @@ def generate_codes(
             break
         if step == max_steps - 1:
             break
-        embeds = pipeline.audio_embed.run({"codes": codes[None, None, :]})["audio_embeds"]
+        embeds = _check_finite("audio_embed", pipeline.audio_embed.run({"codes": codes[None, None, :]})["audio_embeds"],
+                               pipeline)
         t0 = time.perf_counter()
         hidden = pipeline.decoder.forward(embeds.astype(np.float32))
         decoder_s += time.perf_counter() - t0

@@ -10,6 +10,12 @@ reports in ``EXECUTION_DEVICES`` are checked too.
 
 Compiling from the ``.xml`` path with ``CACHE_DIR`` set lets OpenVINO import the
 compiled blob on the next load instead of reading and compiling the IR again.
+
+Static (NPU) bundles get runners with the same interface: :class:`OvStaticSubPart`
+pads or chunks inputs into the static shapes the manifest declares, and
+:class:`OvStaticKVDecoder` keeps the KV cache in fixed-size buffers for the
+stateless decoder; a sub-part may be pinned to another device for a given bundle
+device (``device_overrides``, see :func:`subpart_device`).
 """
 
 from __future__ import annotations
@@ -502,10 +508,13 @@ def _take(array: np.ndarray, axis: int, start: int, end: int) -> np.ndarray:
     return array[tuple(index)]
 
 
-def _static_shape(port) -> list[int]:
+def _static_shape(port, where: str) -> list[int]:
     shape = port.get_partial_shape()
     if shape.is_dynamic:
-        raise SignatureMismatch(f"{port.get_any_name()} has dynamic shape {shape} where the manifest promises a static one")
+        raise SignatureMismatch(
+            f"{where}: {port.get_any_name()} has dynamic shape {shape} in the IR where the manifest promises a "
+            "static one (options.static); the bundle's files and manifest do not belong together: rebuild it"
+        )
     return [int(d.get_length()) for d in shape]
 
 
@@ -537,8 +546,8 @@ class OvStaticSubPart(OvSubPart):
             self.context = int(chunking.get("context", 0))
             self._split = bool(chunking.get("split", True))
             self._valid = chunking.get("valid_input")
-            self.in_shape = _static_shape(self.compiled.input(self._in))
-            out_shape = _static_shape(self.compiled.output(self._out))
+            self.in_shape = _static_shape(self.compiled.input(self._in), self.subpart)
+            out_shape = _static_shape(self.compiled.output(self._out), self.subpart)
         except (KeyError, RuntimeError, TypeError, ValueError) as exc:
             raise SignatureMismatch(
                 f"{self.subpart}: the manifest's chunking {dict(chunking)} does not fit the IR "
@@ -642,7 +651,7 @@ class OvStaticKVDecoder:
                 f"{sorted(outputs)}; expected {sorted(needed)} + past_key_values.<i>.key|value -> "
                 f"{DECODER_OUTPUT} + present.<i>.key|value"
             )
-        shapes = {n: _static_shape(p) for n, p in inputs.items()}
+        shapes = {n: _static_shape(p, "llm_decoder") for n, p in inputs.items()}
         self.step = shapes["inputs_embeds"][1]
         self.hidden = shapes["inputs_embeds"][2]
         self.max_length = shapes[past[0]][2]

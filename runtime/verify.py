@@ -8,7 +8,6 @@ recorded in the manifest) and in ``higgs-pack verify`` / ``nox -s verify-<target
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,32 +26,12 @@ from higgs_pack.runtime.pipeline import Pipeline
 #: Greedy decoding of an fp32 bundle must reproduce the oracle's codes for at least this many frames.
 MIN_GREEDY_FRAMES = 16
 
-#: What ONNX Runtime says when a provider has no kernel for a node or for one of its
-#: inputs (session creation or run), as opposed to a wrong result or a broken file.
-#: Measured with onnxruntime 1.32 on the CPU provider: "GroupQueryAttention (CPU):
-#: q_norm_weight / k_norm_weight inputs are not supported ... implemented only on the
-#: CUDA and WebGPU EPs" (cuda fp16/int4 ModelBuilder decoders), and "Could not find an
-#: implementation for <Op>(<version>) node" for a missing kernel.
-_UNSUPPORTED = re.compile(
-    r"not supported|not implemented|NOT_IMPLEMENTED|Could not find an implementation|implemented only on",
-    re.IGNORECASE,
-)
-
-
 def provider_cannot_run(exc: BaseException) -> str | None:
-    """ONNX Runtime's own reason when a provider cannot execute a graph, else None.
+    """ONNX Runtime's own reason when a provider cannot execute a graph, else None
+    (see :func:`higgs_pack.runtime.ort_backend.provider_cannot_run`)."""
+    from higgs_pack.runtime.ort_backend import provider_cannot_run as classify
 
-    Only messages of the kinds in ``_UNSUPPORTED`` count; any other error (a
-    shape mismatch, a damaged file) is a real failure and returns None.
-
-    Returns:
-        The first line of the message, without ONNX Runtime's status prefix.
-    """
-    text = str(exc)
-    if not _UNSUPPORTED.search(text):
-        return None
-    text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : [A-Z_]+ : ", "", text.strip())
-    return text.splitlines()[0] if text else type(exc).__name__
+    return classify(exc)
 
 
 def read_golden(bundle: Bundle) -> dict[str, np.ndarray]:
@@ -233,15 +212,13 @@ def verify_bundle(
         rule = spec["parity"]
         try:
             measured, max_abs = subpart_parity(pipeline, golden, part, rule["metric"])
-        except HiggsPackError as exc:
-            report.add(f"parity {part}", False, str(exc))
-            continue
-        except Exception as exc:  # the backend's own error (onnxruntime raises its own types)
+        except Exception as exc:  # HiggsPackError, or the backend's own error types
             reason = provider_cannot_run(exc) if substitute else None
             if reason is None:
-                report.add(f"parity {part}", False, f"{type(exc).__name__}: {exc}")
+                report.add(f"parity {part}", False,
+                           str(exc) if isinstance(exc, HiggsPackError) else f"{type(exc).__name__}: {exc}")
                 continue
-            where = pipeline.description.get(part, execution_provider)
+            where = pipeline.description.get(part, execution_provider).split(" (")[0]
             cannot_run[part] = f"{where} cannot execute this graph (built for {own}): {reason}"
             report.parity[part] = {"measured": None, "measured_max_abs": None}
             report.add(f"parity {part}", None, f"skipped: {cannot_run[part]}; its parity is checked "
@@ -257,7 +234,10 @@ def verify_bundle(
     if blocked:
         report.add("greedy codes", None, f"skipped: {blocked[0]}: {cannot_run[blocked[0]]}")
     else:
-        _check_greedy(pipeline, opened, golden, report)
+        try:
+            _check_greedy(pipeline, opened, golden, report)
+        except HiggsPackError as exc:  # e.g. NumericalError from a decoder that returns NaN
+            report.add("greedy codes", False, str(exc))
     for extra_check in (*RUNTIME_CHECKS.get(m["backend"], ()), *(extra_checks or [])):
         extra_check(opened, pipeline, report)
     if synthesize_cases and cases_dir is not None:
@@ -467,6 +447,137 @@ def check_node_placement(bundle: Bundle, pipeline: Pipeline, report: VerifyRepor
             parts.append(f"{part}: {ops} ({names})")
     report.add("node placement", True, f"{left} nodes left on CPUExecutionProvider, {taken} nodes or fused "
                f"subgraphs on {provider}: " + "; ".join(parts), left)
+
+
+# ----------------------------------------------------------------------------- GPU providers (cuda, dml)
+
+#: bundle EP -> the hardware it needs, as skip reasons name it.
+GPU_HARDWARE = {"cuda": "no CUDA GPU", "dml": "no DirectML GPU (Windows 10/11 with DirectX 12)"}
+#: Scale of the low-magnitude probe: x**2 of values this small underflows in float16 (its
+#: smallest normal is 6.1e-5), where fp16 RMS normalisation has been reported to return
+#: zeros or NaN on some kernels.
+LOW_MAGNITUDE = 1e-4
+
+
+def _probe_inputs(golden: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
+    """Decoder / audio_heads inputs for the provider comparison, from the golden arrays."""
+    prompt = golden["llm_decoder/in/inputs_embeds"].astype(np.float32)
+    hidden = golden["audio_heads/in/hidden_states"].astype(np.float32)
+    return {
+        "golden prompt": {"llm_decoder": prompt, "audio_heads": hidden},
+        "one-token prompt": {"llm_decoder": prompt[:, :1], "audio_heads": hidden[:, :1]},
+        "low-magnitude embeddings": {"llm_decoder": prompt * LOW_MAGNITUDE, "audio_heads": hidden * LOW_MAGNITUDE},
+    }
+
+
+def _run_probe(pipeline: Pipeline, part: str, x: np.ndarray) -> np.ndarray:
+    if part == SubPart.LLM_DECODER:
+        pipeline.decoder.reset()
+        return pipeline.decoder.forward(x)
+    return pipeline.audio_heads.run({"hidden_states": x})["audio_logits"]
+
+
+def compare_providers(bundle: Bundle, target: Pipeline, reference: Pipeline | None, report: VerifyReport, *,
+                      label: str, reference_note: str = "") -> None:
+    """Run the decoder and audio heads on ``target`` and ``reference`` with the same inputs.
+
+    Probes: the golden prompt, a one-token prompt, and the golden prompt scaled by
+    :data:`LOW_MAGNITUDE`.  Every target output must be finite and not all zero (the
+    reported fp16 normalisation failure); where the reference can run the graph, the
+    cosine must reach the sub-part's parity threshold from the manifest.  A reference
+    that cannot execute a graph (the CPU provider and ModelBuilder's CUDA-only fused
+    Q/K-norm attention) is said, and the finite/non-zero checks still run.
+    """
+    subparts = bundle.manifest["subparts"]
+    golden = read_golden(bundle)
+    ref_blocked: dict[str, str] = {}
+    for probe, inputs in _probe_inputs(golden).items():
+        for part, x in inputs.items():
+            name = f"{label} vs CPU: {part}, {probe}"
+            try:
+                got = _run_probe(target, part, x)
+            except Exception as exc:  # the provider's own error is the finding
+                report.add(name, False, f"{type(exc).__name__}: {_last_line(exc)}")
+                continue
+            if not np.isfinite(got).all():
+                report.add(name, False, f"{int((~np.isfinite(got)).sum())} non-finite values of {got.size}")
+                continue
+            if not got.any():
+                report.add(name, False, f"all {got.size} outputs are zero")
+                continue
+            if reference is None or part in ref_blocked:
+                why = ref_blocked.get(part, reference_note or "no reference provider")
+                report.add(name, True, f"finite, not all zero (peak {float(np.abs(got).max()):.3g}); "
+                           f"comparison skipped: {why}")
+                continue
+            try:
+                want = _run_probe(reference, part, x)
+            except Exception as exc:
+                why = provider_cannot_run(exc)
+                if why is None:
+                    report.add(name, False, f"reference run failed: {type(exc).__name__}: {_last_line(exc)}")
+                    continue
+                ref_blocked[part] = f"the reference provider cannot execute this graph: {why}"
+                report.add(name, True, f"finite, not all zero (peak {float(np.abs(got).max()):.3g}); "
+                           f"comparison skipped: {ref_blocked[part]}")
+                continue
+            rule = subparts[part]["parity"]
+            cosine, max_abs = compare(want, got, "cosine")
+            report.add(name, cosine >= rule["threshold"],
+                       f"cosine {cosine:.6f} (threshold {rule['threshold']}), max |diff| {max_abs:.3g}", cosine)
+
+
+def check_gpu_provider(bundle: Bundle, report: VerifyReport, *, ep: str | None = None,
+                       cases_dir: Path | None = None, require: bool = False) -> None:
+    """Run an ONNX Runtime bundle on its GPU provider where the hardware exists.
+
+    On CUDA (onnxruntime-gpu) or DirectML (onnxruntime-directml, Windows): the whole
+    :func:`verify_bundle` on that provider (sessions proved to be on it, parity against
+    the golden outputs, greedy codes, node placement, synthesis of ``cases_dir``), then
+    :func:`compare_providers` against the CPU provider on the same inputs.  Without the
+    provider: one skipped line naming the missing hardware, e.g. "no CUDA GPU:
+    CUDAExecutionProvider not available".
+
+    Args:
+        bundle: an opened ONNX Runtime bundle.
+        report: where the lines go (prefixed with the EP name).
+        ep: provider to check; default the bundle's own.
+        cases_dir: ``shared/cases``, synthesized on the provider when given.
+        require: report a missing or unusable provider as a failure, not a skip (for a
+            machine known to have the hardware).
+    """
+    from higgs_pack.manifests.constants import EXECUTION_PROVIDERS
+    from higgs_pack.runtime.ort_backend import import_ort, installed_ort_distributions
+
+    ep = ep or bundle.manifest["execution_provider"]
+    row = EXECUTION_PROVIDERS[ep]
+    missing = False if require else None
+    ort = import_ort()
+    available = ort.get_available_providers()
+    if row.ort_provider not in available:
+        report.add(f"{ep} runtime", missing, f"{GPU_HARDWARE.get(ep, ep)}: {row.ort_provider} not available "
+                   f"(installed providers: {', '.join(available)}; distributions: "
+                   f"{', '.join(installed_ort_distributions()) or 'none'}). Where the hardware exists: "
+                   f"pip install '{row.requirement}', then nox -s verify-{bundle.manifest['target']}")
+        return
+    try:
+        target = load(bundle, execution_provider=ep)
+    except HiggsPackError as exc:
+        report.add(f"{ep} runtime", missing, f"{row.ort_provider} is installed but unusable here "
+                   f"({GPU_HARDWARE.get(ep, ep)}, or its libraries are missing?): {exc}")
+        return
+    elsewhere = {p: d for p, d in target.description.items() if d.split(" (")[0] != row.ort_provider}
+    report.add(f"{ep} sessions", not elsewhere, f"every sub-part's session is on {row.ort_provider}" if not elsewhere
+               else f"not on {row.ort_provider}: {elsewhere}")
+    sub = verify_bundle(bundle, execution_provider=ep, cases_dir=cases_dir, synthesize_cases=cases_dir is not None)
+    for check in sub.checks:
+        if check.name not in ("manifest", "files"):
+            report.add(f"{ep}: {check.name}", check.ok, check.detail, check.value)
+    try:
+        reference, note = load(bundle, execution_provider="cpu"), ""
+    except HiggsPackError as exc:
+        reference, note = None, f"the CPU provider cannot open the bundle: {exc}"
+    compare_providers(bundle, target, reference, report, label=ep, reference_note=note)
 
 
 #: backend -> checks on the bundle's files, run before any session is created.

@@ -413,8 +413,10 @@ def measure_bandwidth(mib: int = DEFAULT_BANDWIDTH_MIB, repeats: int = 5,
     copy: ``copyto`` into a second buffer, counted as bytes read + written. Best of ``repeats``.
 
     Returns:
-        ``{"bandwidth_gbps": read, all threads, "bandwidth_read_1t_gbps": read, one thread,
-        "bandwidth_copy_gbps": copy, all threads, "bandwidth_buffer_mib": mib}`` (GB = 1e9 bytes).
+        ``bandwidth_gbps`` (the best read rate, used for the roofline), ``bandwidth_read_gbps``
+        (read, all threads), ``bandwidth_read_1t_gbps`` (read, one thread),
+        ``bandwidth_copy_gbps`` (copy, all threads), ``bandwidth_buffer_mib``,
+        ``bandwidth_threads``; GB = 1e9 bytes.
     """
     threads = threads or os.cpu_count() or 1
     n = mib * 2**20 // 8
@@ -436,7 +438,9 @@ def measure_bandwidth(mib: int = DEFAULT_BANDWIDTH_MIB, repeats: int = 5,
         read = best(lambda: list(pool.map(lambda s: src[s].sum(), parts)), src.nbytes)
         copy = best(lambda: list(pool.map(lambda s: np.copyto(dst[s], src[s]), parts)), 2 * src.nbytes)
     read_1t = best(lambda: src.sum(), src.nbytes)
-    return {"bandwidth_gbps": read, "bandwidth_read_1t_gbps": read_1t, "bandwidth_copy_gbps": copy,
+    # the roofline uses the best read rate: on a busy machine one thread can beat two
+    return {"bandwidth_gbps": max(read, read_1t), "bandwidth_read_gbps": read,
+            "bandwidth_read_1t_gbps": read_1t, "bandwidth_copy_gbps": copy,
             "bandwidth_buffer_mib": mib, "bandwidth_threads": threads}
 
 
@@ -608,11 +612,18 @@ def add_ratios(records: list[dict[str, Any]]) -> None:
                 r["vs_cpu"] = other["label"]
 
 
-def goal_checks(records: list[dict[str, Any]]) -> list[tuple[str, bool | None, str]]:
-    """The issues' targets, as ``(goal, met or None when not measured, numbers)``."""
+def goal_checks(records: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
+    """The issues' targets met or missed by ``records``, as ``(goal, met, numbers)``.
+
+    Speed goals are judged on the ``bench`` and ``full`` presets (the tiny model's decoder is
+    too small for them to mean anything), the warm-load goal on ``tiny``; goals whose
+    systems were not measured are left out.
+    """
+    sized = [r for r in records if r.get("preset") != "tiny" and r.get("frames_per_s")]
+
     def find(system, precision):
-        return next((r for r in records if r["system"] == system and r["precision"] == precision
-                     and r.get("frames_per_s") and not r.get("variant")), None)
+        return next((r for r in sized if r["system"] == system and r["precision"] == precision
+                     and not r.get("variant") and r.get("device") in ("cpu", "CPU")), None)
 
     checks: list[tuple[str, bool | None, str]] = []
     cpu4, ov4 = find("cpu", "int4"), find("openvino", "int4")
@@ -620,8 +631,8 @@ def goal_checks(records: list[dict[str, Any]]) -> list[tuple[str, bool | None, s
         s = cpu4["speedup_vs_pytorch"]
         checks.append((f"cpu int4 >= {GOAL_SPEEDUP_CPU_INT4:g}x PyTorch frames/s", s >= GOAL_SPEEDUP_CPU_INT4,
                        f"{s:.2f}x"))
-    for r in records:
-        if r.get("frames_per_s") and r["system"] != PYTORCH:
+    for r in sized:
+        if r["system"] != PYTORCH:
             f = r["outside_decoder_frac"]
             checks.append((f"{r['label']}: outside-decoder time < {GOAL_OUTSIDE_DECODER:.0%} of a frame",
                            f < GOAL_OUTSIDE_DECODER, f"{f:.1%}"))
@@ -812,7 +823,7 @@ def render_details(records: list[dict[str, Any]]) -> str:
     lines = []
     bw = next((r for r in records if r.get("bandwidth_gbps")), None)
     if bw:
-        lines.append(f"memory bandwidth: read {bw['bandwidth_gbps']:.1f} GB/s ({bw['bandwidth_threads']} threads), "
+        lines.append(f"memory bandwidth: read {bw['bandwidth_read_gbps']:.1f} GB/s ({bw['bandwidth_threads']} threads), "
                      f"{bw['bandwidth_read_1t_gbps']:.1f} GB/s one thread, copy {bw['bandwidth_copy_gbps']:.1f} GB/s")
     for r in records:
         if "error" in r:
@@ -830,7 +841,7 @@ def render_details(records: list[dict[str, Any]]) -> str:
         lines.append(f"{r['label']}: step ms [{parts}]; prefill {r.get('prefill_ms', 0):.0f} ms"
                      f"{build}{roof}")
     for goal, met, numbers in goal_checks(records):
-        state = "not measured" if met is None else ("met" if met else "MISSED")
+        state = "met" if met else "MISSED"
         lines.append(f"goal {goal}: {numbers} -> {state}")
     return "\n".join(lines)
 

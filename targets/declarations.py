@@ -52,6 +52,23 @@ CUDA = register(
     )
 )
 
+#: DirectML runs on Windows only.  The marker goes on the wheel (Target.platform_marker)
+#: and on every runtime requirement the manifest records, so both say the same.
+DML_MARKER = "sys_platform == 'win32'"
+
+
+def _on_platform(requirements: tuple[str, ...], marker: str) -> tuple[str, ...]:
+    """Each PEP 508 requirement restricted to ``marker`` (unchanged when it already is)."""
+    out = []
+    for requirement in requirements:
+        spec, _, existing = (part.strip() for part in requirement.partition(";"))
+        if existing.replace('"', "'") == marker:
+            out.append(requirement)
+        else:
+            out.append(f"{spec}; ({existing}) and {marker}" if existing else f"{spec}; {marker}")
+    return tuple(out)
+
+
 DML = register(
     Target(
         name="dml",
@@ -61,9 +78,9 @@ DML = register(
         precisions=("fp16", "int4"),
         recipes=_onnx_recipes("dml"),
         extra="dml",
-        runtime_requirements=(EXECUTION_PROVIDERS["dml"].requirement, "onnx>=1.17"),
+        runtime_requirements=_on_platform((EXECUTION_PROVIDERS["dml"].requirement, "onnx>=1.17"), DML_MARKER),
         provider_options={"device_id": 0},
-        platform_marker="sys_platform == 'win32'",
+        platform_marker=DML_MARKER,
         verify_on="cpu",
     )
 )
@@ -83,10 +100,12 @@ NPU = Variant(
     description="static shapes for Intel NPUs",
     options={
         # Stateless decoder with fixed-size KV buffers (why: convert_static_decoder's docstring).
-        SubPart.LLM_DECODER: {"static_kv_length": NPU_KV_LENGTH, "static_step": 1},
-        SubPart.TEXT_EMBED: {"static_axes": {"batch": 1, "sequence": NPU_MAX_PROMPT}, "allow_chunks": False},
-        SubPart.AUDIO_EMBED: {"static_axes": {"batch": 1, "frames": 1}},
-        SubPart.AUDIO_HEADS: {"static_axes": {"batch": 1, "frames": 1}},
+        # int4 weights symmetric (INT4_SYM): what the NPU plugin wants (OpenVINO GenAI NPU guide).
+        SubPart.LLM_DECODER: {"static_kv_length": NPU_KV_LENGTH, "static_step": 1, "symmetric": True},
+        SubPart.TEXT_EMBED: {"static_axes": {"batch": 1, "sequence": NPU_MAX_PROMPT}, "allow_chunks": False,
+                             "symmetric": True},
+        SubPart.AUDIO_EMBED: {"static_axes": {"batch": 1, "frames": 1}, "symmetric": True},
+        SubPart.AUDIO_HEADS: {"static_axes": {"batch": 1, "frames": 1}, "symmetric": True},
         SubPart.AUDIO_TOKENIZER: {"static_axes": {"batch": 1, "frames": NPU_CODEC_CHUNK},
                                   "chunk_context": "auto", "pad_mask": True},
         # The codec encoder runs once per voice clone, outside the loop. A padded static

@@ -123,7 +123,7 @@ def test_explicit_fallback_is_recorded(bundle_copy):
     pipe = load(bundle_copy, allow_fallback=True)
     assert pipe.description["llm_decoder"] == "CPUExecutionProvider (fallback from CUDAExecutionProvider)"
     pipe = load(bundle_copy, execution_provider="cpu")
-    assert pipe.description["llm_decoder"] == "CPUExecutionProvider"
+    assert pipe.description["llm_decoder"] == "CPUExecutionProvider (explicit --execution-provider cpu; bundle built for cuda)"
 
 
 def test_unknown_execution_provider(bundle_copy):

@@ -196,7 +196,7 @@ def test_dml_wheel_carries_the_windows_marker(tmp_path: Path) -> None:
         meta = HeaderParser().parsestr(zf.read("hand_made_dml_fp32-0.1.0.dist-info/METADATA").decode())
     assert meta.get_all("Requires-Dist") == [
         'higgs-pack[dml]>=0.1.0; sys_platform == "win32"',
-        'onnxruntime-directml<1.33,>=1.31; sys_platform == "win32"',
+        'onnxruntime-directml<1.33,>=1.24; sys_platform == "win32"',
         'onnx>=1.17; sys_platform == "win32"',
     ]
     assert "Operating System :: Microsoft :: Windows" in meta.get_all("Classifier")

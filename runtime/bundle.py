@@ -59,7 +59,7 @@ def find_bundle(name_or_path: str | Path) -> Path:
     path = Path(name_or_path)
     if path.exists():
         return path
-    from higgs_pack.runtime.installed import installed_bundles  # noqa: PLC0415
+    from higgs_pack.runtime.installed import installed_bundles
 
     found = installed_bundles()
     if str(name_or_path) in found:
@@ -133,7 +133,12 @@ Opener = Callable[..., dict[str, Any]]
 
 def _open_onnxruntime(bundle: Bundle, *, execution_provider: str | None, device: str | None,
                       allow_fallback: bool, cache_dir: Path | None) -> dict[str, Any]:
-    from higgs_pack.runtime.ort_backend import OrtDecoder, OrtSubPart, check_signature, create_session
+    from higgs_pack.runtime.ort_backend import (
+        OrtDecoder,
+        OrtSubPart,
+        check_signature,
+        create_session,
+    )
 
     if device is not None:
         raise ExecutionProviderUnavailable(

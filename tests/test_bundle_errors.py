@@ -50,12 +50,12 @@ def test_truncated_file_is_refused(bundle_copy):
 
 def test_missing_file_is_named(bundle_copy):
     (bundle_copy / "audio_encoder.onnx").unlink()
-    with pytest.raises(BundleError, match="missing: audio_encoder.onnx"):
+    with pytest.raises(BundleError, match=r"missing: audio_encoder.onnx"):
         load(bundle_copy)
 
 
 def test_no_manifest_is_not_a_bundle(tmp_path):
-    with pytest.raises(BundleError, match="not a bundle .manifest.json is missing"):
+    with pytest.raises(BundleError, match=r"not a bundle .manifest.json is missing"):
         load(tmp_path)
 
 
@@ -65,7 +65,7 @@ def test_manifest_path_outside_the_bundle(bundle_copy, path):
         m["files"][0]["path"] = path
 
     _edit_manifest(bundle_copy, edit)
-    with pytest.raises((ManifestError, BundleError), match="outside the bundle|invalid at files/0/path"):
+    with pytest.raises((ManifestError, BundleError), match=r"outside the bundle|invalid at files/0/path"):
         load(bundle_copy)
 
 
@@ -74,7 +74,7 @@ def test_symlink_leaving_the_bundle(bundle_copy, tmp_path):
     shutil.copyfile(bundle_copy / "audio_heads.onnx", outside)
     (bundle_copy / "audio_heads.onnx").unlink()
     (bundle_copy / "audio_heads.onnx").symlink_to(outside)
-    with pytest.raises(BundleError, match="outside the bundle"):
+    with pytest.raises(BundleError, match=r"outside the bundle"):
         load(bundle_copy)
 
 
@@ -89,7 +89,7 @@ def test_external_data_location_outside_the_bundle(bundle_copy):
                 entry.value = "../../secret.data"
     onnx.save_model(model, str(model_path))
     _rehash(bundle_copy, "text_embed.onnx")
-    with pytest.raises(BundleError, match="external data location '../../secret.data'"):
+    with pytest.raises(BundleError, match=r"external data location '../../secret.data'"):
         load(bundle_copy)
 
 
@@ -101,13 +101,13 @@ def test_newer_format_version(bundle_copy):
 
 def test_unknown_manifest_key(bundle_copy):
     _edit_manifest(bundle_copy, lambda m: m.update(unexpected=True))
-    with pytest.raises(ManifestError, match="Additional properties are not allowed .'unexpected'"):
+    with pytest.raises(ManifestError, match=r"Additional properties are not allowed .'unexpected'"):
         load(bundle_copy)
 
 
 def test_manifest_that_is_not_json(bundle_copy):
     (bundle_copy / "manifest.json").write_text("{ not json")
-    with pytest.raises(ManifestError, match="not readable JSON"):
+    with pytest.raises(ManifestError, match=r"not readable JSON"):
         load(bundle_copy)
 
 
@@ -127,7 +127,7 @@ def test_explicit_fallback_is_recorded(bundle_copy):
 
 
 def test_unknown_execution_provider(bundle_copy):
-    with pytest.raises(ExecutionProviderUnavailable, match="unknown execution provider 'cpux' .did you mean 'cpu'"):
+    with pytest.raises(ExecutionProviderUnavailable, match=r"unknown execution provider 'cpux' .did you mean 'cpu'"):
         load(bundle_copy, execution_provider="cpux")
 
 
@@ -136,7 +136,7 @@ def test_graph_io_differs_from_manifest(bundle_copy):
         m["subparts"]["audio_heads"]["inputs"][0]["name"] = "hidden"
 
     _edit_manifest(bundle_copy, edit)
-    with pytest.raises(SignatureMismatch, match="audio_heads: graph inputs differ from the manifest"):
+    with pytest.raises(SignatureMismatch, match=r"audio_heads: graph inputs differ from the manifest"):
         load(bundle_copy)
 
 
@@ -160,7 +160,7 @@ def test_failed_build_leaves_nothing_and_keeps_the_old_bundle(tmp_path, tiny_che
     config["model_type"] = "llama"
     (broken / "config.json").write_text(json.dumps(config))
     out = tmp_path / "dist" / "b"
-    with pytest.raises(CheckpointError, match="model_type"):
+    with pytest.raises(CheckpointError, match=r"model_type"):
         build("cpu", precision="fp32", model=broken, out=out)
     assert not out.exists()
     dist = tmp_path / "dist"
@@ -168,7 +168,7 @@ def test_failed_build_leaves_nothing_and_keeps_the_old_bundle(tmp_path, tiny_che
 
     existing = Path(shutil.copytree(cpu_fp32_bundle, tmp_path / "good"))
     before = (existing / "manifest.json").read_bytes()
-    with pytest.raises(BundleError, match="already holds a bundle; pass --force"):
+    with pytest.raises(BundleError, match=r"already holds a bundle; pass --force"):
         build("cpu", precision="fp32", model=tiny_checkpoint, out=existing)
     with pytest.raises(CheckpointError):
         build("cpu", precision="fp32", model=broken, out=existing, force=True)

@@ -132,7 +132,7 @@ def test_long_text_is_split_into_sentences(cpu_int4_bundle):
 def test_empty_text_is_refused(cpu_int4_bundle, text):
     from higgs_pack.manifests.errors import InputError
 
-    with pytest.raises(InputError, match="text is empty or only whitespace"):
+    with pytest.raises(InputError, match=r"text is empty or only whitespace"):
         synthesize(load(cpu_int4_bundle), text)
 
 
@@ -141,12 +141,12 @@ def test_one_sentence_longer_than_the_context_is_refused(cpu_int4_bundle):
 
     pipe = load(cpu_int4_bundle)
     words = " ".join(["word"] * (pipe.decoder.max_length // 5))
-    with pytest.raises(InputError, match="one sentence needs .* more than the decoder's context"):
+    with pytest.raises(InputError, match=r"one sentence needs .* more than the decoder's context"):
         synthesize(pipe, words)
 
 
 def test_clone_needs_both_audio_and_transcript(cpu_int4_bundle):
     from higgs_pack.manifests.errors import InputError
 
-    with pytest.raises(InputError, match="needs both the reference audio and its transcript"):
+    with pytest.raises(InputError, match=r"needs both the reference audio and its transcript"):
         synthesize(load(cpu_int4_bundle), "Hi.", ref_samples=np.zeros(24000, np.float32))

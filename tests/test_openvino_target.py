@@ -71,6 +71,11 @@ def _refresh(bundle: Path, *paths: str) -> None:
     write_manifest(bundle, m)
 
 
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.ravel().astype(np.float64), b.ravel().astype(np.float64)
+    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+
 def _check(report, name):
     return next(c for c in report.checks if c.name == name)
 
@@ -175,13 +180,16 @@ def test_static_runners_match_the_dynamic_bundle(ov_bundles):
     b = sta.audio_tokenizer.run({"audio_codes": codes})["waveform"]
     assert a.shape == b.shape == (1, 1, 300 * 960)
     assert np.abs(a - b).max() < 1e-4
-    # Frame-by-frame heads/embed and the padded prompt embedding.
+    # Frame-by-frame heads and the padded prompt embedding (int4 SYM here vs ASYM there: close,
+    # not equal); padding never changes the real rows.
     hidden = rng.standard_normal((1, 7, 64)).astype(np.float32)
-    np.testing.assert_allclose(sta.audio_heads.run({"hidden_states": hidden})["audio_logits"],
-                               dyn.audio_heads.run({"hidden_states": hidden})["audio_logits"], atol=1e-4)
-    ids = rng.integers(0, 151000, size=(1, 40), dtype=np.int64)
-    np.testing.assert_allclose(sta.text_embed.run({"input_ids": ids})["inputs_embeds"],
-                               dyn.text_embed.run({"input_ids": ids})["inputs_embeds"], atol=1e-5)
+    assert _cosine(sta.audio_heads.run({"hidden_states": hidden})["audio_logits"],
+                   dyn.audio_heads.run({"hidden_states": hidden})["audio_logits"]) > 0.99
+    ids = rng.integers(0, 151000, size=(1, 41), dtype=np.int64)
+    full = sta.text_embed.run({"input_ids": ids})["inputs_embeds"]
+    assert full.shape == (1, 41, 64)
+    np.testing.assert_array_equal(sta.text_embed.run({"input_ids": ids[:, :40]})["inputs_embeds"], full[:, :40])
+    assert _cosine(full, dyn.text_embed.run({"input_ids": ids})["inputs_embeds"]) > 0.99
     # Decoder: token-by-token over the static KV window vs the stateful IR.
     embeds = rng.standard_normal((1, 12, 64)).astype(np.float32)
     for decoder in (dyn.decoder, sta.decoder):
@@ -189,9 +197,7 @@ def test_static_runners_match_the_dynamic_bundle(ov_bundles):
     x = dyn.decoder.forward(embeds[:, :10])
     y = sta.decoder.forward(embeds[:, :10])
     x2, y2 = dyn.decoder.forward(embeds[:, 10:]), sta.decoder.forward(embeds[:, 10:])
-    for p, q in ((x, y), (x2, y2)):
-        cos = float((p * q).sum() / np.linalg.norm(p) / np.linalg.norm(q))
-        assert cos > 0.999
+    assert _cosine(x, y) > 0.999 and _cosine(x2, y2) > 0.999
     assert sta.decoder.length == 12 and sta.decoder.max_length == NPU_KV
 
 
@@ -213,8 +219,10 @@ def test_warm_cache_load(ov_bundles, tmp_path, record_property):
     record_property("load_warm_s", round(full, 3))
     print(f"compile cold {times[0]:.3f} s, warm {min(times[1:]):.3f} s; load() warm {full:.3f} s")
     assert any((tmp_path / "ov-cache").iterdir())
-    # Measured 0.15 s warm vs 0.5-1.3 s cold here; load() adds the 11 MB tokenizer (~0.5 s).
-    assert min(times[1:]) < 1.0
+    # Measured here: 0.15 s warm vs 1.7 s cold on an idle machine, 0.66 s vs 3.2 s on a busy one;
+    # load() adds the 11 MB tokenizer (~0.5 s). An absolute bound is not robust on shared CI,
+    # so the numbers are recorded (and reported by the benchmark) and the cache must help.
+    assert min(times[1:]) < times[0]
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -42,6 +42,32 @@ class Recipe:
 
 
 @dataclass(frozen=True)
+class Variant:
+    """A named build variant of a target (``--variant NAME``): data the generic build loop applies.
+
+    Declared in a target's ``variants``.
+
+    Attributes:
+        name: ``--variant`` value and bundle-name suffix (``npu`` ->
+            ``<slug>-<target>-<precision>-npu``).
+        description: one line for the plan and ``--help``.
+        options: sub-part -> exporter keyword options laid over the recipe's
+            (e.g. ``{SubPart.AUDIO_HEADS: {"static_axes": {"batch": 1, "frames": 1}}}``).
+        manifest: top-level manifest entries: dict values are merged into the
+            target's (``provider_options``, ``generation``), others replace it
+            (``device``).
+        verify_on: EP or device the build-time verification runs on (``None``: the
+            target's ``verify_on``).
+    """
+
+    name: str
+    description: str = ""
+    options: Mapping[SubPart, Mapping[str, Any]] = field(default_factory=dict)
+    manifest: Mapping[str, Any] = field(default_factory=dict)
+    verify_on: str | None = None
+
+
+@dataclass(frozen=True)
 class Target:
     """One hardware target.
 
@@ -59,7 +85,7 @@ class Target:
         platform_marker: PEP 508 marker for wheels (``sys_platform == 'win32'`` for dml).
         verify_on: EP or device the build-time checks run on when the target's own
             hardware is missing (``None`` = the target's own).
-        variants: optional build variants (e.g. ``"npu"``: static shapes).
+        variants: optional build variants (e.g. ``npu``: static shapes), see :class:`Variant`.
     """
 
     name: str
@@ -75,7 +101,7 @@ class Target:
     session_options: Mapping[str, Any] = field(default_factory=dict)
     platform_marker: str | None = None
     verify_on: str | None = None
-    variants: tuple[str, ...] = ()
+    variants: tuple[Variant, ...] = ()
 
     def __post_init__(self) -> None:
         missing = set(SubPart) - set(self.recipes)

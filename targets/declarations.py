@@ -8,8 +8,7 @@ OpenVINO passes for the native OpenVINO target; codec sub-parts always fp32.
 from __future__ import annotations
 
 from higgs_pack.manifests.constants import EXECUTION_PROVIDERS, OPENVINO_REQUIREMENT, SubPart
-from higgs_pack.targets.base import Recipe, Target, register
-from higgs_pack.targets.plan import Variant
+from higgs_pack.targets.base import Recipe, Target, Variant, register
 
 
 def _onnx_recipes(ep: str) -> dict[SubPart, Recipe]:

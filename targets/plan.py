@@ -6,50 +6,13 @@ fails in milliseconds with a message naming both values.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from higgs_pack.exporters.catalog import ExporterInfo, get_exporter
 from higgs_pack.manifests.constants import SubPart
 from higgs_pack.manifests.errors import BuildPlanError
-from higgs_pack.targets.base import Target, get_target
-
-
-@dataclass(frozen=True)
-class Variant:
-    """A named build variant of a target (``--variant NAME``): data the generic build loop applies.
-
-    Declared in a target's ``variants`` (a plain string there is a variant with no
-    overrides).
-
-    Attributes:
-        name: ``--variant`` value and bundle-name suffix (``npu`` ->
-            ``<slug>-<target>-<precision>-npu``).
-        description: one line for the plan and ``--help``.
-        options: sub-part -> exporter keyword options laid over the recipe's
-            (e.g. ``{SubPart.AUDIO_HEADS: {"static_axes": {"batch": 1, "frames": 1}}}``).
-        manifest: top-level manifest entries: dict values are merged into the
-            target's (``provider_options``, ``generation``), others replace it
-            (``device``).
-        verify_on: EP or device the build-time verification runs on (``None``: the
-            target's ``verify_on``).
-    """
-
-    name: str
-    description: str = ""
-    options: Mapping[SubPart, Mapping[str, Any]] = field(default_factory=dict)
-    manifest: Mapping[str, Any] = field(default_factory=dict)
-    verify_on: str | None = None
-
-
-def target_variants(target: Target) -> dict[str, Variant]:
-    """The variants a target declares, by name (strings become option-less variants)."""
-    out: dict[str, Variant] = {}
-    for v in getattr(target, "variants", ()):
-        spec = Variant(v) if isinstance(v, str) else v
-        out[spec.name] = spec
-    return out
+from higgs_pack.targets.base import Target, Variant, get_target
 
 
 @dataclass(frozen=True)
@@ -117,7 +80,7 @@ def make_plan(target: str | Target, precision: str | None = None, variant: str |
             f"target {t.name!r} does not support precision {precision!r}; it supports "
             f"{', '.join(t.precisions)} (set it with --precision / precision=)"
         )
-    variants = target_variants(t)
+    variants = {v.name: v for v in t.variants}
     if variant is not None and variant not in variants:
         allowed = ", ".join(variants) or "none"
         raise BuildPlanError(f"target {t.name!r} has no variant {variant!r}; variants: {allowed} "

@@ -47,8 +47,10 @@ from typing import Any
 
 from higgs_pack.manifests.constants import EXECUTION_PROVIDERS, SubPart
 from higgs_pack.manifests.errors import HiggsPackError
+from higgs_pack.runtime.backend_checks import check_gpu_provider
 from higgs_pack.runtime.bundle import Bundle, open_bundle
-from higgs_pack.runtime.verify import VerifyReport, check_gpu_provider, verify_bundle
+from higgs_pack.runtime.report import VerifyReport
+from higgs_pack.runtime.verify import verify_bundle
 
 #: bundle EP name -> supported-op table shipped in ``targets/ops/``.
 PROVIDER_TABLES = {"cuda": "cuda.json", "dml": "dml.json"}

@@ -19,18 +19,13 @@ from onnx import TensorProto, helper
 
 from higgs_pack.manifests.errors import ExecutionProviderUnavailable, NumericalError
 from higgs_pack.manifests.manifest import file_entry, read_manifest, write_manifest
+from higgs_pack.runtime.backend_checks import check_gpu_provider, compare_providers
 from higgs_pack.runtime.bundle import load, open_bundle
 from higgs_pack.runtime.delay import SamplingOptions
 from higgs_pack.runtime.generate import synthesize
 from higgs_pack.runtime.ort_backend import import_ort, session_options_for
-from higgs_pack.runtime.verify import (
-    VerifyReport,
-    check_gpu_provider,
-    compare,
-    compare_providers,
-    read_golden,
-    verify_bundle,
-)
+from higgs_pack.runtime.report import VerifyReport, compare, read_golden
+from higgs_pack.runtime.verify import verify_bundle
 from higgs_pack.targets.static_checks import (
     KernelTable,
     TypedNode,

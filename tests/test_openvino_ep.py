@@ -23,6 +23,7 @@ from onnx import TensorProto, helper  # noqa: E402
 
 from higgs_pack.manifests.errors import ExecutionProviderUnavailable  # noqa: E402
 from higgs_pack.runtime import ort_backend  # noqa: E402
+from higgs_pack.runtime.backend_checks import check_node_placement  # noqa: E402
 from higgs_pack.runtime.ort_backend import (  # noqa: E402
     NodePlacement,
     bundle_node_placement,
@@ -32,7 +33,7 @@ from higgs_pack.runtime.ort_backend import (  # noqa: E402
     parse_profile,
     profile_node_placement,
 )
-from higgs_pack.runtime.verify import VerifyReport, check_node_placement  # noqa: E402
+from higgs_pack.runtime.report import VerifyReport  # noqa: E402
 
 OV_EP = "OpenVINOExecutionProvider"
 #: The graph's nodes (name, op type), in order.
@@ -170,9 +171,9 @@ def test_node_placement_check(small_onnx, monkeypatch):
     assert report.checks[-1].ok is None and "placement is checked on other providers" in report.checks[-1].detail
 
     # On another EP the nodes it left on the CPU EP are named and counted.
-    from higgs_pack.runtime import verify
+    from higgs_pack.runtime import backend_checks
 
-    monkeypatch.setattr(verify, "read_golden", lambda _b: golden)
+    monkeypatch.setattr(backend_checks, "read_golden", lambda _b: golden)
     monkeypatch.setattr(ort_backend, "bundle_node_placement", lambda _b, ep, _g: {
         "llm_decoder": NodePlacement({OV_EP: [("sg1", "OpenVINO-EP-subgraph_1")],
                                       "CPUExecutionProvider": [("/l0/GroupQueryAttention", "GroupQueryAttention"),

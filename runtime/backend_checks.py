@@ -1,0 +1,306 @@
+"""Checks that only some backends or providers need, run inside ``verify_bundle``.
+
+OpenVINO: the decoder's state, static-shape promises (NPU variant), GPU and NPU
+devices where present.  ONNX Runtime: node placement on a non-CPU provider, and
+GPU-provider runs compared with the CPU provider (cuda, dml).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from higgs_pack.manifests.constants import SubPart
+from higgs_pack.manifests.errors import HiggsPackError
+from higgs_pack.runtime.bundle import Bundle, load
+from higgs_pack.runtime.pipeline import Pipeline
+from higgs_pack.runtime.report import (
+    VerifyReport,
+    compare,
+    provider_cannot_run,
+    read_golden,
+    subpart_parity,
+)
+
+
+def check_decoder_state(bundle: Bundle, report: VerifyReport) -> None:
+    """OpenVINO: the decoder IR keeps its KV cache as state exactly when the manifest says so."""
+    from higgs_pack.runtime.openvino_backend import ir_state_variables
+
+    spec = bundle.subpart(SubPart.LLM_DECODER)
+    options = spec["options"]
+    declared = bool(options.get("stateful", not options.get("static")))
+    try:
+        variables = ir_state_variables(bundle.file(spec["entry"]))
+    except (HiggsPackError, RuntimeError) as exc:
+        report.add("decoder state", False, f"cannot read {spec['entry']}: {exc}")
+        return
+    if declared and variables:
+        report.add("decoder state", True, f"stateful as declared: {len(variables)} state variables (KV cache)")
+    elif not declared and not variables:
+        report.add("decoder state", True, f"stateless as declared (static KV window of "
+                   f"{options.get('kv_length', '?')} positions held by the runtime)")
+    else:
+        said, found = ("stateful", "no state variables (a stateless IR)") if declared else \
+            ("stateless", f"{len(variables)} state variables")
+        report.add("decoder state", False, f"the manifest declares a {said} decoder but {spec['entry']} has "
+                   f"{found}; the files and the manifest do not belong together: rebuild the bundle")
+
+
+def check_static_shapes(bundle: Bundle, report: VerifyReport) -> None:
+    """OpenVINO: every sub-part whose manifest promises static shapes has no dynamic dimension."""
+    from higgs_pack.runtime.openvino_backend import static_shape_problems
+
+    try:
+        problems = static_shape_problems(bundle)
+    except (HiggsPackError, RuntimeError) as exc:
+        report.add("static shapes", False, f"cannot read the IRs: {exc}")
+        return
+    if not problems:
+        report.add("static shapes", None, "no sub-part promises static shapes (a dynamic bundle; "
+                   "NPUs need one built with --npu)")
+        return
+    bad = {part: p for part, p in problems.items() if p}
+    if bad:
+        report.add("static shapes", False, "; ".join(f"{part}: {', '.join(p)}" for part, p in bad.items()))
+    else:
+        dynamic = sorted(set(bundle.manifest["subparts"]) - set(problems))
+        report.add("static shapes", True, f"{len(problems)} sub-parts fully static as promised"
+                   + (f" (dynamic, not promised: {', '.join(dynamic)})" if dynamic else ""))
+
+
+def _last_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
+
+
+#: OpenVINO device -> what it is, for skip messages.
+DEVICE_LABELS = {"GPU": "Intel GPU", "NPU": "Intel NPU"}
+
+
+def _check_on_device(device: str, bundle: Bundle, pipeline: Pipeline, report: VerifyReport) -> None:
+    """OpenVINO: load the bundle on ``device`` and check parity there, when the device exists."""
+    import openvino as ov
+
+    name = f"device {device}"
+    available = list(ov.Core().available_devices)
+    if not any(d.split(".")[0] == device for d in available):
+        report.add(name, None, f"no {DEVICE_LABELS.get(device, device)} (OpenVINO '{device}' device) on this "
+                   f"machine (devices: {', '.join(available) or 'none'})")
+        return
+    if any(desc.startswith(f"OpenVINO {device}") for desc in pipeline.description.values()):
+        report.add(name, None, f"the checks above ran on {device}")
+        return
+    subparts = bundle.manifest["subparts"]
+    if device == "NPU" and not all(s["options"].get("static") or s["options"].get("device_overrides", {}).get("NPU")
+                                   for s in subparts.values()):
+        report.add(name, None, "this bundle has dynamic shapes and the NPU compiles static ones only: "
+                   "build the npu variant (higgs-pack build --target openvino --npu)")
+        return
+    try:
+        other = load(bundle, device=device)
+        golden = read_golden(bundle)
+        scores = {part: subpart_parity(other, golden, part, spec["parity"]["metric"])[0]
+                  for part, spec in subparts.items()}
+    except Exception as exc:  # HiggsPackError, or OpenVINO's RuntimeError while inferring
+        report.add(name, False, f"on {device}: {type(exc).__name__}: {_last_line(exc)}")
+        return
+    failed = [p for p, v in scores.items() if v < subparts[p]["parity"]["threshold"]]
+    detail = ", ".join(f"{p} {v:.4f}" for p, v in scores.items())
+    report.add(name, not failed, f"parity on {device}: {detail}" + (f"; below threshold: {failed}" if failed else ""),
+               min(scores.values()))
+
+
+def check_gpu(bundle: Bundle, pipeline: Pipeline, report: VerifyReport) -> None:
+    """OpenVINO: parity on the Intel GPU (``GPU``), or skipped naming the missing device."""
+    _check_on_device("GPU", bundle, pipeline, report)
+
+
+def check_npu(bundle: Bundle, pipeline: Pipeline, report: VerifyReport) -> None:
+    """OpenVINO: parity on the Intel NPU (``NPU``) for static bundles, or skipped with the reason."""
+    _check_on_device("NPU", bundle, pipeline, report)
+
+
+def check_node_placement(bundle: Bundle, pipeline: Pipeline, report: VerifyReport) -> None:
+    """ONNX Runtime: on a provider other than CPU, which nodes it left on the CPU provider.
+
+    Informational (the OpenVINO EP leaves ModelBuilder's GroupQueryAttention on the
+    CPU EP): each sub-part is run once more with ORT profiling, and the profile says
+    which provider ran each node.
+    """
+    from higgs_pack.manifests.constants import EXECUTION_PROVIDERS
+    from higgs_pack.runtime.ort_backend import bundle_node_placement
+
+    by_provider = {row.ort_provider: name for name, row in EXECUTION_PROVIDERS.items()}
+    used = set(pipeline.description.values())
+    eps = sorted({by_provider[u] for u in used if u in by_provider and u != "CPUExecutionProvider"})
+    if not eps:
+        report.add("node placement", None, f"every sub-part runs on {', '.join(sorted(used))}; placement is "
+                   "checked on other providers")
+        return
+    ep = eps[0]
+    provider = EXECUTION_PROVIDERS[ep].ort_provider
+    try:
+        placements = bundle_node_placement(bundle, ep, read_golden(bundle))
+    except HiggsPackError as exc:
+        report.add("node placement", False, str(exc))
+        return
+    except Exception as exc:  # onnxruntime's own error types: a graph this provider cannot run
+        report.add("node placement", None, f"not measured: {type(exc).__name__}: {_last_line(exc)}")
+        return
+    on_cpu = {part: pl.on("CPUExecutionProvider") for part, pl in placements.items()}
+    taken = sum(len(pl.on(provider)) for pl in placements.values())
+    left = sum(len(nodes) for nodes in on_cpu.values())
+    if not left:
+        report.add("node placement", True, f"{provider} ran every node ({taken} nodes or fused subgraphs)", 0)
+        return
+    parts = []
+    for part, nodes in on_cpu.items():
+        if nodes:
+            ops = ", ".join(f"{op} x{n}" for op, n in sorted(placements[part].op_counts("CPUExecutionProvider").items()))
+            names = ", ".join(n for n, _ in nodes[:4]) + (" …" if len(nodes) > 4 else "")
+            parts.append(f"{part}: {ops} ({names})")
+    report.add("node placement", True, f"{left} nodes left on CPUExecutionProvider, {taken} nodes or fused "
+               f"subgraphs on {provider}: " + "; ".join(parts), left)
+
+
+# ----------------------------------------------------------------------------- GPU providers (cuda, dml)
+
+#: bundle EP -> the hardware it needs, as skip reasons name it.
+GPU_HARDWARE = {"cuda": "no CUDA GPU", "dml": "no DirectML GPU (Windows 10/11 with DirectX 12)"}
+#: Scale of the low-magnitude probe: x**2 of values this small underflows in float16 (its
+#: smallest normal is 6.1e-5), where fp16 RMS normalisation has been reported to return
+#: zeros or NaN on some kernels.
+LOW_MAGNITUDE = 1e-4
+
+
+def _probe_inputs(golden: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
+    """Decoder / audio_heads inputs for the provider comparison, from the golden arrays."""
+    prompt = golden["llm_decoder/in/inputs_embeds"].astype(np.float32)
+    hidden = golden["audio_heads/in/hidden_states"].astype(np.float32)
+    return {
+        "golden prompt": {"llm_decoder": prompt, "audio_heads": hidden},
+        "one-token prompt": {"llm_decoder": prompt[:, :1], "audio_heads": hidden[:, :1]},
+        "low-magnitude embeddings": {"llm_decoder": prompt * LOW_MAGNITUDE, "audio_heads": hidden * LOW_MAGNITUDE},
+    }
+
+
+def _run_probe(pipeline: Pipeline, part: str, x: np.ndarray) -> np.ndarray:
+    if part == SubPart.LLM_DECODER:
+        pipeline.decoder.reset()
+        return pipeline.decoder.forward(x)
+    return pipeline.audio_heads.run({"hidden_states": x})["audio_logits"]
+
+
+def compare_providers(bundle: Bundle, target: Pipeline, reference: Pipeline | None, report: VerifyReport, *,
+                      label: str, reference_note: str = "") -> None:
+    """Run the decoder and audio heads on ``target`` and ``reference`` with the same inputs.
+
+    Probes: the golden prompt, a one-token prompt, and the golden prompt scaled by
+    :data:`LOW_MAGNITUDE`.  Every target output must be finite and not all zero (the
+    reported fp16 normalisation failure); where the reference can run the graph, the
+    cosine must reach the sub-part's parity threshold from the manifest.  A reference
+    that cannot execute a graph (the CPU provider and ModelBuilder's CUDA-only fused
+    Q/K-norm attention) is said, and the finite/non-zero checks still run.
+    """
+    subparts = bundle.manifest["subparts"]
+    golden = read_golden(bundle)
+    ref_blocked: dict[str, str] = {}
+    for probe, inputs in _probe_inputs(golden).items():
+        for part, x in inputs.items():
+            name = f"{label} vs CPU: {part}, {probe}"
+            try:
+                got = _run_probe(target, part, x)
+            except Exception as exc:  # the provider's own error is the finding
+                report.add(name, False, f"{type(exc).__name__}: {_last_line(exc)}")
+                continue
+            if not np.isfinite(got).all():
+                report.add(name, False, f"{int((~np.isfinite(got)).sum())} non-finite values of {got.size}")
+                continue
+            if not got.any():
+                report.add(name, False, f"all {got.size} outputs are zero")
+                continue
+            if reference is None or part in ref_blocked:
+                why = ref_blocked.get(part, reference_note or "no reference provider")
+                report.add(name, True, f"finite, not all zero (peak {float(np.abs(got).max()):.3g}); "
+                           f"comparison skipped: {why}")
+                continue
+            try:
+                want = _run_probe(reference, part, x)
+            except Exception as exc:
+                why = provider_cannot_run(exc)
+                if why is None:
+                    report.add(name, False, f"reference run failed: {type(exc).__name__}: {_last_line(exc)}")
+                    continue
+                ref_blocked[part] = f"the reference provider cannot execute this graph: {why}"
+                report.add(name, True, f"finite, not all zero (peak {float(np.abs(got).max()):.3g}); "
+                           f"comparison skipped: {ref_blocked[part]}")
+                continue
+            rule = subparts[part]["parity"]
+            cosine, max_abs = compare(want, got, "cosine")
+            report.add(name, cosine >= rule["threshold"],
+                       f"cosine {cosine:.6f} (threshold {rule['threshold']}), max |diff| {max_abs:.3g}", cosine)
+
+
+def check_gpu_provider(bundle: Bundle, report: VerifyReport, *, ep: str | None = None,
+                       cases_dir: Path | None = None, require: bool = False) -> None:
+    """Run an ONNX Runtime bundle on its GPU provider where the hardware exists.
+
+    On CUDA (onnxruntime-gpu) or DirectML (onnxruntime-directml, Windows): the whole
+    :func:`verify_bundle` on that provider (sessions proved to be on it, parity against
+    the golden outputs, greedy codes, node placement, synthesis of ``cases_dir``), then
+    :func:`compare_providers` against the CPU provider on the same inputs.  Without the
+    provider: one skipped line naming the missing hardware, e.g. "no CUDA GPU:
+    CUDAExecutionProvider not available".
+
+    Args:
+        bundle: an opened ONNX Runtime bundle.
+        report: where the lines go (prefixed with the EP name).
+        ep: provider to check; default the bundle's own.
+        cases_dir: ``shared/cases``, synthesized on the provider when given.
+        require: report a missing or unusable provider as a failure, not a skip (for a
+            machine known to have the hardware).
+    """
+    from higgs_pack.manifests.constants import EXECUTION_PROVIDERS
+    from higgs_pack.runtime.ort_backend import import_ort, installed_ort_distributions
+
+    ep = ep or bundle.manifest["execution_provider"]
+    row = EXECUTION_PROVIDERS[ep]
+    missing = False if require else None
+    ort = import_ort()
+    available = ort.get_available_providers()
+    if row.ort_provider not in available:
+        report.add(f"{ep} runtime", missing, f"{GPU_HARDWARE.get(ep, ep)}: {row.ort_provider} not available "
+                   f"(installed providers: {', '.join(available)}; distributions: "
+                   f"{', '.join(installed_ort_distributions()) or 'none'}). Where the hardware exists: "
+                   f"pip install '{row.requirement}', then nox -s verify-{bundle.manifest['target']}")
+        return
+    try:
+        target = load(bundle, execution_provider=ep)
+    except HiggsPackError as exc:
+        report.add(f"{ep} runtime", missing, f"{row.ort_provider} is installed but unusable here "
+                   f"({GPU_HARDWARE.get(ep, ep)}, or its libraries are missing?): {exc}")
+        return
+    elsewhere = {p: d for p, d in target.description.items() if d.split(" (")[0] != row.ort_provider}
+    report.add(f"{ep} sessions", not elsewhere, f"every sub-part's session is on {row.ort_provider}" if not elsewhere
+               else f"not on {row.ort_provider}: {elsewhere}")
+    from higgs_pack.runtime.verify import (
+        verify_bundle,  # the full verification, on the GPU provider
+    )
+
+    sub = verify_bundle(bundle, execution_provider=ep, cases_dir=cases_dir, synthesize_cases=cases_dir is not None)
+    for check in sub.checks:
+        if check.name not in ("manifest", "files"):
+            report.add(f"{ep}: {check.name}", check.ok, check.detail, check.value)
+    try:
+        reference, note = load(bundle, execution_provider="cpu"), ""
+    except HiggsPackError as exc:
+        reference, note = None, f"the CPU provider cannot open the bundle: {exc}"
+    compare_providers(bundle, target, reference, report, label=ep, reference_note=note)
+
+
+#: backend -> checks on the bundle's files, run before any session is created.
+STRUCTURE_CHECKS: dict[str, tuple] = {"openvino": (check_decoder_state, check_static_shapes)}
+#: backend -> checks on the loaded pipeline, run after parity and greedy decoding.
+RUNTIME_CHECKS: dict[str, tuple] = {"openvino": (check_gpu, check_npu), "onnxruntime": (check_node_placement,)}

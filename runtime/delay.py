@@ -103,10 +103,13 @@ def sample_codes(
     x = np.where(allowed, logits.astype(np.float64), -np.inf)
     if options.temperature == 0:
         return x.argmax(axis=-1).astype(np.int64)
-    x = x / options.temperature
+    keep = None
     if 0 < options.top_k < x.shape[-1]:
-        kth = np.partition(x, -options.top_k, axis=-1)[:, -options.top_k][:, None]
-        x = np.where(x < kth, -np.inf, x)
+        # Work on the k best codes only (kept in vocabulary order, so the draw is the
+        # same as masking the rest): about half the per-frame sampling time.
+        keep = np.sort(np.argpartition(x, -options.top_k, axis=-1)[:, -options.top_k :], axis=-1)
+        x = np.take_along_axis(x, keep, axis=-1)
+    x = x / options.temperature
     x = x - x.max(axis=-1, keepdims=True)
     probs = np.exp(x)
     probs /= probs.sum(axis=-1, keepdims=True)
@@ -120,4 +123,7 @@ def sample_codes(
         probs /= probs.sum(axis=-1, keepdims=True)
     cdf = np.cumsum(probs, axis=-1)
     u = rng.random(probs.shape[0])[:, None] * cdf[:, -1:]
-    return np.minimum((cdf <= u).sum(axis=-1), probs.shape[-1] - 1).astype(np.int64)
+    index = np.minimum((cdf <= u).sum(axis=-1), probs.shape[-1] - 1)
+    if keep is not None:
+        index = keep[np.arange(len(index)), index]
+    return index.astype(np.int64)

@@ -164,8 +164,15 @@ def session_options_for(ep: str, options: dict[str, Any]):
     for key, value in options.items():
         if key == "graph_optimization_level":
             so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, value)
+        elif key.startswith("session."):
+            so.add_session_config_entry(key, str(value))
         else:
             setattr(so, key, value)
+    # The decoder, heads and embed sessions take turns every frame; a thread pool that
+    # spin-waits after its run keeps the cores from the next session (bench preset on
+    # 2 cores: 38 -> 105 frames/s with spinning off).  A manifest may turn it back on.
+    if "session.intra_op.allow_spinning" not in options:
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if ep == "dml":
         so.enable_mem_pattern = False
         so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL

@@ -26,7 +26,11 @@ from higgs_pack.manifests.constants import FORMAT_VERSION, SUBPART_IO, SubPart
 from higgs_pack.manifests.errors import BuildError, BundleError, HiggsPackError
 from higgs_pack.manifests.manifest import MANIFEST_NAME, file_entry, read_manifest, write_manifest
 from higgs_pack.runtime.paths import cache_root
-from higgs_pack.targets.base import CODE_AGREEMENT_THRESHOLD, COSINE_THRESHOLDS
+from higgs_pack.targets.base import (
+    CODE_AGREEMENT_THRESHOLD,
+    COSINE_THRESHOLDS,
+    DECODER_COSINE_THRESHOLDS,
+)
 from higgs_pack.targets.plan import BuildPlan, make_plan
 
 log = logging.getLogger(__name__)
@@ -230,7 +234,8 @@ def _copy_tokenizer(ckpt, bundle_dir: Path) -> str:
 def _parity_rule(part: SubPart, precision: str) -> dict[str, Any]:
     if part == SubPart.AUDIO_ENCODER:
         return {"metric": "code_agreement", "threshold": CODE_AGREEMENT_THRESHOLD}
-    return {"metric": "cosine", "threshold": COSINE_THRESHOLDS[precision]}
+    table = DECODER_COSINE_THRESHOLDS if part == SubPart.LLM_DECODER else COSINE_THRESHOLDS
+    return {"metric": "cosine", "threshold": table[precision]}
 
 
 def _assemble(plan: BuildPlan, ckpt, slug: str, source: str, bundle_dir: Path, results, tokenizer_file: str,

@@ -461,32 +461,35 @@ def convert_llm_decoder(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    passes = [DECODER_EXPORT_PASS]
+    return _decoder_result(
+        xml, bundle_dir, subpart, precision, settings, quantization, versions,
+        exporter="optimum-intel", export_pass=DECODER_EXPORT_PASS,
+        options={
+            "stateful": True,
+            "export_config": "get_vlm_text_generation_config('qwen3', int_dtype='int64', float_dtype='fp32')",
+            "lm_head": "identity",
+        },
+    )
+
+
+def _decoder_result(xml: Path, bundle_dir: Path, subpart: str, precision: str, settings: Mapping[str, Any],
+                    quantization: dict[str, Any], versions: dict[str, str], *, exporter: str, export_pass: str,
+                    options: dict[str, Any]) -> ExportResult:
+    """The :class:`ExportResult` of a saved decoder IR: passes from the compression
+    settings, I/O signature and weight storage read back from the file."""
+    passes = [export_pass]
     if settings:
         passes.append(f"nncf.compress_weights({settings['mode'].upper()})")
     elif precision == "fp16":
         passes.append("save_model(compress_to_fp16)")
     inputs, outputs = ir_io_signature(xml)
     files = _relative_files(xml, bundle_dir)
+    if options.get("static"):
+        options = {**options, "static_shapes": {t.name: list(t.shape) for t in (*inputs, *outputs)}}
     return ExportResult(
-        subpart=subpart,
-        format="openvino",
-        files=files,
-        entry=files[0],
-        exporter="optimum-intel",
-        passes=passes,
-        tool_versions=versions,
-        precision=precision,
-        quantization=quantization,
-        inputs=inputs,
-        outputs=outputs,
-        options={
-            "stateful": True,
-            "export_config": "get_vlm_text_generation_config('qwen3', int_dtype='int64', float_dtype='fp32')",
-            "lm_head": "identity",
-            "compress_to_fp16": precision == "fp16",
-            "weight_storage": weight_summary(xml),
-        },
+        subpart=subpart, format="openvino", files=files, entry=files[0], exporter=exporter, passes=passes,
+        tool_versions=versions, precision=precision, quantization=quantization, inputs=inputs, outputs=outputs,
+        options={**options, "compress_to_fp16": precision == "fp16", "weight_storage": weight_summary(xml)},
     )
 
 
@@ -681,36 +684,17 @@ def convert_static_decoder(
     _save(ov_model, xml, precision)
     del ov_model
 
-    passes = [STATIC_DECODER_PASS]
-    if settings:
-        passes.append(f"nncf.compress_weights({settings['mode'].upper()})")
-    elif precision == "fp16":
-        passes.append("save_model(compress_to_fp16)")
-    inputs, outputs = ir_io_signature(xml)
-    files = _relative_files(xml, bundle_dir)
-    return ExportResult(
-        subpart=subpart,
-        format="openvino",
-        files=files,
-        entry=files[0],
-        exporter="openvino",
-        passes=passes,
-        tool_versions=versions,
-        precision=precision,
-        quantization=quantization,
-        inputs=inputs,
-        outputs=outputs,
+    return _decoder_result(
+        xml, bundle_dir, subpart, precision, settings, quantization, versions,
+        exporter="openvino", export_pass=STATIC_DECODER_PASS,
         options={
             "stateful": False,
             "static": True,
             "kv_length": kv_length,
             "step": step,
-            "static_shapes": {t.name: list(t.shape) for t in (*inputs, *outputs)},
             "kv_layout": "past_key_values.{i}.key|value [1, kv_heads, kv_length, head_dim] in, "
                          "present.{i}.key|value [1, kv_heads, step, head_dim] out (new positions only)",
             "lm_head": "none",
-            "compress_to_fp16": precision == "fp16",
-            "weight_storage": weight_summary(xml),
         },
     )
 

@@ -61,6 +61,9 @@ def validate(data: Any, *, source: str = MANIFEST_NAME) -> dict[str, Any]:
     if errors:
         first = errors[0]
         where = "/".join(str(p) for p in first.absolute_path) or "(top level)"
+        if first.validator == "not" and first.schema.get("not", {}).get("anyOf"):
+            first.message = (f"{first.instance!r} is not a relative path inside the bundle (no leading '/', "
+                             "drive letter, backslash, '.' or '..' components)")
         more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
         raise ManifestError(f"{source}: invalid at {where}: {first.message}{more}")
     return data
@@ -151,10 +154,13 @@ class FileReport:
         missing: listed but absent.
         mismatched: present with another size or sha256 (path -> reason).
         extra: present in the bundle but not listed (not an error by itself).
+        unlisted: used by a sub-part, the tokenizer or the reference but absent from
+            ``files``, so never hashed (an error: the manifest must cover every file it uses).
         checked: number of files whose hash matched.
     """
 
     missing: list[str] = field(default_factory=list)
+    unlisted: list[str] = field(default_factory=list)
     mismatched: dict[str, str] = field(default_factory=dict)
     extra: list[str] = field(default_factory=list)
     checked: int = 0
@@ -162,13 +168,15 @@ class FileReport:
     @property
     def ok(self) -> bool:
         """True when nothing is missing or mismatched."""
-        return not self.missing and not self.mismatched
+        return not self.missing and not self.mismatched and not self.unlisted
 
     def raise_for_problems(self, bundle: Path) -> None:
         """Raise :class:`BundleError` naming the first problems, if any."""
         if self.ok:
             return
         parts = []
+        if self.unlisted:
+            parts.append(f"used but not listed (so not hashed): {', '.join(self.unlisted[:5])}")
         if self.missing:
             parts.append(f"missing: {', '.join(self.missing[:5])}")
         if self.mismatched:
@@ -197,8 +205,11 @@ def check_files(bundle: Path, manifest: dict[str, Any], *, hashes: bool = True) 
     entries = manifest["files"]
     for entry in entries:
         resolve_inside(bundle, entry["path"])
+    listed_files = {e["path"] for e in entries}
     for ref in _referenced_paths(manifest):
         resolve_inside(bundle, ref)
+        if ref not in listed_files and ref not in report.unlisted:
+            report.unlisted.append(ref)
     for entry in entries:
         path = bundle / entry["path"]
         if not path.is_file():

@@ -171,7 +171,13 @@ def _open_onnxruntime(bundle: Bundle, *, execution_provider: str | None, device:
 
 def _open_openvino(bundle: Bundle, *, execution_provider: str | None, device: str | None,
                    allow_fallback: bool, cache_dir: Path | None) -> dict[str, Any]:
-    from higgs_pack.runtime.openvino_backend import open_openvino_parts
+    try:
+        from higgs_pack.runtime.openvino_backend import open_openvino_parts
+    except ImportError as exc:
+        raise ExecutionProviderUnavailable(
+            f"{bundle.name} is an OpenVINO IR bundle but the OpenVINO runtime is not installed ({exc}); "
+            "pip install 'higgs-pack[openvino]' (or pip install openvino)"
+        ) from exc
 
     if execution_provider is not None:
         raise ExecutionProviderUnavailable(

@@ -65,33 +65,55 @@ def main(verbose: int) -> None:
 def _read_text(text: str | None, text_file: Path | None) -> str:
     if text is not None and text_file is not None:
         raise click.UsageError("give the text once: --text or --text-file, not both")
-    if text_file is not None:
-        return sys.stdin.read() if str(text_file) == "-" else text_file.read_text(encoding="utf-8")
-    if text is None:
-        if sys.stdin is None or sys.stdin.isatty():
-            raise click.UsageError("no text: pass --text \"…\", --text-file FILE, or pipe text on stdin")
-        return sys.stdin.read()
+    try:
+        if text_file is not None and str(text_file) != "-":
+            return text_file.read_text(encoding="utf-8")
+        if text is None or str(text_file) == "-":
+            if sys.stdin is None or sys.stdin.isatty():
+                raise click.UsageError("no text: pass --text \"…\", --text-file FILE, or pipe text on stdin")
+            return sys.stdin.buffer.read().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise click.BadParameter(f"the text is not UTF-8 ({exc}); save it as UTF-8 text") from exc
     return text
+
+
+def _check_output(output: Path, bundle: str, inputs: list[Path | None]) -> None:
+    """Refuse an -o that would overwrite an input, land inside the bundle, or is not a .wav."""
+    out = output.resolve()
+    if output.suffix.lower() != ".wav":
+        raise click.BadParameter(f"{output}: the output is a WAV file; give it a .wav name", param_hint="-o")
+    if not out.parent.is_dir():
+        raise click.BadParameter(f"{output}: folder {out.parent} does not exist; create it first", param_hint="-o")
+    if out.is_dir():
+        raise click.BadParameter(f"{output} is a directory; give a file name ending in .wav", param_hint="-o")
+    for path in inputs:
+        if path is not None and str(path) != "-" and path.exists() and path.resolve() == out:
+            raise click.BadParameter(f"{output} is also an input of this command; it would be overwritten",
+                                     param_hint="-o")
+    bundle_path = Path(bundle)
+    if bundle_path.is_dir() and (out == bundle_path.resolve() or bundle_path.resolve() in out.parents):
+        raise click.BadParameter(f"{output} is inside the bundle {bundle}; write the audio elsewhere",
+                                 param_hint="-o")
 
 
 @main.command()
 @click.argument("bundle")
 @click.option("--text", "-t", help="Text to speak ('-' or omitted: read stdin).")
-@click.option("--text-file", type=click.Path(path_type=Path, dir_okay=False, allow_dash=True),
+@click.option("--text-file", type=click.Path(path_type=Path, dir_okay=False, allow_dash=True, exists=True),
               help="Read the text from a file ('-' for stdin).")
 @click.option("-o", "--output", type=click.Path(path_type=Path, dir_okay=False), required=True,
               help="Output .wav (24 kHz mono).")
-@click.option("--ref-audio", type=click.Path(path_type=Path, dir_okay=False),
+@click.option("--ref-audio", type=click.Path(path_type=Path, dir_okay=False, exists=True),
               help="Reference voice to clone (any sample rate / channels libsndfile reads).")
 @click.option("--ref-text", help="Exact transcript of --ref-audio.")
 @click.option("--execution-provider", help="ONNX Runtime bundles: cpu, cuda, dml or openvino.")
 @click.option("--device", help="OpenVINO bundles: CPU, GPU, NPU, AUTO, HETERO:….")
 @click.option("--allow-fallback", is_flag=True, help="Permit another provider/device if the one asked for is missing.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--temperature", type=float, help="0 = greedy. Default from the bundle (0.8).")
 @click.option("--top-k", type=int, help="Default from the bundle (50).")
 @click.option("--top-p", type=float, help="Default from the bundle (1.0 = off).")
-@click.option("--max-frames", type=int, help="Frame cap per chunk (25 frames = 1 s). Default: from text length.")
+@click.option("--max-frames", type=click.IntRange(min=1), help="Frame cap per chunk (25 frames = 1 s). Default: from text length.")
 @click.option("--float", "as_float", is_flag=True, help="Write 32-bit float wav instead of 16-bit PCM.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def synthesize(bundle, text, text_file, output, ref_audio, ref_text, execution_provider, device,
@@ -106,6 +128,7 @@ def synthesize(bundle, text, text_file, output, ref_audio, ref_text, execution_p
     from higgs_pack.runtime.delay import SamplingOptions
     from higgs_pack.runtime.generate import synthesize as run
 
+    _check_output(output, bundle, [text_file, ref_audio])
     words = _read_text(text, text_file)
     if (ref_audio is None) != (ref_text is None):
         raise click.UsageError("voice cloning needs both --ref-audio and --ref-text")
@@ -180,7 +203,7 @@ def inspect(bundle, as_json):
 @click.option("--execution-provider", help="ONNX Runtime bundles: provider to verify on.")
 @click.option("--device", help="OpenVINO bundles: device to verify on.")
 @click.option("--allow-fallback", is_flag=True, help="Permit another provider/device if missing.")
-@click.option("--cases", type=click.Path(path_type=Path, file_okay=False),
+@click.option("--cases", type=click.Path(path_type=Path, file_okay=False, exists=True),
               help="Folder of cases to synthesize (text_en_basic.txt, text_zh.txt, ref_en_16k.wav/.txt).")
 @click.option("--report", type=click.Path(path_type=Path, dir_okay=False), help="Also write the report as JSON.")
 def verify(bundle, execution_provider, device, allow_fallback, cases, report):

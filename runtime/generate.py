@@ -113,8 +113,18 @@ def build_prompt(
     sp = pipeline.constants.special_tokens
     tok = pipeline.tokenizer
 
+    reserved = set(sp.values())
+
     def ids(s: str) -> list[int]:
-        return tok.encode(s, add_special_tokens=False).ids
+        out = tok.encode(s, add_special_tokens=False).ids
+        found = sorted({tok.id_to_token(i) for i in out if i in reserved})
+        if found:
+            raise InputError(
+                f"the text contains the prompt control token(s) {', '.join(found)}, which the model "
+                "reserves for its prompt format; remove them (inline controls such as "
+                "<|emotion:amusement|> are read as text unless the tokenizer has them)"
+            )
+        return out
 
     def embed_ids(seq: list[int]) -> np.ndarray:
         arr = np.asarray([seq], dtype=np.int64)
@@ -318,7 +328,9 @@ def synthesize(
         InputError: empty/whitespace text, missing ``ref_text``, or one sentence too long.
         NumericalError: non-finite or all-zero sub-part output.
     """
-    if not isinstance(text, str) or not text.strip():
+    if not isinstance(text, str):
+        raise InputError(f"text must be a string, got {type(text).__name__}")
+    if not text.strip():
         raise InputError("text is empty or only whitespace; give the words to speak with --text / text=")
     if options is None:
         options = SamplingOptions(**pipeline.generation_defaults.get("sampling", {}))

@@ -213,7 +213,7 @@ def create_session(path: Path, ep: str, *, provider_options: dict[str, Any] | No
     if wanted not in available:
         if not allow_fallback or ep == "cpu":
             raise ExecutionProviderUnavailable(
-                f"this bundle runs on {wanted}, which is not available here (installed providers: "
+                f"{wanted} was asked for but is not available here (installed providers: "
                 f"{', '.join(available)}; distributions: {', '.join(installed_ort_distributions()) or 'none'}). "
                 f"{install_hint(row)}, or run on the CPU explicitly with --execution-provider cpu "
                 "(execution_provider='cpu')"

@@ -76,7 +76,7 @@ def verify_bundle(
     m = opened.manifest
     report.add("manifest", True, f"format {m['format_version']}, target {m['target']}, precision {m['precision']}")
     report.add("files", files.ok, f"{files.checked} files, sha256 ok" if files.ok else
-               f"missing {files.missing}, changed {files.mismatched}")
+               f"missing {files.missing}, changed {files.mismatched}, used but unlisted {files.unlisted}")
     if not files.ok:
         return report
     for structure_check in STRUCTURE_CHECKS.get(m["backend"], ()):

@@ -114,7 +114,7 @@ def test_manifest_that_is_not_json(bundle_copy):
 def test_provider_not_installed(bundle_copy):
     _edit_manifest(bundle_copy, lambda m: m.update(execution_provider="cuda"))
     with pytest.raises(ExecutionProviderUnavailable,
-                       match=r"runs on CUDAExecutionProvider, which is not available here \(installed providers: .*CPUExecutionProvider.*higgs-pack\[cuda\].*--execution-provider cpu"):
+                       match=r"CUDAExecutionProvider was asked for but is not available here \(installed providers: .*CPUExecutionProvider.*higgs-pack\[cuda\].*--execution-provider cpu"):
         load(bundle_copy)
 
 
@@ -197,3 +197,37 @@ def test_failure_midway_through_export_leaves_nothing(tmp_path, tiny_checkpoint)
         build("cpu", precision="fp32", model=broken, out=out)
     assert not out.exists()
     assert list((tmp_path / "dist").iterdir()) == []
+
+
+def test_a_used_file_missing_from_the_files_list_is_refused(bundle_copy):
+    """Dropping the decoder weights from ``files`` must not let them escape the hash check."""
+    _edit_manifest(bundle_copy, lambda m: m.update(
+        files=[f for f in m["files"] if f["path"] != "llm_decoder/model.onnx.data"]))
+    with pytest.raises(BundleError, match=r"used but not listed \(so not hashed\): llm_decoder/model.onnx.data"):
+        load(bundle_copy)
+
+
+def test_path_error_message_is_readable(bundle_copy):
+    def edit(m):
+        m["files"][0]["path"] = "../x"
+
+    _edit_manifest(bundle_copy, edit)
+    with pytest.raises(ManifestError, match=r"'../x' is not a relative path inside the bundle"):
+        load(bundle_copy)
+
+
+def test_prompt_control_tokens_in_the_text_are_refused(cpu_int4_bundle):
+    from higgs_pack.manifests.errors import InputError
+    from higgs_pack.runtime.generate import synthesize
+
+    with pytest.raises(InputError, match=r"prompt control token\(s\) <\|audio\|>"):
+        synthesize(load(cpu_int4_bundle), "Say <|audio|> now.")
+
+
+def test_openvino_bundle_without_openvino_names_the_extra(bundle_copy, monkeypatch):
+    import sys
+
+    _edit_manifest(bundle_copy, lambda m: m.update(backend="openvino", execution_provider=None, device="CPU"))
+    monkeypatch.setitem(sys.modules, "higgs_pack.runtime.openvino_backend", None)  # as if openvino were absent
+    with pytest.raises(ExecutionProviderUnavailable, match=r"pip install 'higgs-pack\[openvino\]'"):
+        load(bundle_copy)

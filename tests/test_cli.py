@@ -77,8 +77,8 @@ def test_build_plan_and_unknown_target():
     assert "llm_decoder" in out.stdout and "modelbuilder" in out.stdout
     out = run("build", "--target", "gpu", check=False)
     assert out.returncode == 2 and "unknown target 'gpu'" in out.stderr
-    out = run("build", "--target", "cpu", "--precision", "int8", check=False)
-    assert out.returncode == 2 and "target 'cpu' does not support precision 'int8'" in out.stderr
+    out = run("build", "--target", "cpu", "--precision", "fp16", check=False)
+    assert out.returncode == 2 and "target 'cpu' does not support precision 'fp16'" in out.stderr
 
 
 def test_make_tiny_checkpoint_is_deterministic(tmp_path):
@@ -112,3 +112,33 @@ def test_installed_layout_has_no_bare_top_level_packages():
     site = Path(higgs_pack.runtime.__file__).resolve().parents[1]
     for bare in ("runtime", "targets", "exporters", "manifests"):
         assert not (site / bare / "__init__.py").exists() or site.name == Path(__file__).resolve().parents[1].name
+
+
+def test_output_that_would_overwrite_an_input_is_refused(cpu_int4_bundle, cases_dir, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("Hello.")
+    out = run("synthesize", cpu_int4_bundle, "--text-file", text, "-o", text, check=False)
+    assert out.returncode == 2 and "give it a .wav name" in out.stderr
+    wav = tmp_path / "ref.wav"
+    wav.write_bytes((cases_dir / "ref_en_16k.wav").read_bytes())
+    out = run("synthesize", cpu_int4_bundle, "--text", "Hi.", "--ref-audio", wav, "--ref-text", "Hi.",
+              "-o", wav, check=False)
+    assert out.returncode == 2 and "is also an input of this command" in out.stderr
+    out = run("synthesize", cpu_int4_bundle, "--text", "Hi.", "-o", cpu_int4_bundle / "x.wav", check=False)
+    assert out.returncode == 2 and "inside the bundle" in out.stderr
+    out = run("synthesize", cpu_int4_bundle, "--text", "Hi.", "-o", tmp_path / "nodir" / "x.wav", check=False)
+    assert out.returncode == 2 and "does not exist; create it first" in out.stderr
+
+
+def test_unreadable_text_and_bad_numbers_are_usage_errors(cpu_int4_bundle, tmp_path):
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("caf\xe9".encode("latin-1"))
+    out = run("synthesize", cpu_int4_bundle, "--text-file", latin, "-o", tmp_path / "a.wav", check=False)
+    assert out.returncode == 2 and "not UTF-8" in out.stderr
+    out = run("synthesize", cpu_int4_bundle, "--text-file", tmp_path / "nope.txt", "-o", tmp_path / "a.wav", check=False)
+    assert out.returncode == 2 and "does not exist" in out.stderr
+    for flag, value in (("--seed", "-1"), ("--max-frames", "0"), ("--temperature", "inf")):
+        out = run("synthesize", cpu_int4_bundle, "--text", "Hi.", "-o", tmp_path / "a.wav", flag, value, check=False)
+        assert out.returncode == 2, (flag, out.stderr)
+    out = run("verify", cpu_int4_bundle, "--cases", tmp_path / "typo", check=False)
+    assert out.returncode == 2 and "does not exist" in out.stderr

@@ -194,7 +194,7 @@ def test_cuda_bundle_here_names_the_missing_provider(cuda_fp16, tmp_path):
     if CUDA in _available():
         pytest.skip("this machine has CUDAExecutionProvider; the missing-CUDA message cannot be shown")
     with pytest.raises(ExecutionProviderUnavailable,
-                       match=r"runs on CUDAExecutionProvider, which is not available here \(installed "
+                       match=r"CUDAExecutionProvider was asked for but is not available here \(installed "
                              r"providers: .*CPUExecutionProvider.*--execution-provider cpu"):
         load(cuda_fp16)
     from higgs_pack.runtime.cli import main

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 import re
 import shutil
@@ -89,11 +90,30 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
+def _remove_dead_stagings(out: Path) -> None:
+    """Delete staging directories of builds of ``out`` whose process is gone (killed builds).
+
+    Staging names carry the building process id; a live process's directory is left alone.
+    """
+    for stale in out.parent.glob(f".{out.name}.building-*"):
+        pid = stale.name.split(".building-", 1)[1].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            log.warning("removing %s, left by an interrupted build", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        except PermissionError:
+            continue
+
+
 @contextmanager
 def _staging(out: Path):
     """A temporary directory beside ``out`` (same filesystem, so the final move is a rename)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
+    _remove_dead_stagings(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-{os.getpid()}-", dir=out.parent))
     try:
         yield tmp
     finally:

@@ -231,3 +231,16 @@ def test_openvino_bundle_without_openvino_names_the_extra(bundle_copy, monkeypat
     monkeypatch.setitem(sys.modules, "higgs_pack.runtime.openvino_backend", None)  # as if openvino were absent
     with pytest.raises(ExecutionProviderUnavailable, match=r"pip install 'higgs-pack\[openvino\]'"):
         load(bundle_copy)
+
+
+def test_staging_left_by_a_killed_build_is_removed(tmp_path):
+    from higgs_pack.targets.build import _staging
+
+    out = tmp_path / "dist" / "b"
+    out.parent.mkdir()
+    dead = out.parent / ".b.building-999999999-abc"  # no such process
+    (dead / "bundle").mkdir(parents=True)
+    with _staging(out) as stage:
+        assert stage.name.startswith(".b.building-")
+        assert not dead.exists()
+    assert list(out.parent.iterdir()) == []

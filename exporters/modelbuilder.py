@@ -18,12 +18,11 @@ import os
 import shutil
 import subprocess
 import sys
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from higgs_pack.exporters import onnx_utils
-from higgs_pack.exporters.result import ExportResult
+from higgs_pack.exporters.result import ExportResult, installed_version
 from higgs_pack.manifests.constants import SubPart
 from higgs_pack.manifests.errors import (
     BuildError,
@@ -111,12 +110,6 @@ def _log_tail(log_path: Path) -> str:
     lines = [line.rsplit("\r", 1)[-1] for line in text.splitlines()]
     return "\n".join(lines)[-LOG_TAIL_CHARS:]
 
-
-def _version(distribution: str) -> str:
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return "not installed"
 
 
 def build_llm_decoder(
@@ -329,9 +322,9 @@ def build_llm_decoder(
         exporter="modelbuilder",
         passes=["ModelBuilder"],
         tool_versions={
-            "onnxruntime-genai": _version("onnxruntime-genai"),
+            "onnxruntime-genai": installed_version("onnxruntime-genai"),
             **onnx_utils.onnx_tool_versions(),
-            "transformers": _version("transformers"),
+            "transformers": installed_version("transformers"),
         },
         precision=precision,
         quantization=quantization,

@@ -37,12 +37,11 @@ import shutil
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from higgs_pack.exporters import onnx_utils
-from higgs_pack.exporters.result import ExportResult
+from higgs_pack.exporters.result import ExportResult, installed_version
 from higgs_pack.manifests.errors import BuildError, BuildPlanError, unknown_choice
 
 if TYPE_CHECKING:
@@ -109,12 +108,6 @@ def plan_passes(precision: str, *, name: str = "sub-part") -> list[str]:
         )
     return [CONVERSION_PASS, *PRECISION_PLANS[precision].passes]
 
-
-def _version(distribution: str) -> str:
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return "not installed"
 
 
 @contextlib.contextmanager
@@ -430,9 +423,9 @@ def export_onnx(
         exporter="olive",
         passes=passes,
         tool_versions={
-            "olive-ai": _version("olive-ai"),
+            "olive-ai": installed_version("olive-ai"),
             **onnx_utils.onnx_tool_versions(),
-            "onnxscript": _version("onnxscript"),
+            "onnxscript": installed_version("onnxscript"),
             "torch": torch.__version__,
         },
         precision=precision,

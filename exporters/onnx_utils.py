@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import onnx
-from onnx import external_data_helper
 
 from higgs_pack.exporters.result import TensorSpec
 from higgs_pack.manifests.errors import BuildError
@@ -92,11 +90,6 @@ def onnx_io_signature(path: str | os.PathLike) -> tuple[list[TensorSpec], list[T
     return inputs, outputs
 
 
-def _all_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
-    # Initializers and tensor attributes of every graph, subgraphs included.
-    return external_data_helper._get_all_tensors(model)
-
-
 def external_data_locations(path: str | os.PathLike) -> list[str]:
     """The ``location`` of every external-data tensor, as written in the graph.
 
@@ -106,12 +99,9 @@ def external_data_locations(path: str | os.PathLike) -> list[str]:
     Returns:
         Distinct locations in first-seen order (usually one, ``"model.onnx.data"``).
     """
-    model = _load_graph(path)
-    seen: dict[str, None] = {}
-    for tensor in _all_tensors(model):
-        if external_data_helper.uses_external_data(tensor):
-            seen.setdefault(external_data_helper.ExternalDataInfo(tensor).location, None)
-    return list(seen)
+    from higgs_pack.runtime.bundle import external_data_refs
+
+    return list(external_data_refs(Path(path)))
 
 
 def check_external_data(path: str | os.PathLike, bundle_dir: str | os.PathLike) -> None:

@@ -61,7 +61,6 @@ Gotchas measured here (openvino 2026.4.1, nncf 3.4, optimum-intel 2.2, olive 0.1
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import logging
 import shutil
@@ -74,7 +73,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import openvino as ov
 
-from higgs_pack.exporters.result import ExportResult, TensorSpec
+from higgs_pack.exporters.result import ExportResult, TensorSpec, tool_versions
 from higgs_pack.manifests.constants import FP32_ONLY, SUBPART_IO, SubPart
 from higgs_pack.manifests.errors import BuildError, BuildPlanError, unknown_choice
 
@@ -108,24 +107,6 @@ _FLOAT_WEIGHT_TYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def tool_versions(*distributions: str) -> dict[str, str]:
-    """Installed versions of some distributions.
-
-    Args:
-        *distributions: PyPI names, for example ``"openvino", "nncf"``.
-
-    Returns:
-        name -> version, for those installed (others are left out).
-    """
-    versions = {}
-    for dist in distributions:
-        try:
-            versions[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return versions
 
 
 def _check_precision(precision: str, subpart: SubPart) -> None:

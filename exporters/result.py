@@ -9,6 +9,7 @@ imports torch or an exporter: it is plain data.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from importlib import metadata
 from typing import Any, Literal
 
 from higgs_pack.manifests.constants import SubPart
@@ -110,3 +111,17 @@ class ExportResult:
         data["inputs"] = [t.to_dict() for t in self.inputs]
         data["outputs"] = [t.to_dict() for t in self.outputs]
         return data
+
+
+def installed_version(distribution: str) -> str:
+    """Version of an installed distribution (PyPI name), or ``"not installed"``."""
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def tool_versions(*distributions: str) -> dict[str, str]:
+    """name -> version of those ``distributions`` that are installed (others are left out)."""
+    versions = {name: installed_version(name) for name in distributions}
+    return {name: v for name, v in versions.items() if v != "not installed"}

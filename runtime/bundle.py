@@ -8,6 +8,7 @@ bundle's backend and checks its I/O signature against the manifest.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -92,6 +93,28 @@ def open_bundle(name_or_path: str | Path, *, check_hashes: bool = True) -> Bundl
     return bundle
 
 
+def external_data_refs(path: Path) -> dict[str, str]:
+    """Every external-data ``location`` of an ONNX graph, read without its weights.
+
+    Args:
+        path: the ``.onnx`` file.
+
+    Returns:
+        location (as written in the graph, ``""`` when a tensor names none) -> the first
+        tensor that uses it, in first-seen order; subgraphs included.
+    """
+    import onnx
+    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+
+    model = onnx.load(str(path), load_external_data=False)
+    refs: dict[str, str] = {}
+    for tensor in _get_all_tensors(model):
+        if uses_external_data(tensor):
+            location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+            refs.setdefault(location, tensor.name)
+    return refs
+
+
 def check_external_data(bundle: Bundle, part: str, spec: dict[str, Any]) -> None:
     """Prove every ONNX external-data location of a sub-part stays inside the bundle.
 
@@ -101,24 +124,17 @@ def check_external_data(bundle: Bundle, part: str, spec: dict[str, Any]) -> None
         BundleError: a location is absolute, uses ``..``, leaves the bundle, or is
             not one of the files listed in the manifest.
     """
-    try:
-        import onnx
-        from onnx.external_data_helper import _get_all_tensors, uses_external_data
-    except ImportError:  # pragma: no cover - onnx comes with every ONNX Runtime extra
+    if importlib.util.find_spec("onnx") is None:  # pragma: no cover - onnx comes with every ONNX Runtime extra
         log.warning("onnx is not installed; external-data locations of %s not checked", part)
         return
     entry = bundle.file(spec["entry"])
-    model = onnx.load(str(entry), load_external_data=False)
     base = entry.parent.relative_to(bundle.path)
     listed = set(spec["files"])
-    for tensor in _get_all_tensors(model):
-        if not uses_external_data(tensor):
-            continue
-        location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+    for location, tensor_name in external_data_refs(entry).items():
         rel = (base / location).as_posix() if location else ""
         if not location or Path(location).is_absolute() or ".." in Path(location).parts:
             raise BundleError(
-                f"{part}: external data location {location!r} of tensor {tensor.name!r} points "
+                f"{part}: external data location {location!r} of tensor {tensor_name!r} points "
                 "outside the bundle; the bundle is damaged or tampered with: rebuild it"
             )
         resolve_inside(bundle.path, rel)

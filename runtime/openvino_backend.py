@@ -37,6 +37,7 @@ from higgs_pack.manifests.errors import (
     InputError,
     SignatureMismatch,
 )
+from higgs_pack.runtime.pipeline import check_io_signature
 
 log = logging.getLogger(__name__)
 
@@ -286,20 +287,8 @@ def check_signature(runner: OvSubPart | OvStatefulDecoder, subpart: str, spec: M
     Raises:
         SignatureMismatch: Naming the sub-part and both signatures.
     """
-    def want(items):
-        return {t["name"]: (t["dtype"], len(t["shape"])) for t in items}
-
     compiled = runner.compiled
-    for kind, got, expected in (
-        ("inputs", _signature(compiled.inputs), want(spec["inputs"])),
-        ("outputs", _signature(compiled.outputs), want(spec["outputs"])),
-    ):
-        if got != expected:
-            diff = sorted(set(got.items()) ^ set(expected.items()))
-            raise SignatureMismatch(
-                f"{subpart}: IR {kind} differ from the manifest: IR has {got}, manifest says {expected} "
-                f"(differences: {diff}). The bundle's files and manifest do not belong together: rebuild the bundle"
-            )
+    check_io_signature(subpart, "IR", _signature(compiled.inputs), _signature(compiled.outputs), dict(spec))
 
 
 class OvSubPart:

@@ -27,6 +27,7 @@ from higgs_pack.manifests.errors import (
     SignatureMismatch,
     unknown_choice,
 )
+from higgs_pack.runtime.pipeline import check_io_signature
 
 log = logging.getLogger(__name__)
 
@@ -246,20 +247,7 @@ def check_signature(session, subpart: str, spec: dict[str, Any]) -> None:
     def sig(items):
         return {i.name: (str(np.dtype(ORT_TYPES.get(i.type, np.void))), len(i.shape)) for i in items}
 
-    def want(items):
-        return {t["name"]: (t["dtype"], len(t["shape"])) for t in items}
-
-    for kind, got, expected in (
-        ("inputs", sig(session.get_inputs()), want(spec["inputs"])),
-        ("outputs", sig(session.get_outputs()), want(spec["outputs"])),
-    ):
-        if got != expected:
-            diff = sorted(set(got.items()) ^ set(expected.items()))
-            raise SignatureMismatch(
-                f"{subpart}: graph {kind} differ from the manifest: graph has {got}, manifest says "
-                f"{expected} (differences: {diff}). The bundle's files and manifest do not belong "
-                "together: rebuild the bundle"
-            )
+    check_io_signature(subpart, "graph", sig(session.get_inputs()), sig(session.get_outputs()), spec)
 
 
 class OrtSubPart:

@@ -30,6 +30,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from higgs_pack.manifests.errors import SignatureMismatch
+
 
 class SubPartRunner(Protocol):
     """One stateless sub-part: named numpy inputs in, named numpy outputs out."""
@@ -128,3 +130,31 @@ class Pipeline:
     audio_encoder: SubPartRunner | None = None
     description: dict[str, str] = field(default_factory=dict)
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+
+
+def check_io_signature(subpart: str, what: str, inputs: dict[str, tuple[str, int]],
+                       outputs: dict[str, tuple[str, int]], spec: dict[str, Any]) -> None:
+    """Compare a loaded model's I/O with the manifest's signature (every backend uses this).
+
+    Args:
+        subpart: sub-part name, for the message.
+        what: what was loaded, for the message (``"graph"`` for ONNX, ``"IR"`` for OpenVINO).
+        inputs, outputs: tensor name -> (numpy dtype name, rank) as the model declares them.
+        spec: the manifest's sub-part entry (``inputs`` / ``outputs`` lists of name, dtype, shape).
+
+    Names, element types and ranks must match; symbolic dims may differ in name.
+
+    Raises:
+        SignatureMismatch: naming the sub-part and both signatures.
+    """
+    def want(items):
+        return {t["name"]: (t["dtype"], len(t["shape"])) for t in items}
+
+    for kind, got, expected in (("inputs", inputs, want(spec["inputs"])), ("outputs", outputs, want(spec["outputs"]))):
+        if got != expected:
+            diff = sorted(set(got.items()) ^ set(expected.items()))
+            raise SignatureMismatch(
+                f"{subpart}: {what} {kind} differ from the manifest: {what} has {got}, manifest says "
+                f"{expected} (differences: {diff}). The bundle's files and manifest do not belong "
+                "together: rebuild the bundle"
+            )

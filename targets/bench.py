@@ -62,6 +62,8 @@ from typing import Any
 
 import numpy as np
 
+from higgs_pack.exporters.result import tool_versions
+
 #: Systems measured when ``--systems`` is not given.
 DEFAULT_SYSTEMS: tuple[str, ...] = (
     "pytorch", "cpu-int4", "cpu-fp32", "openvino-int4", "openvino-int8", "openvino-fp32",
@@ -302,18 +304,6 @@ def _median_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _versions(names: Sequence[str]) -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {}
-    for name in names:
-        try:
-            found[name] = version(name)
-        except PackageNotFoundError:
-            continue
-    return found
-
-
 def _load_bundle(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """Open (validate, hash) and load a bundle; returns the pipeline and timings."""
     from higgs_pack.runtime.bundle import load, open_bundle
@@ -337,7 +327,7 @@ def _load_bundle(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     t2 = time.perf_counter()
     info = {"load_s": t2 - t0, "validate_s": t1 - t0, "import_s": import_s,
             "description": dict(pipeline.description),
-            "versions": _versions(["onnxruntime", "openvino"])}
+            "versions": tool_versions("onnxruntime", "openvino")}
     return pipeline, info
 
 
@@ -361,7 +351,7 @@ def _load_pytorch(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
                         if "embed_tokens" not in n)
     info = {"load_s": load_s, "import_s": import_s, "decoder_weight_bytes": int(decoder_bytes),
             "torch_threads": torch.get_num_threads(),
-            "versions": _versions(["torch", "transformers"])}
+            "versions": tool_versions("torch", "transformers")}
     return pipeline, info
 
 

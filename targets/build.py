@@ -19,10 +19,10 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from higgs_pack.exporters.result import installed_version
 from higgs_pack.manifests.constants import FORMAT_VERSION, SUBPART_IO, SubPart
 from higgs_pack.manifests.errors import BuildError, BundleError, HiggsPackError
 from higgs_pack.manifests.manifest import MANIFEST_NAME, file_entry, read_manifest, write_manifest
@@ -81,13 +81,6 @@ def bundle_name(slug: str, plan: BuildPlan) -> str:
     if plan.variant:
         parts.append(plan.variant)
     return "-".join(parts)
-
-
-def _version(dist: str) -> str:
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return "not installed"
 
 
 def _remove_dead_stagings(out: Path) -> None:
@@ -296,7 +289,7 @@ def _assemble(plan: BuildPlan, ckpt, slug: str, source: str, bundle_dir: Path, r
         "generation": {"temperature": 0.8, "top_k": 50, "top_p": 1.0, "repeat_guard_frames": 50,
                        "frames_per_text_token": 10.0, "min_max_frames": 50},
         "build": {
-            "higgs_pack_version": _version("higgs-pack"),
+            "higgs_pack_version": installed_version("higgs-pack"),
             "python": platform.python_version(),
             "platform": f"{sys.platform}-{platform.machine()}",
             "tool_versions": dict(sorted(tools.items())),

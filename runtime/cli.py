@@ -118,13 +118,13 @@ def _check_output(output: Path, bundle: str, inputs: list[Path | None]) -> None:
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def synthesize(bundle, text, text_file, output, ref_audio, ref_text, execution_provider, device,
                allow_fallback, seed, temperature, top_k, top_p, max_frames, as_float, no_progress):
-    """Speak TEXT with BUNDLE (a directory or an installed bundle name) into a wav."""
+    """Speak TEXT with BUNDLE (a directory, an archive or an installed bundle name) into a wav."""
     from dataclasses import replace
 
     from tqdm import tqdm
 
+    from higgs_pack.runtime.api import load
     from higgs_pack.runtime.audio import load_audio, prepare_reference, write_wav
-    from higgs_pack.runtime.bundle import load
     from higgs_pack.runtime.delay import SamplingOptions
     from higgs_pack.runtime.generate import synthesize as run
 
@@ -132,7 +132,9 @@ def synthesize(bundle, text, text_file, output, ref_audio, ref_text, execution_p
     words = _read_text(text, text_file)
     if (ref_audio is None) != (ref_text is None):
         raise click.UsageError("voice cloning needs both --ref-audio and --ref-text")
-    pipeline = load(bundle, execution_provider=execution_provider, device=device, allow_fallback=allow_fallback)
+    tts = load(bundle, device=device, execution_provider=execution_provider, allow_fallback=allow_fallback)
+    click.echo(f"using {tts.info}", err=True)
+    pipeline = tts.pipeline
     c = pipeline.constants
     ref = None
     if ref_audio is not None:

@@ -1,0 +1,52 @@
+"""higgs-pack: build, package, verify and run Higgs-Audio-v3 text-to-speech bundles.
+
+The Python API is one import::
+
+    import higgs_pack
+    tts = higgs_pack.load("dist/higgs-audio-v3-tiny-cpu-int4")
+    result = tts.synthesize("Hello there.")     # result.samples: float32 mono at result.sample_rate Hz
+
+Names are imported on first use (PEP 562), so ``import higgs_pack`` stays cheap and
+``import higgs_pack.targets`` does not pull in the runtime.  The subpackages
+``higgs_pack.runtime``, ``.manifests``, ``.exporters`` and ``.targets`` live in the
+repository's root folders (``pyproject.toml`` maps them).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+#: public name -> module that defines it.
+_EXPORTS = {
+    "load": "higgs_pack.runtime.api",
+    "TTS": "higgs_pack.runtime.api",
+    "TTSInfo": "higgs_pack.runtime.api",
+    "SynthesisResult": "higgs_pack.runtime.generate",
+    "write_wav": "higgs_pack.runtime.audio",
+    "HiggsPackError": "higgs_pack.manifests.errors",
+    "BundleError": "higgs_pack.manifests.errors",
+    "ManifestError": "higgs_pack.manifests.errors",
+    "ExecutionProviderUnavailable": "higgs_pack.manifests.errors",
+    "InputError": "higgs_pack.manifests.errors",
+    "PackagingError": "higgs_pack.manifests.errors",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        from importlib.metadata import version
+
+        return version("higgs-pack")
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'higgs_pack' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

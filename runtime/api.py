@@ -1,0 +1,335 @@
+"""The one-import Python API: ``higgs_pack.load(source)`` -> :class:`TTS`.
+
+``load`` accepts every way a bundle reaches a user (a directory, an archive, the
+name of an installed bundle wheel, a model slug, a ``hf://`` hub reference),
+validates the bundle before any session exists (see
+:func:`higgs_pack.runtime.bundle.load`), and returns a :class:`TTS` that speaks
+text with the bundle's defaults.  ``TTS.info`` says which bundle, target,
+precision and provider/device are in use, and why.
+
+Runtime code: no torch, no build tools.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from higgs_pack.manifests.constants import EXECUTION_PROVIDERS
+from higgs_pack.manifests.errors import ExecutionProviderUnavailable, InputError
+from higgs_pack.runtime.bundle import Bundle, open_bundle
+from higgs_pack.runtime.bundle import load as load_pipeline
+from higgs_pack.runtime.delay import SamplingOptions
+from higgs_pack.runtime.generate import ProgressCallback, SynthesisResult
+from higgs_pack.runtime.generate import synthesize as run_synthesis
+from higgs_pack.runtime.pipeline import Pipeline
+
+#: ``device=`` value that lets the bundle (or, for a model slug, the variant choice) decide.
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class TTSInfo:
+    """What a :class:`TTS` runs and why.
+
+    Attributes:
+        source: what was passed to :func:`load`.
+        bundle: the bundle's name (``higgs-audio-v3-tiny-cpu-int4``).
+        path: the bundle directory in use (a temporary folder for an archive).
+        model: the model slug (``higgs-audio-v3-tiny``).
+        target: ``cpu``, ``cuda``, ``dml`` or ``openvino``.
+        precision: ``int4``, ``int8``, ``fp16`` or ``fp32``.
+        variant: ``None`` or the variant name (``npu``).
+        backend: ``onnxruntime`` or ``openvino``.
+        device: the execution provider(s) / OpenVINO device(s) the sub-parts actually
+            run on, as the backend reported them (``CPUExecutionProvider``, ``CPU``).
+        devices: sub-part -> provider/device actually in use.
+        reason: why this bundle and this provider/device were chosen.
+        sample_rate: output sample rate in Hz (24000).
+    """
+
+    source: str
+    bundle: str
+    path: Path
+    model: str
+    target: str
+    precision: str
+    variant: str | None
+    backend: str
+    device: str
+    devices: dict[str, str]
+    reason: str
+    sample_rate: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict of every field."""
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in self.__dict__.items()}
+
+    def __str__(self) -> str:
+        variant = f" variant {self.variant}" if self.variant else ""
+        return (f"{self.bundle}: target {self.target} precision {self.precision}{variant}, "
+                f"{self.backend} on {self.device} ({self.reason})")
+
+
+@dataclass
+class Resolved:
+    """A source resolved to one bundle directory (internal to :func:`load`)."""
+
+    path: Path
+    reason: str
+    stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+
+
+class TTS:
+    """A loaded bundle, ready to speak.  Create it with :func:`higgs_pack.load`.
+
+    Attributes:
+        info: :class:`TTSInfo` (bundle, target, precision, provider/device in use, why).
+        pipeline: the underlying :class:`~higgs_pack.runtime.pipeline.Pipeline`
+            (for :mod:`higgs_pack.runtime.generate`'s lower-level functions).
+        sample_rate: output sample rate in Hz (24000).
+
+    A TTS loaded from an archive keeps the extracted bundle in a temporary folder
+    until :meth:`close` (or the end of a ``with`` block, or garbage collection).
+    """
+
+    def __init__(self, pipeline: Pipeline, bundle: Bundle, info: TTSInfo,
+                 stack: contextlib.ExitStack | None = None):
+        self.pipeline = pipeline
+        self.bundle = bundle
+        self.info = info
+        self._stack = stack or contextlib.ExitStack()
+
+    @property
+    def sample_rate(self) -> int:
+        return self.pipeline.constants.sample_rate
+
+    def __repr__(self) -> str:
+        return f"<higgs_pack.TTS {self.info}>"
+
+    def __enter__(self) -> TTS:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the temporary folder of an archive (no-op otherwise)."""
+        self._stack.close()
+
+    def __del__(self) -> None:  # pragma: no cover - depends on the garbage collector
+        with contextlib.suppress(Exception):
+            self._stack.close()
+
+    def sampling_options(self, *, seed: int | None = 0, temperature: float | None = None,
+                         top_k: int | None = None, top_p: float | None = None) -> SamplingOptions:
+        """The bundle's default sampling options with the given overrides (None keeps the default).
+
+        Raises:
+            InputError: an option out of range (the message names it and its range).
+        """
+        options = SamplingOptions(**self.pipeline.generation_defaults.get("sampling", {}))
+        overrides = {k: v for k, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p))
+                     if v is not None}
+        options = replace(options, seed=seed, **overrides)
+        try:
+            return options.validate()
+        except ValueError as exc:
+            raise InputError(str(exc)) from exc
+
+    def reference(self, ref_audio: str | os.PathLike | tuple[np.ndarray, int] | None) -> np.ndarray | None:
+        """Read and prepare a reference voice: resampled to :attr:`sample_rate`, mono, padded to whole frames.
+
+        Args:
+            ref_audio: an audio file (any rate/channels libsndfile reads), or
+                ``(samples, sample_rate)`` with float32 samples in [-1, 1] of shape
+                [samples] (mono) or [samples, channels], sample_rate in Hz.
+
+        Returns:
+            float32 [samples] at :attr:`sample_rate` Hz, or None when ``ref_audio`` is None.
+
+        Raises:
+            InputError: unreadable, too short/long, silent, or a malformed tuple.
+        """
+        from higgs_pack.runtime.audio import load_audio, prepare_reference
+
+        if ref_audio is None:
+            return None
+        c = self.pipeline.constants
+        if isinstance(ref_audio, tuple):
+            if len(ref_audio) != 2:
+                raise InputError("ref_audio= takes a file path or a (samples, sample_rate) tuple")
+            samples, rate = np.asarray(ref_audio[0], dtype=np.float32), int(ref_audio[1])
+            if samples.ndim == 2:
+                samples = samples.mean(axis=1)
+            if samples.ndim != 1:
+                raise InputError(f"ref_audio samples must be [samples] or [samples, channels], got shape "
+                                 f"{samples.shape}")
+            return prepare_reference(samples, rate, c.sample_rate, c.hop_length, "ref_audio")
+        samples, rate = load_audio(ref_audio)
+        return prepare_reference(samples, rate, c.sample_rate, c.hop_length, str(ref_audio))
+
+    def synthesize(
+        self,
+        text: str,
+        *,
+        ref_audio: str | os.PathLike | tuple[np.ndarray, int] | None = None,
+        ref_text: str | None = None,
+        seed: int | None = 0,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        max_frames: int | None = None,
+        progress: ProgressCallback | None = None,
+    ) -> SynthesisResult:
+        """Speak ``text``, optionally in the voice of a reference clip.
+
+        Args:
+            text: what to say (long texts are split into sentences and joined with
+                0.2 s of silence).
+            ref_audio: reference voice to clone: an audio file, or ``(samples, sample_rate)``
+                (see :meth:`reference`); needs ``ref_text``.
+            ref_text: exact transcript of ``ref_audio``.
+            seed: seed of the sampler (same seed, same bundle, same device -> same audio).
+            temperature: 0 = greedy; None = the bundle's default (0.8).
+            top_k: keep the k most likely codes (0 = all); None = bundle default (50).
+            top_p: nucleus mass in (0, 1]; None = bundle default (1.0 = off).
+            max_frames: frame cap per chunk, frames at 25 per second (None: from the text length).
+            progress: called as ``progress(frames_done, frame_cap)`` after every frame.
+
+        Returns:
+            :class:`~higgs_pack.runtime.generate.SynthesisResult`: ``samples`` float32
+            [samples] mono, nominally in [-1, 1]; ``sample_rate`` in Hz (24000);
+            ``codes`` int64 [frames, 8] codec codes; ``chunks`` per-chunk details.
+
+        Raises:
+            InputError: empty text, a reserved prompt token in the text, a bad option,
+                ``ref_audio`` without ``ref_text`` (or the reverse), an unusable clip,
+                or a sentence too long for the decoder's context.
+            NumericalError: a sub-part returned NaN/inf (run ``higgs-pack verify``).
+        """
+        if (ref_audio is None) != (ref_text is None):
+            raise InputError("voice cloning needs both ref_audio= and ref_text= (--ref-audio with --ref-text)")
+        if max_frames is not None and max_frames < 1:
+            raise InputError(f"max_frames must be >= 1 (frames at 25 per second), got {max_frames}")
+        options = self.sampling_options(seed=seed, temperature=temperature, top_k=top_k, top_p=top_p)
+        return run_synthesis(self.pipeline, text, ref_samples=self.reference(ref_audio), ref_text=ref_text,
+                             options=options, max_frames=max_frames, progress=progress)
+
+
+def _device_kwargs(bundle: Bundle, device: str | None, execution_provider: str | None = None
+                   ) -> tuple[dict[str, str | None], str]:
+    """Map ``device=`` onto the backend's keyword, with the reason for the info line.
+
+    Raises:
+        ExecutionProviderUnavailable: an ONNX Runtime bundle given an unknown provider name.
+    """
+    m = bundle.manifest
+    own = m["execution_provider"] if m["backend"] == "onnxruntime" else m["device"]
+    if execution_provider is not None:
+        # The backend-specific keywords of higgs_pack.runtime.bundle.load (the CLI's flags).
+        kwargs = {"execution_provider": execution_provider}
+        if device is not None and str(device).lower() != AUTO:
+            kwargs["device"] = device
+        return kwargs, f"asked for with --execution-provider {execution_provider} (bundle built for {own})"
+    if device is None or str(device).lower() == AUTO:
+        return {}, f"the bundle's own {'execution provider' if m['backend'] == 'onnxruntime' else 'device'} {own}"
+    if m["backend"] == "onnxruntime":
+        ep = str(device).lower()
+        if ep not in EXECUTION_PROVIDERS:
+            from higgs_pack.manifests.errors import unknown_choice
+
+            raise ExecutionProviderUnavailable(
+                f"{bundle.name} is an ONNX Runtime bundle: "
+                + unknown_choice("execution provider", ep, EXECUTION_PROVIDERS, "device= / --execution-provider")
+            )
+        return {"execution_provider": ep}, f"asked for with device={device!r} (bundle built for {own})"
+    return {"device": str(device)}, f"asked for with device={device!r} (bundle built for {own})"
+
+
+def resolve(source: str | os.PathLike, *, device: str | None = AUTO) -> Resolved:
+    """Find the bundle directory a source names (see :func:`load` for the kinds of source).
+
+    Raises:
+        BundleError: nothing of that name (the message lists what was looked for).
+        PackagingError: an archive that is damaged or unsafe.
+    """
+    from higgs_pack.runtime.bundle import find_bundle
+
+    text = os.fspath(source)
+    path = Path(text)
+    if path.is_file():
+        from higgs_pack.runtime.archive import extracted_archive
+
+        stack = contextlib.ExitStack()
+        try:
+            bundle_dir = stack.enter_context(extracted_archive(path))
+        except BaseException:
+            stack.close()
+            raise
+        return Resolved(bundle_dir, f"archive {path.name}, extracted and checked", stack)
+    found = find_bundle(text)
+    how = "bundle directory" if path.exists() else "installed bundle"
+    return Resolved(found, how)
+
+
+def load(
+    source: str | os.PathLike,
+    device: str | None = AUTO,
+    *,
+    allow_fallback: bool = False,
+    check_hashes: bool = True,
+    cache_dir: str | os.PathLike | None = None,
+    execution_provider: str | None = None,
+) -> TTS:
+    """Load a bundle from wherever it is and return a :class:`TTS`.
+
+    Args:
+        source: a bundle directory; an archive (``.tar.gz``, ``.zip``, ``.whl``,
+            checked member by member and extracted to a temporary folder); the name of
+            an installed bundle wheel (``higgs-pack list``).
+        device: ``"auto"`` (default): the provider/device the bundle was built for.
+            Otherwise, for ONNX Runtime bundles an execution provider (``cpu``, ``cuda``,
+            ``dml``, ``openvino``), for OpenVINO bundles a device (``CPU``, ``GPU``,
+            ``NPU``, ``AUTO``, ``HETERO:…``).
+        allow_fallback: run elsewhere when the provider/device is missing (said in
+            ``info.device``); default False: a missing one is an error.
+        check_hashes: check every file's sha256 before opening (default True).
+        cache_dir: OpenVINO compiled-model cache folder (default ``$HIGGS_PACK_CACHE/openvino``).
+        execution_provider: the ONNX Runtime provider, named separately (as the CLI's
+            ``--execution-provider``); with it, ``device`` is passed on as an OpenVINO device.
+
+    Returns:
+        A :class:`TTS`; ``tts.info`` says what runs where and why.
+
+    Raises:
+        BundleError: no such bundle, or its files disagree with its manifest.
+        ManifestError, UnsupportedFormatVersion: the manifest is invalid or too new.
+        PackagingError: an archive is damaged or unsafe.
+        ExecutionProviderUnavailable: the provider/device is missing (without
+            ``allow_fallback``) or ``device`` is not a name the bundle's backend knows.
+        SignatureMismatch: a graph's inputs/outputs differ from the manifest.
+    """
+    resolved = resolve(source, device=device)
+    try:
+        bundle = open_bundle(resolved.path, check_hashes=check_hashes)
+        kwargs, why_device = _device_kwargs(bundle, device, execution_provider)
+        pipeline = load_pipeline(bundle, allow_fallback=allow_fallback, check_hashes=False,
+                                 cache_dir=cache_dir, **kwargs)
+    except BaseException:
+        resolved.stack.close()
+        raise
+    m = bundle.manifest
+    devices = dict(pipeline.description)
+    info = TTSInfo(
+        source=os.fspath(source), bundle=m["name"], path=bundle.path, model=m["model"]["slug"],
+        target=m["target"], precision=m["precision"], variant=m.get("variant"), backend=m["backend"],
+        device=", ".join(dict.fromkeys(devices.values())), devices=devices,
+        reason=f"{resolved.reason}; {why_device}", sample_rate=pipeline.constants.sample_rate,
+    )
+    return TTS(pipeline, bundle, info, resolved.stack)

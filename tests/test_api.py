@@ -1,0 +1,131 @@
+"""The one-import Python API (``import higgs_pack; higgs_pack.load(...)``) and the README's Python examples."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow
+
+
+def python_blocks(markdown: str) -> list[str]:
+    """The ```python fenced blocks of a Markdown text, in order."""
+    return [m.group(1) for m in re.finditer(r"^```python\n(.*?)^```", markdown, re.S | re.M)]
+
+
+def voice_clip(path: Path, seconds: float = 1.5, rate: int = 16000) -> Path:
+    """A voice-like test clip (a gliding harmonic tone with noise), 16-bit wav."""
+    import soundfile as sf
+
+    t = np.arange(int(seconds * rate)) / rate
+    f0 = 120 + 40 * np.sin(2 * np.pi * 1.5 * t)
+    phase = 2 * np.pi * np.cumsum(f0) / rate
+    wave = sum(np.sin(k * phase) / k for k in range(1, 6)) * 0.2
+    wave += 0.01 * np.random.default_rng(0).standard_normal(t.size)
+    sf.write(path, wave.astype(np.float32), rate, subtype="PCM_16")
+    return path
+
+
+def test_readme_python_examples_run(cpu_int4_bundle, tmp_path):
+    blocks = python_blocks((REPO_ROOT / "README.md").read_text(encoding="utf-8"))
+    assert len(blocks) >= 2 and "import higgs_pack" in blocks[0]
+    (tmp_path / "dist").mkdir()
+    (tmp_path / "dist" / "higgs-audio-v3-tiny-cpu-int4").symlink_to(cpu_int4_bundle, target_is_directory=True)
+    voice_clip(tmp_path / "voice.wav")
+    # The blocks run in order in one namespace, as a reader would paste them, in a fresh
+    # interpreter whose cwd is the folder they name.
+    script = "\n".join(blocks) + textwrap.dedent("""
+        import numpy as np
+        assert result.samples.dtype == np.float32 and result.samples.ndim == 1 and result.samples.size
+        assert result.sample_rate == 24000 and result.codes.shape[1] == 8
+        assert clone.samples.dtype == np.float32 and clone.codes.shape[0] <= 100
+        print("INFO", tts.info)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "INFO higgs-audio-v3-tiny-cpu-int4: target cpu precision int4" in out.stdout
+    assert "CPUExecutionProvider" in out.stdout
+    assert (tmp_path / "out.wav").stat().st_size > 44
+
+
+def test_import_higgs_pack_is_cheap_and_lazy():
+    code = ("import sys, higgs_pack\n"
+            "assert 'higgs_pack.runtime.api' not in sys.modules\n"
+            "assert callable(higgs_pack.load) and 'torch' not in sys.modules\n"
+            "assert issubclass(higgs_pack.BundleError, higgs_pack.HiggsPackError)\n"
+            "assert higgs_pack.__version__\n"
+            "try:\n    higgs_pack.nope\nexcept AttributeError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
+    assert out.returncode == 0, out.stderr
+    assert "has no attribute 'nope'" in out.stdout
+
+
+def test_load_directory_synthesize_and_info(cpu_fp32_bundle):
+    import higgs_pack
+
+    tts = higgs_pack.load(cpu_fp32_bundle)
+    info = tts.info
+    assert (info.target, info.precision, info.backend, info.model) == ("cpu", "fp32", "onnxruntime",
+                                                                       "higgs-audio-v3-tiny")
+    assert info.device == "CPUExecutionProvider" and set(info.devices) >= {"llm_decoder", "audio_tokenizer"}
+    assert "bundle directory" in info.reason and "own execution provider cpu" in info.reason
+    a = tts.synthesize("Hello there.", seed=3, temperature=0.9, max_frames=12)
+    b = tts.synthesize("Hello there.", seed=3, temperature=0.9, max_frames=12)
+    assert a.samples.dtype == np.float32 and a.sample_rate == tts.sample_rate == 24000
+    assert a.codes.shape[1] == 8 and a.codes.shape[0] <= 12
+    assert np.array_equal(a.codes, b.codes)
+    greedy = tts.synthesize("Hello there.", temperature=0, max_frames=12)
+    assert greedy.codes.shape[1] == 8
+    assert info.to_dict()["path"] == str(cpu_fp32_bundle.resolve())
+
+
+def test_load_errors_say_what_to_do(cpu_fp32_bundle, tmp_path):
+    import higgs_pack
+
+    with pytest.raises(higgs_pack.BundleError, match="no such bundle directory"):
+        higgs_pack.load(tmp_path / "nothing-here")
+    with pytest.raises(higgs_pack.ExecutionProviderUnavailable, match=r"did you mean 'cuda'\?"):
+        higgs_pack.load(cpu_fp32_bundle, device="cudaa")
+    tts = higgs_pack.load(cpu_fp32_bundle, device="cpu")
+    assert "asked for with device='cpu'" in tts.info.reason
+    with pytest.raises(higgs_pack.InputError, match="top_p must be in"):
+        tts.synthesize("Hi.", top_p=0)
+    with pytest.raises(higgs_pack.InputError, match="both ref_audio= and ref_text="):
+        tts.synthesize("Hi.", ref_text="Hello.")
+    with pytest.raises(higgs_pack.InputError, match="max_frames must be >= 1"):
+        tts.synthesize("Hi.", max_frames=0)
+
+
+def test_load_archive_and_reference_tuple(cpu_fp32_bundle, tmp_path):
+    import tarfile
+
+    import higgs_pack
+
+    # An archive as `higgs-pack package` lays it out: one folder + SHA256SUMS.
+    from higgs_pack.manifests.manifest import sha256_file
+    from higgs_pack.runtime.archive import CHECKSUMS_NAME
+    from higgs_pack.runtime.audio import load_audio
+
+    root = cpu_fp32_bundle
+    lines = [f"{sha256_file(p)}  {p.relative_to(root).as_posix()}" for p in sorted(root.rglob("*")) if p.is_file()]
+    sums = tmp_path / CHECKSUMS_NAME
+    sums.write_text("\n".join(lines) + "\n")
+    archive = tmp_path / f"{root.name}.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(root, arcname=root.name)
+        tar.add(sums, arcname=f"{root.name}/{CHECKSUMS_NAME}")
+    with higgs_pack.load(archive) as tts:
+        folder = tts.info.path
+        assert folder.is_dir() and "archive" in tts.info.reason
+        samples, rate = load_audio(voice_clip(tmp_path / "voice.wav"))
+        out = tts.synthesize("Hi.", ref_audio=(samples, rate), ref_text="Hello there.", max_frames=8)
+        assert out.samples.dtype == np.float32
+    assert not Path(folder).exists()

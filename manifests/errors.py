@@ -31,6 +31,10 @@ class SignatureMismatch(BundleError):
     """A graph's inputs or outputs differ from the I/O signature in the manifest."""
 
 
+class HubError(BundleError):
+    """A bundle cannot be fetched from a model hub (offline, unknown repository or revision, no access)."""
+
+
 class CheckpointError(HiggsPackError):
     """A Higgs-Audio-v3 checkpoint cannot be found or read, or its layout is wrong."""
 

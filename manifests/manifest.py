@@ -115,11 +115,39 @@ def file_entry(bundle: Path, relpath: str) -> dict[str, Any]:
     return {"path": relpath, "size": path.stat().st_size, "sha256": sha256_file(path)}
 
 
+def hub_cache_blobs(bundle: Path) -> Path | None:
+    """The ``blobs/`` folder of the Hugging Face cache repository holding ``bundle``, if any.
+
+    huggingface_hub stores a download as ``<cache>/models--<org>--<repo>/`` with the
+    file contents in ``blobs/`` (named by their etag) and each revision as
+    ``snapshots/<commit>/<path>`` symlinks into ``blobs/``.  A bundle is in that layout
+    when it is ``snapshots/<commit>/`` (or a folder below it) of a folder that also
+    holds ``blobs/``.
+
+    Returns:
+        The resolved ``blobs`` folder, or None when ``bundle`` is not in a cache snapshot.
+    """
+    bundle = Path(bundle).resolve()
+    for parent in bundle.parents:
+        if parent.name == "snapshots" and parent.parent.name.startswith(("models--", "datasets--", "spaces--")):
+            blobs = parent.parent / "blobs"
+            if blobs.is_dir() and bundle != parent:
+                return blobs
+            return None
+    return None
+
+
 def resolve_inside(bundle: Path, relpath: str) -> Path:
     """Resolve a manifest path and prove it stays inside the bundle.
 
     Rejects absolute paths, ``..`` components, backslashes and symlinks whose
-    target leaves the bundle.
+    target leaves the bundle.  One exception: a bundle in the Hugging Face cache
+    layout (:func:`hub_cache_blobs`) may hold symlinks into its own repository's
+    ``blobs/`` folder (that is how huggingface_hub stores every download); a
+    symlink leaving both the bundle and that folder is still refused.
+
+    Returns:
+        The resolved path.
 
     Raises:
         BundleError: naming the path and why it is refused.
@@ -138,10 +166,15 @@ def resolve_inside(bundle: Path, relpath: str) -> Path:
             "relative, without '..'. The bundle is damaged or was tampered with: rebuild it"
         )
     target = (bundle / relpath).resolve()
+    blobs = hub_cache_blobs(bundle)
+    if blobs is not None and target.parent == blobs:
+        return target
     if target != bundle and bundle not in target.parents:
+        where = (f"outside the bundle {bundle} and outside its Hugging Face cache repository's {blobs}"
+                 if blobs is not None else f"outside the bundle {bundle}")
         raise BundleError(
-            f"path {relpath!r} resolves to {target}, outside the bundle {bundle} (a symlink "
-            "leaving the bundle?); rebuild the bundle"
+            f"path {relpath!r} resolves to {target}, {where} (a symlink leaving the bundle?); "
+            "rebuild the bundle, or download it again"
         )
     return target
 

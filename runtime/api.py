@@ -13,6 +13,7 @@ Runtime code: no torch, no build tools.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -28,6 +29,8 @@ from higgs_pack.runtime.delay import SamplingOptions
 from higgs_pack.runtime.generate import ProgressCallback, SynthesisResult
 from higgs_pack.runtime.generate import synthesize as run_synthesis
 from higgs_pack.runtime.pipeline import Pipeline
+
+log = logging.getLogger(__name__)
 
 #: ``device=`` value that lets the bundle (or, for a model slug, the variant choice) decide.
 AUTO = "auto"
@@ -78,10 +81,20 @@ class TTSInfo:
 
 @dataclass
 class Resolved:
-    """A source resolved to one bundle directory (internal to :func:`load`)."""
+    """A source resolved to one bundle directory.
+
+    Attributes:
+        path: the bundle directory.
+        reason: how it was found, and for a choice why this bundle.
+        device: provider/device a choice placed it on (None: the bundle's own).
+        notes: preferred devices present without a bundle for them (see ``choice.Choice.notes``).
+        stack: cleanup of temporary folders (an extracted archive).
+    """
 
     path: Path
     reason: str
+    device: str | None = None
+    notes: tuple[str, ...] = ()
     stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
 
@@ -252,16 +265,28 @@ def _device_kwargs(bundle: Bundle, device: str | None, execution_provider: str |
     return {"device": str(device)}, f"asked for with device={device!r} (bundle built for {own})"
 
 
-def resolve(source: str | os.PathLike, *, device: str | None = AUTO) -> Resolved:
+def resolve(source: str | os.PathLike, *, bundle_dirs: tuple[str | os.PathLike, ...] = (),
+            variant: str | None = None) -> Resolved:
     """Find the bundle directory a source names (see :func:`load` for the kinds of source).
 
+    Order: ``hf://`` reference; an existing file (archive); an existing directory; an
+    installed bundle name; a model slug (the best runnable variant among the visible
+    bundles, :mod:`higgs_pack.runtime.choice`).
+
     Raises:
-        BundleError: nothing of that name (the message lists what was looked for).
+        BundleError: nothing of that name (the message lists what was looked for),
+            or a slug with no bundle that runs here (the message says why for each).
+        HubError: a hub reference that cannot be fetched.
         PackagingError: an archive that is damaged or unsafe.
     """
     from higgs_pack.runtime.bundle import find_bundle
+    from higgs_pack.runtime.hub import is_hub_ref, pull
 
     text = os.fspath(source)
+    if is_hub_ref(text):
+        got = pull(text, variant=variant)
+        return Resolved(got.path, f"hub {got.repo_id}@{got.commit[:12]}, {got.files_checked} files verified; "
+                                  f"{got.reason}", got.device)
     path = Path(text)
     if path.is_file():
         from higgs_pack.runtime.archive import extracted_archive
@@ -272,10 +297,23 @@ def resolve(source: str | os.PathLike, *, device: str | None = AUTO) -> Resolved
         except BaseException:
             stack.close()
             raise
-        return Resolved(bundle_dir, f"archive {path.name}, extracted and checked", stack)
-    found = find_bundle(text)
-    how = "bundle directory" if path.exists() else "installed bundle"
-    return Resolved(found, how)
+        return Resolved(bundle_dir, f"archive {path.name}, extracted and checked", stack=stack)
+    if path.exists():
+        return Resolved(find_bundle(path), "bundle directory")
+    from higgs_pack.runtime.installed import installed_bundles
+
+    installed = installed_bundles()
+    if text in installed:
+        return Resolved(installed[text], "installed bundle")
+    from higgs_pack.runtime.choice import choose, require
+    from higgs_pack.runtime.devices import bench_speeds, inventory, visible_bundles
+
+    candidates, _broken = visible_bundles(bundle_dirs)
+    if any(c.model == text for c in candidates):
+        choice = choose(candidates, inventory(), model=text, bench=bench_speeds())
+        placement = require(choice, text)
+        return Resolved(Path(placement.candidate.source), choice.reason, placement.device, tuple(choice.notes))
+    return Resolved(find_bundle(text), "installed bundle")  # raises, naming what is installed
 
 
 def load(
@@ -286,14 +324,22 @@ def load(
     check_hashes: bool = True,
     cache_dir: str | os.PathLike | None = None,
     execution_provider: str | None = None,
+    bundle_dirs: tuple[str | os.PathLike, ...] | list[str | os.PathLike] = (),
+    variant: str | None = None,
 ) -> TTS:
     """Load a bundle from wherever it is and return a :class:`TTS`.
 
     Args:
         source: a bundle directory; an archive (``.tar.gz``, ``.zip``, ``.whl``,
             checked member by member and extracted to a temporary folder); the name of
-            an installed bundle wheel (``higgs-pack list``).
-        device: ``"auto"`` (default): the provider/device the bundle was built for.
+            an installed bundle wheel (``higgs-pack list``); a model slug
+            (``higgs-audio-v3-tiny``: the best variant that runs here among the installed
+            bundles, ``bundle_dirs`` and pulled hub repositories, chosen by the order in
+            :mod:`higgs_pack.runtime.choice`); or ``hf://ORG/REPO[@REVISION][/VARIANT]``
+            (downloaded with huggingface_hub, every file verified; offline with
+            ``HF_HUB_OFFLINE=1`` when cached).
+        device: ``"auto"`` (default): the provider/device the bundle was built for (for
+            a model slug or a multi-variant hub repository, the one the choice placed it on).
             Otherwise, for ONNX Runtime bundles an execution provider (``cpu``, ``cuda``,
             ``dml``, ``openvino``), for OpenVINO bundles a device (``CPU``, ``GPU``,
             ``NPU``, ``AUTO``, ``HETERO:…``).
@@ -303,22 +349,35 @@ def load(
         cache_dir: OpenVINO compiled-model cache folder (default ``$HIGGS_PACK_CACHE/openvino``).
         execution_provider: the ONNX Runtime provider, named separately (as the CLI's
             ``--execution-provider``); with it, ``device`` is passed on as an OpenVINO device.
+        bundle_dirs: more folders of bundles to choose from for a model slug
+            (``$HIGGS_PACK_BUNDLES`` adds more).
+        variant: for a hub repository holding several bundles, the folder to take.
 
     Returns:
         A :class:`TTS`; ``tts.info`` says what runs where and why.
 
     Raises:
-        BundleError: no such bundle, or its files disagree with its manifest.
+        BundleError: no such bundle, no variant of a slug runs here, or the files
+            disagree with the manifest.
+        HubError: a hub repository that cannot be fetched (offline and not cached,
+            unknown repository or revision, no access).
         ManifestError, UnsupportedFormatVersion: the manifest is invalid or too new.
         PackagingError: an archive is damaged or unsafe.
         ExecutionProviderUnavailable: the provider/device is missing (without
             ``allow_fallback``) or ``device`` is not a name the bundle's backend knows.
         SignatureMismatch: a graph's inputs/outputs differ from the manifest.
     """
-    resolved = resolve(source, device=device)
+    resolved = resolve(source, bundle_dirs=tuple(bundle_dirs), variant=variant)
+    for note in resolved.notes:
+        log.warning("%s", note)
     try:
         bundle = open_bundle(resolved.path, check_hashes=check_hashes)
-        kwargs, why_device = _device_kwargs(bundle, device, execution_provider)
+        if resolved.device is not None and (device is None or str(device).lower() == AUTO) \
+                and execution_provider is None:
+            kwargs, why_device = _device_kwargs(bundle, resolved.device)
+            why_device = f"placed on {resolved.device} by the choice"
+        else:
+            kwargs, why_device = _device_kwargs(bundle, device, execution_provider)
         pipeline = load_pipeline(bundle, allow_fallback=allow_fallback, check_hashes=False,
                                  cache_dir=cache_dir, **kwargs)
     except BaseException:

@@ -40,8 +40,17 @@ class Bundle:
         return self.manifest["name"]
 
     def file(self, relpath: str) -> Path:
-        """Absolute path of a bundle file, proven to be inside the bundle."""
-        return resolve_inside(self.path, relpath)
+        """Absolute path of a bundle file, proven to resolve inside the bundle.
+
+        The path is returned as it sits in the bundle, not resolved, so that files
+        found beside it (ONNX external data, an IR's ``.bin``) are found even when the
+        bundle is a Hugging Face cache snapshot whose files are symlinks into ``blobs/``.
+
+        Raises:
+            BundleError: the path leaves the bundle (see ``manifests.manifest.resolve_inside``).
+        """
+        resolve_inside(self.path, relpath)
+        return self.path / relpath
 
     def subpart(self, part: SubPart | str) -> dict[str, Any]:
         """The manifest entry of one sub-part."""

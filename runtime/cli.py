@@ -116,9 +116,18 @@ def _check_output(output: Path, bundle: str, inputs: list[Path | None]) -> None:
 @click.option("--max-frames", type=click.IntRange(min=1), help="Frame cap per chunk (25 frames = 1 s). Default: from text length.")
 @click.option("--float", "as_float", is_flag=True, help="Write 32-bit float wav instead of 16-bit PCM.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--bundles", "bundle_dirs", multiple=True, type=click.Path(path_type=Path, file_okay=False),
+              help="For a model slug: also choose among the bundles in this folder (repeatable).")
+@click.option("--variant", help="For a hub repository holding several bundles: the folder to use.")
 def synthesize(bundle, text, text_file, output, ref_audio, ref_text, execution_provider, device,
-               allow_fallback, seed, temperature, top_k, top_p, max_frames, as_float, no_progress):
-    """Speak TEXT with BUNDLE (a directory, an archive or an installed bundle name) into a wav."""
+               allow_fallback, seed, temperature, top_k, top_p, max_frames, as_float, no_progress,
+               bundle_dirs, variant):
+    """Speak TEXT with BUNDLE into a wav.
+
+    BUNDLE is a bundle directory, an archive, an installed bundle name, a model slug
+    (higgs-audio-v3-tiny: the best variant for this machine is chosen, and the choice
+    is said), or hf://ORG/REPO[@REVISION].
+    """
     from dataclasses import replace
 
     from tqdm import tqdm
@@ -132,7 +141,8 @@ def synthesize(bundle, text, text_file, output, ref_audio, ref_text, execution_p
     words = _read_text(text, text_file)
     if (ref_audio is None) != (ref_text is None):
         raise click.UsageError("voice cloning needs both --ref-audio and --ref-text")
-    tts = load(bundle, device=device, execution_provider=execution_provider, allow_fallback=allow_fallback)
+    tts = load(bundle, device=device, execution_provider=execution_provider, allow_fallback=allow_fallback,
+               bundle_dirs=bundle_dirs, variant=variant)
     click.echo(f"using {tts.info}", err=True)
     pipeline = tts.pipeline
     c = pipeline.constants
@@ -209,9 +219,16 @@ def inspect(bundle, as_json):
               help="Folder of cases to synthesize (text_en_basic.txt, text_zh.txt, ref_en_16k.wav/.txt).")
 @click.option("--report", type=click.Path(path_type=Path, dir_okay=False), help="Also write the report as JSON.")
 def verify(bundle, execution_provider, device, allow_fallback, cases, report):
-    """Check BUNDLE (directory, installed name, or archive): files, signatures, parity, speech."""
+    """Check BUNDLE (directory, installed name, archive or hf://ORG/REPO[@REV]): files, signatures, parity, speech."""
+    from higgs_pack.runtime.hub import is_hub_ref
     from higgs_pack.runtime.verify import verify_any
 
+    if is_hub_ref(bundle):
+        from higgs_pack.runtime.hub import pull as run_pull
+
+        got = run_pull(bundle)
+        click.echo(f"{got.repo_id}@{got.commit}: {got.reason} ({got.path})", err=True)
+        bundle = str(got.path)
     result = verify_any(bundle, execution_provider=execution_provider, device=device,
                         allow_fallback=allow_fallback, cases_dir=cases)
     click.echo(result.render())
@@ -219,6 +236,38 @@ def verify(bundle, execution_provider, device, allow_fallback, cases, report):
         report.write_text(json.dumps(result.to_dict(), indent=2) + "\n", encoding="utf-8")
     if not result.ok:
         sys.exit(1)
+
+
+@main.command()
+@click.argument("repo")
+@click.option("--variant", help="The bundle folder to take when the repository holds several "
+              "(default: the best for this machine, see `higgs-pack devices`).")
+@click.option("--cache-dir", type=click.Path(path_type=Path, file_okay=False),
+              help="Hugging Face cache folder (default: $HF_HUB_CACHE).")
+def pull(repo, variant, cache_dir):
+    """Download a bundle from the Hugging Face Hub: REPO is ORG/NAME[@REVISION].
+
+    Resumable, pinned to the commit the revision resolves to, HF_TOKEN respected,
+    offline (HF_HUB_OFFLINE=1) from the cache; every file is checked against the
+    manifest before the path is printed.
+    """
+    from higgs_pack.runtime.hub import pull as run_pull
+
+    got = run_pull(repo, variant=variant, cache_dir=cache_dir)
+    click.echo(f"{got.repo_id}@{got.commit}: {got.reason}; {got.files_checked} files verified", err=True)
+    click.echo(str(got.path))
+
+
+@main.command()
+@click.option("--bundles", "bundle_dirs", multiple=True, type=click.Path(path_type=Path, file_okay=False),
+              help="Also judge the bundles in this folder (repeatable; $HIGGS_PACK_BUNDLES adds more).")
+@click.option("--json", "as_json", is_flag=True, help="Print the inventory and the verdicts as JSON.")
+def devices(bundle_dirs, as_json):
+    """What this machine offers, and which visible bundles run here (and why not)."""
+    from higgs_pack.runtime.devices import describe
+
+    text, data = describe(bundle_dirs)
+    click.echo(json.dumps(data, indent=2) if as_json else text)
 
 
 @main.command(name="list")

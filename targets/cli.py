@@ -56,8 +56,9 @@ def make_tiny_checkpoint(out, preset, seed):
 
 @click.command()
 @click.argument("bundle", type=click.Path(path_type=Path, file_okay=False))
-@click.option("--format", "fmt", type=click.Choice(["wheel", "archive", "zip", "all"]), default="all", show_default=True,
-              help="wheel, archive (.tar.gz), zip, or all (wheel + .tar.gz).")
+@click.option("--format", "fmt", type=click.Choice(["wheel", "archive", "zip", "hub", "all"]), default="all",
+              show_default=True, help="wheel, archive (.tar.gz), zip, hub (a folder for huggingface-cli upload, "
+              "with a model card), or all (wheel + .tar.gz).")
 @click.option("--out-dir", "-o", type=click.Path(path_type=Path, file_okay=False), default=Path("dist"), show_default=True)
 @click.option("--force", is_flag=True, help="Overwrite existing output files.")
 def package(bundle, fmt, out_dir, force):

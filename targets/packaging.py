@@ -68,6 +68,7 @@ FORMATS: dict[str, tuple[str, ...]] = {
     "wheel": ("wheel",),
     "archive": ("tar.gz",),
     "zip": ("zip",),
+    "hub": ("hub",),
     "all": ("wheel", "tar.gz"),
 }
 
@@ -239,6 +240,8 @@ def output_names(manifest: dict[str, Any], kinds: tuple[str, ...]) -> dict[str, 
     for kind in kinds:
         if kind == "wheel":
             names[kind] = f"{dist_name(manifest['name'])}-{wheel_version(manifest)}-py3-none-any.whl"
+        elif kind == "hub":  # a folder: hub/<model-slug>/<bundle-name>/ (see targets/hub_layout.py)
+            names[kind] = f"hub/{manifest['model']['slug']}/{manifest['name']}"
         else:
             names[kind] = f"{manifest['name']}.{kind}"
     return names
@@ -255,8 +258,9 @@ def package_bundle(
 
     Args:
         bundle: bundle directory (or the name of an installed bundle).
-        formats: ``"wheel"``, ``"archive"`` (``.tar.gz``), ``"zip"``, or ``"all"``
-            (wheel + ``.tar.gz``).
+        formats: ``"wheel"``, ``"archive"`` (``.tar.gz``), ``"zip"``, ``"hub"`` (a folder
+            ``hub/<model-slug>/<bundle-name>/`` with a model card, ready for
+            ``huggingface-cli upload``), or ``"all"`` (wheel + ``.tar.gz``).
         out_dir: folder for the outputs (created if missing); must not be inside
             the bundle.
         force: overwrite existing output files.
@@ -305,8 +309,15 @@ def package_bundle(
     written = []
     for kind, path in targets.items():
         start = time.perf_counter()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if kind == "hub" and path.exists():  # --force: replace the folder
+            shutil.rmtree(path)
         with _atomic_output(path) as tmp:
             WRITERS[kind](content, tmp, epoch)
+        if kind == "hub":
+            from higgs_pack.targets.hub_layout import CARD_NAME, model_card
+
+            (path.parent / CARD_NAME).write_text(model_card(path.parent), encoding="utf-8")
         log.info("wrote %s (%d bytes) in %.1f s", path, path.stat().st_size, time.perf_counter() - start)
         written.append(path)
     return written
@@ -619,8 +630,15 @@ def _init_py(content: BundleContent) -> str:
 
 
 #: Output kind -> writer ``(content, destination, epoch)``.
+def _write_hub(content: BundleContent, dest: Path, epoch: int) -> None:
+    from higgs_pack.targets.hub_layout import write_hub_bundle
+
+    write_hub_bundle(content, dest, epoch)
+
+
 WRITERS: dict[str, Callable[[BundleContent, Path, int], None]] = {
     "wheel": write_wheel,
     "tar.gz": write_tar_gz,
     "zip": write_zip,
+    "hub": _write_hub,
 }

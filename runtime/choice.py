@@ -1,0 +1,308 @@
+"""Pick the best bundle variant for this machine: a pure function of an inventory and a bundle list.
+
+:func:`choose` takes what the machine offers (:class:`Inventory`, filled by
+:func:`higgs_pack.runtime.devices.inventory`, or written by hand in tests) and the
+bundles that are visible (:class:`Candidate`, one per manifest) and returns a
+:class:`Choice`: the chosen bundle and the provider/device to run it on, why, and
+for every other bundle why it was not taken.  Nothing here touches the machine.
+
+Preference order (:data:`PREFERENCE`, first runnable wins):
+
+1. ``npu``: an OpenVINO NPU variant on an Intel NPU;
+2. ``cuda``: a cuda bundle on an NVIDIA GPU (CUDA execution provider);
+3. ``igpu``: an OpenVINO bundle on an Intel GPU (OpenVINO ``GPU`` device);
+4. ``dml``: a dml bundle on a Windows GPU (DirectML execution provider);
+5. ``cpu``: an OpenVINO bundle on ``CPU`` or a cpu bundle on the CPU execution
+   provider, ordered by speed class: measured decode frames/s on this machine when
+   a benchmark record exists (``nox -s bench`` writes ``dist/bench.json``), else
+   precision (int4, int8, fp16, fp32), then OpenVINO before ONNX Runtime on Intel
+   CPUs and ONNX Runtime first elsewhere;
+6. ``npu-on-cpu``: an NPU variant on ``CPU`` (static shapes: runs, but slower).
+
+Within one rung, equal speed classes tie; the tie is broken by bundle name and the
+reason says so.  Never a silent fallback: a preferred device that is present but has
+no matching bundle (or whose runtime is missing) is reported in :attr:`Choice.notes`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from higgs_pack.manifests.constants import EXECUTION_PROVIDERS, OPENVINO_REQUIREMENT
+from higgs_pack.manifests.errors import BundleError
+
+PRECISION_SPEED = {"int4": 0, "int8": 1, "fp16": 2, "fp32": 3}
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """What this machine offers (see :func:`higgs_pack.runtime.devices.inventory`).
+
+    Attributes:
+        ort_providers: bundle EP name (``cpu``, ``cuda``, ``dml``, ``openvino``) -> None
+            when ONNX Runtime created a session on it here, else the reason it did not
+            (only providers the installed onnxruntime lists; absent = not installed).
+        ort_distributions: installed onnxruntime distributions.
+        openvino: installed OpenVINO version, or None when it is not installed.
+        openvino_devices: OpenVINO device (``CPU``, ``GPU.0``, ``NPU``) -> FULL_DEVICE_NAME.
+        hardware: physical devices seen outside any runtime: kind (``nvidia-gpu``,
+            ``intel-gpu``, ``intel-npu``) -> list of descriptions.
+        npu_driver: Intel NPU kernel driver loaded (``/dev/accel`` node present), None if unknown.
+        platform: ``sys.platform``.
+        cpu: CPU model name.
+        cpu_vendor: ``intel``, ``amd``, ``arm`` or ``other``.
+    """
+
+    ort_providers: Mapping[str, str | None] = field(default_factory=dict)
+    ort_distributions: tuple[str, ...] = ()
+    openvino: str | None = None
+    openvino_devices: Mapping[str, str] = field(default_factory=dict)
+    hardware: Mapping[str, list[str]] = field(default_factory=dict)
+    npu_driver: bool | None = None
+    platform: str = "linux"
+    cpu: str = ""
+    cpu_vendor: str = "other"
+
+    def ort_ok(self, ep: str) -> bool:
+        return ep in self.ort_providers and self.ort_providers[ep] is None
+
+    def ov_has(self, base: str) -> str | None:
+        """The first OpenVINO device of a kind (``GPU`` matches ``GPU.0``), or None."""
+        return next((d for d in self.openvino_devices if d == base or d.startswith(base + ".")), None)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One visible bundle, as its manifest describes it.
+
+    Attributes:
+        name: bundle name.
+        source: where it was found (a directory; for hub repos the snapshot folder).
+        model: model slug.
+        target, precision, variant, backend: from the manifest.
+        built_for: the manifest's execution provider (ONNX Runtime) or device (OpenVINO).
+        requirements: the manifest's runtime requirements.
+        origin: how it was found (``installed``, ``--bundles``, ``hub ORG/REPO@rev``).
+    """
+
+    name: str
+    source: str
+    model: str
+    target: str
+    precision: str
+    variant: str | None
+    backend: str
+    built_for: str
+    requirements: tuple[str, ...] = ()
+    origin: str = ""
+
+    @classmethod
+    def from_manifest(cls, manifest: Mapping[str, Any], source: str | Path, origin: str = "") -> Candidate:
+        m = manifest
+        return cls(name=m["name"], source=str(source), model=m["model"]["slug"], target=m["target"],
+                   precision=m["precision"], variant=m.get("variant"), backend=m["backend"],
+                   built_for=m["execution_provider"] if m["backend"] == "onnxruntime" else m["device"],
+                   requirements=tuple(m.get("runtime_requirements", ())), origin=origin)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A candidate that can run here, on one provider/device, at one rung of :data:`PREFERENCE`."""
+
+    candidate: Candidate
+    rung: str
+    device: str
+    """``device=`` for :func:`higgs_pack.load`: an EP name (ONNX Runtime) or an OpenVINO device."""
+    speed: tuple
+    why: str
+
+
+@dataclass
+class Choice:
+    """The result of :func:`choose`.
+
+    Attributes:
+        chosen: the placement to use, or None when nothing runs here.
+        reason: one sentence: which bundle, on what, and why.
+        rejected: bundle name -> why it was not chosen (cannot run here, or ranked lower).
+        notes: preferred devices present without a runnable bundle for them.
+    """
+
+    chosen: Placement | None
+    reason: str
+    rejected: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def render(self) -> str:
+        """Several lines for stderr: the choice, then notes, then the others."""
+        lines = [self.reason]
+        lines += [f"note: {n}" for n in self.notes]
+        lines += [f"  not chosen: {name}: {why}" for name, why in self.rejected.items()]
+        return "\n".join(lines)
+
+
+#: rung -> (what it means, rank).  Lower rank wins.
+PREFERENCE: dict[str, str] = {
+    "npu": "OpenVINO NPU variant on an Intel NPU",
+    "cuda": "cuda bundle on an NVIDIA GPU",
+    "igpu": "OpenVINO bundle on an Intel GPU",
+    "dml": "dml bundle on a Windows GPU (DirectML)",
+    "cpu": "CPU bundle (OpenVINO CPU or ONNX Runtime cpu), fastest speed class first",
+    "npu-on-cpu": "OpenVINO NPU variant on the CPU (static shapes, slower)",
+}
+_RANK = {rung: i for i, rung in enumerate(PREFERENCE)}
+
+
+def _speed(c: Candidate, inv: Inventory, bench: Mapping[str, float]) -> tuple:
+    """Sort key on the cpu rung: measured frames/s first, then precision, then backend by CPU vendor."""
+    system = f"{c.target}-{c.precision}"
+    measured = bench.get(system)
+    backend_order = 0 if (c.backend == "openvino") == (inv.cpu_vendor == "intel") else 1
+    return (0 if measured is not None else 1, -(measured or 0.0), PRECISION_SPEED.get(c.precision, 9),
+            backend_order)
+
+
+def _speed_words(c: Candidate, bench: Mapping[str, float]) -> str:
+    measured = bench.get(f"{c.target}-{c.precision}")
+    return f"measured {measured:.0f} frames/s here" if measured is not None else f"{c.precision} speed class"
+
+
+def placements(c: Candidate, inv: Inventory, bench: Mapping[str, float] | None = None
+               ) -> tuple[list[Placement], str | None]:
+    """Where one bundle can run on this machine.
+
+    Returns:
+        ``(placements, why_not)``: every rung it can take (best first), and when there
+        is none, why it cannot run here (naming the missing runtime and how to install it).
+    """
+    bench = bench or {}
+    out: list[Placement] = []
+    if c.backend == "onnxruntime":
+        row = EXECUTION_PROVIDERS.get(c.built_for)
+        if row is None:
+            return [], f"unknown execution provider {c.built_for!r}"
+        reason = inv.ort_providers.get(c.built_for, "not installed")
+        if not inv.ort_providers:
+            reason = "onnxruntime is not installed"
+        if reason is not None:
+            return [], (f"{row.ort_provider} unavailable ({reason}); pip install 'higgs-pack[{row.extra}]'")
+        rung = {"cuda": "cuda", "dml": "dml", "cpu": "cpu"}.get(c.built_for)
+        if rung is None:  # the openvino EP: an ONNX bundle explicitly meant for it
+            rung = "cpu"
+        what = {"cuda": "the CUDA execution provider", "dml": "the DirectML execution provider"}.get(
+            c.built_for, f"{row.ort_provider}")
+        out.append(Placement(c, rung, c.built_for, _speed(c, inv, bench),
+                             f"{what}" + (f", {_speed_words(c, bench)}" if rung == "cpu" else "")))
+        return out, None
+    if c.backend == "openvino":
+        if inv.openvino is None:
+            return [], f"OpenVINO is not installed; pip install 'higgs-pack[openvino]' ({OPENVINO_REQUIREMENT})"
+        if c.variant == "npu":
+            npu = inv.ov_has("NPU")
+            if npu:
+                out.append(Placement(c, "npu", npu, (), f"OpenVINO {npu}: {inv.openvino_devices[npu]}"))
+            if inv.ov_has("CPU"):
+                out.append(Placement(c, "npu-on-cpu", "CPU", _speed(c, inv, bench),
+                                     "OpenVINO CPU (the NPU variant's static shapes run there too)"))
+        else:
+            gpu = inv.ov_has("GPU")
+            if gpu:
+                out.append(Placement(c, "igpu", gpu, (), f"OpenVINO {gpu}: {inv.openvino_devices[gpu]}"))
+            if inv.ov_has("CPU"):
+                out.append(Placement(c, "cpu", "CPU", _speed(c, inv, bench),
+                                     f"OpenVINO CPU, {_speed_words(c, bench)}"))
+        if not out:
+            return [], f"OpenVINO sees no usable device for it (devices: {', '.join(inv.openvino_devices) or 'none'})"
+        return out, None
+    return [], f"unknown backend {c.backend!r}"
+
+
+def _notes(candidates: list[Candidate], inv: Inventory, runnable: set[str], model: str | None) -> list[str]:
+    """Preferred hardware present with nothing runnable for it (never a silent fallback)."""
+    of = f" of {model}" if model else ""
+    notes = []
+    npu_hw = inv.hardware.get("intel-npu")
+    if npu_hw and not inv.ov_has("NPU"):
+        why = ("its driver is not loaded (no /dev/accel node: install the Intel NPU driver)"
+               if inv.npu_driver is False else
+               "OpenVINO does not list it (NPU driver or OpenVINO missing: install both)")
+        notes.append(f"an Intel NPU is present ({npu_hw[0]}) but cannot be used: {why}")
+    if inv.ov_has("NPU") and "npu" not in runnable:
+        notes.append(f"an NPU is present ({inv.openvino_devices[inv.ov_has('NPU')]}) but no runnable OpenVINO "
+                     f"NPU variant{of} is visible; build one with `higgs-pack build --target openvino --npu`")
+    nvidia = inv.hardware.get("nvidia-gpu")
+    if (nvidia or inv.ort_ok("cuda")) and "cuda" not in runnable:
+        has = any(c.target == "cuda" for c in candidates)
+        what = nvidia[0] if nvidia else "CUDA provider"
+        notes.append(f"an NVIDIA GPU is present ({what}) but " + (
+            "the cuda bundle cannot run (see below)" if has else
+            f"no cuda bundle{of} is visible; build one with `higgs-pack build --target cuda`"))
+    gpu = inv.ov_has("GPU")
+    if gpu and "igpu" not in runnable:
+        notes.append(f"an Intel GPU is present ({inv.openvino_devices[gpu]}) but no runnable OpenVINO "
+                     f"bundle{of} is visible; build one with `higgs-pack build --target openvino`")
+    elif inv.hardware.get("intel-gpu") and not gpu and inv.openvino is not None:
+        notes.append(f"an Intel GPU is present ({inv.hardware['intel-gpu'][0]}) but OpenVINO does not list it "
+                     "(install the Intel GPU compute runtime)")
+    if inv.ort_ok("dml") and "dml" not in runnable:
+        notes.append(f"DirectML is available but no runnable dml bundle{of} is visible; build one with "
+                     "`higgs-pack build --target dml`")
+    return notes
+
+
+def choose(candidates: Iterable[Candidate], inv: Inventory, *, model: str | None = None,
+           bench: Mapping[str, float] | None = None) -> Choice:
+    """Choose the best runnable bundle (see the module docstring for the order).
+
+    Args:
+        candidates: the visible bundles (all of one model, or filtered by ``model``).
+        inv: the device inventory.
+        model: keep only bundles of this model slug (None: all given).
+        bench: measured decode frames/s on this machine per system (``cpu-int4``,
+            ``openvino-int8``), from ``dist/bench.json``; empty when none.
+
+    Returns:
+        A :class:`Choice` (``chosen`` None when nothing runs; ``reason`` says why).
+    """
+    bench = bench or {}
+    pool = [c for c in candidates if model is None or c.model == model]
+    rejected: dict[str, str] = {}
+    options: list[Placement] = []
+    for c in pool:
+        found, why_not = placements(c, inv, bench)
+        if why_not:
+            rejected[c.name] = f"cannot run here: {why_not}"
+        options.extend(found)
+    runnable = {p.rung for p in options}
+    notes = _notes(pool, inv, runnable, model)
+    if not options:
+        what = f"bundles of {model}" if model else "bundles"
+        reason = (f"none of the {len(pool)} visible {what} can run here" if pool else
+                  f"no {what} visible (looked in installed wheels, --bundles folders, pulled hub repos)")
+        return Choice(None, reason, rejected, notes)
+    options.sort(key=lambda p: (_RANK[p.rung], p.speed, p.candidate.name))
+    best = options[0]
+    ties = [p for p in options[1:] if _RANK[p.rung] == _RANK[best.rung] and p.speed == best.speed]
+    reason = (f"chose {best.candidate.name} on {best.why}: preference {_RANK[best.rung] + 1} of "
+              f"{len(PREFERENCE)} ({PREFERENCE[best.rung]})")
+    if ties:
+        reason += f"; tied with {', '.join(p.candidate.name for p in ties)}, first by name"
+    for p in options[1:]:
+        if p.candidate.name != best.candidate.name and p.candidate.name not in rejected:
+            rejected[p.candidate.name] = (f"ranked lower: preference {_RANK[p.rung] + 1} ({p.why})"
+                                          if p not in ties else "tied, later by name")
+    return Choice(best, reason, rejected, notes)
+
+
+def require(choice: Choice, what: str) -> Placement:
+    """The chosen placement, or a :class:`BundleError` that explains every bundle and note."""
+    if choice.chosen is not None:
+        return choice.chosen
+    details = "; ".join(f"{n}: {w}" for n, w in choice.rejected.items())
+    notes = " ".join(choice.notes)
+    raise BundleError(f"{what}: {choice.reason}" + (f" ({details})" if details else "") +
+                      (f". {notes}" if notes else "") +
+                      ". Pass a bundle directory, archive or hf://ORG/REPO, or install a bundle wheel")

@@ -217,11 +217,21 @@ def inspect(bundle, as_json):
 @click.option("--allow-fallback", is_flag=True, help="Permit another provider/device if missing.")
 @click.option("--cases", type=click.Path(path_type=Path, file_okay=False, exists=True),
               help="Folder of cases to synthesize (text_en_basic.txt, text_zh.txt, ref_en_16k.wav/.txt).")
-@click.option("--report", type=click.Path(path_type=Path, dir_okay=False), help="Also write the report as JSON.")
+@click.option("--report", type=click.Path(path_type=Path, dir_okay=False),
+              help="Also write the report: .html (one self-contained page with plots and audio; needs "
+                   "higgs-pack[report]) or .json.")
 def verify(bundle, execution_provider, device, allow_fallback, cases, report):
     """Check BUNDLE (directory, installed name, archive or hf://ORG/REPO[@REV]): files, signatures, parity, speech."""
     from higgs_pack.runtime.hub import is_hub_ref
     from higgs_pack.runtime.verify import verify_any
+
+    as_html = report is not None and report.suffix.lower() in (".html", ".htm")
+    if report is not None and not as_html and report.suffix.lower() != ".json":
+        raise click.BadParameter(f"{report}: the report is .html or .json", param_hint="--report")
+    if as_html:
+        from higgs_pack.runtime.html_report import require_matplotlib
+
+        require_matplotlib()  # before minutes of verification, not after
 
     if is_hub_ref(bundle):
         from higgs_pack.runtime.hub import pull as run_pull
@@ -232,7 +242,12 @@ def verify(bundle, execution_provider, device, allow_fallback, cases, report):
     result = verify_any(bundle, execution_provider=execution_provider, device=device,
                         allow_fallback=allow_fallback, cases_dir=cases)
     click.echo(result.render())
-    if report:
+    if as_html:
+        from higgs_pack.runtime.html_report import verify_html
+
+        report.write_text(verify_html(result), encoding="utf-8")
+        click.echo(f"wrote {report}", err=True)
+    elif report:
         report.write_text(json.dumps(result.to_dict(), indent=2) + "\n", encoding="utf-8")
     if not result.ok:
         sys.exit(1)

@@ -100,12 +100,23 @@ class VerifyReport:
         bundle: bundle name.
         checks: every check, in order; ``ok`` None means skipped (detail says why).
         parity: sub-part -> measured similarity (for the manifest).
+        summary: target, precision, backend, device/provider the bundle was built for.
+        thresholds: sub-part -> ``{"metric", "threshold"}`` its parity was judged by.
+        greedy: ``{"identical", "steps", "needed"}``: greedy codes vs the PyTorch reference
+            (``needed`` None when informational).
+        audio: case name -> ``{"samples": float32 [samples] mono, "sample_rate": Hz, "text": the
+            text spoken, "ref_text": the reference transcript or None}`` for each synthesized case
+            (for the HTML report; not in :meth:`to_dict`).
     """
 
     bundle: str
     backend: str = ""
     checks: list[Check] = field(default_factory=list)
     parity: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
+    thresholds: dict[str, dict[str, Any]] = field(default_factory=dict)
+    greedy: dict[str, int | None] = field(default_factory=dict)
+    audio: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
 
     @property
     def ok(self) -> bool:

@@ -74,6 +74,10 @@ def verify_bundle(
         return report
     report.bundle = opened.name
     m = opened.manifest
+    report.summary = {k: m.get(k) for k in ("target", "precision", "variant", "backend", "execution_provider",
+                                            "device")}
+    report.thresholds = {part: {"metric": spec["parity"]["metric"], "threshold": spec["parity"]["threshold"]}
+                         for part, spec in m["subparts"].items()}
     report.add("manifest", True, f"format {m['format_version']}, target {m['target']}, precision {m['precision']}")
     report.add("files", files.ok, f"{files.checked} files, sha256 ok" if files.ok else
                f"missing {files.missing}, changed {files.mismatched}, used but unlisted {files.unlisted}")
@@ -147,6 +151,7 @@ def _check_greedy(pipeline: Pipeline, bundle: Bundle, golden: dict[str, np.ndarr
     n = min(len(got), len(expected))
     same = int(np.argmin(np.r_[(got[:n] == expected[:n]).all(axis=1), False]))
     exact_needed = bundle.manifest["precision"] == "fp32"
+    report.greedy = {"identical": same, "steps": len(expected), "needed": MIN_GREEDY_FRAMES if exact_needed else None}
     if exact_needed:
         ok = same >= min(MIN_GREEDY_FRAMES, len(expected)) and len(expected) >= MIN_GREEDY_FRAMES
         report.add("greedy codes", ok, f"{same}/{len(expected)} steps identical to the PyTorch reference "
@@ -182,6 +187,8 @@ def _check_cases(pipeline: Pipeline, cases: Path, report: VerifyReport) -> None:
             report.add(f"synthesize {name}", False, str(exc))
             continue
         seconds = time.perf_counter() - start
+        report.audio[name] = {"samples": out.samples, "sample_rate": out.sample_rate, "text": text,
+                              "ref_text": ref_text}
         expected_len = sum(len(r.codes) for r in out.chunks) * c.hop_length
         gaps = (len(out.chunks) - 1) * int(0.2 * c.sample_rate)
         ok = (out.samples.size > 0 and bool(np.isfinite(out.samples).all())

@@ -863,6 +863,20 @@ def write_records(records: list[dict[str, Any]], out: Path, append: bool = False
     tmp.replace(out)
 
 
+def write_html(out: Path) -> Path:
+    """Write ``<out>.html`` beside the JSON records file: every record of ``out``, charted.
+
+    Raises:
+        HiggsPackError: matplotlib is missing (``pip install 'higgs-pack[report]'``).
+    """
+    from higgs_pack.runtime.html_report import bench_html
+
+    records = json.loads(out.read_text())
+    path = out.with_suffix(".html")
+    path.write_text(bench_html(records, goal_checks(records)), encoding="utf-8")
+    return path
+
+
 # ----------------------------------------------------------------------------- CLI
 
 
@@ -889,7 +903,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--bandwidth-mib", type=int, default=DEFAULT_BANDWIDTH_MIB,
                    help="buffer for the memory-bandwidth measurement (0 = skip)")
     p.add_argument("--timeout", type=float, help="seconds allowed per measuring process")
-    p.add_argument("--out", default="dist/bench.json", help="JSON records file ('' = do not write)")
+    p.add_argument("--out", default="dist/bench.json",
+                   help="JSON records file, charted into the same name with .html ('' = do not write)")
     p.add_argument("--append", action="store_true", help="keep records of other systems already in --out")
     p.add_argument("--quiet", action="store_true", help="no progress messages")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -922,6 +937,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if options.out:
         write_records(records, Path(options.out), options.append)
         print(f"wrote {options.out}")
+        try:
+            print(f"wrote {write_html(Path(options.out))}")
+        except HiggsPackError as exc:
+            print(f"note: no HTML report: {exc}", file=sys.stderr)
     return 1 if any("error" in r for r in records) else 0
 
 

@@ -60,3 +60,17 @@ def bundle_copy(tmp_path: Path, cpu_fp32_bundle: Path) -> Path:
     import shutil
 
     return Path(shutil.copytree(cpu_fp32_bundle, tmp_path / cpu_fp32_bundle.name))
+
+
+def write_voice_clip(path: Path, seconds: float = 1.5, rate: int = 16000) -> Path:
+    """A voice-like test clip (a gliding harmonic tone with a little noise), 16-bit wav."""
+    import numpy as np
+    import soundfile as sf
+
+    t = np.arange(int(seconds * rate)) / rate
+    f0 = 120 + 40 * np.sin(2 * np.pi * 1.5 * t)
+    phase = 2 * np.pi * np.cumsum(f0) / rate
+    wave = sum(np.sin(k * phase) / k for k in range(1, 6)) * 0.2
+    wave += 0.01 * np.random.default_rng(0).standard_normal(t.size)
+    sf.write(path, wave.astype(np.float32), rate, subtype="PCM_16")
+    return path

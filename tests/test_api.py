@@ -10,8 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from conftest import REPO_ROOT, write_voice_clip
 
 pytestmark = pytest.mark.slow
 
@@ -21,25 +20,12 @@ def python_blocks(markdown: str) -> list[str]:
     return [m.group(1) for m in re.finditer(r"^```python\n(.*?)^```", markdown, re.S | re.M)]
 
 
-def voice_clip(path: Path, seconds: float = 1.5, rate: int = 16000) -> Path:
-    """A voice-like test clip (a gliding harmonic tone with noise), 16-bit wav."""
-    import soundfile as sf
-
-    t = np.arange(int(seconds * rate)) / rate
-    f0 = 120 + 40 * np.sin(2 * np.pi * 1.5 * t)
-    phase = 2 * np.pi * np.cumsum(f0) / rate
-    wave = sum(np.sin(k * phase) / k for k in range(1, 6)) * 0.2
-    wave += 0.01 * np.random.default_rng(0).standard_normal(t.size)
-    sf.write(path, wave.astype(np.float32), rate, subtype="PCM_16")
-    return path
-
-
 def test_readme_python_examples_run(cpu_int4_bundle, tmp_path):
     blocks = python_blocks((REPO_ROOT / "README.md").read_text(encoding="utf-8"))
     assert len(blocks) >= 2 and "import higgs_pack" in blocks[0]
     (tmp_path / "dist").mkdir()
     (tmp_path / "dist" / "higgs-audio-v3-tiny-cpu-int4").symlink_to(cpu_int4_bundle, target_is_directory=True)
-    voice_clip(tmp_path / "voice.wav")
+    write_voice_clip(tmp_path / "voice.wav")
     # The blocks run in order in one namespace, as a reader would paste them, in a fresh
     # interpreter whose cwd is the folder they name.
     script = "\n".join(blocks) + textwrap.dedent("""
@@ -125,7 +111,7 @@ def test_load_archive_and_reference_tuple(cpu_fp32_bundle, tmp_path):
     with higgs_pack.load(archive) as tts:
         folder = tts.info.path
         assert folder.is_dir() and "archive" in tts.info.reason
-        samples, rate = load_audio(voice_clip(tmp_path / "voice.wav"))
+        samples, rate = load_audio(write_voice_clip(tmp_path / "voice.wav"))
         out = tts.synthesize("Hi.", ref_audio=(samples, rate), ref_text="Hello there.", max_frames=8)
         assert out.samples.dtype == np.float32
     assert not Path(folder).exists()

@@ -1,0 +1,304 @@
+"""Self-contained HTML reports: ``higgs-pack verify --report report.html`` and ``dist/bench.html``.
+
+One file, nothing fetched: every plot is a matplotlib figure embedded as a base64
+PNG, every audio clip a base64 16-bit WAV in an ``<audio>`` element, the style
+inline.  matplotlib comes with the ``report`` extra (``pip install
+'higgs-pack[report]'``); the runtime works without it, and asking for a report
+without it is an error naming the extra.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import html
+import io
+import platform
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from higgs_pack.manifests.errors import HiggsPackError
+
+EXTRA_HINT = "pip install 'higgs-pack[report]' (it adds matplotlib)"
+
+_STYLE = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2rem auto;max-width:1100px;
+     color:#1b1f24;line-height:1.45;padding:0 1rem}
+h1{font-size:1.6rem;margin-bottom:.2rem} h2{margin-top:2.2rem;border-bottom:1px solid #d0d7de;padding-bottom:.3rem}
+.meta{color:#57606a;font-size:.92rem} .explain{color:#57606a;font-size:.92rem;max-width:900px}
+table{border-collapse:collapse;width:100%;font-size:.92rem} th,td{border:1px solid #d0d7de;padding:.35rem .55rem;
+     text-align:left;vertical-align:top} th{background:#f6f8fa}
+.ok{color:#1a7f37;font-weight:600} .FAIL{color:#cf222e;font-weight:700} .skipped{color:#6e7781;font-weight:600}
+.badge{display:inline-block;padding:.25rem .8rem;border-radius:1rem;font-weight:700;color:#fff;font-size:1.05rem}
+.badge.pass{background:#1a7f37} .badge.fail{background:#cf222e}
+.case{border:1px solid #d0d7de;border-radius:8px;padding:.8rem 1rem;margin:1rem 0}
+img{max-width:100%} audio{width:100%;margin-top:.4rem} code{background:#f6f8fa;padding:0 .25rem;border-radius:4px}
+"""
+
+
+def require_matplotlib():
+    """Import matplotlib with the file-only Agg backend.
+
+    Raises:
+        HiggsPackError: matplotlib is not installed (the message names the extra).
+    """
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise HiggsPackError(f"an HTML report needs matplotlib, which is not installed; {EXTRA_HINT}") from exc
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def figure_png(fig) -> str:
+    """A matplotlib figure as a ``data:image/png;base64,…`` URI (the figure is closed)."""
+    plt = require_matplotlib()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def wav_uri(samples: np.ndarray, sample_rate: int) -> str:
+    """float32 [samples] at ``sample_rate`` Hz as a ``data:audio/wav;base64,…`` URI (16-bit PCM, peak-safe)."""
+    import soundfile as sf
+
+    x = np.asarray(samples, dtype=np.float32)
+    peak = float(np.abs(x).max()) if x.size else 0.0
+    if peak > 1.0:
+        x = x / peak
+    buf = io.BytesIO()
+    sf.write(buf, x, sample_rate, format="WAV", subtype="PCM_16")
+    return "data:audio/wav;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _e(text: Any) -> str:
+    return html.escape(str(text))
+
+
+def page(title: str, subtitle: str, sections: Iterable[str]) -> str:
+    """A whole HTML document with the inline style."""
+    made = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    body = "\n".join(sections)
+    return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{_e(title)}</title>"
+            f"<style>{_STYLE}</style></head><body><h1>{_e(title)}</h1><p class=\"meta\">{subtitle} · written "
+            f"{made} on {_e(platform.node() or 'this machine')} ({_e(platform.machine())})</p>\n{body}\n"
+            "</body></html>\n")
+
+
+def _img(uri: str, alt: str) -> str:
+    return f'<img src="{uri}" alt="{_e(alt)}">'
+
+
+def parity_chart(parity: dict[str, dict[str, Any]], thresholds: dict[str, dict[str, Any]]) -> str:
+    """Bars of ``1 - similarity`` per sub-part on a log axis, with each threshold as a mark."""
+    plt = require_matplotlib()
+    parts = [p for p in thresholds if parity.get(p, {}).get("measured") is not None]
+    if not parts:
+        return ""
+    floor = 1e-7
+    err = [max(1.0 - parity[p]["measured"], floor) for p in parts]
+    limit = [max(1.0 - thresholds[p]["threshold"], floor) for p in parts]
+    ok = [e <= lim for e, lim in zip(err, limit, strict=True)]
+    fig, ax = plt.subplots(figsize=(9, 0.55 * len(parts) + 1.3))
+    y = np.arange(len(parts))
+    ax.barh(y, err, color=["#2da44e" if o else "#cf222e" for o in ok], height=0.55, label="measured error")
+    ax.scatter(limit, y, marker="|", s=900, color="#1b1f24", linewidths=2.5, label="threshold (must stay left)",
+               zorder=3)
+    ax.set_xscale("log")
+    exact = {p: "exact" if 1.0 - parity[p]["measured"] <= floor else f"{parity[p]['measured']:.6f}" for p in parts}
+    ax.set_yticks(y, [f"{p} ({thresholds[p]['metric']})\n{exact[p]}, needs ≥ {thresholds[p]['threshold']}"
+                      for p in parts], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("1 − similarity (log scale; smaller is closer to the PyTorch reference; "
+                  "below 1e-7 drawn at 1e-7)")
+    ax.set_xlim(floor / 2, 1.0)
+    ax.grid(axis="x", which="major", alpha=0.3)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16 - 0.6 / len(parts)), ncol=2, fontsize=8,
+              frameon=False)
+    ax.set_title("Parity per sub-part against the PyTorch reference")
+    return _img(figure_png(fig), "parity chart")
+
+
+def greedy_chart(greedy: dict[str, int | None]) -> str:
+    """One bar: greedy steps identical to the reference out of all, with the required count marked."""
+    plt = require_matplotlib()
+    if not greedy:
+        return ""
+    same, steps, needed = greedy["identical"], greedy["steps"], greedy.get("needed")
+    fig, ax = plt.subplots(figsize=(9, 1.5))
+    ax.barh([0], [steps], color="#d0d7de", height=0.5, label="steps compared")
+    ok = needed is None or same >= needed
+    ax.barh([0], [same], color="#2da44e" if ok else "#cf222e", height=0.5, label="identical to the reference")
+    if needed is not None:
+        ax.axvline(needed, color="#1b1f24", linewidth=2.5, label=f"needed: {needed}")
+    ax.set_yticks([])
+    ax.set_xlim(0, max(steps, needed or 0) * 1.02 or 1)
+    ax.set_xlabel("decoding steps (greedy, from the first)")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.55), ncol=3, fontsize=8, frameon=False)
+    ax.set_title(f"Greedy codes: {same} of {steps} steps identical to the PyTorch reference")
+    return _img(figure_png(fig), "greedy code agreement")
+
+
+def audio_figures(samples: np.ndarray, sample_rate: int, name: str) -> str:
+    """Waveform and spectrogram (dB) of one clip, stacked, with a time axis in seconds."""
+    plt = require_matplotlib()
+    x = np.asarray(samples, dtype=np.float32)
+    t = np.arange(x.size) / sample_rate
+    fig, (a, b) = plt.subplots(2, 1, figsize=(9, 4.6), sharex=True, gridspec_kw={"height_ratios": [1, 1.4]})
+    a.plot(t, x, linewidth=0.5, color="#0969da")
+    peak = float(np.abs(x).max()) if x.size else 0.0
+    a.axhline(1.0, color="#cf222e", linewidth=0.8, linestyle="--", label="full scale (±1)")
+    a.axhline(-1.0, color="#cf222e", linewidth=0.8, linestyle="--")
+    a.legend(loc="upper right", fontsize=7)
+    a.set_ylabel("amplitude")
+    a.set_ylim(-max(1.0, peak) * 1.08, max(1.0, peak) * 1.08)
+    a.set_title(f"{name}: waveform and spectrogram ({x.size / sample_rate:.2f} s at {sample_rate} Hz)")
+    a.grid(alpha=0.25)
+    if x.size >= 512:
+        _, _, _, image = b.specgram(x, NFFT=512, Fs=sample_rate, noverlap=384, cmap="magma", scale="dB",
+                                    vmin=-120)
+        fig.colorbar(image, ax=[a, b], location="right", shrink=0.6, label="power (dB)")
+    b.set_ylabel("frequency (Hz)")
+    b.set_xlabel("time (s)")
+    return _img(figure_png(fig), f"{name} waveform and spectrogram")
+
+
+def checks_table(checks: Sequence[Any]) -> str:
+    rows = "".join(f"<tr><td class=\"{_e(c.status)}\">{_e(c.status)}</td><td>{_e(c.name)}</td>"
+                   f"<td>{_e(c.detail)}</td></tr>" for c in checks)
+    return f"<table><tr><th>status</th><th>check</th><th>detail</th></tr>{rows}</table>"
+
+
+def verify_html(report: Any) -> str:
+    """The HTML page of a :class:`~higgs_pack.runtime.report.VerifyReport`.
+
+    Raises:
+        HiggsPackError: matplotlib is missing (names the ``report`` extra).
+    """
+    require_matplotlib()
+    s = report.summary
+    failed = [c for c in report.checks if c.ok is False]
+    skipped = [c for c in report.checks if c.ok is None]
+    verdict = ("<span class=\"badge pass\">PASS</span>" if report.ok else "<span class=\"badge fail\">FAIL</span>")
+    where = s.get("execution_provider") if s.get("backend") == "onnxruntime" else s.get("device")
+    built = (f"target <b>{_e(s.get('target'))}</b>, precision <b>{_e(s.get('precision'))}</b>"
+             + (f", variant {_e(s['variant'])}" if s.get("variant") else "")
+             + f", built for {_e(s.get('backend'))} on {_e(where)}") if s else "manifest unreadable"
+    sections = [
+        f"<p>{verdict} &nbsp; {len(report.checks)} checks: {len(report.checks) - len(failed) - len(skipped)} "
+        f"passed, {len(failed)} failed, {len(skipped)} skipped. {built}. Verified on "
+        f"<b>{_e(report.backend or 'no backend')}</b>.</p>",
+        "<p class=\"explain\">Verification uses only the bundle: its manifest and every file's sha256, each "
+        "sub-part's inputs and outputs, each sub-part's output against golden outputs captured from the PyTorch "
+        "model at build time, greedy decoding against the reference, and speech synthesis of the test cases. "
+        "A skipped check says why it could not run here.</p>",
+    ]
+    if failed:
+        sections.append("<h2>Failed checks</h2>" + checks_table(failed))
+    sections.append("<h2>Every check</h2>" + checks_table(report.checks))
+    chart = parity_chart(report.parity, report.thresholds)
+    if chart:
+        rows = "".join(
+            f"<tr><td>{_e(p)}</td><td>{_e(t['metric'])}</td><td>{report.parity[p]['measured']:.6f}</td>"
+            f"<td>{1.0 - report.parity[p]['measured']:.2g}</td>"
+            f"<td>{t['threshold']}</td><td>{'' if report.parity[p].get('measured_max_abs') is None else format(report.parity[p]['measured_max_abs'], '.3g')}</td>"
+            f"<td class=\"{'ok' if report.parity[p]['measured'] >= t['threshold'] else 'FAIL'}\">"
+            f"{'ok' if report.parity[p]['measured'] >= t['threshold'] else 'FAIL'}</td></tr>"
+            for p, t in report.thresholds.items() if report.parity.get(p, {}).get("measured") is not None)
+        sections.append(
+            "<h2>Parity per sub-part</h2><p class=\"explain\">Each sub-part ran on the golden inputs; its output is "
+            "compared with the PyTorch reference (cosine similarity for float outputs, the fraction of equal "
+            "codes for the codec encoder). The chart shows the distance from a perfect match, 1 − similarity, "
+            "on a log scale: a green bar left of its black mark passes.</p>" + chart
+            + "<table><tr><th>sub-part</th><th>metric</th><th>measured</th><th>1 − measured</th><th>threshold</th>"
+              f"<th>max |difference|</th><th>result</th></tr>{rows}</table>")
+    if report.greedy:
+        needed = report.greedy.get("needed")
+        sections.append(
+            "<h2>Greedy code agreement</h2><p class=\"explain\">The golden prompt decoded greedily (temperature "
+            "0) with the bundle, step by step against the codes the PyTorch reference produced. "
+            + (f"An fp32 bundle must match at least the first {needed} steps exactly."
+               if needed is not None else "Informational at this precision: quantized weights may pick another "
+               "code after a few steps.") + "</p>" + greedy_chart(report.greedy))
+    if report.audio:
+        cases = []
+        for name, case in report.audio.items():
+            samples, rate = case["samples"], case["sample_rate"]
+            check = next((c for c in report.checks if c.name == f"synthesize {name}"), None)
+            detail = (f"<p class=\"meta\"><span class=\"{_e(check.status)}\">{_e(check.status)}</span> "
+                      f"{_e(check.detail)}</p>") if check else ""
+            said = f"<p><b>Text:</b> {_e(case['text'])}</p>"
+            if case.get("ref_text"):
+                said += f"<p><b>Voice cloned from a reference clip whose transcript is:</b> {_e(case['ref_text'])}</p>"
+            peak = float(np.abs(samples).max()) if len(samples) else 0.0
+            loud = (f"<p class=\"meta\">Peak {peak:.2f} is above full scale: the player's copy is scaled down "
+                    "to fit 16-bit audio.</p>") if peak > 1.0 else ""
+            cases.append(f"<div class=\"case\"><h3>{_e(name)}</h3>{detail}{said}{audio_figures(samples, rate, name)}"
+                         f"{loud}<audio controls preload=\"metadata\" src=\"{wav_uri(samples, rate)}\"></audio></div>")
+        sections.append("<h2>Synthesized cases</h2><p class=\"explain\">Each case text spoken with seed 0 by this "
+                        "bundle. A bundle of a random test checkpoint (the tiny preset) speaks noise, not words: "
+                        "there the check is that audio of the expected length comes out, finite and "
+                        "deterministic.</p>" + "".join(cases))
+    return page(f"higgs-pack verify: {report.bundle}", "Bundle verification report", sections)
+
+
+def bench_html(records: list[dict[str, Any]], goals: Sequence[tuple[str, bool | None, str]] = ()) -> str:
+    """The HTML page of ``nox -s bench`` records (``dist/bench.json``): one chart per measure, per system.
+
+    Raises:
+        HiggsPackError: matplotlib is missing (names the ``report`` extra).
+    """
+    plt = require_matplotlib()
+    sections = []
+    for preset in sorted({r.get("preset", "?") for r in records}):
+        rows = [r for r in records if r.get("preset", "?") == preset]
+        labels = [str(r.get("label") or r.get("system")) for r in rows]
+        charts = []
+        measures = (
+            ("frames_per_s", "decode frames per second (higher is faster; 25 frames = 1 s of audio)", 1.0, None),
+            ("first_frame_ms", "time to the first audio frame, ms (lower is better)", 1.0, None),
+            ("outside_decoder_frac", "share of a frame spent outside the decoder, % (lower is better)", 100.0, None),
+            ("roofline_frac", "decoder speed as a share of the memory-bandwidth roofline, %", 100.0, 100.0),
+        )
+        for key, title, scale, ceiling in measures:
+            values = [r.get(key) for r in rows]
+            if not any(isinstance(v, (int, float)) for v in values):
+                continue
+            fig, ax = plt.subplots(figsize=(9, 0.5 * len(rows) + 1.3))
+            y = np.arange(len(rows))
+            vals = [float(v) * scale if isinstance(v, (int, float)) else 0.0 for v in values]
+            ax.barh(y, vals, color="#0969da", height=0.55)
+            for yi, v, raw in zip(y, vals, values, strict=True):
+                ax.text(v, yi, f" {v:.3g}" if isinstance(raw, (int, float)) else " not measured", va="center",
+                        fontsize=8)
+            if ceiling:
+                ax.axvline(ceiling, color="#1b1f24", linestyle="--", linewidth=1.5, label="roofline (100%)")
+                ax.legend(loc="lower right", fontsize=8)
+            ax.set_yticks(y, labels)
+            ax.invert_yaxis()
+            ax.set_title(title)
+            ax.margins(x=0.15)
+            ax.grid(axis="x", alpha=0.25)
+            charts.append(_img(figure_png(fig), title))
+        keys = ("frames_per_s", "first_frame_ms", "rtf", "outside_decoder_frac", "roofline_frac", "peak_rss_mb",
+                "bundle_mb")
+        head = "".join(f"<th>{k}</th>" for k in keys)
+        body = "".join("<tr><td>" + _e(label) + "</td>" + "".join(
+            f"<td>{format(r[k], '.3g') if isinstance(r.get(k), (int, float)) else '-'}</td>" for k in keys)
+            + "</tr>" for label, r in zip(labels, rows, strict=True))
+        sections.append(f"<h2>Preset {_e(preset)}</h2>" + "".join(charts)
+                        + f"<table><tr><th>system</th>{head}</tr>{body}</table>")
+    if goals:
+        rows = "".join(f"<tr><td class=\"{'ok' if met else 'FAIL'}\">{'met' if met else 'missed'}</td>"
+                       f"<td>{_e(goal)}</td><td>{_e(numbers)}</td></tr>" for goal, met, numbers in goals)
+        sections.insert(0, f"<h2>Goals</h2><table><tr><th>result</th><th>goal</th><th>measured</th></tr>{rows}</table>")
+    intro = ("<p class=\"explain\">Each system decodes the same text for a fixed number of frames at temperature "
+             "0.8, seed 0, after one warm-up, in its own process. Frames per second excludes the prompt "
+             "(prefill); the roofline share is the decoder weights' bytes per frame against the memory bandwidth "
+             "measured in the same run.</p>")
+    return page("higgs-pack benchmark", f"{len(records)} records", [intro, *sections])

@@ -95,6 +95,8 @@ class Resolved:
     reason: str
     device: str | None = None
     notes: tuple[str, ...] = ()
+    verified: bool = False
+    """Every file's sha256 was already checked (a hub pull): not hashed again."""
     stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
 
@@ -286,7 +288,7 @@ def resolve(source: str | os.PathLike, *, bundle_dirs: tuple[str | os.PathLike, 
     if is_hub_ref(text):
         got = pull(text, variant=variant)
         return Resolved(got.path, f"hub {got.repo_id}@{got.commit[:12]}, {got.files_checked} files verified; "
-                                  f"{got.reason}", got.device)
+                                  f"{got.reason}", got.device, verified=True)
     path = Path(text)
     if path.is_file():
         from higgs_pack.runtime.archive import extracted_archive
@@ -371,7 +373,7 @@ def load(
     for note in resolved.notes:
         log.warning("%s", note)
     try:
-        bundle = open_bundle(resolved.path, check_hashes=check_hashes)
+        bundle = open_bundle(resolved.path, check_hashes=check_hashes and not resolved.verified)
         if resolved.device is not None and (device is None or str(device).lower() == AUTO) \
                 and execution_provider is None:
             kwargs, why_device = _device_kwargs(bundle, resolved.device)

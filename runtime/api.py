@@ -54,6 +54,8 @@ class TTSInfo:
         devices: sub-part -> provider/device actually in use.
         reason: why this bundle and this provider/device were chosen.
         sample_rate: output sample rate in Hz (24000).
+        not_chosen: for a model slug, every other visible bundle -> why it was not taken.
+        notes: preferred devices present without a runnable bundle for them.
     """
 
     source: str
@@ -68,6 +70,8 @@ class TTSInfo:
     devices: dict[str, str]
     reason: str
     sample_rate: int
+    not_chosen: dict[str, str] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict of every field."""
@@ -95,6 +99,7 @@ class Resolved:
     reason: str
     device: str | None = None
     notes: tuple[str, ...] = ()
+    not_chosen: dict[str, str] = field(default_factory=dict)
     verified: bool = False
     """Every file's sha256 was already checked (a hub pull): not hashed again."""
     stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
@@ -314,7 +319,8 @@ def resolve(source: str | os.PathLike, *, bundle_dirs: tuple[str | os.PathLike, 
     if any(c.model == text for c in candidates):
         choice = choose(candidates, inventory(), model=text, bench=bench_speeds())
         placement = require(choice, text)
-        return Resolved(Path(placement.candidate.source), choice.reason, placement.device, tuple(choice.notes))
+        return Resolved(Path(placement.candidate.source), choice.reason, placement.device, tuple(choice.notes),
+                        dict(choice.rejected))
     return Resolved(find_bundle(text), "installed bundle")  # raises, naming what is installed
 
 
@@ -392,5 +398,6 @@ def load(
         target=m["target"], precision=m["precision"], variant=m.get("variant"), backend=m["backend"],
         device=", ".join(dict.fromkeys(devices.values())), devices=devices,
         reason=f"{resolved.reason}; {why_device}", sample_rate=pipeline.constants.sample_rate,
+        not_chosen=resolved.not_chosen, notes=resolved.notes,
     )
     return TTS(pipeline, bundle, info, resolved.stack)

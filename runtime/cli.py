@@ -144,6 +144,8 @@ def synthesize(bundle, text, text_file, output, ref_audio, ref_text, execution_p
     tts = load(bundle, device=device, execution_provider=execution_provider, allow_fallback=allow_fallback,
                bundle_dirs=bundle_dirs, variant=variant)
     click.echo(f"using {tts.info}", err=True)
+    for name, why in tts.info.not_chosen.items():
+        click.echo(f"  not chosen: {name}: {why}", err=True)
     pipeline = tts.pipeline
     c = pipeline.constants
     ref = None

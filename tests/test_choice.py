@@ -134,17 +134,28 @@ def test_real_inventory_and_devices_command(cpu_int4_bundle, tmp_path):
 
 
 @pytest.mark.slow
-def test_synthesize_by_model_slug_picks_a_variant_and_says_why(cpu_int4_bundle, cpu_fp32_bundle, tmp_path):
+def test_synthesize_by_model_slug_picks_among_installed_wheels(cpu_int4_bundle, cpu_fp32_bundle, tmp_path):
     import os
 
-    folder = tmp_path / "bundles"
-    folder.mkdir()
-    for b in (cpu_int4_bundle, cpu_fp32_bundle):
-        (folder / b.name).symlink_to(b, target_is_directory=True)
+    from higgs_pack.targets.packaging import package_bundle
+
+    wheels = [package_bundle(b, formats="wheel", out_dir=tmp_path / "dist")[0] for b in (cpu_fp32_bundle,
+                                                                                          cpu_int4_bundle)]
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(site),
+                    *map(str, wheels)], check=True, capture_output=True, timeout=300)
+    env = {**os.environ, "PYTHONPATH": str(site), "HF_HUB_CACHE": str(tmp_path / "hf")}
+    env.pop("HIGGS_PACK_BUNDLES", None)
     out = subprocess.run([sys.executable, "-m", "higgs_pack.runtime.cli", "synthesize", SLUG, "-t", "Hello.",
                           "-o", str(tmp_path / "x.wav"), "--max-frames", "6", "--no-progress"],
-                         capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "HIGGS_PACK_BUNDLES": str(folder), "HF_HUB_CACHE": str(tmp_path / "hf")})
+                         capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr
     assert f"chose {SLUG}-cpu-int4 on CPUExecutionProvider, int4 speed class: preference 5 of 6" in out.stderr
+    assert f"not chosen: {SLUG}-cpu-fp32: ranked lower" in out.stderr
     assert (tmp_path / "x.wav").is_file()
+    # The Python API makes the same choice and keeps it in tts.info.
+    code = (f"import higgs_pack; t = higgs_pack.load({SLUG!r}); "
+            "print(t.info.bundle, t.info.device, sorted(t.info.not_chosen))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [f"{SLUG}-cpu-int4", "CPUExecutionProvider", f"['{SLUG}-cpu-fp32']"]

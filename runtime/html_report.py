@@ -247,8 +247,16 @@ def verify_html(report: Any) -> str:
     return page(f"higgs-pack verify: {report.bundle}", "Bundle verification report", sections)
 
 
-def bench_html(records: list[dict[str, Any]], goals: Sequence[tuple[str, bool | None, str]] = ()) -> str:
+def bench_html(records: list[dict[str, Any]], goals: Sequence[tuple[str, bool | None, str]] = (),
+               marks: dict[str, tuple[float, str]] | None = None) -> str:
     """The HTML page of ``nox -s bench`` records (``dist/bench.json``): one chart per measure, per system.
+
+    Args:
+        records: the records (``label``, ``preset``, ``frames_per_s``, ``first_frame_ms``,
+            ``outside_decoder_frac``, ``roofline_frac``, …).
+        goals: ``(goal, met, measured)`` rows shown first.
+        marks: record key -> ``(value in the chart's unit, label)`` drawn as a dashed line
+            (a goal such as 15 % outside the decoder).
 
     Raises:
         HiggsPackError: matplotlib is missing (names the ``report`` extra).
@@ -261,7 +269,8 @@ def bench_html(records: list[dict[str, Any]], goals: Sequence[tuple[str, bool | 
         charts = []
         measures = (
             ("frames_per_s", "decode frames per second (higher is faster; 25 frames = 1 s of audio)", 1.0, None),
-            ("first_frame_ms", "time to the first audio frame, ms (lower is better)", 1.0, None),
+            ("first_frame_ms", "time to the first audio frame, ms (prompt prefill + first step; lower is better)",
+             1.0, None),
             ("outside_decoder_frac", "share of a frame spent outside the decoder, % (lower is better)", 100.0, None),
             ("roofline_frac", "decoder speed as a share of the memory-bandwidth roofline, %", 100.0, 100.0),
         )
@@ -276,8 +285,9 @@ def bench_html(records: list[dict[str, Any]], goals: Sequence[tuple[str, bool | 
             for yi, v, raw in zip(y, vals, values, strict=True):
                 ax.text(v, yi, f" {v:.3g}" if isinstance(raw, (int, float)) else " not measured", va="center",
                         fontsize=8)
-            if ceiling:
-                ax.axvline(ceiling, color="#1b1f24", linestyle="--", linewidth=1.5, label="roofline (100%)")
+            mark = (ceiling, "roofline (100%)") if ceiling else (marks or {}).get(key)
+            if mark:
+                ax.axvline(mark[0], color="#1b1f24", linestyle="--", linewidth=1.5, label=mark[1])
                 ax.legend(loc="lower right", fontsize=8)
             ax.set_yticks(y, labels)
             ax.invert_yaxis()
@@ -285,12 +295,14 @@ def bench_html(records: list[dict[str, Any]], goals: Sequence[tuple[str, bool | 
             ax.margins(x=0.15)
             ax.grid(axis="x", alpha=0.25)
             charts.append(_img(figure_png(fig), title))
-        keys = ("frames_per_s", "first_frame_ms", "rtf", "outside_decoder_frac", "roofline_frac", "peak_rss_mb",
-                "bundle_mb")
-        head = "".join(f"<th>{k}</th>" for k in keys)
+        columns = (("frames_per_s", "frames/s", 1.0), ("first_frame_ms", "first frame (ms)", 1.0),
+                   ("rtf", "real-time factor", 1.0), ("outside_decoder_frac", "outside decoder (%)", 100.0),
+                   ("roofline_frac", "of roofline (%)", 100.0), ("peak_rss_mb", "peak RSS (MB)", 1.0),
+                   ("bundle_mb", "bundle (MB)", 1.0))
+        head = "".join(f"<th>{title}</th>" for _, title, _ in columns)
         body = "".join("<tr><td>" + _e(label) + "</td>" + "".join(
-            f"<td>{format(r[k], '.3g') if isinstance(r.get(k), (int, float)) else '-'}</td>" for k in keys)
-            + "</tr>" for label, r in zip(labels, rows, strict=True))
+            f"<td>{format(r[k] * scale, '.3g') if isinstance(r.get(k), (int, float)) else '-'}</td>"
+            for k, _, scale in columns) + "</tr>" for label, r in zip(labels, rows, strict=True))
         sections.append(f"<h2>Preset {_e(preset)}</h2>" + "".join(charts)
                         + f"<table><tr><th>system</th>{head}</tr>{body}</table>")
     if goals:

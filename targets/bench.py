@@ -873,7 +873,8 @@ def write_html(out: Path) -> Path:
 
     records = json.loads(out.read_text())
     path = out.with_suffix(".html")
-    path.write_text(bench_html(records, goal_checks(records)), encoding="utf-8")
+    marks = {"outside_decoder_frac": (GOAL_OUTSIDE_DECODER * 100, f"goal: under {GOAL_OUTSIDE_DECODER:.0%}")}
+    path.write_text(bench_html(records, goal_checks(records), marks), encoding="utf-8")
     return path
 
 

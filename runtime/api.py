@@ -23,6 +23,7 @@ import numpy as np
 
 from higgs_pack.manifests.constants import EXECUTION_PROVIDERS
 from higgs_pack.manifests.errors import ExecutionProviderUnavailable, InputError
+from higgs_pack.manifests.manifest import MANIFEST_NAME
 from higgs_pack.runtime.bundle import Bundle, open_bundle
 from higgs_pack.runtime.bundle import load as load_pipeline
 from higgs_pack.runtime.delay import SamplingOptions
@@ -305,6 +306,16 @@ def resolve(source: str | os.PathLike, *, bundle_dirs: tuple[str | os.PathLike, 
             stack.close()
             raise
         return Resolved(bundle_dir, f"archive {path.name}, extracted and checked", stack=stack)
+    from higgs_pack.runtime.choice import choose, require
+    from higgs_pack.runtime.devices import bench_speeds, bundles_in, inventory, visible_bundles
+
+    if path.is_dir() and not (path / MANIFEST_NAME).is_file() and bundles_in(path):
+        # A folder of bundles (dist/, a downloaded multi-variant repository): choose among them.
+        candidates, _broken = visible_bundles([path], installed=False, hub_cache=False)
+        choice = choose(candidates, inventory(), bench=bench_speeds())
+        placement = require(choice, str(path))
+        return Resolved(Path(placement.candidate.source), f"folder of bundles {path}: {choice.reason}",
+                        placement.device, tuple(choice.notes), dict(choice.rejected))
     if path.exists():
         return Resolved(find_bundle(path), "bundle directory")
     from higgs_pack.runtime.installed import installed_bundles
@@ -312,9 +323,6 @@ def resolve(source: str | os.PathLike, *, bundle_dirs: tuple[str | os.PathLike, 
     installed = installed_bundles()
     if text in installed:
         return Resolved(installed[text], "installed bundle")
-    from higgs_pack.runtime.choice import choose, require
-    from higgs_pack.runtime.devices import bench_speeds, inventory, visible_bundles
-
     candidates, _broken = visible_bundles(bundle_dirs)
     if any(c.model == text for c in candidates):
         choice = choose(candidates, inventory(), model=text, bench=bench_speeds())
@@ -338,7 +346,8 @@ def load(
     """Load a bundle from wherever it is and return a :class:`TTS`.
 
     Args:
-        source: a bundle directory; an archive (``.tar.gz``, ``.zip``, ``.whl``,
+        source: a bundle directory, or a folder of bundle directories (the best for
+            this machine is chosen, as for a model slug); an archive (``.tar.gz``, ``.zip``, ``.whl``,
             checked member by member and extracted to a temporary folder); the name of
             an installed bundle wheel (``higgs-pack list``); a model slug
             (``higgs-audio-v3-tiny``: the best variant that runs here among the installed

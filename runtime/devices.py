@@ -198,12 +198,14 @@ def hub_cache_bundles(cache_dir: str | Path | None = None) -> list[tuple[Path, s
     return out
 
 
-def visible_bundles(bundle_dirs: Iterable[str | Path] = (), *, hub_cache: bool = True,
+def visible_bundles(bundle_dirs: Iterable[str | Path] = (), *, installed: bool = True, hub_cache: bool = True,
                     cache_dir: str | Path | None = None) -> tuple[list[Candidate], dict[str, str]]:
     """Every bundle this process can see, read from its manifest (hashes are checked at load).
 
     Args:
-        bundle_dirs: folders holding bundles (or bundles); ``$HIGGS_PACK_BUNDLES`` adds more.
+        bundle_dirs: folders holding bundles (or bundles); ``$HIGGS_PACK_BUNDLES`` adds more
+            (when ``installed`` is true).
+        installed: include installed bundle wheels and ``$HIGGS_PACK_BUNDLES``.
         hub_cache: include bundles pulled into the Hugging Face cache.
         cache_dir: the Hugging Face cache (default: huggingface_hub's, ``$HF_HUB_CACHE``).
 
@@ -213,8 +215,9 @@ def visible_bundles(bundle_dirs: Iterable[str | Path] = (), *, hub_cache: bool =
     """
     from higgs_pack.runtime.installed import installed_bundles
 
-    found: list[tuple[Path, str]] = [(p, "installed") for p in installed_bundles().values()]
-    extra = [*bundle_dirs, *filter(None, os.environ.get("HIGGS_PACK_BUNDLES", "").split(os.pathsep))]
+    found: list[tuple[Path, str]] = [(p, "installed") for p in installed_bundles().values()] if installed else []
+    env = os.environ.get("HIGGS_PACK_BUNDLES", "") if installed else ""
+    extra = [*bundle_dirs, *filter(None, env.split(os.pathsep))]
     for folder in extra:
         found += [(p, "--bundles") for p in bundles_in(Path(folder))]
     if hub_cache:

@@ -115,3 +115,15 @@ def test_load_archive_and_reference_tuple(cpu_fp32_bundle, tmp_path):
         out = tts.synthesize("Hi.", ref_audio=(samples, rate), ref_text="Hello there.", max_frames=8)
         assert out.samples.dtype == np.float32
     assert not Path(folder).exists()
+
+
+def test_load_folder_of_bundles_chooses(cpu_fp32_bundle, cpu_int4_bundle, tmp_path):
+    import higgs_pack
+
+    folder = tmp_path / "dist"
+    folder.mkdir()
+    for b in (cpu_fp32_bundle, cpu_int4_bundle):
+        (folder / b.name).symlink_to(b, target_is_directory=True)
+    tts = higgs_pack.load(folder)
+    assert tts.info.bundle == cpu_int4_bundle.name and tts.info.reason.startswith(f"folder of bundles {folder}")
+    assert list(tts.info.not_chosen) == [cpu_fp32_bundle.name]

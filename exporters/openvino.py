@@ -772,34 +772,15 @@ def _resize(example: torch.Tensor, axis: int, size: int) -> torch.Tensor:
 
 
 def _receptive_field(module: torch.nn.Module, example: torch.Tensor, axis: int, out_axis: int) -> int:
-    """How far (in input positions along ``axis``) one changed input position changes the output."""
-    import torch
+    """How far (in input positions along ``axis``) one changed input position changes the output
+    (:func:`higgs_pack.runtime.chunking.receptive_reach` on the PyTorch module)."""
+    from higgs_pack.exporters.torch_modules import numpy_function
+    from higgs_pack.runtime.chunking import NotLocalError, receptive_reach
 
-    n = int(example.shape[axis])
-    center = n // 2
-    index: list[Any] = [slice(None)] * example.ndim
-    index[axis] = center
-    changed = example.clone()
-    if changed.dtype.is_floating_point:
-        changed[tuple(index)] += 0.5
-    else:
-        changed[tuple(index)] = (changed[tuple(index)] + 1) % (int(example.max()) + 1)
-    with torch.no_grad():
-        base, other = module(example), module(changed)
-    diff = (other - base).abs().movedim(out_axis, 0).reshape(other.shape[out_axis], -1).amax(dim=1)
-    where = torch.nonzero(diff > 0).flatten()
-    if where.numel() == 0:
-        return 0
-    out_len = int(other.shape[out_axis])
-    first = int(where.min()) * n // out_len
-    last = -(-(int(where.max()) + 1) * n // out_len) - 1
-    reach = max(center - first, last - center)
-    if center - first >= center or last - center >= n - center - 1:
-        raise BuildError(
-            f"the receptive field reaches the ends of the {n}-position static chunk (changes at {first}..{last} "
-            f"from position {center}); raise the chunk size in static_axes= or give chunk_context= explicitly"
-        )
-    return reach
+    try:
+        return receptive_reach(numpy_function(module), example.numpy(), axis, out_axis)
+    except NotLocalError as exc:
+        raise BuildError(f"{exc}; raise the chunk size in static_axes= or give chunk_context= explicitly") from exc
 
 
 class _StaticPlan:

@@ -33,6 +33,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -401,3 +402,36 @@ def export_onnx(
             do_constant_folding=True,
         )
     return path
+
+
+def numpy_function(module: nn.Module):
+    """``module`` as a function of one numpy array (no grad), returning numpy."""
+
+    def run(x):
+        with torch.no_grad():
+            return module(torch.from_numpy(np.ascontiguousarray(x))).numpy()
+
+    return run
+
+
+def codec_stream_context(module: nn.Module, constants: ModelConstants) -> dict[str, Any]:
+    """Measure the codec decoder's context for chunked decoding (streaming, static chunks).
+
+    Runs :func:`higgs_pack.runtime.chunking.measure_codec_context` on the PyTorch
+    ``audio_tokenizer`` module (exact arithmetic: any change counts).
+
+    Returns:
+        The manifest options entry: ``{"stream_context_frames": reach + 1}`` (frames of
+        codes each side of a decoded window).
+
+    Raises:
+        BuildError: the codec is not local (its reach exceeds the longest probe).
+    """
+    from higgs_pack.manifests.errors import BuildError
+    from higgs_pack.runtime.chunking import NotLocalError, measure_codec_context
+
+    try:
+        context = measure_codec_context(numpy_function(module), constants.num_codebooks, constants.codebook_size)
+    except NotLocalError as exc:
+        raise BuildError(f"audio_tokenizer: {exc}; it cannot be decoded in chunks or streamed") from exc
+    return {"stream_context_frames": context}

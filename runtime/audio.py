@@ -7,8 +7,10 @@ the file and what to do.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import soundfile as sf
@@ -141,3 +143,114 @@ def write_wav(path: str | Path, samples: np.ndarray, sample_rate: int, *, subtyp
     except (sf.LibsndfileError, RuntimeError, OSError) as exc:
         raise InputError(f"cannot write {path}: {exc}; choose a writable path with -o") from exc
     return WavWritten(path, peak, scaled)
+
+
+#: Sample formats a stream may carry: soundfile subtype -> (numpy dtype, WAV format tag).
+STREAM_SUBTYPES = {"PCM_16": ("<i2", 1), "FLOAT": ("<f4", 3)}
+#: RIFF and data chunk sizes of a WAV whose length is unknown when its header is written
+#: (a pipe): the largest value, which players read as "until the end of the stream".
+UNKNOWN_SIZE = 0xFFFFFFFF
+
+
+def streaming_wav_header(sample_rate: int, subtype: str = "PCM_16") -> bytes:
+    """The 44-byte header of a mono WAV of unknown length (RIFF/data sizes ``0xFFFFFFFF``).
+
+    Used for WAV on a pipe, where the header cannot be rewritten at the end; aplay, sox,
+    ffmpeg and soundfile read such a stream to its end.
+
+    Args:
+        sample_rate: Hz.
+        subtype: ``"PCM_16"`` (16-bit integer) or ``"FLOAT"`` (32-bit IEEE float).
+    """
+    dtype, tag = STREAM_SUBTYPES[subtype]
+    width = np.dtype(dtype).itemsize
+    fmt = struct.pack("<HHIIHH", tag, 1, sample_rate, sample_rate * width, width, 8 * width)
+    return (b"RIFF" + struct.pack("<I", UNKNOWN_SIZE) + b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt
+            + b"data" + struct.pack("<I", UNKNOWN_SIZE))
+
+
+class AudioSink:
+    """Writes mono float32 audio piece by piece: to a ``.wav`` file, or to a binary stream.
+
+    A file is written with soundfile and flushed after every piece; :meth:`close`
+    finalises its header (also after an interruption, so the file is a valid WAV of
+    what was written).  A stream (stdout, a pipe) gets a WAV header of unknown length
+    (:func:`streaming_wav_header`) then the samples, or with ``container="raw"`` the
+    bare little-endian samples.  16-bit output clips samples beyond [-1, 1] (a stream
+    cannot be rescaled afterwards; :attr:`clipped` counts them).
+
+    Args:
+        target: output path (``.wav``), or a binary file object.
+        sample_rate: Hz.
+        subtype: ``"PCM_16"`` or ``"FLOAT"``.
+        container: ``"wav"`` or ``"raw"`` (streams only).
+
+    Attributes:
+        samples_written: samples written so far.
+        clipped: 16-bit samples clipped so far.
+
+    Raises:
+        InputError: unknown subtype/container, raw to a path, or an unwritable path.
+    """
+
+    def __init__(self, target: str | Path | BinaryIO, sample_rate: int, *, subtype: str = "PCM_16",
+                 container: str = "wav"):
+        if subtype not in STREAM_SUBTYPES:
+            raise InputError(f"unknown sample format {subtype!r}; use PCM_16 (16-bit) or FLOAT")
+        if container not in ("wav", "raw"):
+            raise InputError(f"unknown output format {container!r}; use wav or raw (--format)")
+        self.sample_rate, self.subtype = sample_rate, subtype
+        self.samples_written = self.clipped = 0
+        self._dtype = STREAM_SUBTYPES[subtype][0]
+        self._file: sf.SoundFile | None = None
+        self._stream: BinaryIO | None = None
+        if isinstance(target, (str, Path)):
+            if container != "wav":
+                raise InputError("raw PCM goes to stdout (-o -); a file output is a .wav")
+            try:
+                self._file = sf.SoundFile(target, "w", sample_rate, 1, subtype=subtype, format="WAV")
+            except (sf.LibsndfileError, RuntimeError, OSError) as exc:
+                raise InputError(f"cannot write {target}: {exc}; choose a writable path with -o") from exc
+        else:
+            self._stream = target
+            if container == "wav":
+                target.write(streaming_wav_header(sample_rate, subtype))
+                target.flush()
+
+    def write(self, samples: np.ndarray) -> None:
+        """Append float32 [n] samples (nominally in [-1, 1]) and flush them out.
+
+        Raises:
+            InputError: non-finite samples.
+            BrokenPipeError: the reader of a stream went away.
+        """
+        samples = np.asarray(samples, dtype=np.float32).reshape(-1)
+        if not np.isfinite(samples).all():
+            raise InputError("refusing to write audio with NaN/inf samples")
+        if self.subtype == "PCM_16":
+            over = np.abs(samples) > 1.0
+            if over.any():
+                self.clipped += int(over.sum())
+                samples = np.clip(samples, -1.0, 1.0)
+        if self._file is not None:
+            self._file.write(samples)
+            self._file.flush()
+        elif self._stream is not None:
+            # 16-bit as libsndfile writes a file: x * 32768, rounded, within the int16 range.
+            data = np.clip(np.round(samples * 32768.0), -32768, 32767).astype(self._dtype) \
+                if self.subtype == "PCM_16" else samples.astype(self._dtype)
+            self._stream.write(data.tobytes())
+            self._stream.flush()
+        self.samples_written += len(samples)
+
+    def close(self) -> None:
+        """Finalise a file's header (idempotent); a stream is left open for its owner."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> AudioSink:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

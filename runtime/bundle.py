@@ -270,4 +270,17 @@ def load(
         audio_encoder=parts.get(SubPart.AUDIO_ENCODER),
         description=parts["description"],
         generation_defaults={**gen, "sampling": sampling},
+        codec_context_frames=recorded_codec_context(m),
     )
+
+
+def recorded_codec_context(manifest: dict) -> int | None:
+    """The codec decoder's chunking context in frames as the manifest records it.
+
+    ``subparts.audio_tokenizer.options.stream_context_frames`` (every bundle built since
+    streaming), else ``options.chunking.context`` (static npu bundles), else None (older
+    bundles: the runtime measures it when first needed).
+    """
+    options = manifest["subparts"].get(SubPart.AUDIO_TOKENIZER, {}).get("options", {})
+    value = options.get("stream_context_frames") or (options.get("chunking") or {}).get("context")
+    return int(value) if value else None

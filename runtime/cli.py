@@ -77,8 +77,19 @@ def _read_text(text: str | None, text_file: Path | None) -> str:
     return text
 
 
-def _check_output(output: Path, bundle: str, inputs: list[Path | None]) -> None:
-    """Refuse an -o that would overwrite an input, land inside the bundle, or is not a .wav."""
+def _check_output(output: Path, bundle: str, inputs: list[Path | None], fmt: str = "wav") -> None:
+    """Refuse an -o that would overwrite an input, land inside the bundle, or is not a .wav.
+
+    ``-`` (stdout) must not be a terminal; ``--format raw`` only goes to stdout.
+    """
+    if str(output) == "-":
+        if sys.stdout.isatty():
+            raise click.BadParameter("-o - writes binary audio to stdout, which is a terminal here; pipe it "
+                                     "(… -o - | aplay) or give a .wav file", param_hint="-o")
+        return
+    if fmt == "raw":
+        raise click.BadParameter("--format raw writes to stdout: use -o - (or --format wav for a file)",
+                                 param_hint="--format")
     out = output.resolve()
     if output.suffix.lower() != ".wav":
         raise click.BadParameter(f"{output}: the output is a WAV file; give it a .wav name", param_hint="-o")
@@ -101,8 +112,8 @@ def _check_output(output: Path, bundle: str, inputs: list[Path | None]) -> None:
 @click.option("--text", "-t", help="Text to speak ('-' or omitted: read stdin).")
 @click.option("--text-file", type=click.Path(path_type=Path, dir_okay=False, allow_dash=True, exists=True),
               help="Read the text from a file ('-' for stdin).")
-@click.option("-o", "--output", type=click.Path(path_type=Path, dir_okay=False), required=True,
-              help="Output .wav (24 kHz mono).")
+@click.option("-o", "--output", type=click.Path(path_type=Path, dir_okay=False, allow_dash=True), required=True,
+              help="Output .wav (24 kHz mono), or - for stdout.")
 @click.option("--ref-audio", type=click.Path(path_type=Path, dir_okay=False, exists=True),
               help="Reference voice to clone (any sample rate / channels libsndfile reads).")
 @click.option("--ref-text", help="Exact transcript of --ref-audio.")
@@ -119,14 +130,28 @@ def _check_output(output: Path, bundle: str, inputs: list[Path | None]) -> None:
 @click.option("--bundles", "bundle_dirs", multiple=True, type=click.Path(path_type=Path, file_okay=False),
               help="For a model slug: also choose among the bundles in this folder (repeatable).")
 @click.option("--variant", help="For a hub repository holding several bundles: the folder to use.")
+@click.option("--stream", "streaming", is_flag=True,
+              help="Write audio while it is generated (first chunk after ~0.4 s of frames).")
+@click.option("--format", "fmt", type=click.Choice(["wav", "raw"]), default="wav", show_default=True,
+              help="With -o -: a WAV stream, or raw little-endian PCM (s16le; f32le with --float), mono 24 kHz.")
+@click.option("--first-chunk-frames", type=click.IntRange(min=1), default=10, show_default=True,
+              help="--stream: frames in the first chunk (25 frames = 1 s).")
+@click.option("--chunk-growth", type=click.FloatRange(min=1.0), default=2.0, show_default=True,
+              help="--stream: each chunk is this many times the previous one.")
+@click.option("--max-chunk-frames", type=click.IntRange(min=1), default=100, show_default=True,
+              help="--stream: largest chunk in frames.")
 def synthesize(bundle, text, text_file, output, ref_audio, ref_text, execution_provider, device,
                allow_fallback, seed, temperature, top_k, top_p, max_frames, as_float, no_progress,
-               bundle_dirs, variant):
-    """Speak TEXT with BUNDLE into a wav.
+               bundle_dirs, variant, streaming, fmt, first_chunk_frames, chunk_growth, max_chunk_frames):
+    """Speak TEXT with BUNDLE into a wav (or, with -o -, to stdout).
 
     BUNDLE is a bundle directory, an archive, an installed bundle name, a model slug
     (higgs-audio-v3-tiny: the best variant for this machine is chosen, and the choice
     is said), or hf://ORG/REPO[@REVISION].
+
+    With --stream the audio is written while it is generated (a .wav file's header is
+    completed at the end, also after Ctrl-C); `-o -` writes to stdout for a player:
+    higgs-pack synthesize BUNDLE --stream -t "…" -o - | aplay
     """
     from dataclasses import replace
 
@@ -137,7 +162,7 @@ def synthesize(bundle, text, text_file, output, ref_audio, ref_text, execution_p
     from higgs_pack.runtime.delay import SamplingOptions
     from higgs_pack.runtime.generate import synthesize as run
 
-    _check_output(output, bundle, [text_file, ref_audio])
+    _check_output(output, bundle, [text_file, ref_audio], fmt)
     words = _read_text(text, text_file)
     if (ref_audio is None) != (ref_text is None):
         raise click.UsageError("voice cloning needs both --ref-audio and --ref-text")
@@ -167,12 +192,24 @@ def synthesize(bundle, text, text_file, output, ref_audio, ref_text, execution_p
         bar.n = done
         bar.refresh()
 
+    subtype = "FLOAT" if as_float else "PCM_16"
+    to_stdout = str(output) == "-"
+    if streaming or to_stdout:
+        schedule = {"first_chunk_frames": first_chunk_frames, "chunk_growth": chunk_growth,
+                    "max_chunk_frames": max_chunk_frames}
+        try:
+            _stream_out(pipeline, words, output, subtype, fmt, bar, schedule, streaming,
+                        dict(ref_samples=ref, ref_text=ref_text, options=options, max_frames=max_frames,
+                             progress=progress))
+        finally:
+            bar.close()
+        return
     try:
         result = run(pipeline, words, ref_samples=ref, ref_text=ref_text, options=options,
                      max_frames=max_frames, progress=progress)
     finally:
         bar.close()
-    written = write_wav(output, result.samples, result.sample_rate, subtype="FLOAT" if as_float else "PCM_16")
+    written = write_wav(output, result.samples, result.sample_rate, subtype=subtype)
     stops = ", ".join(r.stop_reason for r in result.chunks)
     click.echo(f"wrote {output}: {result.seconds_of_audio:.2f} s at {result.sample_rate} Hz, "
                f"{len(result.codes)} frames in {len(result.chunks)} chunk(s), stop: {stops}")
@@ -182,6 +219,68 @@ def synthesize(bundle, text, text_file, output, ref_audio, ref_text, execution_p
     if written.scaled:
         click.echo(f"note: peak {written.peak:.2f} exceeded 16-bit range; audio was scaled down "
                    "(use --float to keep it unscaled)", err=True)
+
+
+#: Exit status after the reader of -o - closed the pipe (as a program stopped by SIGPIPE).
+EXIT_BROKEN_PIPE = 128 + 13
+#: Exit status after Ctrl-C (as a program stopped by SIGINT).
+EXIT_INTERRUPTED = 128 + 2
+
+
+def _stream_out(pipeline, words, output: Path, subtype: str, fmt: str, bar, schedule: dict, streaming: bool,
+                request: dict) -> None:
+    """Write speech to ``output`` (a .wav path or ``-``) piece by piece as it is generated.
+
+    Ctrl-C stops generation and leaves a valid WAV of what was written (exit 130); a
+    closed stdout pipe stops it quietly (exit 141). Without --stream (stdout only) the
+    whole utterance is synthesized first and written at once.
+    """
+    import os
+
+    from higgs_pack.runtime.audio import AudioSink
+    from higgs_pack.runtime.generate import stream, synthesize
+
+    to_stdout = str(output) == "-"
+    where = "stdout" if to_stdout else str(output)
+    rate = pipeline.constants.sample_rate
+    sink = AudioSink(sys.stdout.buffer if to_stdout else output, rate, subtype=subtype, container=fmt)
+    speech = None
+    status, note = 0, ""
+    try:
+        if streaming:
+            speech = stream(pipeline, words, **request, **schedule)
+            for chunk in speech:
+                sink.write(chunk.samples)
+        else:
+            sink.write(synthesize(pipeline, words, **request).samples)
+    except KeyboardInterrupt:
+        status, note = EXIT_INTERRUPTED, "interrupted (Ctrl-C): "
+    except BrokenPipeError:
+        # The reader went away: nothing more can reach it. Point stdout at /dev/null so
+        # that Python's own flush at exit does not fail again (Python's signal docs).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        status, note = EXIT_BROKEN_PIPE, "stopped, the reader closed the pipe: "
+    finally:
+        if speech is not None:
+            speech.close()
+        sink.close()
+        bar.close()
+    seconds = sink.samples_written / rate
+    details = ""
+    if speech is not None and speech.results and not status:
+        stops = ", ".join(r.stop_reason for r in speech.results)
+        details = (f", {len(speech.codes)} frames in {len(speech.results)} chunk(s), stop: {stops}, "
+                   f"first audio after {speech.first_audio_s:.2f} s")
+    click.echo(f"{note}wrote {seconds:.2f} s at {rate} Hz to {where}{details}", err=True)
+    if speech is not None and any(r.stop_reason == "max_frames" for r in speech.results):
+        click.echo("note: the frame cap was reached before the model ended the speech "
+                   "(raise it with --max-frames)", err=True)
+    if sink.clipped:
+        click.echo(f"note: {sink.clipped} samples beyond [-1, 1] were clipped in 16-bit output "
+                   "(use --float to keep them)", err=True)
+    if status:
+        sys.exit(status)
 
 
 @main.command()

@@ -37,6 +37,7 @@ from higgs_pack.manifests.errors import (
     InputError,
     SignatureMismatch,
 )
+from higgs_pack.runtime.chunking import chunk_windows
 from higgs_pack.runtime.pipeline import check_io_signature
 
 log = logging.getLogger(__name__)
@@ -455,40 +456,6 @@ class OvStatefulDecoder:
 
 
 # ----------------------------------------------------------------------------- static bundles (npu)
-
-
-def chunk_windows(length: int, chunk: int, context: int = 0) -> list[tuple[int, int, int, int]]:
-    """Cut ``length`` positions into windows of at most ``chunk`` for a static graph.
-
-    Each window carries up to ``context`` positions of real neighbours on each side
-    (fewer at the ends of the input); only its core is kept, and the cores tile
-    ``[0, length)`` without gaps or overlaps. With ``context`` at least the graph's
-    receptive field, every kept position sees the same inputs as in one pass over
-    the whole input.
-
-    Args:
-        length: Positions of the real input (>= 1).
-        chunk: Positions the static graph takes.
-        context: Positions of context per side (``2 * context < chunk``).
-
-    Returns:
-        ``[(window_start, window_end, keep_start, keep_end), ...]`` in input positions.
-
-    Raises:
-        ValueError: ``length < 1`` or ``2 * context >= chunk``.
-    """
-    if length < 1 or chunk < 1:
-        raise ValueError(f"need length >= 1 and chunk >= 1, got {length}, {chunk}")
-    if length > chunk and 2 * context >= chunk:
-        raise ValueError(f"context {context} leaves no core in a {chunk}-position chunk")
-    windows, core = [], 0
-    while core < length:
-        start = max(0, core - context)
-        end = min(start + chunk, length)
-        keep_end = end if end == length else end - context
-        windows.append((start, end, core, keep_end))
-        core = keep_end
-    return windows
 
 
 def _take(array: np.ndarray, axis: int, start: int, end: int) -> np.ndarray:

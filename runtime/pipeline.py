@@ -118,6 +118,10 @@ class Pipeline:
         decoder: the stateful decoder.
         description: human-readable backend description (provider / device per sub-part).
         generation_defaults: default sampling options from the manifest.
+        codec_context_frames: frames of codes each side of a window that the codec decoder
+            needs for chunked decoding to equal one pass (``stream_context_frames`` in the
+            manifest); None until known (then measured on first use, see
+            :func:`higgs_pack.runtime.generate.codec_context_frames`).
     """
 
     tokenizer: Any
@@ -130,6 +134,7 @@ class Pipeline:
     audio_encoder: SubPartRunner | None = None
     description: dict[str, str] = field(default_factory=dict)
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    codec_context_frames: int | None = None
 
 
 def check_io_signature(subpart: str, what: str, inputs: dict[str, tuple[str, int]],

@@ -227,11 +227,25 @@ def _export_all(plan: BuildPlan, ckpt, bundle_dir: Path, work_dir: Path, say) ->
                     name=part.value, precision=row.precision, work_dir=work_dir / part.value,
                     subpart=part.value, bundle_dir=bundle_dir, **row.options,
                 )
+                if part == SubPart.AUDIO_TOKENIZER:
+                    results[part] = _with_stream_context(results[part], modules[part], ckpt.constants)
         except HiggsPackError:
             raise
         except Exception as exc:  # an exporter's own failure: name the sub-part and tool
             raise BuildError(f"{row.exporter.name} failed on {part.value} ({row.precision}): {exc}") from exc
     return results
+
+
+def _with_stream_context(result, module, constants):
+    """Record the codec decoder's chunking context (``options.stream_context_frames``) that
+    streaming synthesis reads; a static chunked codec (npu) already measured it."""
+    from dataclasses import replace
+
+    from higgs_pack.exporters.torch_modules import codec_stream_context
+
+    measured = (result.options.get("chunking") or {}).get("context")
+    entry = {"stream_context_frames": int(measured)} if measured else codec_stream_context(module, constants)
+    return replace(result, options={**result.options, **entry})
 
 
 def _copy_tokenizer(ckpt, bundle_dir: Path) -> str:

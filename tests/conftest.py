@@ -74,3 +74,32 @@ def write_voice_clip(path: Path, seconds: float = 1.5, rate: int = 16000) -> Pat
     wave += 0.01 * np.random.default_rng(0).standard_normal(t.size)
     sf.write(path, wave.astype(np.float32), rate, subtype="PCM_16")
     return path
+
+
+@pytest.fixture(scope="session")
+def check_stream():
+    """``check(pipeline, text, **kwargs)``: stream and synthesize the same request and require
+    the same codes and stop frames, and the joined chunks equal to the one-shot samples within
+    1e-4 (contiguous offsets, no gap); returns ``(speech stream, chunks, one-shot result)``."""
+    import numpy as np
+
+    from higgs_pack.runtime.delay import SamplingOptions
+    from higgs_pack.runtime.generate import stream, synthesize
+
+    def check(pipeline, text, *, seed=7, **kwargs):
+        options = SamplingOptions(seed=seed)
+        one = synthesize(pipeline, text, options=options, max_frames=kwargs.get("max_frames"))
+        speech = stream(pipeline, text, options=options, **kwargs)
+        chunks = list(speech)
+        assert [c.offset for c in chunks] == [0, *np.cumsum([len(c.samples) for c in chunks])[:-1].tolist()]
+        joined = np.concatenate([c.samples for c in chunks])
+        assert [r.stop_reason for r in speech.results] == [r.stop_reason for r in one.chunks]
+        for got, want in zip(speech.results, one.chunks, strict=True):
+            assert np.array_equal(got.delayed, want.delayed)
+            assert np.array_equal(got.codes, want.codes)
+        assert joined.dtype == np.float32 and joined.shape == one.samples.shape
+        error = float(np.abs(joined - one.samples).max()) if joined.size else 0.0
+        assert error <= 1e-4, f"stream differs from one-shot by {error}"
+        return speech, chunks, one
+
+    return check

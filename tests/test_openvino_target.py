@@ -201,6 +201,35 @@ def test_static_runners_match_the_dynamic_bundle(ov_bundles):
     assert sta.decoder.length == 12 and sta.decoder.max_length == NPU_KV
 
 
+@pytest.mark.parametrize("variant", ["int4", "npu"])
+def test_stream_equals_one_shot(ov_bundles, check_stream, variant):
+    """Streaming on the openvino bundle and on the npu variant (CPU device): the codec decodes
+    growing chunks with the recorded receptive-field context (the npu codec additionally pads
+    each window into its static 128-frame graph) and the joined stream equals one-shot."""
+    pipeline = load(ov_bundles[variant], device="CPU")
+    m = read_manifest(ov_bundles[variant])
+    options = m["subparts"]["audio_tokenizer"]["options"]
+    assert pipeline.codec_context_frames == options["stream_context_frames"] >= 1
+    if variant == "npu":
+        assert options["chunking"]["context"] == options["stream_context_frames"]  # one measurement
+    _, chunks, _ = check_stream(pipeline, "Streaming on OpenVINO.", max_frames=120, seed=5)
+    assert len(chunks) >= 2 and len(chunks[0].samples) == 10 * pipeline.constants.hop_length
+    # A frame cap that leaves room for the longest sentence's prompt, not for both sentences:
+    # they get separate prompts and the stream runs across the boundary. (The stateful decoder's
+    # context is lowered to keep the run short; the static one's KV window is its graph's shape.)
+    sentences = ["One sentence here.", "And another one there!"]
+    longest = max(len(pipeline.tokenizer.encode(t, add_special_tokens=False).ids) for t in sentences)
+    limit = pipeline.decoder.max_length
+    if variant == "int4":
+        pipeline.decoder.max_length = longest + 3 + 95 + pipeline.constants.num_codebooks - 1
+    cap = pipeline.decoder.max_length - longest - 3 - (pipeline.constants.num_codebooks - 1)
+    try:
+        speech, _, _ = check_stream(pipeline, " ".join(sentences), max_frames=cap, seed=6)
+    finally:
+        pipeline.decoder.max_length = limit
+    assert len(speech.results) == 2
+
+
 def test_warm_cache_load(ov_bundles, tmp_path, record_property):
     """The compiled-model cache makes the second load fast (the bench reports it too)."""
     from higgs_pack.runtime.bundle import open_bundle as opened

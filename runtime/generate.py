@@ -341,7 +341,7 @@ def synthesize(
     into sentences, each spoken with the same options and joined.
 
     Args:
-        pipeline: a loaded bundle (``higgs_pack.runtime.load``) or the oracle.
+        pipeline: a loaded bundle (``higgs_pack.runtime.bundle.load``) or the oracle.
         text: what to say; inline controls like ``<|emotion:amusement|>`` pass as text.
         ref_samples: float32 [samples] mono at ``sample_rate`` Hz, a multiple of
             ``hop_length`` long (see ``audio.prepare_reference``), or None.

@@ -9,6 +9,26 @@ import pytest
 #: Repository root (the folder holding pyproject.toml).
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
+#: Fixtures that build a bundle or run a whole decoder export (seconds to a minute each
+#: on 2 cores).  A test that uses one, directly or through another fixture, is marked
+#: ``slow`` here, so the fast tier (``-m "not slow"``) never builds a bundle.  Tests that
+#: call ``build()`` or an exporter themselves carry ``@pytest.mark.slow`` (or a module
+#: ``pytestmark``) in their file.
+SLOW_FIXTURES = frozenset({
+    "cpu_fp32_bundle", "cpu_int4_bundle", "bundle_copy",  # this file
+    "built_bundle",  # test_packaging.py
+    "ov_bundles",  # test_openvino_target.py
+    "cuda_fp16", "dml_fp16",  # test_cuda_dml.py
+    "decoders",  # test_openvino.py: optimum-intel decoder exports
+})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test that needs a :data:`SLOW_FIXTURES` fixture ``slow``."""
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:

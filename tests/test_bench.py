@@ -126,6 +126,7 @@ def test_worker_failure_is_reported(tmp_path):
 # ----------------------------------------------------------------------------- the real code path
 
 
+@pytest.mark.slow
 def test_bench_pytorch_on_tiny_checkpoint(tiny_checkpoint, tmp_path):
     out = tmp_path / "bench.json"
     code = bench.main(["--preset", "tiny", "--systems", "pytorch", "--checkpoint", str(tiny_checkpoint),

@@ -176,6 +176,7 @@ def test_failed_build_leaves_nothing_and_keeps_the_old_bundle(tmp_path, tiny_che
     load(existing)
 
 
+@pytest.mark.slow
 def test_failure_midway_through_export_leaves_nothing(tmp_path, tiny_checkpoint):
     """The codec state dict is damaged: the decoder exports, then the codec export fails."""
     from safetensors import safe_open

@@ -91,8 +91,17 @@ def test_same_seed_same_audio_other_seed_other_audio(cpu_int4_bundle):
 def test_frame_cap_applies_and_is_reported(cpu_int4_bundle):
     pipe = load(cpu_int4_bundle)
     out = synthesize(pipe, "Hi.", options=SamplingOptions(seed=0, repeat_guard_frames=0), max_frames=12)
-    assert out.chunks[0].stop_reason in ("max_frames", "eoc")
-    assert len(out.chunks[0].delayed) <= 12 + 7
+    chunk, eoc = out.chunks[0], pipe.constants.eoc
+    assert len(chunk.delayed) <= 12 + 7
+    # The reason matches the codes: EOC on codebook 0 ends the run after 7 more steps;
+    # otherwise the run is exactly the cap (12 frames + 7 delay steps) and is reported.
+    if (chunk.delayed[:, 0] == eoc).any():
+        assert chunk.stop_reason == "eoc" and not out.frame_cap_hit
+        first = int(np.argmax(chunk.delayed[:, 0] == eoc))
+        assert len(chunk.delayed) in (first + 8, 19)
+    else:
+        assert chunk.stop_reason == "max_frames" and out.frame_cap_hit
+        assert len(chunk.delayed) == 12 + 7
 
 
 def test_voice_clone_from_the_case_clip(cpu_fp32_bundle, cases_dir):

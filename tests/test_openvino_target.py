@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -36,13 +37,14 @@ from higgs_pack.runtime.generate import synthesize  # noqa: E402
 from higgs_pack.runtime.openvino_backend import chunk_windows, open_openvino_parts  # noqa: E402
 from higgs_pack.runtime.verify import verify_bundle  # noqa: E402
 from higgs_pack.targets.build import bundle_name  # noqa: E402
+from higgs_pack.targets.declarations import NPU_KV_LENGTH as NPU_KV  # noqa: E402
+from higgs_pack.targets.declarations import NPU_MAX_PROMPT as NPU_PROMPT  # noqa: E402
 from higgs_pack.targets.plan import make_plan  # noqa: E402
 
 HIGGS = [sys.executable, "-m", "higgs_pack.runtime.cli"]
 AVAILABLE = list(ov.Core().available_devices)
 HAS_NPU = any(d.startswith("NPU") for d in AVAILABLE)
 HAS_GPU = any(d.startswith("GPU") for d in AVAILABLE)
-NPU_PROMPT, NPU_KV = 512, 1024  # targets/declarations.py
 
 
 @pytest.fixture(scope="module")
@@ -259,11 +261,12 @@ def test_warm_cache_load(ov_bundles, tmp_path, record_property):
 
 def test_prompt_longer_than_the_static_length_is_refused(ov_bundles):
     pipeline = load(ov_bundles["npu"], device="CPU")
-    text = " ".join(["word"] * 600)
+    text = " ".join(["word"] * (NPU_PROMPT + 88))
     with pytest.raises(InputError) as info:
         synthesize(pipeline, text, max_frames=10)
     message = str(info.value)
-    assert "text_embed: input_ids has 603 positions, more than the static length 512" in message
+    assert f"more than the static length {NPU_PROMPT}" in message
+    assert int(re.search(r"text_embed: input_ids has (\d+) positions", message).group(1)) > NPU_PROMPT
     assert "shorten the text" in message and "without --npu" in message
     embeds = np.zeros((1, NPU_PROMPT + 1, 64), np.float32)
     pipeline.decoder.reset()

@@ -49,7 +49,10 @@ from higgs_pack.targets.packaging import DEFAULT_EPOCH, package_bundle  # noqa: 
 
 SUBPARTS = ("text_embed", "llm_decoder", "audio_embed", "audio_heads", "audio_tokenizer", "audio_encoder")
 NAME = "hand-made-cpu-fp32"
-WHEEL = "hand_made_cpu_fp32-0.1.0-py3-none-any.whl"
+#: The higgs-pack version the hand-made manifests say built them (test data: the wheel's
+#: version follows the manifest, not the installed higgs-pack).
+BUILT_WITH = "0.1.0"
+WHEEL = f"hand_made_cpu_fp32-{BUILT_WITH}-py3-none-any.whl"
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -91,7 +94,7 @@ def make_bundle(root: Path, *, name: str = NAME, target: str = "cpu") -> Path:
         "constants": {**dict.fromkeys(ints, 1),
                       "special_tokens": {"tts": 1, "audio": 2, "text": 3, "ref_audio": 4, "ref_text": 5}},
         "generation": {},
-        "build": {"higgs_pack_version": "0.1.0", "python": "3.11", "platform": "linux", "tool_versions": {}},
+        "build": {"higgs_pack_version": BUILT_WITH, "python": "3.11", "platform": "linux", "tool_versions": {}},
         "reference": {"file": "reference/golden.npz", "cases": ["hi"]}, "verification": {},
     }
     relist(root, manifest)
@@ -171,7 +174,7 @@ def test_wheel_contents_and_metadata(bundle: Path, tmp_path: Path) -> None:
     assert whl.name == WHEEL
     with WheelFile(whl) as wf:  # reading every member checks it against RECORD
         contents = {n: wf.read(n) for n in wf.namelist()}
-    pkg, info = "hand_made_cpu_fp32", "hand_made_cpu_fp32-0.1.0.dist-info"
+    pkg, info = "hand_made_cpu_fp32", f"hand_made_cpu_fp32-{BUILT_WITH}.dist-info"
     listed = {e["path"] for e in read_manifest(bundle)["files"]}
     assert {n[len(pkg) + 1:] for n in contents if n.startswith(pkg + "/")} == listed | {MANIFEST_NAME, "__init__.py"}
     assert set(contents) - {n for n in contents if n.startswith(pkg + "/")} == {
@@ -180,10 +183,10 @@ def test_wheel_contents_and_metadata(bundle: Path, tmp_path: Path) -> None:
     assert contents[f"{info}/entry_points.txt"].decode() == f"[higgs_pack.bundles]\n{NAME} = {pkg}\n"
     assert b"Root-Is-Purelib: true" in contents[f"{info}/WHEEL"]
     meta = HeaderParser().parsestr(contents[f"{info}/METADATA"].decode())
-    assert (meta["Name"], meta["Version"]) == (NAME, "0.1.0")
+    assert (meta["Name"], meta["Version"]) == (NAME, BUILT_WITH)
     assert meta["Summary"] == "Higgs-Audio-v3 TTS bundle: hand/made for cpu (onnxruntime on cpu), fp32"
     assert meta["License"] == "test licence: research only"
-    assert meta.get_all("Requires-Dist") == ["higgs-pack[cpu]>=0.1.0", "onnxruntime<1.33,>=1.31", "onnx>=1.17"]
+    assert meta.get_all("Requires-Dist") == [f"higgs-pack[cpu]>={BUILT_WITH}", "onnxruntime<1.33,>=1.31", "onnx>=1.17"]
     assert "cpu" in meta["Keywords"].split(",") and "fp32" in meta["Keywords"].split(",")
     assert "Topic :: Multimedia :: Sound/Audio :: Speech" in meta.get_all("Classifier")
     assert "Project-URL" not in meta
@@ -193,9 +196,9 @@ def test_dml_wheel_carries_the_windows_marker(tmp_path: Path) -> None:
     src = make_bundle(tmp_path / "dml", name="hand-made-dml-fp32", target="dml")
     whl, = package_bundle(src, formats="wheel", out_dir=tmp_path / "out")
     with zipfile.ZipFile(whl) as zf:
-        meta = HeaderParser().parsestr(zf.read("hand_made_dml_fp32-0.1.0.dist-info/METADATA").decode())
+        meta = HeaderParser().parsestr(zf.read(f"hand_made_dml_fp32-{BUILT_WITH}.dist-info/METADATA").decode())
     assert meta.get_all("Requires-Dist") == [
-        'higgs-pack[dml]>=0.1.0; sys_platform == "win32"',
+        f'higgs-pack[dml]>={BUILT_WITH}; sys_platform == "win32"',
         'onnxruntime-directml<1.33,>=1.24; sys_platform == "win32"',
         'onnx>=1.17; sys_platform == "win32"',
     ]
@@ -483,7 +486,10 @@ def test_real_bundle_end_to_end(built_bundle: Path, tmp_path: Path) -> None:
     start = time.perf_counter()
     outs = package_bundle(built_bundle, formats="all", out_dir=tmp_path / "dist")
     seconds = time.perf_counter() - start
-    assert [p.name for p in outs] == ["higgs_audio_v3_tiny_cpu_fp32-0.1.0-py3-none-any.whl", f"{name}.tar.gz"]
+    from importlib.metadata import version
+
+    wheel = f"higgs_audio_v3_tiny_cpu_fp32-{version('higgs-pack')}-py3-none-any.whl"  # the building higgs-pack's
+    assert [p.name for p in outs] == [wheel, f"{name}.tar.gz"]
     print(f"packaged wheel + tar.gz in {seconds:.1f} s: " + ", ".join(f"{p.name} {p.stat().st_size} B" for p in outs))
 
     report = verify_any(outs[1], synthesize_cases=False)

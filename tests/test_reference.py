@@ -100,6 +100,7 @@ def test_io_config_names(tiny_ckpt):
 # ----------------------------------------------------------------------------- ONNX export
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("subpart", EXPORTED, ids=str)
 def test_onnx_export_runs_on_ort_at_other_lengths(subpart, modules, tiny_ckpt, tmp_path: Path):
     """Exported at length 5, run at 3 and 11 with batch 2: same as torch."""

@@ -10,7 +10,9 @@ sessions use a runtime-only venv (no torch) per target, as a bundle user has.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -23,35 +25,43 @@ nox.options.reuse_venv = "yes"
 ROOT = Path(__file__).parent
 BUILD_ENV = ROOT / ".nox" / "build-env"
 CASES = ROOT.parent / "shared" / "cases"
-# Mirrors the target registry (targets/declarations.py); tests/test_targets.py checks they agree.
-TARGETS = ("cpu", "cuda", "dml", "openvino")
-DEFAULT_PRECISION = {"cpu": "int4", "cuda": "fp16", "dml": "fp16", "openvino": "int4"}
-# The runtime extra a bundle user installs, per target (verify sessions).
-RUNTIME_EXTRA = {"cpu": "cpu", "cuda": "cpu", "dml": "cpu", "openvino": "openvino"}
-# GPU targets: verify-<target> runs higgs_pack.targets.static_checks (static checks, CPU parity,
-# and the GPU provider when _gpu_runtime finds the hardware).
-GPU_TARGETS = ("cuda", "dml")
+#: The session table, generated from the target registry (python -m
+#: higgs_pack.targets.nox_sessions --write; tests/test_plan.py fails when it is stale).
+#: Read as data: nox runs before the build environment, so it cannot import the declarations.
+SESSIONS = json.loads((ROOT / "targets" / "sessions.json").read_text(encoding="utf-8"))
+TARGETS: dict[str, dict] = SESSIONS["targets"]
 
 
-def _gpu_runtime(target: str) -> tuple[str, bool]:
-    """(extra to install, hardware known present) for verify-cuda / verify-dml.
-
-    cuda: an NVIDIA driver answering `nvidia-smi` -> [cuda] (onnxruntime-gpu); dml: Windows ->
-    [dml] (onnxruntime-directml).  Otherwise [cpu]: the GPU checks are skipped with a reason.
-    HIGGS_PACK_VERIFY_GPU=0/1 overrides the detection.
-    """
+def _hardware_found(probe: str) -> bool:
+    """Run a provider row's hardware probe: ``command:<argv>`` exits 0, or ``platform:<sys.platform>``."""
     import shutil
     import subprocess
 
+    kind, _, value = probe.partition(":")
+    if kind == "platform":
+        return sys.platform == value
+    argv = shlex.split(value)
+    return shutil.which(argv[0]) is not None and subprocess.run(argv, capture_output=True, check=False).returncode == 0
+
+
+def _verify_runtime(target: str) -> tuple[str, bool]:
+    """(extra to install, hardware known present) for verify-<target>.
+
+    A GPU target whose probe finds the hardware gets its own extra (e.g. [cuda]:
+    onnxruntime-gpu); otherwise the runtime extra of the provider it is checked on
+    ([cpu]) and the GPU checks are skipped with a reason.  Only a command probe proves
+    the hardware (a platform probe says only that the provider can exist).
+    HIGGS_PACK_VERIFY_GPU=0/1 overrides the detection.
+    """
+    info = TARGETS[target]
+    gpu = info["gpu"]
+    if gpu is None:
+        return info["runtime_extra"], False
+    found = _hardware_found(gpu["probe"])
     forced = os.environ.get("HIGGS_PACK_VERIFY_GPU")
-    if target == "cuda":
-        found = shutil.which("nvidia-smi") is not None and subprocess.run(
-            ["nvidia-smi", "-L"], capture_output=True, check=False).returncode == 0
-    else:
-        found = sys.platform == "win32"
     if forced is not None:
         found = forced == "1"
-    return (target if found else "cpu"), (found and target == "cuda")
+    return (gpu["extra"] if found else info["runtime_extra"]), (found and gpu["probe"].startswith("command:"))
 
 
 def _bin(name: str) -> str:
@@ -72,7 +82,7 @@ def build_env(session: nox.Session) -> None:
 
 
 def _bundle(target: str, precision: str | None = None) -> Path:
-    return ROOT / "dist" / f"higgs-audio-v3-tiny-{target}-{precision or DEFAULT_PRECISION[target]}"
+    return ROOT / "dist" / f"higgs-audio-v3-tiny-{target}-{precision or TARGETS[target]['default_precision']}"
 
 
 def _option(args: list[str], flag: str) -> str | None:
@@ -91,7 +101,7 @@ for _target in TARGETS:
         build_env(session)
         args = list(session.posargs)
         session.run(_bin("higgs-pack"), "build", "--target", target, "--force", *args, external=True)
-        if target in ("cpu", "openvino") and "--model" not in args and "--out" not in args:
+        if TARGETS[target]["runs_anywhere"] and "--model" not in args and "--out" not in args:
             bundle = _bundle(target, _option(args, "--precision"))
             wav = bundle.parent / f"{bundle.name}.wav"
             session.run(_bin("higgs-pack"), "synthesize", str(bundle), "--text-file",
@@ -99,22 +109,19 @@ for _target in TARGETS:
 
     @nox.session(name=f"verify-{_target}", reuse_venv=True, default=False, tags=["verify"])
     def _verify(session: nox.Session, target: str = _target) -> None:
-        """Verify the default bundle in a runtime-only venv (no torch): files, signatures,
-        parity vs golden outputs, and synthesis of shared/cases.  cuda/dml: static checks
-        (onnx.checker, dtypes, op coverage, decoder I/O), parity on the CPU provider, and the
-        GPU provider where the hardware is found (else skipped, naming the hardware)."""
-        extra, hardware = _gpu_runtime(target) if target in GPU_TARGETS else (RUNTIME_EXTRA[target], False)
+        """Verify the default bundle in a runtime-only venv (no torch) with `higgs-pack verify`:
+        files, static ONNX checks (kernel coverage for GPU providers), signatures, parity vs
+        golden outputs, synthesis of shared/cases; a GPU target's bundle also on its GPU
+        provider where the hardware is found (else skipped, naming the hardware)."""
+        extra, hardware = _verify_runtime(target)
         session.install(f"{ROOT}[{extra}]")
         bundle = session.posargs[0] if session.posargs else str(_bundle(target))
         if not Path(bundle).exists():
             session.error(f"{bundle} does not exist; run `nox -s build-{target}` first")
         session.run("python", "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)")
         args = ["--cases", str(CASES)] if CASES.is_dir() else []
-        if target in GPU_TARGETS:
-            session.run("python", "-m", "higgs_pack.targets.static_checks", bundle, *args,
-                        *(["--require-gpu"] if hardware else []), *session.posargs[1:])
-            return
-        session.run("higgs-pack", "verify", bundle, *args, *session.posargs[1:])
+        session.run("higgs-pack", "verify", bundle, *args, *(["--require-gpu"] if hardware else []),
+                    *session.posargs[1:])
 
     @nox.session(name=f"package-{_target}", venv_backend="none", default=False, tags=["package"])
     def _package(session: nox.Session, target: str = _target) -> None:
@@ -130,20 +137,23 @@ for _target in TARGETS:
                     "--cases", str(CASES), external=True)
 
 
-@nox.session(name="verify-cpu-on-openvino-ep", reuse_venv=True, default=False, tags=["verify"])
-def verify_cpu_on_openvino_ep(session: nox.Session) -> None:
-    """Verify the cpu bundle on ONNX Runtime's OpenVINO EP (args: [BUNDLE] [verify options]).
+for _row in SESSIONS["provider_sessions"]:
 
-    Its own venv: onnxruntime-openvino ships the same `onnxruntime` module as onnxruntime,
-    so higgs-pack goes in without the [cpu] extra (base + onnx). Fails loudly when the EP
-    does not take a session; reports the nodes it leaves on the CPU EP."""
-    session.install("onnxruntime-openvino>=1.24", "onnx>=1.17")
-    session.install(str(ROOT))
-    bundle = session.posargs[0] if session.posargs else str(_bundle("cpu"))
-    if not Path(bundle).exists():
-        session.error(f"{bundle} does not exist; run `nox -s build-cpu` first")
-    args = ["--cases", str(CASES)] if CASES.is_dir() else []
-    session.run("higgs-pack", "verify", bundle, "--execution-provider", "openvino", *args, *session.posargs[1:])
+    @nox.session(name=_row["session"], reuse_venv=True, default=False, tags=["verify"])
+    def _verify_on_provider(session: nox.Session, row: dict = _row) -> None:
+        """Verify a bundle on a provider whose onnxruntime distribution needs a venv of its own
+        (args: [BUNDLE] [verify options]).
+
+        onnxruntime-openvino ships the same `onnxruntime` module as onnxruntime, so higgs-pack
+        goes in without a runtime extra (base + onnx). Fails loudly when the provider does not
+        take a session; reports the nodes it leaves on the CPU provider."""
+        session.install(*row["install"])
+        session.install(str(ROOT))
+        bundle = session.posargs[0] if session.posargs else str(_bundle(row["target"]))
+        if not Path(bundle).exists():
+            session.error(f"{bundle} does not exist; run `nox -s build-{row['target']}` first")
+        args = ["--cases", str(CASES)] if CASES.is_dir() else []
+        session.run("higgs-pack", "verify", bundle, "--execution-provider", row["provider"], *args, *session.posargs[1:])
 
 
 @nox.session(venv_backend="none")

@@ -23,6 +23,7 @@ from typing import Any
 
 from higgs_pack.exporters import onnx_utils
 from higgs_pack.exporters.result import ExportResult, installed_version
+from higgs_pack.manifests.constants import EXECUTION_PROVIDERS as PROVIDER_ROWS
 from higgs_pack.manifests.constants import SubPart
 from higgs_pack.manifests.errors import (
     BuildError,
@@ -33,8 +34,14 @@ from higgs_pack.manifests.errors import (
 
 #: Precisions this exporter builds (ModelBuilder ``-p``).
 PRECISIONS = ("fp32", "fp16", "int4")
-#: Execution providers this exporter builds for (ModelBuilder ``-e``).
-EXECUTION_PROVIDERS = ("cpu", "cuda", "dml")
+
+
+def modelbuilder_providers() -> tuple[str, ...]:
+    """Bundle EP names this exporter builds for: the provider rows that say how
+    (``ModelBuilderSupport``: ModelBuilder's ``-e`` name, int4 accuracy_level, workarounds)."""
+    return tuple(name for name, row in PROVIDER_ROWS.items() if row.modelbuilder is not None)
+
+
 #: Options every build passes; they make the graph the ``llm_decoder`` contract.
 REQUIRED_EXTRA_OPTIONS: dict[str, str] = {"exclude_embeds": "true", "exclude_lm_head": "true"}
 #: Options that would break the contract or produce no model.
@@ -43,7 +50,7 @@ FORBIDDEN_EXTRA_OPTIONS = ("config_only", "include_hidden_states")
 #: recorded values are read back from the graph, these only fill what it omits.
 INT4_DEFAULTS: dict[str, Any] = {
     "block_size": 32,
-    "accuracy_level": {"cpu": 4, "cuda": 0, "dml": 0},
+    # accuracy_level: per provider, ModelBuilderSupport.accuracy_level of its row
     "is_symmetric": True,
     "algo_config": "default",
     "op_types_to_quantize": ["MatMul"],
@@ -61,7 +68,12 @@ LOG_TAIL_CHARS = 4000
 #: pairs ModelBuilder runs with packed Attention switched off and falls through to its
 #: ``MultiHeadAttention`` path (separate KV cache tensors, ``position_ids`` input),
 #: which runs on CPU, CUDA (float and float16 kernels) and DirectML.
-NO_PACKED_ATTENTION = frozenset({("cuda", "fp32"), ("dml", "fp32")})
+#: The pairs are the provider rows' ``ModelBuilderSupport.no_packed_attention``.
+def no_packed_attention(execution_provider: str, precision: str) -> bool:
+    """Whether ModelBuilder must build this (provider, precision) without packed attention."""
+    row = PROVIDER_ROWS[execution_provider].modelbuilder
+    return row is not None and precision in row.no_packed_attention
+
 #: Runs ModelBuilder's CLI with ``Model.is_packed_attn_supported`` returning False.
 _NO_PACKED_ATTENTION_LAUNCHER = (
     "import runpy\n"
@@ -131,7 +143,7 @@ def build_llm_decoder(
     graphs), ``attention_mask`` int64 [batch_size, total_sequence_length],
     ``past_key_values.{i}.key`` / ``.value`` [batch_size, kv_heads,
     past_sequence_length, head_dim] for every layer ``i`` (+ ``position_ids`` on
-    dml, and on cuda fp32: see :data:`NO_PACKED_ATTENTION`). Outputs: ``hidden_states`` [batch_size, sequence_length, hidden] after
+    dml, and on cuda fp32: see :func:`no_packed_attention`). Outputs: ``hidden_states`` [batch_size, sequence_length, hidden] after
     the final RMSNorm, and ``present.{i}.key`` / ``.value`` [batch_size, kv_heads,
     total_sequence_length, head_dim].
 
@@ -149,8 +161,9 @@ def build_llm_decoder(
         out_dir (`Path`): Where the sub-part goes, normally ``<bundle>/llm_decoder/``.
             Created if missing; must be empty unless ``overwrite=True``.
         precision (`str`): ``"fp32"``, ``"fp16"`` or ``"int4"`` (ModelBuilder ``-p``).
-        execution_provider (`str`): ``"cpu"``, ``"cuda"`` or ``"dml"`` (``-e``); the
-            graph is specialised for it (fp16 KV on cuda/dml, ``position_ids`` on dml).
+        execution_provider (`str`): a bundle EP name from :func:`modelbuilder_providers`
+            (``cpu``, ``cuda``, ``dml``; ModelBuilder ``-e``); the graph is specialised
+            for it (fp16 KV on cuda/dml, ``position_ids`` on dml).
         cache_dir (`Path`): ModelBuilder's scratch directory (``-c``) and the log's
             home; must be outside the bundle.
         extra_options (`dict`, *optional*): More ModelBuilder ``--extra_options``,
@@ -188,12 +201,12 @@ def build_llm_decoder(
                 "precision for ModelBuilder", precision, PRECISIONS, "--precision / precision="
             )
         )
-    if execution_provider not in EXECUTION_PROVIDERS:
+    if execution_provider not in modelbuilder_providers():
         raise BuildPlanError(
             unknown_choice(
                 "execution provider for ModelBuilder",
                 execution_provider,
-                EXECUTION_PROVIDERS,
+                modelbuilder_providers(),
                 "--target / execution_provider=",
             )
         )
@@ -218,7 +231,7 @@ def build_llm_decoder(
     out_dir.mkdir(parents=True, exist_ok=True)
     cache_dir.mkdir(parents=True, exist_ok=True)
 
-    workaround = (execution_provider, precision) in NO_PACKED_ATTENTION
+    workaround = no_packed_attention(execution_provider, precision)
     launcher = ["-c", _NO_PACKED_ATTENTION_LAUNCHER] if workaround else ["-m", "onnxruntime_genai.models.builder"]
     command = [
         sys.executable,
@@ -226,7 +239,7 @@ def build_llm_decoder(
         "-i", str(hf_dir.resolve()),
         "-o", str(out_dir.resolve()),
         "-p", precision,
-        "-e", execution_provider,
+        "-e", PROVIDER_ROWS[execution_provider].modelbuilder.ep,
         "-c", str(cache_dir.resolve()),
         "--extra_options",
         *(f"{key}={value}" for key, value in options.items()),
@@ -300,7 +313,7 @@ def build_llm_decoder(
                 matmul.get("accuracy_level"),
                 int(
                     options.get(
-                        "accuracy_level", INT4_DEFAULTS["accuracy_level"][execution_provider]
+                        "accuracy_level", PROVIDER_ROWS[execution_provider].modelbuilder.accuracy_level
                     )
                 ),
             ),

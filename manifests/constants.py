@@ -7,7 +7,9 @@ Sub-part names, execution providers and model facts come from
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 #: Version of the manifest format this higgs-pack writes and the newest it reads.
 FORMAT_VERSION = 1
@@ -48,15 +50,53 @@ FP32_ONLY = frozenset({SubPart.AUDIO_TOKENIZER, SubPart.AUDIO_ENCODER})
 
 
 @dataclass(frozen=True)
+class ModelBuilderSupport:
+    """How onnxruntime-genai's ModelBuilder builds the decoder for one provider.
+
+    Attributes:
+        ep: ModelBuilder's ``-e`` name for the provider.
+        accuracy_level: MatMulNBits ``accuracy_level`` ModelBuilder writes at int4 when
+            none is given (its ``--extra_options`` help, 0.18); recorded values are read
+            back from the graph, this fills what the graph omits.
+        no_packed_attention: precisions at which ModelBuilder 0.18's packed ``Attention``
+            writes an invalid graph for this provider, so it is built with packed
+            attention off (see ``higgs_pack.exporters.modelbuilder``).
+    """
+
+    ep: str
+    accuracy_level: int = 0
+    no_packed_attention: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class ExecutionProvider:
-    """One row of the execution-provider table.
+    """One row of the execution-provider table: all higgs-pack knows about a provider.
 
     Attributes:
         name: The bundle's name for it (``cpu``, ``cuda``, ``dml``, ``openvino``).
         ort_provider: ONNX Runtime's provider name, for example ``CUDAExecutionProvider``.
         distribution: The PyPI distribution that provides it.
         requirement: The requirement string a bundle records for it.
-        extra: The ``higgs-pack[extra]`` that installs it.
+        extra: The ``higgs-pack[extra]`` that installs it (pyproject.toml declares it;
+            tests/test_providers.py checks that it does).
+        platform_marker: PEP 508 marker of the platforms it exists on (``None``: all).
+            Targets on this provider put it on their wheel and on every requirement.
+        session_rules: ``SessionOptions`` attributes forced on every session of this
+            provider, whatever the manifest says (enum values by member name).
+        kernel_table: file in ``runtime/ops/`` listing the provider's kernels and their
+            type constraints (GPU providers: kernel coverage is checked statically).
+        hardware: the hardware it needs, for messages ("the bundle needs …"; ``None``:
+            runs on any machine with its distribution).
+        hardware_missing: how a skipped check names the missing hardware ("no CUDA GPU").
+        hardware_probe: how a session finds the hardware before installing anything:
+            ``"command:<argv>"`` (the command exits 0 only where the hardware is) or
+            ``"platform:<sys.platform>"`` (the platform only; not proof of a GPU).
+        wheel_platforms: platforms its wheels are resolver-checked for where it cannot
+            run (keys of ``higgs_pack.targets.install_check.PLATFORMS``).
+        classifiers: trove classifiers of bundle wheels for it.
+        own_venv: its distribution replaces onnxruntime (same module) and has no
+            higgs-pack runtime extra of its own to add beside another one.
+        modelbuilder: how ModelBuilder builds the decoder for it (``None``: it cannot).
     """
 
     name: str
@@ -64,24 +104,63 @@ class ExecutionProvider:
     distribution: str
     requirement: str
     extra: str
+    platform_marker: str | None = None
+    session_rules: Mapping[str, Any] = field(default_factory=dict)
+    kernel_table: str | None = None
+    hardware: str | None = None
+    hardware_missing: str | None = None
+    hardware_probe: str | None = None
+    wheel_platforms: tuple[str, ...] = ()
+    classifiers: tuple[str, ...] = ("Operating System :: OS Independent",)
+    own_venv: bool = False
+    modelbuilder: ModelBuilderSupport | None = None
 
+    @property
+    def gpu(self) -> bool:
+        """Needs hardware beyond a CPU (its runs are checked where present, else skipped)."""
+        return self.hardware is not None
+
+
+#: DirectML runs on Windows only.
+_WINDOWS = "sys_platform == 'win32'"
 
 #: Bundle EP name -> provider, package and extra (the one table; see STYLE.md #6).
+#: Adding a provider is adding a row here (and its extra in pyproject.toml).
 EXECUTION_PROVIDERS: dict[str, ExecutionProvider] = {
     ep.name: ep
     for ep in (
         ExecutionProvider(
-            "cpu", "CPUExecutionProvider", "onnxruntime", "onnxruntime>=1.31,<1.33", "cpu"
+            "cpu", "CPUExecutionProvider", "onnxruntime", "onnxruntime>=1.31,<1.33", "cpu",
+            modelbuilder=ModelBuilderSupport("cpu", accuracy_level=4),
         ),
         ExecutionProvider(
-            "cuda", "CUDAExecutionProvider", "onnxruntime-gpu", "onnxruntime-gpu>=1.31,<1.33", "cuda"
+            "cuda", "CUDAExecutionProvider", "onnxruntime-gpu", "onnxruntime-gpu>=1.31,<1.33", "cuda",
+            kernel_table="cuda.json",
+            hardware="an NVIDIA GPU with the CUDA 12 / cuDNN 9 runtime (Linux or Windows)",
+            hardware_missing="no CUDA GPU",
+            hardware_probe="command:nvidia-smi -L",
+            wheel_platforms=("linux_x86_64", "win_amd64"),
+            classifiers=("Environment :: GPU :: NVIDIA CUDA", "Operating System :: POSIX :: Linux",
+                         "Operating System :: Microsoft :: Windows"),
+            modelbuilder=ModelBuilderSupport("cuda", accuracy_level=0, no_packed_attention=("fp32",)),
         ),
         ExecutionProvider(
             "dml",
             "DmlExecutionProvider",
             "onnxruntime-directml",
-            "onnxruntime-directml>=1.24,<1.33; sys_platform == 'win32'",
+            f"onnxruntime-directml>=1.24,<1.33; {_WINDOWS}",
             "dml",
+            platform_marker=_WINDOWS,
+            # DirectML needs memory patterns off and sequential execution (ONNX Runtime's
+            # DirectML execution provider documentation).
+            session_rules={"enable_mem_pattern": False, "execution_mode": "ORT_SEQUENTIAL"},
+            kernel_table="dml.json",
+            hardware="Windows 10/11 with a DirectX 12 GPU (DirectML)",
+            hardware_missing="no DirectML GPU (Windows 10/11 with DirectX 12)",
+            hardware_probe="platform:win32",
+            wheel_platforms=("win_amd64",),
+            classifiers=("Operating System :: Microsoft :: Windows",),
+            modelbuilder=ModelBuilderSupport("dml", accuracy_level=0, no_packed_attention=("fp32",)),
         ),
         ExecutionProvider(
             "openvino",
@@ -89,7 +168,37 @@ EXECUTION_PROVIDERS: dict[str, ExecutionProvider] = {
             "onnxruntime-openvino",
             "onnxruntime-openvino>=1.24",
             "openvino-ep",
+            own_venv=True,
         ),
+    )
+}
+
+#: The provider every ONNX Runtime install has: the explicit fallback and the
+#: reference the other providers are compared with.
+CPU_PROVIDER = EXECUTION_PROVIDERS["cpu"]
+
+@dataclass(frozen=True)
+class RuntimeBackend:
+    """One runtime a bundle can run on (the manifest's ``backend``).
+
+    Attributes:
+        name: ``onnxruntime`` or ``openvino``.
+        format: the sub-part file format its bundles hold (an exporter's ``format``).
+        placement: the manifest field and the ``load()`` keyword that say where it runs
+            (``execution_provider`` or ``device``).
+    """
+
+    name: str
+    format: str
+    placement: str
+
+
+#: Manifest ``backend`` -> what it runs and how a bundle names where.
+RUNTIME_BACKENDS: dict[str, RuntimeBackend] = {
+    b.name: b
+    for b in (
+        RuntimeBackend("onnxruntime", format="onnx", placement="execution_provider"),
+        RuntimeBackend("openvino", format="openvino", placement="device"),
     )
 }
 

@@ -1,17 +1,16 @@
-"""Checks that only some backends or providers need, run inside ``verify_bundle``.
+"""Checks that only some backends or providers need; :mod:`higgs_pack.runtime.verify` registers them.
 
 OpenVINO: the decoder's state, static-shape promises (NPU variant), GPU and NPU
 devices where present.  ONNX Runtime: node placement on a non-CPU provider, and
-GPU-provider runs compared with the CPU provider (cuda, dml).
+the comparison of a GPU provider's outputs with the CPU provider's
+(:func:`compare_providers`).  This module never imports :mod:`~higgs_pack.runtime.verify`.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
-from higgs_pack.manifests.constants import SubPart
+from higgs_pack.manifests.constants import CPU_PROVIDER, EXECUTION_PROVIDERS, SubPart
 from higgs_pack.manifests.errors import HiggsPackError
 from higgs_pack.runtime.bundle import Bundle, load
 from higgs_pack.runtime.pipeline import Pipeline
@@ -129,12 +128,12 @@ def check_node_placement(bundle: Bundle, pipeline: Pipeline, report: VerifyRepor
     CPU EP): each sub-part is run once more with ORT profiling, and the profile says
     which provider ran each node.
     """
-    from higgs_pack.manifests.constants import EXECUTION_PROVIDERS
     from higgs_pack.runtime.ort_backend import bundle_node_placement
 
     by_provider = {row.ort_provider: name for name, row in EXECUTION_PROVIDERS.items()}
     used = set(pipeline.description.values())
-    eps = sorted({by_provider[u] for u in used if u in by_provider and u != "CPUExecutionProvider"})
+    cpu = CPU_PROVIDER.ort_provider
+    eps = sorted({by_provider[u] for u in used if u in by_provider and u != cpu})
     if not eps:
         report.add("node placement", None, f"every sub-part runs on {', '.join(sorted(used))}; placement is "
                    "checked on other providers")
@@ -149,7 +148,7 @@ def check_node_placement(bundle: Bundle, pipeline: Pipeline, report: VerifyRepor
     except Exception as exc:  # onnxruntime's own error types: a graph this provider cannot run
         report.add("node placement", None, f"not measured: {type(exc).__name__}: {_last_line(exc)}")
         return
-    on_cpu = {part: pl.on("CPUExecutionProvider") for part, pl in placements.items()}
+    on_cpu = {part: pl.on(cpu) for part, pl in placements.items()}
     taken = sum(len(pl.on(provider)) for pl in placements.values())
     left = sum(len(nodes) for nodes in on_cpu.values())
     if not left:
@@ -158,17 +157,15 @@ def check_node_placement(bundle: Bundle, pipeline: Pipeline, report: VerifyRepor
     parts = []
     for part, nodes in on_cpu.items():
         if nodes:
-            ops = ", ".join(f"{op} x{n}" for op, n in sorted(placements[part].op_counts("CPUExecutionProvider").items()))
+            ops = ", ".join(f"{op} x{n}" for op, n in sorted(placements[part].op_counts(cpu).items()))
             names = ", ".join(n for n, _ in nodes[:4]) + (" …" if len(nodes) > 4 else "")
             parts.append(f"{part}: {ops} ({names})")
-    report.add("node placement", True, f"{left} nodes left on CPUExecutionProvider, {taken} nodes or fused "
+    report.add("node placement", True, f"{left} nodes left on {cpu}, {taken} nodes or fused "
                f"subgraphs on {provider}: " + "; ".join(parts), left)
 
 
 # ----------------------------------------------------------------------------- GPU providers (cuda, dml)
 
-#: bundle EP -> the hardware it needs, as skip reasons name it.
-GPU_HARDWARE = {"cuda": "no CUDA GPU", "dml": "no DirectML GPU (Windows 10/11 with DirectX 12)"}
 #: Scale of the low-magnitude probe: x**2 of values this small underflows in float16 (its
 #: smallest normal is 6.1e-5), where fp16 RMS normalisation has been reported to return
 #: zeros or NaN on some kernels.
@@ -241,66 +238,3 @@ def compare_providers(bundle: Bundle, target: Pipeline, reference: Pipeline | No
             cosine, max_abs = compare(want, got, "cosine")
             report.add(name, cosine >= rule["threshold"],
                        f"cosine {cosine:.6f} (threshold {rule['threshold']}), max |diff| {max_abs:.3g}", cosine)
-
-
-def check_gpu_provider(bundle: Bundle, report: VerifyReport, *, ep: str | None = None,
-                       cases_dir: Path | None = None, require: bool = False) -> None:
-    """Run an ONNX Runtime bundle on its GPU provider where the hardware exists.
-
-    On CUDA (onnxruntime-gpu) or DirectML (onnxruntime-directml, Windows): the whole
-    :func:`verify_bundle` on that provider (sessions proved to be on it, parity against
-    the golden outputs, greedy codes, node placement, synthesis of ``cases_dir``), then
-    :func:`compare_providers` against the CPU provider on the same inputs.  Without the
-    provider: one skipped line naming the missing hardware, e.g. "no CUDA GPU:
-    CUDAExecutionProvider not available".
-
-    Args:
-        bundle: an opened ONNX Runtime bundle.
-        report: where the lines go (prefixed with the EP name).
-        ep: provider to check; default the bundle's own.
-        cases_dir: ``shared/cases``, synthesized on the provider when given.
-        require: report a missing or unusable provider as a failure, not a skip (for a
-            machine known to have the hardware).
-    """
-    from higgs_pack.manifests.constants import EXECUTION_PROVIDERS
-    from higgs_pack.runtime.ort_backend import import_ort, installed_ort_distributions
-
-    ep = ep or bundle.manifest["execution_provider"]
-    row = EXECUTION_PROVIDERS[ep]
-    missing = False if require else None
-    ort = import_ort()
-    available = ort.get_available_providers()
-    if row.ort_provider not in available:
-        report.add(f"{ep} runtime", missing, f"{GPU_HARDWARE.get(ep, ep)}: {row.ort_provider} not available "
-                   f"(installed providers: {', '.join(available)}; distributions: "
-                   f"{', '.join(installed_ort_distributions()) or 'none'}). Where the hardware exists: "
-                   f"pip install '{row.requirement}', then nox -s verify-{bundle.manifest['target']}")
-        return
-    try:
-        target = load(bundle, execution_provider=ep)
-    except HiggsPackError as exc:
-        report.add(f"{ep} runtime", missing, f"{row.ort_provider} is installed but unusable here "
-                   f"({GPU_HARDWARE.get(ep, ep)}, or its libraries are missing?): {exc}")
-        return
-    elsewhere = {p: d for p, d in target.description.items() if d.split(" (")[0] != row.ort_provider}
-    report.add(f"{ep} sessions", not elsewhere, f"every sub-part's session is on {row.ort_provider}" if not elsewhere
-               else f"not on {row.ort_provider}: {elsewhere}")
-    from higgs_pack.runtime.verify import (
-        verify_bundle,  # the full verification, on the GPU provider
-    )
-
-    sub = verify_bundle(bundle, execution_provider=ep, cases_dir=cases_dir, synthesize_cases=cases_dir is not None)
-    for check in sub.checks:
-        if check.name not in ("manifest", "files"):
-            report.add(f"{ep}: {check.name}", check.ok, check.detail, check.value)
-    try:
-        reference, note = load(bundle, execution_provider="cpu"), ""
-    except HiggsPackError as exc:
-        reference, note = None, f"the CPU provider cannot open the bundle: {exc}"
-    compare_providers(bundle, target, reference, report, label=ep, reference_note=note)
-
-
-#: backend -> checks on the bundle's files, run before any session is created.
-STRUCTURE_CHECKS: dict[str, tuple] = {"openvino": (check_decoder_state, check_static_shapes)}
-#: backend -> checks on the loaded pipeline, run after parity and greedy decoding.
-RUNTIME_CHECKS: dict[str, tuple] = {"openvino": (check_gpu, check_npu), "onnxruntime": (check_node_placement,)}

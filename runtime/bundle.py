@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.manifests.constants import SubPart
+from higgs_pack.manifests.constants import CPU_PROVIDER, SubPart
 from higgs_pack.manifests.errors import BundleError, ExecutionProviderUnavailable
 from higgs_pack.manifests.manifest import check_files, read_manifest, resolve_inside
 from higgs_pack.runtime.pipeline import ModelConstants, Pipeline
@@ -175,8 +175,9 @@ def _open_onnxruntime(bundle: Bundle, *, execution_provider: str | None, device:
     provider_options = m["provider_options"] if ep == m["execution_provider"] else {}
     # --execution-provider cpu on a bundle built for another provider is a fallback the caller
     # asked for (a cuda/dml fp16 or int4 bundle on the CPU): the description says so.
-    override = "" if ep != "cpu" or m["execution_provider"] == "cpu" else (
-        f" (explicit --execution-provider cpu; bundle built for {m['execution_provider']})")
+    cpu = CPU_PROVIDER.name
+    override = "" if ep != cpu or m["execution_provider"] == cpu else (
+        f" (explicit --execution-provider {cpu}; bundle built for {m['execution_provider']})")
     parts: dict[str, Any] = {"description": {}}
     for part, spec in m["subparts"].items():
         session, used = create_session(

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import click
 
+from higgs_pack.manifests.constants import EXECUTION_PROVIDERS, RUNTIME_BACKENDS
 from higgs_pack.manifests.errors import HiggsPackError
 
 COMMAND_GROUP = "higgs_pack.commands"
@@ -117,7 +118,7 @@ def _check_output(output: Path, bundle: str, inputs: list[Path | None], fmt: str
 @click.option("--ref-audio", type=click.Path(path_type=Path, dir_okay=False, exists=True),
               help="Reference voice to clone (any sample rate / channels libsndfile reads).")
 @click.option("--ref-text", help="Exact transcript of --ref-audio.")
-@click.option("--execution-provider", help="ONNX Runtime bundles: cpu, cuda, dml or openvino.")
+@click.option("--execution-provider", help=f"ONNX Runtime bundles: {', '.join(EXECUTION_PROVIDERS)}.")
 @click.option("--device", help="OpenVINO bundles: CPU, GPU, NPU, AUTO, HETERO:….")
 @click.option("--allow-fallback", is_flag=True, help="Permit another provider/device if the one asked for is missing.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
@@ -296,7 +297,7 @@ def inspect(bundle, as_json):
         click.echo(json.dumps(m, indent=2, sort_keys=True))
         return
     size = sum(f["size"] for f in m["files"])
-    where = m["execution_provider"] if m["backend"] == "onnxruntime" else m["device"]
+    where = m[RUNTIME_BACKENDS[m["backend"]].placement]
     click.echo(f"{m['name']}  ({opened.path})")
     click.echo(f"  model      {m['model']['id']}  checkpoint sha256 {m['model']['checkpoint_sha256'][:16]}…")
     click.echo(f"  target     {m['target']}  precision {m['precision']}  backend {m['backend']} on {where}")
@@ -321,8 +322,14 @@ def inspect(bundle, as_json):
 @click.option("--report", type=click.Path(path_type=Path, dir_okay=False),
               help="Also write the report: .html (one self-contained page with plots and audio; needs "
                    "higgs-pack[report]) or .json.")
-def verify(bundle, execution_provider, device, allow_fallback, cases, report):
-    """Check BUNDLE (directory, installed name, archive or hf://ORG/REPO[@REV]): files, signatures, parity, speech."""
+@click.option("--require-gpu", is_flag=True,
+              help="GPU-provider bundles: fail (not skip) when the provider's hardware is not usable here.")
+@click.option("--skip-parity", is_flag=True,
+              help="No parity/greedy/cases run on the bundle's (or the CPU) provider: file and static checks "
+                   "(and the GPU provider run where present).")
+def verify(bundle, execution_provider, device, allow_fallback, cases, report, require_gpu, skip_parity):
+    """Check BUNDLE (directory, installed name, archive or hf://ORG/REPO[@REV]): files, static checks,
+    signatures, parity, speech; a GPU bundle also on its GPU provider where present (else skipped, naming it)."""
     from higgs_pack.runtime.hub import is_hub_ref
     from higgs_pack.runtime.verify import verify_any
 
@@ -341,7 +348,8 @@ def verify(bundle, execution_provider, device, allow_fallback, cases, report):
         click.echo(f"{got.repo_id}@{got.commit}: {got.reason} ({got.path})", err=True)
         bundle = str(got.path)
     result = verify_any(bundle, execution_provider=execution_provider, device=device,
-                        allow_fallback=allow_fallback, cases_dir=cases)
+                        allow_fallback=allow_fallback, cases_dir=cases, require_gpu=require_gpu,
+                        parity=not skip_parity)
     click.echo(result.render())
     if as_html:
         from higgs_pack.runtime.html_report import verify_html

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from higgs_pack.manifests.constants import EXECUTION_PROVIDERS
+from higgs_pack.manifests.constants import CPU_PROVIDER, EXECUTION_PROVIDERS
 from higgs_pack.manifests.errors import (
     ExecutionProviderUnavailable,
     SignatureMismatch,
@@ -43,8 +43,11 @@ ORT_TYPES = {
     "tensor(bool)": np.bool_,
 }
 
-#: Distributions that all install the one ``onnxruntime`` module.
-ORT_DISTRIBUTIONS = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-directml", "onnxruntime-openvino")
+
+def ort_distributions() -> tuple[str, ...]:
+    """Distributions that all install the one ``onnxruntime`` module (one per provider row)."""
+    return tuple(dict.fromkeys(row.distribution for row in EXECUTION_PROVIDERS.values()))
+
 
 
 #: What ONNX Runtime says when a provider has no kernel for a node or for one of its
@@ -101,7 +104,7 @@ def _raise_unsupported(name: str, session, exc: Exception) -> None:
 def installed_ort_distributions() -> list[str]:
     """Names of the onnxruntime distributions installed in this environment."""
     found = []
-    for name in ORT_DISTRIBUTIONS:
+    for name in ort_distributions():
         try:
             importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
@@ -130,7 +133,9 @@ def import_ort():
     except ImportError as exc:
         raise ExecutionProviderUnavailable(
             "onnxruntime is not installed; install the runtime for this bundle, e.g. "
-            "pip install 'higgs-pack[cpu]' (or [cuda], [dml])"
+            f"pip install 'higgs-pack[{CPU_PROVIDER.extra}]' (or "
+            + ", ".join(f"[{row.extra}]" for row in EXECUTION_PROVIDERS.values() if not row.own_venv
+                        and row is not CPU_PROVIDER) + ")"
         ) from exc
     return ort
 
@@ -138,11 +143,11 @@ def import_ort():
 def install_hint(row) -> str:
     """How to install the ONNX Runtime distribution of one EXECUTION_PROVIDERS row.
 
-    onnxruntime-openvino replaces onnxruntime (same ``onnxruntime`` module), so its
-    hint removes the other distributions first; it has no higgs-pack extra.
+    A distribution that replaces onnxruntime (``own_venv``, e.g. onnxruntime-openvino:
+    same ``onnxruntime`` module) gets a hint that removes the other distributions first.
     """
-    if row.name == "openvino":
-        others = [d for d in installed_ort_distributions() if d != row.distribution] or ["onnxruntime"]
+    if row.own_venv:
+        others = [d for d in installed_ort_distributions() if d != row.distribution] or [CPU_PROVIDER.distribution]
         return (f"Install it in a venv of its own, or replace the installed one: pip uninstall -y "
                 f"{' '.join(others)} && pip install '{row.requirement}' (it cannot share a venv with "
                 "another onnxruntime distribution)")
@@ -152,8 +157,8 @@ def install_hint(row) -> str:
 def session_options_for(ep: str, options: dict[str, Any]):
     """Build ``SessionOptions`` for a provider.
 
-    DirectML needs memory patterns off and sequential execution (ONNX Runtime's
-    DirectML documentation); these are forced whenever ``ep == "dml"``.
+    The provider row's ``session_rules`` (DirectML: memory patterns off, sequential
+    execution) are forced over whatever the manifest says.
 
     Args:
         ep: bundle EP name.
@@ -174,9 +179,9 @@ def session_options_for(ep: str, options: dict[str, Any]):
     # 2 cores: 38 -> 105 frames/s with spinning off).  A manifest may turn it back on.
     if "session.intra_op.allow_spinning" not in options:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    if ep == "dml":
-        so.enable_mem_pattern = False
-        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    row = EXECUTION_PROVIDERS.get(ep)
+    for key, value in (row.session_rules if row is not None else {}).items():
+        setattr(so, key, getattr(ort.ExecutionMode, value) if key == "execution_mode" else value)
     return so
 
 
@@ -212,19 +217,20 @@ def create_session(path: Path, ep: str, *, provider_options: dict[str, Any] | No
     providers: list[Any] = [(wanted, provider_options or {})]
     note = wanted
     if wanted not in available:
-        if not allow_fallback or ep == "cpu":
+        if not allow_fallback or row is CPU_PROVIDER:
             raise ExecutionProviderUnavailable(
                 f"{wanted} was asked for but is not available here (installed providers: "
                 f"{', '.join(available)}; distributions: {', '.join(installed_ort_distributions()) or 'none'}). "
-                f"{install_hint(row)}, or run on the CPU explicitly with --execution-provider cpu "
-                "(execution_provider='cpu')"
+                f"{install_hint(row)}, or run on the CPU explicitly with --execution-provider {CPU_PROVIDER.name} "
+                f"(execution_provider={CPU_PROVIDER.name!r})"
             )
-        log.warning("%s is not available; falling back to CPUExecutionProvider as asked", wanted)
-        providers = ["CPUExecutionProvider"]
-        wanted = "CPUExecutionProvider"
-        note = f"CPUExecutionProvider (fallback from {row.ort_provider})"
-    elif wanted != "CPUExecutionProvider":
-        providers.append("CPUExecutionProvider")
+        cpu = CPU_PROVIDER.ort_provider
+        log.warning("%s is not available; falling back to %s as asked", wanted, cpu)
+        providers = [cpu]
+        wanted = cpu
+        note = f"{cpu} (fallback from {row.ort_provider})"
+    elif row is not CPU_PROVIDER:
+        providers.append(CPU_PROVIDER.ort_provider)
     so = session_options_for(ep, session_options or {})
     session = ort.InferenceSession(str(path), sess_options=so, providers=providers)
     used = session.get_providers()

@@ -1,9 +1,12 @@
-"""Verify a bundle with nothing but the bundle: files, signatures, parity, speech.
+"""Verify a bundle with nothing but the bundle: files, static checks, signatures, parity, speech.
 
 ``verify_bundle`` returns a :class:`VerifyReport` instead of raising at the
 first problem (like ``huggingface_hub``'s folder verification), so one run shows
 everything that is wrong.  The same function runs at build time (its numbers are
-recorded in the manifest) and in ``higgs-pack verify`` / ``nox -s verify-<target>``.
+recorded in the manifest) and in ``higgs-pack verify`` / every ``nox -s verify-<target>``,
+for every target: what differs per backend or provider is registered here as data
+(:data:`STRUCTURE_CHECKS`, :data:`RUNTIME_CHECKS`, the provider row's ``gpu`` flag),
+never chosen by a target's name.
 """
 
 from __future__ import annotations
@@ -14,9 +17,17 @@ from typing import Any
 
 import numpy as np
 
+from higgs_pack.manifests.constants import CPU_PROVIDER, EXECUTION_PROVIDERS
 from higgs_pack.manifests.errors import HiggsPackError
 from higgs_pack.manifests.manifest import check_files
-from higgs_pack.runtime.backend_checks import RUNTIME_CHECKS, STRUCTURE_CHECKS
+from higgs_pack.runtime.backend_checks import (
+    check_decoder_state,
+    check_gpu,
+    check_node_placement,
+    check_npu,
+    check_static_shapes,
+    compare_providers,
+)
 from higgs_pack.runtime.bundle import Bundle, load, open_bundle
 from higgs_pack.runtime.delay import SamplingOptions
 from higgs_pack.runtime.generate import build_prompt, generate_codes, synthesize
@@ -31,6 +42,22 @@ from higgs_pack.runtime.report import (
 #: Greedy decoding of an fp32 bundle must reproduce the oracle's codes for at least this many frames.
 MIN_GREEDY_FRAMES = 16
 
+
+def check_onnx_static(bundle: Bundle, report: VerifyReport) -> None:
+    """ONNX Runtime: :mod:`higgs_pack.runtime.static_checks` (onnx.checker, dtypes, kernel coverage, decoder I/O)."""
+    from higgs_pack.runtime.static_checks import static_checks
+
+    static_checks(bundle, report)
+
+
+#: backend -> checks on the bundle's files, run before any session is created.
+STRUCTURE_CHECKS: dict[str, tuple] = {
+    "openvino": (check_decoder_state, check_static_shapes),
+    "onnxruntime": (check_onnx_static,),
+}
+#: backend -> checks on the loaded pipeline, run after parity and greedy decoding.
+RUNTIME_CHECKS: dict[str, tuple] = {"openvino": (check_gpu, check_npu), "onnxruntime": (check_node_placement,)}
+
 def verify_bundle(
     bundle: str | Path | Bundle,
     *,
@@ -40,17 +67,27 @@ def verify_bundle(
     cases_dir: Path | None = None,
     synthesize_cases: bool = True,
     extra_checks: list | None = None,
+    static: bool = True,
+    require_gpu: bool = False,
+    parity: bool = True,
 ) -> VerifyReport:
     """Check a bundle end to end, on the runtime alone (no torch, no checkpoint).
 
     Checks, in order: manifest + every file's size and sha256; the backend's
-    :data:`STRUCTURE_CHECKS` on the files (OpenVINO: the decoder's state, static
+    :data:`STRUCTURE_CHECKS` on the files (ONNX Runtime: onnx.checker, dtypes, kernel
+    coverage for GPU providers, decoder I/O; OpenVINO: the decoder's state, static
     shapes); sub-part I/O signatures (at load); per-sub-part parity against ``reference/golden.npz``
     with the manifest's thresholds; greedy codes vs the oracle (fp32: exact for
     at least 16 frames); the backend's :data:`RUNTIME_CHECKS` (OpenVINO: GPU and
     NPU devices where present; ONNX Runtime: node placement on a non-CPU provider);
     then, when ``cases_dir`` is given, synthesis of its
     English and Chinese texts and a voice clone from ``ref_en_16k.wav``.
+
+    A bundle for a GPU provider (its provider row has ``hardware``) verified without
+    ``execution_provider``: the checks above run on the CPU provider (graphs it cannot
+    execute are skipped with ONNX Runtime's reason), then :func:`check_gpu_provider`
+    runs everything again on the GPU provider where it is usable here, or says which
+    hardware is missing.
 
     Args:
         bundle: directory, installed bundle name, or opened bundle.
@@ -60,6 +97,11 @@ def verify_bundle(
         synthesize_cases: set False to skip synthesis.
         extra_checks: callables ``f(bundle, pipeline, report)`` run after parity,
             after the backend's own :data:`RUNTIME_CHECKS`.
+        static: run the :data:`STRUCTURE_CHECKS` (the file-level checks).
+        require_gpu: a GPU provider that is missing or unusable here fails the report
+            instead of being skipped (for a machine known to have the hardware).
+        parity: set False to stop after the file-level checks (no session on the
+            bundle's or the CPU provider; the GPU provider run still happens).
 
     Returns:
         A :class:`VerifyReport`; ``report.ok`` is False when any check failed.
@@ -83,8 +125,16 @@ def verify_bundle(
                f"missing {files.missing}, changed {files.mismatched}, used but unlisted {files.unlisted}")
     if not files.ok:
         return report
-    for structure_check in STRUCTURE_CHECKS.get(m["backend"], ()):
+    for structure_check in STRUCTURE_CHECKS.get(m["backend"], ()) if static else ():
         structure_check(opened, report)
+    row = EXECUTION_PROVIDERS.get(m["execution_provider"] or "")
+    gpu_run = row is not None and row.gpu and execution_provider is None and not allow_fallback
+    if gpu_run:  # everything on the CPU provider first; the GPU provider after, where present
+        execution_provider = CPU_PROVIDER.name
+    if not parity:
+        if gpu_run:
+            check_gpu_provider(opened, report, cases_dir=cases_dir if synthesize_cases else None, require=require_gpu)
+        return report
     try:
         pipeline = load(opened, execution_provider=execution_provider, device=device,
                         allow_fallback=allow_fallback)
@@ -97,7 +147,7 @@ def verify_bundle(
     # Verifying on a provider other than the bundle's own (cuda/dml bundles checked on
     # the CPU EP): a graph that provider cannot execute is skipped with ONNX Runtime's
     # reason, never failed and never faked.  On the bundle's own provider it fails.
-    own = m["execution_provider"] if m["backend"] == "onnxruntime" else None
+    own = m["execution_provider"]  # None for backends without execution providers
     substitute = own is not None and execution_provider not in (None, own)
     cannot_run: dict[str, str] = {}
     for part, spec in m["subparts"].items():
@@ -137,7 +187,62 @@ def verify_bundle(
             report.add("synthesize cases", None, f"skipped: {blocked[0]}: {cannot_run[blocked[0]]}")
         else:
             _check_cases(pipeline, Path(cases_dir), report)
+    if gpu_run:
+        check_gpu_provider(opened, report, cases_dir=cases_dir if synthesize_cases else None, require=require_gpu)
     return report
+
+
+def check_gpu_provider(bundle: Bundle, report: VerifyReport, *, ep: str | None = None,
+                       cases_dir: Path | None = None, require: bool = False) -> None:
+    """Run an ONNX Runtime bundle on its GPU provider where the hardware exists.
+
+    On CUDA (onnxruntime-gpu) or DirectML (onnxruntime-directml, Windows): the whole
+    :func:`verify_bundle` on that provider (sessions proved to be on it, parity against
+    the golden outputs, greedy codes, node placement, synthesis of ``cases_dir``), then
+    :func:`~higgs_pack.runtime.backend_checks.compare_providers` against the CPU provider
+    on the same inputs.  Without the provider: one skipped line naming the missing
+    hardware from the provider row, e.g. "no CUDA GPU: CUDAExecutionProvider not available".
+
+    Args:
+        bundle: an opened ONNX Runtime bundle.
+        report: where the lines go (prefixed with the EP name).
+        ep: provider to check; default the bundle's own.
+        cases_dir: ``shared/cases``, synthesized on the provider when given.
+        require: report a missing or unusable provider as a failure, not a skip (for a
+            machine known to have the hardware).
+    """
+    from higgs_pack.runtime.ort_backend import import_ort, installed_ort_distributions
+
+    ep = ep or bundle.manifest["execution_provider"]
+    row = EXECUTION_PROVIDERS[ep]
+    missing = False if require else None
+    ort = import_ort()
+    available = ort.get_available_providers()
+    if row.ort_provider not in available:
+        report.add(f"{ep} runtime", missing, f"{row.hardware_missing or ep}: {row.ort_provider} not available "
+                   f"(installed providers: {', '.join(available)}; distributions: "
+                   f"{', '.join(installed_ort_distributions()) or 'none'}). Where the hardware exists: "
+                   f"pip install '{row.requirement}', then nox -s verify-{bundle.manifest['target']}")
+        return
+    try:
+        target = load(bundle, execution_provider=ep)
+    except HiggsPackError as exc:
+        report.add(f"{ep} runtime", missing, f"{row.ort_provider} is installed but unusable here "
+                   f"({row.hardware_missing or ep}, or its libraries are missing?): {exc}")
+        return
+    elsewhere = {p: d for p, d in target.description.items() if d.split(" (")[0] != row.ort_provider}
+    report.add(f"{ep} sessions", not elsewhere, f"every sub-part's session is on {row.ort_provider}" if not elsewhere
+               else f"not on {row.ort_provider}: {elsewhere}")
+    sub = verify_bundle(bundle, execution_provider=ep, cases_dir=cases_dir, synthesize_cases=cases_dir is not None,
+                        static=False)
+    for check in sub.checks:
+        if check.name not in ("manifest", "files"):
+            report.add(f"{ep}: {check.name}", check.ok, check.detail, check.value)
+    try:
+        reference, note = load(bundle, execution_provider=CPU_PROVIDER.name), ""
+    except HiggsPackError as exc:
+        reference, note = None, f"the CPU provider cannot open the bundle: {exc}"
+    compare_providers(bundle, target, reference, report, label=ep, reference_note=note)
 
 
 def _check_greedy(pipeline: Pipeline, bundle: Bundle, golden: dict[str, np.ndarray], report: VerifyReport) -> None:

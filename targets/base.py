@@ -3,7 +3,8 @@
 A :class:`Target` is data: where the bundle runs, what it needs installed, its
 precisions, and a table sub-part -> :class:`Recipe` (which exporter builds it and
 at which precision).  The build loop in :mod:`higgs_pack.targets.build` is
-generic; adding a target is adding one declaration (see ``cpu.py``).
+generic; adding a target is adding one declaration (see
+:mod:`higgs_pack.targets.declarations`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,13 @@ from types import MappingProxyType
 from typing import Any
 
 from higgs_pack.exporters.catalog import get_exporter
-from higgs_pack.manifests.constants import FP32_ONLY, SubPart
+from higgs_pack.manifests.constants import (
+    EXECUTION_PROVIDERS,
+    FP32_ONLY,
+    RUNTIME_BACKENDS,
+    ExecutionProvider,
+    SubPart,
+)
 from higgs_pack.manifests.errors import BuildPlanError, unknown_choice
 
 #: Minimum similarity to the PyTorch reference's golden outputs, per sub-part
@@ -76,21 +83,32 @@ class Variant:
 class Target:
     """One hardware target.
 
+    An ONNX Runtime target names its execution provider; what the provider row of
+    :data:`~higgs_pack.manifests.constants.EXECUTION_PROVIDERS` holds (extra,
+    requirement, platform marker, wheel classifiers) is taken from it unless the
+    target says otherwise, so a target on an existing provider is one declaration.
+
     Attributes:
         name: ``cpu``, ``cuda``, ``dml``, ``openvino``.
         description: one line for ``--help`` and wheel metadata.
-        backend: ``onnxruntime`` or ``openvino``.
-        execution_provider: bundle EP name (onnxruntime targets).
-        device: default OpenVINO device (openvino targets).
-        extra: the ``higgs-pack[extra]`` a user of the bundle installs.
-        runtime_requirements: requirement strings recorded in the manifest.
+        backend: a key of :data:`~higgs_pack.manifests.constants.RUNTIME_BACKENDS`
+            (``onnxruntime`` or ``openvino``).
         precisions: allowed bundle precisions; the first is the default.
         recipes: sub-part -> recipe; must cover all six sub-parts.
+        extra: the ``higgs-pack[extra]`` a user of the bundle installs (default: the
+            provider's).
+        runtime_requirements: requirement strings recorded in the manifest (default:
+            the provider's requirement and ``onnx``), each restricted to
+            ``platform_marker``.
+        execution_provider: bundle EP name (onnxruntime targets).
+        device: default OpenVINO device (openvino targets).
         provider_options, session_options: recorded in the manifest for the runtime.
-        platform_marker: PEP 508 marker for wheels (``sys_platform == 'win32'`` for dml).
+        platform_marker: PEP 508 marker for wheels and requirements (default: the
+            provider's, ``sys_platform == 'win32'`` for dml).
         verify_on: EP or device the build-time checks run on when the target's own
-            hardware is missing (``None`` = the target's own).
+            hardware is missing (``None`` = the target's own, which every machine has).
         variants: optional build variants (e.g. ``npu``: static shapes), see :class:`Variant`.
+        classifiers: extra trove classifiers of its wheels (default: the provider's).
     """
 
     name: str
@@ -98,8 +116,8 @@ class Target:
     backend: str
     precisions: tuple[str, ...]
     recipes: Mapping[SubPart, Recipe]
-    extra: str
-    runtime_requirements: tuple[str, ...]
+    extra: str | None = None
+    runtime_requirements: tuple[str, ...] | None = None
     execution_provider: str | None = None
     device: str | None = None
     provider_options: Mapping[str, Any] = field(default_factory=dict)
@@ -107,12 +125,49 @@ class Target:
     platform_marker: str | None = None
     verify_on: str | None = None
     variants: tuple[Variant, ...] = ()
+    classifiers: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         missing = set(SubPart) - set(self.recipes)
         if missing:
             raise BuildPlanError(f"target {self.name!r} declares no recipe for {sorted(map(str, missing))}")
+        if self.backend not in RUNTIME_BACKENDS:
+            raise BuildPlanError(unknown_choice("backend", self.backend, RUNTIME_BACKENDS, f"Target(name={self.name!r}, backend=)"))
         object.__setattr__(self, "recipes", MappingProxyType(dict(self.recipes)))
+        row = self.provider
+        if self.execution_provider is not None and row is None:
+            raise BuildPlanError(
+                f"target {self.name!r}: " + unknown_choice("execution provider", self.execution_provider,
+                                                            EXECUTION_PROVIDERS, "Target(execution_provider=)"))
+        if row is not None:
+            defaults = {"extra": row.extra, "platform_marker": row.platform_marker, "classifiers": row.classifiers,
+                        "runtime_requirements": (row.requirement, ONNX_REQUIREMENT)}
+            for key, value in defaults.items():
+                if getattr(self, key) is None:
+                    object.__setattr__(self, key, value)
+        if self.extra is None or self.runtime_requirements is None:
+            raise BuildPlanError(f"target {self.name!r} on backend {self.backend!r} must declare extra= and "
+                                 "runtime_requirements= (only an execution provider row supplies them)")
+        if self.classifiers is None:
+            object.__setattr__(self, "classifiers", ("Operating System :: OS Independent",))
+        if self.platform_marker:
+            object.__setattr__(self, "runtime_requirements",
+                               on_platform(tuple(self.runtime_requirements), self.platform_marker))
+
+    @property
+    def provider(self) -> ExecutionProvider | None:
+        """The execution-provider row of an ONNX Runtime target (``None`` for other backends)."""
+        return EXECUTION_PROVIDERS.get(self.execution_provider) if self.execution_provider else None
+
+    @property
+    def placement(self) -> str:
+        """The ``load()`` keyword / manifest field naming where it runs (``execution_provider``/``device``)."""
+        return RUNTIME_BACKENDS[self.backend].placement
+
+    @property
+    def runs_anywhere(self) -> bool:
+        """Its bundles run on any machine with the runtime installed (no special hardware)."""
+        return self.verify_on is None
 
     @property
     def default_precision(self) -> str:
@@ -124,6 +179,22 @@ class Target:
         if part in FP32_ONLY:
             return "fp32"
         return precision if rule == "target" else rule
+
+
+#: The ``onnx`` requirement every ONNX Runtime bundle records (static checks read the graphs).
+ONNX_REQUIREMENT = "onnx>=1.17"
+
+
+def on_platform(requirements: tuple[str, ...], marker: str) -> tuple[str, ...]:
+    """Each PEP 508 requirement restricted to ``marker`` (unchanged when it already is)."""
+    out = []
+    for requirement in requirements:
+        spec, _, existing = (part.strip() for part in requirement.partition(";"))
+        if existing.replace('"', "'") == marker:
+            out.append(requirement)
+        else:
+            out.append(f"{spec}; ({existing}) and {marker}" if existing else f"{spec}; {marker}")
+    return tuple(out)
 
 
 _REGISTRY: dict[str, Target] = {}

@@ -335,7 +335,7 @@ def _verify_and_record(plan: BuildPlan, bundle_dir: Path, manifest: dict[str, An
     kwargs: dict[str, Any] = {}
     verify_on = (plan.variant_spec.verify_on if plan.variant_spec is not None else None) or t.verify_on
     if verify_on is not None:
-        kwargs = {"execution_provider": verify_on} if t.backend == "onnxruntime" else {"device": verify_on}
+        kwargs = {t.placement: verify_on}
     report = verify_bundle(bundle_dir, synthesize_cases=False, **kwargs)
     if not report.ok:
         failed = "; ".join(f"{c.name}: {c.detail}" for c in report.checks if c.ok is False)

@@ -8,14 +8,8 @@ from pathlib import Path
 import click
 
 
-def _target_names() -> list[str]:
-    from higgs_pack.targets.base import targets
-
-    return sorted(targets())
-
-
 @click.command()
-@click.option("--target", "-t", required=True, help="cpu, cuda, dml or openvino.")
+@click.option("--target", "-t", required=True, help="A registered target name; an unknown name lists the known ones.")
 @click.option("--precision", "-p", help="int4, int8, fp16 or fp32 (default: the target's default).")
 @click.option("--model", "-m", help="Checkpoint directory or Hugging Face repo id (default: the embedded tiny checkpoint).")
 @click.option("--out", "-o", type=click.Path(path_type=Path, file_okay=False),

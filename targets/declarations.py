@@ -7,20 +7,18 @@ OpenVINO passes for the native OpenVINO target; codec sub-parts always fp32.
 
 from __future__ import annotations
 
-from higgs_pack.manifests.constants import EXECUTION_PROVIDERS, OPENVINO_REQUIREMENT, SubPart
+from higgs_pack.manifests.constants import OPENVINO_REQUIREMENT, SubPart
 from higgs_pack.targets.base import Recipe, Target, Variant, register
 
 
-def _onnx_recipes(ep: str) -> dict[SubPart, Recipe]:
+def _onnx_recipes(ep: str, *, heads: dict | None = None) -> dict[SubPart, Recipe]:
+    """ModelBuilder decoder for ``ep``, Olive for the rest; ``heads``: extra audio_heads options."""
     module = Recipe("olive-onnx")
-    # int4 heads with int8 compute (MatMulNBits accuracy_level 4, as ModelBuilder's cpu
-    # decoder): 1.30 -> 0.31 ms per frame on the bench preset; other providers keep the default.
-    heads = Recipe("olive-onnx", options={"accuracy_level": 4}) if ep == "cpu" else module
     return {
         SubPart.LLM_DECODER: Recipe("modelbuilder", options={"execution_provider": ep}),
         SubPart.TEXT_EMBED: module,
         SubPart.AUDIO_EMBED: module,
-        SubPart.AUDIO_HEADS: heads,
+        SubPart.AUDIO_HEADS: Recipe("olive-onnx", options=heads) if heads else module,
         SubPart.AUDIO_TOKENIZER: Recipe("olive-onnx", precision="fp32"),
         SubPart.AUDIO_ENCODER: Recipe("olive-onnx", precision="fp32"),
     }
@@ -37,9 +35,9 @@ CPU = register(
         # wrong buffer shape, measured 2026-11-30), and the CPU provider computes fp16 by
         # casting to fp32 anyway.  int4 (fast) and fp32 (exact) are the CPU choices.
         precisions=("int4", "fp32"),
-        recipes=_onnx_recipes("cpu"),
-        extra="cpu",
-        runtime_requirements=(EXECUTION_PROVIDERS["cpu"].requirement, "onnx>=1.17"),
+        # int4 heads with int8 compute (MatMulNBits accuracy_level 4, as ModelBuilder's cpu
+        # decoder): 1.30 -> 0.31 ms per frame on the bench preset; other providers keep the default.
+        recipes=_onnx_recipes("cpu", heads={"accuracy_level": 4}),
     )
 )
 
@@ -51,29 +49,10 @@ CUDA = register(
         execution_provider="cuda",
         precisions=("fp16", "int4", "fp32"),
         recipes=_onnx_recipes("cuda"),
-        extra="cuda",
-        runtime_requirements=(EXECUTION_PROVIDERS["cuda"].requirement, "onnx>=1.17"),
         provider_options={"device_id": 0},
         verify_on="cpu",
     )
 )
-
-#: DirectML runs on Windows only.  The marker goes on the wheel (Target.platform_marker)
-#: and on every runtime requirement the manifest records, so both say the same.
-DML_MARKER = "sys_platform == 'win32'"
-
-
-def _on_platform(requirements: tuple[str, ...], marker: str) -> tuple[str, ...]:
-    """Each PEP 508 requirement restricted to ``marker`` (unchanged when it already is)."""
-    out = []
-    for requirement in requirements:
-        spec, _, existing = (part.strip() for part in requirement.partition(";"))
-        if existing.replace('"', "'") == marker:
-            out.append(requirement)
-        else:
-            out.append(f"{spec}; ({existing}) and {marker}" if existing else f"{spec}; {marker}")
-    return tuple(out)
-
 
 DML = register(
     Target(
@@ -82,11 +61,8 @@ DML = register(
         backend="onnxruntime",
         execution_provider="dml",
         precisions=("fp16", "int4"),
-        recipes=_onnx_recipes("dml"),
-        extra="dml",
-        runtime_requirements=_on_platform((EXECUTION_PROVIDERS["dml"].requirement, "onnx>=1.17"), DML_MARKER),
+        recipes=_onnx_recipes("dml"),  # Windows only: the provider row's platform marker
         provider_options={"device_id": 0},
-        platform_marker=DML_MARKER,
         verify_on="cpu",
     )
 )

@@ -90,15 +90,25 @@ class CheckPlan:
     needs: str = ""
 
 
-#: Target -> how its wheel is checked here (data; a new target adds one row).
-CHECK_PLANS: dict[str, CheckPlan] = {
-    "cpu": CheckPlan(runs_here=True),
-    "openvino": CheckPlan(runs_here=True),
-    "cuda": CheckPlan(runs_here=False, platforms=(LINUX_X86_64, WINDOWS_AMD64),
-                      needs="an NVIDIA GPU with the CUDA 12 / cuDNN 9 runtime (Linux or Windows)"),
-    "dml": CheckPlan(runs_here=False, platforms=(WINDOWS_AMD64,),
-                     needs="Windows 10/11 with a DirectX 12 GPU (DirectML)"),
-}
+#: Platforms a provider row's ``wheel_platforms`` may name.
+PLATFORMS: dict[str, Platform] = {"linux_x86_64": LINUX_X86_64, "win_amd64": WINDOWS_AMD64}
+
+
+def check_plan(target: Any) -> CheckPlan:
+    """How a target's wheel is checked here, from its declaration and provider row.
+
+    A target whose runtime runs on any machine (``verify_on`` unset: cpu, openvino) is
+    installed and run; one that needs hardware is resolver-checked for the platforms its
+    provider row lists.
+    """
+    if target.runs_anywhere:
+        return CheckPlan(runs_here=True)
+    row = target.provider
+    if row is None or not row.wheel_platforms:
+        raise HiggsPackError(f"target {target.name!r} needs hardware this machine may lack, but its execution "
+                             "provider row lists no wheel_platforms to check the wheel's requirements for")
+    return CheckPlan(runs_here=False, platforms=tuple(PLATFORMS[p] for p in row.wheel_platforms),
+                     needs=row.hardware or row.name)
 
 
 @dataclass
@@ -354,7 +364,7 @@ def _default_source() -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit status (0 = every check passed)."""
     parser = argparse.ArgumentParser(prog="python -m higgs_pack.targets.install_check", description=__doc__.split("\n")[0])
-    parser.add_argument("--target", required=True, help="cpu, cuda, dml or openvino.")
+    parser.add_argument("--target", required=True, help="a registered target (an unknown name lists them).")
     parser.add_argument("--wheel", type=Path, help="The bundle wheel to check.")
     parser.add_argument("--bundle", type=Path, help="Bundle directory whose wheel is in --dist (instead of --wheel).")
     parser.add_argument("--dist", type=Path, default=Path("dist"), help="Where --bundle's wheel is (default: dist).")
@@ -368,9 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = Results()
     try:
         target = get_target(args.target)
-        plan = CHECK_PLANS.get(target.name)
-        if plan is None:
-            raise HiggsPackError(f"no install check declared for target {target.name!r}; add a row to CHECK_PLANS")
+        plan = check_plan(target)
         if args.wheel is None and args.bundle is None:
             parser.error("give --wheel WHEEL or --bundle BUNDLE [--dist DIR]")
         wheel_path = args.wheel if args.wheel is not None else find_wheel(args.bundle, args.dist)

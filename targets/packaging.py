@@ -87,14 +87,6 @@ STORE_AT_BYTES = 64 << 20
 FILE_MODE = 0o644
 DIR_MODE = 0o755
 
-#: Extra trove classifiers of wheels per target (data, not branches).
-TARGET_CLASSIFIERS: dict[str, tuple[str, ...]] = {
-    "cpu": ("Operating System :: OS Independent",),
-    "cuda": ("Environment :: GPU :: NVIDIA CUDA", "Operating System :: POSIX :: Linux",
-             "Operating System :: Microsoft :: Windows"),
-    "dml": ("Operating System :: Microsoft :: Windows",),
-    "openvino": ("Operating System :: OS Independent",),
-}
 BASE_CLASSIFIERS = (
     "Programming Language :: Python :: 3",
     "Topic :: Multimedia :: Sound/Audio :: Speech",
@@ -588,7 +580,7 @@ def wheel_metadata(content: BundleContent, target: Any) -> str:
                     f"({m['backend']} on {where}), {m['precision']}"),
         ("Keywords", ",".join(dict.fromkeys(keywords))),
         ("License", m["model"]["license"]),
-        *(("Classifier", c) for c in (*BASE_CLASSIFIERS, *TARGET_CLASSIFIERS.get(m["target"], ()))),
+        *(("Classifier", c) for c in (*BASE_CLASSIFIERS, *target.classifiers)),
         ("Requires-Python", ">=3.10"),
         *(("Requires-Dist", r) for r in requires_dist(m, target, ver)),
         ("Description-Content-Type", "text/markdown"),

@@ -19,21 +19,15 @@ from onnx import TensorProto, helper
 
 from higgs_pack.manifests.errors import ExecutionProviderUnavailable, NumericalError
 from higgs_pack.manifests.manifest import file_entry, read_manifest, write_manifest
-from higgs_pack.runtime.backend_checks import check_gpu_provider, compare_providers
+from higgs_pack.runtime.backend_checks import compare_providers
 from higgs_pack.runtime.bundle import load, open_bundle
 from higgs_pack.runtime.delay import SamplingOptions
 from higgs_pack.runtime.generate import synthesize
+from higgs_pack.runtime.kernels import KernelTable, coverage, load_kernel_table
+from higgs_pack.runtime.onnx_types import TypedNode, type_graph
 from higgs_pack.runtime.ort_backend import import_ort, session_options_for
 from higgs_pack.runtime.report import VerifyReport, compare, read_golden
-from higgs_pack.runtime.verify import verify_bundle
-from higgs_pack.targets.static_checks import (
-    KernelTable,
-    TypedNode,
-    coverage,
-    load_kernel_table,
-    type_graph,
-    verify_gpu_target,
-)
+from higgs_pack.runtime.verify import check_gpu_provider, verify_bundle
 
 pytestmark = pytest.mark.slow
 
@@ -92,8 +86,9 @@ def _final_norm(bundle: Path) -> str:
 # ----------------------------------------------------------------------------- builds and manifests
 
 
-def test_cuda_fp16_manifest(cuda_fp16):
+def test_cuda_fp16_manifest(cuda_fp16, tiny_ckpt):
     m = read_manifest(cuda_fp16)
+    layers = tiny_ckpt.constants.num_layers
     assert (m["name"], m["target"], m["precision"]) == ("higgs-audio-v3-tiny-cuda-fp16", "cuda", "fp16")
     assert (m["backend"], m["execution_provider"], m["provider_options"]) == ("onnxruntime", "cuda", {"device_id": 0})
     assert m["runtime_requirements"][0].startswith("onnxruntime-gpu>=1.31")
@@ -103,7 +98,7 @@ def test_cuda_fp16_manifest(cuda_fp16):
     assert "position_ids" not in dec  # cuda fuses rotary embedding into GroupQueryAttention
     assert subs["llm_decoder"]["outputs"][0] == {"name": "hidden_states", "dtype": "float16",
                                                  "shape": ["batch_size", "sequence_length", 64]}
-    assert subs["llm_decoder"]["options"]["op_types"]["GroupQueryAttention"] == 2
+    assert subs["llm_decoder"]["options"]["op_types"]["GroupQueryAttention"] == layers  # one per layer
     for part in ("text_embed", "audio_embed", "audio_heads"):
         assert subs[part]["passes"] == ["OnnxConversion", "OnnxFloatToFloat16"]
         assert subs[part]["outputs"][0]["dtype"] == "float16"
@@ -121,14 +116,14 @@ def test_cuda_fp16_manifest(cuda_fp16):
     assert m["verification"]["build_time"]["ok"] is True
 
 
-def test_dml_fp16_manifest_and_marker(dml_fp16):
+def test_dml_fp16_manifest_and_marker(dml_fp16, tiny_ckpt):
     from packaging.requirements import Requirement
 
     m = read_manifest(dml_fp16)
     assert (m["target"], m["execution_provider"], m["precision"]) == ("dml", "dml", "fp16")
     dec = {t["name"]: t["dtype"] for t in m["subparts"]["llm_decoder"]["inputs"]}
     assert dec["position_ids"] == "int64" and dec["inputs_embeds"] == "float16"
-    assert m["subparts"]["llm_decoder"]["options"]["op_types"]["RotaryEmbedding"] == 4
+    assert m["subparts"]["llm_decoder"]["options"]["op_types"]["RotaryEmbedding"] == 2 * tiny_ckpt.constants.num_layers  # q and k per layer
     reqs = [Requirement(r) for r in m["runtime_requirements"]]
     assert reqs[0].name == "onnxruntime-directml"
     for req in reqs:  # every requirement is Windows-only, like the wheel's metadata
@@ -183,8 +178,13 @@ def test_dml_rules_on_every_session_even_in_fallback(dml_fp16):
         options = session.get_session_options()
         assert options.enable_mem_pattern is False
         assert options.execution_mode == ort.ExecutionMode.ORT_SEQUENTIAL
-    if DML not in _available():
-        assert pipe.description["llm_decoder"] == f"CPUExecutionProvider (fallback from {DML})"
+
+
+def test_allowed_fallback_from_dml_is_recorded(dml_fp16):
+    if DML in _available():
+        pytest.skip(f"this machine has a DirectML GPU ({DML}); there is no fallback to show")
+    pipe = load(dml_fp16, allow_fallback=True)
+    assert pipe.description["llm_decoder"] == f"CPUExecutionProvider (fallback from {DML})"
 
 
 # ----------------------------------------------------------------------------- guards
@@ -282,7 +282,7 @@ def test_gpu_provider_path_runs_end_to_end_on_a_stand_in_provider(dml_fp16):
 
 
 def test_static_verification_of_the_cuda_bundle(cuda_fp16):
-    report = verify_gpu_target(cuda_fp16)
+    report = verify_bundle(cuda_fp16)  # what `higgs-pack verify` / `nox -s verify-cuda` run
     checks = {c.name: c for c in report.checks}
     assert report.ok, report.render()
     assert all(checks[f"onnx.checker {p}"].ok for p in ("llm_decoder", "text_embed", "audio_tokenizer"))
@@ -290,25 +290,39 @@ def test_static_verification_of_the_cuda_bundle(cuda_fp16):
     assert all(checks[f"ops {p}"].detail.startswith("all ") for p in ("llm_decoder", "audio_encoder", "text_embed"))
     assert checks["dtypes llm_decoder"].ok and "float16" in checks["dtypes llm_decoder"].detail
     assert checks["decoder I/O"].ok
-    assert checks["CPU parity llm_decoder"].ok is None and "q_norm_weight" in checks["CPU parity llm_decoder"].detail
-    assert checks["CPU parity audio_heads"].ok is True
-    gpu = checks.get("cuda runtime")
-    if CUDA not in _available():
-        assert gpu.ok is None and gpu.detail.startswith("no CUDA GPU: CUDAExecutionProvider not available")
+    # Parity on the CPU provider (no CUDA here): the fused decoder is skipped with ORT's reason.
+    assert checks["parity llm_decoder"].ok is None and "q_norm_weight" in checks["parity llm_decoder"].detail
+    assert checks["parity audio_heads"].ok is True
+    assert "cuda runtime" in checks
+
+
+def test_static_verification_skips_the_missing_gpu_naming_it(cuda_fp16, dml_fp16, tmp_path):
+    if CUDA in _available() or DML in _available():
+        pytest.skip("this machine has a CUDA or DirectML GPU; the skipped-GPU lines cannot be shown")
+    gpu = {c.name: c for c in verify_bundle(cuda_fp16, parity=False).checks}["cuda runtime"]
+    assert gpu.ok is None and gpu.detail.startswith("no CUDA GPU: CUDAExecutionProvider not available")
+    out = tmp_path / "report.json"
+    assert _verify_cli(dml_fp16, "--report", out, "--skip-parity").exit_code == 0
+    checks = {c["name"]: c for c in json.loads(out.read_text())["checks"]}
+    assert checks["dml runtime"]["status"] == "skipped"
+    assert checks["dml runtime"]["detail"].startswith("no DirectML GPU")
+
+
+def _verify_cli(bundle, *args):
+    from higgs_pack.runtime.cli import main
+
+    return CliRunner().invoke(main, ["verify", str(bundle), *map(str, args)])
 
 
 def test_static_verification_of_the_dml_bundle(dml_fp16, tmp_path):
-    from higgs_pack.targets.static_checks import main
-
     out = tmp_path / "report.json"
-    assert main([str(dml_fp16), "--report", str(out), "--skip-parity"]) == 0
+    result = _verify_cli(dml_fp16, "--report", out, "--skip-parity")
+    assert result.exit_code == 0, result.output
     checks = {c["name"]: c for c in json.loads(out.read_text())["checks"]}
     assert checks["ops llm_decoder"]["status"] == "ok" and checks["ops llm_decoder"]["detail"].startswith("all ")
     assert "Gelu" in checks["ops audio_encoder"]["detail"] and "fall back" in checks["ops audio_encoder"]["detail"]
     assert "Mod" in checks["ops audio_heads"]["detail"]  # int64 shape arithmetic DirectML has no kernel for
-    if DML not in _available():
-        assert checks["dml runtime"]["status"] == "skipped"
-        assert checks["dml runtime"]["detail"].startswith("no DirectML GPU")
+    assert "dml runtime" in checks
 
 
 def test_op_tables_cover_every_node_with_types(cuda_fp16, dml_fp16):
@@ -377,34 +391,35 @@ def test_cuda_fp32_decoder_works_around_modelbuilder(tmp_path, tiny_ckpt):
     hf = tiny_ckpt.write_qwen3_hf_dir(tmp_path / "hf")
     result = build_llm_decoder(hf, tmp_path / "b" / "llm_decoder", precision="fp32", execution_provider="cuda",
                                cache_dir=tmp_path / "cache")
-    assert result.options["workarounds"] and result.options["op_types"]["MultiHeadAttention"] == 2
+    assert result.options["workarounds"] and result.options["op_types"]["MultiHeadAttention"] == tiny_ckpt.constants.num_layers
     ort = import_ort()
     session = ort.InferenceSession(str(tmp_path / "b" / "llm_decoder" / "model.onnx"), providers=["CPUExecutionProvider"])
     assert {o.name for o in session.get_outputs()} >= {"hidden_states", "present.0.key", "present.1.value"}
     onnx.checker.check_model(str(tmp_path / "b" / "llm_decoder" / "model.onnx"), full_check=False)
 
 
-def test_gpu_check_is_skipped_with_the_hardware_named(cuda_fp16, dml_fp16):
-    for bundle, ep, label in ((cuda_fp16, "cuda", "no CUDA GPU"), (dml_fp16, "dml", "no DirectML GPU")):
-        if EXEC[ep] in _available():
-            continue
-        report = VerifyReport(bundle=ep)
-        check_gpu_provider(open_bundle(bundle), report)
-        (line,) = report.checks
-        assert line.ok is None and line.detail.startswith(label) and f"{EXEC[ep]} not available" in line.detail
-        strict = VerifyReport(bundle=ep)
-        check_gpu_provider(open_bundle(bundle), strict, require=True)
-        assert strict.checks[0].ok is False
-
-
 EXEC = {"cuda": CUDA, "dml": DML}
+
+
+@pytest.mark.parametrize(("ep", "label"), [("cuda", "no CUDA GPU"), ("dml", "no DirectML GPU")])
+def test_gpu_check_is_skipped_with_the_hardware_named(request, ep, label):
+    if EXEC[ep] in _available():
+        pytest.skip(f"this machine has the GPU ({EXEC[ep]}); the skipped line cannot be shown")
+    bundle = request.getfixturevalue(f"{ep}_fp16")
+    report = VerifyReport(bundle=ep)
+    check_gpu_provider(open_bundle(bundle), report)
+    (line,) = report.checks
+    assert line.ok is None and line.detail.startswith(label) and f"{EXEC[ep]} not available" in line.detail
+    strict = VerifyReport(bundle=ep)
+    check_gpu_provider(open_bundle(bundle), strict, require=True)
+    assert strict.checks[0].ok is False
 
 
 @pytest.mark.gpu
 def test_cuda_bundle_on_the_gpu(cuda_fp16, cases_dir):
     if CUDA not in _available():
         pytest.skip("no CUDA GPU: CUDAExecutionProvider not available (pip install onnxruntime-gpu on an NVIDIA machine)")
-    report = verify_gpu_target(cuda_fp16, cases_dir=cases_dir, require_gpu=True)
+    report = verify_bundle(cuda_fp16, cases_dir=cases_dir, require_gpu=True)
     assert report.ok, report.render()
 
 
@@ -412,5 +427,5 @@ def test_cuda_bundle_on_the_gpu(cuda_fp16, cases_dir):
 def test_dml_bundle_on_the_gpu(dml_fp16, cases_dir):
     if DML not in _available():
         pytest.skip("no DirectML GPU: DmlExecutionProvider not available (onnxruntime-directml on Windows)")
-    report = verify_gpu_target(dml_fp16, cases_dir=cases_dir, require_gpu=True)
+    report = verify_bundle(dml_fp16, cases_dir=cases_dir, require_gpu=True)
     assert report.ok, report.render()

@@ -1,0 +1,167 @@
+"""A target or an execution provider is one declaration.
+
+A fifth target on an existing ONNX Runtime provider is registered under a new name
+and planned, built (tiny), verified and packaged; a new provider row flows into every
+place that needs it (extra, marker, session rules, hardware, classifiers, ModelBuilder,
+nox session table) with no other file changed.  The registry and the provider table
+are restored after each test (pytest's monkeypatch on our own tables, no tool mocked).
+"""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from email.parser import HeaderParser
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from higgs_pack.manifests import constants
+from higgs_pack.manifests.constants import (
+    EXECUTION_PROVIDERS,
+    ExecutionProvider,
+    ModelBuilderSupport,
+    SubPart,
+)
+from higgs_pack.manifests.errors import BuildPlanError
+from higgs_pack.targets import base
+from higgs_pack.targets.base import Recipe, Target, get_target, register, targets
+from higgs_pack.targets.plan import make_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def onnx_recipes(ep: str) -> dict[SubPart, Recipe]:
+    module = Recipe("olive-onnx")
+    return {SubPart.LLM_DECODER: Recipe("modelbuilder", options={"execution_provider": ep}),
+            SubPart.TEXT_EMBED: module, SubPart.AUDIO_EMBED: module, SubPart.AUDIO_HEADS: module,
+            SubPart.AUDIO_TOKENIZER: Recipe("olive-onnx", precision="fp32"),
+            SubPart.AUDIO_ENCODER: Recipe("olive-onnx", precision="fp32")}
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """The target registry, restored after the test (declarations loaded first)."""
+    targets()
+    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+    return base._REGISTRY
+
+
+@pytest.fixture
+def exact_cpu(registry) -> Target:
+    """A fifth target: the cpu provider under another name, fp32 only."""
+    return register(Target(name="cpu-exact", description="ONNX Runtime CPU, fp32 only (declaration test)",
+                           backend="onnxruntime", execution_provider="cpu", precisions=("fp32",),
+                           recipes=onnx_recipes("cpu")))
+
+
+def test_fifth_target_plans_from_its_declaration_alone(exact_cpu):
+    assert get_target("cpu-exact") is exact_cpu
+    assert (exact_cpu.extra, exact_cpu.platform_marker) == ("cpu", None)
+    assert exact_cpu.runtime_requirements == (EXECUTION_PROVIDERS["cpu"].requirement, base.ONNX_REQUIREMENT)
+    plan = make_plan("cpu-exact")
+    assert plan.precision == "fp32" and {r.subpart for r in plan.rows} == set(SubPart)
+    with pytest.raises(BuildPlanError, match="target 'cpu-exact' does not support precision 'int4'"):
+        make_plan("cpu-exact", "int4")
+    from higgs_pack.targets.nox_sessions import session_table
+
+    assert session_table()["targets"]["cpu-exact"] == {
+        "default_precision": "fp32", "gpu": None, "runs_anywhere": True, "runtime_extra": "cpu"}
+
+
+@pytest.mark.slow
+def test_fifth_target_builds_verifies_and_packages(exact_cpu, tiny_checkpoint, tmp_path):
+    from higgs_pack.manifests.manifest import read_manifest
+    from higgs_pack.runtime.verify import verify_bundle
+    from higgs_pack.targets.build import build
+    from higgs_pack.targets.install_check import Results, check_metadata, check_plan, read_wheel
+    from higgs_pack.targets.packaging import package_bundle
+
+    bundle = build("cpu-exact", model=tiny_checkpoint, out=tmp_path / "higgs-audio-v3-tiny-cpu-exact-fp32")
+    m = read_manifest(bundle)
+    assert (m["target"], m["execution_provider"], m["precision"]) == ("cpu-exact", "cpu", "fp32")
+    assert m["verification"]["build_time"]["ok"] is True
+    report = verify_bundle(bundle, synthesize_cases=False)
+    assert report.ok, report.render()
+    whl, tgz = package_bundle(bundle, formats="all", out_dir=tmp_path / "dist")
+    assert tgz.name == "higgs-audio-v3-tiny-cpu-exact-fp32.tar.gz"
+    wheel = read_wheel(whl)
+    results = Results()
+    check_metadata(wheel, exact_cpu, results)
+    assert not results.failed, results.lines
+    assert check_plan(exact_cpu).runs_here
+    with zipfile.ZipFile(whl) as zf:
+        meta_name = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        meta = HeaderParser().parsestr(zf.read(meta_name).decode())
+    assert meta.get_all("Requires-Dist")[0].startswith("higgs-pack[cpu]>=")
+
+
+@pytest.fixture
+def qnn(monkeypatch, registry) -> ExecutionProvider:
+    """A new provider row (Qualcomm's QNN EP), declared in the provider table only."""
+    row = ExecutionProvider(
+        "qnn", "QNNExecutionProvider", "onnxruntime-qnn", "onnxruntime-qnn>=1.22", "qnn",
+        platform_marker="sys_platform == 'win32' and platform_machine == 'ARM64'",
+        session_rules={"enable_mem_pattern": False},
+        hardware="a Snapdragon NPU (Windows on ARM)", hardware_missing="no Qualcomm NPU",
+        hardware_probe="platform:win32", wheel_platforms=("win_amd64",),
+        classifiers=("Operating System :: Microsoft :: Windows",),
+        modelbuilder=ModelBuilderSupport("cpu", accuracy_level=4),
+    )
+    monkeypatch.setitem(constants.EXECUTION_PROVIDERS, "qnn", row)
+    return row
+
+
+def test_new_provider_row_is_the_only_declaration(qnn, tmp_path):
+    target = register(Target(name="qnn", description="ONNX Runtime on Qualcomm's QNN provider",
+                             backend="onnxruntime", execution_provider="qnn", precisions=("int4",),
+                             recipes=onnx_recipes("qnn"), verify_on="cpu"))
+    # Everything the target needs comes from the row.
+    assert (target.extra, target.platform_marker, target.classifiers) == (qnn.extra, qnn.platform_marker,
+                                                                           qnn.classifiers)
+    assert all(qnn.platform_marker in r for r in target.runtime_requirements)
+    assert make_plan("qnn").rows[1].options == {"execution_provider": "qnn"}
+    # The runtime: session rules forced, distribution known, install hint names the extra.
+    from higgs_pack.runtime import ort_backend
+
+    assert ort_backend.session_options_for("qnn", {"enable_mem_pattern": True}).enable_mem_pattern is False
+    assert "onnxruntime-qnn" in ort_backend.ort_distributions()
+    assert ort_backend.install_hint(qnn) == "Install it with pip install 'higgs-pack[qnn]' (onnxruntime-qnn>=1.22)"
+    # Packaging, install check and nox read the same row.
+    from higgs_pack.targets.install_check import check_plan
+    from higgs_pack.targets.nox_sessions import session_table
+    from higgs_pack.targets.packaging import requires_dist
+
+    plan = check_plan(target)
+    assert not plan.runs_here and plan.needs == qnn.hardware and [p.label for p in plan.platforms] == ["Windows x86-64"]
+    reqs = requires_dist({"runtime_requirements": list(target.runtime_requirements)}, target, "0.1.0")
+    assert reqs[0].startswith("higgs-pack[qnn]>=0.1.0; ")
+    assert session_table()["targets"]["qnn"]["gpu"] == {"extra": "qnn", "probe": "platform:win32"}
+    # ModelBuilder builds for it (its -e name and int4 accuracy level come from the row).
+    from higgs_pack.exporters import modelbuilder
+
+    assert modelbuilder.modelbuilder_providers() == ("cpu", "cuda", "dml", "qnn")
+
+
+def test_unknown_provider_in_a_target_is_refused(registry):
+    with pytest.raises(BuildPlanError, match=r"unknown execution provider 'qnx'.*known: cpu, cuda, dml, openvino"):
+        Target(name="x", description="", backend="onnxruntime", execution_provider="qnx", precisions=("fp32",),
+               recipes=onnx_recipes("cpu"))
+
+
+def test_every_provider_extra_is_declared_in_pyproject():
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for row in EXECUTION_PROVIDERS.values():
+        assert row.extra in extras, f"pyproject.toml has no [{row.extra}] extra for provider {row.name!r}"
+        dists = [e.split(";")[0] for e in extras[row.extra]]
+        assert any(d.startswith(row.distribution) for d in dists), (row.name, extras[row.extra])
+        assert row.requirement.split(";")[0].strip() in dists, (row.name, row.requirement, dists)
+
+
+def test_noxfile_session_table_is_current():
+    from higgs_pack.targets.nox_sessions import SESSIONS_JSON, render
+
+    assert SESSIONS_JSON.read_text(encoding="utf-8") == render(), (
+        "targets/sessions.json is stale: python -m higgs_pack.targets.nox_sessions --write")
+    assert set(json.loads(render())["targets"]) == set(targets())

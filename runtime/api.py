@@ -27,7 +27,15 @@ from higgs_pack.manifests.manifest import MANIFEST_NAME
 from higgs_pack.runtime.bundle import Bundle, open_bundle
 from higgs_pack.runtime.bundle import load as load_pipeline
 from higgs_pack.runtime.delay import SamplingOptions
-from higgs_pack.runtime.generate import ProgressCallback, SynthesisResult
+from higgs_pack.runtime.generate import (
+    CHUNK_GROWTH,
+    FIRST_CHUNK_FRAMES,
+    MAX_CHUNK_FRAMES,
+    ProgressCallback,
+    SpeechStream,
+    SynthesisResult,
+)
+from higgs_pack.runtime.generate import stream as run_stream
 from higgs_pack.runtime.generate import synthesize as run_synthesis
 from higgs_pack.runtime.pipeline import Pipeline
 
@@ -234,13 +242,64 @@ class TTS:
                 or a sentence too long for the decoder's context.
             NumericalError: a sub-part returned NaN/inf (run ``higgs-pack verify``).
         """
+        options, ref = self._prepare(ref_audio, ref_text, seed, temperature, top_k, top_p, max_frames)
+        return run_synthesis(self.pipeline, text, ref_samples=ref, ref_text=ref_text,
+                             options=options, max_frames=max_frames, progress=progress)
+
+    def _prepare(self, ref_audio, ref_text, seed, temperature, top_k, top_p, max_frames
+                 ) -> tuple[SamplingOptions, np.ndarray | None]:
+        """Check the arguments shared by :meth:`synthesize` and :meth:`stream`; read the reference."""
         if (ref_audio is None) != (ref_text is None):
             raise InputError("voice cloning needs both ref_audio= and ref_text= (--ref-audio with --ref-text)")
         if max_frames is not None and max_frames < 1:
             raise InputError(f"max_frames must be >= 1 (frames at 25 per second), got {max_frames}")
         options = self.sampling_options(seed=seed, temperature=temperature, top_k=top_k, top_p=top_p)
-        return run_synthesis(self.pipeline, text, ref_samples=self.reference(ref_audio), ref_text=ref_text,
-                             options=options, max_frames=max_frames, progress=progress)
+        return options, self.reference(ref_audio)
+
+    def stream(
+        self,
+        text: str,
+        *,
+        ref_audio: str | os.PathLike | tuple[np.ndarray, int] | None = None,
+        ref_text: str | None = None,
+        seed: int | None = 0,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        max_frames: int | None = None,
+        progress: ProgressCallback | None = None,
+        first_chunk_frames: int = FIRST_CHUNK_FRAMES,
+        chunk_growth: float = CHUNK_GROWTH,
+        max_chunk_frames: int = MAX_CHUNK_FRAMES,
+    ) -> SpeechStream:
+        """Speak ``text`` as audio chunks that arrive while the frames are generated.
+
+        Same arguments, same speech as :meth:`synthesize` (same codes for the same seed;
+        the chunks joined equal its samples within float rounding); the work is done by
+        :func:`higgs_pack.runtime.generate.stream`.
+
+        Args:
+            text, ref_audio, ref_text, seed, temperature, top_k, top_p, max_frames, progress:
+                as :meth:`synthesize`.
+            first_chunk_frames: frames in the first chunk (default 10 frames = 0.4 s at 25 fps).
+            chunk_growth: each later chunk is this many times the previous one (default 2).
+            max_chunk_frames: chunk size limit in frames (default 100 = 4 s).
+
+        Returns:
+            A :class:`~higgs_pack.runtime.generate.SpeechStream`: iterate it for
+            :class:`~higgs_pack.runtime.generate.AudioChunk` (``samples`` float32 mono,
+            nominally in [-1, 1]; ``offset`` in samples; ``sample_rate`` in Hz);
+            ``close()`` stops the generation at the next frame.
+
+        Raises:
+            InputError: as :meth:`synthesize`, before the first chunk.
+            ValueError: a bad chunk schedule (names the argument).
+            NumericalError: while iterating, as :meth:`synthesize`.
+        """
+        options, ref = self._prepare(ref_audio, ref_text, seed, temperature, top_k, top_p, max_frames)
+        return run_stream(self.pipeline, text, ref_samples=ref, ref_text=ref_text, options=options,
+                          max_frames=max_frames, progress=progress, first_chunk_frames=first_chunk_frames,
+                          chunk_growth=chunk_growth, max_chunk_frames=max_chunk_frames)
 
 
 def _device_kwargs(bundle: Bundle, device: str | None, execution_provider: str | None = None

@@ -33,6 +33,7 @@ def test_readme_python_examples_run(cpu_int4_bundle, tmp_path):
         assert result.samples.dtype == np.float32 and result.samples.ndim == 1 and result.samples.size
         assert result.sample_rate == 24000 and result.codes.shape[1] == 8
         assert clone.samples.dtype == np.float32 and clone.codes.shape[0] <= 100
+        assert chunks and all(c.dtype == np.float32 for c in chunks)
         print("INFO", tts.info)
     """)
     out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=600)
@@ -127,3 +128,18 @@ def test_load_folder_of_bundles_chooses(cpu_fp32_bundle, cpu_int4_bundle, tmp_pa
     tts = higgs_pack.load(folder)
     assert tts.info.bundle == cpu_int4_bundle.name and tts.info.reason.startswith(f"folder of bundles {folder}")
     assert list(tts.info.not_chosen) == [cpu_fp32_bundle.name]
+
+
+def test_stream_equals_synthesize(cpu_fp32_bundle):
+    import higgs_pack
+
+    tts = higgs_pack.load(cpu_fp32_bundle)
+    whole = tts.synthesize("Hello there.", seed=5, max_frames=30)
+    stream = tts.stream("Hello there.", seed=5, max_frames=30, first_chunk_frames=4)
+    pieces = list(stream)
+    assert len(pieces) > 1 and pieces[0].sample_rate == tts.sample_rate
+    joined = np.concatenate([c.samples for c in pieces])
+    assert np.array_equal(stream.codes, whole.codes)
+    assert joined.shape == whole.samples.shape and np.allclose(joined, whole.samples, atol=1e-4)
+    with pytest.raises(higgs_pack.InputError, match="both ref_audio= and ref_text="):
+        tts.stream("Hi.", ref_text="Hello.")

@@ -1,14 +1,19 @@
-"""Data-only catalogue of exporters: what each one builds, at which precisions, with which passes.
+"""Data-only catalogue of exporters: what each one builds, at which precisions, with which options.
 
 Planning reads this table without importing anything heavy (torch, Olive,
 OpenVINO); the build loop imports ``module:function`` only when it runs.  Like
-Olive's ``olive_config.json``: one row per exporter, looked up by name.
+Olive's ``olive_config.json``: one row per exporter, looked up by name.  The passes
+of a plan come from each exporter's own planning function (``plan``: a light module
+the exporter itself names its passes with), never from a copy here.  The keyword
+options a recipe or variant may set are typed per exporter and checked when a target
+is registered and when a build is planned (like onnxruntime-genai's
+``check_extra_options``): a bad key is named with the allowed ones.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,30 +27,62 @@ class ExporterInfo:
     Attributes:
         name: catalogue key (used in target declarations and the manifest).
         entry: ``"module:function"`` that runs it.
+        plan: ``"module:function"`` of a light function ``(precision, options) ->
+            (passes, quantization)``: the tool passes it runs, in order, and the
+            quantization settings the manifest will record (a subset).
         kind: ``"decoder"`` (takes a standard Qwen3 HF directory) or ``"module"``
             (takes a torch module and example inputs).
-        format: ``"onnx"`` or ``"openvino"``.
-        passes: precision -> the tool passes it runs, in order (Olive class names
-            where Olive runs them).
+        format: ``"onnx"`` or ``"openvino"``: must be the format of the target's
+            backend (:data:`~higgs_pack.manifests.constants.RUNTIME_BACKENDS`).
+        precisions: the precisions it builds.
+        options: keyword options a recipe or variant may set -> their type(s) (the
+            build loop supplies the others: paths, precision, names).
+        scratch: the keyword that takes its scratch directory (outside the bundle).
         tool: the tool's distribution names, for version recording.
     """
 
     name: str
     entry: str
+    plan: str
     kind: str
     format: str
-    passes: dict[str, tuple[str, ...]]
+    precisions: tuple[str, ...]
+    options: Mapping[str, type | tuple[type, ...]] = field(default_factory=dict)
+    scratch: str = "work_dir"
     tool: tuple[str, ...] = field(default_factory=tuple)
-
-    @property
-    def precisions(self) -> tuple[str, ...]:
-        return tuple(self.passes)
 
     def load(self) -> Callable[..., Any]:
         """Import and return the exporter function."""
         module, function = self.entry.split(":")
         return getattr(importlib.import_module(module), function)
 
+    def planned(self, precision: str, options: Mapping[str, Any]) -> tuple[tuple[str, ...], dict[str, Any]]:
+        """``(passes, quantization)`` for one sub-part, from the exporter's own planning function."""
+        module, function = self.plan.split(":")
+        passes, quantization = getattr(importlib.import_module(module), function)(precision, options)
+        return tuple(passes), dict(quantization)
+
+    def check_options(self, options: Mapping[str, Any], where: str) -> None:
+        """Refuse an option this exporter does not take, or a value of the wrong type.
+
+        Raises:
+            BuildPlanError: naming ``where`` (target, sub-part, recipe or variant), the
+                bad key and the allowed ones (with a close match), or the expected type.
+        """
+        for key, value in options.items():
+            if key not in self.options:
+                raise BuildPlanError(f"{where}: " + unknown_choice(
+                    f"option of exporter {self.name!r}", key, self.options, "the Recipe/Variant options"))
+            expected = self.options[key]
+            types = expected if isinstance(expected, tuple) else (expected,)
+            if value is not None and not (isinstance(value, types) and not (isinstance(value, bool) and bool not in types)):
+                names = " or ".join(t.__name__ for t in types)
+                raise BuildPlanError(f"{where}: option {key}={value!r} of exporter {self.name!r} must be {names}")
+
+
+#: Options of the two OpenVINO exporters' NNCF weight compression.
+_NNCF_OPTIONS: dict[str, type | tuple[type, ...]] = {
+    "group_size": int, "ratio": (int, float), "all_layers": bool, "symmetric": bool}
 
 EXPORTERS: dict[str, ExporterInfo] = {
     e.name: e
@@ -53,52 +90,45 @@ EXPORTERS: dict[str, ExporterInfo] = {
         ExporterInfo(
             "modelbuilder",
             "higgs_pack.exporters.modelbuilder:build_llm_decoder",
+            "higgs_pack.exporters.modelbuilder:plan",
             "decoder",
             "onnx",
-            {
-                "int4": ("ModelBuilder(int4, exclude_embeds, exclude_lm_head)",),
-                "fp16": ("ModelBuilder(fp16, exclude_embeds, exclude_lm_head)",),
-                "fp32": ("ModelBuilder(fp32, exclude_embeds, exclude_lm_head)",),
-            },
-            ("onnxruntime-genai", "onnxruntime", "onnx"),
+            ("int4", "fp16", "fp32"),
+            {"execution_provider": str, "extra_options": dict, "timeout_s": (int, float)},
+            scratch="cache_dir",
+            tool=("onnxruntime-genai", "onnxruntime", "onnx"),
         ),
         ExporterInfo(
             "olive-onnx",
             "higgs_pack.exporters.olive:export_onnx",
+            "higgs_pack.exporters.olive:plan",
             "module",
             "onnx",
-            {
-                "fp32": ("OnnxConversion",),
-                "fp16": ("OnnxConversion", "OnnxFloatToFloat16"),
-                "int4": ("OnnxConversion", "OnnxBlockWiseRtnQuantization"),
-            },
-            ("olive-ai", "onnx", "onnxruntime", "torch"),
+            ("fp32", "fp16", "int4"),
+            {"opset": int, "block_size": int, "accuracy_level": int, "is_symmetric": bool,
+             "keep_io_types": bool, "external_data_threshold": int},
+            tool=("olive-ai", "onnx", "onnxruntime", "torch"),
         ),
         ExporterInfo(
             "optimum-openvino",
             "higgs_pack.exporters.openvino:convert_llm_decoder",
+            "higgs_pack.exporters.openvino_plan:decoder_plan",
             "decoder",
             "openvino",
-            {
-                "int4": ("optimum-intel stateful export (inputs_embeds)", "nncf.compress_weights(INT4_ASYM)"),
-                "int8": ("optimum-intel stateful export (inputs_embeds)", "nncf.compress_weights(INT8_ASYM)"),
-                "fp16": ("optimum-intel stateful export (inputs_embeds)", "save_model(compress_to_fp16)"),
-                "fp32": ("optimum-intel stateful export (inputs_embeds)",),
-            },
-            ("optimum-intel", "openvino", "nncf", "transformers"),
+            ("int4", "int8", "fp16", "fp32"),
+            {**_NNCF_OPTIONS, "static_kv_length": int, "static_step": int},
+            tool=("optimum-intel", "openvino", "nncf", "transformers"),
         ),
         ExporterInfo(
             "olive-openvino",
             "higgs_pack.exporters.openvino:convert_subpart",
+            "higgs_pack.exporters.openvino_plan:subpart_plan",
             "module",
             "openvino",
-            {
-                "fp32": ("OpenVINOConversion",),
-                "fp16": ("OpenVINOConversion", "compress_to_fp16"),
-                "int8": ("OpenVINOConversion", "OpenVINOWeightCompression(INT8_ASYM)"),
-                "int4": ("OpenVINOConversion", "OpenVINOWeightCompression(INT4_ASYM)"),
-            },
-            ("olive-ai", "openvino", "nncf", "torch"),
+            ("fp32", "fp16", "int8", "int4"),
+            {**_NNCF_OPTIONS, "engine": str, "static_axes": dict, "chunk_context": (int, str), "pad_mask": bool,
+             "allow_chunks": bool, "device_overrides": dict},
+            tool=("olive-ai", "openvino", "nncf", "torch"),
         ),
     )
 }

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from higgs_pack.exporters import onnx_utils
-from higgs_pack.exporters.result import ExportResult, installed_version
+from higgs_pack.exporters.result import ExportResult, installed_version, log_tail
 from higgs_pack.manifests.constants import EXECUTION_PROVIDERS as PROVIDER_ROWS
 from higgs_pack.manifests.constants import SubPart
 from higgs_pack.manifests.errors import (
@@ -55,10 +55,19 @@ INT4_DEFAULTS: dict[str, Any] = {
     "algo_config": "default",
     "op_types_to_quantize": ["MatMul"],
 }
+#: What ``ExportResult.passes`` records: one ModelBuilder run (precision and options are recorded apart).
+PASSES = ("ModelBuilder",)
+#: ``quantization.method`` of an int4 decoder.
+INT4_METHOD = "modelbuilder-weight-only"
+
+
+def plan(precision: str, options: Any) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """``(passes, quantization)`` that :func:`build_llm_decoder` records (no heavy import; for the build plan)."""
+    return PASSES, ({"method": INT4_METHOD, "bits": 4} if precision == "int4" else {})
+
+
 #: Files ModelBuilder writes that the sub-part keeps besides the graph.
 GENAI_CONFIG = "genai_config.json"
-#: Characters of ModelBuilder's log quoted in a BuildError.
-LOG_TAIL_CHARS = 4000
 #: (execution provider, precision) pairs for which ModelBuilder 0.18 picks the packed
 #: ``Attention`` contrib op and writes an invalid graph: the op gets no past/present
 #: inputs (``make_packed_attention`` reads ``past_key_values``/``present_key_values``
@@ -116,11 +125,6 @@ def _extra_options(extra_options: dict[str, Any] | None) -> dict[str, str]:
     return {**options, **REQUIRED_EXTRA_OPTIONS}
 
 
-def _log_tail(log_path: Path) -> str:
-    text = log_path.read_text(errors="replace") if log_path.exists() else ""
-    # tqdm redraws with carriage returns: keep only the last state of each line.
-    lines = [line.rsplit("\r", 1)[-1] for line in text.splitlines()]
-    return "\n".join(lines)[-LOG_TAIL_CHARS:]
 
 
 
@@ -267,14 +271,14 @@ def build_llm_decoder(
         except subprocess.TimeoutExpired:
             raise BuildError(
                 f"ModelBuilder ({execution_provider}, {precision}) did not finish in {timeout_s} s; "
-                f"log {log_path}:\n{_log_tail(log_path)}"
+                f"log {log_path}:\n{log_tail(log_path)}"
             ) from None
 
     genai_config_path = out_dir / GENAI_CONFIG
     if completed.returncode != 0 or not genai_config_path.is_file():
         raise BuildError(
             f"ModelBuilder ({execution_provider}, {precision}) failed with exit status "
-            f"{completed.returncode} on {hf_dir}; log {log_path}:\n{_log_tail(log_path)}"
+            f"{completed.returncode} on {hf_dir}; log {log_path}:\n{log_tail(log_path)}"
         )
     genai_config = json.loads(genai_config_path.read_text())
     model_name = genai_config["model"]["decoder"]["filename"]
@@ -282,7 +286,7 @@ def build_llm_decoder(
     if not model_path.is_file():
         raise BuildError(
             f"ModelBuilder reported success but {model_path} is missing; log {log_path}:\n"
-            f"{_log_tail(log_path)}"
+            f"{log_tail(log_path)}"
         )
 
     _check_outputs_produced(model_path, log_path)
@@ -303,7 +307,7 @@ def build_llm_decoder(
         ops = onnx_utils.quantized_ops(model_path)
         matmul = ops.get("MatMulNBits", {})
         quantization = {
-            "method": "modelbuilder-weight-only",
+            "method": INT4_METHOD,
             "bits": _single(matmul.get("bits"), 4),
             "block_size": _single(
                 matmul.get("block_size"),
@@ -324,7 +328,7 @@ def build_llm_decoder(
         if not ops:
             raise BuildError(
                 f"ModelBuilder int4 build of {hf_dir} has no MatMulNBits node; log {log_path}:\n"
-                f"{_log_tail(log_path)}"
+                f"{log_tail(log_path)}"
             )
 
     return ExportResult(
@@ -333,7 +337,7 @@ def build_llm_decoder(
         files=files,
         entry=files[0],
         exporter="modelbuilder",
-        passes=["ModelBuilder"],
+        passes=list(PASSES),
         tool_versions={
             "onnxruntime-genai": installed_version("onnxruntime-genai"),
             **onnx_utils.onnx_tool_versions(),

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from higgs_pack.exporters import onnx_utils
-from higgs_pack.exporters.result import ExportResult, installed_version
+from higgs_pack.exporters.result import ExportResult, installed_version, log_tail
 from higgs_pack.manifests.errors import BuildError, BuildPlanError, unknown_choice
 
 if TYPE_CHECKING:
@@ -80,8 +80,6 @@ OPSET = 20
 EXTERNAL_DATA_THRESHOLD = 16 * 1024 * 1024
 #: Defaults of the RTN pass as this exporter uses them.
 RTN_BLOCK_SIZE = 128
-#: Characters of Olive's log quoted in a BuildError.
-LOG_TAIL_CHARS = 4000
 
 
 def plan_passes(precision: str, *, name: str = "sub-part") -> list[str]:
@@ -107,6 +105,15 @@ def plan_passes(precision: str, *, name: str = "sub-part") -> list[str]:
             )
         )
     return [CONVERSION_PASS, *PRECISION_PLANS[precision].passes]
+
+
+def plan(precision: str, options: Mapping[str, Any]) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """``(passes, quantization)`` that :func:`export_onnx` records (no heavy import; for the build plan)."""
+    passes = tuple(plan_passes(precision))
+    bits = PRECISION_PLANS[precision].bits
+    if bits is not None:
+        return passes, {"method": "rtn", "bits": bits}
+    return passes, ({"method": "float16-cast"} if precision == "fp16" else {})
 
 
 
@@ -140,12 +147,6 @@ def _tempdir_under(path: Path) -> Iterator[None]:
         yield
     finally:
         tempfile.tempdir = saved
-
-
-def _log_tail(log_path: Path) -> str:
-    if not log_path.exists():
-        return ""
-    return log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
 
 
 def _normalise_dynamic_axes(
@@ -386,7 +387,7 @@ def export_onnx(
                     raise BuildError(
                         f"Olive {pass_name} failed on {name} ({precision}): "
                         f"{type(error).__name__}: {error}\nOlive log tail ({log_path}):\n"
-                        f"{_log_tail(log_path)}"
+                        f"{log_tail(log_path)}"
                     ) from error
         final = _finalize(Path(model.model_path), out_dir, name, external_data_threshold)
         renamed = onnx_utils.rename_graph_outputs(final, output_names)

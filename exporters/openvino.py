@@ -73,9 +73,15 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import openvino as ov
 
+from higgs_pack.exporters.openvino_plan import (
+    DECODER_EXPORT_PASS,
+    STATIC_DECODER_PASS,
+    compress_mode,
+)
 from higgs_pack.exporters.result import ExportResult, TensorSpec, tool_versions
 from higgs_pack.manifests.constants import FP32_ONLY, SUBPART_IO, SubPart
 from higgs_pack.manifests.errors import BuildError, BuildPlanError, unknown_choice
+from higgs_pack.runtime.openvino_backend import DECODER_INPUTS, DECODER_OUTPUT  # noqa: F401 (one copy of the names)
 
 if TYPE_CHECKING:
     import torch
@@ -90,14 +96,10 @@ PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "int8", "int4")
 #: Sub-part conversion mechanisms for :func:`convert_subpart`.
 ENGINES: tuple[str, ...] = ("olive", "openvino")
 
-#: Inputs of the stateful decoder IR, in the order optimum-intel writes them.
-DECODER_INPUTS: tuple[str, ...] = ("attention_mask", "position_ids", "inputs_embeds", "beam_idx")
+# The stateful decoder IR's inputs (optimum-intel writes attention_mask, position_ids,
+# inputs_embeds, beam_idx) and its single output after renaming: the runtime's names,
+# DECODER_INPUTS / DECODER_OUTPUT of higgs_pack.runtime.openvino_backend (imported above).
 
-#: The decoder IR's single output after renaming.
-DECODER_OUTPUT = "hidden_states"
-
-#: How the decoder export is named in ``ExportResult.passes`` (as in ``exporters/catalog.py``).
-DECODER_EXPORT_PASS = "optimum-intel stateful export (inputs_embeds)"
 
 #: Key under which higgs-pack writes its own entries into an IR's ``rt_info``.
 RT_INFO_KEY = "higgs_pack"
@@ -222,7 +224,7 @@ def _compress_settings(precision: str, group_size: int, ratio: float, all_layers
     """
     if precision == "int4":
         return {
-            "mode": "int4_sym" if symmetric else "int4_asym",
+            "mode": compress_mode(precision, symmetric),
             "group_size": group_size,
             "ratio": ratio,
             "all_layers": all_layers,
@@ -230,7 +232,7 @@ def _compress_settings(precision: str, group_size: int, ratio: float, all_layers
             "backup_mode": "int8_asym",
         }
     if precision == "int8":
-        return {"mode": "int8_asym", "granularity": "per_channel"}
+        return {"mode": compress_mode(precision), "granularity": "per_channel"}
     return {}
 
 
@@ -481,8 +483,6 @@ STATIC_PAST = "past_key_values.{i}.{kind}"
 STATIC_PRESENT = "present.{i}.{kind}"
 #: Non-KV inputs of the static decoder IR, in graph order.
 STATIC_DECODER_INPUTS: tuple[str, ...] = ("inputs_embeds", "attention_mask", "position_ids")
-#: How the static decoder export is named in ``ExportResult.passes``.
-STATIC_DECODER_PASS = "convert_model(static KV-window decoder)"
 
 
 def _static_decoder_module(body: Any, kv_length: int) -> torch.nn.Module:

@@ -125,3 +125,20 @@ def tool_versions(*distributions: str) -> dict[str, str]:
     """name -> version of those ``distributions`` that are installed (others are left out)."""
     versions = {name: installed_version(name) for name in distributions}
     return {name: v for name, v in versions.items() if v != "not installed"}
+
+
+#: Characters of a tool's log quoted in a BuildError.
+LOG_TAIL_CHARS = 4000
+
+
+def log_tail(log_path: Any, chars: int = LOG_TAIL_CHARS) -> str:
+    """The end of a tool's log file for an error message ("" when there is no log).
+
+    Progress bars redraw with carriage returns: only the last state of each line is kept.
+    """
+    from pathlib import Path
+
+    path = Path(log_path)
+    text = path.read_text(errors="replace") if path.exists() else ""
+    lines = [line.rsplit("\r", 1)[-1] for line in text.splitlines()]
+    return "\n".join(lines)[-chars:]

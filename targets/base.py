@@ -201,11 +201,27 @@ _REGISTRY: dict[str, Target] = {}
 
 
 def register(target: Target) -> Target:
-    """Add a target to the registry; a second target of the same name is refused."""
+    """Add a target to the registry after checking its declaration.
+
+    Checked: the name is new; every recipe's exporter writes the format of the target's
+    backend; every recipe and variant option is one its exporter takes, with the right
+    type; every sub-part's exporter builds every precision the target allows.
+
+    Raises:
+        BuildPlanError: naming the target, sub-part and the bad value with the allowed ones.
+    """
     if target.name in _REGISTRY:
         raise BuildPlanError(f"target {target.name!r} is already registered")
+    backend = RUNTIME_BACKENDS[target.backend]
     for part, recipe in target.recipes.items():
         info = get_exporter(recipe.exporter)
+        if info.format != backend.format:
+            raise BuildPlanError(
+                f"target {target.name!r}: exporter {info.name!r} of {part} writes {info.format}, but the "
+                f"{backend.name} backend runs {backend.format}; choose an exporter that writes {backend.format}")
+        info.check_options(recipe.options, f"target {target.name!r}, {part} recipe")
+        for variant in target.variants:
+            info.check_options(variant.options.get(part, {}), f"target {target.name!r}, variant {variant.name!r}, {part}")
         for precision in target.precisions:
             eff = target.precision_for(part, precision)
             if eff not in info.precisions:

@@ -32,7 +32,7 @@ from higgs_pack.targets.base import (
     COSINE_THRESHOLDS,
     DECODER_COSINE_THRESHOLDS,
 )
-from higgs_pack.targets.plan import BuildPlan, make_plan
+from higgs_pack.targets.plan import BuildPlan, make_plan, plan_mismatches
 
 log = logging.getLogger(__name__)
 
@@ -211,10 +211,7 @@ def _export_all(plan: BuildPlan, ckpt, bundle_dir: Path, work_dir: Path, say) ->
                 if hf_dir is None:
                     hf_dir = ckpt.write_qwen3_hf_dir(work_dir / "qwen3-hf")
                 kwargs = dict(row.options)
-                if row.exporter.name == "modelbuilder":
-                    kwargs.setdefault("cache_dir", work_dir / "modelbuilder-cache")
-                else:
-                    kwargs.setdefault("work_dir", work_dir / part.value)
+                kwargs.setdefault(row.exporter.scratch, work_dir / part.value)
                 results[part] = fn(hf_dir, bundle_dir / part.value, precision=row.precision,
                                    bundle_dir=bundle_dir, **kwargs)
             else:
@@ -233,6 +230,10 @@ def _export_all(plan: BuildPlan, ckpt, bundle_dir: Path, work_dir: Path, say) ->
             raise
         except Exception as exc:  # an exporter's own failure: name the sub-part and tool
             raise BuildError(f"{row.exporter.name} failed on {part.value} ({row.precision}): {exc}") from exc
+    differ = plan_mismatches(plan, {p.value: r.to_dict() for p, r in results.items()})
+    if differ:
+        raise BuildError("the exporters did not build what the plan says (the plan and the manifest must "
+                         "agree; fix the exporter's planning function): " + "; ".join(differ))
     return results
 
 

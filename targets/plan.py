@@ -6,6 +6,7 @@ fails in milliseconds with a message naming both values.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,9 +24,10 @@ class PlannedSubPart:
         subpart: which sub-part.
         exporter: the catalogue row that builds it.
         precision: its effective precision.
-        passes: tool passes, in order.
+        passes: tool passes, in order (from the exporter's own planning function).
         options: exporter keyword options from the recipe, with the variant's on top.
         variant_options: the part of ``options`` the variant set (shown by ``render``).
+        quantization: the quantization settings the manifest will record (a subset).
     """
 
     subpart: SubPart
@@ -34,6 +36,7 @@ class PlannedSubPart:
     passes: tuple[str, ...]
     options: dict[str, Any]
     variant_options: dict[str, Any] = field(default_factory=dict)
+    quantization: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -92,5 +95,35 @@ def make_plan(target: str | Target, precision: str | None = None, variant: str |
         info = get_exporter(recipe.exporter)
         eff = t.precision_for(part, precision)
         extra = dict(spec.options.get(part, {})) if spec is not None else {}
-        rows.append(PlannedSubPart(part, info, eff, info.passes[eff], {**recipe.options, **extra}, extra))
+        info.check_options(extra, f"target {t.name!r}, variant {variant!r}, {part.value}")
+        options = {**recipe.options, **extra}
+        passes, quantization = info.planned(eff, options)
+        rows.append(PlannedSubPart(part, info, eff, passes, options, extra, quantization))
     return BuildPlan(t, precision, tuple(rows), variant, spec)
+
+
+def plan_mismatches(plan: BuildPlan, recorded: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Where what was built differs from the plan: passes, precision, planned quantization settings.
+
+    Args:
+        plan: the plan of the build.
+        recorded: sub-part name -> its manifest entry (or ``ExportResult.to_dict()``).
+
+    Returns:
+        One line per difference (empty when the build did what the plan said).
+    """
+    out = []
+    for row in plan.rows:
+        got = recorded.get(row.subpart.value)
+        if got is None:
+            out.append(f"{row.subpart.value}: not built")
+            continue
+        if tuple(got["passes"]) != row.passes:
+            out.append(f"{row.subpart.value}: passes {list(got['passes'])}, planned {list(row.passes)}")
+        if got["precision"] != row.precision:
+            out.append(f"{row.subpart.value}: precision {got['precision']}, planned {row.precision}")
+        for key, value in row.quantization.items():
+            if got["quantization"].get(key) != value:
+                out.append(f"{row.subpart.value}: quantization {key}={got['quantization'].get(key)!r}, "
+                           f"planned {value!r}")
+    return out

@@ -159,3 +159,11 @@ def test_clone_needs_both_audio_and_transcript(cpu_int4_bundle):
 
     with pytest.raises(InputError, match=r"needs both the reference audio and its transcript"):
         synthesize(load(cpu_int4_bundle), "Hi.", ref_samples=np.zeros(24000, np.float32))
+
+
+def test_plan_equals_manifest(cpu_int4_bundle, cpu_fp32_bundle):
+    from higgs_pack.targets.plan import make_plan, plan_mismatches
+
+    for bundle in (cpu_int4_bundle, cpu_fp32_bundle):
+        m = read_manifest(bundle)
+        assert plan_mismatches(make_plan(m["target"], m["precision"], m["variant"]), m["subparts"]) == []

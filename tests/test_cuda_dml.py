@@ -429,3 +429,11 @@ def test_dml_bundle_on_the_gpu(dml_fp16, cases_dir):
         pytest.skip("no DirectML GPU: DmlExecutionProvider not available (onnxruntime-directml on Windows)")
     report = verify_bundle(dml_fp16, cases_dir=cases_dir, require_gpu=True)
     assert report.ok, report.render()
+
+
+def test_plan_equals_manifest(cuda_fp16, dml_fp16):
+    from higgs_pack.targets.plan import make_plan, plan_mismatches
+
+    for bundle in (cuda_fp16, dml_fp16):
+        m = read_manifest(bundle)
+        assert plan_mismatches(make_plan(m["target"], m["precision"], m["variant"]), m["subparts"]) == []

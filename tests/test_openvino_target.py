@@ -405,3 +405,12 @@ def test_xml_inputs_that_differ_from_the_manifest(ov_bundles, tmp_path):
     static = _check(verify_bundle(npu, device="CPU"), "static shapes")
     assert static.ok is False
     assert "audio_heads: hidden_states is [1, 1, 64] in the IR, the manifest signature says [1, 2, 64]" in static.detail
+
+
+def test_plan_equals_manifest(ov_bundles):
+    """The npu plan used to show the stateful passes and INT4_ASYM; the manifest records the static decoder."""
+    from higgs_pack.targets.plan import plan_mismatches
+
+    for bundle in ov_bundles.values():
+        m = read_manifest(bundle)
+        assert plan_mismatches(make_plan(m["target"], m["precision"], m["variant"]), m["subparts"]) == []

@@ -61,3 +61,77 @@ def test_planning_imports_nothing_heavy():
             "print(heavy); sys.exit(bool(heavy))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+# ----------------------------------------------------------------------------- option validation
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """The target registry, restored after the test."""
+    from higgs_pack.targets import base
+
+    targets()
+    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+    return base._REGISTRY
+
+
+def _recipes(**decoder_options) -> dict[SubPart, Recipe]:
+    module = Recipe("olive-onnx")
+    return {SubPart.LLM_DECODER: Recipe("modelbuilder", options={"execution_provider": "cpu", **decoder_options}),
+            SubPart.TEXT_EMBED: module, SubPart.AUDIO_EMBED: module, SubPart.AUDIO_HEADS: module,
+            SubPart.AUDIO_TOKENIZER: Recipe("olive-onnx", precision="fp32"),
+            SubPart.AUDIO_ENCODER: Recipe("olive-onnx", precision="fp32")}
+
+
+def _target(recipes, **kw) -> Target:
+    return Target(name="typo", description="", backend="onnxruntime", execution_provider="cpu",
+                  precisions=("fp32",), recipes=recipes, **kw)
+
+
+def test_an_unknown_recipe_option_is_named_with_the_allowed_ones(registry):
+    with pytest.raises(BuildPlanError, match=r"target 'typo', llm_decoder recipe: unknown option of exporter "
+                                             r"'modelbuilder' 'extra_option' \(did you mean 'extra_options'\?\); "
+                                             r"known: execution_provider, extra_options, timeout_s"):
+        register(_target(_recipes(extra_option={"a": 1})))
+
+
+def test_a_recipe_option_of_the_wrong_type_is_refused(registry):
+    with pytest.raises(BuildPlanError, match=r"option timeout_s='10' of exporter 'modelbuilder' must be int or float"):
+        register(_target(_recipes(timeout_s="10")))
+
+
+def test_a_variant_option_is_checked_at_register(registry):
+    from higgs_pack.targets.base import Variant
+
+    bad = Variant("npu", options={SubPart.AUDIO_HEADS: {"static_axis": {"batch": 1}}})
+    with pytest.raises(BuildPlanError, match=r"variant 'npu', audio_heads: unknown option of exporter 'olive-onnx' "
+                                             r"'static_axis'"):
+        register(_target(_recipes(), variants=(bad,)))
+
+
+def test_an_exporter_must_write_the_backends_format(registry):
+    recipes = {**_recipes(), SubPart.TEXT_EMBED: Recipe("olive-openvino")}
+    with pytest.raises(BuildPlanError, match=r"exporter 'olive-openvino' of text_embed writes openvino, but the "
+                                             r"onnxruntime backend runs onnx"):
+        register(_target(recipes))
+
+
+def test_catalogue_options_are_the_exporters_keywords():
+    """Each row's options are keyword parameters of its function (checked on the real signatures)."""
+    import inspect
+
+    for info in EXPORTERS.values():
+        params = inspect.signature(info.load()).parameters
+        assert set(info.options) <= set(params), (info.name, set(info.options) - set(params))
+        assert info.scratch in params, info.name
+
+
+def test_npu_plan_says_static_decoder_and_symmetric_int4():
+    rows = {r.subpart: r for r in make_plan("openvino", variant="npu").rows}
+    dec = rows[SubPart.LLM_DECODER]
+    assert dec.passes == ("convert_model(static KV-window decoder)", "nncf.compress_weights(INT4_SYM)")
+    assert dec.quantization == {"mode": "int4_sym"}
+    assert rows[SubPart.AUDIO_HEADS].passes == ("OpenVINOConversion", "OpenVINOWeightCompression(INT4_SYM)")
+    plain = {r.subpart: r for r in make_plan("openvino").rows}[SubPart.LLM_DECODER]
+    assert plain.passes == ("optimum-intel stateful export (inputs_embeds)", "nncf.compress_weights(INT4_ASYM)")

@@ -26,7 +26,7 @@ ROOT = Path(__file__).parent
 BUILD_ENV = ROOT / ".nox" / "build-env"
 CASES = ROOT.parent / "shared" / "cases"
 #: The session table, generated from the target registry (python -m
-#: higgs_pack.targets.nox_sessions --write; tests/test_plan.py fails when it is stale).
+#: higgs_pack.targets.nox_sessions --write; tests/test_declarations.py fails when it is stale).
 #: Read as data: nox runs before the build environment, so it cannot import the declarations.
 SESSIONS = json.loads((ROOT / "targets" / "sessions.json").read_text(encoding="utf-8"))
 TARGETS: dict[str, dict] = SESSIONS["targets"]
@@ -132,7 +132,7 @@ for _target in TARGETS:
         if not (bundle / "manifest.json").is_file():
             session.run(_bin("higgs-pack"), "build", "--target", target, external=True)
         session.run(_bin("higgs-pack"), "package", str(bundle), "--format", "all", "--force", external=True)
-        session.run(_bin("python"), "-m", "higgs_pack.targets.install_check", "--target", target,
+        session.run(_bin("python"), "-m", "higgs_pack.targets.packaging.install_check", "--target", target,
                     "--bundle", str(bundle), "--dist", str(ROOT / "dist"), "--higgs-pack-src", str(ROOT),
                     "--cases", str(CASES), external=True)
 

@@ -76,3 +76,10 @@ def unknown_choice(kind: str, value: str, known: Iterable[str], fix: str) -> str
     close = difflib.get_close_matches(value, known, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return f"unknown {kind} {value!r}{hint}; known: {', '.join(known)}. Set it with {fix}."
+
+
+def last_line(exc: BaseException) -> str:
+    """The last non-empty line of an exception's message (a tool's own error is often many
+    lines of context and then the reason), or the exception's type name when it has none."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__

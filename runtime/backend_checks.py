@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from higgs_pack.manifests.constants import CPU_PROVIDER, EXECUTION_PROVIDERS, SubPart
-from higgs_pack.manifests.errors import HiggsPackError
+from higgs_pack.manifests.errors import HiggsPackError, last_line
 from higgs_pack.runtime.bundle import Bundle, load
 from higgs_pack.runtime.pipeline import Pipeline
 from higgs_pack.runtime.report import (
@@ -69,11 +69,6 @@ def check_static_shapes(bundle: Bundle, report: VerifyReport) -> None:
                    + (f" (dynamic, not promised: {', '.join(dynamic)})" if dynamic else ""))
 
 
-def _last_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return lines[-1] if lines else type(exc).__name__
-
-
 #: OpenVINO device -> what it is, for skip messages.
 DEVICE_LABELS = {"GPU": "Intel GPU", "NPU": "Intel NPU"}
 
@@ -103,7 +98,7 @@ def _check_on_device(device: str, bundle: Bundle, pipeline: Pipeline, report: Ve
         scores = {part: subpart_parity(other, golden, part, spec["parity"]["metric"])[0]
                   for part, spec in subparts.items()}
     except Exception as exc:  # HiggsPackError, or OpenVINO's RuntimeError while inferring
-        report.add(name, False, f"on {device}: {type(exc).__name__}: {_last_line(exc)}")
+        report.add(name, False, f"on {device}: {type(exc).__name__}: {last_line(exc)}")
         return
     failed = [p for p, v in scores.items() if v < subparts[p]["parity"]["threshold"]]
     detail = ", ".join(f"{p} {v:.4f}" for p, v in scores.items())
@@ -146,7 +141,7 @@ def check_node_placement(bundle: Bundle, pipeline: Pipeline, report: VerifyRepor
         report.add("node placement", False, str(exc))
         return
     except Exception as exc:  # onnxruntime's own error types: a graph this provider cannot run
-        report.add("node placement", None, f"not measured: {type(exc).__name__}: {_last_line(exc)}")
+        report.add("node placement", None, f"not measured: {type(exc).__name__}: {last_line(exc)}")
         return
     on_cpu = {part: pl.on(cpu) for part, pl in placements.items()}
     taken = sum(len(pl.on(provider)) for pl in placements.values())
@@ -210,7 +205,7 @@ def compare_providers(bundle: Bundle, target: Pipeline, reference: Pipeline | No
             try:
                 got = _run_probe(target, part, x)
             except Exception as exc:  # the provider's own error is the finding
-                report.add(name, False, f"{type(exc).__name__}: {_last_line(exc)}")
+                report.add(name, False, f"{type(exc).__name__}: {last_line(exc)}")
                 continue
             if not np.isfinite(got).all():
                 report.add(name, False, f"{int((~np.isfinite(got)).sum())} non-finite values of {got.size}")
@@ -228,7 +223,7 @@ def compare_providers(bundle: Bundle, target: Pipeline, reference: Pipeline | No
             except Exception as exc:
                 why = provider_cannot_run(exc)
                 if why is None:
-                    report.add(name, False, f"reference run failed: {type(exc).__name__}: {_last_line(exc)}")
+                    report.add(name, False, f"reference run failed: {type(exc).__name__}: {last_line(exc)}")
                     continue
                 ref_blocked[part] = f"the reference provider cannot execute this graph: {why}"
                 report.add(name, True, f"finite, not all zero (peak {float(np.abs(got).max()):.3g}); "

@@ -36,6 +36,7 @@ from higgs_pack.manifests.errors import (
     ExecutionProviderUnavailable,
     InputError,
     SignatureMismatch,
+    last_line,
 )
 from higgs_pack.runtime.chunking import chunk_windows
 from higgs_pack.runtime.pipeline import check_io_signature
@@ -62,11 +63,6 @@ _ALLOWED_FORMS = "CPU, GPU, GPU.<n>, NPU, AUTO, AUTO:<devices>, HETERO:<devices>
 #: What OpenVINO says when an IR's weights file does not fit its XML (measured: a
 #: truncated .bin gives "Incorrect weights in bin file!").
 _DAMAGED_IR = re.compile(r"weights in bin file|bin file is|Incorrect weights", re.IGNORECASE)
-
-
-def _last_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return lines[-1] if lines else type(exc).__name__
 
 
 def runtime_versions() -> dict[str, str]:
@@ -248,7 +244,7 @@ def compile_ir(core: ov.Core, xml_path: str | os.PathLike, device: str, cache_di
         if _DAMAGED_IR.search(str(exc)):
             raise BundleError(
                 f"OpenVINO cannot read {path.name} with its weights {path.with_suffix('.bin').name} "
-                f"({_last_line(exc)}): the .bin is damaged or belongs to another IR; rebuild or re-download "
+                f"({last_line(exc)}): the .bin is damaged or belongs to another IR; rebuild or re-download "
                 "the bundle"
             ) from exc
         raise ExecutionProviderUnavailable(

@@ -75,8 +75,13 @@ def test_fifth_target_builds_verifies_and_packages(exact_cpu, tiny_checkpoint, t
     from higgs_pack.manifests.manifest import read_manifest
     from higgs_pack.runtime.verify import verify_bundle
     from higgs_pack.targets.build import build
-    from higgs_pack.targets.install_check import Results, check_metadata, check_plan, read_wheel
     from higgs_pack.targets.packaging import package_bundle
+    from higgs_pack.targets.packaging.install_check import (
+        Results,
+        check_metadata,
+        check_plan,
+        read_wheel,
+    )
 
     bundle = build("cpu-exact", model=tiny_checkpoint, out=tmp_path / "higgs-audio-v3-tiny-cpu-exact-fp32")
     m = read_manifest(bundle)
@@ -129,9 +134,9 @@ def test_new_provider_row_is_the_only_declaration(qnn, tmp_path):
     assert "onnxruntime-qnn" in ort_backend.ort_distributions()
     assert ort_backend.install_hint(qnn) == "Install it with pip install 'higgs-pack[qnn]' (onnxruntime-qnn>=1.22)"
     # Packaging, install check and nox read the same row.
-    from higgs_pack.targets.install_check import check_plan
     from higgs_pack.targets.nox_sessions import session_table
     from higgs_pack.targets.packaging import requires_dist
+    from higgs_pack.targets.packaging.install_check import check_plan
 
     plan = check_plan(target)
     assert not plan.runs_here and plan.needs == qnn.hardware and [p.label for p in plan.platforms] == ["Windows x86-64"]

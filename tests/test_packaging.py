@@ -205,7 +205,7 @@ def test_dml_wheel_carries_the_windows_marker(tmp_path: Path) -> None:
     assert "Operating System :: Microsoft :: Windows" in meta.get_all("Classifier")
 
     from higgs_pack.targets.base import get_target
-    from higgs_pack.targets.install_check import Results, check_metadata, read_wheel
+    from higgs_pack.targets.packaging.install_check import Results, check_metadata, read_wheel
 
     wheel = read_wheel(whl)
     assert (wheel.bundle_name, wheel.package) == ("hand-made-dml-fp32", "hand_made_dml_fp32")

@@ -2,9 +2,9 @@
 
 Usage::
 
-    python -m higgs_pack.targets.install_check --target cpu --wheel dist/<wheel>.whl \\
+    python -m higgs_pack.targets.packaging.install_check --target cpu --wheel dist/<wheel>.whl \\
         [--cases ../shared/cases] [--higgs-pack-src .]
-    python -m higgs_pack.targets.install_check --target cpu --bundle dist/<bundle> --dist dist …
+    python -m higgs_pack.targets.packaging.install_check --target cpu --bundle dist/<bundle> --dist dist …
 
 Every target: the wheel's metadata is checked (name, entry point, the
 ``higgs-pack[<extra>]`` requirement and the target's platform marker, the bundled
@@ -363,7 +363,7 @@ def _default_source() -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit status (0 = every check passed)."""
-    parser = argparse.ArgumentParser(prog="python -m higgs_pack.targets.install_check", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m higgs_pack.targets.packaging.install_check", description=__doc__.split("\n")[0])
     parser.add_argument("--target", required=True, help="a registered target (an unknown name lists them).")
     parser.add_argument("--wheel", type=Path, help="The bundle wheel to check.")
     parser.add_argument("--bundle", type=Path, help="Bundle directory whose wheel is in --dist (instead of --wheel).")

@@ -1,0 +1,172 @@
+"""Benchmark the PyTorch reference and built bundles side by side (``nox -s bench``).
+
+``python -m higgs_pack.targets.bench [--preset tiny|bench|full] [--systems pytorch,cpu-int4,…]
+[--frames N] [--out dist/bench.json]``
+
+One run measures every system with the same text, the same fixed frame count and the same
+sampling (temperature 0.8, top-k 50, seed 0, repeat guard off, EOC suppressed so that every
+system generates exactly ``--frames`` frames), after one warm-up run:
+
+``frames_per_s``
+    decode steps per second of the generation loop (prefill excluded): each step is audio
+    embed + decoder + audio heads + sampling for one frame.
+``first_frame_ms``
+    prompt embedding + prefill + the first sampled frame.
+``rtf``
+    real-time factor: wall time (prompt, loop, codec decode) / seconds of audio.
+``peak_rss_mb``
+    peak resident memory of the process that ran the system (each system runs in its own
+    subprocess of this module: ``--worker``).
+``bundle_mb``
+    sum of the manifest's file sizes (PyTorch: the checkpoint's files).
+``outside_decoder_frac``
+    share of a decode step spent outside ``decoder.forward`` (heads, sampling, embedding,
+    Python), with the per-step breakdown in ``step_ms``.
+``load_s`` / ``load_warm_s``
+    model load time; OpenVINO bundles are loaded once with an empty model cache (``load_s``,
+    in its own process) and then with the cache filled (``load_warm_s``, the measuring process).
+``bandwidth_gbps``, ``roofline_frac``
+    the machine's memory read bandwidth measured in the same run (numpy, a 1 GiB buffer,
+    best of several, all cores) and the decoder's fraction of the bandwidth roofline:
+    (decoder weight bytes read per frame / bandwidth) / measured time per frame.
+
+Checkpoints come from ``higgs-pack make-tiny-checkpoint --preset …`` (cached under
+``$HIGGS_PACK_CACHE/checkpoints``); bundles are built with
+:func:`higgs_pack.targets.build.build` into ``$HIGGS_PACK_CACHE/bundles/`` and reused while
+they are valid and newer than the checkpoint (``--rebuild`` forces a build). Records are
+generic: ``system``/``precision``/``variant`` come from the bundle manifest, so a new target
+adds records by being named in ``--systems``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from higgs_pack.targets.bench.records import (
+    COLUMNS,
+    _roofline,
+    add_ratios,
+    base_record,
+    goal_checks,
+    render_details,
+    render_table,
+    write_html,
+    write_records,
+)
+from higgs_pack.targets.bench.run import BenchOptions, run_bench
+from higgs_pack.targets.bench.systems import (
+    BENCH_TEXT,
+    DEFAULT_BANDWIDTH_MIB,
+    DEFAULT_FRAMES,
+    DEFAULT_REPEATS,
+    DEFAULT_SYSTEMS,
+    PRESETS,
+    PYTORCH,
+    SystemSpec,
+    bundle_spec,
+    parse_system,
+)
+from higgs_pack.targets.bench.workers import (
+    WORKERS,
+    WorkerError,
+    _spawn,
+    measure_bandwidth,
+    run_worker,
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m higgs_pack.targets.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=PRESETS, default="bench", help="checkpoint preset (default: bench)")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                   help="comma-separated: pytorch, <target>-<precision>[-<variant>][@<device>] "
+                        f"(default: {','.join(DEFAULT_SYSTEMS)}); empty for none")
+    p.add_argument("--bundle", action="append", default=[], metavar="PATH[@DEVICE]",
+                   help="also measure this built bundle (repeatable)")
+    p.add_argument("--frames", type=int, default=DEFAULT_FRAMES, help="audio frames per run (25 per second)")
+    p.add_argument("--repeats", type=int, help="timed runs per system, median reported "
+                                               "(default 3, 1 for --preset full)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure all systems this many times in turn and keep each one's fastest "
+                        "round (for shared machines; default 1)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="checkpoint and sampling seed")
+    p.add_argument("--text", default=BENCH_TEXT, help="text spoken by every system")
+    p.add_argument("--checkpoint", help="use this checkpoint directory instead of the preset's")
+    p.add_argument("--cache", help="cache directory (default $HIGGS_PACK_CACHE or ~/.cache/higgs-pack)")
+    p.add_argument("--rebuild", action="store_true", help="rebuild cached bundles")
+    p.add_argument("--bandwidth-mib", type=int, default=DEFAULT_BANDWIDTH_MIB,
+                   help="buffer for the memory-bandwidth measurement (0 = skip)")
+    p.add_argument("--timeout", type=float, help="seconds allowed per measuring process")
+    p.add_argument("--out", default="dist/bench.json",
+                   help="JSON records file, charted into the same name with .html ('' = do not write)")
+    p.add_argument("--append", action="store_true", help="keep records of other systems already in --out")
+    p.add_argument("--quiet", action="store_true", help="no progress messages")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.worker:
+        return run_worker(args.worker)
+    if args.frames < 2:
+        _parser().error("--frames must be at least 2")
+    options = BenchOptions(
+        preset=args.preset, systems=tuple(s for s in args.systems.split(",") if s.strip()),
+        bundles=tuple(args.bundle), frames=args.frames, repeats=args.repeats, rounds=args.rounds,
+        warmup=args.warmup,
+        seed=args.seed, text=args.text, checkpoint=args.checkpoint, cache=args.cache,
+        rebuild=args.rebuild, bandwidth_mib=args.bandwidth_mib, out=args.out or None,
+        append=args.append, timeout=args.timeout, quiet=args.quiet,
+    )
+    from higgs_pack.manifests.errors import HiggsPackError
+
+    try:
+        records = run_bench(options)
+    except HiggsPackError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(render_table(records))
+    print(render_details(records))
+    if options.out:
+        write_records(records, Path(options.out), options.append)
+        print(f"wrote {options.out}")
+        try:
+            print(f"wrote {write_html(Path(options.out))}")
+        except HiggsPackError as exc:
+            print(f"note: no HTML report: {exc}", file=sys.stderr)
+    return 1 if any("error" in r for r in records) else 0
+
+
+__all__ = [
+    "BENCH_TEXT",
+    "COLUMNS",
+    "DEFAULT_BANDWIDTH_MIB",
+    "DEFAULT_FRAMES",
+    "DEFAULT_REPEATS",
+    "DEFAULT_SYSTEMS",
+    "PRESETS",
+    "PYTORCH",
+    "WORKERS",
+    "BenchOptions",
+    "SystemSpec",
+    "WorkerError",
+    "_roofline",  # used by tests
+    "_spawn",  # used by tests
+    "add_ratios",
+    "base_record",
+    "bundle_spec",
+    "goal_checks",
+    "main",
+    "measure_bandwidth",
+    "parse_system",
+    "render_details",
+    "render_table",
+    "run_bench",
+    "run_worker",
+    "write_records",
+]

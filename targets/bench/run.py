@@ -1,0 +1,226 @@
+"""Orchestration of a benchmark run: checkpoints and bundles built once into the cache and
+reused, every system measured by a worker, the records put together.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from higgs_pack.targets.bench.records import (
+    _roofline,
+    add_ratios,
+    base_record,
+)
+from higgs_pack.targets.bench.systems import (
+    BENCH_TEXT,
+    DEFAULT_BANDWIDTH_MIB,
+    DEFAULT_FRAMES,
+    DEFAULT_REPEATS,
+    DEFAULT_SYSTEMS,
+    PYTORCH,
+    SystemSpec,
+    bundle_spec,
+    parse_system,
+)
+from higgs_pack.targets.bench.workers import WorkerError, _spawn
+
+
+@dataclass
+class BenchOptions:
+    """What one benchmark run measures (the command-line flags)."""
+
+    preset: str = "bench"
+    systems: tuple[str, ...] = DEFAULT_SYSTEMS
+    bundles: tuple[str, ...] = ()
+    frames: int = DEFAULT_FRAMES
+    repeats: int | None = None
+    rounds: int = 1
+    warmup: int = 1
+    seed: int = 0
+    temperature: float = 0.8
+    top_k: int = 50
+    text: str = BENCH_TEXT
+    checkpoint: str | None = None
+    cache: str | None = None
+    rebuild: bool = False
+    bandwidth_mib: int = DEFAULT_BANDWIDTH_MIB
+    out: str | None = "dist/bench.json"
+    append: bool = False
+    timeout: float | None = None
+    quiet: bool = False
+
+
+def _cache(options: BenchOptions) -> Path:
+    from higgs_pack.runtime.paths import cache_root
+
+    return Path(options.cache) if options.cache else cache_root()
+
+
+def _say(options: BenchOptions, msg: str) -> None:
+    if not options.quiet:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _reusable(bundle: Path, checkpoint: Path) -> bool:
+    """A cached bundle is reused if it opens (manifest, sizes, paths), names this checkpoint as
+    its source and is newer than it."""
+    from higgs_pack.manifests.errors import HiggsPackError
+    from higgs_pack.runtime.bundle import open_bundle
+
+    if not (bundle / "manifest.json").is_file():
+        return False
+    try:
+        m = open_bundle(bundle, check_hashes=False).manifest
+    except HiggsPackError:
+        return False
+    source = m["build"].get("checkpoint_source")
+    if source is None or Path(source).resolve() != checkpoint.resolve():
+        return False
+    return (bundle / "manifest.json").stat().st_mtime >= (checkpoint / "config.json").stat().st_mtime
+
+
+def _checkpoint(options: BenchOptions, cache: Path) -> tuple[Path, dict[str, Any]]:
+    if options.checkpoint:
+        return Path(options.checkpoint), {}
+    path = cache / "checkpoints" / f"{options.preset}-seed{options.seed}"
+    if (path / "config.json").is_file():
+        return path, {"checkpoint_cached": True}
+    _say(options, f"writing the {options.preset} checkpoint to {path}")
+    res = _spawn("checkpoint", {"preset": options.preset, "seed": options.seed}, cache=cache,
+                 stream=not options.quiet)
+    return Path(res["checkpoint"]), {"checkpoint_s": res["seconds"], "checkpoint_cached": False}
+
+
+def _bundle_for(spec: SystemSpec, options: BenchOptions, checkpoint: Path, cache: Path
+                ) -> tuple[Path, dict[str, Any]]:
+    """Reuse or build the bundle of ``spec``; returns it and the build facts for the record."""
+    if spec.bundle is not None:
+        return spec.bundle, {}
+    name = "-".join(p for p in (checkpoint.name, spec.target, spec.precision, spec.variant) if p)
+    path = cache / "bundles" / name
+    if not options.rebuild and _reusable(path, checkpoint):
+        from higgs_pack.manifests.manifest import read_manifest
+
+        return path, {"build_s": read_manifest(path)["build"]["seconds"], "build_cached": True}
+    _say(options, f"building {spec.label} into {path}")
+    res = _spawn("build", {"label": spec.label, "target": spec.target, "precision": spec.precision,
+                           "variant": spec.variant, "checkpoint": str(checkpoint), "out": str(path)},
+                 cache=cache, stream=not options.quiet)
+    return path, {"build_s": res["seconds"], "build_cached": False, "build_peak_rss_mb": res["peak_rss_mb"]}
+
+
+def _machine() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version()}
+
+
+def run_bench(options: BenchOptions) -> list[dict[str, Any]]:
+    """Measure every system of ``options`` and return the records (ratios included).
+
+    Systems that fail are recorded with an ``error`` and no numbers; the others still run.
+    """
+    from higgs_pack.manifests.manifest import read_manifest
+
+    cache = _cache(options)
+    specs = [parse_system(s) for s in options.systems] + [bundle_spec(b) for b in options.bundles]
+    repeats = options.repeats or DEFAULT_REPEATS.get(options.preset, 1)
+    need_ckpt = any(s.bundle is None for s in specs)
+    checkpoint, ckpt_facts = _checkpoint(options, cache) if need_ckpt else (None, {})
+    machine = _machine()
+    common = {"frames": options.frames, "seed": options.seed, "temperature": options.temperature,
+              "top_k": options.top_k, "text": options.text, "warmup": options.warmup, "repeats": repeats}
+
+    # 1. bundles first (builds are long and load the CPUs; nothing is timed meanwhile)
+    prepared: list[tuple[SystemSpec, Path | None, dict[str, Any] | None, dict[str, Any]]] = []
+    for spec in specs:
+        if spec.is_pytorch:
+            facts = {"bundle_mb": _dir_bytes(checkpoint) / 1e6, **ckpt_facts}
+            prepared.append((spec, None, None, facts))
+            continue
+        try:
+            path, facts = _bundle_for(spec, options, checkpoint, cache)
+            prepared.append((spec, path, read_manifest(path), facts))
+        except Exception as exc:  # a failed build is a record, not the end of the run
+            prepared.append((spec, None, None, {"error": f"build: {exc}"}))
+
+    # 2. the machine's memory bandwidth, in the same run
+    bandwidth = None
+    if options.bandwidth_mib > 0:
+        _say(options, f"measuring memory bandwidth ({options.bandwidth_mib} MiB buffer)")
+        try:
+            bandwidth = _spawn("bandwidth", {"mib": options.bandwidth_mib}, cache=cache,
+                               timeout=options.timeout)
+        except (WorkerError, subprocess.TimeoutExpired) as exc:
+            _say(options, f"bandwidth measurement failed: {exc}")
+
+    # 3. every system in its own process; with several rounds the systems take turns and
+    #    each keeps its fastest round (other work on a shared machine only ever slows a run)
+    records = []
+    for spec, _path, manifest, facts in prepared:
+        record = base_record(manifest, spec, options.preset)
+        record.update(facts)
+        record.update({"frames": options.frames, "machine": machine, **(bandwidth or {})})
+        records.append(record)
+    results: list[list[dict[str, Any]]] = [[] for _ in prepared]
+    for round_ in range(max(1, options.rounds)):
+        for i, (spec, path, manifest, _) in enumerate(prepared):
+            if "error" in records[i]:
+                continue
+            try:
+                results[i].append(_measure_system(spec, path, manifest, checkpoint, cache, common,
+                                                  options, cold=round_ == 0))
+            except (WorkerError, subprocess.TimeoutExpired) as exc:
+                records[i]["error"] = str(exc)
+    for (spec, *_), record, runs in zip(prepared, records, results, strict=True):
+        if "error" in record or not runs:
+            continue
+        cold = {k: v for k, v in runs[0].items() if k in ("load_s", "peak_rss_cold_load_mb")
+                and record["backend"] == "openvino"}
+        record.update(max(runs, key=lambda r: r["frames_per_s"]))
+        record.update(cold)
+        record["rounds_frames_per_s"] = [r["frames_per_s"] for r in runs]
+        if spec.is_pytorch and record.get("decoder_weight_bytes"):
+            record["decoder_weight_mb"] = record.pop("decoder_weight_bytes") / 1e6
+        _roofline(record, bandwidth)
+    add_ratios(records)
+    return records
+
+
+def _measure_system(spec: SystemSpec, path: Path | None, manifest: dict[str, Any] | None,
+                    checkpoint: Path | None, cache: Path, common: dict[str, Any],
+                    options: BenchOptions, *, cold: bool = True) -> dict[str, Any]:
+    """Measure one system; OpenVINO bundles get a cold-cache load first when ``cold``."""
+    _say(options, f"measuring {spec.label}")
+    if spec.is_pytorch:
+        return _spawn("measure", {**common, "kind": PYTORCH, "checkpoint": str(checkpoint)},
+                      cache=cache, timeout=options.timeout)
+    job = {**common, "kind": "bundle", "bundle": str(path), "backend": manifest["backend"],
+           "device": spec.device}
+    out: dict[str, Any] = {}
+    if manifest["backend"] == "openvino":
+        ov_cache = cache / "bench" / "ov-cache" / f"{path.name}{'@' + spec.device if spec.device else ''}"
+        job["ov_cache"] = str(ov_cache)
+        if cold:
+            shutil.rmtree(ov_cache, ignore_errors=True)
+            first = _spawn("measure", {**job, "load_only": True}, cache=cache, timeout=options.timeout)
+            out = {"load_s": first["load_s"], "peak_rss_cold_load_mb": first["peak_rss_mb"]}
+    res = _spawn("measure", job, cache=cache, timeout=options.timeout)
+    if manifest["backend"] == "openvino":
+        res["load_warm_s"] = res.pop("load_s")
+    return {**res, **out}

@@ -1,0 +1,99 @@
+"""What a benchmark run measures: system names (``pytorch``, ``<target>-<precision>[-<variant>][@<device>]``)
+and the run's defaults and goals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+#: Systems measured when ``--systems`` is not given.
+DEFAULT_SYSTEMS: tuple[str, ...] = (
+    "pytorch", "cpu-int4", "cpu-fp32", "openvino-int4", "openvino-int8", "openvino-fp32",
+)
+#: Checkpoint presets (``higgs_pack.exporters.tiny.PRESETS``).
+PRESETS: tuple[str, ...] = ("tiny", "bench", "full")
+#: The text every system speaks (the frame count is fixed; the text only sets the prompt).
+BENCH_TEXT = (
+    "The quick brown fox jumps over the lazy dog, then runs back home before the evening rain."
+)
+DEFAULT_FRAMES = 100
+#: Timed runs per system (median reported); the real-size preset defaults to one.
+DEFAULT_REPEATS = {"tiny": 3, "bench": 3, "full": 1}
+DEFAULT_BANDWIDTH_MIB = 1024
+PYTORCH = "pytorch"
+
+#: Targets the runs are reported against (issues 2 and 3).
+GOAL_SPEEDUP_CPU_INT4 = 2.0
+GOAL_OUTSIDE_DECODER = 0.15
+GOAL_WARM_LOAD_S = 1.0
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    """One thing to measure.
+
+    Attributes:
+        label: how it is named in the table (``pytorch``, ``cpu-int4``, ``openvino-int4@GPU``).
+        target: registered target name, or None for the PyTorch reference.
+        precision: bundle precision (None: the target's default).
+        variant: target variant (``npu``) or None.
+        device: ``@…`` override: the execution provider of an ONNX Runtime bundle or the
+            device of an OpenVINO bundle.
+        bundle: an already built bundle directory (``--bundle``); None: build or reuse one
+            in the cache.
+    """
+
+    label: str
+    target: str | None = None
+    precision: str | None = None
+    variant: str | None = None
+    device: str | None = None
+    bundle: Path | None = None
+
+    @property
+    def is_pytorch(self) -> bool:
+        return self.target is None and self.bundle is None
+
+
+def parse_system(text: str) -> SystemSpec:
+    """Parse ``pytorch`` or ``<target>[-<precision>[-<variant>]][@<device>]``.
+
+    The target/precision/variant triple is validated with the build planner, so an unknown
+    name fails at once with the known ones listed.
+
+    Raises:
+        BuildPlanError: unknown target, precision or variant.
+    """
+    text = text.strip()
+    if text.lower() == PYTORCH:
+        return SystemSpec(label=PYTORCH, precision="fp32")
+    base, _, device = text.partition("@")
+    target, *rest = base.split("-")
+    precision = rest[0] if rest else None
+    variant = rest[1] if len(rest) > 1 else None
+    from higgs_pack.targets.plan import make_plan
+
+    plan = make_plan(target, precision, variant)
+    if len(rest) > 2:
+        from higgs_pack.manifests.errors import BuildPlanError
+
+        raise BuildPlanError(f"system {text!r}: expected <target>[-<precision>[-<variant>]][@<device>]")
+    label = "-".join(p for p in (plan.target.name, plan.precision, plan.variant) if p)
+    return SystemSpec(label=label + (f"@{device}" if device else ""), target=plan.target.name,
+                      precision=plan.precision, variant=plan.variant, device=device or None)
+
+
+def bundle_spec(path: str | Path) -> SystemSpec:
+    """A system for an existing bundle directory (``--bundle PATH[@device]``)."""
+    text = str(path)
+    device = None
+    if "@" in Path(text).name:
+        text, _, device = text.rpartition("@")
+    from higgs_pack.manifests.manifest import read_manifest
+
+    m = read_manifest(Path(text))
+    label = "-".join(p for p in (m["target"], m["precision"], m.get("variant")) if p)
+    return SystemSpec(label=label + (f"@{device}" if device else ""), target=m["target"],
+                      precision=m["precision"], variant=m.get("variant"), device=device,
+                      bundle=Path(text))

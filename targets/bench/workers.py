@@ -1,0 +1,347 @@
+"""The measuring side of the benchmark: each task runs in its own interpreter (``--worker``),
+so every system gets its own peak RSS; timings of one generation loop, bandwidth.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from higgs_pack.exporters.result import tool_versions
+from higgs_pack.targets.bench.systems import DEFAULT_BANDWIDTH_MIB, PYTORCH
+
+
+def _rss_now_mb() -> float | None:
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def _peak_rss_mb() -> float:
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+
+
+class _TimedRunner:
+    """Wraps a ``SubPartRunner`` and records the seconds of every ``run``."""
+
+    def __init__(self, inner: Any, log: list[float], after: Callable[[dict], dict] | None = None):
+        self.inner, self.log, self.after = inner, log, after
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        t = time.perf_counter()
+        out = self.inner.run(feeds)
+        if self.after is not None:
+            out = self.after(out)
+        self.log.append(time.perf_counter() - t)
+        return out
+
+
+class _TimedDecoder:
+    """Wraps a ``Decoder`` and records the seconds of every ``forward``."""
+
+    def __init__(self, inner: Any, log: list[float]):
+        self.inner, self.log = inner, log
+
+    @property
+    def max_length(self) -> int:
+        return self.inner.max_length
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def forward(self, inputs_embeds: np.ndarray) -> np.ndarray:
+        t = time.perf_counter()
+        out = self.inner.forward(inputs_embeds)
+        self.log.append(time.perf_counter() - t)
+        return out
+
+
+def _instrument(pipeline: Any) -> dict[str, list[float]]:
+    """Time the sub-parts of ``pipeline`` in place; suppress EOC so the frame count is fixed.
+
+    The EOC logit of codebook 0 is set to a large negative finite value (not -inf: the loop
+    rejects non-finite logits), which keeps the random bench models from stopping early.
+    """
+    logs: dict[str, list[float]] = {"decoder": [], "heads": [], "embed": [], "text_embed": []}
+    eoc = pipeline.constants.eoc
+
+    def no_eoc(out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        logits = out["audio_logits"]
+        if not logits.flags.writeable:
+            logits = logits.copy()
+        logits[..., 0, eoc] = -1e30
+        return {**out, "audio_logits": logits}
+
+    pipeline.decoder = _TimedDecoder(pipeline.decoder, logs["decoder"])
+    pipeline.audio_heads = _TimedRunner(pipeline.audio_heads, logs["heads"], no_eoc)
+    pipeline.audio_embed = _TimedRunner(pipeline.audio_embed, logs["embed"])
+    pipeline.text_embed = _TimedRunner(pipeline.text_embed, logs["text_embed"])
+    return logs
+
+
+def _one_run(pipeline: Any, logs: dict[str, list[float]], text: str, frames: int,
+             options: Any) -> dict[str, Any]:
+    """One prompt -> loop -> codec decode, with per-step timestamps."""
+    from higgs_pack.runtime.generate import build_prompt, decode_codes, generate_codes
+
+    for log in logs.values():
+        log.clear()
+    marks: list[float] = []
+    t_start = time.perf_counter()
+    embeds = build_prompt(pipeline, text)
+    result = generate_codes(pipeline, embeds, options, frames,
+                            progress=lambda done, cap: marks.append(time.perf_counter()))
+    t_gen = time.perf_counter()
+    samples = decode_codes(pipeline, result.codes)
+    t_end = time.perf_counter()
+    n = pipeline.constants.num_codebooks
+    steps = len(marks)
+    if result.stop_reason != "max_frames" or result.codes.shape[0] != frames:
+        raise RuntimeError(f"expected {frames} frames at the cap, got {result.codes.shape[0]} "
+                           f"({result.stop_reason})")
+    decode_s = marks[-1] - marks[0]
+    dec = logs["decoder"]
+    # decoder calls: prefill + one per later step; embed calls: one per later step;
+    # heads calls: one per step (the first belongs to the prefill frame).
+    per_step = {
+        "decoder": sum(dec[1:]),
+        "heads": sum(logs["heads"][1:]),
+        "embed": sum(logs["embed"]),
+    }
+    per_step["other"] = decode_s - sum(per_step.values())
+    audio_s = len(samples) / pipeline.constants.sample_rate
+    return {
+        "steps": steps,
+        "frames": int(result.codes.shape[0]),
+        "prompt_length": int(result.prompt_length),
+        "frames_per_s": (steps - 1) / decode_s,
+        "first_frame_ms": (marks[0] - t_start) * 1e3,
+        "first_full_frame_ms": (marks[min(n, steps) - 1] - t_start) * 1e3,
+        "prefill_ms": dec[0] * 1e3,
+        "prompt_embed_ms": sum(logs["text_embed"]) * 1e3,
+        "outside_decoder_frac": 1.0 - per_step["decoder"] / decode_s,
+        "step_ms": {k: v / (steps - 1) * 1e3 for k, v in per_step.items()},
+        "loop_s": result.seconds,
+        "codec_s": t_end - t_gen,
+        "wall_s": t_end - t_start,
+        "audio_s": audio_s,
+        "rtf": (t_end - t_start) / audio_s,
+    }
+
+
+def _median_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-metric median over runs (nested ``step_ms`` too), plus the frames/s spread."""
+    out: dict[str, Any] = {}
+    for key, value in runs[0].items():
+        if isinstance(value, dict):
+            out[key] = {k: statistics.median(r[key][k] for r in runs) for k in value}
+        elif isinstance(value, float):
+            out[key] = statistics.median(r[key] for r in runs)
+        else:
+            out[key] = value
+    fps = [r["frames_per_s"] for r in runs]
+    out["frames_per_s_min"], out["frames_per_s_max"] = min(fps), max(fps)
+    out["repeats"] = len(runs)
+    return out
+
+
+def _load_bundle(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """Open (validate, hash) and load a bundle; returns the pipeline and timings."""
+    from higgs_pack.runtime.bundle import load, open_bundle
+
+    backend = spec["backend"]
+    t0 = time.perf_counter()  # imports are reported apart: they are not model loading
+    modules = ["higgs_pack.runtime.openvino_backend"] if backend == "openvino" else [
+        "onnxruntime", "higgs_pack.runtime.ort_backend"]
+    for module in ("tokenizers", *modules):
+        importlib.import_module(module)
+    import_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    opened = open_bundle(spec["bundle"])
+    t1 = time.perf_counter()
+    kwargs: dict[str, Any] = {}
+    if spec.get("device"):
+        kwargs["device" if backend == "openvino" else "execution_provider"] = spec["device"]
+    if backend == "openvino":
+        kwargs["cache_dir"] = spec["ov_cache"]
+    pipeline = load(opened, **kwargs)
+    t2 = time.perf_counter()
+    info = {"load_s": t2 - t0, "validate_s": t1 - t0, "import_s": import_s,
+            "description": dict(pipeline.description),
+            "versions": tool_versions("onnxruntime", "openvino")}
+    return pipeline, info
+
+
+def _load_pytorch(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    t0 = time.perf_counter()
+    import torch
+    import transformers
+
+    from higgs_pack.exporters.checkpoint import open_checkpoint
+    from higgs_pack.exporters.reference import reference_pipeline
+
+    for name in ("Qwen3Model", "HiggsAudioV2TokenizerModel", "DynamicCache"):
+        getattr(transformers, name, None)  # transformers imports these lazily (seconds)
+    import_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    ckpt = open_checkpoint(spec["checkpoint"])
+    pipeline = reference_pipeline(ckpt, with_encoder=False)
+    load_s = time.perf_counter() - t0
+    decoder = pipeline.decoder.model
+    decoder_bytes = sum(p.numel() * p.element_size() for n, p in decoder.named_parameters()
+                        if "embed_tokens" not in n)
+    info = {"load_s": load_s, "import_s": import_s, "decoder_weight_bytes": int(decoder_bytes),
+            "torch_threads": torch.get_num_threads(),
+            "versions": tool_versions("torch", "transformers")}
+    return pipeline, info
+
+
+def worker_measure(spec: dict[str, Any]) -> dict[str, Any]:
+    """Measure one system in this process (run as ``--worker``): load, warm up, timed runs."""
+    from higgs_pack.runtime.delay import SamplingOptions
+
+    loadavg = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    pipeline, info = (_load_pytorch if spec["kind"] == PYTORCH else _load_bundle)(spec)
+    info["rss_after_load_mb"] = _rss_now_mb()
+    if spec.get("load_only"):
+        info["peak_rss_mb"] = _peak_rss_mb()
+        return info
+    logs = _instrument(pipeline)
+    options = SamplingOptions(temperature=spec["temperature"], top_k=spec["top_k"], top_p=1.0,
+                              seed=spec["seed"], repeat_guard_frames=0)
+    for _ in range(spec["warmup"]):
+        _one_run(pipeline, logs, spec["text"], spec["frames"], options)
+    runs = [_one_run(pipeline, logs, spec["text"], spec["frames"], options)
+            for _ in range(spec["repeats"])]
+    # the 1-minute load average before and after: other work on the machine skews timings
+    after = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return {**info, **_median_runs(runs), "peak_rss_mb": _peak_rss_mb(), "loadavg_1m": [loadavg, after]}
+
+
+def worker_checkpoint(spec: dict[str, Any]) -> dict[str, Any]:
+    from higgs_pack.targets.build import default_checkpoint
+
+    t0 = time.perf_counter()
+    path = default_checkpoint(spec["preset"], spec["seed"])
+    return {"checkpoint": str(path), "seconds": time.perf_counter() - t0, "peak_rss_mb": _peak_rss_mb()}
+
+
+def worker_build(spec: dict[str, Any]) -> dict[str, Any]:
+    from higgs_pack.targets.build import build
+
+    t0 = time.perf_counter()
+    out = build(spec["target"], precision=spec["precision"], model=spec["checkpoint"],
+                out=spec["out"], variant=spec["variant"], force=True,
+                progress=lambda msg: print(f"  [build {spec['label']}] {msg}", file=sys.stderr, flush=True))
+    return {"bundle": str(out), "seconds": time.perf_counter() - t0, "peak_rss_mb": _peak_rss_mb()}
+
+
+def measure_bandwidth(mib: int = DEFAULT_BANDWIDTH_MIB, repeats: int = 5,
+                      threads: int | None = None) -> dict[str, float]:
+    """Memory bandwidth with numpy over a buffer far larger than the caches.
+
+    Read: a float64 sum over the buffer (split across ``threads``, numpy releases the GIL);
+    copy: ``copyto`` into a second buffer, counted as bytes read + written. Best of ``repeats``.
+
+    Returns:
+        ``bandwidth_gbps`` (the best read rate, used for the roofline), ``bandwidth_read_gbps``
+        (read, all threads), ``bandwidth_read_1t_gbps`` (read, one thread),
+        ``bandwidth_copy_gbps`` (copy, all threads), ``bandwidth_buffer_mib``,
+        ``bandwidth_threads``; GB = 1e9 bytes.
+    """
+    threads = threads or os.cpu_count() or 1
+    n = mib * 2**20 // 8
+    src = np.ones(n, dtype=np.float64)
+    dst = np.zeros(n, dtype=np.float64)
+    bounds = np.linspace(0, n, threads + 1, dtype=np.int64)
+    parts = [slice(int(a), int(b)) for a, b in itertools.pairwise(bounds)]
+
+    def best(fn: Callable[[], Any], nbytes: int) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return nbytes / min(times) / 1e9
+
+    with ThreadPoolExecutor(threads) as pool:
+        read = best(lambda: list(pool.map(lambda s: src[s].sum(), parts)), src.nbytes)
+        copy = best(lambda: list(pool.map(lambda s: np.copyto(dst[s], src[s]), parts)), 2 * src.nbytes)
+    read_1t = best(lambda: src.sum(), src.nbytes)
+    # the roofline uses the best read rate: on a busy machine one thread can beat two
+    return {"bandwidth_gbps": max(read, read_1t), "bandwidth_read_gbps": read,
+            "bandwidth_read_1t_gbps": read_1t, "bandwidth_copy_gbps": copy,
+            "bandwidth_buffer_mib": mib, "bandwidth_threads": threads}
+
+
+def worker_bandwidth(spec: dict[str, Any]) -> dict[str, Any]:
+    return measure_bandwidth(spec["mib"])
+
+
+WORKERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "measure": worker_measure, "checkpoint": worker_checkpoint, "build": worker_build,
+    "bandwidth": worker_bandwidth,
+}
+
+
+def run_worker(spec_file: str) -> int:
+    """Entry of ``--worker SPEC.json``: run the task, write its JSON result to ``spec["result"]``."""
+    spec = json.loads(Path(spec_file).read_text())
+    result = WORKERS[spec["task"]](spec)
+    Path(spec["result"]).write_text(json.dumps(result))
+    return 0
+
+
+class WorkerError(RuntimeError):
+    """A worker subprocess failed; the message carries the tail of its output."""
+
+
+def _spawn(task: str, spec: dict[str, Any], *, cache: Path, stream: bool = False,
+           timeout: float | None = None) -> dict[str, Any]:
+    """Run one worker in a fresh interpreter (its own peak RSS) and return its JSON result.
+
+    The worker sees ``HIGGS_PACK_CACHE=cache``, so checkpoints, bundles and OpenVINO model
+    caches land where the parent looks for them.
+    """
+    with tempfile.TemporaryDirectory(prefix="higgs-pack-bench-") as tmp:
+        spec = {**spec, "task": task, "result": str(Path(tmp) / "result.json")}
+        spec_file = Path(tmp) / "spec.json"
+        spec_file.write_text(json.dumps(spec, default=str))
+        cmd = [sys.executable, "-m", "higgs_pack.targets.bench", "--worker", str(spec_file)]
+        out: Any = subprocess.PIPE
+        if stream:  # long tasks (builds) show their progress on our stderr, not our stdout
+            try:
+                out = sys.stderr.fileno()
+            except (AttributeError, OSError, io.UnsupportedOperation):
+                out = subprocess.PIPE
+        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, text=True,
+                              timeout=timeout, check=False,
+                              env={**os.environ, "HIGGS_PACK_CACHE": str(cache)})
+        result_file = Path(spec["result"])
+        if proc.returncode != 0 or not result_file.is_file():
+            tail = "\n".join((proc.stdout or "").strip().splitlines()[-25:])
+            raise WorkerError(f"{task} worker exited with {proc.returncode}" + (f":\n{tail}" if tail else ""))
+        return json.loads(result_file.read_text())

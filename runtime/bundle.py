@@ -8,16 +8,24 @@ bundle's backend and checks its I/O signature against the manifest.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
-from collections.abc import Callable
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from higgs_pack.manifests.constants import CPU_PROVIDER, SubPart
 from higgs_pack.manifests.errors import BundleError, ExecutionProviderUnavailable
-from higgs_pack.manifests.manifest import check_files, read_manifest, resolve_inside
+from higgs_pack.manifests.manifest import (
+    check_files,
+    hub_cache_blobs,
+    read_manifest,
+    resolve_inside,
+)
 from higgs_pack.runtime.pipeline import ModelConstants, Pipeline
 
 log = logging.getLogger(__name__)
@@ -55,6 +63,32 @@ class Bundle:
     def subpart(self, part: SubPart | str) -> dict[str, Any]:
         """The manifest entry of one sub-part."""
         return self.manifest["subparts"][str(part)]
+
+
+@contextlib.contextmanager
+def regular_files(bundle: Bundle, relpaths: Iterable[str]) -> Iterator[Path]:
+    """A folder in which ``relpaths`` are regular files with the bundle's content (for onnx.checker).
+
+    onnx.checker refuses external data that is a symbolic link or has several hard links
+    (its guard against link attacks), and in a Hugging Face cache snapshot every file is a
+    symlink into the repository's ``blobs/``.  For such a bundle this yields a temporary
+    folder beside ``blobs/`` (the cache's own disk, not a RAM-backed /tmp) holding copies
+    of ``relpaths`` under the bundle's names (in-kernel copies; disk: their size, removed
+    afterwards).  Every other bundle is yielded as it is.
+
+    Raises:
+        OSError: the copies cannot be written (no space, read-only cache).
+    """
+    blobs = hub_cache_blobs(bundle.path)
+    if blobs is None:
+        yield bundle.path
+        return
+    with tempfile.TemporaryDirectory(prefix=".higgs-pack-check-", dir=blobs.parent) as tmp:
+        for rel in relpaths:
+            dest = Path(tmp, *rel.split("/"))
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(bundle.file(rel), dest)
+        yield Path(tmp)
 
 
 def find_bundle(name_or_path: str | Path) -> Path:

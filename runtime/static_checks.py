@@ -28,7 +28,7 @@ from collections import Counter
 from typing import Any
 
 from higgs_pack.manifests.constants import CPU_PROVIDER, EXECUTION_PROVIDERS, SubPart
-from higgs_pack.runtime.bundle import Bundle
+from higgs_pack.runtime.bundle import Bundle, regular_files
 from higgs_pack.runtime.kernels import Coverage, coverage, cpu_kernel_table, load_kernel_table
 from higgs_pack.runtime.onnx_types import (
     FLOAT_TYPES,
@@ -58,12 +58,13 @@ def check_onnx_files(bundle: Bundle, report: VerifyReport) -> None:
     for part, spec in bundle.manifest["subparts"].items():
         if spec["format"] != "onnx":
             continue
-        path = bundle.file(spec["entry"])
         registered = register_runtime_schemas(_load_model(bundle, spec))
         try:
             # A path (not a proto): the checker resolves external data relative to the file,
-            # and open_bundle() has proved every location stays inside the bundle.
-            onnx.checker.check_model(str(path), full_check=True)
+            # and open_bundle() has proved every location stays inside the bundle (or, for a
+            # Hugging Face cache snapshot, links into its repository's blobs/: regular_files).
+            with regular_files(bundle, spec["files"]) as root:
+                onnx.checker.check_model(str(root / spec["entry"]), full_check=True)
         except Exception as exc:
             report.add(f"onnx.checker {part}", False, f"{type(exc).__name__}: {str(exc).strip()[:400]}")
             continue

@@ -24,6 +24,7 @@ import numpy as np
 from higgs_pack.manifests.constants import CPU_PROVIDER, EXECUTION_PROVIDERS
 from higgs_pack.manifests.errors import (
     ExecutionProviderUnavailable,
+    InputError,
     SignatureMismatch,
     unknown_choice,
 )
@@ -283,17 +284,47 @@ class OrtSubPart:
         }
 
 
+#: Providers whose GroupQueryAttention shares bound past/present buffers -> where the buffers live.
+SHARED_KV_DEVICES = {"CPUExecutionProvider": "cpu", "CUDAExecutionProvider": "cuda"}
+
+#: First KV buffer length of the shared-buffer decoder (positions); it doubles when a request
+#: needs more (one copy of the used part), up to the decoder's ``max_length``.
+INITIAL_KV_CAPACITY = 512
+
+
 class OrtDecoder:
     """The ModelBuilder decoder (``exclude_embeds``, ``exclude_lm_head``) with its KV cache.
 
     Graph I/O (MODEL.md, measured): inputs ``inputs_embeds`` [1,S,H],
     ``attention_mask`` int64 [1, past+S], ``past_key_values.{i}.key|value``
     [1, kv_heads, past, head_dim] (+ ``position_ids`` [1,S] for dml); outputs
-    ``hidden_states`` and ``present.{i}.key|value``.  Presents stay as OrtValues
-    and are fed back without copies to numpy.
+    ``hidden_states`` and ``present.{i}.key|value``.
+
+    Two ways to hold the cache:
+
+    * shared buffers (GroupQueryAttention graphs: ModelBuilder's cpu, cuda fp16/int4):
+      one preallocated KV buffer per layer and key/value, [1, kv_heads, capacity,
+      head_dim], bound with IOBinding as both ``past_key_values.*`` and ``present.*``.
+      GroupQueryAttention sees equal pointers, writes the new rows in place and reads
+      the valid length from ``attention_mask`` (a view of a preallocated row of ones);
+      without the sharing it allocates and copies the whole cache every step.
+      ``inputs_embeds`` and ``hidden_states`` are preallocated too. On cuda the KV
+      buffers live on the device.
+    * copies (MultiHeadAttention graphs with ``position_ids``: ModelBuilder's dml and
+      fp32 cuda, see ``exporters/modelbuilder.py`` NO_PACKED_ATTENTION): present
+      tensors [1, kv_heads, past+S, head_dim] are fed back as OrtValues.
+
+    Args:
+        session: the ``InferenceSession``.
+        max_length: most positions one request may use.
+        kv_heads, head_dim: cache shape.
+        shared_kv: force one way (default: shared when the session runs on the CPU or CUDA
+            provider and the graph takes no ``position_ids``; the KV buffers then live on
+            that provider's device).
     """
 
-    def __init__(self, session, *, max_length: int, kv_heads: int, head_dim: int):
+    def __init__(self, session, *, max_length: int, kv_heads: int, head_dim: int,
+                 shared_kv: bool | None = None):
         self.session = session
         self.max_length = max_length
         ort = import_ort()
@@ -305,24 +336,71 @@ class OrtDecoder:
                 "built with exclude_embeds. Rebuild the bundle with `higgs-pack build`"
             )
         self._embed_type = ORT_TYPES[inputs["inputs_embeds"].type]
+        self._hidden_size = inputs["inputs_embeds"].shape[-1]
         self._past = sorted(n for n in inputs if n.startswith("past_key_values."))
         self._present = [n.replace("past_key_values.", "present.") for n in self._past]
         self._has_position_ids = "position_ids" in inputs
         self._kv_type = ORT_TYPES[inputs[self._past[0]].type] if self._past else np.float32
         self._kv_heads, self._head_dim = kv_heads, head_dim
         self._outputs = ["hidden_states", *self._present]
+        provider = (session.get_providers() or ["CPUExecutionProvider"])[0]
+        device = SHARED_KV_DEVICES.get(provider)
+        if shared_kv is None:
+            shared_kv = device is not None and not self._has_position_ids
+        self.shared_kv = bool(shared_kv)
+        if self.shared_kv and (self._has_position_ids or not isinstance(self._hidden_size, int)):
+            raise SignatureMismatch(
+                "llm_decoder: shared KV buffers need a GroupQueryAttention graph without position_ids and a "
+                f"fixed hidden size (inputs: {sorted(inputs)}); open it with shared_kv=False"
+            )
+        self._device = device or "cpu"
+        options = session.get_provider_options().get(provider, {}) if hasattr(session, "get_provider_options") else {}
+        self._device_id = int(options.get("device_id", 0))
+        if self.shared_kv:
+            self._binding = session.io_binding()
+            self._mask = np.ones((1, max_length), dtype=np.int64)
+            outputs = {o.name: o for o in session.get_outputs()}
+            self._hidden_type = ORT_TYPES[outputs["hidden_states"].type]
+            self._step_buffers(1)
+            self._capacity = 0
+            self._kv: dict[str, Any] = {}
+            self._kv_host: dict[str, np.ndarray] = {}
         self.reset()
 
+    def _step_buffers(self, s: int) -> None:
+        self._embeds = np.zeros((1, s, self._hidden_size), dtype=self._embed_type)
+        self._hidden = np.zeros((1, s, self._hidden_size), dtype=self._hidden_type)
+
     def reset(self) -> None:
-        """Empty the KV cache."""
-        empty = np.zeros((1, self._kv_heads, 0, self._head_dim), dtype=self._kv_type)
-        self._cache = {n: self._ort.OrtValue.ortvalue_from_numpy(empty) for n in self._past}
+        """Empty the KV cache (shared buffers are kept and overwritten)."""
         self._length = 0
+        if not self.shared_kv:
+            empty = np.zeros((1, self._kv_heads, 0, self._head_dim), dtype=self._kv_type)
+            self._cache = {n: self._ort.OrtValue.ortvalue_from_numpy(empty) for n in self._past}
 
     def forward(self, inputs_embeds: np.ndarray) -> np.ndarray:
-        """float32 [1, S, H] -> float32 [1, S, H]; grows the cache by S."""
+        """float32 [1, S, H] -> float32 [1, S, H] (a new array); grows the cache by S.
+
+        Raises:
+            InputError: the cache would exceed ``max_length`` positions.
+        """
         s = inputs_embeds.shape[1]
         total = self._length + s
+        if total > self.max_length:
+            raise InputError(
+                f"the decoder would hold {total} positions, more than max_length={self.max_length}; "
+                "shorten the text or lower max_frames="
+            )
+        try:
+            out = self._forward_shared(inputs_embeds, s, total) if self.shared_kv else \
+                self._forward_copies(inputs_embeds, total)
+        except Exception as exc:  # onnxruntime's own error types
+            _raise_unsupported("llm_decoder", self.session, exc)
+            raise
+        self._length = total
+        return out
+
+    def _forward_copies(self, inputs_embeds: np.ndarray, total: int) -> np.ndarray:
         ov = self._ort.OrtValue.ortvalue_from_numpy
         feeds = {
             "inputs_embeds": ov(np.ascontiguousarray(inputs_embeds, dtype=self._embed_type)),
@@ -331,14 +409,53 @@ class OrtDecoder:
         }
         if self._has_position_ids:
             feeds["position_ids"] = ov(np.arange(self._length, total, dtype=np.int64)[None])
-        try:
-            outs = self.session.run_with_ort_values(self._outputs, feeds)
-        except Exception as exc:  # onnxruntime's own error types
-            _raise_unsupported("llm_decoder", self.session, exc)
-            raise
+        outs = self.session.run_with_ort_values(self._outputs, feeds)
         self._cache = dict(zip(self._past, outs[1:], strict=True))
-        self._length = total
         return outs[0].numpy().astype(np.float32)
+
+    def _ensure_capacity(self, total: int) -> None:
+        """Allocate (or double, keeping the used rows) the shared KV buffers and bind them."""
+        if total <= self._capacity:
+            return
+        capacity = max(self._capacity, min(INITIAL_KV_CAPACITY, self.max_length))
+        while capacity < total:
+            capacity = min(2 * capacity, self.max_length)
+        shape = (1, self._kv_heads, capacity, self._head_dim)
+        for past, present in zip(self._past, self._present, strict=True):
+            host = np.zeros(shape, dtype=self._kv_type)
+            if self._length and past in self._kv:
+                used = self._kv_host[past] if self._device == "cpu" else self._kv[past].numpy()
+                host[:, :, :self._length] = used[:, :, :self._length]
+            if self._device == "cpu":
+                self._kv_host[past] = host  # the OrtValue below uses this memory
+                value = self._ort.OrtValue.ortvalue_from_numpy(host)
+            else:
+                value = self._ort.OrtValue.ortvalue_from_numpy(host, self._device, self._device_id)
+            self._kv[past] = value
+            self._binding.bind_ortvalue_input(past, value)
+            self._binding.bind_ortvalue_output(present, value)
+        self._capacity = capacity
+
+    def _bind_host(self, name: str, array: np.ndarray, output: bool = False) -> None:
+        shape = list(array.shape)
+        if output:
+            self._binding.bind_output(name, "cpu", 0, array.dtype, shape, array.ctypes.data)
+        else:
+            self._binding.bind_input(name, "cpu", 0, array.dtype, shape, array.ctypes.data)
+
+    def _forward_shared(self, inputs_embeds: np.ndarray, s: int, total: int) -> np.ndarray:
+        self._ensure_capacity(total)
+        if s != self._embeds.shape[1]:
+            self._step_buffers(s)
+        np.copyto(self._embeds, inputs_embeds, casting="same_kind")
+        self._bind_host("inputs_embeds", self._embeds)
+        self._bind_host("attention_mask", self._mask[:, :total])
+        self._bind_host("hidden_states", self._hidden, output=True)
+        self.session.run_with_iobinding(self._binding)
+        out = self._hidden.astype(np.float32)  # a new array: callers may keep it
+        if s != 1:  # back to the one-position buffers for the frames that follow
+            self._step_buffers(1)
+        return out
 
 
 # ----------------------------------------------------------------------------- node placement

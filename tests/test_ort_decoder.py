@@ -1,0 +1,91 @@
+"""The ONNX Runtime decoder's KV cache: one preallocated buffer per layer bound as both past and
+present (IOBinding, GroupQueryAttention shares it) against the plain path that copies the cache
+in and out every step. Same hidden states, same codes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from higgs_pack.manifests.errors import InputError
+from higgs_pack.runtime import ort_backend
+from higgs_pack.runtime.bundle import load
+from higgs_pack.runtime.delay import SamplingOptions
+from higgs_pack.runtime.generate import synthesize
+from higgs_pack.runtime.ort_backend import OrtDecoder
+
+
+@pytest.fixture(scope="module")
+def pipeline(cpu_int4_bundle):
+    return load(cpu_int4_bundle)
+
+
+def _twin(decoder: OrtDecoder, shared: bool) -> OrtDecoder:
+    return OrtDecoder(decoder.session, max_length=decoder.max_length, kv_heads=decoder._kv_heads,
+                      head_dim=decoder._head_dim, shared_kv=shared)
+
+
+def test_cpu_decoder_shares_its_kv_buffers_by_default(pipeline):
+    assert pipeline.decoder.shared_kv
+
+
+def test_shared_buffers_give_the_hidden_states_of_the_copying_path(pipeline, monkeypatch):
+    # A small first buffer, so that growing it (with a copy of the used rows) is exercised too.
+    monkeypatch.setattr(ort_backend, "INITIAL_KV_CAPACITY", 8)
+    shared, copies = _twin(pipeline.decoder, True), _twin(pipeline.decoder, False)
+    rng = np.random.default_rng(0)
+    h = pipeline.constants.hidden_size
+    feeds = [rng.standard_normal((1, 5, h)).astype(np.float32)]
+    feeds += [rng.standard_normal((1, 1, h)).astype(np.float32) for _ in range(20)]
+    for _ in range(2):  # the second round reuses the buffers after reset()
+        shared.reset()
+        copies.reset()
+        for x in feeds:
+            a, b = shared.forward(x), copies.forward(x)
+            assert a.dtype == np.float32 and a.shape == x.shape
+            np.testing.assert_array_equal(a, b)
+    assert shared._capacity == 32  # 8 -> 16 -> 32 for 25 positions
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_codes_identical_to_the_copying_path(pipeline, temperature):
+    options = SamplingOptions(temperature=temperature, seed=4)
+    shared = synthesize(pipeline, "Same codes either way.", options=options, max_frames=200)
+    original = pipeline.decoder
+    pipeline.decoder = _twin(original, False)
+    try:
+        copies = synthesize(pipeline, "Same codes either way.", options=options, max_frames=200)
+    finally:
+        pipeline.decoder = original
+    assert np.array_equal(shared.codes, copies.codes)
+    assert [r.stop_reason for r in shared.chunks] == [r.stop_reason for r in copies.chunks]
+
+
+def test_shared_decoder_refuses_more_than_max_length(pipeline):
+    decoder = _twin(pipeline.decoder, True)
+    decoder.max_length = 6
+    decoder.forward(np.zeros((1, 5, pipeline.constants.hidden_size), np.float32))
+    decoder.forward(np.zeros((1, 1, pipeline.constants.hidden_size), np.float32))
+    with pytest.raises(InputError, match="more than max_length=6"):
+        decoder.forward(np.zeros((1, 1, pipeline.constants.hidden_size), np.float32))
+
+
+def test_cuda_shared_buffers_live_on_the_device(cpu_int4_bundle):
+    ort = ort_backend.import_ort()
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("needs an NVIDIA GPU with onnxruntime-gpu (CUDAExecutionProvider); this machine has none")
+    from higgs_pack.runtime.bundle import open_bundle
+
+    bundle = open_bundle(cpu_int4_bundle)
+    m = bundle.manifest
+    session, _ = ort_backend.create_session(bundle.file(m["subparts"]["llm_decoder"]["entry"]), "cuda")
+    c = m["constants"]
+    shared = OrtDecoder(session, max_length=64, kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"])
+    copies = OrtDecoder(session, max_length=64, kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"],
+                        shared_kv=False)
+    assert shared.shared_kv and shared._device == "cuda"
+    rng = np.random.default_rng(1)
+    for x in [rng.standard_normal((1, 4, c["hidden_size"])).astype(np.float32)] + \
+            [rng.standard_normal((1, 1, c["hidden_size"])).astype(np.float32) for _ in range(6)]:
+        np.testing.assert_allclose(shared.forward(x), copies.forward(x), atol=1e-5)
+    assert all(v.device_name().lower() == "cuda" for v in shared._kv.values())

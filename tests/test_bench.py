@@ -170,3 +170,16 @@ def test_bench_cpu_bundle_built_then_reused(tiny_checkpoint, tmp_path):
         preset="tiny", systems=("cpu-fp32",), frames=8, repeats=1, warmup=0, bandwidth_mib=0,
         checkpoint=str(tiny_checkpoint), cache=str(cache), out=None, quiet=True))
     assert rec2["build_cached"] is True
+
+
+def test_cpu_isa_names_vnni_and_avx512():
+    from higgs_pack.targets.bench.run import _machine, cpu_isa
+
+    amd = cpu_isa(["fpu", "sse4_2", "avx", "avx2", "fma", "f16c"])
+    assert amd == {"flags": ["sse4_2", "avx", "avx2", "fma", "f16c"], "vnni": False, "avx512": False}
+    xeon = cpu_isa(["avx2", "avx512f", "avx512bw", "avx512_vnni", "amx_tile"])
+    assert xeon["vnni"] and xeon["avx512"] and xeon["flags"] == ["avx2", "avx512f", "avx512bw", "avx512_vnni",
+                                                                 "amx_tile"]
+    assert cpu_isa(["avx2", "avx_vnni"])["vnni"]
+    machine = _machine()  # what every bench record carries
+    assert set(machine["isa"]) == {"flags", "vnni", "avx512"}

@@ -100,7 +100,9 @@ def sample_codes(
     Returns:
         int64 [N].
     """
-    x = np.where(allowed, logits.astype(np.float64), -np.inf)
+    # Selection (argmax, top-k) on the logits' own float32 values, which order exactly as their
+    # float64 copies; only the k kept values are widened to float64 for the probabilities.
+    x = np.where(allowed, logits, np.float32(-np.inf))
     if options.temperature == 0:
         return x.argmax(axis=-1).astype(np.int64)
     keep = None
@@ -109,7 +111,7 @@ def sample_codes(
         # same as masking the rest): about half the per-frame sampling time.
         keep = np.sort(np.argpartition(x, -options.top_k, axis=-1)[:, -options.top_k :], axis=-1)
         x = np.take_along_axis(x, keep, axis=-1)
-    x = x / options.temperature
+    x = x.astype(np.float64) / options.temperature
     x = x - x.max(axis=-1, keepdims=True)
     probs = np.exp(x)
     probs /= probs.sum(axis=-1, keepdims=True)

@@ -225,7 +225,7 @@ def generate_steps(
     first_frame_s = math.nan
     pipeline.decoder.reset()
     t0 = time.perf_counter()
-    hidden = pipeline.decoder.forward(prompt_embeds.astype(np.float32))
+    hidden = pipeline.decoder.forward(prompt_embeds.astype(np.float32, copy=False))
     decoder_s += time.perf_counter() - t0
     delayed: list[np.ndarray] = []
     eoc_step: int | None = None
@@ -266,7 +266,7 @@ def generate_steps(
         embeds = _check_finite("audio_embed", pipeline.audio_embed.run({"codes": codes[None, None, :]})["audio_embeds"],
                                pipeline)
         t0 = time.perf_counter()
-        hidden = pipeline.decoder.forward(embeds.astype(np.float32))
+        hidden = pipeline.decoder.forward(embeds.astype(np.float32, copy=False))
         decoder_s += time.perf_counter() - t0
     delayed_arr = np.stack(delayed).astype(np.int64)
     return GenerationResult(

@@ -279,7 +279,7 @@ class OrtSubPart:
             _raise_unsupported(self.name, self.session, exc)
             raise
         return {
-            k: (v.astype(np.float32) if np.issubdtype(v.dtype, np.floating) else v)
+            k: (v.astype(np.float32, copy=False) if np.issubdtype(v.dtype, np.floating) else v)
             for k, v in zip(self._outputs, outs, strict=True)
         }
 

@@ -371,7 +371,8 @@ def resolve(source: str | os.PathLike, *, bundle_dirs: tuple[str | os.PathLike, 
     if path.is_dir() and not (path / MANIFEST_NAME).is_file() and bundles_in(path):
         # A folder of bundles (dist/, a downloaded multi-variant repository): choose among them.
         candidates, _broken = visible_bundles([path], installed=False, hub_cache=False)
-        choice = choose(candidates, inventory(), bench=bench_speeds())
+        inv = inventory()
+        choice = choose(candidates, inv, bench=bench_speeds(cpu=inv.cpu))
         placement = require(choice, str(path))
         return Resolved(Path(placement.candidate.source), f"folder of bundles {path}: {choice.reason}",
                         placement.device, tuple(choice.notes), dict(choice.rejected))
@@ -384,7 +385,8 @@ def resolve(source: str | os.PathLike, *, bundle_dirs: tuple[str | os.PathLike, 
         return Resolved(installed[text], "installed bundle")
     candidates, _broken = visible_bundles(bundle_dirs)
     if any(c.model == text for c in candidates):
-        choice = choose(candidates, inventory(), model=text, bench=bench_speeds())
+        inv = inventory()
+        choice = choose(candidates, inv, model=text, bench=bench_speeds(cpu=inv.cpu))
         placement = require(choice, text)
         return Resolved(Path(placement.candidate.source), choice.reason, placement.device, tuple(choice.notes),
                         dict(choice.rejected))

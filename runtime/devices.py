@@ -237,15 +237,17 @@ def visible_bundles(bundle_dirs: Iterable[str | Path] = (), *, installed: bool =
     return candidates, broken
 
 
-def bench_speeds(path: str | Path | None = None) -> dict[str, float]:
+def bench_speeds(path: str | Path | None = None, *, cpu: str | None = None) -> dict[str, float]:
     """Measured decode frames/s on the CPU per ``<target>-<precision>`` from a ``bench.json``.
 
     Uses the records of ``nox -s bench`` (``system``, ``precision``, ``frames_per_s``,
-    ``device``, ``preset``) measured on the CPU, of the largest preset present.
+    ``device``, ``preset``, ``machine.cpu``) measured on the CPU, of the largest preset present.
 
     Args:
         path: the file (default ``dist/bench.json`` in the working directory, then
             ``$HIGGS_PACK_CACHE/bench.json``); missing or unreadable -> ``{}``.
+        cpu: keep only records measured on this CPU model (records that do not name
+            their machine are kept); None keeps all.
     """
     from higgs_pack.runtime.paths import cache_root
 
@@ -257,7 +259,8 @@ def bench_speeds(path: str | Path | None = None) -> dict[str, float]:
             continue
         records = [r for r in (data if isinstance(data, list) else []) if isinstance(r, dict)
                    and isinstance(r.get("frames_per_s"), (int, float)) and not r.get("variant")
-                   and str(r.get("device")) in ("cpu", "CPU") and r.get("system") != "pytorch"]
+                   and str(r.get("device")) in ("cpu", "CPU") and r.get("system") != "pytorch"
+                   and (cpu is None or (r.get("machine") or {}).get("cpu", cpu) == cpu)]
         # One preset only, the largest measured (full > bench > tiny): like is compared with like.
         for preset in ("full", "bench", "tiny"):
             same = [r for r in records if r.get("preset") == preset]
@@ -280,7 +283,7 @@ def describe(bundle_dirs: Iterable[str | Path] = (), inv: Inventory | None = Non
     broken: dict[str, str] = {}
     if candidates is None:
         candidates, broken = visible_bundles(bundle_dirs)
-    bench = bench_speeds()
+    bench = bench_speeds(cpu=inv.cpu)
     lines = [f"CPU            {inv.cpu or 'unknown'} ({inv.cpu_vendor}, {platform.machine()}, {inv.platform})"]
     versions = []
     for dist in inv.ort_distributions:

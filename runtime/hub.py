@@ -195,8 +195,8 @@ def pull(source: str | HubRef, *, variant: str | None = None, cache_dir: str | P
         from higgs_pack.runtime.devices import inventory as probe
 
         candidates = [Candidate.from_manifest(read_manifest(p), p, f"hub {ref.repo_id}") for p in folders.values()]
-        choice = choose(candidates, inventory if inventory is not None else probe(),
-                        bench=bench if bench is not None else bench_speeds())
+        inv = inventory if inventory is not None else probe()
+        choice = choose(candidates, inv, bench=bench if bench is not None else bench_speeds(cpu=inv.cpu))
         for note in choice.notes:
             log.warning("%s", note)
         placement = require(choice, f"{ref.repo_id}@{commit[:12]}")

@@ -102,6 +102,26 @@ def test_cpu_speed_class_uses_measurements_then_precision_then_vendor():
     assert measured.chosen.candidate.target == "openvino" and "measured 120 frames/s" in measured.reason
 
 
+def test_bench_speeds_read_this_machines_cpu_records(tmp_path):
+    from higgs_pack.runtime.devices import bench_speeds
+
+    def rec(system, precision, fps, cpu, preset="bench", **extra):
+        return {"system": system, "precision": precision, "frames_per_s": fps, "device": "cpu" if system == "cpu"
+                else "CPU", "preset": preset, "machine": {"cpu": cpu}, **extra}
+
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps([
+        rec("cpu", "int4", 80.0, "AMD EPYC"), rec("openvino", "int4", 120.0, "AMD EPYC"),
+        rec("openvino", "int4", 999.0, "Intel Xeon"),                    # another machine
+        rec("cpu", "int4", 5.0, "AMD EPYC", preset="tiny"),              # a smaller preset
+        rec("openvino", "int4", 7.0, "AMD EPYC", variant="npu"),         # a variant
+        rec("pytorch", "fp32", 10.0, "AMD EPYC"),
+    ]))
+    assert bench_speeds(path, cpu="AMD EPYC") == {"cpu-int4": 80.0, "openvino-int4": 120.0}
+    assert bench_speeds(path, cpu="Intel Xeon") == {"openvino-int4": 999.0}
+    assert bench_speeds(tmp_path / "missing.json") == {}
+
+
 def test_nothing_runs_raises_with_every_reason():
     inv = Inventory()  # no runtime at all
     choice = choose([bundle("cpu", "int4"), bundle("openvino", "int4")], inv, model=SLUG)

@@ -111,7 +111,8 @@ def find_bundle(name_or_path: str | Path) -> Path:
     known = ", ".join(sorted(found)) or "none installed"
     raise BundleError(
         f"{name_or_path}: no such bundle directory, and no installed bundle of that name "
-        f"(installed: {known}). Pass a bundle directory, or pip install a bundle wheel"
+        f"(installed: {known}), nor a model slug of a visible bundle (`higgs-pack devices` lists them). "
+        "Pass a bundle directory, an archive, hf://ORG/REPO[@REVISION], or pip install a bundle wheel"
     )
 
 

@@ -111,6 +111,27 @@ _FLOAT_WEIGHT_TYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
 # ----------------------------------------------------------------------------- helpers
 
 
+def _qwen3_config(hf_dir: Path):
+    """The transformers config of a standard Qwen3 directory (the checkpoint's body, remapped).
+
+    Raises:
+        CheckpointError: no ``config.json``, or a ``model_type`` other than ``qwen3``.
+    """
+    from transformers import AutoConfig
+
+    from higgs_pack.manifests.errors import CheckpointError
+
+    if not (hf_dir / "config.json").is_file():
+        raise CheckpointError(f"{hf_dir} has no config.json; pass a Qwen3 Hugging Face directory as hf_dir=")
+    config = AutoConfig.from_pretrained(hf_dir)
+    if config.model_type != "qwen3":
+        raise CheckpointError(
+            f"{hf_dir}: model_type is {config.model_type!r}, expected 'qwen3' (the checkpoint's body "
+            "remapped to a standard Qwen3 directory)"
+        )
+    return config
+
+
 def _check_precision(precision: str, subpart: SubPart) -> None:
     if precision not in PRECISIONS:
         raise BuildPlanError(unknown_choice("precision", precision, PRECISIONS, "--precision / precision="))
@@ -400,22 +421,14 @@ def convert_llm_decoder(
     import torch
     from optimum.exporters.openvino.convert import export_models
     from optimum.exporters.openvino.model_configs import get_vlm_text_generation_config
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from higgs_pack.manifests.errors import CheckpointError
 
     subpart = SubPart.LLM_DECODER
     _check_precision(precision, subpart)
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     bundle_dir = Path(bundle_dir) if bundle_dir is not None else out_dir
-    if not (hf_dir / "config.json").is_file():
-        raise CheckpointError(f"{hf_dir} has no config.json; pass a Qwen3 Hugging Face directory as hf_dir=")
-    config = AutoConfig.from_pretrained(hf_dir)
-    if config.model_type != "qwen3":
-        raise CheckpointError(
-            f"{hf_dir}: model_type is {config.model_type!r}, expected 'qwen3' (the checkpoint's body "
-            "remapped to a standard Qwen3 directory)"
-        )
+    _qwen3_config(hf_dir)  # refuses a directory that is not a standard Qwen3 one
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     model.lm_head = torch.nn.Identity()
     export_config = get_vlm_text_generation_config("qwen3", model.config, int_dtype="int64", float_dtype="fp32")
@@ -600,9 +613,8 @@ def convert_static_decoder(
         BuildError: Conversion or compression failed, or a shape stayed dynamic.
     """
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from higgs_pack.manifests.errors import CheckpointError
 
     subpart = SubPart.LLM_DECODER
     _check_precision(precision, subpart)
@@ -614,11 +626,7 @@ def convert_static_decoder(
     kv_length, step = int(kv_length), int(step)
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     bundle_dir = Path(bundle_dir) if bundle_dir is not None else out_dir
-    if not (hf_dir / "config.json").is_file():
-        raise CheckpointError(f"{hf_dir} has no config.json; pass a Qwen3 Hugging Face directory as hf_dir=")
-    config = AutoConfig.from_pretrained(hf_dir)
-    if config.model_type != "qwen3":
-        raise CheckpointError(f"{hf_dir}: model_type is {config.model_type!r}, expected 'qwen3'")
+    config = _qwen3_config(hf_dir)
     if kv_length + step > config.max_position_embeddings:
         raise BuildPlanError(
             f"static kv_length {kv_length} + step {step} exceeds the model's context of "

@@ -12,10 +12,10 @@ from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from typing import Any, Literal
 
-from higgs_pack.manifests.constants import SubPart
+from higgs_pack.manifests.constants import RUNTIME_BACKENDS, SubPart
 
-#: Formats an exporter may write.
-FORMATS = ("onnx", "openvino")
+#: Formats an exporter may write: those of the runtime backends.
+FORMATS = tuple(b.format for b in RUNTIME_BACKENDS.values())
 
 
 @dataclass(frozen=True)

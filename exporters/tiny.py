@@ -145,31 +145,19 @@ PRESETS: dict[str, Preset] = {
 #: The small codec of the ``tiny`` preset: same sample rate (24 kHz), hop (960 =
 #: 8*5*4*2*3, 25 fps), semantic rate (16 kHz, HuBERT conv stack with total stride 320)
 #: and codes (8 quantizers of 1024) as the published one; narrow DAC and a 2-layer,
-#: 32-wide HuBERT.
-TINY_CODEC_CONFIG: dict[str, Any] = {
-    "model_type": "higgs_audio_v2_tokenizer",
-    "sample_rate": 24000,
-    "semantic_sample_rate": 16000,
-    "downsample_factor": 320,
-    "target_bandwidths": [0.5, 1, 1.5, 2],
-    "codebook_size": 1024,
+#: 32-wide HuBERT: the published config with only the sizes changed.
+TINY_CODEC_CONFIG: dict[str, Any] = copy.deepcopy({  # no list shared with the published config
+    **PUBLISHED_CODEC_CONFIG,
     "codebook_dim": 16,
-    "kernel_size": 3,
-    "unit_kernel_size": 3,
-    "channel_ratios": [1, 1],
-    "strides": [1, 1],
-    "block_dilations": [1, 1],
     "acoustic_model_config": {
-        "model_type": "dac",
+        **PUBLISHED_CODEC_CONFIG["acoustic_model_config"],
         "encoder_hidden_size": 4,
         "decoder_hidden_size": 64,
         "hidden_size": 16,
-        "downsampling_ratios": [8, 5, 4, 2, 3],
-        "upsampling_ratios": [8, 5, 4, 2, 3],
         "sampling_rate": 24000,
     },
     "semantic_model_config": {
-        "model_type": "hubert",
+        **PUBLISHED_CODEC_CONFIG["semantic_model_config"],
         "hidden_size": 32,
         "num_hidden_layers": 2,
         "num_attention_heads": 2,
@@ -177,9 +165,8 @@ TINY_CODEC_CONFIG: dict[str, Any] = {
         "conv_dim": [32, 32, 32, 32, 32, 32, 32],
         "num_conv_pos_embeddings": 16,
         "num_conv_pos_embedding_groups": 4,
-        "mask_time_prob": 0.0,
     },
-}
+})
 
 #: Higgs special tokens at the ids reported for the real tokenizer (MODEL.md).
 HIGGS_SPECIAL_IDS: dict[str, int] = {

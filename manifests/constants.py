@@ -186,19 +186,26 @@ class RuntimeBackend:
         format: the sub-part file format its bundles hold (an exporter's ``format``).
         placement: the manifest field and the ``load()`` keyword that say where it runs
             (``execution_provider`` or ``device``).
+        modules: the modules that load it (imported, and timed apart, by the benchmark).
+        compile_cache: it compiles models into a cache (``load(cache_dir=)``): the
+            benchmark measures a cold and a warm load.
     """
 
     name: str
     format: str
     placement: str
+    modules: tuple[str, ...] = ()
+    compile_cache: bool = False
 
 
 #: Manifest ``backend`` -> what it runs and how a bundle names where.
 RUNTIME_BACKENDS: dict[str, RuntimeBackend] = {
     b.name: b
     for b in (
-        RuntimeBackend("onnxruntime", format="onnx", placement="execution_provider"),
-        RuntimeBackend("openvino", format="openvino", placement="device"),
+        RuntimeBackend("onnxruntime", format="onnx", placement="execution_provider",
+                       modules=("onnxruntime", "higgs_pack.runtime.ort_backend")),
+        RuntimeBackend("openvino", format="openvino", placement="device",
+                       modules=("higgs_pack.runtime.openvino_backend",), compile_cache=True),
     )
 }
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from higgs_pack.manifests.constants import RUNTIME_BACKENDS
 from higgs_pack.targets.bench.records import (
     _roofline,
     add_ratios,
@@ -217,7 +218,7 @@ def run_bench(options: BenchOptions) -> list[dict[str, Any]]:
         if "error" in record or not runs:
             continue
         cold = {k: v for k, v in runs[0].items() if k in ("load_s", "peak_rss_cold_load_mb")
-                and record["backend"] == "openvino"}
+                and _compiles(record["backend"])}
         record.update(max(runs, key=lambda r: r["frames_per_s"]))
         record.update(cold)
         record["rounds_frames_per_s"] = [r["frames_per_s"] for r in runs]
@@ -226,6 +227,11 @@ def run_bench(options: BenchOptions) -> list[dict[str, Any]]:
         _roofline(record, bandwidth)
     add_ratios(records)
     return records
+
+
+def _compiles(backend: str) -> bool:
+    """Whether a backend compiles into a model cache (its cold and warm loads are measured)."""
+    return backend in RUNTIME_BACKENDS and RUNTIME_BACKENDS[backend].compile_cache
 
 
 def _measure_system(spec: SystemSpec, path: Path | None, manifest: dict[str, Any] | None,
@@ -239,7 +245,7 @@ def _measure_system(spec: SystemSpec, path: Path | None, manifest: dict[str, Any
     job = {**common, "kind": "bundle", "bundle": str(path), "backend": manifest["backend"],
            "device": spec.device}
     out: dict[str, Any] = {}
-    if manifest["backend"] == "openvino":
+    if _compiles(manifest["backend"]):
         ov_cache = cache / "bench" / "ov-cache" / f"{path.name}{'@' + spec.device if spec.device else ''}"
         job["ov_cache"] = str(ov_cache)
         if cold:
@@ -247,6 +253,6 @@ def _measure_system(spec: SystemSpec, path: Path | None, manifest: dict[str, Any
             first = _spawn("measure", {**job, "load_only": True}, cache=cache, timeout=options.timeout)
             out = {"load_s": first["load_s"], "peak_rss_cold_load_mb": first["peak_rss_mb"]}
     res = _spawn("measure", job, cache=cache, timeout=options.timeout)
-    if manifest["backend"] == "openvino":
+    if _compiles(manifest["backend"]):
         res["load_warm_s"] = res.pop("load_s")
     return {**res, **out}

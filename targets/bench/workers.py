@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from higgs_pack.exporters.result import tool_versions
+from higgs_pack.manifests.constants import RUNTIME_BACKENDS
 from higgs_pack.targets.bench.systems import DEFAULT_BANDWIDTH_MIB, PYTORCH
 
 
@@ -171,11 +172,9 @@ def _load_bundle(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """Open (validate, hash) and load a bundle; returns the pipeline and timings."""
     from higgs_pack.runtime.bundle import load, open_bundle
 
-    backend = spec["backend"]
+    backend = RUNTIME_BACKENDS[spec["backend"]]
     t0 = time.perf_counter()  # imports are reported apart: they are not model loading
-    modules = ["higgs_pack.runtime.openvino_backend"] if backend == "openvino" else [
-        "onnxruntime", "higgs_pack.runtime.ort_backend"]
-    for module in ("tokenizers", *modules):
+    for module in ("tokenizers", *backend.modules):
         importlib.import_module(module)
     import_s = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -183,8 +182,8 @@ def _load_bundle(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     t1 = time.perf_counter()
     kwargs: dict[str, Any] = {}
     if spec.get("device"):
-        kwargs["device" if backend == "openvino" else "execution_provider"] = spec["device"]
-    if backend == "openvino":
+        kwargs[backend.placement] = spec["device"]
+    if backend.compile_cache:
         kwargs["cache_dir"] = spec["ov_cache"]
     pipeline = load(opened, **kwargs)
     t2 = time.perf_counter()

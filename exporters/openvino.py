@@ -81,7 +81,11 @@ from higgs_pack.exporters.openvino_plan import (
 from higgs_pack.exporters.result import ExportResult, TensorSpec, tool_versions
 from higgs_pack.manifests.constants import FP32_ONLY, SUBPART_IO, SubPart
 from higgs_pack.manifests.errors import BuildError, BuildPlanError, unknown_choice
-from higgs_pack.runtime.openvino_backend import DECODER_INPUTS, DECODER_OUTPUT  # noqa: F401 (one copy of the names)
+from higgs_pack.runtime.openvino_backend import (  # noqa: F401 (one copy of the names)
+    DECODER_INPUTS,
+    DECODER_OUTPUT,
+    decoder_compile_properties,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -482,6 +486,8 @@ def _decoder_result(xml: Path, bundle_dir: Path, subpart: str, precision: str, s
     files = _relative_files(xml, bundle_dir)
     if options.get("static"):
         options = {**options, "static_shapes": {t.name: list(t.shape) for t in (*inputs, *outputs)}}
+    options = {**options, "compile_properties": decoder_compile_properties(precision,
+                                                                          stateful=bool(options.get("stateful")))}
     return ExportResult(
         subpart=subpart, format="openvino", files=files, entry=files[0], exporter=exporter, passes=passes,
         tool_versions=versions, precision=precision, quantization=quantization, inputs=inputs, outputs=outputs,

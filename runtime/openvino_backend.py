@@ -195,6 +195,32 @@ def precision_config(device: str, precision: str, *, stateful: bool = False) -> 
     return config
 
 
+#: KV cache element type the CPU plugin keeps for a stateful decoder, per bundle precision.
+#: u8 (the plugin's x86 default, made explicit): a quarter of f32's bytes read per step, what
+#: matters once the cache is long (full size: 0.97 of the weight-read roofline with u8, MODEL.md);
+#: on the tiny model, whose cache is a few KB, f32/f16 measured faster (quantizing dominates).
+KV_CACHE_PRECISION = {"int4": "u8", "int8": "u8", "fp16": "f16", "fp32": "f32"}
+
+
+def decoder_compile_properties(precision: str, *, stateful: bool) -> dict[str, dict[str, str]]:
+    """Compile properties recorded in the decoder's manifest options (``compile_properties``),
+    per device; :func:`open_openvino_parts` applies the entry of the device it compiles for.
+
+    * every device: ``PERFORMANCE_HINT=LATENCY``: one request at a time (speech is one
+      sequential decode), all cores on it, whatever a future OpenVINO's default is;
+    * CPU, stateful decoder: ``KV_CACHE_PRECISION`` from :data:`KV_CACHE_PRECISION`
+      (the static npu decoder keeps its KV in buffers the runtime owns: nothing to set).
+
+    Args:
+        precision: the decoder's precision.
+        stateful: whether the IR keeps its KV cache as state.
+    """
+    cpu = {"PERFORMANCE_HINT": "LATENCY"}
+    if stateful:
+        cpu["KV_CACHE_PRECISION"] = KV_CACHE_PRECISION[precision]
+    return {"CPU": cpu, "GPU": {"PERFORMANCE_HINT": "LATENCY"}, "NPU": {"PERFORMANCE_HINT": "LATENCY"}}
+
+
 def _numpy_dtype(port) -> np.dtype:
     return np.dtype(port.get_element_type().to_dtype())
 
@@ -344,8 +370,10 @@ class OvSubPart:
                 f"{self.path.name}: feeds {sorted(feeds)} do not match the IR inputs {self.input_names}"
             )
         cast = {k: np.ascontiguousarray(v, dtype=self._inputs[k]) for k, v in feeds.items()}
-        results = self._request.infer(cast, share_inputs=False, share_outputs=False)
-        return {name: _output(np.asarray(results[port]))
+        # Inputs are read in place (the call is synchronous); outputs are views of the request's
+        # memory, copied once into arrays the caller owns.
+        results = self._request.infer(cast, share_inputs=True, share_outputs=True)
+        return {name: _output(np.array(results[port], copy=True))
                 for name, port in zip(self.output_names, self.compiled.outputs, strict=True)}
 
 
@@ -446,9 +474,9 @@ class OvStatefulDecoder:
             "beam_idx": np.zeros((1,), dtype=np.int32),
         }
         feeds = {k: v.astype(self._inputs[k], copy=False) for k, v in feeds.items() if k in self._inputs}
-        results = self._request.infer(feeds, share_inputs=False, share_outputs=False)
+        results = self._request.infer(feeds, share_inputs=True, share_outputs=True)
         self.length = total
-        return np.asarray(results[self._output]).astype(np.float32, copy=False)
+        return np.array(results[self._output], dtype=np.float32, copy=True)
 
 
 # ----------------------------------------------------------------------------- static bundles (npu)
@@ -710,8 +738,9 @@ def open_openvino_parts(bundle: Any, *, device: str | None = None, allow_fallbac
         options = spec["options"]
         part_device = subpart_device(chosen, options)
         extra = dict(m["provider_options"].get(_device_base(part_device), {}))
+        recorded = dict((options.get("compile_properties") or {}).get(_device_base(part_device), {}))
         stateful = bool(options.get("stateful", part == "llm_decoder"))
-        config = {**precision_config(part_device, spec["precision"], stateful=stateful), **extra}
+        config = {**precision_config(part_device, spec["precision"], stateful=stateful), **recorded, **extra}
         static = bool(options.get("static"))
         if part == "llm_decoder" and static:
             runner: Any = OvStaticKVDecoder(core, xml, part_device, cache_dir, config,

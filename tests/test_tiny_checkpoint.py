@@ -23,12 +23,12 @@ from higgs_pack.exporters.checkpoint import (  # noqa: E402
     plan_shards,
 )
 from higgs_pack.exporters.tiny import (  # noqa: E402
-    HIGGS_SPECIAL_IDS,
     PRESETS,
     get_preset,
     make_tiny_checkpoint,
     tensor_plan,
 )
+from higgs_pack.exporters.tiny_tokenizer import HIGGS_SPECIAL_IDS  # noqa: E402
 from higgs_pack.manifests.errors import BuildPlanError  # noqa: E402
 
 SHARDS = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]

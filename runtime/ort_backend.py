@@ -368,8 +368,12 @@ class OrtDecoder:
         self.reset()
 
     def _step_buffers(self, s: int) -> None:
+        """(Re)allocate the ``inputs_embeds`` / ``hidden_states`` buffers for ``s`` positions and
+        bind them (they stay bound for every step of that length)."""
         self._embeds = np.zeros((1, s, self._hidden_size), dtype=self._embed_type)
         self._hidden = np.zeros((1, s, self._hidden_size), dtype=self._hidden_type)
+        self._bind_host("inputs_embeds", self._embeds)
+        self._bind_host("hidden_states", self._hidden, output=True)
 
     def reset(self) -> None:
         """Empty the KV cache (shared buffers are kept and overwritten)."""
@@ -448,9 +452,8 @@ class OrtDecoder:
         if s != self._embeds.shape[1]:
             self._step_buffers(s)
         np.copyto(self._embeds, inputs_embeds, casting="same_kind")
-        self._bind_host("inputs_embeds", self._embeds)
-        self._bind_host("attention_mask", self._mask[:, :total])
-        self._bind_host("hidden_states", self._hidden, output=True)
+        # Only the mask's length changes from step to step: a view of the preallocated row.
+        self._binding.bind_cpu_input("attention_mask", self._mask[:, :total])
         self.session.run_with_iobinding(self._binding)
         out = self._hidden.astype(np.float32)  # a new array: callers may keep it
         if s != 1:  # back to the one-position buffers for the frames that follow

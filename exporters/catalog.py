@@ -39,6 +39,8 @@ class ExporterInfo:
             build loop supplies the others: paths, precision, names).
         scratch: the keyword that takes its scratch directory (outside the bundle).
         tool: the tool's distribution names, for version recording.
+        space: ``"module:function"`` estimating its disk use (see
+            :mod:`higgs_pack.exporters.space`).
     """
 
     name: str
@@ -50,6 +52,7 @@ class ExporterInfo:
     options: Mapping[str, type | tuple[type, ...]] = field(default_factory=dict)
     scratch: str = "work_dir"
     tool: tuple[str, ...] = field(default_factory=tuple)
+    space: str = "higgs_pack.exporters.space:olive"
 
     def load(self) -> Callable[..., Any]:
         """Import and return the exporter function."""
@@ -80,6 +83,13 @@ class ExporterInfo:
                 raise BuildPlanError(f"{where}: option {key}={value!r} of exporter {self.name!r} must be {names}")
 
 
+    def estimate_space(self, params: int, stored_itemsize: int, precision: str,
+                       options: dict[str, Any]) -> tuple[int, int]:
+        """(scratch bytes, bundle bytes) this exporter needs for ``params`` weights."""
+        module, function = self.space.split(":")
+        return getattr(importlib.import_module(module), function)(params, stored_itemsize, precision, options)
+
+
 #: Options of the two OpenVINO exporters' NNCF weight compression.
 _NNCF_OPTIONS: dict[str, type | tuple[type, ...]] = {
     "group_size": int, "ratio": (int, float), "all_layers": bool, "symmetric": bool}
@@ -97,6 +107,7 @@ EXPORTERS: dict[str, ExporterInfo] = {
             {"execution_provider": str, "extra_options": dict, "timeout_s": (int, float)},
             scratch="cache_dir",
             tool=("onnxruntime-genai", "onnxruntime", "onnx"),
+            space="higgs_pack.exporters.space:modelbuilder",
         ),
         ExporterInfo(
             "olive-onnx",
@@ -118,6 +129,7 @@ EXPORTERS: dict[str, ExporterInfo] = {
             ("int4", "int8", "fp16", "fp32"),
             {**_NNCF_OPTIONS, "static_kv_length": int, "static_step": int},
             tool=("optimum-intel", "openvino", "nncf", "transformers"),
+            space="higgs_pack.exporters.space:optimum_openvino",
         ),
         ExporterInfo(
             "olive-openvino",

@@ -928,11 +928,19 @@ class HiggsCheckpoint:
         by_code = {v[0]: k for k, v in _ST_DTYPES.items()}
         return getattr(torch, by_code[code].removeprefix("torch."))
 
-    def qwen3_model(self) -> Qwen3Model:
-        """The Qwen3 body as a float32, eval-mode transformers ``Qwen3Model`` (the oracle).
+    def qwen3_model(self, *, stored_dtype: bool = False) -> Qwen3Model:
+        """The Qwen3 body as an eval-mode transformers ``Qwen3Model`` (the oracle's decoder).
 
-        Built on the meta device and filled from the checkpoint (no random init, one
-        copy of the weights).
+        Built on the meta device and filled from the checkpoint one tensor at a time (no
+        random init, one copy of the weights).  The token embedding is left out
+        (``embed_tokens`` is ``None``): the oracle feeds ``inputs_embeds``, and the text
+        embedding lives in the ``text_embed`` module.
+
+        Args:
+            stored_dtype: keep the weights in the checkpoint's dtype (bf16 for the real
+                model: 7.3 GiB instead of 14.6 GiB for the 4B body); the caller then runs
+                each layer in float32 with :func:`higgs_pack.exporters.reference.upcast_per_layer`.
+                Default: a float32 model.
 
         Raises:
             CheckpointError: the tensors do not load into the model.
@@ -944,14 +952,21 @@ class HiggsCheckpoint:
         config = self.qwen3_config()
         with torch.device("meta"):
             model = Qwen3Model(config)
-        state = {
-            hf_qwen3_name(n).removeprefix("model."): self.tensor(n).float()
-            for n in llm_tensor_shapes(self._text_config)
-        }
+        model.embed_tokens = None
+        state = {}
+        for n in llm_tensor_shapes(self._text_config):
+            if n == TEXT_EMBEDDING:
+                continue
+            t = self.tensor(n)
+            state[hf_qwen3_name(n).removeprefix("model.")] = t if stored_dtype else t.float()
+        self.close()  # unmap the files read: their pages are not kept resident for this process
         _load_strict(model, state, where=self._index_path or self._files[0], prefix=BODY_PREFIX)
+        del state
         model.rotary_emb = Qwen3RotaryEmbedding(config=config)
         _check_no_meta(model, "Qwen3Model")
-        return model.float().eval().requires_grad_(False)
+        if not stored_dtype:
+            model = model.float()
+        return model.eval().requires_grad_(False)
 
     def codec_config(self) -> Any:
         """transformers ``HiggsAudioV2TokenizerConfig`` of the codec."""

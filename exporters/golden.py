@@ -9,6 +9,7 @@ plus ``greedy/delayed``: the oracle's greedy codes for :data:`GREEDY_TEXT`.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -17,8 +18,25 @@ from higgs_pack.runtime.generate import build_prompt, generate_codes
 
 #: Text of the greedy-parity check (recorded in the manifest's ``reference.cases``).
 GREEDY_TEXT = "The quick brown fox jumps over the lazy dog."
-#: Frames of greedy decoding captured (>= the 16 the fp32 check requires).
-GREEDY_FRAMES = 24
+#: Frames of greedy decoding captured: fp32 bundles must reproduce every one of them.
+#: 200 for models up to :data:`LONG_GREEDY_MAX_PARAMS` decoder weights (the tiny and
+#: bench presets: seconds of oracle time), :data:`SHORT_GREEDY_FRAMES` above (the 4B
+#: oracle runs each layer in float32 from bf16, about a second per frame on 2 cores).
+GREEDY_FRAMES = 200
+SHORT_GREEDY_FRAMES = 16
+LONG_GREEDY_MAX_PARAMS = 1_000_000_000
+
+
+def greedy_frames(decoder_params: int, precision: str = "fp32") -> int:
+    """Frames of greedy codes captured for a decoder of ``decoder_params`` weights.
+
+    Large decoders below fp32 capture none: there the comparison is only reported (random
+    weights amplify quantization error until greedy codes part at the first frames), and
+    each oracle frame of the 4B model costs seconds of build time.
+    """
+    if decoder_params <= LONG_GREEDY_MAX_PARAMS:
+        return GREEDY_FRAMES
+    return SHORT_GREEDY_FRAMES if precision == "fp32" else 0
 #: Seconds of the synthetic codec-encoder probe (a whole number of 960-sample frames at 24 kHz).
 ENCODER_PROBE_FRAMES = 30
 
@@ -34,16 +52,31 @@ def _probe_waveform(sample_rate: int, hop: int, rng: np.random.Generator) -> np.
     return wave.astype(np.float32)
 
 
-def capture_golden(ckpt, out_path: Path, *, seed: int = 1234) -> int:
+def capture_golden(ckpt, out_path: Path, *, seed: int = 1234, bundle_dir: Path | None = None,
+                   subparts: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """Run the oracle on fixed inputs and save the results.
+
+    With ``bundle_dir`` and ``subparts`` (sub-part -> ``{"format", "entry", "precision"}``
+    of the bundle being built), every sub-part whose weights were quantized or cast is
+    also run as the *matched* oracle: the same torch code with the weights read back
+    from the bundle (:mod:`higgs_pack.exporters.dequantize`), saved as
+    ``<sub-part>/matched/<tensor>``.  Verification measures the export error against it
+    and the quantization error between it and the float outputs.
 
     Args:
         ckpt: an open :class:`~higgs_pack.exporters.checkpoint.HiggsCheckpoint`.
         out_path: where to write the ``.npz`` (parent directories are created).
         seed: seed of the random probe codes.
+        bundle_dir: the bundle the matched references are read from.
+        subparts: its sub-parts (from the exporters' results).
 
     Returns:
-        The number of greedy frames captured (:data:`GREEDY_FRAMES`).
+        ``{"frames": greedy frames captured, "weights": {sub-part: {"max_rel_l2": the
+        largest relative L2 difference of a read-back weight to the checkpoint's,
+        "tensor": its name}}}``.
+
+    Raises:
+        BuildError: a read-back weight does not fit its model parameter (wrong layout).
     """
     from higgs_pack.exporters.reference import reference_pipeline
 
@@ -83,10 +116,20 @@ def capture_golden(ckpt, out_path: Path, *, seed: int = 1234) -> int:
     g["audio_encoder/in/waveform"] = wave
     g["audio_encoder/out/audio_codes"] = pipe.audio_encoder.run({"waveform": wave})["audio_codes"]
 
-    greedy = generate_codes(pipe, build_prompt(pipe, GREEDY_TEXT),
-                            SamplingOptions(temperature=0.0, repeat_guard_frames=0), max_frames=GREEDY_FRAMES)
-    g["greedy/delayed"] = greedy.delayed
+    precision = (subparts or {}).get("llm_decoder", {}).get("precision", "fp32")
+    frames = greedy_frames(sum(p.numel() for p in pipe.decoder.model.parameters()), precision)
+    if frames:
+        greedy = generate_codes(pipe, build_prompt(pipe, GREEDY_TEXT),
+                                SamplingOptions(temperature=0.0, repeat_guard_frames=0), max_frames=frames)
+        g["greedy/delayed"] = greedy.delayed
+    else:
+        g["greedy/delayed"] = np.zeros((0, c.num_codebooks), dtype=np.int64)
+    weights: dict[str, Any] = {}
+    if bundle_dir is not None and subparts:
+        from higgs_pack.exporters.matched import capture_matched
+
+        weights = capture_matched(ckpt, pipe, g, Path(bundle_dir), subparts)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with open(out_path, "wb") as handle:
         np.savez(handle, **g)
-    return GREEDY_FRAMES
+    return {"frames": int(g["greedy/delayed"].shape[0]), "weights": weights}

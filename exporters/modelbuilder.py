@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from higgs_pack.exporters import onnx_utils
+from higgs_pack.exporters.matmul_nbits import quantize_matmuls, raise_disk_error
+from higgs_pack.exporters.process import describe_exit
 from higgs_pack.exporters.result import ExportResult, installed_version, log_tail
 from higgs_pack.manifests.constants import EXECUTION_PROVIDERS as PROVIDER_ROWS
 from higgs_pack.manifests.constants import SubPart
@@ -55,15 +57,42 @@ INT4_DEFAULTS: dict[str, Any] = {
     "algo_config": "default",
     "op_types_to_quantize": ["MatMul"],
 }
-#: What ``ExportResult.passes`` records: one ModelBuilder run (precision and options are recorded apart).
-PASSES = ("ModelBuilder",)
 #: ``quantization.method`` of an int4 decoder.
-INT4_METHOD = "modelbuilder-weight-only"
+INT4_METHOD = "onnxruntime-matmulnbits-streamed"
 
 
 def plan(precision: str, options: Any) -> tuple[tuple[str, ...], dict[str, Any]]:
     """``(passes, quantization)`` that :func:`build_llm_decoder` records (no heavy import; for the build plan)."""
-    return PASSES, ({"method": INT4_METHOD, "bits": 4} if precision == "int4" else {})
+    return (passes_for(precision, options["execution_provider"]),
+            {"method": INT4_METHOD, "bits": 4} if precision == "int4" else {})
+
+
+#: int4 is built in two steps, so that no step holds the whole float model: ModelBuilder
+#: writes the float graph ModelBuilder's own int4 build starts from (its I/O dtype per
+#: execution provider: fp32 on cpu, fp16 on cuda and dml; read in builders/base.py,
+#: 0.18), then :func:`~higgs_pack.exporters.matmul_nbits.quantize_matmuls` replaces its
+#: MatMuls node by node.  The result is byte-identical to ModelBuilder's in-memory int4
+#: build (tests/test_matmul_nbits.py), whose peak was 22.7 GB on the 4B checkpoint.
+def int4_float_base(execution_provider: str) -> str:
+    """Precision of the float graph an int4 decoder for this provider is quantized from
+    (its row's ``ModelBuilderSupport.int4_float_base``)."""
+    return PROVIDER_ROWS[execution_provider].modelbuilder.int4_float_base
+#: int4 extra options the streamed pass implements (ModelBuilder's names).
+INT4_STREAMED_OPTIONS = frozenset({"block_size", "accuracy_level", "is_symmetric", "nodes_to_exclude"})
+#: int4 extra options only ModelBuilder's in-memory quantizer implements: refused.
+INT4_IN_MEMORY_OPTIONS = frozenset(
+    {"algo_config", "matmul_mixed_precision", "op_types_to_quantize", "use_qdq", "int4_algo_config"}
+)
+#: Name of the streamed quantization pass in the manifest.
+STREAMED_INT4_PASS = "MatMulNBits int4 (onnxruntime DefaultWeightOnlyQuantizer, node by node)"
+
+
+def passes_for(precision: str, execution_provider: str) -> tuple[str, ...]:
+    """The passes an ``llm_decoder`` build of ``precision`` runs, as the manifest records them."""
+    if precision == "int4":
+        base = int4_float_base(execution_provider)
+        return (f"ModelBuilder({base}, exclude_embeds, exclude_lm_head)", STREAMED_INT4_PASS)
+    return (f"ModelBuilder({precision}, exclude_embeds, exclude_lm_head)",)
 
 
 #: Files ModelBuilder writes that the sub-part keeps besides the graph.
@@ -128,6 +157,75 @@ def _extra_options(extra_options: dict[str, Any] | None) -> dict[str, str]:
 
 
 
+def _run_modelbuilder(
+    hf_dir: Path,
+    out_dir: Path,
+    precision: str,
+    execution_provider: str,
+    cache_dir: Path,
+    options: dict[str, str],
+    timeout_s: float | None,
+) -> tuple[Path, Path]:
+    """Run ModelBuilder's CLI once; return (graph path, log path).
+
+    Raises:
+        BuildError: it failed, timed out, was killed (out of memory) or wrote no graph.
+    """
+    workaround = no_packed_attention(execution_provider, precision)
+    launcher = ["-c", _NO_PACKED_ATTENTION_LAUNCHER] if workaround else ["-m", "onnxruntime_genai.models.builder"]
+    command = [
+        sys.executable,
+        *launcher,
+        "-i", str(hf_dir.resolve()),
+        "-o", str(out_dir.resolve()),
+        "-p", precision,
+        "-e", PROVIDER_ROWS[execution_provider].modelbuilder.ep,
+        "-c", str(cache_dir.resolve()),
+        "--extra_options",
+        *(f"{key}={value}" for key, value in options.items()),
+    ]  # fmt: skip
+    # The checkpoint is local: never let a typo turn into a Hub download.
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    log_path = cache_dir / f"modelbuilder-{execution_provider}-{precision}.log"
+    with log_path.open("w") as log:
+        log.write("$ " + " ".join(command) + "\n")
+        log.flush()
+        try:
+            completed = subprocess.run(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                timeout=timeout_s,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            raise BuildError(
+                f"ModelBuilder ({execution_provider}, {precision}) did not finish in {timeout_s} s; "
+                f"log {log_path}:\n{log_tail(log_path)}"
+            ) from None
+
+    genai_config_path = out_dir / GENAI_CONFIG
+    if completed.returncode != 0 or not genai_config_path.is_file():
+        raise BuildError(
+            f"ModelBuilder ({execution_provider}, {precision}) {describe_exit(completed.returncode, out_dir)} "
+            f"on {hf_dir}; log {log_path}:\n{log_tail(log_path)}"
+        )
+    genai_config = json.loads(genai_config_path.read_text())
+    model_path = out_dir / genai_config["model"]["decoder"]["filename"]
+    if not model_path.is_file():
+        raise BuildError(
+            f"ModelBuilder reported success but {model_path} is missing; log {log_path}:\n"
+            f"{log_tail(log_path)}"
+        )
+    return model_path, log_path
+
+
 def build_llm_decoder(
     hf_dir: Path,
     out_dir: Path,
@@ -168,8 +266,8 @@ def build_llm_decoder(
         execution_provider (`str`): a bundle EP name from :func:`modelbuilder_providers`
             (``cpu``, ``cuda``, ``dml``; ModelBuilder ``-e``); the graph is specialised
             for it (fp16 KV on cuda/dml, ``position_ids`` on dml).
-        cache_dir (`Path`): ModelBuilder's scratch directory (``-c``) and the log's
-            home; must be outside the bundle.
+        cache_dir (`Path`): ModelBuilder's scratch directory (``-c``), the int4 float
+            graph's and the log's home; must be outside the bundle.
         extra_options (`dict`, *optional*): More ModelBuilder ``--extra_options``,
             for example ``{"block_size": 64, "accuracy_level": 4}`` for int4. Values
             are str, int, float or bool. ``exclude_embeds`` / ``exclude_lm_head``
@@ -235,59 +333,49 @@ def build_llm_decoder(
     out_dir.mkdir(parents=True, exist_ok=True)
     cache_dir.mkdir(parents=True, exist_ok=True)
 
-    workaround = no_packed_attention(execution_provider, precision)
-    launcher = ["-c", _NO_PACKED_ATTENTION_LAUNCHER] if workaround else ["-m", "onnxruntime_genai.models.builder"]
-    command = [
-        sys.executable,
-        *launcher,
-        "-i", str(hf_dir.resolve()),
-        "-o", str(out_dir.resolve()),
-        "-p", precision,
-        "-e", PROVIDER_ROWS[execution_provider].modelbuilder.ep,
-        "-c", str(cache_dir.resolve()),
-        "--extra_options",
-        *(f"{key}={value}" for key, value in options.items()),
-    ]  # fmt: skip
-    # The checkpoint is local: never let a typo turn into a Hub download.
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "PYTHONUNBUFFERED": "1",
-    }
-    log_path = cache_dir / f"modelbuilder-{execution_provider}-{precision}.log"
-    with log_path.open("w") as log:
-        log.write("$ " + " ".join(command) + "\n")
-        log.flush()
-        try:
-            completed = subprocess.run(
-                command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                timeout=timeout_s,
-                check=False,
+    int4_options = {k: options.pop(k) for k in list(options) if k in INT4_STREAMED_OPTIONS}
+    if precision == "int4":
+        unsupported = sorted(set(options) & INT4_IN_MEMORY_OPTIONS)
+        if unsupported:
+            raise BuildPlanError(
+                f"extra option(s) {unsupported} need ModelBuilder's in-memory int4 quantizer, which "
+                f"holds the whole float model (over 20 GiB for the 4B checkpoint); the streamed int4 "
+                f"pass takes {sorted(INT4_STREAMED_OPTIONS)}. Drop them from extra_options=."
             )
-        except subprocess.TimeoutExpired:
-            raise BuildError(
-                f"ModelBuilder ({execution_provider}, {precision}) did not finish in {timeout_s} s; "
-                f"log {log_path}:\n{log_tail(log_path)}"
-            ) from None
-
+        float_precision = int4_float_base(execution_provider)
+        float_dir = cache_dir / f"float-{execution_provider}-{float_precision}"
+        shutil.rmtree(float_dir, ignore_errors=True)
+        float_dir.mkdir(parents=True)
+        try:
+            float_model, log_path = _run_modelbuilder(
+                hf_dir, float_dir, float_precision, execution_provider, cache_dir, options, timeout_s
+            )
+            model_path = out_dir / float_model.name
+            try:
+                streamed = quantize_matmuls(
+                    float_model,
+                    model_path,
+                    block_size=int(int4_options.get("block_size", INT4_DEFAULTS["block_size"])),
+                    is_symmetric=str(int4_options.get("is_symmetric", "true")).lower() == "true",
+                    accuracy_level=int(
+                        int4_options.get("accuracy_level", PROVIDER_ROWS[execution_provider].modelbuilder.accuracy_level)
+                    ),
+                    nodes_to_exclude=[n for n in str(int4_options.get("nodes_to_exclude", "")).split(",") if n],
+                )
+            except OSError as exc:
+                raise_disk_error(exc, out_dir)
+                raise
+            shutil.copyfile(float_dir / GENAI_CONFIG, out_dir / GENAI_CONFIG)
+        finally:
+            shutil.rmtree(float_dir, ignore_errors=True)
+    else:
+        model_path, log_path = _run_modelbuilder(
+            hf_dir, out_dir, precision, execution_provider, cache_dir, options, timeout_s
+        )
+        streamed = None
     genai_config_path = out_dir / GENAI_CONFIG
-    if completed.returncode != 0 or not genai_config_path.is_file():
-        raise BuildError(
-            f"ModelBuilder ({execution_provider}, {precision}) failed with exit status "
-            f"{completed.returncode} on {hf_dir}; log {log_path}:\n{log_tail(log_path)}"
-        )
-    genai_config = json.loads(genai_config_path.read_text())
-    model_name = genai_config["model"]["decoder"]["filename"]
-    model_path = out_dir / model_name
-    if not model_path.is_file():
-        raise BuildError(
-            f"ModelBuilder reported success but {model_path} is missing; log {log_path}:\n"
-            f"{log_tail(log_path)}"
-        )
+    options = {**options, **int4_options}
+    workaround = no_packed_attention(execution_provider, precision)
 
     _check_outputs_produced(model_path, log_path)
     repaired = _repair_constant_shapes(model_path)
@@ -308,6 +396,7 @@ def build_llm_decoder(
         matmul = ops.get("MatMulNBits", {})
         quantization = {
             "method": INT4_METHOD,
+            "float_graph": int4_float_base(execution_provider),
             "bits": _single(matmul.get("bits"), 4),
             "block_size": _single(
                 matmul.get("block_size"),
@@ -324,6 +413,7 @@ def build_llm_decoder(
             "is_symmetric": options.get("is_symmetric", "true").lower() == "true",
             "algo_config": options.get("algo_config", INT4_DEFAULTS["algo_config"]),
             "quantized_ops": {op: entry["count"] for op, entry in ops.items()},
+            "kept_float": streamed["kept_float"] if streamed else [],
         }
         if not ops:
             raise BuildError(
@@ -337,7 +427,7 @@ def build_llm_decoder(
         files=files,
         entry=files[0],
         exporter="modelbuilder",
-        passes=list(PASSES),
+        passes=list(passes_for(precision, execution_provider)),
         tool_versions={
             "onnxruntime-genai": installed_version("onnxruntime-genai"),
             **onnx_utils.onnx_tool_versions(),

@@ -61,6 +61,7 @@ Gotchas measured here (openvino 2026.4.1, nncf 3.4, optimum-intel 2.2, olive 0.1
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import shutil
@@ -78,6 +79,7 @@ from higgs_pack.exporters.openvino_plan import (
     STATIC_DECODER_PASS,
     compress_mode,
 )
+from higgs_pack.exporters.process import disk_note
 from higgs_pack.exporters.result import ExportResult, TensorSpec, tool_versions
 from higgs_pack.manifests.constants import FP32_ONLY, SUBPART_IO, SubPart
 from higgs_pack.manifests.errors import BuildError, BuildPlanError, unknown_choice
@@ -432,8 +434,16 @@ def convert_llm_decoder(
     _check_precision(precision, subpart)
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     bundle_dir = Path(bundle_dir) if bundle_dir is not None else out_dir
-    _qwen3_config(hf_dir)  # refuses a directory that is not a standard Qwen3 one
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    config = _qwen3_config(hf_dir)  # refuses a directory that is not a standard Qwen3 one
+    # Load in the stored dtype and let OpenVINO's PyTorch frontend keep 16-bit weights
+    # as constants decompressed to f32 in the graph (patch_16bit_model, what
+    # `optimum-cli export openvino` does): compute stays f32 on the exact checkpoint
+    # weights, while the export holds one 8 GB bf16 copy of the 4B body instead of a
+    # 16 GB float32 one (measured peak 21.4 GB before).
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    stored = getattr(torch, stored) if isinstance(stored, str) else stored
+    load_dtype = stored if stored in (torch.bfloat16, torch.float16) else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=load_dtype).eval()
     model.lm_head = torch.nn.Identity()
     export_config = get_vlm_text_generation_config("qwen3", model.config, int_dtype="int64", float_dtype="fp32")
 
@@ -444,10 +454,12 @@ def convert_llm_decoder(
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-export-", dir=work_parent))
     try:
         try:
-            export_models({name: (model, export_config)}, tmp, output_names=[f"{name}.xml"], stateful=True)
+            export_models({name: (model, export_config)}, tmp, output_names=[f"{name}.xml"], stateful=True,
+                          patch_16bit_model=load_dtype != torch.float32)
         except Exception as exc:
-            raise BuildError(f"optimum-intel export of {hf_dir} failed: {exc}") from exc
+            raise BuildError(f"optimum-intel export of {hf_dir} failed: {exc}{disk_note([tmp])}") from exc
         del model
+        gc.collect()
         ov_model = ov.Core().read_model(tmp / f"{name}.xml")
         if not is_stateful(ov_model):
             raise BuildError(f"optimum-intel exported {hf_dir} without state; expected a stateful KV cache")
@@ -468,6 +480,7 @@ def convert_llm_decoder(
             "stateful": True,
             "export_config": "get_vlm_text_generation_config('qwen3', int_dtype='int64', float_dtype='fp32')",
             "lm_head": "identity",
+            "weights_loaded_as": str(load_dtype).removeprefix("torch."),
         },
     )
 

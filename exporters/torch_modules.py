@@ -81,14 +81,20 @@ class TextEmbed(nn.Module):
 
     Inputs: ``input_ids`` int64 [B, S], ids in [0, text_vocab).
     Output: ``inputs_embeds`` float32 [B, S, H].
+
+    With ``keep_dtype`` the table stays in its stored dtype (bf16: half the memory of
+    the 1.56 GB float32 table of the 4B model) and only the looked-up rows are cast,
+    which gives the same float32 values; the oracle uses this, exports use float32.
     """
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, *, keep_dtype: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(weight.detach().float(), requires_grad=False)
+        weight = weight.detach() if keep_dtype else weight.detach().float()
+        self.weight = nn.Parameter(weight, requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        rows = F.embedding(input_ids, self.weight)
+        return rows if rows.dtype == torch.float32 else rows.float()
 
 
 class AudioEmbed(nn.Module):
@@ -284,7 +290,7 @@ class CodecEncoder(nn.Module):
 
 
 def build_modules(
-    ckpt: HiggsCheckpoint, subparts: list[SubPart] | None = None
+    ckpt: HiggsCheckpoint, subparts: list[SubPart] | None = None, *, keep_dtype: bool = False
 ) -> dict[SubPart, nn.Module]:
     """The float32 eval modules of the stateless sub-parts of ``ckpt``.
 
@@ -292,18 +298,22 @@ def build_modules(
         ckpt: An opened checkpoint.
         subparts: Which ones (default: all five; the codec is loaded once for both
             codec sub-parts).
+        keep_dtype: keep the text embedding table in its stored dtype (see
+            :class:`TextEmbed`; the oracle's choice, not an export's).
 
     Returns:
         ``{subpart: module}``; ``SubPart.LLM_DECODER`` is not among them (see
         :class:`higgs_pack.exporters.reference.TorchDecoder`).
     """
+    from higgs_pack.exporters.checkpoint import TEXT_EMBEDDING
+
     wanted = list(subparts or DYNAMIC_AXES)
     c = ckpt.constants
     out: dict[SubPart, nn.Module] = {}
     codec = None
     for sp in wanted:
         if sp == SubPart.TEXT_EMBED:
-            out[sp] = TextEmbed(ckpt.text_embedding())
+            out[sp] = TextEmbed(ckpt.tensor(TEXT_EMBEDDING), keep_dtype=keep_dtype)
         elif sp == SubPart.AUDIO_EMBED:
             out[sp] = AudioEmbed(ckpt.audio_table(), c.num_codebooks, c.audio_vocab_size)
         elif sp == SubPart.AUDIO_HEADS:

@@ -61,11 +61,15 @@ class ModelBuilderSupport:
         no_packed_attention: precisions at which ModelBuilder 0.18's packed ``Attention``
             writes an invalid graph for this provider, so it is built with packed
             attention off (see ``higgs_pack.exporters.modelbuilder``).
+        int4_float_base: precision of the float graph ModelBuilder's int4 build starts
+            from for this provider (its I/O dtype: fp32 on cpu, fp16 on GPUs; read in
+            builders/base.py, 0.18); higgs-pack writes it, then quantizes it node by node.
     """
 
     ep: str
     accuracy_level: int = 0
     no_packed_attention: tuple[str, ...] = ()
+    int4_float_base: str = "fp32"
 
 
 @dataclass(frozen=True)
@@ -142,7 +146,8 @@ EXECUTION_PROVIDERS: dict[str, ExecutionProvider] = {
             wheel_platforms=("linux_x86_64", "win_amd64"),
             classifiers=("Environment :: GPU :: NVIDIA CUDA", "Operating System :: POSIX :: Linux",
                          "Operating System :: Microsoft :: Windows"),
-            modelbuilder=ModelBuilderSupport("cuda", accuracy_level=0, no_packed_attention=("fp32",)),
+            modelbuilder=ModelBuilderSupport("cuda", accuracy_level=0, no_packed_attention=("fp32",),
+                                             int4_float_base="fp16"),
         ),
         ExecutionProvider(
             "dml",
@@ -160,7 +165,8 @@ EXECUTION_PROVIDERS: dict[str, ExecutionProvider] = {
             hardware_probe="platform:win32",
             wheel_platforms=("win_amd64",),
             classifiers=("Operating System :: Microsoft :: Windows",),
-            modelbuilder=ModelBuilderSupport("dml", accuracy_level=0, no_packed_attention=("fp32",)),
+            modelbuilder=ModelBuilderSupport("dml", accuracy_level=0, no_packed_attention=("fp32",),
+                                             int4_float_base="fp16"),
         ),
         ExecutionProvider(
             "openvino",

@@ -52,30 +52,99 @@ def compare(expected: np.ndarray, got: np.ndarray, metric: str) -> tuple[float, 
     return cosine, float(np.abs(a - b).max()) if a.size else 0.0
 
 
-def subpart_parity(pipeline: Pipeline, golden: dict[str, np.ndarray], part: str, metric: str
-                   ) -> tuple[float, float | None]:
-    """Run one sub-part on its golden inputs and compare with the golden outputs.
+def rel_l2(expected: np.ndarray, got: np.ndarray) -> float:
+    """Relative L2 error ``||got - expected|| / ||expected||`` (scale-aware, unlike cosine).
 
-    Golden keys are ``<part>/in/<tensor>`` and ``<part>/out/<tensor>``; the
-    decoder has a prefill (``inputs_embeds`` -> ``hidden_states``) and one cached
-    step (``step_embeds`` -> ``step_hidden_states``); its score is the worse one.
+    ``inf`` for a shape mismatch or non-finite output; the plain norm of ``got`` when
+    ``expected`` is all zero.
     """
+    if expected.shape != got.shape or not np.isfinite(got).all():
+        return float("inf")
+    a = expected.astype(np.float64).ravel()
+    b = got.astype(np.float64).ravel()
+    denom = float(np.linalg.norm(a))
+    return float(np.linalg.norm(b - a)) / denom if denom else float(np.linalg.norm(b))
+
+
+def _run_subpart(pipeline: Pipeline, golden: dict[str, np.ndarray], part: str) -> dict[str, np.ndarray]:
+    """The sub-part's outputs on its golden inputs, by golden output name."""
     if part == SubPart.LLM_DECODER:
         pipeline.decoder.reset()
         first = pipeline.decoder.forward(golden["llm_decoder/in/inputs_embeds"])
         second = pipeline.decoder.forward(golden["llm_decoder/in/step_embeds"])
-        a = compare(golden["llm_decoder/out/hidden_states"], first, metric)
-        b = compare(golden["llm_decoder/out/step_hidden_states"], second, metric)
-        worst = min(a, b, key=lambda x: x[0])
-        return worst[0], max(x[1] for x in (a, b) if x[1] is not None)
+        return {"hidden_states": first, "step_hidden_states": second}
     runner = getattr(pipeline, part)
-    prefix_in, prefix_out = f"{part}/in/", f"{part}/out/"
-    feeds = {k[len(prefix_in):]: v for k, v in golden.items() if k.startswith(prefix_in)}
-    outs = runner.run(feeds)
-    results = [compare(v, outs[k[len(prefix_out):]], metric)
-               for k, v in golden.items() if k.startswith(prefix_out)]
-    worst = min(results, key=lambda x: x[0])
-    return worst
+    prefix_in = f"{part}/in/"
+    return runner.run({k[len(prefix_in):]: v for k, v in golden.items() if k.startswith(prefix_in)})
+
+
+def subpart_errors(pipeline: Pipeline, golden: dict[str, np.ndarray], part: str, metric: str
+                   ) -> dict[str, float | None]:
+    """Run one sub-part on its golden inputs and measure it against the references.
+
+    Golden keys are ``<part>/in/<tensor>``, ``<part>/out/<tensor>`` (the float oracle)
+    and, for sub-parts whose weights were quantized or cast, ``<part>/matched/<tensor>``
+    (the oracle with the bundle's own weights, see ``exporters/matched.py``).  The
+    decoder has a prefill (``inputs_embeds`` -> ``hidden_states``) and one cached step
+    (``step_embeds`` -> ``step_hidden_states``); every score is the worse of its outputs.
+
+    Returns:
+        ``measured`` (cosine or code agreement vs the float oracle), ``measured_max_abs``,
+        ``rel_l2`` vs the float oracle, and when matched references exist
+        ``matched_rel_l2`` and ``matched_cosine``.
+    """
+    outs = _run_subpart(pipeline, golden, part)
+    result: dict[str, float | None] = {}
+    for kind, prefix in (("", f"{part}/out/"), ("matched_", f"{part}/matched/")):
+        pairs = [(v, outs[k[len(prefix):]]) for k, v in golden.items() if k.startswith(prefix)]
+        if not pairs:
+            continue
+        scores = [compare(want, got, metric) for want, got in pairs]
+        worst = min(scores, key=lambda x: x[0])
+        if kind:
+            result["matched_cosine"] = worst[0]
+        else:
+            result["measured"] = worst[0]
+            result["measured_max_abs"] = max((x[1] for x in scores if x[1] is not None), default=None)
+        if metric != "code_agreement":
+            result[f"{kind}rel_l2"] = max(rel_l2(want, got) for want, got in pairs)
+    return result
+
+
+def subpart_parity(pipeline: Pipeline, golden: dict[str, np.ndarray], part: str, metric: str
+                   ) -> tuple[float, float | None]:
+    """``(similarity, max |diff|)`` of one sub-part against the float oracle (see :func:`subpart_errors`)."""
+    errors = subpart_errors(pipeline, golden, part, metric)
+    return errors["measured"], errors["measured_max_abs"]
+
+
+def judge_parity(rule: dict[str, Any], errors: dict[str, float | None]) -> tuple[bool, str]:
+    """Apply a manifest parity rule to :func:`subpart_errors`' result: (ok, one-line detail).
+
+    With matched references (``rule["reference"] == "matched"``) the export error is the
+    relative L2 error against them (``max_rel_l2``); the similarity to the float oracle is
+    the quantization error and is reported, not judged (random deep models amplify it;
+    the build checked every read-back weight instead).  Without them both the similarity
+    (``threshold``) and, where the rule has ``max_rel_l2``, the relative error are judged.
+    """
+    metric, threshold = rule["metric"], rule["threshold"]
+    limit = rule.get("max_rel_l2")
+    measured = errors["measured"]
+    if rule.get("reference") == "matched" and "matched_rel_l2" in errors:
+        export = errors["matched_rel_l2"]
+        ok = limit is None or export <= limit
+        return ok, (f"export error {export:.3g} rel L2 vs the oracle with the bundle's weights "
+                    f"(limit {limit}); quantization: {metric} {measured:.6f}, rel L2 {errors['rel_l2']:.3g} "
+                    f"vs the float oracle")
+    ok = measured >= threshold
+    detail = f"{metric} {measured:.6f} (threshold {threshold}"
+    if errors.get("measured_max_abs") is not None:
+        detail += f", max |diff| {errors['measured_max_abs']:.3g}"
+    detail += ")"
+    if limit is not None and "rel_l2" in errors:
+        ok = ok and errors["rel_l2"] <= limit
+        detail += f", rel L2 {errors['rel_l2']:.3g} (limit {limit})"
+    return ok, detail
 
 
 @dataclass

@@ -11,6 +11,7 @@ never chosen by a target's name.
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -34,13 +35,16 @@ from higgs_pack.runtime.generate import build_prompt, generate_codes, synthesize
 from higgs_pack.runtime.pipeline import Pipeline
 from higgs_pack.runtime.report import (
     VerifyReport,
+    judge_parity,
     provider_cannot_run,
     read_golden,
-    subpart_parity,
+    subpart_errors,
 )
 
 #: Greedy decoding of an fp32 bundle must reproduce the oracle's codes for at least this many frames.
 MIN_GREEDY_FRAMES = 16
+#: Frames of the greedy comparison below fp32, where it is reported, not judged.
+INFORMATIONAL_GREEDY_FRAMES = 32
 
 
 def check_onnx_static(bundle: Bundle, report: VerifyReport) -> None:
@@ -153,7 +157,7 @@ def verify_bundle(
     for part, spec in m["subparts"].items():
         rule = spec["parity"]
         try:
-            measured, max_abs = subpart_parity(pipeline, golden, part, rule["metric"])
+            errors = subpart_errors(pipeline, golden, part, rule["metric"])
         except Exception as exc:  # HiggsPackError, or the backend's own error types
             reason = provider_cannot_run(exc) if substitute else None
             if reason is None:
@@ -166,11 +170,10 @@ def verify_bundle(
             report.add(f"parity {part}", None, f"skipped: {cannot_run[part]}; its parity is checked "
                        f"where the {own} provider exists (higgs-pack verify on that machine)")
             continue
-        report.parity[part] = {"measured": measured, "measured_max_abs": max_abs}
-        ok = measured >= rule["threshold"]
-        extra = f", max |diff| {max_abs:.3g}" if max_abs is not None else ""
-        report.add(f"parity {part}", ok,
-                   f"{rule['metric']} {measured:.6f} (threshold {rule['threshold']}{extra})", measured)
+        report.parity[part] = {k: (round(v, 9) if isinstance(v, float) and math.isfinite(v) else v)
+                               for k, v in errors.items()}
+        ok, detail = judge_parity(rule, errors)
+        report.add(f"parity {part}", ok, detail, errors["measured"])
     loop_parts = ("text_embed", "llm_decoder", "audio_embed", "audio_heads")
     blocked = [p for p in loop_parts if p in cannot_run]
     if blocked:
@@ -247,6 +250,12 @@ def check_gpu_provider(bundle: Bundle, report: VerifyReport, *, ep: str | None =
 
 def _check_greedy(pipeline: Pipeline, bundle: Bundle, golden: dict[str, np.ndarray], report: VerifyReport) -> None:
     expected = golden["greedy/delayed"]
+    if not len(expected):
+        report.add("greedy codes", None, "skipped: no greedy codes captured for this model size and "
+                   "precision (per-sub-part export errors above judge it)")
+        return
+    if bundle.manifest["precision"] != "fp32":  # informational: a short run says enough
+        expected = expected[:INFORMATIONAL_GREEDY_FRAMES]
     text = bundle.manifest["reference"]["cases"][0]
     result = generate_codes(
         pipeline, build_prompt(pipeline, text), SamplingOptions(temperature=0.0, repeat_guard_frames=0),
@@ -258,9 +267,9 @@ def _check_greedy(pipeline: Pipeline, bundle: Bundle, golden: dict[str, np.ndarr
     exact_needed = bundle.manifest["precision"] == "fp32"
     report.greedy = {"identical": same, "steps": len(expected), "needed": MIN_GREEDY_FRAMES if exact_needed else None}
     if exact_needed:
-        ok = same >= min(MIN_GREEDY_FRAMES, len(expected)) and len(expected) >= MIN_GREEDY_FRAMES
+        ok = same == len(expected) and len(expected) >= MIN_GREEDY_FRAMES
         report.add("greedy codes", ok, f"{same}/{len(expected)} steps identical to the PyTorch reference "
-                   f"(fp32 needs >= {MIN_GREEDY_FRAMES})", same)
+                   f"(fp32 needs all, and at least {MIN_GREEDY_FRAMES})", same)
     else:
         report.add("greedy codes", True, f"{same}/{len(expected)} steps identical to the PyTorch reference "
                    f"(informational at {bundle.manifest['precision']})", same)

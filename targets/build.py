@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from higgs_pack.exporters.result import installed_version
-from higgs_pack.manifests.constants import FORMAT_VERSION, SUBPART_IO, SubPart
+from higgs_pack.manifests.constants import FORMAT_VERSION, SubPart
 from higgs_pack.manifests.errors import BuildError, BundleError, HiggsPackError
 from higgs_pack.manifests.manifest import MANIFEST_NAME, file_entry, read_manifest, write_manifest
 from higgs_pack.runtime.paths import cache_root
@@ -31,6 +31,8 @@ from higgs_pack.targets.base import (
     CODE_AGREEMENT_THRESHOLD,
     COSINE_THRESHOLDS,
     DECODER_COSINE_THRESHOLDS,
+    DECODER_EXPORT_REL_L2,
+    EXPORT_REL_L2,
 )
 from higgs_pack.targets.plan import BuildPlan, make_plan, plan_mismatches
 
@@ -83,29 +85,13 @@ def bundle_name(slug: str, plan: BuildPlan) -> str:
     return "-".join(parts)
 
 
-def _remove_dead_stagings(out: Path) -> None:
-    """Delete staging directories of builds of ``out`` whose process is gone (killed builds).
-
-    Staging names carry the building process id; a live process's directory is left alone.
-    """
-    for stale in out.parent.glob(f".{out.name}.building-*"):
-        pid = stale.name.split(".building-", 1)[1].split("-", 1)[0]
-        if not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            log.warning("removing %s, left by an interrupted build", stale)
-            shutil.rmtree(stale, ignore_errors=True)
-        except PermissionError:
-            continue
-
-
 @contextmanager
 def _staging(out: Path):
     """A temporary directory beside ``out`` (same filesystem, so the final move is a rename)."""
+    from higgs_pack.targets.workspace import remove_dead_scratch
+
     out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_dead_stagings(out)
+    remove_dead_scratch(out.parent, prefix=f".{out.name}.building-")
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-{os.getpid()}-", dir=out.parent))
     try:
         yield tmp
@@ -130,9 +116,15 @@ def build(
     variant: str | None = None,
     force: bool = False,
     dist_dir: str | Path = "dist",
+    work_dir: str | Path | None = None,
     progress=None,
 ) -> Path:
     """Build one bundle.
+
+    Every heavy step (each exporter, golden capture, verification) runs in a child
+    process that exits before the next starts (:mod:`higgs_pack.targets.steps`); the
+    peak resident memory of the whole process tree, the peak scratch size and each
+    step's time and memory are recorded in the manifest's ``build.resources``.
 
     Args:
         target: registered target name (``cpu``, ``cuda``, ``dml``, ``openvino``).
@@ -143,6 +135,8 @@ def build(
         variant: target variant (``npu`` for openvino).
         force: replace an existing bundle at ``out`` (only after the new one passed).
         dist_dir: parent of the default ``out``.
+        work_dir: folder for the scratch folder (default ``$HIGGS_PACK_WORK_DIR``, else
+            the system temp folder); scratch of killed builds there is removed first.
         progress: optional ``callable(str)`` told about each step.
 
     Returns:
@@ -153,8 +147,13 @@ def build(
         BundleError: ``out`` holds a bundle and ``force`` is False, or ``out`` is a
             non-empty directory that is not a bundle.
         CheckpointError: the checkpoint cannot be read.
-        BuildError: an exporter failed or the bundle failed its own verification.
+        BuildError: not enough disk space (before anything heavy runs: the message names
+            the folder, the space needed and free); an exporter failed, ran out of
+            memory or disk; or the bundle failed its own verification.
     """
+    from higgs_pack.exporters.process import TreeMemory, run_step
+    from higgs_pack.targets.workspace import FolderPeak, check_space, work_area, work_root
+
     plan = make_plan(target, precision, variant)
     say = progress or (lambda msg: log.info(msg))
     slug = model_slug(None if model is None else str(model))
@@ -175,78 +174,127 @@ def build(
 
     source = str(model) if model is not None else str(default_checkpoint())
     ckpt = open_checkpoint(source)
-    with _staging(out) as stage, tempfile.TemporaryDirectory(prefix="higgs-pack-work-") as work:
-        work_dir = Path(work)
+    checkpoint_dir = str(ckpt.root)
+    say(check_space(estimate_space(plan, ckpt), work_root(work_dir), out.absolute().parent))
+    phases: list[Any] = []
+    with (_staging(out) as stage, work_area(work_dir) as work, TreeMemory() as memory,
+          FolderPeak(work, stage) as scratch):
+
+        def step(name: str, entry: str, folders: list[Path], **kwargs: Any) -> Any:
+            say(name)
+            value, record = run_step(entry, kwargs, name=name, folders=folders, memory=memory, work_dir=work)
+            phases.append(record)
+            log.info("%s: %.1f s, peak %.0f MiB", name, record.seconds, record.peak_rss_mb)
+            return value
+
         bundle_dir = stage / "bundle"
         bundle_dir.mkdir()
-        results = _export_all(plan, ckpt, bundle_dir, work_dir, say)
+        results: dict[str, Any] = {}
+        decoder_rows = [r for r in plan.rows if r.exporter.kind == "decoder"]
+        module_rows = [r for r in plan.rows if r.exporter.kind != "decoder"]
+        if decoder_rows:
+            hf_dir = step("remapping the checkpoint to a Qwen3 directory", "higgs_pack.targets.steps:write_hf_dir",
+                          [work], checkpoint=checkpoint_dir, out_dir=str(work / "qwen3-hf"))
+            for row in decoder_rows:
+                results[row.subpart.value] = step(
+                    f"exporting {row.subpart.value} ({row.precision}) with {row.exporter.name}",
+                    "higgs_pack.targets.steps:export_decoder", [work, stage], hf_dir=hf_dir,
+                    exporter=row.exporter.name, part=row.subpart.value, precision=row.precision,
+                    bundle_dir=str(bundle_dir), work_dir=str(work / row.subpart.value), options=dict(row.options))
+            shutil.rmtree(hf_dir, ignore_errors=True)
+        if module_rows:
+            modules = step(
+                "exporting " + ", ".join(f"{r.subpart.value} ({r.precision})" for r in module_rows),
+                "higgs_pack.targets.steps:export_modules", [work, stage], checkpoint=checkpoint_dir,
+                rows=[{"part": r.subpart.value, "exporter": r.exporter.name, "precision": r.precision,
+                       "options": dict(r.options)} for r in module_rows],
+                bundle_dir=str(bundle_dir), work_dir=str(work))
+            results.update(modules["results"])
+        differ = plan_mismatches(plan, results)
+        if differ:
+            raise BuildError("the exporters did not build what the plan says (the plan and the manifest must "
+                             "agree; fix the exporter's planning function): " + "; ".join(differ))
         tokenizer_file = _copy_tokenizer(ckpt, bundle_dir)
-        say("capturing golden reference outputs with the PyTorch oracle")
-        from higgs_pack.exporters.golden import GREEDY_TEXT, capture_golden
-
-        golden_frames = capture_golden(ckpt, bundle_dir / REFERENCE_FILE)
+        golden = step("capturing golden reference outputs with the PyTorch oracle",
+                      "higgs_pack.targets.steps:capture", [stage], checkpoint=checkpoint_dir,
+                      out_path=str(bundle_dir / REFERENCE_FILE), bundle_dir=str(bundle_dir),
+                      subparts={p: {k: r[k] for k in ("format", "entry", "precision")} for p, r in results.items()})
         manifest = _assemble(plan, ckpt, slug, source, bundle_dir, results, tokenizer_file,
-                             golden_frames, GREEDY_TEXT, time.perf_counter() - start)
+                             golden["frames"], golden["text"], time.perf_counter() - start)
+        for part, weights in golden["weights"].items():
+            manifest["subparts"][part]["parity"]["reference"] = "matched"
+            manifest["subparts"][part]["parity"]["weights_max_rel_l2"] = weights["max_rel_l2"]
         write_manifest(bundle_dir, manifest)
-        say("verifying the new bundle")
-        _verify_and_record(plan, bundle_dir, manifest)
+        verified = step("verifying the new bundle", "higgs_pack.targets.steps:verify", [stage],
+                        bundle_dir=str(bundle_dir), options=_verify_options(plan))
+        if not verified["ok"]:
+            raise BuildError(f"the new bundle failed its own verification, so it was not kept: {verified['failed']}")
+        for part, measured in verified["parity"].items():
+            manifest["subparts"][part]["parity"].update(measured)
+        manifest["verification"] = {"build_time": verified["report"]}
+        scratch.sample()
+        manifest["build"]["seconds"] = round(time.perf_counter() - start, 2)
+        manifest["build"]["resources"] = {
+            "peak_rss_mb": round(memory.peak / 2**20, 1),
+            "scratch_peak_mb": round(scratch.peak / 2**20, 1),
+            "cpu": cpu_description(),
+            "phases": [p.to_dict() for p in phases],
+        }
+        write_manifest(bundle_dir, manifest)
         _move_into_place(bundle_dir, out, stage)
-    say(f"bundle ready: {out}")
+    say(f"bundle ready: {out} (peak memory {memory.peak / 2**30:.2f} GiB, "
+        f"{time.perf_counter() - start:.0f} s)")
     return out
 
 
-def _export_all(plan: BuildPlan, ckpt, bundle_dir: Path, work_dir: Path, say) -> dict[SubPart, Any]:
-    """Run every planned exporter; decoders get a standard Qwen3 HF dir, the rest torch modules."""
-    from higgs_pack.exporters.torch_modules import DYNAMIC_AXES, build_modules, example_inputs
+def estimate_space(plan: BuildPlan, ckpt) -> Any:
+    """Scratch and bundle bytes this build needs, from the checkpoint's tensor headers.
 
-    results: dict[SubPart, Any] = {}
-    hf_dir = None
-    modules = None
+    Scratch: the remapped Qwen3 directory (the body and text embedding in their stored
+    dtype) when a decoder exporter runs, plus every exporter's own scratch; the bundle:
+    every sub-part at its precision.  Both get :data:`~higgs_pack.exporters.space.MARGIN`.
+    """
+    import math
+
+    from higgs_pack.exporters.checkpoint import (
+        AUDIO_EMBEDDING,
+        CODEC_PREFIX,
+        TEXT_EMBEDDING,
+        llm_tensor_shapes,
+    )
+    from higgs_pack.exporters.space import FIXED_MARGIN, MARGIN
+    from higgs_pack.targets.workspace import SpaceNeed
+
+    llm = llm_tensor_shapes(ckpt.text_config)
+    itemsize = ckpt.tensor_dtype(TEXT_EMBEDDING).itemsize
+    body = sum(math.prod(shape) for name, shape in llm.items() if name != TEXT_EMBEDDING)
+    text = math.prod(llm[TEXT_EMBEDDING])
+    audio = math.prod(ckpt.tensor_shape(AUDIO_EMBEDDING))
+    codec = sum(math.prod(ckpt.tensor_shape(n)) for n in ckpt.tensor_names() if n.startswith(CODEC_PREFIX))
+    params = {SubPart.LLM_DECODER: body, SubPart.TEXT_EMBED: text, SubPart.AUDIO_EMBED: audio,
+              SubPart.AUDIO_HEADS: audio, SubPart.AUDIO_TOKENIZER: codec, SubPart.AUDIO_ENCODER: codec}
+    scratch = (body + text) * itemsize if any(r.exporter.kind == "decoder" for r in plan.rows) else 0
+    bundle = 0
     for row in plan.rows:
-        fn = row.exporter.load()
-        part = row.subpart
-        say(f"exporting {part.value} ({row.precision}) with {row.exporter.name}")
-        try:
-            if row.exporter.kind == "decoder":
-                if hf_dir is None:
-                    hf_dir = ckpt.write_qwen3_hf_dir(work_dir / "qwen3-hf")
-                kwargs = dict(row.options)
-                kwargs.setdefault(row.exporter.scratch, work_dir / part.value)
-                results[part] = fn(hf_dir, bundle_dir / part.value, precision=row.precision,
-                                   bundle_dir=bundle_dir, **kwargs)
-            else:
-                if modules is None:
-                    modules = build_modules(ckpt)
-                inputs, outputs = SUBPART_IO[part]
-                results[part] = fn(
-                    modules[part], example_inputs(part, ckpt.constants), input_names=list(inputs),
-                    output_names=list(outputs), dynamic_axes=DYNAMIC_AXES[part], out_dir=bundle_dir,
-                    name=part.value, precision=row.precision, work_dir=work_dir / part.value,
-                    subpart=part.value, bundle_dir=bundle_dir, **row.options,
-                )
-                if part == SubPart.AUDIO_TOKENIZER:
-                    results[part] = _with_stream_context(results[part], modules[part], ckpt.constants)
-        except HiggsPackError:
-            raise
-        except Exception as exc:  # an exporter's own failure: name the sub-part and tool
-            raise BuildError(f"{row.exporter.name} failed on {part.value} ({row.precision}): {exc}") from exc
-    differ = plan_mismatches(plan, {p.value: r.to_dict() for p, r in results.items()})
-    if differ:
-        raise BuildError("the exporters did not build what the plan says (the plan and the manifest must "
-                         "agree; fix the exporter's planning function): " + "; ".join(differ))
-    return results
+        s, b = row.exporter.estimate_space(params[row.subpart], itemsize, row.precision, dict(row.options))
+        scratch, bundle = scratch + s, bundle + b
+    return SpaceNeed(int(scratch * (1 + MARGIN)) + FIXED_MARGIN, int(bundle * (1 + MARGIN)) + FIXED_MARGIN)
 
 
-def _with_stream_context(result, module, constants):
-    """Record the codec decoder's chunking context (``options.stream_context_frames``) that
-    streaming synthesis reads; a static chunked codec (npu) already measured it."""
-    from dataclasses import replace
-
-    from higgs_pack.exporters.torch_modules import codec_stream_context
-
-    measured = (result.options.get("chunking") or {}).get("context")
-    entry = {"stream_context_frames": int(measured)} if measured else codec_stream_context(module, constants)
-    return replace(result, options={**result.options, **entry})
+def cpu_description() -> str:
+    """CPU model and the vector ISA extensions that matter here (AVX2, AVX-512, VNNI, AMX)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model in ("", platform.machine(), platform.processor()):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile") if f in flags]
+    return f"{model} ({', '.join(isa) or 'no AVX2'}; {os.cpu_count()} logical CPUs)"
 
 
 def _copy_tokenizer(ckpt, bundle_dir: Path) -> str:
@@ -262,8 +310,11 @@ def _copy_tokenizer(ckpt, bundle_dir: Path) -> str:
 def _parity_rule(part: SubPart, precision: str) -> dict[str, Any]:
     if part == SubPart.AUDIO_ENCODER:
         return {"metric": "code_agreement", "threshold": CODE_AGREEMENT_THRESHOLD}
-    table = DECODER_COSINE_THRESHOLDS if part == SubPart.LLM_DECODER else COSINE_THRESHOLDS
-    return {"metric": "cosine", "threshold": table[precision]}
+    decoder = part == SubPart.LLM_DECODER
+    table = DECODER_COSINE_THRESHOLDS if decoder else COSINE_THRESHOLDS
+    limits = DECODER_EXPORT_REL_L2 if decoder else EXPORT_REL_L2
+    return {"metric": "cosine", "threshold": table[precision], "max_rel_l2": limits[precision],
+            "reference": "float"}
 
 
 def _assemble(plan: BuildPlan, ckpt, slug: str, source: str, bundle_dir: Path, results, tokenizer_file: str,
@@ -272,8 +323,7 @@ def _assemble(plan: BuildPlan, ckpt, slug: str, source: str, bundle_dir: Path, r
     subparts = {}
     tools: dict[str, str] = {}
     for part in SubPart:
-        r = results[part]
-        d = r.to_dict()
+        d = results[part.value]
         tools.update(d["tool_versions"])
         subparts[part.value] = {
             "format": d["format"], "files": d["files"], "entry": d["entry"], "exporter": d["exporter"],
@@ -329,22 +379,13 @@ def _apply_variant(manifest: dict[str, Any], plan: BuildPlan) -> dict[str, Any]:
     return manifest
 
 
-def _verify_and_record(plan: BuildPlan, bundle_dir: Path, manifest: dict[str, Any]) -> None:
-    from higgs_pack.runtime.verify import verify_bundle
-
+def _verify_options(plan: BuildPlan) -> dict[str, Any]:
+    """Where the build-time verification runs: the variant's or target's ``verify_on``, else its own."""
     t = plan.target
-    kwargs: dict[str, Any] = {}
     verify_on = (plan.variant_spec.verify_on if plan.variant_spec is not None else None) or t.verify_on
-    if verify_on is not None:
-        kwargs = {t.placement: verify_on}
-    report = verify_bundle(bundle_dir, synthesize_cases=False, **kwargs)
-    if not report.ok:
-        failed = "; ".join(f"{c.name}: {c.detail}" for c in report.checks if c.ok is False)
-        raise BuildError(f"the new bundle failed its own verification, so it was not kept: {failed}")
-    for part, measured in report.parity.items():
-        manifest["subparts"][part]["parity"].update(measured)
-    manifest["verification"] = {"build_time": report.to_dict()}
-    write_manifest(bundle_dir, manifest)
+    if verify_on is None:
+        return {}
+    return {t.placement: verify_on}
 
 
 def _move_into_place(bundle_dir: Path, out: Path, stage: Path) -> None:

@@ -17,8 +17,11 @@ import click
 @click.option("--variant", help="Target variant, e.g. npu (openvino: static shapes for Intel NPUs).")
 @click.option("--npu", is_flag=True, help="Shorthand for --variant npu.")
 @click.option("--force", is_flag=True, help="Replace an existing bundle (only once the new one passed verification).")
+@click.option("--work-dir", type=click.Path(path_type=Path, file_okay=False),
+              help="Where the build's scratch goes (default: $HIGGS_PACK_WORK_DIR, else the system temp "
+                   "folder; the 4B model needs 20-40 GB there).")
 @click.option("--plan", "plan_only", is_flag=True, help="Print the build plan and stop.")
-def build(target, precision, model, out, variant, npu, force, plan_only):
+def build(target, precision, model, out, variant, npu, force, work_dir, plan_only):
     """Build a bundle for one hardware target."""
     from higgs_pack.targets.plan import make_plan
 
@@ -33,7 +36,7 @@ def build(target, precision, model, out, variant, npu, force, plan_only):
     from higgs_pack.targets.build import build as run_build
 
     path = run_build(target, precision=precision, model=model, out=out, variant=variant, force=force,
-                     progress=lambda msg: click.echo(msg, err=True))
+                     work_dir=work_dir, progress=lambda msg: click.echo(msg, err=True))
     click.echo(str(path))
 
 

@@ -25,7 +25,7 @@ pytest.importorskip("onnxruntime_genai")
 transformers = pytest.importorskip("transformers")
 
 from higgs_pack.exporters import onnx_utils  # noqa: E402
-from higgs_pack.exporters.modelbuilder import build_llm_decoder  # noqa: E402
+from higgs_pack.exporters.modelbuilder import build_llm_decoder, passes_for  # noqa: E402
 from higgs_pack.exporters.olive import export_onnx, plan_passes  # noqa: E402
 from higgs_pack.exporters.result import ExportResult, TensorSpec  # noqa: E402
 from higgs_pack.manifests.errors import (  # noqa: E402
@@ -143,7 +143,9 @@ def test_modelbuilder_io_names_and_files(decoders, precision):
     assert isinstance(result, ExportResult)
     assert result.subpart == "llm_decoder"
     assert result.exporter == "modelbuilder"
-    assert result.passes == ["ModelBuilder"]
+    assert result.passes == list(passes_for(precision, "cpu"))
+    if precision == "int4":  # a float graph quantized node by node, not ModelBuilder's in-memory int4
+        assert result.passes[0].startswith("ModelBuilder(fp32,") and "MatMulNBits" in result.passes[1]
     assert result.precision == precision
     assert result.files == [
         "llm_decoder/model.onnx",

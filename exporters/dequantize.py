@@ -1,0 +1,237 @@
+"""The float weights a built sub-part really computes with, read back from its files.
+
+Verification separates two errors (DESIGN.md, "Verification judges the export"):
+*export error*, what the build got wrong, and *quantization error*, what int4/int8/fp16
+costs.  The golden capture runs the PyTorch oracle twice where a sub-part's weights were
+quantized or cast: once with the checkpoint's weights (float reference) and once with the
+weights read back from the bundle by this module (matched reference).  A correct export
+matches the matched reference up to compute noise; a wrong layer order, a dropped norm or
+a scaled weight does not, however much quantization noise there is.
+
+Readers, one weight at a time (the 4B decoder is never materialised in float32):
+
+* ONNX ``MatMulNBits`` (``com.microsoft``; ModelBuilder's and Olive's int4 MatMuls):
+  ``W[n, k] = (q[n, k] - zero_point[n, k // block]) * scale[n, k // block]`` with q the
+  4-bit values packed two per byte low nibble first and zero point 8 when absent
+  (the operator's specification, onnxruntime docs/ContribOperators.md).
+* ONNX ``GatherBlockQuantized`` and every other ONNX form: run by ONNX Runtime itself
+  (a Gather of every row), so no format detail is restated here.
+* ONNX ``MatMul`` with a float16/float32 initializer: cast to float32.
+* OpenVINO IR: the weight input of each MatMul (NNCF's decompression chain, or a
+  Convert of f16/bf16 constants) is evaluated by OpenVINO itself.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from higgs_pack.manifests.errors import BuildError
+
+#: ModelBuilder's decoder MatMul node names: /model/layers.{i}/{attn|mlp}/{proj}/MatMul[_Q4].
+MODELBUILDER_NODE = re.compile(r"^/model/layers\.(\d+)/(attn|mlp)/(\w+)/MatMul(?:_Q\d+)?$")
+#: ModelBuilder projection name -> Qwen3DecoderLayer parameter(s); fused ones are split
+#: along the output axis in this order.
+MODELBUILDER_PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "q_proj": ("self_attn.q_proj.weight",),
+    "k_proj": ("self_attn.k_proj.weight",),
+    "v_proj": ("self_attn.v_proj.weight",),
+    "o_proj": ("self_attn.o_proj.weight",),
+    "gate_up_proj": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "gate_proj": ("mlp.gate_proj.weight",),
+    "up_proj": ("mlp.up_proj.weight",),
+    "down_proj": ("mlp.down_proj.weight",),
+}
+#: optimum-intel decoder MatMul names: __module.model.layers.{i}.{self_attn|mlp}.{proj}/aten::linear/MatMul.
+OPTIMUM_NODE = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)/aten::linear/MatMul")
+
+
+def unpack_matmul_nbits(packed: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None,
+                        *, n: int, k: int, bits: int, block_size: int) -> np.ndarray:
+    """float32 [N, K] weight of a ``MatMulNBits`` node (4 bits only).
+
+    Args:
+        packed: uint8 [N, blocks, block_size // 2].
+        scales: [N * blocks] or [N, blocks], float32/float16.
+        zero_points: uint8 [N * ceil(blocks / 2)] packed like the weights, or None (8).
+
+    Raises:
+        BuildError: bits other than 4.
+    """
+    if bits != 4:
+        raise BuildError(f"MatMulNBits with bits={bits}: only 4-bit weights are read back")
+    blocks = (k + block_size - 1) // block_size
+    raw = packed.reshape(n, blocks, -1)
+    q = np.empty((n, blocks, raw.shape[2] * 2), dtype=np.float32)
+    q[:, :, 0::2] = raw & 0x0F
+    q[:, :, 1::2] = raw >> 4
+    scale = scales.astype(np.float32).reshape(n, blocks, 1)
+    if zero_points is None:
+        zero = np.float32(8.0)
+    else:
+        zp = zero_points.reshape(n, -1)
+        both = np.empty((n, zp.shape[1] * 2), dtype=np.float32)
+        both[:, 0::2] = zp & 0x0F
+        both[:, 1::2] = zp >> 4
+        zero = both[:, :blocks].reshape(n, blocks, 1)
+    return ((q - zero) * scale).reshape(n, -1)[:, :k]
+
+
+class OnnxWeights:
+    """Reads the float weight behind each weight-bearing node of an ONNX graph, on demand.
+
+    The graph is loaded without its external data; each request reads just the tensors
+    of one node.
+    """
+
+    def __init__(self, model_path: str | Path) -> None:
+        import onnx
+
+        self.path = Path(model_path)
+        self.model = onnx.load(str(self.path), load_external_data=False)
+        self.nodes = {node.name: node for node in self.model.graph.node}
+        self.initializers = {t.name: t for t in self.model.graph.initializer}
+
+    def _array(self, name: str) -> np.ndarray:
+        from onnx import TensorProto, external_data_helper, numpy_helper
+
+        tensor = TensorProto()
+        tensor.CopyFrom(self.initializers[name])
+        if external_data_helper.uses_external_data(tensor):
+            external_data_helper.load_external_data_for_tensor(tensor, str(self.path.parent))
+            del tensor.external_data[:]
+            tensor.data_location = TensorProto.DEFAULT
+        return numpy_helper.to_array(tensor)
+
+    def _attrs(self, node: Any) -> dict[str, Any]:
+        import onnx
+
+        return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+    def weight(self, node_name: str) -> np.ndarray:
+        """float32 weight of one node: [N, K] (= torch Linear ``weight``) for MatMul kinds,
+        the [rows, columns] table for Gather kinds.
+
+        Raises:
+            BuildError: no such node, or it has no constant weight.
+        """
+        node = self.nodes.get(node_name)
+        if node is None:
+            raise BuildError(f"{self.path}: no node {node_name!r}; the graph's layout is not the one expected")
+        if node.op_type == "MatMulNBits":
+            a = self._attrs(node)
+            zp = self._array(node.input[3]) if len(node.input) > 3 and node.input[3] else None
+            return unpack_matmul_nbits(self._array(node.input[1]), self._array(node.input[2]), zp,
+                                       n=int(a["N"]), k=int(a["K"]), bits=int(a["bits"]),
+                                       block_size=int(a["block_size"]))
+        if node.op_type == "MatMul" and node.input[1] in self.initializers:
+            return np.ascontiguousarray(self._array(node.input[1]).astype(np.float32).T)
+        if node.op_type in ("Gather", "GatherBlockQuantized") and node.input[0] in self.initializers:
+            return self._gather_all(node)
+        raise BuildError(f"{self.path}: node {node_name!r} ({node.op_type}) has no constant weight to read back")
+
+    def _gather_all(self, node: Any) -> np.ndarray:
+        """Every row of a (possibly block-quantized) Gather, dequantized by ONNX Runtime."""
+        import onnx
+        import onnxruntime as ort
+
+        inits = [self._load(n) for n in node.input if n and n in self.initializers]
+        rows = int(self.initializers[node.input[0]].dims[0])
+        ids = onnx.helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, [rows])
+        out = onnx.helper.make_tensor_value_info("table", onnx.TensorProto.FLOAT, None)
+        inputs = [("ids" if i == 1 else n) for i, n in enumerate(node.input)]
+        clone = onnx.helper.make_node(node.op_type, inputs, ["gathered"], domain=node.domain,
+                                      **self._attrs(node))
+        cast = onnx.helper.make_node("Cast", ["gathered"], ["table"], to=onnx.TensorProto.FLOAT)
+        graph = onnx.helper.make_graph([clone, cast], "gather_all", [ids], [out], initializer=inits)
+        model = onnx.helper.make_model(graph, opset_imports=list(self.model.opset_import))
+        model.ir_version = self.model.ir_version
+        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        return session.run(None, {"ids": np.arange(rows, dtype=np.int64)})[0]
+
+    def _load(self, name: str) -> Any:
+        from onnx import numpy_helper
+
+        return numpy_helper.from_array(self._array(name), name)
+
+    def weight_nodes(self) -> list[str]:
+        """Names of nodes whose second (MatMul) or first (Gather) input is a weight initializer."""
+        out = []
+        for node in self.model.graph.node:
+            if node.op_type in ("MatMulNBits",) or (
+                node.op_type == "MatMul" and len(node.input) > 1 and node.input[1] in self.initializers
+            ) or (node.op_type in ("Gather", "GatherBlockQuantized") and node.input[0] in self.initializers):
+                out.append(node.name)
+        return out
+
+    def modelbuilder_layer(self, layer: int, sizes: dict[str, int]) -> dict[str, np.ndarray]:
+        """Layer ``layer``'s projection weights of a ModelBuilder decoder, by Qwen3DecoderLayer name.
+
+        Args:
+            sizes: output rows of each parameter (``self_attn.q_proj.weight`` -> heads*head_dim…),
+                to split fused projections.
+        """
+        out: dict[str, np.ndarray] = {}
+        for name in self.nodes:
+            match = MODELBUILDER_NODE.match(name)
+            if match is None or int(match.group(1)) != layer:
+                continue
+            params = MODELBUILDER_PROJECTIONS.get(match.group(3))
+            if params is None:
+                raise BuildError(f"{self.path}: unknown ModelBuilder projection {match.group(3)!r} in {name}")
+            w = self.weight(name)
+            edges = np.cumsum([0, *(sizes[p] for p in params)])
+            if edges[-1] != w.shape[0]:
+                raise BuildError(f"{self.path}: {name} has {w.shape[0]} output rows, expected {edges[-1]}")
+            for p, lo, hi in zip(params, edges[:-1], edges[1:], strict=True):
+                out[p] = w[lo:hi]
+        return out
+
+
+class OpenVinoWeights:
+    """Reads the float weight each MatMul of an OpenVINO IR computes with, evaluated by OpenVINO."""
+
+    def __init__(self, xml: str | Path) -> None:
+        import openvino as ov
+
+        self.xml = Path(xml)
+        self.core = ov.Core()
+        self.model = self.core.read_model(self.xml)
+        self.matmuls = {op.get_friendly_name(): op for op in self.model.get_ops() if op.get_type_name() == "MatMul"}
+
+    def weight_of(self, op: Any) -> np.ndarray:
+        """float32 [N, K] of a MatMul whose second input is a constant (decompression) subgraph."""
+        import openvino as ov
+
+        source = op.input(1).get_source_output()
+        if not self._constant_only(source.get_node()):
+            raise BuildError(f"{self.xml}: MatMul {op.get_friendly_name()} has no constant weight")
+        result = ov.opset13.result(ov.opset13.convert(source, "f32"))
+        model = ov.Model([result], [], "weight")
+        compiled = self.core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+        w = next(iter(compiled({}).values()))
+        transpose_b = op.get_attributes().get("transpose_b", False)
+        return np.ascontiguousarray(w if transpose_b else w.T)
+
+    @staticmethod
+    def _constant_only(node: Any, seen: set[int] | None = None) -> bool:
+        seen = seen if seen is not None else set()
+        if id(node) in seen:
+            return True
+        seen.add(id(node))
+        if node.get_type_name() == "Parameter" or node.get_type_name() == "ReadValue":
+            return False
+        return all(OpenVinoWeights._constant_only(i.get_source_output().get_node(), seen) for i in node.inputs())
+
+    def optimum_layer(self, layer: int) -> dict[str, np.ndarray]:
+        """Layer ``layer``'s projection weights of an optimum-intel decoder IR, by Qwen3DecoderLayer name."""
+        out: dict[str, np.ndarray] = {}
+        for name, op in self.matmuls.items():
+            match = OPTIMUM_NODE.search(name)
+            if match and int(match.group(1)) == layer:
+                out[f"{match.group(2)}.{match.group(3)}.weight"] = self.weight_of(op)
+        return out

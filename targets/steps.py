@@ -1,0 +1,119 @@
+"""The heavy steps of a build, each run in its own child process by :func:`run_step`.
+
+Every function takes JSON-able keyword arguments (paths as strings) and returns a
+JSON-able value; :mod:`higgs_pack.targets.build` calls them through
+:func:`higgs_pack.exporters.process.run_step`, so the memory a step used (the decoder's
+weights, the oracle, ONNX Runtime sessions) is returned to the system before the next
+step starts.  A key ``_detail`` in a returned dict becomes the step record's breakdown.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from higgs_pack.exporters.process import StepRecord, TreeMemory, run_step
+from higgs_pack.manifests.constants import SUBPART_IO, SubPart
+from higgs_pack.manifests.errors import BuildError, HiggsPackError
+
+__all__ = ["StepRecord", "TreeMemory", "run_step"]
+
+
+def write_hf_dir(checkpoint: str, out_dir: str) -> str:
+    """The checkpoint's backbone as a standard Qwen3 HF directory (one tensor in memory at a time)."""
+    from higgs_pack.exporters.checkpoint import open_checkpoint
+
+    with open_checkpoint(checkpoint) as ckpt:
+        return str(ckpt.write_qwen3_hf_dir(Path(out_dir)))
+
+
+def export_decoder(hf_dir: str, exporter: str, part: str, precision: str, bundle_dir: str,
+                   work_dir: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Run a ``decoder`` exporter (ModelBuilder, optimum-intel) on the Qwen3 directory."""
+    from higgs_pack.exporters.catalog import get_exporter
+
+    info = get_exporter(exporter)
+    bundle = Path(bundle_dir)
+    kwargs = {**options, info.scratch: Path(work_dir)}
+    try:
+        result = info.load()(Path(hf_dir), bundle / part, precision=precision, bundle_dir=bundle, **kwargs)
+    except HiggsPackError:
+        raise
+    except Exception as exc:  # the tool's own failure: name the sub-part and tool
+        raise BuildError(f"{exporter} failed on {part} ({precision}): {exc}") from exc
+    return result.to_dict()
+
+
+def export_modules(checkpoint: str, rows: list[dict[str, Any]], bundle_dir: str, work_dir: str) -> dict[str, Any]:
+    """Run the ``module`` exporters (Olive) for ``rows`` (``{part, exporter, precision, options}``).
+
+    Each sub-part's torch module is built from the checkpoint just before its export
+    and dropped after it.
+    """
+    from higgs_pack.exporters.catalog import get_exporter
+    from higgs_pack.exporters.checkpoint import open_checkpoint
+    from higgs_pack.exporters.torch_modules import DYNAMIC_AXES, build_modules, example_inputs
+
+    bundle = Path(bundle_dir)
+    results: dict[str, Any] = {}
+    seconds: dict[str, float] = {}
+    with open_checkpoint(checkpoint) as ckpt:
+        for row in rows:
+            part = SubPart(row["part"])
+            info = get_exporter(row["exporter"])
+            start = time.perf_counter()
+            module = build_modules(ckpt, [part])[part]
+            ckpt.close()
+            inputs, outputs = SUBPART_IO[part]
+            try:
+                result = info.load()(
+                    module, example_inputs(part, ckpt.constants), input_names=list(inputs),
+                    output_names=list(outputs), dynamic_axes=DYNAMIC_AXES[part], out_dir=bundle,
+                    name=part.value, precision=row["precision"], work_dir=Path(work_dir) / part.value,
+                    subpart=part.value, bundle_dir=bundle, **row["options"],
+                )
+            except HiggsPackError:
+                raise
+            except Exception as exc:
+                raise BuildError(f"{info.name} failed on {part.value} ({row['precision']}): {exc}") from exc
+            if part == SubPart.AUDIO_TOKENIZER:
+                result = _with_stream_context(result, module, ckpt.constants)
+            del module
+            results[part.value] = result.to_dict()
+            seconds[part.value] = round(time.perf_counter() - start, 2)
+    return {"results": results, "_detail": {"seconds": seconds}}
+
+
+def _with_stream_context(result, module, constants):
+    """Record the codec decoder's chunking context (``options.stream_context_frames``) that
+    streaming synthesis reads; a static chunked codec (npu) already measured it."""
+    from dataclasses import replace
+
+    from higgs_pack.exporters.torch_modules import codec_stream_context
+
+    measured = (result.options.get("chunking") or {}).get("context")
+    entry = {"stream_context_frames": int(measured)} if measured else codec_stream_context(module, constants)
+    return replace(result, options={**result.options, **entry})
+
+
+def capture(checkpoint: str, out_path: str, bundle_dir: str | None = None,
+            subparts: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Golden reference outputs of the PyTorch oracle, and the matched oracle's for the
+    quantized sub-parts of ``bundle_dir`` (see :func:`~higgs_pack.exporters.golden.capture_golden`)."""
+    from higgs_pack.exporters.checkpoint import open_checkpoint
+    from higgs_pack.exporters.golden import GREEDY_TEXT, capture_golden
+
+    with open_checkpoint(checkpoint) as ckpt:
+        captured = capture_golden(ckpt, Path(out_path), bundle_dir=Path(bundle_dir) if bundle_dir else None,
+                                  subparts=subparts)
+    return {**captured, "text": GREEDY_TEXT}
+
+
+def verify(bundle_dir: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Build-time verification of the staged bundle (no cases); the report as data."""
+    from higgs_pack.runtime.verify import verify_bundle
+
+    report = verify_bundle(Path(bundle_dir), synthesize_cases=False, **options)
+    failed = "; ".join(f"{c.name}: {c.detail}" for c in report.checks if c.ok is False)
+    return {"ok": report.ok, "failed": failed, "parity": report.parity, "report": report.to_dict()}

@@ -148,9 +148,17 @@ def test_bench_cpu_bundle_built_then_reused(tiny_checkpoint, tmp_path):
     options = bench.BenchOptions(preset="tiny", systems=("pytorch", "cpu-fp32"), frames=8, repeats=1,
                                  checkpoint=str(tiny_checkpoint), cache=str(cache), bandwidth_mib=32,
                                  out=None, quiet=True)
-    torch_rec, cpu_rec = bench.run_bench(options)
+    build_rec, torch_rec, cpu_rec = bench.run_bench(options)
     for record in (torch_rec, cpu_rec):
         check_record(record)
+    # the build record: the whole process tree's peak memory and every step, from the manifest
+    assert build_rec["kind"] == "build" and build_rec["system"] == "cpu-fp32" and build_rec["preset"] == "tiny"
+    assert build_rec["cached"] is False and build_rec["verified"] is True
+    assert 0 < build_rec["peak_rss_mb"] < bench.BUILD_MEMORY_BUDGET_MB
+    assert build_rec["build_s"] > 0 and build_rec["bundle_mb"] > 0 and build_rec["scratch_peak_mb"] > 0
+    names = [p["name"] for p in build_rec["phases"]]
+    assert any("llm_decoder" in n for n in names) and any("golden" in n for n in names) and names[-1].startswith("verif")
+    assert all(p["peak_rss_mb"] <= build_rec["peak_rss_mb"] + 1 for p in build_rec["phases"])
     assert (cpu_rec["system"], cpu_rec["precision"], cpu_rec["backend"]) == ("cpu", "fp32", "onnxruntime")
     assert cpu_rec["build_cached"] is False and cpu_rec["build_s"] > 0
     assert cpu_rec["speedup_vs_pytorch"] == pytest.approx(cpu_rec["frames_per_s"] / torch_rec["frames_per_s"])
@@ -166,10 +174,15 @@ def test_bench_cpu_bundle_built_then_reused(tiny_checkpoint, tmp_path):
     check_record(rec)
     assert rec["label"] == "cpu-fp32" and "roofline_frac" not in rec
     assert len(rec["rounds_frames_per_s"]) == 2 and rec["frames_per_s"] == max(rec["rounds_frames_per_s"])
-    (rec2,) = bench.run_bench(bench.BenchOptions(
+    (build2, rec2) = bench.run_bench(bench.BenchOptions(
         preset="tiny", systems=("cpu-fp32",), frames=8, repeats=1, warmup=0, bandwidth_mib=0,
         checkpoint=str(tiny_checkpoint), cache=str(cache), out=None, quiet=True))
-    assert rec2["build_cached"] is True
+    assert rec2["build_cached"] is True and build2["cached"] is True
+    assert build2["peak_rss_mb"] == build_rec["peak_rss_mb"]  # the numbers of the build that made it
+    (only,) = bench.run_bench(bench.BenchOptions(
+        preset="tiny", systems=("cpu-fp32",), build_only=True, checkpoint=str(tiny_checkpoint),
+        cache=str(cache), out=None, quiet=True))
+    assert only["kind"] == "build" and "frames_per_s" not in only
 
 
 def test_cpu_isa_names_vnni_and_avx512():

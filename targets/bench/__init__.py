@@ -46,11 +46,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from higgs_pack.targets.bench.records import (
+    BUILD_MEMORY_BUDGET_MB,
     COLUMNS,
     _roofline,
     add_ratios,
     base_record,
     goal_checks,
+    render_builds,
     render_details,
     render_table,
     write_html,
@@ -105,6 +107,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="JSON records file, charted into the same name with .html ('' = do not write)")
     p.add_argument("--append", action="store_true", help="keep records of other systems already in --out")
     p.add_argument("--quiet", action="store_true", help="no progress messages")
+    p.add_argument("--build-only", action="store_true",
+                   help="build (or reuse) the bundles, write their build records, measure nothing")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p
 
@@ -121,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         warmup=args.warmup,
         seed=args.seed, text=args.text, checkpoint=args.checkpoint, cache=args.cache,
         rebuild=args.rebuild, bandwidth_mib=args.bandwidth_mib, out=args.out or None,
-        append=args.append, timeout=args.timeout, quiet=args.quiet,
+        append=args.append, timeout=args.timeout, quiet=args.quiet, build_only=args.build_only,
     )
     from higgs_pack.manifests.errors import HiggsPackError
 
@@ -130,16 +134,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except HiggsPackError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(render_table(records))
-    print(render_details(records))
+    builds = [r for r in records if r.get("kind") == "build"]
+    records = [r for r in records if r.get("kind") != "build"]
+    print(render_builds(builds))
+    if records:
+        print(render_table(records))
+        print(render_details(records))
     if options.out:
-        write_records(records, Path(options.out), options.append)
+        write_records(builds + records, Path(options.out), options.append)
         print(f"wrote {options.out}")
         try:
             print(f"wrote {write_html(Path(options.out))}")
         except HiggsPackError as exc:
             print(f"note: no HTML report: {exc}", file=sys.stderr)
-    return 1 if any("error" in r for r in records) else 0
+    over = [b["system"] for b in builds if (b.get("peak_rss_mb") or 0) > BUILD_MEMORY_BUDGET_MB]
+    if over:
+        print(f"builds over the {BUILD_MEMORY_BUDGET_MB} MB memory budget: {', '.join(over)}", file=sys.stderr)
+    return 1 if over or any("error" in r for r in builds + records) else 0
 
 
 __all__ = [

@@ -187,12 +187,35 @@ def render_details(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+#: Peak resident memory a build's whole process tree may use (DESIGN.md, real size: 12 GiB).
+BUILD_MEMORY_BUDGET_MB = 12 * 1024
+
+
+def render_builds(builds: list[dict[str, Any]]) -> str:
+    """A text table of the ``"kind": "build"`` records: memory, scratch, time, size, per phase."""
+    if not builds:
+        return ""
+    lines = [f"{'build':<22} {'peak RSS MB':>11} {'scratch MB':>10} {'time s':>7} {'bundle MB':>9}  verified  phases (s / peak MB)"]
+    for b in builds:
+        if "error" in b:
+            lines.append(f"{b['system']:<22} error: {b['error']}")
+            continue
+        phases = "; ".join(f"{p['name'].split(' (')[0].replace('exporting ', '')}: {p['seconds']:.0f} s / "
+                           f"{p['peak_rss_mb']:.0f}" for p in b.get("phases", []))
+        budget = "" if (b.get("peak_rss_mb") or 0) <= BUILD_MEMORY_BUDGET_MB else "  OVER BUDGET"
+        lines.append(f"{b['system'] + (' (cached)' if b.get('cached') else ''):<22} {b.get('peak_rss_mb') or 0:>11.0f} "
+                     f"{b.get('scratch_peak_mb') or 0:>10.0f} {b.get('build_s') or 0:>7.0f} {b.get('bundle_mb') or 0:>9.0f}"
+                     f"  {b.get('verified')!s:<8}  {phases}{budget}")
+    return "\n".join(lines)
+
+
 def write_records(records: list[dict[str, Any]], out: Path, append: bool = False) -> None:
     """Write the records as a JSON list; ``append`` keeps earlier records of other systems."""
     keep: list[dict[str, Any]] = []
     if append and out.is_file():
-        fresh = {(r["label"], r["preset"]) for r in records}
-        keep = [r for r in json.loads(out.read_text()) if (r.get("label"), r.get("preset")) not in fresh]
+        fresh = {(r.get("kind"), r.get("label", r.get("system")), r["preset"]) for r in records}
+        keep = [r for r in json.loads(out.read_text())
+                if (r.get("kind"), r.get("label", r.get("system")), r.get("preset")) not in fresh]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".tmp")
     tmp.write_text(json.dumps(keep + records, indent=2, default=str) + "\n")
@@ -207,7 +230,7 @@ def write_html(out: Path) -> Path:
     """
     from higgs_pack.runtime.html_report import bench_html
 
-    records = json.loads(out.read_text())
+    records = [r for r in json.loads(out.read_text()) if r.get("kind") != "build"]
     path = out.with_suffix(".html")
     marks = {"outside_decoder_frac": (GOAL_OUTSIDE_DECODER * 100, f"goal: under {GOAL_OUTSIDE_DECODER:.0%}")}
     path.write_text(bench_html(records, goal_checks(records), marks), encoding="utf-8")

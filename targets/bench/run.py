@@ -57,6 +57,7 @@ class BenchOptions:
     append: bool = False
     timeout: float | None = None
     quiet: bool = False
+    build_only: bool = False
 
 
 def _cache(options: BenchOptions) -> Path:
@@ -186,6 +187,11 @@ def run_bench(options: BenchOptions) -> list[dict[str, Any]]:
         except Exception as exc:  # a failed build is a record, not the end of the run
             prepared.append((spec, None, None, {"error": f"build: {exc}"}))
 
+    builds = [build_record(spec, manifest, facts, options.preset, machine)
+              for spec, _path, manifest, facts in prepared if not spec.is_pytorch and spec.bundle is None]
+    if options.build_only:
+        return builds
+
     # 2. the machine's memory bandwidth, in the same run
     bandwidth = None
     if options.bandwidth_mib > 0:
@@ -226,7 +232,35 @@ def run_bench(options: BenchOptions) -> list[dict[str, Any]]:
             record["decoder_weight_mb"] = record.pop("decoder_weight_bytes") / 1e6
         _roofline(record, bandwidth)
     add_ratios(records)
-    return records
+    return builds + records
+
+
+def build_record(spec: SystemSpec, manifest: dict[str, Any] | None, facts: dict[str, Any], preset: str,
+                 machine: dict[str, Any]) -> dict[str, Any]:
+    """The ``"kind": "build"`` record of one system's bundle, from its manifest's ``build.resources``.
+
+    Fields: ``system`` (label, e.g. ``cpu-int4``), ``preset``, ``peak_rss_mb`` (peak
+    resident memory of the build's whole process tree), ``build_s``, ``bundle_mb``,
+    ``scratch_peak_mb``, ``phases`` (name, seconds, peak_rss_mb of each step), ``cached``
+    (the bundle was reused: its numbers are those of the build that made it), ``machine``;
+    a failed build has ``error`` instead.
+    """
+    record: dict[str, Any] = {"kind": "build", "system": spec.label, "preset": preset, "machine": machine}
+    if manifest is None:
+        record["error"] = facts.get("error", "no bundle")
+        return record
+    resources = manifest["build"].get("resources", {})
+    record.update({
+        "cached": bool(facts.get("build_cached")),
+        "build_s": manifest["build"].get("seconds"),
+        "bundle_mb": round(sum(f["size"] for f in manifest["files"]) / 2**20, 1),
+        "peak_rss_mb": resources.get("peak_rss_mb"),
+        "scratch_peak_mb": resources.get("scratch_peak_mb"),
+        "phases": resources.get("phases", []),
+        "built_on": resources.get("cpu"),
+        "verified": manifest.get("verification", {}).get("build_time", {}).get("ok"),
+    })
+    return record
 
 
 def _compiles(backend: str) -> bool:

@@ -122,7 +122,7 @@ EXPORTERS: dict[str, ExporterInfo] = {
         ),
         ExporterInfo(
             "optimum-openvino",
-            "higgs_pack.exporters.openvino:convert_llm_decoder",
+            "higgs_pack.exporters.openvino_decoder:convert_llm_decoder",
             "higgs_pack.exporters.openvino_plan:decoder_plan",
             "decoder",
             "openvino",
@@ -133,7 +133,7 @@ EXPORTERS: dict[str, ExporterInfo] = {
         ),
         ExporterInfo(
             "olive-openvino",
-            "higgs_pack.exporters.openvino:convert_subpart",
+            "higgs_pack.exporters.openvino_subpart:convert_subpart",
             "higgs_pack.exporters.openvino_plan:subpart_plan",
             "module",
             "openvino",

@@ -1,6 +1,7 @@
 """What the OpenVINO exporters will do, as data: pass names and NNCF modes (imports no OpenVINO).
 
-:mod:`higgs_pack.exporters.openvino` names its passes and compression modes with
+The OpenVINO exporters (``openvino_decoder``, ``openvino_static_decoder``,
+``openvino_subpart``) name their passes and compression modes with
 these, and the build plan (``higgs-pack build --plan``) reads them through the
 exporter catalogue, so the plan and the manifest say the same thing; the build
 loop refuses a sub-part whose recorded passes differ from the plan.

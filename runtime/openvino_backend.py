@@ -49,7 +49,7 @@ PLAIN_DEVICES: tuple[str, ...] = ("CPU", "GPU", "NPU")
 #: Virtual devices that take a list of devices after a colon (``AUTO`` alone is allowed).
 META_DEVICES: tuple[str, ...] = ("AUTO", "HETERO", "MULTI")
 
-#: Inputs the stateful decoder IR (optimum-intel, see ``exporters/openvino.py``) may declare.
+#: Inputs the stateful decoder IR (optimum-intel, see ``exporters/openvino_decoder.py``) may declare.
 DECODER_INPUTS: tuple[str, ...] = ("inputs_embeds", "attention_mask", "position_ids", "beam_idx")
 
 #: Name of the decoder IR's output.

@@ -47,7 +47,21 @@ MODELBUILDER_PROJECTIONS: dict[str, tuple[str, ...]] = {
     "down_proj": ("mlp.down_proj.weight",),
 }
 #: optimum-intel decoder MatMul names: __module.model.layers.{i}.{self_attn|mlp}.{proj}/aten::linear/MatMul.
-OPTIMUM_NODE = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)/aten::linear/MatMul")
+#: (``ov_ext::linear`` when the export kept 16-bit weights with patch_16bit_model.)
+OPTIMUM_NODE = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)/(?:aten|ov_ext)::linear/MatMul")
+#: The projections every Qwen3 decoder layer has, as Qwen3DecoderLayer parameter names.
+LAYER_PROJECTIONS = frozenset({
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"})
+
+
+def require_projections(found: dict[str, np.ndarray], layer: int, where: Path) -> dict[str, np.ndarray]:
+    """``found`` if it has exactly the seven projections of a layer, else a BuildError naming the gap."""
+    if set(found) != LAYER_PROJECTIONS:
+        missing = sorted(LAYER_PROJECTIONS - set(found))
+        raise BuildError(f"{where}: read back {sorted(found)} for layer {layer}, missing {missing}: the graph's "
+                         "node names are not the exporter's known layout, so its weights cannot be checked")
+    return found
 
 
 def unpack_matmul_nbits(packed: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None,
@@ -189,7 +203,7 @@ class OnnxWeights:
                 raise BuildError(f"{self.path}: {name} has {w.shape[0]} output rows, expected {edges[-1]}")
             for p, lo, hi in zip(params, edges[:-1], edges[1:], strict=True):
                 out[p] = w[lo:hi]
-        return out
+        return require_projections(out, layer, self.path)
 
 
 class OpenVinoWeights:
@@ -205,15 +219,11 @@ class OpenVinoWeights:
 
     def weight_of(self, op: Any) -> np.ndarray:
         """float32 [N, K] of a MatMul whose second input is a constant (decompression) subgraph."""
-        import openvino as ov
 
         source = op.input(1).get_source_output()
         if not self._constant_only(source.get_node()):
             raise BuildError(f"{self.xml}: MatMul {op.get_friendly_name()} has no constant weight")
-        result = ov.opset13.result(ov.opset13.convert(source, "f32"))
-        model = ov.Model([result], [], "weight")
-        compiled = self.core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
-        w = next(iter(compiled({}).values()))
+        w = self._evaluate(source)
         transpose_b = op.get_attributes().get("transpose_b", False)
         return np.ascontiguousarray(w if transpose_b else w.T)
 
@@ -234,4 +244,35 @@ class OpenVinoWeights:
             match = OPTIMUM_NODE.search(name)
             if match and int(match.group(1)) == layer:
                 out[f"{match.group(2)}.{match.group(3)}.weight"] = self.weight_of(op)
-        return out
+        return require_projections(out, layer, self.xml)
+
+    def _evaluate(self, source: Any) -> np.ndarray:
+        import openvino as ov
+
+        result = ov.opset13.result(ov.opset13.convert(source, "f32"))
+        compiled = self.core.compile_model(ov.Model([result], [], "weight"), "CPU",
+                                           {"INFERENCE_PRECISION_HINT": "f32"})
+        return next(iter(compiled({}).values()))
+
+    def single_weight(self) -> np.ndarray:
+        """The one weight of a small sub-part IR: a Gather's table [rows, columns] or a
+        MatMul's weight [N, K], evaluated by OpenVINO.
+
+        Raises:
+            BuildError: none or several constant weights.
+        """
+        found = []
+        for op in self.model.get_ops():
+            kind = op.get_type_name()
+            if kind == "MatMul" and self._constant_only(op.input(1).get_source_output().get_node()):
+                found.append(("MatMul", op))
+            elif kind == "Gather" and self._constant_only(op.input(0).get_source_output().get_node()) \
+                    and op.input(0).get_partial_shape().rank.get_length() == 2:
+                found.append(("Gather", op))
+        if len(found) != 1:
+            raise BuildError(f"{self.xml}: expected one weight-bearing MatMul or Gather, found "
+                             f"{[op.get_friendly_name() for _, op in found]}")
+        kind, op = found[0]
+        if kind == "MatMul":
+            return self.weight_of(op)
+        return np.ascontiguousarray(self._evaluate(op.input(0).get_source_output()))

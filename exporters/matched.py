@@ -61,6 +61,21 @@ def _decoder_reader(bundle_dir: Path, info: dict[str, Any], ckpt: Any):
     return reader.optimum_layer
 
 
+def _single_weight(path: Path, fmt: str) -> np.ndarray:
+    """The one weight table of a small sub-part file, read back (ONNX or OpenVINO IR)."""
+    if fmt == "onnx":
+        from higgs_pack.exporters.dequantize import OnnxWeights
+
+        reader = OnnxWeights(path)
+        nodes = reader.weight_nodes()
+        if len(nodes) != 1:
+            raise BuildError(f"{path}: expected one weight node, found {nodes}")
+        return reader.weight(nodes[0])
+    from higgs_pack.exporters.dequantize import OpenVinoWeights
+
+    return OpenVinoWeights(path).single_weight()
+
+
 def _check_weights(name_of, read: dict[str, np.ndarray], ckpt: Any, limit: float, worst: dict[str, Any]) -> None:
     for param, array in read.items():
         ref = ckpt.tensor(name_of(param)).float().numpy()
@@ -123,15 +138,8 @@ def capture_matched(ckpt: Any, pipe: Any, g: dict[str, np.ndarray], bundle_dir: 
                 g["llm_decoder/matched/step_hidden_states"] = pipe.decoder.forward(g["llm_decoder/in/step_embeds"])
             finally:
                 set_replacement(model, None)
-        elif info["format"] == "onnx" and part in (SubPart.TEXT_EMBED.value, SubPart.AUDIO_EMBED.value,
-                                                   SubPart.AUDIO_HEADS.value):
-            from higgs_pack.exporters.dequantize import OnnxWeights
-
-            reader = OnnxWeights(bundle_dir / info["entry"])
-            nodes = reader.weight_nodes()
-            if len(nodes) != 1:
-                raise BuildError(f"{bundle_dir / info['entry']}: expected one weight node, found {nodes}")
-            table = torch.from_numpy(reader.weight(nodes[0]))
+        elif part in (SubPart.TEXT_EMBED.value, SubPart.AUDIO_EMBED.value, SubPart.AUDIO_HEADS.value):
+            table = torch.from_numpy(_single_weight(bundle_dir / info["entry"], info["format"]))
             source = TEXT_EMBEDDING if part == SubPart.TEXT_EMBED.value else AUDIO_EMBEDDING
             ref = ckpt.tensor(source).float()
             if part == SubPart.AUDIO_HEADS.value:

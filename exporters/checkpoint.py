@@ -717,7 +717,13 @@ class HiggsCheckpoint:
         self._require(name)
         path = self._name_to_file[name]
         try:
-            return self._handle(path).get_tensor(name)
+            # A handle of its own, closed at once: safetensors memory-maps the file, and the
+            # pages a read touches stay in this process's resident set while the map lives
+            # (measured: loading the 4B body through cached handles doubled its RSS).
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as handle:
+                return handle.get_tensor(name)
         except Exception as exc:
             raise CheckpointError(
                 f"{path}: cannot read tensor {name!r} ({_first_line(exc)}). The file is "

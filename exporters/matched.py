@@ -112,7 +112,7 @@ def capture_matched(ckpt: Any, pipe: Any, g: dict[str, np.ndarray], bundle_dir: 
     """
     import torch
 
-    from higgs_pack.exporters.checkpoint import AUDIO_EMBEDDING, BODY_PREFIX, TEXT_EMBEDDING
+    from higgs_pack.exporters.checkpoint_layout import AUDIO_EMBEDDING, BODY_PREFIX, TEXT_EMBEDDING
     from higgs_pack.exporters.reference import TorchRunner, set_replacement
     from higgs_pack.exporters.torch_modules import AudioEmbed, AudioHeads, TextEmbed
 

@@ -44,17 +44,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.exporters.checkpoint import (
+from higgs_pack.exporters.checkpoint_layout import (
     AUDIO_EMBEDDING,
     CODEC_CONFIG_KEY,
     CODEC_OPTIONAL_KEYS,
     CODEC_PREFIX,
     MODEL_TYPE,
     PUBLISHED_CODEC_CONFIG,
-    LazyTensor,
     llm_tensor_shapes,
-    write_sharded_safetensors,
 )
+from higgs_pack.exporters.safetensors_writer import LazyTensor, write_sharded_safetensors
 from higgs_pack.exporters.tiny_tokenizer import write_higgs_tokenizer
 from higgs_pack.manifests.errors import BuildPlanError, unknown_choice
 

@@ -305,7 +305,7 @@ def build_modules(
         ``{subpart: module}``; ``SubPart.LLM_DECODER`` is not among them (see
         :class:`higgs_pack.exporters.reference.TorchDecoder`).
     """
-    from higgs_pack.exporters.checkpoint import TEXT_EMBEDDING
+    from higgs_pack.exporters.checkpoint_layout import TEXT_EMBEDDING
 
     wanted = list(subparts or DYNAMIC_AXES)
     c = ckpt.constants

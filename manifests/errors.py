@@ -78,6 +78,13 @@ def unknown_choice(kind: str, value: str, known: Iterable[str], fix: str) -> str
     return f"unknown {kind} {value!r}{hint}; known: {', '.join(known)}. Set it with {fix}."
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (a tool's summary before its details), or an
+    empty string when the message is empty."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else ""
+
+
 def last_line(exc: BaseException) -> str:
     """The last non-empty line of an exception's message (a tool's own error is often many
     lines of context and then the reason), or the exception's type name when it has none."""

@@ -256,7 +256,7 @@ def estimate_space(plan: BuildPlan, ckpt) -> Any:
     every sub-part at its precision.  Both get :data:`~higgs_pack.exporters.space.MARGIN`.
     """
 
-    from higgs_pack.exporters.checkpoint import (
+    from higgs_pack.exporters.checkpoint_layout import (
         AUDIO_EMBEDDING,
         CODEC_PREFIX,
         TEXT_EMBEDDING,

@@ -16,14 +16,13 @@ pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from higgs_pack.exporters.checkpoint import (  # noqa: E402
+from higgs_pack.exporters.checkpoint import HiggsCheckpoint, open_checkpoint  # noqa: E402
+from higgs_pack.exporters.checkpoint_layout import (  # noqa: E402
     AUDIO_EMBEDDING,
     AUDIO_HEAD_PREFIX,
     CODEC_PREFIX,
     INDEX_NAME,
     TEXT_EMBEDDING,
-    HiggsCheckpoint,
-    open_checkpoint,
 )
 from higgs_pack.manifests.constants import SPECIAL_TOKENS  # noqa: E402
 from higgs_pack.manifests.errors import CheckpointError  # noqa: E402

@@ -12,16 +12,16 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402
 
-from higgs_pack.exporters.checkpoint import (  # noqa: E402
+from higgs_pack.exporters.checkpoint import open_checkpoint  # noqa: E402
+from higgs_pack.exporters.checkpoint_layout import (  # noqa: E402
     AUDIO_EMBEDDING,
     BODY_PREFIX,
     CODEC_PREFIX,
     INDEX_NAME,
     TEXT_EMBEDDING,
     llm_tensor_shapes,
-    open_checkpoint,
-    plan_shards,
 )
+from higgs_pack.exporters.safetensors_writer import plan_shards  # noqa: E402
 from higgs_pack.exporters.tiny import (  # noqa: E402
     PRESETS,
     get_preset,

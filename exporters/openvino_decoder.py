@@ -47,11 +47,11 @@ from higgs_pack.exporters.process import disk_note
 from higgs_pack.exporters.result import ExportResult, tool_versions
 from higgs_pack.manifests.constants import SubPart
 from higgs_pack.manifests.errors import BuildError
-from higgs_pack.runtime.openvino_backend import DECODER_OUTPUT
+from higgs_pack.runtime.openvino_runners import DECODER_OUTPUT
 
 # The stateful decoder IR's inputs (optimum-intel writes attention_mask, position_ids,
 # inputs_embeds, beam_idx) and its single output after renaming: the runtime's names,
-# DECODER_INPUTS / DECODER_OUTPUT of higgs_pack.runtime.openvino_backend.
+# DECODER_INPUTS / DECODER_OUTPUT of higgs_pack.runtime.openvino_runners.
 
 
 def convert_llm_decoder(

@@ -5,7 +5,7 @@ when it splits a longer input (the module's receptive field) and, for the codec 
 wraps the module so that a ``valid_<axis>`` input zeroes every convolution input past
 the real positions: a padded chunk then decodes exactly like the unpadded codes. The
 manifest options it returns (``static``, ``static_shapes``, ``chunking``) tell the
-runtime how to pad or chunk (``higgs_pack.runtime.openvino_backend.OvStaticSubPart``).
+runtime how to pad or chunk (``higgs_pack.runtime.openvino_static_runners.OvStaticSubPart``).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from higgs_pack.runtime.report import (
 
 def check_decoder_state(bundle: Bundle, report: VerifyReport) -> None:
     """OpenVINO: the decoder IR keeps its KV cache as state exactly when the manifest says so."""
-    from higgs_pack.runtime.openvino_backend import ir_state_variables
+    from higgs_pack.runtime.openvino_ir_checks import ir_state_variables
 
     spec = bundle.subpart(SubPart.LLM_DECODER)
     options = spec["options"]
@@ -49,7 +49,7 @@ def check_decoder_state(bundle: Bundle, report: VerifyReport) -> None:
 
 def check_static_shapes(bundle: Bundle, report: VerifyReport) -> None:
     """OpenVINO: every sub-part whose manifest promises static shapes has no dynamic dimension."""
-    from higgs_pack.runtime.openvino_backend import static_shape_problems
+    from higgs_pack.runtime.openvino_ir_checks import static_shape_problems
 
     try:
         problems = static_shape_problems(bundle)

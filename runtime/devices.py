@@ -108,7 +108,7 @@ def openvino_devices() -> tuple[str | None, dict[str, str]]:
         import openvino as ov
     except ImportError:
         return None, {}
-    from higgs_pack.runtime.openvino_backend import runtime_versions
+    from higgs_pack.runtime.openvino_devices import runtime_versions
 
     core = ov.Core()
     devices: dict[str, str] = {}

@@ -24,11 +24,10 @@ import numpy as np
 from higgs_pack.manifests.constants import CPU_PROVIDER, EXECUTION_PROVIDERS
 from higgs_pack.manifests.errors import (
     ExecutionProviderUnavailable,
-    InputError,
     SignatureMismatch,
     unknown_choice,
 )
-from higgs_pack.runtime.pipeline import check_io_signature
+from higgs_pack.runtime.pipeline import check_decoder_room, check_io_signature
 
 log = logging.getLogger(__name__)
 
@@ -390,11 +389,7 @@ class OrtDecoder:
         """
         s = inputs_embeds.shape[1]
         total = self._length + s
-        if total > self.max_length:
-            raise InputError(
-                f"the decoder would hold {total} positions, more than max_length={self.max_length}; "
-                "shorten the text or lower max_frames="
-            )
+        check_decoder_room(total, self.max_length)
         try:
             out = self._forward_shared(inputs_embeds, s, total) if self.shared_kv else \
                 self._forward_copies(inputs_embeds, total)

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from higgs_pack.manifests.errors import SignatureMismatch
+from higgs_pack.manifests.errors import InputError, SignatureMismatch
 
 
 class SubPartRunner(Protocol):
@@ -163,3 +163,21 @@ def check_io_signature(subpart: str, what: str, inputs: dict[str, tuple[str, int
                 f"{expected} (differences: {diff}). The bundle's files and manifest do not belong "
                 "together: rebuild the bundle"
             )
+
+
+def check_decoder_room(total: int, max_length: int) -> None:
+    """Refuse a decoder call that would make the KV cache hold more than ``max_length``
+    positions (every backend's decoder runner calls this before it runs).
+
+    Args:
+        total: positions the cache would hold after the call (past + new).
+        max_length: the runner's ``Decoder.max_length``.
+
+    Raises:
+        InputError: naming both numbers and what to shorten.
+    """
+    if total > max_length:
+        raise InputError(
+            f"the decoder would hold {total} positions, more than max_length={max_length}; "
+            "shorten the text or lower max_frames="
+        )

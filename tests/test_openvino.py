@@ -35,14 +35,16 @@ from higgs_pack.manifests.errors import (  # noqa: E402
     ExecutionProviderUnavailable,
     SignatureMismatch,
 )
-from higgs_pack.runtime.openvino_backend import (  # noqa: E402
-    OvStatefulDecoder,
-    OvSubPart,
+from higgs_pack.runtime.openvino_devices import (  # noqa: E402
     check_device,
-    check_signature,
     normalize_device,
     precision_config,
     runtime_versions,
+)
+from higgs_pack.runtime.openvino_runners import (  # noqa: E402
+    OvStatefulDecoder,
+    OvSubPart,
+    check_signature,
 )
 
 HIDDEN = 64

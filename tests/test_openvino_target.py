@@ -33,8 +33,9 @@ from higgs_pack.manifests.errors import (  # noqa: E402
 )
 from higgs_pack.manifests.manifest import file_entry, read_manifest, write_manifest  # noqa: E402
 from higgs_pack.runtime.bundle import load, open_bundle  # noqa: E402
+from higgs_pack.runtime.chunking import chunk_windows  # noqa: E402
 from higgs_pack.runtime.generate import synthesize  # noqa: E402
-from higgs_pack.runtime.openvino_backend import chunk_windows, open_openvino_parts  # noqa: E402
+from higgs_pack.runtime.openvino_backend import open_openvino_parts  # noqa: E402
 from higgs_pack.runtime.verify import verify_bundle  # noqa: E402
 from higgs_pack.targets.build import bundle_name  # noqa: E402
 from higgs_pack.targets.declarations import NPU_KV_LENGTH as NPU_KV  # noqa: E402

@@ -1,0 +1,204 @@
+"""OpenVINO devices: the device string normalised once (:func:`normalize_device`), checked
+against ``Core.available_devices`` (:func:`check_device`; a missing device is an error
+unless the caller passed ``allow_fallback=True``, and then the fallback to CPU is logged),
+the device a sub-part is compiled for (:func:`subpart_device`), and the compile
+properties per device and precision (:func:`precision_config`,
+:func:`decoder_compile_properties`).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import openvino as ov
+
+from higgs_pack.manifests.errors import (
+    ExecutionProviderUnavailable,
+)
+
+log = logging.getLogger(__name__)
+
+#: Single OpenVINO devices a bundle may name (optionally with an index: ``GPU.1``).
+PLAIN_DEVICES: tuple[str, ...] = ("CPU", "GPU", "NPU")
+
+#: Virtual devices that take a list of devices after a colon (``AUTO`` alone is allowed).
+META_DEVICES: tuple[str, ...] = ("AUTO", "HETERO", "MULTI")
+
+
+_PLAIN_RE = re.compile(r"^(CPU|GPU|NPU)(\.\d+)?$")
+_DEVICE_FIX = "--device / device="
+_ALLOWED_FORMS = "CPU, GPU, GPU.<n>, NPU, AUTO, AUTO:<devices>, HETERO:<devices>, MULTI:<devices>"
+
+
+def runtime_versions() -> dict[str, str]:
+    """Versions of the runtime packages this backend uses.
+
+    Returns:
+        ``{"openvino": "2026.4.1"}`` (the distribution's version; the build string
+        ``openvino.__version__`` if the distribution metadata is missing).
+    """
+    try:
+        return {"openvino": importlib.metadata.version("openvino")}
+    except importlib.metadata.PackageNotFoundError:
+        return {"openvino": ov.__version__}
+
+
+def normalize_device(device: str) -> str:
+    """Upper-case and validate an OpenVINO device string.
+
+    Accepted forms: ``CPU``, ``GPU``, ``GPU.<n>``, ``NPU``, ``AUTO``, and
+    ``AUTO:`` / ``HETERO:`` / ``MULTI:`` followed by a comma-separated list of
+    single devices (``"auto:gpu,cpu"`` -> ``"AUTO:GPU,CPU"``). Spaces are removed.
+
+    Args:
+        device: The device string from the user or the manifest.
+
+    Returns:
+        The normalised string.
+
+    Raises:
+        ExecutionProviderUnavailable: The string is not one of the accepted forms
+            (the message lists them and the ``--device`` flag / ``device=`` keyword).
+    """
+    text = re.sub(r"\s+", "", str(device)).upper()
+    base, sep, rest = text.partition(":")
+    ok = False
+    if not sep:
+        ok = bool(_PLAIN_RE.match(text)) or text == "AUTO"
+    elif base in META_DEVICES and rest:
+        ok = all(_PLAIN_RE.match(part) for part in rest.split(","))
+    if not ok:
+        raise ExecutionProviderUnavailable(
+            f"unknown OpenVINO device {device!r}; allowed forms: {_ALLOWED_FORMS}. "
+            f"Set it with {_DEVICE_FIX}."
+        )
+    return text
+
+
+def _present(name: str, available: list[str]) -> bool:
+    """Whether one single device (``GPU``, ``GPU.1``) is among ``available``."""
+    if name in available:
+        return True
+    base, _, index = name.partition(".")
+    if not index:  # "GPU" while OpenVINO lists "GPU.0", "GPU.1"
+        return any(a.startswith(base + ".") for a in available)
+    return index == "0" and base in available  # "GPU.0" while OpenVINO lists one "GPU"
+
+
+def check_device(core: ov.Core, device: str, allow_fallback: bool = False) -> tuple[str, str]:
+    """Check that a device is usable here, before anything is compiled.
+
+    A single device must be in ``core.available_devices``; ``HETERO:`` and
+    ``MULTI:`` need every listed device; ``AUTO:`` needs at least one (choosing
+    among them is what AUTO is asked to do); bare ``AUTO`` needs any device.
+
+    Args:
+        core: The ``openvino.Core``.
+        device: The requested device (normalised here).
+        allow_fallback: Run on ``CPU`` when the device is missing, with a warning,
+            instead of raising.
+
+    Returns:
+        ``(device, description)``: the device to compile for and a description,
+        ``"CPU"`` or ``"CPU (fallback from GPU)"``.
+
+    Raises:
+        ExecutionProviderUnavailable: The string is invalid, or the device is not
+            available and ``allow_fallback`` is false (the message names the
+            devices present and the ``--device`` flag / ``device=`` keyword).
+    """
+    available = list(core.available_devices)
+    try:
+        device = normalize_device(device)
+    except ExecutionProviderUnavailable as exc:
+        raise ExecutionProviderUnavailable(f"{exc} Devices present here: {', '.join(available) or 'none'}") from None
+    base, _, rest = device.partition(":")
+    if base in META_DEVICES:
+        listed = rest.split(",") if rest else []
+        missing = [d for d in listed if not _present(d, available)]
+        ok = bool(available) and (len(missing) < len(listed) if base == "AUTO" and listed else not missing)
+    else:
+        missing = [device]
+        ok = _present(device, available)
+    if ok:
+        return device, device
+    if allow_fallback and "CPU" in available:
+        log.warning("OpenVINO device %s is not available (present: %s); falling back to CPU as asked",
+                    device, ", ".join(available))
+        return "CPU", f"CPU (fallback from {device})"
+    raise ExecutionProviderUnavailable(
+        f"OpenVINO device {device} is not available here ({', '.join(missing)} missing); devices present: "
+        f"{', '.join(available) or 'none'}. Choose one of them with {_DEVICE_FIX} (for example "
+        f"--device {available[0] if available else 'CPU'}), or pass --allow-fallback (allow_fallback=True) "
+        "to run on CPU"
+    )
+
+
+def precision_config(device: str, precision: str, *, stateful: bool = False) -> dict[str, str]:
+    """Compile properties that keep an fp32 bundle in fp32 on the device.
+
+    OpenVINO's CPU plugin computes in bf16 on CPUs with AMX/AVX512-BF16 and keeps
+    the KV cache in u8 by default; its GPU plugin computes in f16. For
+    ``precision == "fp32"`` this returns ``INFERENCE_PRECISION_HINT=f32`` on CPU
+    and GPU, and ``KV_CACHE_PRECISION=f32`` on CPU for a stateful decoder. Other
+    precisions and devices (NPU, AUTO, ...) get no override.
+
+    Args:
+        device: The (normalised) device the model is compiled for.
+        precision: The sub-part's precision in the manifest.
+        stateful: Whether the model is the stateful decoder.
+
+    Returns:
+        A properties dict to merge into ``compile_model``'s config.
+    """
+    base = device.split(".")[0]
+    if precision != "fp32" or base not in ("CPU", "GPU"):
+        return {}
+    config = {"INFERENCE_PRECISION_HINT": "f32"}
+    if stateful and base == "CPU":
+        config["KV_CACHE_PRECISION"] = "f32"
+    return config
+
+
+#: KV cache element type the CPU plugin keeps for a stateful decoder, per bundle precision.
+#: u8 (the plugin's x86 default, made explicit): a quarter of f32's bytes read per step, what
+#: matters once the cache is long (full size: 0.97 of the weight-read roofline with u8, MODEL.md);
+#: on the tiny model, whose cache is a few KB, f32/f16 measured faster (quantizing dominates).
+KV_CACHE_PRECISION = {"int4": "u8", "int8": "u8", "fp16": "f16", "fp32": "f32"}
+
+
+def decoder_compile_properties(precision: str, *, stateful: bool) -> dict[str, dict[str, str]]:
+    """Compile properties recorded in the decoder's manifest options (``compile_properties``),
+    per device; :func:`~higgs_pack.runtime.openvino_backend.open_openvino_parts` applies the
+    entry of the device it compiles for.
+
+    * every device: ``PERFORMANCE_HINT=LATENCY``: one request at a time (speech is one
+      sequential decode), all cores on it, whatever a future OpenVINO's default is;
+    * CPU, stateful decoder: ``KV_CACHE_PRECISION`` from :data:`KV_CACHE_PRECISION`
+      (the static npu decoder keeps its KV in buffers the runtime owns: nothing to set).
+
+    Args:
+        precision: the decoder's precision.
+        stateful: whether the IR keeps its KV cache as state.
+    """
+    cpu = {"PERFORMANCE_HINT": "LATENCY"}
+    if stateful:
+        cpu["KV_CACHE_PRECISION"] = KV_CACHE_PRECISION[precision]
+    return {"CPU": cpu, "GPU": {"PERFORMANCE_HINT": "LATENCY"}, "NPU": {"PERFORMANCE_HINT": "LATENCY"}}
+
+
+def device_base(device: str) -> str:
+    """``GPU.1`` -> ``GPU``; ``HETERO:GPU,CPU`` -> ``HETERO``."""
+    return device.split(":")[0].split(".")[0]
+
+
+def subpart_device(device: str, options: Mapping[str, Any]) -> str:
+    """The device one sub-part is compiled for: the bundle's, unless the sub-part's
+    manifest options pin another for it (``device_overrides``: ``{"NPU": "CPU"}`` keeps
+    the dynamic codec encoder of an NPU bundle on the CPU)."""
+    overrides = options.get("device_overrides") or {}
+    return normalize_device(overrides.get(device_base(device), device))

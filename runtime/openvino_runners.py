@@ -1,0 +1,293 @@
+"""OpenVINO runners: a sub-part (:class:`OvSubPart`) and the stateful decoder
+(:class:`OvStatefulDecoder`) compiled on one device, with the load/run interface of
+:mod:`higgs_pack.runtime.pipeline`.
+
+Compiling from the ``.xml`` path with ``CACHE_DIR`` set (:func:`compile_ir`) lets OpenVINO
+import the compiled blob on the next load instead of reading and compiling the IR again.
+After compiling, the devices OpenVINO reports in ``EXECUTION_DEVICES`` are checked too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openvino as ov
+
+from higgs_pack.manifests.errors import (
+    BundleError,
+    ExecutionProviderUnavailable,
+    SignatureMismatch,
+    last_line,
+)
+from higgs_pack.runtime.openvino_devices import META_DEVICES, check_device
+from higgs_pack.runtime.pipeline import check_decoder_room, check_io_signature
+
+#: Inputs the stateful decoder IR (optimum-intel, see ``exporters/openvino_decoder.py``) may declare.
+DECODER_INPUTS: tuple[str, ...] = ("inputs_embeds", "attention_mask", "position_ids", "beam_idx")
+
+#: Name of the decoder IR's output.
+DECODER_OUTPUT = "hidden_states"
+
+
+#: What OpenVINO says when an IR's weights file does not fit its XML (measured: a
+#: truncated .bin gives "Incorrect weights in bin file!").
+_DAMAGED_IR = re.compile(r"weights in bin file|bin file is|Incorrect weights", re.IGNORECASE)
+
+
+def numpy_dtype(port) -> np.dtype:
+    return np.dtype(port.get_element_type().to_dtype())
+
+
+def _output(value: np.ndarray) -> np.ndarray:
+    if np.issubdtype(value.dtype, np.floating):
+        return value.astype(np.float32, copy=False)
+    if np.issubdtype(value.dtype, np.integer):
+        return value.astype(np.int64, copy=False)
+    return value
+
+
+def compile_ir(core: ov.Core, xml_path: str | os.PathLike, device: str, cache_dir: str | os.PathLike | None = None,
+               config: Mapping[str, Any] | None = None, *, allow_fallback: bool = False
+               ) -> tuple[ov.CompiledModel, str, str]:
+    """Compile an IR file for a device, with the model cache when asked.
+
+    Args:
+        core: The ``openvino.Core``.
+        xml_path: The ``.xml`` file (its ``.bin`` beside it).
+        device: Requested device (see :func:`~higgs_pack.runtime.openvino_devices.normalize_device`).
+        cache_dir: OpenVINO model cache directory (``CACHE_DIR``); created if needed.
+        config: Extra compile properties (``INFERENCE_PRECISION_HINT``, ``NUM_STREAMS``...).
+        allow_fallback: See :func:`~higgs_pack.runtime.openvino_devices.check_device`.
+
+    Returns:
+        ``(compiled_model, device, description)``; the description names the
+        device used, any fallback, and the execution devices when they differ.
+
+    Raises:
+        BundleError: The IR or its weights are missing, or the weights do not fit the IR.
+        ExecutionProviderUnavailable: The device is unavailable, OpenVINO cannot
+            compile for it, or it compiled onto other devices than asked.
+    """
+    path = Path(xml_path)
+    for file in (path, path.with_suffix(".bin")):
+        if not file.is_file():
+            raise BundleError(f"OpenVINO file {file} is missing; the bundle is incomplete: rebuild or re-download it")
+    device, description = check_device(core, device, allow_fallback)
+    properties: dict[str, Any] = dict(config or {})
+    if cache_dir is not None:
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        properties["CACHE_DIR"] = str(cache_dir)
+    try:
+        compiled = core.compile_model(str(path), device, properties)
+    except RuntimeError as exc:
+        if _DAMAGED_IR.search(str(exc)):
+            raise BundleError(
+                f"OpenVINO cannot read {path.name} with its weights {path.with_suffix('.bin').name} "
+                f"({last_line(exc)}): the .bin is damaged or belongs to another IR; rebuild or re-download "
+                "the bundle"
+            ) from exc
+        raise ExecutionProviderUnavailable(
+            f"OpenVINO could not compile {path.name} for {device} with {properties}: {exc}"
+        ) from exc
+    try:
+        used = [str(d) for d in compiled.get_property("EXECUTION_DEVICES")]
+    except RuntimeError:
+        used = []
+    if used and device.split(":")[0] not in META_DEVICES:
+        base = device.split(".")[0]
+        if not all(u.split(".")[0] == base for u in used):
+            raise ExecutionProviderUnavailable(
+                f"{path.name}: asked for {device} but OpenVINO compiled it for {', '.join(used)}"
+            )
+    elif used:
+        description = f"{description} (executing on {', '.join(used)})"
+    return compiled, device, description
+
+
+def _signature(ports) -> dict[str, tuple[str, int]]:
+    return {p.get_any_name(): (numpy_dtype(p).name, p.get_partial_shape().rank.get_length()) for p in ports}
+
+
+def check_signature(runner: OvSubPart | OvStatefulDecoder, subpart: str, spec: Mapping[str, Any]) -> None:
+    """Compare a compiled IR's inputs/outputs with the manifest's I/O signature.
+
+    Names, element types (numpy names) and ranks must match; dynamic axes are not
+    compared by name.
+
+    Args:
+        runner: An :class:`OvSubPart` or :class:`OvStatefulDecoder`.
+        subpart: The sub-part name, for the message.
+        spec: The manifest entry, with ``inputs`` and ``outputs`` lists of
+            ``{"name", "dtype", "shape"}``.
+
+    Raises:
+        SignatureMismatch: Naming the sub-part and both signatures.
+    """
+    compiled = runner.compiled
+    check_io_signature(subpart, "IR", _signature(compiled.inputs), _signature(compiled.outputs), dict(spec))
+
+
+class OvSubPart:
+    """A stateless sub-part compiled once on an OpenVINO device (a ``SubPartRunner``).
+
+    Inputs are cast to the element type the IR declares; floating outputs come
+    back as float32 and integer outputs as int64, copied out of the request.
+
+    Args:
+        core: The ``openvino.Core`` (shared by all sub-parts of a bundle).
+        xml_path: The sub-part's ``.xml`` file.
+        device: OpenVINO device, e.g. ``"CPU"``, ``"GPU"``, ``"AUTO"``.
+        cache_dir: Model cache directory (``CACHE_DIR``) or ``None``.
+        config: Extra compile properties (see :func:`~higgs_pack.runtime.openvino_devices.precision_config`).
+        allow_fallback: Compile for CPU when ``device`` is missing (logged, and
+            said in :attr:`description`).
+
+    Attributes:
+        compiled: The ``openvino.CompiledModel``.
+        device: The device compiled for.
+        description: e.g. ``"CPU"`` or ``"CPU (fallback from GPU)"``.
+        input_names, output_names: Tensor names, in graph order.
+
+    Raises:
+        BundleError: The IR file is missing.
+        ExecutionProviderUnavailable: As :func:`compile_ir`.
+    """
+
+    def __init__(self, core: ov.Core, xml_path: str | os.PathLike, device: str,
+                 cache_dir: str | os.PathLike | None = None, config: Mapping[str, Any] | None = None, *,
+                 allow_fallback: bool = False):
+        self.path = Path(xml_path)
+        self.compiled, self.device, self.description = compile_ir(
+            core, xml_path, device, cache_dir, config, allow_fallback=allow_fallback
+        )
+        self._inputs = {p.get_any_name(): numpy_dtype(p) for p in self.compiled.inputs}
+        self.input_names = list(self._inputs)
+        self.output_names = [p.get_any_name() for p in self.compiled.outputs]
+        self._request = self.compiled.create_infer_request()
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run once.
+
+        Args:
+            feeds: Input name -> array, names as in ``SUBPART_IO`` (see
+                :mod:`higgs_pack.runtime.pipeline` for shapes and dtypes).
+
+        Returns:
+            Output name -> array (float32 or int64), owned by the caller.
+
+        Raises:
+            ValueError: ``feeds`` lacks an input or has an unknown one.
+        """
+        if set(feeds) != set(self._inputs):
+            raise ValueError(
+                f"{self.path.name}: feeds {sorted(feeds)} do not match the IR inputs {self.input_names}"
+            )
+        cast = {k: np.ascontiguousarray(v, dtype=self._inputs[k]) for k, v in feeds.items()}
+        # Inputs are read in place (the call is synchronous); outputs are views of the request's
+        # memory, copied once into arrays the caller owns.
+        results = self._request.infer(cast, share_inputs=True, share_outputs=True)
+        return {name: _output(np.array(results[port], copy=True))
+                for name, port in zip(self.output_names, self.compiled.outputs, strict=True)}
+
+
+class OvStatefulDecoder:
+    """The stateful Qwen3 decoder IR (a ``Decoder``): the KV cache lives in the request's state.
+
+    Each :meth:`forward` appends positions: it feeds ``attention_mask`` = ones
+    [1, past+S], ``position_ids`` = past..past+S-1 [1, S] and ``beam_idx`` = [0],
+    whichever the IR declares.
+
+    Args:
+        core: The ``openvino.Core``.
+        xml_path: The decoder's ``.xml`` (from ``convert_llm_decoder``).
+        device: OpenVINO device.
+        cache_dir: Model cache directory or ``None``.
+        config: Extra compile properties (see :func:`~higgs_pack.runtime.openvino_devices.precision_config` with ``stateful=True``).
+        max_length: Most positions one request may use (the manifest's
+            ``max_position_embeddings`` or less).
+        allow_fallback: See :class:`OvSubPart`.
+
+    Attributes:
+        compiled, device, description: As :class:`OvSubPart`.
+        max_length: As given.
+        length: Positions in the cache since the last :meth:`reset`.
+
+    Raises:
+        BundleError: The IR file is missing.
+        ExecutionProviderUnavailable: As :func:`compile_ir`.
+        SignatureMismatch: The IR has no state (a stateless decoder), no
+            ``inputs_embeds`` input or no ``hidden_states`` output.
+    """
+
+    def __init__(self, core: ov.Core, xml_path: str | os.PathLike, device: str,
+                 cache_dir: str | os.PathLike | None = None, config: Mapping[str, Any] | None = None, *,
+                 max_length: int, allow_fallback: bool = False):
+        self.path = Path(xml_path)
+        self.max_length = int(max_length)
+        self.compiled, self.device, self.description = compile_ir(
+            core, xml_path, device, cache_dir, config, allow_fallback=allow_fallback
+        )
+        inputs = {p.get_any_name(): numpy_dtype(p) for p in self.compiled.inputs}
+        outputs = [p.get_any_name() for p in self.compiled.outputs]
+        self._request = self.compiled.create_infer_request()
+        if not self._request.query_state():
+            raise SignatureMismatch(
+                f"{self.path.name}: the decoder IR is stateless (no ReadValue/Assign state; inputs "
+                f"{sorted(inputs)[:6]}{' …' if len(inputs) > 6 else ''}) but the manifest declares a stateful "
+                "KV-cache decoder (llm_decoder options.stateful = true). The bundle's files and manifest "
+                "do not belong together: rebuild it with `higgs-pack build --target openvino`"
+            )
+        if "inputs_embeds" not in inputs or DECODER_OUTPUT not in outputs:
+            raise SignatureMismatch(
+                f"{self.path.name}: expected an inputs_embeds input and a {DECODER_OUTPUT} output, IR has "
+                f"inputs {sorted(inputs)} and outputs {outputs}; rebuild the bundle with the openvino target"
+            )
+        unknown = sorted(set(inputs) - set(DECODER_INPUTS))
+        if unknown:
+            raise SignatureMismatch(
+                f"{self.path.name}: inputs {unknown} are not fed by the stateful decoder runner (it feeds "
+                f"{list(DECODER_INPUTS)}); rebuild the bundle with the openvino target"
+            )
+        self._inputs = inputs
+        self._output = self.compiled.output(DECODER_OUTPUT)
+        self.length = 0
+
+    def reset(self) -> None:
+        """Forget the KV cache; the next :meth:`forward` starts at position 0."""
+        self._request.reset_state()
+        self.length = 0
+
+    def forward(self, inputs_embeds: np.ndarray) -> np.ndarray:
+        """Append ``S`` positions and return their hidden states.
+
+        Args:
+            inputs_embeds: float32 [1, S, hidden] (cast to the IR's type).
+
+        Returns:
+            float32 [1, S, hidden]: final-norm hidden states of the new positions.
+
+        Raises:
+            ValueError: ``inputs_embeds`` is not [1, S, hidden] with S >= 1.
+            InputError: The cache would exceed :attr:`max_length` positions.
+        """
+        embeds = np.asarray(inputs_embeds)
+        if embeds.ndim != 3 or embeds.shape[0] != 1 or embeds.shape[1] < 1:
+            raise ValueError(f"inputs_embeds must be [1, S, hidden] with S >= 1, got {embeds.shape}")
+        s = embeds.shape[1]
+        total = self.length + s
+        check_decoder_room(total, self.max_length)
+        feeds = {
+            "inputs_embeds": np.ascontiguousarray(embeds, dtype=self._inputs["inputs_embeds"]),
+            "attention_mask": np.ones((1, total), dtype=np.int64),
+            "position_ids": np.arange(self.length, total, dtype=np.int64)[None],
+            "beam_idx": np.zeros((1,), dtype=np.int32),
+        }
+        feeds = {k: v.astype(self._inputs[k], copy=False) for k, v in feeds.items() if k in self._inputs}
+        results = self._request.infer(feeds, share_inputs=True, share_outputs=True)
+        self.length = total
+        return np.array(results[self._output], dtype=np.float32, copy=True)

@@ -123,7 +123,7 @@ def check_node_placement(bundle: Bundle, pipeline: Pipeline, report: VerifyRepor
     CPU EP): each sub-part is run once more with ORT profiling, and the profile says
     which provider ran each node.
     """
-    from higgs_pack.runtime.ort_backend import bundle_node_placement
+    from higgs_pack.runtime.ort_placement import bundle_node_placement
 
     by_provider = {row.ort_provider: name for name, row in EXECUTION_PROVIDERS.items()}
     used = set(pipeline.description.values())

@@ -22,14 +22,16 @@ onnx = pytest.importorskip("onnx")
 from onnx import TensorProto, helper  # noqa: E402
 
 from higgs_pack.manifests.errors import ExecutionProviderUnavailable  # noqa: E402
-from higgs_pack.runtime import ort_backend  # noqa: E402
+from higgs_pack.runtime import ort_backend, ort_placement  # noqa: E402
 from higgs_pack.runtime.backend_checks import check_node_placement  # noqa: E402
 from higgs_pack.runtime.ort_backend import (  # noqa: E402
-    NodePlacement,
-    bundle_node_placement,
     create_session,
     import_ort,
     installed_ort_distributions,
+)
+from higgs_pack.runtime.ort_placement import (  # noqa: E402
+    NodePlacement,
+    bundle_node_placement,
     parse_profile,
     profile_node_placement,
 )
@@ -174,7 +176,7 @@ def test_node_placement_check(small_onnx, monkeypatch):
     from higgs_pack.runtime import backend_checks
 
     monkeypatch.setattr(backend_checks, "read_golden", lambda _b: golden)
-    monkeypatch.setattr(ort_backend, "bundle_node_placement", lambda _b, ep, _g: {
+    monkeypatch.setattr(ort_placement, "bundle_node_placement", lambda _b, ep, _g: {
         "llm_decoder": NodePlacement({OV_EP: [("sg1", "OpenVINO-EP-subgraph_1")],
                                       "CPUExecutionProvider": [("/l0/GroupQueryAttention", "GroupQueryAttention"),
                                                                ("/l1/GroupQueryAttention", "GroupQueryAttention")]}),

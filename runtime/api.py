@@ -27,17 +27,16 @@ from higgs_pack.manifests.manifest import MANIFEST_NAME
 from higgs_pack.runtime.bundle import Bundle, open_bundle
 from higgs_pack.runtime.bundle import load as load_pipeline
 from higgs_pack.runtime.delay import SamplingOptions
-from higgs_pack.runtime.generate import (
+from higgs_pack.runtime.generate import ProgressCallback, SynthesisResult
+from higgs_pack.runtime.generate import synthesize as run_synthesis
+from higgs_pack.runtime.pipeline import Pipeline
+from higgs_pack.runtime.streaming import (
     CHUNK_GROWTH,
     FIRST_CHUNK_FRAMES,
     MAX_CHUNK_FRAMES,
-    ProgressCallback,
     SpeechStream,
-    SynthesisResult,
 )
-from higgs_pack.runtime.generate import stream as run_stream
-from higgs_pack.runtime.generate import synthesize as run_synthesis
-from higgs_pack.runtime.pipeline import Pipeline
+from higgs_pack.runtime.streaming import stream as run_stream
 
 log = logging.getLogger(__name__)
 
@@ -276,7 +275,7 @@ class TTS:
 
         Same arguments, same speech as :meth:`synthesize` (same codes for the same seed;
         the chunks joined equal its samples within float rounding); the work is done by
-        :func:`higgs_pack.runtime.generate.stream`.
+        :func:`higgs_pack.runtime.streaming.stream`.
 
         Args:
             text, ref_audio, ref_text, seed, temperature, top_k, top_p, max_frames, progress:
@@ -286,8 +285,8 @@ class TTS:
             max_chunk_frames: chunk size limit in frames (default 100 = 4 s).
 
         Returns:
-            A :class:`~higgs_pack.runtime.generate.SpeechStream`: iterate it for
-            :class:`~higgs_pack.runtime.generate.AudioChunk` (``samples`` float32 mono,
+            A :class:`~higgs_pack.runtime.streaming.SpeechStream`: iterate it for
+            :class:`~higgs_pack.runtime.streaming.AudioChunk` (``samples`` float32 mono,
             nominally in [-1, 1]; ``offset`` in samples; ``sample_rate`` in Hz);
             ``close()`` stops the generation at the next frame.
 

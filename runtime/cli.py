@@ -239,7 +239,8 @@ def _stream_out(pipeline, words, output: Path, subtype: str, fmt: str, bar, sche
     import os
 
     from higgs_pack.runtime.audio import AudioSink
-    from higgs_pack.runtime.generate import stream, synthesize
+    from higgs_pack.runtime.generate import synthesize
+    from higgs_pack.runtime.streaming import stream
 
     to_stdout = str(output) == "-"
     where = "stdout" if to_stdout else str(output)

@@ -121,7 +121,7 @@ class Pipeline:
         codec_context_frames: frames of codes each side of a window that the codec decoder
             needs for chunked decoding to equal one pass (``stream_context_frames`` in the
             manifest); None until known (then measured on first use, see
-            :func:`higgs_pack.runtime.generate.codec_context_frames`).
+            :func:`higgs_pack.runtime.streaming.codec_context_frames`).
     """
 
     tokenizer: Any

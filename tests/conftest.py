@@ -104,7 +104,8 @@ def check_stream():
     import numpy as np
 
     from higgs_pack.runtime.delay import SamplingOptions
-    from higgs_pack.runtime.generate import stream, synthesize
+    from higgs_pack.runtime.generate import synthesize
+    from higgs_pack.runtime.streaming import stream
 
     def check(pipeline, text, *, seed=7, **kwargs):
         options = SamplingOptions(seed=seed)

@@ -28,7 +28,7 @@ from higgs_pack.runtime.chunking import (
     measure_codec_context,
 )
 from higgs_pack.runtime.delay import SamplingOptions
-from higgs_pack.runtime.generate import codec_context_frames, stream
+from higgs_pack.runtime.streaming import codec_context_frames, stream
 
 HIGGS = [sys.executable, "-m", "higgs_pack.runtime.cli"]
 HOP = 4

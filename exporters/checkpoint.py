@@ -30,7 +30,7 @@ wrong and what to do.
 The layout facts live in :mod:`higgs_pack.exporters.checkpoint_layout`, the transformers
 models a checkpoint becomes in :mod:`higgs_pack.exporters.checkpoint_models`, the
 safetensors writer in :mod:`higgs_pack.exporters.safetensors_writer`.  What is left here
-(about 590 lines) is one concern, reading and checking: :class:`HiggsCheckpoint` checks
+(about 600 lines) is one concern, reading and checking: :class:`HiggsCheckpoint` checks
 config, shards, layout, tokenizer and derived constants as it opens, and splitting its
 checks from the reads they guard would scatter one class's invariants over modules.
 """

@@ -90,12 +90,13 @@ def test_read_back_weights_are_what_onnxruntime_computes_with(tmp_path):
 
 
 def test_quantization_memory_scales_with_the_largest_weight_not_the_model(tmp_path):
-    """24 weights of 32 MiB (768 MiB of float32): the quantizer's peak stays near one weight.
+    """48 weights of 16 MiB (768 MiB of float32): the quantizer's peak stays near one weight
+    (it holds the weight as a proto, as an array and packed: about six weights' worth at peak).
 
     Fails if someone loads the whole model (onnx.load with its external data, or
     MatMulNBitsQuantizer over the full proto) again.
     """
-    k, n, count = 2048, 4096, 24
+    k, n, count = 2048, 2048, 48
     _matmul_chain(tmp_path / "big.onnx", k, n, count)
     largest = k * n * 4
     _, baseline = run_step("higgs_pack.exporters.matmul_nbits:import_tools", {}, name="baseline")
@@ -104,6 +105,6 @@ def test_quantization_memory_scales_with_the_largest_weight_not_the_model(tmp_pa
                          name="quantize")
     model_bytes = count * largest
     grown = (record.peak_rss_mb - baseline.peak_rss_mb) * 2**20
-    assert grown < 6 * largest, (f"quantizing grew the process tree by {grown / 2**20:.0f} MiB for a "
+    assert grown < 10 * largest < model_bytes / 4, (f"quantizing grew the process tree by {grown / 2**20:.0f} MiB for a "
                                  f"{model_bytes / 2**20:.0f} MiB model (largest weight {largest / 2**20:.0f} MiB)")
     assert (tmp_path / "q.onnx.data").stat().st_size < model_bytes / 5

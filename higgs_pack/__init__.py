@@ -15,7 +15,16 @@ repository's root folders (``pyproject.toml`` maps them).
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
+
+# Run from a source checkout (the clone's root on sys.path), this folder shadows the
+# installed package and holds none of the subpackages: find them in the root folders
+# beside it, where pyproject.toml maps them from.
+if not os.path.isdir(os.path.join(__path__[0], "runtime")):
+    _root = os.path.dirname(os.path.abspath(__path__[0]))
+    if os.path.isdir(os.path.join(_root, "runtime")) and _root not in __path__:
+        __path__.append(_root)
 
 #: public name -> module that defines it.
 _EXPORTS = {

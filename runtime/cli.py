@@ -337,6 +337,9 @@ def verify(bundle, execution_provider, device, allow_fallback, cases, report, re
     as_html = report is not None and report.suffix.lower() in (".html", ".htm")
     if report is not None and not as_html and report.suffix.lower() != ".json":
         raise click.BadParameter(f"{report}: the report is .html or .json", param_hint="--report")
+    if report is not None and not report.absolute().parent.is_dir():
+        raise click.BadParameter(f"{report}: folder {report.absolute().parent} does not exist; create it first",
+                                 param_hint="--report")
     if as_html:
         from higgs_pack.runtime.html_report import require_matplotlib
 

@@ -7,6 +7,20 @@ from pathlib import Path
 
 import click
 
+#: Modules only the build extra installs; a runtime-only install lacks them.
+_BUILD_MODULES = ("torch", "transformers", "safetensors", "onnxruntime_genai", "olive", "openvino", "nncf")
+
+
+def _require_build_tools() -> None:
+    """Stop with the install line when the build extra is missing (a runtime-only install)."""
+    import importlib.util
+
+    missing = [m for m in _BUILD_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise click.ClickException(
+            f"building needs the build tools ({', '.join(missing)} missing): install them with "
+            "`pip install '/path/to/higgs-pack[build]'` from a clone, or use `nox -s build-<target>`")
+
 
 @click.command()
 @click.option("--target", "-t", required=True, help="A registered target name; an unknown name lists the known ones.")
@@ -33,6 +47,7 @@ def build(target, precision, model, out, variant, npu, force, work_dir, plan_onl
     if plan_only:
         click.echo(plan.render())
         return
+    _require_build_tools()
     from higgs_pack.targets.build import build as run_build
 
     path = run_build(target, precision=precision, model=model, out=out, variant=variant, force=force,
@@ -46,6 +61,7 @@ def build(target, precision, model, out, variant, npu, force, work_dir, plan_onl
 @click.option("--seed", default=0, show_default=True, type=int)
 def make_tiny_checkpoint(out, preset, seed):
     """Write a random Higgs-Audio-v3 checkpoint in the real layout (deterministic per seed)."""
+    _require_build_tools()
     from higgs_pack.exporters.tiny import make_tiny_checkpoint as make
 
     click.echo(str(make(out, preset=preset, seed=seed)))

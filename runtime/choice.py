@@ -86,6 +86,8 @@ class Candidate:
         built_for: the manifest's execution provider (ONNX Runtime) or device (OpenVINO).
         requirements: the manifest's runtime requirements.
         origin: how it was found (``installed``, ``--bundles``, ``hub ORG/REPO@rev``).
+        damaged: why its files do not match its manifest (a missing file or a wrong size,
+            checked with ``stat`` only; hashes are checked at load), or None.
     """
 
     name: str
@@ -98,6 +100,7 @@ class Candidate:
     built_for: str
     requirements: tuple[str, ...] = ()
     origin: str = ""
+    damaged: str | None = None
 
     @classmethod
     def from_manifest(cls, manifest: Mapping[str, Any], source: str | Path, origin: str = "") -> Candidate:
@@ -105,7 +108,8 @@ class Candidate:
         return cls(name=m["name"], source=str(source), model=m["model"]["slug"], target=m["target"],
                    precision=m["precision"], variant=m.get("variant"), backend=m["backend"],
                    built_for=m["execution_provider"] if m["backend"] == "onnxruntime" else m["device"],
-                   requirements=tuple(m.get("runtime_requirements", ())), origin=origin)
+                   requirements=tuple(m.get("runtime_requirements", ())), origin=origin,
+                   damaged=_damaged(m, Path(source)))
 
 
 @dataclass(frozen=True)
@@ -170,6 +174,21 @@ def _speed_words(c: Candidate, bench: Mapping[str, float]) -> str:
     return f"measured {measured:.0f} frames/s here" if measured is not None else f"{c.precision} speed class"
 
 
+def _damaged(manifest: Mapping[str, Any], root: Path) -> str | None:
+    """A missing or wrong-sized file of ``manifest`` under ``root`` (``stat`` only), or None."""
+    if not root.is_dir():
+        return None  # described without files on disk (synthetic inventories, tests)
+    for entry in manifest.get("files", ()):
+        path = root / entry["path"]
+        try:
+            size = path.stat().st_size
+        except OSError:
+            return f"{entry['path']} is missing"
+        if size != entry["size"]:
+            return f"{entry['path']} has {size} bytes, the manifest says {entry['size']}"
+    return None
+
+
 def placements(c: Candidate, inv: Inventory, bench: Mapping[str, float] | None = None
                ) -> tuple[list[Placement], str | None]:
     """Where one bundle can run on this machine.
@@ -180,6 +199,8 @@ def placements(c: Candidate, inv: Inventory, bench: Mapping[str, float] | None =
     """
     bench = bench or {}
     out: list[Placement] = []
+    if c.damaged:
+        return [], f"damaged bundle at {c.source}: {c.damaged}"
     if c.backend == "onnxruntime":
         row = EXECUTION_PROVIDERS.get(c.built_for)
         if row is None:
@@ -289,7 +310,8 @@ def choose(candidates: Iterable[Candidate], inv: Inventory, *, model: str | None
     reason = (f"chose {best.candidate.name} on {best.why}: preference {_RANK[best.rung] + 1} of "
               f"{len(PREFERENCE)} ({PREFERENCE[best.rung]})")
     if ties:
-        reason += f"; tied with {', '.join(p.candidate.name for p in ties)}, first by name"
+        reason += (f"; tied with {', '.join(f'{p.candidate.name} ({p.candidate.source})' for p in ties)}, "
+                   "first by name")
     for p in options[1:]:
         if p.candidate.name != best.candidate.name and p.candidate.name not in rejected:
             rejected[p.candidate.name] = (f"ranked lower: preference {_RANK[p.rung] + 1} ({p.why})"

@@ -78,7 +78,7 @@ def test_two_variants_tying_are_broken_by_name_and_said():
     a, b = bundle("cpu", "int4", name="b-cpu-int4"), bundle("cpu", "int4", name="a-cpu-int4")
     choice = choose([a, b], CPU_ONLY)
     assert choice.chosen.candidate.name == "a-cpu-int4"
-    assert "tied with b-cpu-int4, first by name" in choice.reason
+    assert "tied with b-cpu-int4 (/bundles/cpu-int4), first by name" in choice.reason  # where each one is
     assert choice.rejected["b-cpu-int4"] == "tied, later by name"
 
 
@@ -179,3 +179,21 @@ def test_synthesize_by_model_slug_picks_among_installed_wheels(cpu_int4_bundle, 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [f"{SLUG}-cpu-int4", "CPUExecutionProvider", f"['{SLUG}-cpu-fp32']"]
+
+
+def test_a_damaged_bundle_is_not_chosen(cpu_int4_bundle, tmp_path):
+    """A bundle folder with a file missing is reported as damaged and the healthy one is chosen."""
+    import shutil
+
+    from higgs_pack.manifests.manifest import read_manifest
+    from higgs_pack.runtime.choice import Inventory as Inv
+
+    broken = shutil.copytree(cpu_int4_bundle, tmp_path / "a-broken")
+    (broken / "audio_heads.onnx").unlink()
+    good = Candidate.from_manifest(read_manifest(cpu_int4_bundle), cpu_int4_bundle)
+    bad = Candidate.from_manifest(read_manifest(broken), broken)
+    assert good.damaged is None and bad.damaged == "audio_heads.onnx is missing"
+    inv = Inv(ort_providers={"cpu": None})
+    choice = choose([bad, good], inv, model=SLUG)
+    assert choice.chosen.candidate.source == str(cpu_int4_bundle)
+    assert "damaged bundle" in choice.rejected[bad.name] or "damaged bundle" in " ".join(choice.rejected.values())

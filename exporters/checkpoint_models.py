@@ -70,7 +70,7 @@ class CheckpointModels:
         cfg.pop("dtype", None)
         return dict(sorted(cfg.items()))
 
-    def qwen3_model(self, *, stored_dtype: bool = False) -> Qwen3Model:
+    def qwen3_model(self, *, stored_dtype: bool = False, projections: bool = True) -> Qwen3Model:
         """The Qwen3 body as an eval-mode transformers ``Qwen3Model`` (the oracle's decoder).
 
         Built on the meta device and filled from the checkpoint one tensor at a time (no
@@ -83,6 +83,9 @@ class CheckpointModels:
                 model: 7.3 GiB instead of 14.6 GiB for the 4B body); the caller then runs
                 each layer in float32 with :func:`higgs_pack.exporters.reference.upcast_per_layer`.
                 Default: a float32 model.
+            projections: load the attention and MLP projection weights (False: they stay
+                on the meta device, for a caller that supplies every layer's projections
+                itself, like the matched oracle; only the norms are read).
 
         Raises:
             CheckpointError: the tensors do not load into the model.
@@ -96,16 +99,22 @@ class CheckpointModels:
             model = Qwen3Model(config)
         model.embed_tokens = None
         state = {}
+        skipped = []
         for n in llm_tensor_shapes(self._text_config):
             if n == TEXT_EMBEDDING:
+                continue
+            if not projections and n.endswith("_proj.weight"):
+                skipped.append(hf_qwen3_name(n).removeprefix("model."))
                 continue
             t = self.tensor(n)
             state[hf_qwen3_name(n).removeprefix("model.")] = t if stored_dtype else t.float()
         self.close()  # unmap the files read: their pages are not kept resident for this process
-        _load_strict(model, state, where=self._index_path or self._files[0], prefix=BODY_PREFIX)
+        _load_strict(model, state, where=self._index_path or self._files[0], prefix=BODY_PREFIX,
+                     optional=skipped)
         del state
         model.rotary_emb = Qwen3RotaryEmbedding(config=config)
-        _check_no_meta(model, "Qwen3Model")
+        if projections:
+            _check_no_meta(model, "Qwen3Model")
         if not stored_dtype:
             model = model.float()
         return model.eval().requires_grad_(False)

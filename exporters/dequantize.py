@@ -48,7 +48,8 @@ MODELBUILDER_PROJECTIONS: dict[str, tuple[str, ...]] = {
 }
 #: optimum-intel decoder MatMul names: __module.model.layers.{i}.{self_attn|mlp}.{proj}/aten::linear/MatMul.
 #: (``ov_ext::linear`` when the export kept 16-bit weights with patch_16bit_model.)
-OPTIMUM_NODE = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)/(?:aten|ov_ext)::linear/MatMul")
+#: (``body.layers…`` in the static NPU decoder, whose wrapper holds the Qwen3 body as ``body``.)
+OPTIMUM_NODE = re.compile(r"(?:model|body)\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)/(?:aten|ov_ext)::linear/MatMul")
 #: The projections every Qwen3 decoder layer has, as Qwen3DecoderLayer parameter names.
 LAYER_PROJECTIONS = frozenset({
     "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",

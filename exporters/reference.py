@@ -137,21 +137,11 @@ def upcast_per_layer(model: nn.Module, replace: Callable[[int], dict[str, np.nda
     Returns:
         ``model``.
     """
-    layer_hooks = []
     for index, module in enumerate([*model.layers, model.norm]):
         hooks = _Upcast(index, replace if index < len(model.layers) else None)
         module.register_forward_pre_hook(hooks.before)
         module.register_forward_hook(hooks.after)
-        if index < len(model.layers):
-            layer_hooks.append(hooks)
-    model._higgs_pack_layer_hooks = layer_hooks
     return model
-
-
-def set_replacement(model: nn.Module, replace: Callable[[int], dict[str, np.ndarray]] | None) -> None:
-    """Change the ``replace`` function of a model prepared by :func:`upcast_per_layer`."""
-    for hooks in model._higgs_pack_layer_hooks:
-        hooks.replace = replace
 
 
 class TorchDecoder:

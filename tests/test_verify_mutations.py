@@ -182,5 +182,5 @@ def test_build_refuses_a_read_back_weight_that_is_not_its_tensor(cpu_int4_bundle
     swap_layers(bundle)
     subparts = {p: {k: s[k] for k in ("format", "entry", "precision")}
                 for p, s in read_manifest(bundle)["subparts"].items()}
-    with pytest.raises(BuildError, match=r"model\.layers\.0\..* differs from the checkpoint's by relative L2"):
+    with pytest.raises(BuildError, match=r"body\.layers\.0\..* differs from the checkpoint's by relative L2"):
         capture_golden(tiny_ckpt, tmp_path / "golden.npz", bundle_dir=bundle, subparts=subparts)

@@ -73,6 +73,26 @@ class ModelBuilderSupport:
 
 
 @dataclass(frozen=True)
+class ChoiceRung:
+    """One step of the runtime's preference ladder (``higgs_pack.runtime.choice``).
+
+    Attributes:
+        name: the rung's name, shown in ``higgs-pack devices`` (``cuda``, ``cpu``, ``npu``).
+        rank: its place in the ladder; lower wins (rungs of equal name share a rank).
+        means: one phrase saying what runs on it, for the choice's reason.
+    """
+
+    name: str
+    rank: int
+    means: str
+
+
+#: The rung every CPU placement shares (ONNX Runtime's CPU provider, OpenVINO's ``CPU``
+#: device): ordered inside by speed class.
+CPU_RUNG = ChoiceRung("cpu", 50, "CPU bundle (OpenVINO CPU or ONNX Runtime cpu), fastest speed class first")
+
+
+@dataclass(frozen=True)
 class ExecutionProvider:
     """One row of the execution-provider table: all higgs-pack knows about a provider.
 
@@ -92,6 +112,10 @@ class ExecutionProvider:
         hardware: the hardware it needs, for messages ("the bundle needs …"; ``None``:
             runs on any machine with its distribution).
         hardware_missing: how a skipped check names the missing hardware ("no CUDA GPU").
+        label: the provider's short name in sentences ("the CUDA execution provider").
+        hardware_short: the hardware in a few words, for notes ("an NVIDIA GPU is present").
+        hardware_kind: the ``Inventory.hardware`` key whose PCI devices prove the hardware
+            is here without its runtime (``nvidia-gpu``; ``None``: no such scan).
         hardware_probe: how a session finds the hardware before installing anything:
             ``"command:<argv>"`` (the command exits 0 only where the hardware is) or
             ``"platform:<sys.platform>"`` (the platform only; not proof of a GPU).
@@ -101,6 +125,10 @@ class ExecutionProvider:
         own_venv: its distribution replaces onnxruntime (same module) and has no
             higgs-pack runtime extra of its own to add beside another one.
         modelbuilder: how ModelBuilder builds the decoder for it (``None``: it cannot).
+        rung: where its bundles stand in the runtime's preference ladder.
+        iobinding_device: the ``OrtValue``/IOBinding device name of its memory when its
+            GroupQueryAttention shares bound past/present KV buffers (the decoder then keeps
+            one preallocated cache there); ``None``: the decoder copies the cache each step.
     """
 
     name: str
@@ -113,11 +141,16 @@ class ExecutionProvider:
     kernel_table: str | None = None
     hardware: str | None = None
     hardware_missing: str | None = None
+    label: str = ""
+    hardware_short: str | None = None
+    hardware_kind: str | None = None
     hardware_probe: str | None = None
     wheel_platforms: tuple[str, ...] = ()
     classifiers: tuple[str, ...] = ("Operating System :: OS Independent",)
     own_venv: bool = False
     modelbuilder: ModelBuilderSupport | None = None
+    rung: ChoiceRung = CPU_RUNG
+    iobinding_device: str | None = None
 
     @property
     def gpu(self) -> bool:
@@ -135,19 +168,26 @@ EXECUTION_PROVIDERS: dict[str, ExecutionProvider] = {
     for ep in (
         ExecutionProvider(
             "cpu", "CPUExecutionProvider", "onnxruntime", "onnxruntime>=1.31,<1.33", "cpu",
+            label="CPU",
             modelbuilder=ModelBuilderSupport("cpu", accuracy_level=4),
+            iobinding_device="cpu",
         ),
         ExecutionProvider(
             "cuda", "CUDAExecutionProvider", "onnxruntime-gpu", "onnxruntime-gpu>=1.31,<1.33", "cuda",
             kernel_table="cuda.json",
             hardware="an NVIDIA GPU with the CUDA 12 / cuDNN 9 runtime (Linux or Windows)",
             hardware_missing="no CUDA GPU",
+            label="CUDA",
+            hardware_short="an NVIDIA GPU",
+            hardware_kind="nvidia-gpu",
             hardware_probe="command:nvidia-smi -L",
             wheel_platforms=("linux_x86_64", "win_amd64"),
             classifiers=("Environment :: GPU :: NVIDIA CUDA", "Operating System :: POSIX :: Linux",
                          "Operating System :: Microsoft :: Windows"),
             modelbuilder=ModelBuilderSupport("cuda", accuracy_level=0, no_packed_attention=("fp32",),
                                              int4_float_base="fp16"),
+            rung=ChoiceRung("cuda", 20, "cuda bundle on an NVIDIA GPU"),
+            iobinding_device="cuda",
         ),
         ExecutionProvider(
             "dml",
@@ -162,11 +202,14 @@ EXECUTION_PROVIDERS: dict[str, ExecutionProvider] = {
             kernel_table="dml.json",
             hardware="Windows 10/11 with a DirectX 12 GPU (DirectML)",
             hardware_missing="no DirectML GPU (Windows 10/11 with DirectX 12)",
+            label="DirectML",
+            hardware_short="a DirectX 12 GPU (DirectML)",
             hardware_probe="platform:win32",
             wheel_platforms=("win_amd64",),
             classifiers=("Operating System :: Microsoft :: Windows",),
             modelbuilder=ModelBuilderSupport("dml", accuracy_level=0, no_packed_attention=("fp32",),
                                              int4_float_base="fp16"),
+            rung=ChoiceRung("dml", 40, "dml bundle on a Windows GPU (DirectML)"),
         ),
         ExecutionProvider(
             "openvino",
@@ -174,6 +217,7 @@ EXECUTION_PROVIDERS: dict[str, ExecutionProvider] = {
             "onnxruntime-openvino",
             "onnxruntime-openvino>=1.24",
             "openvino-ep",
+            label="OpenVINO",
             own_venv=True,
         ),
     )

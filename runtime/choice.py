@@ -6,7 +6,9 @@ bundles that are visible (:class:`Candidate`, one per manifest) and returns a
 :class:`Choice`: the chosen bundle and the provider/device to run it on, why, and
 for every other bundle why it was not taken.  Nothing here touches the machine.
 
-Preference order (:data:`PREFERENCE`, first runnable wins):
+Preference order (:func:`preference`, first runnable wins; OpenVINO's device rungs are
+declared here, each execution provider's rung in its row of
+``higgs_pack.manifests.constants.EXECUTION_PROVIDERS``, so a new provider brings its own):
 
 1. ``npu``: an OpenVINO NPU variant on an Intel NPU;
 2. ``cuda``: a cuda bundle on an NVIDIA GPU (CUDA execution provider);
@@ -31,7 +33,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.manifests.constants import EXECUTION_PROVIDERS, OPENVINO_REQUIREMENT
+from higgs_pack.manifests.constants import (
+    CPU_RUNG,
+    EXECUTION_PROVIDERS,
+    OPENVINO_REQUIREMENT,
+    ChoiceRung,
+)
 from higgs_pack.manifests.errors import BundleError
 
 PRECISION_SPEED = {"int4": 0, "int8": 1, "fp16": 2, "fp32": 3}
@@ -114,7 +121,7 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Placement:
-    """A candidate that can run here, on one provider/device, at one rung of :data:`PREFERENCE`."""
+    """A candidate that can run here, on one provider/device, at one rung of :func:`preference`."""
 
     candidate: Candidate
     rung: str
@@ -148,16 +155,25 @@ class Choice:
         return "\n".join(lines)
 
 
-#: rung -> (what it means, rank).  Lower rank wins.
-PREFERENCE: dict[str, str] = {
-    "npu": "OpenVINO NPU variant on an Intel NPU",
-    "cuda": "cuda bundle on an NVIDIA GPU",
-    "igpu": "OpenVINO bundle on an Intel GPU",
-    "dml": "dml bundle on a Windows GPU (DirectML)",
-    "cpu": "CPU bundle (OpenVINO CPU or ONNX Runtime cpu), fastest speed class first",
-    "npu-on-cpu": "OpenVINO NPU variant on the CPU (static shapes, slower)",
-}
-_RANK = {rung: i for i, rung in enumerate(PREFERENCE)}
+#: OpenVINO's device rungs (OpenVINO device names are the backend's own, not providers).
+NPU_RUNG = ChoiceRung("npu", 10, "OpenVINO NPU variant on an Intel NPU")
+IGPU_RUNG = ChoiceRung("igpu", 30, "OpenVINO bundle on an Intel GPU")
+NPU_ON_CPU_RUNG = ChoiceRung("npu-on-cpu", 60, "OpenVINO NPU variant on the CPU (static shapes, slower)")
+
+
+def preference() -> dict[str, str]:
+    """Every rung's name -> what it means, best first: OpenVINO's device rungs and each
+    provider row's ``rung`` (read at each call, so a row added later takes its place).
+
+    Raises:
+        ValueError: two rows declare rungs of one name that differ.
+    """
+    rungs = [NPU_RUNG, IGPU_RUNG, CPU_RUNG, NPU_ON_CPU_RUNG, *(row.rung for row in EXECUTION_PROVIDERS.values())]
+    ladder: dict[str, ChoiceRung] = {}
+    for rung in sorted(rungs, key=lambda r: r.rank):
+        if ladder.setdefault(rung.name, rung) != rung:
+            raise ValueError(f"two rungs named {rung.name!r} differ: {ladder[rung.name]} and {rung}")
+    return {name: rung.means for name, rung in ladder.items()}
 
 
 def _speed(c: Candidate, inv: Inventory, bench: Mapping[str, float]) -> tuple:
@@ -210,13 +226,10 @@ def placements(c: Candidate, inv: Inventory, bench: Mapping[str, float] | None =
             reason = "onnxruntime is not installed"
         if reason is not None:
             return [], (f"{row.ort_provider} unavailable ({reason}); pip install 'higgs-pack[{row.extra}]'")
-        rung = {"cuda": "cuda", "dml": "dml", "cpu": "cpu"}.get(c.built_for)
-        if rung is None:  # the openvino EP: an ONNX bundle explicitly meant for it
-            rung = "cpu"
-        what = {"cuda": "the CUDA execution provider", "dml": "the DirectML execution provider"}.get(
-            c.built_for, f"{row.ort_provider}")
+        rung = row.rung.name
+        what = f"the {row.label} execution provider" if row.gpu else row.ort_provider
         out.append(Placement(c, rung, c.built_for, _speed(c, inv, bench),
-                             f"{what}" + (f", {_speed_words(c, bench)}" if rung == "cpu" else "")))
+                             what + (f", {_speed_words(c, bench)}" if rung == CPU_RUNG.name else "")))
         return out, None
     if c.backend == "openvino":
         if inv.openvino is None:
@@ -224,16 +237,16 @@ def placements(c: Candidate, inv: Inventory, bench: Mapping[str, float] | None =
         if c.variant == "npu":
             npu = inv.ov_has("NPU")
             if npu:
-                out.append(Placement(c, "npu", npu, (), f"OpenVINO {npu}: {inv.openvino_devices[npu]}"))
+                out.append(Placement(c, NPU_RUNG.name, npu, (), f"OpenVINO {npu}: {inv.openvino_devices[npu]}"))
             if inv.ov_has("CPU"):
-                out.append(Placement(c, "npu-on-cpu", "CPU", _speed(c, inv, bench),
+                out.append(Placement(c, NPU_ON_CPU_RUNG.name, "CPU", _speed(c, inv, bench),
                                      "OpenVINO CPU (the NPU variant's static shapes run there too)"))
         else:
             gpu = inv.ov_has("GPU")
             if gpu:
-                out.append(Placement(c, "igpu", gpu, (), f"OpenVINO {gpu}: {inv.openvino_devices[gpu]}"))
+                out.append(Placement(c, IGPU_RUNG.name, gpu, (), f"OpenVINO {gpu}: {inv.openvino_devices[gpu]}"))
             if inv.ov_has("CPU"):
-                out.append(Placement(c, "cpu", "CPU", _speed(c, inv, bench),
+                out.append(Placement(c, CPU_RUNG.name, "CPU", _speed(c, inv, bench),
                                      f"OpenVINO CPU, {_speed_words(c, bench)}"))
         if not out:
             return [], f"OpenVINO sees no usable device for it (devices: {', '.join(inv.openvino_devices) or 'none'})"
@@ -251,26 +264,25 @@ def _notes(candidates: list[Candidate], inv: Inventory, runnable: set[str], mode
                if inv.npu_driver is False else
                "OpenVINO does not list it (NPU driver or OpenVINO missing: install both)")
         notes.append(f"an Intel NPU is present ({npu_hw[0]}) but cannot be used: {why}")
-    if inv.ov_has("NPU") and "npu" not in runnable:
+    if inv.ov_has("NPU") and NPU_RUNG.name not in runnable:
         notes.append(f"an NPU is present ({inv.openvino_devices[inv.ov_has('NPU')]}) but no runnable OpenVINO "
                      f"NPU variant{of} is visible; build one with `higgs-pack build --target openvino --npu`")
-    nvidia = inv.hardware.get("nvidia-gpu")
-    if (nvidia or inv.ort_ok("cuda")) and "cuda" not in runnable:
-        has = any(c.target == "cuda" for c in candidates)
-        what = nvidia[0] if nvidia else "CUDA provider"
-        notes.append(f"an NVIDIA GPU is present ({what}) but " + (
-            "the cuda bundle cannot run (see below)" if has else
-            f"no cuda bundle{of} is visible; build one with `higgs-pack build --target cuda`"))
+    for row in EXECUTION_PROVIDERS.values():
+        seen = inv.hardware.get(row.hardware_kind) if row.hardware_kind else None
+        if not row.gpu or row.rung.name in runnable or not (seen or inv.ort_ok(row.name)):
+            continue
+        has = any(c.backend == "onnxruntime" and c.built_for == row.name for c in candidates)
+        what = seen[0] if seen else f"{row.ort_provider} creates sessions"
+        notes.append(f"{row.hardware_short or row.hardware} is present ({what}) but " + (
+            f"the {row.name} bundle cannot run (see below)" if has else
+            f"no {row.name} bundle{of} is visible; build one with `higgs-pack build --target {row.name}`"))
     gpu = inv.ov_has("GPU")
-    if gpu and "igpu" not in runnable:
+    if gpu and IGPU_RUNG.name not in runnable:
         notes.append(f"an Intel GPU is present ({inv.openvino_devices[gpu]}) but no runnable OpenVINO "
                      f"bundle{of} is visible; build one with `higgs-pack build --target openvino`")
     elif inv.hardware.get("intel-gpu") and not gpu and inv.openvino is not None:
         notes.append(f"an Intel GPU is present ({inv.hardware['intel-gpu'][0]}) but OpenVINO does not list it "
                      "(install the Intel GPU compute runtime)")
-    if inv.ort_ok("dml") and "dml" not in runnable:
-        notes.append(f"DirectML is available but no runnable dml bundle{of} is visible; build one with "
-                     "`higgs-pack build --target dml`")
     return notes
 
 
@@ -304,17 +316,19 @@ def choose(candidates: Iterable[Candidate], inv: Inventory, *, model: str | None
         reason = (f"none of the {len(pool)} visible {what} can run here" if pool else
                   f"no {what} visible (looked in installed wheels, --bundles folders, pulled hub repos)")
         return Choice(None, reason, rejected, notes)
-    options.sort(key=lambda p: (_RANK[p.rung], p.speed, p.candidate.name))
+    ladder = preference()
+    rank = {rung: i for i, rung in enumerate(ladder)}
+    options.sort(key=lambda p: (rank[p.rung], p.speed, p.candidate.name))
     best = options[0]
-    ties = [p for p in options[1:] if _RANK[p.rung] == _RANK[best.rung] and p.speed == best.speed]
-    reason = (f"chose {best.candidate.name} on {best.why}: preference {_RANK[best.rung] + 1} of "
-              f"{len(PREFERENCE)} ({PREFERENCE[best.rung]})")
+    ties = [p for p in options[1:] if rank[p.rung] == rank[best.rung] and p.speed == best.speed]
+    reason = (f"chose {best.candidate.name} on {best.why}: preference {rank[best.rung] + 1} of "
+              f"{len(ladder)} ({ladder[best.rung]})")
     if ties:
         reason += (f"; tied with {', '.join(f'{p.candidate.name} ({p.candidate.source})' for p in ties)}, "
                    "first by name")
     for p in options[1:]:
         if p.candidate.name != best.candidate.name and p.candidate.name not in rejected:
-            rejected[p.candidate.name] = (f"ranked lower: preference {_RANK[p.rung] + 1} ({p.why})"
+            rejected[p.candidate.name] = (f"ranked lower: preference {rank[p.rung] + 1} ({p.why})"
                                           if p not in ties else "tied, later by name")
     return Choice(best, reason, rejected, notes)
 

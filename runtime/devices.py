@@ -277,7 +277,7 @@ def describe(bundle_dirs: Iterable[str | Path] = (), inv: Inventory | None = Non
     Returns:
         ``(text for a terminal, the same as a JSON-ready dict)``.
     """
-    from higgs_pack.runtime.choice import PREFERENCE, choose, placements
+    from higgs_pack.runtime.choice import choose, placements, preference
 
     inv = inv if inv is not None else inventory()
     broken: dict[str, str] = {}
@@ -297,8 +297,9 @@ def describe(bundle_dirs: Iterable[str | Path] = (), inv: Inventory | None = Non
             state = "creates sessions" if inv.ort_providers[name] is None else f"FAILS: {inv.ort_providers[name]}"
         else:
             state = f"not available (pip install 'higgs-pack[{row.extra}]')"
-            if name == "dml" and not inv.platform.startswith("win"):
-                state = "not available (Windows only)"
+            platform_only = (row.hardware_probe or "").removeprefix("platform:")
+            if row.hardware_probe != platform_only and not inv.platform.startswith(platform_only):
+                state = f"not available ({platform_only} only)"
         lines.append(f"  {name:<9} {row.ort_provider:<27} {state}")
     lines.append(f"OpenVINO       {inv.openvino or 'not installed (pip install higgs-pack[openvino])'}")
     for device, full in inv.openvino_devices.items():
@@ -317,7 +318,7 @@ def describe(bundle_dirs: Iterable[str | Path] = (), inv: Inventory | None = Non
                  "pulled hub repos)")
     for c in candidates:
         found, why_not = placements(c, inv, bench)
-        where = ", ".join(f"{p.device} (preference {list(PREFERENCE).index(p.rung) + 1}: {p.why})" for p in found)
+        where = ", ".join(f"{p.device} (preference {list(preference()).index(p.rung) + 1}: {p.why})" for p in found)
         verdict = f"runs here on {where}" if found else f"cannot run here: {why_not}"
         verdicts[c.name] = {"source": c.source, "origin": c.origin, "model": c.model, "target": c.target,
                             "precision": c.precision, "variant": c.variant, "runs": bool(found),

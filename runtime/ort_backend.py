@@ -279,8 +279,12 @@ class OrtSubPart:
         }
 
 
-#: Providers whose GroupQueryAttention shares bound past/present buffers -> where the buffers live.
-SHARED_KV_DEVICES = {"CPUExecutionProvider": "cpu", "CUDAExecutionProvider": "cuda"}
+def shared_kv_device(ort_provider: str) -> str | None:
+    """Where the decoder's shared KV buffers live on this ONNX Runtime provider (its row's
+    ``iobinding_device``, e.g. ``cuda``), or None when its attention does not share bound
+    past/present buffers (the cache is then copied each step)."""
+    row = next((r for r in EXECUTION_PROVIDERS.values() if r.ort_provider == ort_provider), None)
+    return row.iobinding_device if row else None
 
 #: First KV buffer length of the shared-buffer decoder (positions); it doubles when a request
 #: needs more (one copy of the used part), up to the decoder's ``max_length``.
@@ -339,7 +343,7 @@ class OrtDecoder:
         self._kv_heads, self._head_dim = kv_heads, head_dim
         self._outputs = ["hidden_states", *self._present]
         provider = (session.get_providers() or ["CPUExecutionProvider"])[0]
-        device = SHARED_KV_DEVICES.get(provider)
+        device = shared_kv_device(provider)
         if shared_kv is None:
             shared_kv = device is not None and not self._has_position_ids
         self.shared_kv = bool(shared_kv)

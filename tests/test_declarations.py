@@ -20,6 +20,7 @@ import tomllib
 from higgs_pack.manifests import constants
 from higgs_pack.manifests.constants import (
     EXECUTION_PROVIDERS,
+    ChoiceRung,
     ExecutionProvider,
     ModelBuilderSupport,
     SubPart,
@@ -113,6 +114,8 @@ def qnn(monkeypatch, registry) -> ExecutionProvider:
         hardware_probe="platform:win32", wheel_platforms=("win_amd64",),
         classifiers=("Operating System :: Microsoft :: Windows",),
         modelbuilder=ModelBuilderSupport("cpu", accuracy_level=4),
+        label="QNN", hardware_short="a Qualcomm NPU", hardware_kind="qualcomm-npu",
+        rung=ChoiceRung("qnn", 15, "qnn bundle on a Qualcomm NPU"),
     )
     monkeypatch.setitem(constants.EXECUTION_PROVIDERS, "qnn", row)
     return row
@@ -147,6 +150,20 @@ def test_new_provider_row_is_the_only_declaration(qnn, tmp_path):
     from higgs_pack.exporters import modelbuilder
 
     assert modelbuilder.modelbuilder_providers() == ("cpu", "cuda", "dml", "qnn")
+    # The bundle choice ranks it by its row's rung and names its hardware when no bundle runs.
+    from higgs_pack.runtime.choice import Candidate, Inventory, choose, preference
+
+    assert list(preference()).index("qnn") == 1  # after the NPU rung, before cuda
+    bundles = [Candidate(f"m-{t}-int4", f"/b/{t}", "m", t, "int4", None, "onnxruntime", t) for t in ("cpu", "qnn")]
+    inv = Inventory(ort_providers={"cpu": None, "qnn": None}, platform="win32")
+    choice = choose(bundles, inv)
+    assert choice.chosen.candidate.name == "m-qnn-int4" and choice.chosen.rung == "qnn"
+    assert "the QNN execution provider: preference 2 of 7 (qnn bundle on a Qualcomm NPU)" in choice.reason
+    only_cpu = choose(bundles[:1], Inventory(ort_providers={"cpu": None}, hardware={"qualcomm-npu": ["Hexagon"]}))
+    assert any(n.startswith("a Qualcomm NPU is present (Hexagon) but no qnn bundle") for n in only_cpu.notes)
+    # The decoder copies its KV cache there (the row declares no shared IOBinding device).
+    assert ort_backend.shared_kv_device("QNNExecutionProvider") is None
+    assert ort_backend.shared_kv_device("CUDAExecutionProvider") == "cuda"
 
 
 def test_unknown_provider_in_a_target_is_refused(registry):

@@ -239,6 +239,10 @@ class RuntimeBackend:
         modules: the modules that load it (imported, and timed apart, by the benchmark).
         compile_cache: it compiles models into a cache (``load(cache_dir=)``): the
             benchmark measures a cold and a warm load.
+        label: its name in sentences and model cards (``ONNX Runtime``, ``OpenVINO``).
+        preferred_on_cpus: CPU vendors (``Inventory.cpu_vendor``) on whose CPUs its bundles
+            rank first among equal speed classes when nothing was measured (OpenVINO on
+            Intel, ONNX Runtime elsewhere).
     """
 
     name: str
@@ -246,6 +250,8 @@ class RuntimeBackend:
     placement: str
     modules: tuple[str, ...] = ()
     compile_cache: bool = False
+    label: str = ""
+    preferred_on_cpus: tuple[str, ...] = ()
 
 
 #: Manifest ``backend`` -> what it runs and how a bundle names where.
@@ -253,9 +259,11 @@ RUNTIME_BACKENDS: dict[str, RuntimeBackend] = {
     b.name: b
     for b in (
         RuntimeBackend("onnxruntime", format="onnx", placement="execution_provider",
-                       modules=("onnxruntime", "higgs_pack.runtime.ort_backend")),
+                       modules=("onnxruntime", "higgs_pack.runtime.ort_backend"), label="ONNX Runtime",
+                       preferred_on_cpus=("amd", "arm", "other")),
         RuntimeBackend("openvino", format="openvino", placement="device",
-                       modules=("higgs_pack.runtime.openvino_backend",), compile_cache=True),
+                       modules=("higgs_pack.runtime.openvino_backend",), compile_cache=True, label="OpenVINO",
+                       preferred_on_cpus=("intel",)),
     )
 }
 

@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from higgs_pack.manifests.constants import EXECUTION_PROVIDERS
+from higgs_pack.manifests.constants import EXECUTION_PROVIDERS, RUNTIME_BACKENDS
 from higgs_pack.manifests.errors import ExecutionProviderUnavailable, InputError
-from higgs_pack.manifests.manifest import MANIFEST_NAME
+from higgs_pack.manifests.manifest import MANIFEST_NAME, placement_of
 from higgs_pack.runtime.bundle import Bundle, open_bundle
 from higgs_pack.runtime.bundle import load as load_pipeline
 from higgs_pack.runtime.delay import SamplingOptions
@@ -309,7 +309,8 @@ def _device_kwargs(bundle: Bundle, device: str | None, execution_provider: str |
         ExecutionProviderUnavailable: an ONNX Runtime bundle given an unknown provider name.
     """
     m = bundle.manifest
-    own = m["execution_provider"] if m["backend"] == "onnxruntime" else m["device"]
+    own = placement_of(m)
+    placement = RUNTIME_BACKENDS[m["backend"]].placement
     if execution_provider is not None:
         # The backend-specific keywords of higgs_pack.runtime.bundle.load (the CLI's flags).
         kwargs = {"execution_provider": execution_provider}
@@ -317,8 +318,8 @@ def _device_kwargs(bundle: Bundle, device: str | None, execution_provider: str |
             kwargs["device"] = device
         return kwargs, f"asked for with --execution-provider {execution_provider} (bundle built for {own})"
     if device is None or str(device).lower() == AUTO:
-        return {}, f"the bundle's own {'execution provider' if m['backend'] == 'onnxruntime' else 'device'} {own}"
-    if m["backend"] == "onnxruntime":
+        return {}, f"the bundle's own {placement.replace('_', ' ')} {own}"
+    if placement == "execution_provider":
         ep = str(device).lower()
         if ep not in EXECUTION_PROVIDERS:
             from higgs_pack.manifests.errors import unknown_choice

@@ -37,9 +37,11 @@ from higgs_pack.manifests.constants import (
     CPU_RUNG,
     EXECUTION_PROVIDERS,
     OPENVINO_REQUIREMENT,
+    RUNTIME_BACKENDS,
     ChoiceRung,
 )
 from higgs_pack.manifests.errors import BundleError
+from higgs_pack.manifests.manifest import placement_of
 
 PRECISION_SPEED = {"int4": 0, "int8": 1, "fp16": 2, "fp32": 3}
 
@@ -114,7 +116,7 @@ class Candidate:
         m = manifest
         return cls(name=m["name"], source=str(source), model=m["model"]["slug"], target=m["target"],
                    precision=m["precision"], variant=m.get("variant"), backend=m["backend"],
-                   built_for=m["execution_provider"] if m["backend"] == "onnxruntime" else m["device"],
+                   built_for=placement_of(m),
                    requirements=tuple(m.get("runtime_requirements", ())), origin=origin,
                    damaged=_damaged(m, Path(source)))
 
@@ -180,7 +182,8 @@ def _speed(c: Candidate, inv: Inventory, bench: Mapping[str, float]) -> tuple:
     """Sort key on the cpu rung: measured frames/s first, then precision, then backend by CPU vendor."""
     system = f"{c.target}-{c.precision}"
     measured = bench.get(system)
-    backend_order = 0 if (c.backend == "openvino") == (inv.cpu_vendor == "intel") else 1
+    backend = RUNTIME_BACKENDS.get(c.backend)
+    backend_order = 0 if backend is not None and inv.cpu_vendor in backend.preferred_on_cpus else 1
     return (0 if measured is not None else 1, -(measured or 0.0), PRECISION_SPEED.get(c.precision, 9),
             backend_order)
 
@@ -205,6 +208,51 @@ def _damaged(manifest: Mapping[str, Any], root: Path) -> str | None:
     return None
 
 
+def _ort_placements(c: Candidate, inv: Inventory, bench: Mapping[str, float]) -> tuple[list[Placement], str | None]:
+    """An ONNX Runtime bundle: the rung of its execution provider's row, where that provider works."""
+    row = EXECUTION_PROVIDERS.get(c.built_for)
+    if row is None:
+        return [], f"unknown execution provider {c.built_for!r}"
+    reason = inv.ort_providers.get(c.built_for, "not installed")
+    if not inv.ort_providers:
+        reason = "onnxruntime is not installed"
+    if reason is not None:
+        return [], (f"{row.ort_provider} unavailable ({reason}); pip install 'higgs-pack[{row.extra}]'")
+    rung = row.rung.name
+    what = f"the {row.label} execution provider" if row.gpu else row.ort_provider
+    return [Placement(c, rung, c.built_for, _speed(c, inv, bench),
+                      what + (f", {_speed_words(c, bench)}" if rung == CPU_RUNG.name else ""))], None
+
+
+def _openvino_placements(c: Candidate, inv: Inventory, bench: Mapping[str, float]
+                         ) -> tuple[list[Placement], str | None]:
+    """An OpenVINO bundle: NPU (NPU variant) or Intel GPU, then the CPU device."""
+    if inv.openvino is None:
+        return [], f"OpenVINO is not installed; pip install 'higgs-pack[openvino]' ({OPENVINO_REQUIREMENT})"
+    out: list[Placement] = []
+    if c.variant == "npu":
+        npu = inv.ov_has("NPU")
+        if npu:
+            out.append(Placement(c, NPU_RUNG.name, npu, (), f"OpenVINO {npu}: {inv.openvino_devices[npu]}"))
+        if inv.ov_has("CPU"):
+            out.append(Placement(c, NPU_ON_CPU_RUNG.name, "CPU", _speed(c, inv, bench),
+                                 "OpenVINO CPU (the NPU variant's static shapes run there too)"))
+    else:
+        gpu = inv.ov_has("GPU")
+        if gpu:
+            out.append(Placement(c, IGPU_RUNG.name, gpu, (), f"OpenVINO {gpu}: {inv.openvino_devices[gpu]}"))
+        if inv.ov_has("CPU"):
+            out.append(Placement(c, CPU_RUNG.name, "CPU", _speed(c, inv, bench),
+                                 f"OpenVINO CPU, {_speed_words(c, bench)}"))
+    if not out:
+        return [], f"OpenVINO sees no usable device for it (devices: {', '.join(inv.openvino_devices) or 'none'})"
+    return out, None
+
+
+#: Manifest ``backend`` -> where its bundles can run (keys of ``RUNTIME_BACKENDS``).
+BACKEND_PLACEMENTS = {"onnxruntime": _ort_placements, "openvino": _openvino_placements}
+
+
 def placements(c: Candidate, inv: Inventory, bench: Mapping[str, float] | None = None
                ) -> tuple[list[Placement], str | None]:
     """Where one bundle can run on this machine.
@@ -213,45 +261,12 @@ def placements(c: Candidate, inv: Inventory, bench: Mapping[str, float] | None =
         ``(placements, why_not)``: every rung it can take (best first), and when there
         is none, why it cannot run here (naming the missing runtime and how to install it).
     """
-    bench = bench or {}
-    out: list[Placement] = []
     if c.damaged:
         return [], f"damaged bundle at {c.source}: {c.damaged}"
-    if c.backend == "onnxruntime":
-        row = EXECUTION_PROVIDERS.get(c.built_for)
-        if row is None:
-            return [], f"unknown execution provider {c.built_for!r}"
-        reason = inv.ort_providers.get(c.built_for, "not installed")
-        if not inv.ort_providers:
-            reason = "onnxruntime is not installed"
-        if reason is not None:
-            return [], (f"{row.ort_provider} unavailable ({reason}); pip install 'higgs-pack[{row.extra}]'")
-        rung = row.rung.name
-        what = f"the {row.label} execution provider" if row.gpu else row.ort_provider
-        out.append(Placement(c, rung, c.built_for, _speed(c, inv, bench),
-                             what + (f", {_speed_words(c, bench)}" if rung == CPU_RUNG.name else "")))
-        return out, None
-    if c.backend == "openvino":
-        if inv.openvino is None:
-            return [], f"OpenVINO is not installed; pip install 'higgs-pack[openvino]' ({OPENVINO_REQUIREMENT})"
-        if c.variant == "npu":
-            npu = inv.ov_has("NPU")
-            if npu:
-                out.append(Placement(c, NPU_RUNG.name, npu, (), f"OpenVINO {npu}: {inv.openvino_devices[npu]}"))
-            if inv.ov_has("CPU"):
-                out.append(Placement(c, NPU_ON_CPU_RUNG.name, "CPU", _speed(c, inv, bench),
-                                     "OpenVINO CPU (the NPU variant's static shapes run there too)"))
-        else:
-            gpu = inv.ov_has("GPU")
-            if gpu:
-                out.append(Placement(c, IGPU_RUNG.name, gpu, (), f"OpenVINO {gpu}: {inv.openvino_devices[gpu]}"))
-            if inv.ov_has("CPU"):
-                out.append(Placement(c, CPU_RUNG.name, "CPU", _speed(c, inv, bench),
-                                     f"OpenVINO CPU, {_speed_words(c, bench)}"))
-        if not out:
-            return [], f"OpenVINO sees no usable device for it (devices: {', '.join(inv.openvino_devices) or 'none'})"
-        return out, None
-    return [], f"unknown backend {c.backend!r}"
+    placer = BACKEND_PLACEMENTS.get(c.backend)
+    if placer is None:
+        return [], f"unknown backend {c.backend!r}"
+    return placer(c, inv, bench or {})
 
 
 def _notes(candidates: list[Candidate], inv: Inventory, runnable: set[str], model: str | None) -> list[str]:

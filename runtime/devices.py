@@ -14,7 +14,6 @@ repositories pulled into the Hugging Face cache.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
 import json
 import logging
@@ -28,6 +27,7 @@ from higgs_pack.manifests.constants import EXECUTION_PROVIDERS
 from higgs_pack.manifests.errors import HiggsPackError
 from higgs_pack.manifests.manifest import MANIFEST_NAME, read_manifest
 from higgs_pack.runtime.choice import Candidate, Inventory
+from higgs_pack.runtime.cpu import cpu_info
 
 log = logging.getLogger(__name__)
 
@@ -35,20 +35,6 @@ log = logging.getLogger(__name__)
 _INTEL, _NVIDIA = "0x8086", "0x10de"
 #: PCI class prefixes: display controllers (0x03xxxx), processing accelerators (0x1200xx).
 _DISPLAY, _ACCELERATOR = "0x03", "0x1200"
-
-
-def _cpu_name() -> tuple[str, str]:
-    name = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    name = name or platform.processor() or platform.machine()
-    low = name.lower()
-    vendor = ("intel" if "intel" in low else "amd" if ("amd" in low or "epyc" in low or "ryzen" in low)
-              else "arm" if platform.machine().lower() in ("arm64", "aarch64") else "other")
-    return name, vendor
 
 
 def _probe_model() -> bytes:
@@ -156,7 +142,7 @@ def inventory() -> Inventory:
     npu_driver = None
     if sys.platform.startswith("linux"):
         npu_driver = any(Path("/dev/accel").glob("accel*")) if "intel-npu" in hardware else None
-    cpu, vendor = _cpu_name()
+    cpu, vendor = cpu_info().model, cpu_info().vendor
     return Inventory(ort_providers=providers, ort_distributions=dists, openvino=ov_version,
                      openvino_devices=ov_devices, hardware=hardware, npu_driver=npu_driver,
                      platform=sys.platform, cpu=cpu, cpu_vendor=vendor)

@@ -185,7 +185,7 @@ def verify_html(report: Any) -> str:
     failed = [c for c in report.checks if c.ok is False]
     skipped = [c for c in report.checks if c.ok is None]
     verdict = ("<span class=\"badge pass\">PASS</span>" if report.ok else "<span class=\"badge fail\">FAIL</span>")
-    where = s.get("execution_provider") if s.get("backend") == "onnxruntime" else s.get("device")
+    where = s.get("execution_provider") or s.get("device")
     built = (f"target <b>{_e(s.get('target'))}</b>, precision <b>{_e(s.get('precision'))}</b>"
              + (f", variant {_e(s['variant'])}" if s.get("variant") else "")
              + f", built for {_e(s.get('backend'))} on {_e(where)}") if s else "manifest unreadable"

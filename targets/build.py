@@ -27,6 +27,7 @@ from higgs_pack.exporters.result import installed_version
 from higgs_pack.manifests.constants import FORMAT_VERSION, SubPart
 from higgs_pack.manifests.errors import BuildError, BundleError, HiggsPackError
 from higgs_pack.manifests.manifest import MANIFEST_NAME, file_entry, read_manifest, write_manifest
+from higgs_pack.runtime.cpu import cpu_info
 from higgs_pack.runtime.paths import cache_root
 from higgs_pack.targets.base import (
     CODE_AGREEMENT_THRESHOLD,
@@ -238,7 +239,7 @@ def build(
         manifest["build"]["resources"] = {
             "peak_rss_mb": round(memory.peak / 2**20, 1),
             "scratch_peak_mb": round(scratch.peak / 2**20, 1),
-            "cpu": cpu_description(),
+            "cpu": cpu_info().describe(),
             "phases": [p.to_dict() for p in phases],
         }
         write_manifest(bundle_dir, manifest)
@@ -279,22 +280,6 @@ def estimate_space(plan: BuildPlan, ckpt) -> Any:
         s, b = row.exporter.estimate_space(params[row.subpart], itemsize, row.precision, dict(row.options))
         scratch, bundle = scratch + s, bundle + b
     return SpaceNeed(int(scratch * (1 + MARGIN)) + FIXED_MARGIN, int(bundle * (1 + MARGIN)) + FIXED_MARGIN)
-
-
-def cpu_description() -> str:
-    """CPU model and the vector ISA extensions that matter here (AVX2, AVX-512, VNNI, AMX)."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and model in ("", platform.machine(), platform.processor()):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile") if f in flags]
-    return f"{model} ({', '.join(isa) or 'no AVX2'}; {os.cpu_count()} logical CPUs)"
 
 
 def _copy_tokenizer(ckpt, bundle_dir: Path) -> str:

@@ -186,7 +186,8 @@ def test_bench_cpu_bundle_built_then_reused(tiny_checkpoint, tmp_path):
 
 
 def test_cpu_isa_names_vnni_and_avx512():
-    from higgs_pack.targets.bench.run import _machine, cpu_isa
+    from higgs_pack.runtime.cpu import cpu_isa
+    from higgs_pack.targets.bench.run import _machine
 
     amd = cpu_isa(["fpu", "sse4_2", "avx", "avx2", "fma", "f16c"])
     assert amd == {"flags": ["sse4_2", "avx", "avx2", "fma", "f16c"], "vnni": False, "avx512": False}
@@ -196,3 +197,9 @@ def test_cpu_isa_names_vnni_and_avx512():
     assert cpu_isa(["avx2", "avx_vnni"])["vnni"]
     machine = _machine()  # what every bench record carries
     assert set(machine["isa"]) == {"flags", "vnni", "avx512"}
+    from higgs_pack.runtime.cpu import cpu_info
+
+    # One reader: the build record's line names the same CPU and ISA the bench records.
+    line = cpu_info().describe()
+    assert line.startswith(machine["cpu"] + " (") and f"{machine['cores']} logical CPUs" in line
+    assert ("avx2" in line) == ("avx2" in machine["isa"]["flags"])

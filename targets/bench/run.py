@@ -4,17 +4,16 @@ reused, every system measured by a worker, the records put together.
 
 from __future__ import annotations
 
-import os
 import platform
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from higgs_pack.manifests.constants import RUNTIME_BACKENDS
+from higgs_pack.runtime.cpu import cpu_info
 from higgs_pack.targets.bench.records import (
     _roofline,
     add_ratios,
@@ -123,39 +122,9 @@ def _bundle_for(spec: SystemSpec, options: BenchOptions, checkpoint: Path, cache
     return path, {"build_s": res["seconds"], "build_cached": False, "build_peak_rss_mb": res["peak_rss_mb"]}
 
 
-#: CPU feature flags that decide which int4/int8 kernels run (``/proc/cpuinfo`` names): OpenVINO's
-#: dynamic activation quantization needs AVX2-VNNI or AVX-512-VNNI (MODEL.md); AMX tiles and
-#: AVX-512-BF16 change the CPU plugin's default inference precision.
-ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl",
-             "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16")
-
-
-def cpu_isa(flags: Sequence[str]) -> dict[str, Any]:
-    """The bench record's ISA entry from a CPU's feature flags.
-
-    Returns:
-        ``{"flags": [the ISA_FLAGS present, in that order], "vnni": bool (AVX2-VNNI or
-        AVX-512-VNNI: int8 dot products for dynamic quantization), "avx512": bool}``.
-    """
-    present = set(flags)
-    found = [f for f in ISA_FLAGS if f in present]
-    return {"flags": found, "vnni": bool({"avx_vnni", "avx512_vnni"} & present),
-            "avx512": "avx512f" in present}
-
-
 def _machine() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    flags: list[str] = []
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name") and cpu in (platform.processor(), platform.machine()):
-                    cpu = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = line.split(":", 1)[1].split()
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "isa": cpu_isa(flags)}
+    cpu = cpu_info()
+    return {"cpu": cpu.model, "cores": cpu.logical_cpus, "python": platform.python_version(), "isa": cpu.isa}
 
 
 def run_bench(options: BenchOptions) -> list[dict[str, Any]]:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from higgs_pack.manifests.errors import PackagingError
-from higgs_pack.manifests.manifest import MANIFEST_NAME
+from higgs_pack.manifests.manifest import MANIFEST_NAME, placement_of
 from higgs_pack.targets.packaging.archives import _zip_member, _zipinfo
 from higgs_pack.targets.packaging.content import (
     BundleContent,
@@ -168,7 +168,7 @@ def requires_dist(manifest: dict[str, Any], target: Any, higgs_pack_version: str
 def wheel_metadata(content: BundleContent, target: Any) -> str:
     """Core metadata (``METADATA``, version 2.1) of the bundle wheel."""
     m = content.manifest
-    where = m["execution_provider"] if m["backend"] == "onnxruntime" else m["device"]
+    where = placement_of(m)
     ver = wheel_version(m)
     size = sum(member.size for member in content.members)
     manifest_sha = next(x.sha256 for x in content.members if x.relpath == MANIFEST_NAME)

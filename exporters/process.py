@@ -221,8 +221,8 @@ def run_step(
         error = outcome["error"]
         cls = getattr(errors, error["type"], None)
         message = error["message"]
-        if isinstance(cls, type) and issubclass(cls, HiggsPackError):
-            raise cls(message)
+        if not error.get("wrapped") and isinstance(cls, type) and issubclass(cls, HiggsPackError):
+            raise cls(message)  # our own error, with its own words
         raise BuildError(f"{name} failed: {message}{disk_note(folders)}")
     value = outcome.get("value")
     detail = value.pop("_detail", {}) if isinstance(value, dict) else {}
@@ -245,17 +245,17 @@ def _child(spec_path: str) -> int:
     except HiggsPackError as exc:
         outcome = {"error": {"type": type(exc).__name__, "message": str(exc)}}
     except MemoryError:
-        outcome = {"error": {"type": "BuildError",
+        outcome = {"error": {"type": "BuildError", "wrapped": True,
                              "message": "out of memory (MemoryError); build on a machine with more memory"}}
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             message = f"out of disk space ({exc})"
         else:
             message = f"{type(exc).__name__}: {exc}"
-        outcome = {"error": {"type": "BuildError", "message": message}}
+        outcome = {"error": {"type": "BuildError", "wrapped": True, "message": message}}
     except BaseException as exc:  # anything else: the message and the tail of the traceback
         tail = "".join(traceback.format_exception(exc)[-TRACEBACK_LINES:])
-        outcome = {"error": {"type": "BuildError", "message": f"{type(exc).__name__}: {exc}\n{tail}"}}
+        outcome = {"error": {"type": "BuildError", "wrapped": True, "message": f"{type(exc).__name__}: {exc}\n{tail}"}}
     result.write_text(json.dumps(outcome))
     return 0
 

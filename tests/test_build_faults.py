@@ -1,0 +1,83 @@
+"""A build that runs out of disk or memory, or is killed, says so and leaves nothing behind.
+
+Every fault here is real: a child process killed with SIGKILL (what the kernel's
+out-of-memory killer sends), a write to ``/dev/full`` (ENOSPC), a free-space estimate
+larger than the disk, and a whole ``higgs-pack build`` killed mid-step.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from higgs_pack.exporters.process import run_step
+from higgs_pack.manifests.errors import BuildError
+from higgs_pack.targets.workspace import WORK_PREFIX, SpaceNeed, check_space, work_area
+
+
+def test_a_step_killed_with_sigkill_is_reported_as_out_of_memory(tmp_path):
+    # The child kills itself as the OOM killer would ($PPID of the shell is the step's Python).
+    with pytest.raises(BuildError, match=r"exporting x was killed by signal 9 \(SIGKILL\).*out-of-memory killer"):
+        run_step("subprocess:run", {"args": ["sh", "-c", "kill -9 $PPID"]}, name="exporting x",
+                 folders=[tmp_path], work_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == []  # its spec folder is gone
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux) to write into a full device")
+def test_a_step_out_of_disk_says_so(tmp_path):
+    src = tmp_path / "weights.bin"
+    src.write_bytes(os.urandom(1 << 20))
+    with pytest.raises(BuildError, match=r"writing weights failed: out of disk space \(\[Errno 28\]"):
+        run_step("shutil:copyfile", {"src": str(src), "dst": "/dev/full"}, name="writing weights",
+                 work_dir=tmp_path)
+
+
+def test_space_estimate_larger_than_the_disk_is_refused_before_work(tmp_path):
+    free = shutil.disk_usage(tmp_path).free
+    scratch_root = tmp_path / "scratch"
+    scratch_root.mkdir()
+    with pytest.raises(BuildError) as info:
+        check_space(SpaceNeed(scratch=free + (50 << 30), bundle=1 << 30), scratch_root, tmp_path / "out")
+    message = str(info.value)
+    assert f"in {scratch_root}," in message and "scratch + bundle needs about" in message
+    needed = (free + (51 << 30)) / 2**30
+    assert f"{needed:.1f} GiB" in message and "GiB free" in message and "--work-dir" in message
+    # What fits is described, not refused.
+    line = check_space(SpaceNeed(scratch=1 << 20, bundle=1 << 20), scratch_root, tmp_path / "out")
+    assert line.startswith("disk: scratch ~0.0 GiB in ")
+
+
+def test_scratch_of_a_killed_build_is_removed_by_the_next(tmp_path, tiny_checkpoint):
+    """``higgs-pack build`` killed with SIGKILL mid-step leaves its scratch and staging folders;
+    the next build's work area removes the scratch (its pid is gone), and its staging
+    folder beside ``--out`` never becomes a bundle."""
+    work, out = tmp_path / "work", tmp_path / "dist" / "b"
+    work.mkdir()
+    env = {**os.environ, "HIGGS_PACK_LOG_LEVEL": "WARNING"}
+    proc = subprocess.Popen([sys.executable, "-m", "higgs_pack.runtime.cli", "build", "-t", "cpu", "-p", "fp32",
+                             "-m", str(tiny_checkpoint), "-o", str(out), "--work-dir", str(work)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not any(p.name.startswith("higgs-pack-step-") for s in work.glob(f"{WORK_PREFIX}*")
+                      for p in s.iterdir()):
+            assert proc.poll() is None, "the build ended before its first step started"
+            assert time.monotonic() < deadline, "no build step started within 240 s"
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the builder and its step child, as the OOM killer may
+        proc.wait()
+    left = list(work.glob(f"{WORK_PREFIX}{proc.pid}-*"))
+    assert len(left) == 1 and left[0].is_dir()
+    assert not out.exists()  # no half-written bundle where one is expected
+    with work_area(work) as fresh:
+        assert not left[0].exists()
+        assert fresh.parent == work
+    assert list(work.iterdir()) == []

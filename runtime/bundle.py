@@ -26,7 +26,7 @@ from higgs_pack.manifests.manifest import (
     read_manifest,
     resolve_inside,
 )
-from higgs_pack.runtime.pipeline import ModelConstants, Pipeline
+from higgs_pack.runtime.pipeline import ModelConstants, Pipeline, step_input_shapes
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +214,7 @@ def _open_onnxruntime(bundle: Bundle, *, execution_provider: str | None, device:
     override = "" if ep != cpu or m["execution_provider"] == cpu else (
         f" (explicit --execution-provider {cpu}; bundle built for {m['execution_provider']})")
     parts: dict[str, Any] = {"description": {}}
+    constants = ModelConstants.from_dict(m["constants"])
     for part, spec in m["subparts"].items():
         session, used = create_session(
             bundle.file(spec["entry"]), ep, provider_options=provider_options,
@@ -225,7 +226,7 @@ def _open_onnxruntime(bundle: Bundle, *, execution_provider: str | None, device:
             parts[part] = OrtDecoder(session, max_length=c["max_position_embeddings"],
                                      kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"])
         else:
-            parts[part] = OrtSubPart(session, part)
+            parts[part] = OrtSubPart(session, part, step_input_shapes(part, constants))
         parts["description"][part] = used + override
     return parts
 

@@ -252,31 +252,115 @@ def check_signature(session, subpart: str, spec: dict[str, Any]) -> None:
     check_io_signature(subpart, "graph", sig(session.get_inputs()), sig(session.get_outputs()), spec)
 
 
+def _bind_host(binding, name: str, array: np.ndarray, output: bool = False) -> None:
+    """Bind a contiguous host array as an IOBinding input or output (ONNX Runtime reads or
+    writes that memory in place; the array must outlive the binding)."""
+    shape = list(array.shape)
+    if output:
+        binding.bind_output(name, "cpu", 0, array.dtype, shape, array.ctypes.data)
+    else:
+        binding.bind_input(name, "cpu", 0, array.dtype, shape, array.ctypes.data)
+
+
 class OrtSubPart:
     """A stateless sub-part on an ONNX Runtime session.
 
     Floating inputs are cast to the dtype the graph declares (fp16 graphs take
     float16); floating outputs come back as float32.
+
+    Per-step shapes (``step_inputs``: the heads' ``hidden_states`` [1, 1, H] and the
+    embed's ``codes`` [1, 1, 8], run once per frame) run through an IOBinding with
+    preallocated host buffers: the inputs are copied into bound buffers, ONNX Runtime
+    writes the outputs into bound buffers, and :meth:`run` returns views of them, so a
+    step allocates no arrays.  The buffers are made on the first call with those shapes
+    (a plain run, which gives the output shapes and dtypes).  Any other shape (a prompt,
+    a reference clip) is a plain run whose outputs the caller owns.  Binding is used on
+    the providers whose rows name an ``iobinding_device`` (cpu, cuda: the host buffers
+    are copied to the device by ONNX Runtime); elsewhere every call is a plain run.
+
+    Args:
+        session: the ``InferenceSession``.
+        name: sub-part name (for messages).
+        step_inputs: input name -> shape of the per-step call (all inputs of the graph),
+            or None for no binding (see :func:`higgs_pack.runtime.pipeline.step_input_shapes`).
     """
 
-    def __init__(self, session, name: str):
+    def __init__(self, session, name: str, step_inputs: dict[str, tuple[int, ...]] | None = None):
         self.session = session
         self.name = name
         self._in_types = {i.name: ORT_TYPES[i.type] for i in session.get_inputs()}
         self._outputs = [o.name for o in session.get_outputs()]
+        provider = (session.get_providers() or ["CPUExecutionProvider"])[0]
+        usable = step_inputs is not None and set(step_inputs) == set(self._in_types) and \
+            shared_kv_device(provider) is not None
+        self._step_inputs = {k: tuple(v) for k, v in step_inputs.items()} if usable else None
+        self._binding = None
+        self._in_buffers: dict[str, np.ndarray] = {}
+        self._out_buffers: list[np.ndarray] = []
+        self._step_out: dict[str, np.ndarray] = {}
+
+    @property
+    def bound(self) -> bool:
+        """Whether per-step calls now run through the preallocated IOBinding."""
+        return self._binding is not None
+
+    def _is_step(self, feeds: dict[str, np.ndarray]) -> bool:
+        steps = self._step_inputs
+        return steps is not None and len(feeds) == len(steps) and \
+            all(k in steps and np.shape(v) == steps[k] for k, v in feeds.items())
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run once; see :mod:`higgs_pack.runtime.pipeline` for names and shapes."""
+        """Run once; see :mod:`higgs_pack.runtime.pipeline` for names and shapes.
+
+        Returns:
+            Output name -> float32 / integer array.  For the per-step shapes, once
+            bound: views of this runner's buffers, valid until its next per-step call
+            (the caller may modify them; copy what must outlive that call).  Otherwise
+            new arrays the caller owns.
+        """
+        step = self._is_step(feeds)
+        if step and self._binding is not None:
+            return self._run_bound(feeds)
         cast = {k: np.ascontiguousarray(v, dtype=self._in_types[k]) for k, v in feeds.items()}
         try:
             outs = self.session.run(self._outputs, cast)
         except Exception as exc:  # onnxruntime's own error types
             _raise_unsupported(self.name, self.session, exc)
             raise
+        if step:
+            self._bind_step(outs)
         return {
             k: (v.astype(np.float32, copy=False) if np.issubdtype(v.dtype, np.floating) else v)
             for k, v in zip(self._outputs, outs, strict=True)
         }
+
+    def _bind_step(self, outs: list[np.ndarray]) -> None:
+        """Allocate and bind the per-step buffers, shaped like one plain run's outputs."""
+        binding = self.session.io_binding()
+        for name, shape in self._step_inputs.items():
+            self._in_buffers[name] = np.zeros(shape, dtype=self._in_types[name])
+            _bind_host(binding, name, self._in_buffers[name])
+        for name, value in zip(self._outputs, outs, strict=True):
+            buffer = np.zeros(value.shape, dtype=value.dtype)
+            self._out_buffers.append(buffer)
+            _bind_host(binding, name, buffer, output=True)
+            # fp16 graphs: one more preallocated buffer holds the float32 the loop reads.
+            widen = np.issubdtype(value.dtype, np.floating) and value.dtype != np.float32
+            self._step_out[name] = np.zeros(value.shape, np.float32) if widen else buffer
+        self._binding = binding
+
+    def _run_bound(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        for name, value in feeds.items():
+            np.copyto(self._in_buffers[name], value, casting="same_kind")
+        try:
+            self.session.run_with_iobinding(self._binding)
+        except Exception as exc:  # onnxruntime's own error types
+            _raise_unsupported(self.name, self.session, exc)
+            raise
+        for buffer, out in zip(self._out_buffers, self._step_out.values(), strict=True):
+            if out is not buffer:
+                np.copyto(out, buffer)
+        return dict(self._step_out)
 
 
 def shared_kv_device(ort_provider: str) -> str | None:
@@ -371,8 +455,8 @@ class OrtDecoder:
         bind them (they stay bound for every step of that length)."""
         self._embeds = np.zeros((1, s, self._hidden_size), dtype=self._embed_type)
         self._hidden = np.zeros((1, s, self._hidden_size), dtype=self._hidden_type)
-        self._bind_host("inputs_embeds", self._embeds)
-        self._bind_host("hidden_states", self._hidden, output=True)
+        _bind_host(self._binding, "inputs_embeds", self._embeds)
+        _bind_host(self._binding, "hidden_states", self._hidden, output=True)
 
     def reset(self) -> None:
         """Empty the KV cache (shared buffers are kept and overwritten)."""
@@ -434,13 +518,6 @@ class OrtDecoder:
             self._binding.bind_ortvalue_input(past, value)
             self._binding.bind_ortvalue_output(present, value)
         self._capacity = capacity
-
-    def _bind_host(self, name: str, array: np.ndarray, output: bool = False) -> None:
-        shape = list(array.shape)
-        if output:
-            self._binding.bind_output(name, "cpu", 0, array.dtype, shape, array.ctypes.data)
-        else:
-            self._binding.bind_input(name, "cpu", 0, array.dtype, shape, array.ctypes.data)
 
     def _forward_shared(self, inputs_embeds: np.ndarray, s: int, total: int) -> np.ndarray:
         self._ensure_capacity(total)

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from higgs_pack.manifests.constants import SubPart
 from higgs_pack.manifests.errors import InputError, SignatureMismatch
 
 
@@ -37,7 +38,13 @@ class SubPartRunner(Protocol):
     """One stateless sub-part: named numpy inputs in, named numpy outputs out."""
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run once.  Keys are the tensor names in ``SUBPART_IO``."""
+        """Run once.  Keys are the tensor names in ``SUBPART_IO``.
+
+        Ownership: for the per-step shapes (:func:`step_input_shapes`) a runner may return
+        views of its own preallocated buffers, valid until its next call with those shapes
+        (the generation loop reads them before that; copy what must live longer).  Other
+        calls return arrays the caller owns.
+        """
         ...
 
 
@@ -135,6 +142,20 @@ class Pipeline:
     description: dict[str, str] = field(default_factory=dict)
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     codec_context_frames: int | None = None
+
+
+def step_input_shapes(part: str, constants: ModelConstants) -> dict[str, tuple[int, ...]] | None:
+    """Input shapes of a sub-part's once-per-frame call in the generation loop.
+
+    ``audio_heads``: ``{"hidden_states": (1, 1, H)}`` (-> ``audio_logits`` [1, 1, N, 1026]);
+    ``audio_embed``: ``{"codes": (1, 1, N)}`` (-> ``audio_embeds`` [1, 1, H]); None for the
+    other sub-parts.  Runners may preallocate and bind buffers for these shapes.
+    """
+    if part == SubPart.AUDIO_HEADS:
+        return {"hidden_states": (1, 1, constants.hidden_size)}
+    if part == SubPart.AUDIO_EMBED:
+        return {"codes": (1, 1, constants.num_codebooks)}
+    return None
 
 
 def check_io_signature(subpart: str, what: str, inputs: dict[str, tuple[str, int]],

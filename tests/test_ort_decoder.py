@@ -12,7 +12,7 @@ from higgs_pack.runtime import ort_backend
 from higgs_pack.runtime.bundle import load
 from higgs_pack.runtime.delay import SamplingOptions
 from higgs_pack.runtime.generate import synthesize
-from higgs_pack.runtime.ort_backend import OrtDecoder
+from higgs_pack.runtime.ort_backend import OrtDecoder, OrtSubPart
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +89,68 @@ def test_cuda_shared_buffers_live_on_the_device(cpu_int4_bundle):
             [rng.standard_normal((1, 1, c["hidden_size"])).astype(np.float32) for _ in range(6)]:
         np.testing.assert_allclose(shared.forward(x), copies.forward(x), atol=1e-5)
     assert all(v.device_name().lower() == "cuda" for v in shared._kv.values())
+
+
+# ------------------------------------------------------------------ heads and embed: per-step IOBinding
+
+def _plain(runner: OrtSubPart) -> OrtSubPart:
+    return OrtSubPart(runner.session, runner.name)  # no step shapes: every call is a plain run
+
+
+def test_heads_and_embed_bind_their_step_shapes_and_give_the_plain_outputs(pipeline):
+    c = pipeline.constants
+    rng = np.random.default_rng(2)
+    cases = {
+        "audio_heads": ("hidden_states", lambda s: rng.standard_normal((1, s, c.hidden_size)).astype(np.float32)),
+        "audio_embed": ("codes", lambda s: rng.integers(0, c.audio_vocab_size, (1, s, c.num_codebooks))),
+    }
+    for part, (name, draw) in cases.items():
+        bound = getattr(pipeline, part)
+        fresh = OrtSubPart(bound.session, part, {name: (1, 1, bound_shape(part, c))})
+        plain = _plain(bound)
+        assert not fresh.bound
+        kept = []
+        for x in [draw(1) for _ in range(4)]:
+            got, want = fresh.run({name: x}), plain.run({name: x})
+            assert fresh.bound  # the first step-shaped call made the buffers
+            for key in want:
+                assert got[key].dtype == want[key].dtype and got[key].shape == want[key].shape
+                np.testing.assert_array_equal(got[key], want[key])
+            kept.append(got)
+        # Ownership: once bound, per-step outputs are views of one buffer, overwritten by the next
+        # step (the first call, which made the buffers, returned arrays of its own).
+        key = next(iter(kept[0]))
+        assert np.shares_memory(kept[1][key], kept[-1][key])
+        assert not np.shares_memory(kept[0][key], kept[-1][key])
+        # Other shapes (a prompt) are plain runs with arrays of their own.
+        wide = draw(3)
+        got, want = fresh.run({name: wide}), plain.run({name: wide})
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key])
+            assert not np.shares_memory(got[key], kept[-1][key])
+
+
+def bound_shape(part: str, c) -> int:
+    return c.hidden_size if part == "audio_heads" else c.num_codebooks
+
+
+def test_loaded_cpu_bundle_binds_heads_and_embed(pipeline):
+    synthesize(pipeline, "Bound.", options=SamplingOptions(seed=1), max_frames=12)
+    assert pipeline.audio_heads.bound and pipeline.audio_embed.bound
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_codes_identical_with_and_without_heads_embed_binding(pipeline, temperature):
+    options = SamplingOptions(temperature=temperature, seed=5)
+    text = "Binding changes no code."
+    bound = synthesize(pipeline, text, options=options, max_frames=120)
+    heads, embed = pipeline.audio_heads, pipeline.audio_embed
+    pipeline.audio_heads, pipeline.audio_embed = _plain(heads), _plain(embed)
+    try:
+        plain = synthesize(pipeline, text, options=options, max_frames=120)
+    finally:
+        pipeline.audio_heads, pipeline.audio_embed = heads, embed
+    assert heads.bound and embed.bound
+    assert np.array_equal(bound.codes, plain.codes) and len(bound.codes) > 8
+    np.testing.assert_array_equal(bound.samples, plain.samples)
+    assert [r.stop_reason for r in bound.chunks] == [r.stop_reason for r in plain.chunks]

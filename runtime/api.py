@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 from dataclasses import dataclass, field, replace
+from numbers import Integral
 from pathlib import Path
 from typing import Any
 
@@ -250,6 +251,8 @@ class TTS:
         """Check the arguments shared by :meth:`synthesize` and :meth:`stream`; read the reference."""
         if (ref_audio is None) != (ref_text is None):
             raise InputError("voice cloning needs both ref_audio= and ref_text= (--ref-audio with --ref-text)")
+        if max_frames is not None and (isinstance(max_frames, bool) or not isinstance(max_frames, Integral)):
+            raise InputError(f"max_frames must be a whole number of frames (25 per second), got {max_frames!r}")
         if max_frames is not None and max_frames < 1:
             raise InputError(f"max_frames must be >= 1 (frames at 25 per second), got {max_frames}")
         options = self.sampling_options(seed=seed, temperature=temperature, top_k=top_k, top_p=top_p)

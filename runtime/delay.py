@@ -8,6 +8,7 @@ real codec entries.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Integral, Real
 
 import numpy as np
 
@@ -74,7 +75,17 @@ class SamplingOptions:
     repeat_guard_frames: int = 50
 
     def validate(self) -> SamplingOptions:
-        """Raise ``ValueError`` naming the bad option and its allowed range."""
+        """Raise ``ValueError`` naming the bad option and its allowed type and range."""
+        for name in ("top_k", "repeat_guard_frames", "seed"):
+            value = getattr(self, name)
+            if not (value is None and name == "seed") and (isinstance(value, bool) or not isinstance(value, Integral)):
+                raise ValueError(f"{name} must be a whole number, got {value!r} ({type(value).__name__})")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, Real):
+                raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+        if self.seed is not None and self.seed < 0:
+            raise ValueError(f"seed must be >= 0 (numpy's PCG64 seeds are non-negative) or None, got {self.seed}")
         if not 0 <= self.temperature < float("inf"):
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:

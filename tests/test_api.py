@@ -89,6 +89,14 @@ def test_load_errors_say_what_to_do(cpu_fp32_bundle, tmp_path):
         tts.synthesize("Hi.", ref_text="Hello.")
     with pytest.raises(higgs_pack.InputError, match="max_frames must be >= 1"):
         tts.synthesize("Hi.", max_frames=0)
+    # Wrong types are named, never a raw TypeError from deep inside the loop.
+    for kwargs, words in (({"seed": -1}, "seed must be >= 0"), ({"seed": 1.5}, "seed must be a whole number"),
+                          ({"top_k": 2.5}, "top_k must be a whole number"),
+                          ({"temperature": "hot"}, "temperature must be a number"),
+                          ({"max_frames": 1.5}, "max_frames must be a whole number")):
+        with pytest.raises(higgs_pack.InputError, match=words):
+            tts.synthesize("Hi.", **kwargs)
+    assert tts.synthesize("Hi.", seed=np.int64(3), max_frames=np.int64(4)).codes.shape[0] <= 4
 
 
 def test_load_archive_and_reference_tuple(cpu_fp32_bundle, tmp_path):

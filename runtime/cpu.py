@@ -1,6 +1,7 @@
-"""This machine's CPU: model name, vendor and the vector ISA extensions that decide which
+"""This machine's CPU: model name, vendor, the vector ISA extensions that decide which
 int4/int8 kernels run (read once from ``/proc/cpuinfo`` on Linux; elsewhere from
-:mod:`platform`, with no flags).
+:mod:`platform`, with no flags) and the size of its last-level cache (``/sys``, else
+``lscpu``; None when neither says).
 
 One reader serves the device inventory (``higgs-pack devices``), the build record
 (``manifest.build.resources.cpu``) and every benchmark record (``machine``).
@@ -9,8 +10,11 @@ One reader serves the device inventory (``higgs-pack devices``), the build recor
 from __future__ import annotations
 
 import functools
+import json
 import os
 import platform
+import re
+import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,12 +48,18 @@ class CpuInfo:
         vendor: ``intel``, ``amd``, ``arm`` or ``other``.
         flags: every feature flag the kernel reports (empty off Linux).
         logical_cpus: ``os.cpu_count()``.
+        llc_bytes: size in bytes of the last-level cache (the highest cache level) that CPU 0
+            uses: one instance, as a thread of this process sees it (an EPYC's L3 of one
+            CCD, a Xeon's L3 of one socket); None when unknown (see :func:`last_level_cache`).
+        llc_level: that cache's level (3 for an L3), None when unknown.
     """
 
     model: str
     vendor: str
     flags: tuple[str, ...]
     logical_cpus: int
+    llc_bytes: int | None = None
+    llc_level: int | None = None
 
     @property
     def isa(self) -> dict[str, Any]:
@@ -59,7 +69,8 @@ class CpuInfo:
     def describe(self) -> str:
         """One line: model, the ISA extensions that matter, logical CPUs."""
         isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile") if f in self.flags]
-        return f"{self.model} ({', '.join(isa) or 'no AVX2'}; {self.logical_cpus} logical CPUs)"
+        llc = f"; L{self.llc_level} {self.llc_bytes / 2**20:g} MiB" if self.llc_bytes else ""
+        return f"{self.model} ({', '.join(isa) or 'no AVX2'}; {self.logical_cpus} logical CPUs{llc})"
 
 
 @functools.cache
@@ -80,4 +91,50 @@ def cpu_info() -> CpuInfo:
     low = model.lower()
     vendor = ("intel" if "intel" in low else "amd" if ("amd" in low or "epyc" in low or "ryzen" in low)
               else "arm" if platform.machine().lower() in ("arm64", "aarch64") else "other")
-    return CpuInfo(model, vendor, flags, os.cpu_count() or 1)
+    llc_level, llc_bytes = last_level_cache() or (None, None)
+    return CpuInfo(model, vendor, flags, os.cpu_count() or 1, llc_bytes, llc_level)
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
+               "G": 2**30, "GB": 2**30, "GIB": 2**30}
+
+
+def parse_cache_size(text: str) -> int | None:
+    """Bytes of a cache size as ``/sys`` (``32768K``) or ``lscpu`` (``32 MiB``) writes it; None
+    if it is not one (binary units: a cache's "K"/"KB"/"MB" are powers of two)."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).upper() not in _SIZE_UNITS:
+        return None
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
+
+
+def last_level_cache(sys_cpu: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> tuple[int, int] | None:
+    """``(level, bytes)`` of the highest-level data or unified cache of CPU 0.
+
+    Read from ``sys_cpu/index*/{level,type,size}`` (Linux); without it, from ``lscpu -J``
+    (whose sizes may sum the instances of a cache; the largest level it lists). None when
+    neither is available (macOS, Windows, containers hiding ``/sys``).
+    """
+    best: tuple[int, int] | None = None
+    for index in sorted(sys_cpu.glob("index*")):
+        try:
+            level = int((index / "level").read_text().strip())
+            kind = (index / "type").read_text().strip()
+            size = parse_cache_size((index / "size").read_text())
+        except (OSError, ValueError):
+            continue
+        if kind != "Instruction" and size and (best is None or level > best[0]):
+            best = (level, size)
+    if best is not None:
+        return best
+    try:
+        out = subprocess.run(["lscpu", "-J"], capture_output=True, text=True, timeout=10, check=True).stdout
+        rows = json.loads(out).get("lscpu", [])
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    for row in rows:
+        match = re.fullmatch(r"L([0-9]) cache:", str(row.get("field", "")))
+        size = parse_cache_size(str(row.get("data", "")).split("(")[0]) if match else None
+        if match and size and (best is None or int(match.group(1)) > best[0]):
+            best = (int(match.group(1)), size)
+    return best

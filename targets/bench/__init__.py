@@ -25,10 +25,32 @@ system generates exactly ``--frames`` frames), after one warm-up run:
 ``load_s`` / ``load_warm_s``
     model load time; OpenVINO bundles are loaded once with an empty model cache (``load_s``,
     in its own process) and then with the cache filled (``load_warm_s``, the measuring process).
-``bandwidth_gbps``, ``roofline_frac``
+``first_audio_ms``, ``stream_chunk_frames``, ``stream_frames_per_s``
+    the same request through the streaming API (``runtime.streaming.stream``, default chunk
+    schedule) in the same process: time from the ``stream`` call to the first chunk (prompt
+    and prefill included), the first chunk's frames, and decode steps per second with the
+    codec decoding chunks as frames arrive (same seed, same frames; ``stream_codes_match``
+    says the codes equal the plain run's). ``first_audio_budget_ms``: prompt + prefill + the
+    ``first_audio_steps`` run before the first chunk at the loop's step time + the first
+    chunk's codec decode (``first_chunk_codec_ms``).
+``decoder_only_frames_per_s``, ``loop_over_decoder``
+    the pipeline's own decoder object (same bindings and KV handling) driven alone in the
+    same run: the same prompt length and number of steps with fixed inputs, no heads, embed
+    or sampling; ``loop_over_decoder`` = decoder_only_frames_per_s / frames_per_s (1.0: the
+    loop adds nothing to the decoder).
+``step_ms_ctx64``, ``step_ms_ctx900``
+    the bare decoder's step after a prefill of that many positions (``--contexts``).
+``bandwidth_gbps``, ``cache_resident``, ``roofline_frac``
     the machine's memory read bandwidth measured in the same run (numpy, a 1 GiB buffer,
-    best of several, all cores) and the decoder's fraction of the bandwidth roofline:
-    (decoder weight bytes read per frame / bandwidth) / measured time per frame.
+    best of several, all cores) and the fraction of the bandwidth roofline: (decoder weight
+    bytes + KV cache bytes read per step) / bandwidth over the measured time per frame
+    (``roofline_frac`` the loop, ``roofline_frac_decoder`` the bare decoder,
+    ``roofline_frac_ctx<N>`` its step at context N). Only where the decoder weights exceed
+    the last-level cache (``machine.llc_bytes``); otherwise ``cache_resident`` is true and
+    no fraction is given (see :func:`~higgs_pack.targets.bench.records._roofline`).
+
+The goals (:func:`~higgs_pack.targets.bench.records.goal_checks`) are printed and recorded
+side by side; a goal whose systems were not measured reads "not measured".
 
 Checkpoints come from ``higgs-pack make-tiny-checkpoint --preset …`` (cached under
 ``$HIGGS_PACK_CACHE/checkpoints``); bundles are built with
@@ -51,7 +73,9 @@ from higgs_pack.targets.bench.records import (
     _roofline,
     add_ratios,
     base_record,
+    first_audio_budget,
     goal_checks,
+    goal_state,
     render_builds,
     render_details,
     render_table,
@@ -62,6 +86,7 @@ from higgs_pack.targets.bench.run import BenchOptions, run_bench
 from higgs_pack.targets.bench.systems import (
     BENCH_TEXT,
     DEFAULT_BANDWIDTH_MIB,
+    DEFAULT_CONTEXTS,
     DEFAULT_FRAMES,
     DEFAULT_REPEATS,
     DEFAULT_SYSTEMS,
@@ -102,6 +127,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rebuild", action="store_true", help="rebuild cached bundles")
     p.add_argument("--bandwidth-mib", type=int, default=DEFAULT_BANDWIDTH_MIB,
                    help="buffer for the memory-bandwidth measurement (0 = skip)")
+    p.add_argument("--contexts", default=",".join(map(str, DEFAULT_CONTEXTS)),
+                   help="context lengths at which the bare decoder's step is timed "
+                        f"(default {','.join(map(str, DEFAULT_CONTEXTS))}; empty for none)")
     p.add_argument("--timeout", type=float, help="seconds allowed per measuring process")
     p.add_argument("--out", default="dist/bench.json",
                    help="JSON records file, charted into the same name with .html ('' = do not write)")
@@ -119,12 +147,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_worker(args.worker)
     if args.frames < 2:
         _parser().error("--frames must be at least 2")
+    try:
+        contexts = tuple(int(c) for c in args.contexts.split(",") if c.strip())
+    except ValueError:
+        _parser().error(f"--contexts must be comma-separated positions, got {args.contexts!r}")
+    if any(c < 1 for c in contexts):
+        _parser().error(f"--contexts must be positive, got {args.contexts!r}")
     options = BenchOptions(
         preset=args.preset, systems=tuple(s for s in args.systems.split(",") if s.strip()),
         bundles=tuple(args.bundle), frames=args.frames, repeats=args.repeats, rounds=args.rounds,
         warmup=args.warmup,
         seed=args.seed, text=args.text, checkpoint=args.checkpoint, cache=args.cache,
-        rebuild=args.rebuild, bandwidth_mib=args.bandwidth_mib, out=args.out or None,
+        rebuild=args.rebuild, bandwidth_mib=args.bandwidth_mib, contexts=contexts, out=args.out or None,
         append=args.append, timeout=args.timeout, quiet=args.quiet, build_only=args.build_only,
     )
     from higgs_pack.manifests.errors import HiggsPackError
@@ -157,6 +191,7 @@ __all__ = [
     "BENCH_TEXT",
     "COLUMNS",
     "DEFAULT_BANDWIDTH_MIB",
+    "DEFAULT_CONTEXTS",
     "DEFAULT_FRAMES",
     "DEFAULT_REPEATS",
     "DEFAULT_SYSTEMS",
@@ -171,7 +206,9 @@ __all__ = [
     "add_ratios",
     "base_record",
     "bundle_spec",
+    "first_audio_budget",
     "goal_checks",
+    "goal_state",
     "main",
     "measure_bandwidth",
     "parse_system",

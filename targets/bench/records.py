@@ -11,10 +11,16 @@ from pathlib import Path
 from typing import Any
 
 from higgs_pack.targets.bench.systems import (
+    FULL_PRESET,
+    GOAL_FIRST_AUDIO,
+    GOAL_LONG_CONTEXT_STEP,
+    GOAL_LOOP_OVER_DECODER,
     GOAL_OUTSIDE_DECODER,
+    GOAL_ROOFLINE,
     GOAL_SPEEDUP_CPU_INT4,
     GOAL_WARM_LOAD_S,
     PYTORCH,
+    SIZED_PRESETS,
     SystemSpec,
 )
 
@@ -44,15 +50,47 @@ def base_record(manifest: dict[str, Any] | None, spec: SystemSpec, preset: str) 
 
 
 def _roofline(record: dict[str, Any], bandwidth: dict[str, float] | None) -> None:
-    if not bandwidth or not record.get("frames_per_s") or not record.get("decoder_weight_mb"):
+    """Add the memory-bandwidth roofline of a measured record, in place.
+
+    A decode step reads every decoder weight once plus the KV cache of every earlier
+    position: ``kv_bytes_per_position`` (key and value of every layer,
+    ``2 * num_layers * num_key_value_heads * head_dim * KV itemsize``, from the manifest's
+    constants and the loaded decoder's KV dtype) times the positions attended. The loop's
+    timed steps attend ``prompt_length + 1`` … ``prompt_length + steps - 1`` positions, so
+    they read on average ``prompt_length + steps / 2`` positions (``kv_read_mb_per_step``);
+    a step at context ``L`` (``step_ms_ctx<L>``) reads ``L`` positions. The fastest a
+    step can be is those bytes over the measured read bandwidth (``roofline_min_frame_ms``).
+
+    Fields: ``cache_resident`` (True: the decoder's weight bytes fit in the last-level
+    cache, ``machine.llc_bytes``, so DRAM bandwidth does not bound the step and no roofline
+    fraction is given; False: they do not fit; None: the cache size is unknown, the fractions
+    are given), ``roofline_frac`` (the loop's frames/s over the roofline's),
+    ``roofline_frac_decoder`` (the bare decoder's: ``decoder_only_frames_per_s``, else the
+    loop's decoder time), ``roofline_frac_ctx<L>`` (the bare decoder's step at context ``L``).
+    GB = 1e9 bytes, MB = 1e6.
+    """
+    weights = (record.get("decoder_weight_mb") or 0) * 1e6
+    if not weights or not record.get("frames_per_s"):
+        return
+    llc = (record.get("machine") or {}).get("llc_bytes")
+    record["cache_resident"] = None if not llc else weights <= llc
+    if record["cache_resident"] or not bandwidth:
         return
     bw = bandwidth["bandwidth_gbps"] * 1e9
-    min_s = record["decoder_weight_mb"] * 1e6 / bw
+    per_position = record.get("kv_bytes_per_position") or 0
+    kv = per_position * (record.get("prompt_length", 0) + record.get("steps", 0) / 2)
+    record["kv_read_mb_per_step"] = kv / 1e6
+    min_s = (weights + kv) / bw
     record["roofline_min_frame_ms"] = min_s * 1e3
     record["roofline_frac"] = min_s * record["frames_per_s"]
     decoder_ms = record.get("step_ms", {}).get("decoder")
-    if decoder_ms:
+    if record.get("decoder_only_frames_per_s"):
+        record["roofline_frac_decoder"] = min_s * record["decoder_only_frames_per_s"]
+    elif decoder_ms:
         record["roofline_frac_decoder"] = min_s * 1e3 / decoder_ms
+    for key in [k for k in record if k.startswith("step_ms_ctx")]:
+        length = int(key.removeprefix("step_ms_ctx"))
+        record[f"roofline_frac_ctx{length}"] = (weights + per_position * length) / bw * 1e3 / record[key]
 
 
 def add_ratios(records: list[dict[str, Any]]) -> None:
@@ -77,38 +115,133 @@ def add_ratios(records: list[dict[str, Any]]) -> None:
                 r["vs_cpu"] = other["label"]
 
 
-def goal_checks(records: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
-    """The issues' targets met or missed by ``records``, as ``(goal, met, numbers)``.
+#: One goal row: ``(goal, met, measured)``; ``met`` is None when the goal was not measured
+#: (its systems or preset are missing from the records, or the measure does not apply).
+Goal = tuple[str, bool | None, str]
 
-    Speed goals are judged on the ``bench`` and ``full`` presets (the tiny model's decoder is
-    too small for them to mean anything), the warm-load goal on ``tiny``; goals whose
-    systems were not measured are left out.
+
+def goal_checks(records: list[dict[str, Any]]) -> list[Goal]:
+    """The issues' targets met, missed or not measured by ``records``, as ``(goal, met, numbers)``.
+
+    Speed goals are judged per sized preset (``bench`` and ``full``; the tiny model's decoder
+    is too small for them to mean anything; when neither was run they are listed for
+    ``bench`` as not measured), the full-size goals on ``full``, the warm-load goal on
+    ``tiny``. A goal whose systems are missing is listed with ``met`` None, never as met:
+
+    * cpu int4 at least ``GOAL_SPEEDUP_CPU_INT4`` x PyTorch frames/s; openvino int4 at
+      least cpu int4 frames/s;
+    * cpu int4 and openvino int4 (and every other bundle measured): outside-decoder share
+      under ``GOAL_OUTSIDE_DECODER``, loop time per frame within ``GOAL_LOOP_OVER_DECODER``
+      of the bare decoder's (``loop_over_decoder``), first streamed audio at most
+      ``GOAL_FIRST_AUDIO`` x (prompt + prefill + the steps before the first chunk at the
+      loop's step time + the first chunk's codec decode);
+    * full preset: cpu int4 ``step_ms_ctx900`` within ``GOAL_LONG_CONTEXT_STEP`` of
+      ``step_ms_ctx64``; cpu int4 decoder weight bytes at most openvino int4's; both decoders
+      at least ``GOAL_ROOFLINE`` of their roofline (``roofline_frac_decoder``) unless
+      cache-resident.
     """
-    sized = [r for r in records if r.get("preset") != "tiny" and r.get("frames_per_s")]
+    checks: list[Goal] = []
+    measured = [r for r in records if r.get("frames_per_s") and "error" not in r]
+    presets = [p for p in SIZED_PRESETS if any(r["preset"] == p for r in measured)] or [SIZED_PRESETS[0]]
+    required = (("cpu", "int4"), ("openvino", "int4"))
 
-    def find(system, precision):
-        return next((r for r in sized if r["system"] == system and r["precision"] == precision
-                     and not r.get("variant") and r.get("device") in ("cpu", "CPU")), None)
+    def find(preset: str, system: str, precision: str) -> dict[str, Any] | None:
+        return next((r for r in measured if r["preset"] == preset and r["system"] == system
+                     and r["precision"] == precision and not r.get("variant")
+                     and r.get("device") in (None, "cpu", "CPU")), None)
 
-    checks: list[tuple[str, bool | None, str]] = []
-    cpu4, ov4 = find("cpu", "int4"), find("openvino", "int4")
-    if cpu4 and "speedup_vs_pytorch" in cpu4:
-        s = cpu4["speedup_vs_pytorch"]
-        checks.append((f"cpu int4 >= {GOAL_SPEEDUP_CPU_INT4:g}x PyTorch frames/s", s >= GOAL_SPEEDUP_CPU_INT4,
-                       f"{s:.2f}x"))
-    for r in sized:
-        if r["system"] != PYTORCH:
-            f = r["outside_decoder_frac"]
-            checks.append((f"{r['label']}: outside-decoder time < {GOAL_OUTSIDE_DECODER:.0%} of a frame",
-                           f < GOAL_OUTSIDE_DECODER, f"{f:.1%}"))
+    def missing(preset: str, goal: str, *what: str) -> None:
+        checks.append((f"[{preset}] {goal}", None, f"not measured: no {' / '.join(what)} record"))
+
+    for preset in presets:
+        cpu4, ov4 = find(preset, "cpu", "int4"), find(preset, "openvino", "int4")
+        ref = find(preset, PYTORCH, "fp32")
+        goal = f"cpu int4 >= {GOAL_SPEEDUP_CPU_INT4:g}x PyTorch frames/s"
+        if cpu4 and ref:
+            s = cpu4["frames_per_s"] / ref["frames_per_s"]
+            checks.append((f"[{preset}] {goal}", s >= GOAL_SPEEDUP_CPU_INT4, f"{s:.2f}x"))
+        else:
+            missing(preset, goal, *([] if cpu4 else ["cpu-int4"]), *([] if ref else ["pytorch"]))
+        goal = "openvino int4 >= cpu int4 frames/s"
+        if cpu4 and ov4:
+            s = ov4["frames_per_s"] / cpu4["frames_per_s"]
+            checks.append((f"[{preset}] {goal}", s >= 1.0, f"{s:.2f}x"))
+        else:
+            missing(preset, goal, *([] if cpu4 else ["cpu-int4"]), *([] if ov4 else ["openvino-int4"]))
+        bundles = [r for r in measured if r["preset"] == preset and r["system"] != PYTORCH]
+        for system, precision in required:
+            if find(preset, system, precision) is None:
+                bundles.append({"label": f"{system}-{precision}", "missing": True})
+        for r in bundles:
+            label = r["label"]
+            per_system = (
+                (f"outside-decoder time < {GOAL_OUTSIDE_DECODER:.0%} of a frame", "outside_decoder_frac",
+                 lambda v: (v < GOAL_OUTSIDE_DECODER, f"{v:.1%}")),
+                (f"loop within {GOAL_LOOP_OVER_DECODER:g}x of its bare decoder", "loop_over_decoder",
+                 lambda v: (v <= GOAL_LOOP_OVER_DECODER, f"{v:.3f}x")),
+                (f"first audio <= {GOAL_FIRST_AUDIO:g} x (prefill + first chunk)", "first_audio_budget_ms",
+                 lambda v, r=r: (r["first_audio_ms"] <= GOAL_FIRST_AUDIO * v,
+                                 f"{r['first_audio_ms']:.0f} ms vs {v:.0f} ms ({r['first_audio_ms'] / v:.2f}x)")),
+            )
+            for goal, key, judge in per_system:
+                value = r.get(key)
+                if value is None:
+                    checks.append((f"[{preset}] {label}: {goal}", None,
+                                   "not measured: no record" if r.get("missing") else f"not measured: no {key}"))
+                else:
+                    met, numbers = judge(value)
+                    checks.append((f"[{preset}] {label}: {goal}", met, numbers))
+
+    full = FULL_PRESET
+    cpu4, ov4 = find(full, "cpu", "int4"), find(full, "openvino", "int4")
+    goal = f"cpu int4 step at a 900-position context <= {GOAL_LONG_CONTEXT_STEP:g}x its 64-position step"
+    if cpu4 and cpu4.get("step_ms_ctx900") and cpu4.get("step_ms_ctx64"):
+        s = cpu4["step_ms_ctx900"] / cpu4["step_ms_ctx64"]
+        checks.append((f"[{full}] {goal}", s <= GOAL_LONG_CONTEXT_STEP,
+                       f"{cpu4['step_ms_ctx900']:.1f} / {cpu4['step_ms_ctx64']:.1f} ms = {s:.2f}x"))
+    elif cpu4:
+        checks.append((f"[{full}] {goal}", None, "not measured: no step_ms_ctx64 / step_ms_ctx900"))
+    else:
+        missing(full, goal, "cpu-int4")
+    goal = "cpu int4 decoder weight bytes <= openvino int4's"
     if cpu4 and ov4:
-        s = ov4["frames_per_s"] / cpu4["frames_per_s"]
-        checks.append(("openvino int4 >= cpu int4 frames/s", s >= 1.0, f"{s:.2f}x"))
+        a, b = cpu4["decoder_weight_mb"], ov4["decoder_weight_mb"]
+        checks.append((f"[{full}] {goal}", a <= b, f"{a:.0f} MB vs {b:.0f} MB"))
+    else:
+        missing(full, goal, *([] if cpu4 else ["cpu-int4"]), *([] if ov4 else ["openvino-int4"]))
+    for name, r in (("cpu-int4", cpu4), ("openvino-int4", ov4)):
+        goal = f"{name}: decoder >= {GOAL_ROOFLINE:g} of its memory-bandwidth roofline"
+        if r is None:
+            missing(full, goal, name)
+        elif r.get("cache_resident"):
+            checks.append((f"[{full}] {goal}", None, "not measured: the decoder weights fit in the last-level cache"))
+        elif r.get("roofline_frac_decoder") is None:
+            checks.append((f"[{full}] {goal}", None, "not measured: no bandwidth measurement"))
+        else:
+            f = r["roofline_frac_decoder"]
+            checks.append((f"[{full}] {goal}", f >= GOAL_ROOFLINE, f"{f:.2f}"))
+
     for r in records:
         if r["system"] == "openvino" and r.get("load_warm_s") is not None and r["preset"] == "tiny":
             checks.append((f"{r['label']} warm-cache load < {GOAL_WARM_LOAD_S:g} s (tiny)",
                            r["load_warm_s"] < GOAL_WARM_LOAD_S, f"{r['load_warm_s']:.3f} s"))
     return checks
+
+
+def goal_state(met: bool | None) -> str:
+    """How a goal row reads: ``met``, ``MISSED`` or ``not measured``."""
+    return "not measured" if met is None else "met" if met else "MISSED"
+
+
+def first_audio_budget(record: dict[str, Any]) -> float | None:
+    """Milliseconds the first streamed audio should take: prompt embedding + prefill + the
+    decoder steps run before the first chunk at the loop's step time (``1000 / frames_per_s``)
+    + the first chunk's codec decode; None when the streaming fields are missing."""
+    need = ("prefill_ms", "first_audio_steps", "first_chunk_codec_ms", "frames_per_s")
+    if any(record.get(k) is None for k in need):
+        return None
+    return (record.get("prompt_embed_ms", 0.0) + record["prefill_ms"]
+            + record["first_audio_steps"] * 1e3 / record["frames_per_s"] + record["first_chunk_codec_ms"])
 
 
 #: (header, record key, format) of the printed table.
@@ -118,6 +251,10 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("vs torch", "speedup_vs_pytorch", "{:.2f}x"),
     ("vs cpu", "speedup_vs_cpu", "{:.2f}x"),
     ("1st frame ms", "first_frame_ms", "{:.0f}"),
+    ("1st audio ms", "first_audio_ms", "{:.0f}"),
+    ("stream f/s", "stream_frames_per_s", "{:.1f}"),
+    ("dec-only f/s", "decoder_only_frames_per_s", "{:.1f}"),
+    ("loop/dec", "loop_over_decoder", "{:.3f}x"),
     ("RTF", "rtf", "{:.3f}"),
     ("peak RSS MB", "peak_rss_mb", "{:.0f}"),
     ("bundle MB", "bundle_mb", "{:.0f}"),
@@ -130,6 +267,8 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
 
 def _cell(record: dict[str, Any], key: str, fmt: str) -> str:
     value = record.get(key)
+    if key.startswith("roofline") and record.get("cache_resident"):
+        return "in LLC"
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "error" if key == "frames_per_s" and "error" in record else "-"
     return fmt.format(value)
@@ -159,6 +298,11 @@ def render_table(records: list[dict[str, Any]]) -> str:
     return buffer.getvalue().rstrip("\n")
 
 
+def _llc(record: dict[str, Any]) -> str:
+    machine = record.get("machine") or {}
+    return f"{machine.get('llc_bytes', 0) / 2**20:g} MiB L{machine.get('llc_level', '?')} cache"
+
+
 def render_details(records: list[dict[str, Any]]) -> str:
     """Per-step breakdown, build and roofline facts, and the goals met or missed."""
     lines = []
@@ -179,11 +323,24 @@ def render_details(records: list[dict[str, Any]]) -> str:
         if r.get("roofline_min_frame_ms") is not None:
             roof = (f"; decoder weights {r['decoder_weight_mb']:.0f} MB -> roofline "
                     f"{r['roofline_min_frame_ms']:.2f} ms/frame")
+        if r.get("cache_resident"):
+            roof = (f"; decoder weights {r['decoder_weight_mb']:.0f} MB fit the {_llc(r)}: cache-resident, "
+                    "no roofline")
+        elif r.get("roofline_frac_decoder") is not None:
+            roof += f" (bare decoder {r['roofline_frac_decoder']:.0%} of it)"
+        stream = ""
+        if r.get("first_audio_ms") is not None:
+            stream = (f"; stream: first audio {r['first_audio_ms']:.0f} ms after {r['first_audio_steps']} steps "
+                      f"(first chunk {r['stream_chunk_frames']} frames + {r['stream_context_frames']} context; "
+                      f"budget {r.get('first_audio_budget_ms') or math.nan:.0f} ms), "
+                      f"{r['stream_frames_per_s']:.1f} frames/s, codes "
+                      f"{'equal' if r.get('stream_codes_match') else 'DIFFER'}")
+        ctx = ", ".join(f"ctx {k.removeprefix('step_ms_ctx')} {v:.2f} ms" for k, v in r.items()
+                        if k.startswith("step_ms_ctx"))
         lines.append(f"{r['label']}: step ms [{parts}]; prefill {r.get('prefill_ms', 0):.0f} ms"
-                     f"{build}{roof}")
+                     f"{'; decoder step ' + ctx if ctx else ''}{stream}{build}{roof}")
     for goal, met, numbers in goal_checks(records):
-        state = "met" if met else "MISSED"
-        lines.append(f"goal {goal}: {numbers} -> {state}")
+        lines.append(f"goal {goal}: {numbers} -> {goal_state(met)}")
     return "\n".join(lines)
 
 
@@ -232,6 +389,7 @@ def write_html(out: Path) -> Path:
 
     records = [r for r in json.loads(out.read_text()) if r.get("kind") != "build"]
     path = out.with_suffix(".html")
-    marks = {"outside_decoder_frac": (GOAL_OUTSIDE_DECODER * 100, f"goal: under {GOAL_OUTSIDE_DECODER:.0%}")}
+    marks = {"outside_decoder_frac": (GOAL_OUTSIDE_DECODER * 100, f"goal: under {GOAL_OUTSIDE_DECODER:.0%}"),
+             "loop_over_decoder": (GOAL_LOOP_OVER_DECODER, f"goal: at most {GOAL_LOOP_OVER_DECODER:g}x")}
     path.write_text(bench_html(records, goal_checks(records), marks), encoding="utf-8")
     return path

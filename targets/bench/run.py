@@ -18,10 +18,12 @@ from higgs_pack.targets.bench.records import (
     _roofline,
     add_ratios,
     base_record,
+    first_audio_budget,
 )
 from higgs_pack.targets.bench.systems import (
     BENCH_TEXT,
     DEFAULT_BANDWIDTH_MIB,
+    DEFAULT_CONTEXTS,
     DEFAULT_FRAMES,
     DEFAULT_REPEATS,
     DEFAULT_SYSTEMS,
@@ -52,6 +54,7 @@ class BenchOptions:
     cache: str | None = None
     rebuild: bool = False
     bandwidth_mib: int = DEFAULT_BANDWIDTH_MIB
+    contexts: tuple[int, ...] = DEFAULT_CONTEXTS
     out: str | None = "dist/bench.json"
     append: bool = False
     timeout: float | None = None
@@ -124,7 +127,8 @@ def _bundle_for(spec: SystemSpec, options: BenchOptions, checkpoint: Path, cache
 
 def _machine() -> dict[str, Any]:
     cpu = cpu_info()
-    return {"cpu": cpu.model, "cores": cpu.logical_cpus, "python": platform.python_version(), "isa": cpu.isa}
+    return {"cpu": cpu.model, "cores": cpu.logical_cpus, "python": platform.python_version(), "isa": cpu.isa,
+            "llc_bytes": cpu.llc_bytes, "llc_level": cpu.llc_level}
 
 
 def run_bench(options: BenchOptions) -> list[dict[str, Any]]:
@@ -141,7 +145,8 @@ def run_bench(options: BenchOptions) -> list[dict[str, Any]]:
     checkpoint, ckpt_facts = _checkpoint(options, cache) if need_ckpt else (None, {})
     machine = _machine()
     common = {"frames": options.frames, "seed": options.seed, "temperature": options.temperature,
-              "top_k": options.top_k, "text": options.text, "warmup": options.warmup, "repeats": repeats}
+              "top_k": options.top_k, "text": options.text, "warmup": options.warmup, "repeats": repeats,
+              "contexts": list(options.contexts)}
 
     # 1. bundles first (builds are long and load the CPUs; nothing is timed meanwhile)
     prepared: list[tuple[SystemSpec, Path | None, dict[str, Any] | None, dict[str, Any]]] = []
@@ -199,6 +204,7 @@ def run_bench(options: BenchOptions) -> list[dict[str, Any]]:
         record["rounds_frames_per_s"] = [r["frames_per_s"] for r in runs]
         if spec.is_pytorch and record.get("decoder_weight_bytes"):
             record["decoder_weight_mb"] = record.pop("decoder_weight_bytes") / 1e6
+        record["first_audio_budget_ms"] = first_audio_budget(record)
         _roofline(record, bandwidth)
     add_ratios(records)
     return builds + records

@@ -23,7 +23,12 @@ import numpy as np
 
 from higgs_pack.exporters.result import tool_versions
 from higgs_pack.manifests.constants import RUNTIME_BACKENDS
-from higgs_pack.targets.bench.systems import DEFAULT_BANDWIDTH_MIB, PYTORCH
+from higgs_pack.targets.bench.systems import (
+    CONTEXT_STEPS,
+    DEFAULT_BANDWIDTH_MIB,
+    DEFAULT_CONTEXTS,
+    PYTORCH,
+)
 
 
 def _rss_now_mb() -> float | None:
@@ -85,7 +90,7 @@ def _instrument(pipeline: Any) -> dict[str, list[float]]:
     The EOC logit of codebook 0 is set to a large negative finite value (not -inf: the loop
     rejects non-finite logits), which keeps the random bench models from stopping early.
     """
-    logs: dict[str, list[float]] = {"decoder": [], "heads": [], "embed": [], "text_embed": []}
+    logs: dict[str, list[float]] = {"decoder": [], "heads": [], "embed": [], "text_embed": [], "codec": []}
     eoc = pipeline.constants.eoc
 
     def no_eoc(out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -99,12 +104,14 @@ def _instrument(pipeline: Any) -> dict[str, list[float]]:
     pipeline.audio_heads = _TimedRunner(pipeline.audio_heads, logs["heads"], no_eoc)
     pipeline.audio_embed = _TimedRunner(pipeline.audio_embed, logs["embed"])
     pipeline.text_embed = _TimedRunner(pipeline.text_embed, logs["text_embed"])
+    pipeline.audio_tokenizer = _TimedRunner(pipeline.audio_tokenizer, logs["codec"])
     return logs
 
 
 def _one_run(pipeline: Any, logs: dict[str, list[float]], text: str, frames: int,
-             options: Any) -> dict[str, Any]:
-    """One prompt -> loop -> codec decode, with per-step timestamps."""
+             options: Any) -> tuple[dict[str, Any], np.ndarray]:
+    """One prompt -> loop -> codec decode, with per-step timestamps; returns the numbers and
+    the codes (int64 [frames, N])."""
     from higgs_pack.runtime.generate import build_prompt, decode_codes, generate_codes
 
     for log in logs.values():
@@ -149,7 +156,126 @@ def _one_run(pipeline: Any, logs: dict[str, list[float]], text: str, frames: int
         "wall_s": t_end - t_start,
         "audio_s": audio_s,
         "rtf": (t_end - t_start) / audio_s,
+    }, result.codes
+
+
+def _stream_run(pipeline: Any, logs: dict[str, list[float]], text: str, frames: int, options: Any,
+                codes: np.ndarray) -> dict[str, Any]:
+    """The same request through the streaming API (:func:`higgs_pack.runtime.streaming.stream`,
+    default chunk schedule), with EOC suppressed as in :func:`_one_run`.
+
+    Returns:
+        ``first_audio_ms`` (the ``stream`` call to the first chunk, :attr:`SpeechStream.first_audio_s`),
+        ``stream_chunk_frames`` (the first chunk's frames), ``stream_context_frames`` (codec
+        context per side), ``first_audio_steps`` (decoder steps run before the first chunk),
+        ``first_chunk_codec_ms`` (codec decodes before the first chunk), ``stream_frames_per_s``
+        (decode steps per second between the first and the last step, chunk decodes included,
+        as ``frames_per_s``), ``stream_codes_match`` (the streamed codes equal ``codes``).
+
+    Raises:
+        RuntimeError: the stream stopped before ``frames`` frames.
+    """
+    from higgs_pack.runtime.streaming import FIRST_CHUNK_FRAMES, stream
+
+    for log in logs.values():
+        log.clear()
+    marks: list[float] = []
+    first_steps, first_codec_s = None, 0.0
+    speech = stream(pipeline, text, options=options, max_frames=frames,
+                    progress=lambda done, cap: marks.append(time.perf_counter()))
+    for _chunk in speech:
+        if first_steps is None:
+            first_steps, first_codec_s = len(marks), sum(logs["codec"])
+    got = speech.codes
+    if got.shape[0] != frames:
+        raise RuntimeError(f"the stream gave {got.shape[0]} frames, expected {frames}")
+    return {
+        "first_audio_ms": speech.first_audio_s * 1e3,
+        "stream_chunk_frames": FIRST_CHUNK_FRAMES,
+        "stream_context_frames": int(speech.context_frames),
+        "first_audio_steps": first_steps,
+        "first_chunk_codec_ms": first_codec_s * 1e3,
+        "stream_frames_per_s": (len(marks) - 1) / (marks[-1] - marks[0]),
+        "stream_codes_match": bool(np.array_equal(got, codes)),
     }
+
+
+def _decoder_only(decoder: Any, prompt: np.ndarray, step: np.ndarray, steps: int) -> dict[str, float]:
+    """The bare decoder (the pipeline's own ``Decoder``: its bindings and KV handling) driven
+    like the loop drives it, with nothing else: a prefill of ``prompt`` (float32 [1, P, H]),
+    then ``steps - 1`` one-position forwards of the fixed ``step`` (float32 [1, 1, H]), as
+    many as the loop's timed steps.
+
+    Returns:
+        ``decoder_only_frames_per_s``: those forwards per second (prefill excluded).
+    """
+    decoder.reset()
+    decoder.forward(prompt)
+    t = time.perf_counter()
+    for _ in range(steps - 1):
+        decoder.forward(step)
+    return {"decoder_only_frames_per_s": (steps - 1) / (time.perf_counter() - t)}
+
+
+def _context_steps(decoder: Any, prompt: np.ndarray, step: np.ndarray, contexts: list[int],
+                   steps: int = CONTEXT_STEPS) -> dict[str, float]:
+    """The bare decoder's step time at each context length ``L`` in ``contexts``.
+
+    A prefill of ``L`` positions (the rows of ``prompt`` repeated), one untimed step, then
+    ``steps`` timed one-position forwards of ``step`` (so they attend to ``L + 2`` …
+    ``L + steps + 1`` positions). Lengths the decoder cannot hold are skipped.
+
+    Returns:
+        ``step_ms_ctx<L>``: the median step, milliseconds.
+    """
+    out: dict[str, float] = {}
+    for length in contexts:
+        if length + steps + 1 > decoder.max_length:
+            continue
+        decoder.reset()
+        decoder.forward(np.resize(prompt[0], (length, prompt.shape[-1]))[None].astype(np.float32))
+        decoder.forward(step)
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            decoder.forward(step)
+            times.append(time.perf_counter() - t)
+        out[f"step_ms_ctx{length}"] = statistics.median(times) * 1e3
+    return out
+
+
+def kv_itemsize(decoder: Any) -> int | None:
+    """Bytes per element of the decoder's KV cache, read from the loaded decoder.
+
+    ONNX Runtime: the type of its ``past_key_values.*`` inputs; OpenVINO: the compiled
+    model's ``KV_CACHE_PRECISION`` (u8 by default on x86; the per-group scales it adds are
+    not counted); the PyTorch reference (``TorchDecoder``): 4, its layers run in float32
+    whatever the checkpoint's dtype. None when unknown.
+    """
+    session = getattr(decoder, "session", None)
+    if session is not None:
+        from higgs_pack.runtime.ort_backend import ORT_TYPES
+
+        past = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
+        return int(np.dtype(ORT_TYPES[past[0].type]).itemsize) if past else None
+    compiled = getattr(decoder, "compiled", None)
+    if compiled is not None:
+        try:
+            return int(compiled.get_property("KV_CACHE_PRECISION").size)
+        except Exception:  # the device has no such property (NPU, GPU plugins differ)
+            return None
+    if type(decoder).__name__ == "TorchDecoder":
+        return 4
+    return None
+
+
+def kv_bytes_per_position(constants: Any, itemsize: int | None) -> int | None:
+    """KV cache bytes one position holds (read once per later step): key and value, every
+    layer, ``2 * num_layers * num_key_value_heads * head_dim * itemsize``; None if the
+    itemsize is unknown."""
+    if itemsize is None:
+        return None
+    return 2 * constants.num_layers * constants.num_key_value_heads * constants.head_dim * itemsize
 
 
 def _median_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -227,16 +353,37 @@ def worker_measure(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("load_only"):
         info["peak_rss_mb"] = _peak_rss_mb()
         return info
+    bare = pipeline.decoder
     logs = _instrument(pipeline)
     options = SamplingOptions(temperature=spec["temperature"], top_k=spec["top_k"], top_p=1.0,
                               seed=spec["seed"], repeat_guard_frames=0)
+    text, frames = spec["text"], spec["frames"]
+    # fixed decoder inputs: the bench prompt, and the embedding of one frame of BOC codes
+    from higgs_pack.runtime.generate import build_prompt
+
+    c = pipeline.constants
+    prompt = build_prompt(pipeline, text).astype(np.float32)
+    step = pipeline.audio_embed.run({"codes": np.full((1, 1, c.num_codebooks), c.boc, dtype=np.int64)})
+    step = np.ascontiguousarray(step["audio_embeds"], dtype=np.float32)
     for _ in range(spec["warmup"]):
-        _one_run(pipeline, logs, spec["text"], spec["frames"], options)
-    runs = [_one_run(pipeline, logs, spec["text"], spec["frames"], options)
-            for _ in range(spec["repeats"])]
+        _, codes = _one_run(pipeline, logs, text, frames, options)
+        _stream_run(pipeline, logs, text, frames, options, codes)
+        _decoder_only(bare, prompt, step, frames + c.num_codebooks - 1)
+    runs = []
+    for _ in range(spec["repeats"]):  # the three ways side by side in every repeat
+        run, codes = _one_run(pipeline, logs, text, frames, options)
+        run.update(_stream_run(pipeline, logs, text, frames, options, codes))
+        run.update(_decoder_only(bare, prompt, step, run["steps"]))
+        runs.append(run)
+    out = {**info, **_median_runs(runs)}
+    out["stream_codes_match"] = all(r["stream_codes_match"] for r in runs)
+    out["loop_over_decoder"] = out["decoder_only_frames_per_s"] / out["frames_per_s"]
+    out.update(_context_steps(bare, prompt, step, list(spec.get("contexts", DEFAULT_CONTEXTS))))
+    itemsize = kv_itemsize(bare)
+    out.update({"kv_itemsize": itemsize, "kv_bytes_per_position": kv_bytes_per_position(c, itemsize)})
     # the 1-minute load average before and after: other work on the machine skews timings
     after = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    return {**info, **_median_runs(runs), "peak_rss_mb": _peak_rss_mb(), "loadavg_1m": [loadavg, after]}
+    return {**out, "peak_rss_mb": _peak_rss_mb(), "loadavg_1m": [loadavg, after]}
 
 
 def worker_checkpoint(spec: dict[str, Any]) -> dict[str, Any]:

@@ -130,6 +130,7 @@ def test_bench_html_from_records(tmp_path):
     assert any("outside the decoder" in a for a in alts) and any("first audio frame" in a for a in alts)
     text = " ".join(page.text)
     assert "Goals" in text and "openvino int4 >= cpu int4 frames/s" in text
+    assert "not measured" in text  # the full-size goals: no full-preset records
     assert json.loads(out.read_text())[0]["label"] == "pytorch"
 
 

@@ -364,7 +364,7 @@ def worker_measure(spec: dict[str, Any]) -> dict[str, Any]:
     c = pipeline.constants
     prompt = build_prompt(pipeline, text).astype(np.float32)
     step = pipeline.audio_embed.run({"codes": np.full((1, 1, c.num_codebooks), c.boc, dtype=np.int64)})
-    step = np.ascontiguousarray(step["audio_embeds"], dtype=np.float32)
+    step = np.array(step["audio_embeds"], dtype=np.float32, copy=True)  # runners may return views they reuse
     for _ in range(spec["warmup"]):
         _, codes = _one_run(pipeline, logs, text, frames, options)
         _stream_run(pipeline, logs, text, frames, options, codes)

@@ -97,10 +97,121 @@ class SamplingOptions:
         return self
 
 
+class Sampler:
+    """Draws one code per codebook for every frame of a request, from buffers made once.
+
+    All codebooks are sampled at once on the [N, V] logits (V = 1026), in float32 for
+    the selection and float64 for the probabilities; with top-p off (the default) a
+    draw allocates no arrays:
+
+    1. disallowed codes get -inf (one add of a preallocated 0 / -inf mask);
+    2. greedy (temperature 0): argmax;
+    3. top-k: the k-th largest logit of each row (an in-place partition of a copy) is
+       the threshold; codes below it get -inf.  Every code tied with the k-th largest
+       is kept (an arbitrary pick among ties would depend on the partition algorithm);
+    4. weights ``exp((x - max) / T)`` in float64 (zero for the dropped codes);
+    5. top-p (only when < 1; this step allocates): the smallest set of codes, most
+       likely first, whose mass reaches ``top_p``;
+    6. inverse CDF: with ``u`` from ``rng.random`` (N draws per frame), the code is the
+       first whose cumulative weight exceeds ``u`` times the row's total.
+
+    Same logits, options and generator state give the same codes as drawing from the
+    top-k codes alone in vocabulary order (the weights of the dropped codes are exact
+    zeros, which leave the running sums unchanged).
+
+    Args:
+        allowed: bool [N, V]; False entries are never drawn.
+        options: sampling options (validated).
+
+    Raises:
+        ValueError: invalid options.
+    """
+
+    def __init__(self, allowed: np.ndarray, options: SamplingOptions):
+        self.options = options.validate()
+        n, v = allowed.shape
+        self._mask = np.where(allowed, np.float32(0), np.float32(-np.inf)).astype(np.float32)
+        self._k = options.top_k if 0 < options.top_k < v else 0
+        self._x = np.empty((n, v), np.float32)
+        self._part = np.empty((n, v), np.float32)
+        self._kth = self._part[:, v - self._k : v - self._k + 1] if self._k else None
+        # Comparisons against a per-row value run on full-size copies of it: a broadcast
+        # [N, 1] operand makes the ufunc allocate iteration buffers (measured, numpy 2.4).
+        self._row32 = np.empty((n, v), np.float32)
+        self._row64 = np.empty((n, v), np.float64)
+        self._flags = np.empty((n, v), bool)
+        self._neg_inf = np.array(-np.inf, np.float32)
+        self._w = np.empty((n, v), np.float64)
+        self._cdf = np.empty((n, v), np.float64)
+        self._row = np.empty((n, 1), np.float64)
+        self._total = self._cdf[:, v - 1 :]
+        self._temperature = np.array(options.temperature, np.float64)
+        self._zero = np.array(0.0, np.float64)
+        self._below = np.empty((n, 1), np.float64)
+        self._u = np.empty(n, np.float64)
+        self._u_col = self._u[:, None]
+        self._codes = np.empty(n, np.int64)
+
+    def draw(self, logits: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """Draw one code per codebook.
+
+        Args:
+            logits: float32 [N, V] for one frame (finite).
+            rng: the request's generator (advanced by exactly N draws unless greedy).
+
+        Returns:
+            int64 [N]: a buffer of this sampler, overwritten by the next draw (copy to keep).
+        """
+        x = self._x
+        np.add(logits, self._mask, out=x)
+        if self.options.temperature == 0:
+            return x.argmax(axis=-1, out=self._codes)
+        if self._k:
+            np.copyto(self._part, x)
+            self._part.partition(x.shape[-1] - self._k, axis=-1)
+            np.copyto(self._row32, self._kth)
+            np.less(x, self._row32, out=self._flags)
+            np.copyto(x, self._neg_inf, where=self._flags)
+        w = self._w
+        np.copyto(w, x)
+        np.divide(w, self._temperature, out=w)
+        np.maximum.reduce(w, axis=-1, keepdims=True, out=self._row)
+        np.copyto(self._row64, self._row)
+        np.subtract(w, self._row64, out=w)
+        np.exp(w, out=w)
+        if self.options.top_p < 1.0:
+            _nucleus(w, self.options.top_p)
+        np.add.accumulate(w, axis=-1, out=self._cdf)
+        # u * total, kept below the total (rounding could reach it) so a drawable code is found.
+        rng.random(out=self._u)
+        np.multiply(self._u_col, self._total, out=self._u_col)
+        np.nextafter(self._total, self._zero, out=self._below)
+        np.minimum(self._u_col, self._below, out=self._u_col)
+        np.copyto(self._row64, self._u_col)
+        np.greater(self._cdf, self._row64, out=self._flags)
+        return self._flags.argmax(axis=-1, out=self._codes)
+
+
+def _nucleus(weights: np.ndarray, top_p: float) -> None:
+    """Zero, in place, the codes outside each row's nucleus: codes ranked by weight (ties in
+    vocabulary order) are dropped once the mass ranked above them reaches ``top_p``.
+
+    Args:
+        weights: float64 [N, V] non-negative; normalised in place to sum to 1 per row.
+    """
+    weights /= weights.sum(axis=-1, keepdims=True)
+    order = np.argsort(-weights, axis=-1, kind="stable")
+    ranked = np.take_along_axis(weights, order, axis=-1)
+    drop_ranked = (np.cumsum(ranked, axis=-1) - ranked) >= top_p
+    drop = np.zeros_like(drop_ranked)
+    np.put_along_axis(drop, order, drop_ranked, axis=-1)
+    weights[drop] = 0.0
+
+
 def sample_codes(
     logits: np.ndarray, allowed: np.ndarray, options: SamplingOptions, rng: np.random.Generator
 ) -> np.ndarray:
-    """Draw one code per codebook.
+    """Draw one code per codebook (a one-off :class:`Sampler`; the loop keeps one per request).
 
     Args:
         logits: float32 [N, V] (V = 1026) for one frame.
@@ -109,34 +220,6 @@ def sample_codes(
         rng: the request's generator (advanced by exactly N draws unless greedy).
 
     Returns:
-        int64 [N].
+        int64 [N], owned by the caller.
     """
-    # Selection (argmax, top-k) on the logits' own float32 values, which order exactly as their
-    # float64 copies; only the k kept values are widened to float64 for the probabilities.
-    x = np.where(allowed, logits, np.float32(-np.inf))
-    if options.temperature == 0:
-        return x.argmax(axis=-1).astype(np.int64)
-    keep = None
-    if 0 < options.top_k < x.shape[-1]:
-        # Work on the k best codes only (kept in vocabulary order, so the draw is the
-        # same as masking the rest): about half the per-frame sampling time.
-        keep = np.sort(np.argpartition(x, -options.top_k, axis=-1)[:, -options.top_k :], axis=-1)
-        x = np.take_along_axis(x, keep, axis=-1)
-    x = x.astype(np.float64) / options.temperature
-    x = x - x.max(axis=-1, keepdims=True)
-    probs = np.exp(x)
-    probs /= probs.sum(axis=-1, keepdims=True)
-    if options.top_p < 1.0:
-        order = np.argsort(-probs, axis=-1, kind="stable")
-        sorted_p = np.take_along_axis(probs, order, axis=-1)
-        drop_sorted = (np.cumsum(sorted_p, axis=-1) - sorted_p) >= options.top_p
-        drop = np.zeros_like(drop_sorted)
-        np.put_along_axis(drop, order, drop_sorted, axis=-1)
-        probs = np.where(drop, 0.0, probs)
-        probs /= probs.sum(axis=-1, keepdims=True)
-    cdf = np.cumsum(probs, axis=-1)
-    u = rng.random(probs.shape[0])[:, None] * cdf[:, -1:]
-    index = np.minimum((cdf <= u).sum(axis=-1), probs.shape[-1] - 1)
-    if keep is not None:
-        index = keep[np.arange(len(index)), index]
-    return index.astype(np.int64)
+    return Sampler(allowed, options).draw(logits, rng).copy()

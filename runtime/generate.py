@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from higgs_pack.manifests.errors import InputError, NumericalError
-from higgs_pack.runtime.delay import SamplingOptions, apply_delay, sample_codes, undo_delay
+from higgs_pack.runtime.delay import Sampler, SamplingOptions, apply_delay, undo_delay
 from higgs_pack.runtime.pipeline import Pipeline
 
 #: Frame cap per text token and its floor, when the caller gives no ``max_frames``.
@@ -203,7 +203,7 @@ def generate_steps(
     """
     options.validate()
     c = pipeline.constants
-    n, vocab = c.num_codebooks, c.audio_vocab_size
+    n, vocab, h = c.num_codebooks, c.audio_vocab_size, c.hidden_size
     prompt_len = prompt_embeds.shape[1]
     max_steps = max_frames + n - 1
     if prompt_len + max_steps > pipeline.decoder.max_length:
@@ -213,9 +213,18 @@ def generate_steps(
             "or the reference audio, or lower --max-frames"
         )
     rng = np.random.default_rng(options.seed)
-    base_allowed = np.zeros((n, vocab), dtype=bool)
-    base_allowed[:, : c.codebook_size] = True
-    base_allowed[0, c.eoc] = True  # only codebook 0 may start the end (MODEL.md)
+    allowed = np.zeros((n, vocab), dtype=bool)
+    allowed[:, : c.codebook_size] = True
+    allowed[0, c.eoc] = True  # only codebook 0 may start the end (MODEL.md)
+    # Everything a step touches is made here, once per request (issue 9: no per-step
+    # allocation): the sampler's work arrays, every step's codes (the rows handed out stay
+    # valid: a row is written once), the sub-parts' feeds and the finiteness flags.
+    sampler = Sampler(allowed, options)
+    delayed = np.empty((max_steps, n), dtype=np.int64)
+    last = np.empty((1, 1, h), dtype=np.float32)
+    step_codes = np.empty((1, 1, n), dtype=np.int64)
+    heads_feed, embed_feed = {"hidden_states": last}, {"codes": step_codes}
+    checks = _FiniteChecks(pipeline, {"hidden": (1, 1, h), "logits": (n, vocab)})
 
     start = time.perf_counter()
     decoder_s = 0.0
@@ -224,33 +233,36 @@ def generate_steps(
     t0 = time.perf_counter()
     hidden = pipeline.decoder.forward(prompt_embeds.astype(np.float32, copy=False))
     decoder_s += time.perf_counter() - t0
-    delayed: list[np.ndarray] = []
     eoc_step: int | None = None
     stop_reason = "max_frames"
     run_value, run_length = -1, 0
+    steps = 0
     for step in range(max_steps):
-        last = _check_finite("llm_decoder", hidden[:, -1:], pipeline)
-        if not last.any():
+        np.copyto(last, hidden[:, -1:])
+        checks.finite("llm_decoder", last, "hidden")
+        if not checks.any_nonzero(last, "hidden"):
             raise NumericalError(
                 f"llm_decoder returned an all-zero hidden state at step {step} on "
                 f"{pipeline.description.get('llm_decoder', 'its backend')}; run `higgs-pack verify`"
             )
-        logits = pipeline.audio_heads.run({"hidden_states": last})["audio_logits"]
-        logits = _check_finite("audio_heads", logits, pipeline)[0, -1].reshape(n, vocab)
-        codes = sample_codes(logits, base_allowed, options, rng)
+        # A view of the heads' buffer (valid until their next run): read before that.
+        logits = pipeline.audio_heads.run(heads_feed)["audio_logits"][0, -1].reshape(n, vocab)
+        checks.finite("audio_heads", logits, "logits")
+        codes = delayed[step]
+        np.copyto(codes, sampler.draw(logits, rng))
+        steps = step + 1
         if step < n - 1:
             codes[step + 1 :] = c.boc
         if eoc_step is not None:
             codes[: step - eoc_step + 1] = c.eoc
         elif codes[0] == c.eoc:
             eoc_step, stop_reason = step, "eoc"
-            codes[0] = c.eoc
         else:
-            run_length = run_length + 1 if codes[0] == run_value else 1
-            run_value = int(codes[0])
+            code0 = int(codes[0])
+            run_length = run_length + 1 if code0 == run_value else 1
+            run_value = code0
             if options.repeat_guard_frames and run_length >= options.repeat_guard_frames:
                 eoc_step, stop_reason = step + 1, "repeat_guard"
-        delayed.append(codes)
         if step == 0:
             first_frame_s = time.perf_counter() - start
         if progress is not None:
@@ -260,12 +272,13 @@ def generate_steps(
             break
         if step == max_steps - 1:
             break
-        embeds = _check_finite("audio_embed", pipeline.audio_embed.run({"codes": codes[None, None, :]})["audio_embeds"],
-                               pipeline)
+        np.copyto(step_codes[0, 0], codes)
+        embeds = pipeline.audio_embed.run(embed_feed)["audio_embeds"]
+        checks.finite("audio_embed", embeds, None)
         t0 = time.perf_counter()
-        hidden = pipeline.decoder.forward(embeds.astype(np.float32, copy=False))
+        hidden = pipeline.decoder.forward(embeds)
         decoder_s += time.perf_counter() - t0
-    delayed_arr = np.stack(delayed).astype(np.int64)
+    delayed_arr = delayed[:steps].copy()
     return GenerationResult(
         delayed=delayed_arr,
         codes=undo_delay(delayed_arr, c.codebook_size),
@@ -275,6 +288,32 @@ def generate_steps(
         seconds=time.perf_counter() - start,
         decoder_seconds=decoder_s,
     )
+
+
+class _FiniteChecks:
+    """The loop's per-step checks for NaN/inf and all-zero outputs, on flag buffers made once.
+
+    Args:
+        pipeline: for the error message.
+        shapes: buffer name -> shape of the arrays checked with it.
+    """
+
+    def __init__(self, pipeline: Pipeline, shapes: dict[str, tuple[int, ...]]):
+        self._pipeline = pipeline
+        self._flags = {name: np.empty(shape, dtype=bool) for name, shape in shapes.items()}
+
+    def finite(self, name: str, array: np.ndarray, buffer: str | None) -> None:
+        """Raise :class:`NumericalError` naming sub-part ``name`` if ``array`` holds NaN/inf
+        (``buffer``: the flags of its shape; None: an other shape, checked with a new array)."""
+        flags = self._flags.get(buffer) if buffer is not None else None
+        ok = np.isfinite(array, out=flags).all() if flags is not None and flags.shape == array.shape \
+            else np.isfinite(array).all()
+        if not ok:
+            _check_finite(name, array, self._pipeline)
+
+    def any_nonzero(self, array: np.ndarray, buffer: str) -> bool:
+        """Whether ``array`` (the shape of ``buffer``) has a non-zero element."""
+        return bool(np.not_equal(array, 0, out=self._flags[buffer]).any())
 
 
 def decode_codes(pipeline: Pipeline, codes: np.ndarray) -> np.ndarray:

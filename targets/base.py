@@ -41,8 +41,13 @@ DECODER_COSINE_THRESHOLDS = {**COSINE_THRESHOLDS, "int8": 0.97, "int4": 0.85}
 #: much quantization noise a random deep model amplifies.  Cosine alone misses scale
 #: errors (a codec weight x1.01, an embedding x1.05): this bound does not.
 EXPORT_REL_L2 = {"fp32": 1e-3, "fp16": 1e-2, "int8": 2e-2, "int4": 2e-2}
-#: The decoder stacks compute noise over its layers (36 at full size).
-DECODER_EXPORT_REL_L2 = {"fp32": 1e-2, "fp16": 0.05, "int8": 0.05, "int4": 0.05}
+#: The decoder stacks compute noise over its layers (36 at full size; the limit grows with
+#: sqrt(layers / 2), see ``higgs_pack.targets.build``).  Measured export errors of correct int4
+#: decoders (AMD EPYC, AVX2): 0.0063 (tiny, 2 layers), 0.047 (full, cpu: int8 activations of
+#: accuracy_level 4) and 0.018 (full, openvino); the subtlest mutation shown at full size, all
+#: q/k norms dropped, measured 0.225, so 0.03 (0.127 at 36 layers) passes the correct exports
+#: with a margin of 2.7x and fails that one by 1.8x, where 0.05 (0.212) failed it by only 6%.
+DECODER_EXPORT_REL_L2 = {"fp32": 1e-2, "fp16": 0.03, "int8": 0.03, "int4": 0.03}
 #: The codec encoder outputs codes: fraction of equal codes at fp32 (near-ties in
 #: the residual quantizer may flip under float reordering).
 CODE_AGREEMENT_THRESHOLD = 0.9

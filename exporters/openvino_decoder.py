@@ -142,7 +142,12 @@ def convert_llm_decoder(
     stored = getattr(torch, stored) if isinstance(stored, str) else stored
     load_dtype = stored if stored in (torch.bfloat16, torch.float16) else torch.float32
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=load_dtype).eval()
+    # The graph takes inputs_embeds and returns hidden states: neither the token embedding nor
+    # the (tied) LM head is traced, so both go before export (0.78 GB of bf16 at 4B dims,
+    # the margin between this step's measured 12.46 GB peak and the 12 GiB budget).
     model.lm_head = torch.nn.Identity()
+    model.model.embed_tokens = None
+    gc.collect()
     export_config = get_vlm_text_generation_config("qwen3", model.config, int_dtype="int64", float_dtype="fp32")
 
     out_dir.mkdir(parents=True, exist_ok=True)

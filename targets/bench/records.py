@@ -116,7 +116,8 @@ def add_ratios(records: list[dict[str, Any]]) -> None:
 
 
 #: One goal row: ``(goal, met, measured)``; ``met`` is None when the goal was not measured
-#: (its systems or preset are missing from the records, or the measure does not apply).
+#: (its systems or preset are missing from the records, or the measure does not apply), and
+#: ``measured`` then says why.
 Goal = tuple[str, bool | None, str]
 
 
@@ -151,7 +152,7 @@ def goal_checks(records: list[dict[str, Any]]) -> list[Goal]:
                      and r.get("device") in (None, "cpu", "CPU")), None)
 
     def missing(preset: str, goal: str, *what: str) -> None:
-        checks.append((f"[{preset}] {goal}", None, f"not measured: no {' / '.join(what)} record"))
+        checks.append((f"[{preset}] {goal}", None, f"no {' / '.join(what)} record"))
 
     for preset in presets:
         cpu4, ov4 = find(preset, "cpu", "int4"), find(preset, "openvino", "int4")
@@ -187,7 +188,7 @@ def goal_checks(records: list[dict[str, Any]]) -> list[Goal]:
                 value = r.get(key)
                 if value is None:
                     checks.append((f"[{preset}] {label}: {goal}", None,
-                                   "not measured: no record" if r.get("missing") else f"not measured: no {key}"))
+                                   "no record" if r.get("missing") else f"no {key}"))
                 else:
                     met, numbers = judge(value)
                     checks.append((f"[{preset}] {label}: {goal}", met, numbers))
@@ -200,7 +201,7 @@ def goal_checks(records: list[dict[str, Any]]) -> list[Goal]:
         checks.append((f"[{full}] {goal}", s <= GOAL_LONG_CONTEXT_STEP,
                        f"{cpu4['step_ms_ctx900']:.1f} / {cpu4['step_ms_ctx64']:.1f} ms = {s:.2f}x"))
     elif cpu4:
-        checks.append((f"[{full}] {goal}", None, "not measured: no step_ms_ctx64 / step_ms_ctx900"))
+        checks.append((f"[{full}] {goal}", None, "no step_ms_ctx64 / step_ms_ctx900"))
     else:
         missing(full, goal, "cpu-int4")
     goal = "cpu int4 decoder weight bytes <= openvino int4's"
@@ -214,9 +215,9 @@ def goal_checks(records: list[dict[str, Any]]) -> list[Goal]:
         if r is None:
             missing(full, goal, name)
         elif r.get("cache_resident"):
-            checks.append((f"[{full}] {goal}", None, "not measured: the decoder weights fit in the last-level cache"))
+            checks.append((f"[{full}] {goal}", None, "cache-resident: the decoder weights fit in the last-level cache"))
         elif r.get("roofline_frac_decoder") is None:
-            checks.append((f"[{full}] {goal}", None, "not measured: no bandwidth measurement"))
+            checks.append((f"[{full}] {goal}", None, "no bandwidth measurement"))
         else:
             f = r["roofline_frac_decoder"]
             checks.append((f"[{full}] {goal}", f >= GOAL_ROOFLINE, f"{f:.2f}"))
@@ -321,10 +322,10 @@ def render_details(records: list[dict[str, Any]]) -> str:
             build = f"; build {r['build_s']:.0f} s{' (cached)' if r.get('build_cached') else ''}"
         roof = ""
         if r.get("roofline_min_frame_ms") is not None:
-            roof = (f"; decoder weights {r['decoder_weight_mb']:.0f} MB -> roofline "
+            roof = (f"; decoder weights {r['decoder_weight_mb']:.3g} MB + KV {r.get('kv_read_mb_per_step', 0):.3g} MB/step -> roofline "
                     f"{r['roofline_min_frame_ms']:.2f} ms/frame")
         if r.get("cache_resident"):
-            roof = (f"; decoder weights {r['decoder_weight_mb']:.0f} MB fit the {_llc(r)}: cache-resident, "
+            roof = (f"; decoder weights {r['decoder_weight_mb']:.3g} MB fit the {_llc(r)}: cache-resident, "
                     "no roofline")
         elif r.get("roofline_frac_decoder") is not None:
             roof += f" (bare decoder {r['roofline_frac_decoder']:.0%} of it)"

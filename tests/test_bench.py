@@ -129,9 +129,15 @@ def test_ratios_goals_and_table(tmp_path):
     out = tmp_path / "bench.json"
     bench.write_records(records[:2], out)
     bench.write_records([records[2]], out, append=True)
-    assert [r["label"] for r in json.loads(out.read_text())] == ["pytorch", "cpu-int4", "openvino-int4"]
+    *written, goals_record = json.loads(out.read_text())
+    assert [r["label"] for r in written] == ["pytorch", "cpu-int4", "openvino-int4"]
+    # the goals of everything in the file, recorded once at its end
+    assert goals_record["kind"] == "goals"
+    recorded = {g["goal"]: (g["met"], g["measured"]) for g in goals_record["goals"]}
+    assert recorded["[bench] openvino int4 >= cpu int4 frames/s"] == (True, "1.20x")
+    assert recorded["[full] cpu int4 decoder weight bytes <= openvino int4's"][0] is None
     bench.write_records([records[2]], out)
-    assert len(json.loads(out.read_text())) == 1
+    assert [r.get("kind") for r in json.loads(out.read_text())] == [None, "goals"]
 
 
 def _measured(label, system, fps, preset="bench", **extra):
@@ -258,7 +264,8 @@ def test_bench_pytorch_on_tiny_checkpoint(tiny_checkpoint, tmp_path):
                        "--frames", "8", "--repeats", "1", "--bandwidth-mib", "32", "--cache",
                        str(tmp_path / "cache"), "--out", str(out), "--quiet"])
     assert code == 0
-    (record,) = json.loads(out.read_text())
+    record, goals = json.loads(out.read_text())
+    assert goals["kind"] == "goals" and all(g["met"] is None for g in goals["goals"])  # tiny: no speed goal
     check_record(record)
     assert (record["system"], record["precision"], record["preset"]) == ("pytorch", "fp32", "tiny")
     assert record["bundle_mb"] == pytest.approx(

@@ -307,6 +307,14 @@ def _llc(record: dict[str, Any]) -> str:
 def render_details(records: list[dict[str, Any]]) -> str:
     """Per-step breakdown, build and roofline facts, and the goals met or missed."""
     lines = []
+    machine = next((r["machine"] for r in records if r.get("machine")), None)
+    if machine:
+        isa = machine.get("isa") or {}
+        llc = f", {_llc({'machine': machine})}" if machine.get("llc_bytes") else ", last-level cache unknown"
+        load = next((r["loadavg_1m"] for r in records if r.get("loadavg_1m")), None)
+        lines.append(f"machine: {machine.get('cpu')}, {machine.get('cores')} logical CPUs, "
+                     f"{' '.join(isa.get('flags', [])) or 'no ISA flags'} (VNNI {'yes' if isa.get('vnni') else 'no'})"
+                     f"{llc}" + (f"; load average {load[0]:.2f} before the first system" if load and load[0] else ""))
     bw = next((r for r in records if r.get("bandwidth_gbps")), None)
     if bw:
         lines.append(f"memory bandwidth: read {bw['bandwidth_read_gbps']:.1f} GB/s ({bw['bandwidth_threads']} threads), "
@@ -368,15 +376,25 @@ def render_builds(builds: list[dict[str, Any]]) -> str:
 
 
 def write_records(records: list[dict[str, Any]], out: Path, append: bool = False) -> None:
-    """Write the records as a JSON list; ``append`` keeps earlier records of other systems."""
+    """Write the records as a JSON list; ``append`` keeps earlier records of other systems.
+
+    The list ends with one ``{"kind": "goals", "goals": [{"goal", "met", "measured"}, …]}``
+    record: :func:`goal_checks` of every measurement record written (``met`` null: not
+    measured); an earlier goals record is replaced.
+    """
     keep: list[dict[str, Any]] = []
     if append and out.is_file():
         fresh = {(r.get("kind"), r.get("label", r.get("system")), r["preset"]) for r in records}
         keep = [r for r in json.loads(out.read_text())
-                if (r.get("kind"), r.get("label", r.get("system")), r.get("preset")) not in fresh]
+                if r.get("kind") != "goals"
+                and (r.get("kind"), r.get("label", r.get("system")), r.get("preset")) not in fresh]
+    rows = keep + [r for r in records if r.get("kind") != "goals"]
+    measured = [r for r in rows if r.get("kind") is None]
+    goals = {"kind": "goals", "goals": [{"goal": g, "met": met, "measured": numbers}
+                                        for g, met, numbers in goal_checks(measured)]}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(keep + records, indent=2, default=str) + "\n")
+    tmp.write_text(json.dumps([*rows, goals], indent=2, default=str) + "\n")
     tmp.replace(out)
 
 
@@ -388,7 +406,7 @@ def write_html(out: Path) -> Path:
     """
     from higgs_pack.runtime.html_report import bench_html
 
-    records = [r for r in json.loads(out.read_text()) if r.get("kind") != "build"]
+    records = [r for r in json.loads(out.read_text()) if r.get("kind") is None]  # not builds, not goals
     path = out.with_suffix(".html")
     marks = {"outside_decoder_frac": (GOAL_OUTSIDE_DECODER * 100, f"goal: under {GOAL_OUTSIDE_DECODER:.0%}"),
              "loop_over_decoder": (GOAL_LOOP_OVER_DECODER, f"goal: at most {GOAL_LOOP_OVER_DECODER:g}x")}

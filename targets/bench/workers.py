@@ -247,8 +247,8 @@ def _context_steps(decoder: Any, prompt: np.ndarray, step: np.ndarray, contexts:
 def kv_itemsize(decoder: Any) -> int | None:
     """Bytes per element of the decoder's KV cache, read from the loaded decoder.
 
-    ONNX Runtime: the type of its ``past_key_values.*`` inputs; OpenVINO: the compiled
-    model's ``KV_CACHE_PRECISION`` (u8 by default on x86; the per-group scales it adds are
+    ONNX Runtime: the type of its ``past_key_values.*`` inputs; OpenVINO: those inputs' type
+    for the static (NPU) decoder, else the stateful model's compiled ``KV_CACHE_PRECISION`` (u8 by default on x86; the per-group scales it adds are
     not counted); the PyTorch reference (``TorchDecoder``): 4, its layers run in float32
     whatever the checkpoint's dtype. None when unknown.
     """
@@ -260,6 +260,9 @@ def kv_itemsize(decoder: Any) -> int | None:
         return int(np.dtype(ORT_TYPES[past[0].type]).itemsize) if past else None
     compiled = getattr(decoder, "compiled", None)
     if compiled is not None:
+        past = [p for p in compiled.inputs if p.get_any_name().startswith("past_key_values.")]
+        if past:  # the static (NPU) decoder: the cache is an input, read whole every step
+            return int(past[0].get_element_type().size)
         try:
             return int(compiled.get_property("KV_CACHE_PRECISION").size)
         except Exception:  # the device has no such property (NPU, GPU plugins differ)

@@ -257,7 +257,7 @@ def bench_html(records: list[dict[str, Any]], goals: Sequence[tuple[str, bool | 
             ``outside_decoder_frac``, ``roofline_frac``, ``cache_resident``, …).
         goals: ``(goal, met, measured)`` rows shown first; ``met`` None reads "not measured".
         marks: record key -> ``(value in the chart's unit, label)`` drawn as a dashed line
-            (a goal such as 15 % outside the decoder).
+            (a goal such as 5 % outside the decoder).
 
     Raises:
         HiggsPackError: matplotlib is missing (names the ``report`` extra).

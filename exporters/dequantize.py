@@ -220,13 +220,23 @@ class OpenVinoWeights:
 
     def weight_of(self, op: Any) -> np.ndarray:
         """float32 [N, K] of a MatMul whose second input is a constant (decompression) subgraph."""
+        return self.weights_of([op])[0]
 
-        source = op.input(1).get_source_output()
-        if not self._constant_only(source.get_node()):
-            raise BuildError(f"{self.xml}: MatMul {op.get_friendly_name()} has no constant weight")
-        w = self._evaluate(source)
-        transpose_b = op.get_attributes().get("transpose_b", False)
-        return np.ascontiguousarray(w if transpose_b else w.T)
+    def weights_of(self, ops: list[Any]) -> list[np.ndarray]:
+        """float32 [N, K] of each MatMul in ``ops``, evaluated in one compiled model (one
+        compilation per layer instead of one per weight: at full size the OpenVINO read-back
+        compiled 252 single-weight models per pass, most of a 15-minute golden step)."""
+        sources = []
+        for op in ops:
+            source = op.input(1).get_source_output()
+            if not self._constant_only(source.get_node()):
+                raise BuildError(f"{self.xml}: MatMul {op.get_friendly_name()} has no constant weight")
+            sources.append(source)
+        out = []
+        for op, w in zip(ops, self._evaluate(sources), strict=True):
+            transpose_b = op.get_attributes().get("transpose_b", False)
+            out.append(np.ascontiguousarray(w if transpose_b else w.T))
+        return out
 
     @staticmethod
     def _constant_only(node: Any, seen: set[int] | None = None) -> bool:
@@ -240,20 +250,24 @@ class OpenVinoWeights:
 
     def optimum_layer(self, layer: int) -> dict[str, np.ndarray]:
         """Layer ``layer``'s projection weights of an optimum-intel decoder IR, by Qwen3DecoderLayer name."""
-        out: dict[str, np.ndarray] = {}
+        names, ops = [], []
         for name, op in self.matmuls.items():
             match = OPTIMUM_NODE.search(name)
             if match and int(match.group(1)) == layer:
-                out[f"{match.group(2)}.{match.group(3)}.weight"] = self.weight_of(op)
+                names.append(f"{match.group(2)}.{match.group(3)}.weight")
+                ops.append(op)
+        out = dict(zip(names, self.weights_of(ops), strict=True)) if ops else {}
         return require_projections(out, layer, self.xml)
 
-    def _evaluate(self, source: Any) -> np.ndarray:
+    def _evaluate(self, sources: list[Any]) -> list[np.ndarray]:
+        """The f32 values of constant subgraph outputs, computed by OpenVINO's CPU plugin."""
         import openvino as ov
 
-        result = ov.opset13.result(ov.opset13.convert(source, "f32"))
-        compiled = self.core.compile_model(ov.Model([result], [], "weight"), "CPU",
+        results = [ov.opset13.result(ov.opset13.convert(source, "f32")) for source in sources]
+        compiled = self.core.compile_model(ov.Model(results, [], "weights"), "CPU",
                                            {"INFERENCE_PRECISION_HINT": "f32"})
-        return next(iter(compiled({}).values()))
+        values = compiled({})
+        return [values[compiled.output(i)] for i in range(len(results))]
 
     def single_weight(self) -> np.ndarray:
         """The one weight of a small sub-part IR: a Gather's table [rows, columns] or a
@@ -276,4 +290,4 @@ class OpenVinoWeights:
         kind, op = found[0]
         if kind == "MatMul":
             return self.weight_of(op)
-        return np.ascontiguousarray(self._evaluate(op.input(0).get_source_output()))
+        return np.ascontiguousarray(self._evaluate([op.input(0).get_source_output()])[0])

@@ -44,20 +44,33 @@ TRACEBACK_LINES = 12
 
 def tree_rss(pid: int | None = None) -> int:
     """Resident set size in bytes of process ``pid`` (default: this one) plus all its descendants."""
+    return tree_memory(pid)[0]
+
+
+def tree_memory(pid: int | None = None) -> tuple[int, int]:
+    """``(rss, anonymous)`` bytes of process ``pid`` (default: this one) plus all its descendants.
+
+    ``anonymous`` leaves out file-backed resident pages (``shared`` in psutil: memory-mapped
+    weights such as an OpenVINO IR's ``.bin`` or ONNX external data, and shared libraries),
+    which the kernel can drop and re-read under memory pressure; what is left must fit in
+    memory.
+    """
     import psutil
 
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
     except psutil.Error:
-        return 0
-    total = 0
+        return 0, 0
+    rss = anon = 0
     for proc in procs:
         try:
-            total += proc.memory_info().rss
+            info = proc.memory_info()
         except psutil.Error:
             continue
-    return total
+        rss += info.rss
+        anon += max(0, info.rss - getattr(info, "shared", 0))
+    return rss, anon
 
 
 class TreeMemory:
@@ -70,23 +83,30 @@ class TreeMemory:
     def __init__(self, interval_s: float = SAMPLE_INTERVAL_S) -> None:
         self.interval_s = interval_s
         self.peak = 0
+        self.peak_anon = 0
+        self.last_phase_anon = 0
         self._phase_peak = 0
+        self._phase_anon = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="higgs-pack-memory", daemon=True)
 
     def _sample(self) -> None:
-        rss = tree_rss()
+        rss, anon = tree_memory()
         self.peak = max(self.peak, rss)
         self._phase_peak = max(self._phase_peak, rss)
+        self.peak_anon = max(self.peak_anon, anon)
+        self._phase_anon = max(self._phase_anon, anon)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             self._sample()
 
     def mark(self) -> int:
-        """Peak bytes since the previous mark (or the start); starts a new phase."""
+        """Peak RSS bytes since the previous mark (or the start); starts a new phase.
+        The phase's anonymous peak is left in ``last_phase_anon``."""
         self._sample()
         peak, self._phase_peak = self._phase_peak, 0
+        self.last_phase_anon, self._phase_anon = self._phase_anon, 0
         return peak
 
     def __enter__(self) -> TreeMemory:
@@ -109,16 +129,20 @@ class StepRecord:
         seconds: wall time.
         peak_rss_mb: peak resident memory of the whole process tree during the step, MiB.
         detail: the step's own breakdown (for example seconds per sub-part).
+        peak_anon_mb: peak of its anonymous (not file-backed) resident memory, MiB.
     """
 
     name: str
     seconds: float
     peak_rss_mb: float
     detail: dict[str, Any] = field(default_factory=dict)
+    peak_anon_mb: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "seconds": round(self.seconds, 2),
-                "peak_rss_mb": round(self.peak_rss_mb, 1), **({"detail": self.detail} if self.detail else {})}
+                "peak_rss_mb": round(self.peak_rss_mb, 1),
+                **({"peak_anon_mb": round(self.peak_anon_mb, 1)} if self.peak_anon_mb is not None else {}),
+                **({"detail": self.detail} if self.detail else {})}
 
 
 def disk_note(folders: Iterable[str | Path]) -> str:
@@ -226,7 +250,7 @@ def run_step(
         raise BuildError(f"{name} failed: {message}{disk_note(folders)}")
     value = outcome.get("value")
     detail = value.pop("_detail", {}) if isinstance(value, dict) else {}
-    return value, StepRecord(name, seconds, peak / 2**20, detail)
+    return value, StepRecord(name, seconds, peak / 2**20, detail, monitor.last_phase_anon / 2**20)
 
 
 def _child(spec_path: str) -> int:

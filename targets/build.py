@@ -238,6 +238,7 @@ def build(
         manifest["build"]["seconds"] = round(time.perf_counter() - start, 2)
         manifest["build"]["resources"] = {
             "peak_rss_mb": round(memory.peak / 2**20, 1),
+            "peak_anon_mb": round(memory.peak_anon / 2**20, 1),
             "scratch_peak_mb": round(scratch.peak / 2**20, 1),
             "cpu": cpu_info().describe(),
             "phases": [p.to_dict() for p in phases],

@@ -291,6 +291,9 @@ def test_bench_cpu_bundle_built_then_reused(tiny_checkpoint, tmp_path):
     names = [p["name"] for p in build_rec["phases"]]
     assert any("llm_decoder" in n for n in names) and any("golden" in n for n in names) and names[-1].startswith("verif")
     assert all(p["peak_rss_mb"] <= build_rec["peak_rss_mb"] + 1 for p in build_rec["phases"])
+    # anonymous memory is part of the resident set (file-backed pages are the rest)
+    assert 0 < build_rec["peak_anon_mb"] <= build_rec["peak_rss_mb"]
+    assert all(0 < p["peak_anon_mb"] <= p["peak_rss_mb"] for p in build_rec["phases"])
     assert (cpu_rec["system"], cpu_rec["precision"], cpu_rec["backend"]) == ("cpu", "fp32", "onnxruntime")
     assert cpu_rec["build_cached"] is False and cpu_rec["build_s"] > 0
     assert cpu_rec["speedup_vs_pytorch"] == pytest.approx(cpu_rec["frames_per_s"] / torch_rec["frames_per_s"])

@@ -230,6 +230,7 @@ def build_record(spec: SystemSpec, manifest: dict[str, Any] | None, facts: dict[
         "build_s": manifest["build"].get("seconds"),
         "bundle_mb": round(sum(f["size"] for f in manifest["files"]) / 2**20, 1),
         "peak_rss_mb": resources.get("peak_rss_mb"),
+        "peak_anon_mb": resources.get("peak_anon_mb"),
         "scratch_peak_mb": resources.get("scratch_peak_mb"),
         "phases": resources.get("phases", []),
         "built_on": resources.get("cpu"),

@@ -211,6 +211,10 @@ class OvStatefulDecoder:
         max_length: Most positions one request may use (the manifest's
             ``max_position_embeddings`` or less).
         allow_fallback: See :class:`OvSubPart`.
+        share_inputs, share_outputs: ``InferRequest.infer``'s flags: read the inputs in place
+            and return the output as a view of the request's memory (then copied once into
+            the returned array) instead of copying them (on by default; measured by
+            ``python -m higgs_pack.targets.bench.ov_properties``).
 
     Attributes:
         compiled, device, description: As :class:`OvSubPart`.
@@ -226,9 +230,11 @@ class OvStatefulDecoder:
 
     def __init__(self, core: ov.Core, xml_path: str | os.PathLike, device: str,
                  cache_dir: str | os.PathLike | None = None, config: Mapping[str, Any] | None = None, *,
-                 max_length: int, allow_fallback: bool = False):
+                 max_length: int, allow_fallback: bool = False, share_inputs: bool = True,
+                 share_outputs: bool = True):
         self.path = Path(xml_path)
         self.max_length = int(max_length)
+        self._share = {"share_inputs": bool(share_inputs), "share_outputs": bool(share_outputs)}
         self.compiled, self.device, self.description = compile_ir(
             core, xml_path, device, cache_dir, config, allow_fallback=allow_fallback
         )
@@ -255,6 +261,10 @@ class OvStatefulDecoder:
             )
         self._inputs = inputs
         self._output = self.compiled.output(DECODER_OUTPUT)
+        # Made once: every step feeds views of these (the mask grows, the positions move).
+        self._mask = np.ones((1, self.max_length), dtype=inputs.get("attention_mask", np.int64))
+        self._positions = np.arange(self.max_length, dtype=inputs.get("position_ids", np.int64))[None]
+        self._beam = np.zeros((1,), dtype=inputs.get("beam_idx", np.int32))
         self.length = 0
 
     def reset(self) -> None:
@@ -283,11 +293,11 @@ class OvStatefulDecoder:
         check_decoder_room(total, self.max_length)
         feeds = {
             "inputs_embeds": np.ascontiguousarray(embeds, dtype=self._inputs["inputs_embeds"]),
-            "attention_mask": np.ones((1, total), dtype=np.int64),
-            "position_ids": np.arange(self.length, total, dtype=np.int64)[None],
-            "beam_idx": np.zeros((1,), dtype=np.int32),
+            "attention_mask": self._mask[:, :total],
+            "position_ids": self._positions[:, self.length:total],
+            "beam_idx": self._beam,
         }
-        feeds = {k: v.astype(self._inputs[k], copy=False) for k, v in feeds.items() if k in self._inputs}
-        results = self._request.infer(feeds, share_inputs=True, share_outputs=True)
+        feeds = {k: v for k, v in feeds.items() if k in self._inputs}
+        results = self._request.infer(feeds, **self._share)
         self.length = total
         return np.array(results[self._output], dtype=np.float32, copy=True)

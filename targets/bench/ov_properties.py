@@ -1,0 +1,291 @@
+"""OpenVINO decoder settings measured side by side on this machine (issue 9 item 3).
+
+``python -m higgs_pack.targets.bench.ov_properties [--preset bench] [--out FILE]`` times the
+bare stateful decoder (:class:`~higgs_pack.runtime.openvino_runners.OvStatefulDecoder`, no
+heads, embed or sampling) on the CPU device for:
+
+* compile properties on the default int4 IR (NNCF INT4_ASYM, group 128):
+  ``KV_CACHE_PRECISION`` u8 / f16 / f32, ``PERFORMANCE_HINT`` LATENCY / THROUGHPUT, and
+  ``InferRequest.infer``'s ``share_inputs``/``share_outputs`` on / off;
+* weight compression: INT4_ASYM and INT4_SYM at group sizes 128 and 64, each IR exported
+  by the openvino target's own decoder step (its recipe options laid over by a build
+  variant, :func:`export_weight_variants`), with the runtime's default properties;
+* the fp32 IR with f32 inference and KV precision: the reference every variant's hidden
+  states are compared with (``cosine``, ``rel_l2``; the fp32 IR matches the PyTorch
+  oracle to cosine 0.9999999, MODEL.md).
+
+Timing: one prompt of ``context`` random embeddings is prefilled per variant, then
+``repeats`` rounds of ``steps`` one-position steps run with the variants interleaved
+(round-robin, the order rotated every round), so load changes on a shared machine hit
+all of them alike; each variant reports its best round (``step_ms_best``) and the
+median round (``step_ms_median``), in ms per step.  The context grows by ``steps`` per
+round.  Every record carries the CPU model and ISA (:func:`higgs_pack.runtime.cpu.cpu_info`)
+and the load average before and after, because OpenVINO's int4 kernels depend on the ISA
+(dynamic activation quantization needs AVX2-VNNI or AVX-512-VNNI; without it int4
+weights are decompressed to f32).  The IRs are written under a scratch folder in the
+system temp folder and removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from higgs_pack.manifests.constants import SubPart
+
+#: Weight-compression variants of the int4 decoder: name -> options of the openvino target's
+#: decoder exporter (``convert_llm_decoder``'s ``symmetric`` / ``group_size``).
+WEIGHT_VARIANTS: dict[str, dict[str, Any]] = {
+    "int4_asym_g128": {"symmetric": False, "group_size": 128},
+    "int4_asym_g64": {"symmetric": False, "group_size": 64},
+    "int4_sym_g128": {"symmetric": True, "group_size": 128},
+    "int4_sym_g64": {"symmetric": True, "group_size": 64},
+}
+#: The IR the compile-property variants run on (the openvino target's int4 default).
+DEFAULT_WEIGHTS = "int4_asym_g128"
+#: The fp32 IR: the parity reference.
+REFERENCE = "fp32"
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One measured decoder configuration.
+
+    Attributes:
+        name: short label (``kv_f16``, ``hint_throughput``, ``int4_sym_g64``...).
+        weights: key of the IR (a :data:`WEIGHT_VARIANTS` name or :data:`REFERENCE`).
+        properties: CPU compile properties.
+        share: ``share_inputs`` and ``share_outputs`` of every ``infer`` call.
+        varies: what this setting changes from the runtime's default.
+    """
+
+    name: str
+    weights: str
+    properties: dict[str, str]
+    share: bool = True
+    varies: str = "default"
+
+
+def settings() -> list[Setting]:
+    """Every configuration measured: the runtime's default first, one change per setting."""
+    from higgs_pack.runtime.openvino_devices import decoder_compile_properties
+
+    default = decoder_compile_properties("int4", stateful=True)["CPU"]
+    out = [Setting("default", DEFAULT_WEIGHTS, dict(default))]
+    for kv in ("u8", "f16", "f32"):
+        if kv != default.get("KV_CACHE_PRECISION"):
+            out.append(Setting(f"kv_{kv}", DEFAULT_WEIGHTS, {**default, "KV_CACHE_PRECISION": kv}, varies="kv cache"))
+    for hint in ("LATENCY", "THROUGHPUT"):
+        if hint != default.get("PERFORMANCE_HINT"):
+            out.append(Setting(f"hint_{hint.lower()}", DEFAULT_WEIGHTS, {**default, "PERFORMANCE_HINT": hint},
+                               varies="performance hint"))
+    out.append(Setting("share_off", DEFAULT_WEIGHTS, dict(default), share=False, varies="share_inputs/outputs"))
+    for name in WEIGHT_VARIANTS:
+        if name != DEFAULT_WEIGHTS:
+            out.append(Setting(name, name, dict(default), varies="weight compression"))
+    out.append(Setting(REFERENCE, REFERENCE, {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": "f32",
+                                              "KV_CACHE_PRECISION": "f32"}, varies="reference"))
+    return out
+
+
+def export_weight_variants(checkpoint: Path, work: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Export the decoder IRs ``names`` (keys of :data:`WEIGHT_VARIANTS` and/or :data:`REFERENCE`)
+    the way ``higgs-pack build --target openvino`` does: the checkpoint remapped to a Qwen3
+    directory, then the target's decoder exporter with the options a build variant lays over
+    its recipe, each step in a child process (:func:`higgs_pack.exporters.process.run_step`).
+
+    Returns:
+        name -> ``{"xml": path, "bin_mb", "quantization", "export_s", "export_peak_rss_mb"}``.
+    """
+    from higgs_pack.exporters.process import run_step
+    from higgs_pack.targets.base import Variant, get_target
+    from higgs_pack.targets.plan import make_plan
+
+    target = get_target("openvino")
+    hf_dir, _ = run_step("higgs_pack.targets.steps:write_hf_dir",
+                         {"checkpoint": str(checkpoint), "out_dir": str(work / "qwen3-hf")},
+                         name="remapping the checkpoint to a Qwen3 directory", folders=[work], work_dir=work)
+    out: dict[str, dict[str, Any]] = {}
+    try:
+        for name in names:
+            if name == REFERENCE:
+                plan = make_plan(target, "fp32")
+            else:
+                variant = Variant(name, options={SubPart.LLM_DECODER: WEIGHT_VARIANTS[name]})
+                plan = make_plan(dataclasses.replace(target, variants=(*target.variants, variant)), "int4", name)
+            row = next(r for r in plan.rows if r.subpart == SubPart.LLM_DECODER)
+            bundle = work / name
+            result, record = run_step(
+                "higgs_pack.targets.steps:export_decoder",
+                {"hf_dir": hf_dir, "exporter": row.exporter.name, "part": row.subpart.value,
+                 "precision": row.precision, "bundle_dir": str(bundle), "work_dir": str(work / f"{name}-scratch"),
+                 "options": dict(row.options)},
+                name=f"exporting llm_decoder ({name})", folders=[work], work_dir=work)
+            xml = bundle / result["entry"]
+            out[name] = {"xml": str(xml), "bin_mb": round(xml.with_suffix(".bin").stat().st_size / 1e6, 2),
+                         "quantization": result["quantization"], "export_s": round(record.seconds, 1),
+                         "export_peak_rss_mb": round(record.peak_rss_mb, 1)}
+    finally:
+        shutil.rmtree(hf_dir, ignore_errors=True)
+    return out
+
+
+def _load() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def measure(irs: dict[str, dict[str, Any]], chosen: list[Setting], *, hidden: int, context: int, steps: int,
+            repeats: int, seed: int = 0) -> list[dict[str, Any]]:
+    """Time every setting's decoder step at one context length, interleaved, and compare its
+    hidden states with the :data:`REFERENCE` setting's (same inputs).
+
+    Args:
+        irs: from :func:`export_weight_variants`.
+        chosen: the settings (the reference among them for parity).
+        hidden: the decoder's hidden size.
+        context: prompt positions prefilled before the timed steps.
+        steps: one-position steps per round.
+        repeats: rounds per setting.
+
+    Returns:
+        One record per setting: ``setting``, ``weights``, ``properties``, ``share``,
+        ``varies``, ``context``, ``step_ms_best``, ``step_ms_median``, ``rounds_ms``,
+        ``prefill_ms`` and, against the reference's hidden states of the first round,
+        ``cosine`` and ``rel_l2`` (worst step).
+    """
+    import openvino as ov
+
+    from higgs_pack.runtime.openvino_runners import OvStatefulDecoder
+    from higgs_pack.runtime.report import compare, rel_l2
+
+    rng = np.random.default_rng(seed)
+    prompt = rng.standard_normal((1, context, hidden)).astype(np.float32)
+    feeds = rng.standard_normal((repeats * steps, 1, 1, hidden)).astype(np.float32)
+    core = ov.Core()
+    decoders, records = {}, {}
+    for s in chosen:
+        decoders[s.name] = OvStatefulDecoder(core, irs[s.weights]["xml"], "CPU", None, s.properties,
+                                             max_length=context + repeats * steps + 1, share_inputs=s.share,
+                                             share_outputs=s.share)
+        t = time.perf_counter()
+        decoders[s.name].forward(prompt)
+        records[s.name] = {"setting": s.name, "weights": s.weights, "properties": s.properties, "share": s.share,
+                           "varies": s.varies, "context": context, "prefill_ms": round(1e3 * (time.perf_counter() - t), 2),
+                           "rounds_ms": [], "hidden": []}
+    order = [s.name for s in chosen]
+    for r in range(repeats):
+        rotated = order[r % len(order):] + order[: r % len(order)]
+        for name in rotated:
+            decoder, rec = decoders[name], records[name]
+            outs = []
+            t = time.perf_counter()
+            for x in feeds[r * steps:(r + 1) * steps]:
+                outs.append(decoder.forward(x))
+            rec["rounds_ms"].append(round(1e3 * (time.perf_counter() - t) / steps, 3))
+            if r == 0:
+                rec["hidden"] = outs
+    reference = records.get(REFERENCE)
+    out = []
+    for name in order:
+        rec = records[name]
+        rec["step_ms_best"] = min(rec["rounds_ms"])
+        rec["step_ms_median"] = round(statistics.median(rec["rounds_ms"]), 3)
+        if reference is not None:
+            pairs = list(zip(reference["hidden"], rec["hidden"], strict=True))
+            rec["cosine"] = round(min(compare(a, b, "cosine")[0] for a, b in pairs), 6)
+            rec["rel_l2"] = round(max(rel_l2(a, b) for a, b in pairs), 6)
+        out.append(rec)
+    for rec in out:
+        rec.pop("hidden")
+    return out
+
+
+def run(preset: str = "bench", *, seed: int = 0, contexts: tuple[int, ...] = (64, 768), steps: int = 16,
+        repeats: int = 5, keep: bool = False) -> dict[str, Any]:
+    """Export the IRs, measure every setting at every context, and return the report.
+
+    Returns:
+        ``{"machine": {"cpu", "isa", "vnni", "logical_cpus"}, "openvino", "preset", "steps",
+        "repeats", "weights": {name: export facts}, "results": [records of :func:`measure`,
+        each with "cpu", "isa", "load_before", "load_after"]}``.
+    """
+    from higgs_pack.runtime.cpu import cpu_info
+    from higgs_pack.runtime.openvino_devices import runtime_versions
+    from higgs_pack.targets.build import default_checkpoint
+
+    cpu = cpu_info()
+    checkpoint = default_checkpoint(preset, seed)
+    hidden = int(json.loads((checkpoint / "config.json").read_text())["text_config"]["hidden_size"])
+    chosen = settings()
+    work = Path(tempfile.mkdtemp(prefix="higgs-pack-ov-properties-"))
+    try:
+        irs = export_weight_variants(checkpoint, work, list(dict.fromkeys(s.weights for s in chosen)))
+        results = []
+        for context in contexts:
+            before = _load()
+            rows = measure(irs, chosen, hidden=hidden, context=context, steps=steps, repeats=repeats, seed=seed)
+            after = _load()
+            for row in rows:
+                row.update({"cpu": cpu.model, "isa": cpu.isa["flags"], "vnni": cpu.isa["vnni"],
+                            "load_before": before, "load_after": after})
+            results += rows
+    finally:
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+    for facts in irs.values():
+        facts.pop("xml")
+    return {"machine": {"cpu": cpu.describe(), "model": cpu.model, "isa": cpu.isa, "logical_cpus": cpu.logical_cpus},
+            **runtime_versions(), "preset": preset, "steps": steps, "repeats": repeats, "weights": irs,
+            "results": results}
+
+
+def table(report: dict[str, Any]) -> str:
+    """The report as a text table (one row per setting and context)."""
+    lines = [f"{report['machine']['cpu']}, openvino {report['openvino']}, preset {report['preset']}, "
+             f"{report['steps']} steps x {report['repeats']} rounds",
+             f"{'setting':<17}{'weights':<16}{'ctx':>5}{'best ms':>9}{'median':>9}{'cosine':>10}{'rel_l2':>9}"
+             f"{'bin MB':>8}  load"]
+    for row in report["results"]:
+        mb = report["weights"][row["weights"]]["bin_mb"]
+        lines.append(f"{row['setting']:<17}{row['weights']:<16}{row['context']:>5}{row['step_ms_best']:>9.2f}"
+                     f"{row['step_ms_median']:>9.2f}{row.get('cosine', float('nan')):>10.5f}"
+                     f"{row.get('rel_l2', float('nan')):>9.4f}{mb:>8.1f}  {row['load_before']}->{row['load_after']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m higgs_pack.targets.bench.ov_properties",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="bench", choices=("tiny", "bench"),
+                   help="checkpoint preset (the full preset is the lead's: not offered here)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--contexts", type=int, nargs="+", default=[64, 768], help="prompt positions before the steps")
+    p.add_argument("--steps", type=int, default=16, help="one-position steps per round")
+    p.add_argument("--repeats", type=int, default=5, help="rounds per setting (best and median reported)")
+    p.add_argument("--out", type=Path, help="write the JSON report here")
+    p.add_argument("--keep", action="store_true", help="keep the exported IRs (their folder is printed)")
+    args = p.parse_args(argv)
+    report = run(args.preset, seed=args.seed, contexts=tuple(args.contexts), steps=args.steps,
+                 repeats=args.repeats, keep=args.keep)
+    print(table(report))
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

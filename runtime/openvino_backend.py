@@ -30,6 +30,7 @@ from higgs_pack.runtime.openvino_devices import (
 )
 from higgs_pack.runtime.openvino_runners import OvStatefulDecoder, OvSubPart, check_signature
 from higgs_pack.runtime.openvino_static_runners import OvStaticKVDecoder, OvStaticSubPart
+from higgs_pack.runtime.pipeline import ModelConstants, step_input_shapes
 
 
 def open_openvino_parts(bundle: Any, *, device: str | None = None, allow_fallback: bool = False,
@@ -63,6 +64,7 @@ def open_openvino_parts(bundle: Any, *, device: str | None = None, allow_fallbac
         cache_dir = cache_root() / "openvino" / f"{m['name']}-{m['model']['checkpoint_sha256'][:12]}"
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
     parts: dict[str, Any] = {"description": {}}
+    constants = ModelConstants.from_dict(m["constants"])
     for part, spec in m["subparts"].items():
         xml = bundle.file(spec["entry"])
         options = spec["options"]
@@ -84,7 +86,8 @@ def open_openvino_parts(bundle: Any, *, device: str | None = None, allow_fallbac
             runner = OvStaticSubPart(core, xml, part_device, cache_dir, config, chunking=options["chunking"],
                                      subpart=part, allow_fallback=allow_fallback)
         else:
-            runner = OvSubPart(core, xml, part_device, cache_dir, config, allow_fallback=allow_fallback)
+            runner = OvSubPart(core, xml, part_device, cache_dir, config, allow_fallback=allow_fallback,
+                               step_inputs=step_input_shapes(part, constants))
         check_signature(runner, part, spec)
         parts[part] = runner
         pinned = f" (pinned by the manifest instead of {chosen})" if part_device != chosen else ""

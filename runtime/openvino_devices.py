@@ -166,8 +166,14 @@ def precision_config(device: str, precision: str, *, stateful: bool = False) -> 
 
 #: KV cache element type the CPU plugin keeps for a stateful decoder, per bundle precision.
 #: u8 (the plugin's x86 default, made explicit): a quarter of f32's bytes read per step, what
-#: matters once the cache is long (full size: 0.97 of the weight-read roofline with u8, MODEL.md);
-#: on the tiny model, whose cache is a few KB, f32/f16 measured faster (quantizing dominates).
+#: matters once the cache is long (full size, Intel AVX-512 VNNI: 0.97 of the weight-read
+#: roofline with u8, MODEL.md).  Measured on an AMD EPYC, AVX2 only, no VNNI (bench preset,
+#: int4 decoder, ``python -m higgs_pack.targets.bench.ov_properties``, 15 interleaved rounds
+#: of 8 steps, load 4.5-6 on 2 cores; best / median ms per step): u8 19.7 / 24.1, f16
+#: 18.5 / 23.5, f32 20.1 / 25.7 at 64 positions; u8 22.5 / 26.5, f16 22.0 / 25.3, f32
+#: 23.5 / 29.9 at 768 positions; the same hidden states to 4 digits.  The bench cache (6 MB
+#: in u8 at 768 positions) is too small there to separate them, so the default stays u8,
+#: the choice for long caches; a VNNI CPU may rank them differently.
 KV_CACHE_PRECISION = {"int4": "u8", "int8": "u8", "fp16": "f16", "fp32": "f32"}
 
 
@@ -177,9 +183,16 @@ def decoder_compile_properties(precision: str, *, stateful: bool) -> dict[str, d
     entry of the device it compiles for.
 
     * every device: ``PERFORMANCE_HINT=LATENCY``: one request at a time (speech is one
-      sequential decode), all cores on it, whatever a future OpenVINO's default is;
+      sequential decode), all cores on it, whatever a future OpenVINO's default is.
+      Measured on the CPU (AMD EPYC, AVX2, bench preset, as :data:`KV_CACHE_PRECISION`):
+      THROUGHPUT 20.0 / 28.4 ms vs LATENCY 19.7 / 24.1 ms per step at 64 positions,
+      25.8 / 35.1 vs 22.5 / 26.5 at 768 (best / median): never faster;
     * CPU, stateful decoder: ``KV_CACHE_PRECISION`` from :data:`KV_CACHE_PRECISION`
       (the static npu decoder keeps its KV in buffers the runtime owns: nothing to set).
+
+    ``share_inputs``/``share_outputs`` are not compile properties: the runners always pass
+    them to ``infer`` (off measured 17.7 / 23.9 and 21.6 / 27.2 ms, the same within noise:
+    the bench decoder's copies are 4 KB a step; on, they avoid the copies at any size).
 
     Args:
         precision: the decoder's precision.

@@ -415,3 +415,24 @@ def test_plan_equals_manifest(ov_bundles):
     for bundle in ov_bundles.values():
         m = read_manifest(bundle)
         assert plan_mismatches(make_plan(m["target"], m["precision"], m["variant"]), m["subparts"]) == []
+
+
+@pytest.mark.parametrize("variant", ["int4", "npu"])
+def test_step_outputs_as_views_give_the_codes_of_copies(ov_bundles, variant):
+    """The heads and embed return their per-step outputs as views of the request's tensors
+    (no copy per frame); the loop draws the same codes as with copied outputs."""
+    from higgs_pack.runtime.delay import SamplingOptions
+    from higgs_pack.runtime.openvino_runners import OvSubPart
+
+    pipeline = load(ov_bundles[variant], device="CPU")
+    options = SamplingOptions(seed=9)
+    views = synthesize(pipeline, "Views or copies.", options=options, max_frames=60)
+    heads, embed = pipeline.audio_heads, pipeline.audio_embed
+    h = pipeline.constants.hidden_size
+    first = heads.run({"hidden_states": np.ones((1, 1, h), np.float32)})["audio_logits"]
+    second = heads.run({"hidden_states": np.full((1, 1, h), 2, np.float32)})["audio_logits"]
+    assert np.shares_memory(first, second)  # one buffer, overwritten by the next step
+    core = ov.Core()
+    pipeline.audio_heads, pipeline.audio_embed = (OvSubPart(core, r.path, "CPU") for r in (heads, embed))
+    copies = synthesize(pipeline, "Views or copies.", options=options, max_frames=60)
+    assert np.array_equal(views.codes, copies.codes) and len(views.codes) > 8

@@ -19,7 +19,7 @@ Timing: one prompt of ``context`` random embeddings is prefilled per variant, th
 (round-robin, the order rotated every round), so load changes on a shared machine hit
 all of them alike; each variant reports its best round (``step_ms_best``) and the
 median round (``step_ms_median``), in ms per step.  The context grows by ``steps`` per
-round.  Every record carries the CPU model and ISA (:func:`higgs_pack.runtime.cpu.cpu_info`)
+round (defaults: 15 rounds of 8 steps).  Every record carries the CPU model and ISA (:func:`higgs_pack.runtime.cpu.cpu_info`)
 and the load average before and after, because OpenVINO's int4 kernels depend on the ISA
 (dynamic activation quantization needs AVX2-VNNI or AVX-512-VNNI; without it int4
 weights are decompressed to f32).  The IRs are written under a scratch folder in the
@@ -113,12 +113,21 @@ def export_weight_variants(checkpoint: Path, work: Path, names: list[str]) -> di
     from higgs_pack.targets.plan import make_plan
 
     target = get_target("openvino")
+    out: dict[str, dict[str, Any]] = {}
+    for name in names:
+        done = work / name / "done.json"
+        if done.is_file():  # exported by an earlier run into the same work folder
+            out[name] = json.loads(done.read_text(encoding="utf-8"))
+    if len(out) == len(names):
+        return out
     hf_dir, _ = run_step("higgs_pack.targets.steps:write_hf_dir",
                          {"checkpoint": str(checkpoint), "out_dir": str(work / "qwen3-hf")},
                          name="remapping the checkpoint to a Qwen3 directory", folders=[work], work_dir=work)
-    out: dict[str, dict[str, Any]] = {}
     try:
         for name in names:
+            if name in out:
+                continue
+            done = work / name / "done.json"
             if name == REFERENCE:
                 plan = make_plan(target, "fp32")
             else:
@@ -136,6 +145,7 @@ def export_weight_variants(checkpoint: Path, work: Path, names: list[str]) -> di
             out[name] = {"xml": str(xml), "bin_mb": round(xml.with_suffix(".bin").stat().st_size / 1e6, 2),
                          "quantization": result["quantization"], "export_s": round(record.seconds, 1),
                          "export_peak_rss_mb": round(record.peak_rss_mb, 1)}
+            done.write_text(json.dumps(out[name]), encoding="utf-8")
     finally:
         shutil.rmtree(hf_dir, ignore_errors=True)
     return out
@@ -214,9 +224,13 @@ def measure(irs: dict[str, dict[str, Any]], chosen: list[Setting], *, hidden: in
     return out
 
 
-def run(preset: str = "bench", *, seed: int = 0, contexts: tuple[int, ...] = (64, 768), steps: int = 16,
-        repeats: int = 5, keep: bool = False) -> dict[str, Any]:
+def run(preset: str = "bench", *, seed: int = 0, contexts: tuple[int, ...] = (64, 768), steps: int = 8,
+        repeats: int = 15, work: Path | None = None) -> dict[str, Any]:
     """Export the IRs, measure every setting at every context, and return the report.
+
+    Args:
+        work: folder for the IRs, kept and reused by later runs (IRs already there are not
+            exported again); default a scratch folder removed at the end.
 
     Returns:
         ``{"machine": {"cpu", "isa", "vnni", "logical_cpus"}, "openvino", "preset", "steps",
@@ -231,7 +245,9 @@ def run(preset: str = "bench", *, seed: int = 0, contexts: tuple[int, ...] = (64
     checkpoint = default_checkpoint(preset, seed)
     hidden = int(json.loads((checkpoint / "config.json").read_text())["text_config"]["hidden_size"])
     chosen = settings()
-    work = Path(tempfile.mkdtemp(prefix="higgs-pack-ov-properties-"))
+    keep = work is not None
+    work = Path(work) if keep else Path(tempfile.mkdtemp(prefix="higgs-pack-ov-properties-"))
+    work.mkdir(parents=True, exist_ok=True)
     try:
         irs = export_weight_variants(checkpoint, work, list(dict.fromkeys(s.weights for s in chosen)))
         results = []
@@ -246,8 +262,7 @@ def run(preset: str = "bench", *, seed: int = 0, contexts: tuple[int, ...] = (64
     finally:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
-    for facts in irs.values():
-        facts.pop("xml")
+    irs = {name: {k: v for k, v in facts.items() if k != "xml"} for name, facts in irs.items()}
     return {"machine": {"cpu": cpu.describe(), "model": cpu.model, "isa": cpu.isa, "logical_cpus": cpu.logical_cpus},
             **runtime_versions(), "preset": preset, "steps": steps, "repeats": repeats, "weights": irs,
             "results": results}
@@ -274,13 +289,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="checkpoint preset (the full preset is the lead's: not offered here)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--contexts", type=int, nargs="+", default=[64, 768], help="prompt positions before the steps")
-    p.add_argument("--steps", type=int, default=16, help="one-position steps per round")
-    p.add_argument("--repeats", type=int, default=5, help="rounds per setting (best and median reported)")
+    p.add_argument("--steps", type=int, default=8, help="one-position steps per round")
+    p.add_argument("--repeats", type=int, default=15, help="rounds per setting (best and median reported)")
     p.add_argument("--out", type=Path, help="write the JSON report here")
-    p.add_argument("--keep", action="store_true", help="keep the exported IRs (their folder is printed)")
+    p.add_argument("--work", type=Path, help="keep the exported IRs in this folder and reuse them in later runs "
+                   "(default: a scratch folder, removed)")
     args = p.parse_args(argv)
     report = run(args.preset, seed=args.seed, contexts=tuple(args.contexts), steps=args.steps,
-                 repeats=args.repeats, keep=args.keep)
+                 repeats=args.repeats, work=args.work)
     print(table(report))
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")

@@ -417,21 +417,24 @@ def test_plan_equals_manifest(ov_bundles):
         assert plan_mismatches(make_plan(m["target"], m["precision"], m["variant"]), m["subparts"]) == []
 
 
-@pytest.mark.parametrize("variant", ["int4", "npu"])
-def test_step_outputs_as_views_give_the_codes_of_copies(ov_bundles, variant):
-    """The heads and embed return their per-step outputs as views of the request's tensors
-    (no copy per frame); the loop draws the same codes as with copied outputs."""
+def test_step_outputs_as_views_give_the_codes_of_copies(ov_bundles):
+    """The heads and embed of the openvino bundle return their per-step outputs as views of the
+    request's tensors (no copy per frame); the loop draws the same codes as with copied outputs.
+    (The npu variant's static runners pad and copy: not covered.)"""
     from higgs_pack.runtime.delay import SamplingOptions
     from higgs_pack.runtime.openvino_runners import OvSubPart
 
-    pipeline = load(ov_bundles[variant], device="CPU")
+    pipeline = load(ov_bundles["int4"], device="CPU")
     options = SamplingOptions(seed=9)
     views = synthesize(pipeline, "Views or copies.", options=options, max_frames=60)
     heads, embed = pipeline.audio_heads, pipeline.audio_embed
+    assert isinstance(heads, OvSubPart) and isinstance(embed, OvSubPart)
     h = pipeline.constants.hidden_size
     first = heads.run({"hidden_states": np.ones((1, 1, h), np.float32)})["audio_logits"]
     second = heads.run({"hidden_states": np.full((1, 1, h), 2, np.float32)})["audio_logits"]
     assert np.shares_memory(first, second)  # one buffer, overwritten by the next step
+    wide = heads.run({"hidden_states": np.ones((1, 3, h), np.float32)})["audio_logits"]
+    assert not np.shares_memory(wide, second)  # other shapes: arrays of their own
     core = ov.Core()
     pipeline.audio_heads, pipeline.audio_embed = (OvSubPart(core, r.path, "CPU") for r in (heads, embed))
     copies = synthesize(pipeline, "Views or copies.", options=options, max_frames=60)

@@ -243,9 +243,9 @@ def run_step(
         shutil.rmtree(spec_dir, ignore_errors=True)
     if "error" in outcome:
         error = outcome["error"]
-        cls = getattr(errors, error["type"], None)
+        cls = getattr(errors, error.get("type", ""), None)  # only our own errors carry a type
         message = error["message"]
-        if not error.get("wrapped") and isinstance(cls, type) and issubclass(cls, HiggsPackError):
+        if isinstance(cls, type) and issubclass(cls, HiggsPackError):
             raise cls(message)  # our own error, with its own words
         raise BuildError(f"{name} failed: {message}{disk_note(folders)}")
     value = outcome.get("value")
@@ -269,17 +269,16 @@ def _child(spec_path: str) -> int:
     except HiggsPackError as exc:
         outcome = {"error": {"type": type(exc).__name__, "message": str(exc)}}
     except MemoryError:
-        outcome = {"error": {"type": "BuildError", "wrapped": True,
-                             "message": "out of memory (MemoryError); build on a machine with more memory"}}
+        outcome = {"error": {"message": "out of memory (MemoryError); build on a machine with more memory"}}
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             message = f"out of disk space ({exc})"
         else:
             message = f"{type(exc).__name__}: {exc}"
-        outcome = {"error": {"type": "BuildError", "wrapped": True, "message": message}}
+        outcome = {"error": {"message": message}}
     except BaseException as exc:  # anything else: the message and the tail of the traceback
         tail = "".join(traceback.format_exception(exc)[-TRACEBACK_LINES:])
-        outcome = {"error": {"type": "BuildError", "wrapped": True, "message": f"{type(exc).__name__}: {exc}\n{tail}"}}
+        outcome = {"error": {"message": f"{type(exc).__name__}: {exc}\n{tail}"}}
     result.write_text(json.dumps(outcome))
     return 0
 

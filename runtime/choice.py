@@ -41,7 +41,7 @@ from higgs_pack.manifests.constants import (
     ChoiceRung,
 )
 from higgs_pack.manifests.errors import BundleError
-from higgs_pack.manifests.manifest import placement_of
+from higgs_pack.manifests.manifest import check_files, placement_of
 
 PRECISION_SPEED = {"int4": 0, "int8": 1, "fp16": 2, "fp32": 3}
 
@@ -194,17 +194,21 @@ def _speed_words(c: Candidate, bench: Mapping[str, float]) -> str:
 
 
 def _damaged(manifest: Mapping[str, Any], root: Path) -> str | None:
-    """A missing or wrong-sized file of ``manifest`` under ``root`` (``stat`` only), or None."""
+    """The first problem :func:`~higgs_pack.manifests.manifest.check_files` finds with the files
+    of ``manifest`` under ``root`` (sizes only, no hashes), or None."""
     if not root.is_dir():
         return None  # described without files on disk (synthetic inventories, tests)
-    for entry in manifest.get("files", ()):
-        path = root / entry["path"]
-        try:
-            size = path.stat().st_size
-        except OSError:
-            return f"{entry['path']} is missing"
-        if size != entry["size"]:
-            return f"{entry['path']} has {size} bytes, the manifest says {entry['size']}"
+    try:
+        files = check_files(root, dict(manifest), hashes=False)
+    except BundleError as exc:  # a listed path that leaves the bundle
+        return str(exc)
+    if files.missing:
+        return f"{files.missing[0]} is missing"
+    if files.mismatched:
+        path, why = next(iter(files.mismatched.items()))
+        return f"{path}: {why}"
+    if files.unlisted:
+        return f"{files.unlisted[0]} is used but not listed in the manifest"
     return None
 
 

@@ -100,7 +100,8 @@ def test_cuda_fp16_manifest(cuda_fp16, tiny_ckpt):
                                                  "shape": ["batch_size", "sequence_length", 64]}
     assert subs["llm_decoder"]["options"]["op_types"]["GroupQueryAttention"] == layers  # one per layer
     for part in ("text_embed", "audio_embed", "audio_heads"):
-        assert subs[part]["passes"] == ["OnnxConversion", "OnnxFloatToFloat16"]
+        assert subs[part]["passes"] == ["OnnxConversion"]
+        assert subs[part]["quantization"]["cast_by"] == "OnnxConversion(torch_dtype=float16)"
         assert subs[part]["outputs"][0]["dtype"] == "float16"
         assert subs[part]["parity"]["threshold"] == 0.995  # looser fp16 rule, recorded
     for part in ("audio_tokenizer", "audio_encoder"):
@@ -211,6 +212,30 @@ def test_explicit_cpu_fallback_runs_dml_fp16_and_is_recorded(dml_fp16):
         "CPUExecutionProvider (explicit --execution-provider cpu; bundle built for dml)"}
     out = synthesize(pipe, "Hello there.", options=SamplingOptions(seed=0), max_frames=12)
     assert out.samples.dtype == np.float32 and out.samples.size > 0 and np.isfinite(out.samples).all()
+
+
+@pytest.mark.parametrize("how", ["explicit", "fallback"])
+def test_float16_graphs_on_the_cpu_cast_per_node(dml_fp16, how):
+    """A GPU provider's fp16 graph on the CPU provider gets FLOAT16_ON_CPU_OPTIONS: no constant
+    folding of the inserted casts (a float32 copy of every weight, 15.6 GB at 4B dims) and
+    casts ordered next to their consumers."""
+    if how == "fallback" and DML in _available():
+        pytest.skip(f"this machine has a DirectML GPU ({DML}); there is no fallback to show")
+    ort = import_ort()
+    pipe = load(dml_fp16, **({"execution_provider": "cpu"} if how == "explicit" else {"allow_fallback": True}))
+    for session in (pipe.decoder.session, pipe.text_embed.session, pipe.audio_heads.session):
+        options = session.get_session_options()
+        assert options.graph_optimization_level == ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        assert options.execution_order == ort.ExecutionOrder.PRIORITY_BASED
+    out = synthesize(pipe, "Hello there.", options=SamplingOptions(seed=0), max_frames=8)
+    assert np.isfinite(out.samples).all() and out.samples.size > 0
+
+
+def test_cpu_bundles_keep_full_graph_optimization(cpu_fp32_bundle):
+    ort = import_ort()
+    options = load(cpu_fp32_bundle).decoder.session.get_session_options()
+    assert options.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    assert options.execution_order == ort.ExecutionOrder.DEFAULT
 
 
 def test_explicit_cpu_on_cuda_fp16_says_which_subpart_cannot_run(cuda_fp16):

@@ -7,14 +7,20 @@ other on an in-memory module:
 precision   passes
 ==========  =====================================================================
 fp32        ``OnnxConversion``
-fp16        ``OnnxConversion`` → ``OnnxFloatToFloat16``
+fp16        ``OnnxConversion`` with ``torch_dtype=float16`` (``keep_io_types``:
+            ``OnnxConversion`` → ``OnnxFloatToFloat16``)
 int8        ``OnnxConversion`` → ``OnnxBlockWiseRtnQuantization`` (bits=8)
 int4        ``OnnxConversion`` → ``OnnxBlockWiseRtnQuantization`` (bits=4)
 ==========  =====================================================================
 
 ``OnnxConversion`` uses the TorchScript exporter (``torch.onnx.export(...,
 dynamo=False)``) at opset 20: that is what was measured to export the codec with
-a dynamic frame axis.  ``OnnxBlockWiseRtnQuantization`` replaces ``MatMul`` with
+a dynamic frame axis.  fp16 casts the module in the conversion (Olive's ``torch_dtype``) rather than with
+``OnnxFloatToFloat16`` afterwards: the latter loads the float32 graph, converts every
+initializer through numpy and re-serialises it, several copies of the weights at once
+(the 4B text embedding, 1.56 GB of float32: 11.3 GB anonymous memory; measured on an
+AMD EPYC, 2 vCPUs).  Casting before tracing leaves one float16 copy.
+``OnnxBlockWiseRtnQuantization`` replaces ``MatMul`` with
 a constant 2-D weight by ``MatMulNBits`` and ``Gather`` on a constant table by
 ``GatherBlockQuantized`` (ONNX Runtime contrib ops).
 
@@ -60,16 +66,19 @@ class PrecisionPlan:
     Attributes:
         passes: Olive pass class names, in order, after ``OnnxConversion``.
         bits: Weight bits for RTN quantization (``None`` when not quantized).
+        torch_dtype: the dtype ``OnnxConversion`` casts the module to before tracing
+            (``None``: float32 as built).
     """
 
     passes: tuple[str, ...]
     bits: int | None = None
+    torch_dtype: str | None = None
 
 
 #: precision -> Olive passes after conversion (data; nothing heavy imported to plan).
 PRECISION_PLANS: dict[str, PrecisionPlan] = {
     "fp32": PrecisionPlan(()),
-    "fp16": PrecisionPlan((FP16_PASS,)),
+    "fp16": PrecisionPlan((), torch_dtype="float16"),
     "int8": PrecisionPlan((RTN_PASS,), bits=8),
     "int4": PrecisionPlan((RTN_PASS,), bits=4),
 }
@@ -82,15 +91,18 @@ EXTERNAL_DATA_THRESHOLD = 16 * 1024 * 1024
 RTN_BLOCK_SIZE = 128
 
 
-def plan_passes(precision: str, *, name: str = "sub-part") -> list[str]:
-    """The Olive passes :func:`export_onnx` runs for ``precision`` (no heavy import).
+#: fp16 that keeps float32 graph inputs/outputs: only ``OnnxFloatToFloat16`` inserts the
+#: boundary casts, so this one route still converts after tracing.
+FP16_KEEP_IO_PLAN = PrecisionPlan((FP16_PASS,))
+
+
+def precision_plan(precision: str, *, keep_io_types: bool = False, name: str = "sub-part") -> PrecisionPlan:
+    """The :class:`PrecisionPlan` :func:`export_onnx` follows (no heavy import).
 
     Args:
         precision: ``"fp32"``, ``"fp16"``, ``"int8"`` or ``"int4"``.
+        keep_io_types: fp16 only: float32 graph inputs/outputs (:data:`FP16_KEEP_IO_PLAN`).
         name: The sub-part, for the error message.
-
-    Returns:
-        Pass class names in order, ``OnnxConversion`` first.
 
     Raises:
         BuildPlanError: Unknown precision (the message lists the known ones).
@@ -104,16 +116,29 @@ def plan_passes(precision: str, *, name: str = "sub-part") -> list[str]:
                 "--precision / precision=",
             )
         )
-    return [CONVERSION_PASS, *PRECISION_PLANS[precision].passes]
+    return FP16_KEEP_IO_PLAN if precision == "fp16" and keep_io_types else PRECISION_PLANS[precision]
+
+
+def plan_passes(precision: str, *, keep_io_types: bool = False, name: str = "sub-part") -> list[str]:
+    """The Olive pass class names :func:`export_onnx` runs, ``OnnxConversion`` first
+    (see :func:`precision_plan`)."""
+    return [CONVERSION_PASS, *precision_plan(precision, keep_io_types=keep_io_types, name=name).passes]
+
+
+def _float16_record(keep_io_types: bool) -> dict[str, Any]:
+    """The manifest's ``quantization`` for fp16: where the weights were cast."""
+    cast = FP16_PASS if keep_io_types else f"{CONVERSION_PASS}(torch_dtype=float16)"
+    return {"method": "float16-cast", "cast_by": cast, "keep_io_types": keep_io_types}
 
 
 def plan(precision: str, options: Mapping[str, Any]) -> tuple[tuple[str, ...], dict[str, Any]]:
     """``(passes, quantization)`` that :func:`export_onnx` records (no heavy import; for the build plan)."""
-    passes = tuple(plan_passes(precision))
+    keep_io_types = bool(options.get("keep_io_types", False))
+    passes = tuple(plan_passes(precision, keep_io_types=keep_io_types))
     bits = PRECISION_PLANS[precision].bits
     if bits is not None:
         return passes, {"method": "rtn", "bits": bits}
-    return passes, ({"method": "float16-cast"} if precision == "fp16" else {})
+    return passes, (_float16_record(keep_io_types) if precision == "fp16" else {})
 
 
 
@@ -239,7 +264,8 @@ def export_onnx(
     """Export a PyTorch module to ONNX with Olive, then cast or quantize it.
 
     Runs :func:`plan_passes` ``(precision)``: Olive ``OnnxConversion`` (TorchScript
-    exporter, ``opset``), then ``OnnxFloatToFloat16`` (fp16) or
+    exporter, ``opset``; fp16 casts the module to float16 first), then
+    ``OnnxFloatToFloat16`` (fp16 with ``keep_io_types`` only) or
     ``OnnxBlockWiseRtnQuantization`` (int4 / int8: MatMul → MatMulNBits, Gather →
     GatherBlockQuantized, symmetric, ``block_size`` along the reduction axis /
     the table's row axis).
@@ -262,7 +288,8 @@ def export_onnx(
 
     Args:
         module (`torch.nn.Module`): The sub-part module, on CPU, in float32; put
-            in eval mode here.
+            in eval mode here.  fp16 casts it to float16 **in place** (Olive's
+            ``torch_dtype``; no second copy of the weights).
         example_inputs (`tuple` of `torch.Tensor`): One positional example per
             input, for example ``(codes,)`` with ``codes`` int64 [1, 3, 8]. Use a
             length other than the one you test with, and at least 2 on a dynamic
@@ -308,8 +335,8 @@ def export_onnx(
             log), or int4/int8 found no MatMul/Gather with constant weights to
             quantize.
     """
-    passes = plan_passes(precision, name=name)
-    plan = PRECISION_PLANS[precision]
+    plan = precision_plan(precision, keep_io_types=keep_io_types, name=name)
+    passes = [CONVERSION_PASS, *plan.passes]
     out_dir, work_dir = Path(out_dir), Path(work_dir)
     bundle_dir = Path(bundle_dir) if bundle_dir is not None else out_dir
     input_names, output_names = list(input_names), list(output_names)
@@ -345,6 +372,7 @@ def export_onnx(
             "target_opset": opset,
             "use_dynamo_exporter": False,
             "device": "cpu",
+            **({"torch_dtype": plan.torch_dtype} if plan.torch_dtype else {}),
             **external,
         },
         FP16_PASS: {"keep_io_types": keep_io_types, **external},
@@ -414,7 +442,7 @@ def export_onnx(
             "quantized_ops": ops,
         }
     elif precision == "fp16":
-        quantization = {"method": "float16-cast", "keep_io_types": keep_io_types}
+        quantization = _float16_record(keep_io_types)
 
     return ExportResult(
         subpart=subpart or name,

@@ -91,10 +91,11 @@ class TextEmbed(nn.Module):
         super().__init__()
         weight = weight.detach() if keep_dtype else weight.detach().float()
         self.weight = nn.Parameter(weight, requires_grad=False)
+        self.upcast = keep_dtype  # a module cast later (fp16 export) returns its own dtype
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         rows = F.embedding(input_ids, self.weight)
-        return rows if rows.dtype == torch.float32 else rows.float()
+        return rows.float() if self.upcast else rows
 
 
 class AudioEmbed(nn.Module):

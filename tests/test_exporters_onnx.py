@@ -384,6 +384,9 @@ def olive_exports(audio_table, tmp_path_factory):
                 work_dir=work,
                 bundle_dir=bundle,
             )
+            if precision == "fp16":  # cast in place by the export (torch_dtype): compare with float32
+                assert next(module.parameters()).dtype == torch.float16
+                module, _ = make_module(name, audio_table)
             exports[name, precision] = (result, bundle, module)
     assert list(work.iterdir()) == []  # Olive's scratch space is gone
     return exports
@@ -424,8 +427,14 @@ def test_olive_fp32_exact(olive_exports, name):
 @pytest.mark.parametrize("name", list(SPECS))
 def test_olive_fp16(olive_exports, name):
     result, bundle, module = olive_exports[name, "fp16"]
-    assert result.passes == ["OnnxConversion", "OnnxFloatToFloat16"]
-    assert result.quantization == {"method": "float16-cast", "keep_io_types": False}
+    # Cast at conversion (torch_dtype), not by OnnxFloatToFloat16 after it: one float16 copy.
+    assert result.passes == ["OnnxConversion"]
+    assert result.quantization == {"method": "float16-cast", "cast_by": "OnnxConversion(torch_dtype=float16)",
+                                   "keep_io_types": False}
+    model = onnx.load(str(bundle / result.entry))
+    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE}
+    weights = [i for i in model.graph.initializer if i.data_type in floats and int(np.prod(i.dims)) > 1]
+    assert weights and {i.data_type for i in weights} == {onnx.TensorProto.FLOAT16}
     # The graph's declared dtypes are what the signature says: float I/O became float16.
     assert result.outputs[0].dtype == "float16"
     assert result.inputs[0].dtype == ("float16" if name == "audio_heads" else "int64")

@@ -23,7 +23,7 @@ def test_cpu_plan_uses_the_declared_tools():
     assert rows[SubPart.AUDIO_HEADS].passes == ("OnnxConversion", "OnnxBlockWiseRtnQuantization")
     assert rows[SubPart.AUDIO_TOKENIZER].precision == "fp32"
     assert rows[SubPart.AUDIO_ENCODER].precision == "fp32"
-    assert make_plan("cuda", "fp16").rows[0].passes == ("OnnxConversion", "OnnxFloatToFloat16")
+    assert make_plan("cuda", "fp16").rows[0].passes == ("OnnxConversion",)  # cast by torch_dtype
 
 
 def test_unknown_target_lists_known_ones_with_a_suggestion():

@@ -260,13 +260,15 @@ def test_cli_closed_pipe_stops_cleanly(cpu_int4_bundle):
 
 def test_cli_ctrl_c_leaves_a_valid_wav(cpu_int4_bundle, tmp_path):
     wav = tmp_path / "interrupted.wav"
-    text = " ".join(f"Sentence number {i} goes on for a while." for i in range(12))
+    # Long enough (many sentence chunks, each running to its own stop) that even a fast machine
+    # is still generating when the first audio lands: 12 sentences once finished in 0.4 s.
+    text = " ".join(f"Sentence number {i} goes on for a while." for i in range(120))
     proc = _cli("synthesize", cpu_int4_bundle, "-t", text, "--stream", "-o", wav, "--no-progress",
                 "--max-frames", "4000", "--seed", "2", "--first-chunk-frames", "2")
     deadline = time.monotonic() + 240
     while (not wav.exists() or wav.stat().st_size <= 44 + 2 * 960) and proc.poll() is None:
         assert time.monotonic() < deadline, "no audio was written"
-        time.sleep(0.05)
+        time.sleep(0.01)
     assert proc.poll() is None, "finished before it could be interrupted: " + proc.stderr.read().decode()
     proc.send_signal(signal.SIGINT)
     rc = proc.wait(timeout=120)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.manifests.constants import CPU_PROVIDER, EXECUTION_PROVIDERS, SubPart
+from higgs_pack.manifests.constants import CPU_PROVIDER, SubPart
 from higgs_pack.manifests.errors import BundleError, ExecutionProviderUnavailable
 from higgs_pack.manifests.manifest import (
     check_files,
@@ -194,12 +194,10 @@ Opener = Callable[..., dict[str, Any]]
 def _open_onnxruntime(bundle: Bundle, *, execution_provider: str | None, device: str | None,
                       allow_fallback: bool, cache_dir: Path | None) -> dict[str, Any]:
     from higgs_pack.runtime.ort_backend import (
-        FLOAT16_ON_CPU_OPTIONS,
         OrtDecoder,
         OrtSubPart,
         check_signature,
         create_session,
-        import_ort,
     )
 
     if device is not None:
@@ -215,20 +213,15 @@ def _open_onnxruntime(bundle: Bundle, *, execution_provider: str | None, device:
     cpu = CPU_PROVIDER.name
     override = "" if ep != cpu or m["execution_provider"] == cpu else (
         f" (explicit --execution-provider {cpu}; bundle built for {m['execution_provider']})")
-    session_options = dict(m["session_options"])
-    row = EXECUTION_PROVIDERS.get(ep)
-    falls_back = allow_fallback and row is not None and row.ort_provider not in import_ort().get_available_providers()
-    if m["precision"] == "fp16" and m["execution_provider"] != cpu and (ep == cpu or falls_back):
-        # A GPU provider's float16 graph on the CPU: cast per node instead of holding a
-        # float32 copy of every weight (see FLOAT16_ON_CPU_OPTIONS; 4B dims, dml fp16
-        # verification: 15.7 -> 9.0 GB peak RSS).
-        session_options.update(FLOAT16_ON_CPU_OPTIONS)
     parts: dict[str, Any] = {"description": {}}
     constants = ModelConstants.from_dict(m["constants"])
     for part, spec in m["subparts"].items():
         session, used = create_session(
             bundle.file(spec["entry"]), ep, provider_options=provider_options,
-            session_options=session_options, allow_fallback=allow_fallback,
+            session_options=m["session_options"], allow_fallback=allow_fallback,
+            # A GPU provider's float16 graph on the CPU casts per node instead of holding a
+            # float32 copy of every weight (4B dims, dml fp16 verification: 15.7 -> 9.0 GB).
+            float16_weights=m["precision"] == "fp16",
         )
         check_signature(session, part, spec)
         if part == SubPart.LLM_DECODER:

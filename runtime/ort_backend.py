@@ -201,7 +201,7 @@ def session_options_for(ep: str, options: dict[str, Any]):
 
 def create_session(path: Path, ep: str, *, provider_options: dict[str, Any] | None = None,
                    session_options: dict[str, Any] | None = None,
-                   allow_fallback: bool = False) -> tuple[Any, str]:
+                   allow_fallback: bool = False, float16_weights: bool = False) -> tuple[Any, str]:
     """Create an InferenceSession on ``ep`` and prove it took the session.
 
     Args:
@@ -211,6 +211,9 @@ def create_session(path: Path, ep: str, *, provider_options: dict[str, Any] | No
         session_options: see :func:`session_options_for`.
         allow_fallback: permit running on the CPU provider when ``ep`` is not
             available; the returned description then says so.
+        float16_weights: the graph stores float16 weights (an fp16 bundle); when the
+            session lands on the CPU provider, asked for or fallen back to, it gets
+            :data:`FLOAT16_ON_CPU_OPTIONS` over ``session_options``.
 
     Returns:
         ``(session, description)``, e.g. ``("…", "CUDAExecutionProvider")`` or
@@ -245,7 +248,10 @@ def create_session(path: Path, ep: str, *, provider_options: dict[str, Any] | No
         note = f"{cpu} (fallback from {row.ort_provider})"
     elif row is not CPU_PROVIDER:
         providers.append(CPU_PROVIDER.ort_provider)
-    so = session_options_for(ep, session_options or {})
+    options = dict(session_options or {})
+    if float16_weights and wanted == CPU_PROVIDER.ort_provider:
+        options.update(FLOAT16_ON_CPU_OPTIONS)
+    so = session_options_for(ep, options)
     session = ort.InferenceSession(str(path), sess_options=so, providers=providers)
     used = session.get_providers()
     if not used or used[0] != wanted:

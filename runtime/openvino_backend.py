@@ -8,6 +8,8 @@ only (no torch, no exporters). The pieces it composes:
   device is an error unless ``allow_fallback=True``; then the fallback to CPU is logged and
   written into the runner's ``description``) and the compile properties;
 * :mod:`higgs_pack.runtime.openvino_runners`: the sub-part and stateful-decoder runners;
+  a decoder whose weights the CPU plugin packs is compiled without the model cache and
+  gives its mapped weights back during that packing (:mod:`higgs_pack.runtime.mapped_pages`);
 * :mod:`higgs_pack.runtime.openvino_static_runners`: the runners of static (NPU) bundles;
   a sub-part may be pinned to another device for a given bundle device
   (``device_overrides``, see :func:`~higgs_pack.runtime.openvino_devices.subpart_device`);
@@ -24,6 +26,7 @@ import openvino as ov
 
 from higgs_pack.runtime.openvino_devices import (
     check_device,
+    cpu_packs_weights,
     device_base,
     precision_config,
     subpart_device,
@@ -80,8 +83,9 @@ def open_openvino_parts(bundle: Any, *, device: str | None = None, allow_fallbac
                                             allow_fallback=allow_fallback)
         elif part == "llm_decoder":
             limit = m["generation"].get("max_prompt_length") or m["constants"]["max_position_embeddings"]
-            runner = OvStatefulDecoder(core, xml, part_device, cache_dir, config, max_length=limit,
-                                       allow_fallback=allow_fallback)
+            packs = cpu_packs_weights(part_device, spec["precision"])
+            runner = OvStatefulDecoder(core, xml, part_device, None if packs else cache_dir, config,
+                                       max_length=limit, allow_fallback=allow_fallback, page_out_weights=packs)
         elif static and options.get("chunking"):
             runner = OvStaticSubPart(core, xml, part_device, cache_dir, config, chunking=options["chunking"],
                                      subpart=part, allow_fallback=allow_fallback)

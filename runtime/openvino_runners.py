@@ -24,6 +24,7 @@ from higgs_pack.manifests.errors import (
     SignatureMismatch,
     last_line,
 )
+from higgs_pack.runtime.mapped_pages import PageOutResult, paging_out
 from higgs_pack.runtime.openvino_devices import META_DEVICES, check_device
 from higgs_pack.runtime.pipeline import check_decoder_room, check_io_signature
 
@@ -225,9 +226,16 @@ class OvStatefulDecoder:
             and return the output as a view of the request's memory (then copied once into
             the returned array) instead of copying them (on by default; measured by
             ``python -m higgs_pack.targets.bench.ov_properties``).
+        page_out_weights: Run the first :meth:`forward` inside
+            :func:`~higgs_pack.runtime.mapped_pages.paging_out` on the IR's ``.bin``, for a
+            device that copies the weights into its own buffers then (see
+            :func:`~higgs_pack.runtime.openvino_devices.cpu_packs_weights`); pass no
+            ``cache_dir`` with it (importing the cached blob copies the weights twice).
 
     Attributes:
         compiled, device, description: As :class:`OvSubPart`.
+        page_out: What the paging-out did on the first forward (``None`` before it, or
+            when ``page_out_weights`` is off).
         max_length: As given.
         length: Positions in the cache since the last :meth:`reset`.
 
@@ -241,8 +249,10 @@ class OvStatefulDecoder:
     def __init__(self, core: ov.Core, xml_path: str | os.PathLike, device: str,
                  cache_dir: str | os.PathLike | None = None, config: Mapping[str, Any] | None = None, *,
                  max_length: int, allow_fallback: bool = False, share_inputs: bool = True,
-                 share_outputs: bool = True):
+                 share_outputs: bool = True, page_out_weights: bool = False):
         self.path = Path(xml_path)
+        self._page_out_pending = bool(page_out_weights)
+        self.page_out: PageOutResult | None = None
         self.max_length = int(max_length)
         self._share = {"share_inputs": bool(share_inputs), "share_outputs": bool(share_outputs)}
         self.compiled, self.device, self.description = compile_ir(
@@ -308,6 +318,11 @@ class OvStatefulDecoder:
             "beam_idx": self._beam,
         }
         feeds = {k: v for k, v in feeds.items() if k in self._inputs}
-        results = self._request.infer(feeds, **self._share)
+        if self._page_out_pending:  # the CPU plugin packs the weights now: give the mapping back
+            with paging_out(self.path.with_suffix(".bin")) as self.page_out:
+                results = self._request.infer(feeds, **self._share)
+            self._page_out_pending = False
+        else:
+            results = self._request.infer(feeds, **self._share)
         self.length = total
         return np.array(results[self._output], dtype=np.float32, copy=True)

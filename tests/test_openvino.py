@@ -8,6 +8,7 @@ the sub-parts.
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 
@@ -395,6 +396,42 @@ def test_reshape_static(subparts, tmp_path):
         reshape_static(xml, {}, tmp_path / "bad.xml")
     with pytest.raises(BuildError, match="overwrite"):
         reshape_static(xml, {"codes": [1, 1, CODEBOOKS]}, xml)
+
+
+def test_decoder_pages_out_the_weights_its_device_packs(decoders):
+    """A decoder whose weights the CPU plugin packs gives the IR's mapped pages back during
+    the first inference (how the full-size fp16 bundle verifies within 12 GiB) and computes
+    exactly what a decoder that keeps them computes."""
+    from test_mapped_pages import skip_unless_reclaimable
+
+    from higgs_pack.runtime.mapped_pages import file_mappings, resident_bytes
+    from higgs_pack.runtime.openvino_devices import cpu_packs_weights
+
+    assert cpu_packs_weights("CPU", "fp32") and cpu_packs_weights("CPU", "fp16")
+    assert not cpu_packs_weights("CPU", "int4") and not cpu_packs_weights("GPU", "fp16")
+    _, xml, _ = decoders("fp32")
+    weights = xml.with_suffix(".bin")
+    skip_unless_reclaimable(weights)
+    embeds = np.random.default_rng(3).standard_normal((1, PROMPT + STEPS, HIDDEN)).astype(np.float32)
+    core = ov.Core()
+    keeping = OvStatefulDecoder(core, xml, "CPU", max_length=32)
+    want = run_decoder(keeping, embeds)
+    kept = resident_bytes(weights)
+    assert keeping.page_out is None and kept > 0
+    del keeping  # one mapping at a time: the kernel pages out only pages mapped once
+    gc.collect()
+    assert not file_mappings(weights)
+    paging = OvStatefulDecoder(core, xml, "CPU", max_length=32, page_out_weights=True)
+    got = [paging.forward(embeds[:, :PROMPT])]
+    result = paging.page_out
+    if not result.supported:
+        pytest.skip(result.reason)
+    left = resident_bytes(weights)
+    assert result.passes >= 1 and result.mapped_bytes >= weights.stat().st_size
+    assert left < kept / 4, f"{left} of {kept} bytes of {weights.name} still resident after the first forward"
+    got += [paging.forward(embeds[:, i : i + 1]) for i in range(PROMPT, PROMPT + STEPS)]  # from the packed copy
+    np.testing.assert_array_equal(np.concatenate(got, axis=1), want)
+    assert paging.page_out is result  # only the first forward pages out
 
 
 def test_model_cache_is_populated(decoders, tmp_path):

@@ -1,0 +1,61 @@
+"""runtime.mapped_pages: paging a mapped file out of the resident set, on real mappings."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from higgs_pack.runtime.mapped_pages import file_mappings, paging_out, resident_bytes
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and madvise(MADV_PAGEOUT) are Linux's")
+
+
+def filesystem_type(path: Path) -> str:
+    """The type of the file system ``path`` is on (longest mount point in /proc/mounts)."""
+    best, kind = "", ""
+    for line in Path("/proc/mounts").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 3 and str(path.resolve()).startswith(fields[1]) and len(fields[1]) > len(best):
+            best, kind = fields[1], fields[2]
+    return kind
+
+
+def skip_unless_reclaimable(path: Path) -> None:
+    """MADV_PAGEOUT cannot reclaim tmpfs pages on a machine without swap: say so instead of failing."""
+    if filesystem_type(path) in ("tmpfs", "ramfs"):
+        pytest.skip(f"{path} is on {filesystem_type(path)}: its pages live in memory, nothing to page out")
+
+
+def test_paging_out_drops_resident_pages_and_keeps_contents(tmp_path):
+    data = np.random.default_rng(0).integers(0, 255, 8 << 20, dtype=np.uint8)
+    path = tmp_path / "weights.bin"
+    data.tofile(path)
+    skip_unless_reclaimable(path)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        view = np.frombuffer(mapped, dtype=np.uint8)
+        assert int(view.sum(dtype=np.int64)) == int(data.sum(dtype=np.int64))  # every page touched
+        assert [n for _, n in file_mappings(path)] == [data.size]
+        before = resident_bytes(path)
+        assert before >= data.size * 0.9, f"the mapping should be resident after reading it: {before} bytes"
+        with paging_out(path, interval_s=0.005) as result:
+            pass
+        if not result.supported:
+            pytest.skip(result.reason)
+        after = resident_bytes(path)
+        assert result.passes >= 1 and result.mapped_bytes == data.size
+        assert after < before / 4, f"still {after} of {before} bytes resident after paging out"
+        np.testing.assert_array_equal(view, data)  # faulted back in from the file, unchanged
+        del view
+
+
+def test_paging_out_an_unmapped_file_does_nothing(tmp_path):
+    path = tmp_path / "never-mapped.bin"
+    path.write_bytes(os.urandom(4096))
+    with paging_out(path) as result:
+        pass
+    assert result.mapped_bytes == 0 and not result.supported and resident_bytes(path) == 0

@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from higgs_pack.manifests.constants import CPU_PROVIDER, SubPart
 from higgs_pack.manifests.errors import BundleError, ExecutionProviderUnavailable
@@ -192,7 +192,7 @@ Opener = Callable[..., dict[str, Any]]
 
 
 def _open_onnxruntime(bundle: Bundle, *, execution_provider: str | None, device: str | None,
-                      allow_fallback: bool, cache_dir: Path | None) -> dict[str, Any]:
+                      allow_fallback: bool, cache_dir: Path | Literal[False] | None) -> dict[str, Any]:
     from higgs_pack.runtime.ort_backend import (
         OrtDecoder,
         OrtSubPart,
@@ -235,7 +235,7 @@ def _open_onnxruntime(bundle: Bundle, *, execution_provider: str | None, device:
 
 
 def _open_openvino(bundle: Bundle, *, execution_provider: str | None, device: str | None,
-                   allow_fallback: bool, cache_dir: Path | None) -> dict[str, Any]:
+                   allow_fallback: bool, cache_dir: Path | Literal[False] | None) -> dict[str, Any]:
     try:
         from higgs_pack.runtime.openvino_backend import open_openvino_parts
     except ImportError as exc:
@@ -263,7 +263,7 @@ def load(
     device: str | None = None,
     allow_fallback: bool = False,
     check_hashes: bool = True,
-    cache_dir: str | Path | None = None,
+    cache_dir: str | Path | Literal[False] | None = None,
 ) -> Pipeline:
     """Load a bundle for synthesis.
 
@@ -276,8 +276,10 @@ def load(
         allow_fallback: permit another provider/device when the one asked for is
             missing; the fallback is logged and shown in ``Pipeline.description``.
         check_hashes: verify every file's sha256 before opening (default True).
-        cache_dir: OpenVINO model cache directory (default: ``<bundle>/.ov_cache``
-            when writable, else none).
+        cache_dir: OpenVINO model cache directory (default:
+            ``$HIGGS_PACK_CACHE/openvino/<bundle name>-<checkpoint digest>``, see
+            :func:`~higgs_pack.runtime.openvino_backend.open_openvino_parts`); ``False``
+            compiles without the model cache.
 
     Returns:
         A :class:`~higgs_pack.runtime.pipeline.Pipeline` ready for
@@ -294,7 +296,8 @@ def load(
     m = opened.manifest
     parts = BACKENDS[m["backend"]](
         opened, execution_provider=execution_provider, device=device,
-        allow_fallback=allow_fallback, cache_dir=Path(cache_dir) if cache_dir else None,
+        allow_fallback=allow_fallback,
+        cache_dir=cache_dir if cache_dir is False else Path(cache_dir) if cache_dir else None,
     )
     tokenizer = Tokenizer.from_file(str(opened.file(m["tokenizer"]["file"])))
     gen = dict(m["generation"])

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import openvino as ov
 
@@ -37,7 +37,7 @@ from higgs_pack.runtime.pipeline import ModelConstants, step_input_shapes
 
 
 def open_openvino_parts(bundle: Any, *, device: str | None = None, allow_fallback: bool = False,
-                        cache_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+                        cache_dir: str | os.PathLike | Literal[False] | None = None) -> dict[str, Any]:
     """Compile every sub-part of an OpenVINO IR bundle (used by ``runtime.bundle.load``).
 
     fp32 sub-parts are compiled with :func:`precision_config` so that an fp32 bundle
@@ -48,7 +48,8 @@ def open_openvino_parts(bundle: Any, *, device: str | None = None, allow_fallbac
         bundle: an opened ``runtime.bundle.Bundle``.
         device: OpenVINO device overriding the manifest's (``CPU``, ``GPU``, ``NPU``, ``AUTO``, ``HETERO:…``).
         allow_fallback: compile on CPU when the device is missing (logged, described).
-        cache_dir: model cache; default ``<cache root>/openvino/<bundle name>-<checkpoint digest>``.
+        cache_dir: model cache; default ``<cache root>/openvino/<bundle name>-<checkpoint digest>``;
+            ``False``: no model cache (what build-time verification uses).
 
     Returns:
         ``{sub-part name: runner, "description": {sub-part: device description}}``.
@@ -65,7 +66,10 @@ def open_openvino_parts(bundle: Any, *, device: str | None = None, allow_fallbac
     chosen, _ = check_device(core, wanted, allow_fallback=allow_fallback)
     if cache_dir is None:
         cache_dir = cache_root() / "openvino" / f"{m['name']}-{m['model']['checkpoint_sha256'][:12]}"
-    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    if cache_dir is False:
+        cache_dir = None
+    else:
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
     parts: dict[str, Any] = {"description": {}}
     constants = ModelConstants.from_dict(m["constants"])
     for part, spec in m["subparts"].items():

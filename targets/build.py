@@ -228,7 +228,8 @@ def build(
             manifest["subparts"][part]["parity"]["weights_max_rel_l2"] = weights["max_rel_l2"]
         write_manifest(bundle_dir, manifest)
         verified = step("verifying the new bundle", "higgs_pack.targets.steps:verify", [stage],
-                        bundle_dir=str(bundle_dir), options=_verify_options(plan))
+                        bundle_dir=str(bundle_dir),
+                        options={**_verify_options(plan), "cache_dir": False})
         if not verified["ok"]:
             raise BuildError(f"the new bundle failed its own verification, so it was not kept: {verified['failed']}")
         for part, measured in verified["parity"].items():

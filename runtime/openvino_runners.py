@@ -251,7 +251,7 @@ class OvStatefulDecoder:
                  max_length: int, allow_fallback: bool = False, share_inputs: bool = True,
                  share_outputs: bool = True, page_out_weights: bool = False):
         self.path = Path(xml_path)
-        self._page_out_pending = bool(page_out_weights)
+        self._page_out_weights = bool(page_out_weights)
         self.page_out: PageOutResult | None = None
         self.max_length = int(max_length)
         self._share = {"share_inputs": bool(share_inputs), "share_outputs": bool(share_outputs)}
@@ -318,10 +318,9 @@ class OvStatefulDecoder:
             "beam_idx": self._beam,
         }
         feeds = {k: v for k, v in feeds.items() if k in self._inputs}
-        if self._page_out_pending:  # the CPU plugin packs the weights now: give the mapping back
+        if self._page_out_weights and self.page_out is None:  # the first forward: the CPU plugin packs now
             with paging_out(self.path.with_suffix(".bin")) as self.page_out:
                 results = self._request.infer(feeds, **self._share)
-            self._page_out_pending = False
         else:
             results = self._request.infer(feeds, **self._share)
         self.length = total

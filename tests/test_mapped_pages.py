@@ -5,30 +5,14 @@ from __future__ import annotations
 import mmap
 import os
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import skip_unless_reclaimable
 
 from higgs_pack.runtime.mapped_pages import file_mappings, paging_out, resident_bytes
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and madvise(MADV_PAGEOUT) are Linux's")
-
-
-def filesystem_type(path: Path) -> str:
-    """The type of the file system ``path`` is on (longest mount point in /proc/mounts)."""
-    best, kind = "", ""
-    for line in Path("/proc/mounts").read_text().splitlines():
-        fields = line.split()
-        if len(fields) >= 3 and str(path.resolve()).startswith(fields[1]) and len(fields[1]) > len(best):
-            best, kind = fields[1], fields[2]
-    return kind
-
-
-def skip_unless_reclaimable(path: Path) -> None:
-    """MADV_PAGEOUT cannot reclaim tmpfs pages on a machine without swap: say so instead of failing."""
-    if filesystem_type(path) in ("tmpfs", "ramfs"):
-        pytest.skip(f"{path} is on {filesystem_type(path)}: its pages live in memory, nothing to page out")
 
 
 def test_paging_out_drops_resident_pages_and_keeps_contents(tmp_path):

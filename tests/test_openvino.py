@@ -402,7 +402,7 @@ def test_decoder_pages_out_the_weights_its_device_packs(decoders):
     """A decoder whose weights the CPU plugin packs gives the IR's mapped pages back during
     the first inference (how the full-size fp16 bundle verifies within 12 GiB) and computes
     exactly what a decoder that keeps them computes."""
-    from test_mapped_pages import skip_unless_reclaimable
+    from conftest import skip_unless_reclaimable
 
     from higgs_pack.runtime.mapped_pages import file_mappings, resident_bytes
     from higgs_pack.runtime.openvino_devices import cpu_packs_weights

@@ -43,3 +43,29 @@ def test_paging_out_an_unmapped_file_does_nothing(tmp_path):
     with paging_out(path) as result:
         pass
     assert result.mapped_bytes == 0 and not result.supported and resident_bytes(path) == 0
+
+
+def test_keep_page_cache_drops_clean_private_pages_and_never_a_written_one(tmp_path):
+    """ONNX Runtime maps external data private and writable (``rw-p``), as ACCESS_COPY does:
+    clean pages leave the resident set and read back unchanged; a mapping the process wrote
+    to keeps its private copy (MADV_DONTNEED there would silently restore the file's bytes)."""
+    data = np.random.default_rng(1).integers(0, 255, 4 << 20, dtype=np.uint8)
+    path = tmp_path / "model.onnx.data"
+    data.tofile(path)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as clean, \
+            mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as written:
+        read, wrote = np.frombuffer(clean, dtype=np.uint8), np.frombuffer(written, dtype=np.uint8)
+        assert int(read.sum(dtype=np.int64)) == int(data.sum(dtype=np.int64))
+        written[100] = (int(data[100]) + 1) % 256  # a private copy of one page
+        assert int(wrote.sum(dtype=np.int64)) != int(data.sum(dtype=np.int64))
+        before = resident_bytes(path)
+        assert before >= data.size, f"both mappings should be mostly resident: {before} bytes"
+        with paging_out(path, interval_s=0.005, keep_page_cache=True) as result:
+            pass
+        assert result.supported and result.mapped_bytes == 2 * data.size
+        after = resident_bytes(path)
+        assert after < before * 3 / 4, f"still {after} of {before} bytes resident"
+        np.testing.assert_array_equal(read, data)  # back from the page cache, unchanged
+        assert written[100] == (int(data[100]) + 1) % 256  # the private copy survived
+        np.testing.assert_array_equal(wrote[:100], data[:100])
+        del read, wrote

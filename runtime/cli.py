@@ -328,7 +328,11 @@ def inspect(bundle, as_json):
 @click.option("--skip-parity", is_flag=True,
               help="No parity/greedy/cases run on the bundle's (or the CPU) provider: file and static checks "
                    "(and the GPU provider run where present).")
-def verify(bundle, execution_provider, device, allow_fallback, cases, report, require_gpu, skip_parity):
+@click.option("--low-memory", is_flag=True,
+              help="ONNX Runtime fp32/fp16 bundles on the CPU provider: read the decoder's weights in place and "
+                   "give their pages back after every step (the 4B fp32 decoder's 14.5 GB need not be resident; "
+                   "slower). What the build's own verification does.")
+def verify(bundle, execution_provider, device, allow_fallback, cases, report, require_gpu, skip_parity, low_memory):
     """Check BUNDLE (directory, installed name, archive or hf://ORG/REPO[@REV]): files, static checks,
     signatures, parity, speech; a GPU bundle also on its GPU provider where present (else skipped, naming it)."""
     from higgs_pack.runtime.hub import is_hub_ref
@@ -353,7 +357,7 @@ def verify(bundle, execution_provider, device, allow_fallback, cases, report, re
         bundle = str(got.path)
     result = verify_any(bundle, execution_provider=execution_provider, device=device,
                         allow_fallback=allow_fallback, cases_dir=cases, require_gpu=require_gpu,
-                        parity=not skip_parity)
+                        parity=not skip_parity, low_memory=low_memory)
     click.echo(result.render())
     if as_html:
         from higgs_pack.runtime.html_report import verify_html

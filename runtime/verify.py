@@ -75,6 +75,7 @@ def verify_bundle(
     require_gpu: bool = False,
     parity: bool = True,
     cache_dir: Path | Literal[False] | None = None,
+    low_memory: bool = False,
 ) -> VerifyReport:
     """Check a bundle end to end, on the runtime alone (no torch, no checkpoint).
 
@@ -110,6 +111,9 @@ def verify_bundle(
         cache_dir: OpenVINO model cache for this check (see :func:`~higgs_pack.runtime.bundle.load`).
             The build passes ``False``: verifying a staged bundle then writes no compiled
             blobs (8.3-9.0 GB per full-size openvino bundle were left in the user's cache before).
+        low_memory: load as :func:`~higgs_pack.runtime.bundle.load` ``low_memory`` (a float
+            ONNX Runtime decoder reads its weights in place and pages them out every step);
+            the build passes True, so a 4B fp32 bundle verifies within its memory budget.
 
     Returns:
         A :class:`VerifyReport`; ``report.ok`` is False when any check failed.
@@ -145,7 +149,7 @@ def verify_bundle(
         return report
     try:
         pipeline = load(opened, execution_provider=execution_provider, device=device,
-                        allow_fallback=allow_fallback, cache_dir=cache_dir)
+                        allow_fallback=allow_fallback, cache_dir=cache_dir, low_memory=low_memory)
     except HiggsPackError as exc:
         report.add("load", False, str(exc))
         return report

@@ -229,7 +229,7 @@ def build(
         write_manifest(bundle_dir, manifest)
         verified = step("verifying the new bundle", "higgs_pack.targets.steps:verify", [stage],
                         bundle_dir=str(bundle_dir),
-                        options={**_verify_options(plan), "cache_dir": False})
+                        options={**_verify_options(plan), "cache_dir": False, "low_memory": True})
         if not verified["ok"]:
             raise BuildError(f"the new bundle failed its own verification, so it was not kept: {verified['failed']}")
         for part, measured in verified["parity"].items():

@@ -25,6 +25,7 @@ RECORD_TYPES = {
     "frames": int, "steps": int, "audio_s": float,
     "first_audio_ms": float, "stream_chunk_frames": int, "stream_context_frames": int, "first_audio_steps": int,
     "first_chunk_codec_ms": float, "first_audio_budget_ms": float, "stream_frames_per_s": float,
+    "first_audio_prompt_embed_ms": float, "first_audio_prefill_ms": float, "first_audio_steps_ms": float,
     "decoder_only_frames_per_s": float, "loop_over_decoder": float, "step_ms_ctx64": float,
     "step_ms_ctx900": float, "kv_bytes_per_position": int,
 }
@@ -54,6 +55,9 @@ def check_record(record: dict) -> None:
     ready = FIRST_CHUNK_FRAMES + max(record["stream_context_frames"], 1) + 7
     assert record["first_audio_steps"] == min(ready, record["steps"])
     assert record["first_audio_budget_ms"] == pytest.approx(bench.first_audio_budget(record))
+    # the budget's parts are disjoint pieces of the streamed run's first-audio interval
+    assert record["first_audio_prefill_ms"] > 0 and record["first_audio_steps_ms"] >= 0
+    assert record["first_audio_budget_ms"] <= record["first_audio_ms"] + 1e-6
     # the bare decoder does less than the loop (one part of it): not slower than half the loop
     assert record["decoder_only_frames_per_s"] >= 0.5 * record["frames_per_s"]
     assert record["loop_over_decoder"] == pytest.approx(record["decoder_only_frames_per_s"] / record["frames_per_s"])

@@ -30,9 +30,10 @@ system generates exactly ``--frames`` frames), after one warm-up run:
     schedule) in the same process: time from the ``stream`` call to the first chunk (prompt
     and prefill included), the first chunk's frames, and decode steps per second with the
     codec decoding chunks as frames arrive (same seed, same frames; ``stream_codes_match``
-    says the codes equal the plain run's). ``first_audio_budget_ms``: prompt + prefill + the
-    ``first_audio_steps`` run before the first chunk at the loop's step time + the first
-    chunk's codec decode (``first_chunk_codec_ms``).
+    says the codes equal the plain run's). ``first_audio_budget_ms``: the same streamed run's
+    prompt embedding + prefill + decode steps up to the first chunk
+    (``first_audio_prompt_embed_ms``, ``first_audio_prefill_ms``, ``first_audio_steps_ms``;
+    ``first_audio_steps`` of them) + the first chunk's codec decode (``first_chunk_codec_ms``).
 ``decoder_only_frames_per_s``, ``loop_over_decoder``
     the pipeline's own decoder object (same bindings and KV handling) driven alone in the
     same run: the same prompt length and number of steps with fixed inputs, no heads, embed

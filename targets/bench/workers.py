@@ -168,7 +168,9 @@ def _stream_run(pipeline: Any, logs: dict[str, list[float]], text: str, frames: 
         ``first_audio_ms`` (the ``stream`` call to the first chunk, :attr:`SpeechStream.first_audio_s`),
         ``stream_chunk_frames`` (the first chunk's frames), ``stream_context_frames`` (codec
         context per side), ``first_audio_steps`` (decoder steps run before the first chunk),
-        ``first_chunk_codec_ms`` (codec decodes before the first chunk), ``stream_frames_per_s``
+        ``first_chunk_codec_ms`` (codec decodes before the first chunk), the stream's own
+        ``first_audio_prompt_embed_ms``, ``first_audio_prefill_ms`` and ``first_audio_steps_ms``
+        (the span of the decode steps after the prefill up to the first chunk), ``stream_frames_per_s``
         (decode steps per second between the first and the last step, chunk decodes included,
         as ``frames_per_s``), ``stream_codes_match`` (the streamed codes equal ``codes``).
 
@@ -183,9 +185,11 @@ def _stream_run(pipeline: Any, logs: dict[str, list[float]], text: str, frames: 
     first_steps, first_codec_s = None, 0.0
     speech = stream(pipeline, text, options=options, max_frames=frames,
                     progress=lambda done, cap: marks.append(time.perf_counter()))
+    first_parts = (0.0, 0.0, 0.0)
     for _chunk in speech:
         if first_steps is None:
             first_steps, first_codec_s = len(marks), sum(logs["codec"])
+            first_parts = (sum(logs["text_embed"]), logs["decoder"][0], marks[-1] - marks[0])
     got = speech.codes
     if got.shape[0] != frames:
         raise RuntimeError(f"the stream gave {got.shape[0]} frames, expected {frames}")
@@ -195,6 +199,9 @@ def _stream_run(pipeline: Any, logs: dict[str, list[float]], text: str, frames: 
         "stream_context_frames": int(speech.context_frames),
         "first_audio_steps": first_steps,
         "first_chunk_codec_ms": first_codec_s * 1e3,
+        "first_audio_prompt_embed_ms": first_parts[0] * 1e3,
+        "first_audio_prefill_ms": first_parts[1] * 1e3,
+        "first_audio_steps_ms": first_parts[2] * 1e3,
         "stream_frames_per_s": (len(marks) - 1) / (marks[-1] - marks[0]),
         "stream_codes_match": bool(np.array_equal(got, codes)),
     }

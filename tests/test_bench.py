@@ -358,3 +358,30 @@ def test_cpu_isa_names_vnni_and_avx512():
     line = cpu_info().describe()
     assert line.startswith(machine["cpu"] + " (") and f"{machine['cores']} logical CPUs" in line
     assert ("avx2" in line) == ("avx2" in machine["isa"]["flags"])
+
+
+def test_context_steps_take_the_lengths_in_turn(cpu_int4_bundle):
+    """The context-length steps alternate the lengths round by round (a machine that drifts
+    weighs on both alike), on the real tiny decoder; each length gets rounds x steps timings."""
+    import numpy as np
+
+    from higgs_pack.runtime.bundle import load
+    from higgs_pack.targets.bench import workers
+
+    decoder = load(cpu_int4_bundle).decoder
+    prefills: list[int] = []
+    forward = decoder.forward
+
+    def recording(x):
+        if x.shape[1] > 1:
+            prefills.append(x.shape[1])
+        return forward(x)
+
+    decoder.forward = recording
+    h = decoder._hidden_size
+    prompt = np.random.default_rng(0).standard_normal((1, 5, h)).astype(np.float32)
+    step = np.zeros((1, 1, h), dtype=np.float32)
+    too_long = decoder.max_length
+    out = workers._context_steps(decoder, prompt, step, [8, 20, too_long], steps=3, rounds=2)
+    assert prefills == [8, 20, 8, 20]
+    assert set(out) == {"step_ms_ctx8", "step_ms_ctx20"} and all(v > 0 for v in out.values())

@@ -24,6 +24,7 @@ import numpy as np
 from higgs_pack.exporters.result import tool_versions
 from higgs_pack.manifests.constants import RUNTIME_BACKENDS
 from higgs_pack.targets.bench.systems import (
+    CONTEXT_ROUNDS,
     CONTEXT_STEPS,
     DEFAULT_BANDWIDTH_MIB,
     DEFAULT_CONTEXTS,
@@ -225,30 +226,30 @@ def _decoder_only(decoder: Any, prompt: np.ndarray, step: np.ndarray, steps: int
 
 
 def _context_steps(decoder: Any, prompt: np.ndarray, step: np.ndarray, contexts: list[int],
-                   steps: int = CONTEXT_STEPS) -> dict[str, float]:
+                   steps: int = CONTEXT_STEPS, rounds: int = CONTEXT_ROUNDS) -> dict[str, float]:
     """The bare decoder's step time at each context length ``L`` in ``contexts``.
 
-    A prefill of ``L`` positions (the rows of ``prompt`` repeated), one untimed step, then
-    ``steps`` timed one-position forwards of ``step`` (so they attend to ``L + 2`` …
-    ``L + steps + 1`` positions). Lengths the decoder cannot hold are skipped.
+    ``rounds`` times, the lengths in turn (so that a machine that slows down or speeds up
+    meanwhile weighs on every length alike): a prefill of ``L`` positions (the rows of
+    ``prompt`` repeated), one untimed step, then ``steps`` timed one-position forwards of
+    ``step`` (attending to ``L + 2`` … ``L + steps + 1`` positions). Lengths the decoder
+    cannot hold are skipped.
 
     Returns:
-        ``step_ms_ctx<L>``: the median step, milliseconds.
+        ``step_ms_ctx<L>``: the median of the ``rounds * steps`` timed steps, milliseconds.
     """
-    out: dict[str, float] = {}
-    for length in contexts:
-        if length + steps + 1 > decoder.max_length:
-            continue
-        decoder.reset()
-        decoder.forward(np.resize(prompt[0], (length, prompt.shape[-1]))[None].astype(np.float32))
-        decoder.forward(step)
-        times = []
-        for _ in range(steps):
-            t = time.perf_counter()
+    lengths = [n for n in contexts if n + steps + 1 <= decoder.max_length]
+    times: dict[int, list[float]] = {n: [] for n in lengths}
+    for _ in range(rounds):
+        for length in lengths:
+            decoder.reset()
+            decoder.forward(np.resize(prompt[0], (length, prompt.shape[-1]))[None].astype(np.float32))
             decoder.forward(step)
-            times.append(time.perf_counter() - t)
-        out[f"step_ms_ctx{length}"] = statistics.median(times) * 1e3
-    return out
+            for _ in range(steps):
+                t = time.perf_counter()
+                decoder.forward(step)
+                times[length].append(time.perf_counter() - t)
+    return {f"step_ms_ctx{n}": statistics.median(times[n]) * 1e3 for n in lengths}
 
 
 def kv_itemsize(decoder: Any) -> int | None:

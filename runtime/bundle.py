@@ -235,10 +235,12 @@ def _open_onnxruntime(bundle: Bundle, *, execution_provider: str | None, device:
         check_signature(session, part, spec)
         if part == SubPart.LLM_DECODER:
             c = m["constants"]
-            weights = tuple(bundle.file(f) for f in spec["files"] if f != spec["entry"] and not f.endswith(".json"))
+            # the graph's external data: every listed file but the graph and ModelBuilder's JSON
+            weights = tuple(bundle.file(f) for f in spec["files"]
+                            if f != spec["entry"] and not f.endswith(".json")) if lean else ()
             parts[part] = OrtDecoder(session, max_length=c["max_position_embeddings"],
                                      kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"],
-                                     page_out_weights=weights if lean else ())
+                                     page_out_weights=weights)
         else:
             parts[part] = OrtSubPart(session, part, step_input_shapes(part, constants))
         parts["description"][part] = used + override

@@ -168,6 +168,19 @@ FLOAT16_ON_CPU_OPTIONS: dict[str, Any] = {
 }
 
 
+#: Thread-pool settings every session gets unless the manifest sets them.  The decoder, heads
+#: and embed sessions take turns every frame.  Workers spin between the operators of one run
+#: (with spinning off, every parallel operator wakes a sleeping worker), and stop spinning
+#: when the run ends, so they do not keep the cores from the next session.  Bench preset,
+#: cpu int4, 100 frames, 3 interleaved rounds on an AMD EPYC with 2 vCPUs (AVX2), ONNX
+#: Runtime 1.32: spinning off 125-147 frames/s (decoder step 5.7-6.8 ms); spinning that stops
+#: with the run 165-204 (4.1-5.0 ms); spinning that continues after the run 108-131.
+THREAD_POOL_DEFAULTS: dict[str, str] = {
+    "session.intra_op.allow_spinning": "1",
+    "session.force_spinning_stop": "1",
+}
+
+
 def session_options_for(ep: str, options: dict[str, Any]):
     """Build ``SessionOptions`` for a provider.
 
@@ -177,7 +190,8 @@ def session_options_for(ep: str, options: dict[str, Any]):
     Args:
         ep: bundle EP name.
         options: manifest ``session_options`` (``intra_op_num_threads``, ``graph_optimization_level``,
-            ``execution_order``, ``log_severity_level``; enums by member name).
+            ``execution_order``, ``log_severity_level``, ``session.*`` config entries; enums by
+            member name).  :data:`THREAD_POOL_DEFAULTS` fill the config entries it leaves out.
     """
     ort = import_ort()
     so = ort.SessionOptions()
@@ -190,11 +204,9 @@ def session_options_for(ep: str, options: dict[str, Any]):
             so.add_session_config_entry(key, str(value))
         else:
             setattr(so, key, value)
-    # The decoder, heads and embed sessions take turns every frame; a thread pool that
-    # spin-waits after its run keeps the cores from the next session (bench preset on
-    # 2 cores: 38 -> 105 frames/s with spinning off).  A manifest may turn it back on.
-    if "session.intra_op.allow_spinning" not in options:
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    for key, value in THREAD_POOL_DEFAULTS.items():
+        if key not in options:
+            so.add_session_config_entry(key, value)
     row = EXECUTION_PROVIDERS.get(ep)
     for key, value in (row.session_rules if row is not None else {}).items():
         setattr(so, key, getattr(ort.ExecutionMode, value) if key == "execution_mode" else value)

@@ -196,3 +196,16 @@ def test_low_memory_leaves_quantized_decoders_as_built(pipeline, cpu_int4_bundle
     nothing (parity stays measured on the kernels users run)."""
     lean = load(cpu_int4_bundle, low_memory=True)
     assert lean.decoder.page_out_weights == () and pipeline.decoder.page_out_weights == ()
+
+
+def test_sessions_spin_within_a_run_and_stop_after_it_unless_the_manifest_says_otherwise():
+    """Every session spins between its own operators and stops when its run ends (the
+    decoder, heads and embed sessions take turns every frame); a manifest entry wins."""
+    from higgs_pack.runtime.ort_backend import session_options_for
+
+    so = session_options_for("cpu", {})
+    assert so.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+    assert so.get_session_config_entry("session.force_spinning_stop") == "1"
+    so = session_options_for("cpu", {"session.intra_op.allow_spinning": 0})
+    assert so.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    assert so.get_session_config_entry("session.force_spinning_stop") == "1"

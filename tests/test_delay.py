@@ -79,3 +79,26 @@ def test_sampling_follows_the_distribution():
 def test_bad_sampling_options_name_the_option(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingOptions(**kwargs).validate()
+
+
+def test_kept_codes_path_draws_what_the_dense_path_draws(monkeypatch):
+    """The default options sample on the [N, k] kept codes; frames with ties at the k-th
+    largest logit, and a sampler made with the gather turned off, use all [N, V] codes.
+    Both give the same codes for the same generator state."""
+    from higgs_pack.runtime import delay
+
+    options = SamplingOptions(temperature=0.9, top_k=50)
+    kept = delay.Sampler(_allowed(), options)
+    monkeypatch.setattr(delay, "KEPT_CODES_MAX", 0)
+    dense = delay.Sampler(_allowed(), options)
+    g = np.random.default_rng(2)
+    rng_kept, rng_dense = np.random.default_rng(9), np.random.default_rng(9)
+    for i in range(400):
+        logits = (g.standard_normal((N, 1026)) * (1 + i % 4)).astype(np.float32)
+        if i % 5 == 0:
+            logits = np.round(logits, 1)  # ties at the threshold
+        if i % 9 == 0:
+            logits[:, 300:400] = logits.max()  # more than k codes tied for the top
+        a, b = kept.draw(logits, rng_kept).copy(), dense.draw(logits, rng_dense).copy()
+        assert np.array_equal(a, b), f"frame {i}: {a} != {b}"
+        assert (a < 1024).all()

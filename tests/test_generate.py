@@ -94,3 +94,58 @@ def test_prompt_layout_zero_shot_and_clone(oracle):
     clone = build_prompt(oracle, "Hello world.", ref, "Ref.")
     ref_ids = oracle.tokenizer.encode("Ref.", add_special_tokens=False).ids
     assert clone.shape[1] == 3 + len(ref_ids) + (5 + N - 1) + len(text_ids) + 2
+
+
+class _Altered:
+    """Wraps a sub-part (``run``) or the decoder (``forward``) and rewrites its output at step
+    ``at`` of the loop (the checks under test see the real loop, not a stub)."""
+
+    def __init__(self, inner, at, change):
+        self.inner, self.at, self.change, self.calls = inner, at, change, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _alter(self, out):
+        self.calls += 1
+        return self.change(out.copy()) if self.calls == self.at else out
+
+    def run(self, feeds):
+        return {k: self._alter(v) for k, v in self.inner.run(feeds).items()}
+
+    def forward(self, embeds):
+        return self._alter(self.inner.forward(embeds))
+
+
+def _set(index, value):
+    def change(out):
+        out[index] = value
+        return out
+    return change
+
+
+@pytest.mark.parametrize(("part", "change", "error"), [
+    ("decoder", _set((0, -1, 3), np.nan), r"llm_decoder returned non-finite"),
+    ("decoder", _set((0, -1, 0), np.inf), r"llm_decoder returned non-finite"),
+    ("decoder", lambda out: out * 0, r"llm_decoder returned an all-zero hidden state at step 4"),
+    ("audio_heads", _set((0, -1, 5, 7), np.nan), r"audio_heads returned non-finite"),
+    ("audio_heads", _set((0, -1, 2, 9), -np.inf), r"audio_heads returned non-finite"),
+    ("audio_embed", _set((0, 0, 1), np.inf), r"audio_embed returned non-finite"),
+])
+def test_loop_stops_on_a_broken_output_and_names_the_subpart(oracle, part, change, error):
+    from higgs_pack.manifests.errors import NumericalError
+
+    pipe = replace(oracle, **{part: _Altered(getattr(oracle, part), 5, change)})
+    with pytest.raises(NumericalError, match=error):
+        generate_codes(pipe, build_prompt(pipe, "Hello world."), SamplingOptions(seed=0), max_frames=30)
+
+
+@pytest.mark.parametrize(("part", "change"), [
+    ("decoder", lambda out: out * 1e-30),  # the sum of squares underflows to zero
+    ("decoder", _set((0, -1, 0), 3e38)),  # the sum of squares overflows
+    ("audio_heads", lambda out: out + 3e38),  # the sum of the logits overflows
+])
+def test_loop_accepts_extreme_but_finite_outputs(oracle, part, change):
+    pipe = replace(oracle, **{part: _Altered(getattr(oracle, part), 5, change)})
+    result = generate_codes(pipe, build_prompt(pipe, "Hello world."), SamplingOptions(seed=0), max_frames=30)
+    assert result.codes.shape[1] == N

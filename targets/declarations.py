@@ -89,7 +89,7 @@ NPU = Variant(
         SubPart.TEXT_EMBED: {"static_axes": {"batch": 1, "sequence": NPU_MAX_PROMPT}, "allow_chunks": False,
                              "symmetric": True},
         SubPart.AUDIO_EMBED: {"static_axes": {"batch": 1, "frames": 1}, "symmetric": True},
-        SubPart.AUDIO_HEADS: {"static_axes": {"batch": 1, "frames": 1}, "symmetric": True},
+        SubPart.AUDIO_HEADS: {"static_axes": {"batch": 1, "frames": 1}, "symmetric": True, "group_size": 128},
         SubPart.AUDIO_TOKENIZER: {"static_axes": {"batch": 1, "frames": NPU_CODEC_CHUNK},
                                   "chunk_context": "auto", "pad_mask": True},
         # The codec encoder runs once per voice clone, outside the loop. A padded static
@@ -124,6 +124,15 @@ NPU = Variant(
 #: that there (not measured here); NNCF documents INT4_SYM as the faster mode in general.
 OPENVINO_DECODER_INT4 = {"symmetric": True, "group_size": 64}
 
+#: NNCF int4 settings of the openvino audio heads (one [hidden, 8 x 1026] MatMul run every
+#: frame): the decoder's INT4_SYM g64.  A [1, 1024] x [1024, 8208] MatMul alone on the CPU
+#: device, median of 200 calls with the cache warm / 50 after reading 64 MiB, two interleaved
+#: rounds on an AMD EPYC with AVX2 only (a full-size build shared the 2 cores):
+#: INT4_ASYM g128 (before) 918-919 / 1024-1038 us, INT4_SYM g64 665-666 / 758-765 us, INT8_SYM
+#: 494-495 / 745-802 us, INT8_ASYM 661-671 / 810-855 us, f32 1173-1276 / 1781-2104 us.
+#: INT4_SYM g64 reads half of INT8's bytes, which decides at full size (21M weights).
+OPENVINO_HEADS_INT4 = {"symmetric": True, "group_size": 64}
+
 OPENVINO = register(
     Target(
         name="openvino",
@@ -135,7 +144,7 @@ OPENVINO = register(
             SubPart.LLM_DECODER: Recipe("optimum-openvino", options=OPENVINO_DECODER_INT4),
             SubPart.TEXT_EMBED: Recipe("olive-openvino"),
             SubPart.AUDIO_EMBED: Recipe("olive-openvino"),
-            SubPart.AUDIO_HEADS: Recipe("olive-openvino"),
+            SubPart.AUDIO_HEADS: Recipe("olive-openvino", options=OPENVINO_HEADS_INT4),
             SubPart.AUDIO_TOKENIZER: Recipe("olive-openvino", precision="fp32"),
             SubPart.AUDIO_ENCODER: Recipe("olive-openvino", precision="fp32"),
         },

@@ -138,3 +138,6 @@ def test_npu_plan_says_static_decoder_and_symmetric_int4():
     # INT4_ASYM g128 on an AVX2 CPU: targets/declarations.py); the npu variant keeps group 128.
     assert plain.passes == ("optimum-intel stateful export (inputs_embeds)", "nncf.compress_weights(INT4_SYM)")
     assert plain.options["group_size"] == 64 and dec.options["group_size"] == 128
+    heads = {r.subpart: r for r in make_plan("openvino").rows}[SubPart.AUDIO_HEADS]
+    assert heads.passes == ("OpenVINOConversion", "OpenVINOWeightCompression(INT4_SYM)")
+    assert heads.options["group_size"] == 64 and rows[SubPart.AUDIO_HEADS].options["group_size"] == 128

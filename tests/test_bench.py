@@ -176,7 +176,8 @@ def test_goal_checks_met_missed_and_not_measured():
 
     # each goal misses when its number is past the line
     worse = [_measured("cpu-int4", "cpu", 30.0, preset="full", outside_decoder_frac=0.06, loop_over_decoder=1.2,
-                       first_audio_ms=530.0, step_ms_ctx900=116.0, roofline_frac_decoder=0.85),
+                       first_audio_ms=530.0, step_ms_ctx900=116.0, roofline_frac_decoder=0.85,
+                       heads_weight_mb=140.0),
              _measured("openvino-int4", "openvino", 20.0, preset="full")]
     goals = _goals(worse)
     for goal in ("[full] cpu-int4: outside-decoder time < 5% of a frame",
@@ -186,6 +187,9 @@ def test_goal_checks_met_missed_and_not_measured():
                  "[full] cpu-int4: decoder >= 0.9 of its memory-bandwidth roofline",
                  "[full] openvino int4 >= cpu int4 frames/s"):
         assert goals[goal][0] is False, (goal, goals[goal])
+    # the heads' share of the decoder's weight bytes is printed beside the outside-decoder time
+    assert goals["[full] cpu-int4: outside-decoder time < 5% of a frame"][1] == \
+        "6.0% (heads weights 7.0% of the decoder's)"
 
     # systems or presets missing, a cache-resident decoder, a field not measured: never met
     only_cpu = [_measured("cpu-int4", "cpu", 30.0, preset="full", cache_resident=True,

@@ -239,7 +239,12 @@ def generate_steps(
     steps = 0
     for step in range(max_steps):
         np.copyto(last, hidden[:, -1:])
-        checks.hidden_state(last, step)
+        checks.finite("llm_decoder", last, "hidden")
+        if not checks.any_nonzero(last, "hidden"):
+            raise NumericalError(
+                f"llm_decoder returned an all-zero hidden state at step {step} on "
+                f"{pipeline.description.get('llm_decoder', 'its backend')}; run `higgs-pack verify`"
+            )
         # A view of the heads' buffer (valid until their next run): read before that.
         logits = pipeline.audio_heads.run(heads_feed)["audio_logits"][0, -1].reshape(n, vocab)
         checks.finite("audio_heads", logits, "logits")
@@ -286,13 +291,7 @@ def generate_steps(
 
 
 class _FiniteChecks:
-    """The loop's per-step checks for NaN/inf and all-zero outputs.
-
-    Each check first reduces the array to one number: the sum of squares of a hidden state
-    (finite and > 0 when every element is finite and one is non-zero), the sum of logits or
-    embeddings (finite when every element is).  Only when that number says otherwise (or
-    overflows or underflows) are the elements checked one by one, on flag buffers made once.
-    Per step on 8 x 1026 logits: ~8 us instead of ~40 us (numpy 2, AVX2).
+    """The loop's per-step checks for NaN/inf and all-zero outputs, on flag buffers made once.
 
     Args:
         pipeline: for the error message.
@@ -306,30 +305,15 @@ class _FiniteChecks:
     def finite(self, name: str, array: np.ndarray, buffer: str | None) -> None:
         """Raise :class:`NumericalError` naming sub-part ``name`` if ``array`` holds NaN/inf
         (``buffer``: the flags of its shape; None: an other shape, checked with a new array)."""
-        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is checked below
-            total = np.add.reduce(array, axis=None)
-        if math.isfinite(total):
-            return
         flags = self._flags.get(buffer) if buffer is not None else None
         ok = np.isfinite(array, out=flags).all() if flags is not None and flags.shape == array.shape \
             else np.isfinite(array).all()
         if not ok:
             _check_finite(name, array, self._pipeline)
 
-    def hidden_state(self, array: np.ndarray, step: int) -> None:
-        """Raise :class:`NumericalError` if the decoder's last hidden state ``array`` (float32
-        [1, 1, H]) holds NaN/inf or is all zero at ``step``."""
-        flat = array.reshape(-1)
-        with np.errstate(over="ignore", under="ignore", invalid="ignore"):  # checked below
-            square = float(np.dot(flat, flat))
-        if math.isfinite(square) and square > 0.0:
-            return
-        self.finite("llm_decoder", array, "hidden")
-        if not np.not_equal(array, 0, out=self._flags["hidden"]).any():
-            raise NumericalError(
-                f"llm_decoder returned an all-zero hidden state at step {step} on "
-                f"{self._pipeline.description.get('llm_decoder', 'its backend')}; run `higgs-pack verify`"
-            )
+    def any_nonzero(self, array: np.ndarray, buffer: str) -> bool:
+        """Whether ``array`` (the shape of ``buffer``) has a non-zero element."""
+        return bool(np.not_equal(array, 0, out=self._flags[buffer]).any())
 
 
 def decode_codes(pipeline: Pipeline, codes: np.ndarray) -> np.ndarray:

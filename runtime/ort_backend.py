@@ -174,7 +174,9 @@ FLOAT16_ON_CPU_OPTIONS: dict[str, Any] = {
 #: when the run ends, so they do not keep the cores from the next session.  Bench preset,
 #: cpu int4, 100 frames, 3 interleaved rounds on an AMD EPYC with 2 vCPUs (AVX2), ONNX
 #: Runtime 1.32: spinning off 125-147 frames/s (decoder step 5.7-6.8 ms); spinning that stops
-#: with the run 165-204 (4.1-5.0 ms); spinning that continues after the run 108-131.
+#: with the run 165-204 (4.1-5.0 ms); spinning that continues after the run 108-131.  Full
+#: size (4B), cpu int4, 40 frames, 3 interleaved rounds: 11.6-11.8 -> 12.3-12.4 frames/s
+#: (decoder step 85.3-85.5 -> 79.4-79.9 ms), streamed 11.2 -> 12.0-12.1.
 THREAD_POOL_DEFAULTS: dict[str, str] = {
     "session.intra_op.allow_spinning": "1",
     "session.force_spinning_stop": "1",

@@ -25,20 +25,20 @@ def test_measures_and_reports_every_setting(tmp_path, capsys):
     report = json.loads(out.read_text())
     names = [s.name for s in ovp.settings()]
     assert [r["setting"] for r in report["results"]] == names
-    assert {"kv_f16", "kv_f32", "hint_throughput", "share_off", "int4_sym_g64", "fp32"} <= set(names)
+    assert {"kv_f16", "kv_f32", "hint_throughput", "share_off", "int4_asym_g128", "fp32"} <= set(names)
     for row in report["results"]:
         assert row["step_ms_best"] > 0 and len(row["rounds_ms"]) == 2 and row["context"] == 8
         assert row["cpu"] == report["machine"]["model"] and isinstance(row["vnni"], bool) and row["isa"]
         assert 0.99 < row["cosine"] <= 1.0 + 1e-9 and math.isfinite(row["rel_l2"])
     rows = {r["setting"]: r for r in report["results"]}
-    assert rows["fp32"]["rel_l2"] == 0.0
+    assert rows["fp32"]["rel_l2"] == 0.0 and rows["default"]["weights"] == "int4_sym_g64"
     assert rows["kv_f32"]["properties"]["KV_CACHE_PRECISION"] == "f32" and rows["share_off"]["share"] is False
     # Every weight variant was built as asked (NNCF's own record of what it did).
     weights = report["weights"]
     for name, options in ovp.WEIGHT_VARIANTS.items():
         q = weights[name]["quantization"]
         assert q["mode"] == ("int4_sym" if options["symmetric"] else "int4_asym")
-        assert q["group_size"] == options["group_size"] and weights[name]["bin_mb"] > 0
+        assert q["group_size"] == options["group_size"] and weights[name]["weights_mb"] > 0
     assert weights["fp32"]["quantization"] == {}
     printed = capsys.readouterr().out
     assert report["machine"]["cpu"] in printed and all(n in printed for n in names)

@@ -4,12 +4,12 @@
 bare stateful decoder (:class:`~higgs_pack.runtime.openvino_runners.OvStatefulDecoder`, no
 heads, embed or sampling) on the CPU device for:
 
-* compile properties on the default int4 IR (NNCF INT4_ASYM, group 128):
+* compile properties on the default int4 IR (NNCF INT4_SYM, group 64):
   ``KV_CACHE_PRECISION`` u8 / f16 / f32, ``PERFORMANCE_HINT`` LATENCY / THROUGHPUT, and
   ``InferRequest.infer``'s ``share_inputs``/``share_outputs`` on / off;
 * weight compression: INT4_ASYM and INT4_SYM at group sizes 128 and 64, each IR exported
   by the openvino target's own decoder step (its recipe options laid over by a build
-  variant, :func:`export_weight_variants`), with the runtime's default properties;
+  variant, :func:`~higgs_pack.targets.bench.decoder_variants.export_decoder_variants`), with the runtime's default properties;
 * the fp32 IR with f32 inference and KV precision: the reference every variant's hidden
   states are compared with (``cosine``, ``rel_l2``; the fp32 IR matches the PyTorch
   oracle to cosine 0.9999999, MODEL.md).
@@ -31,18 +31,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from higgs_pack.manifests.constants import SubPart
+from higgs_pack.targets.bench.decoder_variants import (
+    REFERENCE,
+    export_decoder_variants,
+    load_average,
+    time_interleaved,
+)
 
 #: Weight-compression variants of the int4 decoder: name -> options of the openvino target's
 #: decoder exporter (``convert_llm_decoder``'s ``symmetric`` / ``group_size``).
@@ -52,10 +52,9 @@ WEIGHT_VARIANTS: dict[str, dict[str, Any]] = {
     "int4_sym_g128": {"symmetric": True, "group_size": 128},
     "int4_sym_g64": {"symmetric": True, "group_size": 64},
 }
-#: The IR the compile-property variants run on (the openvino target's int4 default).
-DEFAULT_WEIGHTS = "int4_asym_g128"
-#: The fp32 IR: the parity reference.
-REFERENCE = "fp32"
+#: The IR the compile-property variants run on (the openvino target's int4 default,
+#: :data:`~higgs_pack.targets.declarations.OPENVINO_DECODER_INT4`).
+DEFAULT_WEIGHTS = "int4_sym_g64"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,72 +98,13 @@ def settings() -> list[Setting]:
     return out
 
 
-def export_weight_variants(checkpoint: Path, work: Path, names: list[str]) -> dict[str, dict[str, Any]]:
-    """Export the decoder IRs ``names`` (keys of :data:`WEIGHT_VARIANTS` and/or :data:`REFERENCE`)
-    the way ``higgs-pack build --target openvino`` does: the checkpoint remapped to a Qwen3
-    directory, then the target's decoder exporter with the options a build variant lays over
-    its recipe, each step in a child process (:func:`higgs_pack.exporters.process.run_step`).
-
-    Returns:
-        name -> ``{"xml": path, "bin_mb", "quantization", "export_s", "export_peak_rss_mb"}``.
-    """
-    from higgs_pack.exporters.process import run_step
-    from higgs_pack.targets.base import Variant, get_target
-    from higgs_pack.targets.plan import make_plan
-
-    target = get_target("openvino")
-    out: dict[str, dict[str, Any]] = {}
-    for name in names:
-        done = work / name / "done.json"
-        if done.is_file():  # exported by an earlier run into the same work folder
-            out[name] = json.loads(done.read_text(encoding="utf-8"))
-    if len(out) == len(names):
-        return out
-    hf_dir, _ = run_step("higgs_pack.targets.steps:write_hf_dir",
-                         {"checkpoint": str(checkpoint), "out_dir": str(work / "qwen3-hf")},
-                         name="remapping the checkpoint to a Qwen3 directory", folders=[work], work_dir=work)
-    try:
-        for name in names:
-            if name in out:
-                continue
-            done = work / name / "done.json"
-            if name == REFERENCE:
-                plan = make_plan(target, "fp32")
-            else:
-                variant = Variant(name, options={SubPart.LLM_DECODER: WEIGHT_VARIANTS[name]})
-                plan = make_plan(dataclasses.replace(target, variants=(*target.variants, variant)), "int4", name)
-            row = next(r for r in plan.rows if r.subpart == SubPart.LLM_DECODER)
-            bundle = work / name
-            result, record = run_step(
-                "higgs_pack.targets.steps:export_decoder",
-                {"hf_dir": hf_dir, "exporter": row.exporter.name, "part": row.subpart.value,
-                 "precision": row.precision, "bundle_dir": str(bundle), "work_dir": str(work / f"{name}-scratch"),
-                 "options": dict(row.options)},
-                name=f"exporting llm_decoder ({name})", folders=[work], work_dir=work)
-            xml = bundle / result["entry"]
-            out[name] = {"xml": str(xml), "bin_mb": round(xml.with_suffix(".bin").stat().st_size / 1e6, 2),
-                         "quantization": result["quantization"], "export_s": round(record.seconds, 1),
-                         "export_peak_rss_mb": round(record.peak_rss_mb, 1)}
-            done.write_text(json.dumps(out[name]), encoding="utf-8")
-    finally:
-        shutil.rmtree(hf_dir, ignore_errors=True)
-    return out
-
-
-def _load() -> list[float]:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return []
-
-
 def measure(irs: dict[str, dict[str, Any]], chosen: list[Setting], *, hidden: int, context: int, steps: int,
             repeats: int, seed: int = 0) -> list[dict[str, Any]]:
     """Time every setting's decoder step at one context length, interleaved, and compare its
     hidden states with the :data:`REFERENCE` setting's (same inputs).
 
     Args:
-        irs: from :func:`export_weight_variants`.
+        irs: from :func:`~higgs_pack.targets.bench.decoder_variants.export_decoder_variants`.
         chosen: the settings (the reference among them for parity).
         hidden: the decoder's hidden size.
         context: prompt positions prefilled before the timed steps.
@@ -180,48 +120,14 @@ def measure(irs: dict[str, dict[str, Any]], chosen: list[Setting], *, hidden: in
     import openvino as ov
 
     from higgs_pack.runtime.openvino_runners import OvStatefulDecoder
-    from higgs_pack.runtime.report import compare, rel_l2
 
-    rng = np.random.default_rng(seed)
-    prompt = rng.standard_normal((1, context, hidden)).astype(np.float32)
-    feeds = rng.standard_normal((repeats * steps, 1, 1, hidden)).astype(np.float32)
     core = ov.Core()
-    decoders, records = {}, {}
-    for s in chosen:
-        decoders[s.name] = OvStatefulDecoder(core, irs[s.weights]["xml"], "CPU", None, s.properties,
-                                             max_length=context + repeats * steps + 1, share_inputs=s.share,
-                                             share_outputs=s.share)
-        t = time.perf_counter()
-        decoders[s.name].forward(prompt)
-        records[s.name] = {"setting": s.name, "weights": s.weights, "properties": s.properties, "share": s.share,
-                           "varies": s.varies, "context": context, "prefill_ms": round(1e3 * (time.perf_counter() - t), 2),
-                           "rounds_ms": [], "hidden": []}
-    order = [s.name for s in chosen]
-    for r in range(repeats):
-        rotated = order[r % len(order):] + order[: r % len(order)]
-        for name in rotated:
-            decoder, rec = decoders[name], records[name]
-            outs = []
-            t = time.perf_counter()
-            for x in feeds[r * steps:(r + 1) * steps]:
-                outs.append(decoder.forward(x))
-            rec["rounds_ms"].append(round(1e3 * (time.perf_counter() - t) / steps, 3))
-            if r == 0:
-                rec["hidden"] = outs
-    reference = records.get(REFERENCE)
-    out = []
-    for name in order:
-        rec = records[name]
-        rec["step_ms_best"] = min(rec["rounds_ms"])
-        rec["step_ms_median"] = round(statistics.median(rec["rounds_ms"]), 3)
-        if reference is not None:
-            pairs = list(zip(reference["hidden"], rec["hidden"], strict=True))
-            rec["cosine"] = round(min(compare(a, b, "cosine")[0] for a, b in pairs), 6)
-            rec["rel_l2"] = round(max(rel_l2(a, b) for a, b in pairs), 6)
-        out.append(rec)
-    for rec in out:
-        rec.pop("hidden")
-    return out
+    decoders = {s.name: OvStatefulDecoder(core, irs[s.weights]["path"], "CPU", None, s.properties,
+                                          max_length=context + repeats * steps + 1, share_inputs=s.share,
+                                          share_outputs=s.share) for s in chosen}
+    timed = time_interleaved(decoders, hidden=hidden, context=context, steps=steps, repeats=repeats, seed=seed)
+    return [{"setting": s.name, "weights": s.weights, "properties": s.properties, "share": s.share,
+             "varies": s.varies, **timed[s.name]} for s in chosen]
 
 
 def run(preset: str = "bench", *, seed: int = 0, contexts: tuple[int, ...] = (64, 768), steps: int = 8,
@@ -249,12 +155,13 @@ def run(preset: str = "bench", *, seed: int = 0, contexts: tuple[int, ...] = (64
     work = Path(work) if keep else Path(tempfile.mkdtemp(prefix="higgs-pack-ov-properties-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        irs = export_weight_variants(checkpoint, work, list(dict.fromkeys(s.weights for s in chosen)))
+        irs = export_decoder_variants("openvino", checkpoint, work, WEIGHT_VARIANTS,
+                                      list(dict.fromkeys(s.weights for s in chosen)))
         results = []
         for context in contexts:
-            before = _load()
+            before = load_average()
             rows = measure(irs, chosen, hidden=hidden, context=context, steps=steps, repeats=repeats, seed=seed)
-            after = _load()
+            after = load_average()
             for row in rows:
                 row.update({"cpu": cpu.model, "isa": cpu.isa["flags"], "vnni": cpu.isa["vnni"],
                             "load_before": before, "load_after": after})
@@ -262,7 +169,7 @@ def run(preset: str = "bench", *, seed: int = 0, contexts: tuple[int, ...] = (64
     finally:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
-    irs = {name: {k: v for k, v in facts.items() if k != "xml"} for name, facts in irs.items()}
+    irs = {name: {k: v for k, v in facts.items() if k != "path"} for name, facts in irs.items()}
     return {"machine": {"cpu": cpu.describe(), "model": cpu.model, "isa": cpu.isa, "logical_cpus": cpu.logical_cpus},
             **runtime_versions(), "preset": preset, "steps": steps, "repeats": repeats, "weights": irs,
             "results": results}
@@ -275,7 +182,7 @@ def table(report: dict[str, Any]) -> str:
              f"{'setting':<17}{'weights':<16}{'ctx':>5}{'best ms':>9}{'median':>9}{'cosine':>10}{'rel_l2':>9}"
              f"{'bin MB':>8}  load"]
     for row in report["results"]:
-        mb = report["weights"][row["weights"]]["bin_mb"]
+        mb = report["weights"][row["weights"]]["weights_mb"]
         lines.append(f"{row['setting']:<17}{row['weights']:<16}{row['context']:>5}{row['step_ms_best']:>9.2f}"
                      f"{row['step_ms_median']:>9.2f}{row.get('cosine', float('nan')):>10.5f}"
                      f"{row.get('rel_l2', float('nan')):>9.4f}{mb:>8.1f}  {row['load_before']}->{row['load_after']}")

@@ -166,6 +166,8 @@ def paging_out(path: str | os.PathLike, interval_s: float = DEFAULT_INTERVAL_S, 
     ends.  Use it around the step in which a backend reads a mapped weights file once to
     copy it (OpenVINO's CPU plugin packing float weights on the first inference).  Pages
     read again later are faulted back in from the file; contents never change.
+    The kernel reclaims clean pages only: a file still being written back (just written,
+    not yet flushed) keeps its dirty pages resident until writeback has cleaned them.
 
     Args:
         path: The mapped file (an IR's ``.bin``, an ONNX graph's external data).

@@ -62,17 +62,25 @@ def test_steps_allocate_no_arrays_and_retain_nothing(pipeline):
 
 def _textbook_codes(logits: np.ndarray, allowed: np.ndarray, options: SamplingOptions,
                     rng: np.random.Generator) -> np.ndarray:
-    """The sampler as it was before the change: mask, the k best codes kept in vocabulary order,
-    float64 softmax at the temperature, one uniform draw per codebook through the CDF."""
+    """The sampler as it was before the change: mask, the codes at or above each row's k-th
+    largest logit kept in vocabulary order (every code tied with the k-th is kept, as
+    Hugging Face's TopKLogitsWarper does), float64 softmax at the temperature, one uniform
+    draw per codebook through the CDF.  Ties are real: int4 heads with int8 compute
+    (accuracy_level 4) gave two equal logits at the threshold on an AVX-512 VNNI CPU, where
+    keeping an arbitrary one of them (argpartition) drew another code at step 41."""
     x = np.where(allowed, logits, np.float32(-np.inf))
-    keep = np.sort(np.argpartition(x, -options.top_k, axis=-1)[:, -options.top_k:], axis=-1)
-    x = np.take_along_axis(x, keep, axis=-1).astype(np.float64) / options.temperature
-    p = np.exp(x - x.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
-    cdf = np.cumsum(p, axis=-1)
-    u = rng.random(p.shape[0])[:, None] * cdf[:, -1:]
-    index = np.minimum((cdf <= u).sum(axis=-1), p.shape[-1] - 1)
-    return keep[np.arange(len(index)), index]
+    threshold = np.partition(x, -options.top_k, axis=-1)[:, -options.top_k:].min(axis=-1, keepdims=True)
+    out = np.empty(x.shape[0], dtype=np.int64)
+    draws = rng.random(x.shape[0])
+    for row in range(x.shape[0]):
+        keep = np.flatnonzero(x[row] >= threshold[row])
+        w = x[row, keep].astype(np.float64) / options.temperature
+        p = np.exp(w - w.max())
+        p /= p.sum()
+        cdf = np.cumsum(p)
+        u = draws[row] * cdf[-1]
+        out[row] = keep[min(int((cdf <= u).sum()), len(keep) - 1)]
+    return out
 
 
 class _Recording:

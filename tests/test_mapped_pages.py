@@ -18,7 +18,12 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/p
 def test_paging_out_drops_resident_pages_and_keeps_contents(tmp_path):
     data = np.random.default_rng(0).integers(0, 255, 8 << 20, dtype=np.uint8)
     path = tmp_path / "weights.bin"
-    data.tofile(path)
+    with open(path, "wb") as f:
+        data.tofile(f)
+        # Clean pages, as a bundle's weights are: MADV_PAGEOUT skips dirty pages and pages under
+        # writeback (the CI run beside a full-size build kept all 8 MiB resident without this).
+        f.flush()
+        os.fsync(f.fileno())
     skip_unless_reclaimable(path)
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
         view = np.frombuffer(mapped, dtype=np.uint8)

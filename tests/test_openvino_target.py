@@ -103,7 +103,8 @@ def test_npu_variant_is_declaration_data():
     rows = {r.subpart.value: r for r in plan.rows}
     assert rows["llm_decoder"].options["static_kv_length"] == NPU_KV
     assert rows["text_embed"].options["static_axes"] == {"batch": 1, "sequence": NPU_PROMPT}
-    assert rows["audio_heads"].variant_options == {"static_axes": {"batch": 1, "frames": 1}, "symmetric": True}
+    assert rows["audio_heads"].variant_options == {"static_axes": {"batch": 1, "frames": 1}, "symmetric": True,
+                                                   "group_size": 128}  # the target's heads are g64
     assert rows["audio_encoder"].options == {"device_overrides": {"NPU": "CPU"}}
     assert "npu: static_axes=" in plan.render()
     assert all(not r.variant_options for r in make_plan("openvino").rows)

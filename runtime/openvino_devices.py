@@ -138,14 +138,35 @@ def check_device(core: ov.Core, device: str, allow_fallback: bool = False) -> tu
     )
 
 
-def precision_config(device: str, precision: str, *, stateful: bool = False) -> dict[str, str]:
-    """Compile properties that keep an fp32 bundle in fp32 on the device.
+#: Bundle precisions the CPU plugin is told to compute in f32 (``INFERENCE_PRECISION_HINT``)
+#: instead of its default, which is bf16 on CPUs with native bf16 (read back from the compiled
+#: model: bf16 on an Intel Xeon with AMX and AVX-512 BF16, OpenVINO 2026.4; f32 on an AVX2
+#: AMD EPYC, where the hint changes nothing).  int4 weights are decompressed or their
+#: activations quantized to int8 per group either way; a one-position decode step is bound by
+#: the weights read, and the bf16 conversions around every operator only add time.  Measured
+#: on that Xeon (2 vCPUs), int4 INT4_SYM g64 decoder, best / median ms per step, interleaved:
+#: bench preset (``python -m higgs_pack.targets.bench.ov_properties``, 15 rounds of 8 steps)
+#: f32 5.19 / 6.70 vs bf16 8.67 / 9.91 at 64 positions, 9.31 / 10.67 vs 10.86 / 12.38 at
+#: 768, the same rel_l2 against the fp32 IR (0.126 / 0.125); full size, 6 rounds of 4 steps:
+#: 162.6 / 170.5 vs 194.7 / 206.2 ms at 64 positions, 162.9 / 171.2 vs 192.9 / 212.9 at 900,
+#: bf16's hidden states 0.057-0.067 rel_l2 away from f32's; full-size audio heads 0.80 vs 1.10
+#: ms (median).  A prefill is faster in bf16 (AMX tiles): 64 positions 1.22-1.53 vs
+#: 1.06-1.09 s, 300 positions 6.3-6.8 vs 5.2-5.8 s; a 20 s utterance is ~75 prompt positions
+#: and ~500 steps, so f32 wins by far, first audio included.  int8/fp16 bundles are not measured
+#: and keep the plugin's default.
+CPU_F32_PRECISIONS = frozenset({"int4"})
 
-    OpenVINO's CPU plugin computes in bf16 on CPUs with AMX/AVX512-BF16 and keeps
-    the KV cache in u8 by default; its GPU plugin computes in f16. For
+
+def precision_config(device: str, precision: str, *, stateful: bool = False) -> dict[str, str]:
+    """Compile properties that keep a sub-part of ``precision`` in the arithmetic it was built for.
+
+    OpenVINO's CPU plugin computes in bf16 on CPUs with native bf16 (AMX/AVX512-BF16) and
+    keeps the KV cache in u8 by default; its GPU plugin computes in f16. For
     ``precision == "fp32"`` this returns ``INFERENCE_PRECISION_HINT=f32`` on CPU
-    and GPU, and ``KV_CACHE_PRECISION=f32`` on CPU for a stateful decoder. Other
-    precisions and devices (NPU, AUTO, ...) get no override.
+    and GPU, and ``KV_CACHE_PRECISION=f32`` on CPU for a stateful decoder; for the
+    precisions in :data:`CPU_F32_PRECISIONS` (int4), ``INFERENCE_PRECISION_HINT=f32`` on
+    CPU (measured faster per decode step there). Other precisions and devices (NPU, AUTO,
+    ...) get no override.
 
     Args:
         device: The (normalised) device the model is compiled for.
@@ -156,6 +177,8 @@ def precision_config(device: str, precision: str, *, stateful: bool = False) -> 
         A properties dict to merge into ``compile_model``'s config.
     """
     base = device.split(".")[0]
+    if base == "CPU" and precision in CPU_F32_PRECISIONS:
+        return {"INFERENCE_PRECISION_HINT": "f32"}
     if precision != "fp32" or base not in ("CPU", "GPU"):
         return {}
     config = {"INFERENCE_PRECISION_HINT": "f32"}

@@ -314,7 +314,10 @@ def test_precision_config_and_versions():
     assert precision_config("CPU", "fp32", stateful=True) == {
         "INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
     assert precision_config("GPU.0", "fp32") == {"INFERENCE_PRECISION_HINT": "f32"}
-    assert precision_config("NPU", "fp32") == {} and precision_config("CPU", "int4") == {}
+    assert precision_config("NPU", "fp32") == {} and precision_config("GPU", "int4") == {}
+    # int4 computes in f32 on the CPU (the plugin's default is bf16 where the CPU has it).
+    assert precision_config("CPU", "int4", stateful=True) == {"INFERENCE_PRECISION_HINT": "f32"}
+    assert precision_config("CPU", "int8") == {} and precision_config("CPU", "fp16") == {}
     assert runtime_versions()["openvino"].startswith("2026.")
 
 

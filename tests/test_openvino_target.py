@@ -73,6 +73,23 @@ def test_build_leaves_no_compiled_models_behind(ov_bundles):
     assert not left, f"the builds left files in the user's cache: {left[:5]}"
 
 
+def test_int4_subparts_compute_in_f32_on_the_cpu(ov_bundles):
+    """The CPU plugin's default inference precision is bf16 on CPUs with native bf16 (AMX), which
+    made the int4 decode step 17-40% slower there (runtime/openvino_devices.CPU_F32_PRECISIONS):
+    every int4 sub-part of both bundles is compiled with f32, read back from the compiled model;
+    the fp32 codec keeps f32 and the KV cache stays u8."""
+    for variant, bundle in ov_bundles.items():
+        parts = open_openvino_parts(open_bundle(bundle), device="CPU", cache_dir=False)
+        manifest = read_manifest(bundle)
+        int4 = [p for p, spec in manifest["subparts"].items() if spec["precision"] == "int4"]
+        assert "llm_decoder" in int4 and "audio_heads" in int4
+        for part in manifest["subparts"]:
+            hint = str(parts[part].compiled.get_property("INFERENCE_PRECISION_HINT"))
+            assert "float32" in hint, f"{variant} {part}: compiled with {hint}"
+        if variant == "int4":  # the stateful decoder's KV cache (the npu decoder keeps its own buffers)
+            assert "uint8" in str(parts["llm_decoder"].compiled.get_property("KV_CACHE_PRECISION"))
+
+
 def _copy(bundle: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(bundle, tmp_path / bundle.name))
 

@@ -25,7 +25,7 @@ def test_measures_and_reports_every_setting(tmp_path, capsys):
     report = json.loads(out.read_text())
     names = [s.name for s in ovp.settings()]
     assert [r["setting"] for r in report["results"]] == names
-    assert {"kv_f16", "kv_f32", "hint_throughput", "share_off", "int4_asym_g128", "fp32"} <= set(names)
+    assert {"kv_f16", "kv_f32", "hint_throughput", "infer_bf16", "share_off", "int4_asym_g128", "fp32"} <= set(names)
     for row in report["results"]:
         assert row["step_ms_best"] > 0 and len(row["rounds_ms"]) == 2 and row["context"] == 8
         assert row["cpu"] == report["machine"]["model"] and isinstance(row["vnni"], bool) and row["isa"]

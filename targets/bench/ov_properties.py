@@ -5,7 +5,9 @@ bare stateful decoder (:class:`~higgs_pack.runtime.openvino_runners.OvStatefulDe
 heads, embed or sampling) on the CPU device for:
 
 * compile properties on the default int4 IR (NNCF INT4_SYM, group 64):
-  ``KV_CACHE_PRECISION`` u8 / f16 / f32, ``PERFORMANCE_HINT`` LATENCY / THROUGHPUT, and
+  ``KV_CACHE_PRECISION`` u8 / f16 / f32, ``PERFORMANCE_HINT`` LATENCY / THROUGHPUT,
+  ``INFERENCE_PRECISION_HINT`` f32 / bf16 (the plugin's default is bf16 on CPUs with AMX or
+  AVX-512 BF16, f32 elsewhere), and
   ``InferRequest.infer``'s ``share_inputs``/``share_outputs`` on / off;
 * weight compression: INT4_ASYM and INT4_SYM at group sizes 128 and 64, each IR exported
   by the openvino target's own decoder step (its recipe options laid over by a build
@@ -78,9 +80,10 @@ class Setting:
 
 def settings() -> list[Setting]:
     """Every configuration measured: the runtime's default first, one change per setting."""
-    from higgs_pack.runtime.openvino_devices import decoder_compile_properties
+    from higgs_pack.runtime.openvino_devices import decoder_compile_properties, precision_config
 
-    default = decoder_compile_properties("int4", stateful=True)["CPU"]
+    # What the runtime compiles an int4 decoder with on the CPU (openvino_backend's merge).
+    default = {**precision_config("CPU", "int4", stateful=True), **decoder_compile_properties("int4", stateful=True)["CPU"]}
     out = [Setting("default", DEFAULT_WEIGHTS, dict(default))]
     for kv in ("u8", "f16", "f32"):
         if kv != default.get("KV_CACHE_PRECISION"):
@@ -89,6 +92,10 @@ def settings() -> list[Setting]:
         if hint != default.get("PERFORMANCE_HINT"):
             out.append(Setting(f"hint_{hint.lower()}", DEFAULT_WEIGHTS, {**default, "PERFORMANCE_HINT": hint},
                                varies="performance hint"))
+    for precision in ("f32", "bf16"):
+        if precision != default.get("INFERENCE_PRECISION_HINT"):
+            out.append(Setting(f"infer_{precision}", DEFAULT_WEIGHTS, {**default, "INFERENCE_PRECISION_HINT": precision},
+                               varies="inference precision"))
     out.append(Setting("share_off", DEFAULT_WEIGHTS, dict(default), share=False, varies="share_inputs/outputs"))
     for name in WEIGHT_VARIANTS:
         if name != DEFAULT_WEIGHTS:

@@ -11,11 +11,13 @@ from higgs_pack.manifests.constants import OPENVINO_REQUIREMENT, SubPart
 from higgs_pack.targets.base import Recipe, Target, Variant, register
 
 
-def _onnx_recipes(ep: str, *, heads: dict | None = None) -> dict[SubPart, Recipe]:
-    """ModelBuilder decoder for ``ep``, Olive for the rest; ``heads``: extra audio_heads options."""
+def _onnx_recipes(ep: str, *, decoder: dict | None = None, heads: dict | None = None) -> dict[SubPart, Recipe]:
+    """ModelBuilder decoder for ``ep``, Olive for the rest; ``decoder``: ModelBuilder extra
+    options of the decoder; ``heads``: extra audio_heads options."""
     module = Recipe("olive-onnx")
+    extra = {"extra_options": dict(decoder)} if decoder else {}
     return {
-        SubPart.LLM_DECODER: Recipe("modelbuilder", options={"execution_provider": ep}),
+        SubPart.LLM_DECODER: Recipe("modelbuilder", options={"execution_provider": ep, **extra}),
         SubPart.TEXT_EMBED: module,
         SubPart.AUDIO_EMBED: module,
         SubPart.AUDIO_HEADS: Recipe("olive-onnx", options=heads) if heads else module,
@@ -23,6 +25,32 @@ def _onnx_recipes(ep: str, *, heads: dict | None = None) -> dict[SubPart, Recipe
         SubPart.AUDIO_ENCODER: Recipe("olive-onnx", precision="fp32"),
     }
 
+
+#: ModelBuilder int4 options of the cpu decoder (int4 bundles; fp32 ignores them): block 128
+#: (ModelBuilder's default is 32), int8 compute (accuracy_level 4, the cpu row's default).
+#: Measured with ``python -m higgs_pack.targets.bench.ort_int4_options`` on an Intel Xeon
+#: with AVX-512 VNNI and AMX (2 vCPUs, ONNX Runtime 1.32), bare decoder with shared KV
+#: buffers, best / median ms per step, interleaved; the bytes are the decoder's external data
+#: (int4 nibbles + one float32 scale per block: MatMulNBits scales take the activations'
+#: dtype, float32 on the CPU provider):
+#:
+#: ===================== ========= ============= ============= ===== =============== ===============
+#: block, accuracy_level  full MB   full 64 pos.  full 900 pos. bench  bench 64 pos.   bench rel_l2
+#: ===================== ========= ============= ============= ===== =============== ===============
+#: 32, 4 (was)            2,296.1   181.8 / 188.9  222.7 / 228.9  65.2   6.16 / 7.44     0.116
+#: 64, 4                  2,067.2   169.4 / 171.4  206.6 / 212.0  58.9   5.16 / 6.66     0.128
+#: 128, 4                 1,954.1   150.4 / 152.0  185.2 / 191.5  56.7   4.19 / 5.41     0.140
+#: 32, 1                  -         -              -              65.2   8.55 / 9.87     0.115
+#: ===================== ========= ============= ============= ===== =============== ===============
+#:
+#: (full: 6 rounds of 4 steps; bench: 15 rounds of 8 steps beside the fp32 decoder, whose
+#: 405 MB evict the others from the 300 MiB L3; rel_l2 of the hidden states against it.)
+#: Block 128 reads 15% fewer bytes than 32, within 0.6% of the openvino int4 decoder's
+#: 1,942 MB, and steps 16-20% faster at full size; its error against fp32 (0.140; cosine
+#: 0.990) is that of NNCF's INT4_SYM g128 (0.139) and near the openvino default's (SYM g64,
+#: 0.125), the group size int4 LLM deployments commonly use.  int8 compute stays: float
+#: compute (accuracy_level 1) was 28-39% slower.
+CPU_DECODER_INT4 = {"block_size": 128}
 
 CPU = register(
     Target(
@@ -37,7 +65,7 @@ CPU = register(
         precisions=("int4", "fp32"),
         # int4 heads with int8 compute (MatMulNBits accuracy_level 4, as ModelBuilder's cpu
         # decoder): 1.30 -> 0.31 ms per frame on the bench preset; other providers keep the default.
-        recipes=_onnx_recipes("cpu", heads={"accuracy_level": 4}),
+        recipes=_onnx_recipes("cpu", decoder=CPU_DECODER_INT4, heads={"accuracy_level": 4}),
     )
 )
 

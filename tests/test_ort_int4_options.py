@@ -42,7 +42,7 @@ def test_measures_each_option_set_against_fp32(tmp_path, capsys):
         assert (q["block_size"], q["accuracy_level"]) == (options["block_size"], options["accuracy_level"])
         assert q["quantized_ops"]["MatMulNBits"] > 0 and report["weights"][name]["weights_mb"] > 0
     assert report["weights"]["fp32"]["quantization"] == {}
-    assert report["default"] == oio.default_variant() == "b32_l4"
+    assert report["default"] == oio.default_variant() == "b128_l4"  # targets/declarations.CPU_DECODER_INT4
     printed = capsys.readouterr().out
     assert report["machine"]["cpu"] in printed and all(n in printed for n in asked)
     assert set(Path(tempfile.gettempdir()).glob("higgs-pack-ort-int4-*")) <= scratch  # decoders removed

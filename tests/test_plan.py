@@ -19,7 +19,7 @@ def test_cpu_plan_uses_the_declared_tools():
     assert plan.precision == "int4"
     rows = {r.subpart: r for r in plan.rows}
     assert rows[SubPart.LLM_DECODER].exporter.name == "modelbuilder"
-    assert rows[SubPart.LLM_DECODER].options == {"execution_provider": "cpu"}
+    assert rows[SubPart.LLM_DECODER].options == {"execution_provider": "cpu", "extra_options": {"block_size": 128}}
     assert rows[SubPart.AUDIO_HEADS].passes == ("OnnxConversion", "OnnxBlockWiseRtnQuantization")
     assert rows[SubPart.AUDIO_TOKENIZER].precision == "fp32"
     assert rows[SubPart.AUDIO_ENCODER].precision == "fp32"

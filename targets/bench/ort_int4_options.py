@@ -54,12 +54,17 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 
 def default_variant() -> str:
-    """The :data:`VARIANTS` name a cpu int4 build uses today (ModelBuilder's block size and the
-    cpu provider row's accuracy_level)."""
+    """The :data:`VARIANTS` name a cpu int4 build uses today: the cpu target's decoder
+    ``extra_options`` over ModelBuilder's defaults and the cpu provider row's accuracy_level."""
     from higgs_pack.exporters.modelbuilder import INT4_DEFAULTS
-    from higgs_pack.manifests.constants import EXECUTION_PROVIDERS
+    from higgs_pack.manifests.constants import EXECUTION_PROVIDERS, SubPart
+    from higgs_pack.targets.plan import make_plan
 
-    return f"b{INT4_DEFAULTS['block_size']}_l{EXECUTION_PROVIDERS['cpu'].modelbuilder.accuracy_level}"
+    row = next(r for r in make_plan("cpu", "int4").rows if r.subpart == SubPart.LLM_DECODER)
+    extra = row.options.get("extra_options") or {}
+    block = extra.get("block_size", INT4_DEFAULTS["block_size"])
+    level = extra.get("accuracy_level", EXECUTION_PROVIDERS["cpu"].modelbuilder.accuracy_level)
+    return f"b{block}_l{level}"
 
 
 def open_decoders(decoders: dict[str, dict[str, Any]], names: list[str], config: dict[str, Any],

@@ -450,9 +450,11 @@ def test_step_outputs_as_views_give_the_codes_of_copies(ov_bundles):
     request's tensors (no copy per frame); the loop draws the same codes as with copied outputs.
     (The npu variant's static runners pad and copy: not covered.)"""
     from higgs_pack.runtime.delay import SamplingOptions
+    from higgs_pack.runtime.openvino_devices import precision_config
     from higgs_pack.runtime.openvino_runners import OvSubPart
 
     pipeline = load(ov_bundles["int4"], device="CPU")
+    assert {read_manifest(ov_bundles["int4"])["subparts"][p]["precision"] for p in ("audio_heads", "audio_embed")} == {"int4"}
     options = SamplingOptions(seed=9)
     views = synthesize(pipeline, "Views or copies.", options=options, max_frames=60)
     heads, embed = pipeline.audio_heads, pipeline.audio_embed
@@ -464,6 +466,8 @@ def test_step_outputs_as_views_give_the_codes_of_copies(ov_bundles):
     wide = heads.run({"hidden_states": np.ones((1, 3, h), np.float32)})["audio_logits"]
     assert not np.shares_memory(wide, second)  # other shapes: arrays of their own
     core = ov.Core()
-    pipeline.audio_heads, pipeline.audio_embed = (OvSubPart(core, r.path, "CPU") for r in (heads, embed))
+    # Compiled as the runtime compiles int4 sub-parts (f32 on the CPU; bf16 there would change the codes).
+    config = precision_config("CPU", "int4")
+    pipeline.audio_heads, pipeline.audio_embed = (OvSubPart(core, r.path, "CPU", config=config) for r in (heads, embed))
     copies = synthesize(pipeline, "Views or copies.", options=options, max_frames=60)
     assert np.array_equal(views.codes, copies.codes) and len(views.codes) > 8

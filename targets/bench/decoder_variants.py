@@ -163,3 +163,43 @@ def time_interleaved(decoders: Mapping[str, Any], *, hidden: int, context: int, 
             rec["cosine"] = round(min(compare(a, b, "cosine")[0] for a, b in pairs), 6)
             rec["rel_l2"] = round(max(rel_l2(a, b) for a, b in pairs), 6)
     return records
+
+
+def machine_record() -> dict[str, Any]:
+    """The CPU the measurement ran on: ``{"cpu": one-line description, "model", "isa" (flags,
+    vnni, avx512), "logical_cpus"}`` (:func:`higgs_pack.runtime.cpu.cpu_info`)."""
+    from higgs_pack.runtime.cpu import cpu_info
+
+    cpu = cpu_info()
+    return {"cpu": cpu.describe(), "model": cpu.model, "isa": cpu.isa, "logical_cpus": cpu.logical_cpus}
+
+
+#: Header of the timing columns of :func:`timing_columns`.
+TIMING_HEADER = f"{'ctx':>5}{'best ms':>9}{'median':>9}{'cosine':>10}{'rel_l2':>9}{'MB':>9}  load"
+
+
+def timing_columns(row: Mapping[str, Any], weights_mb: float) -> str:
+    """One result row's context, best / median ms per step, parity, weight MB and load averages."""
+    return (f"{row['context']:>5}{row['step_ms_best']:>9.2f}{row['step_ms_median']:>9.2f}"
+            f"{row.get('cosine', float('nan')):>10.5f}{row.get('rel_l2', float('nan')):>9.4f}"
+            f"{weights_mb:>9.1f}  {row['load_before']}->{row['load_after']}")
+
+
+def add_timing_arguments(parser: Any, *, contexts: tuple[int, ...], what: str) -> None:
+    """The options both measurements take: ``--seed``, ``--contexts``, ``--steps``, ``--repeats``,
+    ``--out`` and ``--work`` (``what``: the exported things, for the help)."""
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--contexts", type=int, nargs="+", default=list(contexts),
+                        help="prompt positions before the steps")
+    parser.add_argument("--steps", type=int, default=8, help="one-position steps per round")
+    parser.add_argument("--repeats", type=int, default=15, help="rounds per variant (best and median reported)")
+    parser.add_argument("--out", type=Path, help="write the JSON report here")
+    parser.add_argument("--work", type=Path, help=f"keep the exported {what} in this folder and reuse them in "
+                        "later runs (default: a scratch folder, removed)")
+
+
+def row_facts(machine: Mapping[str, Any], before: list[float], after: list[float]) -> dict[str, Any]:
+    """What every result row carries besides its timing: the CPU model, its ISA flags, VNNI, and
+    the load averages before and after the measurement (``machine`` from :func:`machine_record`)."""
+    return {"cpu": machine["model"], "isa": machine["isa"]["flags"], "vnni": machine["isa"]["vnni"],
+            "load_before": before, "load_after": after}

@@ -33,9 +33,14 @@ from typing import Any
 
 from higgs_pack.targets.bench.decoder_variants import (
     REFERENCE,
+    TIMING_HEADER,
+    add_timing_arguments,
     export_decoder_variants,
     load_average,
+    machine_record,
+    row_facts,
     time_interleaved,
+    timing_columns,
 )
 
 
@@ -109,12 +114,11 @@ def run(preset: str = "bench", *, seed: int = 0, names: list[str] | None = None,
     """
     import onnxruntime
 
-    from higgs_pack.runtime.cpu import cpu_info
     from higgs_pack.targets.build import default_checkpoint
 
     names = list(names or VARIANTS)
     chosen = names + ([REFERENCE] if reference else [])
-    cpu = cpu_info()
+    machine = machine_record()
     checkpoint = default_checkpoint(preset, seed)
     config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))["text_config"]
     keep = work is not None
@@ -133,15 +137,13 @@ def run(preset: str = "bench", *, seed: int = 0, names: list[str] | None = None,
             for name in chosen:
                 q = exported[name]["quantization"]
                 results.append({"variant": name, "block_size": q.get("block_size"),
-                                "accuracy_level": q.get("accuracy_level"), **timed[name], "cpu": cpu.model,
-                                "isa": cpu.isa["flags"], "vnni": cpu.isa["vnni"], "load_before": before,
-                                "load_after": after})
+                                "accuracy_level": q.get("accuracy_level"), **timed[name],
+                                **row_facts(machine, before, after)})
     finally:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
     weights = {name: {k: v for k, v in facts.items() if k != "path"} for name, facts in exported.items()}
-    return {"machine": {"cpu": cpu.describe(), "model": cpu.model, "isa": cpu.isa, "logical_cpus": cpu.logical_cpus},
-            "onnxruntime": onnxruntime.__version__, "preset": preset, "steps": steps, "repeats": repeats,
+    return {"machine": machine, "onnxruntime": onnxruntime.__version__, "preset": preset, "steps": steps, "repeats": repeats,
             "default": default_variant(), "weights": weights, "results": results}
 
 
@@ -149,14 +151,11 @@ def table(report: dict[str, Any]) -> str:
     """The report as a text table (one row per variant and context)."""
     lines = [f"{report['machine']['cpu']}, onnxruntime {report['onnxruntime']}, preset {report['preset']}, "
              f"{report['steps']} steps x {report['repeats']} rounds; default {report['default']}",
-             f"{'variant':<10}{'block':>6}{'level':>6}{'ctx':>5}{'best ms':>9}{'median':>9}{'cosine':>10}"
-             f"{'rel_l2':>9}{'MB':>9}  load"]
+             f"{'variant':<10}{'block':>6}{'level':>6}{TIMING_HEADER}"]
     for row in report["results"]:
         mb = report["weights"][row["variant"]]["weights_mb"]
         lines.append(f"{row['variant']:<10}{row['block_size'] or '-':>6}{row['accuracy_level'] or '-':>6}"
-                     f"{row['context']:>5}{row['step_ms_best']:>9.2f}{row['step_ms_median']:>9.2f}"
-                     f"{row.get('cosine', float('nan')):>10.5f}{row.get('rel_l2', float('nan')):>9.4f}"
-                     f"{mb:>9.1f}  {row['load_before']}->{row['load_after']}")
+                     f"{timing_columns(row, mb)}")
     return "\n".join(lines)
 
 
@@ -165,16 +164,10 @@ def main(argv: list[str] | None = None) -> int:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="bench", choices=("tiny", "bench", "full"),
                    help="checkpoint preset (full: 4B dimensions; each variant's export needs ~16 GB of scratch)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated option sets (default all: {','.join(VARIANTS)})")
     p.add_argument("--no-reference", action="store_true", help="skip the fp32 decoder (no parity columns)")
-    p.add_argument("--contexts", type=int, nargs="+", default=[64, 900], help="prompt positions before the steps")
-    p.add_argument("--steps", type=int, default=8, help="one-position steps per round")
-    p.add_argument("--repeats", type=int, default=15, help="rounds per variant (best and median reported)")
-    p.add_argument("--out", type=Path, help="write the JSON report here")
-    p.add_argument("--work", type=Path, help="keep the exported decoders in this folder and reuse them in later "
-                   "runs (default: a scratch folder, removed)")
+    add_timing_arguments(p, contexts=(64, 900), what="decoders")
     args = p.parse_args(argv)
     names = [n for n in args.variants.split(",") if n.strip()]
     unknown = sorted(set(names) - set(VARIANTS))

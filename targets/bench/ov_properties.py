@@ -41,9 +41,14 @@ from typing import Any
 
 from higgs_pack.targets.bench.decoder_variants import (
     REFERENCE,
+    TIMING_HEADER,
+    add_timing_arguments,
     export_decoder_variants,
     load_average,
+    machine_record,
+    row_facts,
     time_interleaved,
+    timing_columns,
 )
 
 #: Weight-compression variants of the int4 decoder: name -> options of the openvino target's
@@ -150,11 +155,10 @@ def run(preset: str = "bench", *, seed: int = 0, contexts: tuple[int, ...] = (64
         "repeats", "weights": {name: export facts}, "results": [records of :func:`measure`,
         each with "cpu", "isa", "load_before", "load_after"]}``.
     """
-    from higgs_pack.runtime.cpu import cpu_info
     from higgs_pack.runtime.openvino_devices import runtime_versions
     from higgs_pack.targets.build import default_checkpoint
 
-    cpu = cpu_info()
+    machine = machine_record()
     checkpoint = default_checkpoint(preset, seed)
     hidden = int(json.loads((checkpoint / "config.json").read_text())["text_config"]["hidden_size"])
     chosen = settings()
@@ -170,15 +174,13 @@ def run(preset: str = "bench", *, seed: int = 0, contexts: tuple[int, ...] = (64
             rows = measure(irs, chosen, hidden=hidden, context=context, steps=steps, repeats=repeats, seed=seed)
             after = load_average()
             for row in rows:
-                row.update({"cpu": cpu.model, "isa": cpu.isa["flags"], "vnni": cpu.isa["vnni"],
-                            "load_before": before, "load_after": after})
+                row.update(row_facts(machine, before, after))
             results += rows
     finally:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
     irs = {name: {k: v for k, v in facts.items() if k != "path"} for name, facts in irs.items()}
-    return {"machine": {"cpu": cpu.describe(), "model": cpu.model, "isa": cpu.isa, "logical_cpus": cpu.logical_cpus},
-            **runtime_versions(), "preset": preset, "steps": steps, "repeats": repeats, "weights": irs,
+    return {"machine": machine, **runtime_versions(), "preset": preset, "steps": steps, "repeats": repeats, "weights": irs,
             "results": results}
 
 
@@ -186,13 +188,10 @@ def table(report: dict[str, Any]) -> str:
     """The report as a text table (one row per setting and context)."""
     lines = [f"{report['machine']['cpu']}, openvino {report['openvino']}, preset {report['preset']}, "
              f"{report['steps']} steps x {report['repeats']} rounds",
-             f"{'setting':<17}{'weights':<16}{'ctx':>5}{'best ms':>9}{'median':>9}{'cosine':>10}{'rel_l2':>9}"
-             f"{'bin MB':>8}  load"]
+             f"{'setting':<17}{'weights':<16}{TIMING_HEADER}"]
     for row in report["results"]:
         mb = report["weights"][row["weights"]]["weights_mb"]
-        lines.append(f"{row['setting']:<17}{row['weights']:<16}{row['context']:>5}{row['step_ms_best']:>9.2f}"
-                     f"{row['step_ms_median']:>9.2f}{row.get('cosine', float('nan')):>10.5f}"
-                     f"{row.get('rel_l2', float('nan')):>9.4f}{mb:>8.1f}  {row['load_before']}->{row['load_after']}")
+        lines.append(f"{row['setting']:<17}{row['weights']:<16}{timing_columns(row, mb)}")
     return "\n".join(lines)
 
 
@@ -201,13 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="bench", choices=("tiny", "bench"),
                    help="checkpoint preset (the full preset is the lead's: not offered here)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--contexts", type=int, nargs="+", default=[64, 768], help="prompt positions before the steps")
-    p.add_argument("--steps", type=int, default=8, help="one-position steps per round")
-    p.add_argument("--repeats", type=int, default=15, help="rounds per setting (best and median reported)")
-    p.add_argument("--out", type=Path, help="write the JSON report here")
-    p.add_argument("--work", type=Path, help="keep the exported IRs in this folder and reuse them in later runs "
-                   "(default: a scratch folder, removed)")
+    add_timing_arguments(p, contexts=(64, 768), what="IRs")
     args = p.parse_args(argv)
     report = run(args.preset, seed=args.seed, contexts=tuple(args.contexts), steps=args.steps,
                  repeats=args.repeats, work=args.work)

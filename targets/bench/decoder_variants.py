@@ -11,11 +11,13 @@ the measuring process never holds an exporter's memory.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,20 @@ def load_average() -> list[float]:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return []
+
+
+@contextlib.contextmanager
+def work_folder(work: Path | None, prefix: str) -> Iterator[Path]:
+    """The folder the decoders are exported to: ``work`` (created if missing, kept, its
+    exports reused by later runs) or, when None, a scratch folder in the system temp folder
+    named ``prefix...``, removed when the ``with`` block ends, whatever happened."""
+    path = Path(work) if work is not None else Path(tempfile.mkdtemp(prefix=prefix))
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        yield path
+    finally:
+        if work is None:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def export_decoder_variants(target_name: str, checkpoint: Path, work: Path, variants: Mapping[str, Mapping[str, Any]],

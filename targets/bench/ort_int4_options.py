@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +39,7 @@ from higgs_pack.targets.bench.decoder_variants import (
     row_facts,
     time_interleaved,
     timing_columns,
+    work_folder,
 )
 
 
@@ -121,11 +120,8 @@ def run(preset: str = "bench", *, seed: int = 0, names: list[str] | None = None,
     machine = machine_record()
     checkpoint = default_checkpoint(preset, seed)
     config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))["text_config"]
-    keep = work is not None
-    work = Path(work) if keep else Path(tempfile.mkdtemp(prefix="higgs-pack-ort-int4-"))
-    work.mkdir(parents=True, exist_ok=True)
-    try:
-        exported = export_decoder_variants("cpu", checkpoint, work, VARIANTS, chosen)
+    with work_folder(work, "higgs-pack-ort-int4-") as folder:
+        exported = export_decoder_variants("cpu", checkpoint, folder, VARIANTS, chosen)
         results = []
         for context in contexts:
             decoders = open_decoders(exported, chosen, config, context + repeats * steps + 1)
@@ -139,9 +135,6 @@ def run(preset: str = "bench", *, seed: int = 0, names: list[str] | None = None,
                 results.append({"variant": name, "block_size": q.get("block_size"),
                                 "accuracy_level": q.get("accuracy_level"), **timed[name],
                                 **row_facts(machine, before, after)})
-    finally:
-        if not keep:
-            shutil.rmtree(work, ignore_errors=True)
     weights = {name: {k: v for k, v in facts.items() if k != "path"} for name, facts in exported.items()}
     return {"machine": machine, "onnxruntime": onnxruntime.__version__, "preset": preset, "steps": steps, "repeats": repeats,
             "default": default_variant(), "weights": weights, "results": results}

@@ -33,9 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +47,7 @@ from higgs_pack.targets.bench.decoder_variants import (
     row_facts,
     time_interleaved,
     timing_columns,
+    work_folder,
 )
 
 #: Weight-compression variants of the int4 decoder: name -> options of the openvino target's
@@ -151,7 +150,7 @@ def run(preset: str = "bench", *, seed: int = 0, contexts: tuple[int, ...] = (64
             exported again); default a scratch folder removed at the end.
 
     Returns:
-        ``{"machine": {"cpu", "isa", "vnni", "logical_cpus"}, "openvino", "preset", "steps",
+        ``{"machine": {"cpu", "model", "isa", "logical_cpus"}, "openvino", "preset", "steps",
         "repeats", "weights": {name: export facts}, "results": [records of :func:`measure`,
         each with "cpu", "isa", "load_before", "load_after"]}``.
     """
@@ -162,11 +161,8 @@ def run(preset: str = "bench", *, seed: int = 0, contexts: tuple[int, ...] = (64
     checkpoint = default_checkpoint(preset, seed)
     hidden = int(json.loads((checkpoint / "config.json").read_text())["text_config"]["hidden_size"])
     chosen = settings()
-    keep = work is not None
-    work = Path(work) if keep else Path(tempfile.mkdtemp(prefix="higgs-pack-ov-properties-"))
-    work.mkdir(parents=True, exist_ok=True)
-    try:
-        irs = export_decoder_variants("openvino", checkpoint, work, WEIGHT_VARIANTS,
+    with work_folder(work, "higgs-pack-ov-properties-") as folder:
+        irs = export_decoder_variants("openvino", checkpoint, folder, WEIGHT_VARIANTS,
                                       list(dict.fromkeys(s.weights for s in chosen)))
         results = []
         for context in contexts:
@@ -176,9 +172,6 @@ def run(preset: str = "bench", *, seed: int = 0, contexts: tuple[int, ...] = (64
             for row in rows:
                 row.update(row_facts(machine, before, after))
             results += rows
-    finally:
-        if not keep:
-            shutil.rmtree(work, ignore_errors=True)
     irs = {name: {k: v for k, v in facts.items() if k != "path"} for name, facts in irs.items()}
     return {"machine": machine, **runtime_versions(), "preset": preset, "steps": steps, "repeats": repeats, "weights": irs,
             "results": results}

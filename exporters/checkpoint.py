@@ -65,7 +65,7 @@ from higgs_pack.exporters.checkpoint_models import CheckpointModels
 from higgs_pack.exporters.safetensors_writer import ST_DTYPES
 from higgs_pack.manifests.constants import SPECIAL_TOKENS
 from higgs_pack.manifests.errors import CheckpointError, first_line
-from higgs_pack.runtime.pipeline import ModelConstants
+from higgs_pack.runtime.loop.pipeline import ModelConstants
 
 if TYPE_CHECKING:  # heavy imports stay lazy: planning must not import torch
     import torch

@@ -2,7 +2,7 @@
 
 Saved as ``reference/golden.npz`` in the bundle (plain numpy arrays; loaded with
 ``allow_pickle=False``).  Keys are ``<sub-part>/in/<tensor>`` and
-``<sub-part>/out/<tensor>`` (see :func:`higgs_pack.runtime.verify.subpart_parity`),
+``<sub-part>/out/<tensor>`` (see :func:`higgs_pack.runtime.verification.verify.subpart_parity`),
 plus ``greedy/delayed``: the oracle's greedy codes for :data:`GREEDY_TEXT`.
 """
 
@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from higgs_pack.runtime.delay import SamplingOptions
-from higgs_pack.runtime.generate import build_prompt, generate_codes
+from higgs_pack.runtime.loop.delay import SamplingOptions
+from higgs_pack.runtime.loop.generate import build_prompt, generate_codes
 
 #: Text of the greedy-parity check (recorded in the manifest's ``reference.cases``).
 GREEDY_TEXT = "The quick brown fox jumps over the lazy dog."

@@ -47,12 +47,12 @@ from higgs_pack.exporters.process import disk_note
 from higgs_pack.exporters.result import ExportResult, tool_versions
 from higgs_pack.manifests.constants import SubPart
 from higgs_pack.manifests.errors import BuildError
+from higgs_pack.runtime.backends.openvino.runners import DECODER_OUTPUT
 from higgs_pack.runtime.mapped_pages import paging_out
-from higgs_pack.runtime.openvino_runners import DECODER_OUTPUT
 
 # The stateful decoder IR's inputs (optimum-intel writes attention_mask, position_ids,
 # inputs_embeds, beam_idx) and its single output after renaming: the runtime's names,
-# DECODER_INPUTS / DECODER_OUTPUT of higgs_pack.runtime.openvino_runners.
+# DECODER_INPUTS / DECODER_OUTPUT of higgs_pack.runtime.backends.openvino.runners.
 
 
 def convert_llm_decoder(

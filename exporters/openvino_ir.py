@@ -28,7 +28,7 @@ import openvino as ov
 from higgs_pack.exporters.result import ExportResult, TensorSpec
 from higgs_pack.manifests.constants import FP32_ONLY, SubPart
 from higgs_pack.manifests.errors import BuildError, BuildPlanError, unknown_choice
-from higgs_pack.runtime.openvino_devices import decoder_compile_properties
+from higgs_pack.runtime.backends.openvino.devices import decoder_compile_properties
 
 Precision = Literal["fp32", "fp16", "int8", "int4"]
 

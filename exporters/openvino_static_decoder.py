@@ -1,7 +1,7 @@
 """OpenVINO IR export of the fully static, stateless Qwen3 decoder (the ``npu`` variant).
 
 :func:`convert_static_decoder` traces transformers' Qwen3 layers over fixed-size KV
-buffers the runtime owns (``higgs_pack.runtime.openvino_static_runners.OvStaticKVDecoder``);
+buffers the runtime owns (``higgs_pack.runtime.backends.openvino.static_runners.OvStaticKVDecoder``);
 its docstring says why not the stateful IR with NPUW properties.
 """
 
@@ -27,7 +27,7 @@ from higgs_pack.exporters.openvino_plan import STATIC_DECODER_PASS
 from higgs_pack.exporters.result import ExportResult, tool_versions
 from higgs_pack.manifests.constants import SubPart
 from higgs_pack.manifests.errors import BuildError, BuildPlanError
-from higgs_pack.runtime.openvino_runners import DECODER_OUTPUT
+from higgs_pack.runtime.backends.openvino.runners import DECODER_OUTPUT
 
 if TYPE_CHECKING:
     import torch
@@ -133,7 +133,7 @@ def convert_static_decoder(
     Outputs: ``hidden_states`` float32 [1, step, H] and ``present.{i}.key`` /
     ``.value`` float32 [1, kv_heads, step, head_dim] (only the new positions; the
     runtime writes them into its buffers, see
-    ``higgs_pack.runtime.openvino_static_runners.OvStaticKVDecoder``).
+    ``higgs_pack.runtime.backends.openvino.static_runners.OvStaticKVDecoder``).
 
     Args:
         hf_dir: A standard Qwen3 Hugging Face directory.

@@ -5,7 +5,7 @@ when it splits a longer input (the module's receptive field) and, for the codec 
 wraps the module so that a ``valid_<axis>`` input zeroes every convolution input past
 the real positions: a padded chunk then decodes exactly like the unpadded codes. The
 manifest options it returns (``static``, ``static_shapes``, ``chunking``) tell the
-runtime how to pad or chunk (``higgs_pack.runtime.openvino_static_runners.OvStaticSubPart``).
+runtime how to pad or chunk (``higgs_pack.runtime.backends.openvino.static_runners.OvStaticSubPart``).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ def _resize(example: torch.Tensor, axis: int, size: int) -> torch.Tensor:
 
 def _receptive_field(module: torch.nn.Module, example: torch.Tensor, axis: int, out_axis: int) -> int:
     """How far (in input positions along ``axis``) one changed input position changes the output
-    (:func:`higgs_pack.runtime.chunking.receptive_reach` on the PyTorch module)."""
+    (:func:`higgs_pack.runtime.loop.chunking.receptive_reach` on the PyTorch module)."""
     from higgs_pack.exporters.torch_modules import numpy_function
-    from higgs_pack.runtime.chunking import NotLocalError, receptive_reach
+    from higgs_pack.runtime.loop.chunking import NotLocalError, receptive_reach
 
     try:
         return receptive_reach(numpy_function(module), example.numpy(), axis, out_axis)

@@ -163,7 +163,7 @@ def convert_subpart(
     With ``static_axes`` (the ``npu`` variant) every input axis gets a fixed size
     and the manifest options say how the runtime pads or chunks real inputs into
     that shape (``static``, ``static_shapes``, ``chunking``); see
-    ``higgs_pack.runtime.openvino_static_runners.OvStaticSubPart``.
+    ``higgs_pack.runtime.backends.openvino.static_runners.OvStaticSubPart``.
 
     Args:
         module: The PyTorch module, in eval mode; ``forward`` takes the inputs in

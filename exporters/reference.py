@@ -1,6 +1,6 @@
 """The PyTorch oracle: the checkpoint's torch modules behind the runtime's backend interface.
 
-:func:`reference_pipeline` returns a :class:`higgs_pack.runtime.pipeline.Pipeline`
+:func:`reference_pipeline` returns a :class:`higgs_pack.runtime.loop.pipeline.Pipeline`
 whose sub-parts are the float32 modules of :mod:`higgs_pack.exporters.torch_modules`
 (wrapped by :class:`TorchRunner`) and whose decoder is transformers' ``Qwen3Model``
 with a ``DynamicCache`` (:class:`TorchDecoder`).  The runtime's generation loop runs on
@@ -20,7 +20,7 @@ from torch import nn
 from higgs_pack.exporters.torch_modules import build_modules
 from higgs_pack.manifests.constants import SUBPART_IO, SubPart
 from higgs_pack.manifests.errors import InputError
-from higgs_pack.runtime.pipeline import Pipeline
+from higgs_pack.runtime.loop.pipeline import Pipeline
 
 if TYPE_CHECKING:
     from higgs_pack.exporters.checkpoint import HiggsCheckpoint

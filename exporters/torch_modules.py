@@ -43,7 +43,7 @@ from higgs_pack.manifests.errors import InputError
 
 if TYPE_CHECKING:
     from higgs_pack.exporters.checkpoint import HiggsCheckpoint
-    from higgs_pack.runtime.pipeline import ModelConstants
+    from higgs_pack.runtime.loop.pipeline import ModelConstants
 
 #: ONNX opset of every export (MODEL.md: measured with opset 20, dynamo=False).
 OPSET = 20
@@ -428,7 +428,7 @@ def numpy_function(module: nn.Module):
 def codec_stream_context(module: nn.Module, constants: ModelConstants) -> dict[str, Any]:
     """Measure the codec decoder's context for chunked decoding (streaming, static chunks).
 
-    Runs :func:`higgs_pack.runtime.chunking.measure_codec_context` on the PyTorch
+    Runs :func:`higgs_pack.runtime.loop.chunking.measure_codec_context` on the PyTorch
     ``audio_tokenizer`` module (exact arithmetic: any change counts).
 
     Returns:
@@ -439,7 +439,7 @@ def codec_stream_context(module: nn.Module, constants: ModelConstants) -> dict[s
         BuildError: the codec is not local (its reach exceeds the longest probe).
     """
     from higgs_pack.manifests.errors import BuildError
-    from higgs_pack.runtime.chunking import NotLocalError, measure_codec_context
+    from higgs_pack.runtime.loop.chunking import NotLocalError, measure_codec_context
 
     try:
         context = measure_codec_context(numpy_function(module), constants.num_codebooks, constants.codebook_size)

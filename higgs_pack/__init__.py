@@ -31,7 +31,7 @@ _EXPORTS = {
     "load": "higgs_pack.runtime.api",
     "TTS": "higgs_pack.runtime.api",
     "TTSInfo": "higgs_pack.runtime.api",
-    "SynthesisResult": "higgs_pack.runtime.generate",
+    "SynthesisResult": "higgs_pack.runtime.loop.generate",
     "write_wav": "higgs_pack.runtime.audio",
     "HiggsPackError": "higgs_pack.manifests.errors",
     "BundleError": "higgs_pack.manifests.errors",

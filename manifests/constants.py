@@ -107,7 +107,7 @@ class ExecutionProvider:
             Targets on this provider put it on their wheel and on every requirement.
         session_rules: ``SessionOptions`` attributes forced on every session of this
             provider, whatever the manifest says (enum values by member name).
-        kernel_table: file in ``runtime/ops/`` listing the provider's kernels and their
+        kernel_table: file in ``runtime/verification/ops/`` listing the provider's kernels and their
             type constraints (GPU providers: kernel coverage is checked statically).
         hardware: the hardware it needs, for messages ("the bundle needs …"; ``None``:
             runs on any machine with its distribution).
@@ -259,10 +259,10 @@ RUNTIME_BACKENDS: dict[str, RuntimeBackend] = {
     b.name: b
     for b in (
         RuntimeBackend("onnxruntime", format="onnx", placement="execution_provider",
-                       modules=("onnxruntime", "higgs_pack.runtime.ort_backend"), label="ONNX Runtime",
+                       modules=("onnxruntime", "higgs_pack.runtime.backends.onnxruntime.sessions"), label="ONNX Runtime",
                        preferred_on_cpus=("amd", "arm", "other")),
         RuntimeBackend("openvino", format="openvino", placement="device",
-                       modules=("higgs_pack.runtime.openvino_backend",), compile_cache=True, label="OpenVINO",
+                       modules=("higgs_pack.runtime.backends.openvino.parts",), compile_cache=True, label="OpenVINO",
                        preferred_on_cpus=("intel",)),
     )
 }

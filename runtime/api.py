@@ -27,17 +27,17 @@ from higgs_pack.manifests.errors import ExecutionProviderUnavailable, InputError
 from higgs_pack.manifests.manifest import MANIFEST_NAME, placement_of
 from higgs_pack.runtime.bundle import Bundle, open_bundle
 from higgs_pack.runtime.bundle import load as load_pipeline
-from higgs_pack.runtime.delay import SamplingOptions
-from higgs_pack.runtime.generate import ProgressCallback, SynthesisResult
-from higgs_pack.runtime.generate import synthesize as run_synthesis
-from higgs_pack.runtime.pipeline import Pipeline
-from higgs_pack.runtime.streaming import (
+from higgs_pack.runtime.loop.delay import SamplingOptions
+from higgs_pack.runtime.loop.generate import ProgressCallback, SynthesisResult
+from higgs_pack.runtime.loop.generate import synthesize as run_synthesis
+from higgs_pack.runtime.loop.pipeline import Pipeline
+from higgs_pack.runtime.loop.streaming import (
     CHUNK_GROWTH,
     FIRST_CHUNK_FRAMES,
     MAX_CHUNK_FRAMES,
     SpeechStream,
 )
-from higgs_pack.runtime.streaming import stream as run_stream
+from higgs_pack.runtime.loop.streaming import stream as run_stream
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +119,8 @@ class TTS:
 
     Attributes:
         info: :class:`TTSInfo` (bundle, target, precision, provider/device in use, why).
-        pipeline: the underlying :class:`~higgs_pack.runtime.pipeline.Pipeline`
-            (for :mod:`higgs_pack.runtime.generate`'s lower-level functions).
+        pipeline: the underlying :class:`~higgs_pack.runtime.loop.pipeline.Pipeline`
+            (for :mod:`higgs_pack.runtime.loop.generate`'s lower-level functions).
         sample_rate: output sample rate in Hz (24000).
 
     A TTS loaded from an archive keeps the extracted bundle in a temporary folder
@@ -232,7 +232,7 @@ class TTS:
             progress: called as ``progress(frames_done, frame_cap)`` after every frame.
 
         Returns:
-            :class:`~higgs_pack.runtime.generate.SynthesisResult`: ``samples`` float32
+            :class:`~higgs_pack.runtime.loop.generate.SynthesisResult`: ``samples`` float32
             [samples] mono, nominally in [-1, 1]; ``sample_rate`` in Hz (24000);
             ``codes`` int64 [frames, 8] codec codes; ``chunks`` per-chunk details.
 
@@ -278,7 +278,7 @@ class TTS:
 
         Same arguments, same speech as :meth:`synthesize` (same codes for the same seed;
         the chunks joined equal its samples within float rounding); the work is done by
-        :func:`higgs_pack.runtime.streaming.stream`.
+        :func:`higgs_pack.runtime.loop.streaming.stream`.
 
         Args:
             text, ref_audio, ref_text, seed, temperature, top_k, top_p, max_frames, progress:
@@ -288,8 +288,8 @@ class TTS:
             max_chunk_frames: chunk size limit in frames (default 100 = 4 s).
 
         Returns:
-            A :class:`~higgs_pack.runtime.streaming.SpeechStream`: iterate it for
-            :class:`~higgs_pack.runtime.streaming.AudioChunk` (``samples`` float32 mono,
+            A :class:`~higgs_pack.runtime.loop.streaming.SpeechStream`: iterate it for
+            :class:`~higgs_pack.runtime.loop.streaming.AudioChunk` (``samples`` float32 mono,
             nominally in [-1, 1]; ``offset`` in samples; ``sample_rate`` in Hz);
             ``close()`` stops the generation at the next frame.
 

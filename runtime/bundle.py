@@ -26,7 +26,7 @@ from higgs_pack.manifests.manifest import (
     read_manifest,
     resolve_inside,
 )
-from higgs_pack.runtime.pipeline import ModelConstants, Pipeline, step_input_shapes
+from higgs_pack.runtime.loop.pipeline import ModelConstants, Pipeline, step_input_shapes
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ FLOAT_DECODER_PRECISIONS = ("fp32", "fp16")
 def _open_onnxruntime(bundle: Bundle, *, execution_provider: str | None, device: str | None,
                       allow_fallback: bool, cache_dir: Path | Literal[False] | None,
                       low_memory: bool = False) -> dict[str, Any]:
-    from higgs_pack.runtime.ort_backend import (
+    from higgs_pack.runtime.backends.onnxruntime.sessions import (
         OrtDecoder,
         OrtSubPart,
         check_signature,
@@ -251,7 +251,7 @@ def _open_openvino(bundle: Bundle, *, execution_provider: str | None, device: st
                    allow_fallback: bool, cache_dir: Path | Literal[False] | None,
                    low_memory: bool = False) -> dict[str, Any]:
     try:
-        from higgs_pack.runtime.openvino_backend import open_openvino_parts
+        from higgs_pack.runtime.backends.openvino.parts import open_openvino_parts
     except ImportError as exc:
         raise ExecutionProviderUnavailable(
             f"{bundle.name} is an OpenVINO IR bundle but the OpenVINO runtime is not installed ({exc}); "
@@ -295,19 +295,19 @@ def load(
         check_hashes: verify every file's sha256 before opening (default True).
         cache_dir: OpenVINO model cache directory (default:
             ``$HIGGS_PACK_CACHE/openvino/<bundle name>-<checkpoint digest>``, see
-            :func:`~higgs_pack.runtime.openvino_backend.open_openvino_parts`); ``False``
+            :func:`~higgs_pack.runtime.backends.openvino.parts.open_openvino_parts`); ``False``
             compiles without the model cache.
         low_memory: hold as little of the weights resident as the backend allows, for
             some speed: an ONNX Runtime fp32/fp16 decoder on the CPU provider is opened
             without prepacking and pages its mapped weights out after every step
-            (:class:`~higgs_pack.runtime.ort_backend.OrtDecoder` ``page_out_weights``).
+            (:class:`~higgs_pack.runtime.backends.onnxruntime.sessions.OrtDecoder` ``page_out_weights``).
             The build verifies with it: the 4B fp32 decoder's 14.5 GB would not fit the
             12 GiB build budget resident.  Quantized decoders and OpenVINO bundles are
             opened as usual (their weights are read in place or already paged out).
 
     Returns:
-        A :class:`~higgs_pack.runtime.pipeline.Pipeline` ready for
-        :func:`higgs_pack.runtime.generate.synthesize`.
+        A :class:`~higgs_pack.runtime.loop.pipeline.Pipeline` ready for
+        :func:`higgs_pack.runtime.loop.generate.synthesize`.
 
     Raises:
         BundleError, ManifestError, UnsupportedFormatVersion: the bundle is not valid.

@@ -160,8 +160,8 @@ def synthesize(bundle, text, text_file, output, ref_audio, ref_text, execution_p
 
     from higgs_pack.runtime.api import load
     from higgs_pack.runtime.audio import load_audio, prepare_reference, write_wav
-    from higgs_pack.runtime.delay import SamplingOptions
-    from higgs_pack.runtime.generate import synthesize as run
+    from higgs_pack.runtime.loop.delay import SamplingOptions
+    from higgs_pack.runtime.loop.generate import synthesize as run
 
     _check_output(output, bundle, [text_file, ref_audio], fmt)
     words = _read_text(text, text_file)
@@ -239,8 +239,8 @@ def _stream_out(pipeline, words, output: Path, subtype: str, fmt: str, bar, sche
     import os
 
     from higgs_pack.runtime.audio import AudioSink
-    from higgs_pack.runtime.generate import synthesize
-    from higgs_pack.runtime.streaming import stream
+    from higgs_pack.runtime.loop.generate import synthesize
+    from higgs_pack.runtime.loop.streaming import stream
 
     to_stdout = str(output) == "-"
     where = "stdout" if to_stdout else str(output)
@@ -336,7 +336,7 @@ def verify(bundle, execution_provider, device, allow_fallback, cases, report, re
     """Check BUNDLE (directory, installed name, archive or hf://ORG/REPO[@REV]): files, static checks,
     signatures, parity, speech; a GPU bundle also on its GPU provider where present (else skipped, naming it)."""
     from higgs_pack.runtime.hub import is_hub_ref
-    from higgs_pack.runtime.verify import verify_any
+    from higgs_pack.runtime.verification.verify import verify_any
 
     as_html = report is not None and report.suffix.lower() in (".html", ".htm")
     if report is not None and not as_html and report.suffix.lower() != ".json":
@@ -345,7 +345,7 @@ def verify(bundle, execution_provider, device, allow_fallback, cases, report, re
         raise click.BadParameter(f"{report}: folder {report.absolute().parent} does not exist; create it first",
                                  param_hint="--report")
     if as_html:
-        from higgs_pack.runtime.html_report import require_matplotlib
+        from higgs_pack.runtime.verification.html_report import require_matplotlib
 
         require_matplotlib()  # before minutes of verification, not after
 
@@ -360,7 +360,7 @@ def verify(bundle, execution_provider, device, allow_fallback, cases, report, re
                         parity=not skip_parity, low_memory=low_memory)
     click.echo(result.render())
     if as_html:
-        from higgs_pack.runtime.html_report import verify_html
+        from higgs_pack.runtime.verification.html_report import verify_html
 
         report.write_text(verify_html(result), encoding="utf-8")
         click.echo(f"wrote {report}", err=True)

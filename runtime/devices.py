@@ -56,7 +56,10 @@ def ort_providers() -> tuple[dict[str, str | None], tuple[str, ...]]:
         ``({bundle EP name: None | reason}, installed distributions)``; empty when
         onnxruntime is missing (or two distributions clash: the reason is logged).
     """
-    from higgs_pack.runtime.ort_backend import import_ort, installed_ort_distributions
+    from higgs_pack.runtime.backends.onnxruntime.sessions import (
+        import_ort,
+        installed_ort_distributions,
+    )
 
     dists = tuple(installed_ort_distributions())
     try:
@@ -94,7 +97,7 @@ def openvino_devices() -> tuple[str | None, dict[str, str]]:
         import openvino as ov
     except ImportError:
         return None, {}
-    from higgs_pack.runtime.openvino_devices import runtime_versions
+    from higgs_pack.runtime.backends.openvino.devices import runtime_versions
 
     core = ov.Core()
     devices: dict[str, str] = {}

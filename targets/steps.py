@@ -112,7 +112,7 @@ def capture(checkpoint: str, out_path: str, bundle_dir: str | None = None,
 
 def verify(bundle_dir: str, options: dict[str, Any]) -> dict[str, Any]:
     """Build-time verification of the staged bundle (no cases); the report as data."""
-    from higgs_pack.runtime.verify import verify_bundle
+    from higgs_pack.runtime.verification.verify import verify_bundle
 
     report = verify_bundle(Path(bundle_dir), synthesize_cases=False, **options)
     failed = "; ".join(f"{c.name}: {c.detail}" for c in report.checks if c.ok is False)

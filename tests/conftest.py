@@ -103,9 +103,9 @@ def check_stream():
     1e-4 (contiguous offsets, no gap); returns ``(speech stream, chunks, one-shot result)``."""
     import numpy as np
 
-    from higgs_pack.runtime.delay import SamplingOptions
-    from higgs_pack.runtime.generate import synthesize
-    from higgs_pack.runtime.streaming import stream
+    from higgs_pack.runtime.loop.delay import SamplingOptions
+    from higgs_pack.runtime.loop.generate import synthesize
+    from higgs_pack.runtime.loop.streaming import stream
 
     def check(pipeline, text, *, seed=7, **kwargs):
         options = SamplingOptions(seed=seed)

@@ -47,7 +47,7 @@ def check_record(record: dict) -> None:
     assert record["audio_s"] == pytest.approx(record["frames"] / 25)
     # streaming: the same codes; first audio after the prefill, once the first chunk and its
     # right context (plus the 7-step delay ramp) exist
-    from higgs_pack.runtime.streaming import FIRST_CHUNK_FRAMES
+    from higgs_pack.runtime.loop.streaming import FIRST_CHUNK_FRAMES
 
     assert record["stream_codes_match"] is True
     assert record["stream_chunk_frames"] == FIRST_CHUNK_FRAMES

@@ -141,7 +141,7 @@ def test_graph_io_differs_from_manifest(bundle_copy):
 
 
 def test_verify_reports_instead_of_raising(bundle_copy):
-    from higgs_pack.runtime.verify import verify_bundle
+    from higgs_pack.runtime.verification.verify import verify_bundle
 
     (bundle_copy / "audio_encoder.onnx").write_bytes(b"garbage")
     report = verify_bundle(bundle_copy)
@@ -219,7 +219,7 @@ def test_path_error_message_is_readable(bundle_copy):
 
 def test_prompt_control_tokens_in_the_text_are_refused(cpu_int4_bundle):
     from higgs_pack.manifests.errors import InputError
-    from higgs_pack.runtime.generate import synthesize
+    from higgs_pack.runtime.loop.generate import synthesize
 
     with pytest.raises(InputError, match=r"prompt control token\(s\) <\|audio\|>"):
         synthesize(load(cpu_int4_bundle), "Say <|audio|> now.")
@@ -229,7 +229,7 @@ def test_openvino_bundle_without_openvino_names_the_extra(bundle_copy, monkeypat
     import sys
 
     _edit_manifest(bundle_copy, lambda m: m.update(backend="openvino", execution_provider=None, device="CPU"))
-    monkeypatch.setitem(sys.modules, "higgs_pack.runtime.openvino_backend", None)  # as if openvino were absent
+    monkeypatch.setitem(sys.modules, "higgs_pack.runtime.backends.openvino.parts", None)  # as if openvino were absent
     with pytest.raises(ExecutionProviderUnavailable, match=r"pip install 'higgs-pack\[openvino\]'"):
         load(bundle_copy)
 

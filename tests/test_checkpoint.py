@@ -26,7 +26,7 @@ from higgs_pack.exporters.checkpoint_layout import (  # noqa: E402
 )
 from higgs_pack.manifests.constants import SPECIAL_TOKENS  # noqa: E402
 from higgs_pack.manifests.errors import CheckpointError  # noqa: E402
-from higgs_pack.runtime.pipeline import ModelConstants  # noqa: E402
+from higgs_pack.runtime.loop.pipeline import ModelConstants  # noqa: E402
 
 SHARD2 = "model-00002-of-00002.safetensors"
 

@@ -104,7 +104,7 @@ def test_runtime_commands_do_not_import_build_tools(cpu_int4_bundle, tmp_path):
         " '--no-progress', '--max-frames', '10'], standalone_mode=False)\n"
         "heavy = sorted(m for m in ('torch', 'transformers', 'olive', 'onnxruntime_genai', 'optimum') if m in sys.modules)\n"
         "assert not heavy, heavy\n"
-        "import higgs_pack.runtime.bundle, higgs_pack.runtime.verify\n"
+        "import higgs_pack.runtime.bundle, higgs_pack.runtime.verification.verify\n"
         "bad = sorted(m for m in sys.modules if m.startswith(('higgs_pack.targets', 'higgs_pack.exporters')))\n"
         "assert not bad, bad\n"
     )

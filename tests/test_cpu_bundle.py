@@ -9,9 +9,9 @@ from higgs_pack.manifests.constants import FORMAT_VERSION, SubPart
 from higgs_pack.manifests.manifest import read_manifest, schema
 from higgs_pack.runtime.audio import load_audio, prepare_reference
 from higgs_pack.runtime.bundle import load
-from higgs_pack.runtime.delay import SamplingOptions
-from higgs_pack.runtime.generate import build_prompt, generate_codes, plan_chunks, synthesize
-from higgs_pack.runtime.verify import verify_bundle
+from higgs_pack.runtime.loop.delay import SamplingOptions
+from higgs_pack.runtime.loop.generate import build_prompt, generate_codes, plan_chunks, synthesize
+from higgs_pack.runtime.verification.verify import verify_bundle
 
 
 def test_bundle_layout_and_manifest(cpu_int4_bundle):

@@ -19,15 +19,15 @@ from onnx import TensorProto, helper
 
 from higgs_pack.manifests.errors import ExecutionProviderUnavailable, NumericalError
 from higgs_pack.manifests.manifest import file_entry, read_manifest, write_manifest
-from higgs_pack.runtime.backend_checks import compare_providers
+from higgs_pack.runtime.backends.onnxruntime.sessions import import_ort, session_options_for
 from higgs_pack.runtime.bundle import load, open_bundle
-from higgs_pack.runtime.delay import SamplingOptions
-from higgs_pack.runtime.generate import synthesize
-from higgs_pack.runtime.kernels import KernelTable, coverage, load_kernel_table
-from higgs_pack.runtime.onnx_types import TypedNode, type_graph
-from higgs_pack.runtime.ort_backend import import_ort, session_options_for
-from higgs_pack.runtime.report import VerifyReport, compare, read_golden
-from higgs_pack.runtime.verify import check_gpu_provider, verify_bundle
+from higgs_pack.runtime.loop.delay import SamplingOptions
+from higgs_pack.runtime.loop.generate import synthesize
+from higgs_pack.runtime.verification.backend_checks import compare_providers
+from higgs_pack.runtime.verification.kernels import KernelTable, coverage, load_kernel_table
+from higgs_pack.runtime.verification.onnx_types import TypedNode, type_graph
+from higgs_pack.runtime.verification.report import VerifyReport, compare, read_golden
+from higgs_pack.runtime.verification.verify import check_gpu_provider, verify_bundle
 
 pytestmark = pytest.mark.slow
 

@@ -74,7 +74,7 @@ def test_fifth_target_plans_from_its_declaration_alone(exact_cpu):
 @pytest.mark.slow
 def test_fifth_target_builds_verifies_and_packages(exact_cpu, tiny_checkpoint, tmp_path):
     from higgs_pack.manifests.manifest import read_manifest
-    from higgs_pack.runtime.verify import verify_bundle
+    from higgs_pack.runtime.verification.verify import verify_bundle
     from higgs_pack.targets.build import build
     from higgs_pack.targets.packaging import package_bundle
     from higgs_pack.targets.packaging.install_check import (
@@ -131,7 +131,7 @@ def test_new_provider_row_is_the_only_declaration(qnn, tmp_path):
     assert all(qnn.platform_marker in r for r in target.runtime_requirements)
     assert make_plan("qnn").rows[1].options == {"execution_provider": "qnn"}
     # The runtime: session rules forced, distribution known, install hint names the extra.
-    from higgs_pack.runtime import ort_backend
+    from higgs_pack.runtime.backends.onnxruntime import sessions as ort_backend
 
     assert ort_backend.session_options_for("qnn", {"enable_mem_pattern": True}).enable_mem_pattern is False
     assert "onnxruntime-qnn" in ort_backend.ort_distributions()

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from higgs_pack.runtime.delay import SamplingOptions, apply_delay, sample_codes, undo_delay
+from higgs_pack.runtime.loop.delay import SamplingOptions, apply_delay, sample_codes, undo_delay
 
 BOC, EOC, N = 1024, 1025, 8
 
@@ -85,7 +85,7 @@ def test_kept_codes_path_draws_what_the_dense_path_draws(monkeypatch):
     """The default options sample on the [N, k] kept codes; frames with ties at the k-th
     largest logit, and a sampler made with the gather turned off, use all [N, V] codes.
     Both give the same codes for the same generator state."""
-    from higgs_pack.runtime import delay
+    from higgs_pack.runtime.loop import delay
 
     options = SamplingOptions(temperature=0.9, top_k=50)
     kept = delay.Sampler(_allowed(), options)

@@ -5,8 +5,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from higgs_pack.runtime.delay import SamplingOptions
-from higgs_pack.runtime.generate import build_prompt, generate_codes
+from higgs_pack.runtime.loop.delay import SamplingOptions
+from higgs_pack.runtime.loop.generate import build_prompt, generate_codes
 
 BOC, EOC, N = 1024, 1025, 8
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from higgs_pack.runtime.bundle import load
-from higgs_pack.runtime.delay import SamplingOptions
-from higgs_pack.runtime.generate import build_prompt, generate_steps
+from higgs_pack.runtime.loop.delay import SamplingOptions
+from higgs_pack.runtime.loop.generate import build_prompt, generate_steps
 
 TEXT = "Count the bytes of every step."
 

@@ -36,13 +36,13 @@ from higgs_pack.manifests.errors import (  # noqa: E402
     ExecutionProviderUnavailable,
     SignatureMismatch,
 )
-from higgs_pack.runtime.openvino_devices import (  # noqa: E402
+from higgs_pack.runtime.backends.openvino.devices import (  # noqa: E402
     check_device,
     normalize_device,
     precision_config,
     runtime_versions,
 )
-from higgs_pack.runtime.openvino_runners import (  # noqa: E402
+from higgs_pack.runtime.backends.openvino.runners import (  # noqa: E402
     OvStatefulDecoder,
     OvSubPart,
     check_signature,
@@ -407,8 +407,8 @@ def test_decoder_pages_out_the_weights_its_device_packs(decoders):
     exactly what a decoder that keeps them computes."""
     from conftest import skip_unless_reclaimable
 
+    from higgs_pack.runtime.backends.openvino.devices import cpu_packs_weights
     from higgs_pack.runtime.mapped_pages import file_mappings, resident_bytes
-    from higgs_pack.runtime.openvino_devices import cpu_packs_weights
 
     assert cpu_packs_weights("CPU", "fp32") and cpu_packs_weights("CPU", "fp16")
     assert not cpu_packs_weights("CPU", "int4") and not cpu_packs_weights("GPU", "fp16")

@@ -22,20 +22,21 @@ onnx = pytest.importorskip("onnx")
 from onnx import TensorProto, helper  # noqa: E402
 
 from higgs_pack.manifests.errors import ExecutionProviderUnavailable  # noqa: E402
-from higgs_pack.runtime import ort_backend, ort_placement  # noqa: E402
-from higgs_pack.runtime.backend_checks import check_node_placement  # noqa: E402
-from higgs_pack.runtime.ort_backend import (  # noqa: E402
-    create_session,
-    import_ort,
-    installed_ort_distributions,
-)
-from higgs_pack.runtime.ort_placement import (  # noqa: E402
+from higgs_pack.runtime.backends.onnxruntime import placement as ort_placement  # noqa: E402
+from higgs_pack.runtime.backends.onnxruntime import sessions as ort_backend  # noqa: E402
+from higgs_pack.runtime.backends.onnxruntime.placement import (  # noqa: E402
     NodePlacement,
     bundle_node_placement,
     parse_profile,
     profile_node_placement,
 )
-from higgs_pack.runtime.report import VerifyReport  # noqa: E402
+from higgs_pack.runtime.backends.onnxruntime.sessions import (  # noqa: E402
+    create_session,
+    import_ort,
+    installed_ort_distributions,
+)
+from higgs_pack.runtime.verification.backend_checks import check_node_placement  # noqa: E402
+from higgs_pack.runtime.verification.report import VerifyReport  # noqa: E402
 
 OV_EP = "OpenVINOExecutionProvider"
 #: The graph's nodes (name, op type), in order.
@@ -173,7 +174,7 @@ def test_node_placement_check(small_onnx, monkeypatch):
     assert report.checks[-1].ok is None and "placement is checked on other providers" in report.checks[-1].detail
 
     # On another EP the nodes it left on the CPU EP are named and counted.
-    from higgs_pack.runtime import backend_checks
+    from higgs_pack.runtime.verification import backend_checks
 
     monkeypatch.setattr(backend_checks, "read_golden", lambda _b: golden)
     monkeypatch.setattr(ort_placement, "bundle_node_placement", lambda _b, ep, _g: {

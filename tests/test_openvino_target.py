@@ -32,11 +32,11 @@ from higgs_pack.manifests.errors import (  # noqa: E402
     SignatureMismatch,
 )
 from higgs_pack.manifests.manifest import file_entry, read_manifest, write_manifest  # noqa: E402
+from higgs_pack.runtime.backends.openvino.parts import open_openvino_parts  # noqa: E402
 from higgs_pack.runtime.bundle import load, open_bundle  # noqa: E402
-from higgs_pack.runtime.chunking import chunk_windows  # noqa: E402
-from higgs_pack.runtime.generate import synthesize  # noqa: E402
-from higgs_pack.runtime.openvino_backend import open_openvino_parts  # noqa: E402
-from higgs_pack.runtime.verify import verify_bundle  # noqa: E402
+from higgs_pack.runtime.loop.chunking import chunk_windows  # noqa: E402
+from higgs_pack.runtime.loop.generate import synthesize  # noqa: E402
+from higgs_pack.runtime.verification.verify import verify_bundle  # noqa: E402
 from higgs_pack.targets.build import bundle_name  # noqa: E402
 from higgs_pack.targets.declarations import NPU_KV_LENGTH as NPU_KV  # noqa: E402
 from higgs_pack.targets.declarations import NPU_MAX_PROMPT as NPU_PROMPT  # noqa: E402
@@ -449,9 +449,9 @@ def test_step_outputs_as_views_give_the_codes_of_copies(ov_bundles):
     """The heads and embed of the openvino bundle return their per-step outputs as views of the
     request's tensors (no copy per frame); the loop draws the same codes as with copied outputs.
     (The npu variant's static runners pad and copy: not covered.)"""
-    from higgs_pack.runtime.delay import SamplingOptions
-    from higgs_pack.runtime.openvino_devices import precision_config
-    from higgs_pack.runtime.openvino_runners import OvSubPart
+    from higgs_pack.runtime.backends.openvino.devices import precision_config
+    from higgs_pack.runtime.backends.openvino.runners import OvSubPart
+    from higgs_pack.runtime.loop.delay import SamplingOptions
 
     pipeline = load(ov_bundles["int4"], device="CPU")
     assert {read_manifest(ov_bundles["int4"])["subparts"][p]["precision"] for p in ("audio_heads", "audio_embed")} == {"int4"}

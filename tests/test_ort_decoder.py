@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from higgs_pack.manifests.errors import InputError
-from higgs_pack.runtime import ort_backend
+from higgs_pack.runtime.backends.onnxruntime import sessions as ort_backend
+from higgs_pack.runtime.backends.onnxruntime.sessions import OrtDecoder, OrtSubPart
 from higgs_pack.runtime.bundle import load
-from higgs_pack.runtime.delay import SamplingOptions
-from higgs_pack.runtime.generate import synthesize
-from higgs_pack.runtime.ort_backend import OrtDecoder, OrtSubPart
+from higgs_pack.runtime.loop.delay import SamplingOptions
+from higgs_pack.runtime.loop.generate import synthesize
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +201,7 @@ def test_low_memory_leaves_quantized_decoders_as_built(pipeline, cpu_int4_bundle
 def test_sessions_spin_within_a_run_and_stop_after_it_unless_the_manifest_says_otherwise():
     """Every session spins between its own operators and stops when its run ends (the
     decoder, heads and embed sessions take turns every frame); a manifest entry wins."""
-    from higgs_pack.runtime.ort_backend import session_options_for
+    from higgs_pack.runtime.backends.onnxruntime.sessions import session_options_for
 
     so = session_options_for("cpu", {})
     assert so.get_session_config_entry("session.intra_op.allow_spinning") == "1"

@@ -44,7 +44,7 @@ from higgs_pack.manifests.manifest import (  # noqa: E402
 )
 from higgs_pack.runtime.archive import extracted_archive  # noqa: E402
 from higgs_pack.runtime.bundle import open_bundle  # noqa: E402
-from higgs_pack.runtime.verify import verify_any  # noqa: E402
+from higgs_pack.runtime.verification.verify import verify_any  # noqa: E402
 from higgs_pack.targets.packaging import DEFAULT_EPOCH, package_bundle  # noqa: E402
 
 SUBPARTS = ("text_embed", "llm_decoder", "audio_embed", "audio_heads", "audio_tokenizer", "audio_encoder")

@@ -28,7 +28,7 @@ from higgs_pack.exporters.torch_modules import (  # noqa: E402
 )
 from higgs_pack.manifests.constants import SUBPART_IO, SubPart  # noqa: E402
 from higgs_pack.manifests.errors import InputError  # noqa: E402
-from higgs_pack.runtime.pipeline import Pipeline  # noqa: E402
+from higgs_pack.runtime.loop.pipeline import Pipeline  # noqa: E402
 
 EXPORTED = list(DYNAMIC_AXES)
 

@@ -21,14 +21,14 @@ import soundfile as sf
 from higgs_pack.manifests.errors import InputError
 from higgs_pack.runtime.audio import AudioSink, streaming_wav_header
 from higgs_pack.runtime.bundle import load
-from higgs_pack.runtime.chunking import (
+from higgs_pack.runtime.loop.chunking import (
     NotLocalError,
     StreamingCodec,
     chunk_schedule,
     measure_codec_context,
 )
-from higgs_pack.runtime.delay import SamplingOptions
-from higgs_pack.runtime.streaming import codec_context_frames, stream
+from higgs_pack.runtime.loop.delay import SamplingOptions
+from higgs_pack.runtime.loop.streaming import codec_context_frames, stream
 
 HIGGS = [sys.executable, "-m", "higgs_pack.runtime.cli"]
 HOP = 4

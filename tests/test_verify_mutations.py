@@ -22,7 +22,7 @@ onnx = pytest.importorskip("onnx")
 from onnx import numpy_helper  # noqa: E402
 
 from higgs_pack.manifests.manifest import file_entry, read_manifest, write_manifest  # noqa: E402
-from higgs_pack.runtime.verify import verify_bundle  # noqa: E402
+from higgs_pack.runtime.verification.verify import verify_bundle  # noqa: E402
 
 DECODER = "llm_decoder/model.onnx"
 

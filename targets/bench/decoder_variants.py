@@ -149,7 +149,7 @@ def time_interleaved(decoders: Mapping[str, Any], *, hidden: int, context: int, 
 
     import numpy as np
 
-    from higgs_pack.runtime.report import compare, rel_l2
+    from higgs_pack.runtime.verification.report import compare, rel_l2
 
     rng = np.random.default_rng(seed)
     prompt = rng.standard_normal((1, context, hidden)).astype(np.float32)

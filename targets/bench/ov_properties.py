@@ -1,7 +1,7 @@
 """OpenVINO decoder settings measured side by side on this machine (issue 9 item 3).
 
 ``python -m higgs_pack.targets.bench.ov_properties [--preset bench] [--out FILE]`` times the
-bare stateful decoder (:class:`~higgs_pack.runtime.openvino_runners.OvStatefulDecoder`, no
+bare stateful decoder (:class:`~higgs_pack.runtime.backends.openvino.runners.OvStatefulDecoder`, no
 heads, embed or sampling) on the CPU device for:
 
 * compile properties on the default int4 IR (NNCF INT4_SYM, group 64):
@@ -84,7 +84,10 @@ class Setting:
 
 def settings() -> list[Setting]:
     """Every configuration measured: the runtime's default first, one change per setting."""
-    from higgs_pack.runtime.openvino_devices import decoder_compile_properties, precision_config
+    from higgs_pack.runtime.backends.openvino.devices import (
+        decoder_compile_properties,
+        precision_config,
+    )
 
     # What the runtime compiles an int4 decoder with on the CPU (openvino_backend's merge).
     default = {**precision_config("CPU", "int4", stateful=True), **decoder_compile_properties("int4", stateful=True)["CPU"]}
@@ -130,7 +133,7 @@ def measure(irs: dict[str, dict[str, Any]], chosen: list[Setting], *, hidden: in
     """
     import openvino as ov
 
-    from higgs_pack.runtime.openvino_runners import OvStatefulDecoder
+    from higgs_pack.runtime.backends.openvino.runners import OvStatefulDecoder
 
     core = ov.Core()
     decoders = {s.name: OvStatefulDecoder(core, irs[s.weights]["path"], "CPU", None, s.properties,
@@ -154,7 +157,7 @@ def run(preset: str = "bench", *, seed: int = 0, contexts: tuple[int, ...] = (64
         "repeats", "weights": {name: export facts}, "results": [records of :func:`measure`,
         each with "cpu", "isa", "load_before", "load_after"]}``.
     """
-    from higgs_pack.runtime.openvino_devices import runtime_versions
+    from higgs_pack.runtime.backends.openvino.devices import runtime_versions
     from higgs_pack.targets.build import default_checkpoint
 
     machine = machine_record()

@@ -419,7 +419,7 @@ def write_html(out: Path) -> Path:
     Raises:
         HiggsPackError: matplotlib is missing (``pip install 'higgs-pack[report]'``).
     """
-    from higgs_pack.runtime.html_report import bench_html
+    from higgs_pack.runtime.verification.html_report import bench_html
 
     records = [r for r in json.loads(out.read_text()) if r.get("kind") is None]  # not builds, not goals
     path = out.with_suffix(".html")

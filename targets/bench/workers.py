@@ -113,7 +113,7 @@ def _one_run(pipeline: Any, logs: dict[str, list[float]], text: str, frames: int
              options: Any) -> tuple[dict[str, Any], np.ndarray]:
     """One prompt -> loop -> codec decode, with per-step timestamps; returns the numbers and
     the codes (int64 [frames, N])."""
-    from higgs_pack.runtime.generate import build_prompt, decode_codes, generate_codes
+    from higgs_pack.runtime.loop.generate import build_prompt, decode_codes, generate_codes
 
     for log in logs.values():
         log.clear()
@@ -162,7 +162,7 @@ def _one_run(pipeline: Any, logs: dict[str, list[float]], text: str, frames: int
 
 def _stream_run(pipeline: Any, logs: dict[str, list[float]], text: str, frames: int, options: Any,
                 codes: np.ndarray) -> dict[str, Any]:
-    """The same request through the streaming API (:func:`higgs_pack.runtime.streaming.stream`,
+    """The same request through the streaming API (:func:`higgs_pack.runtime.loop.streaming.stream`,
     default chunk schedule), with EOC suppressed as in :func:`_one_run`.
 
     Returns:
@@ -178,7 +178,7 @@ def _stream_run(pipeline: Any, logs: dict[str, list[float]], text: str, frames: 
     Raises:
         RuntimeError: the stream stopped before ``frames`` frames.
     """
-    from higgs_pack.runtime.streaming import FIRST_CHUNK_FRAMES, stream
+    from higgs_pack.runtime.loop.streaming import FIRST_CHUNK_FRAMES, stream
 
     for log in logs.values():
         log.clear()
@@ -262,7 +262,7 @@ def kv_itemsize(decoder: Any) -> int | None:
     """
     session = getattr(decoder, "session", None)
     if session is not None:
-        from higgs_pack.runtime.ort_backend import ORT_TYPES
+        from higgs_pack.runtime.backends.onnxruntime.sessions import ORT_TYPES
 
         past = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
         return int(np.dtype(ORT_TYPES[past[0].type]).itemsize) if past else None
@@ -356,7 +356,7 @@ def _load_pytorch(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
 
 def worker_measure(spec: dict[str, Any]) -> dict[str, Any]:
     """Measure one system in this process (run as ``--worker``): load, warm up, timed runs."""
-    from higgs_pack.runtime.delay import SamplingOptions
+    from higgs_pack.runtime.loop.delay import SamplingOptions
 
     loadavg = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     pipeline, info = (_load_pytorch if spec["kind"] == PYTORCH else _load_bundle)(spec)
@@ -370,7 +370,7 @@ def worker_measure(spec: dict[str, Any]) -> dict[str, Any]:
                               seed=spec["seed"], repeat_guard_frames=0)
     text, frames = spec["text"], spec["frames"]
     # fixed decoder inputs: the bench prompt, and the embedding of one frame of BOC codes
-    from higgs_pack.runtime.generate import build_prompt
+    from higgs_pack.runtime.loop.generate import build_prompt
 
     c = pipeline.constants
     prompt = build_prompt(pipeline, text).astype(np.float32)
@@ -378,7 +378,7 @@ def worker_measure(spec: dict[str, Any]) -> dict[str, Any]:
     step = np.array(step["audio_embeds"], dtype=np.float32, copy=True)  # runners may return views they reuse
     # a bundle that does not record its codec context has it measured once per pipeline, on the
     # first stream: done here, so no timed first audio includes it (even with --warmup 0)
-    from higgs_pack.runtime.streaming import codec_context_frames
+    from higgs_pack.runtime.loop.streaming import codec_context_frames
 
     codec_context_frames(pipeline)
     for _ in range(spec["warmup"]):

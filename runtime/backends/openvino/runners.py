@@ -1,6 +1,6 @@
 """OpenVINO runners: a sub-part (:class:`OvSubPart`) and the stateful decoder
 (:class:`OvStatefulDecoder`) compiled on one device, with the load/run interface of
-:mod:`higgs_pack.runtime.pipeline`.
+:mod:`higgs_pack.runtime.loop.pipeline`.
 
 Compiling from the ``.xml`` path with ``CACHE_DIR`` set (:func:`compile_ir`) lets OpenVINO
 import the compiled blob on the next load instead of reading and compiling the IR again.
@@ -24,9 +24,9 @@ from higgs_pack.manifests.errors import (
     SignatureMismatch,
     last_line,
 )
+from higgs_pack.runtime.backends.openvino.devices import META_DEVICES, check_device
+from higgs_pack.runtime.loop.pipeline import check_decoder_room, check_io_signature
 from higgs_pack.runtime.mapped_pages import PageOutResult, paging_out
-from higgs_pack.runtime.openvino_devices import META_DEVICES, check_device
-from higgs_pack.runtime.pipeline import check_decoder_room, check_io_signature
 
 #: Inputs the stateful decoder IR (optimum-intel, see ``exporters/openvino_decoder.py``) may declare.
 DECODER_INPUTS: tuple[str, ...] = ("inputs_embeds", "attention_mask", "position_ids", "beam_idx")
@@ -60,10 +60,10 @@ def compile_ir(core: ov.Core, xml_path: str | os.PathLike, device: str, cache_di
     Args:
         core: The ``openvino.Core``.
         xml_path: The ``.xml`` file (its ``.bin`` beside it).
-        device: Requested device (see :func:`~higgs_pack.runtime.openvino_devices.normalize_device`).
+        device: Requested device (see :func:`~higgs_pack.runtime.backends.openvino.devices.normalize_device`).
         cache_dir: OpenVINO model cache directory (``CACHE_DIR``); created if needed.
         config: Extra compile properties (``INFERENCE_PRECISION_HINT``, ``NUM_STREAMS``...).
-        allow_fallback: See :func:`~higgs_pack.runtime.openvino_devices.check_device`.
+        allow_fallback: See :func:`~higgs_pack.runtime.backends.openvino.devices.check_device`.
 
     Returns:
         ``(compiled_model, device, description)``; the description names the
@@ -144,11 +144,11 @@ class OvSubPart:
         xml_path: The sub-part's ``.xml`` file.
         device: OpenVINO device, e.g. ``"CPU"``, ``"GPU"``, ``"AUTO"``.
         cache_dir: Model cache directory (``CACHE_DIR``) or ``None``.
-        config: Extra compile properties (see :func:`~higgs_pack.runtime.openvino_devices.precision_config`).
+        config: Extra compile properties (see :func:`~higgs_pack.runtime.backends.openvino.devices.precision_config`).
         allow_fallback: Compile for CPU when ``device`` is missing (logged, and
             said in :attr:`description`).
         step_inputs: Input name -> shape of the once-per-frame call (see
-            :func:`~higgs_pack.runtime.pipeline.step_input_shapes`), whose outputs are
+            :func:`~higgs_pack.runtime.loop.pipeline.step_input_shapes`), whose outputs are
             returned as views instead of copies; None: always copies.
 
     Attributes:
@@ -180,7 +180,7 @@ class OvSubPart:
 
         Args:
             feeds: Input name -> array, names as in ``SUBPART_IO`` (see
-                :mod:`higgs_pack.runtime.pipeline` for shapes and dtypes).
+                :mod:`higgs_pack.runtime.loop.pipeline` for shapes and dtypes).
 
         Returns:
             Output name -> array (float32 or int64).  For the per-step shapes
@@ -218,7 +218,7 @@ class OvStatefulDecoder:
         xml_path: The decoder's ``.xml`` (from ``convert_llm_decoder``).
         device: OpenVINO device.
         cache_dir: Model cache directory or ``None``.
-        config: Extra compile properties (see :func:`~higgs_pack.runtime.openvino_devices.precision_config` with ``stateful=True``).
+        config: Extra compile properties (see :func:`~higgs_pack.runtime.backends.openvino.devices.precision_config` with ``stateful=True``).
         max_length: Most positions one request may use (the manifest's
             ``max_position_embeddings`` or less).
         allow_fallback: See :class:`OvSubPart`.
@@ -229,7 +229,7 @@ class OvStatefulDecoder:
         page_out_weights: Run the first :meth:`forward` inside
             :func:`~higgs_pack.runtime.mapped_pages.paging_out` on the IR's ``.bin``, for a
             device that copies the weights into its own buffers then (see
-            :func:`~higgs_pack.runtime.openvino_devices.cpu_packs_weights`); pass no
+            :func:`~higgs_pack.runtime.backends.openvino.devices.cpu_packs_weights`); pass no
             ``cache_dir`` with it (importing the cached blob copies the weights twice).
 
     Attributes:

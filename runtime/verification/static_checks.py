@@ -1,6 +1,6 @@
 """Static checks of an ONNX Runtime bundle: what needs only the files, no session and no GPU.
 
-Registered for the ``onnxruntime`` backend in :data:`higgs_pack.runtime.verify.STRUCTURE_CHECKS`,
+Registered for the ``onnxruntime`` backend in :data:`higgs_pack.runtime.verification.verify.STRUCTURE_CHECKS`,
 so ``higgs-pack verify`` runs them on every ONNX bundle before any session exists:
 
 1. **onnx.checker** ``check_model(path, full_check=True)`` on every ONNX file, external
@@ -13,7 +13,7 @@ so ``higgs-pack verify`` runs them on every ONNX bundle before any session exist
    type its producer makes, and a ``Cast``'s ``to`` is what its consumers need: no
    fp32/fp16 mismatch at a Cast boundary.
 3. **op coverage** (providers with a ``kernel_table``: the GPU providers): every node has
-   a kernel on the bundle's provider for its opset and dtypes (:mod:`higgs_pack.runtime.kernels`).
+   a kernel on the bundle's provider for its opset and dtypes (:mod:`higgs_pack.runtime.verification.kernels`).
    Nodes that would fall back to the CPU provider are listed; on the decoder's data path
    that fails the check (it would defeat the target), elsewhere it is reported.  The CPU
    provider's own coverage is read from the installed onnxruntime's kernel registry.
@@ -29,8 +29,13 @@ from typing import Any
 
 from higgs_pack.manifests.constants import CPU_PROVIDER, EXECUTION_PROVIDERS, SubPart
 from higgs_pack.runtime.bundle import Bundle, regular_files
-from higgs_pack.runtime.kernels import Coverage, coverage, cpu_kernel_table, load_kernel_table
-from higgs_pack.runtime.onnx_types import (
+from higgs_pack.runtime.verification.kernels import (
+    Coverage,
+    coverage,
+    cpu_kernel_table,
+    load_kernel_table,
+)
+from higgs_pack.runtime.verification.onnx_types import (
     FLOAT_TYPES,
     GraphTypes,
     TypedNode,
@@ -38,7 +43,7 @@ from higgs_pack.runtime.onnx_types import (
     register_runtime_schemas,
     type_graph,
 )
-from higgs_pack.runtime.report import VerifyReport
+from higgs_pack.runtime.verification.report import VerifyReport
 
 #: The sub-part whose fallbacks fail the coverage check (it runs once per generated frame
 #: as one graph: a CPU node in it means device<->host copies inside every step).

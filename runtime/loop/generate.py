@@ -1,12 +1,12 @@
 """The Higgs-Audio-v3 text-to-speech loop, in numpy, for every backend.
 
 One loop serves every target and the PyTorch oracle: it only talks to a
-:class:`~higgs_pack.runtime.pipeline.Pipeline`.  Prompt formats, the delay
+:class:`~higgs_pack.runtime.loop.pipeline.Pipeline`.  Prompt formats, the delay
 pattern and the stop rules follow MODEL.md ("Special tokens and prompts",
 "Generation loop").
 
 Streaming (the same loop, its codes decoded as they arrive) is in
-:mod:`higgs_pack.runtime.streaming`.
+:mod:`higgs_pack.runtime.loop.streaming`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from higgs_pack.manifests.errors import InputError, NumericalError
-from higgs_pack.runtime.delay import Sampler, SamplingOptions, apply_delay, undo_delay
-from higgs_pack.runtime.pipeline import Pipeline
+from higgs_pack.runtime.loop.delay import Sampler, SamplingOptions, apply_delay, undo_delay
+from higgs_pack.runtime.loop.pipeline import Pipeline
 
 #: Frame cap per text token and its floor, when the caller gives no ``max_frames``.
 #: 10 frames (0.4 s at 25 fps) per token is well above normal speech

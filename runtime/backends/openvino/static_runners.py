@@ -18,8 +18,13 @@ from higgs_pack.manifests.errors import (
     InputError,
     SignatureMismatch,
 )
-from higgs_pack.runtime.chunking import chunk_windows
-from higgs_pack.runtime.openvino_runners import DECODER_OUTPUT, OvSubPart, compile_ir, numpy_dtype
+from higgs_pack.runtime.backends.openvino.runners import (
+    DECODER_OUTPUT,
+    OvSubPart,
+    compile_ir,
+    numpy_dtype,
+)
+from higgs_pack.runtime.loop.chunking import chunk_windows
 
 
 def _take(array: np.ndarray, axis: int, start: int, end: int) -> np.ndarray:

@@ -230,7 +230,7 @@ KV_CACHE_PRECISION = {"int4": "u8", "int8": "u8", "fp16": "f16", "fp32": "f32"}
 
 def decoder_compile_properties(precision: str, *, stateful: bool) -> dict[str, dict[str, str]]:
     """Compile properties recorded in the decoder's manifest options (``compile_properties``),
-    per device; :func:`~higgs_pack.runtime.openvino_backend.open_openvino_parts` applies the
+    per device; :func:`~higgs_pack.runtime.backends.openvino.parts.open_openvino_parts` applies the
     entry of the device it compiles for.
 
     * every device: ``PERFORMANCE_HINT=LATENCY``: one request at a time (speech is one

@@ -4,16 +4,16 @@
 Runtime code: imports numpy, openvino and higgs-pack's manifests and pipeline
 only (no torch, no exporters). The pieces it composes:
 
-* :mod:`higgs_pack.runtime.openvino_devices`: device strings, the device check (a missing
+* :mod:`higgs_pack.runtime.backends.openvino.devices`: device strings, the device check (a missing
   device is an error unless ``allow_fallback=True``; then the fallback to CPU is logged and
   written into the runner's ``description``) and the compile properties;
-* :mod:`higgs_pack.runtime.openvino_runners`: the sub-part and stateful-decoder runners;
+* :mod:`higgs_pack.runtime.backends.openvino.runners`: the sub-part and stateful-decoder runners;
   a decoder whose weights the CPU plugin packs is compiled without the model cache and
   gives its mapped weights back during that packing (:mod:`higgs_pack.runtime.mapped_pages`);
-* :mod:`higgs_pack.runtime.openvino_static_runners`: the runners of static (NPU) bundles;
+* :mod:`higgs_pack.runtime.backends.openvino.static_runners`: the runners of static (NPU) bundles;
   a sub-part may be pinned to another device for a given bundle device
-  (``device_overrides``, see :func:`~higgs_pack.runtime.openvino_devices.subpart_device`);
-* :mod:`higgs_pack.runtime.openvino_ir_checks`: what ``verify`` reads from the IRs.
+  (``device_overrides``, see :func:`~higgs_pack.runtime.backends.openvino.devices.subpart_device`);
+* :mod:`higgs_pack.runtime.backends.openvino.ir_checks`: what ``verify`` reads from the IRs.
 """
 
 from __future__ import annotations
@@ -24,16 +24,20 @@ from typing import Any, Literal
 
 import openvino as ov
 
-from higgs_pack.runtime.openvino_devices import (
+from higgs_pack.runtime.backends.openvino.devices import (
     check_device,
     cpu_packs_weights,
     device_base,
     precision_config,
     subpart_device,
 )
-from higgs_pack.runtime.openvino_runners import OvStatefulDecoder, OvSubPart, check_signature
-from higgs_pack.runtime.openvino_static_runners import OvStaticKVDecoder, OvStaticSubPart
-from higgs_pack.runtime.pipeline import ModelConstants, step_input_shapes
+from higgs_pack.runtime.backends.openvino.runners import (
+    OvStatefulDecoder,
+    OvSubPart,
+    check_signature,
+)
+from higgs_pack.runtime.backends.openvino.static_runners import OvStaticKVDecoder, OvStaticSubPart
+from higgs_pack.runtime.loop.pipeline import ModelConstants, step_input_shapes
 
 
 def open_openvino_parts(bundle: Any, *, device: str | None = None, allow_fallback: bool = False,

@@ -1,6 +1,6 @@
 """Kernel coverage: which ops (opset, element types) an execution provider implements.
 
-GPU providers' tables are JSON files in ``runtime/ops/`` named by the provider row's
+GPU providers' tables are JSON files in ``runtime/verification/ops/`` named by the provider row's
 ``kernel_table`` (read from ONNX Runtime's OperatorKernels.md; each file names its
 source); the CPU provider's table is read from the installed onnxruntime's registry.
 """
@@ -16,11 +16,17 @@ from typing import Any
 
 from higgs_pack.manifests.constants import CPU_PROVIDER, EXECUTION_PROVIDERS
 from higgs_pack.manifests.errors import HiggsPackError
-from higgs_pack.runtime.onnx_types import ONNX_DOMAIN, GraphTypes, TypedNode, _domain, _type_str
+from higgs_pack.runtime.verification.onnx_types import (
+    ONNX_DOMAIN,
+    GraphTypes,
+    TypedNode,
+    _domain,
+    _type_str,
+)
 
 
 def provider_tables() -> dict[str, str]:
-    """Bundle EP name -> supported-op table in ``runtime/ops/`` (the provider rows' ``kernel_table``)."""
+    """Bundle EP name -> supported-op table in ``runtime/verification/ops/`` (the provider rows' ``kernel_table``)."""
     return {name: row.kernel_table for name, row in EXECUTION_PROVIDERS.items() if row.kernel_table}
 
 
@@ -57,11 +63,11 @@ class KernelTable:
 
 
 def load_kernel_table(ep: str) -> KernelTable:
-    """The supported-op table of a bundle EP with a ``kernel_table`` (cuda, dml) from ``runtime/ops/``."""
+    """The supported-op table of a bundle EP with a ``kernel_table`` (cuda, dml) from ``runtime/verification/ops/``."""
     if ep not in provider_tables():
         raise HiggsPackError(f"no supported-op table for execution provider {ep!r}; tables exist for "
-                             f"{', '.join(sorted(provider_tables()))} (runtime/ops/)")
-    text = resources.files("higgs_pack.runtime").joinpath("ops", provider_tables()[ep]).read_text(encoding="utf-8")
+                             f"{', '.join(sorted(provider_tables()))} (runtime/verification/ops/)")
+    text = resources.files("higgs_pack.runtime.verification").joinpath("ops", provider_tables()[ep]).read_text(encoding="utf-8")
     data = json.loads(text)
     ops = {(domain, op): kernels for domain, entries in data["ops"].items() for op, kernels in entries.items()}
     graph_level = frozenset((d, op) for d, names in data.get("graph_level_ops", {}).items() for op in names)
@@ -73,7 +79,7 @@ def load_kernel_table(ep: str) -> KernelTable:
 @cache
 def cpu_kernel_table() -> KernelTable:
     """The CPU provider's kernels, read from the installed onnxruntime's own registry."""
-    from higgs_pack.runtime.ort_backend import import_ort
+    from higgs_pack.runtime.backends.onnxruntime.sessions import import_ort
 
     ort = import_ort()
     from onnxruntime.capi import onnxruntime_pybind11_state as C

@@ -1,7 +1,7 @@
 """Building blocks of verification: golden outputs, similarity, and the report.
 
-Shared by :mod:`higgs_pack.runtime.verify` (the generic checks) and
-:mod:`higgs_pack.runtime.backend_checks` (checks one backend or provider needs).
+Shared by :mod:`higgs_pack.runtime.verification.verify` (the generic checks) and
+:mod:`higgs_pack.runtime.verification.backend_checks` (checks one backend or provider needs).
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import numpy as np
 
 from higgs_pack.manifests.constants import SubPart
 from higgs_pack.runtime.bundle import Bundle
-from higgs_pack.runtime.pipeline import Pipeline
+from higgs_pack.runtime.loop.pipeline import Pipeline
 
 
 def provider_cannot_run(exc: BaseException) -> str | None:
     """ONNX Runtime's own reason when a provider cannot execute a graph, else None
-    (see :func:`higgs_pack.runtime.ort_backend.provider_cannot_run`)."""
-    from higgs_pack.runtime.ort_backend import provider_cannot_run as classify
+    (see :func:`higgs_pack.runtime.backends.onnxruntime.sessions.provider_cannot_run`)."""
+    from higgs_pack.runtime.backends.onnxruntime.sessions import provider_cannot_run as classify
 
     return classify(exc)
 

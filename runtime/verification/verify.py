@@ -21,7 +21,11 @@ import numpy as np
 from higgs_pack.manifests.constants import CPU_PROVIDER, EXECUTION_PROVIDERS
 from higgs_pack.manifests.errors import HiggsPackError
 from higgs_pack.manifests.manifest import check_files
-from higgs_pack.runtime.backend_checks import (
+from higgs_pack.runtime.bundle import Bundle, load, open_bundle
+from higgs_pack.runtime.loop.delay import SamplingOptions
+from higgs_pack.runtime.loop.generate import build_prompt, generate_codes, synthesize
+from higgs_pack.runtime.loop.pipeline import Pipeline
+from higgs_pack.runtime.verification.backend_checks import (
     check_decoder_state,
     check_gpu,
     check_node_placement,
@@ -29,11 +33,7 @@ from higgs_pack.runtime.backend_checks import (
     check_static_shapes,
     compare_providers,
 )
-from higgs_pack.runtime.bundle import Bundle, load, open_bundle
-from higgs_pack.runtime.delay import SamplingOptions
-from higgs_pack.runtime.generate import build_prompt, generate_codes, synthesize
-from higgs_pack.runtime.pipeline import Pipeline
-from higgs_pack.runtime.report import (
+from higgs_pack.runtime.verification.report import (
     VerifyReport,
     judge_parity,
     provider_cannot_run,
@@ -48,8 +48,8 @@ INFORMATIONAL_GREEDY_FRAMES = 32
 
 
 def check_onnx_static(bundle: Bundle, report: VerifyReport) -> None:
-    """ONNX Runtime: :mod:`higgs_pack.runtime.static_checks` (onnx.checker, dtypes, kernel coverage, decoder I/O)."""
-    from higgs_pack.runtime.static_checks import static_checks
+    """ONNX Runtime: :mod:`higgs_pack.runtime.verification.static_checks` (onnx.checker, dtypes, kernel coverage, decoder I/O)."""
+    from higgs_pack.runtime.verification.static_checks import static_checks
 
     static_checks(bundle, report)
 
@@ -210,7 +210,7 @@ def check_gpu_provider(bundle: Bundle, report: VerifyReport, *, ep: str | None =
     On CUDA (onnxruntime-gpu) or DirectML (onnxruntime-directml, Windows): the whole
     :func:`verify_bundle` on that provider (sessions proved to be on it, parity against
     the golden outputs, greedy codes, node placement, synthesis of ``cases_dir``), then
-    :func:`~higgs_pack.runtime.backend_checks.compare_providers` against the CPU provider
+    :func:`~higgs_pack.runtime.verification.backend_checks.compare_providers` against the CPU provider
     on the same inputs.  Without the provider: one skipped line naming the missing
     hardware from the provider row, e.g. "no CUDA GPU: CUDAExecutionProvider not available".
 
@@ -222,7 +222,10 @@ def check_gpu_provider(bundle: Bundle, report: VerifyReport, *, ep: str | None =
         require: report a missing or unusable provider as a failure, not a skip (for a
             machine known to have the hardware).
     """
-    from higgs_pack.runtime.ort_backend import import_ort, installed_ort_distributions
+    from higgs_pack.runtime.backends.onnxruntime.sessions import (
+        import_ort,
+        installed_ort_distributions,
+    )
 
     ep = ep or bundle.manifest["execution_provider"]
     row = EXECUTION_PROVIDERS[ep]

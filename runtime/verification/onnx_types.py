@@ -5,8 +5,8 @@ Every node gets the element type bound to each of its type parameters (``T`` ->
 included; inconsistencies (a declared type that is not what the producer makes, a
 ``Cast`` whose ``to`` is not what its consumers need) are listed.  Also teaches
 ``onnx.checker`` the default-domain ops only ONNX Runtime defines
-(:func:`register_runtime_schemas`).  Used by :mod:`higgs_pack.runtime.static_checks`
-and :mod:`higgs_pack.runtime.kernels`.
+(:func:`register_runtime_schemas`).  Used by :mod:`higgs_pack.runtime.verification.static_checks`
+and :mod:`higgs_pack.runtime.verification.kernels`.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def _type_str(type_str: str) -> str | None:
 @cache
 def _ort_schemas() -> dict[tuple[str, str], list[Any]]:
     """(domain, op) -> ONNX Runtime's schemas (every since_version), contrib ops included."""
-    from higgs_pack.runtime.ort_backend import import_ort
+    from higgs_pack.runtime.backends.onnxruntime.sessions import import_ort
 
     import_ort()
     from onnxruntime.capi import onnxruntime_pybind11_state as C

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from higgs_pack.runtime.ort_backend import OrtDecoder, OrtSubPart, create_session
+from higgs_pack.runtime.backends.onnxruntime.sessions import OrtDecoder, OrtSubPart, create_session
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
-"""Checks that only some backends or providers need; :mod:`higgs_pack.runtime.verify` registers them.
+"""Checks that only some backends or providers need; :mod:`higgs_pack.runtime.verification.verify` registers them.
 
 OpenVINO: the decoder's state, static-shape promises (NPU variant), GPU and NPU
 devices where present.  ONNX Runtime: node placement on a non-CPU provider, and
 the comparison of a GPU provider's outputs with the CPU provider's
-(:func:`compare_providers`).  This module never imports :mod:`~higgs_pack.runtime.verify`.
+(:func:`compare_providers`).  This module never imports :mod:`~higgs_pack.runtime.verification.verify`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import numpy as np
 from higgs_pack.manifests.constants import CPU_PROVIDER, EXECUTION_PROVIDERS, SubPart
 from higgs_pack.manifests.errors import HiggsPackError, last_line
 from higgs_pack.runtime.bundle import Bundle, load
-from higgs_pack.runtime.pipeline import Pipeline
-from higgs_pack.runtime.report import (
+from higgs_pack.runtime.loop.pipeline import Pipeline
+from higgs_pack.runtime.verification.report import (
     VerifyReport,
     compare,
     provider_cannot_run,
@@ -25,7 +25,7 @@ from higgs_pack.runtime.report import (
 
 def check_decoder_state(bundle: Bundle, report: VerifyReport) -> None:
     """OpenVINO: the decoder IR keeps its KV cache as state exactly when the manifest says so."""
-    from higgs_pack.runtime.openvino_ir_checks import ir_state_variables
+    from higgs_pack.runtime.backends.openvino.ir_checks import ir_state_variables
 
     spec = bundle.subpart(SubPart.LLM_DECODER)
     options = spec["options"]
@@ -49,7 +49,7 @@ def check_decoder_state(bundle: Bundle, report: VerifyReport) -> None:
 
 def check_static_shapes(bundle: Bundle, report: VerifyReport) -> None:
     """OpenVINO: every sub-part whose manifest promises static shapes has no dynamic dimension."""
-    from higgs_pack.runtime.openvino_ir_checks import static_shape_problems
+    from higgs_pack.runtime.backends.openvino.ir_checks import static_shape_problems
 
     try:
         problems = static_shape_problems(bundle)
@@ -123,7 +123,7 @@ def check_node_placement(bundle: Bundle, pipeline: Pipeline, report: VerifyRepor
     CPU EP): each sub-part is run once more with ORT profiling, and the profile says
     which provider ran each node.
     """
-    from higgs_pack.runtime.ort_placement import bundle_node_placement
+    from higgs_pack.runtime.backends.onnxruntime.placement import bundle_node_placement
 
     by_provider = {row.ort_provider: name for name, row in EXECUTION_PROVIDERS.items()}
     used = set(pipeline.description.values())

@@ -3,7 +3,7 @@
 A :class:`Pipeline` is the six sub-parts of Higgs-Audio-v3 served by one backend
 (ONNX Runtime, OpenVINO, or the PyTorch oracle in ``exporters/reference.py``),
 plus the tokenizer and the model constants.  The loop in
-:mod:`higgs_pack.runtime.generate` only sees this interface, so the same loop
+:mod:`higgs_pack.runtime.loop.generate` only sees this interface, so the same loop
 runs every target and the oracle.
 
 All arrays crossing the interface are numpy, batch 1:
@@ -128,7 +128,7 @@ class Pipeline:
         codec_context_frames: frames of codes each side of a window that the codec decoder
             needs for chunked decoding to equal one pass (``stream_context_frames`` in the
             manifest); None until known (then measured on first use, see
-            :func:`higgs_pack.runtime.streaming.codec_context_frames`).
+            :func:`higgs_pack.runtime.loop.streaming.codec_context_frames`).
     """
 
     tokenizer: Any

@@ -13,7 +13,7 @@ changed input frame changes the output (:func:`receptive_reach`).  Builds
 measure it on the PyTorch codec and record ``reach + 1`` in the manifest
 (``subparts.audio_tokenizer.options.stream_context_frames``; static bundles also
 in ``options.chunking.context``); bundles built before that have it measured
-on the exported codec when first needed (:func:`~higgs_pack.runtime.streaming.codec_context_frames`), with
+on the exported codec when first needed (:func:`~higgs_pack.runtime.loop.streaming.codec_context_frames`), with
 the same function.
 
 Why a window with ``context >= reach`` gives the one-pass output on its core:
@@ -191,7 +191,7 @@ class StreamingCodec:
 
     Args:
         decode: int64 codes [T, N] -> float32 samples [T * hop] (``generate.decode_codes``).
-        context: Frames of context per side (:func:`~higgs_pack.runtime.streaming.codec_context_frames`).
+        context: Frames of context per side (:func:`~higgs_pack.runtime.loop.streaming.codec_context_frames`).
         hop: Samples per frame (960).
         schedule: Core sizes in frames (:func:`chunk_schedule`).
 

@@ -4,7 +4,7 @@ Never falls back silently: the provider asked for must be the one the session
 uses (``session.get_providers()``), unless the caller passed
 ``allow_fallback=True``, and then the fallback is logged and recorded in the
 pipeline description.  Which provider ran which node (what ``verify`` reports)
-is read in :mod:`higgs_pack.runtime.ort_placement`.
+is read in :mod:`higgs_pack.runtime.backends.onnxruntime.placement`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from higgs_pack.manifests.errors import (
     SignatureMismatch,
     unknown_choice,
 )
+from higgs_pack.runtime.loop.pipeline import check_decoder_room, check_io_signature
 from higgs_pack.runtime.mapped_pages import paging_out
-from higgs_pack.runtime.pipeline import check_decoder_room, check_io_signature
 
 log = logging.getLogger(__name__)
 
@@ -334,7 +334,7 @@ class OrtSubPart:
         session: the ``InferenceSession``.
         name: sub-part name (for messages).
         step_inputs: input name -> shape of the per-step call (all inputs of the graph),
-            or None for no binding (see :func:`higgs_pack.runtime.pipeline.step_input_shapes`).
+            or None for no binding (see :func:`higgs_pack.runtime.loop.pipeline.step_input_shapes`).
     """
 
     def __init__(self, session, name: str, step_inputs: dict[str, tuple[int, ...]] | None = None):
@@ -362,7 +362,7 @@ class OrtSubPart:
             all(k in steps and np.shape(v) == steps[k] for k, v in feeds.items())
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run once; see :mod:`higgs_pack.runtime.pipeline` for names and shapes.
+        """Run once; see :mod:`higgs_pack.runtime.loop.pipeline` for names and shapes.
 
         Returns:
             Output name -> float32 / integer array.  For the per-step shapes, once

@@ -175,7 +175,7 @@ def checks_table(checks: Sequence[Any]) -> str:
 
 
 def verify_html(report: Any) -> str:
-    """The HTML page of a :class:`~higgs_pack.runtime.report.VerifyReport`.
+    """The HTML page of a :class:`~higgs_pack.runtime.verification.report.VerifyReport`.
 
     Raises:
         HiggsPackError: matplotlib is missing (names the ``report`` extra).

@@ -1,9 +1,9 @@
-"""Streaming synthesis: the TTS loop of :mod:`higgs_pack.runtime.generate` with the codec
+"""Streaming synthesis: the TTS loop of :mod:`higgs_pack.runtime.loop.generate` with the codec
 decoding frames as they arrive (:func:`stream`, :class:`SpeechStream`, :class:`AudioChunk`).
 
 Windows carry the codec's receptive-field context (:func:`codec_context_frames`,
-:class:`higgs_pack.runtime.chunking.StreamingCodec`), so the joined chunks equal the
-one-shot decode of :func:`~higgs_pack.runtime.generate.synthesize`.
+:class:`higgs_pack.runtime.loop.chunking.StreamingCodec`), so the joined chunks equal the
+one-shot decode of :func:`~higgs_pack.runtime.loop.generate.synthesize`.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from higgs_pack.manifests.errors import InputError
-from higgs_pack.runtime.chunking import (
+from higgs_pack.runtime.loop.chunking import (
     NotLocalError,
     StreamingCodec,
     chunk_schedule,
     measure_codec_context,
 )
-from higgs_pack.runtime.delay import SamplingOptions
-from higgs_pack.runtime.generate import (
+from higgs_pack.runtime.loop.delay import SamplingOptions
+from higgs_pack.runtime.loop.generate import (
     GenerationResult,
     ProgressCallback,
     build_prompt,
@@ -33,7 +33,7 @@ from higgs_pack.runtime.generate import (
     prepare_synthesis,
     sentence_pause,
 )
-from higgs_pack.runtime.pipeline import Pipeline
+from higgs_pack.runtime.loop.pipeline import Pipeline
 
 
 def codec_context_frames(pipeline: Pipeline) -> int:
@@ -41,7 +41,7 @@ def codec_context_frames(pipeline: Pipeline) -> int:
 
     The bundle's recorded value (``Pipeline.codec_context_frames``); for bundles built
     before it was recorded (and the oracle) it is measured once on the pipeline's own
-    codec decoder with :func:`higgs_pack.runtime.chunking.measure_codec_context` and
+    codec decoder with :func:`higgs_pack.runtime.loop.chunking.measure_codec_context` and
     kept on the pipeline.
 
     Raises:
@@ -205,7 +205,7 @@ def stream(
     frame for the same seed, and the joined chunks equal its samples within float
     rounding (1e-4).  The codec decodes each core of frames with
     ``codec_context_frames`` frames of context per side
-    (:class:`higgs_pack.runtime.chunking.StreamingCodec`), so a core is ready once that
+    (:class:`higgs_pack.runtime.loop.chunking.StreamingCodec`), so a core is ready once that
     many frames after it exist: the first audio arrives after the prompt, about
     ``first_chunk_frames + context + 7`` decoder steps (7: the delay pattern) and one
     codec decode.  Text chunks (long texts split into sentences) follow each other

@@ -1,0 +1,1 @@
+"""Runtime backends: one object per backend (open a bundle, where it can run, its checks)."""

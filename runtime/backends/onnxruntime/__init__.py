@@ -1,0 +1,1 @@
+"""The ONNX Runtime backend (cpu, cuda, dml and the OpenVINO execution provider)."""

@@ -1,0 +1,1 @@
+"""The native OpenVINO backend (OpenVINO IR on CPU, GPU and NPU devices)."""

@@ -1,0 +1,1 @@
+"""The generation loop: prompt, decode steps, delay pattern, sampling, streaming, chunked codec."""

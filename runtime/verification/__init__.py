@@ -1,0 +1,1 @@
+"""Verification: files, static checks, parity against golden outputs, speech, reports."""

@@ -3,7 +3,13 @@
 import numpy as np
 import pytest
 
-from higgs_pack.runtime.loop.delay import SamplingOptions, apply_delay, sample_codes, undo_delay
+from higgs_pack.runtime.loop.delay import (
+    Sampler,
+    SamplingOptions,
+    apply_delay,
+    bundle_sampling,
+    undo_delay,
+)
 
 BOC, EOC, N = 1024, 1025, 8
 
@@ -32,6 +38,11 @@ def _allowed():
     allowed = np.zeros((N, 1026), dtype=bool)
     allowed[:, :1024] = True
     return allowed
+
+
+def sample_codes(logits, allowed, options, rng):
+    """One frame drawn by a new :class:`Sampler` (the loop keeps one per request)."""
+    return Sampler(allowed, options).draw(logits, rng).copy()
 
 
 def test_greedy_is_argmax_and_never_picks_forbidden_codes():
@@ -79,6 +90,23 @@ def test_sampling_follows_the_distribution():
 def test_bad_sampling_options_name_the_option(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingOptions(**kwargs).validate()
+
+
+def test_every_bad_option_is_named_once():
+    problems = SamplingOptions(temperature="hot", top_k=-2, top_p=0, seed=1.5).problems()
+    assert problems == ["seed must be a whole number, got 1.5 (float)", "temperature must be a number, got 'hot' (str)",
+                        "top_k must be >= 0 (0 = off), got -2", "top_p must be in (0, 1], got 0"]
+    assert SamplingOptions().problems() == []
+
+
+def test_bundle_defaults_fill_what_the_caller_left_unset():
+    defaults = {"sampling": {"temperature": 0.7, "top_k": 30, "repeat_guard_frames": 20}}
+    options = bundle_sampling(defaults, top_k=5, seed=None)
+    assert (options.temperature, options.top_k, options.top_p, options.seed, options.repeat_guard_frames) \
+        == (0.7, 5, 1.0, None, 20)
+    assert bundle_sampling({}) == SamplingOptions()
+    with pytest.raises(ValueError, match="top_p must be in"):
+        bundle_sampling(defaults, top_p=2.0)
 
 
 def test_kept_codes_path_draws_what_the_dense_path_draws(monkeypatch):

@@ -7,8 +7,10 @@ real codec entries.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from numbers import Integral, Real
+from typing import Any
 
 import numpy as np
 
@@ -79,27 +81,57 @@ class SamplingOptions:
     seed: int | None = 0
     repeat_guard_frames: int = 50
 
-    def validate(self) -> SamplingOptions:
-        """Raise ``ValueError`` naming the bad option and its allowed type and range."""
+    def problems(self) -> list[str]:
+        """One message per bad option (its name, the value given and what is allowed); empty when valid."""
+        found = []
         for name in ("top_k", "repeat_guard_frames", "seed"):
             value = getattr(self, name)
             if not (value is None and name == "seed") and (isinstance(value, bool) or not isinstance(value, Integral)):
-                raise ValueError(f"{name} must be a whole number, got {value!r} ({type(value).__name__})")
+                found.append(f"{name} must be a whole number, got {value!r} ({type(value).__name__})")
         for name in ("temperature", "top_p"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, Real):
-                raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
-        if self.seed is not None and self.seed < 0:
-            raise ValueError(f"seed must be >= 0 (numpy's PCG64 seeds are non-negative) or None, got {self.seed}")
-        if not 0 <= self.temperature < float("inf"):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.repeat_guard_frames < 0:
-            raise ValueError(f"repeat_guard_frames must be >= 0, got {self.repeat_guard_frames}")
+                found.append(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+        bad = {message.split(" ", 1)[0] for message in found}
+        checks = (
+            ("seed", lambda: self.seed is None or self.seed >= 0,
+             f"seed must be >= 0 (numpy's PCG64 seeds are non-negative) or None, got {self.seed}"),
+            ("temperature", lambda: 0 <= self.temperature < float("inf"),
+             f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}"),
+            ("top_k", lambda: self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}"),
+            ("top_p", lambda: 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            ("repeat_guard_frames", lambda: self.repeat_guard_frames >= 0,
+             f"repeat_guard_frames must be >= 0, got {self.repeat_guard_frames}"),
+        )
+        found += [message for name, ok, message in checks if name not in bad and not ok()]
+        return found
+
+    def validate(self) -> SamplingOptions:
+        """Return ``self``; raise ``ValueError`` naming every bad option, its value and its allowed range."""
+        found = self.problems()
+        if found:
+            raise ValueError("; ".join(found))
         return self
+
+
+def bundle_sampling(generation_defaults: Mapping[str, Any], **overrides: Any) -> SamplingOptions:
+    """The sampling options a request runs with: the bundle's defaults, then ``overrides``.
+
+    The one place a bundle's own defaults (the manifest's ``generation`` object, which
+    :func:`higgs_pack.runtime.bundle.load` puts in ``Pipeline.generation_defaults["sampling"]``)
+    meet the caller's choices; fields neither gives keep the :class:`SamplingOptions` defaults.
+
+    Args:
+        generation_defaults: ``Pipeline.generation_defaults`` (its ``"sampling"`` mapping is read).
+        overrides: :class:`SamplingOptions` fields to set (pass only those the caller chose).
+
+    Returns:
+        Validated :class:`SamplingOptions`.
+
+    Raises:
+        ValueError: a resulting option is out of range (names it).
+    """
+    return replace(SamplingOptions(**generation_defaults.get("sampling", {})), **overrides).validate()
 
 
 class Sampler:
@@ -268,20 +300,3 @@ def _nucleus(weights: np.ndarray, top_p: float) -> None:
     drop = np.zeros_like(drop_ranked)
     np.put_along_axis(drop, order, drop_ranked, axis=-1)
     weights[drop] = 0.0
-
-
-def sample_codes(
-    logits: np.ndarray, allowed: np.ndarray, options: SamplingOptions, rng: np.random.Generator
-) -> np.ndarray:
-    """Draw one code per codebook (a one-off :class:`Sampler`; the loop keeps one per request).
-
-    Args:
-        logits: float32 [N, V] (V = 1026) for one frame.
-        allowed: bool [N, V]; False entries can never be drawn.
-        options: sampling options.
-        rng: the request's generator (advanced by exactly N draws unless greedy).
-
-    Returns:
-        int64 [N], owned by the caller.
-    """
-    return Sampler(allowed, options).draw(logits, rng).copy()

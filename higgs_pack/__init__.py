@@ -32,6 +32,7 @@ _EXPORTS = {
     "TTS": "higgs_pack.runtime.api",
     "TTSInfo": "higgs_pack.runtime.api",
     "SynthesisResult": "higgs_pack.runtime.loop.generate",
+    "SynthesisRequest": "higgs_pack.runtime.request",
     "write_wav": "higgs_pack.runtime.audio",
     "HiggsPackError": "higgs_pack.manifests.errors",
     "BundleError": "higgs_pack.manifests.errors",

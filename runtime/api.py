@@ -15,29 +15,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from dataclasses import dataclass, field, replace
-from numbers import Integral
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from higgs_pack.manifests.constants import EXECUTION_PROVIDERS, RUNTIME_BACKENDS
-from higgs_pack.manifests.errors import ExecutionProviderUnavailable, InputError
+from higgs_pack.manifests.errors import ExecutionProviderUnavailable
 from higgs_pack.manifests.manifest import MANIFEST_NAME, placement_of
 from higgs_pack.runtime.bundle import Bundle, open_bundle
 from higgs_pack.runtime.bundle import load as load_pipeline
-from higgs_pack.runtime.loop.delay import SamplingOptions
 from higgs_pack.runtime.loop.generate import ProgressCallback, SynthesisResult
 from higgs_pack.runtime.loop.generate import synthesize as run_synthesis
 from higgs_pack.runtime.loop.pipeline import Pipeline
-from higgs_pack.runtime.loop.streaming import (
-    CHUNK_GROWTH,
-    FIRST_CHUNK_FRAMES,
-    MAX_CHUNK_FRAMES,
-    SpeechStream,
-)
+from higgs_pack.runtime.loop.streaming import SpeechStream
 from higgs_pack.runtime.loop.streaming import stream as run_stream
+from higgs_pack.runtime.request import SynthesisRequest
 
 log = logging.getLogger(__name__)
 
@@ -155,81 +147,23 @@ class TTS:
         with contextlib.suppress(Exception):
             self._stack.close()
 
-    def sampling_options(self, *, seed: int | None = 0, temperature: float | None = None,
-                         top_k: int | None = None, top_p: float | None = None) -> SamplingOptions:
-        """The bundle's default sampling options with the given overrides (None keeps the default).
-
-        Raises:
-            InputError: an option out of range (the message names it and its range).
-        """
-        options = SamplingOptions(**self.pipeline.generation_defaults.get("sampling", {}))
-        overrides = {k: v for k, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p))
-                     if v is not None}
-        options = replace(options, seed=seed, **overrides)
-        try:
-            return options.validate()
-        except ValueError as exc:
-            raise InputError(str(exc)) from exc
-
-    def reference(self, ref_audio: str | os.PathLike | tuple[np.ndarray, int] | None) -> np.ndarray | None:
-        """Read and prepare a reference voice: resampled to :attr:`sample_rate`, mono, padded to whole frames.
-
-        Args:
-            ref_audio: an audio file (any rate/channels libsndfile reads), or
-                ``(samples, sample_rate)`` with float32 samples in [-1, 1] of shape
-                [samples] (mono) or [samples, channels], sample_rate in Hz.
-
-        Returns:
-            float32 [samples] at :attr:`sample_rate` Hz, or None when ``ref_audio`` is None.
-
-        Raises:
-            InputError: unreadable, too short/long, silent, or a malformed tuple.
-        """
-        from higgs_pack.runtime.audio import load_audio, prepare_reference
-
-        if ref_audio is None:
-            return None
-        c = self.pipeline.constants
-        if isinstance(ref_audio, tuple):
-            if len(ref_audio) != 2:
-                raise InputError("ref_audio= takes a file path or a (samples, sample_rate) tuple")
-            samples, rate = np.asarray(ref_audio[0], dtype=np.float32), int(ref_audio[1])
-            if samples.ndim == 2:
-                samples = samples.mean(axis=1)
-            if samples.ndim != 1:
-                raise InputError(f"ref_audio samples must be [samples] or [samples, channels], got shape "
-                                 f"{samples.shape}")
-            return prepare_reference(samples, rate, c.sample_rate, c.hop_length, "ref_audio")
-        samples, rate = load_audio(ref_audio)
-        return prepare_reference(samples, rate, c.sample_rate, c.hop_length, str(ref_audio))
-
-    def synthesize(
-        self,
-        text: str,
-        *,
-        ref_audio: str | os.PathLike | tuple[np.ndarray, int] | None = None,
-        ref_text: str | None = None,
-        seed: int | None = 0,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        max_frames: int | None = None,
-        progress: ProgressCallback | None = None,
-    ) -> SynthesisResult:
+    def synthesize(self, text: str | SynthesisRequest, *, progress: ProgressCallback | None = None,
+                   **options: Any) -> SynthesisResult:
         """Speak ``text``, optionally in the voice of a reference clip.
 
         Args:
             text: what to say (long texts are split into sentences and joined with
-                0.2 s of silence).
-            ref_audio: reference voice to clone: an audio file, or ``(samples, sample_rate)``
-                (see :meth:`reference`); needs ``ref_text``.
-            ref_text: exact transcript of ``ref_audio``.
-            seed: seed of the sampler (same seed, same bundle, same device -> same audio).
-            temperature: 0 = greedy; None = the bundle's default (0.8).
-            top_k: keep the k most likely codes (0 = all); None = bundle default (50).
-            top_p: nucleus mass in (0, 1]; None = bundle default (1.0 = off).
-            max_frames: frame cap per chunk, frames at 25 per second (None: from the text length).
+                0.2 s of silence), or a ready :class:`~higgs_pack.runtime.request.SynthesisRequest`
+                (then no other options).
             progress: called as ``progress(frames_done, frame_cap)`` after every frame.
+            options: the keywords of :meth:`SynthesisRequest.create
+                <higgs_pack.runtime.request.SynthesisRequest.create>`, checked before anything runs:
+                ``ref_audio`` (a file, or ``(samples, sample_rate)`` with float32 samples in
+                [-1, 1] of shape [samples] or [samples, channels], rate in Hz) with
+                ``ref_text`` (its exact transcript); ``seed`` (default 0; None: random);
+                ``temperature`` (0 = greedy), ``top_k`` (0 = all), ``top_p`` (in (0, 1]), each
+                None = the bundle's default (0.8, 50, 1.0); ``max_frames`` (frame cap per
+                chunk at 25 per second; None: from the text length).
 
         Returns:
             :class:`~higgs_pack.runtime.loop.generate.SynthesisResult`: ``samples`` float32
@@ -237,43 +171,17 @@ class TTS:
             ``codes`` int64 [frames, 8] codec codes; ``chunks`` per-chunk details.
 
         Raises:
-            InputError: empty text, a reserved prompt token in the text, a bad option,
-                ``ref_audio`` without ``ref_text`` (or the reverse), an unusable clip,
-                or a sentence too long for the decoder's context.
+            InputError: empty text, a special token of the tokenizer in the text, a bad or
+                unknown option (every bad one named at once), ``ref_audio`` without
+                ``ref_text`` (or the reverse), an unusable clip, or a sentence too long for
+                the decoder's context.
             NumericalError: a sub-part returned NaN/inf (run ``higgs-pack verify``).
         """
-        options, ref = self._prepare(ref_audio, ref_text, seed, temperature, top_k, top_p, max_frames)
-        return run_synthesis(self.pipeline, text, ref_samples=ref, ref_text=ref_text,
-                             options=options, max_frames=max_frames, progress=progress)
+        request = SynthesisRequest.of(text, options)
+        return run_synthesis(self.pipeline, request.text, progress=progress, **self._loop_inputs(request))
 
-    def _prepare(self, ref_audio, ref_text, seed, temperature, top_k, top_p, max_frames
-                 ) -> tuple[SamplingOptions, np.ndarray | None]:
-        """Check the arguments shared by :meth:`synthesize` and :meth:`stream`; read the reference."""
-        if (ref_audio is None) != (ref_text is None):
-            raise InputError("voice cloning needs both ref_audio= and ref_text= (--ref-audio with --ref-text)")
-        if max_frames is not None and (isinstance(max_frames, bool) or not isinstance(max_frames, Integral)):
-            raise InputError(f"max_frames must be a whole number of frames (25 per second), got {max_frames!r}")
-        if max_frames is not None and max_frames < 1:
-            raise InputError(f"max_frames must be >= 1 (frames at 25 per second), got {max_frames}")
-        options = self.sampling_options(seed=seed, temperature=temperature, top_k=top_k, top_p=top_p)
-        return options, self.reference(ref_audio)
-
-    def stream(
-        self,
-        text: str,
-        *,
-        ref_audio: str | os.PathLike | tuple[np.ndarray, int] | None = None,
-        ref_text: str | None = None,
-        seed: int | None = 0,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        max_frames: int | None = None,
-        progress: ProgressCallback | None = None,
-        first_chunk_frames: int = FIRST_CHUNK_FRAMES,
-        chunk_growth: float = CHUNK_GROWTH,
-        max_chunk_frames: int = MAX_CHUNK_FRAMES,
-    ) -> SpeechStream:
+    def stream(self, text: str | SynthesisRequest, *, progress: ProgressCallback | None = None,
+               **options: Any) -> SpeechStream:
         """Speak ``text`` as audio chunks that arrive while the frames are generated.
 
         Same arguments, same speech as :meth:`synthesize` (same codes for the same seed;
@@ -281,11 +189,11 @@ class TTS:
         :func:`higgs_pack.runtime.loop.streaming.stream`.
 
         Args:
-            text, ref_audio, ref_text, seed, temperature, top_k, top_p, max_frames, progress:
-                as :meth:`synthesize`.
-            first_chunk_frames: frames in the first chunk (default 10 frames = 0.4 s at 25 fps).
-            chunk_growth: each later chunk is this many times the previous one (default 2).
-            max_chunk_frames: chunk size limit in frames (default 100 = 4 s).
+            text, progress: as :meth:`synthesize`.
+            options: as :meth:`synthesize`, and the chunk schedule (frames at 25 per second):
+                ``first_chunk_frames`` (default 10 = 0.4 s), ``chunk_growth`` (each later
+                chunk this many times the previous one, default 2), ``max_chunk_frames``
+                (default 100 = 4 s, at least ``first_chunk_frames``).
 
         Returns:
             A :class:`~higgs_pack.runtime.loop.streaming.SpeechStream`: iterate it for
@@ -294,14 +202,21 @@ class TTS:
             ``close()`` stops the generation at the next frame.
 
         Raises:
-            InputError: as :meth:`synthesize`, before the first chunk.
-            ValueError: a bad chunk schedule (names the argument).
+            InputError: as :meth:`synthesize` (a bad chunk schedule too), before the first chunk.
             NumericalError: while iterating, as :meth:`synthesize`.
         """
-        options, ref = self._prepare(ref_audio, ref_text, seed, temperature, top_k, top_p, max_frames)
-        return run_stream(self.pipeline, text, ref_samples=ref, ref_text=ref_text, options=options,
-                          max_frames=max_frames, progress=progress, first_chunk_frames=first_chunk_frames,
-                          chunk_growth=chunk_growth, max_chunk_frames=max_chunk_frames)
+        request = SynthesisRequest.of(text, options)
+        return run_stream(self.pipeline, request.text, progress=progress, schedule=request.schedule,
+                          **self._loop_inputs(request))
+
+    def _loop_inputs(self, request: SynthesisRequest) -> dict[str, Any]:
+        """The loop's keywords for a request: resolved sampling options and the prepared reference clip."""
+        c = self.pipeline.constants
+        voice = request.voice
+        return {"options": request.sampling_options(self.pipeline.generation_defaults),
+                "ref_samples": voice.prepared(c.sample_rate, c.hop_length) if voice is not None else None,
+                "ref_text": voice.transcript if voice is not None else None,
+                "max_frames": request.max_frames}
 
 
 def _device_kwargs(bundle: Bundle, device: str | None, execution_provider: str | None = None

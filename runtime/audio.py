@@ -28,6 +28,19 @@ PAD_REFERENCE_TO_S = 1.0
 SILENCE_PEAK = 1e-3
 
 
+def require_audio_file(path: str | Path) -> Path:
+    """``path`` as a :class:`~pathlib.Path`, checked to be an existing file (not read).
+
+    Raises:
+        InputError: it does not exist or is not a file (names it and the flag).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"reference audio {path} does not exist; pass an existing file with --ref-audio / "
+                         "ref_audio=")
+    return path
+
+
 def load_audio(path: str | Path) -> tuple[np.ndarray, int]:
     """Read any libsndfile format as mono float32.
 
@@ -40,9 +53,7 @@ def load_audio(path: str | Path) -> tuple[np.ndarray, int]:
     Raises:
         InputError: missing, unreadable, not audio, or empty.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"reference audio {path} does not exist; pass an existing file with --ref-audio")
+    path = require_audio_file(path)
     try:
         data, rate = sf.read(path, dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, ValueError) as exc:

@@ -18,6 +18,7 @@ import click
 
 from higgs_pack.manifests.constants import EXECUTION_PROVIDERS, RUNTIME_BACKENDS
 from higgs_pack.manifests.errors import HiggsPackError
+from higgs_pack.runtime.request import CHUNK_GROWTH, FIRST_CHUNK_FRAMES, MAX_CHUNK_FRAMES
 
 COMMAND_GROUP = "higgs_pack.commands"
 
@@ -64,15 +65,17 @@ def main(verbose: int) -> None:
 
 
 def _read_text(text: str | None, text_file: Path | None) -> str:
+    """The words to speak: ``--text``, ``--text-file``, or stdin (``--text -``, ``--text-file -`` or neither)."""
     if text is not None and text_file is not None:
         raise click.UsageError("give the text once: --text or --text-file, not both")
+    from_stdin = text == "-" or str(text_file) == "-" or (text is None and text_file is None)
     try:
-        if text_file is not None and str(text_file) != "-":
-            return text_file.read_text(encoding="utf-8")
-        if text is None or str(text_file) == "-":
+        if from_stdin:
             if sys.stdin is None or sys.stdin.isatty():
                 raise click.UsageError("no text: pass --text \"…\", --text-file FILE, or pipe text on stdin")
             return sys.stdin.buffer.read().decode("utf-8")
+        if text_file is not None:
+            return text_file.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise click.BadParameter(f"the text is not UTF-8 ({exc}); save it as UTF-8 text") from exc
     return text
@@ -108,6 +111,15 @@ def _check_output(output: Path, bundle: str, inputs: list[Path | None], fmt: str
                                  param_hint="-o")
 
 
+def _progress_bar(no_progress: bool):
+    """A tqdm bar on stderr, or a disabled one with ``--no-progress`` or when stderr is not a
+    terminal (a log would fill with its carriage-return redraws)."""
+    from tqdm import tqdm
+
+    quiet = no_progress or not (sys.stderr is not None and sys.stderr.isatty())
+    return tqdm(total=0, unit="frame", disable=quiet, desc="synthesizing", leave=False)
+
+
 @main.command()
 @click.argument("bundle")
 @click.option("--text", "-t", help="Text to speak ('-' or omitted: read stdin).")
@@ -121,13 +133,13 @@ def _check_output(output: Path, bundle: str, inputs: list[Path | None], fmt: str
 @click.option("--execution-provider", help=f"ONNX Runtime bundles: {', '.join(EXECUTION_PROVIDERS)}.")
 @click.option("--device", help="OpenVINO bundles: CPU, GPU, NPU, AUTO, HETERO:….")
 @click.option("--allow-fallback", is_flag=True, help="Permit another provider/device if the one asked for is missing.")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Sampler seed (>= 0).")
 @click.option("--temperature", type=float, help="0 = greedy. Default from the bundle (0.8).")
 @click.option("--top-k", type=int, help="Default from the bundle (50).")
 @click.option("--top-p", type=float, help="Default from the bundle (1.0 = off).")
-@click.option("--max-frames", type=click.IntRange(min=1), help="Frame cap per chunk (25 frames = 1 s). Default: from text length.")
+@click.option("--max-frames", type=int, help="Frame cap per chunk (25 frames = 1 s). Default: from text length.")
 @click.option("--float", "as_float", is_flag=True, help="Write 32-bit float wav instead of 16-bit PCM.")
-@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--no-progress", is_flag=True, help="No progress bar (there is none when stderr is not a terminal).")
 @click.option("--bundles", "bundle_dirs", multiple=True, type=click.Path(path_type=Path, file_okay=False),
               help="For a model slug: also choose among the bundles in this folder (repeatable).")
 @click.option("--variant", help="For a hub repository holding several bundles: the folder to use.")
@@ -135,57 +147,43 @@ def _check_output(output: Path, bundle: str, inputs: list[Path | None], fmt: str
               help="Write audio while it is generated (first chunk after ~0.4 s of frames).")
 @click.option("--format", "fmt", type=click.Choice(["wav", "raw"]), default="wav", show_default=True,
               help="With -o -: a WAV stream, or raw little-endian PCM (s16le; f32le with --float), mono 24 kHz.")
-@click.option("--first-chunk-frames", type=click.IntRange(min=1), default=10, show_default=True,
+@click.option("--first-chunk-frames", type=int, default=FIRST_CHUNK_FRAMES, show_default=True,
               help="--stream: frames in the first chunk (25 frames = 1 s).")
-@click.option("--chunk-growth", type=click.FloatRange(min=1.0), default=2.0, show_default=True,
-              help="--stream: each chunk is this many times the previous one.")
-@click.option("--max-chunk-frames", type=click.IntRange(min=1), default=100, show_default=True,
-              help="--stream: largest chunk in frames.")
+@click.option("--chunk-growth", type=float, default=CHUNK_GROWTH, show_default=True,
+              help="--stream: each chunk is this many times the previous one (>= 1).")
+@click.option("--max-chunk-frames", type=int, default=MAX_CHUNK_FRAMES, show_default=True,
+              help="--stream: largest chunk in frames (>= --first-chunk-frames).")
 def synthesize(bundle, text, text_file, output, ref_audio, ref_text, execution_provider, device,
                allow_fallback, seed, temperature, top_k, top_p, max_frames, as_float, no_progress,
                bundle_dirs, variant, streaming, fmt, first_chunk_frames, chunk_growth, max_chunk_frames):
     """Speak TEXT with BUNDLE into a wav (or, with -o -, to stdout).
 
-    BUNDLE is a bundle directory, an archive, an installed bundle name, a model slug
+    BUNDLE is a bundle directory, a folder of bundles (the best for this machine is
+    chosen), an archive (.tar.gz, .zip, .whl), an installed bundle name, a model slug
     (higgs-audio-v3-tiny: the best variant for this machine is chosen, and the choice
     is said), or hf://ORG/REPO[@REVISION].
 
-    With --stream the audio is written while it is generated (a .wav file's header is
-    completed at the end, also after Ctrl-C); `-o -` writes to stdout for a player:
+    The whole request (text, voice, sampling, frame cap, stream schedule) is checked
+    before the bundle is loaded or anything is written.  With --stream the audio is
+    written while it is generated (a .wav file's header is completed at the end, also
+    after Ctrl-C); `-o -` writes to stdout for a player:
     higgs-pack synthesize BUNDLE --stream -t "…" -o - | aplay
     """
-    from dataclasses import replace
-
-    from tqdm import tqdm
-
     from higgs_pack.runtime.api import load
-    from higgs_pack.runtime.audio import load_audio, prepare_reference, write_wav
-    from higgs_pack.runtime.loop.delay import SamplingOptions
-    from higgs_pack.runtime.loop.generate import synthesize as run
+    from higgs_pack.runtime.audio import write_wav
+    from higgs_pack.runtime.request import SynthesisRequest
 
     _check_output(output, bundle, [text_file, ref_audio], fmt)
-    words = _read_text(text, text_file)
-    if (ref_audio is None) != (ref_text is None):
-        raise click.UsageError("voice cloning needs both --ref-audio and --ref-text")
+    request = SynthesisRequest.create(
+        _read_text(text, text_file), ref_audio=ref_audio, ref_text=ref_text, seed=seed, temperature=temperature,
+        top_k=top_k, top_p=top_p, max_frames=max_frames, first_chunk_frames=first_chunk_frames,
+        chunk_growth=chunk_growth, max_chunk_frames=max_chunk_frames)
     tts = load(bundle, device=device, execution_provider=execution_provider, allow_fallback=allow_fallback,
                bundle_dirs=bundle_dirs, variant=variant)
     click.echo(f"using {tts.info}", err=True)
     for name, why in tts.info.not_chosen.items():
         click.echo(f"  not chosen: {name}: {why}", err=True)
-    pipeline = tts.pipeline
-    c = pipeline.constants
-    ref = None
-    if ref_audio is not None:
-        samples, rate = load_audio(ref_audio)
-        ref = prepare_reference(samples, rate, c.sample_rate, c.hop_length, str(ref_audio))
-    options = SamplingOptions(**pipeline.generation_defaults.get("sampling", {}))
-    overrides = {k: v for k, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)) if v is not None}
-    options = replace(options, seed=seed, **overrides)
-    try:
-        options.validate()
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from exc
-    bar = tqdm(total=0, unit="frame", disable=no_progress, desc="synthesizing", leave=False)
+    bar = _progress_bar(no_progress)
 
     def progress(done: int, total: int) -> None:
         if bar.total != total:
@@ -194,20 +192,11 @@ def synthesize(bundle, text, text_file, output, ref_audio, ref_text, execution_p
         bar.refresh()
 
     subtype = "FLOAT" if as_float else "PCM_16"
-    to_stdout = str(output) == "-"
-    if streaming or to_stdout:
-        schedule = {"first_chunk_frames": first_chunk_frames, "chunk_growth": chunk_growth,
-                    "max_chunk_frames": max_chunk_frames}
-        try:
-            _stream_out(pipeline, words, output, subtype, fmt, bar, schedule, streaming,
-                        dict(ref_samples=ref, ref_text=ref_text, options=options, max_frames=max_frames,
-                             progress=progress))
-        finally:
-            bar.close()
+    if streaming or str(output) == "-":
+        _stream_out(tts, request, output, subtype, fmt, bar, streaming, progress)
         return
     try:
-        result = run(pipeline, words, ref_samples=ref, ref_text=ref_text, options=options,
-                     max_frames=max_frames, progress=progress)
+        result = tts.synthesize(request, progress=progress)
     finally:
         bar.close()
     written = write_wav(output, result.samples, result.sample_rate, subtype=subtype)
@@ -215,8 +204,7 @@ def synthesize(bundle, text, text_file, output, ref_audio, ref_text, execution_p
     click.echo(f"wrote {output}: {result.seconds_of_audio:.2f} s at {result.sample_rate} Hz, "
                f"{len(result.codes)} frames in {len(result.chunks)} chunk(s), stop: {stops}")
     if result.frame_cap_hit:
-        click.echo("note: the frame cap was reached before the model ended the speech "
-                   "(raise it with --max-frames)", err=True)
+        click.echo(FRAME_CAP_NOTE, err=True)
     if written.scaled:
         click.echo(f"note: peak {written.peak:.2f} exceeded 16-bit range; audio was scaled down "
                    "(use --float to keep it unscaled)", err=True)
@@ -226,35 +214,39 @@ def synthesize(bundle, text, text_file, output, ref_audio, ref_text, execution_p
 EXIT_BROKEN_PIPE = 128 + 13
 #: Exit status after Ctrl-C (as a program stopped by SIGINT).
 EXIT_INTERRUPTED = 128 + 2
+#: Said when some text chunk stopped at its frame cap, not where the model ended the speech.
+FRAME_CAP_NOTE = "note: the frame cap was reached before the model ended the speech (raise it with --max-frames)"
 
 
-def _stream_out(pipeline, words, output: Path, subtype: str, fmt: str, bar, schedule: dict, streaming: bool,
-                request: dict) -> None:
+def _stream_out(tts, request, output: Path, subtype: str, fmt: str, bar, streaming: bool, progress) -> None:
     """Write speech to ``output`` (a .wav path or ``-``) piece by piece as it is generated.
 
     Ctrl-C stops generation and leaves a valid WAV of what was written (exit 130); a
-    closed stdout pipe stops it quietly (exit 141). Without --stream (stdout only) the
-    whole utterance is synthesized first and written at once.
+    closed stdout pipe stops it quietly (exit 141), with or without --stream. Without
+    --stream (stdout only) the whole utterance is synthesized first and written at once.
+    Nothing is opened or written before the loop has accepted the request.
     """
     import os
 
     from higgs_pack.runtime.audio import AudioSink
-    from higgs_pack.runtime.loop.generate import synthesize
-    from higgs_pack.runtime.loop.streaming import stream
 
     to_stdout = str(output) == "-"
     where = "stdout" if to_stdout else str(output)
-    rate = pipeline.constants.sample_rate
-    sink = AudioSink(sys.stdout.buffer if to_stdout else output, rate, subtype=subtype, container=fmt)
-    speech = None
+    rate = tts.sample_rate
+    speech = tts.stream(request, progress=progress) if streaming else None
+    sink, results = None, []
     status, note = 0, ""
     try:
-        if streaming:
-            speech = stream(pipeline, words, **request, **schedule)
+        if speech is None:
+            result = tts.synthesize(request, progress=progress)
+            results = result.chunks
+            sink = AudioSink(sys.stdout.buffer, rate, subtype=subtype, container=fmt)
+            sink.write(result.samples)
+        else:
+            sink = AudioSink(sys.stdout.buffer if to_stdout else output, rate, subtype=subtype, container=fmt)
             for chunk in speech:
                 sink.write(chunk.samples)
-        else:
-            sink.write(synthesize(pipeline, words, **request).samples)
+            results = speech.results
     except KeyboardInterrupt:
         status, note = EXIT_INTERRUPTED, "interrupted (Ctrl-C): "
     except BrokenPipeError:
@@ -266,23 +258,30 @@ def _stream_out(pipeline, words, output: Path, subtype: str, fmt: str, bar, sche
     finally:
         if speech is not None:
             speech.close()
-        sink.close()
+        if sink is not None:
+            sink.close()
         bar.close()
-    seconds = sink.samples_written / rate
-    details = ""
-    if speech is not None and speech.results and not status:
-        stops = ", ".join(r.stop_reason for r in speech.results)
-        details = (f", {len(speech.codes)} frames in {len(speech.results)} chunk(s), stop: {stops}, "
-                   f"first audio after {speech.first_audio_s:.2f} s")
-    click.echo(f"{note}wrote {seconds:.2f} s at {rate} Hz to {where}{details}", err=True)
-    if speech is not None and any(r.stop_reason == "max_frames" for r in speech.results):
-        click.echo("note: the frame cap was reached before the model ended the speech "
-                   "(raise it with --max-frames)", err=True)
-    if sink.clipped:
-        click.echo(f"note: {sink.clipped} samples beyond [-1, 1] were clipped in 16-bit output "
-                   "(use --float to keep them)", err=True)
+    _say_written(note, sink, rate, where, results if not status else [], speech)
     if status:
         sys.exit(status)
+
+
+def _say_written(note: str, sink, rate: int, where: str, results: list, speech) -> None:
+    """The closing lines of a stream: what was written where, and the notes (frame cap, clipping)."""
+    seconds = (sink.samples_written if sink is not None else 0) / rate
+    details = ""
+    if results:
+        stops = ", ".join(r.stop_reason for r in results)
+        frames = sum(len(r.codes) for r in results)
+        details = f", {frames} frames in {len(results)} chunk(s), stop: {stops}"
+        if speech is not None:
+            details += f", first audio after {speech.first_audio_s:.2f} s"
+    click.echo(f"{note}wrote {seconds:.2f} s at {rate} Hz to {where}{details}", err=True)
+    if any(r.stop_reason == "max_frames" for r in results):
+        click.echo(FRAME_CAP_NOTE, err=True)
+    if sink is not None and sink.clipped:
+        click.echo(f"note: {sink.clipped} samples beyond [-1, 1] were clipped in 16-bit output "
+                   "(use --float to keep them)", err=True)
 
 
 @main.command()

@@ -98,7 +98,8 @@ def write_voice_clip(path: Path, seconds: float = 1.5, rate: int = 16000) -> Pat
 
 @pytest.fixture(scope="session")
 def check_stream():
-    """``check(pipeline, text, **kwargs)``: stream and synthesize the same request and require
+    """``check(pipeline, text, *, seed, max_frames, **schedule)`` (schedule: the fields of
+    :class:`~higgs_pack.runtime.request.StreamSchedule`): stream and synthesize the same request and require
     the same codes and stop frames, and the joined chunks equal to the one-shot samples within
     1e-4 (contiguous offsets, no gap); returns ``(speech stream, chunks, one-shot result)``."""
     import numpy as np
@@ -106,11 +107,12 @@ def check_stream():
     from higgs_pack.runtime.loop.delay import SamplingOptions
     from higgs_pack.runtime.loop.generate import synthesize
     from higgs_pack.runtime.loop.streaming import stream
+    from higgs_pack.runtime.request import StreamSchedule
 
-    def check(pipeline, text, *, seed=7, **kwargs):
+    def check(pipeline, text, *, seed=7, max_frames=None, **schedule):
         options = SamplingOptions(seed=seed)
-        one = synthesize(pipeline, text, options=options, max_frames=kwargs.get("max_frames"))
-        speech = stream(pipeline, text, options=options, **kwargs)
+        one = synthesize(pipeline, text, options=options, max_frames=max_frames)
+        speech = stream(pipeline, text, options=options, max_frames=max_frames, schedule=StreamSchedule(**schedule))
         chunks = list(speech)
         assert [c.offset for c in chunks] == [0, *np.cumsum([len(c.samples) for c in chunks])[:-1].tolist()]
         joined = np.concatenate([c.samples for c in chunks])

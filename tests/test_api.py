@@ -12,8 +12,6 @@ import numpy as np
 import pytest
 from conftest import REPO_ROOT, write_voice_clip
 
-pytestmark = pytest.mark.slow
-
 
 def python_blocks(markdown: str) -> list[str]:
     """The ```python fenced blocks of a Markdown text, in order."""
@@ -136,6 +134,54 @@ def test_load_folder_of_bundles_chooses(cpu_fp32_bundle, cpu_int4_bundle, tmp_pa
     tts = higgs_pack.load(folder)
     assert tts.info.bundle == cpu_int4_bundle.name and tts.info.reason.startswith(f"folder of bundles {folder}")
     assert list(tts.info.not_chosen) == [cpu_fp32_bundle.name]
+
+
+def test_a_request_carries_its_options_and_python_keywords_make_the_same_one(cpu_fp32_bundle, tmp_path):
+    import higgs_pack
+
+    tts = higgs_pack.load(cpu_fp32_bundle)
+    request = higgs_pack.SynthesisRequest.create("Hello there.", seed=4, max_frames=30, first_chunk_frames=3)
+    by_request = tts.synthesize(request)
+    assert np.array_equal(by_request.codes, tts.synthesize("Hello there.", seed=4, max_frames=30).codes)
+    pieces = list(tts.stream(request))
+    assert len(pieces) > 1 and len(pieces[0].samples) == 3 * tts.pipeline.constants.hop_length  # its schedule
+    with pytest.raises(higgs_pack.InputError, match=r"unknown synthesis option 'temprature' \(did you mean "
+                                                    r"'temperature'\?\)"):
+        tts.synthesize("Hi.", temprature=0.5)
+    with pytest.raises(higgs_pack.InputError, match="carries its own options; got seed beside it"):
+        tts.synthesize(request, seed=1)
+    with pytest.raises(higgs_pack.InputError, match="max_chunk_frames must be >= first_chunk_frames"):
+        tts.stream("Hi.", first_chunk_frames=50, max_chunk_frames=5)
+    with pytest.raises(higgs_pack.InputError, match=r"special token\(s\) <\|endoftext\|>"):
+        tts.synthesize("Hi <|endoftext|>.")
+
+
+def test_requests_are_checked_without_a_bundle(tmp_path):
+    from higgs_pack.manifests.errors import InputError
+    from higgs_pack.runtime.request import StreamSchedule, SynthesisRequest, Voice
+
+    request = SynthesisRequest.create("Hi.", top_k=5)
+    assert request.schedule == StreamSchedule() and request.voice is None
+    # The bundle's generation defaults fill what the request leaves unset; its choices win.
+    options = request.sampling_options({"sampling": {"temperature": 0.6, "top_k": 40, "repeat_guard_frames": 9}})
+    assert (options.temperature, options.top_k, options.top_p, options.seed, options.repeat_guard_frames) \
+        == (0.6, 5, 1.0, 0, 9)
+    with pytest.raises(InputError, match="top_p must be in \\(0, 1\\], got 2; set it with --top-p / top_p="):
+        SynthesisRequest("Hi.", top_p=2)  # made field by field: checked the same
+    with pytest.raises(InputError, match="text must be a string, got bytes"):
+        SynthesisRequest.create(b"Hi.")
+    with pytest.raises(InputError, match=f"reference audio {tmp_path / 'none.wav'} does not exist"):
+        SynthesisRequest.create("Hi.", ref_audio=tmp_path / "none.wav", ref_text="Hello.")
+    with pytest.raises(InputError, match="ref_text is blank"):
+        Voice((np.zeros(24000, np.float32), 24000), "  ")
+    with pytest.raises(InputError, match=r"ref_audio samples must be \[samples\] or \[samples, channels\], "
+                                         r"got shape \(1, 2, 3\)"):
+        Voice((np.zeros((1, 2, 3), np.float32), 24000), "Hello.")
+    with pytest.raises(InputError, match="ref_audio's sample rate must be a whole number of Hz > 0, got 0"):
+        Voice((np.zeros(24000, np.float32), 0), "Hello.")
+    with pytest.raises(InputError, match="ref_audio must be a file path or a \\(samples, sample_rate\\) tuple, "
+                                         "got list"):
+        Voice([0.0], "Hello.")
 
 
 def test_stream_equals_synthesize(cpu_fp32_bundle):

@@ -29,6 +29,7 @@ from higgs_pack.runtime.loop.chunking import (
 )
 from higgs_pack.runtime.loop.delay import SamplingOptions
 from higgs_pack.runtime.loop.streaming import codec_context_frames, stream
+from higgs_pack.runtime.request import StreamSchedule
 
 HIGGS = [sys.executable, "-m", "higgs_pack.runtime.cli"]
 HOP = 4
@@ -196,13 +197,29 @@ def test_cpu_stream_across_sentences_has_no_gap_or_click(cpu_pipeline, check_str
 def test_stream_refuses_bad_requests_before_generating(cpu_pipeline):
     with pytest.raises(InputError, match="empty"):
         stream(cpu_pipeline, "   ")
-    with pytest.raises(ValueError, match="first_chunk_frames"):
-        stream(cpu_pipeline, "Hi.", first_chunk_frames=0)
+    # Refused when stream() is called, not when the first chunk is asked for.
+    with pytest.raises(InputError, match=r"special token\(s\) <\|im_start\|>"):
+        stream(cpu_pipeline, "Hi <|im_start|> there.")
+    with pytest.raises(InputError, match=r"prompt control token\(s\) <\|text\|>"):
+        stream(cpu_pipeline, "Hi.", ref_samples=np.zeros(24000, np.float32), ref_text="I said <|text|>.")
+
+
+@pytest.mark.parametrize(("schedule", "message"), [
+    ({"first_chunk_frames": 0}, r"first_chunk_frames must be >= 1 \(frames, 25 per second\), got 0; "
+                                r"set it with --first-chunk-frames / first_chunk_frames="),
+    ({"first_chunk_frames": 50, "max_chunk_frames": 5}, r"max_chunk_frames must be >= first_chunk_frames \(50\), "
+                                                         r"got 5"),
+    ({"chunk_growth": 0.5}, r"chunk_growth must be a finite number >= 1 \(1 = equal chunks\), got 0.5"),
+    ({"max_chunk_frames": 2.5}, r"max_chunk_frames must be a whole number of frames, 25 per second, got 2.5"),
+])
+def test_a_bad_stream_schedule_names_its_field(schedule, message):
+    with pytest.raises(InputError, match=message):
+        StreamSchedule(**schedule)
 
 
 def test_stream_stops_when_closed(cpu_pipeline):
     speech = stream(cpu_pipeline, "Stop me early.", options=SamplingOptions(seed=2), max_frames=200,
-                    first_chunk_frames=2)
+                    schedule=StreamSchedule(first_chunk_frames=2))
     first = next(speech)
     speech.close()
     assert len(first.samples) == 2 * cpu_pipeline.constants.hop_length

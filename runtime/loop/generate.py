@@ -20,8 +20,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from higgs_pack.manifests.errors import InputError, NumericalError
-from higgs_pack.runtime.loop.delay import Sampler, SamplingOptions, apply_delay, undo_delay
+from higgs_pack.runtime.loop.delay import (
+    Sampler,
+    SamplingOptions,
+    apply_delay,
+    bundle_sampling,
+    undo_delay,
+)
 from higgs_pack.runtime.loop.pipeline import Pipeline
+from higgs_pack.runtime.request import refuse, text_problems, voice_pair_problems
 
 #: Frame cap per text token and its floor, when the caller gives no ``max_frames``.
 #: 10 frames (0.4 s at 25 fps) per token is well above normal speech
@@ -92,6 +99,40 @@ def _check_finite(name: str, array: np.ndarray, pipeline: Pipeline) -> np.ndarra
     return array
 
 
+def check_text_tokens(pipeline: Pipeline, text: str) -> list[int]:
+    """Tokenize ``text`` and refuse it if it holds a special token of the tokenizer.
+
+    The prompt's control tokens (``<|tts|>``, ``<|text|>``, ``<|audio|>``, …) and every
+    other added token the tokenizer marks special (``<|endoftext|>``, ``<|im_start|>``,
+    reserved ids) would reach the model as those ids, not as text.  Added tokens not
+    marked special (Qwen3's ``<tool_call>``) are ordinary vocabulary and pass.
+
+    Args:
+        pipeline: the backend (its tokenizer and special-token ids).
+        text: text to speak, or a reference transcript.
+
+    Returns:
+        The token ids of ``text`` (no special tokens added).
+
+    Raises:
+        InputError: names the special tokens found.
+    """
+    tok = pipeline.tokenizer
+    prompt = set(pipeline.constants.special_tokens.values())
+    special = {i for i, added in tok.get_added_tokens_decoder().items() if added.special} | prompt
+    out = tok.encode(text, add_special_tokens=False).ids
+    found = [i for i in dict.fromkeys(out) if i in special]
+    if not found:
+        return out
+    names = ", ".join(tok.id_to_token(i) for i in found)
+    if all(i in prompt for i in found):
+        why = "the prompt control token(s) {names}, which the model reserves for its prompt format"
+    else:
+        why = "the tokenizer's special token(s) {names}, which would reach the model as control ids, not words"
+    raise InputError(f"the text contains {why.format(names=names)}; remove them (inline controls such as "
+                     "<|emotion:amusement|> are read as text unless the tokenizer has them)")
+
+
 def build_prompt(
     pipeline: Pipeline,
     text: str,
@@ -114,20 +155,9 @@ def build_prompt(
         float32 [1, positions, H] ``inputs_embeds``.
     """
     sp = pipeline.constants.special_tokens
-    tok = pipeline.tokenizer
-
-    reserved = set(sp.values())
 
     def ids(s: str) -> list[int]:
-        out = tok.encode(s, add_special_tokens=False).ids
-        found = sorted({tok.id_to_token(i) for i in out if i in reserved})
-        if found:
-            raise InputError(
-                f"the text contains the prompt control token(s) {', '.join(found)}, which the model "
-                "reserves for its prompt format; remove them (inline controls such as "
-                "<|emotion:amusement|> are read as text unless the tokenizer has them)"
-            )
-        return out
+        return check_text_tokens(pipeline, s)
 
     def embed_ids(seq: list[int]) -> np.ndarray:
         arr = np.asarray([seq], dtype=np.int64)
@@ -135,8 +165,7 @@ def build_prompt(
 
     pieces: list[np.ndarray] = []
     if ref_codes is not None:
-        if ref_text is None:
-            raise InputError("a reference voice needs its transcript: pass --ref-text / ref_text=")
+        refuse(voice_pair_problems(ref_codes, ref_text))
         pieces.append(embed_ids([sp["tts"], sp["ref_text"], *ids(ref_text), sp["ref_audio"]]))
         c = pipeline.constants
         delayed = apply_delay(ref_codes, c.boc, c.eoc)[None]
@@ -413,18 +442,18 @@ def synthesize(
 def prepare_synthesis(pipeline: Pipeline, text: str, ref_samples: np.ndarray | None, ref_text: str | None,
                       options: SamplingOptions | None, max_frames: int | None
                       ) -> tuple[SamplingOptions, np.ndarray | None, list[tuple[str, int]]]:
-    """Check the request and plan it: (options, reference codes or None, text chunks with caps)."""
-    if not isinstance(text, str):
-        raise InputError(f"text must be a string, got {type(text).__name__}")
-    if not text.strip():
-        raise InputError("text is empty or only whitespace; give the words to speak with --text / text=")
-    if options is None:
-        options = SamplingOptions(**pipeline.generation_defaults.get("sampling", {}))
-    if (ref_samples is None) != (ref_text is None or not ref_text.strip()):
-        raise InputError(
-            "voice cloning needs both the reference audio and its transcript: "
-            "pass --ref-audio with --ref-text (ref_samples= with ref_text=)"
-        )
+    """Check the request and plan it: (options, reference codes or None, text chunks with caps).
+
+    Everything the loop can refuse is refused here, before a frame is generated or a byte
+    written: the text (:func:`higgs_pack.runtime.request.text_problems`, then its special
+    tokens, :func:`check_text_tokens`), the voice pairing, a sentence too long for the context.
+    ``options=None`` takes the bundle's defaults (:func:`~higgs_pack.runtime.loop.delay.bundle_sampling`).
+    """
+    refuse(text_problems(text) or voice_pair_problems(ref_samples, ref_text))
+    options = bundle_sampling(pipeline.generation_defaults) if options is None else options.validate()
+    check_text_tokens(pipeline, text)
+    if ref_text is not None:
+        check_text_tokens(pipeline, ref_text)
     ref_codes = encode_reference(pipeline, ref_samples) if ref_samples is not None else None
     return options, ref_codes, plan_chunks(pipeline, text.strip(), ref_codes, ref_text, max_frames)
 

@@ -34,6 +34,7 @@ from higgs_pack.runtime.loop.generate import (
     sentence_pause,
 )
 from higgs_pack.runtime.loop.pipeline import Pipeline
+from higgs_pack.runtime.request import FIRST_CHUNK_FRAMES, StreamSchedule  # noqa: F401 (the bench reads the default here)
 
 
 def codec_context_frames(pipeline: Pipeline) -> int:
@@ -65,12 +66,6 @@ def codec_context_frames(pipeline: Pipeline) -> int:
 #: Output changes below this (float32 samples in [-1, 1]) do not count when measuring an
 #: exported codec's reach: kernels may round differently across a tile.
 CONTEXT_ATOL = 1e-6
-
-#: Default streaming schedule (frames at 25 fps): 0.4 s first, doubling up to 4 s.
-FIRST_CHUNK_FRAMES = 10
-CHUNK_GROWTH = 2.0
-MAX_CHUNK_FRAMES = 100
-
 
 @dataclass(frozen=True)
 class AudioChunk:
@@ -113,7 +108,7 @@ class SpeechStream(Iterator[AudioChunk]):
 
     def __init__(self, pipeline: Pipeline, chunks: list[tuple[str, int]], options: SamplingOptions,
                  ref_codes: np.ndarray | None, ref_text: str | None, progress: ProgressCallback | None,
-                 schedule: tuple[int, float, int], started: float):
+                 schedule: StreamSchedule, started: float):
         self.results: list[GenerationResult] = []
         self.samples_out = 0
         self.first_audio_s = math.nan
@@ -141,7 +136,7 @@ class SpeechStream(Iterator[AudioChunk]):
 
     def _run(self, pipeline: Pipeline, chunks: list[tuple[str, int]], options: SamplingOptions,
              ref_codes: np.ndarray | None, ref_text: str | None, progress: ProgressCallback | None,
-             schedule: tuple[int, float, int]) -> Generator[AudioChunk, None, None]:
+             schedule: StreamSchedule) -> Generator[AudioChunk, None, None]:
         c = pipeline.constants
         n, rate = c.num_codebooks, c.sample_rate
         offset = 0
@@ -157,7 +152,8 @@ class SpeechStream(Iterator[AudioChunk]):
                 yield piece(sentence_pause(pipeline), index)
             inner_out = index < len(chunks) - 1
             codec = StreamingCodec(lambda codes: decode_codes(pipeline, codes), self.context_frames,
-                                   c.hop_length, chunk_schedule(*schedule))
+                                   c.hop_length, chunk_schedule(schedule.first_chunk_frames, schedule.chunk_growth,
+                                                                schedule.max_chunk_frames))
             embeds = build_prompt(pipeline, chunk_text, ref_codes, ref_text)
             steps = generate_steps(pipeline, embeds, options, cap, progress)
             rows: list[np.ndarray] = []
@@ -195,9 +191,7 @@ def stream(
     options: SamplingOptions | None = None,
     max_frames: int | None = None,
     progress: ProgressCallback | None = None,
-    first_chunk_frames: int = FIRST_CHUNK_FRAMES,
-    chunk_growth: float = CHUNK_GROWTH,
-    max_chunk_frames: int = MAX_CHUNK_FRAMES,
+    schedule: StreamSchedule | None = None,
 ) -> SpeechStream:
     """Speak ``text`` as a stream of audio chunks, decoded while frames are generated.
 
@@ -214,9 +208,8 @@ def stream(
     Args:
         pipeline, text, ref_samples, ref_text, options, max_frames, progress: as
             :func:`synthesize`.
-        first_chunk_frames: frames in the first chunk (default 10 = 0.4 s at 25 fps).
-        chunk_growth: each later chunk is this many times the previous one (default 2).
-        max_chunk_frames: chunk size limit in frames (default 100 = 4 s).
+        schedule: chunk sizes (:class:`~higgs_pack.runtime.request.StreamSchedule`; default
+            10 frames = 0.4 s at 25 fps first, doubling up to 100 frames = 4 s).
 
     Returns:
         A :class:`SpeechStream`: iterate it for :class:`AudioChunk` (float32 samples and
@@ -225,12 +218,9 @@ def stream(
 
     Raises:
         InputError: as :func:`synthesize`, raised here, before the first chunk.
-        ValueError: a bad chunk schedule (names the argument).
         NumericalError: during iteration, as :func:`synthesize`.
     """
     started = time.perf_counter()
-    next(chunk_schedule(first_chunk_frames, chunk_growth, max_chunk_frames))  # validates the schedule
     options, ref_codes, chunks = prepare_synthesis(pipeline, text, ref_samples, ref_text, options, max_frames)
-    options.validate()
-    return SpeechStream(pipeline, chunks, options, ref_codes, ref_text, progress,
-                        (first_chunk_frames, chunk_growth, max_chunk_frames), started)
+    return SpeechStream(pipeline, chunks, options, ref_codes, ref_text, progress, schedule or StreamSchedule(),
+                        started)

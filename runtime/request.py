@@ -1,0 +1,352 @@
+"""One synthesis request: what to say, in which voice, how to sample, how to stream.
+
+Every front door builds a :class:`SynthesisRequest` before anything is loaded or
+written: the Python API (:meth:`higgs_pack.runtime.api.TTS.synthesize` and
+:meth:`~higgs_pack.runtime.api.TTS.stream`, from their keywords) and the CLI's
+``synthesize`` (from its flags).  A request is frozen and checked when it is made:
+every bad field is named with the value given, what is allowed, and the flag and
+keyword that set it, all in one :class:`~higgs_pack.manifests.errors.InputError`.
+
+What needs the loaded bundle is resolved afterwards, each in one place: the sampling
+options (:meth:`SynthesisRequest.sampling_options`: the bundle's manifest
+``generation`` defaults fill the fields the request leaves unset), the reference clip
+(:meth:`Voice.prepared`: resampled to the codec's rate) and the text against the
+tokenizer's special tokens (:func:`higgs_pack.runtime.loop.generate.check_text_tokens`).
+
+Runtime code: no torch, no build tools.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from numbers import Integral, Real
+from typing import Any
+
+import numpy as np
+
+from higgs_pack.manifests.errors import InputError, unknown_choice
+from higgs_pack.runtime.loop.delay import SamplingOptions, bundle_sampling
+
+#: Default streaming schedule (frames at 25 fps): 0.4 s first, doubling up to 4 s.
+FIRST_CHUNK_FRAMES = 10
+CHUNK_GROWTH = 2.0
+MAX_CHUNK_FRAMES = 100
+
+#: Request field -> how a user sets it: ``(CLI flag, Python keyword)``.
+SETTINGS: dict[str, tuple[str, str]] = {
+    "text": ("--text", "text"),
+    "ref_audio": ("--ref-audio", "ref_audio"),
+    "ref_text": ("--ref-text", "ref_text"),
+    "seed": ("--seed", "seed"),
+    "temperature": ("--temperature", "temperature"),
+    "top_k": ("--top-k", "top_k"),
+    "top_p": ("--top-p", "top_p"),
+    "max_frames": ("--max-frames", "max_frames"),
+    "first_chunk_frames": ("--first-chunk-frames", "first_chunk_frames"),
+    "chunk_growth": ("--chunk-growth", "chunk_growth"),
+    "max_chunk_frames": ("--max-chunk-frames", "max_chunk_frames"),
+}
+
+Audio = str | os.PathLike | tuple[np.ndarray, int]
+"""A reference clip: a file libsndfile reads, or ``(samples, sample_rate)`` (float32 [samples]
+or [samples, channels] in [-1, 1], Hz)."""
+
+
+def _set_with(name: str) -> str:
+    flag, keyword = SETTINGS[name]
+    return f"{flag} / {keyword}="
+
+
+def refuse(problems: list[str]) -> None:
+    """Raise one :class:`InputError` listing every problem, one per line (nothing when there is none)."""
+    if len(problems) == 1:
+        raise InputError(problems[0])
+    if problems:
+        raise InputError(f"{len(problems)} problems with the request:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _is_whole(value: Any) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _whole_at_least(name: str, value: Any, minimum: int, meaning: str) -> list[str]:
+    """``[]`` when ``value`` is a whole number >= ``minimum``, else the one message naming ``name``."""
+    if not _is_whole(value):
+        return [f"{name} must be a whole number of {meaning}, got {value!r} ({type(value).__name__}); "
+                f"set it with {_set_with(name)}"]
+    if value < minimum:
+        return [f"{name} must be >= {minimum} ({meaning}), got {value}; set it with {_set_with(name)}"]
+    return []
+
+
+def text_problems(text: Any) -> list[str]:
+    """The message for text that cannot be spoken (not a string, empty or only whitespace), else ``[]``."""
+    if not isinstance(text, str):
+        return [f"text must be a string, got {type(text).__name__}; give the words to speak with "
+                f"{_set_with('text')}"]
+    if not text.strip():
+        return [f"text is empty or only whitespace; give the words to speak with {_set_with('text')} "
+                "(--text-file FILE, or text on stdin)"]
+    return []
+
+
+def voice_pair_problems(audio: Any, transcript: Any) -> list[str]:
+    """The message when only one of a reference clip and its transcript is given, else ``[]``.
+
+    The one pairing rule of every path into the loop (a blank transcript counts as none).
+    """
+    has_transcript = isinstance(transcript, str) and bool(transcript.strip())
+    if (audio is None) == (transcript is None) and (audio is None or has_transcript):
+        return []
+    if audio is not None and transcript is not None:
+        return [f"ref_text is blank; give the exact transcript of the reference audio with {_set_with('ref_text')}"]
+    return ["voice cloning needs both ref_audio= and ref_text= (--ref-audio with --ref-text): the reference "
+            "clip and its exact transcript; give both, or neither for the bundle's own voice"]
+
+
+@dataclass(frozen=True)
+class Voice:
+    """The voice to clone: a reference clip and its exact transcript.
+
+    Attributes:
+        audio: a file path, or ``(samples, sample_rate)`` (see :data:`Audio`).
+        transcript: what is said in the clip (non-empty).
+
+    Raises:
+        InputError: a missing file, a malformed tuple or an empty transcript.
+    """
+
+    audio: Audio
+    transcript: str
+
+    def __post_init__(self) -> None:
+        refuse(voice_problems(self.audio, self.transcript))
+
+    def prepared(self, sample_rate: int, hop_length: int) -> np.ndarray:
+        """The clip as the codec encoder takes it (:func:`higgs_pack.runtime.audio.prepare_reference`).
+
+        Args:
+            sample_rate: the codec's rate in Hz (24000).
+            hop_length: samples per codec frame (960).
+
+        Returns:
+            float32 [k * hop_length] mono at ``sample_rate``.
+
+        Raises:
+            InputError: unreadable, too short or long, silent, or non-finite.
+        """
+        from higgs_pack.runtime.audio import load_audio, prepare_reference
+
+        if isinstance(self.audio, tuple):
+            samples = np.asarray(self.audio[0], dtype=np.float32)
+            samples = samples.mean(axis=1) if samples.ndim == 2 else samples
+            return prepare_reference(samples, int(self.audio[1]), sample_rate, hop_length, "ref_audio")
+        samples, rate = load_audio(self.audio)
+        return prepare_reference(samples, rate, sample_rate, hop_length, str(self.audio))
+
+
+def voice_problems(audio: Any, transcript: Any) -> list[str]:
+    """One message per bad part of a voice (the clip is checked to exist, not read); ``[]`` when usable."""
+    from higgs_pack.runtime.audio import require_audio_file
+
+    found = voice_pair_problems(audio, transcript)
+    if audio is None:
+        return found
+    if isinstance(audio, tuple):
+        found += _tuple_problems(audio)
+    elif isinstance(audio, (str, os.PathLike)):
+        try:
+            require_audio_file(audio)
+        except InputError as exc:
+            found.append(str(exc))
+    else:
+        found.append(f"ref_audio must be a file path or a (samples, sample_rate) tuple, got "
+                     f"{type(audio).__name__}; set it with {_set_with('ref_audio')}")
+    return found
+
+
+def _tuple_problems(audio: tuple) -> list[str]:
+    if len(audio) != 2:
+        return [f"ref_audio= takes a file path or a (samples, sample_rate) tuple, got a tuple of {len(audio)}"]
+    try:
+        shape = np.shape(audio[0])
+    except ValueError:
+        shape = None
+    found = []
+    if shape is None or len(shape) not in (1, 2):
+        found.append(f"ref_audio samples must be [samples] or [samples, channels], got shape {shape}")
+    if not _is_whole(audio[1]) or audio[1] <= 0:
+        found.append(f"ref_audio's sample rate must be a whole number of Hz > 0, got {audio[1]!r}")
+    return found
+
+
+@dataclass(frozen=True)
+class StreamSchedule:
+    """Sizes of the audio chunks a stream yields, in frames (25 per second).
+
+    Attributes:
+        first_chunk_frames: frames in the first chunk (default 10 = 0.4 s).
+        chunk_growth: each later chunk is this many times the previous one (>= 1; default 2).
+        max_chunk_frames: largest chunk (>= ``first_chunk_frames``; default 100 = 4 s).
+
+    Raises:
+        InputError: a field out of range (each named, with its flag and keyword).
+    """
+
+    first_chunk_frames: int = FIRST_CHUNK_FRAMES
+    chunk_growth: float = CHUNK_GROWTH
+    max_chunk_frames: int = MAX_CHUNK_FRAMES
+
+    def __post_init__(self) -> None:
+        refuse(schedule_problems(self.first_chunk_frames, self.chunk_growth, self.max_chunk_frames))
+
+
+def schedule_problems(first_chunk_frames: Any, chunk_growth: Any, max_chunk_frames: Any) -> list[str]:
+    """One message per bad field of a :class:`StreamSchedule`; ``[]`` when usable."""
+    first = _whole_at_least("first_chunk_frames", first_chunk_frames, 1, "frames, 25 per second")
+    largest = _whole_at_least("max_chunk_frames", max_chunk_frames, 1, "frames, 25 per second")
+    found = first + largest
+    if not first and not largest and max_chunk_frames < first_chunk_frames:
+        found.append(f"max_chunk_frames must be >= first_chunk_frames ({first_chunk_frames}), got "
+                     f"{max_chunk_frames}; set them with {_set_with('first_chunk_frames')} and "
+                     f"{_set_with('max_chunk_frames')}")
+    if isinstance(chunk_growth, bool) or not isinstance(chunk_growth, Real) or not 1 <= chunk_growth < math.inf:
+        found.append(f"chunk_growth must be a finite number >= 1 (1 = equal chunks), got {chunk_growth!r}; "
+                     f"set it with {_set_with('chunk_growth')}")
+    return found
+
+
+@dataclass(frozen=True)
+class SynthesisRequest:
+    """Everything one utterance needs besides the bundle, checked when made.
+
+    Build it with :meth:`create` (the keywords the Python API and the CLI take) or field
+    by field.  ``None`` in a sampling field means "the bundle's default"
+    (:meth:`sampling_options`).
+
+    Attributes:
+        text: what to say (not empty; inline controls like ``<|emotion:amusement|>`` pass
+            as text unless the tokenizer has them as special tokens).
+        voice: the :class:`Voice` to clone, or None for the bundle's own voice.
+        seed: seed of the sampler (>= 0), or None for a fresh one each time.
+        temperature: >= 0 (0 = greedy), or None.
+        top_k: >= 0 (0 = all codes), or None.
+        top_p: in (0, 1], or None.
+        max_frames: frame cap per text chunk, >= 1 (25 frames per second), or None: from
+            the text length.
+        schedule: the :class:`StreamSchedule` a stream of this request follows.
+
+    Raises:
+        InputError: one message naming every bad field, its value and what is allowed.
+    """
+
+    text: str
+    voice: Voice | None = None
+    seed: int | None = 0
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    max_frames: int | None = None
+    schedule: StreamSchedule = field(default_factory=StreamSchedule)
+
+    def __post_init__(self) -> None:
+        refuse(request_problems(self.text, self._chosen(), self.max_frames))
+
+    def _chosen(self) -> dict[str, Any]:
+        """The sampling fields this request sets (the seed always; the others unless None)."""
+        return _chosen(self.seed, self.temperature, self.top_k, self.top_p)
+
+    @classmethod
+    def create(
+        cls,
+        text: str,
+        *,
+        ref_audio: Audio | None = None,
+        ref_text: str | None = None,
+        seed: int | None = 0,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        max_frames: int | None = None,
+        first_chunk_frames: int = FIRST_CHUNK_FRAMES,
+        chunk_growth: float = CHUNK_GROWTH,
+        max_chunk_frames: int = MAX_CHUNK_FRAMES,
+    ) -> SynthesisRequest:
+        """A request from the keywords of ``TTS.synthesize`` / ``TTS.stream`` (the CLI's flags).
+
+        Args:
+            text: what to say.
+            ref_audio: reference voice to clone, a file or ``(samples, sample_rate)``; needs ``ref_text``.
+            ref_text: exact transcript of ``ref_audio``.
+            seed: sampler seed (same seed, bundle and device -> same audio); None: random.
+            temperature: 0 = greedy; None = the bundle's default (0.8).
+            top_k: keep the k most likely codes (0 = all); None = the bundle's default (50).
+            top_p: nucleus mass in (0, 1]; None = the bundle's default (1.0 = off).
+            max_frames: frame cap per chunk at 25 frames per second; None: from the text length.
+            first_chunk_frames, chunk_growth, max_chunk_frames: the :class:`StreamSchedule`.
+
+        Raises:
+            InputError: every bad field at once (field, value, what is allowed, flag/keyword).
+        """
+        refuse(voice_problems(ref_audio, ref_text)
+                + schedule_problems(first_chunk_frames, chunk_growth, max_chunk_frames)
+                + request_problems(text, _chosen(seed, temperature, top_k, top_p), max_frames))
+        return cls(text, Voice(ref_audio, ref_text) if ref_audio is not None else None,  # type: ignore[arg-type]
+                   seed, temperature, top_k, top_p, max_frames,
+                   StreamSchedule(first_chunk_frames, chunk_growth, max_chunk_frames))
+
+    @classmethod
+    def of(cls, text: str | SynthesisRequest, keywords: dict[str, Any]) -> SynthesisRequest:
+        """``text`` if it already is a request (then no keywords), else :meth:`create` of ``text`` and ``keywords``.
+
+        Raises:
+            InputError: an unknown keyword (with a close match), keywords beside a request,
+                or a bad field.
+        """
+        if isinstance(text, SynthesisRequest):
+            if keywords:
+                raise InputError(f"a SynthesisRequest carries its own options; got {', '.join(sorted(keywords))} "
+                                 "beside it (set them when making the request)")
+            return text
+        known = [name for name in SETTINGS if name != "text"]
+        for name in keywords:
+            if name not in known:
+                raise InputError(unknown_choice("synthesis option", name, known, "the keywords of "
+                                                "SynthesisRequest.create"))
+        return cls.create(text, **keywords)
+
+    def sampling_options(self, generation_defaults: dict[str, Any]) -> SamplingOptions:
+        """The options the loop samples with: the bundle's defaults, then this request's choices.
+
+        Args:
+            generation_defaults: ``Pipeline.generation_defaults`` (from the manifest's ``generation``).
+
+        Raises:
+            InputError: the bundle's own defaults are out of range (names the option).
+        """
+        try:
+            return bundle_sampling(generation_defaults, **self._chosen())
+        except ValueError as exc:
+            raise InputError(f"{exc} (the bundle's manifest 'generation' defaults with this request's "
+                             "options); rebuild the bundle or set the option explicitly") from exc
+
+
+def _chosen(seed: Any, temperature: Any, top_k: Any, top_p: Any) -> dict[str, Any]:
+    chosen = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    return {"seed": seed, **{k: v for k, v in chosen.items() if v is not None}}
+
+
+def request_problems(text: Any, sampling: dict[str, Any], max_frames: Any) -> list[str]:
+    """One message per bad field of the text, the chosen sampling fields and the frame cap; ``[]`` when usable.
+
+    The sampling rules are :meth:`SamplingOptions.problems`'s (each message gains the flag and
+    keyword that set the field).
+    """
+    found = text_problems(text)
+    found += [f"{message}; set it with {_set_with(message.split(' ', 1)[0])}"
+              for message in SamplingOptions(**sampling).problems()]
+    if max_frames is not None:
+        found += _whole_at_least("max_frames", max_frames, 1, "frames, 25 per second")
+    return found

@@ -161,6 +161,8 @@ STREAM_SUBTYPES = {"PCM_16": ("<i2", 1), "FLOAT": ("<f4", 3)}
 #: RIFF and data chunk sizes of a WAV whose length is unknown when its header is written
 #: (a pipe): the largest value, which players read as "until the end of the stream".
 UNKNOWN_SIZE = 0xFFFFFFFF
+#: Largest piece written to a stream at once: Linux's default pipe capacity (pipe(7)).
+PIPE_PIECE_BYTES = 65536
 
 
 def streaming_wav_header(sample_rate: int, subtype: str = "PCM_16") -> bytes:
@@ -246,13 +248,19 @@ class AudioSink:
         if self._file is not None:
             self._file.write(samples)
             self._file.flush()
+            self.samples_written += len(samples)
         elif self._stream is not None:
             # 16-bit as libsndfile writes a file: x * 32768, rounded, within the int16 range.
             data = np.clip(np.round(samples * 32768.0), -32768, 32767).astype(self._dtype) \
                 if self.subtype == "PCM_16" else samples.astype(self._dtype)
-            self._stream.write(data.tobytes())
-            self._stream.flush()
-        self.samples_written += len(samples)
+            # In pieces of at most a pipe's capacity, each flushed: one large write that the
+            # kernel cuts short when the reader leaves is reported by Python as done, with
+            # no BrokenPipeError; the next piece's write raises it.
+            step = PIPE_PIECE_BYTES // data.itemsize
+            for start in range(0, len(data), step):
+                self._stream.write(data[start:start + step].tobytes())
+                self._stream.flush()
+                self.samples_written += len(data[start:start + step])
 
     def close(self) -> None:
         """Finalise a file's header (idempotent); a stream is left open for its owner."""

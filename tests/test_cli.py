@@ -31,6 +31,13 @@ def test_synthesize_text_file_and_stdin(cpu_int4_bundle, cases_dir, tmp_path):
     run("synthesize", cpu_int4_bundle, "-o", wav2, "--no-progress", "--max-frames", "20", "--float",
         input="Piped text works too.")
     assert sf.info(wav2).subtype == "FLOAT"
+    # `--text -` reads stdin as its help says (it was spoken as the word "-"); the progress bar
+    # stays out of stderr when that is not a terminal (no carriage-return redraws in a log).
+    wav3 = tmp_path / "c.wav"
+    out = run("synthesize", cpu_int4_bundle, "--text", "-", "-o", wav3, "--max-frames", "20",
+              input="Piped text works too.")
+    assert sf.read(wav3)[0].shape == sf.read(wav2)[0].shape
+    assert "\r" not in out.stderr and "synthesizing" not in out.stderr, out.stderr
 
 
 def test_synthesize_reports_the_frame_cap(cpu_int4_bundle, tmp_path):
@@ -162,3 +169,69 @@ def test_unreadable_text_and_bad_numbers_are_usage_errors(cpu_int4_bundle, tmp_p
         assert out.returncode == 2, (flag, out.stderr)
     out = run("verify", cpu_int4_bundle, "--cases", tmp_path / "typo", check=False)
     assert out.returncode == 2 and "does not exist" in out.stderr
+
+
+# ------------------------------------------------ the request is checked before anything is loaded
+
+
+def invoke(*args, input=None):
+    """The CLI in this process (click's CliRunner): ``(exit code, stderr)``."""
+    from click.testing import CliRunner
+
+    from higgs_pack.runtime.cli import main
+
+    result = CliRunner().invoke(main, [str(a) for a in args], input=input)
+    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit), result.exception
+    return result.exit_code, result.stderr
+
+
+@pytest.mark.parametrize(("args", "input", "message"), [
+    (["--text", "   "], None, "text is empty or only whitespace; give the words to speak with --text / text="),
+    (["--text", "-"], "", "text is empty or only whitespace"),
+    (["--text", "Hi.", "--top-p", "0"], None, r"top_p must be in (0, 1], got 0.0; set it with --top-p / top_p="),
+    (["--text", "Hi.", "--seed", "-1"], None, "seed must be >= 0"),
+    (["--text", "Hi.", "--max-frames", "0"], None, "max_frames must be >= 1 (frames, 25 per second), got 0"),
+    (["--text", "Hi.", "--temperature", "inf"], None, "temperature must be a finite number >= 0 (0 = greedy), got inf"),
+    (["--text", "Hi.", "--stream", "--first-chunk-frames", "50", "--max-chunk-frames", "5"], None,
+     "max_chunk_frames must be >= first_chunk_frames (50), got 5"),
+    (["--text", "Hi.", "--chunk-growth", "0.5"], None, "chunk_growth must be a finite number >= 1"),
+    (["--text", "Hi.", "--ref-text", "Hello."], None, "voice cloning needs both ref_audio= and ref_text="),
+])
+def test_a_bad_request_is_refused_before_the_bundle_is_looked_at(tmp_path, args, input, message):
+    # The bundle does not exist: a message about the request proves it was checked first.
+    code, err = invoke("synthesize", tmp_path / "no-bundle", "-o", tmp_path / "a.wav", *args, input=input)
+    assert code == 2 and message in err and "no such bundle" not in err, err
+    assert not (tmp_path / "a.wav").exists()
+
+
+def test_every_bad_option_is_named_at_once(tmp_path):
+    code, err = invoke("synthesize", tmp_path / "no-bundle", "-o", tmp_path / "a.wav", "--text", "Hi.",
+                       "--top-k", "-3", "--top-p", "2", "--max-frames", "0")
+    assert code == 2 and "3 problems with the request:" in err, err
+    assert [line.split(" must ")[0] for line in err.splitlines() if line.startswith("  - ")] \
+        == ["  - top_k", "  - top_p", "  - max_frames"]
+
+
+def test_stream_schedule_and_special_tokens_are_refused_before_a_byte_is_written(cpu_int4_bundle, tmp_path):
+    wav = tmp_path / "s.wav"
+    out = run("synthesize", cpu_int4_bundle, "-t", "Hi.", "--stream", "--first-chunk-frames", "50",
+              "--max-chunk-frames", "5", "-o", wav, check=False)
+    assert out.returncode == 2 and "max_chunk_frames must be >= first_chunk_frames (50), got 5" in out.stderr
+    assert "Traceback" not in out.stderr and not wav.exists()  # no 44-byte header left behind
+    for text, token in (("Say <|endoftext|> now.", "<|endoftext|>"), ("<|im_start|>user", "<|im_start|>")):
+        out = run("synthesize", cpu_int4_bundle, "-t", text, "--stream", "-o", wav, check=False)
+        assert out.returncode == 2, out.stderr
+        assert f"the text contains the tokenizer's special token(s) {token}" in out.stderr
+        assert not wav.exists()
+
+
+def test_closed_pipe_without_stream_is_reported_like_the_stream(cpu_int4_bundle):
+    proc = subprocess.Popen([*HIGGS, "synthesize", str(cpu_int4_bundle), "-t", "A long answer nobody hears.",
+                             "-o", "-", "--no-progress", "--max-frames", "200", "--seed", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert len(proc.stdout.read(100)) == 100
+    proc.stdout.close()  # the reader goes away, like `| head -c 100`
+    rc = proc.wait(timeout=300)
+    err = proc.stderr.read().decode()
+    assert rc == 141, err
+    assert "stopped, the reader closed the pipe: wrote" in err and "Traceback" not in err

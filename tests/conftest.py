@@ -9,25 +9,72 @@ import pytest
 #: Repository root (the folder holding pyproject.toml).
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-#: Fixtures that build a bundle or run a whole decoder export (seconds to a minute each
-#: on 2 cores).  A test that uses one, directly or through another fixture, is marked
-#: ``slow`` here, so the fast tier (``-m "not slow"``) never builds a bundle.  Tests that
-#: call ``build()`` or an exporter themselves carry ``@pytest.mark.slow`` (or a module
-#: ``pytestmark``) in their file.
-SLOW_FIXTURES = frozenset({
-    "cpu_fp32_bundle", "cpu_int4_bundle", "bundle_copy",  # this file
-    "built_bundle",  # test_packaging.py
-    "ov_bundles",  # test_openvino_target.py
-    "cuda_fp16", "dml_fp16",  # test_cuda_dml.py
-    "decoders",  # test_openvino.py: optimum-intel decoder exports
-})
+#: Seconds of setup above which a fixture must be a :func:`slow_fixture` (builds of the tiny
+#: bundles take 10-60 s on 2 cores; the tiny checkpoint and everything else a few at most).
+SLOW_SETUP_S = 20.0
+
+
+def slow_fixture(*args, **kwargs):
+    """``@pytest.fixture`` for a fixture that builds a bundle or runs a whole export.
+
+    Every test that needs one, directly or through other fixtures, is marked ``slow``
+    (:func:`pytest_collection_modifyitems`), so the fast tier (``-m "not slow"``) never
+    builds a bundle.  A fixture that takes longer than :data:`SLOW_SETUP_S` to set up
+    without this decorator is reported at the end of the run and fails it
+    (:func:`pytest_terminal_summary`), so a new one cannot be forgotten.  Tests that call
+    ``build()`` or an exporter themselves carry ``@pytest.mark.slow`` in their file.
+    """
+    def mark(function):
+        function.slow_fixture = True
+        return pytest.fixture(function, *args, **kwargs)
+
+    return mark
+
+
+def _is_slow(fixturedef) -> bool:
+    return getattr(fixturedef.func, "slow_fixture", False)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark every test that needs a :data:`SLOW_FIXTURES` fixture ``slow``."""
+    """Mark every test whose fixture closure holds a :func:`slow_fixture` ``slow``."""
     for item in items:
-        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info is not None else ()
+        if any(_is_slow(d) for chain in defs for d in chain):
             item.add_marker(pytest.mark.slow)
+
+
+_UNMARKED_SLOW: dict[str, float] = {}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    """Time each fixture's setup; remember those over :data:`SLOW_SETUP_S` not made with :func:`slow_fixture`."""
+    import time
+
+    start = time.perf_counter()
+    try:
+        return (yield)
+    finally:
+        seconds = time.perf_counter() - start
+        if seconds > SLOW_SETUP_S and not _is_slow(fixturedef):
+            _UNMARKED_SLOW[fixturedef.argname] = seconds
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """Name the fixtures that were slow to set up but are not :func:`slow_fixture`."""
+    if not _UNMARKED_SLOW:
+        return
+    terminalreporter.section("fixtures that should be slow_fixture")
+    for name, seconds in sorted(_UNMARKED_SLOW.items()):
+        terminalreporter.line(f"{name}: {seconds:.0f} s to set up (over {SLOW_SETUP_S:.0f} s); define it with "
+                              "@slow_fixture(...) from conftest.py so the fast tier skips its tests")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A run in which a fixture should have been a :func:`slow_fixture` fails (see its summary)."""
+    if _UNMARKED_SLOW and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")
@@ -62,13 +109,13 @@ def _build(tmp_path_factory, checkpoint: Path, target: str, precision: str) -> P
     return build(target, precision=precision, model=checkpoint, out=out)
 
 
-@pytest.fixture(scope="session")
+@slow_fixture(scope="session")
 def cpu_fp32_bundle(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path) -> Path:
     """A real cpu fp32 bundle of the tiny checkpoint, built once per session (~40 s)."""
     return _build(tmp_path_factory, tiny_checkpoint, "cpu", "fp32")
 
 
-@pytest.fixture(scope="session")
+@slow_fixture(scope="session")
 def cpu_int4_bundle(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path) -> Path:
     """A real cpu int4 bundle (the default precision), built once per session (~30 s)."""
     return _build(tmp_path_factory, tiny_checkpoint, "cpu", "int4")

@@ -81,7 +81,11 @@ def test_inspect_and_verify(cpu_int4_bundle, cases_dir, tmp_path):
 def test_verify_fails_on_a_damaged_bundle(bundle_copy):
     (bundle_copy / "audio_heads.onnx").write_bytes(b"x")
     out = run("verify", bundle_copy, check=False)
-    assert out.returncode == 1 and "FAIL" in out.stdout
+    assert out.returncode == 1 and "result: FAIL" in out.stdout
+    # The file check fails, naming the file; nothing else is blamed for it.
+    failed = [line for line in out.stdout.splitlines() if re.match(r"\s*FAIL\s", line)]
+    assert len(failed) == 1, out.stdout
+    assert re.match(r"\s*FAIL\s+manifest\+files\s.*audio_heads\.onnx \(size 1 bytes, expected \d+\)", failed[0]), failed
 
 
 def test_build_plan_and_unknown_target():
@@ -142,9 +146,12 @@ def test_installed_layout_has_no_bare_top_level_packages(tmp_path):
 
 
 def test_output_that_would_overwrite_an_input_is_refused(cpu_int4_bundle, cases_dir, tmp_path):
-    text = tmp_path / "t.txt"
+    text = tmp_path / "t.wav"  # a text file with a .wav name: only the overwrite check can refuse it
     text.write_text("Hello.")
     out = run("synthesize", cpu_int4_bundle, "--text-file", text, "-o", text, check=False)
+    assert out.returncode == 2 and f"{text} is also an input of this command" in out.stderr
+    assert text.read_text() == "Hello."
+    out = run("synthesize", cpu_int4_bundle, "--text", "Hi.", "-o", tmp_path / "t.txt", check=False)
     assert out.returncode == 2 and "give it a .wav name" in out.stderr
     wav = tmp_path / "ref.wav"
     wav.write_bytes((cases_dir / "ref_en_16k.wav").read_bytes())

@@ -15,6 +15,7 @@ import numpy as np
 import onnx
 import pytest
 from click.testing import CliRunner
+from conftest import slow_fixture
 from onnx import TensorProto, helper
 
 from higgs_pack.manifests.errors import ExecutionProviderUnavailable, NumericalError
@@ -39,14 +40,14 @@ def _available() -> list[str]:
     return import_ort().get_available_providers()
 
 
-@pytest.fixture(scope="module")
+@slow_fixture(scope="module")
 def cuda_fp16(tmp_path_factory, tiny_checkpoint) -> Path:
     from higgs_pack.targets.build import build
 
     return build("cuda", model=tiny_checkpoint, out=tmp_path_factory.mktemp("cuda") / "cuda-fp16")
 
 
-@pytest.fixture(scope="module")
+@slow_fixture(scope="module")
 def dml_fp16(tmp_path_factory, tiny_checkpoint) -> Path:
     from higgs_pack.targets.build import build
 
@@ -424,35 +425,33 @@ def test_cuda_fp32_decoder_works_around_modelbuilder(tmp_path, tiny_ckpt):
 
 
 EXEC = {"cuda": CUDA, "dml": DML}
+#: GPU provider -> (the skip's label, what makes the provider available).
+HARDWARE = {"cuda": ("no CUDA GPU", "pip install onnxruntime-gpu on an NVIDIA machine"),
+            "dml": ("no DirectML GPU", "onnxruntime-directml on Windows")}
 
 
-@pytest.mark.parametrize(("ep", "label"), [("cuda", "no CUDA GPU"), ("dml", "no DirectML GPU")])
-def test_gpu_check_is_skipped_with_the_hardware_named(request, ep, label):
+@pytest.mark.parametrize("ep", list(EXEC))
+def test_gpu_check_is_skipped_with_the_hardware_named(request, ep):
     if EXEC[ep] in _available():
         pytest.skip(f"this machine has the GPU ({EXEC[ep]}); the skipped line cannot be shown")
     bundle = request.getfixturevalue(f"{ep}_fp16")
     report = VerifyReport(bundle=ep)
     check_gpu_provider(open_bundle(bundle), report)
     (line,) = report.checks
-    assert line.ok is None and line.detail.startswith(label) and f"{EXEC[ep]} not available" in line.detail
+    assert line.ok is None and line.detail.startswith(HARDWARE[ep][0]) and f"{EXEC[ep]} not available" in line.detail
     strict = VerifyReport(bundle=ep)
     check_gpu_provider(open_bundle(bundle), strict, require=True)
     assert strict.checks[0].ok is False
 
 
 @pytest.mark.gpu
-def test_cuda_bundle_on_the_gpu(cuda_fp16, cases_dir):
-    if CUDA not in _available():
-        pytest.skip("no CUDA GPU: CUDAExecutionProvider not available (pip install onnxruntime-gpu on an NVIDIA machine)")
-    report = verify_bundle(cuda_fp16, cases_dir=cases_dir, require_gpu=True)
-    assert report.ok, report.render()
-
-
-@pytest.mark.gpu
-def test_dml_bundle_on_the_gpu(dml_fp16, cases_dir):
-    if DML not in _available():
-        pytest.skip("no DirectML GPU: DmlExecutionProvider not available (onnxruntime-directml on Windows)")
-    report = verify_bundle(dml_fp16, cases_dir=cases_dir, require_gpu=True)
+@pytest.mark.parametrize("ep", list(EXEC))
+def test_gpu_bundle_verifies_on_its_gpu(request, ep, cases_dir):
+    label, fix = HARDWARE[ep]
+    if EXEC[ep] not in _available():
+        pytest.skip(f"{label}: {EXEC[ep]} not available ({fix})")
+    bundle = request.getfixturevalue(f"{ep}_fp16")  # built only where its GPU is present
+    report = verify_bundle(bundle, cases_dir=cases_dir, require_gpu=True)
     assert report.ok, report.render()
 
 

@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import slow_fixture
 
 ov = pytest.importorskip("openvino")
 torch = pytest.importorskip("torch")
@@ -86,7 +87,7 @@ def embeds_and_reference(hf_dir):
     return embeds.numpy(), reference
 
 
-@pytest.fixture(scope="module")
+@slow_fixture(scope="module")
 def decoders(hf_dir, tmp_path_factory):
     """Exports per precision, made on first use: precision -> (ExportResult, xml, seconds)."""
     cache = {}

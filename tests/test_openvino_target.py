@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import slow_fixture
 
 ov = pytest.importorskip("openvino")
 pytest.importorskip("optimum.intel")
@@ -48,7 +49,7 @@ HAS_NPU = any(d.startswith("NPU") for d in AVAILABLE)
 HAS_GPU = any(d.startswith("GPU") for d in AVAILABLE)
 
 
-@pytest.fixture(scope="module")
+@slow_fixture(scope="module")
 def ov_bundles(tmp_path_factory, tiny_checkpoint) -> dict[str, Path]:
     """The openvino int4 bundle and its npu variant, built once for this module."""
     from higgs_pack.targets.build import build

@@ -13,7 +13,6 @@ pytest.importorskip("transformers")
 
 from higgs_pack.exporters.reference import (  # noqa: E402
     TorchDecoder,
-    TorchRunner,
     reference_pipeline,
 )
 from higgs_pack.exporters.torch_modules import (  # noqa: E402
@@ -129,15 +128,22 @@ def test_onnx_export_runs_on_ort_at_other_lengths(subpart, modules, tiny_ckpt, t
 # ----------------------------------------------------------------------------- the oracle
 
 
-def test_pipeline_fields(pipeline: Pipeline, tiny_ckpt):
-    assert pipeline.constants == tiny_ckpt.constants
-    assert pipeline.tokenizer.token_to_id("<|audio|>") == 151670
-    assert set(pipeline.description) == {sp.value for sp in SubPart}
-    assert set(pipeline.description.values()) == {"pytorch"}
-    assert pipeline.generation_defaults == {}
-    assert isinstance(pipeline.decoder, TorchDecoder)
-    assert pipeline.decoder.max_length == 4096
-    assert isinstance(pipeline.text_embed, TorchRunner)
+def test_the_oracle_speaks_with_the_loops_own_defaults(pipeline: Pipeline):
+    """The oracle has no manifest: ``options=None`` samples exactly as ``SamplingOptions()``, its
+    prompt starts with the tokenizer's ``<|tts|> <|text|>`` found by name, and a text too long
+    for the checkpoint's context (4096 positions) is refused naming that context."""
+    from higgs_pack.runtime.loop.delay import SamplingOptions
+    from higgs_pack.runtime.loop.generate import build_prompt, synthesize
+
+    default = synthesize(pipeline, "Hello.", max_frames=6)
+    explicit = synthesize(pipeline, "Hello.", options=SamplingOptions(), max_frames=6)
+    assert np.array_equal(default.codes, explicit.codes) and default.codes.shape[1] == 8
+    tok = pipeline.tokenizer
+    head = [tok.token_to_id("<|tts|>"), tok.token_to_id("<|text|>")]
+    want = pipeline.text_embed.run({"input_ids": np.array([head])})["inputs_embeds"]
+    np.testing.assert_array_equal(build_prompt(pipeline, "Hello.")[:, :2], want)
+    with pytest.raises(InputError, match="decoder's context of 4096"):
+        synthesize(pipeline, "word " * 3000, max_frames=1200)
 
 
 def test_runners_take_and_give_numpy(pipeline: Pipeline):

@@ -2,7 +2,7 @@
 
 Saved as ``reference/golden.npz`` in the bundle (plain numpy arrays; loaded with
 ``allow_pickle=False``).  Keys are ``<sub-part>/in/<tensor>`` and
-``<sub-part>/out/<tensor>`` (see :func:`higgs_pack.runtime.verification.verify.subpart_parity`),
+``<sub-part>/out/<tensor>`` (see :func:`higgs_pack.runtime.verification.report.subpart_parity`),
 plus ``greedy/delayed``: the oracle's greedy codes for :data:`GREEDY_TEXT`.
 """
 

@@ -102,7 +102,7 @@ class ExecutionProvider:
         distribution: The PyPI distribution that provides it.
         requirement: The requirement string a bundle records for it.
         extra: The ``higgs-pack[extra]`` that installs it (pyproject.toml declares it;
-            tests/test_providers.py checks that it does).
+            tests/test_declarations.py checks that it does).
         platform_marker: PEP 508 marker of the platforms it exists on (``None``: all).
             Targets on this provider put it on their wheel and on every requirement.
         session_rules: ``SessionOptions`` attributes forced on every session of this
@@ -120,7 +120,7 @@ class ExecutionProvider:
             ``"command:<argv>"`` (the command exits 0 only where the hardware is) or
             ``"platform:<sys.platform>"`` (the platform only; not proof of a GPU).
         wheel_platforms: platforms its wheels are resolver-checked for where it cannot
-            run (keys of ``higgs_pack.targets.install_check.PLATFORMS``).
+            run (keys of ``higgs_pack.targets.packaging.install_check.PLATFORMS``).
         classifiers: trove classifiers of bundle wheels for it.
         own_venv: its distribution replaces onnxruntime (same module) and has no
             higgs-pack runtime extra of its own to add beside another one.

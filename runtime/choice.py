@@ -4,7 +4,10 @@
 :func:`higgs_pack.runtime.devices.inventory`, or written by hand in tests) and the
 bundles that are visible (:class:`Candidate`, one per manifest) and returns a
 :class:`Choice`: the chosen bundle and the provider/device to run it on, why, and
-for every other bundle why it was not taken.  Nothing here touches the machine.
+for every other bundle why it was not taken.  Nothing here probes the hardware or
+opens a session: :func:`choose` reads only its arguments, and the one file-system access is
+:meth:`Candidate.from_manifest`, which checks the bundle's files with ``stat`` to mark a
+damaged candidate (a missing file or a wrong size; hashes are checked at load).
 
 Preference order (:func:`preference`, first runnable wins; OpenVINO's device rungs are
 declared here, each execution provider's rung in its row of

@@ -149,3 +149,28 @@ def test_loop_accepts_extreme_but_finite_outputs(oracle, part, change):
     pipe = replace(oracle, **{part: _Altered(getattr(oracle, part), 5, change)})
     result = generate_codes(pipe, build_prompt(pipe, "Hello world."), SamplingOptions(seed=0), max_frames=30)
     assert result.codes.shape[1] == N
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("Say <|audio|> now.", r"the prompt control token\(s\) <\|audio\|>, which the model reserves"),
+    ("Hi <|endoftext|> and <|im_start|>", r"the tokenizer's special token\(s\) <\|endoftext\|>, <\|im_start\|>, "
+                                          r"which would reach the model as control ids"),
+    ("<|higgs_reserved_3|>", r"special token\(s\) <\|higgs_reserved_3\|>"),
+])
+def test_special_tokens_of_the_tokenizer_are_refused(oracle, text, message):
+    from higgs_pack.manifests.errors import InputError
+    from higgs_pack.runtime.loop.generate import check_text_tokens, synthesize
+
+    with pytest.raises(InputError, match=message):
+        check_text_tokens(oracle, text)
+    with pytest.raises(InputError, match=message):  # refused before any frame is generated
+        synthesize(oracle, text, progress=lambda *_: pytest.fail("a frame was generated"))
+
+
+def test_ordinary_and_non_special_added_tokens_pass(oracle):
+    from higgs_pack.runtime.loop.generate import check_text_tokens
+
+    tok = oracle.tokenizer
+    assert check_text_tokens(oracle, "Hello world.") == tok.encode("Hello world.", add_special_tokens=False).ids
+    # Qwen3's <tool_call> is an added token the tokenizer does not mark special: vocabulary, not control.
+    assert tok.token_to_id("<tool_call>") in check_text_tokens(oracle, "a <tool_call> b")

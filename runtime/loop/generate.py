@@ -420,7 +420,10 @@ def synthesize(
         A :class:`SynthesisResult` (float32 samples at 24000 Hz).
 
     Raises:
-        InputError: empty/whitespace text, missing ``ref_text``, or one sentence too long.
+        InputError: empty/whitespace text, a special token of the tokenizer in the text or
+            the transcript (:func:`check_text_tokens`), ``ref_samples`` without ``ref_text``
+            (or the reverse), or one sentence too long.
+        ValueError: ``options`` out of range (names the option).
         NumericalError: non-finite or all-zero sub-part output.
     """
     options, ref_codes, chunks = prepare_synthesis(pipeline, text, ref_samples, ref_text, options, max_frames)

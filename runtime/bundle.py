@@ -149,8 +149,8 @@ def check_formats(manifest: dict[str, Any]) -> None:
     backend = backend_of(manifest)
     for part, spec in manifest["subparts"].items():
         if spec["format"] != backend.format:
-            raise ManifestError(f"{manifest['name']}: sub-part {part} is in {spec['format']!r} format, but a "
-                                f"{backend.label} bundle holds {backend.format!r} files; rebuild the bundle")
+            raise ManifestError(f"{manifest['name']}: sub-part {part} is in {spec['format']!r} format, but its "
+                                f"backend {backend.name} reads {backend.format!r} files; rebuild the bundle")
 
 
 def external_data_refs(path: Path) -> dict[str, str]:
@@ -232,7 +232,7 @@ def load(
         low_memory: hold as little of the weights resident as the backend allows, for
             some speed: an ONNX Runtime fp32/fp16 decoder on the CPU provider is opened
             without prepacking and pages its mapped weights out after every step
-            (:class:`~higgs_pack.runtime.backends.onnxruntime.sessions.OrtDecoder` ``page_out_weights``).
+            (:class:`~higgs_pack.runtime.backends.onnxruntime.runners.OrtDecoder` ``page_out_weights``).
             The build verifies with it: the 4B fp32 decoder's 14.5 GB would not fit the
             12 GiB build budget resident.  Quantized decoders and OpenVINO bundles are
             opened as usual (their weights are read in place or already paged out).

@@ -203,7 +203,7 @@ def check_gpu_provider(bundle: Bundle, report: VerifyReport, *, ep: str | None =
         require: report a missing or unusable provider as a failure, not a skip (for a
             machine known to have the hardware).
     """
-    from higgs_pack.runtime.backends.onnxruntime.sessions import (
+    from higgs_pack.runtime.backends.onnxruntime.distributions import (
         import_ort,
         installed_ort_distributions,
     )

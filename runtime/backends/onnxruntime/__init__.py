@@ -30,7 +30,7 @@ class OnnxRuntimeBackend(Backend):
     format = "onnx"
     placement = "execution_provider"
     label = "ONNX Runtime"
-    modules = ("onnxruntime", "higgs_pack.runtime.backends.onnxruntime.sessions")
+    modules = ("onnxruntime", "higgs_pack.runtime.backends.onnxruntime.runners")
     preferred_on_cpus = ("amd", "arm", "other")
     install_hint = "pip install 'higgs-pack[cpu]' (or [cuda], [dml])"
 
@@ -49,12 +49,8 @@ class OnnxRuntimeBackend(Backend):
                 (and no fallback asked).
             SignatureMismatch: a graph's I/O differs from the manifest.
         """
-        from higgs_pack.runtime.backends.onnxruntime.sessions import (
-            OrtDecoder,
-            OrtSubPart,
-            check_signature,
-            create_session,
-        )
+        from higgs_pack.runtime.backends.onnxruntime.runners import OrtDecoder, OrtSubPart
+        from higgs_pack.runtime.backends.onnxruntime.sessions import check_signature, create_session
         from higgs_pack.runtime.loop.pipeline import ModelConstants, step_input_shapes
 
         self.refuse_foreign_options(bundle, options)

@@ -33,7 +33,7 @@ class ExporterInfo:
         kind: ``"decoder"`` (takes a standard Qwen3 HF directory) or ``"module"``
             (takes a torch module and example inputs).
         format: ``"onnx"`` or ``"openvino"``: must be the format of the target's
-            backend (:data:`~higgs_pack.manifests.constants.RUNTIME_BACKENDS`).
+            backend (:func:`~higgs_pack.runtime.backends.registered`).
         precisions: the precisions it builds.
         options: keyword options a recipe or variant may set -> their type(s) (the
             build loop supplies the others: paths, precision, names).

@@ -64,7 +64,7 @@ from higgs_pack.exporters.checkpoint_layout import (
 from higgs_pack.exporters.checkpoint_models import CheckpointModels
 from higgs_pack.exporters.safetensors_writer import ST_DTYPES
 from higgs_pack.manifests.constants import SPECIAL_TOKENS
-from higgs_pack.manifests.errors import CheckpointError, first_line
+from higgs_pack.manifests.errors import CheckpointError, disk_full, disk_full_message, first_line
 from higgs_pack.runtime.loop.pipeline import ModelConstants
 
 if TYPE_CHECKING:  # heavy imports stay lazy: planning must not import torch
@@ -130,7 +130,14 @@ def open_checkpoint(
             local_files_only=local_files_only,
             allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"],
         )
-    except Exception as exc:  # offline, DNS, 401/404, gated: all mean "pass a path"
+    except Exception as exc:  # offline, DNS, 401/404, gated: all mean "pass a path"; a full disk does not
+        if disk_full(exc) is not None:
+            from huggingface_hub import constants
+
+            raise CheckpointError(disk_full_message(
+                cache_dir or constants.HF_HUB_CACHE, f"downloading the checkpoint {text!r}",
+                "free space there, or point HF_HUB_CACHE (cache_dir=) at a disk with room "
+                "(the 4B checkpoint is about 8 GB); the partial download is resumed next time")) from exc
         raise CheckpointError(
             f"{text!r} is not a local directory, and downloading it from the Hugging Face "
             f"Hub failed ({type(exc).__name__}: {first_line(exc)}). If you are offline or "

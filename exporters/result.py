@@ -12,10 +12,11 @@ from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from typing import Any, Literal
 
-from higgs_pack.manifests.constants import RUNTIME_BACKENDS, SubPart
+from higgs_pack.manifests.constants import SubPart
+from higgs_pack.runtime.backends import registered
 
 #: Formats an exporter may write: those of the runtime backends.
-FORMATS = tuple(b.format for b in RUNTIME_BACKENDS.values())
+FORMATS = tuple(b.format for b in registered().values())
 
 
 @dataclass(frozen=True)

@@ -227,46 +227,6 @@ EXECUTION_PROVIDERS: dict[str, ExecutionProvider] = {
 #: reference the other providers are compared with.
 CPU_PROVIDER = EXECUTION_PROVIDERS["cpu"]
 
-@dataclass(frozen=True)
-class RuntimeBackend:
-    """One runtime a bundle can run on (the manifest's ``backend``).
-
-    Attributes:
-        name: ``onnxruntime`` or ``openvino``.
-        format: the sub-part file format its bundles hold (an exporter's ``format``).
-        placement: the manifest field and the ``load()`` keyword that say where it runs
-            (``execution_provider`` or ``device``).
-        modules: the modules that load it (imported, and timed apart, by the benchmark).
-        compile_cache: it compiles models into a cache (``load(cache_dir=)``): the
-            benchmark measures a cold and a warm load.
-        label: its name in sentences and model cards (``ONNX Runtime``, ``OpenVINO``).
-        preferred_on_cpus: CPU vendors (``Inventory.cpu_vendor``) on whose CPUs its bundles
-            rank first among equal speed classes when nothing was measured (OpenVINO on
-            Intel, ONNX Runtime elsewhere).
-    """
-
-    name: str
-    format: str
-    placement: str
-    modules: tuple[str, ...] = ()
-    compile_cache: bool = False
-    label: str = ""
-    preferred_on_cpus: tuple[str, ...] = ()
-
-
-#: Manifest ``backend`` -> what it runs and how a bundle names where.
-RUNTIME_BACKENDS: dict[str, RuntimeBackend] = {
-    b.name: b
-    for b in (
-        RuntimeBackend("onnxruntime", format="onnx", placement="execution_provider",
-                       modules=("onnxruntime", "higgs_pack.runtime.backends.onnxruntime.sessions"), label="ONNX Runtime",
-                       preferred_on_cpus=("amd", "arm", "other")),
-        RuntimeBackend("openvino", format="openvino", placement="device",
-                       modules=("higgs_pack.runtime.backends.openvino.parts",), compile_cache=True, label="OpenVINO",
-                       preferred_on_cpus=("intel",)),
-    )
-}
-
 #: OpenVINO runtime requirement for bundles in OpenVINO IR.
 OPENVINO_REQUIREMENT = "openvino>=2026.4,<2027"
 

@@ -8,6 +8,9 @@ catch one type; the CLI turns them into a one-line message and exit status 2.
 from __future__ import annotations
 
 import difflib
+import errno
+import os
+import shutil
 from collections.abc import Iterable
 
 
@@ -31,8 +34,10 @@ class SignatureMismatch(BundleError):
     """A graph's inputs or outputs differ from the I/O signature in the manifest."""
 
 
-class HubError(BundleError):
-    """A bundle cannot be fetched from a model hub (offline, unknown repository or revision, no access)."""
+class HubError(HiggsPackError):
+    """A bundle cannot be fetched from a model hub (offline, unknown repository or revision, no
+    access, no room in the cache).  Not a :class:`BundleError`: nothing is wrong with a bundle's
+    files; a pulled bundle whose files disagree with its manifest raises that."""
 
 
 class CheckpointError(HiggsPackError):
@@ -90,3 +95,32 @@ def last_line(exc: BaseException) -> str:
     lines of context and then the reason), or the exception's type name when it has none."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return lines[-1] if lines else type(exc).__name__
+
+
+#: errno values that mean "the disk (or the user's quota) is full".
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(exc: BaseException | None) -> OSError | None:
+    """The ``OSError`` saying the disk is full in ``exc`` or in its causes and contexts
+    (libraries such as huggingface_hub re-raise a failed write as their own error), or None."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def disk_full_message(folder: str | os.PathLike, what: str, fix: str) -> str:
+    """"out of disk space in FOLDER (N GiB free) while WHAT; FIX", naming the free space of the
+    nearest existing folder above ``folder``."""
+    path = os.fspath(folder)
+    while path and not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        free = f"{shutil.disk_usage(path).free / 2**30:.1f} GiB free"
+    except OSError:
+        free = "free space unknown"
+    return f"out of disk space in {folder} ({free}) while {what}; {fix}"

@@ -19,7 +19,7 @@ from typing import Any
 
 import jsonschema
 
-from higgs_pack.manifests.constants import FORMAT_VERSION, RUNTIME_BACKENDS
+from higgs_pack.manifests.constants import FORMAT_VERSION
 from higgs_pack.manifests.errors import BundleError, ManifestError, UnsupportedFormatVersion
 
 MANIFEST_NAME = "manifest.json"
@@ -67,20 +67,6 @@ def validate(data: Any, *, source: str = MANIFEST_NAME) -> dict[str, Any]:
         more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
         raise ManifestError(f"{source}: invalid at {where}: {first.message}{more}")
     return data
-
-
-def placement_of(manifest: dict[str, Any]) -> str:
-    """Where a bundle was built to run: its ``execution_provider`` (ONNX Runtime) or its
-    ``device`` (OpenVINO), whichever field its backend's ``placement`` names.
-
-    Raises:
-        ManifestError: the manifest names a backend this higgs-pack does not know.
-    """
-    backend = RUNTIME_BACKENDS.get(manifest.get("backend"))
-    if backend is None:
-        raise ManifestError(f"unknown backend {manifest.get('backend')!r} (known: {', '.join(RUNTIME_BACKENDS)}); "
-                            "upgrade higgs-pack or rebuild the bundle")
-    return manifest[backend.placement]
 
 
 def read_manifest(bundle: Path) -> dict[str, Any]:

@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.manifests.constants import EXECUTION_PROVIDERS, RUNTIME_BACKENDS
-from higgs_pack.manifests.errors import ExecutionProviderUnavailable
-from higgs_pack.manifests.manifest import MANIFEST_NAME, placement_of
+from higgs_pack.manifests.manifest import MANIFEST_NAME
+from higgs_pack.runtime.backends import backend_of
 from higgs_pack.runtime.bundle import Bundle, open_bundle
 from higgs_pack.runtime.bundle import load as load_pipeline
 from higgs_pack.runtime.loop.generate import ProgressCallback, SynthesisResult
@@ -227,8 +226,9 @@ def _device_kwargs(bundle: Bundle, device: str | None, execution_provider: str |
         ExecutionProviderUnavailable: an ONNX Runtime bundle given an unknown provider name.
     """
     m = bundle.manifest
-    own = placement_of(m)
-    placement = RUNTIME_BACKENDS[m["backend"]].placement
+    backend = backend_of(m)
+    own = m[backend.placement]
+    placement = backend.placement
     if execution_provider is not None:
         # The backend-specific keywords of higgs_pack.runtime.bundle.load (the CLI's flags).
         kwargs = {"execution_provider": execution_provider}
@@ -237,17 +237,7 @@ def _device_kwargs(bundle: Bundle, device: str | None, execution_provider: str |
         return kwargs, f"asked for with --execution-provider {execution_provider} (bundle built for {own})"
     if device is None or str(device).lower() == AUTO:
         return {}, f"the bundle's own {placement.replace('_', ' ')} {own}"
-    if placement == "execution_provider":
-        ep = str(device).lower()
-        if ep not in EXECUTION_PROVIDERS:
-            from higgs_pack.manifests.errors import unknown_choice
-
-            raise ExecutionProviderUnavailable(
-                f"{bundle.name} is an ONNX Runtime bundle: "
-                + unknown_choice("execution provider", ep, EXECUTION_PROVIDERS, "device= / --execution-provider")
-            )
-        return {"execution_provider": ep}, f"asked for with device={device!r} (bundle built for {own})"
-    return {"device": str(device)}, f"asked for with device={device!r} (bundle built for {own})"
+    return backend.load_keywords(bundle, str(device)), f"asked for with device={device!r} (bundle built for {own})"
 
 
 def resolve(source: str | os.PathLike, *, bundle_dirs: tuple[str | os.PathLike, ...] = (),

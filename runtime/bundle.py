@@ -1,9 +1,10 @@
 """Open a bundle: validate everything, then create sessions on the right backend.
 
-``load()`` checks the manifest schema and version, every path (inside the
-bundle, no symlink escapes, ONNX external-data locations too) and the sha256 of
-every file *before* any session is created; then opens each sub-part on the
-bundle's backend and checks its I/O signature against the manifest.
+``load()`` checks the manifest schema and version, its backend and file formats, every
+path (inside the bundle, no symlink escapes, ONNX external-data locations too) and the
+sha256 of every file *before* any session is created; then asks the bundle's backend
+(:mod:`higgs_pack.runtime.backends`) to open each sub-part, which checks its I/O
+signature against the manifest.
 """
 
 from __future__ import annotations
@@ -13,20 +14,21 @@ import importlib.util
 import logging
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from higgs_pack.manifests.constants import CPU_PROVIDER, SubPart
-from higgs_pack.manifests.errors import BundleError, ExecutionProviderUnavailable
+from higgs_pack.manifests.constants import SubPart
+from higgs_pack.manifests.errors import BundleError, ManifestError
 from higgs_pack.manifests.manifest import (
     check_files,
     hub_cache_blobs,
     read_manifest,
     resolve_inside,
 )
-from higgs_pack.runtime.loop.pipeline import ModelConstants, Pipeline, step_input_shapes
+from higgs_pack.runtime.backends import OpenOptions, backend_of
+from higgs_pack.runtime.loop.pipeline import ModelConstants, Pipeline
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +130,7 @@ def open_bundle(name_or_path: str | Path, *, check_hashes: bool = True) -> Bundl
     """
     path = find_bundle(name_or_path)
     manifest = read_manifest(path)
+    check_formats(manifest)
     report = check_files(path, manifest, hashes=check_hashes)
     report.raise_for_problems(path)
     bundle = Bundle(path.resolve(), manifest)
@@ -135,6 +138,19 @@ def open_bundle(name_or_path: str | Path, *, check_hashes: bool = True) -> Bundl
         if spec["format"] == "onnx":
             check_external_data(bundle, part, spec)
     return bundle
+
+
+def check_formats(manifest: dict[str, Any]) -> None:
+    """The manifest names a known backend and every sub-part is in that backend's file format.
+
+    Raises:
+        ManifestError: an unknown backend (names the known ones), or a sub-part of another format.
+    """
+    backend = backend_of(manifest)
+    for part, spec in manifest["subparts"].items():
+        if spec["format"] != backend.format:
+            raise ManifestError(f"{manifest['name']}: sub-part {part} is in {spec['format']!r} format, but its "
+                                f"backend {backend.name} reads {backend.format!r} files; rebuild the bundle")
 
 
 def external_data_refs(path: Path) -> dict[str, str]:
@@ -188,90 +204,6 @@ def check_external_data(bundle: Bundle, part: str, spec: dict[str, Any]) -> None
             )
 
 
-Opener = Callable[..., dict[str, Any]]
-
-
-#: Precisions whose ONNX Runtime decoder holds float weights (read in place with ``low_memory``).
-FLOAT_DECODER_PRECISIONS = ("fp32", "fp16")
-
-
-def _open_onnxruntime(bundle: Bundle, *, execution_provider: str | None, device: str | None,
-                      allow_fallback: bool, cache_dir: Path | Literal[False] | None,
-                      low_memory: bool = False) -> dict[str, Any]:
-    from higgs_pack.runtime.backends.onnxruntime.sessions import (
-        OrtDecoder,
-        OrtSubPart,
-        check_signature,
-        create_session,
-    )
-
-    if device is not None:
-        raise ExecutionProviderUnavailable(
-            f"{bundle.name} is an ONNX Runtime bundle; choose its provider with --execution-provider "
-            "(execution_provider=), not --device (that is for OpenVINO bundles)"
-        )
-    m = bundle.manifest
-    ep = execution_provider or m["execution_provider"]
-    provider_options = m["provider_options"] if ep == m["execution_provider"] else {}
-    # --execution-provider cpu on a bundle built for another provider is a fallback the caller
-    # asked for (a cuda/dml fp16 or int4 bundle on the CPU): the description says so.
-    cpu = CPU_PROVIDER.name
-    override = "" if ep != cpu or m["execution_provider"] == cpu else (
-        f" (explicit --execution-provider {cpu}; bundle built for {m['execution_provider']})")
-    parts: dict[str, Any] = {"description": {}}
-    constants = ModelConstants.from_dict(m["constants"])
-    for part, spec in m["subparts"].items():
-        # low_memory: a float decoder on the CPU provider reads its weights in place from the
-        # mapped file and gives the pages back after every step (the 4B fp32 decoder is 14.5 GB).
-        lean = (low_memory and part == SubPart.LLM_DECODER and ep == cpu
-                and m["precision"] in FLOAT_DECODER_PRECISIONS)
-        session, used = create_session(
-            bundle.file(spec["entry"]), ep, provider_options=provider_options,
-            session_options=m["session_options"], allow_fallback=allow_fallback,
-            # A GPU provider's float16 graph on the CPU casts per node instead of holding a
-            # float32 copy of every weight (4B dims, dml fp16 verification: 15.7 -> 9.0 GB).
-            float16_weights=m["precision"] == "fp16", prepacking=not lean,
-        )
-        check_signature(session, part, spec)
-        if part == SubPart.LLM_DECODER:
-            c = m["constants"]
-            # the graph's external data: every listed file but the graph and ModelBuilder's JSON
-            weights = tuple(bundle.file(f) for f in spec["files"]
-                            if f != spec["entry"] and not f.endswith(".json")) if lean else ()
-            parts[part] = OrtDecoder(session, max_length=c["max_position_embeddings"],
-                                     kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"],
-                                     page_out_weights=weights)
-        else:
-            parts[part] = OrtSubPart(session, part, step_input_shapes(part, constants))
-        parts["description"][part] = used + override
-    return parts
-
-
-def _open_openvino(bundle: Bundle, *, execution_provider: str | None, device: str | None,
-                   allow_fallback: bool, cache_dir: Path | Literal[False] | None,
-                   low_memory: bool = False) -> dict[str, Any]:
-    try:
-        from higgs_pack.runtime.backends.openvino.parts import open_openvino_parts
-    except ImportError as exc:
-        raise ExecutionProviderUnavailable(
-            f"{bundle.name} is an OpenVINO IR bundle but the OpenVINO runtime is not installed ({exc}); "
-            "pip install 'higgs-pack[openvino]' (or pip install openvino)"
-        ) from exc
-
-    if execution_provider is not None:
-        raise ExecutionProviderUnavailable(
-            f"{bundle.name} is an OpenVINO IR bundle; choose its device with --device (device=), "
-            "not --execution-provider (that is for ONNX Runtime bundles)"
-        )
-    # low_memory: nothing more to do; the CPU plugin's packed copies already page the IR out
-    # (OvStatefulDecoder page_out_weights, always on where the device packs).
-    return open_openvino_parts(bundle, device=device, allow_fallback=allow_fallback, cache_dir=cache_dir)
-
-
-#: manifest ``backend`` -> function opening every sub-part (one entry per backend).
-BACKENDS: dict[str, Opener] = {"onnxruntime": _open_onnxruntime, "openvino": _open_openvino}
-
-
 def load(
     bundle: str | Path | Bundle,
     *,
@@ -300,7 +232,7 @@ def load(
         low_memory: hold as little of the weights resident as the backend allows, for
             some speed: an ONNX Runtime fp32/fp16 decoder on the CPU provider is opened
             without prepacking and pages its mapped weights out after every step
-            (:class:`~higgs_pack.runtime.backends.onnxruntime.sessions.OrtDecoder` ``page_out_weights``).
+            (:class:`~higgs_pack.runtime.backends.onnxruntime.runners.OrtDecoder` ``page_out_weights``).
             The build verifies with it: the 4B fp32 decoder's 14.5 GB would not fit the
             12 GiB build budget resident.  Quantized decoders and OpenVINO bundles are
             opened as usual (their weights are read in place or already paged out).
@@ -318,25 +250,24 @@ def load(
 
     opened = bundle if isinstance(bundle, Bundle) else open_bundle(bundle, check_hashes=check_hashes)
     m = opened.manifest
-    parts = BACKENDS[m["backend"]](
-        opened, execution_provider=execution_provider, device=device,
-        allow_fallback=allow_fallback,
-        cache_dir=cache_dir if cache_dir is False else Path(cache_dir) if cache_dir else None,
-        low_memory=low_memory,
-    )
+    options = OpenOptions(execution_provider=execution_provider, device=device, allow_fallback=allow_fallback,
+                          cache_dir=cache_dir if cache_dir is False else Path(cache_dir) if cache_dir else None,
+                          low_memory=low_memory)
+    parts = backend_of(m).open(opened, options)
+    runners = parts.runners
     tokenizer = Tokenizer.from_file(str(opened.file(m["tokenizer"]["file"])))
     gen = dict(m["generation"])
     sampling = {k: gen.pop(k) for k in ("temperature", "top_k", "top_p", "repeat_guard_frames") if k in gen}
     return Pipeline(
         tokenizer=tokenizer,
         constants=ModelConstants.from_dict(m["constants"]),
-        text_embed=parts[SubPart.TEXT_EMBED],
-        decoder=parts[SubPart.LLM_DECODER],
-        audio_embed=parts[SubPart.AUDIO_EMBED],
-        audio_heads=parts[SubPart.AUDIO_HEADS],
-        audio_tokenizer=parts[SubPart.AUDIO_TOKENIZER],
-        audio_encoder=parts.get(SubPart.AUDIO_ENCODER),
-        description=parts["description"],
+        text_embed=runners[SubPart.TEXT_EMBED],
+        decoder=runners[SubPart.LLM_DECODER],
+        audio_embed=runners[SubPart.AUDIO_EMBED],
+        audio_heads=runners[SubPart.AUDIO_HEADS],
+        audio_tokenizer=runners[SubPart.AUDIO_TOKENIZER],
+        audio_encoder=runners.get(SubPart.AUDIO_ENCODER),
+        description=parts.where,
         generation_defaults={**gen, "sampling": sampling},
         codec_context_frames=recorded_codec_context(m),
     )

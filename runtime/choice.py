@@ -9,9 +9,11 @@ opens a session: :func:`choose` reads only its arguments, and the one file-syste
 :meth:`Candidate.from_manifest`, which checks the bundle's files with ``stat`` to mark a
 damaged candidate (a missing file or a wrong size; hashes are checked at load).
 
-Preference order (:func:`preference`, first runnable wins; OpenVINO's device rungs are
-declared here, each execution provider's rung in its row of
-``higgs_pack.manifests.constants.EXECUTION_PROVIDERS``, so a new provider brings its own):
+Preference order (:func:`preference`, first runnable wins; the shared CPU rung is declared
+in ``higgs_pack.manifests.constants``, OpenVINO's device rungs by its backend object
+(``runtime/backends/openvino``), each execution provider's rung in its row of
+``higgs_pack.manifests.constants.EXECUTION_PROVIDERS``: a new backend or provider brings its
+own; where a bundle can run is asked of its backend, :meth:`~higgs_pack.runtime.backends.Backend.placements`):
 
 1. ``npu``: an OpenVINO NPU variant on an Intel NPU;
 2. ``cuda``: a cuda bundle on an NVIDIA GPU (CUDA execution provider);
@@ -36,15 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.manifests.constants import (
-    CPU_RUNG,
-    EXECUTION_PROVIDERS,
-    OPENVINO_REQUIREMENT,
-    RUNTIME_BACKENDS,
-    ChoiceRung,
-)
-from higgs_pack.manifests.errors import BundleError
-from higgs_pack.manifests.manifest import check_files, placement_of
+from higgs_pack.manifests.constants import CPU_RUNG, EXECUTION_PROVIDERS, ChoiceRung
+from higgs_pack.manifests.errors import BundleError, ManifestError
+from higgs_pack.manifests.manifest import check_files
 
 PRECISION_SPEED = {"int4": 0, "int8": 1, "fp16": 2, "fp32": 3}
 
@@ -119,9 +115,20 @@ class Candidate:
         m = manifest
         return cls(name=m["name"], source=str(source), model=m["model"]["slug"], target=m["target"],
                    precision=m["precision"], variant=m.get("variant"), backend=m["backend"],
-                   built_for=placement_of(m),
+                   built_for=_built_for(m),
                    requirements=tuple(m.get("runtime_requirements", ())), origin=origin,
                    damaged=_damaged(m, Path(source)))
+
+
+def _built_for(manifest: Mapping[str, Any]) -> str:
+    """The manifest's provider or device; ``""`` for a backend this higgs-pack does not know
+    (:func:`placements` then says so)."""
+    from higgs_pack.runtime.backends import placement_of
+
+    try:
+        return placement_of(manifest)
+    except ManifestError:
+        return ""
 
 
 @dataclass(frozen=True)
@@ -160,20 +167,18 @@ class Choice:
         return "\n".join(lines)
 
 
-#: OpenVINO's device rungs (OpenVINO device names are the backend's own, not providers).
-NPU_RUNG = ChoiceRung("npu", 10, "OpenVINO NPU variant on an Intel NPU")
-IGPU_RUNG = ChoiceRung("igpu", 30, "OpenVINO bundle on an Intel GPU")
-NPU_ON_CPU_RUNG = ChoiceRung("npu-on-cpu", 60, "OpenVINO NPU variant on the CPU (static shapes, slower)")
-
-
 def preference() -> dict[str, str]:
-    """Every rung's name -> what it means, best first: OpenVINO's device rungs and each
-    provider row's ``rung`` (read at each call, so a row added later takes its place).
+    """Every rung's name -> what it means, best first: the CPU rung, each backend's own rungs
+    (OpenVINO's devices) and each provider row's ``rung`` (read at each call, so a backend or
+    row added later takes its place).
 
     Raises:
         ValueError: two rows declare rungs of one name that differ.
     """
-    rungs = [NPU_RUNG, IGPU_RUNG, CPU_RUNG, NPU_ON_CPU_RUNG, *(row.rung for row in EXECUTION_PROVIDERS.values())]
+    from higgs_pack.runtime.backends import registered
+
+    rungs = [CPU_RUNG, *(rung for backend in registered().values() for rung in backend.rungs),
+             *(row.rung for row in EXECUTION_PROVIDERS.values())]
     ladder: dict[str, ChoiceRung] = {}
     for rung in sorted(rungs, key=lambda r: r.rank):
         if ladder.setdefault(rung.name, rung) != rung:
@@ -181,17 +186,19 @@ def preference() -> dict[str, str]:
     return {name: rung.means for name, rung in ladder.items()}
 
 
-def _speed(c: Candidate, inv: Inventory, bench: Mapping[str, float]) -> tuple:
+def speed_key(c: Candidate, inv: Inventory, bench: Mapping[str, float]) -> tuple:
     """Sort key on the cpu rung: measured frames/s first, then precision, then backend by CPU vendor."""
+    from higgs_pack.runtime.backends import registered
+
     system = f"{c.target}-{c.precision}"
     measured = bench.get(system)
-    backend = RUNTIME_BACKENDS.get(c.backend)
+    backend = registered().get(c.backend)
     backend_order = 0 if backend is not None and inv.cpu_vendor in backend.preferred_on_cpus else 1
     return (0 if measured is not None else 1, -(measured or 0.0), PRECISION_SPEED.get(c.precision, 9),
             backend_order)
 
 
-def _speed_words(c: Candidate, bench: Mapping[str, float]) -> str:
+def speed_words(c: Candidate, bench: Mapping[str, float]) -> str:
     measured = bench.get(f"{c.target}-{c.precision}")
     return f"measured {measured:.0f} frames/s here" if measured is not None else f"{c.precision} speed class"
 
@@ -215,51 +222,6 @@ def _damaged(manifest: Mapping[str, Any], root: Path) -> str | None:
     return None
 
 
-def _ort_placements(c: Candidate, inv: Inventory, bench: Mapping[str, float]) -> tuple[list[Placement], str | None]:
-    """An ONNX Runtime bundle: the rung of its execution provider's row, where that provider works."""
-    row = EXECUTION_PROVIDERS.get(c.built_for)
-    if row is None:
-        return [], f"unknown execution provider {c.built_for!r}"
-    reason = inv.ort_providers.get(c.built_for, "not installed")
-    if not inv.ort_providers:
-        reason = "onnxruntime is not installed"
-    if reason is not None:
-        return [], (f"{row.ort_provider} unavailable ({reason}); pip install 'higgs-pack[{row.extra}]'")
-    rung = row.rung.name
-    what = f"the {row.label} execution provider" if row.gpu else row.ort_provider
-    return [Placement(c, rung, c.built_for, _speed(c, inv, bench),
-                      what + (f", {_speed_words(c, bench)}" if rung == CPU_RUNG.name else ""))], None
-
-
-def _openvino_placements(c: Candidate, inv: Inventory, bench: Mapping[str, float]
-                         ) -> tuple[list[Placement], str | None]:
-    """An OpenVINO bundle: NPU (NPU variant) or Intel GPU, then the CPU device."""
-    if inv.openvino is None:
-        return [], f"OpenVINO is not installed; pip install 'higgs-pack[openvino]' ({OPENVINO_REQUIREMENT})"
-    out: list[Placement] = []
-    if c.variant == "npu":
-        npu = inv.ov_has("NPU")
-        if npu:
-            out.append(Placement(c, NPU_RUNG.name, npu, (), f"OpenVINO {npu}: {inv.openvino_devices[npu]}"))
-        if inv.ov_has("CPU"):
-            out.append(Placement(c, NPU_ON_CPU_RUNG.name, "CPU", _speed(c, inv, bench),
-                                 "OpenVINO CPU (the NPU variant's static shapes run there too)"))
-    else:
-        gpu = inv.ov_has("GPU")
-        if gpu:
-            out.append(Placement(c, IGPU_RUNG.name, gpu, (), f"OpenVINO {gpu}: {inv.openvino_devices[gpu]}"))
-        if inv.ov_has("CPU"):
-            out.append(Placement(c, CPU_RUNG.name, "CPU", _speed(c, inv, bench),
-                                 f"OpenVINO CPU, {_speed_words(c, bench)}"))
-    if not out:
-        return [], f"OpenVINO sees no usable device for it (devices: {', '.join(inv.openvino_devices) or 'none'})"
-    return out, None
-
-
-#: Manifest ``backend`` -> where its bundles can run (keys of ``RUNTIME_BACKENDS``).
-BACKEND_PLACEMENTS = {"onnxruntime": _ort_placements, "openvino": _openvino_placements}
-
-
 def placements(c: Candidate, inv: Inventory, bench: Mapping[str, float] | None = None
                ) -> tuple[list[Placement], str | None]:
     """Where one bundle can run on this machine.
@@ -270,42 +232,20 @@ def placements(c: Candidate, inv: Inventory, bench: Mapping[str, float] | None =
     """
     if c.damaged:
         return [], f"damaged bundle at {c.source}: {c.damaged}"
-    placer = BACKEND_PLACEMENTS.get(c.backend)
-    if placer is None:
-        return [], f"unknown backend {c.backend!r}"
-    return placer(c, inv, bench or {})
+    from higgs_pack.runtime.backends import registered
+
+    backend = registered().get(c.backend)
+    if backend is None:
+        return [], f"unknown backend {c.backend!r} (known: {', '.join(registered())})"
+    return backend.placements(c, inv, bench or {})
 
 
 def _notes(candidates: list[Candidate], inv: Inventory, runnable: set[str], model: str | None) -> list[str]:
-    """Preferred hardware present with nothing runnable for it (never a silent fallback)."""
+    """Preferred hardware present with nothing runnable for it (never a silent fallback): each backend's."""
+    from higgs_pack.runtime.backends import registered
+
     of = f" of {model}" if model else ""
-    notes = []
-    npu_hw = inv.hardware.get("intel-npu")
-    if npu_hw and not inv.ov_has("NPU"):
-        why = ("its driver is not loaded (no /dev/accel node: install the Intel NPU driver)"
-               if inv.npu_driver is False else
-               "OpenVINO does not list it (NPU driver or OpenVINO missing: install both)")
-        notes.append(f"an Intel NPU is present ({npu_hw[0]}) but cannot be used: {why}")
-    if inv.ov_has("NPU") and NPU_RUNG.name not in runnable:
-        notes.append(f"an NPU is present ({inv.openvino_devices[inv.ov_has('NPU')]}) but no runnable OpenVINO "
-                     f"NPU variant{of} is visible; build one with `higgs-pack build --target openvino --npu`")
-    for row in EXECUTION_PROVIDERS.values():
-        seen = inv.hardware.get(row.hardware_kind) if row.hardware_kind else None
-        if not row.gpu or row.rung.name in runnable or not (seen or inv.ort_ok(row.name)):
-            continue
-        has = any(c.backend == "onnxruntime" and c.built_for == row.name for c in candidates)
-        what = seen[0] if seen else f"{row.ort_provider} creates sessions"
-        notes.append(f"{row.hardware_short or row.hardware} is present ({what}) but " + (
-            f"the {row.name} bundle cannot run (see below)" if has else
-            f"no {row.name} bundle{of} is visible; build one with `higgs-pack build --target {row.name}`"))
-    gpu = inv.ov_has("GPU")
-    if gpu and IGPU_RUNG.name not in runnable:
-        notes.append(f"an Intel GPU is present ({inv.openvino_devices[gpu]}) but no runnable OpenVINO "
-                     f"bundle{of} is visible; build one with `higgs-pack build --target openvino`")
-    elif inv.hardware.get("intel-gpu") and not gpu and inv.openvino is not None:
-        notes.append(f"an Intel GPU is present ({inv.hardware['intel-gpu'][0]}) but OpenVINO does not list it "
-                     "(install the Intel GPU compute runtime)")
-    return notes
+    return [note for backend in registered().values() for note in backend.notes(candidates, inv, runnable, of)]
 
 
 def choose(candidates: Iterable[Candidate], inv: Inventory, *, model: str | None = None,

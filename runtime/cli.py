@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from higgs_pack.manifests.constants import EXECUTION_PROVIDERS, RUNTIME_BACKENDS
+from higgs_pack.manifests.constants import EXECUTION_PROVIDERS
 from higgs_pack.manifests.errors import HiggsPackError
 from higgs_pack.runtime.request import CHUNK_GROWTH, FIRST_CHUNK_FRAMES, MAX_CHUNK_FRAMES
 
@@ -289,6 +289,7 @@ def _say_written(note: str, sink, rate: int, where: str, results: list, speech) 
 @click.option("--json", "as_json", is_flag=True, help="Print the whole manifest as JSON.")
 def inspect(bundle, as_json):
     """Describe BUNDLE: target, precision, provider, sub-parts, sizes, tools."""
+    from higgs_pack.runtime.backends import placement_of
     from higgs_pack.runtime.bundle import open_bundle
 
     opened = open_bundle(bundle, check_hashes=False)
@@ -297,7 +298,7 @@ def inspect(bundle, as_json):
         click.echo(json.dumps(m, indent=2, sort_keys=True))
         return
     size = sum(f["size"] for f in m["files"])
-    where = m[RUNTIME_BACKENDS[m["backend"]].placement]
+    where = placement_of(m)
     click.echo(f"{m['name']}  ({opened.path})")
     click.echo(f"  model      {m['model']['id']}  checkpoint sha256 {m['model']['checkpoint_sha256'][:16]}…")
     click.echo(f"  target     {m['target']}  precision {m['precision']}  backend {m['backend']} on {where}")

@@ -56,7 +56,7 @@ def ort_providers() -> tuple[dict[str, str | None], tuple[str, ...]]:
         ``({bundle EP name: None | reason}, installed distributions)``; empty when
         onnxruntime is missing (or two distributions clash: the reason is logged).
     """
-    from higgs_pack.runtime.backends.onnxruntime.sessions import (
+    from higgs_pack.runtime.backends.onnxruntime.distributions import (
         import_ort,
         installed_ort_distributions,
     )

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from higgs_pack.manifests.errors import HiggsPackError, HubError
+from higgs_pack.manifests.errors import HiggsPackError, HubError, disk_full, disk_full_message
 from higgs_pack.manifests.manifest import MANIFEST_NAME, read_manifest
 
 log = logging.getLogger(__name__)
@@ -139,6 +139,13 @@ def _download(ref: HubRef, revision: str | None, patterns: list[str] | None, cac
                        f"private repositories); check the name, or {local}") from exc
     except HfHubHTTPError as exc:
         raise HubError(f"{at}: the hub refused the download ({str(exc).splitlines()[0]}); {local}") from exc
+    except Exception as exc:
+        if disk_full(exc) is None:
+            raise
+        cache = cache_dir or constants.HF_HUB_CACHE
+        raise HubError(disk_full_message(cache, f"downloading {at}", "free space there or point HF_HUB_CACHE "
+                                         "(cache_dir=) at a disk with room; the partial download is resumed "
+                                         "next time")) from exc
 
 
 def _bundle_folders(snapshot: Path) -> dict[str | None, Path]:

@@ -18,11 +18,11 @@ from higgs_pack.exporters.catalog import get_exporter
 from higgs_pack.manifests.constants import (
     EXECUTION_PROVIDERS,
     FP32_ONLY,
-    RUNTIME_BACKENDS,
     ExecutionProvider,
     SubPart,
 )
 from higgs_pack.manifests.errors import BuildPlanError, unknown_choice
+from higgs_pack.runtime.backends import registered
 
 #: Minimum similarity to the PyTorch reference's golden outputs, per sub-part
 #: precision (cosine for float outputs).  Measured on the tiny checkpoint with margin;
@@ -106,7 +106,7 @@ class Target:
     Attributes:
         name: ``cpu``, ``cuda``, ``dml``, ``openvino``.
         description: one line for ``--help`` and wheel metadata.
-        backend: a key of :data:`~higgs_pack.manifests.constants.RUNTIME_BACKENDS`
+        backend: a key of :func:`~higgs_pack.runtime.backends.registered`
             (``onnxruntime`` or ``openvino``).
         precisions: allowed bundle precisions; the first is the default.
         recipes: sub-part -> recipe; must cover all six sub-parts.
@@ -146,8 +146,8 @@ class Target:
         missing = set(SubPart) - set(self.recipes)
         if missing:
             raise BuildPlanError(f"target {self.name!r} declares no recipe for {sorted(map(str, missing))}")
-        if self.backend not in RUNTIME_BACKENDS:
-            raise BuildPlanError(unknown_choice("backend", self.backend, RUNTIME_BACKENDS, f"Target(name={self.name!r}, backend=)"))
+        if self.backend not in registered():
+            raise BuildPlanError(unknown_choice("backend", self.backend, registered(), f"Target(name={self.name!r}, backend=)"))
         object.__setattr__(self, "recipes", MappingProxyType(dict(self.recipes)))
         row = self.provider
         if self.execution_provider is not None and row is None:
@@ -177,7 +177,7 @@ class Target:
     @property
     def placement(self) -> str:
         """The ``load()`` keyword / manifest field naming where it runs (``execution_provider``/``device``)."""
-        return RUNTIME_BACKENDS[self.backend].placement
+        return registered()[self.backend].placement
 
     @property
     def runs_anywhere(self) -> bool:
@@ -227,7 +227,7 @@ def register(target: Target) -> Target:
     """
     if target.name in _REGISTRY:
         raise BuildPlanError(f"target {target.name!r} is already registered")
-    backend = RUNTIME_BACKENDS[target.backend]
+    backend = registered()[target.backend]
     for part, recipe in target.recipes.items():
         info = get_exporter(recipe.exporter)
         if info.format != backend.format:

@@ -19,8 +19,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.manifests.constants import RUNTIME_BACKENDS
-from higgs_pack.manifests.manifest import MANIFEST_NAME, placement_of, read_manifest
+from higgs_pack.manifests.manifest import MANIFEST_NAME, read_manifest
+from higgs_pack.runtime.backends import placement_of, registered
 
 CARD_NAME = "README.md"
 
@@ -61,7 +61,7 @@ def model_card(repo_folder: Path) -> str:
     first = manifests[0]["model"]
     licences = sorted({m["model"]["license"] for m in manifests})
     tags = sorted({"text-to-speech", "higgs-pack", *(m["target"] for m in manifests),
-                   *(RUNTIME_BACKENDS[m["backend"]].format for m in manifests)})
+                   *(registered()[m["backend"]].format for m in manifests)})
     lines = ["---", "library_name: higgs-pack", "pipeline_tag: text-to-speech", "license: other",
              f"license_name: {licences[0]!r}" if len(licences) == 1 else "license_name: several (see below)",
              "tags:", *(f"- {t}" for t in tags), "---", "",
@@ -79,7 +79,7 @@ def model_card(repo_folder: Path) -> str:
              "| folder | target | precision | variant | runs on | requirements | size |",
              "|---|---|---|---|---|---|---|"]
     for m in manifests:
-        where = f"{RUNTIME_BACKENDS[m['backend']].label} {placement_of(m)}"
+        where = f"{registered()[m['backend']].label} {placement_of(m)}"
         size = sum(f["size"] for f in m["files"]) / 1e6
         lines.append(f"| `{m['name']}` | {m['target']} | {m['precision']} | {m.get('variant') or '-'} | {where} | "
                      f"{'; '.join(f'`{r}`' for r in m['runtime_requirements'])} | {size:.1f} MB |")

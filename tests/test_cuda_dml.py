@@ -20,7 +20,8 @@ from onnx import TensorProto, helper
 
 from higgs_pack.manifests.errors import ExecutionProviderUnavailable, NumericalError
 from higgs_pack.manifests.manifest import file_entry, read_manifest, write_manifest
-from higgs_pack.runtime.backends.onnxruntime.sessions import import_ort, session_options_for
+from higgs_pack.runtime.backends.onnxruntime.distributions import import_ort
+from higgs_pack.runtime.backends.onnxruntime.sessions import session_options_for
 from higgs_pack.runtime.bundle import load, open_bundle
 from higgs_pack.runtime.loop.delay import SamplingOptions
 from higgs_pack.runtime.loop.generate import synthesize

@@ -131,11 +131,12 @@ def test_new_provider_row_is_the_only_declaration(qnn, tmp_path):
     assert all(qnn.platform_marker in r for r in target.runtime_requirements)
     assert make_plan("qnn").rows[1].options == {"execution_provider": "qnn"}
     # The runtime: session rules forced, distribution known, install hint names the extra.
+    from higgs_pack.runtime.backends.onnxruntime import distributions, runners
     from higgs_pack.runtime.backends.onnxruntime import sessions as ort_backend
 
     assert ort_backend.session_options_for("qnn", {"enable_mem_pattern": True}).enable_mem_pattern is False
-    assert "onnxruntime-qnn" in ort_backend.ort_distributions()
-    assert ort_backend.install_hint(qnn) == "Install it with pip install 'higgs-pack[qnn]' (onnxruntime-qnn>=1.22)"
+    assert "onnxruntime-qnn" in distributions.ort_distributions()
+    assert distributions.install_hint(qnn) == "Install it with pip install 'higgs-pack[qnn]' (onnxruntime-qnn>=1.22)"
     # Packaging, install check and nox read the same row.
     from higgs_pack.targets.nox_sessions import session_table
     from higgs_pack.targets.packaging import requires_dist
@@ -162,8 +163,8 @@ def test_new_provider_row_is_the_only_declaration(qnn, tmp_path):
     only_cpu = choose(bundles[:1], Inventory(ort_providers={"cpu": None}, hardware={"qualcomm-npu": ["Hexagon"]}))
     assert any(n.startswith("a Qualcomm NPU is present (Hexagon) but no qnn bundle") for n in only_cpu.notes)
     # The decoder copies its KV cache there (the row declares no shared IOBinding device).
-    assert ort_backend.shared_kv_device("QNNExecutionProvider") is None
-    assert ort_backend.shared_kv_device("CUDAExecutionProvider") == "cuda"
+    assert runners.shared_kv_device("QNNExecutionProvider") is None
+    assert runners.shared_kv_device("CUDAExecutionProvider") == "cuda"
 
 
 def test_unknown_provider_in_a_target_is_refused(registry):

@@ -23,16 +23,16 @@ from onnx import TensorProto, helper  # noqa: E402
 
 from higgs_pack.manifests.errors import ExecutionProviderUnavailable  # noqa: E402
 from higgs_pack.runtime.backends.onnxruntime import sessions as ort_backend  # noqa: E402
+from higgs_pack.runtime.backends.onnxruntime.distributions import (  # noqa: E402
+    import_ort,
+    installed_ort_distributions,
+)
 from higgs_pack.runtime.backends.onnxruntime.placement import (  # noqa: E402
     bundle_node_placement,
     parse_profile,
     profile_node_placement,
 )
-from higgs_pack.runtime.backends.onnxruntime.sessions import (  # noqa: E402
-    create_session,
-    import_ort,
-    installed_ort_distributions,
-)
+from higgs_pack.runtime.backends.onnxruntime.sessions import create_session  # noqa: E402
 from higgs_pack.runtime.verification.backend_checks import check_node_placement  # noqa: E402
 from higgs_pack.runtime.verification.report import VerifyReport  # noqa: E402
 

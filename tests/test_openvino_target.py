@@ -80,7 +80,7 @@ def test_int4_subparts_compute_in_f32_on_the_cpu(ov_bundles):
     every int4 sub-part of both bundles is compiled with f32, read back from the compiled model;
     the fp32 codec keeps f32 and the KV cache stays u8."""
     for variant, bundle in ov_bundles.items():
-        parts = open_openvino_parts(open_bundle(bundle), device="CPU", cache_dir=False)
+        parts = open_openvino_parts(open_bundle(bundle), device="CPU", cache_dir=False).runners
         manifest = read_manifest(bundle)
         int4 = [p for p, spec in manifest["subparts"].items() if spec["precision"] == "int4"]
         assert "llm_decoder" in int4 and "audio_heads" in int4

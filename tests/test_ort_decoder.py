@@ -9,7 +9,7 @@ import pytest
 
 from higgs_pack.manifests.errors import InputError
 from higgs_pack.runtime.backends.onnxruntime import sessions as ort_backend
-from higgs_pack.runtime.backends.onnxruntime.sessions import OrtDecoder, OrtSubPart
+from higgs_pack.runtime.backends.onnxruntime.runners import OrtDecoder, OrtSubPart
 from higgs_pack.runtime.bundle import load
 from higgs_pack.runtime.loop.delay import SamplingOptions
 from higgs_pack.runtime.loop.generate import synthesize

@@ -79,7 +79,7 @@ def load_kernel_table(ep: str) -> KernelTable:
 @cache
 def cpu_kernel_table() -> KernelTable:
     """The CPU provider's kernels, read from the installed onnxruntime's own registry."""
-    from higgs_pack.runtime.backends.onnxruntime.sessions import import_ort
+    from higgs_pack.runtime.backends.onnxruntime.distributions import import_ort
 
     ort = import_ort()
     from onnxruntime.capi import onnxruntime_pybind11_state as C

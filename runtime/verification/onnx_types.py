@@ -54,7 +54,7 @@ def _type_str(type_str: str) -> str | None:
 @cache
 def _ort_schemas() -> dict[tuple[str, str], list[Any]]:
     """(domain, op) -> ONNX Runtime's schemas (every since_version), contrib ops included."""
-    from higgs_pack.runtime.backends.onnxruntime.sessions import import_ort
+    from higgs_pack.runtime.backends.onnxruntime.distributions import import_ort
 
     import_ort()
     from onnxruntime.capi import onnxruntime_pybind11_state as C

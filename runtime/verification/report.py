@@ -18,8 +18,8 @@ from higgs_pack.runtime.loop.pipeline import Pipeline
 
 def provider_cannot_run(exc: BaseException) -> str | None:
     """ONNX Runtime's own reason when a provider cannot execute a graph, else None
-    (see :func:`higgs_pack.runtime.backends.onnxruntime.sessions.provider_cannot_run`)."""
-    from higgs_pack.runtime.backends.onnxruntime.sessions import provider_cannot_run as classify
+    (see :func:`higgs_pack.runtime.backends.onnxruntime.failures.provider_cannot_run`)."""
+    from higgs_pack.runtime.backends.onnxruntime.failures import provider_cannot_run as classify
 
     return classify(exc)
 

@@ -5,7 +5,7 @@ first problem (like ``huggingface_hub``'s folder verification), so one run shows
 everything that is wrong.  The same function runs at build time (its numbers are
 recorded in the manifest) and in ``higgs-pack verify`` / every ``nox -s verify-<target>``,
 for every target: what differs per backend or provider is registered here as data
-(:data:`STRUCTURE_CHECKS`, :data:`RUNTIME_CHECKS`, the provider row's ``gpu`` flag),
+(:meth:`~higgs_pack.runtime.backends.Backend.structure_checks`, :meth:`~higgs_pack.runtime.backends.Backend.runtime_checks`, the provider row's ``gpu`` flag),
 never chosen by a target's name.
 """
 
@@ -21,16 +21,12 @@ import numpy as np
 from higgs_pack.manifests.constants import CPU_PROVIDER, EXECUTION_PROVIDERS
 from higgs_pack.manifests.errors import HiggsPackError
 from higgs_pack.manifests.manifest import check_files
+from higgs_pack.runtime.backends import backend_of
 from higgs_pack.runtime.bundle import Bundle, load, open_bundle
 from higgs_pack.runtime.loop.delay import SamplingOptions
 from higgs_pack.runtime.loop.generate import build_prompt, generate_codes, synthesize
 from higgs_pack.runtime.loop.pipeline import Pipeline
 from higgs_pack.runtime.verification.backend_checks import (
-    check_decoder_state,
-    check_gpu,
-    check_node_placement,
-    check_npu,
-    check_static_shapes,
     compare_providers,
 )
 from higgs_pack.runtime.verification.report import (
@@ -46,21 +42,6 @@ MIN_GREEDY_FRAMES = 16
 #: Frames of the greedy comparison below fp32, where it is reported, not judged.
 INFORMATIONAL_GREEDY_FRAMES = 32
 
-
-def check_onnx_static(bundle: Bundle, report: VerifyReport) -> None:
-    """ONNX Runtime: :mod:`higgs_pack.runtime.verification.static_checks` (onnx.checker, dtypes, kernel coverage, decoder I/O)."""
-    from higgs_pack.runtime.verification.static_checks import static_checks
-
-    static_checks(bundle, report)
-
-
-#: backend -> checks on the bundle's files, run before any session is created.
-STRUCTURE_CHECKS: dict[str, tuple] = {
-    "openvino": (check_decoder_state, check_static_shapes),
-    "onnxruntime": (check_onnx_static,),
-}
-#: backend -> checks on the loaded pipeline, run after parity and greedy decoding.
-RUNTIME_CHECKS: dict[str, tuple] = {"openvino": (check_gpu, check_npu), "onnxruntime": (check_node_placement,)}
 
 def verify_bundle(
     bundle: str | Path | Bundle,
@@ -80,11 +61,11 @@ def verify_bundle(
     """Check a bundle end to end, on the runtime alone (no torch, no checkpoint).
 
     Checks, in order: manifest + every file's size and sha256; the backend's
-    :data:`STRUCTURE_CHECKS` on the files (ONNX Runtime: onnx.checker, dtypes, kernel
+    :meth:`~higgs_pack.runtime.backends.Backend.structure_checks` on the files (ONNX Runtime: onnx.checker, dtypes, kernel
     coverage for GPU providers, decoder I/O; OpenVINO: the decoder's state, static
     shapes); sub-part I/O signatures (at load); per-sub-part parity against ``reference/golden.npz``
     with the manifest's thresholds; greedy codes vs the oracle (fp32: exact for
-    at least 16 frames); the backend's :data:`RUNTIME_CHECKS` (OpenVINO: GPU and
+    at least 16 frames); the backend's :meth:`~higgs_pack.runtime.backends.Backend.runtime_checks` (OpenVINO: GPU and
     NPU devices where present; ONNX Runtime: node placement on a non-CPU provider);
     then, when ``cases_dir`` is given, synthesis of its
     English and Chinese texts and a voice clone from ``ref_en_16k.wav``.
@@ -102,8 +83,8 @@ def verify_bundle(
             ``ref_en_16k.wav`` and ``ref_en_16k.txt`` (``shared/cases``).
         synthesize_cases: set False to skip synthesis.
         extra_checks: callables ``f(bundle, pipeline, report)`` run after parity,
-            after the backend's own :data:`RUNTIME_CHECKS`.
-        static: run the :data:`STRUCTURE_CHECKS` (the file-level checks).
+            after the backend's own :meth:`~higgs_pack.runtime.backends.Backend.runtime_checks`.
+        static: run the :meth:`~higgs_pack.runtime.backends.Backend.structure_checks` (the file-level checks).
         require_gpu: a GPU provider that is missing or unusable here fails the report
             instead of being skipped (for a machine known to have the hardware).
         parity: set False to stop after the file-level checks (no session on the
@@ -137,7 +118,7 @@ def verify_bundle(
                f"missing {files.missing}, changed {files.mismatched}, used but unlisted {files.unlisted}")
     if not files.ok:
         return report
-    for structure_check in STRUCTURE_CHECKS.get(m["backend"], ()) if static else ():
+    for structure_check in backend_of(m).structure_checks() if static else ():
         structure_check(opened, report)
     row = EXECUTION_PROVIDERS.get(m["execution_provider"] or "")
     gpu_run = row is not None and row.gpu and execution_provider is None and not allow_fallback
@@ -191,7 +172,7 @@ def verify_bundle(
             _check_greedy(pipeline, opened, golden, report)
         except HiggsPackError as exc:  # e.g. NumericalError from a decoder that returns NaN
             report.add("greedy codes", False, str(exc))
-    for extra_check in (*RUNTIME_CHECKS.get(m["backend"], ()), *(extra_checks or [])):
+    for extra_check in (*backend_of(m).runtime_checks(), *(extra_checks or [])):
         extra_check(opened, pipeline, report)
     if synthesize_cases and cases_dir is not None:
         if blocked:
@@ -222,7 +203,7 @@ def check_gpu_provider(bundle: Bundle, report: VerifyReport, *, ep: str | None =
         require: report a missing or unusable provider as a failure, not a skip (for a
             machine known to have the hardware).
     """
-    from higgs_pack.runtime.backends.onnxruntime.sessions import (
+    from higgs_pack.runtime.backends.onnxruntime.distributions import (
         import_ort,
         installed_ort_distributions,
     )

@@ -5,7 +5,7 @@ the cpu target's ``llm_decoder`` once per ModelBuilder int4 option set (``block_
 64 / 128, ``accuracy_level`` 4 = int8 compute and 1 = float32 compute, symmetric as
 ModelBuilder's default), each through the build's own decoder step (ModelBuilder's float
 graph, then the streamed MatMulNBits pass), plus the fp32 decoder as the parity reference,
-and times the bare decoder (:class:`~higgs_pack.runtime.backends.onnxruntime.sessions.OrtDecoder`: shared KV
+and times the bare decoder (:class:`~higgs_pack.runtime.backends.onnxruntime.runners.OrtDecoder`: shared KV
 buffers, IOBinding, the runtime's session options; no heads, embed or sampling) on the CPU
 execution provider, interleaved, at each context length.
 
@@ -73,10 +73,11 @@ def default_variant() -> str:
 
 def open_decoders(decoders: dict[str, dict[str, Any]], names: list[str], config: dict[str, Any],
                   max_length: int) -> dict[str, Any]:
-    """:class:`~higgs_pack.runtime.backends.onnxruntime.sessions.OrtDecoder` per name on the CPU execution provider,
+    """:class:`~higgs_pack.runtime.backends.onnxruntime.runners.OrtDecoder` per name on the CPU execution provider,
     with the runtime's default session options; :data:`REFERENCE` is opened lean
     (``prepacking=False``, weights paged out after each step), as ``--low-memory`` does."""
-    from higgs_pack.runtime.backends.onnxruntime.sessions import OrtDecoder, create_session
+    from higgs_pack.runtime.backends.onnxruntime.runners import OrtDecoder
+    from higgs_pack.runtime.backends.onnxruntime.sessions import create_session
 
     out = {}
     for name in names:

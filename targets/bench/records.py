@@ -149,60 +149,87 @@ def goal_checks(records: list[dict[str, Any]]) -> list[Goal]:
       at least ``GOAL_ROOFLINE`` of their roofline (``roofline_frac_decoder``) unless
       cache-resident.
     """
-    checks: list[Goal] = []
     measured = [r for r in records if r.get("frames_per_s") and "error" not in r]
     presets = [p for p in SIZED_PRESETS if any(r["preset"] == p for r in measured)] or [SIZED_PRESETS[0]]
-    required = (("cpu", "int4"), ("openvino", "int4"))
-
-    def find(preset: str, system: str, precision: str) -> dict[str, Any] | None:
-        return next((r for r in measured if r["preset"] == preset and r["system"] == system
-                     and r["precision"] == precision and not r.get("variant")
-                     and r.get("device") in (None, "cpu", "CPU")), None)
-
-    def missing(preset: str, goal: str, *what: str) -> None:
-        checks.append((f"[{preset}] {goal}", None, f"no {' / '.join(what)} record"))
-
+    checks: list[Goal] = []
     for preset in presets:
-        cpu4, ov4 = find(preset, "cpu", "int4"), find(preset, "openvino", "int4")
-        ref = find(preset, PYTORCH, "fp32")
-        goal = f"cpu int4 >= {GOAL_SPEEDUP_CPU_INT4:g}x PyTorch frames/s"
-        if cpu4 and ref:
-            s = cpu4["frames_per_s"] / ref["frames_per_s"]
-            checks.append((f"[{preset}] {goal}", s >= GOAL_SPEEDUP_CPU_INT4, f"{s:.2f}x"))
-        else:
-            missing(preset, goal, *([] if cpu4 else ["cpu-int4"]), *([] if ref else ["pytorch"]))
-        goal = "openvino int4 >= cpu int4 frames/s"
-        if cpu4 and ov4:
-            s = ov4["frames_per_s"] / cpu4["frames_per_s"]
-            checks.append((f"[{preset}] {goal}", s >= 1.0, f"{s:.2f}x"))
-        else:
-            missing(preset, goal, *([] if cpu4 else ["cpu-int4"]), *([] if ov4 else ["openvino-int4"]))
-        bundles = [r for r in measured if r["preset"] == preset and r["system"] != PYTORCH]
-        for system, precision in required:
-            if find(preset, system, precision) is None:
-                bundles.append({"label": f"{system}-{precision}", "missing": True})
-        for r in bundles:
-            label = r["label"]
-            per_system = (
-                (f"outside-decoder time < {GOAL_OUTSIDE_DECODER:.0%} of a frame", "outside_decoder_frac",
-                 lambda v, r=r: (v < GOAL_OUTSIDE_DECODER, f"{v:.1%}{_heads_share(r)}")),
-                (f"loop within {GOAL_LOOP_OVER_DECODER:g}x of its bare decoder", "loop_over_decoder",
-                 lambda v: (v <= GOAL_LOOP_OVER_DECODER, f"{v:.3f}x")),
-                (f"first audio <= {GOAL_FIRST_AUDIO:g} x (prefill + first chunk)", "first_audio_budget_ms",
-                 lambda v, r=r: (r["first_audio_ms"] <= GOAL_FIRST_AUDIO * v,
-                                 f"{r['first_audio_ms']:.0f} ms vs {v:.0f} ms ({r['first_audio_ms'] / v:.2f}x)")),
-            )
-            for goal, key, judge in per_system:
-                value = r.get(key)
-                if value is None:
-                    checks.append((f"[{preset}] {label}: {goal}", None,
-                                   "no record" if r.get("missing") else f"no {key}"))
-                else:
-                    met, numbers = judge(value)
-                    checks.append((f"[{preset}] {label}: {goal}", met, numbers))
+        checks += _speed_goals(measured, preset)
+        checks += _per_bundle_goals(measured, preset)
+    checks += _full_size_goals(measured)
+    checks += [(f"{r['label']} warm-cache load < {GOAL_WARM_LOAD_S:g} s (tiny)",
+                r["load_warm_s"] < GOAL_WARM_LOAD_S, f"{r['load_warm_s']:.3f} s")
+               for r in records
+               if r["system"] == "openvino" and r.get("load_warm_s") is not None and r["preset"] == "tiny"]
+    return checks
 
+
+#: The bundles every sized preset must measure (their goals are listed as not measured otherwise).
+REQUIRED_SYSTEMS = (("cpu", "int4"), ("openvino", "int4"))
+
+
+def _find(measured: list[dict[str, Any]], preset: str, system: str, precision: str) -> dict[str, Any] | None:
+    """The record of one system's base variant on the CPU in one preset, or None."""
+    return next((r for r in measured if r["preset"] == preset and r["system"] == system
+                 and r["precision"] == precision and not r.get("variant")
+                 and r.get("device") in (None, "cpu", "CPU")), None)
+
+
+def _missing(preset: str, goal: str, *what: str) -> Goal:
+    return (f"[{preset}] {goal}", None, f"no {' / '.join(what)} record")
+
+
+def _ratio_goal(preset: str, goal: str, num: dict | None, den: dict | None, names: tuple[str, str],
+                at_least: float) -> Goal:
+    """``num/den`` frames/s at least ``at_least``, or which of the two records is missing."""
+    if num and den:
+        s = num["frames_per_s"] / den["frames_per_s"]
+        return (f"[{preset}] {goal}", s >= at_least, f"{s:.2f}x")
+    return _missing(preset, goal, *([] if num else [names[0]]), *([] if den else [names[1]]))
+
+
+def _speed_goals(measured: list[dict[str, Any]], preset: str) -> list[Goal]:
+    """cpu int4 against PyTorch, openvino int4 against cpu int4 (frames/s, side by side)."""
+    cpu4, ov4 = _find(measured, preset, "cpu", "int4"), _find(measured, preset, "openvino", "int4")
+    ref = _find(measured, preset, PYTORCH, "fp32")
+    return [
+        _ratio_goal(preset, f"cpu int4 >= {GOAL_SPEEDUP_CPU_INT4:g}x PyTorch frames/s", cpu4, ref,
+                    ("cpu-int4", "pytorch"), GOAL_SPEEDUP_CPU_INT4),
+        _ratio_goal(preset, "openvino int4 >= cpu int4 frames/s", ov4, cpu4, ("openvino-int4", "cpu-int4"), 1.0),
+    ]
+
+
+def _per_bundle_goals(measured: list[dict[str, Any]], preset: str) -> list[Goal]:
+    """Outside-decoder share, loop over bare decoder and first audio, for every bundle measured
+    (and the required ones, listed as not measured when missing)."""
+    bundles = [r for r in measured if r["preset"] == preset and r["system"] != PYTORCH]
+    bundles += [{"label": f"{system}-{precision}", "missing": True} for system, precision in REQUIRED_SYSTEMS
+                if _find(measured, preset, system, precision) is None]
+    checks: list[Goal] = []
+    for r in bundles:
+        per_system = (
+            (f"outside-decoder time < {GOAL_OUTSIDE_DECODER:.0%} of a frame", "outside_decoder_frac",
+             lambda v, r=r: (v < GOAL_OUTSIDE_DECODER, f"{v:.1%}{_heads_share(r)}")),
+            (f"loop within {GOAL_LOOP_OVER_DECODER:g}x of its bare decoder", "loop_over_decoder",
+             lambda v: (v <= GOAL_LOOP_OVER_DECODER, f"{v:.3f}x")),
+            (f"first audio <= {GOAL_FIRST_AUDIO:g} x (prefill + first chunk)", "first_audio_budget_ms",
+             lambda v, r=r: (r["first_audio_ms"] <= GOAL_FIRST_AUDIO * v,
+                             f"{r['first_audio_ms']:.0f} ms vs {v:.0f} ms ({r['first_audio_ms'] / v:.2f}x)")),
+        )
+        for goal, key, judge in per_system:
+            value = r.get(key)
+            if value is None:
+                checks.append((f"[{preset}] {r['label']}: {goal}", None,
+                               "no record" if r.get("missing") else f"no {key}"))
+            else:
+                checks.append((f"[{preset}] {r['label']}: {goal}", *judge(value)))
+    return checks
+
+
+def _full_size_goals(measured: list[dict[str, Any]]) -> list[Goal]:
+    """Long-context step, decoder weight bytes and the roofline, on the full preset."""
     full = FULL_PRESET
-    cpu4, ov4 = find(full, "cpu", "int4"), find(full, "openvino", "int4")
+    cpu4, ov4 = _find(measured, full, "cpu", "int4"), _find(measured, full, "openvino", "int4")
+    checks: list[Goal] = []
     goal = f"cpu int4 step at a 900-position context <= {GOAL_LONG_CONTEXT_STEP:g}x its 64-position step"
     if cpu4 and cpu4.get("step_ms_ctx900") and cpu4.get("step_ms_ctx64"):
         s = cpu4["step_ms_ctx900"] / cpu4["step_ms_ctx64"]
@@ -211,17 +238,17 @@ def goal_checks(records: list[dict[str, Any]]) -> list[Goal]:
     elif cpu4:
         checks.append((f"[{full}] {goal}", None, "no step_ms_ctx64 / step_ms_ctx900"))
     else:
-        missing(full, goal, "cpu-int4")
+        checks.append(_missing(full, goal, "cpu-int4"))
     goal = "cpu int4 decoder weight bytes <= openvino int4's"
     if cpu4 and ov4:
         a, b = cpu4["decoder_weight_mb"], ov4["decoder_weight_mb"]
         checks.append((f"[{full}] {goal}", a <= b, f"{a:.0f} MB vs {b:.0f} MB"))
     else:
-        missing(full, goal, *([] if cpu4 else ["cpu-int4"]), *([] if ov4 else ["openvino-int4"]))
+        checks.append(_missing(full, goal, *([] if cpu4 else ["cpu-int4"]), *([] if ov4 else ["openvino-int4"])))
     for name, r in (("cpu-int4", cpu4), ("openvino-int4", ov4)):
         goal = f"{name}: decoder >= {GOAL_ROOFLINE:g} of its memory-bandwidth roofline"
         if r is None:
-            missing(full, goal, name)
+            checks.append(_missing(full, goal, name))
         elif r.get("cache_resident"):
             checks.append((f"[{full}] {goal}", None, "cache-resident: the decoder weights fit in the last-level cache"))
         elif r.get("roofline_frac_decoder") is None:
@@ -229,11 +256,6 @@ def goal_checks(records: list[dict[str, Any]]) -> list[Goal]:
         else:
             f = r["roofline_frac_decoder"]
             checks.append((f"[{full}] {goal}", f >= GOAL_ROOFLINE, f"{f:.2f}"))
-
-    for r in records:
-        if r["system"] == "openvino" and r.get("load_warm_s") is not None and r["preset"] == "tiny":
-            checks.append((f"{r['label']} warm-cache load < {GOAL_WARM_LOAD_S:g} s (tiny)",
-                           r["load_warm_s"] < GOAL_WARM_LOAD_S, f"{r['load_warm_s']:.3f} s"))
     return checks
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.manifests.constants import RUNTIME_BACKENDS
+from higgs_pack.runtime.backends import registered
 from higgs_pack.runtime.cpu import cpu_info
 from higgs_pack.targets.bench.records import (
     _roofline,
@@ -241,7 +241,7 @@ def build_record(spec: SystemSpec, manifest: dict[str, Any] | None, facts: dict[
 
 def _compiles(backend: str) -> bool:
     """Whether a backend compiles into a model cache (its cold and warm loads are measured)."""
-    return backend in RUNTIME_BACKENDS and RUNTIME_BACKENDS[backend].compile_cache
+    return backend in registered() and registered()[backend].compile_cache
 
 
 def _measure_system(spec: SystemSpec, path: Path | None, manifest: dict[str, Any] | None,

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from higgs_pack.exporters.result import tool_versions
-from higgs_pack.manifests.constants import RUNTIME_BACKENDS
+from higgs_pack.runtime.backends import registered
 from higgs_pack.targets.bench.systems import (
     CONTEXT_ROUNDS,
     CONTEXT_STEPS,
@@ -309,7 +309,7 @@ def _load_bundle(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """Open (validate, hash) and load a bundle; returns the pipeline and timings."""
     from higgs_pack.runtime.bundle import load, open_bundle
 
-    backend = RUNTIME_BACKENDS[spec["backend"]]
+    backend = registered()[spec["backend"]]
     t0 = time.perf_counter()  # imports are reported apart: they are not model loading
     for module in ("tokenizers", *backend.modules):
         importlib.import_module(module)

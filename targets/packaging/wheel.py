@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from higgs_pack.manifests.errors import PackagingError
-from higgs_pack.manifests.manifest import MANIFEST_NAME, placement_of
+from higgs_pack.manifests.manifest import MANIFEST_NAME
+from higgs_pack.runtime.backends import placement_of
 from higgs_pack.targets.packaging.archives import _zip_member, _zipinfo
 from higgs_pack.targets.packaging.content import (
     BundleContent,

@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from higgs_pack.runtime.backends.onnxruntime.sessions import OrtDecoder, OrtSubPart, create_session
+from higgs_pack.runtime.backends.onnxruntime.runners import OrtDecoder, OrtSubPart
+from higgs_pack.runtime.backends.onnxruntime.sessions import create_session
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """OpenVINO runtime backend: opens every sub-part of an OpenVINO IR bundle on its device
-(:func:`open_openvino_parts`, what ``runtime.bundle.load`` calls).
+(:func:`open_openvino_parts`, what the backend object in ``__init__.py`` calls).
 
 Runtime code: imports numpy, openvino and higgs-pack's manifests and pipeline
 only (no torch, no exporters). The pieces it composes:
@@ -24,6 +24,8 @@ from typing import Any, Literal
 
 import openvino as ov
 
+from higgs_pack.manifests.constants import SubPart
+from higgs_pack.runtime.backends import OpenedParts
 from higgs_pack.runtime.backends.openvino.devices import (
     check_device,
     cpu_packs_weights,
@@ -41,8 +43,8 @@ from higgs_pack.runtime.loop.pipeline import ModelConstants, step_input_shapes
 
 
 def open_openvino_parts(bundle: Any, *, device: str | None = None, allow_fallback: bool = False,
-                        cache_dir: str | os.PathLike | Literal[False] | None = None) -> dict[str, Any]:
-    """Compile every sub-part of an OpenVINO IR bundle (used by ``runtime.bundle.load``).
+                        cache_dir: str | os.PathLike | Literal[False] | None = None) -> OpenedParts:
+    """Compile every sub-part of an OpenVINO IR bundle (what the OpenVINO backend's ``open`` does).
 
     fp32 sub-parts are compiled with :func:`precision_config` so that an fp32 bundle
     really computes in fp32 (OpenVINO's CPU plugin otherwise picks bf16 on AMX
@@ -56,52 +58,64 @@ def open_openvino_parts(bundle: Any, *, device: str | None = None, allow_fallbac
             ``False``: no model cache (what build-time verification uses).
 
     Returns:
-        ``{sub-part name: runner, "description": {sub-part: device description}}``.
+        one runner per sub-part and the device each runs on (``OpenVINO CPU (f32)``).
 
     Raises:
         ExecutionProviderUnavailable: unknown or missing device (and no fallback asked).
         SignatureMismatch: an IR's I/O differs from the manifest, or the decoder is stateless.
     """
-    from higgs_pack.runtime.paths import cache_root
-
     m = bundle.manifest
     core = ov.Core()
-    wanted = device or m["device"] or "CPU"
-    chosen, _ = check_device(core, wanted, allow_fallback=allow_fallback)
-    if cache_dir is None:
-        cache_dir = cache_root() / "openvino" / f"{m['name']}-{m['model']['checkpoint_sha256'][:12]}"
-    if cache_dir is False:
-        cache_dir = None
-    else:
-        Path(cache_dir).mkdir(parents=True, exist_ok=True)
-    parts: dict[str, Any] = {"description": {}}
+    chosen, _ = check_device(core, device or m["device"] or "CPU", allow_fallback=allow_fallback)
+    cache = _model_cache(m, cache_dir)
+    opened = OpenedParts()
     constants = ModelConstants.from_dict(m["constants"])
     for part, spec in m["subparts"].items():
-        xml = bundle.file(spec["entry"])
         options = spec["options"]
         part_device = subpart_device(chosen, options)
         extra = dict(m["provider_options"].get(device_base(part_device), {}))
         recorded = dict((options.get("compile_properties") or {}).get(device_base(part_device), {}))
-        stateful = bool(options.get("stateful", part == "llm_decoder"))
+        stateful = bool(options.get("stateful", part == SubPart.LLM_DECODER))
         config = {**precision_config(part_device, spec["precision"], stateful=stateful), **recorded, **extra}
-        static = bool(options.get("static"))
-        if part == "llm_decoder" and static:
-            runner: Any = OvStaticKVDecoder(core, xml, part_device, cache_dir, config,
-                                            max_prompt_length=m["generation"].get("max_prompt_length"),
-                                            allow_fallback=allow_fallback)
-        elif part == "llm_decoder":
-            limit = m["generation"].get("max_prompt_length") or m["constants"]["max_position_embeddings"]
-            packs = cpu_packs_weights(part_device, spec["precision"])
-            runner = OvStatefulDecoder(core, xml, part_device, None if packs else cache_dir, config,
-                                       max_length=limit, allow_fallback=allow_fallback, page_out_weights=packs)
-        elif static and options.get("chunking"):
-            runner = OvStaticSubPart(core, xml, part_device, cache_dir, config, chunking=options["chunking"],
-                                     subpart=part, allow_fallback=allow_fallback)
-        else:
-            runner = OvSubPart(core, xml, part_device, cache_dir, config, allow_fallback=allow_fallback,
-                               step_inputs=step_input_shapes(part, constants))
+        runner = _runner(core, bundle, part, spec, part_device, cache, config, constants,
+                         allow_fallback=allow_fallback)
         check_signature(runner, part, spec)
-        parts[part] = runner
         pinned = f" (pinned by the manifest instead of {chosen})" if part_device != chosen else ""
-        parts["description"][part] = f"OpenVINO {runner.description}{pinned}"
-    return parts
+        opened.add(part, runner, f"OpenVINO {runner.description}{pinned}")
+    return opened
+
+
+def _model_cache(manifest: dict, cache_dir: str | os.PathLike | Literal[False] | None) -> Path | None:
+    """The model cache folder (created), or None for no cache (``cache_dir=False``)."""
+    from higgs_pack.runtime.paths import cache_root
+
+    if cache_dir is False:
+        return None
+    if cache_dir is None:
+        cache_dir = cache_root() / "openvino" / f"{manifest['name']}-{manifest['model']['checkpoint_sha256'][:12]}"
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    return Path(cache_dir)
+
+
+def _runner(core: ov.Core, bundle: Any, part: str, spec: dict, device: str, cache: Path | None,
+            config: dict, constants: ModelConstants, *, allow_fallback: bool) -> Any:
+    """The runner one sub-part needs: the decoder (stateful, or static with its own KV window)
+    or a sub-part (dynamic, or static in chunks), compiled on ``device``."""
+    xml = bundle.file(spec["entry"])
+    options = spec["options"]
+    static = bool(options.get("static"))
+    generation = bundle.manifest["generation"]
+    if part == SubPart.LLM_DECODER:
+        if static:
+            return OvStaticKVDecoder(core, xml, device, cache, config, allow_fallback=allow_fallback,
+                                     max_prompt_length=generation.get("max_prompt_length"))
+        limit = generation.get("max_prompt_length") or constants.max_position_embeddings
+        packs = cpu_packs_weights(device, spec["precision"])
+        # a decoder whose weights the CPU plugin packs is compiled without the model cache
+        return OvStatefulDecoder(core, xml, device, None if packs else cache, config, max_length=limit,
+                                 allow_fallback=allow_fallback, page_out_weights=packs)
+    if static and options.get("chunking"):
+        return OvStaticSubPart(core, xml, device, cache, config, chunking=options["chunking"],
+                               subpart=part, allow_fallback=allow_fallback)
+    return OvSubPart(core, xml, device, cache, config, allow_fallback=allow_fallback,
+                     step_inputs=step_input_shapes(part, constants))

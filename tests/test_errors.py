@@ -1,0 +1,65 @@
+"""Errors that name their cause: a full disk during a download is said as such."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from higgs_pack.manifests.errors import BundleError, HiggsPackError, HubError, disk_full, disk_full_message
+
+needs_dev_full = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full on this OS (Linux has it)")
+
+
+def _real_enospc() -> OSError:
+    """A real ENOSPC from the kernel: every write to /dev/full fails with it."""
+    try:
+        with open("/dev/full", "wb") as full:
+            full.write(b"x" * 4096)
+            full.flush()
+    except OSError as exc:
+        return exc
+    raise AssertionError("/dev/full accepted a write")
+
+
+def test_hub_error_is_not_a_bundle_error():
+    """A hub that cannot be reached says nothing about a bundle's files."""
+    assert issubclass(HubError, HiggsPackError) and not issubclass(HubError, BundleError)
+
+
+@needs_dev_full
+def test_disk_full_is_found_through_the_errors_a_library_wraps_it_in():
+    enospc = _real_enospc()
+    try:
+        try:
+            raise enospc
+        except OSError as inner:
+            raise RuntimeError("download failed") from inner
+    except RuntimeError as wrapped:
+        assert disk_full(wrapped) is enospc
+    assert disk_full(RuntimeError("offline")) is None
+    assert disk_full(PermissionError(13, "denied")) is None
+
+
+def test_disk_full_message_names_the_folder_and_its_free_space(tmp_path: Path):
+    text = disk_full_message(tmp_path / "not" / "made", "downloading org/repo", "free space there")
+    assert text.startswith(f"out of disk space in {tmp_path / 'not' / 'made'} (")
+    assert " GiB free) while downloading org/repo; free space there" in text
+
+
+@needs_dev_full
+def test_a_hub_download_that_fills_the_disk_says_so(monkeypatch, tmp_path: Path):
+    """The download itself is the hub client's (no network here): it is replaced by one whose
+    write really fails with ENOSPC, and the classification under test is ours."""
+    import huggingface_hub
+
+    from higgs_pack.runtime.hub import HubRef, _download
+
+    def snapshot_download(*args, **kwargs):
+        raise RuntimeError("a shard failed to download") from _real_enospc()
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    with pytest.raises(HubError, match=rf"out of disk space in {tmp_path} \(\d+\.\d GiB free\) while downloading "
+                                       r"org/bundles@main; free space there or point HF_HUB_CACHE"):
+        _download(HubRef("org/bundles"), None, None, tmp_path, None)

@@ -68,3 +68,36 @@ def test_loud_audio_is_scaled_not_clipped(tmp_path):
     w = write_wav(tmp_path / "f.wav", x, SR, subtype="FLOAT")
     assert not w.scaled and sf.read(tmp_path / "f.wav", dtype="float32")[0][1] == pytest.approx(1.8)
     assert sf.info(tmp_path / "a.wav").subtype == "PCM_16"
+
+
+def test_a_stream_is_written_in_pipe_sized_pieces(tmp_path):
+    """A pipe whose reader left cuts one large write short without an error Python reports;
+    pieces of at most the pipe's capacity, each flushed, make the next write raise."""
+    import io
+
+    from higgs_pack.runtime.audio import PIPE_PIECE_BYTES, AudioSink
+
+    sizes = []
+
+    class Recording(io.BytesIO):
+        def write(self, data):
+            sizes.append(len(data))
+            return super().write(data)
+
+    out = Recording()
+    sink = AudioSink(out, SR, subtype="PCM_16", container="raw")
+    samples = np.sin(np.arange(3 * SR) / 10).astype(np.float32) * 0.5  # 144,000 bytes of 16-bit audio
+    sink.write(samples)
+    assert max(sizes) <= PIPE_PIECE_BYTES and len(sizes) == 3
+    assert sink.samples_written == len(samples) and len(out.getvalue()) == 2 * len(samples)
+
+    class Closed(io.BytesIO):
+        def write(self, data):
+            if self.tell() >= PIPE_PIECE_BYTES:
+                raise BrokenPipeError(32, "Broken pipe")
+            return super().write(data)
+
+    sink = AudioSink(Closed(), SR, subtype="PCM_16", container="raw")
+    with pytest.raises(BrokenPipeError):
+        sink.write(samples)
+    assert sink.samples_written == PIPE_PIECE_BYTES // 2  # what reached the pipe before it closed

@@ -100,6 +100,9 @@ def voice_pair_problems(audio: Any, transcript: Any) -> list[str]:
     has_transcript = isinstance(transcript, str) and bool(transcript.strip())
     if (audio is None) == (transcript is None) and (audio is None or has_transcript):
         return []
+    if audio is not None and not isinstance(transcript, (str, type(None))):
+        return [f"ref_text must be a string, got {type(transcript).__name__}; give the exact transcript of the "
+                f"reference audio with {_set_with('ref_text')}"]
     if audio is not None and transcript is not None:
         return [f"ref_text is blank; give the exact transcript of the reference audio with {_set_with('ref_text')}"]
     return ["voice cloning needs both ref_audio= and ref_text= (--ref-audio with --ref-text): the reference "

@@ -174,6 +174,8 @@ def test_requests_are_checked_without_a_bundle(tmp_path):
         SynthesisRequest.create("Hi.", ref_audio=tmp_path / "none.wav", ref_text="Hello.")
     with pytest.raises(InputError, match="ref_text is blank"):
         Voice((np.zeros(24000, np.float32), 24000), "  ")
+    with pytest.raises(InputError, match="ref_text must be a string, got int"):
+        Voice((np.zeros(24000, np.float32), 24000), 5)
     with pytest.raises(InputError, match=r"ref_audio samples must be \[samples\] or \[samples, channels\], "
                                          r"got shape \(1, 2, 3\)"):
         Voice((np.zeros((1, 2, 3), np.float32), 24000), "Hello.")

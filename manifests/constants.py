@@ -93,64 +93,97 @@ CPU_RUNG = ChoiceRung("cpu", 50, "CPU bundle (OpenVINO CPU or ONNX Runtime cpu),
 
 
 @dataclass(frozen=True)
-class ExecutionProvider:
-    """One row of the execution-provider table: all higgs-pack knows about a provider.
+class Packaging:
+    """How a provider's ONNX Runtime distribution is installed, and how wheels for it are marked.
 
     Attributes:
-        name: The bundle's name for it (``cpu``, ``cuda``, ``dml``, ``openvino``).
-        ort_provider: ONNX Runtime's provider name, for example ``CUDAExecutionProvider``.
-        distribution: The PyPI distribution that provides it.
-        requirement: The requirement string a bundle records for it.
-        extra: The ``higgs-pack[extra]`` that installs it (pyproject.toml declares it;
+        distribution: the PyPI distribution that provides it (``onnxruntime-gpu``).
+        requirement: the requirement string a bundle records for it.
+        extra: the ``higgs-pack[extra]`` that installs it (pyproject.toml declares it;
             tests/test_declarations.py checks that it does).
         platform_marker: PEP 508 marker of the platforms it exists on (``None``: all).
             Targets on this provider put it on their wheel and on every requirement.
-        session_rules: ``SessionOptions`` attributes forced on every session of this
-            provider, whatever the manifest says (enum values by member name).
-        kernel_table: file in ``runtime/verification/ops/`` listing the provider's kernels and their
-            type constraints (GPU providers: kernel coverage is checked statically).
-        hardware: the hardware it needs, for messages ("the bundle needs …"; ``None``:
-            runs on any machine with its distribution).
-        hardware_missing: how a skipped check names the missing hardware ("no CUDA GPU").
-        label: the provider's short name in sentences ("the CUDA execution provider").
-        hardware_short: the hardware in a few words, for notes ("an NVIDIA GPU is present").
-        hardware_kind: the ``Inventory.hardware`` key whose PCI devices prove the hardware
-            is here without its runtime (``nvidia-gpu``; ``None``: no such scan).
-        hardware_probe: how a session finds the hardware before installing anything:
-            ``"command:<argv>"`` (the command exits 0 only where the hardware is) or
-            ``"platform:<sys.platform>"`` (the platform only; not proof of a GPU).
-        wheel_platforms: platforms its wheels are resolver-checked for where it cannot
-            run (keys of ``higgs_pack.targets.packaging.install_check.PLATFORMS``).
+        wheel_platforms: platforms its wheels are resolver-checked for where it cannot run
+            (keys of ``higgs_pack.targets.packaging.install_check.PLATFORMS``).
         classifiers: trove classifiers of bundle wheels for it.
-        own_venv: its distribution replaces onnxruntime (same module) and has no
-            higgs-pack runtime extra of its own to add beside another one.
-        modelbuilder: how ModelBuilder builds the decoder for it (``None``: it cannot).
-        rung: where its bundles stand in the runtime's preference ladder.
+        own_venv: its distribution replaces onnxruntime (same module) and has no higgs-pack
+            runtime extra of its own to add beside another one.
+    """
+
+    distribution: str
+    requirement: str
+    extra: str
+    platform_marker: str | None = None
+    wheel_platforms: tuple[str, ...] = ()
+    classifiers: tuple[str, ...] = ("Operating System :: OS Independent",)
+    own_venv: bool = False
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The hardware a provider needs beyond a CPU: what to say about it and how to find it.
+
+    Attributes:
+        needs: the hardware in a sentence ("the bundle needs …").
+        missing: how a skipped check names it when absent ("no CUDA GPU").
+        short: in a few words, for notes ("an NVIDIA GPU is present").
+        kind: the ``Inventory.hardware`` key whose PCI devices prove it is here without its
+            runtime (``nvidia-gpu``; ``None``: no such scan).
+        probe: how a nox session finds it before installing anything: ``"command:<argv>"``
+            (the command exits 0 only where it is) or ``"platform:<sys.platform>"`` (the
+            platform only; not proof of a GPU).
+    """
+
+    needs: str
+    missing: str
+    short: str
+    kind: str | None = None
+    probe: str | None = None
+
+
+@dataclass(frozen=True)
+class SessionSupport:
+    """What ONNX Runtime sessions on a provider need from higgs-pack.
+
+    Attributes:
+        rules: ``SessionOptions`` attributes forced on every session of this provider,
+            whatever the manifest says (enum values by member name).
+        kernel_table: file in ``runtime/verification/ops/`` listing the provider's kernels
+            and their type constraints (kernel coverage is then checked statically).
         iobinding_device: the ``OrtValue``/IOBinding device name of its memory when its
             GroupQueryAttention shares bound past/present KV buffers (the decoder then keeps
             one preallocated cache there); ``None``: the decoder copies the cache each step.
     """
 
+    rules: Mapping[str, Any] = field(default_factory=dict)
+    kernel_table: str | None = None
+    iobinding_device: str | None = None
+
+
+@dataclass(frozen=True)
+class ExecutionProvider:
+    """One row of the execution-provider table, in records by concern.
+
+    Attributes:
+        name: the bundle's name for it (``cpu``, ``cuda``, ``dml``, ``openvino``).
+        ort_provider: ONNX Runtime's provider name, for example ``CUDAExecutionProvider``.
+        label: its short name in sentences ("the CUDA execution provider").
+        packaging: how it is installed and how its wheels are marked.
+        hardware: the hardware it needs beyond a CPU (``None``: runs on any machine with
+            its distribution).
+        sessions: what its sessions need (forced options, kernel table, IOBinding device).
+        modelbuilder: how ModelBuilder builds the decoder for it (``None``: it cannot).
+        rung: where its bundles stand in the runtime's preference ladder.
+    """
+
     name: str
     ort_provider: str
-    distribution: str
-    requirement: str
-    extra: str
-    platform_marker: str | None = None
-    session_rules: Mapping[str, Any] = field(default_factory=dict)
-    kernel_table: str | None = None
-    hardware: str | None = None
-    hardware_missing: str | None = None
-    label: str = ""
-    hardware_short: str | None = None
-    hardware_kind: str | None = None
-    hardware_probe: str | None = None
-    wheel_platforms: tuple[str, ...] = ()
-    classifiers: tuple[str, ...] = ("Operating System :: OS Independent",)
-    own_venv: bool = False
+    label: str
+    packaging: Packaging
+    hardware: Hardware | None = None
+    sessions: SessionSupport = field(default_factory=SessionSupport)
     modelbuilder: ModelBuilderSupport | None = None
     rung: ChoiceRung = CPU_RUNG
-    iobinding_device: str | None = None
 
     @property
     def gpu(self) -> bool:
@@ -167,58 +200,51 @@ EXECUTION_PROVIDERS: dict[str, ExecutionProvider] = {
     ep.name: ep
     for ep in (
         ExecutionProvider(
-            "cpu", "CPUExecutionProvider", "onnxruntime", "onnxruntime>=1.31,<1.33", "cpu",
-            label="CPU",
+            "cpu", "CPUExecutionProvider", label="CPU",
+            packaging=Packaging("onnxruntime", "onnxruntime>=1.31,<1.33", "cpu"),
+            sessions=SessionSupport(iobinding_device="cpu"),
             modelbuilder=ModelBuilderSupport("cpu", accuracy_level=4),
-            iobinding_device="cpu",
         ),
         ExecutionProvider(
-            "cuda", "CUDAExecutionProvider", "onnxruntime-gpu", "onnxruntime-gpu>=1.31,<1.33", "cuda",
-            kernel_table="cuda.json",
-            hardware="an NVIDIA GPU with the CUDA 12 / cuDNN 9 runtime (Linux or Windows)",
-            hardware_missing="no CUDA GPU",
-            label="CUDA",
-            hardware_short="an NVIDIA GPU",
-            hardware_kind="nvidia-gpu",
-            hardware_probe="command:nvidia-smi -L",
-            wheel_platforms=("linux_x86_64", "win_amd64"),
-            classifiers=("Environment :: GPU :: NVIDIA CUDA", "Operating System :: POSIX :: Linux",
-                         "Operating System :: Microsoft :: Windows"),
+            "cuda", "CUDAExecutionProvider", label="CUDA",
+            packaging=Packaging(
+                "onnxruntime-gpu", "onnxruntime-gpu>=1.31,<1.33", "cuda",
+                wheel_platforms=("linux_x86_64", "win_amd64"),
+                classifiers=("Environment :: GPU :: NVIDIA CUDA", "Operating System :: POSIX :: Linux",
+                             "Operating System :: Microsoft :: Windows"),
+            ),
+            hardware=Hardware(
+                needs="an NVIDIA GPU with the CUDA 12 / cuDNN 9 runtime (Linux or Windows)",
+                missing="no CUDA GPU", short="an NVIDIA GPU", kind="nvidia-gpu", probe="command:nvidia-smi -L",
+            ),
+            sessions=SessionSupport(kernel_table="cuda.json", iobinding_device="cuda"),
             modelbuilder=ModelBuilderSupport("cuda", accuracy_level=0, no_packed_attention=("fp32",),
                                              int4_float_base="fp16"),
             rung=ChoiceRung("cuda", 20, "cuda bundle on an NVIDIA GPU"),
-            iobinding_device="cuda",
         ),
         ExecutionProvider(
-            "dml",
-            "DmlExecutionProvider",
-            "onnxruntime-directml",
-            f"onnxruntime-directml>=1.24,<1.33; {_WINDOWS}",
-            "dml",
-            platform_marker=_WINDOWS,
+            "dml", "DmlExecutionProvider", label="DirectML",
+            packaging=Packaging(
+                "onnxruntime-directml", f"onnxruntime-directml>=1.24,<1.33; {_WINDOWS}", "dml",
+                platform_marker=_WINDOWS, wheel_platforms=("win_amd64",),
+                classifiers=("Operating System :: Microsoft :: Windows",),
+            ),
+            hardware=Hardware(
+                needs="Windows 10/11 with a DirectX 12 GPU (DirectML)",
+                missing="no DirectML GPU (Windows 10/11 with DirectX 12)",
+                short="a DirectX 12 GPU (DirectML)", probe="platform:win32",
+            ),
             # DirectML needs memory patterns off and sequential execution (ONNX Runtime's
             # DirectML execution provider documentation).
-            session_rules={"enable_mem_pattern": False, "execution_mode": "ORT_SEQUENTIAL"},
-            kernel_table="dml.json",
-            hardware="Windows 10/11 with a DirectX 12 GPU (DirectML)",
-            hardware_missing="no DirectML GPU (Windows 10/11 with DirectX 12)",
-            label="DirectML",
-            hardware_short="a DirectX 12 GPU (DirectML)",
-            hardware_probe="platform:win32",
-            wheel_platforms=("win_amd64",),
-            classifiers=("Operating System :: Microsoft :: Windows",),
+            sessions=SessionSupport(rules={"enable_mem_pattern": False, "execution_mode": "ORT_SEQUENTIAL"},
+                                    kernel_table="dml.json"),
             modelbuilder=ModelBuilderSupport("dml", accuracy_level=0, no_packed_attention=("fp32",),
                                              int4_float_base="fp16"),
             rung=ChoiceRung("dml", 40, "dml bundle on a Windows GPU (DirectML)"),
         ),
         ExecutionProvider(
-            "openvino",
-            "OpenVINOExecutionProvider",
-            "onnxruntime-openvino",
-            "onnxruntime-openvino>=1.24",
-            "openvino-ep",
-            label="OpenVINO",
-            own_venv=True,
+            "openvino", "OpenVINOExecutionProvider", label="OpenVINO",
+            packaging=Packaging("onnxruntime-openvino", "onnxruntime-openvino>=1.24", "openvino-ep", own_venv=True),
         ),
     )
 }

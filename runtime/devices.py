@@ -285,9 +285,10 @@ def describe(bundle_dirs: Iterable[str | Path] = (), inv: Inventory | None = Non
         if name in inv.ort_providers:
             state = "creates sessions" if inv.ort_providers[name] is None else f"FAILS: {inv.ort_providers[name]}"
         else:
-            state = f"not available (pip install 'higgs-pack[{row.extra}]')"
-            platform_only = (row.hardware_probe or "").removeprefix("platform:")
-            if row.hardware_probe != platform_only and not inv.platform.startswith(platform_only):
+            state = f"not available (pip install 'higgs-pack[{row.packaging.extra}]')"
+            probe = (row.hardware.probe if row.hardware else None) or ""
+            platform_only = probe.removeprefix("platform:")
+            if probe != platform_only and not inv.platform.startswith(platform_only):
                 state = f"not available ({platform_only} only)"
         lines.append(f"  {name:<9} {row.ort_provider:<27} {state}")
     lines.append(f"OpenVINO       {inv.openvino or 'not installed (pip install higgs-pack[openvino])'}")

@@ -155,8 +155,8 @@ class Target:
                 f"target {self.name!r}: " + unknown_choice("execution provider", self.execution_provider,
                                                             EXECUTION_PROVIDERS, "Target(execution_provider=)"))
         if row is not None:
-            defaults = {"extra": row.extra, "platform_marker": row.platform_marker, "classifiers": row.classifiers,
-                        "runtime_requirements": (row.requirement, ONNX_REQUIREMENT)}
+            defaults = {"extra": row.packaging.extra, "platform_marker": row.packaging.platform_marker, "classifiers": row.packaging.classifiers,
+                        "runtime_requirements": (row.packaging.requirement, ONNX_REQUIREMENT)}
             for key, value in defaults.items():
                 if getattr(self, key) is None:
                     object.__setattr__(self, key, value)

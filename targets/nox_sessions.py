@@ -38,15 +38,15 @@ def session_table() -> dict[str, Any]:
         table["targets"][name] = {
             "default_precision": target.default_precision,
             "runs_anywhere": target.runs_anywhere,
-            "runtime_extra": fallback.extra if fallback is not None else target.extra,
-            "gpu": {"extra": target.extra, "probe": row.hardware_probe} if row is not None and row.gpu else None,
+            "runtime_extra": fallback.packaging.extra if fallback is not None else target.extra,
+            "gpu": {"extra": target.extra, "probe": row.hardware.probe} if row is not None and row.gpu else None,
         }
         if target.runs_anywhere and row is not None:
             for other in EXECUTION_PROVIDERS.values():
-                if other.own_venv and other is not row:
+                if other.packaging.own_venv and other is not row:
                     table["provider_sessions"].append({
                         "session": f"verify-{name}-on-{other.name}-ep", "target": name, "provider": other.name,
-                        "install": [other.requirement, ONNX_REQUIREMENT], "ort_provider": other.ort_provider})
+                        "install": [other.packaging.requirement, ONNX_REQUIREMENT], "ort_provider": other.ort_provider})
     return table
 
 

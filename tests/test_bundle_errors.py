@@ -228,7 +228,12 @@ def test_prompt_control_tokens_in_the_text_are_refused(cpu_int4_bundle):
 def test_openvino_bundle_without_openvino_names_the_extra(bundle_copy, monkeypatch):
     import sys
 
-    _edit_manifest(bundle_copy, lambda m: m.update(backend="openvino", execution_provider=None, device="CPU"))
+    def as_openvino(m):
+        m.update(backend="openvino", execution_provider=None, device="CPU")
+        for spec in m["subparts"].values():
+            spec["format"] = "openvino"  # a format the backend reads: the runtime is what is missing
+
+    _edit_manifest(bundle_copy, as_openvino)
     monkeypatch.setitem(sys.modules, "higgs_pack.runtime.backends.openvino.parts", None)  # as if openvino were absent
     with pytest.raises(ExecutionProviderUnavailable, match=r"pip install 'higgs-pack\[openvino\]'"):
         load(bundle_copy)

@@ -22,7 +22,10 @@ from higgs_pack.manifests.constants import (
     EXECUTION_PROVIDERS,
     ChoiceRung,
     ExecutionProvider,
+    Hardware,
     ModelBuilderSupport,
+    Packaging,
+    SessionSupport,
     SubPart,
 )
 from higgs_pack.manifests.errors import BuildPlanError
@@ -60,7 +63,7 @@ def exact_cpu(registry) -> Target:
 def test_fifth_target_plans_from_its_declaration_alone(exact_cpu):
     assert get_target("cpu-exact") is exact_cpu
     assert (exact_cpu.extra, exact_cpu.platform_marker) == ("cpu", None)
-    assert exact_cpu.runtime_requirements == (EXECUTION_PROVIDERS["cpu"].requirement, base.ONNX_REQUIREMENT)
+    assert exact_cpu.runtime_requirements == (EXECUTION_PROVIDERS["cpu"].packaging.requirement, base.ONNX_REQUIREMENT)
     plan = make_plan("cpu-exact")
     assert plan.precision == "fp32" and {r.subpart for r in plan.rows} == set(SubPart)
     with pytest.raises(BuildPlanError, match="target 'cpu-exact' does not support precision 'int4'"):
@@ -107,14 +110,14 @@ def test_fifth_target_builds_verifies_and_packages(exact_cpu, tiny_checkpoint, t
 def qnn(monkeypatch, registry) -> ExecutionProvider:
     """A new provider row (Qualcomm's QNN EP), declared in the provider table only."""
     row = ExecutionProvider(
-        "qnn", "QNNExecutionProvider", "onnxruntime-qnn", "onnxruntime-qnn>=1.22", "qnn",
-        platform_marker="sys_platform == 'win32' and platform_machine == 'ARM64'",
-        session_rules={"enable_mem_pattern": False},
-        hardware="a Snapdragon NPU (Windows on ARM)", hardware_missing="no Qualcomm NPU",
-        hardware_probe="platform:win32", wheel_platforms=("win_amd64",),
-        classifiers=("Operating System :: Microsoft :: Windows",),
+        "qnn", "QNNExecutionProvider", label="QNN",
+        packaging=Packaging("onnxruntime-qnn", "onnxruntime-qnn>=1.22", "qnn",
+                            platform_marker="sys_platform == 'win32' and platform_machine == 'ARM64'",
+                            wheel_platforms=("win_amd64",), classifiers=("Operating System :: Microsoft :: Windows",)),
+        hardware=Hardware(needs="a Snapdragon NPU (Windows on ARM)", missing="no Qualcomm NPU",
+                          short="a Qualcomm NPU", kind="qualcomm-npu", probe="platform:win32"),
+        sessions=SessionSupport(rules={"enable_mem_pattern": False}),
         modelbuilder=ModelBuilderSupport("cpu", accuracy_level=4),
-        label="QNN", hardware_short="a Qualcomm NPU", hardware_kind="qualcomm-npu",
         rung=ChoiceRung("qnn", 15, "qnn bundle on a Qualcomm NPU"),
     )
     monkeypatch.setitem(constants.EXECUTION_PROVIDERS, "qnn", row)
@@ -126,9 +129,9 @@ def test_new_provider_row_is_the_only_declaration(qnn, tmp_path):
                              backend="onnxruntime", execution_provider="qnn", precisions=("int4",),
                              recipes=onnx_recipes("qnn"), verify_on="cpu"))
     # Everything the target needs comes from the row.
-    assert (target.extra, target.platform_marker, target.classifiers) == (qnn.extra, qnn.platform_marker,
-                                                                           qnn.classifiers)
-    assert all(qnn.platform_marker in r for r in target.runtime_requirements)
+    assert (target.extra, target.platform_marker, target.classifiers) == (qnn.packaging.extra, qnn.packaging.platform_marker,
+                                                                           qnn.packaging.classifiers)
+    assert all(qnn.packaging.platform_marker in r for r in target.runtime_requirements)
     assert make_plan("qnn").rows[1].options == {"execution_provider": "qnn"}
     # The runtime: session rules forced, distribution known, install hint names the extra.
     from higgs_pack.runtime.backends.onnxruntime import distributions, runners
@@ -143,7 +146,7 @@ def test_new_provider_row_is_the_only_declaration(qnn, tmp_path):
     from higgs_pack.targets.packaging.install_check import check_plan
 
     plan = check_plan(target)
-    assert not plan.runs_here and plan.needs == qnn.hardware and [p.label for p in plan.platforms] == ["Windows x86-64"]
+    assert not plan.runs_here and plan.needs == qnn.hardware.needs and [p.label for p in plan.platforms] == ["Windows x86-64"]
     reqs = requires_dist({"runtime_requirements": list(target.runtime_requirements)}, target, "0.1.0")
     assert reqs[0].startswith("higgs-pack[qnn]>=0.1.0; ")
     assert session_table()["targets"]["qnn"]["gpu"] == {"extra": "qnn", "probe": "platform:win32"}
@@ -176,10 +179,10 @@ def test_unknown_provider_in_a_target_is_refused(registry):
 def test_every_provider_extra_is_declared_in_pyproject():
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     for row in EXECUTION_PROVIDERS.values():
-        assert row.extra in extras, f"pyproject.toml has no [{row.extra}] extra for provider {row.name!r}"
-        dists = [e.split(";")[0] for e in extras[row.extra]]
-        assert any(d.startswith(row.distribution) for d in dists), (row.name, extras[row.extra])
-        assert row.requirement.split(";")[0].strip() in dists, (row.name, row.requirement, dists)
+        assert row.packaging.extra in extras, f"pyproject.toml has no [{row.packaging.extra}] extra for provider {row.name!r}"
+        dists = [e.split(";")[0] for e in extras[row.packaging.extra]]
+        assert any(d.startswith(row.packaging.distribution) for d in dists), (row.name, extras[row.packaging.extra])
+        assert row.packaging.requirement.split(";")[0].strip() in dists, (row.name, row.packaging.requirement, dists)
 
 
 def test_noxfile_session_table_is_current():

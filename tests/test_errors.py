@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from higgs_pack.manifests.errors import BundleError, HiggsPackError, HubError, disk_full, disk_full_message
+from higgs_pack.manifests.errors import (
+    BundleError,
+    HiggsPackError,
+    HubError,
+    disk_full,
+    disk_full_message,
+)
 
 needs_dev_full = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full on this OS (Linux has it)")
 

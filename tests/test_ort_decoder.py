@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from higgs_pack.manifests.errors import InputError
+from higgs_pack.runtime.backends.onnxruntime import runners
 from higgs_pack.runtime.backends.onnxruntime import sessions as ort_backend
 from higgs_pack.runtime.backends.onnxruntime.runners import OrtDecoder, OrtSubPart
 from higgs_pack.runtime.bundle import load
@@ -31,7 +32,7 @@ def test_cpu_decoder_shares_its_kv_buffers_by_default(pipeline):
 
 def test_shared_buffers_give_the_hidden_states_of_the_copying_path(pipeline, monkeypatch):
     # A small first buffer, so that growing it (with a copy of the used rows) is exercised too.
-    monkeypatch.setattr(ort_backend, "INITIAL_KV_CAPACITY", 8)
+    monkeypatch.setattr(runners, "INITIAL_KV_CAPACITY", 8)
     shared, copies = _twin(pipeline.decoder, True), _twin(pipeline.decoder, False)
     rng = np.random.default_rng(0)
     h = pipeline.constants.hidden_size

@@ -89,7 +89,7 @@ def make_bundle(root: Path, *, name: str = NAME, target: str = "cpu") -> Path:
                   "license": "test licence: research only"},
         "target": target, "precision": "fp32", "variant": None, "backend": "onnxruntime",
         "execution_provider": target, "device": None, "provider_options": {}, "session_options": {},
-        "runtime_requirements": [EXECUTION_PROVIDERS[target].requirement, "onnx>=1.17"],
+        "runtime_requirements": [EXECUTION_PROVIDERS[target].packaging.requirement, "onnx>=1.17"],
         "tokenizer": {"file": "tokenizer.json"}, "files": [], "subparts": subparts,
         "constants": {**dict.fromkeys(ints, 1),
                       "special_tokens": {"tts": 1, "audio": 2, "text": 3, "ref_audio": 4, "ref_text": 5}},

@@ -27,7 +27,7 @@ from higgs_pack.runtime.verification.onnx_types import (
 
 def provider_tables() -> dict[str, str]:
     """Bundle EP name -> supported-op table in ``runtime/verification/ops/`` (the provider rows' ``kernel_table``)."""
-    return {name: row.kernel_table for name, row in EXECUTION_PROVIDERS.items() if row.kernel_table}
+    return {name: row.sessions.kernel_table for name, row in EXECUTION_PROVIDERS.items() if row.sessions.kernel_table}
 
 
 @dataclass(frozen=True)

@@ -233,7 +233,7 @@ def static_checks(bundle: Bundle, report: VerifyReport, *, ep: str | None = None
     row = EXECUTION_PROVIDERS.get(ep)
     check_onnx_files(bundle, report)
     typed = check_dtypes(bundle, report)
-    cov = check_op_coverage(bundle, typed, report, ep) if row is not None and row.kernel_table else {}
+    cov = check_op_coverage(bundle, typed, report, ep) if row is not None and row.sessions.kernel_table else {}
     if row is not CPU_PROVIDER:
         check_cpu_coverage(bundle, typed, report)
     check_decoder_io(bundle, report)

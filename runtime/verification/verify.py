@@ -214,16 +214,16 @@ def check_gpu_provider(bundle: Bundle, report: VerifyReport, *, ep: str | None =
     ort = import_ort()
     available = ort.get_available_providers()
     if row.ort_provider not in available:
-        report.add(f"{ep} runtime", missing, f"{row.hardware_missing or ep}: {row.ort_provider} not available "
+        report.add(f"{ep} runtime", missing, f"{row.hardware.missing if row.hardware else ep}: {row.ort_provider} not available "
                    f"(installed providers: {', '.join(available)}; distributions: "
                    f"{', '.join(installed_ort_distributions()) or 'none'}). Where the hardware exists: "
-                   f"pip install '{row.requirement}', then nox -s verify-{bundle.manifest['target']}")
+                   f"pip install '{row.packaging.requirement}', then nox -s verify-{bundle.manifest['target']}")
         return
     try:
         target = load(bundle, execution_provider=ep)
     except HiggsPackError as exc:
         report.add(f"{ep} runtime", missing, f"{row.ort_provider} is installed but unusable here "
-                   f"({row.hardware_missing or ep}, or its libraries are missing?): {exc}")
+                   f"({row.hardware.missing if row.hardware else ep}, or its libraries are missing?): {exc}")
         return
     elsewhere = {p: d for p, d in target.description.items() if d.split(" (")[0] != row.ort_provider}
     report.add(f"{ep} sessions", not elsewhere, f"every sub-part's session is on {row.ort_provider}" if not elsewhere

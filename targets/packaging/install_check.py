@@ -104,11 +104,11 @@ def check_plan(target: Any) -> CheckPlan:
     if target.runs_anywhere:
         return CheckPlan(runs_here=True)
     row = target.provider
-    if row is None or not row.wheel_platforms:
+    if row is None or not row.packaging.wheel_platforms:
         raise HiggsPackError(f"target {target.name!r} needs hardware this machine may lack, but its execution "
                              "provider row lists no wheel_platforms to check the wheel's requirements for")
-    return CheckPlan(runs_here=False, platforms=tuple(PLATFORMS[p] for p in row.wheel_platforms),
-                     needs=row.hardware or row.name)
+    return CheckPlan(runs_here=False, platforms=tuple(PLATFORMS[p] for p in row.packaging.wheel_platforms),
+                     needs=row.hardware.needs if row.hardware else row.name)
 
 
 @dataclass

@@ -108,7 +108,7 @@ class OnnxRuntimeBackend(Backend):
         if not inventory.ort_providers:
             reason = "onnxruntime is not installed"
         if reason is not None:
-            return [], f"{row.ort_provider} unavailable ({reason}); pip install 'higgs-pack[{row.extra}]'"
+            return [], f"{row.ort_provider} unavailable ({reason}); pip install 'higgs-pack[{row.packaging.extra}]'"
         rung = row.rung.name
         what = f"the {row.label} execution provider" if row.gpu else row.ort_provider
         if rung == CPU_RUNG.name:
@@ -120,12 +120,14 @@ class OnnxRuntimeBackend(Backend):
         runnable bundle for it."""
         notes = []
         for row in EXECUTION_PROVIDERS.values():
-            seen = inventory.hardware.get(row.hardware_kind) if row.hardware_kind else None
-            if not row.gpu or row.rung.name in runnable or not (seen or inventory.ort_ok(row.name)):
+            if not row.gpu:
+                continue
+            seen = inventory.hardware.get(row.hardware.kind) if row.hardware.kind else None
+            if row.rung.name in runnable or not (seen or inventory.ort_ok(row.name)):
                 continue
             has = any(c.backend == self.name and c.built_for == row.name for c in candidates)
             what = seen[0] if seen else f"{row.ort_provider} creates sessions"
-            notes.append(f"{row.hardware_short or row.hardware} is present ({what}) but " + (
+            notes.append(f"{row.hardware.short} is present ({what}) but " + (
                 f"the {row.name} bundle cannot run (see below)" if has else
                 f"no {row.name} bundle{of} is visible; build one with `higgs-pack build --target {row.name}`"))
         return notes

@@ -13,7 +13,7 @@ from higgs_pack.manifests.errors import (
 
 def ort_distributions() -> tuple[str, ...]:
     """Distributions that all install the one ``onnxruntime`` module (one per provider row)."""
-    return tuple(dict.fromkeys(row.distribution for row in EXECUTION_PROVIDERS.values()))
+    return tuple(dict.fromkeys(row.packaging.distribution for row in EXECUTION_PROVIDERS.values()))
 
 
 
@@ -49,8 +49,8 @@ def import_ort():
     except ImportError as exc:
         raise ExecutionProviderUnavailable(
             "onnxruntime is not installed; install the runtime for this bundle, e.g. "
-            f"pip install 'higgs-pack[{CPU_PROVIDER.extra}]' (or "
-            + ", ".join(f"[{row.extra}]" for row in EXECUTION_PROVIDERS.values() if not row.own_venv
+            f"pip install 'higgs-pack[{CPU_PROVIDER.packaging.extra}]' (or "
+            + ", ".join(f"[{row.packaging.extra}]" for row in EXECUTION_PROVIDERS.values() if not row.packaging.own_venv
                         and row is not CPU_PROVIDER) + ")"
         ) from exc
     return ort
@@ -62,9 +62,9 @@ def install_hint(row) -> str:
     A distribution that replaces onnxruntime (``own_venv``, e.g. onnxruntime-openvino:
     same ``onnxruntime`` module) gets a hint that removes the other distributions first.
     """
-    if row.own_venv:
-        others = [d for d in installed_ort_distributions() if d != row.distribution] or [CPU_PROVIDER.distribution]
+    if row.packaging.own_venv:
+        others = [d for d in installed_ort_distributions() if d != row.packaging.distribution] or [CPU_PROVIDER.packaging.distribution]
         return (f"Install it in a venv of its own, or replace the installed one: pip uninstall -y "
-                f"{' '.join(others)} && pip install '{row.requirement}' (it cannot share a venv with "
+                f"{' '.join(others)} && pip install '{row.packaging.requirement}' (it cannot share a venv with "
                 "another onnxruntime distribution)")
-    return f"Install it with pip install 'higgs-pack[{row.extra}]' ({row.requirement})"
+    return f"Install it with pip install 'higgs-pack[{row.packaging.extra}]' ({row.packaging.requirement})"

@@ -141,7 +141,7 @@ def shared_kv_device(ort_provider: str) -> str | None:
     ``iobinding_device``, e.g. ``cuda``), or None when its attention does not share bound
     past/present buffers (the cache is then copied each step)."""
     row = next((r for r in EXECUTION_PROVIDERS.values() if r.ort_provider == ort_provider), None)
-    return row.iobinding_device if row else None
+    return row.sessions.iobinding_device if row else None
 
 #: First KV buffer length of the shared-buffer decoder (positions); it doubles when a request
 #: needs more (one copy of the used part), up to the decoder's ``max_length``.

@@ -101,7 +101,7 @@ def session_options_for(ep: str, options: dict[str, Any]):
         if key not in options:
             so.add_session_config_entry(key, value)
     row = EXECUTION_PROVIDERS.get(ep)
-    for key, value in (row.session_rules if row is not None else {}).items():
+    for key, value in (row.sessions.rules if row is not None else {}).items():
         setattr(so, key, getattr(ort.ExecutionMode, value) if key == "execution_mode" else value)
     return so
 

@@ -14,7 +14,6 @@ import logging
 import math
 import os
 import platform
-import re
 import shutil
 import sys
 import tempfile
@@ -36,11 +35,17 @@ from higgs_pack.targets.base import (
     DECODER_EXPORT_REL_L2,
     EXPORT_REL_L2,
 )
-from higgs_pack.targets.plan import BuildPlan, make_plan, plan_mismatches
+from higgs_pack.targets.plan import (
+    BuildPlan,
+    bundle_name,
+    bundle_path,
+    make_plan,
+    model_slug,
+    plan_mismatches,
+)
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL_SLUG = "higgs-audio-v3-tiny"
 DEFAULT_LICENSE = "research / non-commercial (Boson AI Higgs Audio licence; see the model card)"
 REFERENCE_FILE = "reference/golden.npz"
 
@@ -68,23 +73,6 @@ def default_checkpoint(preset: str = "tiny", seed: int = 0) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
-
-
-def model_slug(model: str | None) -> str:
-    """Bundle-name slug of a checkpoint: ``higgs-audio-v3-tiny`` for the default."""
-    if model is None:
-        return DEFAULT_MODEL_SLUG
-    name = Path(str(model).rstrip("/")).name or str(model)
-    slug = re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-.")
-    return slug or "model"
-
-
-def bundle_name(slug: str, plan: BuildPlan) -> str:
-    """``<model-slug>-<target>-<precision>[-<variant>]``."""
-    parts = [slug, plan.target.name, plan.precision]
-    if plan.variant:
-        parts.append(plan.variant)
-    return "-".join(parts)
 
 
 @contextmanager
@@ -158,8 +146,8 @@ def build(
 
     plan = make_plan(target, precision, variant)
     say = progress or (lambda msg: log.info(msg))
-    slug = model_slug(None if model is None else str(model))
-    out = Path(out) if out is not None else Path(dist_dir) / bundle_name(slug, plan)
+    slug = model_slug(model)
+    out = bundle_path(plan, model, out, dist_dir)
     if out.exists():
         if _is_good_bundle(out):
             if not force:

@@ -6,14 +6,19 @@ fails in milliseconds with a message naming both values.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from higgs_pack.exporters.catalog import ExporterInfo, get_exporter
 from higgs_pack.manifests.constants import SubPart
 from higgs_pack.manifests.errors import BuildPlanError
 from higgs_pack.targets.base import Target, Variant, get_target
+
+#: Bundle-name slug of the embedded tiny checkpoint (the default ``--model``).
+DEFAULT_MODEL_SLUG = "higgs-audio-v3-tiny"
 
 
 @dataclass(frozen=True)
@@ -127,3 +132,38 @@ def plan_mismatches(plan: BuildPlan, recorded: Mapping[str, Mapping[str, Any]]) 
                 out.append(f"{row.subpart.value}: quantization {key}={got['quantization'].get(key)!r}, "
                            f"planned {value!r}")
     return out
+
+
+def model_slug(model: str | Path | None) -> str:
+    """Bundle-name slug of a checkpoint: its folder or repo name, lower case, runs of other
+    characters as ``-`` (:data:`DEFAULT_MODEL_SLUG` for the default checkpoint, ``None``)."""
+    if model is None:
+        return DEFAULT_MODEL_SLUG
+    name = Path(str(model).rstrip("/")).name or str(model)
+    slug = re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-.")
+    return slug or "model"
+
+
+def bundle_name(slug: str, plan: BuildPlan) -> str:
+    """``<model-slug>-<target>-<precision>[-<variant>]``: the bundle's folder and manifest name."""
+    parts = [slug, plan.target.name, plan.precision]
+    if plan.variant:
+        parts.append(plan.variant)
+    return "-".join(parts)
+
+
+def bundle_path(plan: BuildPlan, model: str | Path | None = None, out: str | Path | None = None,
+               dist_dir: str | Path = "dist") -> Path:
+    """Where a build of ``plan`` puts its bundle: ``out`` when given, else
+    ``<dist_dir>/<bundle_name>`` (``higgs-pack build --print-path`` prints it; the noxfile asks
+    that instead of naming bundles itself).
+
+    Args:
+        plan: the build's plan (target, precision, variant).
+        model: the checkpoint directory or repo id (``None``: the embedded tiny one).
+        out: an explicit bundle directory.
+        dist_dir: parent of the default directory (relative paths: to the working directory).
+    """
+    if out is not None:
+        return Path(out)
+    return Path(dist_dir) / bundle_name(model_slug(model), plan)

@@ -141,3 +141,40 @@ def test_npu_plan_says_static_decoder_and_symmetric_int4():
     heads = {r.subpart: r for r in make_plan("openvino").rows}[SubPart.AUDIO_HEADS]
     assert heads.passes == ("OpenVINOConversion", "OpenVINOWeightCompression(INT4_SYM)")
     assert heads.options["group_size"] == 64 and rows[SubPart.AUDIO_HEADS].options["group_size"] == 128
+
+
+# ----------------------------------------------------------------------------- bundle names
+
+
+def _printed_path(*args: str, cwd: Path) -> Path:
+    """What ``higgs-pack build ... --print-path`` prints (the noxfile's only source of bundle paths)."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    out = subprocess.run([sys.executable, "-m", "higgs_pack.runtime.cli", "build", *args, "--print-path"],
+                         capture_output=True, text=True, cwd=cwd, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return Path(out.stdout.strip())
+
+
+def test_print_path_names_the_variant_precision_model_and_out(tmp_path):
+    """``nox -s build-openvino -- --npu`` builds ``…-int4-npu``: the path the noxfile then speaks
+    with and verifies comes from the build (it once dropped the variant and spoke with ``…-int4``)."""
+    from higgs_pack.targets.plan import DEFAULT_MODEL_SLUG
+
+    assert _printed_path("--target", "openvino", "--npu", cwd=tmp_path) == (
+        tmp_path / "dist" / f"{DEFAULT_MODEL_SLUG}-openvino-{get_target('openvino').default_precision}-npu")
+    assert _printed_path("-t", "cpu", "-p", "fp32", cwd=tmp_path).name == f"{DEFAULT_MODEL_SLUG}-cpu-fp32"
+    assert _printed_path("-t", "cpu", "-m", "/models/Higgs_Audio-V3", cwd=tmp_path).name == "higgs-audio-v3-cpu-int4"
+    assert _printed_path("-t", "cpu", "-o", "elsewhere/b", cwd=tmp_path) == tmp_path / "elsewhere" / "b"
+    assert not (tmp_path / "dist").exists()  # nothing is built
+
+
+def test_noxfile_names_no_bundle_itself():
+    """Every bundle path in noxfile.py is asked from ``higgs-pack build --print-path``."""
+    from higgs_pack.targets.plan import DEFAULT_MODEL_SLUG
+
+    text = (ROOT / "noxfile.py").read_text(encoding="utf-8")
+    code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith(("#", '"""')))
+    assert "--print-path" in text and f'"{DEFAULT_MODEL_SLUG}' not in code and "default_precision" not in code

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,8 @@ from higgs_pack.manifests.constants import FORMAT_VERSION, SubPart
 from higgs_pack.manifests.errors import BuildError, BundleError, HiggsPackError
 from higgs_pack.manifests.manifest import MANIFEST_NAME, file_entry, read_manifest, write_manifest
 from higgs_pack.runtime.cpu import cpu_info
+from higgs_pack.runtime.loop.delay import SamplingOptions
+from higgs_pack.runtime.loop.generate import FRAMES_PER_TEXT_TOKEN, MIN_MAX_FRAMES
 from higgs_pack.runtime.paths import cache_root
 from higgs_pack.targets.base import (
     CODE_AGREEMENT_THRESHOLD,
@@ -336,8 +339,7 @@ def _assemble(plan: BuildPlan, ckpt, slug: str, source: str, bundle_dir: Path, r
         "files": [file_entry(bundle_dir, f) for f in files],
         "subparts": subparts,
         "constants": ckpt.constants.to_dict(),
-        "generation": {"temperature": 0.8, "top_k": 50, "top_p": 1.0, "repeat_guard_frames": 50,
-                       "frames_per_text_token": 10.0, "min_max_frames": 50},
+        "generation": generation_defaults(),
         "build": {
             "higgs_pack_version": installed_version("higgs-pack"),
             "python": platform.python_version(),
@@ -350,6 +352,14 @@ def _assemble(plan: BuildPlan, ckpt, slug: str, source: str, bundle_dir: Path, r
         "verification": {},
     }
     return _apply_variant(manifest, plan)
+
+
+def generation_defaults() -> dict[str, Any]:
+    """The manifest's ``generation`` entry: the runtime's own defaults (the sampling options of
+    :class:`~higgs_pack.runtime.loop.delay.SamplingOptions` but the per-call seed, and the frame
+    cap of :mod:`higgs_pack.runtime.loop.generate`), so a bundle never records other numbers."""
+    sampling = {k: v for k, v in asdict(SamplingOptions()).items() if k != "seed"}
+    return {**sampling, "frames_per_text_token": FRAMES_PER_TEXT_TOKEN, "min_max_frames": MIN_MAX_FRAMES}
 
 
 def _apply_variant(manifest: dict[str, Any], plan: BuildPlan) -> dict[str, Any]:

@@ -94,6 +94,16 @@ def test_fifth_target_builds_verifies_and_packages(exact_cpu, tiny_checkpoint, t
     assert printed.exit_code == 0 and Path(printed.output.strip()) == bundle.absolute(), printed.output
     m = read_manifest(bundle)
     assert m["name"] == bundle.name
+    # The generation defaults a bundle records are the runtime's own (every sampling option but the seed).
+    from dataclasses import fields
+
+    from higgs_pack.runtime.loop.delay import SamplingOptions
+    from higgs_pack.runtime.loop.generate import FRAMES_PER_TEXT_TOKEN, MIN_MAX_FRAMES
+
+    sampling = {f.name for f in fields(SamplingOptions)} - {"seed"}
+    gen = m["generation"]
+    assert SamplingOptions(**{k: gen[k] for k in sampling}) == SamplingOptions()
+    assert (gen["frames_per_text_token"], gen["min_max_frames"]) == (FRAMES_PER_TEXT_TOKEN, MIN_MAX_FRAMES)
     assert (m["target"], m["execution_provider"], m["precision"]) == ("cpu-exact", "cpu", "fp32")
     assert m["verification"]["build_time"]["ok"] is True
     report = verify_bundle(bundle, synthesize_cases=False)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from higgs_pack.exporters import onnx_utils
+from higgs_pack.exporters.catalog import MODELBUILDER
 from higgs_pack.exporters.matmul_nbits import quantize_matmuls, raise_disk_error
 from higgs_pack.exporters.process import describe_exit
 from higgs_pack.exporters.result import ExportResult, installed_version, log_tail
@@ -426,7 +427,7 @@ def build_llm_decoder(
         format="onnx",
         files=files,
         entry=files[0],
-        exporter="modelbuilder",
+        exporter=MODELBUILDER,
         passes=list(passes_for(precision, execution_provider)),
         tool_versions={
             "onnxruntime-genai": installed_version("onnxruntime-genai"),

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from higgs_pack.exporters import onnx_utils
+from higgs_pack.exporters.catalog import OLIVE_ONNX
 from higgs_pack.exporters.result import ExportResult, installed_version, log_tail
 from higgs_pack.manifests.errors import BuildError, BuildPlanError, unknown_choice
 
@@ -322,7 +323,7 @@ def export_onnx(
             temporary directory (intermediate models, ``olive.log``) for debugging.
 
     Returns:
-        `ExportResult`: ``exporter="olive"``, ``passes`` = Olive class names,
+        `ExportResult`: ``exporter="olive-onnx"``, ``passes`` = Olive class names,
         ``files`` = ``[<name>.onnx(, <name>.onnx.data)]`` relative to ``bundle_dir``,
         ``quantization`` = the RTN settings and quantized op counts/attributes read
         from the graph (int4/int8) or the fp16 settings, tool versions of olive-ai,
@@ -449,7 +450,7 @@ def export_onnx(
         format="onnx",
         files=onnx_utils.onnx_files(final, bundle_dir),
         entry=final.resolve().relative_to(bundle_dir.resolve()).as_posix(),
-        exporter="olive",
+        exporter=OLIVE_ONNX,
         passes=passes,
         tool_versions={
             "olive-ai": installed_version("olive-ai"),

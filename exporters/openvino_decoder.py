@@ -107,7 +107,7 @@ def convert_llm_decoder(
         symmetric: int4 only: INT4_SYM instead of INT4_ASYM (NPU bundles).
 
     Returns:
-        An :class:`ExportResult` with ``exporter="optimum-intel"``, the passes
+        An :class:`ExportResult` with ``exporter="optimum-openvino"``, the passes
         applied, tool versions (openvino, nncf, optimum-intel, transformers, torch),
         the NNCF settings asked for and the weight types found in the IR, and the
         IR's I/O signature. ``options`` records ``stateful=True`` and the export config.
@@ -183,7 +183,7 @@ def convert_llm_decoder(
 
     return decoder_result(
         xml, bundle_dir, subpart, precision, settings, quantization, versions,
-        exporter="optimum-intel", export_pass=DECODER_EXPORT_PASS,
+        export_pass=DECODER_EXPORT_PASS,
         options={
             "stateful": True,
             "export_config": "get_vlm_text_generation_config('qwen3', int_dtype='int64', float_dtype='fp32')",

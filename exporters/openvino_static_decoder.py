@@ -146,7 +146,7 @@ def convert_static_decoder(
         name: File stem of the IR.
 
     Returns:
-        An :class:`ExportResult` (``exporter="openvino"``); ``options`` records
+        An :class:`ExportResult` (``exporter="optimum-openvino"``); ``options`` records
         ``stateful=False``, ``static=True``, ``kv_length``, ``step`` and ``static_shapes``.
 
     Raises:
@@ -217,7 +217,7 @@ def convert_static_decoder(
 
     return decoder_result(
         xml, bundle_dir, subpart, precision, settings, quantization, versions,
-        exporter="openvino", export_pass=STATIC_DECODER_PASS,
+        export_pass=STATIC_DECODER_PASS,
         options={
             "stateful": False,
             "static": True,

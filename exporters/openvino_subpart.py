@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import openvino as ov
 
+from higgs_pack.exporters.catalog import OLIVE_OPENVINO
 from higgs_pack.exporters.openvino_ir import (
     Precision,
     check_precision,
@@ -223,7 +224,7 @@ def convert_subpart(
         symmetric: int4 only: NNCF INT4_SYM instead of INT4_ASYM (NPU bundles).
 
     Returns:
-        An :class:`ExportResult` (``exporter`` ``"olive"`` or ``"openvino"``), with the
+        An :class:`ExportResult` (``exporter="olive-openvino"``; ``options["engine"]`` the engine), with the
         I/O signature read back from the saved IR.
 
     Raises:
@@ -310,7 +311,7 @@ def convert_subpart(
         format="openvino",
         files=files,
         entry=files[0],
-        exporter=engine,
+        exporter=OLIVE_OPENVINO,
         passes=passes,
         tool_versions=versions,
         precision=precision,

@@ -108,7 +108,8 @@ def make_plan(target: str | Target, precision: str | None = None, variant: str |
 
 
 def plan_mismatches(plan: BuildPlan, recorded: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    """Where what was built differs from the plan: passes, precision, planned quantization settings.
+    """Where what was built differs from the plan: exporter name, passes, precision, planned
+    quantization settings.
 
     Args:
         plan: the plan of the build.
@@ -123,6 +124,8 @@ def plan_mismatches(plan: BuildPlan, recorded: Mapping[str, Mapping[str, Any]]) 
         if got is None:
             out.append(f"{row.subpart.value}: not built")
             continue
+        if got["exporter"] != row.exporter.name:
+            out.append(f"{row.subpart.value}: exporter {got['exporter']!r}, planned {row.exporter.name!r}")
         if tuple(got["passes"]) != row.passes:
             out.append(f"{row.subpart.value}: passes {list(got['passes'])}, planned {list(row.passes)}")
         if got["precision"] != row.precision:

@@ -94,6 +94,9 @@ def test_fifth_target_builds_verifies_and_packages(exact_cpu, tiny_checkpoint, t
     assert printed.exit_code == 0 and Path(printed.output.strip()) == bundle.absolute(), printed.output
     m = read_manifest(bundle)
     assert m["name"] == bundle.name
+    # Each sub-part records the catalogue name its recipe gave (one name per exporter).
+    assert {p: s["exporter"] for p, s in m["subparts"].items()} == {
+        p.value: r.exporter for p, r in exact_cpu.recipes.items()}
     # The generation defaults a bundle records are the runtime's own (every sampling option but the seed).
     from dataclasses import fields
 

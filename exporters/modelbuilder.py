@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -62,10 +63,44 @@ INT4_DEFAULTS: dict[str, Any] = {
 INT4_METHOD = "onnxruntime-matmulnbits-streamed"
 
 
+def _true(value: Any) -> bool:
+    """A ModelBuilder boolean option: a bool, or its ``"true"``/``"false"`` string."""
+    return value if isinstance(value, bool) else str(value).lower() == "true"
+
+
+def int4_settings(execution_provider: str, extra_options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The streamed int4 pass's settings, resolved once: the recipe's extra options over
+    :data:`INT4_DEFAULTS` and the provider row's ``accuracy_level`` (no heavy import).
+
+    Returns:
+        ``{"block_size": int, "accuracy_level": int, "is_symmetric": bool,
+        "nodes_to_exclude": [node names]}``: the keywords of
+        :func:`~higgs_pack.exporters.matmul_nbits.quantize_matmuls`.
+    """
+    options = extra_options or {}
+    return {
+        "block_size": int(options.get("block_size", INT4_DEFAULTS["block_size"])),
+        "accuracy_level": int(options.get("accuracy_level",
+                                          PROVIDER_ROWS[execution_provider].modelbuilder.accuracy_level)),
+        "is_symmetric": _true(options.get("is_symmetric", INT4_DEFAULTS["is_symmetric"])),
+        "nodes_to_exclude": [n for n in str(options.get("nodes_to_exclude", "")).split(",") if n],
+    }
+
+
 def plan(precision: str, options: Any) -> tuple[tuple[str, ...], dict[str, Any]]:
-    """``(passes, quantization)`` that :func:`build_llm_decoder` records (no heavy import; for the build plan)."""
-    return (passes_for(precision, options["execution_provider"]),
-            {"method": INT4_METHOD, "bits": 4} if precision == "int4" else {})
+    """``(passes, quantization)`` that :func:`build_llm_decoder` records (no heavy import; for the
+    build plan): for int4 every declared setting (block size, accuracy level, symmetry), which
+    the build compares with what it reads back from the graph."""
+    ep = options["execution_provider"]
+    return passes_for(precision, ep), (_int4_record(ep, int4_settings(ep, options.get("extra_options")))
+                                       if precision == "int4" else {})
+
+
+def _int4_record(execution_provider: str, settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The planned part of an int4 decoder's ``quantization`` record."""
+    return {"method": INT4_METHOD, "float_graph": int4_float_base(execution_provider), "bits": 4,
+            "block_size": settings["block_size"], "accuracy_level": settings["accuracy_level"],
+            "is_symmetric": settings["is_symmetric"]}
 
 
 #: int4 is built in two steps, so that no step holds the whole float model: ModelBuilder
@@ -335,6 +370,7 @@ def build_llm_decoder(
     cache_dir.mkdir(parents=True, exist_ok=True)
 
     int4_options = {k: options.pop(k) for k in list(options) if k in INT4_STREAMED_OPTIONS}
+    settings = int4_settings(execution_provider, int4_options)
     if precision == "int4":
         unsupported = sorted(set(options) & INT4_IN_MEMORY_OPTIONS)
         if unsupported:
@@ -353,16 +389,7 @@ def build_llm_decoder(
             )
             model_path = out_dir / float_model.name
             try:
-                streamed = quantize_matmuls(
-                    float_model,
-                    model_path,
-                    block_size=int(int4_options.get("block_size", INT4_DEFAULTS["block_size"])),
-                    is_symmetric=str(int4_options.get("is_symmetric", "true")).lower() == "true",
-                    accuracy_level=int(
-                        int4_options.get("accuracy_level", PROVIDER_ROWS[execution_provider].modelbuilder.accuracy_level)
-                    ),
-                    nodes_to_exclude=[n for n in str(int4_options.get("nodes_to_exclude", "")).split(",") if n],
-                )
+                streamed = quantize_matmuls(float_model, model_path, **settings)
             except OSError as exc:
                 raise_disk_error(exc, out_dir)
                 raise
@@ -396,22 +423,11 @@ def build_llm_decoder(
         ops = onnx_utils.quantized_ops(model_path)
         matmul = ops.get("MatMulNBits", {})
         quantization = {
-            "method": INT4_METHOD,
-            "float_graph": int4_float_base(execution_provider),
+            **_int4_record(execution_provider, settings),
+            # What the graph holds (the planned value only where the nodes leave an attribute unset).
             "bits": _single(matmul.get("bits"), 4),
-            "block_size": _single(
-                matmul.get("block_size"),
-                int(options.get("block_size", INT4_DEFAULTS["block_size"])),
-            ),
-            "accuracy_level": _single(
-                matmul.get("accuracy_level"),
-                int(
-                    options.get(
-                        "accuracy_level", PROVIDER_ROWS[execution_provider].modelbuilder.accuracy_level
-                    )
-                ),
-            ),
-            "is_symmetric": options.get("is_symmetric", "true").lower() == "true",
+            "block_size": _single(matmul.get("block_size"), settings["block_size"]),
+            "accuracy_level": _single(matmul.get("accuracy_level"), settings["accuracy_level"]),
             "algo_config": options.get("algo_config", INT4_DEFAULTS["algo_config"]),
             "quantized_ops": {op: entry["count"] for op, entry in ops.items()},
             "kept_float": streamed["kept_float"] if streamed else [],

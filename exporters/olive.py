@@ -88,8 +88,9 @@ PRECISION_PLANS: dict[str, PrecisionPlan] = {
 OPSET = 20
 #: Above this many bytes of weights the tensors go to ``<name>.onnx.data``.
 EXTERNAL_DATA_THRESHOLD = 16 * 1024 * 1024
-#: Defaults of the RTN pass as this exporter uses them.
+#: Defaults of the RTN pass as this exporter uses them (``accuracy_level``: unset, the op's own).
 RTN_BLOCK_SIZE = 128
+RTN_SYMMETRIC = True
 
 
 #: fp16 that keeps float32 graph inputs/outputs: only ``OnnxFloatToFloat16`` inserts the
@@ -138,8 +139,16 @@ def plan(precision: str, options: Mapping[str, Any]) -> tuple[tuple[str, ...], d
     passes = tuple(plan_passes(precision, keep_io_types=keep_io_types))
     bits = PRECISION_PLANS[precision].bits
     if bits is not None:
-        return passes, {"method": "rtn", "bits": bits}
+        return passes, _rtn_record(bits, options.get("block_size", RTN_BLOCK_SIZE),
+                                   options.get("is_symmetric", RTN_SYMMETRIC), options.get("accuracy_level"))
     return passes, (_float16_record(keep_io_types) if precision == "fp16" else {})
+
+
+def _rtn_record(bits: int, block_size: int, is_symmetric: bool, accuracy_level: int | None) -> dict[str, Any]:
+    """The manifest's ``quantization`` settings of an RTN (int4/int8) export: every one the
+    plan declares, compared by the build with what the export recorded."""
+    return {"method": "rtn", "bits": bits, "block_size": block_size, "is_symmetric": is_symmetric,
+            "accuracy_level": accuracy_level}
 
 
 
@@ -257,7 +266,7 @@ def export_onnx(
     opset: int = OPSET,
     block_size: int = RTN_BLOCK_SIZE,
     accuracy_level: int | None = None,
-    is_symmetric: bool = True,
+    is_symmetric: bool = RTN_SYMMETRIC,
     keep_io_types: bool = False,
     external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
     keep_work_dir: bool = False,
@@ -434,14 +443,7 @@ def export_onnx(
                 "with a constant 2-D weight and no Gather on a constant table. Export it at "
                 "fp32/fp16 instead (precision=)."
             )
-        quantization = {
-            "method": "rtn",
-            "bits": plan.bits,
-            "block_size": block_size,
-            "is_symmetric": is_symmetric,
-            "accuracy_level": accuracy_level,
-            "quantized_ops": ops,
-        }
+        quantization = {**_rtn_record(plan.bits, block_size, is_symmetric, accuracy_level), "quantized_ops": ops}
     elif precision == "fp16":
         quantization = _float16_record(keep_io_types)
 

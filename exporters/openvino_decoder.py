@@ -41,7 +41,7 @@ from higgs_pack.exporters.openvino_ir import (
     weight_summary,
 )
 from higgs_pack.exporters.openvino_nncf import nncf_compress
-from higgs_pack.exporters.openvino_plan import DECODER_EXPORT_PASS
+from higgs_pack.exporters.openvino_plan import DECODER_EXPORT_PASS, DECODER_NNCF
 from higgs_pack.exporters.openvino_static_decoder import convert_static_decoder
 from higgs_pack.exporters.process import disk_note
 from higgs_pack.exporters.result import ExportResult, tool_versions
@@ -60,15 +60,15 @@ def convert_llm_decoder(
     out_dir: str | Path,
     *,
     precision: Precision,
-    group_size: int = 128,
-    ratio: float = 1.0,
-    all_layers: bool = False,
+    group_size: int = DECODER_NNCF.group_size,
+    ratio: float = DECODER_NNCF.ratio,
+    all_layers: bool = DECODER_NNCF.all_layers,
     bundle_dir: str | Path | None = None,
     name: str = "llm_decoder",
     work_dir: str | Path | None = None,
     static_kv_length: int | None = None,
     static_step: int = 1,
-    symmetric: bool = False,
+    symmetric: bool = DECODER_NNCF.symmetric,
 ) -> ExportResult:
     """Export the Qwen3 body as a stateful OpenVINO IR and compress its weights.
 

@@ -42,7 +42,8 @@ from higgs_pack.exporters.openvino_ir import (
     set_rt_info,
     weight_summary,
 )
-from higgs_pack.exporters.openvino_nncf import compress_settings, nncf_compress
+from higgs_pack.exporters.openvino_nncf import nncf_compress
+from higgs_pack.exporters.openvino_plan import SUBPART_NNCF, compress_settings
 from higgs_pack.exporters.openvino_static_shapes import StaticPlan
 from higgs_pack.exporters.result import ExportResult, tool_versions
 from higgs_pack.manifests.constants import SUBPART_IO, SubPart
@@ -125,8 +126,9 @@ def _convert_openvino(module: torch.nn.Module, example_inputs: tuple, precision:
         raise BuildError(f"openvino.convert_model failed: {exc}") from exc
     passes = ["convert_model"]
     if settings:
-        model, _ = nncf_compress(model, precision, settings.get("group_size", 128), settings.get("ratio", 1.0),
-                                 settings.get("all_layers", False), settings.get("mode") == "int4_sym")
+        model, _ = nncf_compress(model, precision, settings.get("group_size", SUBPART_NNCF.group_size),
+                                 settings.get("ratio", SUBPART_NNCF.ratio),
+                                 settings.get("all_layers", SUBPART_NNCF.all_layers), settings.get("mode") == "int4_sym")
         passes.append(f"nncf.compress_weights({settings['mode'].upper()})")
     return model, passes
 
@@ -146,9 +148,9 @@ def convert_subpart(
     input_shapes: Sequence[Sequence[int | str | None]] | None = None,
     dynamic_axes: Mapping[str, Any] | None = None,
     name: str | None = None,
-    group_size: int = 128,
-    ratio: float = 1.0,
-    all_layers: bool = True,
+    group_size: int = SUBPART_NNCF.group_size,
+    ratio: float = SUBPART_NNCF.ratio,
+    all_layers: bool = SUBPART_NNCF.all_layers,
     engine: Literal["olive", "openvino"] = "olive",
     bundle_dir: str | Path | None = None,
     work_dir: str | Path | None = None,
@@ -157,7 +159,7 @@ def convert_subpart(
     pad_mask: bool = False,
     allow_chunks: bool = True,
     device_overrides: Mapping[str, str] | None = None,
-    symmetric: bool = False,
+    symmetric: bool = SUBPART_NNCF.symmetric,
 ) -> ExportResult:
     """Convert one small sub-part (embeddings, audio heads, codec) to OpenVINO IR.
 

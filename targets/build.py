@@ -195,6 +195,7 @@ def build(
                     exporter=row.exporter.name, part=row.subpart.value, precision=row.precision,
                     bundle_dir=str(bundle_dir), work_dir=str(work / row.subpart.value), options=dict(row.options))
             shutil.rmtree(hf_dir, ignore_errors=True)
+            _refuse_mismatches(plan, results, [r.subpart for r in decoder_rows])
         if module_rows:
             modules = step(
                 "exporting " + ", ".join(f"{r.subpart.value} ({r.precision})" for r in module_rows),
@@ -203,10 +204,7 @@ def build(
                        "options": dict(r.options)} for r in module_rows],
                 bundle_dir=str(bundle_dir), work_dir=str(work))
             results.update(modules["results"])
-        differ = plan_mismatches(plan, results)
-        if differ:
-            raise BuildError("the exporters did not build what the plan says (the plan and the manifest must "
-                             "agree; fix the exporter's planning function): " + "; ".join(differ))
+        _refuse_mismatches(plan, results)
         tokenizer_file = _copy_tokenizer(ckpt, bundle_dir)
         golden = step("capturing golden reference outputs with the PyTorch oracle",
                       "higgs_pack.targets.steps:capture", [stage], checkpoint=checkpoint_dir,
@@ -240,6 +238,15 @@ def build(
     say(f"bundle ready: {out} (peak memory {memory.peak / 2**30:.2f} GiB, "
         f"{time.perf_counter() - start:.0f} s)")
     return out
+
+
+def _refuse_mismatches(plan: BuildPlan, results: dict[str, Any], parts: list[SubPart] | None = None) -> None:
+    """Raise :class:`BuildError` when a sub-part's record differs from the plan (see
+    :func:`~higgs_pack.targets.plan.plan_mismatches`)."""
+    differ = plan_mismatches(plan, results, parts)
+    if differ:
+        raise BuildError("the exporters did not build what the plan says, so nothing was kept (the plan and the "
+                         "manifest must agree; fix the exporter or its planning function): " + "; ".join(differ))
 
 
 def estimate_space(plan: BuildPlan, ckpt) -> Any:

@@ -7,7 +7,7 @@ fails in milliseconds with a message naming both values.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,9 @@ class PlannedSubPart:
         passes: tool passes, in order (from the exporter's own planning function).
         options: exporter keyword options from the recipe, with the variant's on top.
         variant_options: the part of ``options`` the variant set (shown by ``render``).
-        quantization: the quantization settings the manifest will record (a subset).
+        quantization: every quantization setting the recipe declares or the exporter defaults
+            (method, bits, block or group size, symmetry, accuracy level…), as the manifest
+            will record them; the build refuses a sub-part whose record differs in any.
     """
 
     subpart: SubPart
@@ -63,6 +65,9 @@ class BuildPlan:
         for row in self.rows:
             lines.append(f"  {row.subpart.value:<16} {row.precision:<5} {row.exporter.name:<17} "
                          f"{' -> '.join(row.passes)}")
+            if row.quantization:
+                lines.append(f"  {'':<16} {'':<5} quantization: "
+                             + ", ".join(f"{k}={v}" for k, v in row.quantization.items()))
             if row.variant_options:
                 opts = ", ".join(f"{k}={v}" for k, v in row.variant_options.items())
                 lines.append(f"  {'':<16} {'':<5} {self.variant}: {opts}")
@@ -107,19 +112,23 @@ def make_plan(target: str | Target, precision: str | None = None, variant: str |
     return BuildPlan(t, precision, tuple(rows), variant, spec)
 
 
-def plan_mismatches(plan: BuildPlan, recorded: Mapping[str, Mapping[str, Any]]) -> list[str]:
+def plan_mismatches(plan: BuildPlan, recorded: Mapping[str, Mapping[str, Any]],
+                    parts: Iterable[SubPart] | None = None) -> list[str]:
     """Where what was built differs from the plan: exporter name, passes, precision, planned
     quantization settings.
 
     Args:
         plan: the plan of the build.
         recorded: sub-part name -> its manifest entry (or ``ExportResult.to_dict()``).
+        parts: check only these sub-parts (default: all; the build checks the decoders as
+            soon as they are built).
 
     Returns:
         One line per difference (empty when the build did what the plan said).
     """
     out = []
-    for row in plan.rows:
+    only = set(SubPart) if parts is None else set(parts)
+    for row in (r for r in plan.rows if r.subpart in only):
         got = recorded.get(row.subpart.value)
         if got is None:
             out.append(f"{row.subpart.value}: not built")

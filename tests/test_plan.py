@@ -131,7 +131,7 @@ def test_npu_plan_says_static_decoder_and_symmetric_int4():
     rows = {r.subpart: r for r in make_plan("openvino", variant="npu").rows}
     dec = rows[SubPart.LLM_DECODER]
     assert dec.passes == ("convert_model(static KV-window decoder)", "nncf.compress_weights(INT4_SYM)")
-    assert dec.quantization == {"mode": "int4_sym"}
+    assert dec.quantization["mode"] == "int4_sym"
     assert rows[SubPart.AUDIO_HEADS].passes == ("OpenVINOConversion", "OpenVINOWeightCompression(INT4_SYM)")
     plain = {r.subpart: r for r in make_plan("openvino").rows}[SubPart.LLM_DECODER]
     # The CPU decoder is INT4_SYM too, at group 64 (measured faster and closer to fp32 than
@@ -178,3 +178,39 @@ def test_noxfile_names_no_bundle_itself():
     text = (ROOT / "noxfile.py").read_text(encoding="utf-8")
     code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith(("#", '"""')))
     assert "--print-path" in text and f'"{DEFAULT_MODEL_SLUG}' not in code and "default_precision" not in code
+
+
+def _declared_options(row) -> dict:
+    """A plan row's options with ModelBuilder's extra options flattened in (its int4 settings)."""
+    options = dict(row.options)
+    options.update(options.pop("extra_options", None) or {})
+    return options
+
+
+def test_plan_records_every_declared_quantization_setting():
+    """Each quantization setting a recipe or variant declares (block size, accuracy level, group
+    size, symmetry…) is in the plan's record, which the build compares with what it built."""
+    checked = set()
+    for name, target in targets().items():
+        for variant in (None, *(v.name for v in target.variants)):
+            for precision in target.precisions:
+                for row in make_plan(name, precision, variant).rows:
+                    q = row.quantization
+                    if "bits" not in q and not str(q.get("mode", "")).startswith("int4"):
+                        continue
+                    for key, value in _declared_options(row).items():
+                        if key in q:
+                            assert q[key] == value, (name, variant, precision, row.subpart, key)
+                            checked.add((row.exporter.name, key))
+                        elif key == "symmetric":
+                            assert q["mode"] == ("int4_sym" if value else "int4_asym"), (name, row.subpart)
+                            checked.add((row.exporter.name, key))
+    # The cpu decoder's block size and heads' accuracy level, openvino's group sizes and symmetry.
+    assert {("modelbuilder", "block_size"), ("olive-onnx", "accuracy_level"), ("optimum-openvino", "group_size"),
+            ("optimum-openvino", "symmetric"), ("olive-openvino", "group_size")} <= checked
+    # What no recipe declares is the exporter's default, recorded too (ModelBuilder's accuracy level
+    # comes from the provider row).
+    from higgs_pack.manifests.constants import EXECUTION_PROVIDERS
+
+    decoder = {r.subpart: r for r in make_plan("cuda", "int4").rows}[SubPart.LLM_DECODER].quantization
+    assert decoder["accuracy_level"] == EXECUTION_PROVIDERS["cuda"].modelbuilder.accuracy_level

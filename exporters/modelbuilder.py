@@ -333,111 +333,26 @@ def build_llm_decoder(
     """
     hf_dir, out_dir, cache_dir = Path(hf_dir), Path(out_dir), Path(cache_dir)
     bundle_dir = Path(bundle_dir) if bundle_dir is not None else out_dir.parent
-    if precision not in PRECISIONS:
-        raise BuildPlanError(
-            unknown_choice(
-                "precision for ModelBuilder", precision, PRECISIONS, "--precision / precision="
-            )
-        )
-    if execution_provider not in modelbuilder_providers():
-        raise BuildPlanError(
-            unknown_choice(
-                "execution provider for ModelBuilder",
-                execution_provider,
-                modelbuilder_providers(),
-                "--target / execution_provider=",
-            )
-        )
-    options = _extra_options(extra_options)
-    if not (hf_dir / "config.json").is_file():
-        raise CheckpointError(
-            f"{hf_dir} is not a Hugging Face checkpoint directory (no config.json); pass the "
-            "remapped Qwen3 checkpoint as hf_dir=."
-        )
-    if cache_dir.resolve().is_relative_to(bundle_dir.resolve()):
-        raise BuildPlanError(
-            f"cache_dir={cache_dir} is inside the bundle {bundle_dir}; ModelBuilder's scratch "
-            "files would be packaged. Pass a cache_dir= outside the bundle."
-        )
-    if out_dir.exists() and any(out_dir.iterdir()):
-        if not overwrite:
-            raise BuildPlanError(
-                f"out_dir={out_dir} is not empty; stale files would mix with the new build. "
-                "Empty it or pass overwrite=True."
-            )
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-
+    options = _check_request(hf_dir, out_dir, cache_dir, bundle_dir, precision, execution_provider,
+                             extra_options, overwrite)
     int4_options = {k: options.pop(k) for k in list(options) if k in INT4_STREAMED_OPTIONS}
     settings = int4_settings(execution_provider, int4_options)
     if precision == "int4":
-        unsupported = sorted(set(options) & INT4_IN_MEMORY_OPTIONS)
-        if unsupported:
-            raise BuildPlanError(
-                f"extra option(s) {unsupported} need ModelBuilder's in-memory int4 quantizer, which "
-                f"holds the whole float model (over 20 GiB for the 4B checkpoint); the streamed int4 "
-                f"pass takes {sorted(INT4_STREAMED_OPTIONS)}. Drop them from extra_options=."
-            )
-        float_precision = int4_float_base(execution_provider)
-        float_dir = cache_dir / f"float-{execution_provider}-{float_precision}"
-        shutil.rmtree(float_dir, ignore_errors=True)
-        float_dir.mkdir(parents=True)
-        try:
-            float_model, log_path = _run_modelbuilder(
-                hf_dir, float_dir, float_precision, execution_provider, cache_dir, options, timeout_s
-            )
-            model_path = out_dir / float_model.name
-            try:
-                streamed = quantize_matmuls(float_model, model_path, **settings)
-            except OSError as exc:
-                raise_disk_error(exc, out_dir)
-                raise
-            shutil.copyfile(float_dir / GENAI_CONFIG, out_dir / GENAI_CONFIG)
-        finally:
-            shutil.rmtree(float_dir, ignore_errors=True)
+        model_path, log_path, kept_float = _build_int4(hf_dir, out_dir, execution_provider, cache_dir, options,
+                                                       settings, timeout_s)
     else:
         model_path, log_path = _run_modelbuilder(
             hf_dir, out_dir, precision, execution_provider, cache_dir, options, timeout_s
         )
-        streamed = None
-    genai_config_path = out_dir / GENAI_CONFIG
+        kept_float = []
     options = {**options, **int4_options}
-    workaround = no_packed_attention(execution_provider, precision)
-
     _check_outputs_produced(model_path, log_path)
     repaired = _repair_constant_shapes(model_path)
-    files = onnx_utils.onnx_files(model_path, bundle_dir)
-    keep = {*files, (genai_config_path.resolve().relative_to(bundle_dir.resolve())).as_posix()}
-    removed: list[str] = []
-    for path in sorted(out_dir.iterdir()):
-        rel = path.resolve().relative_to(bundle_dir.resolve()).as_posix()
-        if rel not in keep:
-            removed.append(path.name)
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-    files.append(genai_config_path.resolve().relative_to(bundle_dir.resolve()).as_posix())
-
-    inputs, outputs = onnx_utils.onnx_io_signature(model_path)
+    files, removed = _keep_sub_part_files(model_path, out_dir, bundle_dir)
     quantization: dict[str, Any] = {}
     if precision == "int4":
-        ops = onnx_utils.quantized_ops(model_path)
-        matmul = ops.get("MatMulNBits", {})
-        quantization = {
-            **_int4_record(execution_provider, settings),
-            # What the graph holds (the planned value only where the nodes leave an attribute unset).
-            "bits": _single(matmul.get("bits"), 4),
-            "block_size": _single(matmul.get("block_size"), settings["block_size"]),
-            "accuracy_level": _single(matmul.get("accuracy_level"), settings["accuracy_level"]),
-            "algo_config": options.get("algo_config", INT4_DEFAULTS["algo_config"]),
-            "quantized_ops": {op: entry["count"] for op, entry in ops.items()},
-            "kept_float": streamed["kept_float"] if streamed else [],
-        }
-        if not ops:
-            raise BuildError(
-                f"ModelBuilder int4 build of {hf_dir} has no MatMulNBits node; log {log_path}:\n"
-                f"{log_tail(log_path)}"
-            )
-
+        quantization = _int4_quantization(model_path, log_path, execution_provider, settings, options, kept_float)
+    inputs, outputs = onnx_utils.onnx_io_signature(model_path)
     return ExportResult(
         subpart=SubPart.LLM_DECODER.value,
         format="onnx",
@@ -462,9 +377,139 @@ def build_llm_decoder(
             "removed_files": removed,
             "repaired_value_info": repaired,
             **({"workarounds": ["packed Attention off (ModelBuilder 0.18 writes no present KV with it): "
-                                "MultiHeadAttention path"]} if workaround else {}),
+                                "MultiHeadAttention path"]}
+               if no_packed_attention(execution_provider, precision) else {}),
         },
     )
+
+
+def _check_request(hf_dir: Path, out_dir: Path, cache_dir: Path, bundle_dir: Path, precision: str,
+                   execution_provider: str, extra_options: dict[str, Any] | None, overwrite: bool) -> dict[str, str]:
+    """Validate a :func:`build_llm_decoder` call and prepare its folders; return the extra options
+    as ModelBuilder strings (the contract's own included).
+
+    Raises:
+        BuildPlanError, CheckpointError: as :func:`build_llm_decoder` documents.
+    """
+    if precision not in PRECISIONS:
+        raise BuildPlanError(
+            unknown_choice(
+                "precision for ModelBuilder", precision, PRECISIONS, "--precision / precision="
+            )
+        )
+    if execution_provider not in modelbuilder_providers():
+        raise BuildPlanError(
+            unknown_choice(
+                "execution provider for ModelBuilder",
+                execution_provider,
+                modelbuilder_providers(),
+                "--target / execution_provider=",
+            )
+        )
+    options = _extra_options(extra_options)
+    if precision == "int4":
+        unsupported = sorted(set(options) & INT4_IN_MEMORY_OPTIONS)
+        if unsupported:
+            raise BuildPlanError(
+                f"extra option(s) {unsupported} need ModelBuilder's in-memory int4 quantizer, which "
+                f"holds the whole float model (over 20 GiB for the 4B checkpoint); the streamed int4 "
+                f"pass takes {sorted(INT4_STREAMED_OPTIONS)}. Drop them from extra_options=."
+            )
+    if not (hf_dir / "config.json").is_file():
+        raise CheckpointError(
+            f"{hf_dir} is not a Hugging Face checkpoint directory (no config.json); pass the "
+            "remapped Qwen3 checkpoint as hf_dir=."
+        )
+    if cache_dir.resolve().is_relative_to(bundle_dir.resolve()):
+        raise BuildPlanError(
+            f"cache_dir={cache_dir} is inside the bundle {bundle_dir}; ModelBuilder's scratch "
+            "files would be packaged. Pass a cache_dir= outside the bundle."
+        )
+    if out_dir.exists() and any(out_dir.iterdir()):
+        if not overwrite:
+            raise BuildPlanError(
+                f"out_dir={out_dir} is not empty; stale files would mix with the new build. "
+                "Empty it or pass overwrite=True."
+            )
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    return options
+
+
+def _build_int4(hf_dir: Path, out_dir: Path, execution_provider: str, cache_dir: Path, options: dict[str, str],
+                settings: dict[str, Any], timeout_s: float | None) -> tuple[Path, Path, list[str]]:
+    """The int4 decoder in two steps: ModelBuilder's float graph in scratch, then the streamed
+    MatMulNBits pass into ``out_dir`` (with ``genai_config.json``).
+
+    Returns:
+        (graph path, ModelBuilder log path, names of the MatMuls kept in float).
+
+    Raises:
+        BuildError: ModelBuilder failed, or the disk filled up while quantizing.
+    """
+    float_precision = int4_float_base(execution_provider)
+    float_dir = cache_dir / f"float-{execution_provider}-{float_precision}"
+    shutil.rmtree(float_dir, ignore_errors=True)
+    float_dir.mkdir(parents=True)
+    try:
+        float_model, log_path = _run_modelbuilder(
+            hf_dir, float_dir, float_precision, execution_provider, cache_dir, options, timeout_s
+        )
+        model_path = out_dir / float_model.name
+        try:
+            streamed = quantize_matmuls(float_model, model_path, **settings)
+        except OSError as exc:
+            raise_disk_error(exc, out_dir)
+            raise
+        shutil.copyfile(float_dir / GENAI_CONFIG, out_dir / GENAI_CONFIG)
+    finally:
+        shutil.rmtree(float_dir, ignore_errors=True)
+    return model_path, log_path, streamed["kept_float"]
+
+
+def _keep_sub_part_files(model_path: Path, out_dir: Path, bundle_dir: Path) -> tuple[list[str], list[str]]:
+    """Remove what ModelBuilder wrote besides the graph, its data and ``genai_config.json``
+    (its tokenizer copies: the bundle keeps one at its root).
+
+    Returns:
+        (the sub-part's files relative to ``bundle_dir``, graph first; the names removed).
+    """
+    files = onnx_utils.onnx_files(model_path, bundle_dir)
+    genai_config = (out_dir / GENAI_CONFIG).resolve().relative_to(bundle_dir.resolve()).as_posix()
+    keep = {*files, genai_config}
+    removed: list[str] = []
+    for path in sorted(out_dir.iterdir()):
+        if path.resolve().relative_to(bundle_dir.resolve()).as_posix() not in keep:
+            removed.append(path.name)
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return [*files, genai_config], removed
+
+
+def _int4_quantization(model_path: Path, log_path: Path, execution_provider: str, settings: dict[str, Any],
+                       options: dict[str, str], kept_float: list[str]) -> dict[str, Any]:
+    """The int4 decoder's ``quantization`` record, read back from its MatMulNBits nodes.
+
+    Raises:
+        BuildError: the graph has no MatMulNBits node.
+    """
+    ops = onnx_utils.quantized_ops(model_path)
+    if not ops:
+        raise BuildError(
+            f"ModelBuilder int4 build {model_path} has no MatMulNBits node; log {log_path}:\n"
+            f"{log_tail(log_path)}"
+        )
+    matmul = ops.get("MatMulNBits", {})
+    return {
+        **_int4_record(execution_provider, settings),
+        # What the graph holds (the planned value only where the nodes leave an attribute unset).
+        "bits": _single(matmul.get("bits"), 4),
+        "block_size": _single(matmul.get("block_size"), settings["block_size"]),
+        "accuracy_level": _single(matmul.get("accuracy_level"), settings["accuracy_level"]),
+        "algo_config": options.get("algo_config", INT4_DEFAULTS["algo_config"]),
+        "quantized_ops": {op: entry["count"] for op, entry in ops.items()},
+        "kept_float": kept_float,
+    }
 
 
 def _repair_constant_shapes(model_path: Path) -> list[str]:

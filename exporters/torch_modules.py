@@ -307,6 +307,7 @@ def build_modules(
         :class:`higgs_pack.exporters.reference.TorchDecoder`).
     """
     from higgs_pack.exporters.checkpoint_layout import TEXT_EMBEDDING
+    from higgs_pack.exporters.checkpoint_models import codec_model
 
     wanted = list(subparts or DYNAMIC_AXES)
     c = ckpt.constants
@@ -320,7 +321,7 @@ def build_modules(
         elif sp == SubPart.AUDIO_HEADS:
             out[sp] = AudioHeads(ckpt.audio_head_weight(), c.num_codebooks, c.audio_vocab_size)
         elif sp in (SubPart.AUDIO_TOKENIZER, SubPart.AUDIO_ENCODER):
-            codec = codec if codec is not None else ckpt.codec()
+            codec = codec if codec is not None else codec_model(ckpt)
             cls = CodecDecoder if sp == SubPart.AUDIO_TOKENIZER else CodecEncoder
             out[sp] = cls(codec)
         else:

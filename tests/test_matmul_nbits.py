@@ -15,6 +15,7 @@ pytest.importorskip("onnxruntime_genai")
 
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
+from higgs_pack.exporters.checkpoint_models import write_qwen3_hf_dir  # noqa: E402
 from higgs_pack.exporters.dequantize import OnnxWeights  # noqa: E402
 from higgs_pack.exporters.matmul_nbits import quantize_matmuls  # noqa: E402
 from higgs_pack.exporters.process import run_step  # noqa: E402
@@ -38,7 +39,7 @@ def _signature(model) -> tuple[list, dict]:
 def test_streamed_int4_is_modelbuilders_int4_byte_for_byte(tiny_ckpt, tmp_path, ep, float_precision):
     from higgs_pack.manifests.constants import EXECUTION_PROVIDERS
 
-    hf = tiny_ckpt.write_qwen3_hf_dir(tmp_path / "hf")
+    hf = write_qwen3_hf_dir(tiny_ckpt, tmp_path / "hf")
     native = _modelbuilder(hf, tmp_path / "native", "int4", ep, tmp_path / "cache")
     float_graph = _modelbuilder(hf, tmp_path / "float", float_precision, ep, tmp_path / "cache")
     (tmp_path / "ours").mkdir()

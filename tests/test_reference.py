@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 ort = pytest.importorskip("onnxruntime")
 pytest.importorskip("transformers")
 
+from higgs_pack.exporters.checkpoint_models import codec_model, qwen3_model  # noqa: E402
 from higgs_pack.exporters.reference import (  # noqa: E402
     TorchDecoder,
     TorchRunner,
@@ -71,7 +72,7 @@ def test_audio_heads_reshape_per_codebook():
 
 
 def test_codec_modules_match_transformers(tiny_ckpt, modules):
-    codec = tiny_ckpt.codec()
+    codec = codec_model(tiny_ckpt)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for frames in (4, 9):
@@ -182,7 +183,7 @@ def test_decoder_with_cache_equals_full_sequence(pipeline: Pipeline):
 
 
 def test_decoder_refuses_bad_shapes_and_overflow(tiny_ckpt):
-    decoder = TorchDecoder(tiny_ckpt.qwen3_model(), max_length=6)
+    decoder = TorchDecoder(qwen3_model(tiny_ckpt), max_length=6)
     with pytest.raises(InputError, match=r"expected \[1, S, 64\]"):
         decoder.forward(np.zeros((1, 3, 32), np.float32))
     decoder.forward(np.zeros((1, 4, 64), np.float32))

@@ -14,16 +14,36 @@ from higgs_pack.targets.plan import make_plan
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_cpu_plan_uses_the_declared_tools():
-    plan = make_plan("cpu")
-    assert plan.precision == "int4"
-    rows = {r.subpart: r for r in plan.rows}
-    assert rows[SubPart.LLM_DECODER].exporter.name == "modelbuilder"
-    assert rows[SubPart.LLM_DECODER].options == {"execution_provider": "cpu", "extra_options": {"block_size": 128}}
-    assert rows[SubPart.AUDIO_HEADS].passes == ("OnnxConversion", "OnnxBlockWiseRtnQuantization")
-    assert rows[SubPart.AUDIO_TOKENIZER].precision == "fp32"
-    assert rows[SubPart.AUDIO_ENCODER].precision == "fp32"
-    assert make_plan("cuda", "fp16").rows[0].passes == ("OnnxConversion",)  # cast by torch_dtype
+def test_plans_follow_the_declarations():
+    """Each row is its recipe's exporter at the recipe's precision rule, with the recipe's options
+    and the variant's on top (read from the declarations, not restated)."""
+    from higgs_pack.manifests.constants import FP32_ONLY
+
+    for name, target in targets().items():
+        for variant in (None, *target.variants):
+            spec = variant.options if variant is not None else {}
+            for precision in target.precisions:
+                plan = make_plan(name, precision, variant.name if variant else None)
+                assert plan.precision == precision and {r.subpart for r in plan.rows} == set(SubPart)
+                for row in plan.rows:
+                    recipe = target.recipes[row.subpart]
+                    assert row.exporter is EXPORTERS[recipe.exporter]
+                    assert row.options == {**recipe.options, **spec.get(row.subpart, {})}
+                    assert row.variant_options == dict(spec.get(row.subpart, {}))
+                    want = "fp32" if row.subpart in FP32_ONLY else precision if recipe.precision == "target" else recipe.precision
+                    assert row.precision == want
+                    assert (row.passes, row.quantization) == row.exporter.planned(row.precision, row.options)
+    assert make_plan("cpu").precision == get_target("cpu").precisions[0]  # the first is the default
+
+
+def test_olive_passes_per_precision():
+    """int4 quantizes after the conversion; fp16 casts in the conversion (torch_dtype): one pass."""
+    from higgs_pack.exporters.olive import CONVERSION_PASS, RTN_PASS
+
+    rows = {r.subpart: r for r in make_plan("cpu", "int4").rows}
+    assert rows[SubPart.AUDIO_HEADS].passes == (CONVERSION_PASS, RTN_PASS)
+    assert rows[SubPart.AUDIO_TOKENIZER].passes == (CONVERSION_PASS,)  # codec: fp32 in an int4 bundle
+    assert make_plan("cuda", "fp16").rows[0].passes == (CONVERSION_PASS,)
 
 
 def test_unknown_target_lists_known_ones_with_a_suggestion():
@@ -42,15 +62,6 @@ def test_registry_refuses_duplicates_and_incomplete_declarations():
     with pytest.raises(BuildPlanError, match="declares no recipe"):
         Target(name="x", description="", backend="onnxruntime", precisions=("fp32",),
                recipes={SubPart.TEXT_EMBED: Recipe("olive-onnx")}, extra="cpu", runtime_requirements=())
-
-
-def test_every_target_precision_pair_plans():
-    for name, target in targets().items():
-        for precision in target.precisions:
-            plan = make_plan(name, precision)
-            assert {r.subpart for r in plan.rows} == set(SubPart)
-            for row in plan.rows:
-                assert row.exporter.name in EXPORTERS
 
 
 def test_planning_imports_nothing_heavy():
@@ -128,20 +139,29 @@ def test_catalogue_options_are_the_exporters_keywords():
 
 
 def test_npu_plan_says_static_decoder_and_symmetric_int4():
-    rows = {r.subpart: r for r in make_plan("openvino", variant="npu").rows}
-    dec = rows[SubPart.LLM_DECODER]
-    assert dec.passes == ("convert_model(static KV-window decoder)", "nncf.compress_weights(INT4_SYM)")
-    assert dec.quantization["mode"] == "int4_sym"
-    assert rows[SubPart.AUDIO_HEADS].passes == ("OpenVINOConversion", "OpenVINOWeightCompression(INT4_SYM)")
-    plain = {r.subpart: r for r in make_plan("openvino").rows}[SubPart.LLM_DECODER]
-    # The CPU decoder is INT4_SYM too, at group 64 (measured faster and closer to fp32 than
-    # INT4_ASYM g128 on an AVX2 CPU: targets/declarations.py); the npu variant keeps group 128.
-    assert plain.passes == ("optimum-intel stateful export (inputs_embeds)", "nncf.compress_weights(INT4_SYM)")
-    assert plain.options["group_size"] == 64 and dec.options["group_size"] == 128
-    heads = {r.subpart: r for r in make_plan("openvino").rows}[SubPart.AUDIO_HEADS]
-    assert heads.passes == ("OpenVINOConversion", "OpenVINOWeightCompression(INT4_SYM)")
-    assert heads.options["group_size"] == 64 and rows[SubPart.AUDIO_HEADS].options["group_size"] == 128
+    """The npu variant plans the static decoder and INT4_SYM, with its own group sizes over the
+    target's (declared in targets/declarations.py)."""
+    from higgs_pack.exporters.openvino_plan import (
+        DECODER_EXPORT_PASS,
+        STATIC_DECODER_PASS,
+        SUBPART_COMPRESSION,
+        SUBPART_CONVERSION,
+    )
+    from higgs_pack.targets.declarations import NPU, OPENVINO
 
+    sym = "nncf.compress_weights(INT4_SYM)"
+    heads_passes = (SUBPART_CONVERSION["olive"], SUBPART_COMPRESSION["olive"].format(mode="INT4_SYM"))
+    npu = {r.subpart: r for r in make_plan("openvino", variant="npu").rows}
+    plain = {r.subpart: r for r in make_plan("openvino").rows}
+    assert npu[SubPart.LLM_DECODER].passes == (STATIC_DECODER_PASS, sym)
+    assert npu[SubPart.LLM_DECODER].quantization["mode"] == "int4_sym"
+    assert npu[SubPart.AUDIO_HEADS].passes == plain[SubPart.AUDIO_HEADS].passes == heads_passes
+    # The plain decoder is INT4_SYM too (measured faster than INT4_ASYM: targets/declarations.py).
+    assert plain[SubPart.LLM_DECODER].passes == (DECODER_EXPORT_PASS, sym)
+    for part in (SubPart.LLM_DECODER, SubPart.AUDIO_HEADS):
+        declared = OPENVINO.recipes[part].options["group_size"]
+        assert plain[part].options["group_size"] == plain[part].quantization["group_size"] == declared
+        assert npu[part].quantization["group_size"] == NPU.options[part]["group_size"] != declared
 
 # ----------------------------------------------------------------------------- bundle names
 

@@ -100,7 +100,10 @@ def test_quantization_memory_scales_with_the_largest_weight_not_the_model(tmp_pa
     k, n, count = 2048, 2048, 48
     _matmul_chain(tmp_path / "big.onnx", k, n, count)
     largest = k * n * 4
-    _, baseline = run_step("higgs_pack.exporters.matmul_nbits:import_tools", {}, name="baseline")
+    _matmul_chain(tmp_path / "small.onnx", 64, 64, 1)  # the baseline: the same imports, one small weight
+    _, baseline = run_step("higgs_pack.exporters.matmul_nbits:quantize_matmuls",
+                           {"source": str(tmp_path / "small.onnx"), "target": str(tmp_path / "small-q.onnx")},
+                           name="baseline")
     _, record = run_step("higgs_pack.exporters.matmul_nbits:quantize_matmuls",
                          {"source": str(tmp_path / "big.onnx"), "target": str(tmp_path / "q.onnx")},
                          name="quantize")

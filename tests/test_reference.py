@@ -24,8 +24,6 @@ from higgs_pack.exporters.torch_modules import (  # noqa: E402
     CodecEncoder,
     build_modules,
     example_inputs,
-    export_onnx,
-    io_config,
 )
 from higgs_pack.manifests.constants import SUBPART_IO, SubPart  # noqa: E402
 from higgs_pack.manifests.errors import InputError  # noqa: E402
@@ -91,24 +89,22 @@ def test_codec_encoder_refuses_partial_frames(modules):
     assert isinstance(modules[SubPart.AUDIO_ENCODER], CodecEncoder)
 
 
-def test_io_config_names(tiny_ckpt):
-    for sp in EXPORTED:
-        cfg = io_config(sp, tiny_ckpt.constants)
-        assert (tuple(cfg["input_names"]), tuple(cfg["output_names"])) == SUBPART_IO[sp]
-        assert set(cfg["dynamic_axes"]) == set(SUBPART_IO[sp][0] + SUBPART_IO[sp][1])
-
-
 # ----------------------------------------------------------------------------- ONNX export
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("subpart", EXPORTED, ids=str)
 def test_onnx_export_runs_on_ort_at_other_lengths(subpart, modules, tiny_ckpt, tmp_path: Path):
-    """Exported at length 5, run at 3 and 11 with batch 2: same as torch."""
+    """Exported at length 5 by the build's exporter (Olive, fp32), run at 3 and 11 with batch 2:
+    same as torch."""
+    from higgs_pack.exporters.olive import export_onnx
+
     module = modules[subpart]
-    path = export_onnx(subpart, module, tmp_path / f"{subpart}.onnx", tiny_ckpt.constants)
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     inputs, outputs = SUBPART_IO[subpart]
+    result = export_onnx(module, example_inputs(subpart, tiny_ckpt.constants, 5), input_names=inputs,
+                         output_names=outputs, dynamic_axes=DYNAMIC_AXES[subpart], out_dir=tmp_path / "b",
+                         name=subpart.value, precision="fp32", work_dir=tmp_path / "work")
+    session = ort.InferenceSession(str(tmp_path / "b" / result.entry), providers=["CPUExecutionProvider"])
     assert [i.name for i in session.get_inputs()] == list(inputs)
     assert [o.name for o in session.get_outputs()] == list(outputs)
     for length in (3, 11):

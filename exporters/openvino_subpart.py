@@ -236,17 +236,7 @@ def convert_subpart(
         BuildError: Conversion, compression or renaming failed, or the graph's
             inputs/outputs do not match the names.
     """
-    try:
-        subpart = SubPart(subpart)
-    except ValueError:
-        raise BuildPlanError(
-            unknown_choice("sub-part", str(subpart), [s.value for s in SubPart], "subpart=")
-        ) from None
-    if subpart is SubPart.LLM_DECODER:
-        raise BuildPlanError("llm_decoder is exported with convert_llm_decoder(), not convert_subpart()")
-    check_precision(precision, subpart)
-    if engine not in ENGINES:
-        raise BuildPlanError(unknown_choice("OpenVINO conversion engine", engine, ENGINES, "engine="))
+    subpart = _checked_subpart(subpart, precision, engine)
     default_in, default_out = SUBPART_IO[subpart]
     input_names = list(input_names or default_in)
     output_names = list(output_names or default_out)
@@ -298,16 +288,6 @@ def convert_subpart(
         passes.append("compress_to_fp16")
     inputs, outputs = ir_io_signature(xml)
     files = relative_files(xml, bundle_dir)
-    options: dict[str, Any] = {
-        "engine": engine,
-        "input_shapes": [list(sh) for sh in input_shapes] if input_shapes is not None else None,
-        "compress_to_fp16": precision == "fp16",
-        "weight_storage": weight_summary(xml),
-    }
-    if static is not None:
-        options.update(static.manifest_options(inputs, outputs))
-    if device_overrides:
-        options["device_overrides"] = dict(device_overrides)
     return ExportResult(
         subpart=subpart,
         format="openvino",
@@ -320,5 +300,42 @@ def convert_subpart(
         quantization=quantization,
         inputs=inputs,
         outputs=outputs,
-        options=options,
+        options=_manifest_options(xml, engine, precision, input_shapes, static, inputs, outputs, device_overrides),
     )
+
+
+def _checked_subpart(subpart: SubPart | str, precision: str, engine: str) -> SubPart:
+    """The sub-part :func:`convert_subpart` was asked for, once its precision and engine are checked.
+
+    Raises:
+        BuildPlanError: an unknown sub-part or engine, the decoder, or a precision it does not take.
+    """
+    try:
+        subpart = SubPart(subpart)
+    except ValueError:
+        raise BuildPlanError(
+            unknown_choice("sub-part", str(subpart), [s.value for s in SubPart], "subpart=")
+        ) from None
+    if subpart is SubPart.LLM_DECODER:
+        raise BuildPlanError("llm_decoder is exported with convert_llm_decoder(), not convert_subpart()")
+    check_precision(precision, subpart)
+    if engine not in ENGINES:
+        raise BuildPlanError(unknown_choice("OpenVINO conversion engine", engine, ENGINES, "engine="))
+    return subpart
+
+
+def _manifest_options(xml: Path, engine: str, precision: str, input_shapes: Any, static: StaticPlan | None,
+                      inputs: Any, outputs: Any, device_overrides: Mapping[str, str] | None) -> dict[str, Any]:
+    """The sub-part's manifest ``options``: engine, shapes, weight storage read from the IR, the
+    static plan's entries (npu) and device overrides."""
+    options: dict[str, Any] = {
+        "engine": engine,
+        "input_shapes": [list(sh) for sh in input_shapes] if input_shapes is not None else None,
+        "compress_to_fp16": precision == "fp16",
+        "weight_storage": weight_summary(xml),
+    }
+    if static is not None:
+        options.update(static.manifest_options(inputs, outputs))
+    if device_overrides:
+        options["device_overrides"] = dict(device_overrides)
+    return options

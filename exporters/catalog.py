@@ -25,7 +25,8 @@ class ExporterInfo:
     """One exporter.
 
     Attributes:
-        name: catalogue key (used in target declarations and the manifest).
+        name: catalogue key (used in target declarations and recorded in the manifest;
+            one of the name constants above).
         entry: ``"module:function"`` that runs it.
         plan: ``"module:function"`` of a light function ``(precision, options) ->
             (passes, quantization)``: the tool passes it runs, in order, and the
@@ -90,6 +91,15 @@ class ExporterInfo:
         return getattr(importlib.import_module(module), function)(params, stored_itemsize, precision, options)
 
 
+#: The exporters' names, stated once: catalogue keys, what target recipes name and what a
+#: manifest records as a sub-part's ``exporter`` (the tool or engine that ran is in its
+#: ``passes`` and ``tool_versions``; bundles built before 0.1 recorded ``olive``,
+#: ``optimum-intel`` or ``openvino`` there, which nothing reads back).
+MODELBUILDER = "modelbuilder"
+OLIVE_ONNX = "olive-onnx"
+OPTIMUM_OPENVINO = "optimum-openvino"
+OLIVE_OPENVINO = "olive-openvino"
+
 #: Options of the two OpenVINO exporters' NNCF weight compression.
 _NNCF_OPTIONS: dict[str, type | tuple[type, ...]] = {
     "group_size": int, "ratio": (int, float), "all_layers": bool, "symmetric": bool}
@@ -98,7 +108,7 @@ EXPORTERS: dict[str, ExporterInfo] = {
     e.name: e
     for e in (
         ExporterInfo(
-            "modelbuilder",
+            MODELBUILDER,
             "higgs_pack.exporters.modelbuilder:build_llm_decoder",
             "higgs_pack.exporters.modelbuilder:plan",
             "decoder",
@@ -110,7 +120,7 @@ EXPORTERS: dict[str, ExporterInfo] = {
             space="higgs_pack.exporters.space:modelbuilder",
         ),
         ExporterInfo(
-            "olive-onnx",
+            OLIVE_ONNX,
             "higgs_pack.exporters.olive:export_onnx",
             "higgs_pack.exporters.olive:plan",
             "module",
@@ -121,7 +131,7 @@ EXPORTERS: dict[str, ExporterInfo] = {
             tool=("olive-ai", "onnx", "onnxruntime", "torch"),
         ),
         ExporterInfo(
-            "optimum-openvino",
+            OPTIMUM_OPENVINO,
             "higgs_pack.exporters.openvino_decoder:convert_llm_decoder",
             "higgs_pack.exporters.openvino_plan:decoder_plan",
             "decoder",
@@ -132,7 +142,7 @@ EXPORTERS: dict[str, ExporterInfo] = {
             space="higgs_pack.exporters.space:optimum_openvino",
         ),
         ExporterInfo(
-            "olive-openvino",
+            OLIVE_OPENVINO,
             "higgs_pack.exporters.openvino_subpart:convert_subpart",
             "higgs_pack.exporters.openvino_plan:subpart_plan",
             "module",

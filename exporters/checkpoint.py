@@ -61,7 +61,6 @@ from higgs_pack.exporters.checkpoint_layout import (
     fixed_text_config,
     llm_tensor_shapes,
 )
-from higgs_pack.exporters.checkpoint_models import CheckpointModels
 from higgs_pack.exporters.safetensors_writer import ST_DTYPES
 from higgs_pack.manifests.constants import SPECIAL_TOKENS
 from higgs_pack.manifests.errors import CheckpointError, disk_full, disk_full_message, first_line
@@ -147,7 +146,7 @@ def open_checkpoint(
     return HiggsCheckpoint(Path(local), source=text)
 
 
-class HiggsCheckpoint(CheckpointModels):
+class HiggsCheckpoint:
     """An opened Higgs-Audio-v3 checkpoint (use :func:`open_checkpoint`).
 
     Opening reads ``config.json``, the safetensors headers (not the data) and

@@ -14,8 +14,6 @@ from typing import Any
 MODEL_TYPE = "higgs_multimodal_qwen3"
 #: Token embedding [vocab, hidden], tied to the text head (MODEL.md).
 TEXT_EMBEDDING = "tied.embedding.text_embedding.weight"
-#: Text LM head, present only when not tied.
-TEXT_HEAD = "tied.head.text_head.weight"
 #: Qwen3 decoder layers and final norm live under this prefix.
 BODY_PREFIX = "body."
 #: Fused audio embedding [num_codebooks * 1026, hidden] (MODEL.md).

@@ -114,6 +114,7 @@ def capture_matched(ckpt: Any, pipe: Any, g: dict[str, np.ndarray], bundle_dir: 
     import torch
 
     from higgs_pack.exporters.checkpoint_layout import AUDIO_EMBEDDING, BODY_PREFIX, TEXT_EMBEDDING
+    from higgs_pack.exporters.checkpoint_models import qwen3_model
     from higgs_pack.exporters.reference import TorchDecoder, TorchRunner, upcast_per_layer
     from higgs_pack.exporters.torch_modules import AudioEmbed, AudioHeads, TextEmbed
 
@@ -136,7 +137,7 @@ def capture_matched(ckpt: Any, pipe: Any, g: dict[str, np.ndarray], bundle_dir: 
             # 4B model is never in memory twice: measured 14 GiB before, at full size).
             pipe.decoder.model = None
             gc.collect()
-            skeleton = upcast_per_layer(ckpt.qwen3_model(stored_dtype=True, projections=False), read)
+            skeleton = upcast_per_layer(qwen3_model(ckpt, stored_dtype=True, projections=False), read)
             decoder = TorchDecoder(skeleton, c.max_position_embeddings)
             g["llm_decoder/matched/hidden_states"] = decoder.forward(g["llm_decoder/in/inputs_embeds"])
             g["llm_decoder/matched/step_hidden_states"] = decoder.forward(g["llm_decoder/in/step_embeds"])

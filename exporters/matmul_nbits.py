@@ -230,9 +230,3 @@ def raise_disk_error(exc: OSError, folder: Path) -> None:
             f"out of disk space in {folder} ({free / 2**30:.1f} GiB free); free space there or "
             "put the build's scratch elsewhere with --work-dir / HIGGS_PACK_WORK_DIR"
         ) from exc
-
-
-def import_tools() -> None:
-    """Import what :func:`quantize_matmuls` imports and do nothing (a memory baseline for tests)."""
-    import onnx  # noqa: F401
-    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantizer  # noqa: F401

@@ -18,10 +18,12 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from higgs_pack.exporters import onnx_utils
+from higgs_pack.exporters.catalog import MODELBUILDER
 from higgs_pack.exporters.matmul_nbits import quantize_matmuls, raise_disk_error
 from higgs_pack.exporters.process import describe_exit
 from higgs_pack.exporters.result import ExportResult, installed_version, log_tail
@@ -61,10 +63,44 @@ INT4_DEFAULTS: dict[str, Any] = {
 INT4_METHOD = "onnxruntime-matmulnbits-streamed"
 
 
+def _true(value: Any) -> bool:
+    """A ModelBuilder boolean option: a bool, or its ``"true"``/``"false"`` string."""
+    return value if isinstance(value, bool) else str(value).lower() == "true"
+
+
+def int4_settings(execution_provider: str, extra_options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The streamed int4 pass's settings, resolved once: the recipe's extra options over
+    :data:`INT4_DEFAULTS` and the provider row's ``accuracy_level`` (no heavy import).
+
+    Returns:
+        ``{"block_size": int, "accuracy_level": int, "is_symmetric": bool,
+        "nodes_to_exclude": [node names]}``: the keywords of
+        :func:`~higgs_pack.exporters.matmul_nbits.quantize_matmuls`.
+    """
+    options = extra_options or {}
+    return {
+        "block_size": int(options.get("block_size", INT4_DEFAULTS["block_size"])),
+        "accuracy_level": int(options.get("accuracy_level",
+                                          PROVIDER_ROWS[execution_provider].modelbuilder.accuracy_level)),
+        "is_symmetric": _true(options.get("is_symmetric", INT4_DEFAULTS["is_symmetric"])),
+        "nodes_to_exclude": [n for n in str(options.get("nodes_to_exclude", "")).split(",") if n],
+    }
+
+
 def plan(precision: str, options: Any) -> tuple[tuple[str, ...], dict[str, Any]]:
-    """``(passes, quantization)`` that :func:`build_llm_decoder` records (no heavy import; for the build plan)."""
-    return (passes_for(precision, options["execution_provider"]),
-            {"method": INT4_METHOD, "bits": 4} if precision == "int4" else {})
+    """``(passes, quantization)`` that :func:`build_llm_decoder` records (no heavy import; for the
+    build plan): for int4 every declared setting (block size, accuracy level, symmetry), which
+    the build compares with what it reads back from the graph."""
+    ep = options["execution_provider"]
+    return passes_for(precision, ep), (_int4_record(ep, int4_settings(ep, options.get("extra_options")))
+                                       if precision == "int4" else {})
+
+
+def _int4_record(execution_provider: str, settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The planned part of an int4 decoder's ``quantization`` record."""
+    return {"method": INT4_METHOD, "float_graph": int4_float_base(execution_provider), "bits": 4,
+            "block_size": settings["block_size"], "accuracy_level": settings["accuracy_level"],
+            "is_symmetric": settings["is_symmetric"]}
 
 
 #: int4 is built in two steps, so that no step holds the whole float model: ModelBuilder
@@ -297,6 +333,64 @@ def build_llm_decoder(
     """
     hf_dir, out_dir, cache_dir = Path(hf_dir), Path(out_dir), Path(cache_dir)
     bundle_dir = Path(bundle_dir) if bundle_dir is not None else out_dir.parent
+    options = _check_request(hf_dir, out_dir, cache_dir, bundle_dir, precision, execution_provider,
+                             extra_options, overwrite)
+    int4_options = {k: options.pop(k) for k in list(options) if k in INT4_STREAMED_OPTIONS}
+    settings = int4_settings(execution_provider, int4_options)
+    if precision == "int4":
+        model_path, log_path, kept_float = _build_int4(hf_dir, out_dir, execution_provider, cache_dir, options,
+                                                       settings, timeout_s)
+    else:
+        model_path, log_path = _run_modelbuilder(
+            hf_dir, out_dir, precision, execution_provider, cache_dir, options, timeout_s
+        )
+        kept_float = []
+    options = {**options, **int4_options}
+    _check_outputs_produced(model_path, log_path)
+    repaired = _repair_constant_shapes(model_path)
+    files, removed = _keep_sub_part_files(model_path, out_dir, bundle_dir)
+    quantization: dict[str, Any] = {}
+    if precision == "int4":
+        quantization = _int4_quantization(model_path, log_path, execution_provider, settings, options, kept_float)
+    inputs, outputs = onnx_utils.onnx_io_signature(model_path)
+    return ExportResult(
+        subpart=SubPart.LLM_DECODER.value,
+        format="onnx",
+        files=files,
+        entry=files[0],
+        exporter=MODELBUILDER,
+        passes=list(passes_for(precision, execution_provider)),
+        tool_versions={
+            "onnxruntime-genai": installed_version("onnxruntime-genai"),
+            **onnx_utils.onnx_tool_versions(),
+            "transformers": installed_version("transformers"),
+        },
+        precision=precision,
+        quantization=quantization,
+        inputs=inputs,
+        outputs=outputs,
+        options={
+            "execution_provider": execution_provider,
+            "extra_options": options,
+            "opset": _opsets(model_path),
+            "op_types": onnx_utils.op_type_counts(model_path),
+            "removed_files": removed,
+            "repaired_value_info": repaired,
+            **({"workarounds": ["packed Attention off (ModelBuilder 0.18 writes no present KV with it): "
+                                "MultiHeadAttention path"]}
+               if no_packed_attention(execution_provider, precision) else {}),
+        },
+    )
+
+
+def _check_request(hf_dir: Path, out_dir: Path, cache_dir: Path, bundle_dir: Path, precision: str,
+                   execution_provider: str, extra_options: dict[str, Any] | None, overwrite: bool) -> dict[str, str]:
+    """Validate a :func:`build_llm_decoder` call and prepare its folders; return the extra options
+    as ModelBuilder strings (the contract's own included).
+
+    Raises:
+        BuildPlanError, CheckpointError: as :func:`build_llm_decoder` documents.
+    """
     if precision not in PRECISIONS:
         raise BuildPlanError(
             unknown_choice(
@@ -313,6 +407,14 @@ def build_llm_decoder(
             )
         )
     options = _extra_options(extra_options)
+    if precision == "int4":
+        unsupported = sorted(set(options) & INT4_IN_MEMORY_OPTIONS)
+        if unsupported:
+            raise BuildPlanError(
+                f"extra option(s) {unsupported} need ModelBuilder's in-memory int4 quantizer, which "
+                f"holds the whole float model (over 20 GiB for the 4B checkpoint); the streamed int4 "
+                f"pass takes {sorted(INT4_STREAMED_OPTIONS)}. Drop them from extra_options=."
+            )
     if not (hf_dir / "config.json").is_file():
         raise CheckpointError(
             f"{hf_dir} is not a Hugging Face checkpoint directory (no config.json); pass the "
@@ -332,122 +434,82 @@ def build_llm_decoder(
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cache_dir.mkdir(parents=True, exist_ok=True)
+    return options
 
-    int4_options = {k: options.pop(k) for k in list(options) if k in INT4_STREAMED_OPTIONS}
-    if precision == "int4":
-        unsupported = sorted(set(options) & INT4_IN_MEMORY_OPTIONS)
-        if unsupported:
-            raise BuildPlanError(
-                f"extra option(s) {unsupported} need ModelBuilder's in-memory int4 quantizer, which "
-                f"holds the whole float model (over 20 GiB for the 4B checkpoint); the streamed int4 "
-                f"pass takes {sorted(INT4_STREAMED_OPTIONS)}. Drop them from extra_options=."
-            )
-        float_precision = int4_float_base(execution_provider)
-        float_dir = cache_dir / f"float-{execution_provider}-{float_precision}"
-        shutil.rmtree(float_dir, ignore_errors=True)
-        float_dir.mkdir(parents=True)
-        try:
-            float_model, log_path = _run_modelbuilder(
-                hf_dir, float_dir, float_precision, execution_provider, cache_dir, options, timeout_s
-            )
-            model_path = out_dir / float_model.name
-            try:
-                streamed = quantize_matmuls(
-                    float_model,
-                    model_path,
-                    block_size=int(int4_options.get("block_size", INT4_DEFAULTS["block_size"])),
-                    is_symmetric=str(int4_options.get("is_symmetric", "true")).lower() == "true",
-                    accuracy_level=int(
-                        int4_options.get("accuracy_level", PROVIDER_ROWS[execution_provider].modelbuilder.accuracy_level)
-                    ),
-                    nodes_to_exclude=[n for n in str(int4_options.get("nodes_to_exclude", "")).split(",") if n],
-                )
-            except OSError as exc:
-                raise_disk_error(exc, out_dir)
-                raise
-            shutil.copyfile(float_dir / GENAI_CONFIG, out_dir / GENAI_CONFIG)
-        finally:
-            shutil.rmtree(float_dir, ignore_errors=True)
-    else:
-        model_path, log_path = _run_modelbuilder(
-            hf_dir, out_dir, precision, execution_provider, cache_dir, options, timeout_s
+
+def _build_int4(hf_dir: Path, out_dir: Path, execution_provider: str, cache_dir: Path, options: dict[str, str],
+                settings: dict[str, Any], timeout_s: float | None) -> tuple[Path, Path, list[str]]:
+    """The int4 decoder in two steps: ModelBuilder's float graph in scratch, then the streamed
+    MatMulNBits pass into ``out_dir`` (with ``genai_config.json``).
+
+    Returns:
+        (graph path, ModelBuilder log path, names of the MatMuls kept in float).
+
+    Raises:
+        BuildError: ModelBuilder failed, or the disk filled up while quantizing.
+    """
+    float_precision = int4_float_base(execution_provider)
+    float_dir = cache_dir / f"float-{execution_provider}-{float_precision}"
+    shutil.rmtree(float_dir, ignore_errors=True)
+    float_dir.mkdir(parents=True)
+    try:
+        float_model, log_path = _run_modelbuilder(
+            hf_dir, float_dir, float_precision, execution_provider, cache_dir, options, timeout_s
         )
-        streamed = None
-    genai_config_path = out_dir / GENAI_CONFIG
-    options = {**options, **int4_options}
-    workaround = no_packed_attention(execution_provider, precision)
+        model_path = out_dir / float_model.name
+        try:
+            streamed = quantize_matmuls(float_model, model_path, **settings)
+        except OSError as exc:
+            raise_disk_error(exc, out_dir)
+            raise
+        shutil.copyfile(float_dir / GENAI_CONFIG, out_dir / GENAI_CONFIG)
+    finally:
+        shutil.rmtree(float_dir, ignore_errors=True)
+    return model_path, log_path, streamed["kept_float"]
 
-    _check_outputs_produced(model_path, log_path)
-    repaired = _repair_constant_shapes(model_path)
+
+def _keep_sub_part_files(model_path: Path, out_dir: Path, bundle_dir: Path) -> tuple[list[str], list[str]]:
+    """Remove what ModelBuilder wrote besides the graph, its data and ``genai_config.json``
+    (its tokenizer copies: the bundle keeps one at its root).
+
+    Returns:
+        (the sub-part's files relative to ``bundle_dir``, graph first; the names removed).
+    """
     files = onnx_utils.onnx_files(model_path, bundle_dir)
-    keep = {*files, (genai_config_path.resolve().relative_to(bundle_dir.resolve())).as_posix()}
+    genai_config = (out_dir / GENAI_CONFIG).resolve().relative_to(bundle_dir.resolve()).as_posix()
+    keep = {*files, genai_config}
     removed: list[str] = []
     for path in sorted(out_dir.iterdir()):
-        rel = path.resolve().relative_to(bundle_dir.resolve()).as_posix()
-        if rel not in keep:
+        if path.resolve().relative_to(bundle_dir.resolve()).as_posix() not in keep:
             removed.append(path.name)
             shutil.rmtree(path) if path.is_dir() else path.unlink()
-    files.append(genai_config_path.resolve().relative_to(bundle_dir.resolve()).as_posix())
+    return [*files, genai_config], removed
 
-    inputs, outputs = onnx_utils.onnx_io_signature(model_path)
-    quantization: dict[str, Any] = {}
-    if precision == "int4":
-        ops = onnx_utils.quantized_ops(model_path)
-        matmul = ops.get("MatMulNBits", {})
-        quantization = {
-            "method": INT4_METHOD,
-            "float_graph": int4_float_base(execution_provider),
-            "bits": _single(matmul.get("bits"), 4),
-            "block_size": _single(
-                matmul.get("block_size"),
-                int(options.get("block_size", INT4_DEFAULTS["block_size"])),
-            ),
-            "accuracy_level": _single(
-                matmul.get("accuracy_level"),
-                int(
-                    options.get(
-                        "accuracy_level", PROVIDER_ROWS[execution_provider].modelbuilder.accuracy_level
-                    )
-                ),
-            ),
-            "is_symmetric": options.get("is_symmetric", "true").lower() == "true",
-            "algo_config": options.get("algo_config", INT4_DEFAULTS["algo_config"]),
-            "quantized_ops": {op: entry["count"] for op, entry in ops.items()},
-            "kept_float": streamed["kept_float"] if streamed else [],
-        }
-        if not ops:
-            raise BuildError(
-                f"ModelBuilder int4 build of {hf_dir} has no MatMulNBits node; log {log_path}:\n"
-                f"{log_tail(log_path)}"
-            )
 
-    return ExportResult(
-        subpart=SubPart.LLM_DECODER.value,
-        format="onnx",
-        files=files,
-        entry=files[0],
-        exporter="modelbuilder",
-        passes=list(passes_for(precision, execution_provider)),
-        tool_versions={
-            "onnxruntime-genai": installed_version("onnxruntime-genai"),
-            **onnx_utils.onnx_tool_versions(),
-            "transformers": installed_version("transformers"),
-        },
-        precision=precision,
-        quantization=quantization,
-        inputs=inputs,
-        outputs=outputs,
-        options={
-            "execution_provider": execution_provider,
-            "extra_options": options,
-            "opset": _opsets(model_path),
-            "op_types": onnx_utils.op_type_counts(model_path),
-            "removed_files": removed,
-            "repaired_value_info": repaired,
-            **({"workarounds": ["packed Attention off (ModelBuilder 0.18 writes no present KV with it): "
-                                "MultiHeadAttention path"]} if workaround else {}),
-        },
-    )
+def _int4_quantization(model_path: Path, log_path: Path, execution_provider: str, settings: dict[str, Any],
+                       options: dict[str, str], kept_float: list[str]) -> dict[str, Any]:
+    """The int4 decoder's ``quantization`` record, read back from its MatMulNBits nodes.
+
+    Raises:
+        BuildError: the graph has no MatMulNBits node.
+    """
+    ops = onnx_utils.quantized_ops(model_path)
+    if not ops:
+        raise BuildError(
+            f"ModelBuilder int4 build {model_path} has no MatMulNBits node; log {log_path}:\n"
+            f"{log_tail(log_path)}"
+        )
+    matmul = ops.get("MatMulNBits", {})
+    return {
+        **_int4_record(execution_provider, settings),
+        # What the graph holds (the planned value only where the nodes leave an attribute unset).
+        "bits": _single(matmul.get("bits"), 4),
+        "block_size": _single(matmul.get("block_size"), settings["block_size"]),
+        "accuracy_level": _single(matmul.get("accuracy_level"), settings["accuracy_level"]),
+        "algo_config": options.get("algo_config", INT4_DEFAULTS["algo_config"]),
+        "quantized_ops": {op: entry["count"] for op, entry in ops.items()},
+        "kept_float": kept_float,
+    }
 
 
 def _repair_constant_shapes(model_path: Path) -> list[str]:

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from higgs_pack.exporters import onnx_utils
+from higgs_pack.exporters.catalog import OLIVE_ONNX
 from higgs_pack.exporters.result import ExportResult, installed_version, log_tail
 from higgs_pack.manifests.errors import BuildError, BuildPlanError, unknown_choice
 
@@ -87,8 +88,9 @@ PRECISION_PLANS: dict[str, PrecisionPlan] = {
 OPSET = 20
 #: Above this many bytes of weights the tensors go to ``<name>.onnx.data``.
 EXTERNAL_DATA_THRESHOLD = 16 * 1024 * 1024
-#: Defaults of the RTN pass as this exporter uses them.
+#: Defaults of the RTN pass as this exporter uses them (``accuracy_level``: unset, the op's own).
 RTN_BLOCK_SIZE = 128
+RTN_SYMMETRIC = True
 
 
 #: fp16 that keeps float32 graph inputs/outputs: only ``OnnxFloatToFloat16`` inserts the
@@ -137,8 +139,16 @@ def plan(precision: str, options: Mapping[str, Any]) -> tuple[tuple[str, ...], d
     passes = tuple(plan_passes(precision, keep_io_types=keep_io_types))
     bits = PRECISION_PLANS[precision].bits
     if bits is not None:
-        return passes, {"method": "rtn", "bits": bits}
+        return passes, _rtn_record(bits, options.get("block_size", RTN_BLOCK_SIZE),
+                                   options.get("is_symmetric", RTN_SYMMETRIC), options.get("accuracy_level"))
     return passes, (_float16_record(keep_io_types) if precision == "fp16" else {})
+
+
+def _rtn_record(bits: int, block_size: int, is_symmetric: bool, accuracy_level: int | None) -> dict[str, Any]:
+    """The manifest's ``quantization`` settings of an RTN (int4/int8) export: every one the
+    plan declares, compared by the build with what the export recorded."""
+    return {"method": "rtn", "bits": bits, "block_size": block_size, "is_symmetric": is_symmetric,
+            "accuracy_level": accuracy_level}
 
 
 
@@ -240,6 +250,90 @@ def _finalize(model_path: Path, out_dir: Path, name: str, threshold: int) -> Pat
     return final
 
 
+def _check_request(name: str, input_names: list[str], output_names: list[str], example_inputs: tuple,
+                   dynamic_axes: Mapping[str, Any], plan: PrecisionPlan, block_size: int, work_dir: Path,
+                   bundle_dir: Path) -> dict[str, dict[int, str]]:
+    """Validate an :func:`export_onnx` call (nothing heavy imported); return the normalised dynamic axes.
+
+    Raises:
+        BuildPlanError: as :func:`export_onnx` documents.
+    """
+    if len(input_names) != len(example_inputs):
+        raise BuildPlanError(
+            f"{name}: {len(input_names)} input_names {input_names} for {len(example_inputs)} "
+            "example_inputs; give one name per positional example."
+        )
+    axes = _normalise_dynamic_axes(dynamic_axes, input_names + output_names)
+    if plan.bits is not None and (block_size < 16 or block_size & (block_size - 1)):
+        raise BuildPlanError(
+            f"{name}: block_size={block_size} for {RTN_PASS}; it must be a power of two >= 16."
+        )
+    if work_dir.resolve().is_relative_to(bundle_dir.resolve()):
+        raise BuildPlanError(
+            f"work_dir={work_dir} is inside the bundle {bundle_dir}; pass a work_dir= outside it."
+        )
+    return axes
+
+
+def _pass_configs(plan: PrecisionPlan, opset: int, keep_io_types: bool, block_size: int, is_symmetric: bool,
+                  accuracy_level: int | None) -> dict[str, dict[str, Any]]:
+    """Each Olive pass's config (by class name), all writing one external data file."""
+    external = {"save_as_external_data": True, "all_tensors_to_one_file": True}
+    return {
+        CONVERSION_PASS: {
+            "target_opset": opset,
+            "use_dynamo_exporter": False,
+            "device": "cpu",
+            **({"torch_dtype": plan.torch_dtype} if plan.torch_dtype else {}),
+            **external,
+        },
+        FP16_PASS: {"keep_io_types": keep_io_types, **external},
+        RTN_PASS: {
+            "bits": plan.bits,
+            "block_size": block_size,
+            "is_symmetric": is_symmetric,
+            **({"accuracy_level": accuracy_level} if accuracy_level is not None else {}),
+            **external,
+        },
+    }
+
+
+def _run_passes(module: torch.nn.Module, examples: tuple, io_config: dict[str, Any], passes: list[str],
+                configs: dict[str, dict[str, Any]], scratch: Path, what: str) -> Path:
+    """Run the Olive passes in order on ``module`` inside ``scratch`` (Olive's log and temporary
+    files there too); return the last model's path.
+
+    Raises:
+        BuildError: a pass failed (quoting the tail of Olive's log).
+    """
+    import torch
+    from olive.model import PyTorchModelHandler
+    from olive.passes.olive_pass import create_pass_from_dict
+    from olive.passes.onnx.conversion import OnnxConversion
+    from olive.passes.onnx.float16_conversion import OnnxFloatToFloat16
+    from olive.passes.onnx.rtn_quantization import OnnxBlockWiseRtnQuantization
+
+    pass_classes = {cls.__name__: cls for cls in (OnnxConversion, OnnxFloatToFloat16, OnnxBlockWiseRtnQuantization)}
+    model = PyTorchModelHandler(model_loader=lambda _path: module, io_config=io_config,
+                                dummy_inputs_func=lambda _handler: examples)
+    log_path = scratch / "olive.log"
+    tmp = scratch / "tmp"
+    tmp.mkdir()
+    with _olive_log(log_path), _tempdir_under(tmp), torch.no_grad():
+        for index, pass_name in enumerate(passes):
+            step_dir = scratch / f"{index}-{pass_name}"
+            step_dir.mkdir()
+            olive_pass = create_pass_from_dict(pass_classes[pass_name], configs[pass_name], disable_search=True)
+            try:
+                model = olive_pass.run(model, str(step_dir / "model.onnx"))
+            except Exception as error:
+                raise BuildError(
+                    f"Olive {pass_name} failed on {what}: {type(error).__name__}: {error}\n"
+                    f"Olive log tail ({log_path}):\n{log_tail(log_path)}"
+                ) from error
+    return Path(model.model_path)
+
+
 def export_onnx(
     module: torch.nn.Module,
     example_inputs: tuple,
@@ -256,7 +350,7 @@ def export_onnx(
     opset: int = OPSET,
     block_size: int = RTN_BLOCK_SIZE,
     accuracy_level: int | None = None,
-    is_symmetric: bool = True,
+    is_symmetric: bool = RTN_SYMMETRIC,
     keep_io_types: bool = False,
     external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
     keep_work_dir: bool = False,
@@ -322,7 +416,7 @@ def export_onnx(
             temporary directory (intermediate models, ``olive.log``) for debugging.
 
     Returns:
-        `ExportResult`: ``exporter="olive"``, ``passes`` = Olive class names,
+        `ExportResult`: ``exporter="olive-onnx"``, ``passes`` = Olive class names,
         ``files`` = ``[<name>.onnx(, <name>.onnx.data)]`` relative to ``bundle_dir``,
         ``quantization`` = the RTN settings and quantized op counts/attributes read
         from the graph (int4/int8) or the fp16 settings, tool versions of olive-ai,
@@ -340,84 +434,19 @@ def export_onnx(
     out_dir, work_dir = Path(out_dir), Path(work_dir)
     bundle_dir = Path(bundle_dir) if bundle_dir is not None else out_dir
     input_names, output_names = list(input_names), list(output_names)
-    if len(input_names) != len(example_inputs):
-        raise BuildPlanError(
-            f"{name}: {len(input_names)} input_names {input_names} for {len(example_inputs)} "
-            "example_inputs; give one name per positional example."
-        )
-    axes = _normalise_dynamic_axes(dynamic_axes, input_names + output_names)
-    if plan.bits is not None and (block_size < 16 or block_size & (block_size - 1)):
-        raise BuildPlanError(
-            f"{name}: block_size={block_size} for {RTN_PASS}; it must be a power of two >= 16."
-        )
-    if work_dir.resolve().is_relative_to(bundle_dir.resolve()):
-        raise BuildPlanError(
-            f"work_dir={work_dir} is inside the bundle {bundle_dir}; pass a work_dir= outside it."
-        )
-
+    axes = _check_request(name, input_names, output_names, example_inputs, dynamic_axes, plan, block_size,
+                          work_dir, bundle_dir)
     import torch
-    from olive.model import PyTorchModelHandler
-    from olive.passes.olive_pass import create_pass_from_dict
-    from olive.passes.onnx.conversion import OnnxConversion
-    from olive.passes.onnx.float16_conversion import OnnxFloatToFloat16
-    from olive.passes.onnx.rtn_quantization import OnnxBlockWiseRtnQuantization
 
-    pass_classes = {
-        cls.__name__: cls
-        for cls in (OnnxConversion, OnnxFloatToFloat16, OnnxBlockWiseRtnQuantization)
-    }
-    external = {"save_as_external_data": True, "all_tensors_to_one_file": True}
-    pass_configs: dict[str, dict[str, Any]] = {
-        CONVERSION_PASS: {
-            "target_opset": opset,
-            "use_dynamo_exporter": False,
-            "device": "cpu",
-            **({"torch_dtype": plan.torch_dtype} if plan.torch_dtype else {}),
-            **external,
-        },
-        FP16_PASS: {"keep_io_types": keep_io_types, **external},
-        RTN_PASS: {
-            "bits": plan.bits,
-            "block_size": block_size,
-            "is_symmetric": is_symmetric,
-            **({"accuracy_level": accuracy_level} if accuracy_level is not None else {}),
-            **external,
-        },
-    }
-
-    module = module.eval()
-    examples = tuple(example_inputs)
+    configs = _pass_configs(plan, opset, keep_io_types, block_size, is_symmetric, accuracy_level)
     io_config = {"input_names": input_names, "output_names": output_names, "dynamic_axes": axes}
-    handler = PyTorchModelHandler(
-        model_loader=lambda _path: module,
-        io_config=io_config,
-        dummy_inputs_func=lambda _handler: examples,
-    )
-
     work_dir.mkdir(parents=True, exist_ok=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f"olive-{name}-{precision}-", dir=work_dir))
-    log_path = scratch / "olive.log"
     try:
-        tmp = scratch / "tmp"
-        tmp.mkdir()
-        model = handler
-        with _olive_log(log_path), _tempdir_under(tmp), torch.no_grad():
-            for index, pass_name in enumerate(passes):
-                step_dir = scratch / f"{index}-{pass_name}"
-                step_dir.mkdir()
-                olive_pass = create_pass_from_dict(
-                    pass_classes[pass_name], pass_configs[pass_name], disable_search=True
-                )
-                try:
-                    model = olive_pass.run(model, str(step_dir / "model.onnx"))
-                except Exception as error:
-                    raise BuildError(
-                        f"Olive {pass_name} failed on {name} ({precision}): "
-                        f"{type(error).__name__}: {error}\nOlive log tail ({log_path}):\n"
-                        f"{log_tail(log_path)}"
-                    ) from error
-        final = _finalize(Path(model.model_path), out_dir, name, external_data_threshold)
+        model_path = _run_passes(module.eval(), tuple(example_inputs), io_config, passes, configs, scratch,
+                                 f"{name} ({precision})")
+        final = _finalize(model_path, out_dir, name, external_data_threshold)
         renamed = onnx_utils.rename_graph_outputs(final, output_names)
     finally:
         if not keep_work_dir:
@@ -433,14 +462,7 @@ def export_onnx(
                 "with a constant 2-D weight and no Gather on a constant table. Export it at "
                 "fp32/fp16 instead (precision=)."
             )
-        quantization = {
-            "method": "rtn",
-            "bits": plan.bits,
-            "block_size": block_size,
-            "is_symmetric": is_symmetric,
-            "accuracy_level": accuracy_level,
-            "quantized_ops": ops,
-        }
+        quantization = {**_rtn_record(plan.bits, block_size, is_symmetric, accuracy_level), "quantized_ops": ops}
     elif precision == "fp16":
         quantization = _float16_record(keep_io_types)
 
@@ -449,7 +471,7 @@ def export_onnx(
         format="onnx",
         files=onnx_utils.onnx_files(final, bundle_dir),
         entry=final.resolve().relative_to(bundle_dir.resolve()).as_posix(),
-        exporter="olive",
+        exporter=OLIVE_ONNX,
         passes=passes,
         tool_versions={
             "olive-ai": installed_version("olive-ai"),

@@ -41,7 +41,7 @@ from higgs_pack.exporters.openvino_ir import (
     weight_summary,
 )
 from higgs_pack.exporters.openvino_nncf import nncf_compress
-from higgs_pack.exporters.openvino_plan import DECODER_EXPORT_PASS
+from higgs_pack.exporters.openvino_plan import DECODER_EXPORT_PASS, DECODER_NNCF
 from higgs_pack.exporters.openvino_static_decoder import convert_static_decoder
 from higgs_pack.exporters.process import disk_note
 from higgs_pack.exporters.result import ExportResult, tool_versions
@@ -60,15 +60,15 @@ def convert_llm_decoder(
     out_dir: str | Path,
     *,
     precision: Precision,
-    group_size: int = 128,
-    ratio: float = 1.0,
-    all_layers: bool = False,
+    group_size: int = DECODER_NNCF.group_size,
+    ratio: float = DECODER_NNCF.ratio,
+    all_layers: bool = DECODER_NNCF.all_layers,
     bundle_dir: str | Path | None = None,
     name: str = "llm_decoder",
     work_dir: str | Path | None = None,
     static_kv_length: int | None = None,
     static_step: int = 1,
-    symmetric: bool = False,
+    symmetric: bool = DECODER_NNCF.symmetric,
 ) -> ExportResult:
     """Export the Qwen3 body as a stateful OpenVINO IR and compress its weights.
 
@@ -107,7 +107,7 @@ def convert_llm_decoder(
         symmetric: int4 only: INT4_SYM instead of INT4_ASYM (NPU bundles).
 
     Returns:
-        An :class:`ExportResult` with ``exporter="optimum-intel"``, the passes
+        An :class:`ExportResult` with ``exporter="optimum-openvino"``, the passes
         applied, tool versions (openvino, nncf, optimum-intel, transformers, torch),
         the NNCF settings asked for and the weight types found in the IR, and the
         IR's I/O signature. ``options`` records ``stateful=True`` and the export config.
@@ -183,7 +183,7 @@ def convert_llm_decoder(
 
     return decoder_result(
         xml, bundle_dir, subpart, precision, settings, quantization, versions,
-        exporter="optimum-intel", export_pass=DECODER_EXPORT_PASS,
+        export_pass=DECODER_EXPORT_PASS,
         options={
             "stateful": True,
             "export_config": "get_vlm_text_generation_config('qwen3', int_dtype='int64', float_dtype='fp32')",

@@ -25,6 +25,7 @@ from typing import Any, Literal
 import numpy as np
 import openvino as ov
 
+from higgs_pack.exporters.catalog import OPTIMUM_OPENVINO
 from higgs_pack.exporters.result import ExportResult, TensorSpec
 from higgs_pack.manifests.constants import FP32_ONLY, SubPart
 from higgs_pack.manifests.errors import BuildError, BuildPlanError, unknown_choice
@@ -286,10 +287,11 @@ def qwen3_config(hf_dir: Path):
 
 
 def decoder_result(xml: Path, bundle_dir: Path, subpart: str, precision: str, settings: Mapping[str, Any],
-                   quantization: dict[str, Any], versions: dict[str, str], *, exporter: str, export_pass: str,
+                   quantization: dict[str, Any], versions: dict[str, str], *, export_pass: str,
                    options: dict[str, Any]) -> ExportResult:
-    """The :class:`ExportResult` of a saved decoder IR: passes from the compression
-    settings, I/O signature and weight storage read back from the file."""
+    """The :class:`ExportResult` of a saved decoder IR (stateful or static: both are the
+    ``optimum-openvino`` exporter): passes from the compression settings, I/O signature and
+    weight storage read back from the file."""
     passes = [export_pass]
     if settings:
         passes.append(f"nncf.compress_weights({settings['mode'].upper()})")
@@ -302,7 +304,7 @@ def decoder_result(xml: Path, bundle_dir: Path, subpart: str, precision: str, se
     options = {**options, "compile_properties": decoder_compile_properties(precision,
                                                                           stateful=bool(options.get("stateful")))}
     return ExportResult(
-        subpart=subpart, format="openvino", files=files, entry=files[0], exporter=exporter, passes=passes,
+        subpart=subpart, format="openvino", files=files, entry=files[0], exporter=OPTIMUM_OPENVINO, passes=passes,
         tool_versions=versions, precision=precision, quantization=quantization, inputs=inputs, outputs=outputs,
         options={**options, "compress_to_fp16": precision == "fp16", "weight_storage": weight_summary(xml)},
     )

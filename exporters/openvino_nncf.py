@@ -16,29 +16,8 @@ from typing import Any
 
 import openvino as ov
 
-from higgs_pack.exporters.openvino_plan import compress_mode
+from higgs_pack.exporters.openvino_plan import compress_settings
 from higgs_pack.manifests.errors import BuildError
-
-
-def compress_settings(precision: str, group_size: int, ratio: float, all_layers: bool,
-                      symmetric: bool = False) -> dict[str, Any]:
-    """The NNCF settings asked for, JSON-ready (mode names as NNCF spells their values).
-
-    ``symmetric`` selects INT4_SYM for int4 (what Intel's NPU plugin wants, per the
-    OpenVINO GenAI NPU guide); int8 stays INT8_ASYM per channel.
-    """
-    if precision == "int4":
-        return {
-            "mode": compress_mode(precision, symmetric),
-            "group_size": group_size,
-            "ratio": ratio,
-            "all_layers": all_layers,
-            "group_size_fallback_mode": "adjust",
-            "backup_mode": "int8_asym",
-        }
-    if precision == "int8":
-        return {"mode": compress_mode(precision), "granularity": "per_channel"}
-    return {}
 
 
 def _nncf_kwargs(settings: Mapping[str, Any]) -> dict[str, Any]:

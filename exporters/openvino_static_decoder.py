@@ -23,7 +23,7 @@ from higgs_pack.exporters.openvino_ir import (
     weight_summary,
 )
 from higgs_pack.exporters.openvino_nncf import nncf_compress
-from higgs_pack.exporters.openvino_plan import STATIC_DECODER_PASS
+from higgs_pack.exporters.openvino_plan import DECODER_NNCF, STATIC_DECODER_PASS
 from higgs_pack.exporters.result import ExportResult, tool_versions
 from higgs_pack.manifests.constants import SubPart
 from higgs_pack.manifests.errors import BuildError, BuildPlanError
@@ -104,10 +104,10 @@ def convert_static_decoder(
     precision: Precision,
     kv_length: int,
     step: int = 1,
-    group_size: int = 128,
-    ratio: float = 1.0,
-    all_layers: bool = False,
-    symmetric: bool = False,
+    group_size: int = DECODER_NNCF.group_size,
+    ratio: float = DECODER_NNCF.ratio,
+    all_layers: bool = DECODER_NNCF.all_layers,
+    symmetric: bool = DECODER_NNCF.symmetric,
     bundle_dir: str | Path | None = None,
     name: str = "llm_decoder",
 ) -> ExportResult:
@@ -146,7 +146,7 @@ def convert_static_decoder(
         name: File stem of the IR.
 
     Returns:
-        An :class:`ExportResult` (``exporter="openvino"``); ``options`` records
+        An :class:`ExportResult` (``exporter="optimum-openvino"``); ``options`` records
         ``stateful=False``, ``static=True``, ``kv_length``, ``step`` and ``static_shapes``.
 
     Raises:
@@ -217,7 +217,7 @@ def convert_static_decoder(
 
     return decoder_result(
         xml, bundle_dir, subpart, precision, settings, quantization, versions,
-        exporter="openvino", export_pass=STATIC_DECODER_PASS,
+        export_pass=STATIC_DECODER_PASS,
         options={
             "stateful": False,
             "static": True,

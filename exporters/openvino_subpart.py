@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import openvino as ov
 
+from higgs_pack.exporters.catalog import OLIVE_OPENVINO
 from higgs_pack.exporters.openvino_ir import (
     Precision,
     check_precision,
@@ -41,7 +42,8 @@ from higgs_pack.exporters.openvino_ir import (
     set_rt_info,
     weight_summary,
 )
-from higgs_pack.exporters.openvino_nncf import compress_settings, nncf_compress
+from higgs_pack.exporters.openvino_nncf import nncf_compress
+from higgs_pack.exporters.openvino_plan import SUBPART_NNCF, compress_settings
 from higgs_pack.exporters.openvino_static_shapes import StaticPlan
 from higgs_pack.exporters.result import ExportResult, tool_versions
 from higgs_pack.manifests.constants import SUBPART_IO, SubPart
@@ -124,8 +126,9 @@ def _convert_openvino(module: torch.nn.Module, example_inputs: tuple, precision:
         raise BuildError(f"openvino.convert_model failed: {exc}") from exc
     passes = ["convert_model"]
     if settings:
-        model, _ = nncf_compress(model, precision, settings.get("group_size", 128), settings.get("ratio", 1.0),
-                                 settings.get("all_layers", False), settings.get("mode") == "int4_sym")
+        model, _ = nncf_compress(model, precision, settings.get("group_size", SUBPART_NNCF.group_size),
+                                 settings.get("ratio", SUBPART_NNCF.ratio),
+                                 settings.get("all_layers", SUBPART_NNCF.all_layers), settings.get("mode") == "int4_sym")
         passes.append(f"nncf.compress_weights({settings['mode'].upper()})")
     return model, passes
 
@@ -145,9 +148,9 @@ def convert_subpart(
     input_shapes: Sequence[Sequence[int | str | None]] | None = None,
     dynamic_axes: Mapping[str, Any] | None = None,
     name: str | None = None,
-    group_size: int = 128,
-    ratio: float = 1.0,
-    all_layers: bool = True,
+    group_size: int = SUBPART_NNCF.group_size,
+    ratio: float = SUBPART_NNCF.ratio,
+    all_layers: bool = SUBPART_NNCF.all_layers,
     engine: Literal["olive", "openvino"] = "olive",
     bundle_dir: str | Path | None = None,
     work_dir: str | Path | None = None,
@@ -156,7 +159,7 @@ def convert_subpart(
     pad_mask: bool = False,
     allow_chunks: bool = True,
     device_overrides: Mapping[str, str] | None = None,
-    symmetric: bool = False,
+    symmetric: bool = SUBPART_NNCF.symmetric,
 ) -> ExportResult:
     """Convert one small sub-part (embeddings, audio heads, codec) to OpenVINO IR.
 
@@ -223,7 +226,7 @@ def convert_subpart(
         symmetric: int4 only: NNCF INT4_SYM instead of INT4_ASYM (NPU bundles).
 
     Returns:
-        An :class:`ExportResult` (``exporter`` ``"olive"`` or ``"openvino"``), with the
+        An :class:`ExportResult` (``exporter="olive-openvino"``; ``options["engine"]`` the engine), with the
         I/O signature read back from the saved IR.
 
     Raises:
@@ -233,17 +236,7 @@ def convert_subpart(
         BuildError: Conversion, compression or renaming failed, or the graph's
             inputs/outputs do not match the names.
     """
-    try:
-        subpart = SubPart(subpart)
-    except ValueError:
-        raise BuildPlanError(
-            unknown_choice("sub-part", str(subpart), [s.value for s in SubPart], "subpart=")
-        ) from None
-    if subpart is SubPart.LLM_DECODER:
-        raise BuildPlanError("llm_decoder is exported with convert_llm_decoder(), not convert_subpart()")
-    check_precision(precision, subpart)
-    if engine not in ENGINES:
-        raise BuildPlanError(unknown_choice("OpenVINO conversion engine", engine, ENGINES, "engine="))
+    subpart = _checked_subpart(subpart, precision, engine)
     default_in, default_out = SUBPART_IO[subpart]
     input_names = list(input_names or default_in)
     output_names = list(output_names or default_out)
@@ -295,6 +288,46 @@ def convert_subpart(
         passes.append("compress_to_fp16")
     inputs, outputs = ir_io_signature(xml)
     files = relative_files(xml, bundle_dir)
+    return ExportResult(
+        subpart=subpart,
+        format="openvino",
+        files=files,
+        entry=files[0],
+        exporter=OLIVE_OPENVINO,
+        passes=passes,
+        tool_versions=versions,
+        precision=precision,
+        quantization=quantization,
+        inputs=inputs,
+        outputs=outputs,
+        options=_manifest_options(xml, engine, precision, input_shapes, static, inputs, outputs, device_overrides),
+    )
+
+
+def _checked_subpart(subpart: SubPart | str, precision: str, engine: str) -> SubPart:
+    """The sub-part :func:`convert_subpart` was asked for, once its precision and engine are checked.
+
+    Raises:
+        BuildPlanError: an unknown sub-part or engine, the decoder, or a precision it does not take.
+    """
+    try:
+        subpart = SubPart(subpart)
+    except ValueError:
+        raise BuildPlanError(
+            unknown_choice("sub-part", str(subpart), [s.value for s in SubPart], "subpart=")
+        ) from None
+    if subpart is SubPart.LLM_DECODER:
+        raise BuildPlanError("llm_decoder is exported with convert_llm_decoder(), not convert_subpart()")
+    check_precision(precision, subpart)
+    if engine not in ENGINES:
+        raise BuildPlanError(unknown_choice("OpenVINO conversion engine", engine, ENGINES, "engine="))
+    return subpart
+
+
+def _manifest_options(xml: Path, engine: str, precision: str, input_shapes: Any, static: StaticPlan | None,
+                      inputs: Any, outputs: Any, device_overrides: Mapping[str, str] | None) -> dict[str, Any]:
+    """The sub-part's manifest ``options``: engine, shapes, weight storage read from the IR, the
+    static plan's entries (npu) and device overrides."""
     options: dict[str, Any] = {
         "engine": engine,
         "input_shapes": [list(sh) for sh in input_shapes] if input_shapes is not None else None,
@@ -305,17 +338,4 @@ def convert_subpart(
         options.update(static.manifest_options(inputs, outputs))
     if device_overrides:
         options["device_overrides"] = dict(device_overrides)
-    return ExportResult(
-        subpart=subpart,
-        format="openvino",
-        files=files,
-        entry=files[0],
-        exporter=engine,
-        passes=passes,
-        tool_versions=versions,
-        precision=precision,
-        quantization=quantization,
-        inputs=inputs,
-        outputs=outputs,
-        options=options,
-    )
+    return options

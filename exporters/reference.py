@@ -128,7 +128,7 @@ def upcast_per_layer(model: nn.Module, replace: Callable[[int], dict[str, np.nda
     instead of the 14.6 GiB float32 model.
 
     Args:
-        model: the ``Qwen3Model`` (:meth:`HiggsCheckpoint.qwen3_model` with ``stored_dtype=True``).
+        model: the ``Qwen3Model`` (:func:`~higgs_pack.exporters.checkpoint_models.qwen3_model` with ``stored_dtype=True``).
         replace: optional ``f(layer_index) -> {parameter path in the layer: float32 array}``:
             those parameters are taken from ``f`` instead of the model for that layer's
             forward (the matched oracle: weights read back from a bundle, see
@@ -152,7 +152,7 @@ class TorchDecoder:
     and returns the final-norm hidden states of the new positions, float32.
 
     Args:
-        model: A float32 eval-mode transformers ``Qwen3Model`` (:meth:`HiggsCheckpoint.qwen3_model`).
+        model: A float32 eval-mode transformers ``Qwen3Model`` (:func:`~higgs_pack.exporters.checkpoint_models.qwen3_model`).
         max_length: Most positions per request (default: ``max_position_embeddings``).
 
     Raises:
@@ -219,7 +219,9 @@ def reference_pipeline(ckpt: HiggsCheckpoint, *, with_encoder: bool = True) -> P
         wanted.append(SubPart.AUDIO_ENCODER)
     modules = build_modules(ckpt, wanted, keep_dtype=True)
     runners = {sp: TorchRunner(m, *SUBPART_IO[sp]) for sp, m in modules.items()}
-    body = upcast_per_layer(ckpt.qwen3_model(stored_dtype=True))
+    from higgs_pack.exporters.checkpoint_models import qwen3_model
+
+    body = upcast_per_layer(qwen3_model(ckpt, stored_dtype=True))
     ckpt.close()
     decoder = TorchDecoder(body, ckpt.constants.max_position_embeddings)
     described = [*wanted, SubPart.LLM_DECODER]

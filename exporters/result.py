@@ -59,8 +59,9 @@ class ExportResult:
             external data, then side files such as ``genai_config.json``).
         entry: The file a runtime opens (``"llm_decoder/model.onnx"``), relative
             to the bundle directory; always one of ``files``.
-        exporter: Which mechanism made it: ``"modelbuilder"``, ``"olive"``,
-            ``"optimum-intel"``...
+        exporter: The catalogue name of the exporter that made it
+            (:data:`~higgs_pack.exporters.catalog.EXPORTERS`: ``"modelbuilder"``,
+            ``"olive-onnx"``, ``"optimum-openvino"``, ``"olive-openvino"``).
         passes: The steps applied in order, by their tool's names (Olive pass class
             names such as ``"OnnxConversion"``, or ``"ModelBuilder"``).
         tool_versions: Distribution name -> version of every tool that touched the

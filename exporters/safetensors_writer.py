@@ -3,7 +3,7 @@
 :func:`write_safetensors` writes one file, :func:`write_sharded_safetensors` a
 ``model.safetensors`` or shards plus an index as transformers writes them. Shared by the
 tiny-checkpoint generator (:mod:`higgs_pack.exporters.tiny`) and
-:meth:`HiggsCheckpoint.write_qwen3_hf_dir <higgs_pack.exporters.checkpoint_models.CheckpointModels.write_qwen3_hf_dir>`,
+:func:`~higgs_pack.exporters.checkpoint_models.write_qwen3_hf_dir`,
 so neither ever holds a whole model in memory.
 """
 

@@ -15,7 +15,8 @@ CodecEncoder     ``waveform`` float32 [B, 1, T*960]     ``audio_codes`` int64 [B
 ===============  =====================================  =========================================
 
 Every module exports with ``torch.onnx.export(..., dynamo=False, opset_version=20)``
-(see :func:`export_onnx`) with dynamic batch and sequence/frame/sample axes, and the
+(Olive's ``OnnxConversion``: :func:`higgs_pack.exporters.olive.export_onnx`) with dynamic
+batch and sequence/frame/sample axes (:data:`DYNAMIC_AXES`), and the
 exported graph accepts lengths other than the example's.  The codec encoder is written
 so that tracing folds nothing length-dependent: the 24 kHz -> 16 kHz resampling of the
 semantic branch (transformers calls ``torchaudio.functional.resample``, whose output
@@ -29,8 +30,6 @@ returns exactly the codes of ``HiggsAudioV2TokenizerModel.encode``.
 from __future__ import annotations
 
 import math
-import warnings
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -38,15 +37,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from higgs_pack.manifests.constants import SUBPART_IO, SubPart
+from higgs_pack.manifests.constants import SubPart
 from higgs_pack.manifests.errors import InputError
 
 if TYPE_CHECKING:
     from higgs_pack.exporters.checkpoint import HiggsCheckpoint
     from higgs_pack.runtime.loop.pipeline import ModelConstants
-
-#: ONNX opset of every export (MODEL.md: measured with opset 20, dynamo=False).
-OPSET = 20
 
 #: Symbolic axes of every exported input and output.
 DYNAMIC_AXES: dict[SubPart, dict[str, dict[int, str]]] = {
@@ -307,6 +303,7 @@ def build_modules(
         :class:`higgs_pack.exporters.reference.TorchDecoder`).
     """
     from higgs_pack.exporters.checkpoint_layout import TEXT_EMBEDDING
+    from higgs_pack.exporters.checkpoint_models import codec_model
 
     wanted = list(subparts or DYNAMIC_AXES)
     c = ckpt.constants
@@ -320,7 +317,7 @@ def build_modules(
         elif sp == SubPart.AUDIO_HEADS:
             out[sp] = AudioHeads(ckpt.audio_head_weight(), c.num_codebooks, c.audio_vocab_size)
         elif sp in (SubPart.AUDIO_TOKENIZER, SubPart.AUDIO_ENCODER):
-            codec = codec if codec is not None else ckpt.codec()
+            codec = codec if codec is not None else codec_model(ckpt)
             cls = CodecDecoder if sp == SubPart.AUDIO_TOKENIZER else CodecEncoder
             out[sp] = cls(codec)
         else:
@@ -351,68 +348,6 @@ def example_inputs(
     if subpart == SubPart.AUDIO_ENCODER:
         return (0.1 * torch.randn(1, 1, length * constants.hop_length, generator=g),)
     raise ValueError(f"{subpart} is not exported with torch.onnx.export")
-
-
-def io_config(subpart: SubPart, constants: ModelConstants) -> dict[str, Any]:
-    """Olive-style ``io_config`` of a sub-part: names, example shapes, types, dynamic axes."""
-    (example,) = example_inputs(subpart, constants)
-    inputs, outputs = SUBPART_IO[subpart]
-    return {
-        "input_names": list(inputs),
-        "input_shapes": [list(example.shape)],
-        "input_types": ["int64" if example.dtype == torch.int64 else "float32"],
-        "output_names": list(outputs),
-        "dynamic_axes": {k: dict(v) for k, v in DYNAMIC_AXES[subpart].items()},
-    }
-
-
-def export_onnx(
-    subpart: SubPart,
-    module: nn.Module,
-    path: str | Path,
-    constants: ModelConstants,
-    *,
-    opset: int = OPSET,
-    length: int = 5,
-) -> Path:
-    """Export one sub-part module to ONNX (TorchScript exporter, ``dynamo=False``).
-
-    Args:
-        subpart: Which sub-part (names and dynamic axes from :data:`DYNAMIC_AXES`).
-        module: Its module (from :func:`build_modules`).
-        path: Output ``.onnx`` file.
-        constants: Model constants (for the example input).
-        opset: ONNX opset (default 20).
-        length: Example length in tokens/frames (the graph accepts others).
-
-    Returns:
-        ``path`` as a Path.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    inputs, outputs = SUBPART_IO[subpart]
-    with torch.no_grad(), warnings.catch_warnings():
-        # Tracing warns at every Python value it freezes (shape checks that hold for all
-        # lengths, e.g. HuBERT's is_causal=False); the graph is verified at other lengths
-        # by the tests, and recording thousands of warnings costs seconds.
-        warnings.simplefilter("ignore", torch.jit.TracerWarning)
-        warnings.filterwarnings(
-            "ignore", "You are using the legacy TorchScript", DeprecationWarning
-        )
-        # The semantic branch's frame stride (`[:, ::2]`) is a Slice with steps=2.
-        warnings.filterwarnings("ignore", "Constant folding - Only steps=1", UserWarning)
-        torch.onnx.export(
-            module.eval(),
-            example_inputs(subpart, constants, length),
-            str(path),
-            input_names=list(inputs),
-            output_names=list(outputs),
-            dynamic_axes=DYNAMIC_AXES[subpart],
-            opset_version=opset,
-            dynamo=False,
-            do_constant_folding=True,
-        )
-    return path
 
 
 def numpy_function(module: nn.Module):

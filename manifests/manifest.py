@@ -271,8 +271,3 @@ def _referenced_paths(manifest: dict[str, Any]) -> list[str]:
         refs.append(sub["entry"])
         refs.extend(sub["files"])
     return refs
-
-
-def listed_paths(manifest: dict[str, Any]) -> set[str]:
-    """Every path the manifest lists in ``files``."""
-    return {e["path"] for e in manifest["files"]}

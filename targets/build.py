@@ -14,12 +14,12 @@ import logging
 import math
 import os
 import platform
-import re
 import shutil
 import sys
 import tempfile
 import time
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,8 @@ from higgs_pack.manifests.constants import FORMAT_VERSION, SubPart
 from higgs_pack.manifests.errors import BuildError, BundleError, HiggsPackError
 from higgs_pack.manifests.manifest import MANIFEST_NAME, file_entry, read_manifest, write_manifest
 from higgs_pack.runtime.cpu import cpu_info
+from higgs_pack.runtime.loop.delay import SamplingOptions
+from higgs_pack.runtime.loop.generate import FRAMES_PER_TEXT_TOKEN, MIN_MAX_FRAMES
 from higgs_pack.runtime.paths import cache_root
 from higgs_pack.targets.base import (
     CODE_AGREEMENT_THRESHOLD,
@@ -36,11 +38,17 @@ from higgs_pack.targets.base import (
     DECODER_EXPORT_REL_L2,
     EXPORT_REL_L2,
 )
-from higgs_pack.targets.plan import BuildPlan, make_plan, plan_mismatches
+from higgs_pack.targets.plan import (
+    BuildPlan,
+    bundle_name,
+    bundle_path,
+    make_plan,
+    model_slug,
+    plan_mismatches,
+)
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL_SLUG = "higgs-audio-v3-tiny"
 DEFAULT_LICENSE = "research / non-commercial (Boson AI Higgs Audio licence; see the model card)"
 REFERENCE_FILE = "reference/golden.npz"
 
@@ -68,23 +76,6 @@ def default_checkpoint(preset: str = "tiny", seed: int = 0) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
-
-
-def model_slug(model: str | None) -> str:
-    """Bundle-name slug of a checkpoint: ``higgs-audio-v3-tiny`` for the default."""
-    if model is None:
-        return DEFAULT_MODEL_SLUG
-    name = Path(str(model).rstrip("/")).name or str(model)
-    slug = re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-.")
-    return slug or "model"
-
-
-def bundle_name(slug: str, plan: BuildPlan) -> str:
-    """``<model-slug>-<target>-<precision>[-<variant>]``."""
-    parts = [slug, plan.target.name, plan.precision]
-    if plan.variant:
-        parts.append(plan.variant)
-    return "-".join(parts)
 
 
 @contextmanager
@@ -153,88 +144,34 @@ def build(
             the folder, the space needed and free); an exporter failed, ran out of
             memory or disk; or the bundle failed its own verification.
     """
-    from higgs_pack.exporters.process import TreeMemory, run_step
+    from higgs_pack.exporters.checkpoint import open_checkpoint
+    from higgs_pack.exporters.process import TreeMemory
     from higgs_pack.targets.workspace import FolderPeak, check_space, work_area, work_root
 
     plan = make_plan(target, precision, variant)
     say = progress or (lambda msg: log.info(msg))
-    slug = model_slug(None if model is None else str(model))
-    out = Path(out) if out is not None else Path(dist_dir) / bundle_name(slug, plan)
-    if out.exists():
-        if _is_good_bundle(out):
-            if not force:
-                raise BundleError(
-                    f"{out} already holds a bundle; pass --force (force=True) to replace it "
-                    "once the new build has passed verification, or choose another --out"
-                )
-        elif not out.is_dir() or any(out.iterdir()):
-            raise BundleError(f"{out} exists and is not a bundle; choose an empty or new --out")
+    out = bundle_path(plan, model, out, dist_dir)
+    _check_out(out, force)
     say(plan.render())
     start = time.perf_counter()
-
-    from higgs_pack.exporters.checkpoint import open_checkpoint
-
     source = str(model) if model is not None else str(default_checkpoint())
     ckpt = open_checkpoint(source)
-    checkpoint_dir = str(ckpt.root)
     say(check_space(estimate_space(plan, ckpt), work_root(work_dir), out.absolute().parent))
-    phases: list[Any] = []
     with (_staging(out) as stage, work_area(work_dir) as work, TreeMemory() as memory,
           FolderPeak(work, stage) as scratch):
-
-        def step(name: str, entry: str, folders: list[Path], **kwargs: Any) -> Any:
-            say(name)
-            value, record = run_step(entry, kwargs, name=name, folders=folders, memory=memory, work_dir=work)
-            phases.append(record)
-            log.info("%s: %.1f s, peak %.0f MiB", name, record.seconds, record.peak_rss_mb)
-            return value
-
+        steps = _Steps(say, memory, work)
         bundle_dir = stage / "bundle"
         bundle_dir.mkdir()
-        results: dict[str, Any] = {}
-        decoder_rows = [r for r in plan.rows if r.exporter.kind == "decoder"]
-        module_rows = [r for r in plan.rows if r.exporter.kind != "decoder"]
-        if decoder_rows:
-            hf_dir = step("remapping the checkpoint to a Qwen3 directory", "higgs_pack.targets.steps:write_hf_dir",
-                          [work], checkpoint=checkpoint_dir, out_dir=str(work / "qwen3-hf"))
-            for row in decoder_rows:
-                results[row.subpart.value] = step(
-                    f"exporting {row.subpart.value} ({row.precision}) with {row.exporter.name}",
-                    "higgs_pack.targets.steps:export_decoder", [work, stage], hf_dir=hf_dir,
-                    exporter=row.exporter.name, part=row.subpart.value, precision=row.precision,
-                    bundle_dir=str(bundle_dir), work_dir=str(work / row.subpart.value), options=dict(row.options))
-            shutil.rmtree(hf_dir, ignore_errors=True)
-        if module_rows:
-            modules = step(
-                "exporting " + ", ".join(f"{r.subpart.value} ({r.precision})" for r in module_rows),
-                "higgs_pack.targets.steps:export_modules", [work, stage], checkpoint=checkpoint_dir,
-                rows=[{"part": r.subpart.value, "exporter": r.exporter.name, "precision": r.precision,
-                       "options": dict(r.options)} for r in module_rows],
-                bundle_dir=str(bundle_dir), work_dir=str(work))
-            results.update(modules["results"])
-        differ = plan_mismatches(plan, results)
-        if differ:
-            raise BuildError("the exporters did not build what the plan says (the plan and the manifest must "
-                             "agree; fix the exporter's planning function): " + "; ".join(differ))
+        results = _export_subparts(plan, steps, str(ckpt.root), bundle_dir, work, stage)
         tokenizer_file = _copy_tokenizer(ckpt, bundle_dir)
-        golden = step("capturing golden reference outputs with the PyTorch oracle",
-                      "higgs_pack.targets.steps:capture", [stage], checkpoint=checkpoint_dir,
-                      out_path=str(bundle_dir / REFERENCE_FILE), bundle_dir=str(bundle_dir),
-                      subparts={p: {k: r[k] for k in ("format", "entry", "precision")} for p, r in results.items()})
-        manifest = _assemble(plan, ckpt, slug, source, bundle_dir, results, tokenizer_file,
-                             golden["frames"], golden["text"], time.perf_counter() - start)
-        for part, weights in golden["weights"].items():
-            manifest["subparts"][part]["parity"]["reference"] = "matched"
-            manifest["subparts"][part]["parity"]["weights_max_rel_l2"] = weights["max_rel_l2"]
-        write_manifest(bundle_dir, manifest)
-        verified = step("verifying the new bundle", "higgs_pack.targets.steps:verify", [stage],
-                        bundle_dir=str(bundle_dir),
-                        options={**_verify_options(plan), "cache_dir": False, "low_memory": True})
-        if not verified["ok"]:
-            raise BuildError(f"the new bundle failed its own verification, so it was not kept: {verified['failed']}")
-        for part, measured in verified["parity"].items():
-            manifest["subparts"][part]["parity"].update(measured)
-        manifest["verification"] = {"build_time": verified["report"]}
+        golden = steps("capturing golden reference outputs with the PyTorch oracle",
+                       "higgs_pack.targets.steps:capture", [stage], checkpoint=str(ckpt.root),
+                       out_path=str(bundle_dir / REFERENCE_FILE), bundle_dir=str(bundle_dir),
+                       subparts={p: {k: r[k] for k in ("format", "entry", "precision")} for p, r in results.items()})
+        manifest = _assemble(plan, ckpt, model_slug(model), source, bundle_dir, results, tokenizer_file, golden,
+                             time.perf_counter() - start)
+        verified = _verify_staged(plan, steps, bundle_dir, manifest, stage)
+        _record_verification(manifest, verified)
         scratch.sample()
         manifest["build"]["seconds"] = round(time.perf_counter() - start, 2)
         manifest["build"]["resources"] = {
@@ -242,13 +179,125 @@ def build(
             "peak_anon_mb": round(memory.peak_anon / 2**20, 1),
             "scratch_peak_mb": round(scratch.peak / 2**20, 1),
             "cpu": cpu_info().describe(),
-            "phases": [p.to_dict() for p in phases],
+            "phases": [p.to_dict() for p in steps.phases],
         }
-        write_manifest(bundle_dir, manifest)
+        write_manifest(bundle_dir, manifest)  # the final manifest: what verification measured, resources
         _move_into_place(bundle_dir, out, stage)
     say(f"bundle ready: {out} (peak memory {memory.peak / 2**30:.2f} GiB, "
         f"{time.perf_counter() - start:.0f} s)")
     return out
+
+
+def _check_out(out: Path, force: bool) -> None:
+    """Refuse an ``out`` that holds a bundle (unless ``force``) or other files.
+
+    Raises:
+        BundleError: naming ``out`` and the flag or choice that fixes it.
+    """
+    if not out.exists():
+        return
+    if _is_good_bundle(out):
+        if not force:
+            raise BundleError(
+                f"{out} already holds a bundle; pass --force (force=True) to replace it "
+                "once the new build has passed verification, or choose another --out"
+            )
+    elif not out.is_dir() or any(out.iterdir()):
+        raise BundleError(f"{out} exists and is not a bundle; choose an empty or new --out")
+
+
+class _Steps:
+    """Runs a build's heavy steps, each in its own child process, and keeps their records.
+
+    Calling it as ``steps(name, "module:function", folders, **kwargs)`` tells ``say`` the step's
+    name, runs it with :func:`~higgs_pack.exporters.process.run_step` (memory sampled by
+    ``memory``, scratch in ``work``; ``folders`` are named when the disk fills up) and returns
+    its value; :attr:`phases` holds every step's record, in order.
+    """
+
+    def __init__(self, say: Any, memory: Any, work: Path) -> None:
+        self.say, self.memory, self.work = say, memory, work
+        self.phases: list[Any] = []
+
+    def __call__(self, name: str, entry: str, folders: list[Path], **kwargs: Any) -> Any:
+        from higgs_pack.exporters.process import run_step
+
+        self.say(name)
+        value, record = run_step(entry, kwargs, name=name, folders=folders, memory=self.memory, work_dir=self.work)
+        self.phases.append(record)
+        log.info("%s: %.1f s, peak %.0f MiB", name, record.seconds, record.peak_rss_mb)
+        return value
+
+
+def _export_subparts(plan: BuildPlan, steps: _Steps, checkpoint_dir: str, bundle_dir: Path, work: Path,
+                     stage: Path) -> dict[str, Any]:
+    """Export every sub-part with its planned exporter: the decoders from the checkpoint
+    remapped to a Qwen3 directory (refused at once if they differ from the plan), then the
+    module sub-parts in one step.
+
+    Returns:
+        sub-part name -> its ``ExportResult.to_dict()``.
+
+    Raises:
+        BuildError: an exporter failed, or a sub-part's record differs from the plan.
+    """
+    results: dict[str, Any] = {}
+    decoder_rows = [r for r in plan.rows if r.exporter.kind == "decoder"]
+    module_rows = [r for r in plan.rows if r.exporter.kind != "decoder"]
+    if decoder_rows:
+        hf_dir = steps("remapping the checkpoint to a Qwen3 directory", "higgs_pack.targets.steps:write_hf_dir",
+                       [work], checkpoint=checkpoint_dir, out_dir=str(work / "qwen3-hf"))
+        for row in decoder_rows:
+            results[row.subpart.value] = steps(
+                f"exporting {row.subpart.value} ({row.precision}) with {row.exporter.name}",
+                "higgs_pack.targets.steps:export_decoder", [work, stage], hf_dir=hf_dir,
+                exporter=row.exporter.name, part=row.subpart.value, precision=row.precision,
+                bundle_dir=str(bundle_dir), work_dir=str(work / row.subpart.value), options=dict(row.options))
+        shutil.rmtree(hf_dir, ignore_errors=True)
+        _refuse_mismatches(plan, results, [r.subpart for r in decoder_rows])
+    if module_rows:
+        modules = steps(
+            "exporting " + ", ".join(f"{r.subpart.value} ({r.precision})" for r in module_rows),
+            "higgs_pack.targets.steps:export_modules", [work, stage], checkpoint=checkpoint_dir,
+            rows=[{"part": r.subpart.value, "exporter": r.exporter.name, "precision": r.precision,
+                   "options": dict(r.options)} for r in module_rows],
+            bundle_dir=str(bundle_dir), work_dir=str(work))
+        results.update(modules["results"])
+    _refuse_mismatches(plan, results)
+    return results
+
+
+def _verify_staged(plan: BuildPlan, steps: _Steps, bundle_dir: Path, manifest: dict[str, Any],
+                   stage: Path) -> dict[str, Any]:
+    """Verify the staged bundle as ``higgs-pack verify`` would (no cases): its manifest is written
+    for that (verify reads the bundle from disk; the build writes it once more, completed).
+
+    Raises:
+        BuildError: it failed its own verification (naming the failed checks).
+    """
+    write_manifest(bundle_dir, manifest)
+    verified = steps("verifying the new bundle", "higgs_pack.targets.steps:verify", [stage],
+                     bundle_dir=str(bundle_dir),
+                     options={**_verify_options(plan), "cache_dir": False, "low_memory": True})
+    if not verified["ok"]:
+        raise BuildError(f"the new bundle failed its own verification, so it was not kept: {verified['failed']}")
+    return verified
+
+
+def _record_verification(manifest: dict[str, Any], verified: dict[str, Any]) -> None:
+    """Add what the build-time verification measured (parity per sub-part, its report)."""
+    for part, measured in verified["parity"].items():
+        manifest["subparts"][part]["parity"].update(measured)
+    manifest["verification"] = {"build_time": verified["report"]}
+
+
+def _refuse_mismatches(plan: BuildPlan, results: dict[str, Any], parts: list[SubPart] | None = None) -> None:
+    """Raise :class:`BuildError` when a sub-part's record differs from the plan (see
+    :func:`~higgs_pack.targets.plan.plan_mismatches`)."""
+    differ = plan_mismatches(plan, results, parts)
+    if differ:
+        raise BuildError("the exporters did not build what the plan says, so nothing was kept (the plan and the "
+                         "manifest must agree; fix the exporter or its planning function): " + "; ".join(differ))
 
 
 def estimate_space(plan: BuildPlan, ckpt) -> Any:
@@ -314,7 +363,10 @@ def _parity_rule(part: SubPart, precision: str, layers: int) -> dict[str, Any]:
 
 
 def _assemble(plan: BuildPlan, ckpt, slug: str, source: str, bundle_dir: Path, results, tokenizer_file: str,
-              greedy_frames: int, greedy_text: str, seconds: float) -> dict[str, Any]:
+              golden: dict[str, Any], seconds: float) -> dict[str, Any]:
+    """The bundle's manifest from the plan, the checkpoint, the exporters' results and the golden
+    capture (``frames``, ``text`` and the matched oracle's ``weights`` per quantized sub-part),
+    with the variant's entries laid over it."""
     t = plan.target
     subparts = {}
     tools: dict[str, str] = {}
@@ -328,6 +380,9 @@ def _assemble(plan: BuildPlan, ckpt, slug: str, source: str, bundle_dir: Path, r
             "options": d["options"],
             "parity": _parity_rule(part, d["precision"], int(ckpt.text_config["num_hidden_layers"])),
         }
+        if part.value in golden["weights"]:  # checked against the oracle with the bundle's own weights
+            subparts[part.value]["parity"].update(
+                reference="matched", weights_max_rel_l2=golden["weights"][part.value]["max_rel_l2"])
     files = sorted(
         p.relative_to(bundle_dir).as_posix() for p in bundle_dir.rglob("*") if p.is_file() and p.name != MANIFEST_NAME
     )
@@ -348,8 +403,7 @@ def _assemble(plan: BuildPlan, ckpt, slug: str, source: str, bundle_dir: Path, r
         "files": [file_entry(bundle_dir, f) for f in files],
         "subparts": subparts,
         "constants": ckpt.constants.to_dict(),
-        "generation": {"temperature": 0.8, "top_k": 50, "top_p": 1.0, "repeat_guard_frames": 50,
-                       "frames_per_text_token": 10.0, "min_max_frames": 50},
+        "generation": generation_defaults(),
         "build": {
             "higgs_pack_version": installed_version("higgs-pack"),
             "python": platform.python_version(),
@@ -358,10 +412,18 @@ def _assemble(plan: BuildPlan, ckpt, slug: str, source: str, bundle_dir: Path, r
             "seconds": round(seconds, 2),
             "checkpoint_source": source,
         },
-        "reference": {"file": REFERENCE_FILE, "cases": [greedy_text], "greedy_frames": greedy_frames},
+        "reference": {"file": REFERENCE_FILE, "cases": [golden["text"]], "greedy_frames": golden["frames"]},
         "verification": {},
     }
     return _apply_variant(manifest, plan)
+
+
+def generation_defaults() -> dict[str, Any]:
+    """The manifest's ``generation`` entry: the runtime's own defaults (the sampling options of
+    :class:`~higgs_pack.runtime.loop.delay.SamplingOptions` but the per-call seed, and the frame
+    cap of :mod:`higgs_pack.runtime.loop.generate`), so a bundle never records other numbers."""
+    sampling = {k: v for k, v in asdict(SamplingOptions()).items() if k != "seed"}
+    return {**sampling, "frames_per_text_token": FRAMES_PER_TEXT_TOKEN, "min_max_frames": MIN_MAX_FRAMES}
 
 
 def _apply_variant(manifest: dict[str, Any], plan: BuildPlan) -> dict[str, Any]:

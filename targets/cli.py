@@ -35,7 +35,8 @@ def _require_build_tools() -> None:
               help="Where the build's scratch goes (default: $HIGGS_PACK_WORK_DIR, else the system temp "
                    "folder; the 4B model needs 20-40 GB there).")
 @click.option("--plan", "plan_only", is_flag=True, help="Print the build plan and stop.")
-def build(target, precision, model, out, variant, npu, force, work_dir, plan_only):
+@click.option("--print-path", is_flag=True, help="Print the bundle directory this build writes (absolute) and stop.")
+def build(target, precision, model, out, variant, npu, force, work_dir, plan_only, print_path):
     """Build a bundle for one hardware target."""
     from higgs_pack.targets.plan import make_plan
 
@@ -44,6 +45,11 @@ def build(target, precision, model, out, variant, npu, force, work_dir, plan_onl
             raise click.UsageError(f"--npu conflicts with --variant {variant}")
         variant = "npu"
     plan = make_plan(target, precision, variant)
+    if print_path:
+        from higgs_pack.targets.plan import bundle_path
+
+        click.echo(str(bundle_path(plan, model, out).absolute()))
+        return
     if plan_only:
         click.echo(plan.render())
         return

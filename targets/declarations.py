@@ -7,6 +7,7 @@ OpenVINO passes for the native OpenVINO target; codec sub-parts always fp32.
 
 from __future__ import annotations
 
+from higgs_pack.exporters.catalog import MODELBUILDER, OLIVE_ONNX, OLIVE_OPENVINO, OPTIMUM_OPENVINO
 from higgs_pack.manifests.constants import OPENVINO_REQUIREMENT, SubPart
 from higgs_pack.targets.base import Recipe, Target, Variant, register
 
@@ -14,15 +15,15 @@ from higgs_pack.targets.base import Recipe, Target, Variant, register
 def _onnx_recipes(ep: str, *, decoder: dict | None = None, heads: dict | None = None) -> dict[SubPart, Recipe]:
     """ModelBuilder decoder for ``ep``, Olive for the rest; ``decoder``: ModelBuilder extra
     options of the decoder; ``heads``: extra audio_heads options."""
-    module = Recipe("olive-onnx")
+    module = Recipe(OLIVE_ONNX)
     extra = {"extra_options": dict(decoder)} if decoder else {}
     return {
-        SubPart.LLM_DECODER: Recipe("modelbuilder", options={"execution_provider": ep, **extra}),
+        SubPart.LLM_DECODER: Recipe(MODELBUILDER, options={"execution_provider": ep, **extra}),
         SubPart.TEXT_EMBED: module,
         SubPart.AUDIO_EMBED: module,
-        SubPart.AUDIO_HEADS: Recipe("olive-onnx", options=heads) if heads else module,
-        SubPart.AUDIO_TOKENIZER: Recipe("olive-onnx", precision="fp32"),
-        SubPart.AUDIO_ENCODER: Recipe("olive-onnx", precision="fp32"),
+        SubPart.AUDIO_HEADS: Recipe(OLIVE_ONNX, options=heads) if heads else module,
+        SubPart.AUDIO_TOKENIZER: Recipe(OLIVE_ONNX, precision="fp32"),
+        SubPart.AUDIO_ENCODER: Recipe(OLIVE_ONNX, precision="fp32"),
     }
 
 
@@ -172,12 +173,12 @@ OPENVINO = register(
         device="CPU",
         precisions=("int4", "int8", "fp16", "fp32"),
         recipes={
-            SubPart.LLM_DECODER: Recipe("optimum-openvino", options=OPENVINO_DECODER_INT4),
-            SubPart.TEXT_EMBED: Recipe("olive-openvino"),
-            SubPart.AUDIO_EMBED: Recipe("olive-openvino"),
-            SubPart.AUDIO_HEADS: Recipe("olive-openvino", options=OPENVINO_HEADS_INT4),
-            SubPart.AUDIO_TOKENIZER: Recipe("olive-openvino", precision="fp32"),
-            SubPart.AUDIO_ENCODER: Recipe("olive-openvino", precision="fp32"),
+            SubPart.LLM_DECODER: Recipe(OPTIMUM_OPENVINO, options=OPENVINO_DECODER_INT4),
+            SubPart.TEXT_EMBED: Recipe(OLIVE_OPENVINO),
+            SubPart.AUDIO_EMBED: Recipe(OLIVE_OPENVINO),
+            SubPart.AUDIO_HEADS: Recipe(OLIVE_OPENVINO, options=OPENVINO_HEADS_INT4),
+            SubPart.AUDIO_TOKENIZER: Recipe(OLIVE_OPENVINO, precision="fp32"),
+            SubPart.AUDIO_ENCODER: Recipe(OLIVE_OPENVINO, precision="fp32"),
         },
         extra="openvino",
         runtime_requirements=(OPENVINO_REQUIREMENT,),

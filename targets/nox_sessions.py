@@ -6,8 +6,8 @@ from the registry by this module and a test fails when it is stale:
 
     python -m higgs_pack.targets.nox_sessions --write   # after adding or changing a target
 
-Per target: the default precision (bundle path), whether its bundles run on any
-machine (``runs_anywhere``: the build session speaks a case, verify needs no GPU
+Per target (bundle paths are not here: the noxfile asks ``higgs-pack build --print-path``):
+whether its bundles run on any machine (``runs_anywhere``: the build session speaks a case, verify needs no GPU
 probe), the runtime extra a verify venv installs when its hardware is missing, and
 for a GPU provider the extra and the probe that finds the hardware.  Plus the extra
 provider sessions: bundles of targets that run anywhere, verified on a provider whose
@@ -36,7 +36,6 @@ def session_table() -> dict[str, Any]:
         row = target.provider
         fallback = EXECUTION_PROVIDERS.get(target.verify_on) if target.verify_on else None
         table["targets"][name] = {
-            "default_precision": target.default_precision,
             "runs_anywhere": target.runs_anywhere,
             "runtime_extra": fallback.packaging.extra if fallback is not None else target.extra,
             "gpu": {"extra": target.extra, "probe": row.hardware.probe} if row is not None and row.gpu else None,

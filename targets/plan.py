@@ -6,14 +6,19 @@ fails in milliseconds with a message naming both values.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from higgs_pack.exporters.catalog import ExporterInfo, get_exporter
 from higgs_pack.manifests.constants import SubPart
 from higgs_pack.manifests.errors import BuildPlanError
 from higgs_pack.targets.base import Target, Variant, get_target
+
+#: Bundle-name slug of the embedded tiny checkpoint (the default ``--model``).
+DEFAULT_MODEL_SLUG = "higgs-audio-v3-tiny"
 
 
 @dataclass(frozen=True)
@@ -27,7 +32,9 @@ class PlannedSubPart:
         passes: tool passes, in order (from the exporter's own planning function).
         options: exporter keyword options from the recipe, with the variant's on top.
         variant_options: the part of ``options`` the variant set (shown by ``render``).
-        quantization: the quantization settings the manifest will record (a subset).
+        quantization: every quantization setting the recipe declares or the exporter defaults
+            (method, bits, block or group size, symmetry, accuracy level…), as the manifest
+            will record them; the build refuses a sub-part whose record differs in any.
     """
 
     subpart: SubPart
@@ -58,6 +65,9 @@ class BuildPlan:
         for row in self.rows:
             lines.append(f"  {row.subpart.value:<16} {row.precision:<5} {row.exporter.name:<17} "
                          f"{' -> '.join(row.passes)}")
+            if row.quantization:
+                lines.append(f"  {'':<16} {'':<5} quantization: "
+                             + ", ".join(f"{k}={v}" for k, v in row.quantization.items()))
             if row.variant_options:
                 opts = ", ".join(f"{k}={v}" for k, v in row.variant_options.items())
                 lines.append(f"  {'':<16} {'':<5} {self.variant}: {opts}")
@@ -102,22 +112,29 @@ def make_plan(target: str | Target, precision: str | None = None, variant: str |
     return BuildPlan(t, precision, tuple(rows), variant, spec)
 
 
-def plan_mismatches(plan: BuildPlan, recorded: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    """Where what was built differs from the plan: passes, precision, planned quantization settings.
+def plan_mismatches(plan: BuildPlan, recorded: Mapping[str, Mapping[str, Any]],
+                    parts: Iterable[SubPart] | None = None) -> list[str]:
+    """Where what was built differs from the plan: exporter name, passes, precision, planned
+    quantization settings.
 
     Args:
         plan: the plan of the build.
         recorded: sub-part name -> its manifest entry (or ``ExportResult.to_dict()``).
+        parts: check only these sub-parts (default: all; the build checks the decoders as
+            soon as they are built).
 
     Returns:
         One line per difference (empty when the build did what the plan said).
     """
     out = []
-    for row in plan.rows:
+    only = set(SubPart) if parts is None else set(parts)
+    for row in (r for r in plan.rows if r.subpart in only):
         got = recorded.get(row.subpart.value)
         if got is None:
             out.append(f"{row.subpart.value}: not built")
             continue
+        if got["exporter"] != row.exporter.name:
+            out.append(f"{row.subpart.value}: exporter {got['exporter']!r}, planned {row.exporter.name!r}")
         if tuple(got["passes"]) != row.passes:
             out.append(f"{row.subpart.value}: passes {list(got['passes'])}, planned {list(row.passes)}")
         if got["precision"] != row.precision:
@@ -127,3 +144,38 @@ def plan_mismatches(plan: BuildPlan, recorded: Mapping[str, Mapping[str, Any]]) 
                 out.append(f"{row.subpart.value}: quantization {key}={got['quantization'].get(key)!r}, "
                            f"planned {value!r}")
     return out
+
+
+def model_slug(model: str | Path | None) -> str:
+    """Bundle-name slug of a checkpoint: its folder or repo name, lower case, runs of other
+    characters as ``-`` (:data:`DEFAULT_MODEL_SLUG` for the default checkpoint, ``None``)."""
+    if model is None:
+        return DEFAULT_MODEL_SLUG
+    name = Path(str(model).rstrip("/")).name or str(model)
+    slug = re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-.")
+    return slug or "model"
+
+
+def bundle_name(slug: str, plan: BuildPlan) -> str:
+    """``<model-slug>-<target>-<precision>[-<variant>]``: the bundle's folder and manifest name."""
+    parts = [slug, plan.target.name, plan.precision]
+    if plan.variant:
+        parts.append(plan.variant)
+    return "-".join(parts)
+
+
+def bundle_path(plan: BuildPlan, model: str | Path | None = None, out: str | Path | None = None,
+               dist_dir: str | Path = "dist") -> Path:
+    """Where a build of ``plan`` puts its bundle: ``out`` when given, else
+    ``<dist_dir>/<bundle_name>`` (``higgs-pack build --print-path`` prints it; the noxfile asks
+    that instead of naming bundles itself).
+
+    Args:
+        plan: the build's plan (target, precision, variant).
+        model: the checkpoint directory or repo id (``None``: the embedded tiny one).
+        out: an explicit bundle directory.
+        dist_dir: parent of the default directory (relative paths: to the working directory).
+    """
+    if out is not None:
+        return Path(out)
+    return Path(dist_dir) / bundle_name(model_slug(model), plan)

@@ -23,9 +23,10 @@ __all__ = ["StepRecord", "TreeMemory", "run_step"]
 def write_hf_dir(checkpoint: str, out_dir: str) -> str:
     """The checkpoint's backbone as a standard Qwen3 HF directory (one tensor in memory at a time)."""
     from higgs_pack.exporters.checkpoint import open_checkpoint
+    from higgs_pack.exporters.checkpoint_models import write_qwen3_hf_dir
 
     with open_checkpoint(checkpoint) as ckpt:
-        return str(ckpt.write_qwen3_hf_dir(Path(out_dir)))
+        return str(write_qwen3_hf_dir(ckpt, Path(out_dir)))
 
 
 def export_decoder(hf_dir: str, exporter: str, part: str, precision: str, bundle_dir: str,

@@ -81,3 +81,32 @@ def test_scratch_of_a_killed_build_is_removed_by_the_next(tmp_path, tiny_checkpo
         assert not left[0].exists()
         assert fresh.parent == work
     assert list(work.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_sub_part_built_with_other_quantization_settings_is_refused(tmp_path, tiny_checkpoint, monkeypatch):
+    """The plan records every declared quantization setting (the cpu decoder's int4 block size:
+    targets/declarations.py); an exporter that writes another is refused, naming the setting, and
+    leaves no bundle.  The mutation: the option the decoder exporter is handed is changed after
+    planning (the plan still says the declared block size), so ModelBuilder really writes 32."""
+    from dataclasses import replace
+
+    from higgs_pack.manifests.constants import SubPart
+    from higgs_pack.targets import build as build_module
+    from higgs_pack.targets.plan import make_plan
+
+    def mutated_plan(*args, **kwargs):
+        plan = make_plan(*args, **kwargs)
+        rows = tuple(replace(r, options={**r.options, "extra_options": {**r.options["extra_options"], "block_size": 32}})
+                     if r.subpart == SubPart.LLM_DECODER else r for r in plan.rows)
+        return replace(plan, rows=rows)
+
+    declared = {r.subpart: r for r in make_plan("cpu", "int4").rows}[SubPart.LLM_DECODER].quantization["block_size"]
+    assert declared != 32
+    monkeypatch.setattr(build_module, "make_plan", mutated_plan)
+    out, work = tmp_path / "dist" / "b", tmp_path / "work"
+    work.mkdir()
+    with pytest.raises(BuildError, match=rf"did not build what the plan says.*llm_decoder: quantization "
+                                         rf"block_size=32, planned {declared}"):
+        build_module.build("cpu", precision="int4", model=tiny_checkpoint, out=out, work_dir=work)
+    assert not out.exists() and list(work.iterdir()) == [] and list(out.parent.iterdir()) == []

@@ -24,6 +24,12 @@ from higgs_pack.exporters.checkpoint_layout import (  # noqa: E402
     INDEX_NAME,
     TEXT_EMBEDDING,
 )
+from higgs_pack.exporters.checkpoint_models import (  # noqa: E402
+    codec_model,
+    qwen3_config,
+    qwen3_model,
+    write_qwen3_hf_dir,
+)
 from higgs_pack.manifests.constants import SPECIAL_TOKENS  # noqa: E402
 from higgs_pack.manifests.errors import CheckpointError  # noqa: E402
 from higgs_pack.runtime.loop.pipeline import ModelConstants  # noqa: E402
@@ -97,7 +103,7 @@ def test_constants_resolved_by_name(tiny_ckpt: HiggsCheckpoint):
 def test_config_views(tiny_ckpt: HiggsCheckpoint):
     assert tiny_ckpt.config["text_config"]["rope_theta"] is None
     assert tiny_ckpt.text_config["rope_theta"] == 1_000_000.0  # MODEL.md
-    assert tiny_ckpt.qwen3_config().rope_parameters["rope_theta"] == 1_000_000.0
+    assert qwen3_config(tiny_ckpt).rope_parameters["rope_theta"] == 1_000_000.0
     assert tiny_ckpt.model_id == "higgs-audio-v3-tiny"
     assert tiny_ckpt.index_path is not None and tiny_ckpt.index_path.name == INDEX_NAME
     assert len(tiny_ckpt.weight_files()) == 2
@@ -139,7 +145,7 @@ def test_digest_is_stable_and_sees_every_weight_byte(tiny_checkpoint: Path, tmp_
 def test_qwen3_hf_dir_loads_and_matches_the_oracle(tiny_ckpt: HiggsCheckpoint, tmp_path: Path):
     from transformers import AutoModel
 
-    out = tiny_ckpt.write_qwen3_hf_dir(tmp_path / "hf", max_shard_bytes=10_000_000)
+    out = write_qwen3_hf_dir(tiny_ckpt, tmp_path / "hf", max_shard_bytes=10_000_000)
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "qwen3" and config["rope_theta"] == 1_000_000.0
     assert config["tie_word_embeddings"] is True
@@ -152,7 +158,7 @@ def test_qwen3_hf_dir_loads_and_matches_the_oracle(tiny_ckpt: HiggsCheckpoint, t
 
     loaded = AutoModel.from_pretrained(str(out), dtype=torch.float32).eval()
     assert type(loaded).__name__ == "Qwen3Model"
-    oracle = tiny_ckpt.qwen3_model()
+    oracle = qwen3_model(tiny_ckpt)
     x = torch.randn(1, 7, 64, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         a = loaded(inputs_embeds=x).last_hidden_state
@@ -162,7 +168,7 @@ def test_qwen3_hf_dir_loads_and_matches_the_oracle(tiny_ckpt: HiggsCheckpoint, t
 
 
 def test_codec_decodes_t_frames_to_t_times_960_samples(tiny_ckpt: HiggsCheckpoint):
-    codec = tiny_ckpt.codec()
+    codec = codec_model(tiny_ckpt)
     assert not codec.training and next(codec.parameters()).dtype == torch.float32
     for frames in (1, 7):
         codes = torch.randint(0, 1024, (1, 8, frames))
@@ -193,8 +199,8 @@ def test_codec_accepts_weight_norm_checkpoints(tiny_checkpoint: Path, tmp_path: 
     rewrite_as_single_file(root, transform=to_weight_norm)
     codes = torch.randint(0, 1024, (1, 8, 4))
     with torch.no_grad():
-        plain = open_checkpoint(tiny_checkpoint).codec().decode(codes).audio_values
-        folded = open_checkpoint(root).codec().decode(codes).audio_values
+        plain = codec_model(open_checkpoint(tiny_checkpoint)).decode(codes).audio_values
+        folded = codec_model(open_checkpoint(root)).decode(codes).audio_values
     torch.testing.assert_close(folded, plain, atol=1e-5, rtol=1e-4)
 
 
@@ -216,7 +222,7 @@ def test_published_codec_config_is_the_fallback(tiny_checkpoint: Path, tmp_path:
     # The tiny codec's weights do not fit the published dimensions: a clear error.
     message = r"tensor 'tied\.embedding\.modality_embeddings\.0\.model\.\S+' (is missing|has shape)"
     with pytest.raises(CheckpointError, match=message):
-        ckpt.codec()
+        codec_model(ckpt)
 
 
 def test_hub_download_failure_says_to_pass_a_local_path(tmp_path: Path):
@@ -366,7 +372,7 @@ def test_codec_tensor_missing_is_named_when_the_codec_loads(tiny_checkpoint: Pat
         CheckpointError,
         match=r"tensor 'tied\.embedding\.modality_embeddings\.0\.model\.fc2\.weight' is missing",
     ):
-        ckpt.codec()
+        codec_model(ckpt)
 
 
 def test_codec_shape_mismatch_names_tensor_and_shapes(tiny_checkpoint: Path, tmp_path: Path):
@@ -376,7 +382,7 @@ def test_codec_shape_mismatch_names_tensor_and_shapes(tiny_checkpoint: Path, tmp
         CheckpointError,
         match=r"quantizer\.quantizers\.0\.codebook\.embed' has shape \[1024, 16\], expected \[1024, 8\]",
     ):
-        open_checkpoint(root).codec()
+        codec_model(open_checkpoint(root))
 
 
 def test_inconsistent_audio_config(tiny_checkpoint: Path, tmp_path: Path):

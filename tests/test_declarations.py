@@ -71,14 +71,17 @@ def test_fifth_target_plans_from_its_declaration_alone(exact_cpu):
     from higgs_pack.targets.nox_sessions import session_table
 
     assert session_table()["targets"]["cpu-exact"] == {
-        "default_precision": "fp32", "gpu": None, "runs_anywhere": True, "runtime_extra": "cpu"}
+        "gpu": None, "runs_anywhere": True, "runtime_extra": "cpu"}
 
 
 @pytest.mark.slow
-def test_fifth_target_builds_verifies_and_packages(exact_cpu, tiny_checkpoint, tmp_path):
+def test_fifth_target_builds_verifies_and_packages(exact_cpu, tiny_checkpoint, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
     from higgs_pack.manifests.manifest import read_manifest
     from higgs_pack.runtime.verification.verify import verify_bundle
     from higgs_pack.targets.build import build
+    from higgs_pack.targets.cli import build as build_command
     from higgs_pack.targets.packaging import package_bundle
     from higgs_pack.targets.packaging.install_check import (
         Results,
@@ -87,14 +90,32 @@ def test_fifth_target_builds_verifies_and_packages(exact_cpu, tiny_checkpoint, t
         read_wheel,
     )
 
-    bundle = build("cpu-exact", model=tiny_checkpoint, out=tmp_path / "higgs-audio-v3-tiny-cpu-exact-fp32")
+    monkeypatch.chdir(tmp_path)
+    bundle = build("cpu-exact", model=tiny_checkpoint)  # the default out: dist/<slug>-cpu-exact-fp32
+    # The path the noxfile asks for (`higgs-pack build --print-path`) is the one the build wrote.
+    printed = CliRunner().invoke(build_command, ["-t", "cpu-exact", "-m", str(tiny_checkpoint), "--print-path"])
+    assert printed.exit_code == 0 and Path(printed.output.strip()) == bundle.absolute(), printed.output
     m = read_manifest(bundle)
+    assert m["name"] == bundle.name
+    # Each sub-part records the catalogue name its recipe gave (one name per exporter).
+    assert {p: s["exporter"] for p, s in m["subparts"].items()} == {
+        p.value: r.exporter for p, r in exact_cpu.recipes.items()}
+    # The generation defaults a bundle records are the runtime's own (every sampling option but the seed).
+    from dataclasses import fields
+
+    from higgs_pack.runtime.loop.delay import SamplingOptions
+    from higgs_pack.runtime.loop.generate import FRAMES_PER_TEXT_TOKEN, MIN_MAX_FRAMES
+
+    sampling = {f.name for f in fields(SamplingOptions)} - {"seed"}
+    gen = m["generation"]
+    assert SamplingOptions(**{k: gen[k] for k in sampling}) == SamplingOptions()
+    assert (gen["frames_per_text_token"], gen["min_max_frames"]) == (FRAMES_PER_TEXT_TOKEN, MIN_MAX_FRAMES)
     assert (m["target"], m["execution_provider"], m["precision"]) == ("cpu-exact", "cpu", "fp32")
     assert m["verification"]["build_time"]["ok"] is True
     report = verify_bundle(bundle, synthesize_cases=False)
     assert report.ok, report.render()
     whl, tgz = package_bundle(bundle, formats="all", out_dir=tmp_path / "dist")
-    assert tgz.name == "higgs-audio-v3-tiny-cpu-exact-fp32.tar.gz"
+    assert tgz.name == f"{bundle.name}.tar.gz"
     wheel = read_wheel(whl)
     results = Results()
     check_metadata(wheel, exact_cpu, results)

@@ -15,6 +15,7 @@ pytest.importorskip("onnxruntime_genai")
 
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
+from higgs_pack.exporters.checkpoint_models import write_qwen3_hf_dir  # noqa: E402
 from higgs_pack.exporters.dequantize import OnnxWeights  # noqa: E402
 from higgs_pack.exporters.matmul_nbits import quantize_matmuls  # noqa: E402
 from higgs_pack.exporters.process import run_step  # noqa: E402
@@ -38,7 +39,7 @@ def _signature(model) -> tuple[list, dict]:
 def test_streamed_int4_is_modelbuilders_int4_byte_for_byte(tiny_ckpt, tmp_path, ep, float_precision):
     from higgs_pack.manifests.constants import EXECUTION_PROVIDERS
 
-    hf = tiny_ckpt.write_qwen3_hf_dir(tmp_path / "hf")
+    hf = write_qwen3_hf_dir(tiny_ckpt, tmp_path / "hf")
     native = _modelbuilder(hf, tmp_path / "native", "int4", ep, tmp_path / "cache")
     float_graph = _modelbuilder(hf, tmp_path / "float", float_precision, ep, tmp_path / "cache")
     (tmp_path / "ours").mkdir()
@@ -99,7 +100,10 @@ def test_quantization_memory_scales_with_the_largest_weight_not_the_model(tmp_pa
     k, n, count = 2048, 2048, 48
     _matmul_chain(tmp_path / "big.onnx", k, n, count)
     largest = k * n * 4
-    _, baseline = run_step("higgs_pack.exporters.matmul_nbits:import_tools", {}, name="baseline")
+    _matmul_chain(tmp_path / "small.onnx", 64, 64, 1)  # the baseline: the same imports, one small weight
+    _, baseline = run_step("higgs_pack.exporters.matmul_nbits:quantize_matmuls",
+                           {"source": str(tmp_path / "small.onnx"), "target": str(tmp_path / "small-q.onnx")},
+                           name="baseline")
     _, record = run_step("higgs_pack.exporters.matmul_nbits:quantize_matmuls",
                          {"source": str(tmp_path / "big.onnx"), "target": str(tmp_path / "q.onnx")},
                          name="quantize")

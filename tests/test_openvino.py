@@ -183,7 +183,7 @@ def test_decoder_fp32_matches_pytorch_and_reset(decoders, embeds_and_reference):
     result, xml, _ = decoders("fp32")
     embeds, reference = embeds_and_reference
     assert is_stateful(xml)
-    assert result.exporter == "optimum-intel" and result.format == "openvino"
+    assert result.exporter == "optimum-openvino" and result.format == "openvino"
     assert result.files == ["llm_decoder.xml", "llm_decoder.bin"] and result.entry == "llm_decoder.xml"
     assert {"openvino", "nncf", "optimum-intel", "transformers"} <= set(result.tool_versions)
     assert result.quantization == {} and result.passes == ["optimum-intel stateful export (inputs_embeds)"]
@@ -330,7 +330,7 @@ def test_precision_config_and_versions():
 def test_subpart_matches_pytorch(subparts, kind, precision):
     module, result, xml = subparts(kind, precision)
     name_in, name_out = ("hidden_states", "audio_logits") if kind == "audio_heads" else ("codes", "audio_embeds")
-    assert result.exporter == "olive" and result.passes[0] == "OpenVINOConversion"
+    assert result.exporter == "olive-openvino" and result.passes[0] == "OpenVINOConversion"
     assert "olive-ai" in result.tool_versions
     assert result.input_names == [name_in] and result.output_names == [name_out]
     assert result.inputs[0].dtype == ("float32" if kind == "audio_heads" else "int64")
@@ -358,7 +358,7 @@ def test_subpart_matches_pytorch(subparts, kind, precision):
 
 def test_subpart_openvino_engine(subparts):
     module, result, xml = subparts("audio_embed", "int4", engine="openvino")
-    assert result.exporter == "openvino" and result.passes == ["convert_model", "nncf.compress_weights(INT4_ASYM)"]
+    assert result.exporter == "olive-openvino" and result.passes == ["convert_model", "nncf.compress_weights(INT4_ASYM)"]
     assert "olive-ai" not in result.tool_versions
     assert result.inputs[0].shape == ["?", "?", CODEBOOKS]
     assert result.options["input_shapes"] == [["batch", "frames", CODEBOOKS]]

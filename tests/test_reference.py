@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 ort = pytest.importorskip("onnxruntime")
 pytest.importorskip("transformers")
 
+from higgs_pack.exporters.checkpoint_models import codec_model, qwen3_model  # noqa: E402
 from higgs_pack.exporters.reference import (  # noqa: E402
     TorchDecoder,
     reference_pipeline,
@@ -22,8 +23,6 @@ from higgs_pack.exporters.torch_modules import (  # noqa: E402
     CodecEncoder,
     build_modules,
     example_inputs,
-    export_onnx,
-    io_config,
 )
 from higgs_pack.manifests.constants import SUBPART_IO, SubPart  # noqa: E402
 from higgs_pack.manifests.errors import InputError  # noqa: E402
@@ -70,7 +69,7 @@ def test_audio_heads_reshape_per_codebook():
 
 
 def test_codec_modules_match_transformers(tiny_ckpt, modules):
-    codec = tiny_ckpt.codec()
+    codec = codec_model(tiny_ckpt)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for frames in (4, 9):
@@ -89,24 +88,22 @@ def test_codec_encoder_refuses_partial_frames(modules):
     assert isinstance(modules[SubPart.AUDIO_ENCODER], CodecEncoder)
 
 
-def test_io_config_names(tiny_ckpt):
-    for sp in EXPORTED:
-        cfg = io_config(sp, tiny_ckpt.constants)
-        assert (tuple(cfg["input_names"]), tuple(cfg["output_names"])) == SUBPART_IO[sp]
-        assert set(cfg["dynamic_axes"]) == set(SUBPART_IO[sp][0] + SUBPART_IO[sp][1])
-
-
 # ----------------------------------------------------------------------------- ONNX export
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("subpart", EXPORTED, ids=str)
 def test_onnx_export_runs_on_ort_at_other_lengths(subpart, modules, tiny_ckpt, tmp_path: Path):
-    """Exported at length 5, run at 3 and 11 with batch 2: same as torch."""
+    """Exported at length 5 by the build's exporter (Olive, fp32), run at 3 and 11 with batch 2:
+    same as torch."""
+    from higgs_pack.exporters.olive import export_onnx
+
     module = modules[subpart]
-    path = export_onnx(subpart, module, tmp_path / f"{subpart}.onnx", tiny_ckpt.constants)
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     inputs, outputs = SUBPART_IO[subpart]
+    result = export_onnx(module, example_inputs(subpart, tiny_ckpt.constants, 5), input_names=inputs,
+                         output_names=outputs, dynamic_axes=DYNAMIC_AXES[subpart], out_dir=tmp_path / "b",
+                         name=subpart.value, precision="fp32", work_dir=tmp_path / "work")
+    session = ort.InferenceSession(str(tmp_path / "b" / result.entry), providers=["CPUExecutionProvider"])
     assert [i.name for i in session.get_inputs()] == list(inputs)
     assert [o.name for o in session.get_outputs()] == list(outputs)
     for length in (3, 11):
@@ -188,7 +185,7 @@ def test_decoder_with_cache_equals_full_sequence(pipeline: Pipeline):
 
 
 def test_decoder_refuses_bad_shapes_and_overflow(tiny_ckpt):
-    decoder = TorchDecoder(tiny_ckpt.qwen3_model(), max_length=6)
+    decoder = TorchDecoder(qwen3_model(tiny_ckpt), max_length=6)
     with pytest.raises(InputError, match=r"expected \[1, S, 64\]"):
         decoder.forward(np.zeros((1, 3, 32), np.float32))
     decoder.forward(np.zeros((1, 4, 64), np.float32))

@@ -21,6 +21,7 @@ from higgs_pack.exporters.checkpoint_layout import (  # noqa: E402
     TEXT_EMBEDDING,
     llm_tensor_shapes,
 )
+from higgs_pack.exporters.checkpoint_models import codec_model  # noqa: E402
 from higgs_pack.exporters.safetensors_writer import plan_shards  # noqa: E402
 from higgs_pack.exporters.tiny import (  # noqa: E402
     PRESETS,
@@ -170,7 +171,7 @@ def test_presets_and_unknown_preset():
 
 
 def test_random_codec_is_not_degenerate(tiny_ckpt):
-    codec = tiny_ckpt.codec()
+    codec = codec_model(tiny_ckpt)
     g = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 1024, (1, 8, 10), generator=g)
     with torch.no_grad():

@@ -149,6 +149,20 @@ def build_prompt(
     return np.concatenate([p.astype(np.float32) for p in pieces], axis=1)
 
 
+def check_context(prompt_len: int, max_steps: int, max_length: int) -> None:
+    """Refuse a chunk whose prompt positions plus audio steps exceed ``max_length``.
+
+    Raises:
+        InputError: naming the three numbers and what to shorten.
+    """
+    if prompt_len + max_steps > max_length:
+        raise InputError(
+            f"prompt of {prompt_len} positions + up to {max_steps} audio steps exceeds the "
+            f"decoder's context of {max_length} positions; shorten the text "
+            "or the reference audio, or lower --max-frames"
+        )
+
+
 def generate_codes(
     pipeline: Pipeline,
     prompt_embeds: np.ndarray,
@@ -207,12 +221,7 @@ def generate_steps(
     n, vocab, h = c.num_codebooks, c.audio_vocab_size, c.hidden_size
     prompt_len = prompt_embeds.shape[1]
     max_steps = max_frames + n - 1
-    if prompt_len + max_steps > pipeline.decoder.max_length:
-        raise InputError(
-            f"prompt of {prompt_len} positions + up to {max_steps} audio steps exceeds the "
-            f"decoder's context of {pipeline.decoder.max_length} positions; shorten the text "
-            "or the reference audio, or lower --max-frames"
-        )
+    check_context(prompt_len, max_steps, pipeline.decoder.max_length)
     # Everything a step touches is made here, once per request (issue 9: no per-step
     # allocation): the code rules' sampler and codes, the sub-parts' feeds and the
     # finiteness flags.

@@ -28,6 +28,7 @@ from higgs_pack.runtime.backends import backend_of
 from higgs_pack.runtime.bundle import Bundle, open_bundle
 from higgs_pack.runtime.bundle import load as load_pipeline
 from higgs_pack.runtime.loop.delay import SamplingOptions
+from higgs_pack.runtime.loop.engine import DEFAULT_MAX_LENGTH, Engine
 from higgs_pack.runtime.loop.generate import ProgressCallback, SynthesisResult
 from higgs_pack.runtime.loop.generate import synthesize as run_synthesis
 from higgs_pack.runtime.loop.pipeline import Pipeline
@@ -302,6 +303,37 @@ class TTS:
         return run_stream(self.pipeline, text, ref_samples=ref, ref_text=ref_text, options=options,
                           max_frames=max_frames, progress=progress, first_chunk_frames=first_chunk_frames,
                           chunk_growth=chunk_growth, max_chunk_frames=max_chunk_frames)
+
+
+    def engine(self, max_batch: int = 4, *, max_length: int | None = None) -> Engine:
+        """A continuous-batching engine over this bundle: requests submitted from any thread
+        join and leave between decoder steps (:mod:`higgs_pack.runtime.loop.engine`).
+
+        Args:
+            max_batch: requests decoded together (rows), >= 1.  More than 1 needs a bundle
+                whose decoder runs on ONNX Runtime's CPU execution provider.
+            max_length: most positions (prompt + frames) per request; default the decoder's
+                context, at most :data:`~higgs_pack.runtime.loop.engine.DEFAULT_MAX_LENGTH`.
+                KV memory is reserved for ``max_batch * max_length`` positions (committed as
+                they are used).
+
+        Returns:
+            An :class:`~higgs_pack.runtime.loop.engine.Engine` (``submit(text, options=...)``
+            -> handle; ``handle.result()`` or iterate it for chunks); close it, or use ``with``.
+
+        Raises:
+            InputError: a bad size, or ``max_batch > 1`` on a backend or device that cannot
+                batch (the message says why).
+        """
+        for name, value in (("max_batch", max_batch), ("max_length", max_length)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, Integral) or value < 1):
+                raise InputError(f"{name} must be a whole number >= 1, got {value!r}")
+        limit = self.pipeline.decoder.max_length
+        length = min(limit, DEFAULT_MAX_LENGTH) if max_length is None else max_length
+        if length > limit:
+            raise InputError(f"max_length={length} is more than the decoder's context of {limit} positions")
+        decoder = backend_of(self.bundle.manifest).batched_decoder(self.pipeline, int(max_batch), int(length))
+        return Engine(self.pipeline, decoder)
 
 
 def _device_kwargs(bundle: Bundle, device: str | None, execution_provider: str | None = None

@@ -132,8 +132,9 @@ def test_requests_together_and_joining_mid_flight_give_their_codes_alone(tts, al
 def test_requests_beyond_max_batch_wait_then_run(tts, alone):
     with tts.engine(max_batch=2) as engine:
         handles = [_submit(engine, tts, i) for i in range(5)]
+        assert all(h.wait(60) for h in handles)  # all codes drawn; the codec runs in result()
+        assert engine.busy_rows == 0 and engine.stats.max_rows == 2
         results = [h.result(timeout=60) for h in handles]
-        assert engine.stats.max_rows == 2
     for got, want in zip(results, alone, strict=True):
         np.testing.assert_array_equal(got.codes, want.codes)
 

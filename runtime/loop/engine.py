@@ -146,6 +146,11 @@ class EngineHandle:
         """Whether the engine is done with this request (finished, failed or cancelled)."""
         return self._finished.is_set()
 
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the engine is done with this request (its codes are all drawn, or it
+        failed or was cancelled); the codec has not run yet.  Returns :attr:`done`."""
+        return self._finished.wait(timeout)
+
     def cancel(self) -> None:
         """Stop this request: it leaves the batch (or the queue) before the engine's next step
         and frees its row; reading it then raises :class:`RequestCancelled`.  Idempotent."""

@@ -253,3 +253,38 @@ def test_int4_agreement_batched_versus_alone(cpu_int4_bundle, capsys):
     with capsys.disabled():
         print(f"\nint4 batched vs alone: {same}/{total} frames equal ({same / total:.3f})")
     assert same / total >= 0.9
+
+
+class _PoisonedRow:
+    """The real batched decoder, with row ``row``'s hidden state made NaN from step ``after`` on
+    (a broken kernel on one row: the fault is ours, the decoder is ONNX Runtime's)."""
+
+    def __init__(self, decoder: BatchedOrtDecoder, row: int, after: int):
+        self._decoder, self._row, self._after, self._steps = decoder, row, after, 0
+        self.max_batch, self.max_length = decoder.max_batch, decoder.max_length
+
+    def prefill(self, row, inputs_embeds):
+        return self._decoder.prefill(row, inputs_embeds)
+
+    def release(self, row):
+        self._decoder.release(row)
+
+    def step(self, rows, inputs_embeds):
+        out = self._decoder.step(rows, inputs_embeds)
+        self._steps += 1
+        if self._steps >= self._after and self._row in rows.tolist():
+            out[rows.tolist().index(self._row)] = np.nan
+        return out
+
+
+def test_a_row_with_non_finite_output_fails_that_request_alone(tts, alone):
+    from higgs_pack.manifests.errors import NumericalError
+    from higgs_pack.runtime.loop.engine import Engine
+
+    with Engine(tts.pipeline, _PoisonedRow(_batched(tts, max_batch=3, max_length=1024), row=1, after=5)) as engine:
+        handles = [_submit(engine, tts, i) for i in range(3)]
+        with pytest.raises(NumericalError, match="llm_decoder returned non-finite"):
+            handles[1].result(timeout=60)
+        assert engine.stats.max_rows == 3
+        for i in (0, 2):
+            np.testing.assert_array_equal(handles[i].result(timeout=60).codes, alone[i].codes)

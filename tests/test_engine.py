@@ -146,8 +146,11 @@ def test_streamed_chunks_join_to_the_result(tts, alone):
     with tts.engine(max_batch=3) as engine:
         other = _submit(engine, tts, 0)
         handle = _submit(engine, tts, 1, first_chunk_frames=8)
-        chunks = list(handle)
+        stream = iter(handle)
+        chunks = list(stream)
         other.result(timeout=60)
+    assert len(stream.results) == 1
+    np.testing.assert_array_equal(stream.codes, alone[1].codes)
     assert len(chunks) > 2
     assert [c.offset for c in chunks] == [0] + [c.end for c in chunks[:-1]]
     joined = np.concatenate([c.samples for c in chunks])

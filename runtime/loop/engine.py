@@ -182,13 +182,14 @@ class EngineHandle:
         return join_results(self._engine.pipeline, self._results)
 
     def __iter__(self) -> Iterator[AudioChunk]:
-        """Streamed chunks, as :func:`higgs_pack.runtime.loop.streaming.stream` gives them."""
+        """Streamed chunks, as :func:`higgs_pack.runtime.loop.streaming.stream` gives them: a
+        :class:`~higgs_pack.runtime.loop.streaming.SpeechStream` (its ``results`` fill as text
+        chunks end; the codec runs on the iterating thread)."""
         self._claim()
         req = self.request
         stream = SpeechStream(self._engine.pipeline, list(req.chunks), req.options, req.ref_codes, req.ref_text,
                               None, req.schedule, req.submitted,
                               steps=lambda index, _text, _cap: self._chunk_steps(index, None))
-        self._results = stream.results
         return stream
 
     def _claim(self) -> None:

@@ -16,13 +16,16 @@ import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
+from numbers import Integral
 from pathlib import Path
 from typing import Any
 
+from higgs_pack.manifests.errors import InputError
 from higgs_pack.manifests.manifest import MANIFEST_NAME
 from higgs_pack.runtime.backends import backend_of
 from higgs_pack.runtime.bundle import Bundle, open_bundle
 from higgs_pack.runtime.bundle import load as load_pipeline
+from higgs_pack.runtime.loop.engine import DEFAULT_MAX_LENGTH, Engine
 from higgs_pack.runtime.loop.generate import ProgressCallback, SynthesisResult
 from higgs_pack.runtime.loop.generate import synthesize as run_synthesis
 from higgs_pack.runtime.loop.pipeline import Pipeline
@@ -177,7 +180,7 @@ class TTS:
             NumericalError: a sub-part returned NaN/inf (run ``higgs-pack verify``).
         """
         request = SynthesisRequest.of(text, options)
-        return run_synthesis(self.pipeline, request.text, progress=progress, **self._loop_inputs(request))
+        return run_synthesis(self.pipeline, request.text, progress=progress, **request.loop_inputs(self.pipeline))
 
     def stream(self, text: str | SynthesisRequest, *, progress: ProgressCallback | None = None,
                **options: Any) -> SpeechStream:
@@ -206,16 +209,37 @@ class TTS:
         """
         request = SynthesisRequest.of(text, options)
         return run_stream(self.pipeline, request.text, progress=progress, schedule=request.schedule,
-                          **self._loop_inputs(request))
+                          **request.loop_inputs(self.pipeline))
 
-    def _loop_inputs(self, request: SynthesisRequest) -> dict[str, Any]:
-        """The loop's keywords for a request: resolved sampling options and the prepared reference clip."""
-        c = self.pipeline.constants
-        voice = request.voice
-        return {"options": request.sampling_options(self.pipeline.generation_defaults),
-                "ref_samples": voice.prepared(c.sample_rate, c.hop_length) if voice is not None else None,
-                "ref_text": voice.transcript if voice is not None else None,
-                "max_frames": request.max_frames}
+    def engine(self, max_batch: int = 4, *, max_length: int | None = None) -> Engine:
+        """A continuous-batching engine over this bundle: requests submitted from any thread
+        join and leave between decoder steps (:mod:`higgs_pack.runtime.loop.engine`).
+
+        Args:
+            max_batch: requests decoded together (rows), >= 1.  More than 1 needs a bundle
+                whose decoder runs on ONNX Runtime's CPU execution provider.
+            max_length: most positions (prompt + frames) per request; default the decoder's
+                context, at most :data:`~higgs_pack.runtime.loop.engine.DEFAULT_MAX_LENGTH`.
+                KV memory is reserved for ``max_batch * max_length`` positions (committed as
+                they are used).
+
+        Returns:
+            An :class:`~higgs_pack.runtime.loop.engine.Engine` (``submit(text, options=...)``
+            -> handle; ``handle.result()`` or iterate it for chunks); close it, or use ``with``.
+
+        Raises:
+            InputError: a bad size, or ``max_batch > 1`` on a backend or device that cannot
+                batch (the message says why).
+        """
+        for name, value in (("max_batch", max_batch), ("max_length", max_length)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, Integral) or value < 1):
+                raise InputError(f"{name} must be a whole number >= 1, got {value!r}")
+        limit = self.pipeline.decoder.max_length
+        length = min(limit, DEFAULT_MAX_LENGTH) if max_length is None else max_length
+        if length > limit:
+            raise InputError(f"max_length={length} is more than the decoder's context of {limit} positions")
+        decoder = backend_of(self.bundle.manifest).batched_decoder(self.pipeline, int(max_batch), int(length))
+        return Engine(self.pipeline, decoder)
 
 
 def _device_kwargs(bundle: Bundle, device: str | None, execution_provider: str | None = None

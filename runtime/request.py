@@ -320,6 +320,21 @@ class SynthesisRequest:
                                                 "SynthesisRequest.create"))
         return cls.create(text, **keywords)
 
+    def loop_inputs(self, pipeline: Any) -> dict[str, Any]:
+        """The generation loop's keywords for this request on a loaded bundle (a
+        :class:`~higgs_pack.runtime.loop.pipeline.Pipeline`): resolved sampling ``options``,
+        the reference clip prepared for its codec (``ref_samples`` float32 [samples] at its
+        rate, or None), ``ref_text`` and ``max_frames``.
+
+        Raises:
+            InputError: the reference clip cannot be read or used.
+        """
+        c, voice = pipeline.constants, self.voice
+        return {"options": self.sampling_options(pipeline.generation_defaults),
+                "ref_samples": voice.prepared(c.sample_rate, c.hop_length) if voice is not None else None,
+                "ref_text": voice.transcript if voice is not None else None,
+                "max_frames": self.max_frames}
+
     def sampling_options(self, generation_defaults: dict[str, Any]) -> SamplingOptions:
         """The options the loop samples with: the bundle's defaults, then this request's choices.
 

@@ -32,6 +32,7 @@ def test_readme_python_examples_run(cpu_int4_bundle, tmp_path):
         assert result.sample_rate == 24000 and result.codes.shape[1] == 8
         assert clone.samples.dtype == np.float32 and clone.codes.shape[0] <= 100
         assert chunks and all(c.dtype == np.float32 for c in chunks)
+        assert [v.codes.shape[1] for v in voiced] == [8, 8, 8] and streamed
         print("INFO", tts.info)
     """)
     out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=600)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from higgs_pack.manifests.constants import ChoiceRung, SubPart
-from higgs_pack.manifests.errors import ExecutionProviderUnavailable, ManifestError
+from higgs_pack.manifests.errors import ExecutionProviderUnavailable, InputError, ManifestError
 
 if TYPE_CHECKING:  # pragma: no cover - types only
     from higgs_pack.runtime.bundle import Bundle
@@ -166,6 +166,25 @@ class Backend:
                     f"{bundle.name} is a {self.label} bundle; choose where it runs with "
                     f"--{self.placement.replace('_', '-')} ({self.placement}=), not {flag} ({other}=)"
                 )
+
+    def batched_decoder(self, pipeline: Any, max_batch: int, max_length: int) -> Any:
+        """The decoder of a continuous-batching engine (:mod:`higgs_pack.runtime.loop.engine`)
+        for ``max_batch`` rows of at most ``max_length`` positions each; the base class serves
+        ``max_batch=1`` through the pipeline's own decoder and refuses more.
+
+        Raises:
+            InputError: this backend (or this bundle's placement) cannot batch, saying why.
+        """
+        from higgs_pack.runtime.loop.engine import SingleRowDecoder
+
+        if max_batch == 1:
+            return SingleRowDecoder(pipeline.decoder)
+        raise InputError(
+            f"{self.label} bundles do not decode several requests per step yet ({self.batching_refusal}); "
+            "use engine(max_batch=1), or a cpu ONNX Runtime bundle for batching")
+
+    #: Why :meth:`batched_decoder` refuses ``max_batch > 1`` (for its message).
+    batching_refusal: ClassVar[str] = "no batched decoder is written for this backend"
 
     def __repr__(self) -> str:
         return f"<{self.label} backend {self.name!r}>"

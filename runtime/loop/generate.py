@@ -21,12 +21,11 @@ import numpy as np
 
 from higgs_pack.manifests.errors import InputError, NumericalError
 from higgs_pack.runtime.loop.delay import (
-    Sampler,
     SamplingOptions,
     apply_delay,
     bundle_sampling,
-    undo_delay,
 )
+from higgs_pack.runtime.loop.frames import CodeSteps
 from higgs_pack.runtime.loop.pipeline import Pipeline
 from higgs_pack.runtime.request import refuse, text_problems, voice_pair_problems
 
@@ -177,6 +176,20 @@ def build_prompt(
     return np.concatenate([p.astype(np.float32) for p in pieces], axis=1)
 
 
+def check_context(prompt_len: int, max_steps: int, max_length: int) -> None:
+    """Refuse a chunk whose prompt positions plus audio steps exceed ``max_length``.
+
+    Raises:
+        InputError: naming the three numbers and what to shorten.
+    """
+    if prompt_len + max_steps > max_length:
+        raise InputError(
+            f"prompt of {prompt_len} positions + up to {max_steps} audio steps exceeds the "
+            f"decoder's context of {max_length} positions; shorten the text "
+            "or the reference audio, or lower --max-frames"
+        )
+
+
 def generate_codes(
     pipeline: Pipeline,
     prompt_embeds: np.ndarray,
@@ -235,21 +248,11 @@ def generate_steps(
     n, vocab, h = c.num_codebooks, c.audio_vocab_size, c.hidden_size
     prompt_len = prompt_embeds.shape[1]
     max_steps = max_frames + n - 1
-    if prompt_len + max_steps > pipeline.decoder.max_length:
-        raise InputError(
-            f"prompt of {prompt_len} positions + up to {max_steps} audio steps exceeds the "
-            f"decoder's context of {pipeline.decoder.max_length} positions; shorten the text "
-            "or the reference audio, or lower --max-frames"
-        )
-    rng = np.random.default_rng(options.seed)
-    allowed = np.zeros((n, vocab), dtype=bool)
-    allowed[:, : c.codebook_size] = True
-    allowed[0, c.eoc] = True  # only codebook 0 may start the end (MODEL.md)
+    check_context(prompt_len, max_steps, pipeline.decoder.max_length)
     # Everything a step touches is made here, once per request (issue 9: no per-step
-    # allocation): the sampler's work arrays, every step's codes (the rows handed out stay
-    # valid: a row is written once), the sub-parts' feeds and the finiteness flags.
-    sampler = Sampler(allowed, options)
-    delayed = np.empty((max_steps, n), dtype=np.int64)
+    # allocation): the code rules' sampler and codes, the sub-parts' feeds and the
+    # finiteness flags.
+    rules = CodeSteps(c, options, max_frames)
     last = np.empty((1, 1, h), dtype=np.float32)
     step_codes = np.empty((1, 1, n), dtype=np.int64)
     heads_feed, embed_feed = {"hidden_states": last}, {"codes": step_codes}
@@ -262,44 +265,19 @@ def generate_steps(
     t0 = time.perf_counter()
     hidden = pipeline.decoder.forward(prompt_embeds.astype(np.float32, copy=False))
     decoder_s += time.perf_counter() - t0
-    eoc_step: int | None = None
-    stop_reason = "max_frames"
-    run_value, run_length = -1, 0
-    steps = 0
     for step in range(max_steps):
         np.copyto(last, hidden[:, -1:])
-        checks.finite("llm_decoder", last, "hidden")
-        if not checks.any_nonzero(last, "hidden"):
-            raise NumericalError(
-                f"llm_decoder returned an all-zero hidden state at step {step} on "
-                f"{pipeline.description.get('llm_decoder', 'its backend')}; run `higgs-pack verify`"
-            )
+        checks.hidden(last, step)
         # A view of the heads' buffer (valid until their next run): read before that.
         logits = pipeline.audio_heads.run(heads_feed)["audio_logits"][0, -1].reshape(n, vocab)
         checks.finite("audio_heads", logits, "logits")
-        codes = delayed[step]
-        np.copyto(codes, sampler.draw(logits, rng))
-        steps = step + 1
-        if step < n - 1:
-            codes[step + 1 :] = c.boc
-        if eoc_step is not None:
-            codes[: step - eoc_step + 1] = c.eoc
-        elif codes[0] == c.eoc:
-            eoc_step, stop_reason = step, "eoc"
-        else:
-            code0 = int(codes[0])
-            run_length = run_length + 1 if code0 == run_value else 1
-            run_value = code0
-            if options.repeat_guard_frames and run_length >= options.repeat_guard_frames:
-                eoc_step, stop_reason = step + 1, "repeat_guard"
+        codes = rules.draw(logits)
         if step == 0:
             first_frame_s = time.perf_counter() - start
         if progress is not None:
             progress(step + 1, max_steps)
         yield codes
-        if eoc_step is not None and step - eoc_step >= n - 1:
-            break
-        if step == max_steps - 1:
+        if rules.done:
             break
         np.copyto(step_codes[0, 0], codes)
         embeds = pipeline.audio_embed.run(embed_feed)["audio_embeds"]
@@ -307,11 +285,11 @@ def generate_steps(
         t0 = time.perf_counter()
         hidden = pipeline.decoder.forward(embeds)
         decoder_s += time.perf_counter() - t0
-    delayed_arr = delayed[:steps].copy()
+    delayed = rules.delayed
     return GenerationResult(
-        delayed=delayed_arr,
-        codes=undo_delay(delayed_arr, c.codebook_size),
-        stop_reason=stop_reason,
+        delayed=delayed,
+        codes=rules.codes(delayed),
+        stop_reason=rules.stop_reason,
         prompt_length=prompt_len,
         first_frame_s=first_frame_s,
         seconds=time.perf_counter() - start,
@@ -343,6 +321,19 @@ class _FiniteChecks:
     def any_nonzero(self, array: np.ndarray, buffer: str) -> bool:
         """Whether ``array`` (the shape of ``buffer``) has a non-zero element."""
         return bool(np.not_equal(array, 0, out=self._flags[buffer]).any())
+
+    def hidden(self, last: np.ndarray, step: int) -> None:
+        """Check a step's last decoder hidden state (the ``"hidden"`` buffer's shape).
+
+        Raises:
+            NumericalError: NaN/inf or all zeros (naming the step and the backend).
+        """
+        self.finite("llm_decoder", last, "hidden")
+        if not self.any_nonzero(last, "hidden"):
+            raise NumericalError(
+                f"llm_decoder returned an all-zero hidden state at step {step} on "
+                f"{self._pipeline.description.get('llm_decoder', 'its backend')}; run `higgs-pack verify`"
+            )
 
 
 def decode_codes(pipeline: Pipeline, codes: np.ndarray) -> np.ndarray:
@@ -431,6 +422,12 @@ def synthesize(
     for chunk_text, cap in chunks:
         embeds = build_prompt(pipeline, chunk_text, ref_codes, ref_text)
         results.append(generate_codes(pipeline, embeds, options, cap, progress))
+    return join_results(pipeline, results)
+
+
+def join_results(pipeline: Pipeline, results: list[GenerationResult]) -> SynthesisResult:
+    """Codec-decode each text chunk's codes and join them with :func:`sentence_pause`
+    (edges faded, :func:`fade_edges`) into one :class:`SynthesisResult`."""
     codes = np.concatenate([r.codes for r in results], axis=0)
     pieces = [decode_codes(pipeline, r.codes) for r in results]
     joined: list[np.ndarray] = []

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +35,10 @@ from higgs_pack.runtime.loop.generate import (
 )
 from higgs_pack.runtime.loop.pipeline import Pipeline
 from higgs_pack.runtime.request import FIRST_CHUNK_FRAMES, StreamSchedule  # noqa: F401 (the bench reads the default here)
+
+StepsSource = Callable[[int, str, int], Generator[np.ndarray, None, GenerationResult]]
+"""``steps(text_chunk_index, chunk_text, frame_cap)`` -> the codes of one text chunk (see
+:class:`SpeechStream`)."""
 
 
 def codec_context_frames(pipeline: Pipeline) -> int:
@@ -98,6 +102,11 @@ class SpeechStream(Iterator[AudioChunk]):
     generation loop; :meth:`close` (or dropping the iterator) stops it at the next frame.
     The pipeline serves one stream at a time.
 
+    ``steps`` (optional) gives each text chunk's codes instead of running
+    :func:`~higgs_pack.runtime.loop.generate.generate_steps` here: called as
+    ``steps(index, chunk_text, frame_cap)``, it returns a generator with that function's
+    yields and return value (the batched engine feeds its rows' codes this way).
+
     Attributes:
         results: :class:`GenerationResult` of each text chunk finished so far.
         samples_out: samples yielded so far.
@@ -108,12 +117,13 @@ class SpeechStream(Iterator[AudioChunk]):
 
     def __init__(self, pipeline: Pipeline, chunks: list[tuple[str, int]], options: SamplingOptions,
                  ref_codes: np.ndarray | None, ref_text: str | None, progress: ProgressCallback | None,
-                 schedule: StreamSchedule, started: float):
+                 schedule: StreamSchedule, started: float, steps: StepsSource | None = None):
         self.results: list[GenerationResult] = []
         self.samples_out = 0
         self.first_audio_s = math.nan
         self.context_frames = codec_context_frames(pipeline)
         self._started = started
+        self._steps = steps
         self._gen = self._run(pipeline, chunks, options, ref_codes, ref_text, progress, schedule)
 
     def __next__(self) -> AudioChunk:
@@ -154,8 +164,11 @@ class SpeechStream(Iterator[AudioChunk]):
             codec = StreamingCodec(lambda codes: decode_codes(pipeline, codes), self.context_frames,
                                    c.hop_length, chunk_schedule(schedule.first_chunk_frames, schedule.chunk_growth,
                                                                 schedule.max_chunk_frames))
-            embeds = build_prompt(pipeline, chunk_text, ref_codes, ref_text)
-            steps = generate_steps(pipeline, embeds, options, cap, progress)
+            if self._steps is not None:
+                steps = self._steps(index, chunk_text, cap)
+            else:
+                steps = generate_steps(pipeline, build_prompt(pipeline, chunk_text, ref_codes, ref_text), options,
+                                       cap, progress)
             rows: list[np.ndarray] = []
             columns = np.arange(n)
             live, first = True, True

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from higgs_pack.manifests.constants import CPU_PROVIDER, CPU_RUNG, EXECUTION_PROVIDERS, SubPart
-from higgs_pack.manifests.errors import ExecutionProviderUnavailable, unknown_choice
+from higgs_pack.manifests.errors import ExecutionProviderUnavailable, InputError, unknown_choice
 from higgs_pack.runtime.backends import Backend, OpenedParts, OpenOptions, register
 
 if TYPE_CHECKING:  # pragma: no cover - types only
@@ -83,6 +83,30 @@ class OnnxRuntimeBackend(Backend):
                 runner = OrtSubPart(session, part, step_input_shapes(part, constants))
             opened.add(part, runner, used + override)
         return opened
+
+    def batched_decoder(self, pipeline, max_batch: int, max_length: int):
+        """A :class:`~higgs_pack.runtime.backends.onnxruntime.batched.BatchedOrtDecoder` on the
+        decoder's session when it runs on the CPU provider with shared KV buffers (a
+        GroupQueryAttention graph); ``max_batch=1`` elsewhere.
+
+        Raises:
+            InputError: ``max_batch > 1`` on another provider or a graph with ``position_ids``.
+        """
+        from higgs_pack.runtime.backends.onnxruntime.batched import BatchedOrtDecoder
+        from higgs_pack.runtime.backends.onnxruntime.runners import OrtDecoder
+
+        decoder = pipeline.decoder
+        provider = (decoder.session.get_providers() or ["?"])[0] if isinstance(decoder, OrtDecoder) else "?"
+        if max_batch > 1 and provider == CPU_PROVIDER.ort_provider and decoder.shared_kv:
+            c = pipeline.constants
+            return BatchedOrtDecoder(decoder.session, max_batch=max_batch, max_length=max_length,
+                                     kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
+        if max_batch > 1:
+            raise InputError(
+                f"ONNX Runtime batches requests on the CPU execution provider with a GroupQueryAttention "
+                f"decoder only; this decoder runs on {provider} (the batched KV buffers are not written for "
+                "device memory yet): use engine(max_batch=1), or a cpu bundle")
+        return super().batched_decoder(pipeline, max_batch, max_length)
 
     def structure_checks(self):
         """onnx.checker, dtypes, kernel coverage, decoder I/O (:mod:`~higgs_pack.runtime.verification.static_checks`)."""

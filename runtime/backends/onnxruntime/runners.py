@@ -35,6 +35,10 @@ def _bind_host(binding, name: str, array: np.ndarray, output: bool = False) -> N
         binding.bind_input(name, "cpu", 0, array.dtype, shape, array.ctypes.data)
 
 
+#: Most rows (batch size) of a per-step call that :class:`OrtSubPart` runs on bound buffers.
+MAX_BOUND_ROWS = 64
+
+
 class OrtSubPart:
     """A stateless sub-part on an ONNX Runtime session.
 
@@ -45,7 +49,9 @@ class OrtSubPart:
     embed's ``codes`` [1, 1, 8], run once per frame) run through an IOBinding with
     preallocated host buffers: the inputs are copied into bound buffers, ONNX Runtime
     writes the outputs into bound buffers, and :meth:`run` returns views of them, so a
-    step allocates no arrays.  The buffers are made on the first call with those shapes
+    step allocates no arrays.  The same holds for those shapes with another leading
+    (batch) size, up to :data:`MAX_BOUND_ROWS` rows (the batched engine's steps): one set
+    of buffers per batch size.  The buffers are made on the first call with those shapes
     (a plain run, which gives the output shapes and dtypes).  Any other shape (a prompt,
     a reference clip) is a plain run whose outputs the caller owns.  Binding is used on
     the providers whose rows name an ``iobinding_device`` (cpu, cuda: the host buffers
@@ -67,20 +73,25 @@ class OrtSubPart:
         usable = step_inputs is not None and set(step_inputs) == set(self._in_types) and \
             shared_kv_device(provider) is not None
         self._step_inputs = {k: tuple(v) for k, v in step_inputs.items()} if usable else None
-        self._binding = None
-        self._in_buffers: dict[str, np.ndarray] = {}
-        self._out_buffers: list[np.ndarray] = []
-        self._step_out: dict[str, np.ndarray] = {}
+        # batch size -> (binding, input buffers, output buffers, float32 outputs returned)
+        self._bound: dict[int, tuple[Any, dict[str, np.ndarray], list[np.ndarray], dict[str, np.ndarray]]] = {}
 
     @property
     def bound(self) -> bool:
         """Whether per-step calls now run through the preallocated IOBinding."""
-        return self._binding is not None
+        return bool(self._bound)
 
-    def _is_step(self, feeds: dict[str, np.ndarray]) -> bool:
+    def _step_rows(self, feeds: dict[str, np.ndarray]) -> int | None:
+        """The batch size when ``feeds`` have the per-step shapes but for their leading size
+        (the same for all, at most :data:`MAX_BOUND_ROWS`); None otherwise."""
         steps = self._step_inputs
-        return steps is not None and len(feeds) == len(steps) and \
-            all(k in steps and np.shape(v) == steps[k] for k, v in feeds.items())
+        if steps is None or len(feeds) != len(steps):
+            return None
+        rows = {np.shape(v)[0] if np.ndim(v) else -1 for v in feeds.values()}
+        if len(rows) != 1 or not 1 <= (n := rows.pop()) <= MAX_BOUND_ROWS:
+            return None
+        same = all(k in steps and np.shape(v)[1:] == steps[k][1:] for k, v in feeds.items())
+        return n if same else None
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run once; see :mod:`higgs_pack.runtime.loop.pipeline` for names and shapes.
@@ -91,49 +102,53 @@ class OrtSubPart:
             (the caller may modify them; copy what must outlive that call).  Otherwise
             new arrays the caller owns.
         """
-        step = self._is_step(feeds)
-        if step and self._binding is not None:
-            return self._run_bound(feeds)
+        rows = self._step_rows(feeds)
+        if rows in self._bound:
+            return self._run_bound(rows, feeds)
         cast = {k: np.ascontiguousarray(v, dtype=self._in_types[k]) for k, v in feeds.items()}
         try:
             outs = self.session.run(self._outputs, cast)
         except Exception as exc:  # onnxruntime's own error types
             _raise_unsupported(self.name, self.session, exc)
             raise
-        if step:
-            self._bind_step(outs)
+        if rows is not None:
+            self._bind_step(rows, outs)
         return {
             k: (v.astype(np.float32, copy=False) if np.issubdtype(v.dtype, np.floating) else v)
             for k, v in zip(self._outputs, outs, strict=True)
         }
 
-    def _bind_step(self, outs: list[np.ndarray]) -> None:
-        """Allocate and bind the per-step buffers, shaped like one plain run's outputs."""
+    def _bind_step(self, rows: int, outs: list[np.ndarray]) -> None:
+        """Allocate and bind the per-step buffers for ``rows`` rows, shaped like one plain run's outputs."""
         binding = self.session.io_binding()
+        in_buffers: dict[str, np.ndarray] = {}
+        out_buffers: list[np.ndarray] = []
+        step_out: dict[str, np.ndarray] = {}
         for name, shape in self._step_inputs.items():
-            self._in_buffers[name] = np.zeros(shape, dtype=self._in_types[name])
-            _bind_host(binding, name, self._in_buffers[name])
+            in_buffers[name] = np.zeros((rows, *shape[1:]), dtype=self._in_types[name])
+            _bind_host(binding, name, in_buffers[name])
         for name, value in zip(self._outputs, outs, strict=True):
             buffer = np.zeros(value.shape, dtype=value.dtype)
-            self._out_buffers.append(buffer)
+            out_buffers.append(buffer)
             _bind_host(binding, name, buffer, output=True)
             # fp16 graphs: one more preallocated buffer holds the float32 the loop reads.
             widen = np.issubdtype(value.dtype, np.floating) and value.dtype != np.float32
-            self._step_out[name] = np.zeros(value.shape, np.float32) if widen else buffer
-        self._binding = binding
+            step_out[name] = np.zeros(value.shape, np.float32) if widen else buffer
+        self._bound[rows] = (binding, in_buffers, out_buffers, step_out)
 
-    def _run_bound(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _run_bound(self, rows: int, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        binding, in_buffers, out_buffers, step_out = self._bound[rows]
         for name, value in feeds.items():
-            np.copyto(self._in_buffers[name], value, casting="same_kind")
+            np.copyto(in_buffers[name], value, casting="same_kind")
         try:
-            self.session.run_with_iobinding(self._binding)
+            self.session.run_with_iobinding(binding)
         except Exception as exc:  # onnxruntime's own error types
             _raise_unsupported(self.name, self.session, exc)
             raise
-        for buffer, out in zip(self._out_buffers, self._step_out.values(), strict=True):
+        for buffer, out in zip(out_buffers, step_out.values(), strict=True):
             if out is not buffer:
                 np.copyto(out, buffer)
-        return dict(self._step_out)
+        return dict(step_out)
 
 
 def shared_kv_device(ort_provider: str) -> str | None:

@@ -38,6 +38,10 @@ class OpenVINOBackend(Backend):
     preferred_on_cpus = ("intel",)
     rungs = (NPU_RUNG, IGPU_RUNG, NPU_ON_CPU_RUNG)
     install_hint = f"pip install 'higgs-pack[openvino]' ({OPENVINO_REQUIREMENT})"
+    batching_refusal = (
+        "the stateful decoder IR keeps one state length for all its rows, which advance in lockstep "
+        "(beam_idx only reorders rows), so a request cannot join or leave between steps without "
+        "padding every row; the NPU variant's static shapes take batch 1")
 
     def open(self, bundle: Bundle, options: OpenOptions) -> OpenedParts:
         """Compile every IR on the device asked for (default: the manifest's); see

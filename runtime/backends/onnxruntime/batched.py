@@ -1,0 +1,164 @@
+"""The ONNX Runtime decoder for several requests at once (:class:`BatchedOrtDecoder`).
+
+One KV buffer per layer and key/value, [max_batch, kv_heads, max_length, head_dim], bound
+with IOBinding as both ``past_key_values.*`` and ``present.*`` (GroupQueryAttention shares
+them: MODEL.md "Batching and KV-cache facts").  A request owns one row.  Its prompt is
+prefilled at batch 1 on that row: ``buffer[row:row+1]`` is contiguous, so it binds without a
+copy.  Then all rows decode one position per step together, each at its own length (a
+right-padded ``attention_mask``: row ``b`` has ``length_b + 1`` ones; the graph derives each
+row's ``seqlens_k`` from it and writes the new K/V at that row's offset).  ORT refuses a
+multi-token chunk with past at batch > 1, which is why prefill is per row.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from higgs_pack.manifests.errors import InputError, SignatureMismatch
+from higgs_pack.runtime.backends.onnxruntime.failures import _raise_unsupported
+from higgs_pack.runtime.backends.onnxruntime.runners import _bind_host, shared_kv_device
+from higgs_pack.runtime.backends.onnxruntime.sessions import ORT_TYPES
+from higgs_pack.runtime.loop.pipeline import check_decoder_room
+
+
+class BatchedOrtDecoder:
+    """The ModelBuilder GroupQueryAttention decoder serving up to ``max_batch`` requests.
+
+    Rows that hold no request but lie below the highest busy row ("holes") ride along in a
+    step with one position each (their KV row is scratch); a step runs rows ``0..k-1`` where
+    ``k - 1`` is the highest row asked for, so callers should fill the lowest free row.
+
+    The KV buffers are made with ``np.zeros`` (pages are committed by the OS as positions are
+    written): ``max_batch * max_length`` positions of
+    ``num_layers * 2 * kv_heads * head_dim * itemsize`` bytes at most.
+
+    Args:
+        session: the decoder's ``InferenceSession`` on the CPU execution provider (it may be
+            the one the batch-1 :class:`~higgs_pack.runtime.backends.onnxruntime.runners.OrtDecoder`
+            uses: this class has its own bindings and buffers).
+        max_batch: rows (requests decoded together), >= 1.
+        max_length: most positions one row may hold (prompt + frames).
+        kv_heads, head_dim: cache shape.
+
+    Raises:
+        SignatureMismatch: the graph takes ``position_ids`` or has no ``inputs_embeds`` (not a
+            ModelBuilder GroupQueryAttention graph), or a dynamic hidden size.
+        InputError: the session is not on the CPU execution provider, or a bad size.
+    """
+
+    def __init__(self, session, *, max_batch: int, max_length: int, kv_heads: int, head_dim: int):
+        provider = (session.get_providers() or ["CPUExecutionProvider"])[0]
+        if shared_kv_device(provider) != "cpu":
+            raise InputError(
+                f"the batched decoder runs on ONNX Runtime's CPU execution provider; this session runs on "
+                f"{provider}. Use max_batch=1 there, or a cpu bundle")
+        if max_batch < 1 or max_length < 2:
+            raise InputError(f"max_batch must be >= 1 and max_length >= 2, got {max_batch} and {max_length}")
+        inputs = {i.name: i for i in session.get_inputs()}
+        hidden = inputs.get("inputs_embeds")
+        if hidden is None or "position_ids" in inputs or not isinstance(hidden.shape[-1], int):
+            raise SignatureMismatch(
+                "llm_decoder: batching needs a GroupQueryAttention graph with inputs_embeds of a fixed "
+                f"width and no position_ids (inputs: {sorted(inputs)}); rebuild the bundle with "
+                "`higgs-pack build --target cpu`")
+        self.session = session
+        self.max_batch, self.max_length = max_batch, max_length
+        self.hidden_size = hidden.shape[-1]
+        self._embed_type = ORT_TYPES[hidden.type]
+        self._hidden_type = ORT_TYPES[{o.name: o for o in session.get_outputs()}["hidden_states"].type]
+        self._past = sorted(n for n in inputs if n.startswith("past_key_values."))
+        self._present = [n.replace("past_key_values.", "present.") for n in self._past]
+        kv_type = ORT_TYPES[inputs[self._past[0]].type]
+        shape = (max_batch, kv_heads, max_length, head_dim)
+        self.kv = {name: np.zeros(shape, dtype=kv_type) for name in self._past}
+        self.kv_bytes_per_position = len(self._past) * kv_heads * head_dim * np.dtype(kv_type).itemsize
+        self.lengths = np.zeros(max_batch, dtype=np.int64)
+        self._embeds = np.zeros((max_batch, 1, self.hidden_size), dtype=self._embed_type)
+        self._hidden = np.zeros((max_batch, 1, self.hidden_size), dtype=self._hidden_type)
+        self._mask = np.zeros(max_batch * max_length, dtype=np.int64)
+        self._positions = np.arange(max_length, dtype=np.int64)
+        self._binding = session.io_binding()
+        self._bound_rows = 0
+
+    def release(self, row: int) -> None:
+        """Forget row ``row``'s positions (its buffer is kept and overwritten by the next prefill)."""
+        self.lengths[row] = 0
+
+    def prefill(self, row: int, inputs_embeds: np.ndarray) -> np.ndarray:
+        """Start row ``row`` over with a prompt, at batch 1 on a view of that row's buffers.
+
+        Args:
+            row: 0 <= row < max_batch.
+            inputs_embeds: float32 [1, S, H].
+
+        Returns:
+            float32 [1, S, H] hidden states (a new array).
+
+        Raises:
+            InputError: S exceeds ``max_length``.
+        """
+        s = inputs_embeds.shape[1]
+        check_decoder_room(s, self.max_length)
+        self.lengths[row] = 0
+        binding = self.session.io_binding()
+        embeds = np.ascontiguousarray(inputs_embeds, dtype=self._embed_type)
+        hidden = np.zeros((1, s, self.hidden_size), dtype=self._hidden_type)
+        mask = np.ones((1, s), dtype=np.int64)
+        _bind_host(binding, "inputs_embeds", embeds)
+        _bind_host(binding, "attention_mask", mask)
+        _bind_host(binding, "hidden_states", hidden, output=True)
+        for past, present in zip(self._past, self._present, strict=True):
+            view = self.kv[past][row:row + 1]  # contiguous: binds the row itself, no copy
+            _bind_host(binding, past, view)
+            _bind_host(binding, present, view, output=True)
+        self._run(binding)
+        self.lengths[row] = s
+        return hidden.astype(np.float32)
+
+    def step(self, rows: np.ndarray, inputs_embeds: np.ndarray) -> np.ndarray:
+        """One position for each of ``rows``, all in one run.
+
+        Args:
+            rows: int [a] distinct busy rows (each prefilled), ascending.
+            inputs_embeds: float32 [a, 1, H], row ``i`` for ``rows[i]``.
+
+        Returns:
+            float32 [a, 1, H] hidden states (a new array), in the order of ``rows``.
+
+        Raises:
+            InputError: a row would exceed ``max_length`` positions, or a row was not prefilled.
+        """
+        rows = np.asarray(rows, dtype=np.int64)
+        if (self.lengths[rows] < 1).any():
+            raise InputError(f"rows {rows[self.lengths[rows] < 1].tolist()} were not prefilled; call prefill first")
+        check_decoder_room(int(self.lengths[rows].max()) + 1, self.max_length)
+        k = int(rows.max()) + 1
+        self._embeds[:k] = 0
+        self._embeds[rows] = inputs_embeds
+        lengths = np.zeros(k, dtype=np.int64)  # holes: one scratch position at 0
+        lengths[rows] = self.lengths[rows]
+        width = int(lengths.max()) + 1  # > 1: every busy row holds at least its prompt
+        mask = self._mask[: k * width].reshape(k, width)
+        np.less(self._positions[None, :width], lengths[:, None] + 1, out=mask, casting="unsafe")
+        if k != self._bound_rows:
+            self._bind_rows(k)
+        _bind_host(self._binding, "attention_mask", mask)
+        self._run(self._binding)
+        self.lengths[rows] += 1
+        return self._hidden[rows].astype(np.float32)
+
+    def _bind_rows(self, k: int) -> None:
+        """Bind the first ``k`` rows of every buffer (contiguous views) for the decode steps."""
+        _bind_host(self._binding, "inputs_embeds", self._embeds[:k])
+        _bind_host(self._binding, "hidden_states", self._hidden[:k], output=True)
+        for past, present in zip(self._past, self._present, strict=True):
+            _bind_host(self._binding, past, self.kv[past][:k])
+            _bind_host(self._binding, present, self.kv[past][:k], output=True)
+        self._bound_rows = k
+
+    def _run(self, binding) -> None:
+        try:
+            self.session.run_with_iobinding(binding)
+        except Exception as exc:  # onnxruntime's own error types
+            _raise_unsupported("llm_decoder", self.session, exc)
+            raise

@@ -1,0 +1,535 @@
+"""Many requests at once: a continuous-batching engine over one pipeline (:class:`Engine`).
+
+``Engine.submit`` may be called at any time from any thread; it checks and plans the request
+on the caller's thread (the reference voice is codec-encoded there) and returns an
+:class:`EngineHandle`.  One background thread runs the steps:
+
+1. admit waiting requests into free rows (lowest first): embed the prompt and prefill it on
+   the row (:meth:`BatchedDecoder.prefill`); they join between steps;
+2. one step for all busy rows: the audio heads on every row's last hidden state in one run,
+   then per row its own :class:`~higgs_pack.runtime.loop.frames.CodeSteps` (sampler, random
+   generator seeded with the request's seed, delay-pattern ramps, stop rules), so a request's
+   codes do not depend on the other rows; the rows still going feed their codes through the
+   audio embedding in one run and the decoder in one run (:meth:`BatchedDecoder.step`);
+3. a request whose last text chunk is done, that was cancelled, or whose row failed leaves at
+   once and frees its row.  A long text planned as several chunks re-prefills its row.
+
+The codec runs per request, on the thread that reads the handle (:meth:`EngineHandle.result`,
+or iterating it for streamed chunks), not on the engine's thread.  While an engine is open,
+use it rather than the pipeline's own ``synthesize`` / ``stream`` on other threads: both share
+the sub-parts' per-step buffers.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+import numpy as np
+
+from higgs_pack.manifests.errors import HiggsPackError, InputError
+from higgs_pack.runtime.loop.delay import SamplingOptions
+from higgs_pack.runtime.loop.frames import CodeSteps
+from higgs_pack.runtime.loop.generate import (
+    GenerationResult,
+    SynthesisResult,
+    _FiniteChecks,
+    build_prompt,
+    check_context,
+    join_results,
+    prepare_synthesis,
+)
+from higgs_pack.runtime.loop.pipeline import Decoder, Pipeline
+from higgs_pack.runtime.loop.streaming import (
+    AudioChunk,
+    SpeechStream,
+)
+from higgs_pack.runtime.request import StreamSchedule, SynthesisRequest
+
+#: Default most positions per request of :meth:`higgs_pack.TTS.engine` (prompt + frames; 4096
+#: positions hold 2.7 minutes of audio at 25 frames per second).
+DEFAULT_MAX_LENGTH = 4096
+
+
+class RequestCancelled(HiggsPackError):
+    """The request was cancelled (:meth:`EngineHandle.cancel`) before it finished."""
+
+
+class EngineClosed(HiggsPackError):
+    """The engine was closed (or its thread stopped) before the request finished."""
+
+
+class BatchedDecoder(Protocol):
+    """A decoder holding the KV cache of up to ``max_batch`` requests, one row each."""
+
+    max_batch: int
+    max_length: int
+    """Most positions one row may hold."""
+
+    def prefill(self, row: int, inputs_embeds: np.ndarray) -> np.ndarray:
+        """Start ``row`` over with a prompt: float32 [1, S, H] -> float32 [1, S, H]."""
+        ...
+
+    def step(self, rows: np.ndarray, inputs_embeds: np.ndarray) -> np.ndarray:
+        """One position for each of ``rows`` (ascending): float32 [a, 1, H] -> float32 [a, 1, H]."""
+        ...
+
+    def release(self, row: int) -> None:
+        """Forget ``row``'s positions."""
+        ...
+
+
+class SingleRowDecoder:
+    """Any backend's batch-1 :class:`~higgs_pack.runtime.loop.pipeline.Decoder` as a one-row
+    :class:`BatchedDecoder` (``max_batch=1``: the engine then serves requests one at a time)."""
+
+    max_batch = 1
+
+    def __init__(self, decoder: Decoder):
+        self._decoder = decoder
+        self.max_length = decoder.max_length
+
+    def prefill(self, row: int, inputs_embeds: np.ndarray) -> np.ndarray:
+        self._decoder.reset()
+        return self._decoder.forward(inputs_embeds)
+
+    def step(self, rows: np.ndarray, inputs_embeds: np.ndarray) -> np.ndarray:
+        return self._decoder.forward(inputs_embeds)
+
+    def release(self, row: int) -> None:
+        self._decoder.reset()
+
+
+@dataclass(frozen=True)
+class _Request:
+    """One checked and planned request (the engine's own; made by :meth:`Engine.submit`)."""
+
+    options: SamplingOptions
+    ref_codes: np.ndarray | None
+    ref_text: str | None
+    chunks: tuple[tuple[str, int], ...]
+    schedule: StreamSchedule
+    submitted: float
+
+
+class EngineHandle:
+    """One submitted request: read its speech with :meth:`result`, or iterate it for
+    :class:`~higgs_pack.runtime.loop.streaming.AudioChunk` as frames are generated (not both).
+
+    Errors of this request (a bad prompt found at admission, non-finite output of its row)
+    are raised here, by :meth:`result` or while iterating; other requests go on.
+    """
+
+    def __init__(self, engine: Engine, request: _Request):
+        self._engine = engine
+        self.request = request
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._cancelled = threading.Event()
+        self._finished = threading.Event()
+        self._read = False
+        self._results: list[GenerationResult] = []
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    @property
+    def done(self) -> bool:
+        """Whether the engine is done with this request (finished, failed or cancelled)."""
+        return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the engine is done with this request (its codes are all drawn, or it
+        failed or was cancelled); the codec has not run yet.  Returns :attr:`done`."""
+        return self._finished.wait(timeout)
+
+    def cancel(self) -> None:
+        """Stop this request: it leaves the batch (or the queue) before the engine's next step
+        and frees its row; reading it then raises :class:`RequestCancelled`.  Idempotent."""
+        self._cancelled.set()
+        self._engine._wake()
+
+    def result(self, timeout: float | None = None) -> SynthesisResult:
+        """Wait for all codes, codec-decode them (on this thread) and join the text chunks.
+
+        Args:
+            timeout: most seconds to wait for each engine event (None: no limit).
+
+        Returns:
+            The :class:`~higgs_pack.runtime.loop.generate.SynthesisResult` that
+            ``synthesize`` gives for the same arguments (same codes for the same seed).
+
+        Raises:
+            RequestCancelled, EngineClosed, InputError, NumericalError: as the request ended.
+            TimeoutError: no event within ``timeout``.
+        """
+        self._claim()
+        for index, _ in enumerate(self.request.chunks):
+            steps = self._chunk_steps(index, timeout)
+            while True:
+                try:
+                    next(steps)
+                except StopIteration:
+                    break
+        return join_results(self._engine.pipeline, self._results)
+
+    def __iter__(self) -> Iterator[AudioChunk]:
+        """Streamed chunks, as :func:`higgs_pack.runtime.loop.streaming.stream` gives them: a
+        :class:`~higgs_pack.runtime.loop.streaming.SpeechStream` (its ``results`` fill as text
+        chunks end; the codec runs on the iterating thread)."""
+        self._claim()
+        req = self.request
+        stream = SpeechStream(self._engine.pipeline, list(req.chunks), req.options, req.ref_codes, req.ref_text,
+                              None, req.schedule, req.submitted,
+                              steps=lambda index, _text, _cap: self._chunk_steps(index, None))
+        return stream
+
+    def _claim(self) -> None:
+        if self._read:
+            raise InputError("this request's speech was already read (result() or iteration, once)")
+        self._read = True
+
+    def _chunk_steps(self, index: int, timeout: float | None) -> Generator[np.ndarray, None, GenerationResult]:
+        """The codes of text chunk ``index`` as the engine sends them (generate_steps' yields)."""
+        while True:
+            try:
+                kind, at, value = self._events.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"no frame of this request within {timeout} s") from None
+            if kind == "error":
+                raise value
+            if at != index:
+                raise RuntimeError(f"engine event for text chunk {at} while reading chunk {index}")
+            if kind == "end":
+                self._results.append(value)
+                return value
+            yield value
+
+    # engine side
+    def _send(self, kind: str, index: int, value: Any) -> None:
+        self._events.put((kind, index, value))
+
+    def _fail(self, exc: BaseException) -> None:
+        self._events.put(("error", -1, exc))
+        self._finished.set()
+
+
+@dataclass
+class _Row:
+    """A request on a row of the batch (engine thread only)."""
+
+    handle: EngineHandle
+    row: int
+    chunk: int = 0
+    rules: CodeSteps | None = None
+    checks: _FiniteChecks | None = None
+    last: np.ndarray | None = None  # float32 [1, 1, H]
+    prompt_length: int = 0
+    started: float = 0.0
+    first_frame_s: float = math.nan
+    decoder_s: float = 0.0
+
+
+@dataclass
+class EngineStats:
+    """What the engine's thread did (read them while it runs for rough figures).
+
+    Attributes:
+        steps: batched decode steps run.
+        frames: rows advanced, summed over the steps (one frame per row per step).
+        step_seconds: seconds inside those steps (heads, sampling, embedding, decoder).
+        prefill_seconds: seconds prefilling prompts.
+        max_rows: most rows busy in one step.
+    """
+
+    steps: int = 0
+    frames: int = 0
+    step_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    max_rows: int = 0
+
+
+class Engine:
+    """Serves many requests with one decoder step for all busy rows (see the module docstring).
+
+    Use :meth:`higgs_pack.TTS.engine` to make one; close it (or use ``with``) to stop its thread.
+
+    Args:
+        pipeline: the loaded bundle's pipeline (its tokenizer, sub-parts and constants).
+        decoder: the :class:`BatchedDecoder` (its ``max_length`` bounds each request's
+            prompt + frames; long texts are planned in chunks that fit it).
+
+    Attributes:
+        max_batch: rows decoded together.
+        stats: :class:`EngineStats`.
+    """
+
+    def __init__(self, pipeline: Pipeline, decoder: BatchedDecoder):
+        self.pipeline = replace(pipeline, decoder=decoder)  # plans chunks for this decoder's length
+        self.decoder = decoder
+        self.max_batch = decoder.max_batch
+        self.stats = EngineStats()
+        self._cond = threading.Condition()
+        self._waiting: list[EngineHandle] = []
+        self._rows: dict[int, _Row] = {}
+        self._closing = False
+        self._crashed: BaseException | None = None
+        self._thread = threading.Thread(target=self._serve, name="higgs-pack-engine", daemon=True)
+        self._thread.start()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the thread after its current step; unfinished requests get :class:`EngineClosed`."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    @property
+    def busy_rows(self) -> int:
+        """Rows holding a request now."""
+        return len(self._rows)
+
+    @property
+    def waiting(self) -> int:
+        """Requests submitted and not yet admitted."""
+        with self._cond:
+            return len(self._waiting)
+
+    def submit(self, text: str | SynthesisRequest, **keywords: Any) -> EngineHandle:
+        """Queue a request (any thread, any time); it joins the batch when a row is free.
+
+        Args:
+            text: what to say, or a ready :class:`~higgs_pack.runtime.request.SynthesisRequest`
+                (then no keywords).
+            keywords: those of :meth:`SynthesisRequest.create
+                <higgs_pack.runtime.request.SynthesisRequest.create>`, as
+                :meth:`higgs_pack.runtime.api.TTS.synthesize` and ``TTS.stream`` take them
+                (``seed``, ``temperature``, ``top_k``, ``top_p``, ``max_frames``, ``ref_audio``
+                with ``ref_text``, the stream schedule used when the handle is iterated).
+
+        Returns:
+            An :class:`EngineHandle`.
+
+        Raises:
+            EngineClosed: the engine is closed.
+            InputError: a bad request (every bad field named), an unusable reference clip, a
+                special token in the text, or a sentence too long (here, at once).
+        """
+        submitted = time.perf_counter()
+        self._check_open()
+        request = SynthesisRequest.of(text, keywords)
+        inputs = request.loop_inputs(self.pipeline)
+        options, ref_codes, chunks = prepare_synthesis(self.pipeline, request.text, inputs["ref_samples"],
+                                                       inputs["ref_text"], inputs["options"], inputs["max_frames"])
+        handle = EngineHandle(self, _Request(options, ref_codes, inputs["ref_text"], tuple(chunks),
+                                             request.schedule, submitted))
+        with self._cond:
+            self._check_open()
+            self._waiting.append(handle)
+            self._cond.notify_all()
+        return handle
+
+    def _check_open(self) -> None:
+        if self._crashed is not None:
+            raise EngineClosed(f"the engine's thread stopped on an error ({self._crashed!r}); make a new engine")
+        if self._closing:
+            raise EngineClosed("the engine is closed; make a new one with tts.engine()")
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    # the engine's thread
+    def _serve(self) -> None:
+        """Admit, step, repeat, until closed; a failure outside any one request stops the engine."""
+        try:
+            while True:
+                admitted = self._next_admissions()
+                if admitted is None:
+                    break
+                for handle, row in admitted:
+                    self._admit(handle, row)
+                self._drop_cancelled()
+                if self._rows:
+                    self._step()
+        except BaseException as exc:  # a bug or a broken runtime: every request hears of it
+            self._crashed = exc
+            self._fail_all(exc)
+            raise
+        self._fail_all(EngineClosed("the engine was closed before this request finished"))
+
+    def _next_admissions(self) -> list[tuple[EngineHandle, int]] | None:
+        """Wait until there is work; pop waiting requests into the free rows (lowest first).
+        None when closing."""
+        with self._cond:
+            while True:
+                for handle in [h for h in self._waiting if h.cancelled]:
+                    self._waiting.remove(handle)
+                    handle._fail(RequestCancelled("the request was cancelled before it started"))
+                if self._closing:
+                    return None
+                if self._rows or self._waiting:
+                    break
+                self._cond.wait()
+            free = [r for r in range(self.max_batch) if r not in self._rows]
+            admitted = list(zip(self._waiting, free, strict=False))
+            del self._waiting[: len(admitted)]
+            return admitted
+
+    def _admit(self, handle: EngineHandle, row: int) -> None:
+        state = _Row(handle, row, started=time.perf_counter())
+        self._rows[row] = state
+        self._start_chunk(state)
+
+    def _start_chunk(self, state: _Row) -> None:
+        """Embed the prompt of the row's current text chunk and prefill it on the row; a bad
+        prompt fails this request alone."""
+        req, c = state.handle.request, self.pipeline.constants
+        text, cap = req.chunks[state.chunk]
+        t0 = time.perf_counter()
+        try:
+            embeds = build_prompt(self.pipeline, text, req.ref_codes, req.ref_text)
+            state.rules = CodeSteps(c, req.options, cap)
+            check_context(embeds.shape[1], state.rules.max_steps, self.decoder.max_length)
+            hidden = self.decoder.prefill(state.row, embeds)
+        except Exception as exc:  # this request's prompt or prefill: it fails alone
+            self._leave(state, exc)
+            return
+        finally:
+            self.stats.prefill_seconds += time.perf_counter() - t0
+        state.prompt_length = embeds.shape[1]
+        state.checks = _FiniteChecks(self.pipeline, {"hidden": (1, 1, c.hidden_size),
+                                                     "logits": (c.num_codebooks, c.audio_vocab_size)})
+        state.last = np.array(hidden[:, -1:], dtype=np.float32)
+        state.first_frame_s = math.nan
+        state.decoder_s = time.perf_counter() - t0
+
+    def _drop_cancelled(self) -> None:
+        for state in [s for s in self._rows.values() if s.handle.cancelled]:
+            self._leave(state, RequestCancelled("the request was cancelled"))
+
+    def _leave(self, state: _Row, error: BaseException | None = None) -> None:
+        """Free the row; tell the handle why it ended when it did not finish (once)."""
+        if self._rows.get(state.row) is not state:
+            return
+        del self._rows[state.row]
+        self.decoder.release(state.row)
+        if error is not None:
+            state.handle._fail(error)
+        else:
+            state.handle._finished.set()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for state in list(self._rows.values()):
+            self._leave(state, exc)
+        with self._cond:
+            waiting, self._waiting = self._waiting, []
+        for handle in waiting:
+            handle._fail(exc)
+
+    def _step(self) -> None:
+        """One frame for every busy row: heads in one run, sampling per row, then the rows
+        still going through the audio embedding and the decoder in one run each."""
+        t0 = time.perf_counter()
+        c = self.pipeline.constants
+        states = [s for s in (self._rows[r] for r in sorted(self._rows)) if self._hidden_ok(s)]
+        if not states:
+            return
+        try:
+            last = np.concatenate([s.last for s in states])
+            logits = self.pipeline.audio_heads.run({"hidden_states": last})["audio_logits"]
+        except Exception as exc:  # the batch's run failed: every row in it fails
+            for state in states:
+                self._leave(state, exc)
+            return
+        going = []
+        for i, state in enumerate(states):
+            codes = self._draw(state, logits[i, -1].reshape(c.num_codebooks, c.audio_vocab_size))
+            if codes is not None:
+                going.append((state, codes))
+        if going:
+            self._feed_back(going)
+        self.stats.steps += 1
+        self.stats.frames += len(states)
+        self.stats.max_rows = max(self.stats.max_rows, len(states))
+        self.stats.step_seconds += time.perf_counter() - t0
+
+    def _hidden_ok(self, state: _Row) -> bool:
+        try:
+            state.checks.hidden(state.last, state.rules.steps)
+        except HiggsPackError as exc:
+            self._leave(state, exc)
+            return False
+        return True
+
+    def _draw(self, state: _Row, logits: np.ndarray) -> np.ndarray | None:
+        """Sample the row's next codes and send them; None when the row does not go on
+        (its chunk ended, or its logits were not finite)."""
+        try:
+            state.checks.finite("audio_heads", logits, "logits")
+        except HiggsPackError as exc:
+            self._leave(state, exc)
+            return None
+        rules = state.rules
+        codes = rules.draw(logits)  # a row of rules' buffer, never overwritten: safe to hand over
+        if rules.steps == 1:
+            state.first_frame_s = time.perf_counter() - state.started
+        state.handle._send("codes", state.chunk, codes)
+        if not rules.done:
+            return codes
+        self._end_chunk(state)
+        return None
+
+    def _end_chunk(self, state: _Row) -> None:
+        """Send the finished chunk's result; prefill the next text chunk, or leave."""
+        rules = state.rules
+        delayed = rules.delayed
+        result = GenerationResult(delayed=delayed, codes=rules.codes(delayed), stop_reason=rules.stop_reason,
+                                  prompt_length=state.prompt_length, first_frame_s=state.first_frame_s,
+                                  seconds=time.perf_counter() - state.started, decoder_seconds=state.decoder_s)
+        state.handle._send("end", state.chunk, result)
+        if state.chunk + 1 < len(state.handle.request.chunks) and not state.handle.cancelled:
+            state.chunk += 1
+            state.started = time.perf_counter()
+            self._start_chunk(state)
+        else:
+            self._leave(state)
+
+    def _feed_back(self, going: list[tuple[_Row, np.ndarray]]) -> None:
+        """The going rows' codes -> audio embedding (one run) -> decoder step (one run)."""
+        states = [s for s, _ in going]
+        try:
+            codes = np.stack([codes for _, codes in going])[:, None, :]
+            embeds = self.pipeline.audio_embed.run({"codes": codes})["audio_embeds"]
+            ok = []
+            for i, state in enumerate(states):
+                try:
+                    state.checks.finite("audio_embed", embeds[i:i + 1], None)
+                    ok.append(i)
+                except HiggsPackError as exc:
+                    self._leave(state, exc)
+            if not ok:
+                return
+            states = [states[i] for i in ok]
+            t0 = time.perf_counter()
+            hidden = self.decoder.step(np.array([s.row for s in states]), embeds[ok])
+            dt = time.perf_counter() - t0
+        except Exception as exc:  # the batch's run failed: every row in it fails
+            for state in states:
+                self._leave(state, exc)
+            return
+        for i, state in enumerate(states):
+            np.copyto(state.last, hidden[i:i + 1])
+            state.decoder_s += dt

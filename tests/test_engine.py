@@ -199,14 +199,13 @@ def test_submit_from_several_threads(tts, alone):
 
 
 def test_a_bad_request_fails_alone(tts, alone):
-    """A prompt control token in the text is found when the request is admitted: that handle
-    raises, the requests beside it finish with their own codes."""
+    """A prompt control token in the text is refused at submit, before it takes a row; the
+    requests beside it finish with their own codes."""
     with tts.engine(max_batch=3) as engine:
         good = _submit(engine, tts, 0)
-        bad = engine.submit("Say <|audio|> here.", seed=0, max_frames=30)
-        other = _submit(engine, tts, 3)
         with pytest.raises(InputError, match="prompt control token"):
-            bad.result(timeout=60)
+            engine.submit("Say <|audio|> here.", seed=0, max_frames=30)
+        other = _submit(engine, tts, 3)
         np.testing.assert_array_equal(good.result(timeout=60).codes, alone[0].codes)
         np.testing.assert_array_equal(other.result(timeout=60).codes, alone[3].codes)
 

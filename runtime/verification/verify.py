@@ -21,6 +21,7 @@ import numpy as np
 from higgs_pack.manifests.constants import CPU_PROVIDER, EXECUTION_PROVIDERS
 from higgs_pack.manifests.errors import HiggsPackError
 from higgs_pack.manifests.manifest import check_files
+from higgs_pack.runtime.backends.onnxruntime.sessions import provider_cannot_run
 from higgs_pack.runtime.bundle import Bundle, load, open_bundle
 from higgs_pack.runtime.loop.delay import SamplingOptions
 from higgs_pack.runtime.loop.generate import build_prompt, generate_codes, synthesize
@@ -33,13 +34,7 @@ from higgs_pack.runtime.verification.backend_checks import (
     check_static_shapes,
     compare_providers,
 )
-from higgs_pack.runtime.verification.report import (
-    VerifyReport,
-    judge_parity,
-    provider_cannot_run,
-    read_golden,
-    subpart_errors,
-)
+from higgs_pack.runtime.verification.report import VerifyReport, judge_subpart, read_golden
 
 #: Greedy decoding of an fp32 bundle must reproduce the oracle's codes for at least this many frames.
 MIN_GREEDY_FRAMES = 16
@@ -165,7 +160,7 @@ def verify_bundle(
     for part, spec in m["subparts"].items():
         rule = spec["parity"]
         try:
-            errors = subpart_errors(pipeline, golden, part, rule["metric"])
+            errors, ok, detail = judge_subpart(pipeline, golden, part, rule)
         except Exception as exc:  # HiggsPackError, or the backend's own error types
             reason = provider_cannot_run(exc) if substitute else None
             if reason is None:
@@ -180,7 +175,6 @@ def verify_bundle(
             continue
         report.parity[part] = {k: (round(v, 9) if isinstance(v, float) and math.isfinite(v) else v)
                                for k, v in errors.items()}
-        ok, detail = judge_parity(rule, errors)
         report.add(f"parity {part}", ok, detail, errors["measured"])
     loop_parts = ("text_embed", "llm_decoder", "audio_embed", "audio_heads")
     blocked = [p for p in loop_parts if p in cannot_run]

@@ -6,7 +6,6 @@ import base64
 import subprocess
 import sys
 from html.parser import HTMLParser
-from pathlib import Path
 
 import pytest
 from conftest import write_voice_clip
@@ -139,4 +138,15 @@ def test_self_contained_check_catches_external_references():
         assert_self_contained('<!DOCTYPE html><html><body><img src="https://example.com/x.png"></body></html>')
     with pytest.raises(AssertionError):
         assert_self_contained('<!DOCTYPE html><html><head><script src="x.js"></script></head></html>')
-    assert Path(__file__).is_file()
+    inline = '<!DOCTYPE html><html><body><img src="data:image/png;base64,iVBORw0K"></body></html>'
+    assert assert_self_contained(inline).tags[-1] == ("img", {"src": "data:image/png;base64,iVBORw0K"})
+
+
+def test_verify_header_without_a_loaded_backend_has_no_empty_parentheses():
+    from higgs_pack.runtime.verification.report import VerifyReport
+
+    report = VerifyReport(bundle="b")
+    report.add("files", False, "missing: x.onnx")
+    assert report.render().splitlines()[0] == "verify b"
+    report.backend = "CPUExecutionProvider"
+    assert report.render().splitlines()[0] == "verify b (CPUExecutionProvider)"

@@ -225,7 +225,7 @@ class VerifyReport:
 
     def render(self) -> str:
         width = max((len(c.name) for c in self.checks), default=10)
-        lines = [f"verify {self.bundle} ({self.backend})"]
+        lines = [f"verify {self.bundle}" + (f" ({self.backend})" if self.backend else "")]
         lines += [f"  {c.status:>7}  {c.name:<{width}}  {c.detail}" for c in self.checks]
         lines.append(f"result: {'PASS' if self.ok else 'FAIL'}")
         return "\n".join(lines)

@@ -21,11 +21,11 @@ from typing import Any, Literal
 from higgs_pack.manifests.constants import CPU_PROVIDER, SubPart
 from higgs_pack.manifests.errors import BundleError, ExecutionProviderUnavailable
 from higgs_pack.manifests.manifest import (
-    check_files,
     hub_cache_blobs,
     read_manifest,
     resolve_inside,
 )
+from higgs_pack.runtime.file_kinds import check_bundle_files
 from higgs_pack.runtime.loop.pipeline import ModelConstants, Pipeline, step_input_shapes
 
 log = logging.getLogger(__name__)
@@ -124,12 +124,13 @@ def open_bundle(name_or_path: str | Path, *, check_hashes: bool = True) -> Bundl
         check_hashes: compare every file's sha256 (streamed); sizes are always checked.
 
     Raises:
-        BundleError, ManifestError, UnsupportedFormatVersion: see ``manifests.manifest``.
+        BundleError: a file cannot be read, differs from the manifest, or is not what its
+            kind says (:func:`~higgs_pack.runtime.file_kinds.check_bundle_files`).
+        ManifestError, UnsupportedFormatVersion: see ``manifests.manifest``.
     """
     path = find_bundle(name_or_path)
     manifest = read_manifest(path)
-    report = check_files(path, manifest, hashes=check_hashes)
-    report.raise_for_problems(path)
+    check_bundle_files(path, manifest, hashes=check_hashes)  # readable, size, sha256, and what its kind says
     bundle = Bundle(path.resolve(), manifest)
     for part, spec in manifest["subparts"].items():
         if spec["format"] == "onnx":

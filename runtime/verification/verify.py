@@ -23,13 +23,14 @@ import numpy as np
 
 from higgs_pack.manifests.constants import CPU_PROVIDER, EXECUTION_PROVIDERS
 from higgs_pack.manifests.errors import HiggsPackError
-from higgs_pack.manifests.manifest import check_files
+from higgs_pack.manifests.manifest import read_manifest
 from higgs_pack.runtime.backends.onnxruntime.sessions import (
     import_ort,
     installed_ort_distributions,
     provider_cannot_run,
 )
-from higgs_pack.runtime.bundle import Bundle, load, open_bundle
+from higgs_pack.runtime.bundle import Bundle, find_bundle, load, open_bundle
+from higgs_pack.runtime.file_kinds import check_bundle_files
 from higgs_pack.runtime.loop.delay import SamplingOptions
 from higgs_pack.runtime.loop.generate import (
     build_prompt,
@@ -174,15 +175,18 @@ def verify_bundle(bundle: str | Path | Bundle, options: VerifyOptions | None = N
 
 
 def _check_structure(bundle: str | Path | Bundle, options: VerifyOptions, report: VerifyReport) -> Bundle | None:
-    """Manifest, files, hashes and the backend's file-level checks: the opened bundle, or None to stop."""
+    """Manifest, files and the backend's file-level checks: the opened bundle, or None to stop.
+
+    The files are checked as ``load()`` checks them (readable, size, sha256, each what its
+    kind says: :func:`~higgs_pack.runtime.file_kinds.check_bundle_files`), with its message.
+    """
     try:
-        opened = bundle if isinstance(bundle, Bundle) else open_bundle(bundle, check_hashes=False)
-        files = check_files(opened.path, opened.manifest)
+        path = bundle.path if isinstance(bundle, Bundle) else find_bundle(bundle)
+        m = bundle.manifest if isinstance(bundle, Bundle) else read_manifest(path)
     except HiggsPackError as exc:
-        report.add("manifest+files", False, str(exc))
+        report.add("manifest", False, str(exc))
         return None
-    report.bundle = opened.name
-    m = opened.manifest
+    report.bundle = m["name"]
     report.summary = {k: m.get(k) for k in ("target", "precision", "variant", "backend", "execution_provider",
                                             "device")}
     report.thresholds = {part: {"metric": spec["parity"]["metric"], "threshold": spec["parity"]["threshold"],
@@ -190,13 +194,16 @@ def _check_structure(bundle: str | Path | Bundle, options: VerifyOptions, report
                                    if "max_rel_l2" in spec["parity"] else {})}
                          for part, spec in m["subparts"].items()}
     report.add("manifest", True, f"format {m['format_version']}, target {m['target']}, precision {m['precision']}")
-    if not files.ok:
-        try:
-            files.raise_for_problems(opened.path)  # the message load() gives: each file, and what to do
-        except HiggsPackError as exc:
-            report.add("files", False, str(exc))
+    try:
+        if isinstance(bundle, Bundle):
+            check_bundle_files(bundle.path, m)
+            opened = bundle
+        else:
+            opened = open_bundle(path)
+    except HiggsPackError as exc:
+        report.add("files", False, str(exc))
         return None
-    report.add("files", True, f"{files.checked} files, sha256 ok")
+    report.add("files", True, f"{len(m['files'])} files, sha256 ok, each what its kind says")
     for structure_check in _structure_checks(m["backend"]) if options.static else ():
         structure_check(opened, report)
     return opened

@@ -118,6 +118,21 @@ def subpart_errors(pipeline: Pipeline, golden: dict[str, np.ndarray], part: str,
     return result
 
 
+def export_error(rule: dict[str, Any], errors: dict[str, float | None]) -> tuple[str, float, float | None]:
+    """What decides a sub-part's parity under :func:`judge_parity`: ``(what it is, value, limit)``.
+
+    The relative L2 error against the oracle with the bundle's own weights (matched
+    references), else against the float oracle (where the rule has ``max_rel_l2``), else
+    ``1 - similarity`` against ``1 - threshold`` (code agreement, and older bundles' rules).
+    """
+    limit = rule.get("max_rel_l2")
+    if rule.get("reference") == "matched" and errors.get("matched_rel_l2") is not None:
+        return "rel L2 vs the oracle with the bundle's weights", errors["matched_rel_l2"], limit
+    if limit is not None and errors.get("rel_l2") is not None:
+        return "rel L2 vs the float oracle", errors["rel_l2"], limit
+    return f"1 - {rule['metric']}", 1.0 - errors["measured"], 1.0 - rule["threshold"]
+
+
 def judge_parity(rule: dict[str, Any], errors: dict[str, float | None]) -> tuple[bool, str]:
     """The one parity rule of every comparison: (ok, one-line detail).
 
@@ -126,7 +141,7 @@ def judge_parity(rule: dict[str, Any], errors: dict[str, float | None]) -> tuple
     :func:`output_errors` of a GPU provider against the CPU provider (``compare_providers``).
 
     With matched references (``rule["reference"] == "matched"`` and ``matched_rel_l2`` in
-    ``errors``) the export error is the relative L2 error against them (``max_rel_l2``);
+    ``errors``) the export error (:func:`export_error`) is judged against ``max_rel_l2``;
     the similarity to the float oracle is the quantization error and is reported, not
     judged (random deep models amplify it; the build checked every read-back weight
     instead).  Otherwise both the similarity (``threshold``) and, where the rule has
@@ -134,22 +149,20 @@ def judge_parity(rule: dict[str, Any], errors: dict[str, float | None]) -> tuple
     (an output x1.05 has cosine 1.0).
     """
     metric, threshold = rule["metric"], rule["threshold"]
-    limit = rule.get("max_rel_l2")
     measured = errors["measured"]
-    if rule.get("reference") == "matched" and "matched_rel_l2" in errors:
-        export = errors["matched_rel_l2"]
+    what, export, limit = export_error(rule, errors)
+    if rule.get("reference") == "matched" and errors.get("matched_rel_l2") is not None:
         ok = limit is None or export <= limit
-        return ok, (f"export error {export:.3g} rel L2 vs the oracle with the bundle's weights "
-                    f"(limit {limit}); quantization: {metric} {measured:.6f}, rel L2 {errors['rel_l2']:.3g} "
-                    f"vs the float oracle")
+        return ok, (f"export error {export:.3g} {what} (limit {limit}); quantization: {metric} {measured:.6f}, "
+                    f"rel L2 {errors['rel_l2']:.3g} vs the float oracle")
     ok = measured >= threshold
     detail = f"{metric} {measured:.6f} (threshold {threshold}"
     if errors.get("measured_max_abs") is not None:
         detail += f", max |diff| {errors['measured_max_abs']:.3g}"
     detail += ")"
-    if limit is not None and "rel_l2" in errors:
-        ok = ok and errors["rel_l2"] <= limit
-        detail += f", rel L2 {errors['rel_l2']:.3g} (limit {limit})"
+    if rule.get("max_rel_l2") is not None and errors.get("rel_l2") is not None:
+        ok = ok and export <= limit
+        detail += f", rel L2 {export:.3g} (limit {limit})"
     return ok, detail
 
 
@@ -188,7 +201,8 @@ class VerifyReport:
         checks: every check, in order; ``ok`` None means skipped (detail says why).
         parity: sub-part -> measured similarity (for the manifest).
         summary: target, precision, backend, device/provider the bundle was built for.
-        thresholds: sub-part -> ``{"metric", "threshold"}`` its parity was judged by.
+        thresholds: sub-part -> the manifest's parity rule it was judged by (``metric``,
+            ``threshold`` and, where recorded, ``max_rel_l2`` and ``reference``).
         greedy: ``{"identical", "steps", "needed"}``: greedy codes vs the PyTorch reference
             (``needed`` None when informational).
         audio: case name -> ``{"samples": float32 [samples] mono, "sample_rate": Hz, "text": the

@@ -189,10 +189,8 @@ def _check_structure(bundle: str | Path | Bundle, options: VerifyOptions, report
     report.bundle = m["name"]
     report.summary = {k: m.get(k) for k in ("target", "precision", "variant", "backend", "execution_provider",
                                             "device")}
-    report.thresholds = {part: {"metric": spec["parity"]["metric"], "threshold": spec["parity"]["threshold"],
-                                **({"max_rel_l2": spec["parity"]["max_rel_l2"]}
-                                   if "max_rel_l2" in spec["parity"] else {})}
-                         for part, spec in m["subparts"].items()}
+    report.thresholds = {part: {k: spec["parity"][k] for k in ("metric", "threshold", "max_rel_l2", "reference")
+                                if k in spec["parity"]} for part, spec in m["subparts"].items()}
     report.add("manifest", True, f"format {m['format_version']}, target {m['target']}, precision {m['precision']}")
     try:
         if isinstance(bundle, Bundle):

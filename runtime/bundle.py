@@ -22,12 +22,12 @@ from typing import Any, Literal
 from higgs_pack.manifests.constants import SubPart
 from higgs_pack.manifests.errors import BundleError, ManifestError
 from higgs_pack.manifests.manifest import (
-    check_files,
     hub_cache_blobs,
     read_manifest,
     resolve_inside,
 )
 from higgs_pack.runtime.backends import OpenOptions, backend_of
+from higgs_pack.runtime.file_kinds import check_bundle_files
 from higgs_pack.runtime.loop.pipeline import ModelConstants, Pipeline
 
 log = logging.getLogger(__name__)
@@ -126,13 +126,14 @@ def open_bundle(name_or_path: str | Path, *, check_hashes: bool = True) -> Bundl
         check_hashes: compare every file's sha256 (streamed); sizes are always checked.
 
     Raises:
-        BundleError, ManifestError, UnsupportedFormatVersion: see ``manifests.manifest``.
+        BundleError: a file cannot be read, differs from the manifest, or is not what its
+            kind says (:func:`~higgs_pack.runtime.file_kinds.check_bundle_files`).
+        ManifestError, UnsupportedFormatVersion: see ``manifests.manifest``.
     """
     path = find_bundle(name_or_path)
     manifest = read_manifest(path)
     check_formats(manifest)
-    report = check_files(path, manifest, hashes=check_hashes)
-    report.raise_for_problems(path)
+    check_bundle_files(path, manifest, hashes=check_hashes)  # readable, size, sha256, and what its kind says
     bundle = Bundle(path.resolve(), manifest)
     for part, spec in manifest["subparts"].items():
         if spec["format"] == "onnx":

@@ -1,9 +1,15 @@
 """Every bad bundle the runtime must refuse, each with its message, and builds that must not land."""
 
 import json
+import os
+import re
+import shlex
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from higgs_pack.manifests.constants import FORMAT_VERSION
@@ -250,3 +256,134 @@ def test_staging_left_by_a_killed_build_is_removed(tmp_path):
         assert stage.name.startswith(".b.building-")
         assert not dead.exists()
     assert list(out.parent.iterdir()) == []
+
+
+# --------------------------------------------------------------- files that pass their hash but are not their kind
+
+#: kind -> (what replaces the file, the message naming it); ``{rel}`` is the file.
+_NOT_THEIR_KIND = {
+    "onnx": (lambda data: np.random.default_rng(0).bytes(4096), r"{rel} is not an ONNX graph: "),
+    "onnx-data": (lambda data: data[:100], r"{rel} is not ONNX external data of \S+: 100 bytes, but the graph "
+                                           r"reads up to byte \d+"),
+    "ir-xml": (lambda data: np.random.default_rng(0).bytes(4096), r"{rel} is not an OpenVINO IR \.xml: is not XML"),
+    "ir-bin": (lambda data: data[:100], r"{rel} is not an OpenVINO IR \.bin of \S+\.xml: 100 bytes, but the graph "
+                                        r"reads up to byte \d+"),
+    "tokenizer": (lambda data: np.random.default_rng(0).bytes(4096),
+                  r"{rel} is not a tokenizer\.json: does not open as a tokenizers tokenizer"),
+    "golden": (lambda data: np.random.default_rng(0).bytes(4096),
+               r"{rel} is not the golden outputs \(\.npz\): is not an \.npz archive"),
+    "json": (lambda data: b"\xff" + data, r"{rel} is not a JSON file: is not UTF-8 JSON"),
+}
+
+
+def _replace_and_rehash(bundle: Path, rel: str, kind: str) -> str:
+    """Replace one file by something that is not its kind, re-hash it: the message it must get."""
+    path = bundle / rel
+    replace, message = _NOT_THEIR_KIND[kind]
+    path.write_bytes(replace(path.read_bytes()))
+    _rehash(bundle, rel)
+    return message.format(rel=re.escape(rel))
+
+
+def _refused_by_load_and_verify(bundle: Path, rel: str, kind: str) -> None:
+    from higgs_pack.runtime.verification.verify import verify_bundle
+
+    message = _replace_and_rehash(bundle, rel, kind)
+    with pytest.raises(BundleError, match=message + ".*rebuild it or re-download it"):
+        load(bundle)
+    report = verify_bundle(bundle, synthesize_cases=False)
+    failed = [c for c in report.checks if c.ok is False]
+    assert [c.name for c in failed] == ["files"], report.render()
+    assert re.search(message, failed[0].detail), failed[0].detail
+
+
+def _kinds(bundle: Path) -> dict[str, str]:
+    """kind -> the first file of that kind in the bundle."""
+    from higgs_pack.runtime.file_kinds import file_kinds
+
+    found: dict[str, str] = {}
+    for rel, kind in file_kinds(read_manifest(bundle)).items():
+        found.setdefault(kind, rel)
+    return found
+
+
+@pytest.mark.parametrize("kind", ["onnx", "onnx-data", "tokenizer", "golden", "json"])
+def test_onnx_bundle_file_that_is_not_its_kind(bundle_copy, kind):
+    kinds = _kinds(bundle_copy)
+    assert set(kinds) == {"onnx", "onnx-data", "tokenizer", "golden", "json"}  # every kind an ONNX bundle holds
+    _refused_by_load_and_verify(bundle_copy, kinds[kind], kind)
+
+
+def test_every_onnx_graph_and_json_file_is_checked(bundle_copy):
+    """Not just the first of each kind: the decoder's graph and genai_config.json too."""
+    _refused_by_load_and_verify(bundle_copy, "llm_decoder/model.onnx", "onnx")
+    _refused_by_load_and_verify(bundle_copy, "llm_decoder/genai_config.json", "json")
+
+
+def test_json_that_is_not_a_tokenizer(bundle_copy):
+    (bundle_copy / "tokenizer.json").write_text('{"version": "1.0"}', encoding="utf-8")
+    _rehash(bundle_copy, "tokenizer.json")
+    with pytest.raises(BundleError, match=r"tokenizer\.json is not a tokenizer\.json: does not open as a tokenizers"):
+        load(bundle_copy)
+
+
+@pytest.fixture(scope="module")
+def ov_int4_bundle(tmp_path_factory, tiny_checkpoint) -> Path:
+    """The openvino int4 bundle of the tiny checkpoint (its own model cache), built once for this module."""
+    pytest.importorskip("openvino")
+    pytest.importorskip("optimum.intel")
+    pytest.importorskip("nncf")
+    from higgs_pack.targets.build import build
+
+    root = tmp_path_factory.mktemp("ov-kinds")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HIGGS_PACK_CACHE", str(root / "cache"))
+        return build("openvino", model=tiny_checkpoint, out=root / "higgs-audio-v3-tiny-openvino-int4")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ir-xml", "ir-bin", "tokenizer", "golden", "json"])
+def test_openvino_bundle_file_that_is_not_its_kind(ov_int4_bundle, kind, tmp_path):
+    bundle = Path(shutil.copytree(ov_int4_bundle, tmp_path / ov_int4_bundle.name))
+    kinds = _kinds(bundle)
+    assert set(kinds) == {"ir-xml", "ir-bin", "tokenizer", "golden", "json"}  # every kind an IR bundle holds
+    _refused_by_load_and_verify(bundle, kinds[kind], kind)
+
+
+def _without_root_read_override() -> list[str] | None:
+    """A command prefix that drops root's permission override (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH),
+    so a mode-000 file is really unreadable; [] when not root; None when capsh is missing."""
+    if os.geteuid() != 0:
+        return []
+    capsh = shutil.which("capsh")
+    return [capsh, "--drop=cap_dac_override,cap_dac_read_search", "--"] if capsh else None
+
+
+def test_unreadable_file_is_named_by_load_and_verify(bundle_copy):
+    prefix = _without_root_read_override()
+    if prefix is None:
+        pytest.skip("running as root without capsh: no way to make a file unreadable to this process")
+    target = bundle_copy / "tokenizer.json"
+    target.chmod(0)
+    code = ("import sys\nfrom higgs_pack.runtime.bundle import load\nfrom higgs_pack.manifests.errors import BundleError\n"
+            "try:\n    load(sys.argv[1])\nexcept BundleError as exc:\n    print(exc)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, *args]
+        if prefix:  # capsh runs its argument with /bin/sh -c
+            command = [*prefix, "-c", " ".join(shlex.quote(a) for a in command)]
+        return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+
+    try:
+        probe = run("-c", f"open({str(target)!r}, 'rb')")
+        if probe.returncode == 0:
+            pytest.skip("the file stays readable to a process without CAP_DAC_OVERRIDE here")
+        loaded = run("-c", code, str(bundle_copy))
+        verified = run("-m", "higgs_pack.runtime.cli", "verify", str(bundle_copy))
+    finally:
+        target.chmod(0o644)
+    message = r"cannot read tokenizer\.json \(Permission denied\)\. The process \(uid \d+\) needs read access"
+    assert re.search(message, loaded.stdout), loaded.stdout + loaded.stderr
+    assert verified.returncode == 1 and "Traceback" not in verified.stderr, verified.stderr
+    assert re.search(r"FAIL +files +.*" + message, verified.stdout), verified.stdout

@@ -31,7 +31,10 @@ import pytest
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("wheel")
 
+import numpy as np  # noqa: E402
 from onnx import TensorProto, helper  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402
+from tokenizers.models import WordLevel  # noqa: E402
 
 from higgs_pack.manifests.constants import EXECUTION_PROVIDERS  # noqa: E402
 from higgs_pack.manifests.errors import PackagingError  # noqa: E402
@@ -77,9 +80,9 @@ def make_bundle(root: Path, *, name: str = NAME, target: str = "cpu") -> Path:
             "outputs": [{"name": "y", "dtype": "float32", "shape": ["n"]}], "options": {},
             "parity": {"metric": "cosine", "threshold": 0.9999},
         }
-    (root / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "BPE"}}) * 50)
+    Tokenizer(WordLevel({"[UNK]": 0, "hi": 1}, unk_token="[UNK]")).save(str(root / "tokenizer.json"))
     (root / "reference").mkdir()
-    (root / "reference" / "golden.npz").write_bytes(os.urandom(3000))
+    np.savez(root / "reference" / "golden.npz", x=np.random.default_rng(0).standard_normal(375))
     ints = ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
             "max_position_embeddings", "num_codebooks", "codebook_size", "audio_vocab_size", "boc", "eoc",
             "sample_rate", "frame_rate", "hop_length", "text_vocab_size")

@@ -6,7 +6,6 @@ import base64
 import subprocess
 import sys
 from html.parser import HTMLParser
-from pathlib import Path
 
 import pytest
 from conftest import write_voice_clip
@@ -139,4 +138,45 @@ def test_self_contained_check_catches_external_references():
         assert_self_contained('<!DOCTYPE html><html><body><img src="https://example.com/x.png"></body></html>')
     with pytest.raises(AssertionError):
         assert_self_contained('<!DOCTYPE html><html><head><script src="x.js"></script></head></html>')
-    assert Path(__file__).is_file()
+    inline = '<!DOCTYPE html><html><body><img src="data:image/png;base64,iVBORw0K"></body></html>'
+    assert assert_self_contained(inline).tags[-1] == ("img", {"src": "data:image/png;base64,iVBORw0K"})
+
+
+def test_verify_header_without_a_loaded_backend_has_no_empty_parentheses():
+    from higgs_pack.runtime.verification.report import VerifyReport
+
+    report = VerifyReport(bundle="b")
+    report.add("files", False, "missing: x.onnx")
+    assert report.render().splitlines()[0] == "verify b"
+    report.backend = "CPUExecutionProvider"
+    assert report.render().splitlines()[0] == "verify b (CPUExecutionProvider)"
+
+
+def test_parity_section_shows_what_decides():
+    """The chart and table show the export error against its limit (what the check decides by), and the
+    quantization error beside it; the cosine to the float oracle is 'not judged' under matched references."""
+    pytest.importorskip("matplotlib")
+    from higgs_pack.runtime.verification.html_report import verify_html
+    from higgs_pack.runtime.verification.report import VerifyReport, judge_parity
+
+    report = VerifyReport(bundle="b", backend="CPUExecutionProvider")
+    report.thresholds = {
+        "llm_decoder": {"metric": "cosine", "threshold": 0.85, "max_rel_l2": 0.03, "reference": "matched"},
+        "audio_tokenizer": {"metric": "cosine", "threshold": 0.9999, "max_rel_l2": 0.001, "reference": "float"},
+    }
+    report.parity = {  # a decoder whose cosine to the float oracle is below the old 0.85, export error fine
+        "llm_decoder": {"measured": 0.80, "measured_max_abs": 0.7, "rel_l2": 0.6, "matched_rel_l2": 0.008,
+                        "matched_cosine": 0.99997},
+        "audio_tokenizer": {"measured": 0.99999, "measured_max_abs": 1e-6, "rel_l2": 0.004},  # x1.004: fails
+    }
+    for part, rule in report.thresholds.items():
+        ok, detail = judge_parity(rule, report.parity[part])
+        report.add(f"parity {part}", ok, detail)
+    assert [c.ok for c in report.checks] == [True, False]
+    page = assert_self_contained(verify_html(report))
+    text = " ".join(t.strip() for t in page.text if t.strip())
+    assert len(decoded(page, "img", "data:image/png;base64,")) == 1  # the parity chart
+    assert ("llm_decoder rel L2 vs the oracle with the bundle's weights 0.008 0.03 0.6 "
+            "cosine 0.800000 (threshold 0.85, not judged) 0.7 ok") in text, text
+    assert "audio_tokenizer rel L2 vs the float oracle 0.004 0.001 cosine 0.999990 (threshold 0.9999) 1e-06 FAIL" \
+        in text, text

@@ -22,6 +22,9 @@ onnx = pytest.importorskip("onnx")
 from onnx import numpy_helper  # noqa: E402
 
 from higgs_pack.manifests.manifest import file_entry, read_manifest, write_manifest  # noqa: E402
+from higgs_pack.runtime.bundle import load, open_bundle  # noqa: E402
+from higgs_pack.runtime.verification.backend_checks import compare_providers, device_parity  # noqa: E402
+from higgs_pack.runtime.verification.report import VerifyReport  # noqa: E402
 from higgs_pack.runtime.verification.verify import verify_bundle  # noqa: E402
 
 DECODER = "llm_decoder/model.onnx"
@@ -134,6 +137,14 @@ def scale_text_embedding(bundle: Path) -> None:
     _save(model, bundle, "text_embed.onnx")
 
 
+def scale_final_norm(bundle: Path) -> None:
+    """The decoder's final RMSNorm weight x1.05: every hidden state x1.05, its cosine still 1.0."""
+    model = _load(bundle, DECODER)
+    name = next(t.name for t in model.graph.initializer if "final_norm" in t.name)
+    _set(model, name, numpy_helper.to_array(_initializer(model, name)) * 1.05)
+    _save(model, bundle, DECODER)
+
+
 MUTATIONS = {
     "swapped layers": (swap_layers, "parity llm_decoder"),
     "rope theta": (wrong_rope_theta, "parity llm_decoder"),
@@ -171,6 +182,45 @@ def test_mutated_bundle_fails_its_parity_check(mutation, correct_bundle, tmp_pat
     failed = {c.name for c in report.checks if c.ok is False}
     assert check in failed, f"{mutation} at {precision} was not caught:\n{report.render()}"
     assert "files" not in failed  # re-hashed: the numbers caught it, not the hashes
+
+
+@pytest.fixture(scope="module")
+def scaled_decoder(cpu_fp32_bundle, tmp_path_factory) -> Path:
+    """A copy of the fp32 bundle whose decoder outputs are x1.05 (:func:`scale_final_norm`)."""
+    bundle = Path(shutil.copytree(cpu_fp32_bundle, tmp_path_factory.mktemp("scaled") / cpu_fp32_bundle.name))
+    scale_final_norm(bundle)
+    return bundle
+
+
+def _cosine_would_pass(bundle: Path, checks) -> None:
+    """Each check's cosine reaches the threshold: a cosine-only rule (the old GPU/NPU one) passed it."""
+    threshold = read_manifest(bundle)["subparts"]["llm_decoder"]["parity"]["threshold"]
+    assert checks and all(c.value >= threshold for c in checks), [(c.name, c.value) for c in checks]
+
+
+def test_provider_comparison_judges_relative_l2(cpu_fp32_bundle, scaled_decoder):
+    """The GPU-vs-CPU provider comparison with two CPU sessions standing in, one of a decoder x1.05."""
+    report = VerifyReport(bundle="stand-in")
+    compare_providers(open_bundle(cpu_fp32_bundle), load(scaled_decoder), load(cpu_fp32_bundle), report,
+                      label="stand-in")
+    decoder = [c for c in report.checks if "llm_decoder" in c.name]
+    heads = [c for c in report.checks if "audio_heads" in c.name]
+    _cosine_would_pass(cpu_fp32_bundle, decoder)
+    assert len(decoder) == 3 and all(c.ok is False and "rel L2 0.05 (limit 0.01)" in c.detail for c in decoder), \
+        report.render()
+    assert heads and all(c.ok for c in heads)  # the audio heads read the same golden hidden states
+
+
+def test_device_parity_judges_relative_l2(cpu_fp32_bundle, scaled_decoder):
+    """The OpenVINO GPU/NPU parity check's judging, with CPU sessions of the decoder x1.05 standing in."""
+    report = VerifyReport(bundle="stand-in")
+    device_parity("GPU", open_bundle(cpu_fp32_bundle), load(scaled_decoder), report)
+    checks = {c.name: c for c in report.checks}
+    assert set(checks) == {f"GPU: parity {p}" for p in read_manifest(cpu_fp32_bundle)["subparts"]}
+    _cosine_would_pass(cpu_fp32_bundle, [checks["GPU: parity llm_decoder"]])
+    assert checks["GPU: parity llm_decoder"].ok is False
+    assert "rel L2 0.05 (limit 0.01)" in checks["GPU: parity llm_decoder"].detail
+    assert all(c.ok for n, c in checks.items() if n != "GPU: parity llm_decoder"), report.render()
 
 
 def test_build_refuses_a_read_back_weight_that_is_not_its_tensor(cpu_int4_bundle, tiny_ckpt, tmp_path):

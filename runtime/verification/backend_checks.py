@@ -12,14 +12,15 @@ import numpy as np
 
 from higgs_pack.manifests.constants import CPU_PROVIDER, EXECUTION_PROVIDERS, SubPart
 from higgs_pack.manifests.errors import HiggsPackError, last_line
+from higgs_pack.runtime.backends.onnxruntime.failures import provider_cannot_run
 from higgs_pack.runtime.bundle import Bundle, load
 from higgs_pack.runtime.loop.pipeline import Pipeline
 from higgs_pack.runtime.verification.report import (
     VerifyReport,
-    compare,
-    provider_cannot_run,
+    judge_parity,
+    judge_subpart,
+    output_errors,
     read_golden,
-    subpart_parity,
 )
 
 
@@ -94,16 +95,27 @@ def _check_on_device(device: str, bundle: Bundle, pipeline: Pipeline, report: Ve
         return
     try:
         other = load(bundle, device=device)
-        golden = read_golden(bundle)
-        scores = {part: subpart_parity(other, golden, part, spec["parity"]["metric"])[0]
-                  for part, spec in subparts.items()}
-    except Exception as exc:  # HiggsPackError, or OpenVINO's RuntimeError while inferring
+    except Exception as exc:  # HiggsPackError, or OpenVINO's RuntimeError while compiling
         report.add(name, False, f"on {device}: {type(exc).__name__}: {last_line(exc)}")
         return
-    failed = [p for p, v in scores.items() if v < subparts[p]["parity"]["threshold"]]
-    detail = ", ".join(f"{p} {v:.4f}" for p, v in scores.items())
-    report.add(name, not failed, f"parity on {device}: {detail}" + (f"; below threshold: {failed}" if failed else ""),
-               min(scores.values()))
+    device_parity(device, bundle, other, report)
+
+
+def device_parity(device: str, bundle: Bundle, other: Pipeline, report: VerifyReport) -> None:
+    """Every sub-part of ``other`` (the bundle opened on ``device``) against the golden outputs.
+
+    Judged by the rule of the CPU path (:func:`~higgs_pack.runtime.verification.report.judge_parity`:
+    the export error's relative L2 and the cosine), one line per sub-part named
+    ``"<device>: parity <sub-part>"``.
+    """
+    golden = read_golden(bundle)
+    for part, spec in bundle.manifest["subparts"].items():
+        try:
+            errors, ok, detail = judge_subpart(other, golden, part, spec["parity"])
+        except Exception as exc:  # HiggsPackError, or OpenVINO's RuntimeError while inferring
+            report.add(f"{device}: parity {part}", False, f"on {device}: {type(exc).__name__}: {last_line(exc)}")
+            continue
+        report.add(f"{device}: parity {part}", ok, detail, errors["measured"])
 
 
 def check_gpu(bundle: Bundle, pipeline: Pipeline, report: VerifyReport) -> None:
@@ -192,7 +204,9 @@ def compare_providers(bundle: Bundle, target: Pipeline, reference: Pipeline | No
     Probes: the golden prompt, a one-token prompt, and the golden prompt scaled by
     :data:`LOW_MAGNITUDE`.  Every target output must be finite and not all zero (the
     reported fp16 normalisation failure); where the reference can run the graph, the
-    cosine must reach the sub-part's parity threshold from the manifest.  A reference
+    difference is judged by the rule of the CPU path
+    (:func:`~higgs_pack.runtime.verification.report.judge_parity`: cosine against the sub-part's
+    threshold and relative L2 against its ``max_rel_l2``, the reference being the same weights).  A reference
     that cannot execute a graph (the CPU provider and ModelBuilder's CUDA-only fused
     Q/K-norm attention) is said, and the finite/non-zero checks still run.
     """
@@ -229,7 +243,6 @@ def compare_providers(bundle: Bundle, target: Pipeline, reference: Pipeline | No
                 report.add(name, True, f"finite, not all zero (peak {float(np.abs(got).max()):.3g}); "
                            f"comparison skipped: {ref_blocked[part]}")
                 continue
-            rule = subparts[part]["parity"]
-            cosine, max_abs = compare(want, got, "cosine")
-            report.add(name, cosine >= rule["threshold"],
-                       f"cosine {cosine:.6f} (threshold {rule['threshold']}), max |diff| {max_abs:.3g}", cosine)
+            errors = output_errors([(want, got)], "cosine")
+            ok, detail = judge_parity(subparts[part]["parity"], errors)
+            report.add(name, ok, detail, errors["measured"])

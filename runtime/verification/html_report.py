@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from higgs_pack.manifests.errors import HiggsPackError
+from higgs_pack.runtime.verification.report import export_error
 
 EXTRA_HINT = "pip install 'higgs-pack[report]' (it adds matplotlib)"
 
@@ -94,34 +95,85 @@ def _img(uri: str, alt: str) -> str:
     return f'<img src="{uri}" alt="{_e(alt)}">'
 
 
-def parity_chart(parity: dict[str, dict[str, Any]], thresholds: dict[str, dict[str, Any]]) -> str:
-    """Bars of ``1 - similarity`` per sub-part on a log axis, with each threshold as a mark."""
+#: Errors below this are drawn at it on the parity chart's log axis (an exact match is 0).
+_FLOOR = 1e-7
+
+
+def _parity_rows(parity: dict[str, dict[str, Any]], thresholds: dict[str, dict[str, Any]]
+                 ) -> list[tuple[str, str, float, float | None, float | None]]:
+    """``(sub-part, what decides, its error, its limit, quantization error or None)`` of each measured sub-part.
+
+    The quantization error (rel L2 against the float oracle) is given where it is not
+    what decides, i.e. where matched references (the bundle's own weights) decide.
+    """
+    rows = []
+    for part, rule in thresholds.items():
+        errors = parity.get(part, {})
+        if errors.get("measured") is None:
+            continue
+        what, value, limit = export_error(rule, errors)
+        quantization = errors.get("rel_l2") if "bundle's weights" in what else None
+        rows.append((part, what, value, limit, quantization))
+    return rows
+
+
+def parity_chart(parity: dict[str, dict[str, Any]], thresholds: dict[str, dict[str, Any]],
+                 results: dict[str, bool | None]) -> str:
+    """Per sub-part, the error that decides its parity (:func:`~higgs_pack.runtime.verification.report.export_error`)
+    as a bar with its limit marked, and the quantization error beside it (log axis).
+
+    Args:
+        parity: sub-part -> its errors (``VerifyReport.parity``).
+        thresholds: sub-part -> its parity rule (``VerifyReport.thresholds``).
+        results: sub-part -> the parity check's result (colours the bar: green passed).
+    """
     plt = require_matplotlib()
-    parts = [p for p in thresholds if parity.get(p, {}).get("measured") is not None]
-    if not parts:
+    rows = _parity_rows(parity, thresholds)
+    if not rows:
         return ""
-    floor = 1e-7
-    err = [max(1.0 - parity[p]["measured"], floor) for p in parts]
-    limit = [max(1.0 - thresholds[p]["threshold"], floor) for p in parts]
-    ok = [e <= lim for e, lim in zip(err, limit, strict=True)]
-    fig, ax = plt.subplots(figsize=(9, 0.55 * len(parts) + 1.3))
-    y = np.arange(len(parts))
-    ax.barh(y, err, color=["#2da44e" if o else "#cf222e" for o in ok], height=0.55, label="measured error")
-    ax.scatter(limit, y, marker="|", s=900, color="#1b1f24", linewidths=2.5, label="threshold (must stay left)",
-               zorder=3)
+    fig, ax = plt.subplots(figsize=(9, 0.8 * len(rows) + 1.5))
+    y = np.arange(len(rows))
+    export = [max(r[2], _FLOOR) for r in rows]
+    ax.barh(y - 0.17, export, height=0.32, color=["#2da44e" if results.get(r[0]) else "#cf222e" for r in rows],
+            label="export error (decides)")
+    quant = [(i, max(r[4], _FLOOR)) for i, r in enumerate(rows) if r[4] is not None]
+    if quant:
+        ax.barh([i + 0.17 for i, _ in quant], [q for _, q in quant], height=0.32, color="#afb8c1",
+                label="quantization error: rel L2 vs the float oracle (reported, not judged)")
+    limits = [(i, max(r[3], _FLOOR)) for i, r in enumerate(rows) if r[3] is not None]
+    ax.scatter([v for _, v in limits], [i - 0.17 for i, _ in limits], marker="|", s=500, color="#1b1f24",
+               linewidths=2.5, label="limit (the export error must stay left)", zorder=3)
     ax.set_xscale("log")
-    exact = {p: "exact" if 1.0 - parity[p]["measured"] <= floor else f"{parity[p]['measured']:.6f}" for p in parts}
-    ax.set_yticks(y, [f"{p} ({thresholds[p]['metric']})\n{exact[p]}, needs ≥ {thresholds[p]['threshold']}"
-                      for p in parts], fontsize=8)
+    ax.set_yticks(y, [f"{part}\n{value:.3g}" + (f", limit {limit:.3g}" if limit is not None else "")
+                      for part, _, value, limit, _ in rows], fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("1 − similarity (log scale; smaller is closer to the PyTorch reference; "
-                  "below 1e-7 drawn at 1e-7)")
-    ax.set_xlim(floor / 2, 1.0)
+    ax.set_xlabel(f"error (log scale; smaller is closer; below {_FLOOR:g} drawn at {_FLOOR:g})")
+    ax.set_xlim(_FLOOR / 2, max(1.0, *export, *(q for _, q in quant)) * 1.5)
     ax.grid(axis="x", which="major", alpha=0.3)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16 - 0.6 / len(parts)), ncol=2, fontsize=8,
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08 - 0.4 / len(rows)), ncol=1, fontsize=8,
               frameon=False)
-    ax.set_title("Parity per sub-part against the PyTorch reference")
+    ax.set_title("Parity per sub-part: the export error that decides, against its limit "
+                 "(rel L2; 1 - agreement for codes)", fontsize=10)
     return _img(figure_png(fig), "parity chart")
+
+
+def parity_table(parity: dict[str, dict[str, Any]], thresholds: dict[str, dict[str, Any]],
+                 results: dict[str, bool | None]) -> str:
+    """The numbers of :func:`parity_chart`, with the similarity and max |difference| to the float oracle."""
+    def num(value: float | None, spec: str = ".3g") -> str:
+        return "" if value is None else format(value, spec)
+
+    body = ""
+    for part, what, value, limit, quantization in _parity_rows(parity, thresholds):
+        errors, rule = parity[part], thresholds[part]
+        status = {True: "ok", False: "FAIL", None: "skipped"}[results.get(part)]
+        body += (f"<tr><td>{_e(part)}</td><td>{_e(what)}</td><td>{num(value)}</td><td>{num(limit)}</td>"
+                 f"<td>{num(quantization)}</td><td>{_e(rule['metric'])} {num(errors['measured'], '.6f')} "
+                 f"(threshold {_e(rule['threshold'])}{'' if 'bundle' not in what else ', not judged'})</td>"
+                 f"<td>{num(errors.get('measured_max_abs'))}</td><td class=\"{status}\">{status}</td></tr>")
+    return ("<table><tr><th>sub-part</th><th>decided by</th><th>export error</th><th>limit</th>"
+            "<th>quantization error (rel L2 vs float oracle)</th><th>similarity to the float oracle</th>"
+            f"<th>max |difference|</th><th>result</th></tr>{body}</table>")
 
 
 def greedy_chart(greedy: dict[str, int | None]) -> str:
@@ -201,22 +253,18 @@ def verify_html(report: Any) -> str:
     if failed:
         sections.append("<h2>Failed checks</h2>" + checks_table(failed))
     sections.append("<h2>Every check</h2>" + checks_table(report.checks))
-    chart = parity_chart(report.parity, report.thresholds)
+    results = {c.name[len("parity "):]: c.ok for c in report.checks if c.name.startswith("parity ")}
+    chart = parity_chart(report.parity, report.thresholds, results)
     if chart:
-        rows = "".join(
-            f"<tr><td>{_e(p)}</td><td>{_e(t['metric'])}</td><td>{report.parity[p]['measured']:.6f}</td>"
-            f"<td>{1.0 - report.parity[p]['measured']:.2g}</td>"
-            f"<td>{t['threshold']}</td><td>{'' if report.parity[p].get('measured_max_abs') is None else format(report.parity[p]['measured_max_abs'], '.3g')}</td>"
-            f"<td class=\"{'ok' if report.parity[p]['measured'] >= t['threshold'] else 'FAIL'}\">"
-            f"{'ok' if report.parity[p]['measured'] >= t['threshold'] else 'FAIL'}</td></tr>"
-            for p, t in report.thresholds.items() if report.parity.get(p, {}).get("measured") is not None)
         sections.append(
-            "<h2>Parity per sub-part</h2><p class=\"explain\">Each sub-part ran on the golden inputs; its output is "
-            "compared with the PyTorch reference (cosine similarity for float outputs, the fraction of equal "
-            "codes for the codec encoder). The chart shows the distance from a perfect match, 1 − similarity, "
-            "on a log scale: a green bar left of its black mark passes.</p>" + chart
-            + "<table><tr><th>sub-part</th><th>metric</th><th>measured</th><th>1 − measured</th><th>threshold</th>"
-              f"<th>max |difference|</th><th>result</th></tr>{rows}</table>")
+            "<h2>Parity per sub-part</h2><p class=\"explain\">Each sub-part ran on the golden inputs. What decides "
+            "is the export error: the relative L2 distance of its output from the PyTorch oracle run with the "
+            "bundle's own (quantized or cast) weights, or from the float oracle where the weights are the "
+            "checkpoint's; the codec encoder is judged by the fraction of equal codes. For a quantized sub-part "
+            "the distance from the float oracle is the quantization error, drawn in grey beside it: reported, "
+            "not judged. A green bar left of its black mark passes (without matched references the cosine must "
+            "also reach its threshold, in the table).</p>" + chart + parity_table(report.parity, report.thresholds,
+                                                                                 results))
     if report.greedy:
         needed = report.greedy.get("needed")
         sections.append(

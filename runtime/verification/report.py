@@ -16,14 +16,6 @@ from higgs_pack.runtime.bundle import Bundle
 from higgs_pack.runtime.loop.pipeline import Pipeline
 
 
-def provider_cannot_run(exc: BaseException) -> str | None:
-    """ONNX Runtime's own reason when a provider cannot execute a graph, else None
-    (see :func:`higgs_pack.runtime.backends.onnxruntime.failures.provider_cannot_run`)."""
-    from higgs_pack.runtime.backends.onnxruntime.failures import provider_cannot_run as classify
-
-    return classify(exc)
-
-
 def read_golden(bundle: Bundle) -> dict[str, np.ndarray]:
     """Load ``reference/golden.npz`` without pickles (object arrays are refused)."""
     path = bundle.file(bundle.manifest["reference"]["file"])
@@ -78,6 +70,24 @@ def _run_subpart(pipeline: Pipeline, golden: dict[str, np.ndarray], part: str) -
     return runner.run({k[len(prefix_in):]: v for k, v in golden.items() if k.startswith(prefix_in)})
 
 
+def output_errors(pairs: list[tuple[np.ndarray, np.ndarray]], metric: str) -> dict[str, float | None]:
+    """How far outputs are from their references, the worst over ``(expected, got)`` pairs.
+
+    Returns:
+        ``measured`` (the lowest cosine, or code agreement for ``code_agreement``),
+        ``measured_max_abs`` (largest absolute difference; None for codes) and, for float
+        outputs, ``rel_l2`` (the largest relative L2 error, see :func:`rel_l2`).
+    """
+    scores = [compare(want, got, metric) for want, got in pairs]
+    result: dict[str, float | None] = {
+        "measured": min(x[0] for x in scores),
+        "measured_max_abs": max((x[1] for x in scores if x[1] is not None), default=None),
+    }
+    if metric != "code_agreement":
+        result["rel_l2"] = max(rel_l2(want, got) for want, got in pairs)
+    return result
+
+
 def subpart_errors(pipeline: Pipeline, golden: dict[str, np.ndarray], part: str, metric: str
                    ) -> dict[str, float | None]:
     """Run one sub-part on its golden inputs and measure it against the references.
@@ -89,9 +99,8 @@ def subpart_errors(pipeline: Pipeline, golden: dict[str, np.ndarray], part: str,
     (``step_embeds`` -> ``step_hidden_states``); every score is the worse of its outputs.
 
     Returns:
-        ``measured`` (cosine or code agreement vs the float oracle), ``measured_max_abs``,
-        ``rel_l2`` vs the float oracle, and when matched references exist
-        ``matched_rel_l2`` and ``matched_cosine``.
+        :func:`output_errors` against the float oracle (``measured``, ``measured_max_abs``,
+        ``rel_l2``) and, when matched references exist, ``matched_rel_l2`` and ``matched_cosine``.
     """
     outs = _run_subpart(pipeline, golden, part)
     result: dict[str, float | None] = {}
@@ -99,52 +108,74 @@ def subpart_errors(pipeline: Pipeline, golden: dict[str, np.ndarray], part: str,
         pairs = [(v, outs[k[len(prefix):]]) for k, v in golden.items() if k.startswith(prefix)]
         if not pairs:
             continue
-        scores = [compare(want, got, metric) for want, got in pairs]
-        worst = min(scores, key=lambda x: x[0])
+        errors = output_errors(pairs, metric)
         if kind:
-            result["matched_cosine"] = worst[0]
+            result["matched_cosine"] = errors["measured"]
+            if "rel_l2" in errors:
+                result["matched_rel_l2"] = errors["rel_l2"]
         else:
-            result["measured"] = worst[0]
-            result["measured_max_abs"] = max((x[1] for x in scores if x[1] is not None), default=None)
-        if metric != "code_agreement":
-            result[f"{kind}rel_l2"] = max(rel_l2(want, got) for want, got in pairs)
+            result.update(errors)
     return result
 
 
-def subpart_parity(pipeline: Pipeline, golden: dict[str, np.ndarray], part: str, metric: str
-                   ) -> tuple[float, float | None]:
-    """``(similarity, max |diff|)`` of one sub-part against the float oracle (see :func:`subpart_errors`)."""
-    errors = subpart_errors(pipeline, golden, part, metric)
-    return errors["measured"], errors["measured_max_abs"]
+def export_error(rule: dict[str, Any], errors: dict[str, float | None]) -> tuple[str, float, float | None]:
+    """What decides a sub-part's parity under :func:`judge_parity`: ``(what it is, value, limit)``.
+
+    The relative L2 error against the oracle with the bundle's own weights (matched
+    references), else against the float oracle (where the rule has ``max_rel_l2``), else
+    ``1 - similarity`` against ``1 - threshold`` (code agreement, and older bundles' rules).
+    """
+    limit = rule.get("max_rel_l2")
+    if rule.get("reference") == "matched" and errors.get("matched_rel_l2") is not None:
+        return "rel L2 vs the oracle with the bundle's weights", errors["matched_rel_l2"], limit
+    if limit is not None and errors.get("rel_l2") is not None:
+        return "rel L2 vs the float oracle", errors["rel_l2"], limit
+    return f"1 - {rule['metric']}", 1.0 - errors["measured"], 1.0 - rule["threshold"]
 
 
 def judge_parity(rule: dict[str, Any], errors: dict[str, float | None]) -> tuple[bool, str]:
-    """Apply a manifest parity rule to :func:`subpart_errors`' result: (ok, one-line detail).
+    """The one parity rule of every comparison: (ok, one-line detail).
 
-    With matched references (``rule["reference"] == "matched"``) the export error is the
-    relative L2 error against them (``max_rel_l2``); the similarity to the float oracle is
-    the quantization error and is reported, not judged (random deep models amplify it;
-    the build checked every read-back weight instead).  Without them both the similarity
-    (``threshold``) and, where the rule has ``max_rel_l2``, the relative error are judged.
+    Applied to :func:`subpart_errors` on the bundle's provider or device (``verify``), on an
+    OpenVINO GPU/NPU (``backend_checks.check_gpu``/``check_npu``), and to
+    :func:`output_errors` of a GPU provider against the CPU provider (``compare_providers``).
+
+    With matched references (``rule["reference"] == "matched"`` and ``matched_rel_l2`` in
+    ``errors``) the export error (:func:`export_error`) is judged against ``max_rel_l2``;
+    the similarity to the float oracle is the quantization error and is reported, not
+    judged (random deep models amplify it; the build checked every read-back weight
+    instead).  Otherwise both the similarity (``threshold``) and, where the rule has
+    ``max_rel_l2``, the relative L2 error are judged: cosine alone misses a scale error
+    (an output x1.05 has cosine 1.0).
     """
     metric, threshold = rule["metric"], rule["threshold"]
-    limit = rule.get("max_rel_l2")
     measured = errors["measured"]
-    if rule.get("reference") == "matched" and "matched_rel_l2" in errors:
-        export = errors["matched_rel_l2"]
+    what, export, limit = export_error(rule, errors)
+    if rule.get("reference") == "matched" and errors.get("matched_rel_l2") is not None:
         ok = limit is None or export <= limit
-        return ok, (f"export error {export:.3g} rel L2 vs the oracle with the bundle's weights "
-                    f"(limit {limit}); quantization: {metric} {measured:.6f}, rel L2 {errors['rel_l2']:.3g} "
-                    f"vs the float oracle")
+        return ok, (f"export error {export:.3g} {what} (limit {limit}); quantization: {metric} {measured:.6f}, "
+                    f"rel L2 {errors['rel_l2']:.3g} vs the float oracle")
     ok = measured >= threshold
     detail = f"{metric} {measured:.6f} (threshold {threshold}"
     if errors.get("measured_max_abs") is not None:
         detail += f", max |diff| {errors['measured_max_abs']:.3g}"
     detail += ")"
-    if limit is not None and "rel_l2" in errors:
-        ok = ok and errors["rel_l2"] <= limit
-        detail += f", rel L2 {errors['rel_l2']:.3g} (limit {limit})"
+    if rule.get("max_rel_l2") is not None and errors.get("rel_l2") is not None:
+        ok = ok and export <= limit
+        detail += f", rel L2 {export:.3g} (limit {limit})"
     return ok, detail
+
+
+def judge_subpart(pipeline: Pipeline, golden: dict[str, np.ndarray], part: str, rule: dict[str, Any]
+                  ) -> tuple[dict[str, float | None], bool, str]:
+    """:func:`subpart_errors` of one sub-part judged by :func:`judge_parity`: ``(errors, ok, detail)``.
+
+    Raises:
+        whatever the sub-part's runner raises (HiggsPackError, the backend's own errors).
+    """
+    errors = subpart_errors(pipeline, golden, part, rule["metric"])
+    ok, detail = judge_parity(rule, errors)
+    return errors, ok, detail
 
 
 @dataclass
@@ -170,7 +201,8 @@ class VerifyReport:
         checks: every check, in order; ``ok`` None means skipped (detail says why).
         parity: sub-part -> measured similarity (for the manifest).
         summary: target, precision, backend, device/provider the bundle was built for.
-        thresholds: sub-part -> ``{"metric", "threshold"}`` its parity was judged by.
+        thresholds: sub-part -> the manifest's parity rule it was judged by (``metric``,
+            ``threshold`` and, where recorded, ``max_rel_l2`` and ``reference``).
         greedy: ``{"identical", "steps", "needed"}``: greedy codes vs the PyTorch reference
             (``needed`` None when informational).
         audio: case name -> ``{"samples": float32 [samples] mono, "sample_rate": Hz, "text": the
@@ -207,7 +239,7 @@ class VerifyReport:
 
     def render(self) -> str:
         width = max((len(c.name) for c in self.checks), default=10)
-        lines = [f"verify {self.bundle} ({self.backend})"]
+        lines = [f"verify {self.bundle}" + (f" ({self.backend})" if self.backend else "")]
         lines += [f"  {c.status:>7}  {c.name:<{width}}  {c.detail}" for c in self.checks]
         lines.append(f"result: {'PASS' if self.ok else 'FAIL'}")
         return "\n".join(lines)

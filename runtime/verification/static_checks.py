@@ -1,6 +1,6 @@
 """Static checks of an ONNX Runtime bundle: what needs only the files, no session and no GPU.
 
-Registered for the ``onnxruntime`` backend in :data:`higgs_pack.runtime.verification.verify.STRUCTURE_CHECKS`,
+Returned by the ``onnxruntime`` backend object's ``structure_checks()`` (runtime/backends/onnxruntime),
 so ``higgs-pack verify`` runs them on every ONNX bundle before any session exists:
 
 1. **onnx.checker** ``check_model(path, full_check=True)`` on every ONNX file, external

@@ -1,0 +1,246 @@
+"""Is every bundle file what its kind says?  Checked from headers and protos, never the weights.
+
+A file can pass its sha256 and still be junk: a bundle written by a broken tool, or one
+edited by hand with the manifest re-hashed.  Before anything parses a file for real (ONNX
+Runtime, OpenVINO, the tokenizer), :func:`check_bundle_files` proves, for each file the
+manifest lists:
+
+- it can be read by this process (else: which file, and that it cannot be read);
+- its size and sha256 (:func:`higgs_pack.manifests.manifest.check_files`);
+- its kind, from the manifest's role for it: an ONNX graph parses as a ModelProto with
+  nodes (read without external data); ONNX external data covers every offset and length
+  its graph's tensors name (raw bytes have nothing else to check); an OpenVINO IR ``.xml``
+  is a ``<net>`` with layers, and its ``.bin`` covers every constant's offset and size; the
+  tokenizer opens with ``tokenizers.Tokenizer.from_file``; the golden outputs are an
+  ``.npz`` of ``.npy`` arrays with readable headers and no object dtype; every other
+  ``.json`` is UTF-8 JSON.
+
+``load()`` (through ``open_bundle``) and ``verify`` both call it, so both refuse such a
+file with the same :class:`~higgs_pack.manifests.errors.BundleError` naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from higgs_pack.manifests.errors import BundleError, last_line
+from higgs_pack.manifests.manifest import check_files
+
+#: Bytes read to prove a file can be read.
+_PROBE = 1
+
+
+def unreadable_files(bundle: Path, manifest: dict[str, Any]) -> dict[str, str]:
+    """Listed files this process cannot open (permissions, a directory in the file's place).
+
+    Missing files are left to :func:`~higgs_pack.manifests.manifest.check_files`.
+
+    Returns:
+        relative path -> the operating system's reason.
+    """
+    found: dict[str, str] = {}
+    for entry in manifest["files"]:
+        path = bundle / entry["path"]
+        if not os.path.lexists(path):
+            continue
+        try:
+            with open(path, "rb") as handle:
+                handle.read(_PROBE)
+        except OSError as exc:
+            found[entry["path"]] = exc.strerror or type(exc).__name__
+    return found
+
+
+def file_kinds(manifest: dict[str, Any]) -> dict[str, str]:
+    """Each listed file's kind, from its role in the manifest.
+
+    Returns:
+        relative path -> one of ``onnx``, ``onnx-data``, ``ir-xml``, ``ir-bin``, ``tokenizer``,
+        ``golden``, ``json``; files of no known kind (e.g. a ``.txt``) are left out.
+    """
+    kinds: dict[str, str] = {}
+    for spec in manifest["subparts"].values():
+        onnx = spec["format"] == "onnx"
+        for rel in spec["files"]:
+            if rel == spec["entry"]:
+                kinds[rel] = "onnx" if onnx else "ir-xml"
+            elif rel.endswith(".json"):
+                kinds[rel] = "json"
+            elif onnx:
+                kinds[rel] = "onnx-data"
+            elif rel.endswith(".bin"):
+                kinds[rel] = "ir-bin"
+    kinds[manifest["tokenizer"]["file"]] = "tokenizer"
+    kinds[manifest["reference"]["file"]] = "golden"
+    for entry in manifest["files"]:
+        if entry["path"].endswith(".json"):
+            kinds.setdefault(entry["path"], "json")
+    return kinds
+
+
+def _onnx_extents(path: Path) -> dict[str, int]:
+    """An ONNX graph, parsed without external data: location -> end of its furthest tensor there (bytes).
+
+    Raises:
+        ValueError: not an ONNX model, or one with no nodes or no opset.
+    """
+    import onnx
+    from google.protobuf.message import DecodeError
+    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except (DecodeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"does not parse as an ONNX model ({type(exc).__name__}: {last_line(exc)})") from None
+    if not model.graph.node or not model.opset_import:
+        raise ValueError("parses, but as an ONNX model with no graph nodes or no opset")
+    ends: dict[str, int] = {}
+    for tensor in _get_all_tensors(model):
+        if uses_external_data(tensor):
+            info = {e.key: e.value for e in tensor.external_data}
+            location = info.get("location", "")
+            ends[location] = max(ends.get(location, 0), int(info.get("offset", 0)) + int(info.get("length", 0)))
+    return ends
+
+
+def _ir_extents(xml: Path) -> dict[str, int]:
+    """An OpenVINO IR ``.xml``: ``{its .bin's name: end of the furthest constant there (bytes)}``.
+
+    Raises:
+        ValueError: not XML, not a ``<net>`` with layers, or a constant without a numeric extent.
+    """
+    import xml.etree.ElementTree as ElementTree
+
+    try:
+        root = ElementTree.parse(xml).getroot()
+    except (ElementTree.ParseError, UnicodeDecodeError) as exc:
+        raise ValueError(f"is not XML ({type(exc).__name__}: {exc})") from None
+    layers = root.find("layers")
+    if root.tag != "net" or layers is None or not len(layers):
+        raise ValueError(f"is XML but not an OpenVINO IR (root <{root.tag}>, expected <net> with <layers>)")
+    end = 0
+    for data in root.iterfind("layers/layer[@type='Const']/data"):
+        try:
+            end = max(end, int(data.get("offset", 0)) + int(data.get("size", 0)))
+        except ValueError:
+            raise ValueError(f"has a Const layer with offset {data.get('offset')!r}, size {data.get('size')!r}") \
+                from None
+    return {xml.with_suffix(".bin").name: end}
+
+
+def _check_golden(path: Path) -> None:
+    try:
+        archive = zipfile.ZipFile(path)
+    except zipfile.BadZipFile as exc:
+        raise ValueError(f"is not an .npz archive ({exc})") from None
+    with archive:
+        names = archive.namelist()
+        if not names:
+            raise ValueError("is an empty .npz archive (no arrays)")
+        for name in names:
+            with archive.open(name) as member:
+                try:
+                    version = np.lib.format.read_magic(member)
+                    header = {(1, 0): np.lib.format.read_array_header_1_0,
+                              (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+                    if header is None:
+                        raise ValueError(f".npy format version {version} is not one numpy writes for these arrays")
+                    _, _, dtype = header(member)
+                except ValueError as exc:
+                    raise ValueError(f"member {name} is not a .npy array ({exc})") from None
+            if dtype.hasobject:
+                raise ValueError(f"member {name} holds Python objects (dtype {dtype}), which are never unpickled")
+
+
+def _check_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    try:
+        Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a plain Exception for every problem
+        raise ValueError(f"does not open as a tokenizers tokenizer ({last_line(exc)})") from None
+
+
+def _check_json(path: Path) -> None:
+    try:
+        json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"is not UTF-8 JSON ({exc})") from None
+
+
+#: kind -> (what it should be, a check that raises ValueError saying what it is instead).
+_CHECKS: dict[str, tuple[str, Callable[[Path], Any]]] = {
+    "onnx": ("an ONNX graph", _onnx_extents),
+    "ir-xml": ("an OpenVINO IR .xml", _ir_extents),
+    "tokenizer": ("a tokenizer.json", _check_tokenizer),
+    "golden": ("the golden outputs (.npz)", _check_golden),
+    "json": ("a JSON file", _check_json),
+}
+
+
+def file_kind_problems(bundle: Path, manifest: dict[str, Any]) -> dict[str, str]:
+    """Listed files that are not what their kind (:func:`file_kinds`) says.
+
+    Reads graph protos without external data, IR XML, archive and array headers, the
+    tokenizer and JSON files; never a weights file's content (only its size).
+
+    Returns:
+        relative path -> what it should be and what is wrong, e.g.
+        ``"audio_heads.onnx is not an ONNX graph: does not parse as an ONNX model (DecodeError: ...)"``.
+    """
+    kinds = file_kinds(manifest)
+    problems: dict[str, str] = {}
+    extents: dict[str, tuple[str, int]] = {}  # weights file -> (its graph, the end the graph reads up to)
+    for rel, kind in kinds.items():
+        if kind not in _CHECKS:
+            continue
+        what, check = _CHECKS[kind]
+        try:
+            ends = check(bundle / rel)
+        except ValueError as exc:
+            problems[rel] = f"{rel} is not {what}: {exc}"
+            continue
+        base = Path(rel).parent
+        for location, end in (ends or {}).items():
+            extents[(base / location).as_posix()] = (rel, end)
+    for rel, (graph, end) in extents.items():
+        size = (bundle / rel).stat().st_size if kinds.get(rel) in ("onnx-data", "ir-bin") else None
+        if size is not None and size < end:
+            what = "ONNX external data" if kinds[rel] == "onnx-data" else "an OpenVINO IR .bin"
+            problems[rel] = f"{rel} is not {what} of {graph}: {size} bytes, but the graph reads up to byte {end}"
+    return problems
+
+
+def check_bundle_files(bundle: Path, manifest: dict[str, Any], *, hashes: bool = True) -> None:
+    """Every listed file readable, of its size and sha256, and what its kind says, in that order.
+
+    Args:
+        bundle: the bundle directory.
+        manifest: its validated manifest.
+        hashes: compare every file's sha256 (streamed); sizes are always compared.
+
+    Raises:
+        BundleError: naming each unreadable file, then each file that differs from the
+            manifest, then each file that is not what its kind says, and what to do.
+    """
+    unreadable = unreadable_files(bundle, manifest)
+    if unreadable:
+        raise BundleError(
+            f"{bundle}: cannot read " + "; ".join(f"{rel} ({why})" for rel, why in unreadable.items())
+            + f". The process (uid {os.getuid() if hasattr(os, 'getuid') else '?'}) needs read access to every "
+            "bundle file: fix the permissions (chmod a+r), or copy the bundle somewhere it can read"
+        )
+    check_files(bundle, manifest, hashes=hashes).raise_for_problems(bundle)
+    problems = file_kind_problems(bundle, manifest)
+    if problems:
+        raise BundleError(
+            f"{bundle}: " + "; ".join(problems.values()) + ". The file's sha256 matches the manifest, so the "
+            "bundle was built by a broken tool or edited and re-hashed: rebuild it or re-download it"
+        )

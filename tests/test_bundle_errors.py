@@ -232,17 +232,17 @@ def test_prompt_control_tokens_in_the_text_are_refused(cpu_int4_bundle):
 
 
 def test_openvino_bundle_without_openvino_names_the_extra(bundle_copy, monkeypatch):
+    """The OpenVINO backend, asked to open a bundle where openvino cannot be imported, names the extra."""
     import sys
 
-    def as_openvino(m):
-        m.update(backend="openvino", execution_provider=None, device="CPU")
-        for spec in m["subparts"].values():
-            spec["format"] = "openvino"  # a format the backend reads: the runtime is what is missing
+    from higgs_pack.manifests.manifest import read_manifest
+    from higgs_pack.runtime.backends import OpenOptions, get_backend
+    from higgs_pack.runtime.bundle import Bundle
 
-    _edit_manifest(bundle_copy, as_openvino)
+    manifest = {**read_manifest(bundle_copy), "backend": "openvino", "execution_provider": None, "device": "CPU"}
     monkeypatch.setitem(sys.modules, "higgs_pack.runtime.backends.openvino.parts", None)  # as if openvino were absent
     with pytest.raises(ExecutionProviderUnavailable, match=r"pip install 'higgs-pack\[openvino\]'"):
-        load(bundle_copy)
+        get_backend("openvino").open(Bundle(bundle_copy, manifest), OpenOptions())
 
 
 def test_staging_left_by_a_killed_build_is_removed(tmp_path):

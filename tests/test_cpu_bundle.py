@@ -157,7 +157,7 @@ def test_one_sentence_longer_than_the_context_is_refused(cpu_int4_bundle):
 def test_clone_needs_both_audio_and_transcript(cpu_int4_bundle):
     from higgs_pack.manifests.errors import InputError
 
-    with pytest.raises(InputError, match=r"needs both the reference audio and its transcript"):
+    with pytest.raises(InputError, match=r"voice cloning needs both ref_audio= and ref_text="):
         synthesize(load(cpu_int4_bundle), "Hi.", ref_samples=np.zeros(24000, np.float32))
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import slow_fixture
 
 from higgs_pack.manifests.constants import FORMAT_VERSION
 from higgs_pack.manifests.errors import (
@@ -327,7 +328,7 @@ def test_json_that_is_not_a_tokenizer(bundle_copy):
         load(bundle_copy)
 
 
-@pytest.fixture(scope="module")
+@slow_fixture(scope="module")
 def ov_int4_bundle(tmp_path_factory, tiny_checkpoint) -> Path:
     """The openvino int4 bundle of the tiny checkpoint (its own model cache), built once for this module."""
     pytest.importorskip("openvino")

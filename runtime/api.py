@@ -251,8 +251,8 @@ def _device_kwargs(bundle: Bundle, device: str | None, execution_provider: str |
     """
     m = bundle.manifest
     backend = backend_of(m)
-    own = m[backend.placement]
     placement = backend.placement
+    own = m[placement]
     if execution_provider is not None:
         # The backend-specific keywords of higgs_pack.runtime.bundle.load (the CLI's flags).
         kwargs = {"execution_provider": execution_provider}

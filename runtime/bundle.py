@@ -27,7 +27,7 @@ from higgs_pack.manifests.manifest import (
     resolve_inside,
 )
 from higgs_pack.runtime.backends import OpenOptions, backend_of
-from higgs_pack.runtime.file_kinds import check_bundle_files
+from higgs_pack.runtime.file_kinds import check_bundle_files, external_data_entries
 from higgs_pack.runtime.loop.pipeline import ModelConstants, Pipeline
 
 log = logging.getLogger(__name__)
@@ -165,15 +165,9 @@ def external_data_refs(path: Path) -> dict[str, str]:
         tensor that uses it, in first-seen order; subgraphs included.
     """
     import onnx
-    from onnx.external_data_helper import _get_all_tensors, uses_external_data
 
     model = onnx.load(str(path), load_external_data=False)
-    refs: dict[str, str] = {}
-    for tensor in _get_all_tensors(model):
-        if uses_external_data(tensor):
-            location = next((e.value for e in tensor.external_data if e.key == "location"), "")
-            refs.setdefault(location, tensor.name)
-    return refs
+    return {location: first for location, (first, _) in external_data_entries(model).items()}
 
 
 def check_external_data(bundle: Bundle, part: str, spec: dict[str, Any]) -> None:

@@ -85,6 +85,22 @@ def file_kinds(manifest: dict[str, Any]) -> dict[str, str]:
     return kinds
 
 
+def external_data_entries(model: Any) -> dict[str, tuple[str, int]]:
+    """Every external-data ``location`` of a loaded ONNX ``ModelProto`` (subgraphs included),
+    in first-seen order: location (``""`` when a tensor names none) -> (the first tensor that
+    uses it, the end in bytes of its furthest tensor there)."""
+    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+
+    entries: dict[str, tuple[str, int]] = {}
+    for tensor in _get_all_tensors(model):
+        if uses_external_data(tensor):
+            info = {e.key: e.value for e in tensor.external_data}
+            location = info.get("location", "")
+            first, end = entries.get(location, (tensor.name, 0))
+            entries[location] = (first, max(end, int(info.get("offset", 0)) + int(info.get("length", 0))))
+    return entries
+
+
 def _onnx_extents(path: Path) -> dict[str, int]:
     """An ONNX graph, parsed without external data: location -> end of its furthest tensor there (bytes).
 
@@ -93,7 +109,6 @@ def _onnx_extents(path: Path) -> dict[str, int]:
     """
     import onnx
     from google.protobuf.message import DecodeError
-    from onnx.external_data_helper import _get_all_tensors, uses_external_data
 
     try:
         model = onnx.load(str(path), load_external_data=False)
@@ -101,13 +116,7 @@ def _onnx_extents(path: Path) -> dict[str, int]:
         raise ValueError(f"does not parse as an ONNX model ({type(exc).__name__}: {last_line(exc)})") from None
     if not model.graph.node or not model.opset_import:
         raise ValueError("parses, but as an ONNX model with no graph nodes or no opset")
-    ends: dict[str, int] = {}
-    for tensor in _get_all_tensors(model):
-        if uses_external_data(tensor):
-            info = {e.key: e.value for e in tensor.external_data}
-            location = info.get("location", "")
-            ends[location] = max(ends.get(location, 0), int(info.get("offset", 0)) + int(info.get("length", 0)))
-    return ends
+    return {location: end for location, (_, end) in external_data_entries(model).items()}
 
 
 def _ir_extents(xml: Path) -> dict[str, int]:

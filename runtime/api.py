@@ -26,12 +26,17 @@ from higgs_pack.runtime.backends import backend_of
 from higgs_pack.runtime.bundle import Bundle, open_bundle
 from higgs_pack.runtime.bundle import load as load_pipeline
 from higgs_pack.runtime.loop.engine import DEFAULT_MAX_LENGTH, Engine
-from higgs_pack.runtime.loop.generate import ProgressCallback, SynthesisResult
+from higgs_pack.runtime.loop.generate import (
+    ProgressCallback,
+    SynthesisResult,
+    check_text_tokens,
+    encode_reference,
+)
 from higgs_pack.runtime.loop.generate import synthesize as run_synthesis
 from higgs_pack.runtime.loop.pipeline import Pipeline
 from higgs_pack.runtime.loop.streaming import SpeechStream
 from higgs_pack.runtime.loop.streaming import stream as run_stream
-from higgs_pack.runtime.request import SynthesisRequest
+from higgs_pack.runtime.request import PreparedVoice, SynthesisRequest, Voice
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +215,31 @@ class TTS:
         request = SynthesisRequest.of(text, options)
         return run_stream(self.pipeline, request.text, progress=progress, schedule=request.schedule,
                           **request.loop_inputs(self.pipeline))
+
+    def prepare_voice(self, ref_audio: Any, ref_text: str, name: str = "") -> PreparedVoice:
+        """Encode a reference voice once, for many requests (``voice=`` of :meth:`synthesize`,
+        :meth:`stream` and the engine; the server's voice store keeps these).
+
+        Args:
+            ref_audio: a file libsndfile reads, or ``(samples, sample_rate)`` (float32
+                [samples] or [samples, channels] in [-1, 1], Hz); checked as ``ref_audio=``
+                is (length, silence, format).
+            ref_text: its exact transcript.
+            name: a label kept with the voice.
+
+        Returns:
+            A :class:`~higgs_pack.runtime.request.PreparedVoice` (int64 [frames, 8] codes at
+            25 frames per second).
+
+        Raises:
+            InputError: an unusable clip or transcript (the same messages as ``ref_audio=``),
+                or a bundle without an audio encoder.
+        """
+        voice = Voice(ref_audio, ref_text)
+        c = self.pipeline.constants
+        check_text_tokens(self.pipeline, ref_text)
+        codes = encode_reference(self.pipeline, voice.prepared(c.sample_rate, c.hop_length))
+        return PreparedVoice(codes, ref_text, name)
 
     def engine(self, max_batch: int = 4, *, max_length: int | None = None) -> Engine:
         """A continuous-batching engine over this bundle: requests submitted from any thread

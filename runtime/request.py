@@ -39,6 +39,7 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "text": ("--text", "text"),
     "ref_audio": ("--ref-audio", "ref_audio"),
     "ref_text": ("--ref-text", "ref_text"),
+    "voice": ("the server's \"voice\"", "voice"),
     "seed": ("--seed", "seed"),
     "temperature": ("--temperature", "temperature"),
     "top_k": ("--top-k", "top_k"),
@@ -150,6 +151,42 @@ class Voice:
         return prepare_reference(samples, rate, sample_rate, hop_length, str(self.audio))
 
 
+@dataclass(frozen=True, eq=False)
+class PreparedVoice:
+    """A voice encoded once by a bundle's codec and used by many requests (no clip to read
+    or encode per request): made by :meth:`higgs_pack.runtime.api.TTS.prepare_voice`, kept
+    by the server's voice store (:mod:`higgs_pack.serve.voices`).
+
+    Attributes:
+        codes: int64 [frames, N] codec codes of the reference clip (N = 8 codebooks).
+        transcript: what is said in the clip (non-empty).
+        name: a label for messages and listings ("" when unnamed).
+
+    Raises:
+        InputError: codes that are not int [frames >= 1, codebooks], or a blank transcript.
+            The values are checked against the bundle when a request uses the voice
+            (:func:`higgs_pack.runtime.loop.generate.check_voice_codes`).
+    """
+
+    codes: np.ndarray
+    transcript: str
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        codes = np.asarray(self.codes)
+        found = voice_pair_problems(codes, self.transcript)
+        if codes.ndim != 2 or codes.shape[0] < 1 or not np.issubdtype(codes.dtype, np.integer):
+            found.append(f"a prepared voice's codes must be int64 [frames >= 1, codebooks], got {codes.dtype} "
+                         f"{list(codes.shape)}")
+        refuse(found)
+        object.__setattr__(self, "codes", codes.astype(np.int64, copy=False))
+
+    @property
+    def seconds(self) -> float:
+        """Length of the reference clip (25 frames per second)."""
+        return self.codes.shape[0] / 25.0
+
+
 def voice_problems(audio: Any, transcript: Any) -> list[str]:
     """One message per bad part of a voice (the clip is checked to exist, not read); ``[]`` when usable."""
     from higgs_pack.runtime.audio import require_audio_file
@@ -232,7 +269,8 @@ class SynthesisRequest:
     Attributes:
         text: what to say (not empty; inline controls like ``<|emotion:amusement|>`` pass
             as text unless the tokenizer has them as special tokens).
-        voice: the :class:`Voice` to clone, or None for the bundle's own voice.
+        voice: the :class:`Voice` (a clip) or :class:`PreparedVoice` (codes) to clone, or
+            None for the bundle's own voice.
         seed: seed of the sampler (>= 0), or None for a fresh one each time.
         temperature: >= 0 (0 = greedy), or None.
         top_k: >= 0 (0 = all codes), or None.
@@ -246,7 +284,7 @@ class SynthesisRequest:
     """
 
     text: str
-    voice: Voice | None = None
+    voice: Voice | PreparedVoice | None = None
     seed: int | None = 0
     temperature: float | None = None
     top_k: int | None = None
@@ -268,6 +306,7 @@ class SynthesisRequest:
         *,
         ref_audio: Audio | None = None,
         ref_text: str | None = None,
+        voice: PreparedVoice | None = None,
         seed: int | None = 0,
         temperature: float | None = None,
         top_k: int | None = None,
@@ -283,6 +322,7 @@ class SynthesisRequest:
             text: what to say.
             ref_audio: reference voice to clone, a file or ``(samples, sample_rate)``; needs ``ref_text``.
             ref_text: exact transcript of ``ref_audio``.
+            voice: a :class:`PreparedVoice` (``tts.prepare_voice``), instead of ``ref_audio``.
             seed: sampler seed (same seed, bundle and device -> same audio); None: random.
             temperature: 0 = greedy; None = the bundle's default (0.8).
             top_k: keep the k most likely codes (0 = all); None = the bundle's default (50).
@@ -293,10 +333,20 @@ class SynthesisRequest:
         Raises:
             InputError: every bad field at once (field, value, what is allowed, flag/keyword).
         """
-        refuse(voice_problems(ref_audio, ref_text)
+        if voice is not None:
+            found = [] if isinstance(voice, PreparedVoice) else [
+                f"voice must be a PreparedVoice (from tts.prepare_voice), got {type(voice).__name__}; "
+                "for a clip use ref_audio= with ref_text="]
+            if ref_audio is not None or ref_text is not None:
+                found.append("give a voice as voice= (prepared) or as ref_audio= with ref_text=, not both")
+        else:
+            found = voice_problems(ref_audio, ref_text)
+        refuse(found
                 + schedule_problems(first_chunk_frames, chunk_growth, max_chunk_frames)
                 + request_problems(text, _chosen(seed, temperature, top_k, top_p), max_frames))
-        return cls(text, Voice(ref_audio, ref_text) if ref_audio is not None else None,  # type: ignore[arg-type]
+        if voice is None and ref_audio is not None:
+            voice = Voice(ref_audio, ref_text)  # type: ignore[arg-type]
+        return cls(text, voice,
                    seed, temperature, top_k, top_p, max_frames,
                    StreamSchedule(first_chunk_frames, chunk_growth, max_chunk_frames))
 
@@ -324,14 +374,17 @@ class SynthesisRequest:
         """The generation loop's keywords for this request on a loaded bundle (a
         :class:`~higgs_pack.runtime.loop.pipeline.Pipeline`): resolved sampling ``options``,
         the reference clip prepared for its codec (``ref_samples`` float32 [samples] at its
-        rate, or None), ``ref_text`` and ``max_frames``.
+        rate, or None) or a prepared voice's ``ref_codes`` (int64 [frames, N], or None),
+        ``ref_text`` and ``max_frames``.
 
         Raises:
             InputError: the reference clip cannot be read or used.
         """
         c, voice = pipeline.constants, self.voice
+        clip = isinstance(voice, Voice)
         return {"options": self.sampling_options(pipeline.generation_defaults),
-                "ref_samples": voice.prepared(c.sample_rate, c.hop_length) if voice is not None else None,
+                "ref_samples": voice.prepared(c.sample_rate, c.hop_length) if clip else None,
+                "ref_codes": voice.codes if isinstance(voice, PreparedVoice) else None,
                 "ref_text": voice.transcript if voice is not None else None,
                 "max_frames": self.max_frames}
 

@@ -289,3 +289,23 @@ def test_a_row_with_non_finite_output_fails_that_request_alone(tts, alone):
         assert engine.stats.max_rows == 3
         for i in (0, 2):
             np.testing.assert_array_equal(handles[i].result(timeout=60).codes, alone[i].codes)
+
+
+def test_a_prepared_voice_gives_the_codes_of_its_clip(tts, cases_dir):
+    """A voice encoded once (``tts.prepare_voice``) speaks as its clip does, alone and in the engine."""
+    clip, transcript = cases_dir / "ref_en_16k.wav", (cases_dir / "ref_en_16k.txt").read_text().strip()
+    voice = tts.prepare_voice(clip, transcript, name="ref")
+    assert voice.codes.dtype == np.int64 and voice.codes.shape[1] == tts.pipeline.constants.num_codebooks
+    from_clip = tts.synthesize("Hello there.", ref_audio=clip, ref_text=transcript, seed=3, max_frames=40)
+    from_voice = tts.synthesize("Hello there.", voice=voice, seed=3, max_frames=40)
+    np.testing.assert_array_equal(from_voice.codes, from_clip.codes)
+    with tts.engine(max_batch=2, max_length=512) as engine:
+        handle = engine.submit("Hello there.", voice=voice, seed=3, max_frames=40)
+        np.testing.assert_array_equal(handle.result(timeout=60).codes, from_clip.codes)
+    with pytest.raises(InputError, match="not both"):
+        tts.synthesize("Hi.", voice=voice, ref_audio=clip, ref_text=transcript)
+    with pytest.raises(InputError, match="voice must be a PreparedVoice"):
+        tts.synthesize("Hi.", voice="alloy")
+    from higgs_pack.runtime.request import PreparedVoice
+    with pytest.raises(InputError, match=r"must lie in 0\.\.1023, got 0\.\.5000"):
+        tts.synthesize("Hi.", voice=PreparedVoice(np.full((4, 8), 5000) * np.eye(4, 8, dtype=np.int64), "hi"))

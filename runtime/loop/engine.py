@@ -332,7 +332,8 @@ class Engine:
         request = SynthesisRequest.of(text, keywords)
         inputs = request.loop_inputs(self.pipeline)
         options, ref_codes, chunks = prepare_synthesis(self.pipeline, request.text, inputs["ref_samples"],
-                                                       inputs["ref_text"], inputs["options"], inputs["max_frames"])
+                                                       inputs["ref_text"], inputs["options"], inputs["max_frames"],
+                                                       inputs["ref_codes"])
         handle = EngineHandle(self, _Request(options, ref_codes, inputs["ref_text"], tuple(chunks),
                                              request.schedule, submitted))
         with self._cond:

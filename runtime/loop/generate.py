@@ -367,6 +367,26 @@ def encode_reference(pipeline: Pipeline, samples: np.ndarray) -> np.ndarray:
     return out["audio_codes"][0].T.astype(np.int64)
 
 
+def check_voice_codes(pipeline: Pipeline, codes: np.ndarray) -> None:
+    """Refuse codes that are not a voice this bundle's codec encoded: int [frames >= 1, N]
+    with values in ``0 .. codebook_size - 1``.
+
+    Raises:
+        InputError: the shape, dtype or a value, each named, with what is allowed.
+    """
+    c = pipeline.constants
+    codes = np.asarray(codes)
+    if codes.ndim != 2 or codes.shape[0] < 1 or codes.shape[1] != c.num_codebooks:
+        raise InputError(f"voice codes must be [frames >= 1, {c.num_codebooks}] (one column per codebook), got "
+                         f"shape {list(codes.shape)}; prepare the voice with this bundle (tts.prepare_voice)")
+    if not np.issubdtype(codes.dtype, np.integer):
+        raise InputError(f"voice codes must be integers, got {codes.dtype}; prepare the voice with tts.prepare_voice")
+    low, high = int(codes.min()), int(codes.max())
+    if low < 0 or high >= c.codebook_size:
+        raise InputError(f"voice codes must lie in 0..{c.codebook_size - 1}, got {low}..{high}; prepare the "
+                         "voice with this bundle's codec (tts.prepare_voice)")
+
+
 _SENTENCE_END = re.compile(r"(?<=[.!?;。！？；…])\s*|\n+")
 
 
@@ -390,6 +410,7 @@ def synthesize(
     options: SamplingOptions | None = None,
     max_frames: int | None = None,
     progress: ProgressCallback | None = None,
+    ref_codes: np.ndarray | None = None,
 ) -> SynthesisResult:
     """Speak ``text`` (optionally in the voice of a reference clip).
 
@@ -406,6 +427,9 @@ def synthesize(
         max_frames: frame cap per chunk; default derived from the text length
             (:func:`frame_cap`).
         progress: per-frame callback.
+        ref_codes: int64 [frames, N] codes of a voice encoded before
+            (:meth:`higgs_pack.runtime.api.TTS.prepare_voice`), instead of ``ref_samples``;
+            needs ``ref_text``.
 
     Returns:
         A :class:`SynthesisResult` (float32 samples at 24000 Hz).
@@ -417,7 +441,8 @@ def synthesize(
         ValueError: ``options`` out of range (names the option).
         NumericalError: non-finite or all-zero sub-part output.
     """
-    options, ref_codes, chunks = prepare_synthesis(pipeline, text, ref_samples, ref_text, options, max_frames)
+    options, ref_codes, chunks = prepare_synthesis(pipeline, text, ref_samples, ref_text, options, max_frames,
+                                                   ref_codes)
     results: list[GenerationResult] = []
     for chunk_text, cap in chunks:
         embeds = build_prompt(pipeline, chunk_text, ref_codes, ref_text)
@@ -440,7 +465,8 @@ def join_results(pipeline: Pipeline, results: list[GenerationResult]) -> Synthes
 
 
 def prepare_synthesis(pipeline: Pipeline, text: str, ref_samples: np.ndarray | None, ref_text: str | None,
-                      options: SamplingOptions | None, max_frames: int | None
+                      options: SamplingOptions | None, max_frames: int | None,
+                      ref_codes: np.ndarray | None = None,
                       ) -> tuple[SamplingOptions, np.ndarray | None, list[tuple[str, int]]]:
     """Check the request and plan it: (options, reference codes or None, text chunks with caps).
 
@@ -448,13 +474,21 @@ def prepare_synthesis(pipeline: Pipeline, text: str, ref_samples: np.ndarray | N
     written: the text (:func:`higgs_pack.runtime.request.text_problems`, then its special
     tokens, :func:`check_text_tokens`), the voice pairing, a sentence too long for the context.
     ``options=None`` takes the bundle's defaults (:func:`~higgs_pack.runtime.loop.delay.bundle_sampling`).
+    A voice is either ``ref_samples`` (encoded here) or ``ref_codes`` (encoded before,
+    checked against :func:`check_voice_codes`), never both.
     """
-    refuse(text_problems(text) or voice_pair_problems(ref_samples, ref_text))
+    if ref_samples is not None and ref_codes is not None:
+        raise InputError("give a voice as reference samples or as prepared codes, not both")
+    voice = ref_samples if ref_codes is None else ref_codes
+    refuse(text_problems(text) or voice_pair_problems(voice, ref_text))
+    if ref_codes is not None:
+        check_voice_codes(pipeline, ref_codes)
     options = bundle_sampling(pipeline.generation_defaults) if options is None else options.validate()
     check_text_tokens(pipeline, text)
     if ref_text is not None:
         check_text_tokens(pipeline, ref_text)
-    ref_codes = encode_reference(pipeline, ref_samples) if ref_samples is not None else None
+    if ref_samples is not None:
+        ref_codes = encode_reference(pipeline, ref_samples)
     return options, ref_codes, plan_chunks(pipeline, text.strip(), ref_codes, ref_text, max_frames)
 
 

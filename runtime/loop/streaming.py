@@ -205,6 +205,7 @@ def stream(
     max_frames: int | None = None,
     progress: ProgressCallback | None = None,
     schedule: StreamSchedule | None = None,
+    ref_codes: np.ndarray | None = None,
 ) -> SpeechStream:
     """Speak ``text`` as a stream of audio chunks, decoded while frames are generated.
 
@@ -219,7 +220,7 @@ def stream(
     with the same pause as in :func:`synthesize`, ramped at its edges (no click).
 
     Args:
-        pipeline, text, ref_samples, ref_text, options, max_frames, progress: as
+        pipeline, text, ref_samples, ref_text, options, max_frames, progress, ref_codes: as
             :func:`synthesize`.
         schedule: chunk sizes (:class:`~higgs_pack.runtime.request.StreamSchedule`; default
             10 frames = 0.4 s at 25 fps first, doubling up to 100 frames = 4 s).
@@ -234,6 +235,7 @@ def stream(
         NumericalError: during iteration, as :func:`synthesize`.
     """
     started = time.perf_counter()
-    options, ref_codes, chunks = prepare_synthesis(pipeline, text, ref_samples, ref_text, options, max_frames)
+    options, ref_codes, chunks = prepare_synthesis(pipeline, text, ref_samples, ref_text, options, max_frames,
+                                                   ref_codes)
     return SpeechStream(pipeline, chunks, options, ref_codes, ref_text, progress, schedule or StreamSchedule(),
                         started)

@@ -7,6 +7,7 @@ the file and what to do.
 
 from __future__ import annotations
 
+import io
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,15 +55,34 @@ def load_audio(path: str | Path) -> tuple[np.ndarray, int]:
         InputError: missing, unreadable, not audio, or empty.
     """
     path = require_audio_file(path)
+    return _decode(path, f"reference audio {path}", "--ref-audio")
+
+
+def read_audio_bytes(data: bytes, source: str = "reference audio", how: str = "ref_audio") -> tuple[np.ndarray, int]:
+    """:func:`load_audio` for a file's bytes (an upload, a base64 field).
+
+    Args:
+        data: the bytes of a wav/flac/ogg/mp3 file.
+        source: what the bytes are, for messages.
+        how: the field or flag the user gave them with, for messages.
+
+    Returns:
+        ``(samples, sample_rate)``: float32 [samples] in [-1, 1] (channels averaged), Hz.
+
+    Raises:
+        InputError: not audio libsndfile reads, or empty.
+    """
+    return _decode(io.BytesIO(data), source, how)
+
+
+def _decode(file: Path | BinaryIO, source: str, how: str) -> tuple[np.ndarray, int]:
     try:
-        data, rate = sf.read(path, dtype="float32", always_2d=True)
-    except (sf.LibsndfileError, RuntimeError, ValueError) as exc:
-        raise InputError(
-            f"reference audio {path} is not a readable audio file ({exc}); "
-            "give a wav, flac or ogg file with --ref-audio"
-        ) from exc
+        data, rate = sf.read(file, dtype="float32", always_2d=True)
+    except (sf.LibsndfileError, RuntimeError, ValueError, TypeError) as exc:
+        raise InputError(f"{source} is not a readable audio file ({exc}); give a wav, flac or ogg file with "
+                         f"{how}") from exc
     if data.size == 0:
-        raise InputError(f"reference audio {path} holds no samples; give a recording of speech")
+        raise InputError(f"{source} holds no samples; give a recording of speech")
     return data.mean(axis=1).astype(np.float32), int(rate)
 
 
@@ -182,6 +202,23 @@ def streaming_wav_header(sample_rate: int, subtype: str = "PCM_16") -> bytes:
             + b"data" + struct.pack("<I", UNKNOWN_SIZE))
 
 
+def pcm_samples(samples: np.ndarray, subtype: str = "PCM_16") -> np.ndarray:
+    """Float samples as a stream carries them: little-endian int16 (``x * 32768``, rounded and
+    clipped to the int16 range, as libsndfile writes a 16-bit file) or float32.
+
+    Args:
+        samples: float32 [n], nominally in [-1, 1].
+        subtype: ``"PCM_16"`` or ``"FLOAT"`` (:data:`STREAM_SUBTYPES`).
+
+    Returns:
+        ``<i2`` or ``<f4`` [n]; ``.tobytes()`` is the stream's payload.
+    """
+    dtype = STREAM_SUBTYPES[subtype][0]
+    if subtype == "PCM_16":
+        return np.clip(np.round(samples * 32768.0), -32768, 32767).astype(dtype)
+    return samples.astype(dtype)
+
+
 class AudioSink:
     """Writes mono float32 audio piece by piece: to a ``.wav`` file, or to a binary stream.
 
@@ -250,9 +287,7 @@ class AudioSink:
             self._file.flush()
             self.samples_written += len(samples)
         elif self._stream is not None:
-            # 16-bit as libsndfile writes a file: x * 32768, rounded, within the int16 range.
-            data = np.clip(np.round(samples * 32768.0), -32768, 32767).astype(self._dtype) \
-                if self.subtype == "PCM_16" else samples.astype(self._dtype)
+            data = pcm_samples(samples, self.subtype)
             # In pieces of at most a pipe's capacity, each flushed: one large write that the
             # kernel cuts short when the reader leaves is reported by Python as done, with
             # no BrokenPipeError; the next piece's write raises it.

@@ -42,9 +42,11 @@ class _Group(click.Group):
         try:
             return ep.load()
         except ImportError as exc:
+            extra = ep.extras[0] if ep.extras else "build"  # `name = "module:command [extra]"`
+            what = "the build tools" if extra == "build" else f"the [{extra}] extra"
             raise click.ClickException(
-                f"`higgs-pack {name}` needs the build tools, which are not installed ({exc}); "
-                "pip install 'higgs-pack[build]'"
+                f"`higgs-pack {name}` needs {what}, which is not installed ({exc}); "
+                f"pip install 'higgs-pack[{extra}]'"
             ) from exc
 
     def invoke(self, ctx):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -174,6 +175,9 @@ class OvSubPart:
         self.input_names = list(self._inputs)
         self.output_names = [p.get_any_name() for p in self.compiled.outputs]
         self._request = self.compiled.create_infer_request()
+        # One infer request per sub-part: calls from several threads (the engine's readers each
+        # decoding their codec chunks, the server encoding voices) take turns on it.
+        self._lock = threading.Lock()
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run once.
@@ -199,11 +203,12 @@ class OvSubPart:
         # Inputs are read in place (the call is synchronous); outputs are views of the request's
         # memory (each keeps its tensor alive; measured with openvino 2026.4: a same-shape call
         # writes the same memory), copied into arrays the caller owns except for per-step calls.
-        results = self._request.infer(cast, share_inputs=True, share_outputs=True)
         steps = self._step_inputs
         keep = steps is not None and all(steps.get(k) == v.shape for k, v in cast.items())
-        return {name: _output(results[port] if keep else np.array(results[port], copy=True))
-                for name, port in zip(self.output_names, self.compiled.outputs, strict=True)}
+        with self._lock:
+            results = self._request.infer(cast, share_inputs=True, share_outputs=True)
+            return {name: _output(results[port] if keep else np.array(results[port], copy=True))
+                    for name, port in zip(self.output_names, self.compiled.outputs, strict=True)}
 
 
 class OvStatefulDecoder:

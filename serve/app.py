@@ -1,0 +1,271 @@
+"""The ASGI app (FastAPI): every route of ``higgs-pack serve`` over one :class:`SpeechServer`.
+
+Routes: ``POST /v1/audio/speech``; ``GET/POST /v1/audio/voices`` and ``DELETE
+/v1/audio/voices/{name}``; ``GET /v1/models``; ``GET /health`` (the process is up), ``GET
+/ready`` (loaded and warmed up; 503 before and while stopping), ``GET /metrics``
+(Prometheus); ``GET /`` (the demo page).  With an API key, ``/v1/*`` needs ``Authorization:
+Bearer <key>`` (compared in constant time).  Every error is OpenAI's body shape.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import threading
+import time
+from contextlib import asynccontextmanager
+from importlib import resources
+from typing import Any
+
+import anyio
+import anyio.to_thread
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from higgs_pack.manifests.errors import InputError, disk_full, disk_full_message
+from higgs_pack.serve.errors import ApiError, error_body
+from higgs_pack.serve.formats import media_type, response_formats
+from higgs_pack.serve.metrics import CONTENT_TYPE
+from higgs_pack.serve.server import Answer, SpeechServer
+from higgs_pack.serve.speech import DEFAULT_VOICE, parse_speech, reference_clip
+from higgs_pack.serve.voices import name_problem
+
+log = logging.getLogger(__name__)
+
+#: Routes as the metrics label them (a voice's name is not a label).
+_ROUTES = ("/v1/audio/speech", "/v1/audio/voices", "/v1/models", "/health", "/ready", "/metrics", "/")
+
+
+def create_app(server: SpeechServer, *, warm_up: bool = True) -> FastAPI:
+    """The app over ``server``.
+
+    Args:
+        server: the loaded bundle and its engine.
+        warm_up: warm the engine up on a thread when the app starts (``/ready`` is 503 until
+            it is done); False when the caller warmed it up already.
+
+    Returns:
+        A FastAPI app; its lifespan closes ``server`` at shutdown.
+    """
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if warm_up and not server.ready:
+            threading.Thread(target=_warm_up, args=(server,), name="higgs-pack-warm-up", daemon=True).start()
+        yield
+        server.stopping = True
+        await anyio.to_thread.run_sync(server.close)
+
+    app = FastAPI(title="higgs-pack speech server", version="1", lifespan=lifespan, docs_url="/docs",
+                  redoc_url=None)
+    app.state.server = server
+    _handlers(app)
+    app.middleware("http")(_count(server))
+    _routes(app, server)
+    return app
+
+
+def _warm_up(server: SpeechServer) -> None:
+    try:
+        server.warm_up()
+    except Exception:  # the server stays unready and says why in its log
+        log.exception("warm-up failed; /ready stays 503")
+
+
+def _handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = (f"no route {request.method} {request.url.path}; see /docs for the routes"
+                   if exc.status_code in (404, 405) else str(exc.detail))
+        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        param = str(first.get("loc", ["", ""])[-1]) or None
+        return JSONResponse(error_body(400, f"{param}: {first.get('msg', 'invalid request')}", param),
+                            status_code=400)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error answering %s %s", request.method, request.url.path)
+        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"),
+                            status_code=500)
+
+
+def _count(server: SpeechServer):
+    async def count(request: Request, call_next):
+        path = request.url.path
+        route = next((r for r in _ROUTES if path == r or (r != "/" and path.startswith(r + "/"))), "other")
+        response = await call_next(request)
+        server.metrics.requests.labels(route, str(response.status_code)).inc()
+        return response
+    return count
+
+
+def _check_key(server: SpeechServer, request: Request) -> None:
+    key = server.config.api_key
+    if key is None:
+        return
+    given = request.headers.get("authorization", "")
+    scheme, _, token = given.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise ApiError(401, "missing or wrong API key: send Authorization: Bearer <key> (the --api-key the "
+                       "server was started with)", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+async def _json_body(request: Request, limit: int) -> Any:
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > limit:
+        raise ApiError(413, f"the body is {size} bytes; the limit is {limit} (--max-upload-mb)", code="too_large")
+    data = bytearray()
+    async for piece in request.stream():
+        data += piece
+        if len(data) > limit:
+            raise ApiError(413, f"the body is over the limit of {limit} bytes (--max-upload-mb)", code="too_large")
+    try:
+        return json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the body is not JSON ({exc}); send a JSON object with model, input and voice",
+                       code="invalid_json") from exc
+
+
+def _routes(app: FastAPI, server: SpeechServer) -> None:
+    config = server.config
+    body_limit = config.max_upload_bytes * 4 // 3 + 65536
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def demo() -> HTMLResponse:
+        page = resources.files("higgs_pack.serve").joinpath("demo.html").read_text(encoding="utf-8")
+        return HTMLResponse(page)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        state = "ready" if server.ready else ("stopping" if server.stopping else "warming up")
+        return JSONResponse({"status": state, **server.describe()}, status_code=200 if server.ready else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        _check_key(server, request)
+        about = server.describe()
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "higgs-pack",
+                                            **about} for name in server.models]}
+
+    @app.post("/v1/audio/speech")
+    async def speech(request: Request) -> Response:
+        _check_key(server, request)
+        t0 = time.perf_counter()
+        body = await _json_body(request, body_limit)
+        job = await anyio.to_thread.run_sync(
+            lambda: parse_speech(body, models=server.models, voices=server.voices, config=config))
+        server.admit()
+        try:
+            handle = await server.submit(job)
+        except BaseException:
+            server.release()
+            raise
+        answer = Answer()
+        headers = {"x-sample-rate": str(server.tts.sample_rate)}
+        if job.stream_format is None:
+            try:
+                data, answer = await server.whole(handle, job, request.receive)
+            finally:
+                _finish(server, t0, answer)
+            return Response(data, media_type=media_type(job.response_format), headers=headers)
+
+        async def body_bytes():
+            try:
+                async for piece in server.chunks(handle, job, answer):
+                    yield piece
+            finally:
+                _finish(server, t0, answer)
+
+        kind = "text/event-stream" if job.stream_format == "sse" else media_type(job.response_format)
+        return StreamingResponse(body_bytes(), media_type=kind, headers={**headers, "Cache-Control": "no-cache"})
+
+    @app.get("/v1/audio/voices")
+    async def list_voices(request: Request) -> dict[str, Any]:
+        _check_key(server, request)
+        own = {"name": DEFAULT_VOICE, "transcript": None, "seconds": 0.0, "frames": 0, "created": 0.0}
+        return {"voices": [own, *(server.voices.describe(n) for n in server.voices.names())],
+                "response_formats": list(response_formats())}
+
+    @app.post("/v1/audio/voices")
+    async def add_voice(request: Request) -> JSONResponse:
+        _check_key(server, request)
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > config.max_upload_bytes + 65536:
+            raise ApiError(413, f"the upload is {size} bytes; the limit is {config.max_upload_bytes} "
+                           "(--max-upload-mb)", param="audio", code="too_large")
+        form = await request.form(max_files=1, max_fields=8, max_part_size=config.max_upload_bytes + 1)
+        name, transcript = form.get("name"), form.get("transcript", form.get("ref_text"))
+        upload = form.get("audio", form.get("file"))
+        problem = name_problem(name if isinstance(name, str) else None)
+        if problem:
+            raise ApiError(400, problem, param="name", code="invalid_name")
+        if upload is None or isinstance(upload, str):
+            raise ApiError(400, "the upload needs an audio file part (multipart field 'audio')", param="audio",
+                           code="missing_field")
+        if not isinstance(transcript, str) or not transcript.strip():
+            raise ApiError(400, "the upload needs 'transcript': the exact words said in the clip",
+                           param="transcript", code="missing_field")
+        data = await upload.read(config.max_upload_bytes + 1)
+        if len(data) > config.max_upload_bytes:
+            raise ApiError(413, f"the audio file is over the limit of {config.max_upload_bytes} bytes "
+                           "(--max-upload-mb)", param="audio", code="too_large")
+        clip = reference_clip(data, config, "audio")
+
+        def encode() -> dict[str, Any]:
+            try:
+                voice = server.tts.prepare_voice(clip, transcript.strip(), name)
+            except InputError as exc:
+                raise ApiError(400, str(exc), param="audio", code="invalid_value") from exc
+            try:
+                return server.voices.add(voice)
+            except OSError as exc:
+                if disk_full(exc):
+                    raise ApiError(507, disk_full_message(config.voices_dir, f"keeping voice {name!r}",
+                                                          "free space there or choose another --voices-dir"),
+                                   code="out_of_disk") from exc
+                raise ApiError(500, f"cannot keep voice {name!r} in {config.voices_dir}: {exc}",
+                               code="storage") from exc
+
+        about = await anyio.to_thread.run_sync(encode, limiter=server.limiter)
+        return JSONResponse(about, status_code=201)
+
+    @app.delete("/v1/audio/voices/{name}")
+    async def delete_voice(name: str, request: Request) -> dict[str, Any]:
+        _check_key(server, request)
+        if not server.voices.delete(name):
+            raise ApiError(404, f"voice {name!r} is not known; GET /v1/audio/voices lists them", param="name",
+                           code="unknown_voice")
+        return {"name": name, "deleted": True}
+
+
+def _finish(server: SpeechServer, t0: float, answer: Answer) -> None:
+    seconds = time.perf_counter() - t0
+    server.release(seconds)
+    m = server.metrics
+    m.request_seconds.labels("/v1/audio/speech").observe(seconds)
+    if answer.frames:
+        m.frames.inc(answer.frames)
+        m.audio_seconds.inc(answer.audio_seconds)
+        if answer.audio_seconds > 0:
+            m.real_time_factor.observe(seconds / answer.audio_seconds)
+    if answer.first_audio_s == answer.first_audio_s:  # not NaN
+        m.first_audio.observe(answer.first_audio_s)

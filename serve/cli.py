@@ -1,0 +1,122 @@
+"""``higgs-pack serve SOURCE``: the OpenAI-compatible speech server, on uvicorn.
+
+Found by the runtime CLI through the ``higgs_pack.commands`` entry points; needs the
+``[serve]`` extra.  The socket is bound before the bundle loads, so a port in use is said at
+once; the line ``serving http://HOST:PORT`` is printed when it is bound (``--port 0`` picks a
+free port).  SIGTERM or Ctrl-C stops accepting, lets the requests in flight finish for
+``--grace-seconds``, then exits.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import logging
+import socket
+from pathlib import Path
+
+import click
+
+from higgs_pack.manifests.errors import InputError
+from higgs_pack.serve.config import (
+    GRACE_SECONDS,
+    MAX_INPUT_CHARS,
+    MAX_QUEUE,
+    MAX_REF_SECONDS,
+    MAX_UPLOAD_BYTES,
+)
+
+log = logging.getLogger(__name__)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (IPv4 or IPv6).
+
+    Raises:
+        click.ClickException: the port is taken or the address is not this machine's.
+    """
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    except ValueError:
+        family = socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise click.ClickException(f"port {port} on {host} is in use; choose another with --port "
+                                       "(--port 0 picks a free one)") from exc
+        raise click.ClickException(f"cannot listen on {host}:{port} ({exc.strerror}); give an address of this "
+                                   "machine with --host (127.0.0.1 for this machine only)") from exc
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+@click.command()
+@click.argument("source")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0 for every interface: set --api-key then).")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535),
+              help="TCP port (0: a free one, printed).")
+@click.option("--device", help="Where to run: OpenVINO CPU/GPU/NPU/AUTO, or an execution provider (as `load`).")
+@click.option("--max-batch", type=click.IntRange(min=1),
+              help="Requests decoded together (default: 4 where the backend batches, else 1).")
+@click.option("--max-queue", default=MAX_QUEUE, show_default=True, type=click.IntRange(min=0),
+              help="Requests waiting beyond the batch; one more is answered 429.")
+@click.option("--api-key", envvar="HIGGS_PACK_API_KEY", help="Require Authorization: Bearer KEY on /v1/* "
+              "(or set HIGGS_PACK_API_KEY).")
+@click.option("--voices-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Keep uploaded voices here (default: in memory, lost at exit).")
+@click.option("--allow-local-media", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="ref_audio may name a file under this folder (default: never).")
+@click.option("--max-input-chars", default=MAX_INPUT_CHARS, show_default=True, type=click.IntRange(min=1))
+@click.option("--max-upload-mb", default=MAX_UPLOAD_BYTES / 2**20, show_default=True,
+              type=click.FloatRange(min=0.01), help="Largest voice upload or ref_audio, MiB.")
+@click.option("--max-ref-seconds", default=MAX_REF_SECONDS, show_default=True, type=click.FloatRange(min=0.5))
+@click.option("--grace-seconds", default=GRACE_SECONDS, show_default=True, type=click.FloatRange(min=0.1),
+              help="On SIGTERM, time the requests in flight have to finish.")
+@click.option("--model-name", "model_names", multiple=True, help="Another name `model` may take (repeatable).")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+def serve(source, host, port, device, max_batch, max_queue, api_key, voices_dir, allow_local_media,
+          max_input_chars, max_upload_mb, max_ref_seconds, grace_seconds, model_names, log_level) -> None:
+    """Serve SOURCE (a bundle, an installed name, a model slug, hf://...) over the OpenAI speech API:
+    POST /v1/audio/speech, voices, models, /health, /ready, /metrics, and a demo page at /."""
+    import uvicorn
+
+    from higgs_pack.serve.app import create_app
+    from higgs_pack.serve.config import ServeConfig
+    from higgs_pack.serve.server import SpeechServer
+
+    logging.getLogger("higgs_pack").setLevel(log_level.upper())
+    try:
+        config = ServeConfig(max_batch=max_batch, max_queue=max_queue, api_key=api_key, voices_dir=voices_dir,
+                             allow_local_media=allow_local_media, max_input_chars=max_input_chars,
+                             max_upload_bytes=int(max_upload_mb * 2**20), max_ref_seconds=max_ref_seconds,
+                             grace_seconds=grace_seconds, model_names=tuple(model_names))
+    except InputError as exc:
+        raise click.UsageError(str(exc)) from exc
+    if not _loopback(host) and api_key is None:
+        click.echo(f"warning: listening on {host} without --api-key: anyone who reaches this port can use it",
+                   err=True)
+    sock = bind(host, port)
+    server = SpeechServer.open(source, config, device=device)
+    app = create_app(server)
+    shown = sock.getsockname()
+    url_host = f"[{shown[0]}]" if sock.family == socket.AF_INET6 else shown[0]
+    click.echo(f"serving http://{url_host}:{shown[1]} (model {server.models[0]}, max_batch "
+               f"{server.engine.max_batch}, max_queue {config.max_queue}); /ready answers 200 once warmed up",
+               err=True)
+    uv = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=int(grace_seconds + 0.999),
+                                       access_log=log_level == "debug"))
+    uv.run(sockets=[sock])
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

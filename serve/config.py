@@ -1,0 +1,73 @@
+"""The server's settings and limits (:class:`ServeConfig`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from higgs_pack.manifests.errors import InputError
+
+#: OpenAI's own limit on ``input`` (characters); source: openai-python speech_create_params.py.
+MAX_INPUT_CHARS = 4096
+#: Largest voice upload or ``ref_audio`` payload, bytes (a 30 s 48 kHz stereo 16-bit WAV is 5.8 MB).
+MAX_UPLOAD_BYTES = 16 * 1024 * 1024
+#: Longest reference clip accepted over HTTP, seconds (the runtime itself takes up to 60 s).
+MAX_REF_SECONDS = 30.0
+#: Requests waiting for a row beyond those in the batch; one more is answered 429.
+MAX_QUEUE = 16
+#: Seconds SIGTERM leaves the requests in flight to finish before the process exits.
+GRACE_SECONDS = 30.0
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """How ``higgs-pack serve`` runs: the engine's size and every limit it enforces.
+
+    Attributes:
+        max_batch: rows the engine decodes together (None: the most the bundle's backend
+            batches, at most 4; 1 where it cannot batch).
+        max_queue: requests admitted beyond the batch, waiting for a row; one more is a 429.
+        api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <api_key>``.
+        voices_dir: where uploaded voices are kept (None: in memory only, lost at exit).
+        allow_local_media: ``ref_audio`` may name a file under this folder (None: never).
+        max_input_chars: longest ``input``.
+        max_upload_bytes: largest voice upload or decoded ``ref_audio``.
+        max_ref_seconds: longest reference clip.
+        grace_seconds: on SIGTERM, how long requests in flight may take to finish.
+        model_names: extra names ``model`` may take (the bundle's name and model slug always work).
+
+    Raises:
+        InputError: a limit out of range, or a folder that is not one.
+    """
+
+    max_batch: int | None = None
+    max_queue: int = MAX_QUEUE
+    api_key: str | None = None
+    voices_dir: Path | None = None
+    allow_local_media: Path | None = None
+    max_input_chars: int = MAX_INPUT_CHARS
+    max_upload_bytes: int = MAX_UPLOAD_BYTES
+    max_ref_seconds: float = MAX_REF_SECONDS
+    grace_seconds: float = GRACE_SECONDS
+    model_names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name, low in (("max_batch", 1), ("max_queue", 0), ("max_input_chars", 1), ("max_upload_bytes", 1024)):
+            value = getattr(self, name)
+            if value is None and name == "max_batch":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                problems.append(f"{name} must be a whole number >= {low}, got {value!r}")
+        for name in ("max_ref_seconds", "grace_seconds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                problems.append(f"{name} must be a number of seconds > 0, got {value!r}")
+        if self.api_key is not None and not self.api_key.strip():
+            problems.append("api_key is blank; give a key, or leave --api-key out to serve without one")
+        media = self.allow_local_media
+        if media is not None and not Path(media).is_dir():
+            problems.append(f"--allow-local-media {media} is not a folder; give the folder reference clips may "
+                            "be read from")
+        if problems:
+            raise InputError("; ".join(problems))

@@ -1,0 +1,85 @@
+"""Prometheus metrics of one server (``GET /metrics``), in their own registry.
+
+Names (all prefixed ``higgs_pack_``): ``requests_total{route,status}``,
+``request_seconds`` and ``time_to_first_audio_seconds`` histograms, ``real_time_factor``
+(compute seconds per second of audio; below 1 is faster than real time), ``frames_total``,
+``audio_seconds_total``, ``engine_frames_total`` and ``engine_steps_total`` (the engine's
+own counts, cancelled requests included), ``queue_depth`` (requests waiting for a row), ``active_batch`` (rows
+busy), ``in_flight`` (requests admitted and not done), ``ready``, and the engine's KV bytes
+where it reports them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+
+__all__ = ["CONTENT_TYPE", "Metrics"]
+
+_SECONDS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0)
+_RTF = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+
+
+class Metrics:
+    """The server's metrics.
+
+    Args:
+        server: the :class:`~higgs_pack.serve.server.SpeechServer` whose engine and queue
+            the gauges read at each scrape.
+    """
+
+    def __init__(self, server: Any):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("higgs_pack_requests", "HTTP requests answered, by route and status",
+                                ["route", "status"], registry=r)
+        self.request_seconds = Histogram("higgs_pack_request_seconds", "Seconds from request to last byte",
+                                         ["route"], buckets=_SECONDS, registry=r)
+        self.first_audio = Histogram("higgs_pack_time_to_first_audio_seconds",
+                                     "Seconds from request to the first audio bytes of a stream", buckets=_SECONDS,
+                                     registry=r)
+        self.real_time_factor = Histogram("higgs_pack_real_time_factor",
+                                          "Seconds of compute per second of audio, per request", buckets=_RTF,
+                                          registry=r)
+        self.frames = Counter("higgs_pack_frames", "Audio frames generated (25 per second)", registry=r)
+        self.audio_seconds = Counter("higgs_pack_audio_seconds", "Seconds of audio answered", registry=r)
+        Gauge("higgs_pack_queue_depth", "Requests waiting for a row of the batch", registry=r).set_function(
+            lambda: server.engine.waiting)
+        Gauge("higgs_pack_active_batch", "Rows of the batch holding a request", registry=r).set_function(
+            lambda: server.engine.busy_rows)
+        Gauge("higgs_pack_max_batch", "Rows the engine decodes together", registry=r).set_function(
+            lambda: server.engine.max_batch)
+        Gauge("higgs_pack_in_flight", "Requests admitted and not finished", registry=r).set_function(
+            lambda: server.in_flight)
+        Gauge("higgs_pack_ready", "1 when the bundle is loaded and warmed up", registry=r).set_function(
+            lambda: float(server.ready))
+        r.register(_EngineCollector(server))
+        if getattr(server.engine, "kv_bytes_in_use", None) is not None:
+            Gauge("higgs_pack_kv_bytes", "KV cache bytes held by admitted requests", registry=r).set_function(
+                lambda: server.engine.kv_bytes_in_use)
+
+    def render(self) -> bytes:
+        """The text exposition format of every metric."""
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """The engine's own counters (:class:`~higgs_pack.runtime.loop.engine.EngineStats`), read
+    at each scrape: frames and steps of every request, cancelled ones included."""
+
+    def __init__(self, server: Any):
+        self._server = server
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        stats = self._server.engine.stats
+        yield CounterMetricFamily("higgs_pack_engine_frames", "Frames the engine generated (rows advanced)",
+                                  value=stats.frames)
+        yield CounterMetricFamily("higgs_pack_engine_steps", "Batched decode steps the engine ran", value=stats.steps)
+        yield CounterMetricFamily("higgs_pack_engine_step_seconds", "Seconds inside the engine's decode steps",
+                                  value=stats.step_seconds)

@@ -1,0 +1,269 @@
+"""One loaded bundle served over HTTP: :class:`SpeechServer`.
+
+It owns the :class:`~higgs_pack.runtime.api.TTS`, its continuous-batching
+:class:`~higgs_pack.runtime.loop.engine.Engine`, the voice store and the metrics, and turns a
+checked :class:`~higgs_pack.serve.speech.SpeechJob` into the bytes of an answer:
+
+- admission: at most ``max_batch + max_queue`` requests in flight; one more is a 429 with
+  ``Retry-After`` (the queue is full), never a silent wait;
+- the engine's blocking calls (its ``submit``, which codec-encodes a reference clip, and the
+  reading of a handle, which codec-decodes the chunks) run on worker threads, bounded by one
+  limiter sized to the requests in flight;
+- a client that goes away cancels its request: the engine frees its row before its next step;
+- readiness: :meth:`warm_up` runs one short request through the engine; ``/ready`` is 503 until
+  then and again once the server is stopping.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+from higgs_pack.manifests.errors import HiggsPackError, InputError
+from higgs_pack.runtime.loop.engine import EngineHandle, RequestCancelled
+from higgs_pack.serve.config import ServeConfig
+from higgs_pack.serve.errors import ApiError
+from higgs_pack.serve.formats import StreamEncoder, encode_whole, sse_delta, sse_done, sse_error
+from higgs_pack.serve.metrics import Metrics
+from higgs_pack.serve.speech import SpeechJob
+from higgs_pack.serve.voices import VoiceStore
+
+log = logging.getLogger(__name__)
+
+#: Default rows when ``max_batch`` is not given and the backend batches.
+DEFAULT_MAX_BATCH = 4
+#: Text and frame cap of the warm-up request (:meth:`SpeechServer.warm_up`).
+WARM_UP = ("Hello.", 8)
+
+
+@dataclass
+class Answer:
+    """What a finished request produced (for the metrics and the ``done`` event)."""
+
+    frames: int = 0
+    audio_seconds: float = 0.0
+    first_audio_s: float = math.nan
+
+
+class SpeechServer:
+    """A bundle, its engine, its voices and metrics, and the request bookkeeping.
+
+    Args:
+        tts: a loaded :class:`~higgs_pack.runtime.api.TTS` (the server closes it).
+        config: :class:`~higgs_pack.serve.config.ServeConfig`.
+
+    Attributes:
+        models: names ``model`` may take: the bundle's name, its model slug, then
+            ``config.model_names``.
+        engine: the :class:`~higgs_pack.runtime.loop.engine.Engine`.
+        batching_note: why the engine serves one request at a time, when it does ("" otherwise).
+        ready: loaded and warmed up, and not stopping.
+        in_flight: requests admitted and not finished.
+
+    Raises:
+        InputError: ``config.max_batch`` more than the bundle's backend can batch (its reason).
+    """
+
+    def __init__(self, tts: Any, config: ServeConfig):
+        self.tts, self.config = tts, config
+        self.engine, self.batching_note = _make_engine(tts, config.max_batch)
+        info = tts.info
+        self.models = tuple(dict.fromkeys((info.bundle, info.model, *config.model_names)))
+        self.voices = VoiceStore(config.voices_dir, _codec_sha256(tts))
+        self.in_flight = 0
+        self.stopping = False
+        self._warm = False
+        self._lock = threading.Lock()
+        self._mean_seconds = 2.0  # running mean of request seconds, for Retry-After
+        self.limiter = anyio.CapacityLimiter(self.capacity + 4)
+        self.metrics = Metrics(self)
+
+    @classmethod
+    def open(cls, source: str | os.PathLike, config: ServeConfig, *, device: str | None = None) -> SpeechServer:
+        """Load ``source`` (anything :func:`higgs_pack.load` takes) and serve it.
+
+        Raises:
+            HiggsPackError: the source cannot be loaded (its own message), or a bad config.
+        """
+        import higgs_pack
+
+        tts = higgs_pack.load(source, **({"device": device} if device else {}))
+        try:
+            return cls(tts, config)
+        except BaseException:
+            tts.close()
+            raise
+
+    @property
+    def capacity(self) -> int:
+        """Most requests in flight: the batch's rows plus the queue."""
+        return self.engine.max_batch + self.config.max_queue
+
+    @property
+    def ready(self) -> bool:
+        return self._warm and not self.stopping
+
+    def warm_up(self) -> float:
+        """Run one short request through the engine (compiles kernels, touches the weights);
+        then :attr:`ready`.  Returns its seconds."""
+        t0 = time.perf_counter()
+        text, frames = WARM_UP
+        self.engine.submit(text, max_frames=frames).result(timeout=600)
+        self._warm = True
+        seconds = time.perf_counter() - t0
+        log.info("warmed up in %.2f s; ready", seconds)
+        return seconds
+
+    def close(self) -> None:
+        """Stop the engine and unload the bundle (idempotent)."""
+        self.stopping = True
+        self.engine.close(timeout=30)
+        self.tts.close()
+
+    def describe(self) -> dict[str, Any]:
+        """What ``/ready`` and ``/v1/models`` tell about the bundle and the engine."""
+        info = self.tts.info
+        return {"bundle": info.bundle, "model": info.model, "target": info.target, "precision": info.precision,
+                "backend": info.backend, "device": info.device, "sample_rate": info.sample_rate,
+                "max_batch": self.engine.max_batch, "max_queue": self.config.max_queue,
+                "batching": self.batching_note or "continuous batching"}
+
+    # admission
+    def admit(self) -> None:
+        """Count one more request in flight.
+
+        Raises:
+            ApiError: 503 while not ready or stopping, 429 (with Retry-After) when full.
+        """
+        if self.stopping:
+            raise ApiError(503, "the server is stopping; retry on another replica", code="stopping")
+        if not self._warm:
+            raise ApiError(503, "the bundle is still warming up; retry when /ready answers 200", code="not_ready",
+                           headers={"Retry-After": "1"})
+        with self._lock:
+            if self.in_flight >= self.capacity:
+                wait = max(1, math.ceil(self._mean_seconds * (self.in_flight - self.engine.max_batch + 1)
+                                        / self.engine.max_batch))
+                raise ApiError(429, f"the queue is full: {self.engine.max_batch} requests in the batch and "
+                               f"{self.config.max_queue} waiting (--max-batch, --max-queue); retry after {wait} s",
+                               code="queue_full", headers={"Retry-After": str(wait)})
+            self.in_flight += 1
+
+    def release(self, seconds: float | None = None) -> None:
+        """One request in flight fewer; ``seconds`` (when it finished) feeds Retry-After."""
+        with self._lock:
+            self.in_flight -= 1
+            if seconds is not None:
+                self._mean_seconds = 0.9 * self._mean_seconds + 0.1 * seconds
+
+    async def submit(self, job: SpeechJob) -> EngineHandle:
+        """Hand ``job`` to the engine (on a worker thread: a reference clip is encoded there).
+
+        Raises:
+            ApiError: 400 for what the engine refuses at once (a special token in the text, a
+                sentence too long, an unusable clip), 503 when the engine stopped.
+        """
+        try:
+            return await anyio.to_thread.run_sync(self.engine.submit, job.request, limiter=self.limiter)
+        except InputError as exc:
+            raise ApiError(400, str(exc), param="input", code="invalid_value") from exc
+        except HiggsPackError as exc:
+            raise ApiError(503, f"the engine cannot take requests: {exc}", code="engine_stopped") from exc
+
+    # answers
+    async def whole(self, handle: EngineHandle, job: SpeechJob, receive: Any) -> tuple[bytes, Answer]:
+        """The whole file of a request; cancels it when the client disconnects first.
+
+        Raises:
+            ApiError: 500 when generation failed (a non-finite output: run higgs-pack verify),
+                499 when the client went away.
+        """
+        async with anyio.create_task_group() as group:
+            group.start_soon(_cancel_on_disconnect, receive, handle, group.cancel_scope)
+            try:
+                result = await anyio.to_thread.run_sync(handle.result, abandon_on_cancel=True, limiter=self.limiter)
+            except RequestCancelled as exc:
+                raise ApiError(499, "the client closed the request", code="cancelled") from exc
+            except HiggsPackError as exc:
+                raise ApiError(500, f"generation failed: {exc}", code="generation_failed") from exc
+            finally:
+                group.cancel_scope.cancel()
+        body = encode_whole(result.samples, result.sample_rate, job.response_format)
+        return body, Answer(int(result.codes.shape[0]), len(result.samples) / result.sample_rate)
+
+    async def chunks(self, handle: EngineHandle, job: SpeechJob, answer: Answer) -> AsyncIterator[bytes]:
+        """The bytes of a streamed answer (``stream_format`` "audio" or "sse") as chunks are
+        generated; the request is cancelled if the stream is dropped (the client left)."""
+        sse = job.stream_format == "sse"
+        encoder = StreamEncoder(job.response_format, self.tts.sample_rate)
+        stream = iter(handle)
+        started = time.perf_counter()
+        try:
+            head = encoder.start()
+            if head and not sse:
+                yield head
+            pending = head if sse else b""
+            while True:
+                chunk = await anyio.to_thread.run_sync(next, stream, None, abandon_on_cancel=True,
+                                                       limiter=self.limiter)
+                if chunk is None:
+                    break
+                data = pending + encoder.chunk(chunk.samples)
+                pending = b""
+                if math.isnan(answer.first_audio_s):
+                    answer.first_audio_s = time.perf_counter() - started
+                yield sse_delta(data) if sse else data
+            answer.frames = int(sum(r.codes.shape[0] for r in stream.results))
+            answer.audio_seconds = stream.samples_out / self.tts.sample_rate
+            if sse:
+                tokens = len(self.tts.pipeline.tokenizer.encode(job.request.text, add_special_tokens=False).ids)
+                yield sse_done(tokens, answer.frames)
+        except HiggsPackError as exc:
+            log.warning("stream failed after it started: %s", exc)
+            if not sse:
+                raise  # the connection is cut: a truncated stream, never a wrong one
+            yield sse_error(f"generation failed: {exc}", "generation_failed")
+        finally:
+            handle.cancel()  # a no-op when it finished; frees the row when the client left
+
+
+async def _cancel_on_disconnect(receive: Any, handle: EngineHandle, scope: anyio.CancelScope) -> None:
+    """Wait for the client's ``http.disconnect`` and cancel its request."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            handle.cancel()
+            return
+
+
+def _make_engine(tts: Any, max_batch: int | None) -> tuple[Any, str]:
+    """The engine for ``max_batch`` rows; None: :data:`DEFAULT_MAX_BATCH` where the backend
+    batches, else one row with the backend's reason (logged, and shown by ``/ready``)."""
+    if max_batch is not None:
+        return tts.engine(max_batch), ""
+    try:
+        return tts.engine(DEFAULT_MAX_BATCH), ""
+    except InputError as exc:
+        note = f"one request at a time: {exc}"
+        log.info("serving %s", note)
+        return tts.engine(1), note
+
+
+def _codec_sha256(tts: Any) -> str:
+    """sha256 of the file that encodes voices (the ``audio_encoder`` sub-part's entry, as the
+    manifest records it); a voice's codes are only meaningful to the codec that made them."""
+    manifest = tts.bundle.manifest
+    entry = manifest.get("subparts", {}).get("audio_encoder", {}).get("entry")
+    for record in manifest.get("files", []):
+        if record.get("path") == entry:
+            return record["sha256"]
+    return ""

@@ -1,0 +1,309 @@
+"""The ``POST /v1/audio/speech`` body: every field checked, then one
+:class:`~higgs_pack.runtime.request.SynthesisRequest` (:func:`parse_speech`).
+
+Fields (OpenAI's, source: openai-python ``types/audio/speech_create_params.py``): ``model``,
+``input``, ``voice`` (a name, or ``{"id": name}``), ``response_format``, ``speed``,
+``instructions``, ``stream_format`` (``"audio"`` or ``"sse"``).  Extensions, named as
+vllm-omni and sglang-omni name them (../shared/SERVING.md): ``ref_audio`` and ``ref_text`` (or
+Boson's ``references: [{"audio", "text"}]``, one entry), ``seed``, ``temperature``, ``top_k``,
+``top_p``, ``max_new_tokens`` (frames, 25 per second), ``initial_chunk_frames`` (sglang-omni's
+``initial_codec_chunk_frames`` too) and ``stream`` (sglang-omni's boolean: ``true`` is
+``stream_format="audio"``).  Any other field is a 400 that names it: a field dropped in
+silence gives the wrong voice with no error (vllm-omni#4169).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from dataclasses import dataclass
+from numbers import Integral
+from pathlib import Path
+from typing import Any
+
+from higgs_pack.manifests.errors import InputError
+from higgs_pack.runtime.audio import read_audio_bytes
+from higgs_pack.runtime.request import SynthesisRequest
+from higgs_pack.serve.config import ServeConfig
+from higgs_pack.serve.errors import ApiError
+from higgs_pack.serve.formats import STREAMABLE, response_formats
+
+#: Every field the body may hold.
+FIELDS = ("model", "input", "voice", "response_format", "speed", "instructions", "stream_format", "stream",
+          "ref_audio", "ref_text", "references", "seed", "temperature", "top_k", "top_p", "max_new_tokens",
+          "initial_chunk_frames", "initial_codec_chunk_frames")
+#: The name of the bundle's own voice (no reference clip).
+DEFAULT_VOICE = "default"
+_DATA_URI = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(;[\w-]+=[\w.-]+)*;base64,", re.ASCII)
+
+
+@dataclass(frozen=True)
+class SpeechJob:
+    """One checked speech request.
+
+    Attributes:
+        request: what the engine runs.
+        response_format: ``wav``, ``pcm``, ``flac``, ``mp3`` or ``opus``.
+        stream_format: None (the whole file at once), ``"audio"`` (bytes as generated) or ``"sse"``.
+        model: the ``model`` asked for.
+        voice: the voice's name (``"default"``, a stored voice, or ``"ref_audio"`` for a clip
+            in the body).
+    """
+
+    request: SynthesisRequest
+    response_format: str
+    stream_format: str | None
+    model: str
+    voice: str
+
+
+def _bad(message: str, param: str | None, code: str = "invalid_value", status: int = 400) -> ApiError:
+    return ApiError(status, message, param=param, code=code)
+
+
+def parse_speech(body: Any, *, models: tuple[str, ...], voices: Any, config: ServeConfig) -> SpeechJob:
+    """Check a speech body and turn it into a :class:`SpeechJob`.
+
+    Args:
+        body: the decoded JSON.
+        models: the names ``model`` may take (the first is the bundle's name).
+        voices: the :class:`~higgs_pack.serve.voices.VoiceStore` (``get(name)`` and ``names()``).
+        config: the limits.
+
+    Raises:
+        ApiError: 400 for an unknown field or a bad value (the field named, with what is
+            allowed), 404 for an unknown model, 413 for a ``ref_audio`` over the upload limit.
+    """
+    if not isinstance(body, dict):
+        raise _bad(f"the body must be a JSON object, got {type(body).__name__}", None, "invalid_body")
+    unknown = [name for name in body if name not in FIELDS]
+    if unknown:
+        raise _bad(f"unknown field(s) {', '.join(map(repr, unknown))}; this server takes {', '.join(FIELDS)}",
+                   unknown[0], "unknown_field")
+    model = _model(body, models)
+    text = _input(body, config)
+    response_format, stream_format = _formats(body)
+    if body.get("speed", 1.0) != 1.0 or isinstance(body.get("speed"), bool):
+        raise _bad(f"speed {body['speed']!r} is not supported: only 1.0 (changing the speed without changing "
+                   "the pitch is not implemented); leave speed out", "speed", "unsupported_value")
+    if body.get("instructions"):
+        raise _bad("instructions are not supported by this bundle: its prompt format has no instruction slot "
+                   "(the tokenizer has no instruction control token); write inline controls such as "
+                   "<|emotion:amusement|> in the input instead", "instructions", "unsupported_value")
+    voice_name, voice_keywords = _voice(body, voices, config)
+    keywords = {**voice_keywords, **_sampling(body)}
+    try:
+        request = SynthesisRequest.create(text, **keywords)
+    except InputError as exc:
+        message = _HOW_SET.sub("", str(exc))  # the CLI flag and keyword: not how an HTTP client sets it
+        raise _bad(message, _param_of(message)) from exc
+    return SpeechJob(request, response_format, stream_format, model, voice_name)
+
+
+def _model(body: dict, models: tuple[str, ...]) -> str:
+    model = body.get("model")
+    if model is None:
+        raise _bad(f"model is required; this server serves {', '.join(models)}", "model", "missing_field")
+    if model not in models:
+        raise ApiError(404, f"model {model!r} is not served here; this server serves {', '.join(models)}",
+                       param="model", code="model_not_found")
+    return model
+
+
+def _input(body: dict, config: ServeConfig) -> str:
+    text = body.get("input")
+    if not isinstance(text, str) or not text.strip():
+        raise _bad(f"input must be a non-empty string (the words to speak), got {text!r}"[:300], "input",
+                   "missing_field" if text is None else "invalid_value")
+    if len(text) > config.max_input_chars:
+        raise _bad(f"input is {len(text)} characters; the limit is {config.max_input_chars} (--max-input-chars); "
+                   "split the text into several requests", "input", "input_too_long")
+    return text
+
+
+def _formats(body: dict) -> tuple[str, str | None]:
+    formats = response_formats()
+    response_format = body.get("response_format", "wav")
+    if response_format not in formats:
+        raise _bad(f"response_format {response_format!r} is not supported; use one of {', '.join(formats)} "
+                   "(the formats this server's libsndfile writes)", "response_format", "unsupported_value")
+    stream_format = body.get("stream_format")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _bad(f"stream must be true or false, got {stream!r}", "stream")
+    if stream_format is None and stream:
+        stream_format = "audio"
+    if stream_format not in (None, "audio", "sse"):
+        raise _bad(f"stream_format {stream_format!r} is not supported; use \"audio\" (bytes as they are "
+                   "generated) or \"sse\" (speech.audio.delta events), or leave it out for the whole file",
+                   "stream_format", "unsupported_value")
+    if stream_format is not None and response_format not in STREAMABLE:
+        raise _bad(f"response_format {response_format!r} cannot be streamed; a stream carries "
+                   f"{' or '.join(STREAMABLE)} (leave stream_format out for a whole {response_format} file)",
+                   "response_format", "unsupported_value")
+    return response_format, stream_format
+
+
+def _voice(body: dict, voices: Any, config: ServeConfig) -> tuple[str, dict[str, Any]]:
+    """The voice's name and the request keywords that carry it."""
+    voice = body.get("voice", DEFAULT_VOICE)
+    if isinstance(voice, dict):
+        if set(voice) != {"id"}:
+            raise _bad(f"voice as an object takes only \"id\", got {sorted(voice)}", "voice")
+        voice = voice["id"]
+    if not isinstance(voice, str):
+        raise _bad(f"voice must be a voice name or {{\"id\": name}}, got {voice!r}", "voice")
+    ref_audio, ref_text = body.get("ref_audio"), body.get("ref_text")
+    if body.get("references") is not None:
+        if ref_audio is not None or ref_text is not None:
+            raise _bad("give references or ref_audio with ref_text, not both", "references")
+        ref_audio, ref_text = _reference_entry(body["references"])
+    if ref_audio is None:
+        if ref_text is not None:
+            raise _bad("ref_text needs ref_audio (the clip it is the transcript of)", "ref_text", "missing_field")
+        if voice == DEFAULT_VOICE:
+            return voice, {}
+        prepared = voices.get(voice)
+        if prepared is None:
+            raise _bad(f"voice {voice!r} is not known; use one of {', '.join([DEFAULT_VOICE, *voices.names()])} "
+                       "(upload one with POST /v1/audio/voices), or clone with ref_audio and ref_text", "voice",
+                       "unknown_voice")
+        return voice, {"voice": prepared}
+    if voice != DEFAULT_VOICE:
+        raise _bad(f"give voice ({voice!r}) or ref_audio with ref_text, not both", "voice")
+    if not isinstance(ref_text, str) or not ref_text.strip():
+        raise _bad("ref_audio needs ref_text, the exact transcript of the clip", "ref_text", "missing_field")
+    samples, rate = reference_clip(ref_audio, config)
+    return "ref_audio", {"ref_audio": (samples, rate), "ref_text": ref_text}
+
+
+def _reference_entry(references: Any) -> tuple[Any, Any]:
+    if not isinstance(references, list) or len(references) != 1 or not isinstance(references[0], dict):
+        count = len(references) if isinstance(references, list) else type(references).__name__
+        raise _bad(f"references must be a list of exactly one {{\"audio\", \"text\"}} object (one reference "
+                   f"voice per request), got {count}", "references")
+    entry = references[0]
+    extra = set(entry) - {"audio", "audio_path", "text"}
+    if extra:
+        raise _bad(f"a reference takes audio (or audio_path) and text, got {sorted(extra)} too", "references")
+    return entry.get("audio", entry.get("audio_path")), entry.get("text")
+
+
+def reference_clip(ref_audio: Any, config: ServeConfig, param: str = "ref_audio") -> tuple[Any, int]:
+    """Decode a ``ref_audio`` value: base64, a ``data:`` URI, or (only under
+    ``--allow-local-media``) a file path or ``file://`` URI; or an upload's bytes.  URLs are
+    refused.
+
+    Returns:
+        ``(samples, sample_rate)``: float32 [samples] mono, Hz.
+
+    Raises:
+        ApiError: 400 (not audio, a URL, a path outside the allowed folder, longer than
+            ``max_ref_seconds``), 413 (more bytes than ``max_upload_bytes``).
+    """
+    if isinstance(ref_audio, bytes):  # an upload's bytes
+        return _decoded(ref_audio, param, config, param)
+    if not isinstance(ref_audio, str) or not ref_audio:
+        raise _bad(f"{param} must be a base64 string or a data: URI, got {type(ref_audio).__name__}", param)
+    if re.match(r"^[a-z][a-z0-9+.-]*://", ref_audio, re.IGNORECASE) and not ref_audio.startswith("file://"):
+        raise _bad(f"{param} is a URL ({ref_audio[:60]}); this server does not fetch URLs: send the clip as "
+                   "base64 or a data: URI", param, "url_refused")
+    path = _local_path(ref_audio, config, param)
+    if path is not None:
+        data = _read_bounded(path, config, param)
+        source = f"{param} {path.name}"
+    else:
+        data = _base64(ref_audio, config, param)
+        source = param
+    return _decoded(data, source, config, param)
+
+
+def _decoded(data: bytes, source: str, config: ServeConfig, param: str) -> tuple[Any, int]:
+    try:
+        samples, rate = read_audio_bytes(data, source, param)
+    except InputError as exc:
+        raise _bad(str(exc), param) from exc
+    seconds = len(samples) / rate
+    if seconds > config.max_ref_seconds:
+        raise _bad(f"{source} is {seconds:.1f} s long; this server takes reference clips of at most "
+                   f"{config.max_ref_seconds:g} s (--max-ref-seconds); 3-10 s works best", param, "reference_too_long")
+    return samples, rate
+
+
+def _local_path(value: str, config: ServeConfig, param: str) -> Path | None:
+    # base64 has no ".": a short value ending in an audio suffix is a path, as is file://.
+    looks_like_path = value.startswith("file://") or (len(value) < 1024 and Path(value).suffix.lower()
+                                                      in (".wav", ".flac", ".ogg", ".opus", ".mp3"))
+    if not looks_like_path:
+        return None
+    if config.allow_local_media is None:
+        raise _bad(f"{param} names a file ({value[:80]}); this server reads no local files unless started with "
+                   "--allow-local-media DIR: send the clip as base64 or a data: URI", param, "local_media_refused")
+    root = Path(config.allow_local_media).resolve()
+    path = Path(value.removeprefix("file://")).resolve()
+    if not path.is_relative_to(root) or not path.is_file():
+        raise _bad(f"{param} {value[:80]} is not a file under the allowed folder {root} (--allow-local-media)",
+                   param, "local_media_refused")
+    return path
+
+
+def _read_bounded(path: Path, config: ServeConfig, param: str) -> bytes:
+    size = path.stat().st_size
+    if size > config.max_upload_bytes:
+        raise ApiError(413, f"{param} {path.name} is {size} bytes; the limit is {config.max_upload_bytes} "
+                       "(--max-upload-mb)", param=param, code="too_large")
+    return path.read_bytes()
+
+
+def _base64(value: str, config: ServeConfig, param: str) -> bytes:
+    match = _DATA_URI.match(value)
+    payload = value[match.end():] if match else value
+    if len(payload) * 3 // 4 > config.max_upload_bytes:
+        raise ApiError(413, f"{param} is about {len(payload) * 3 // 4} bytes; the limit is {config.max_upload_bytes} "
+                       "(--max-upload-mb)", param=param, code="too_large")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise _bad(f"{param} is not valid base64 ({exc}); send the clip's bytes base64-encoded, or as "
+                   "data:audio/wav;base64,...", param) from exc
+
+
+def _sampling(body: dict) -> dict[str, Any]:
+    """The request keywords of the sampling and stream fields (their range checked by the request)."""
+    keywords: dict[str, Any] = {}
+    for name in ("seed", "temperature", "top_k", "top_p"):
+        if body.get(name) is not None:
+            keywords[name] = body[name]
+    if "seed" in body and body["seed"] is None:
+        keywords["seed"] = None
+    frames = body.get("max_new_tokens")
+    if frames is not None:
+        keywords["max_frames"] = _whole(frames, "max_new_tokens", "frames (25 per second) per sentence")
+    first = body.get("initial_chunk_frames")
+    alias = body.get("initial_codec_chunk_frames")
+    if first is not None and alias is not None:
+        raise _bad("give initial_chunk_frames or initial_codec_chunk_frames, not both", "initial_codec_chunk_frames")
+    name = "initial_chunk_frames" if first is not None else "initial_codec_chunk_frames"
+    first = first if first is not None else alias
+    if first is not None:
+        keywords["first_chunk_frames"] = _whole(first, name, "frames (25 per second) in the first streamed chunk")
+        keywords["max_chunk_frames"] = max(first, 100)
+    return keywords
+
+
+def _whole(value: Any, name: str, meaning: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
+        raise _bad(f"{name} must be a whole number >= 1 of {meaning}, got {value!r}", name)
+    return int(value)
+
+
+_HOW_SET = re.compile(r"; set (it|them) with [^\n]*")
+
+
+def _param_of(message: str) -> str | None:
+    """The request field the (first) problem of a request message names (``seed must be ...`` -> ``seed``)."""
+    lines = message.splitlines()
+    first = (lines[1].strip().removeprefix("- ") if len(lines) > 1 else message).split(" ", 1)[0]
+    return {"max_frames": "max_new_tokens", "first_chunk_frames": "initial_chunk_frames",
+            "text": "input"}.get(first, first if first in FIELDS else None)

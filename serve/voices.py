@@ -1,0 +1,141 @@
+"""The voice store: a reference clip is encoded once by the bundle's codec, its codes kept
+and used by name in ``voice`` (``GET/POST/DELETE /v1/audio/voices``).
+
+A stored voice is one safetensors file in ``--voices-dir``: the codes (int64 [frames, 8])
+and, in its metadata, the transcript, when it was made and the sha256 of the codec that
+encoded it (a voice made by another codec is not offered: its codes would mean other sounds).
+Files are written to a temporary name and renamed, so a crash leaves no half voice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from higgs_pack.runtime.request import PreparedVoice
+
+log = logging.getLogger(__name__)
+
+#: A voice name: letters, digits, ``_``, ``-`` and ``.`` (no path separators), starting with a
+#: letter or digit, at most 64 characters.
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+#: Names that are not voices in the store.
+RESERVED = ("default", "ref_audio")
+SUFFIX = ".safetensors"
+
+
+def name_problem(name: Any) -> str | None:
+    """Why ``name`` cannot name a voice, or None when it can."""
+    if not isinstance(name, str) or not name:
+        return "a voice needs a name (1 to 64 letters, digits, '_', '-' or '.')"
+    if not NAME_PATTERN.match(name) or ".." in name:
+        return (f"voice name {name[:80]!r} is not allowed: use 1 to 64 letters, digits, '_', '-' or '.', starting "
+                "with a letter or digit, without '..' or path separators")
+    if name in RESERVED:
+        return f"voice name {name!r} is reserved ({', '.join(RESERVED)}); choose another"
+    return None
+
+
+class VoiceStore:
+    """Voices by name, in memory and (with a folder) on disk.
+
+    Args:
+        folder: where voices are kept (created if missing), or None: in memory only.
+        codec_sha256: sha256 of the bundle's codec (its ``audio_tokenizer`` file); voices
+            encoded by another codec in the folder are skipped, with a logged line.
+
+    Raises:
+        OSError: the folder cannot be created.
+    """
+
+    def __init__(self, folder: str | os.PathLike | None, codec_sha256: str = ""):
+        self.folder = Path(folder) if folder is not None else None
+        self.codec_sha256 = codec_sha256
+        self._voices: dict[str, tuple[PreparedVoice, dict[str, str]]] = {}
+        self._lock = threading.Lock()
+        if self.folder is not None:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._load()
+
+    def _load(self) -> None:
+        from safetensors import safe_open
+        from safetensors.numpy import load_file
+
+        for path in sorted(self.folder.glob(f"*{SUFFIX}")):
+            name = path.name[: -len(SUFFIX)]
+            try:
+                with safe_open(str(path), "np") as f:
+                    meta = dict(f.metadata() or {})
+                codes = load_file(str(path))["codes"]
+                voice = PreparedVoice(codes, meta.get("transcript", ""), name)
+            except Exception as exc:  # a damaged file: say so, serve the others
+                log.warning("voice file %s is not a usable voice (%s); skipped", path, exc)
+                continue
+            if name_problem(name) or (self.codec_sha256 and meta.get("codec_sha256") != self.codec_sha256):
+                log.warning("voice file %s was made by another codec or has a bad name; skipped", path)
+                continue
+            self._voices[name] = (voice, meta)
+
+    def names(self) -> list[str]:
+        """Stored voice names, sorted."""
+        with self._lock:
+            return sorted(self._voices)
+
+    def get(self, name: str) -> PreparedVoice | None:
+        """The voice called ``name``, or None."""
+        with self._lock:
+            found = self._voices.get(name)
+        return found[0] if found else None
+
+    def describe(self, name: str) -> dict[str, Any]:
+        """``{"name", "transcript", "seconds", "frames", "created"}`` of a stored voice.
+
+        Raises:
+            KeyError: no such voice.
+        """
+        with self._lock:
+            voice, meta = self._voices[name]
+        return {"name": name, "transcript": voice.transcript, "seconds": voice.seconds,
+                "frames": int(voice.codes.shape[0]), "created": float(meta.get("created", 0.0))}
+
+    def add(self, voice: PreparedVoice) -> dict[str, Any]:
+        """Keep ``voice`` under ``voice.name`` (replacing one of that name), on disk first.
+
+        Raises:
+            ValueError: a bad name (:func:`name_problem`).
+            OSError: the file cannot be written (out of disk is said as such by the caller).
+        """
+        problem = name_problem(voice.name)
+        if problem:
+            raise ValueError(problem)
+        meta = {"transcript": voice.transcript, "created": f"{time.time():.3f}", "codec_sha256": self.codec_sha256}
+        if self.folder is not None:
+            from safetensors.numpy import save_file
+
+            fd, tmp = tempfile.mkstemp(prefix=f".{voice.name}.", suffix=".tmp", dir=self.folder)
+            os.close(fd)
+            try:
+                save_file({"codes": np.ascontiguousarray(voice.codes, dtype=np.int64)}, tmp, metadata=meta)
+                os.replace(tmp, self.folder / f"{voice.name}{SUFFIX}")
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        with self._lock:
+            self._voices[voice.name] = (voice, meta)
+        return self.describe(voice.name)
+
+    def delete(self, name: str) -> bool:
+        """Forget the voice called ``name`` (and its file); False when there was none."""
+        with self._lock:
+            found = self._voices.pop(name, None)
+        if found is not None and self.folder is not None:
+            (self.folder / f"{name}{SUFFIX}").unlink(missing_ok=True)
+        return found is not None

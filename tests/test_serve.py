@@ -1,0 +1,348 @@
+"""Issue 20: ``higgs-pack serve`` as its users drive it: a live server on 127.0.0.1 (a real
+subprocess, stopped by its process id), the official ``openai`` client, curl and plain HTTP.
+
+Every server here serves the real tiny cpu int4 bundle on the continuous-batching engine.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import shutil
+import signal
+import subprocess
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+from conftest import write_voice_clip
+from live_server import LiveServer
+
+openai = pytest.importorskip("openai", reason="the official openai client is a dev dependency")
+
+MODEL = "higgs-audio-v3-tiny"
+TEXT = "Hello there, this is a test of the speech server."
+#: Many sentences: each is generated as its own text chunk, so a request runs for seconds.
+LONG_TEXT = " ".join(f"This is sentence number {i} of a long text to speak." for i in range(1, 18))  # 900 characters
+
+
+@pytest.fixture(scope="module")
+def clip(cases_dir):
+    """The real reference voice: (bytes of the 6.9 s 16 kHz wav, its transcript)."""
+    return (cases_dir / "ref_en_16k.wav").read_bytes(), (cases_dir / "ref_en_16k.txt").read_text().strip()
+
+
+@pytest.fixture(scope="module")
+def server(cpu_int4_bundle, tmp_path_factory, cases_dir):
+    """One server for the module: voices kept in a folder, local media allowed from the cases
+    folder, small limits to test (1000 characters, 8 s references, 1 MiB uploads)."""
+    voices = tmp_path_factory.mktemp("voices")
+    with LiveServer(cpu_int4_bundle, "--voices-dir", str(voices), "--allow-local-media", str(cases_dir),
+                    "--max-input-chars", "1000", "--max-ref-seconds", "8", "--max-upload-mb", "1") as live:
+        live.voices_dir = voices
+        yield live
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _speech(server, timeout=120, **body):
+    return httpx.post(server.url + "/v1/audio/speech", json={"model": MODEL, **body}, timeout=timeout)
+
+
+def _wav(data: bytes) -> tuple[np.ndarray, int]:
+    samples, rate = sf.read(io.BytesIO(data), dtype="float32")
+    return samples, rate
+
+
+def test_openai_client_whole_and_streamed_speech_agree(client, tmp_path):
+    whole = client.audio.speech.create(model=MODEL, voice="default", input=TEXT, response_format="wav",
+                                       extra_body={"seed": 5, "max_new_tokens": 80})
+    samples, rate = _wav(whole.content)
+    assert rate == 24000 and samples.ndim == 1 and samples.size >= 960 * 8
+    assert float(np.abs(samples).max()) > 0.0
+    out = tmp_path / "streamed.wav"
+    with client.audio.speech.with_streaming_response.create(
+            model=MODEL, voice="default", input=TEXT, response_format="wav", stream_format="audio",
+            extra_body={"seed": 5, "max_new_tokens": 80}) as response:
+        assert response.headers["content-type"] == "audio/wav"
+        assert response.headers["x-sample-rate"] == "24000"
+        pieces = list(response.iter_bytes())
+    out.write_bytes(b"".join(pieces))
+    assert len(pieces) > 1, "the stream came in one piece"
+    header = pieces[0][:44] if len(pieces[0]) >= 44 else b"".join(pieces)[:44]
+    assert header[4:8] == b"\xff\xff\xff\xff" and header[40:44] == b"\xff\xff\xff\xff"  # one open-length header
+    streamed, rate = sf.read(out, dtype="float32")  # a playable file: libsndfile reads it to its end
+    assert rate == 24000 and streamed.shape == samples.shape
+    assert float(np.abs(streamed - samples).max()) <= 2 / 32768  # the same codes; codec windows round alike
+
+
+def test_curl_streams_pcm_and_formats_are_what_they_say(server):
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed")
+    body = json.dumps({"model": MODEL, "input": TEXT, "seed": 2, "max_new_tokens": 60, "response_format": "pcm",
+                       "stream_format": "audio"})
+    done = subprocess.run(["curl", "-sS", "-N", "--max-time", "60", "-D", "-", "-H", "Content-Type: application/json",
+                           "-d", body, server.url + "/v1/audio/speech"], capture_output=True, timeout=90)
+    head, _, pcm = done.stdout.partition(b"\r\n\r\n")
+    assert done.returncode == 0 and b"200" in head.split(b"\r\n")[0], done.stderr
+    assert b"transfer-encoding: chunked" in head.lower()
+    whole = _speech(server, input=TEXT, seed=2, max_new_tokens=60, response_format="pcm")
+    assert whole.headers["content-type"] == "audio/pcm"
+    assert len(pcm) == len(whole.content) and len(pcm) % 2 == 0
+    a = np.frombuffer(pcm, "<i2").astype(int)
+    b = np.frombuffer(whole.content, "<i2").astype(int)
+    assert np.abs(a - b).max() <= 2
+    wav = _wav(_speech(server, input=TEXT, seed=2, max_new_tokens=60).content)[0]
+    np.testing.assert_array_equal(np.round(wav * 32768).astype(int), b)  # wav holds the pcm samples
+    flac = _speech(server, input=TEXT, seed=2, max_new_tokens=60, response_format="flac")
+    assert flac.headers["content-type"] == "audio/flac" and flac.content[:4] == b"fLaC"
+    np.testing.assert_array_equal(np.round(_wav(flac.content)[0] * 32768).astype(int), b)
+    for fmt, magic in (("mp3", None), ("opus", b"OggS")):
+        answer = _speech(server, input=TEXT, seed=2, max_new_tokens=60, response_format=fmt)
+        assert answer.status_code == 200, answer.text
+        if magic:
+            assert answer.content[:4] == magic
+        decoded, rate = _wav(answer.content)
+        assert rate in (24000, 48000) and decoded.size > 0
+
+
+def test_sse_deltas_join_to_the_audio_stream(server):
+    with httpx.stream("POST", server.url + "/v1/audio/speech", timeout=60,
+                      json={"model": MODEL, "input": TEXT, "seed": 4, "max_new_tokens": 60, "stream_format": "sse",
+                            "response_format": "pcm"}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    assert [e["type"] for e in events[:-1]] == ["speech.audio.delta"] * (len(events) - 1)
+    assert events[-1]["type"] == "speech.audio.done"
+    audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    streamed = _speech(server, input=TEXT, seed=4, max_new_tokens=60, response_format="pcm", stream_format="audio")
+    assert audio == streamed.content
+    usage = events[-1]["usage"]
+    assert usage["output_tokens"] == len(audio) // 2 // 960  # frames: 960 samples each
+    assert usage["input_tokens"] > 0 and usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+
+
+def test_cloning_through_extra_body_and_a_stored_voice_agree(server, client, clip, cases_dir):
+    audio, transcript = clip
+    cloned = client.audio.speech.create(model=MODEL, voice="default", input=TEXT, response_format="pcm",
+                                        extra_body={"ref_audio": base64.b64encode(audio).decode(), "ref_text": transcript,
+                                                    "seed": 9, "max_new_tokens": 60})
+    zero_shot = _speech(server, input=TEXT, response_format="pcm", seed=9, max_new_tokens=60).content
+    assert cloned.content != zero_shot  # the reference changed the prompt
+    data_uri = "data:audio/wav;base64," + base64.b64encode(audio).decode()
+    assert _speech(server, input=TEXT, response_format="pcm", seed=9, max_new_tokens=60, ref_audio=data_uri,
+                   ref_text=transcript).content == cloned.content
+    local = _speech(server, input=TEXT, response_format="pcm", seed=9, max_new_tokens=60,
+                    ref_audio=str(cases_dir / "ref_en_16k.wav"), ref_text=transcript)
+    assert local.content == cloned.content  # a path under --allow-local-media
+    boson = _speech(server, input=TEXT, response_format="pcm", seed=9, max_new_tokens=60,
+                    references=[{"audio": base64.b64encode(audio).decode(), "text": transcript}])
+    assert boson.content == cloned.content
+
+    made = httpx.post(server.url + "/v1/audio/voices", timeout=60, files={"audio": ("ref.wav", audio, "audio/wav")},
+                      data={"name": "narrator", "transcript": transcript})
+    assert made.status_code == 201, made.text
+    assert made.json()["name"] == "narrator" and made.json()["frames"] > 0
+    assert (server.voices_dir / "narrator.safetensors").is_file()
+    listed = [v["name"] for v in httpx.get(server.url + "/v1/audio/voices").json()["voices"]]
+    assert listed == ["default", "narrator"]
+    by_name = client.audio.speech.create(model=MODEL, voice="narrator", input=TEXT, response_format="pcm",
+                                         extra_body={"seed": 9, "max_new_tokens": 60})
+    assert by_name.content == cloned.content
+    as_object = _speech(server, input=TEXT, voice={"id": "narrator"}, response_format="pcm", seed=9, max_new_tokens=60)
+    assert as_object.content == cloned.content
+    assert httpx.delete(server.url + "/v1/audio/voices/narrator").json() == {"name": "narrator", "deleted": True}
+    assert not (server.voices_dir / "narrator.safetensors").exists()
+    gone = _speech(server, input=TEXT, voice="narrator")
+    assert gone.status_code == 400 and gone.json()["error"]["code"] == "unknown_voice"
+    assert httpx.delete(server.url + "/v1/audio/voices/narrator").status_code == 404
+
+
+#: (body fields, status, param, words the message must hold)
+BAD_BODIES = [
+    ({"model": "tts-1"}, 404, "model", "serves higgs-audio-v3-tiny-cpu-int4, higgs-audio-v3-tiny"),
+    ({"input": ""}, 400, "input", "non-empty string"),
+    ({"input": "x" * 1001}, 400, "input", "1001 characters; the limit is 1000"),
+    ({"references_": []}, 400, "references_", "unknown field(s) 'references_'"),
+    ({"response_format": "aac"}, 400, "response_format", "use one of wav, pcm, flac"),
+    ({"response_format": "mp3", "stream_format": "audio"}, 400, "response_format", "cannot be streamed"),
+    ({"stream_format": "chunks"}, 400, "stream_format", "\"audio\""),
+    ({"speed": 1.5}, 400, "speed", "only 1.0"),
+    ({"instructions": "whisper"}, 400, "instructions", "inline controls"),
+    ({"voice": "alloy"}, 400, "voice", "use one of default"),
+    ({"seed": -1, "top_k": 1.5}, 400, "top_k", "2 problems"),
+    ({"max_new_tokens": 0}, 400, "max_new_tokens", ">= 1"),
+    ({"ref_audio": "https://example.com/a.wav", "ref_text": "hi"}, 400, "ref_audio", "does not fetch URLs"),
+    ({"ref_audio": "/etc/passwd.wav", "ref_text": "hi"}, 400, "ref_audio", "not a file under the allowed folder"),
+    ({"ref_audio": "bm90IGF1ZGlv", "ref_text": "hi"}, 400, "ref_audio", "not a readable audio file"),
+    ({"ref_audio": "%%%", "ref_text": "hi"}, 400, "ref_audio", "not valid base64"),
+    ({"ref_text": "hi"}, 400, "ref_text", "needs ref_audio"),
+    ({"references": [{"text": "a"}, {"text": "b"}]}, 400, "references", "exactly one"),
+    ({"input": "Say <|audio|> now."}, 400, "input", "prompt control token"),
+]
+
+
+@pytest.mark.parametrize(("fields", "status", "param", "words"), BAD_BODIES,
+                         ids=[f"{next(iter(f))}-{s}" for f, s, _, _ in BAD_BODIES])
+def test_bad_requests_get_openai_errors_that_name_the_field(server, fields, status, param, words):
+    answer = _speech(server, **{"input": TEXT, **fields})
+    assert answer.status_code == status, answer.text
+    error = answer.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and words in error["message"], error
+    assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+
+
+def test_openai_client_raises_the_servers_error(client):
+    with pytest.raises(openai.BadRequestError, match="unknown field"):
+        client.audio.speech.create(model=MODEL, voice="default", input=TEXT, extra_body={"clone_from": "x"})
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client.audio.speech.create(model="tts-1", voice="default", input=TEXT)
+
+
+def test_limits_name_the_limit(server, clip, tmp_path):
+    long_clip = write_voice_clip(tmp_path / "long.wav", seconds=9.0)
+    answer = _speech(server, input=TEXT, ref_audio=base64.b64encode(long_clip.read_bytes()).decode(), ref_text="hi")
+    assert answer.status_code == 400 and "at most 8 s (--max-ref-seconds)" in answer.json()["error"]["message"]
+    big = b"\0" * (1024 * 1024 + 10)
+    answer = _speech(server, input=TEXT, ref_audio=base64.b64encode(big).decode(), ref_text="hi")
+    assert answer.status_code == 413 and "--max-upload-mb" in answer.json()["error"]["message"]
+    upload = httpx.post(server.url + "/v1/audio/voices", files={"audio": ("big.wav", big, "audio/wav")},
+                        data={"name": "big", "transcript": "hi"}, timeout=60)
+    assert upload.status_code == 413, upload.text
+    for name, words in (("../x", "not allowed"), ("a/b", "not allowed"), ("default", "reserved"), ("x" * 65, "64")):
+        bad = httpx.post(server.url + "/v1/audio/voices", files={"audio": ("r.wav", clip[0], "audio/wav")},
+                         data={"name": name, "transcript": clip[1]}, timeout=60)
+        assert bad.status_code == 400 and words in bad.json()["error"]["message"], (name, bad.text)
+        assert bad.json()["error"]["param"] == "name"
+    short = write_voice_clip(tmp_path / "short.wav", seconds=0.2)
+    bad = httpx.post(server.url + "/v1/audio/voices", files={"audio": ("s.wav", short.read_bytes(), "audio/wav")},
+                     data={"name": "short", "transcript": "hi"}, timeout=60)
+    assert bad.status_code == 400 and "at least 0.5 s" in bad.json()["error"]["message"]  # --ref-audio's message
+    no_text = httpx.post(server.url + "/v1/audio/voices", files={"audio": ("r.wav", clip[0], "audio/wav")},
+                         data={"name": "quiet"}, timeout=60)
+    assert no_text.status_code == 400 and no_text.json()["error"]["param"] == "transcript"
+
+
+def test_models_health_ready_metrics_and_demo_page(server):
+    models = httpx.get(server.url + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["higgs-audio-v3-tiny-cpu-int4", MODEL]
+    assert models["data"][0]["max_batch"] == 4 and models["data"][0]["backend"] == "onnxruntime"
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.url + "/ready").json()["status"] == "ready"
+    before = server.metric("higgs_pack_frames_total")
+    ok = server.metric("higgs_pack_requests_total", 'route="/v1/audio/speech",status="200"')
+    assert _speech(server, input=TEXT, seed=1, max_new_tokens=30, stream_format="audio").status_code == 200
+    assert server.metric("higgs_pack_requests_total", 'route="/v1/audio/speech",status="200"') == ok + 1
+    assert server.metric("higgs_pack_frames_total") > before
+    assert server.metric("higgs_pack_time_to_first_audio_seconds_count") >= 1
+    assert server.metric("higgs_pack_real_time_factor_count") >= 1
+    assert server.metric("higgs_pack_in_flight") == 0 and server.metric("higgs_pack_active_batch") == 0
+    assert server.metric("higgs_pack_ready") == 1
+    page = httpx.get(server.url + "/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert httpx.get(server.url + "/nowhere").json()["error"]["message"].startswith("no route GET /nowhere")
+
+
+def test_a_client_that_leaves_frees_its_row(server):
+    """A streamed request dropped after its first bytes stops at the engine's next step: the
+    frames made are far fewer than the whole request's, and nothing stays in flight."""
+    frames_before = server.metric("higgs_pack_engine_frames_total")
+    assert _speech(server, input=LONG_TEXT, seed=3, response_format="pcm").status_code == 200
+    whole_frames = server.metric("higgs_pack_engine_frames_total") - frames_before
+    assert whole_frames > 500
+    frames_before = server.metric("higgs_pack_engine_frames_total")
+    with httpx.stream("POST", server.url + "/v1/audio/speech", timeout=60,
+                      json={"model": MODEL, "input": LONG_TEXT, "seed": 3, "response_format": "pcm",
+                            "stream_format": "audio"}) as response:
+        next(response.iter_raw())
+    deadline = time.monotonic() + 10
+    while server.metric("higgs_pack_in_flight") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.metric("higgs_pack_in_flight") == 0 and server.metric("higgs_pack_active_batch") == 0
+    made = server.metric("higgs_pack_engine_frames_total") - frames_before
+    assert 0 < made < whole_frames / 2, f"the dropped request went on: {made} of {whole_frames} frames"
+
+
+def test_a_full_queue_answers_429_and_every_other_answer_is_complete(cpu_int4_bundle):
+    with LiveServer(cpu_int4_bundle, "--max-batch", "1", "--max-queue", "1") as live:
+        answers: list[httpx.Response] = []
+
+        def one(seed: int) -> None:
+            answers.append(_speech(live, input=LONG_TEXT[:400], seed=seed, response_format="pcm"))
+
+        threads = [threading.Thread(target=one, args=(s,)) for s in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    codes = sorted(a.status_code for a in answers)
+    assert len(answers) == 6 and codes.count(200) >= 2 and set(codes) <= {200, 429}, codes
+    assert 429 in codes
+    for answer in answers:
+        if answer.status_code == 429:
+            assert int(answer.headers["retry-after"]) >= 1
+            assert answer.json()["error"]["code"] == "queue_full"
+            assert "--max-batch, --max-queue" in answer.json()["error"]["message"]
+        else:
+            assert len(answer.content) % 2 == 0 and len(answer.content) >= 2 * 960 * 8
+
+
+def test_api_key_is_required_on_v1_routes(cpu_int4_bundle):
+    with LiveServer(cpu_int4_bundle, env={"HIGGS_PACK_API_KEY": "s3cret"}) as live:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            answer = httpx.get(live.url + "/v1/models", headers=headers)
+            assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(live.url + "/health").status_code == 200  # probes need no key
+        keyed = openai.OpenAI(base_url=live.url + "/v1", api_key="s3cret", max_retries=0)
+        assert keyed.models.list().data[0].id == "higgs-audio-v3-tiny-cpu-int4"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=live.url + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_sigterm_finishes_the_request_in_flight_then_exits(cpu_int4_bundle):
+    live = LiveServer(cpu_int4_bundle, "--grace-seconds", "60")
+    try:
+        whole = _speech(live, input=LONG_TEXT, seed=6, response_format="pcm").content
+        got: list[bytes] = []
+        with httpx.stream("POST", live.url + "/v1/audio/speech", timeout=120,
+                          json={"model": MODEL, "input": LONG_TEXT, "seed": 6, "response_format": "pcm",
+                                "stream_format": "audio"}) as response:
+            pieces = response.iter_raw()
+            got.append(next(pieces))
+            live.signal(signal.SIGTERM)
+            time.sleep(0.5)
+            with pytest.raises(httpx.ConnectError):  # no new connections while stopping
+                httpx.get(live.url + "/health", timeout=5)
+            got.extend(pieces)
+        assert len(b"".join(got)) == len(whole)  # the request in flight finished, complete
+        # uvicorn ends a graceful stop by re-raising the signal, as a process stopped by it does
+        assert live.process.wait(60) == -signal.SIGTERM
+        assert "Application shutdown complete" in "".join(live.log) and "Traceback" not in "".join(live.log)
+    finally:
+        live.stop()
+
+
+def test_serve_refuses_bad_sources_and_a_port_in_use(tmp_path, cpu_int4_bundle):
+    import socket
+    import sys
+
+    missing = subprocess.run([sys.executable, "-m", "higgs_pack.runtime.cli", "serve", str(tmp_path / "nope"),
+                              "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert missing.returncode != 0 and "nope" in missing.stderr and "Traceback" not in missing.stderr
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    try:
+        busy = subprocess.run([sys.executable, "-m", "higgs_pack.runtime.cli", "serve", str(cpu_int4_bundle),
+                               "--port", str(taken.getsockname()[1])], capture_output=True, text=True, timeout=120)
+    finally:
+        taken.close()
+    assert busy.returncode != 0 and "is in use; choose another with --port" in busy.stderr

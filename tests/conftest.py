@@ -121,6 +121,20 @@ def cpu_int4_bundle(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: P
     return _build(tmp_path_factory, tiny_checkpoint, "cpu", "int4")
 
 
+@slow_fixture(scope="session")
+def ov_int4_bundle(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path) -> Path:
+    """The openvino int4 bundle of the tiny checkpoint (its own model cache), built once per session."""
+    pytest.importorskip("openvino")
+    pytest.importorskip("optimum.intel")
+    pytest.importorskip("nncf")
+    from higgs_pack.targets.build import build
+
+    root = tmp_path_factory.mktemp("ov-int4")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HIGGS_PACK_CACHE", str(root / "cache"))
+        return build("openvino", model=tiny_checkpoint, out=root / "higgs-audio-v3-tiny-openvino-int4")
+
+
 @pytest.fixture
 def bundle_copy(tmp_path: Path, cpu_fp32_bundle: Path) -> Path:
     """A private copy of the cpu fp32 bundle that a test may damage."""

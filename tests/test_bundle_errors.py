@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import slow_fixture
 
 from higgs_pack.manifests.constants import FORMAT_VERSION
 from higgs_pack.manifests.errors import (
@@ -326,20 +325,6 @@ def test_json_that_is_not_a_tokenizer(bundle_copy):
     _rehash(bundle_copy, "tokenizer.json")
     with pytest.raises(BundleError, match=r"tokenizer\.json is not a tokenizer\.json: does not open as a tokenizers"):
         load(bundle_copy)
-
-
-@slow_fixture(scope="module")
-def ov_int4_bundle(tmp_path_factory, tiny_checkpoint) -> Path:
-    """The openvino int4 bundle of the tiny checkpoint (its own model cache), built once for this module."""
-    pytest.importorskip("openvino")
-    pytest.importorskip("optimum.intel")
-    pytest.importorskip("nncf")
-    from higgs_pack.targets.build import build
-
-    root = tmp_path_factory.mktemp("ov-kinds")
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("HIGGS_PACK_CACHE", str(root / "cache"))
-        return build("openvino", model=tiny_checkpoint, out=root / "higgs-audio-v3-tiny-openvino-int4")
 
 
 @pytest.mark.slow

@@ -346,3 +346,32 @@ def test_serve_refuses_bad_sources_and_a_port_in_use(tmp_path, cpu_int4_bundle):
     finally:
         taken.close()
     assert busy.returncode != 0 and "is in use; choose another with --port" in busy.stderr
+
+
+def test_an_openvino_bundle_is_served_one_request_at_a_time(ov_int4_bundle):
+    """The OpenVINO backend does not batch: the server says so and serves its requests in turn,
+    several at once from several clients (the sub-parts' infer requests take turns)."""
+    with LiveServer(ov_int4_bundle) as live:
+        ready = httpx.get(live.url + "/ready").json()
+        assert ready["backend"] == "openvino" and ready["max_batch"] == 1
+        assert ready["batching"].startswith("one request at a time: ") and "lockstep" in ready["batching"]
+        answers: list[httpx.Response] = []
+        threads = [threading.Thread(target=lambda s=s: answers.append(_speech(
+            live, input=TEXT, seed=s, max_new_tokens=40, response_format="pcm",
+            **({"stream_format": "audio"} if s % 2 else {})))) for s in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert sorted(a.status_code for a in answers) == [200] * 4
+        alone = {s: _speech(live, input=TEXT, seed=s, max_new_tokens=40, response_format="pcm").content
+                 for s in range(4)}
+        assert sorted(len(a.content) for a in answers) == sorted(len(v) for v in alone.values())
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+        with client.audio.speech.with_streaming_response.create(model=MODEL, voice="default", input=TEXT,
+                                                                 stream_format="audio") as response:
+            data = b"".join(response.iter_bytes())
+        samples, rate = _wav(data)
+        assert rate == 24000 and samples.size > 0
+    with pytest.raises(AssertionError, match="cannot|do not decode several"):
+        LiveServer(ov_int4_bundle, "--max-batch", "2")

@@ -188,15 +188,13 @@ def _routes(app: FastAPI, server: SpeechServer) -> None:
                 _finish(server, t0, answer)
             return Response(data, media_type=media_type(job.response_format), headers=headers)
 
-        async def body_bytes():
-            try:
-                async for piece in server.chunks(handle, job, answer):
-                    yield piece
-            finally:
-                _finish(server, t0, answer)
+        def close() -> None:
+            handle.cancel()  # a no-op once it finished; frees the row when the client left
+            _finish(server, t0, answer)
 
         kind = "text/event-stream" if job.stream_format == "sse" else media_type(job.response_format)
-        return StreamingResponse(body_bytes(), media_type=kind, headers={**headers, "Cache-Control": "no-cache"})
+        return _Stream(server.chunks(handle, job, answer), close, media_type=kind,
+                       headers={**headers, "Cache-Control": "no-cache"})
 
     @app.get("/v1/audio/voices")
     async def list_voices(request: Request) -> dict[str, Any]:
@@ -257,7 +255,27 @@ def _routes(app: FastAPI, server: SpeechServer) -> None:
         return {"name": name, "deleted": True}
 
 
+class _Stream(StreamingResponse):
+    """A streamed answer that runs ``close`` however it ends: sent, failed, or dropped by a
+    client that left before its first byte (then the body's generator never starts, so its
+    own ``finally`` would never run)."""
+
+    def __init__(self, content: Any, close: Any, **keywords: Any):
+        super().__init__(content, **keywords)
+        self._close = close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._close()
+
+
 def _finish(server: SpeechServer, t0: float, answer: Answer) -> None:
+    """Release the request's place and record its figures (once)."""
+    if answer.finished:
+        return
+    answer.finished = True
     seconds = time.perf_counter() - t0
     server.release(seconds)
     m = server.metrics

@@ -52,6 +52,7 @@ class Answer:
     frames: int = 0
     audio_seconds: float = 0.0
     first_audio_s: float = math.nan
+    finished: bool = False
 
 
 class SpeechServer:

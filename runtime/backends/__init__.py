@@ -178,7 +178,7 @@ class Backend:
         from higgs_pack.runtime.loop.engine import SingleRowDecoder
 
         if max_batch == 1:
-            return SingleRowDecoder(pipeline.decoder)
+            return SingleRowDecoder(pipeline.decoder, max_length)
         raise InputError(
             f"{self.label} bundles do not decode several requests per step yet ({self.batching_refusal}); "
             "use engine(max_batch=1), or a cpu ONNX Runtime bundle for batching")

@@ -105,6 +105,10 @@ class SingleRowDecoder:
     """Any backend's batch-1 :class:`~higgs_pack.runtime.loop.pipeline.Decoder` as a one-row
     :class:`BatchedDecoder` (``max_batch=1``: the engine then serves requests one at a time).
 
+    Args:
+        decoder: the pipeline's decoder.
+        max_length: most positions per request (default, and at most, the decoder's own).
+
     Attributes:
         kv_bytes_per_position: the wrapped decoder's own figure where it states one (ONNX
             Runtime's :class:`~higgs_pack.runtime.backends.onnxruntime.runners.OrtDecoder`), else
@@ -116,9 +120,9 @@ class SingleRowDecoder:
 
     max_batch = 1
 
-    def __init__(self, decoder: Decoder):
+    def __init__(self, decoder: Decoder, max_length: int | None = None):
         self._decoder = decoder
-        self.max_length = decoder.max_length
+        self.max_length = decoder.max_length if max_length is None else min(max_length, decoder.max_length)
         self.kv_bytes_per_position: int | None = getattr(decoder, "kv_bytes_per_position", None)
         self.kv_device: str = getattr(decoder, "kv_device", "cpu")
 

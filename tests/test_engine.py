@@ -472,7 +472,8 @@ def test_synthesize_many_requests_keep_their_seed_and_bad_options_raise_at_once(
 
     requests = [SynthesisRequest.create(text, seed=seed, max_frames=cap) for text, seed, cap in REQUESTS[:3]]
     got = list(tts.synthesize_many(requests, max_batch=2, top_k=3))  # options are for str items only
-    for (i, result), want in zip(got, alone[:3], strict=True):
+    assert [i for i, _ in got] == [0, 1, 2]
+    for (_, result), want in zip(got, alone[:3], strict=True):
         np.testing.assert_array_equal(result.codes, want.codes)
     with pytest.raises(InputError, match="top_p must be in"):
         tts.synthesize_many(["Hi."], top_p=2)  # at the call, before any iteration

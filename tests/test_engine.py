@@ -283,6 +283,8 @@ def test_a_row_with_non_finite_output_fails_that_request_alone(tts, alone):
     from higgs_pack.runtime.loop.engine import Engine
 
     with Engine(tts.pipeline, _PoisonedRow(_batched(tts, max_batch=3, max_length=1024), row=1, after=5)) as engine:
+        # A decoder that does not state its KV bytes (as OpenVINO's): admission by free rows only.
+        assert (engine.kv_bytes_per_position, engine.kv_budget_bytes) == (None, None)
         handles = [_submit(engine, tts, i) for i in range(3)]
         with pytest.raises(NumericalError, match="llm_decoder returned non-finite"):
             handles[1].result(timeout=60)

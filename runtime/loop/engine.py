@@ -352,6 +352,9 @@ class Engine:
             raise InputError(f"max_kv_bytes must be a whole number of bytes >= 1 (or None: from the free memory), "
                              f"got {max_kv_bytes!r}")
         per_position = getattr(decoder, "kv_bytes_per_position", None)
+        if per_position is None and max_kv_bytes is not None:
+            log.warning("max_kv_bytes=%d ignored: this decoder does not state its KV bytes per position "
+                        "(requests are admitted by free rows only)", max_kv_bytes)
         if max_kv_bytes is None and getattr(decoder, "kv_device", "cpu") == "cpu":
             max_kv_bytes = default_kv_budget(per_position, decoder.max_batch, decoder.max_length)
         self.kv = KVBudget(per_position, None if per_position is None else max_kv_bytes)

@@ -127,8 +127,8 @@ def _progress_bar(no_progress: bool):
 @click.option("--text", "-t", help="Text to speak ('-' or omitted: read stdin).")
 @click.option("--text-file", type=click.Path(path_type=Path, dir_okay=False, allow_dash=True, exists=True),
               help="Read the text from a file ('-' for stdin).")
-@click.option("-o", "--output", type=click.Path(path_type=Path, dir_okay=False, allow_dash=True), required=True,
-              help="Output .wav (24 kHz mono), or - for stdout.")
+@click.option("-o", "--output", type=click.Path(path_type=Path, allow_dash=True), required=True,
+              help="Output .wav (24 kHz mono), or - for stdout; with --batch a folder.")
 @click.option("--ref-audio", type=click.Path(path_type=Path, dir_okay=False, exists=True),
               help="Reference voice to clone (any sample rate / channels libsndfile reads).")
 @click.option("--ref-text", help="Exact transcript of --ref-audio.")
@@ -155,9 +155,12 @@ def _progress_bar(no_progress: bool):
               help="--stream: each chunk is this many times the previous one (>= 1).")
 @click.option("--max-chunk-frames", type=int, default=MAX_CHUNK_FRAMES, show_default=True,
               help="--stream: largest chunk in frames (>= --first-chunk-frames).")
+@click.option("--batch", type=click.IntRange(min=1),
+              help="Speak every non-empty line of --text-file into its own wav in the folder -o, this many "
+                   "lines decoded together; rerun to resume.")
 def synthesize(bundle, text, text_file, output, ref_audio, ref_text, execution_provider, device,
                allow_fallback, seed, temperature, top_k, top_p, max_frames, as_float, no_progress,
-               bundle_dirs, variant, streaming, fmt, first_chunk_frames, chunk_growth, max_chunk_frames):
+               bundle_dirs, variant, streaming, fmt, first_chunk_frames, chunk_growth, max_chunk_frames, batch):
     """Speak TEXT with BUNDLE into a wav (or, with -o -, to stdout).
 
     BUNDLE is a bundle directory, a folder of bundles (the best for this machine is
@@ -170,11 +173,24 @@ def synthesize(bundle, text, text_file, output, ref_audio, ref_text, execution_p
     written while it is generated (a .wav file's header is completed at the end, also
     after Ctrl-C); `-o -` writes to stdout for a player:
     higgs-pack synthesize BUNDLE --stream -t "…" -o - | aplay
+
+    With --batch N and --text-file FILE, each non-empty line becomes OUTDIR/<line>.wav
+    (line numbers zero-padded), N lines decoded together, line n with seed --seed + n - 1;
+    OUTDIR/batch-manifest.json lists what was written.  An interrupted run keeps its
+    finished files; the same command again skips them and does the rest:
+    higgs-pack synthesize BUNDLE --text-file lines.txt --batch 8 -o outdir/
     """
     from higgs_pack.runtime.api import load
     from higgs_pack.runtime.audio import write_wav
     from higgs_pack.runtime.request import SynthesisRequest
 
+    if batch is not None:
+        _synthesize_batch(bundle, text, text_file, output, ref_audio, ref_text, batch, streaming, fmt,
+                          dict(seed=seed, temperature=temperature, top_k=top_k, top_p=top_p, max_frames=max_frames),
+                          dict(device=device, execution_provider=execution_provider, allow_fallback=allow_fallback,
+                               bundle_dirs=bundle_dirs, variant=variant),
+                          "FLOAT" if as_float else "PCM_16", no_progress)
+        return
     _check_output(output, bundle, [text_file, ref_audio], fmt)
     request = SynthesisRequest.create(
         _read_text(text, text_file), ref_audio=ref_audio, ref_text=ref_text, seed=seed, temperature=temperature,
@@ -210,6 +226,108 @@ def synthesize(bundle, text, text_file, output, ref_audio, ref_text, execution_p
     if written.scaled:
         click.echo(f"note: peak {written.peak:.2f} exceeded 16-bit range; audio was scaled down "
                    "(use --float to keep it unscaled)", err=True)
+
+
+def _check_output_folder(output: Path, bundle: str, inputs: list[Path | None]) -> None:
+    """Refuse a --batch -o that is not a folder (or cannot become one), or lies inside the bundle."""
+    if str(output) == "-":
+        raise click.BadParameter("--batch writes a folder of wavs, one per line; give a folder (-o outdir/), "
+                                 "or drop --batch to send one text to stdout", param_hint="-o")
+    if output.suffix.lower() == ".wav" and not output.is_dir():
+        raise click.BadParameter(f"{output}: with --batch, -o is a folder that gets one wav per line; give a "
+                                 "folder name (-o outdir/)", param_hint="-o")
+    if output.exists() and not output.is_dir():
+        raise click.BadParameter(f"{output} is a file; with --batch, -o is a folder that gets one wav per line",
+                                 param_hint="-o")
+    out = output.resolve()
+    if not output.exists() and not out.parent.is_dir():
+        raise click.BadParameter(f"{output}: folder {out.parent} does not exist; create it first", param_hint="-o")
+    for path in inputs:
+        if path is not None and str(path) != "-" and path.exists() and path.resolve() == out:
+            raise click.BadParameter(f"{output} is also an input of this command", param_hint="-o")
+    bundle_path = Path(bundle)
+    if bundle_path.is_dir() and (out == bundle_path.resolve() or bundle_path.resolve() in out.parents):
+        raise click.BadParameter(f"{output} is inside the bundle {bundle}; write the audio elsewhere",
+                                 param_hint="-o")
+
+
+def _synthesize_batch(bundle, text, text_file, output: Path, ref_audio, ref_text, batch: int, streaming: bool,
+                      fmt: str, sampling: dict, load_kwargs: dict, subtype: str, no_progress: bool) -> None:
+    """``synthesize --batch``: every non-empty line of ``--text-file`` into its own wav in the
+    folder ``-o`` (:mod:`higgs_pack.runtime.batch`).  Exit 1 when some line failed, 130 after
+    Ctrl-C (the finished files and the manifest stay)."""
+    from dataclasses import replace
+
+    from higgs_pack.runtime.api import load
+    from higgs_pack.runtime.batch import (
+        MANIFEST,
+        BatchManifest,
+        batch_settings,
+        finished_lines,
+        read_lines,
+        remove_partials,
+        run_batch,
+    )
+    from higgs_pack.runtime.request import SynthesisRequest
+
+    if text_file is None:
+        raise click.UsageError("--batch N speaks one wav per line of a text file: give --text-file FILE (and a "
+                               "folder as -o), or drop --batch to speak one text")
+    if text is not None:
+        raise click.UsageError("--batch reads its lines from --text-file; --text gives one text (drop --batch)")
+    if streaming:
+        raise click.UsageError("--stream writes one text while it is generated; --batch writes one finished wav "
+                               "per line: use one of them")
+    if fmt != "wav":
+        raise click.UsageError("--format raw writes one text to stdout; --batch writes wav files: drop --format")
+    _check_output_folder(output, bundle, [text_file, ref_audio])
+    lines, line_count = read_lines(_read_text(None, text_file), sampling["seed"])
+    voice = dict(ref_audio=ref_audio, ref_text=ref_text)
+    first = SynthesisRequest.create(lines[0].text, **voice, **{**sampling, "seed": lines[0].seed})
+    requests = [first] + [replace(first, text=line.text, seed=line.seed) for line in lines[1:]]
+
+    tts = load(bundle, **load_kwargs)
+    click.echo(f"using {tts.info}", err=True)
+    output.mkdir(exist_ok=True)
+    removed = remove_partials(output)
+    if removed:
+        click.echo(f"removed {removed} unfinished file(s) a stopped run left in {output}", err=True)
+    settings = batch_settings(tts.info.bundle, first, sampling["seed"], subtype, ref_audio)
+    done = finished_lines(BatchManifest.read(output), settings, lines, output)
+    manifest = BatchManifest(settings, str(text_file), line_count, len(lines), files=done)
+    todo = [i for i, line in enumerate(lines) if line.number not in done]
+    if done:
+        click.echo(f"skipping {len(done)} of {len(lines)} lines: already written ({output / MANIFEST})", err=True)
+    if ref_audio is not None and todo:
+        prepared = tts.prepare_voice(ref_audio, ref_text)  # encoded once for every line
+        requests = [replace(r, voice=prepared) for r in requests]
+    from tqdm import tqdm
+
+    quiet = no_progress or not (sys.stderr is not None and sys.stderr.isatty())
+    bar = tqdm(total=len(todo), unit="line", disable=quiet, desc="synthesizing", leave=False)
+
+    def say(message: str, is_error: bool) -> None:
+        (bar.write if not quiet else click.echo)(message, **({"file": sys.stderr} if is_error else {}))
+
+    try:
+        outcome = run_batch(tts, [lines[i] for i in todo], [requests[i] for i in todo], manifest, output,
+                            max_batch=batch, subtype=subtype, say=say,
+                            progress=lambda n: bar.update(n - bar.n))
+    except KeyboardInterrupt:
+        bar.close()
+        click.echo(f"interrupted (Ctrl-C): {len(manifest.files)} of {len(lines)} lines written, listed in "
+                   f"{output / MANIFEST}; run the same command again to do the rest", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    bar.close()
+    notes = [f"{outcome.skipped} skipped: already written"] if outcome.skipped else []
+    notes += [f"{outcome.failed} failed, listed in its errors"] if outcome.failed else []
+    notes_text = f" ({'; '.join(notes)})" if notes else ""
+    click.echo(f"wrote {outcome.written} file(s) to {output}{notes_text}; {len(manifest.files)} of {len(lines)} "
+               f"lines done, manifest {output / MANIFEST}")
+    if outcome.failed:
+        click.echo(f"error: {outcome.failed} line(s) failed; fix them and run the same command again to do only "
+                   "those", err=True)
+        sys.exit(1)
 
 
 #: Exit status after the reader of -o - closed the pipe (as a program stopped by SIGPIPE).

@@ -242,3 +242,159 @@ def test_closed_pipe_without_stream_is_reported_like_the_stream(cpu_int4_bundle)
     err = proc.stderr.read().decode()
     assert rc == 141, err
     assert "stopped, the reader closed the pipe: wrote" in err and "Traceback" not in err
+
+
+# ------------------------------------------------ --batch: a folder of wavs, one per line
+
+
+def _manifest(folder: Path) -> dict:
+    import json
+
+    return json.loads((folder / "batch-manifest.json").read_text())
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _check_listed(folder: Path, manifest: dict) -> None:
+    """Every listed file is there with the listed sha256 and length; nothing half-written is left."""
+    for entry in manifest["files"]:
+        path = folder / entry["file"]
+        assert _sha256(path) == entry["sha256"], entry
+        info = sf.info(path)
+        assert info.frames == entry["frames"] * 960 and abs(info.duration - entry["seconds"]) < 1e-3, entry
+    assert not list(folder.glob(".partial-*"))
+
+
+def test_batch_writes_one_wav_per_line_and_a_manifest(cpu_int4_bundle, tmp_path):
+    lines = tmp_path / "lines.txt"
+    lines.write_text("Hello there.\n\n   \nSecond line here.\nThird one.\n")
+    out = tmp_path / "out"
+    done = run("synthesize", cpu_int4_bundle, "--text-file", lines, "--batch", "2", "-o", out, "--max-frames", "30",
+               "--seed", "5")
+    assert sorted(p.name for p in out.iterdir()) == ["1.wav", "4.wav", "5.wav", "batch-manifest.json"]
+    assert "wrote 3 file(s) to" in done.stdout and "3 of 3 lines done" in done.stdout
+    manifest = _manifest(out)
+    assert (manifest["state"], manifest["line_count"], manifest["to_speak"], manifest["written"]) == \
+        ("finished", 5, 3, 3)
+    assert [(e["line"], e["text"], e["file"], e["seed"]) for e in manifest["files"]] == [
+        (1, "Hello there.", "1.wav", 5), (4, "Second line here.", "4.wav", 8), (5, "Third one.", "5.wav", 9)]
+    assert all(set(e["stop_reasons"]) <= {"eoc", "max_frames", "repeat_guard"} for e in manifest["files"])
+    _check_listed(out, manifest)
+    # Line 4 sounds as it does alone with its seed (--seed + line - 1): the same wav, byte for byte.
+    single = tmp_path / "single.wav"
+    run("synthesize", cpu_int4_bundle, "--text", "Second line here.", "--seed", "8", "--max-frames", "30",
+        "-o", single, "--no-progress")
+    assert single.read_bytes() == (out / "4.wav").read_bytes()
+    # Twelve lines: names are padded to two digits.
+    many = tmp_path / "many.txt"
+    many.write_text("".join(f"Line {i}.\n" if i in (3, 12) else "\n" for i in range(1, 13)))
+    run("synthesize", cpu_int4_bundle, "--text-file", many, "--batch", "3", "-o", tmp_path / "twelve",
+        "--max-frames", "10")
+    assert sorted(p.name for p in (tmp_path / "twelve").glob("*.wav")) == ["03.wav", "12.wav"]
+
+
+def test_batch_a_failing_line_is_reported_and_a_rerun_does_only_what_is_left(cpu_int4_bundle, tmp_path):
+    lines = tmp_path / "lines.txt"
+    lines.write_text("First line.\nSay <|endoftext|> now.\nThird line.\n")
+    out = tmp_path / "out"
+    args = ("synthesize", cpu_int4_bundle, "--text-file", lines, "--batch", "3", "-o", out, "--max-frames", "30")
+    first = run(*args, check=False)
+    assert first.returncode == 1, first.stderr
+    assert "line 2 failed: the text contains the tokenizer's special token(s) <|endoftext|>" in first.stderr
+    assert "1 line(s) failed" in first.stderr
+    manifest = _manifest(out)
+    assert [e["line"] for e in manifest["files"]] == [1, 3] and manifest["state"] == "finished"
+    assert [(e["line"], e["text"]) for e in manifest["errors"]] == [(2, "Say <|endoftext|> now.")]
+    kept = {e["file"]: e["sha256"] for e in manifest["files"]}
+    # Fix line 2 and damage 3.wav: the rerun writes those two and skips line 1.
+    lines.write_text("First line.\nSay it now.\nThird line.\n")
+    (out / "3.wav").write_bytes(b"RIFF damaged")
+    second = run(*args)
+    assert "skipping 1 of 3 lines: already written" in second.stderr
+    assert sorted(re.findall(r"wrote (\d\.wav):", second.stdout)) == ["2.wav", "3.wav"]
+    assert "1 skipped: already written" in second.stdout
+    manifest = _manifest(out)
+    assert [e["line"] for e in manifest["files"]] == [1, 2, 3] and manifest["errors"] == []
+    assert {e["file"]: e["sha256"] for e in manifest["files"] if e["line"] != 2} == kept  # same seed, same audio
+    _check_listed(out, manifest)
+    # Other settings than the folder's: refused, nothing touched.
+    other = run(*args[:-1], "40", check=False)
+    assert other.returncode == 2 and "was written with other settings (max_frames: 30 there, 40 now)" in other.stderr
+    assert _manifest(out) == manifest
+
+
+def test_batch_killed_or_interrupted_keeps_finished_files_and_resumes(cpu_int4_bundle, tmp_path):
+    import json
+    import signal
+    import time
+
+    lines = tmp_path / "lines.txt"
+    lines.write_text("".join(f"Line {i} of a long story, with a few more words in it.\n" for i in range(1, 25)))
+    out = tmp_path / "out"
+    command = [*HIGGS, "synthesize", str(cpu_int4_bundle), "--text-file", str(lines), "--batch", "2", "-o", str(out),
+               "--max-frames", "300"]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+
+    def start_and_stop(sig: int, written_before: int) -> tuple[subprocess.CompletedProcess, dict]:
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        deadline = time.monotonic() + 240
+        while True:  # until the manifest lists a file this run wrote
+            try:
+                if json.loads((out / "batch-manifest.json").read_text())["written"] > written_before:
+                    break
+            except (FileNotFoundError, json.JSONDecodeError, KeyError):
+                pass
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no file within 240 s"
+            time.sleep(0.01)
+        proc.send_signal(sig)
+        stdout, stderr = proc.communicate(timeout=120)
+        return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr), _manifest(out)
+
+    killed, manifest = start_and_stop(signal.SIGKILL, 0)  # a crash: no chance to say anything
+    assert killed.returncode == -signal.SIGKILL
+    assert manifest["state"] == "running" and 1 <= manifest["written"] < 24
+    for entry in manifest["files"]:
+        assert _sha256(out / entry["file"]) == entry["sha256"]
+    first_files = {e["file"]: e["sha256"] for e in manifest["files"]}
+
+    stopped, manifest = start_and_stop(signal.SIGINT, len(first_files))  # Ctrl-C
+    assert stopped.returncode == 130, stopped.stderr
+    assert f"skipping {len(first_files)} of 24 lines: already written" in stopped.stderr
+    assert f"interrupted (Ctrl-C): {manifest['written']} of 24 lines written" in stopped.stderr
+    assert manifest["state"] == "interrupted" and len(first_files) < manifest["written"] < 24
+    _check_listed(out, manifest)
+
+    finished = run(*command[len(HIGGS):])
+    assert f"skipping {manifest['written']} of 24 lines: already written" in finished.stderr
+    final = _manifest(out)
+    assert final["state"] == "finished" and [e["line"] for e in final["files"]] == list(range(1, 25))
+    assert {e["file"]: e["sha256"] for e in final["files"] if e["file"] in first_files} == first_files
+    assert len(re.findall(r"^wrote \d+\.wav", finished.stdout, re.MULTILINE)) == 24 - manifest["written"]
+    _check_listed(out, final)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--text", "Hi.", "--batch", "2", "-o", "{tmp}/out"], "--batch N speaks one wav per line of a text file: give "
+                                                          "--text-file FILE"),
+    (["--text-file", "{tmp}/lines.txt", "--batch", "2", "--stream", "-o", "{tmp}/out"],
+     "--stream writes one text while it is generated; --batch writes one finished wav per line"),
+    (["--text-file", "{tmp}/lines.txt", "--batch", "2", "-o", "{tmp}/out.wav"],
+     "with --batch, -o is a folder that gets one wav per line"),
+    (["--text-file", "{tmp}/lines.txt", "--batch", "2", "-o", "{tmp}/lines.txt"], "is a file; with --batch, -o is a folder"),
+    (["--text-file", "{tmp}/lines.txt", "--batch", "2", "-o", "{tmp}/no/out"], "does not exist; create it first"),
+    (["--text-file", "{tmp}/lines.txt", "--batch", "2", "-o", "-"], "--batch writes a folder of wavs"),
+    (["--text-file", "{tmp}/lines.txt", "--batch", "0", "-o", "{tmp}/out"], "0 is not in the range x>=1"),
+    (["--text-file", "{tmp}/empty.txt", "--batch", "2", "-o", "{tmp}/out"], "the text file has no non-empty line"),
+    (["--text-file", "{tmp}/lines.txt", "--batch", "2", "-o", "{tmp}/out", "--top-p", "2"], "top_p must be in (0, 1]"),
+])
+def test_batch_usage_errors_before_the_bundle_is_looked_at(tmp_path, args, message):
+    (tmp_path / "lines.txt").write_text("One.\nTwo.\n")
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    code, err = invoke("synthesize", tmp_path / "no-bundle", *[a.format(tmp=tmp_path) for a in args])
+    assert code == 2 and message in err and "no such bundle" not in err, err
+    assert not (tmp_path / "out").exists()

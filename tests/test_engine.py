@@ -283,6 +283,8 @@ def test_a_row_with_non_finite_output_fails_that_request_alone(tts, alone):
     from higgs_pack.runtime.loop.engine import Engine
 
     with Engine(tts.pipeline, _PoisonedRow(_batched(tts, max_batch=3, max_length=1024), row=1, after=5)) as engine:
+        # A decoder that does not state its KV bytes (as OpenVINO's): admission by free rows only.
+        assert (engine.kv_bytes_per_position, engine.kv_budget_bytes) == (None, None)
         handles = [_submit(engine, tts, i) for i in range(3)]
         with pytest.raises(NumericalError, match="llm_decoder returned non-finite"):
             handles[1].result(timeout=60)
@@ -309,3 +311,178 @@ def test_a_prepared_voice_gives_the_codes_of_its_clip(tts, cases_dir):
     from higgs_pack.runtime.request import PreparedVoice
     with pytest.raises(InputError, match=r"must lie in 0\.\.1023, got 0\.\.5000"):
         tts.synthesize("Hi.", voice=PreparedVoice(np.full((4, 8), 5000) * np.eye(4, 8, dtype=np.int64), "hi"))
+
+
+# ------------------------------------------------------------------ KV memory and admission by it
+
+
+def _positions(tts, i: int) -> int:
+    """Peak positions of :data:`REQUESTS` ``i`` on a row (its prompt + audio steps)."""
+    from higgs_pack.runtime.loop.generate import chunk_positions
+
+    text, _seed, cap = REQUESTS[i]
+    return chunk_positions(tts.pipeline, text, cap)
+
+
+def test_kv_bytes_per_position_is_layers_x_2_x_kv_heads_x_head_dim_x_itemsize(tts):
+    """Read from the dtypes the decoder binds (float32 here): 2 x 2 x 2 x 16 x 4 = 512 B on the
+    tiny model, for the batched decoder, the batch-1 decoder and the engine over either."""
+    c = tts.pipeline.constants
+    expected = c.num_layers * 2 * c.num_key_value_heads * c.head_dim * 4
+    assert expected == 512
+    batched = _batched(tts)
+    assert {b.dtype for b in batched.kv.values()} == {np.dtype(np.float32)} and len(batched.kv) == c.num_layers * 2
+    assert batched.kv_bytes_per_position == expected
+    assert tts.pipeline.decoder.kv_bytes_per_position == expected and tts.pipeline.decoder.kv_device == "cpu"
+    for rows in (3, 1):
+        with tts.engine(max_batch=rows, max_length=512) as engine:
+            assert engine.kv_bytes_per_position == expected
+            assert engine.kv_bytes_in_use == 0
+            # The default budget: half of MemAvailable, at most every row full (the tiny model's
+            # 3 x 512 x 512 B = 768 KiB is far below half of any machine's free memory).
+            assert engine.kv_budget_bytes == rows * 512 * expected
+
+
+def test_default_budget_is_half_the_available_memory(monkeypatch, tmp_path):
+    from higgs_pack.runtime.loop import kv_memory
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16000000 kB\nMemFree:         1000000 kB\nMemAvailable:    8000000 kB\n")
+    monkeypatch.setattr(kv_memory, "MEMINFO", meminfo)
+    assert kv_memory.available_memory() == (8_000_000 * 1024, f"MemAvailable of {meminfo}")
+    # 288 KiB per position (the 4B model at fp32), 8 rows of 4096: 9 GiB full, half of 7.6 GiB wins.
+    assert kv_memory.default_kv_budget(288 * 1024, 8, 4096) == 8_000_000 * 1024 // 2
+    assert kv_memory.default_kv_budget(512, 8, 4096) == 512 * 8 * 4096
+    assert kv_memory.default_kv_budget(None, 8, 4096) is None
+
+
+def test_chunk_positions_are_the_prompt_and_the_audio_steps(tts, cases_dir):
+    """What admission counts is exactly what the row holds: build_prompt's length + cap + N - 1."""
+    from higgs_pack.runtime.loop.generate import build_prompt, chunk_positions
+
+    n = tts.pipeline.constants.num_codebooks
+    clip, transcript = cases_dir / "ref_en_16k.wav", (cases_dir / "ref_en_16k.txt").read_text().strip()
+    voice = tts.prepare_voice(clip, transcript)
+    for text in ("Hello there.", REQUESTS[1][0]):
+        for codes, ref_text in ((None, None), (voice.codes, voice.transcript)):
+            prompt = build_prompt(tts.pipeline, text, codes, ref_text).shape[1]
+            assert chunk_positions(tts.pipeline, text, 40, codes, ref_text) == prompt + 40 + n - 1
+
+
+def test_a_budget_for_two_of_three_requests_holds_the_third_until_one_leaves(tts, alone):
+    """Three requests, three free rows, KV for the first two: the third waits (for KV, not for a
+    row), starts when one leaves, and gives the codes it gives alone."""
+    per = tts.pipeline.constants.num_layers * 2 * tts.pipeline.constants.num_key_value_heads \
+        * tts.pipeline.constants.head_dim * 4
+    picks = [0, 1, 3]
+    need = [_positions(tts, i) * per for i in picks]
+    budget = need[0] + need[1] + need[2] // 2  # the first two fit, the third does not beside them
+    with tts.engine(max_batch=3, max_length=512, max_kv_bytes=budget) as engine:
+        assert engine.kv_budget_bytes == budget
+        handles = [_submit(engine, tts, i) for i in picks]
+        _wait_for(lambda: engine.stats.steps >= 3, "3 steps")
+        assert (engine.busy_rows, engine.waiting) == (2, 1)
+        assert engine.kv_bytes_in_use == need[0] + need[1]
+        results = [h.result(timeout=60) for h in handles]
+        assert engine.stats.max_rows == 2 and engine.stats.kv_waits == 1
+        assert [h.waited_for_kv for h in handles] == [False, False, True]
+        assert engine.stats.max_kv_bytes_in_use <= budget and engine.kv_bytes_in_use == 0
+    for got, i in zip(results, picks, strict=True):
+        np.testing.assert_array_equal(got.codes, alone[i].codes)
+
+
+def test_admission_is_first_in_first_out(tts, alone):
+    """A large request that does not fit beside the running one holds back a small one behind
+    it that would fit (no overtaking, so a stream of small requests cannot starve it)."""
+    per = 512
+    running, large, small = (_positions(tts, i) * per for i in (1, 3, 4))
+    assert running + small < running + large
+    budget = running + small  # small fits beside the running one; large does not
+    assert large <= budget
+    with tts.engine(max_batch=3, max_length=512, max_kv_bytes=budget) as engine:
+        first = _submit(engine, tts, 1)
+        _wait_for(lambda: engine.stats.steps >= 2, "2 steps")
+        queued = [_submit(engine, tts, 3), _submit(engine, tts, 4)]
+        _wait_for(lambda: engine.stats.steps >= 6, "6 steps")
+        assert (engine.busy_rows, engine.waiting) == (1, 2)
+        got = [h.result(timeout=60) for h in (first, *queued)]
+    for result, i in zip(got, (1, 3, 4), strict=True):
+        np.testing.assert_array_equal(result.codes, alone[i].codes)
+
+
+def test_a_request_larger_than_the_whole_budget_is_refused_naming_both_sizes(tts, alone):
+    from higgs_pack.runtime.loop.kv_memory import mib
+
+    positions = _positions(tts, 0)
+    budget = (positions - 10) * 512
+    with tts.engine(max_batch=2, max_length=512, max_kv_bytes=budget) as engine:
+        with pytest.raises(InputError) as refused:
+            _submit(engine, tts, 0)
+        message = str(refused.value)
+        assert f"needs {mib(positions * 512)} of KV cache ({positions} positions x 512 B)" in message
+        assert f"whole KV budget of {mib(budget)} (max_kv_bytes={budget})" in message
+        assert "lower max_frames=" in message and "larger max_kv_bytes=" in message
+        assert engine.waiting == 0
+        small = engine.submit("Hi.", seed=0, max_frames=20)  # the engine goes on
+        assert small.result(timeout=60).codes.shape[0] > 0
+    with pytest.raises(InputError, match="max_kv_bytes must be a whole number >= 1, got 0"):
+        tts.engine(max_batch=2, max_kv_bytes=0)
+
+
+@pytest.mark.skipif(not hasattr(__import__("mmap"), "MAP_PRIVATE"), reason="no private anonymous mmap here")
+def test_release_gives_the_rows_kv_pages_back(tts):
+    """A released row reads as zeros (its pages were dropped, not just forgotten); the others keep theirs."""
+    batched = _batched(tts, max_batch=3, max_length=512)
+    h = tts.pipeline.constants.hidden_size
+    rng = np.random.default_rng(3)
+    for row in (0, 1, 2):
+        batched.prefill(row, rng.standard_normal((1, 200, h)).astype(np.float32))
+    assert batched.positions_held == 600
+    kept = {name: buffer[2, :, :200].copy() for name, buffer in batched.kv.items()}
+    batched.release(1)
+    assert batched.positions_held == 400
+    for name, buffer in batched.kv.items():
+        assert buffer[1].nbytes >= 4 * 4096  # several whole pages per row
+        page = 4096 // buffer.itemsize
+        assert not buffer[1].reshape(-1)[page:-page].any(), name  # the row's whole pages
+        np.testing.assert_array_equal(buffer[2, :, :200], kept[name])
+        assert buffer[0, :, :200].any()
+
+
+# ------------------------------------------------------------------ synthesize_many
+
+
+def test_synthesize_many_in_order_deterministic_and_a_failing_text_alone(tts):
+    texts = [text for text, _, _ in REQUESTS]
+    texts.insert(2, "Say <|audio|> here.")
+    want = {i: tts.synthesize(t, seed=10 + i, max_frames=50) for i, t in enumerate(texts) if i != 2}
+    got = list(tts.synthesize_many(texts, max_batch=3, seed=10, max_frames=50))
+    assert [i for i, _ in got] == list(range(len(texts)))
+    assert isinstance(got[2][1], InputError) and "prompt control token" in str(got[2][1])
+    for i, result in got:
+        if i != 2:
+            np.testing.assert_array_equal(result.codes, want[i].codes)
+            np.testing.assert_array_equal(result.samples, want[i].samples)
+    again = dict(tts.synthesize_many(iter(texts), max_batch=2, seed=10, max_frames=50, in_order=False))
+    assert sorted(again) == list(range(len(texts)))
+    for i, result in want.items():
+        np.testing.assert_array_equal(again[i].codes, result.codes)
+
+
+def test_synthesize_many_requests_keep_their_seed_and_bad_options_raise_at_once(tts, alone):
+    from higgs_pack.runtime.request import SynthesisRequest
+
+    requests = [SynthesisRequest.create(text, seed=seed, max_frames=cap) for text, seed, cap in REQUESTS[:3]]
+    got = list(tts.synthesize_many(requests, max_batch=2, top_k=3))  # options are for str items only
+    assert [i for i, _ in got] == [0, 1, 2]
+    for (_, result), want in zip(got, alone[:3], strict=True):
+        np.testing.assert_array_equal(result.codes, want.codes)
+    with pytest.raises(InputError, match="top_p must be in"):
+        tts.synthesize_many(["Hi."], top_p=2)  # at the call, before any iteration
+    with pytest.raises(InputError, match="unknown synthesis option"):
+        tts.synthesize_many(["Hi."], sead=1)
+    with pytest.raises(InputError, match="max_batch must be a whole number"):
+        tts.synthesize_many(["Hi."], max_batch=0)
+    many = tts.synthesize_many(["A long one here."] * 6, max_batch=2, max_frames=300)
+    assert next(many)[0] == 0
+    many.close()  # leaving early closes the engine; nothing hangs

@@ -178,10 +178,10 @@ class Backend:
         from higgs_pack.runtime.loop.engine import SingleRowDecoder
 
         if max_batch == 1:
-            return SingleRowDecoder(pipeline.decoder)
+            return SingleRowDecoder(pipeline.decoder, max_length)
         raise InputError(
             f"{self.label} bundles do not decode several requests per step yet ({self.batching_refusal}); "
-            "use engine(max_batch=1), or a cpu ONNX Runtime bundle for batching")
+            "use engine(max_batch=1) (the CLI's --batch 1), or a cpu ONNX Runtime bundle for batching")
 
     #: Why :meth:`batched_decoder` refuses ``max_batch > 1`` (for its message).
     batching_refusal: ClassVar[str] = "no batched decoder is written for this backend"

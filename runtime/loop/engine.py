@@ -4,8 +4,14 @@
 on the caller's thread (the reference voice is codec-encoded there) and returns an
 :class:`EngineHandle`.  One background thread runs the steps:
 
-1. admit waiting requests into free rows (lowest first): embed the prompt and prefill it on
-   the row (:meth:`BatchedDecoder.prefill`); they join between steps;
+1. admit waiting requests into free rows (lowest first), in the order they were submitted,
+   while their KV fits the budget the admitted requests leave (:mod:`~higgs_pack.runtime.loop.
+   kv_memory`; each counts its peak, ``positions x`` the decoder's KV bytes per position): embed
+   the prompt and prefill it on the row (:meth:`BatchedDecoder.prefill`); they join between
+   steps.  Admission is strictly first-in, first-out: when the oldest waiting request does not
+   fit, none behind it is admitted either (a stream of small requests never starves a large
+   one; it waits only for requests admitted before it to leave), and a request larger than the
+   whole budget is refused at submit;
 2. one step for all busy rows: the audio heads on every row's last hidden state in one run,
    then per row its own :class:`~higgs_pack.runtime.loop.frames.CodeSteps` (sampler, random
    generator seeded with the request's seed, delay-pattern ramps, stop rules), so a request's
@@ -22,12 +28,14 @@ the sub-parts' per-step buffers.
 
 from __future__ import annotations
 
+import logging
 import math
 import queue
 import threading
 import time
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, replace
+from numbers import Integral
 from typing import Any, Protocol
 
 import numpy as np
@@ -41,9 +49,11 @@ from higgs_pack.runtime.loop.generate import (
     _FiniteChecks,
     build_prompt,
     check_context,
+    chunk_positions,
     join_results,
     prepare_synthesis,
 )
+from higgs_pack.runtime.loop.kv_memory import KVBudget, default_kv_budget
 from higgs_pack.runtime.loop.pipeline import Decoder, Pipeline
 from higgs_pack.runtime.loop.streaming import (
     AudioChunk,
@@ -55,6 +65,8 @@ from higgs_pack.runtime.request import StreamSchedule, SynthesisRequest
 #: positions hold 2.7 minutes of audio at 25 frames per second).
 DEFAULT_MAX_LENGTH = 4096
 
+log = logging.getLogger(__name__)
+
 
 class RequestCancelled(HiggsPackError):
     """The request was cancelled (:meth:`EngineHandle.cancel`) before it finished."""
@@ -65,7 +77,12 @@ class EngineClosed(HiggsPackError):
 
 
 class BatchedDecoder(Protocol):
-    """A decoder holding the KV cache of up to ``max_batch`` requests, one row each."""
+    """A decoder holding the KV cache of up to ``max_batch`` requests, one row each.
+
+    It may also state ``kv_bytes_per_position`` (int: KV bytes of one position of one row, or
+    None when unknown) and ``kv_device`` (``"cpu"`` when the cache is host memory); without
+    them the engine admits by free rows only.
+    """
 
     max_batch: int
     max_length: int
@@ -86,13 +103,28 @@ class BatchedDecoder(Protocol):
 
 class SingleRowDecoder:
     """Any backend's batch-1 :class:`~higgs_pack.runtime.loop.pipeline.Decoder` as a one-row
-    :class:`BatchedDecoder` (``max_batch=1``: the engine then serves requests one at a time)."""
+    :class:`BatchedDecoder` (``max_batch=1``: the engine then serves requests one at a time).
+
+    Args:
+        decoder: the pipeline's decoder.
+        max_length: most positions per request (default, and at most, the decoder's own).
+
+    Attributes:
+        kv_bytes_per_position: the wrapped decoder's own figure where it states one (ONNX
+            Runtime's :class:`~higgs_pack.runtime.backends.onnxruntime.runners.OrtDecoder`), else
+            None: OpenVINO's stateful decoder keeps its cache inside the plugin in a precision
+            of the plugin's choosing (u8 by default on x86, with per-token scales), and the
+            NPU variant's static buffers are allocated whole when the bundle loads.
+        kv_device: where the wrapped decoder's cache lives (``"cpu"`` unless it says otherwise).
+    """
 
     max_batch = 1
 
-    def __init__(self, decoder: Decoder):
+    def __init__(self, decoder: Decoder, max_length: int | None = None):
         self._decoder = decoder
-        self.max_length = decoder.max_length
+        self.max_length = decoder.max_length if max_length is None else min(max_length, decoder.max_length)
+        self.kv_bytes_per_position: int | None = getattr(decoder, "kv_bytes_per_position", None)
+        self.kv_device: str = getattr(decoder, "kv_device", "cpu")
 
     def prefill(self, row: int, inputs_embeds: np.ndarray) -> np.ndarray:
         self._decoder.reset()
@@ -115,6 +147,8 @@ class _Request:
     chunks: tuple[tuple[str, int], ...]
     schedule: StreamSchedule
     submitted: float
+    positions: int
+    """Most positions the request holds on its row (its largest chunk's prompt + audio steps)."""
 
 
 class EngineHandle:
@@ -133,6 +167,12 @@ class EngineHandle:
         self._finished = threading.Event()
         self._read = False
         self._results: list[GenerationResult] = []
+        self._callbacks: list = []
+        self._callback_lock = threading.Lock()
+        self.kv_reserved = 0
+        """KV bytes this request holds against the engine's budget while on a row (0 before, after)."""
+        self.waited_for_kv = False
+        """Whether it was held back at least once because its KV did not fit (not for a row)."""
 
     @property
     def cancelled(self) -> bool:
@@ -147,6 +187,30 @@ class EngineHandle:
         """Block until the engine is done with this request (its codes are all drawn, or it
         failed or was cancelled); the codec has not run yet.  Returns :attr:`done`."""
         return self._finished.wait(timeout)
+
+    def add_done_callback(self, callback) -> None:
+        """Call ``callback(handle)`` once the engine is done with this request (as :meth:`wait`
+        returns): on the engine's thread, or at once on this one when it is done already.
+        Keep it short and do not read the speech in it (the codec would run on the engine's
+        thread); an exception it raises is logged and ignored."""
+        with self._callback_lock:
+            if not self._finished.is_set():
+                self._callbacks.append(callback)
+                return
+        self._call(callback)
+
+    def _call(self, callback) -> None:
+        try:
+            callback(self)
+        except Exception:  # a caller's bug must not stop the engine
+            log.exception("an engine handle's done callback failed")
+
+    def _set_finished(self) -> None:
+        with self._callback_lock:
+            self._finished.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            self._call(callback)
 
     def cancel(self) -> None:
         """Stop this request: it leaves the batch (or the queue) before the engine's next step
@@ -216,7 +280,7 @@ class EngineHandle:
 
     def _fail(self, exc: BaseException) -> None:
         self._events.put(("error", -1, exc))
-        self._finished.set()
+        self._set_finished()
 
 
 @dataclass
@@ -245,6 +309,9 @@ class EngineStats:
         step_seconds: seconds inside those steps (heads, sampling, embedding, decoder).
         prefill_seconds: seconds prefilling prompts.
         max_rows: most rows busy in one step.
+        kv_waits: requests held back at least once because their KV did not fit the budget
+            left (a row was free).
+        max_kv_bytes_in_use: most KV bytes reserved by admitted requests at once.
     """
 
     steps: int = 0
@@ -252,6 +319,8 @@ class EngineStats:
     step_seconds: float = 0.0
     prefill_seconds: float = 0.0
     max_rows: int = 0
+    kv_waits: int = 0
+    max_kv_bytes_in_use: int = 0
 
 
 class Engine:
@@ -263,13 +332,32 @@ class Engine:
         pipeline: the loaded bundle's pipeline (its tokenizer, sub-parts and constants).
         decoder: the :class:`BatchedDecoder` (its ``max_length`` bounds each request's
             prompt + frames; long texts are planned in chunks that fit it).
+        max_kv_bytes: most bytes of KV cache the admitted requests may reach together (int
+            >= 1); None (default): :func:`~higgs_pack.runtime.loop.kv_memory.default_kv_budget`,
+            half the memory available now, at most all rows full, when the cache is host memory
+            (a cache in GPU memory gets no default limit).  Ignored when the decoder does not
+            state its KV bytes per position (then admission is by free rows only).
 
     Attributes:
         max_batch: rows decoded together.
         stats: :class:`EngineStats`.
+
+    Raises:
+        InputError: ``max_kv_bytes`` is not a whole number >= 1.
     """
 
-    def __init__(self, pipeline: Pipeline, decoder: BatchedDecoder):
+    def __init__(self, pipeline: Pipeline, decoder: BatchedDecoder, *, max_kv_bytes: int | None = None):
+        if max_kv_bytes is not None and (isinstance(max_kv_bytes, bool) or not isinstance(max_kv_bytes, Integral)
+                                         or max_kv_bytes < 1):
+            raise InputError(f"max_kv_bytes must be a whole number of bytes >= 1 (or None: from the free memory), "
+                             f"got {max_kv_bytes!r}")
+        per_position = getattr(decoder, "kv_bytes_per_position", None)
+        if per_position is None and max_kv_bytes is not None:
+            log.warning("max_kv_bytes=%d ignored: this decoder does not state its KV bytes per position "
+                        "(requests are admitted by free rows only)", max_kv_bytes)
+        if max_kv_bytes is None and getattr(decoder, "kv_device", "cpu") == "cpu":
+            max_kv_bytes = default_kv_budget(per_position, decoder.max_batch, decoder.max_length)
+        self.kv = KVBudget(per_position, None if per_position is None else max_kv_bytes)
         self.pipeline = replace(pipeline, decoder=decoder)  # plans chunks for this decoder's length
         self.decoder = decoder
         self.max_batch = decoder.max_batch
@@ -302,6 +390,26 @@ class Engine:
         return len(self._rows)
 
     @property
+    def kv_bytes_per_position(self) -> int | None:
+        """KV bytes of one position of one row, as the decoder binds them (None: it cannot say)."""
+        return self.kv.bytes_per_position
+
+    @property
+    def kv_budget_bytes(self) -> int | None:
+        """Most KV bytes the admitted requests may reach together (None: no limit)."""
+        return self.kv.budget_bytes
+
+    @property
+    def kv_bytes_in_use(self) -> int:
+        """KV bytes reserved now by the admitted requests (each its peak until it leaves)."""
+        return self.kv.in_use_bytes
+
+    @property
+    def crashed(self) -> BaseException | None:
+        """The error that stopped the engine's thread (a bug or a broken runtime), else None."""
+        return self._crashed
+
+    @property
     def waiting(self) -> int:
         """Requests submitted and not yet admitted."""
         with self._cond:
@@ -325,7 +433,8 @@ class Engine:
         Raises:
             EngineClosed: the engine is closed.
             InputError: a bad request (every bad field named), an unusable reference clip, a
-                special token in the text, or a sentence too long (here, at once).
+                special token in the text, a sentence too long, or a request whose KV cache is
+                larger than the engine's whole KV budget (both sizes named; here, at once).
         """
         submitted = time.perf_counter()
         self._check_open()
@@ -334,8 +443,11 @@ class Engine:
         options, ref_codes, chunks = prepare_synthesis(self.pipeline, request.text, inputs["ref_samples"],
                                                        inputs["ref_text"], inputs["options"], inputs["max_frames"],
                                                        inputs["ref_codes"])
+        positions = max(chunk_positions(self.pipeline, chunk, cap, ref_codes, inputs["ref_text"])
+                        for chunk, cap in chunks)
+        self.kv.check_request(positions)
         handle = EngineHandle(self, _Request(options, ref_codes, inputs["ref_text"], tuple(chunks),
-                                             request.schedule, submitted))
+                                             request.schedule, submitted, positions))
         with self._cond:
             self._check_open()
             self._waiting.append(handle)
@@ -372,8 +484,9 @@ class Engine:
         self._fail_all(EngineClosed("the engine was closed before this request finished"))
 
     def _next_admissions(self) -> list[tuple[EngineHandle, int]] | None:
-        """Wait until there is work; pop waiting requests into the free rows (lowest first).
-        None when closing."""
+        """Wait until there is work; pop waiting requests, oldest first, into the free rows
+        (lowest first) while each one's KV fits what is left of the budget (the first that
+        does not fit stops the admissions: first in, first out).  None when closing."""
         with self._cond:
             while True:
                 for handle in [h for h in self._waiting if h.cancelled]:
@@ -385,7 +498,16 @@ class Engine:
                     break
                 self._cond.wait()
             free = [r for r in range(self.max_batch) if r not in self._rows]
-            admitted = list(zip(self._waiting, free, strict=False))
+            admitted = []
+            for handle, row in zip(self._waiting, free, strict=False):
+                if not self.kv.fits(handle.request.positions):
+                    if not handle.waited_for_kv:
+                        handle.waited_for_kv = True
+                        self.stats.kv_waits += 1
+                    break
+                handle.kv_reserved = self.kv.reserve(handle.request.positions)
+                admitted.append((handle, row))
+            self.stats.max_kv_bytes_in_use = max(self.stats.max_kv_bytes_in_use, self.kv.in_use_bytes)
             del self._waiting[: len(admitted)]
             return admitted
 
@@ -427,10 +549,12 @@ class Engine:
             return
         del self._rows[state.row]
         self.decoder.release(state.row)
+        self.kv.release(state.handle.kv_reserved)
+        state.handle.kv_reserved = 0
         if error is not None:
             state.handle._fail(error)
         else:
-            state.handle._finished.set()
+            state.handle._set_finished()
 
     def _fail_all(self, exc: BaseException) -> None:
         for state in list(self._rows.values()):

@@ -526,6 +526,31 @@ def fade_edges(samples: np.ndarray, pipeline: Pipeline, *, fade_in: bool, fade_o
     return out
 
 
+def chunk_positions(pipeline: Pipeline, text: str, cap: int, ref_codes: np.ndarray | None = None,
+                    ref_text: str | None = None) -> int:
+    """Most positions one text chunk holds in the decoder: its prompt (exactly the length
+    :func:`build_prompt` gives) plus the audio steps of its frame cap (``cap + N - 1``
+    with the delay pattern's ramp; :func:`check_context` bounds the same sum).
+
+    Args:
+        pipeline: the backend (its tokenizer and constants).
+        text: the chunk's text.
+        cap: its frame cap (frames at 25 per second).
+        ref_codes: int64 [frames, N] reference codes with ``ref_text`` (its transcript), or None.
+
+    Returns:
+        Positions (>= 1): KV bytes are this times the decoder's bytes per position.
+    """
+    def tokens(s: str) -> int:
+        return len(pipeline.tokenizer.encode(s, add_special_tokens=False).ids)
+
+    n = pipeline.constants.num_codebooks
+    prompt = tokens(text) + 3  # <|tts|> <|text|> text <|audio|>
+    if ref_codes is not None:  # + <|ref_text|> ref_text <|ref_audio|> and the delayed reference codes
+        prompt += tokens(ref_text) + 2 + ref_codes.shape[0] + n - 1
+    return prompt + cap + n - 1
+
+
 def plan_chunks(pipeline: Pipeline, text: str, ref_codes: np.ndarray | None = None,
                 ref_text: str | None = None, max_frames: int | None = None) -> list[tuple[str, int]]:
     """Split ``text`` into ``(chunk, frame cap)`` pairs whose prompt + frames fit the context.
@@ -539,17 +564,13 @@ def plan_chunks(pipeline: Pipeline, text: str, ref_codes: np.ndarray | None = No
     gen = pipeline.generation_defaults
     tok = pipeline.tokenizer
     limit = pipeline.decoder.max_length
-    n = pipeline.constants.num_codebooks
-    ref_positions = 0
-    if ref_codes is not None:
-        ref_positions = len(tok.encode(ref_text, add_special_tokens=False).ids) + 3 + ref_codes.shape[0] + n - 1
     fpt = gen.get("frames_per_text_token", FRAMES_PER_TEXT_TOKEN)
     floor = gen.get("min_max_frames", MIN_MAX_FRAMES)
 
     def need(chunk: str) -> tuple[int, int]:
         tokens = len(tok.encode(chunk, add_special_tokens=False).ids)
         cap = max_frames if max_frames is not None else frame_cap(tokens, fpt, floor)
-        return ref_positions + tokens + 3 + cap + n - 1, cap
+        return chunk_positions(pipeline, chunk, cap, ref_codes, ref_text), cap
 
     total, cap = need(text)
     if total <= limit:

@@ -105,7 +105,7 @@ class OnnxRuntimeBackend(Backend):
             raise InputError(
                 f"ONNX Runtime batches requests on the CPU execution provider with a GroupQueryAttention "
                 f"decoder only; this decoder runs on {provider} (the batched KV buffers are not written for "
-                "device memory yet): use engine(max_batch=1), or a cpu bundle")
+                "device memory yet): use engine(max_batch=1) (the CLI's --batch 1), or a cpu bundle")
         return super().batched_decoder(pipeline, max_batch, max_length)
 
     def structure_checks(self):

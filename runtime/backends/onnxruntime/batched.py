@@ -8,9 +8,19 @@ copy.  Then all rows decode one position per step together, each at its own leng
 right-padded ``attention_mask``: row ``b`` has ``length_b + 1`` ones; the graph derives each
 row's ``seqlens_k`` from it and writes the new K/V at that row's offset).  ORT refuses a
 multi-token chunk with past at batch > 1, which is why prefill is per row.
+
+KV memory: each buffer is a private anonymous mapping (pages are committed as positions
+are written), and :meth:`BatchedOrtDecoder.release` gives a row's pages back to the
+kernel (``madvise(MADV_DONTNEED)``; they read back as zeros), so the memory held follows
+the requests on the rows, not the longest request a row ever held.  Where Python's
+``mmap`` has no private anonymous mappings or no ``madvise`` (Windows), the buffers are
+``np.zeros`` and a released row keeps its pages until a later request overwrites them.
 """
 
 from __future__ import annotations
+
+import math
+import mmap
 
 import numpy as np
 
@@ -28,9 +38,9 @@ class BatchedOrtDecoder:
     step with one position each (their KV row is scratch); a step runs rows ``0..k-1`` where
     ``k - 1`` is the highest row asked for, so callers should fill the lowest free row.
 
-    The KV buffers are made with ``np.zeros`` (pages are committed by the OS as positions are
-    written): ``max_batch * max_length`` positions of
-    ``num_layers * 2 * kv_heads * head_dim * itemsize`` bytes at most.
+    The KV buffers hold ``max_batch * max_length`` positions of :attr:`kv_bytes_per_position`
+    bytes at most; the OS commits their pages as positions are written, and a released row's
+    pages are given back (module docstring).
 
     Args:
         session: the decoder's ``InferenceSession`` on the CPU execution provider (it may be
@@ -38,13 +48,28 @@ class BatchedOrtDecoder:
             uses: this class has its own bindings and buffers).
         max_batch: rows (requests decoded together), >= 1.
         max_length: most positions one row may hold (prompt + frames).
-        kv_heads, head_dim: cache shape.
+        kv_heads, head_dim: cache shape (the graph's own fixed sizes of its
+            ``past_key_values.*`` inputs win where it declares them).
+
+    Attributes:
+        kv: ``past_key_values.*`` name -> its buffer [max_batch, kv_heads, max_length,
+            head_dim] of the dtype the graph declares (float32 in fp32 and int4 bundles;
+            int8/uint8 for a quantized KV cache).
+        kv_bytes_per_position: bytes one position of one row takes over all those buffers:
+            ``num_layers x 2 x kv_heads x head_dim x itemsize`` (int; fp32 at full size
+            294,912 = 288 KiB, the tiny model 512).
+        kv_device: ``"cpu"``: the buffers are host memory.
+        lengths: int64 [max_batch] positions each row holds.
 
     Raises:
         SignatureMismatch: the graph takes ``position_ids`` or has no ``inputs_embeds`` (not a
-            ModelBuilder GroupQueryAttention graph), or a dynamic hidden size.
+            ModelBuilder GroupQueryAttention graph), a dynamic hidden size, or a
+            ``present.*`` output whose dtype differs from its ``past_key_values.*`` input
+            (they share one buffer).
         InputError: the session is not on the CPU execution provider, or a bad size.
     """
+
+    kv_device = "cpu"
 
     def __init__(self, session, *, max_batch: int, max_length: int, kv_heads: int, head_dim: int):
         provider = (session.get_providers() or ["CPUExecutionProvider"])[0]
@@ -65,13 +90,23 @@ class BatchedOrtDecoder:
         self.max_batch, self.max_length = max_batch, max_length
         self.hidden_size = hidden.shape[-1]
         self._embed_type = ORT_TYPES[hidden.type]
-        self._hidden_type = ORT_TYPES[{o.name: o for o in session.get_outputs()}["hidden_states"].type]
+        outputs = {o.name: o for o in session.get_outputs()}
+        self._hidden_type = ORT_TYPES[outputs["hidden_states"].type]
         self._past = sorted(n for n in inputs if n.startswith("past_key_values."))
         self._present = [n.replace("past_key_values.", "present.") for n in self._past]
-        kv_type = ORT_TYPES[inputs[self._past[0]].type]
-        shape = (max_batch, kv_heads, max_length, head_dim)
-        self.kv = {name: np.zeros(shape, dtype=kv_type) for name in self._past}
-        self.kv_bytes_per_position = len(self._past) * kv_heads * head_dim * np.dtype(kv_type).itemsize
+        self.kv: dict[str, np.ndarray] = {}
+        self._kv_maps: dict[str, mmap.mmap] = {}
+        for past, present in zip(self._past, self._present, strict=True):
+            kv_type, declared = ORT_TYPES[inputs[past].type], inputs[past].shape
+            if present in outputs and outputs[present].type != inputs[past].type:
+                raise SignatureMismatch(
+                    f"llm_decoder: {present} is {outputs[present].type} but {past} is {inputs[past].type}; "
+                    "both are bound to one KV buffer, so they must agree: rebuild the bundle")
+            fixed = len(declared) == 4
+            heads = declared[1] if fixed and isinstance(declared[1], int) else kv_heads
+            width = declared[3] if fixed and isinstance(declared[3], int) else head_dim
+            self.kv[past] = self._kv_buffer(past, (max_batch, heads, max_length, width), kv_type)
+        self.kv_bytes_per_position = sum(buffer[0, :, 0].nbytes for buffer in self.kv.values())
         self.lengths = np.zeros(max_batch, dtype=np.int64)
         self._embeds = np.zeros((max_batch, 1, self.hidden_size), dtype=self._embed_type)
         self._hidden = np.zeros((max_batch, 1, self.hidden_size), dtype=self._hidden_type)
@@ -80,9 +115,33 @@ class BatchedOrtDecoder:
         self._binding = session.io_binding()
         self._bound_rows = 0
 
+    def _kv_buffer(self, name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
+        """A zero buffer whose rows' pages :meth:`release` can give back (module docstring)."""
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        private = getattr(mmap, "MAP_PRIVATE", None)
+        anonymous = getattr(mmap, "MAP_ANONYMOUS", None)
+        if private is None or anonymous is None or not hasattr(mmap.mmap, "madvise") or nbytes == 0:
+            return np.zeros(shape, dtype=dtype)
+        mapping = mmap.mmap(-1, nbytes, flags=private | anonymous)
+        self._kv_maps[name] = mapping
+        return np.frombuffer(mapping, dtype=dtype).reshape(shape)
+
     def release(self, row: int) -> None:
-        """Forget row ``row``'s positions (its buffer is kept and overwritten by the next prefill)."""
+        """Forget row ``row``'s positions and give its KV pages back to the OS (each buffer's
+        whole pages inside the row; the row reads as zeros until the next prefill writes it)."""
         self.lengths[row] = 0
+        page = mmap.PAGESIZE
+        for name, mapping in self._kv_maps.items():
+            row_bytes = self.kv[name][0].nbytes
+            start = -(-row * row_bytes // page) * page
+            end = (row + 1) * row_bytes // page * page
+            if end > start:
+                mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+    @property
+    def positions_held(self) -> int:
+        """Positions the busy rows hold now (times :attr:`kv_bytes_per_position`: KV bytes written)."""
+        return int(self.lengths.sum())
 
     def prefill(self, row: int, inputs_embeds: np.ndarray) -> np.ndarray:
         """Start row ``row`` over with a prompt, at batch 1 on a view of that row's buffers.

@@ -246,6 +246,20 @@ class OrtDecoder:
             self._kv_host: dict[str, np.ndarray] = {}
         self.reset()
 
+    @property
+    def kv_bytes_per_position(self) -> int:
+        """KV bytes one position takes: ``num_layers x 2 x kv_heads x head_dim x`` the itemsize
+        of each ``past_key_values.*`` input's declared dtype (288 KiB for the 4B model at fp32).
+        The copies path (no shared buffers) briefly holds the cache twice per step."""
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        return sum(self._kv_heads * self._head_dim * np.dtype(ORT_TYPES[inputs[n].type]).itemsize
+                   for n in self._past)
+
+    @property
+    def kv_device(self) -> str:
+        """Where the KV cache lives: ``"cpu"`` (host memory) or ``"cuda"`` (the GPU's)."""
+        return self._device if self.shared_kv else "cpu"
+
     def _step_buffers(self, s: int) -> None:
         """(Re)allocate the ``inputs_embeds`` / ``hidden_states`` buffers for ``s`` positions and
         bind them (they stay bound for every step of that length)."""

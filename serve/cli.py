@@ -72,6 +72,8 @@ def bind(host: str, port: int) -> socket.socket:
               help="Keep uploaded voices here (default: in memory, lost at exit).")
 @click.option("--allow-local-media", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="ref_audio may name a file under this folder (default: never).")
+@click.option("--max-kv-mb", type=click.FloatRange(min=1), help="KV cache budget of the requests in the batch, "
+              "MiB (default: half the memory available at start); a request that does not fit waits.")
 @click.option("--max-input-chars", default=MAX_INPUT_CHARS, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-upload-mb", default=MAX_UPLOAD_BYTES / 2**20, show_default=True,
               type=click.FloatRange(min=0.01), help="Largest voice upload or ref_audio, MiB.")
@@ -81,7 +83,7 @@ def bind(host: str, port: int) -> socket.socket:
 @click.option("--model-name", "model_names", multiple=True, help="Another name `model` may take (repeatable).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
-def serve(source, host, port, device, max_batch, max_queue, api_key, voices_dir, allow_local_media,
+def serve(source, host, port, device, max_batch, max_queue, api_key, voices_dir, allow_local_media, max_kv_mb,
           max_input_chars, max_upload_mb, max_ref_seconds, grace_seconds, model_names, log_level) -> None:
     """Serve SOURCE (a bundle, an installed name, a model slug, hf://...) over the OpenAI speech API:
     POST /v1/audio/speech, voices, models, /health, /ready, /metrics, and a demo page at /."""
@@ -96,7 +98,7 @@ def serve(source, host, port, device, max_batch, max_queue, api_key, voices_dir,
         config = ServeConfig(max_batch=max_batch, max_queue=max_queue, api_key=api_key, voices_dir=voices_dir,
                              allow_local_media=allow_local_media, max_input_chars=max_input_chars,
                              max_upload_bytes=int(max_upload_mb * 2**20), max_ref_seconds=max_ref_seconds,
-                             grace_seconds=grace_seconds, model_names=tuple(model_names))
+                             max_kv_bytes=int(max_kv_mb * 2**20) if max_kv_mb else None, grace_seconds=grace_seconds, model_names=tuple(model_names))
     except InputError as exc:
         raise click.UsageError(str(exc)) from exc
     if not _loopback(host) and api_key is None:

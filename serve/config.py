@@ -33,6 +33,8 @@ class ServeConfig:
         max_input_chars: longest ``input``.
         max_upload_bytes: largest voice upload or decoded ``ref_audio``.
         max_ref_seconds: longest reference clip.
+        max_kv_bytes: KV cache budget of the engine's admitted requests (None: the engine's
+            default, from free memory; see :func:`higgs_pack.runtime.loop.kv_memory.default_kv_budget`).
         grace_seconds: on SIGTERM, how long requests in flight may take to finish.
         model_names: extra names ``model`` may take (the bundle's name and model slug always work).
 
@@ -48,14 +50,16 @@ class ServeConfig:
     max_input_chars: int = MAX_INPUT_CHARS
     max_upload_bytes: int = MAX_UPLOAD_BYTES
     max_ref_seconds: float = MAX_REF_SECONDS
+    max_kv_bytes: int | None = None
     grace_seconds: float = GRACE_SECONDS
     model_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         problems = []
-        for name, low in (("max_batch", 1), ("max_queue", 0), ("max_input_chars", 1), ("max_upload_bytes", 1024)):
+        for name, low in (("max_batch", 1), ("max_queue", 0), ("max_input_chars", 1), ("max_upload_bytes", 1024),
+                          ("max_kv_bytes", 1)):
             value = getattr(self, name)
-            if value is None and name == "max_batch":
+            if value is None and name in ("max_batch", "max_kv_bytes"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 problems.append(f"{name} must be a whole number >= {low}, got {value!r}")

@@ -57,9 +57,10 @@ class Metrics:
         Gauge("higgs_pack_ready", "1 when the bundle is loaded and warmed up", registry=r).set_function(
             lambda: float(server.ready))
         r.register(_EngineCollector(server))
-        if getattr(server.engine, "kv_bytes_in_use", None) is not None:
-            Gauge("higgs_pack_kv_bytes", "KV cache bytes held by admitted requests", registry=r).set_function(
-                lambda: server.engine.kv_bytes_in_use)
+        Gauge("higgs_pack_kv_bytes", "KV cache bytes reserved by the admitted requests", registry=r).set_function(
+            lambda: server.engine.kv_bytes_in_use)
+        Gauge("higgs_pack_kv_budget_bytes", "Most KV bytes the admitted requests may reach (0: no limit)",
+              registry=r).set_function(lambda: server.engine.kv_budget_bytes or 0)
 
     def render(self) -> bytes:
         """The text exposition format of every metric."""

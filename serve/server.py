@@ -76,7 +76,7 @@ class SpeechServer:
 
     def __init__(self, tts: Any, config: ServeConfig):
         self.tts, self.config = tts, config
-        self.engine, self.batching_note = _make_engine(tts, config.max_batch)
+        self.engine, self.batching_note = _make_engine(tts, config.max_batch, config.max_kv_bytes)
         info = tts.info
         self.models = tuple(dict.fromkeys((info.bundle, info.model, *config.model_names)))
         self.voices = VoiceStore(config.voices_dir, _codec_sha256(tts))
@@ -111,7 +111,8 @@ class SpeechServer:
 
     @property
     def ready(self) -> bool:
-        return self._warm and not self.stopping
+        """Warmed up, not stopping, and the engine's thread alive."""
+        return self._warm and not self.stopping and self.engine.crashed is None
 
     def warm_up(self) -> float:
         """Run one short request through the engine (compiles kernels, touches the weights);
@@ -136,7 +137,9 @@ class SpeechServer:
         return {"bundle": info.bundle, "model": info.model, "target": info.target, "precision": info.precision,
                 "backend": info.backend, "device": info.device, "sample_rate": info.sample_rate,
                 "max_batch": self.engine.max_batch, "max_queue": self.config.max_queue,
-                "batching": self.batching_note or "continuous batching"}
+                "batching": self.batching_note or "continuous batching",
+                "kv_bytes_per_position": self.engine.kv_bytes_per_position,
+                "kv_budget_bytes": self.engine.kv_budget_bytes}
 
     # admission
     def admit(self) -> None:
@@ -246,17 +249,17 @@ async def _cancel_on_disconnect(receive: Any, handle: EngineHandle, scope: anyio
             return
 
 
-def _make_engine(tts: Any, max_batch: int | None) -> tuple[Any, str]:
+def _make_engine(tts: Any, max_batch: int | None, max_kv_bytes: int | None) -> tuple[Any, str]:
     """The engine for ``max_batch`` rows; None: :data:`DEFAULT_MAX_BATCH` where the backend
     batches, else one row with the backend's reason (logged, and shown by ``/ready``)."""
     if max_batch is not None:
-        return tts.engine(max_batch), ""
+        return tts.engine(max_batch, max_kv_bytes=max_kv_bytes), ""
     try:
-        return tts.engine(DEFAULT_MAX_BATCH), ""
-    except InputError as exc:
+        return tts.engine(DEFAULT_MAX_BATCH, max_kv_bytes=max_kv_bytes), ""
+    except InputError as exc:  # the backend cannot batch (a problem of another kind recurs at one row)
         note = f"one request at a time: {exc}"
         log.info("serving %s", note)
-        return tts.engine(1), note
+        return tts.engine(1, max_kv_bytes=max_kv_bytes), note
 
 
 def _codec_sha256(tts: Any) -> str:

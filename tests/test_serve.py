@@ -245,7 +245,8 @@ def test_models_health_ready_metrics_and_demo_page(server):
     assert server.metric("higgs_pack_time_to_first_audio_seconds_count") >= 1
     assert server.metric("higgs_pack_real_time_factor_count") >= 1
     assert server.metric("higgs_pack_in_flight") == 0 and server.metric("higgs_pack_active_batch") == 0
-    assert server.metric("higgs_pack_ready") == 1
+    assert server.metric("higgs_pack_ready") == 1 and server.metric("higgs_pack_kv_bytes") == 0
+    assert server.metric("higgs_pack_kv_budget_bytes") > 0
     page = httpx.get(server.url + "/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert httpx.get(server.url + "/nowhere").json()["error"]["message"].startswith("no route GET /nowhere")

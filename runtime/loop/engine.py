@@ -385,6 +385,11 @@ class Engine:
             self._thread.join(timeout)
 
     @property
+    def alive(self) -> bool:
+        """Whether the engine takes requests: its thread runs, it did not fail, it is not closed."""
+        return self._thread.is_alive() and self._crashed is None and not self._closing
+
+    @property
     def busy_rows(self) -> int:
         """Rows holding a request now."""
         return len(self._rows)

@@ -4,7 +4,9 @@ and used by name in ``voice`` (``GET/POST/DELETE /v1/audio/voices``).
 A stored voice is one safetensors file in ``--voices-dir``: the codes (int64 [frames, 8])
 and, in its metadata, the transcript, when it was made and the sha256 of the codec that
 encoded it (a voice made by another codec is not offered: its codes would mean other sounds).
-Files are written to a temporary name and renamed, so a crash leaves no half voice.
+Files are written to a temporary name and renamed, so a crash leaves no half voice.  The folder
+is the truth: listing reads it again and a name is looked up in it, so servers (or Ray replicas)
+sharing one folder see each other's voices.
 """
 
 from __future__ import annotations
@@ -66,31 +68,73 @@ class VoiceStore:
             self._load()
 
     def _load(self) -> None:
-        from safetensors import safe_open
-        from safetensors.numpy import load_file
-
+        """Bring the memory in line with the folder: read new or changed files, forget removed
+        ones (several servers or Ray replicas may share one folder)."""
+        seen = {}
         for path in sorted(self.folder.glob(f"*{SUFFIX}")):
             name = path.name[: -len(SUFFIX)]
             try:
-                with safe_open(str(path), "np") as f:
-                    meta = dict(f.metadata() or {})
-                codes = load_file(str(path))["codes"]
-                voice = PreparedVoice(codes, meta.get("transcript", ""), name)
-            except Exception as exc:  # a damaged file: say so, serve the others
-                log.warning("voice file %s is not a usable voice (%s); skipped", path, exc)
+                seen[name] = path.stat().st_mtime_ns
+            except FileNotFoundError:  # removed meanwhile
                 continue
-            if name_problem(name) or (self.codec_sha256 and meta.get("codec_sha256") != self.codec_sha256):
-                log.warning("voice file %s was made by another codec or has a bad name; skipped", path)
+            with self._lock:
+                known = self._voices.get(name)
+            if known is not None and known[1].get("_mtime_ns") == str(seen[name]):
                 continue
-            self._voices[name] = (voice, meta)
+            found = self._read(path, name)
+            if found is not None:
+                found[1]["_mtime_ns"] = str(seen[name])
+                with self._lock:
+                    self._voices[name] = found
+        with self._lock:
+            for name in [n for n in self._voices if n not in seen]:
+                del self._voices[name]
+
+    def _read(self, path: Path, name: str) -> tuple[PreparedVoice, dict[str, str]] | None:
+        from safetensors import safe_open
+        from safetensors.numpy import load_file
+
+        try:
+            with safe_open(str(path), "np") as f:
+                meta = dict(f.metadata() or {})
+            voice = PreparedVoice(load_file(str(path))["codes"], meta.get("transcript", ""), name)
+        except Exception as exc:  # a damaged file: say so, serve the others
+            log.warning("voice file %s is not a usable voice (%s); skipped", path, exc)
+            return None
+        if name_problem(name) or (self.codec_sha256 and meta.get("codec_sha256") != self.codec_sha256):
+            log.warning("voice file %s was made by another codec or has a bad name; skipped", path)
+            return None
+        return voice, meta
 
     def names(self) -> list[str]:
-        """Stored voice names, sorted."""
+        """Stored voice names, sorted (the folder is read again first)."""
+        if self.folder is not None:
+            self._load()
         with self._lock:
             return sorted(self._voices)
 
     def get(self, name: str) -> PreparedVoice | None:
-        """The voice called ``name``, or None."""
+        """The voice called ``name``, or None (a voice another server wrote to a shared folder
+        since is found; one it removed is gone)."""
+        if self.folder is not None and name_problem(name) is None:
+            path = self.folder / f"{name}{SUFFIX}"
+            with self._lock:
+                known = self._voices.get(name)
+            try:
+                mtime = str(path.stat().st_mtime_ns)
+            except FileNotFoundError:
+                mtime = None
+            if mtime is None:
+                with self._lock:
+                    self._voices.pop(name, None)
+                return None
+            if known is None or known[1].get("_mtime_ns") != mtime:
+                found = self._read(path, name)
+                if found is None:
+                    return None
+                found[1]["_mtime_ns"] = mtime
+                with self._lock:
+                    self._voices[name] = found
         with self._lock:
             found = self._voices.get(name)
         return found[0] if found else None
@@ -122,12 +166,14 @@ class VoiceStore:
 
             fd, tmp = tempfile.mkstemp(prefix=f".{voice.name}.", suffix=".tmp", dir=self.folder)
             os.close(fd)
+            target = self.folder / f"{voice.name}{SUFFIX}"
             try:
                 save_file({"codes": np.ascontiguousarray(voice.codes, dtype=np.int64)}, tmp, metadata=meta)
-                os.replace(tmp, self.folder / f"{voice.name}{SUFFIX}")
+                os.replace(tmp, target)
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
+            meta = {**meta, "_mtime_ns": str(target.stat().st_mtime_ns)}
         with self._lock:
             self._voices[voice.name] = (voice, meta)
         return self.describe(voice.name)

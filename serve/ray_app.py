@@ -44,8 +44,10 @@ Readiness: :meth:`SpeechDeployment.check_health` (Ray calls it every ``health_ch
 10 s by default) fails once the replica's engine has stopped, and Ray replaces the replica.
 Every answer carries ``x-served-by``: the replica's id.
 
-Voices uploaded with ``POST /v1/audio/voices`` reach one replica.  Give every replica the same
-``voices_dir`` (a shared volume) to have them at start; a replica reads the folder once.
+A voice uploaded with ``POST /v1/audio/voices`` is encoded by the replica that took it.  Give
+every replica the same ``voices_dir`` (a shared volume) and all of them serve it at once (the
+store looks names up in the folder, :mod:`higgs_pack.serve.voices`); without one it stays in
+that replica's memory.
 """
 
 from __future__ import annotations

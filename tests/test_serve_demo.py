@@ -84,12 +84,13 @@ class Watched:
         self.page.wait_for_function("window.higgsDemo && higgsDemo.model !== null && "
                                     "!document.querySelector('#play').disabled", timeout=30_000)
 
-    def status(self) -> str:
-        return self.page.inner_text("#status")
+    def status(self, where: str = "#status") -> str:
+        return self.page.inner_text(where)
 
-    def wait_status(self, pattern: str, timeout_s: float = 60) -> None:
-        self.page.wait_for_function("p => new RegExp(p).test(document.querySelector('#status').textContent)",
-                                    arg=pattern, timeout=timeout_s * 1000)
+    def wait_status(self, pattern: str, where: str = "#status", timeout_s: float = 60) -> None:
+        """Until the status line ``where`` matches the regular expression ``pattern``."""
+        self.page.wait_for_function("([p, w]) => new RegExp(p).test(document.querySelector(w).textContent)",
+                                    arg=[pattern, where], timeout=timeout_s * 1000)
 
     def state(self) -> dict:
         return self.page.evaluate("({samples: higgsDemo.samples, firstAudioMs: higgsDemo.firstAudioMs, "
@@ -103,9 +104,9 @@ class Watched:
             self.page.select_option("#voice", voice)
         self.page.click("#play")
 
-    def shown_error(self) -> str:
-        self.page.wait_for_selector("#error:not([hidden])", timeout=30_000)
-        return self.page.inner_text("#error")
+    def shown_error(self, where: str = "#error") -> str:
+        self.page.wait_for_selector(f"{where}:not([hidden])", timeout=30_000)
+        return self.page.inner_text(where)
 
     def assert_clean(self, allowed_statuses: tuple[int, ...] = ()) -> None:
         """No console error but Chromium's own line for an expected error status, no uncaught
@@ -162,7 +163,11 @@ def test_play_streams_the_audio_into_the_audio_context_as_it_arrives(page, serve
     # it played: the context ran past the end of the audio, and the signal went through its graph
     assert state["state"] == "running" and state["time"] >= whole.size / RATE
     assert state["peak"] > 0.01
-    assert page.page.is_visible("#save") and page.page.get_attribute("#save", "href").startswith("blob:")
+    saved = page.page.evaluate("fetch(document.querySelector('#save').href).then(r => r.arrayBuffer())"
+                               ".then(b => Array.from(new Uint8Array(b)))")
+    kept = np.frombuffer(bytes(saved[44:]), "<i2").astype(int)
+    assert bytes(saved[:4]) == b"RIFF" and kept.size == whole.size
+    assert np.abs(kept - whole).max() <= 2  # streamed and whole differ by codec-window rounding at most
     assert page.page.is_disabled("#stop") and not page.page.is_disabled("#play")
     page.assert_clean()
 
@@ -183,10 +188,15 @@ def test_pieces_that_split_a_sample_decode_as_one_piece(page):
 def test_an_uploaded_voice_joins_the_picker_and_speaks(page, server, cases_dir, tmp_path):
     transcript = (cases_dir / "ref_en_16k.txt").read_text().strip()
     page.page.fill("#up-name", "fox-reader")
-    page.page.set_input_files("#up-audio", str(cases_dir / "ref_en_16k.wav"))
+    page.page.set_input_files("#up-audio", str(cases_dir / "ref_en_16k.txt"))  # not audio: the server says so
     page.page.fill("#up-text", transcript)
     page.page.click("#up-send")
-    page.wait_status("^Voice fox-reader added")
+    assert "audio" in page.shown_error("#up-error")
+    assert page.page.eval_on_selector_all("#voice option", "os => os.map(o => o.value)") == ["default"]
+    page.page.set_input_files("#up-audio", str(cases_dir / "ref_en_16k.wav"))
+    page.page.click("#up-send")
+    page.wait_status("^Voice fox-reader added", "#up-status")
+    assert page.page.is_hidden("#up-error")
     options = page.page.eval_on_selector_all("#voice option", "os => os.map(o => o.value)")
     assert options == ["default", "fox-reader"]
     assert page.page.input_value("#voice") == "fox-reader"  # selected
@@ -196,7 +206,6 @@ def test_an_uploaded_voice_joins_the_picker_and_speaks(page, server, cases_dir, 
     page.play(TEXT, seed=2)
     page.wait_status("^Done\\.$")
     assert page.state()["samples"] == _whole_pcm(server, input=TEXT, seed=2, voice="fox-reader").size
-    page.assert_clean()
     # the voice is deleted behind the page's back: playing it shows the server's error
     assert httpx.delete(server.url + "/v1/audio/voices/fox-reader", timeout=10).status_code == 200
     page.play(TEXT, voice="fox-reader")
@@ -247,7 +256,11 @@ def test_the_api_key_field_appears_when_the_server_wants_a_key(browser, cpu_int4
             watched = Watched(page, live.url)
             page.wait_for_selector("#key-form:not([hidden])", timeout=30_000)
             assert page.is_disabled("#play")
-            assert watched.shown_error().startswith("missing or wrong API key")
+            assert watched.shown_error("#key-error").startswith("missing or wrong API key")
+            page.fill("#key", "wrong-key")
+            with page.expect_response("**/v1/models") as refused:
+                page.click("#key-form button")
+            assert refused.value.status == 401 and page.is_visible("#key-error") and page.is_disabled("#play")
             page.fill("#key", "s3cret-key")
             page.click("#key-form button")
             watched.wait_connected()

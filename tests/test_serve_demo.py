@@ -19,8 +19,11 @@ import numpy as np
 import pytest
 from live_server import LiveServer
 
-sync_api = pytest.importorskip("playwright.sync_api", reason="playwright (Python) is not installed: it is in the "
-                               "dev extra, pip install -e '.[dev]'")
+try:
+    from playwright import sync_api
+except ImportError as exc:  # not installed, or broken
+    pytest.skip(f"playwright (Python) cannot be imported ({exc}); it is in the dev extra: pip install -e '.[dev]'",
+                allow_module_level=True)
 
 #: Debian's chromium; the test never downloads a browser.
 CHROMIUM = Path("/usr/bin/chromium")

@@ -5,7 +5,7 @@ engine (:meth:`higgs_pack.TTS.engine`) measured at several batch sizes in one pr
 For every batch size ``B`` the engine refuses (OpenVINO, the npu variant, cuda or dml: its
 ``InputError``), the row says why and carries no number.  For the others, ``repeats`` rounds
 take the sizes in turn (a machine that slows down meanwhile weighs on every size alike), each
-size with a fresh engine per run after ``warmup`` untimed runs:
+size with a fresh engine per run, after ``warmup`` untimed plain and streamed runs per size:
 
 * **plain**: ``B`` requests of the same text and frame cap submitted together to
   ``tts.engine(max_batch=B)``, read with ``handle.result()`` (the codec runs after the codes);
@@ -268,9 +268,10 @@ def measure_batches(spec: dict[str, Any]) -> dict[str, Any]:
         except InputError as exc:
             refused[batch] = str(exc)
     usable = [b for b in dict.fromkeys(sizes) if b not in refused]
-    for batch in usable:
+    for batch in usable:  # warm-up: one plain and one streamed run per size (new shapes, the codec's chunks)
         for _ in range(spec.get("warmup", 1)):
-            _one_round(tts, batch, spec, marks, prompt, step)
+            _engine_run(tts, batch, spec, marks, streamed=False)
+            _engine_run(tts, batch, spec, marks, streamed=True)
     rounds: dict[int, list[dict[str, Any]]] = {b: [] for b in usable}
     for _ in range(max(1, spec.get("repeats", 1))):
         for batch in usable:

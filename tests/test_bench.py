@@ -389,3 +389,176 @@ def test_context_steps_take_the_lengths_in_turn(cpu_int4_bundle):
     out = workers._context_steps(decoder, prompt, step, [8, 20, too_long], steps=3, rounds=2)
     assert prefills == [8, 20, 8, 20]
     assert set(out) == {"step_ms_ctx8", "step_ms_ctx20"} and all(v > 0 for v in out.values())
+
+
+# ----------------------------------------------------------------------------- --batch
+
+
+def test_parse_batch():
+    assert bench.parse_batch("1,2,4,8") == (1, 2, 4, 8) and bench.parse_batch("") == ()
+    for bad, named in (("1,x", "comma-separated"), ("0,2", ">= 1"), ("2,2", "distinct")):
+        assert named in bench.parse_batch(bad)
+    with pytest.raises(SystemExit):
+        bench.main(["--batch", "1,1"])
+
+
+def _row(size, agg, step, bare=None, stream=0.95):
+    """A measured ``--batch`` row: aggregate frames/s, engine step ms, bare step ms, streamed/plain."""
+    bare = bare or step / 1.05
+    return {"batch": size, "aggregate_frames_per_s": agg, "per_request_frames_per_s": agg / size,
+            "engine_step_ms": step, "bare_step_ms": bare, "engine_over_bare": step / bare,
+            "stream_aggregate_frames_per_s": agg * stream, "stream_over_plain": stream,
+            "join_first_audio_ms": 400.0 + 10 * size, "max_kv_bytes_in_use": size * 60 * 294912}
+
+
+OV_REFUSAL = ("OpenVINO bundles do not decode several requests per step yet (one state length for all rows); "
+              "use engine(max_batch=1) (the CLI's --batch 1), or a cpu ONNX Runtime bundle for batching")
+
+
+def _batched(label, system, preset, rows):
+    record = _measured(label, system, 30.0, preset=preset)
+    record["batch"] = {"sizes": [r["batch"] for r in rows], "rows": rows, "kv_bytes_per_position": 294912,
+                       "fit_max_batch": 18, "fit_memory_bytes": 12 * 2**30, "fit_positions": 2000,
+                       "fit_weight_bytes": 2 * 2**30, "fit_kv_bytes_per_position": 294912,
+                       "fit_kv_source": "engine", "loadavg_1m": [1.0, 1.2]}
+    return record
+
+
+def _good_rows():
+    return [_row(1, 10.0, 100.0), _row(2, 19.0, 105.0), _row(4, 35.0, 114.0), _row(8, 60.0, 133.0)]
+
+
+def test_batch_goals_judged_at_full_size_and_missed_when_a_figure_misses():
+    ov_rows = [_row(1, 9.0, 110.0)] + [{"batch": b, "refused": OV_REFUSAL} for b in (2, 4, 8)]
+    good = [_batched("cpu-int4", "cpu", "full", _good_rows()), _batched("openvino-int4", "openvino", "full", ov_rows)]
+    goals = {g: v for g, v in _goals(good).items() if "batch" in g}
+    cpu = {g: v for g, v in goals.items() if "cpu-int4" in g}
+    assert len(cpu) == 5 and all(met is True for met, _ in cpu.values()), cpu
+    assert cpu["[full] cpu-int4: aggregate frames/s at batch 4 >= 3x batch 1"] == (True, "35 / 10 = 3.50x")
+    assert cpu["[full] cpu-int4: per-request step at batch 4 <= 1.35x batch 1"] == (True, "114 / 100 = 1.14x")
+    assert "B=8 1.05x" in cpu["[full] cpu-int4: engine step within 1.1x of its bare batched decoder at every batch"][1]
+    # openvino: the refused sizes say why and count as not measured; batch 1 alone is judged
+    refused = goals["[full] openvino-int4: aggregate frames/s at batch 4 >= 3x batch 1"]
+    assert refused[0] is None and "refused: OpenVINO bundles do not decode" in refused[1] and "use engine" not in refused[1]
+    assert goals["[full] openvino-int4: streamed aggregate frames/s >= 0.9x plain at every batch"] == (True, "B=1 0.95x")
+
+    # a record that misses: batch 8 only 4.5x batch 1, streaming at batch 4 0.85x plain, the
+    # step at batch 4 1.5x, the engine 1.2x its bare decoder at batch 2
+    rows = _good_rows()
+    rows[1] = _row(2, 19.0, 105.0, bare=87.5)
+    rows[2] = _row(4, 35.0, 150.0, bare=150 / 1.05, stream=0.85)
+    rows[3] = _row(8, 45.0, 133.0)
+    goals = _goals([_batched("cpu-int4", "cpu", "full", rows)])
+    for goal in ("aggregate frames/s at batch 8 >= 5x batch 1", "per-request step at batch 4 <= 1.35x batch 1",
+                 "engine step within 1.1x of its bare batched decoder at every batch",
+                 "streamed aggregate frames/s >= 0.9x plain at every batch"):
+        assert goals[f"[full] cpu-int4: {goal}"][0] is False, (goal, goals[f"[full] cpu-int4: {goal}"])
+    assert goals["[full] cpu-int4: aggregate frames/s at batch 4 >= 3x batch 1"][0] is True
+    assert goals["[full] openvino-int4: aggregate frames/s at batch 4 >= 3x batch 1"] == (None, "no --batch record")
+
+    # at the bench preset the same figures are computed and printed, not judged
+    bench_goals = _goals([_batched("cpu-int4", "cpu", "bench", rows)])
+    missed = bench_goals["[bench] cpu-int4: aggregate frames/s at batch 8 >= 5x batch 1"]
+    assert missed[0] is None and missed[1] == "45 / 10 = 4.50x: would be missed; judged at full size only"
+    assert bench.goal_state(*missed) == "not judged" and bench.goal_state(None, "no --batch record") == "not measured"
+    assert not any(g.startswith("[full]") and "batch" in g for g in bench_goals)  # only the presets run
+    printed = _batched("cpu-int4", "cpu", "bench", rows)
+    printed.update(first_audio_steps=28, stream_chunk_frames=10, stream_context_frames=11, stream_frames_per_s=28.0)
+    details = bench.render_details([printed])
+    assert "would be missed; judged at full size only -> not judged" in details
+    # no --batch run: no batch goals; a failed batch run: every batch goal not measured, saying so
+    assert not any("batch" in g for g in _goals([_measured("cpu-int4", "cpu", 30.0, preset="full")]))
+    failed = _measured("cpu-int4", "cpu", 30.0, preset="full")
+    failed["batch"] = {"sizes": [1, 2], "error": "batch worker exited with 1:\nboom"}
+    assert all(met is None and "the batch run failed: batch worker exited with 1" in numbers
+               for g, (met, numbers) in _goals([failed]).items() if "cpu-int4" in g and "batch" in g)
+
+
+def test_batch_memory_fit_table_and_html(tmp_path):
+    manifest = {"files": [{"path": "llm_decoder/model.onnx", "size": 2**20},
+                          {"path": "llm_decoder/model.onnx.data", "size": 2 * 2**30},
+                          {"path": "audio_heads/model.onnx", "size": 2**20},
+                          {"path": "golden/outputs.npz", "size": 2**30}],
+                "subparts": {"llm_decoder": {"files": ["llm_decoder/model.onnx", "llm_decoder/model.onnx.data"]},
+                             "audio_heads": {"files": ["audio_heads/model.onnx"]}}}
+    fit = bench.batch_memory(manifest, 294912, 128)  # the 4B model's fp32 KV: 288 KiB per position
+    # (12 GiB - 2 GiB of decoder weights - 1 MiB of heads) / (2000 x 288 KiB): 18 requests (computed)
+    assert fit["fit_weight_bytes"] == 2 * 2**30 + 2**20 and fit["fit_max_batch"] == 18
+    assert fit["fit_kv_source"] == "engine" and fit["fit_computed"] is True
+    assert bench.batch_memory(manifest, None, 128)["fit_kv_source"] == "bench"
+    assert bench.batch_memory(manifest, None, None)["fit_max_batch"] is None
+
+    ov_rows = [_row(1, 9.0, 110.0)] + [{"batch": b, "refused": OV_REFUSAL} for b in (2, 4)]
+    records = [_batched("cpu-int4", "cpu", "bench", _good_rows()[:3]),
+               _batched("openvino-int4", "openvino", "bench", ov_rows)]
+    text = bench.render_batch(records)
+    for part in ("3.50x", "1.14x", "refused", "largest batch in 12 GiB at 2000 positions: 18 (computed, not run",
+                 "openvino-int4 [bench] batch 2 refused by the engine: OpenVINO bundles do not decode"):
+        assert part in text, part
+    assert bench.render_batch([_measured("cpu-int4", "cpu", 30.0)]) == ""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "bench.json"
+    bench.write_records(records, out)
+    from higgs_pack.targets.bench.records import write_html
+
+    page = write_html(out).read_text()
+    section = page[page.index("Many requests at once (--batch)"):]
+    assert section.count("<img") == 1 and "refused: OpenVINO bundles" in section and section.rstrip().endswith("</html>")
+
+
+#: Keys and types of every measured ``--batch`` row.
+BATCH_ROW_TYPES = {
+    "batch": int, "aggregate_frames_per_s": float, "per_request_frames_per_s": float, "engine_step_ms": float,
+    "bare_step_ms": float, "engine_over_bare": float, "stream_aggregate_frames_per_s": float,
+    "stream_over_plain": float, "stream_engine_step_ms": float, "join_first_audio_ms": float,
+    "max_kv_bytes_in_use": int, "wall_frames_per_s": float, "prefill_ms": float, "rounds": list,
+}
+
+
+def test_bench_batch_on_tiny_cpu_int4(cpu_int4_bundle, tmp_path):
+    """``--batch 1,2`` on the tiny cpu int4 bundle: the record's structure, the JSON, the goals, the HTML."""
+    out = tmp_path / "bench.json"
+    code = bench.main(["--preset", "tiny", "--systems", "", "--bundle", str(cpu_int4_bundle), "--batch", "1,2",
+                       "--frames", "24", "--repeats", "1", "--warmup", "0", "--contexts", "", "--bandwidth-mib", "0",
+                       "--cache", str(tmp_path / "cache"), "--out", str(out), "--quiet"])
+    assert code == 0
+    record, goals = json.loads(out.read_text())
+    batch = record["batch"]
+    assert batch["sizes"] == [1, 2] and [row["batch"] for row in batch["rows"]] == [1, 2]
+    per_position = 2 * 2 * 2 * 16 * 4  # tiny: 2 layers, 2 KV heads, head_dim 16, float32
+    assert batch["kv_bytes_per_position"] == per_position == batch["fit_kv_bytes_per_position"]
+    positions = batch["prompt_length"] + 24 + 7  # prompt + frames + the delay ramp
+    for row in batch["rows"]:
+        for key, kind in BATCH_ROW_TYPES.items():
+            assert isinstance(row[key], kind), (row["batch"], key, row.get(key))
+        b = row["batch"]
+        assert row["joined_together"] is True and row["join_rows"] == b and row["stream_codes_match"] is True
+        assert row["engine_steps"] == 24 + 7 and row["full_batch_steps"] == 24 + 7
+        assert row["per_request_frames_per_s"] == pytest.approx(row["aggregate_frames_per_s"] / b)
+        assert row["engine_over_bare"] == pytest.approx(row["engine_step_ms"] / row["bare_step_ms"])
+        assert row["stream_over_plain"] == pytest.approx(
+            row["stream_aggregate_frames_per_s"] / row["aggregate_frames_per_s"])
+        assert row["max_kv_bytes_in_use"] == b * positions * per_position
+        assert all(v > 0 and math.isfinite(v) for k, v in row.items() if k in BATCH_ROW_TYPES and
+                   isinstance(v, float))
+    assert batch["fit_max_batch"] == (12 * 2**30 - batch["fit_weight_bytes"]) // (2000 * per_position)
+    assert len(batch["loadavg_1m"]) == 2 and batch["peak_rss_mb"] > 0
+    recorded = {g["goal"]: (g["met"], g["measured"]) for g in goals["goals"]}
+    streamed = recorded["[tiny] cpu-int4: streamed aggregate frames/s >= 0.9x plain at every batch"]
+    assert streamed[0] is None and streamed[1].startswith("B=1 ") and streamed[1].endswith("judged at full size only")
+    assert recorded["[tiny] cpu-int4: aggregate frames/s at batch 4 >= 3x batch 1"] == (
+        None, "batch 4 not measured (not in --batch)")
+    assert recorded["[tiny] openvino-int4: aggregate frames/s at batch 4 >= 3x batch 1"] == (None, "no --batch record")
+    if out.with_suffix(".html").is_file():  # matplotlib installed
+        assert "Many requests at once (--batch)" in out.with_suffix(".html").read_text()
+
+
+def test_bench_batch_refused_on_tiny_openvino(ov_int4_bundle, tmp_path):
+    """The OpenVINO engine runs batch 1 and refuses batch 2: the row carries its reason, no number."""
+    (rec,) = bench.run_bench(bench.BenchOptions(
+        preset="tiny", systems=(), bundles=(str(ov_int4_bundle),), frames=24, repeats=1, warmup=0, contexts=(),
+        bandwidth_mib=0, cache=str(tmp_path / "cache"), out=None, quiet=True, batch=(1, 2)))
+    one, two = rec["batch"]["rows"]
+    assert one["batch"] == 1 and one["aggregate_frames_per_s"] > 0 and one["max_kv_bytes_in_use"] is None
+    assert two == {"batch": 2, "refused": two["refused"]} and "OpenVINO" in two["refused"]
+    assert rec["batch"]["kv_bytes_per_position"] is None and rec["batch"]["fit_kv_source"] == "bench"

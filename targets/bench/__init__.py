@@ -50,6 +50,14 @@ system generates exactly ``--frames`` frames), after one warm-up run:
     the last-level cache (``machine.llc_bytes``); otherwise ``cache_resident`` is true and
     no fraction is given (see :func:`~higgs_pack.targets.bench.records._roofline`).
 
+``batch`` (with ``--batch 1,2,4,8``)
+    every bundle's continuous-batching engine at those batch sizes, in its own process
+    (:mod:`~higgs_pack.targets.bench.batch`): per size aggregate and per-request frames/s,
+    the engine's step and its bare batched decoder's, the first audio of a request joining
+    ``B - 1`` running ones, streamed over plain aggregate frames/s and the KV bytes in use;
+    the KV bytes per position and the largest batch that fits 12 GiB at 2,000 positions
+    (computed, not run).  Sizes the engine refuses carry its reason and no number.
+
 The goals (:func:`~higgs_pack.targets.bench.records.goal_checks`) are printed and recorded
 side by side; a goal whose systems were not measured reads "not measured".
 
@@ -74,9 +82,12 @@ from higgs_pack.targets.bench.records import (
     _roofline,
     add_ratios,
     base_record,
+    batch_goals,
+    batch_memory,
     first_audio_budget,
     goal_checks,
     goal_state,
+    render_batch,
     render_builds,
     render_details,
     render_table,
@@ -131,6 +142,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--contexts", default=",".join(map(str, DEFAULT_CONTEXTS)),
                    help="context lengths at which the bare decoder's step is timed "
                         f"(default {','.join(map(str, DEFAULT_CONTEXTS))}; empty for none)")
+    p.add_argument("--batch", default="", metavar="B,B,...",
+                   help="also measure every bundle's engine (tts.engine(max_batch=B)) at these batch sizes, "
+                        "e.g. 1,2,4,8 (default: none)")
     p.add_argument("--timeout", type=float, help="seconds allowed per measuring process")
     p.add_argument("--out", default="dist/bench.json",
                    help="JSON records file, charted into the same name with .html ('' = do not write)")
@@ -154,6 +168,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _parser().error(f"--contexts must be comma-separated positions, got {args.contexts!r}")
     if any(c < 1 for c in contexts):
         _parser().error(f"--contexts must be positive, got {args.contexts!r}")
+    batch = parse_batch(args.batch)
+    if isinstance(batch, str):
+        _parser().error(batch)
     options = BenchOptions(
         preset=args.preset, systems=tuple(s for s in args.systems.split(",") if s.strip()),
         bundles=tuple(args.bundle), frames=args.frames, repeats=args.repeats, rounds=args.rounds,
@@ -161,6 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         seed=args.seed, text=args.text, checkpoint=args.checkpoint, cache=args.cache,
         rebuild=args.rebuild, bandwidth_mib=args.bandwidth_mib, contexts=contexts, out=args.out or None,
         append=args.append, timeout=args.timeout, quiet=args.quiet, build_only=args.build_only,
+        batch=batch,
     )
     from higgs_pack.manifests.errors import HiggsPackError
 
@@ -174,6 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(render_builds(builds))
     if records:
         print(render_table(records))
+        if options.batch:
+            print(render_batch(records))
         print(render_details(records))
     if options.out:
         write_records(builds + records, Path(options.out), options.append)
@@ -185,7 +205,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     over = [b["system"] for b in builds if (b.get("peak_rss_mb") or 0) > BUILD_MEMORY_BUDGET_MB]
     if over:
         print(f"builds over the {BUILD_MEMORY_BUDGET_MB} MB memory budget: {', '.join(over)}", file=sys.stderr)
-    return 1 if over or any("error" in r for r in builds + records) else 0
+    failed = any("error" in r or "error" in (r.get("batch") or {}) for r in builds + records)
+    return 1 if over or failed else 0
+
+
+def parse_batch(text: str) -> tuple[int, ...] | str:
+    """``--batch``'s sizes (``"1,2,4,8"`` -> ``(1, 2, 4, 8)``; empty: none), or the error message."""
+    try:
+        sizes = tuple(int(b) for b in text.split(",") if b.strip())
+    except ValueError:
+        return f"--batch must be comma-separated batch sizes such as 1,2,4,8, got {text!r}"
+    if any(b < 1 for b in sizes) or len(set(sizes)) != len(sizes):
+        return f"--batch sizes must be distinct whole numbers >= 1, got {text!r}"
+    return sizes
 
 
 __all__ = [
@@ -206,13 +238,17 @@ __all__ = [
     "_spawn",  # used by tests
     "add_ratios",
     "base_record",
+    "batch_goals",
+    "batch_memory",
     "bundle_spec",
     "first_audio_budget",
     "goal_checks",
     "goal_state",
     "main",
     "measure_bandwidth",
+    "parse_batch",
     "parse_system",
+    "render_batch",
     "render_details",
     "render_table",
     "run_bench",

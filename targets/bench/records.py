@@ -11,14 +11,22 @@ from pathlib import Path
 from typing import Any
 
 from higgs_pack.targets.bench.systems import (
+    FIT_MEMORY_BYTES,
+    FIT_POSITIONS,
     FULL_PRESET,
+    GOAL_BATCH4_SPEEDUP,
+    GOAL_BATCH4_STEP,
+    GOAL_BATCH8_SPEEDUP,
+    GOAL_ENGINE_OVER_BARE,
     GOAL_FIRST_AUDIO,
     GOAL_LONG_CONTEXT_STEP,
     GOAL_LOOP_OVER_DECODER,
     GOAL_OUTSIDE_DECODER,
     GOAL_ROOFLINE,
     GOAL_SPEEDUP_CPU_INT4,
+    GOAL_STREAM_OVER_PLAIN,
     GOAL_WARM_LOAD_S,
+    PRESETS,
     PYTORCH,
     SIZED_PRESETS,
     SystemSpec,
@@ -147,7 +155,8 @@ def goal_checks(records: list[dict[str, Any]]) -> list[Goal]:
     * full preset: cpu int4 ``step_ms_ctx900`` within ``GOAL_LONG_CONTEXT_STEP`` of
       ``step_ms_ctx64``; cpu int4 decoder weight bytes at most openvino int4's; both decoders
       at least ``GOAL_ROOFLINE`` of their roofline (``roofline_frac_decoder``) unless
-      cache-resident.
+      cache-resident;
+    * where records carry a ``--batch`` measurement: the engine's goals (:func:`batch_goals`).
     """
     measured = [r for r in records if r.get("frames_per_s") and "error" not in r]
     presets = [p for p in SIZED_PRESETS if any(r["preset"] == p for r in measured)] or [SIZED_PRESETS[0]]
@@ -160,6 +169,7 @@ def goal_checks(records: list[dict[str, Any]]) -> list[Goal]:
                 r["load_warm_s"] < GOAL_WARM_LOAD_S, f"{r['load_warm_s']:.3f} s")
                for r in records
                if r["system"] == "openvino" and r.get("load_warm_s") is not None and r["preset"] == "tiny"]
+    checks += batch_goals(records)
     return checks
 
 
@@ -259,9 +269,270 @@ def _full_size_goals(measured: list[dict[str, Any]]) -> list[Goal]:
     return checks
 
 
-def goal_state(met: bool | None) -> str:
-    """How a goal row reads: ``met``, ``MISSED`` or ``not measured``."""
-    return "not measured" if met is None else "met" if met else "MISSED"
+#: Ends the ``measured`` text of a goal computed at a preset where it is not judged (``met`` None).
+NOT_JUDGED = "judged at full size only"
+
+
+def goal_state(met: bool | None, measured: str = "") -> str:
+    """How a goal row reads: ``met``, ``MISSED``, ``not measured``, or ``not judged`` (a goal
+    computed at a preset where it is not judged, :data:`NOT_JUDGED`)."""
+    if met is None:
+        return "not judged" if measured.endswith(NOT_JUDGED) else "not measured"
+    return "met" if met else "MISSED"
+
+
+# ----------------------------------------------------------------------------- --batch
+
+
+def batch_memory(manifest: dict[str, Any], engine_per_position: int | None,
+                 bench_per_position: int | None) -> dict[str, Any]:
+    """The largest batch whose KV cache fits :data:`FIT_MEMORY_BYTES` beside the bundle's
+    weights at :data:`FIT_POSITIONS` positions per request: computed, not run.
+
+    ``fit_max_batch = floor((FIT_MEMORY_BYTES - fit_weight_bytes) / (FIT_POSITIONS x
+    fit_kv_bytes_per_position))``, where the weight bytes are every sub-part's weight files
+    (ONNX external data, OpenVINO ``.bin``, else the graph) and the KV bytes per position are
+    the engine's (``engine.kv_bytes_per_position``: the KV dtype its decoder binds), else the
+    bench's own reading of the loaded decoder (OpenVINO's ``KV_CACHE_PRECISION``, its per-group
+    scales not counted; ``fit_kv_source`` says which).  Codec, activations and the OS are
+    not counted.
+    """
+    weights = sum(_subpart_weight_bytes(manifest, part) for part in manifest["subparts"])
+    per_position, source = ((engine_per_position, "engine") if engine_per_position
+                            else (bench_per_position, "bench") if bench_per_position else (None, None))
+    fit = None
+    if per_position:
+        fit = max(0, (FIT_MEMORY_BYTES - weights) // (per_position * FIT_POSITIONS))
+    return {"fit_memory_bytes": FIT_MEMORY_BYTES, "fit_positions": FIT_POSITIONS, "fit_weight_bytes": weights,
+            "fit_kv_bytes_per_position": per_position, "fit_kv_source": source, "fit_max_batch": fit,
+            "fit_computed": True}
+
+
+def batch_rows(record: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """A record's ``--batch`` rows by batch size (empty without a batch measurement)."""
+    batch = record.get("batch")
+    return {row["batch"]: row for row in batch.get("rows", [])} if isinstance(batch, dict) else {}
+
+
+def _refusal(reason: str) -> str:
+    """The engine's refusal up to its advice (``…; use engine(max_batch=1) …``)."""
+    return reason.split(";")[0]
+
+
+def _batch_figure(rows: dict[int, dict[str, Any]], size: int, key: str) -> tuple[float | None, str]:
+    """``rows[size][key]``, or None and why it is missing."""
+    row = rows.get(size)
+    if row is None:
+        return None, f"batch {size} not measured (not in --batch)"
+    if "refused" in row:
+        return None, f"batch {size} refused: {_refusal(row['refused'])}"
+    value = row.get(key)
+    return (value, "") if isinstance(value, (int, float)) and value else (None, f"no {key} at batch {size}")
+
+
+def batch_goals(records: list[dict[str, Any]]) -> list[Goal]:
+    """Issue 19's goals for the engine, from the records' ``batch`` measurements (``--batch``).
+
+    For every preset with a batch measurement, every bundle measured there, and cpu int4 and
+    openvino int4 (listed as not measured when missing): aggregate frames/s at batch 4 at least
+    ``GOAL_BATCH4_SPEEDUP`` x batch 1 and at batch 8 at least ``GOAL_BATCH8_SPEEDUP`` x;
+    the engine's step at batch 4 at most ``GOAL_BATCH4_STEP`` x batch 1; the engine's step
+    within ``GOAL_ENGINE_OVER_BARE`` of its bare batched decoder at every batch measured;
+    streamed aggregate frames/s at least ``GOAL_STREAM_OVER_PLAIN`` x plain at every batch.
+    Each ratio is of figures measured side by side in one process.  They are judged on the
+    full preset only; elsewhere they are computed and printed with ``met`` None and the
+    measured text ending in :data:`NOT_JUDGED` (``would be met`` / ``would be missed``).
+    """
+    batched = [r for r in records if isinstance(r.get("batch"), dict)]
+    checks: list[Goal] = []
+    for preset in [p for p in PRESETS if any(r["preset"] == p for r in batched)]:
+        here = [r for r in batched if r["preset"] == preset]
+        here += [{"label": f"{system}-{precision}", "missing": True} for system, precision in REQUIRED_SYSTEMS
+                 if not any(r["system"] == system and r["precision"] == precision and not r.get("variant")
+                            for r in here)]
+        for r in here:
+            checks += _batch_goals_of(r, preset)
+    return checks
+
+
+def _batch_goals_of(record: dict[str, Any], preset: str) -> list[Goal]:
+    rows = batch_rows(record)
+    error = record.get("batch", {}).get("error") if not record.get("missing") else None
+    measured = [b for b, row in sorted(rows.items()) if "refused" not in row]
+
+    def verdict(goal: str, ok: bool, text: str) -> Goal:
+        if preset == FULL_PRESET:
+            return goal, ok, text
+        return goal, None, f"{text}: would be {'met' if ok else 'missed'}; {NOT_JUDGED}"
+
+    def ratio(goal: str, key: str, size: int, bound: float, at_least: bool) -> Goal:
+        num, why_num = _batch_figure(rows, size, key)
+        den, why_den = _batch_figure(rows, 1, key)
+        if num is None or den is None:
+            return goal, None, why_num or why_den
+        s = num / den
+        return verdict(goal, s >= bound if at_least else s <= bound, f"{num:.3g} / {den:.3g} = {s:.2f}x")
+
+    def every(goal: str, key: str, bound: float, at_least: bool) -> Goal:
+        values = {b: rows[b].get(key) for b in measured}
+        if not values or any(not isinstance(v, (int, float)) for v in values.values()):
+            return goal, None, f"no {key} at batch {', '.join(map(str, measured))}" if measured else "no batch measured"
+        worst = min(values.values()) if at_least else max(values.values())
+        ok = worst >= bound if at_least else worst <= bound
+        return verdict(goal, ok, ", ".join(f"B={b} {v:.2f}x" for b, v in values.items()))
+
+    name = f"[{preset}] {record['label']}: "
+    goals = (
+        (f"aggregate frames/s at batch 4 >= {GOAL_BATCH4_SPEEDUP:g}x batch 1",
+         lambda g: ratio(g, "aggregate_frames_per_s", 4, GOAL_BATCH4_SPEEDUP, True)),
+        (f"aggregate frames/s at batch 8 >= {GOAL_BATCH8_SPEEDUP:g}x batch 1",
+         lambda g: ratio(g, "aggregate_frames_per_s", 8, GOAL_BATCH8_SPEEDUP, True)),
+        (f"per-request step at batch 4 <= {GOAL_BATCH4_STEP:g}x batch 1",
+         lambda g: ratio(g, "engine_step_ms", 4, GOAL_BATCH4_STEP, False)),
+        (f"engine step within {GOAL_ENGINE_OVER_BARE:g}x of its bare batched decoder at every batch",
+         lambda g: every(g, "engine_over_bare", GOAL_ENGINE_OVER_BARE, False)),
+        (f"streamed aggregate frames/s >= {GOAL_STREAM_OVER_PLAIN:g}x plain at every batch",
+         lambda g: every(g, "stream_over_plain", GOAL_STREAM_OVER_PLAIN, True)),
+    )
+    if record.get("missing"):
+        return [(name + goal, None, "no --batch record") for goal, _ in goals]
+    if error:
+        return [(name + goal, None, f"the batch run failed: {error.splitlines()[0]}") for goal, _ in goals]
+    return [judge(name + goal) for goal, judge in goals]
+
+
+#: (header, row key, format) of the printed ``--batch`` table.
+BATCH_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("B", "batch", "{}"),
+    ("aggregate f/s", "aggregate_frames_per_s", "{:.1f}"),
+    ("per request f/s", "per_request_frames_per_s", "{:.1f}"),
+    ("vs B=1", "vs_batch1", "{:.2f}x"),
+    ("step ms", "engine_step_ms", "{:.2f}"),
+    ("step vs B=1", "step_vs_batch1", "{:.2f}x"),
+    ("bare step ms", "bare_step_ms", "{:.2f}"),
+    ("engine/bare", "engine_over_bare", "{:.3f}x"),
+    ("streamed f/s", "stream_aggregate_frames_per_s", "{:.1f}"),
+    ("streamed/plain", "stream_over_plain", "{:.2f}x"),
+    ("join 1st audio ms", "join_first_audio_ms", "{:.0f}"),
+    ("KV in use KiB", "max_kv_kib_in_use", "{:.0f}"),
+)
+
+
+def batch_table_rows(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """A record's ``--batch`` rows with the derived columns of :data:`BATCH_COLUMNS`
+    (``vs_batch1``, ``step_vs_batch1``: over batch 1 of the same run; ``max_kv_kib_in_use``)."""
+    rows = batch_rows(record)
+    one = rows.get(1, {})
+    out = []
+    for size, row in rows.items():
+        row = dict(row)
+        if row.get("aggregate_frames_per_s") and one.get("aggregate_frames_per_s"):
+            row["vs_batch1"] = row["aggregate_frames_per_s"] / one["aggregate_frames_per_s"]
+        if row.get("engine_step_ms") and one.get("engine_step_ms"):
+            row["step_vs_batch1"] = row["engine_step_ms"] / one["engine_step_ms"]
+        if row.get("max_kv_bytes_in_use") is not None:
+            row["max_kv_kib_in_use"] = row["max_kv_bytes_in_use"] / 1024
+        row.setdefault("batch", size)
+        out.append(row)
+    return out
+
+
+def batch_facts(record: dict[str, Any]) -> str:
+    """One line per record: KV bytes per position, the computed memory fit, the load average."""
+    batch = record.get("batch") or {}
+    if batch.get("error"):
+        return f"{record['label']} [{record['preset']}] --batch: ERROR {batch['error']}"
+    per = batch.get("kv_bytes_per_position")
+    kv = (f"KV {per} B per position (engine.kv_bytes_per_position)" if per is not None else
+          "KV bytes per position: the engine cannot say (engine.kv_bytes_per_position is None)")
+    fit = ""
+    if batch.get("fit_max_batch") is not None:
+        fit = (f"; largest batch in {batch['fit_memory_bytes'] / 2**30:g} GiB at {batch['fit_positions']} positions: "
+               f"{batch['fit_max_batch']} (computed, not run: weights {batch['fit_weight_bytes'] / 2**20:.0f} MiB + "
+               f"B x {batch['fit_positions']} x {batch['fit_kv_bytes_per_position']} B, KV bytes from the "
+               f"{batch['fit_kv_source']})")
+    load = batch.get("loadavg_1m") or []
+    load_text = (f"; load average {load[0]:.2f} before, {load[1]:.2f} after"
+                 if len(load) == 2 and None not in load else "")
+    return f"{record['label']} [{record['preset']}] --batch: {kv}{fit}{load_text}"
+
+
+def render_batch(records: list[dict[str, Any]]) -> str:
+    """The ``--batch`` measurements as a table (one row per system and batch size) and a line
+    of facts per system; empty when no record has one."""
+    batched = [r for r in records if isinstance(r.get("batch"), dict)]
+    if not batched:
+        return ""
+    rows, facts = [], []
+    for r in batched:
+        facts.append(batch_facts(r))
+        for row in batch_table_rows(r):
+            if "refused" in row:
+                rows.append([r["label"], str(row["batch"]), "refused"] + ["-"] * (len(BATCH_COLUMNS) - 2))
+                facts.append(f"{r['label']} [{r['preset']}] batch {row['batch']} refused by the engine: "
+                             f"{row['refused']}")
+            else:
+                rows.append([r["label"]] + [_cell(row, key, fmt) for _, key, fmt in BATCH_COLUMNS])
+    presets = sorted({r["preset"] for r in batched})
+    table = _table(f"higgs-pack bench --batch, preset {', '.join(presets)}",
+                   ["system"] + [h for h, _, _ in BATCH_COLUMNS], rows)
+    return table + "\n" + "\n".join(facts)
+
+
+def batch_html(records: list[dict[str, Any]]) -> str:
+    """The ``--batch`` section of the HTML report: per preset, one plot of aggregate frames/s
+    against the batch size (a line per system; plain solid, streamed dashed) and the table;
+    empty when no record has a batch measurement.
+
+    Raises:
+        HiggsPackError: matplotlib is missing.
+    """
+    from higgs_pack.runtime.verification.html_report import _e, _img, figure_png, require_matplotlib
+
+    batched = [r for r in records if isinstance(r.get("batch"), dict)]
+    if not batched:
+        return ""
+    plt = require_matplotlib()
+    parts = ["<h2>Many requests at once (--batch)</h2><p class=\"explain\">Each bundle's continuous-batching "
+             "engine (<code>tts.engine(max_batch=B)</code>) in its own process: B requests of the same text and "
+             "frame cap submitted together, read with <code>result()</code> (plain) or each iterated on its own "
+             "thread (streamed). Aggregate frames/s counts every row's frames over the steps with all B rows busy; "
+             "the step is the engine's own (heads, sampling, embedding, decoder), the bare step its batched decoder "
+             "alone with the same bindings; the join time is the first streamed audio of a request submitted while "
+             "B-1 others run. Sizes the engine refuses are listed with its reason and no number. The largest batch "
+             "in 12 GiB is computed, not run.</p>"]
+    for preset in [p for p in PRESETS if any(r["preset"] == p for r in batched)]:
+        here = [r for r in batched if r["preset"] == preset]
+        fig, ax = plt.subplots(figsize=(8, 4.2))
+        for i, r in enumerate(here):
+            color = f"C{i % 10}"
+            table = [row for row in batch_table_rows(r) if "refused" not in row]
+            for key, style, what in (("aggregate_frames_per_s", "-", "plain"),
+                                     ("stream_aggregate_frames_per_s", "--", "streamed")):
+                points = [(row["batch"], row[key]) for row in table if row.get(key)]
+                if points:
+                    ax.plot(*zip(*points, strict=True), style, marker="o", color=color, label=f"{r['label']} {what}")
+        sizes = sorted({row["batch"] for r in here for row in batch_table_rows(r)})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        ax.set_xlabel("batch size (requests decoded together)")
+        ax.set_ylabel("aggregate frames/s (25 frames = 1 s of audio)")
+        ax.set_title(f"aggregate frames per second against the batch, preset {preset}")
+        ax.grid(alpha=0.25)
+        ax.legend(fontsize=8)
+        parts.append(f"<h3>Preset {_e(preset)}</h3>" + _img(figure_png(fig), f"aggregate frames/s vs batch, {preset}"))
+        head = "".join(f"<th>{_e(h)}</th>" for h, _, _ in BATCH_COLUMNS)
+        body = []
+        for r in here:
+            for row in batch_table_rows(r):
+                if "refused" in row:
+                    cells = f"<td>{row['batch']}</td><td colspan=\"{len(BATCH_COLUMNS) - 1}\">refused: {_e(row['refused'])}</td>"
+                else:
+                    cells = "".join(f"<td>{_e(_cell(row, key, fmt))}</td>" for _, key, fmt in BATCH_COLUMNS)
+                body.append(f"<tr><td>{_e(r['label'])}</td>{cells}</tr>")
+        facts = "".join(f"<li>{_e(batch_facts(r))}</li>" for r in here)
+        parts.append(f"<table><tr><th>system</th>{head}</tr>{''.join(body)}</table><ul class=\"explain\">{facts}</ul>")
+    return "\n".join(parts)
 
 
 def first_audio_budget(record: dict[str, Any]) -> float | None:
@@ -315,9 +586,12 @@ def _cell(record: dict[str, Any], key: str, fmt: str) -> str:
 def render_table(records: list[dict[str, Any]]) -> str:
     """The records as a table (rich when installed, else plain text)."""
     rows = [[_cell(r, key, fmt) for _, key, fmt in COLUMNS] for r in records]
-    headers = [h for h, _, _ in COLUMNS]
     presets = sorted({r["preset"] for r in records})
-    title = f"higgs-pack bench, preset {', '.join(presets)}"
+    return _table(f"higgs-pack bench, preset {', '.join(presets)}", [h for h, _, _ in COLUMNS], rows)
+
+
+def _table(title: str, headers: list[str], rows: list[list[str]]) -> str:
+    """A text table (rich when installed, else plain text), first column left-aligned."""
     try:
         from rich.console import Console
         from rich.table import Table
@@ -386,7 +660,7 @@ def render_details(records: list[dict[str, Any]]) -> str:
         lines.append(f"{r['label']}: step ms [{parts}]; prefill {r.get('prefill_ms', 0):.0f} ms"
                      f"{'; decoder step ' + ctx if ctx else ''}{stream}{build}{roof}")
     for goal, met, numbers in goal_checks(records):
-        lines.append(f"goal {goal}: {numbers} -> {goal_state(met)}")
+        lines.append(f"goal {goal}: {numbers} -> {goal_state(met, numbers)}")
     return "\n".join(lines)
 
 
@@ -447,5 +721,10 @@ def write_html(out: Path) -> Path:
     path = out.with_suffix(".html")
     marks = {"outside_decoder_frac": (GOAL_OUTSIDE_DECODER * 100, f"goal: under {GOAL_OUTSIDE_DECODER:.0%}"),
              "loop_over_decoder": (GOAL_LOOP_OVER_DECODER, f"goal: at most {GOAL_LOOP_OVER_DECODER:g}x")}
-    path.write_text(bench_html(records, goal_checks(records), marks), encoding="utf-8")
+    page = bench_html(records, goal_checks(records), marks)
+    batch = batch_html(records)
+    if batch:  # the --batch section after the per-preset ones, before the page's end
+        end = page.rindex("</body>")
+        page = page[:end].rstrip("\n") + "\n" + batch + "\n" + page[end:]
+    path.write_text(page, encoding="utf-8")
     return path

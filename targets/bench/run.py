@@ -18,6 +18,7 @@ from higgs_pack.targets.bench.records import (
     _roofline,
     add_ratios,
     base_record,
+    batch_memory,
     first_audio_budget,
 )
 from higgs_pack.targets.bench.systems import (
@@ -60,6 +61,8 @@ class BenchOptions:
     timeout: float | None = None
     quiet: bool = False
     build_only: bool = False
+    batch: tuple[int, ...] = ()
+    """Engine batch sizes to measure every bundle at (``--batch 1,2,4,8``; empty: none)."""
 
 
 def _cache(options: BenchOptions) -> Path:
@@ -207,6 +210,12 @@ def run_bench(options: BenchOptions) -> list[dict[str, Any]]:
         record["first_audio_budget_ms"] = first_audio_budget(record)
         _roofline(record, bandwidth)
     add_ratios(records)
+
+    # 4. the engine at each batch size, every bundle in its own process (PyTorch has no engine)
+    if options.batch:
+        for (spec, path, manifest, _), record in zip(prepared, records, strict=True):
+            if not spec.is_pytorch and path is not None:
+                record["batch"] = _measure_batches(spec, path, manifest, cache, common, options)
     return builds + records
 
 
@@ -256,7 +265,7 @@ def _measure_system(spec: SystemSpec, path: Path | None, manifest: dict[str, Any
            "device": spec.device}
     out: dict[str, Any] = {}
     if _compiles(manifest["backend"]):
-        ov_cache = cache / "bench" / "ov-cache" / f"{path.name}{'@' + spec.device if spec.device else ''}"
+        ov_cache = _ov_cache(cache, path, spec)
         job["ov_cache"] = str(ov_cache)
         if cold:
             shutil.rmtree(ov_cache, ignore_errors=True)
@@ -266,3 +275,26 @@ def _measure_system(spec: SystemSpec, path: Path | None, manifest: dict[str, Any
     if _compiles(manifest["backend"]):
         res["load_warm_s"] = res.pop("load_s")
     return {**res, **out}
+
+
+def _ov_cache(cache: Path, path: Path, spec: SystemSpec) -> Path:
+    """The OpenVINO model cache of one system's bundle (and device) in the bench's cache."""
+    return cache / "bench" / "ov-cache" / f"{path.name}{'@' + spec.device if spec.device else ''}"
+
+
+def _measure_batches(spec: SystemSpec, path: Path, manifest: dict[str, Any], cache: Path,
+                     common: dict[str, Any], options: BenchOptions) -> dict[str, Any]:
+    """The ``batch`` field of one bundle's record: the ``batch`` worker's figures
+    (:func:`~higgs_pack.targets.bench.batch.measure_batches`) and the computed memory fit
+    (:func:`~higgs_pack.targets.bench.records.batch_memory`); ``error`` when the worker failed."""
+    _say(options, f"measuring {spec.label} at batch {','.join(map(str, options.batch))}")
+    job = {**common, "bundle": str(path), "device": spec.device, "batch": list(options.batch),
+           "ov_cache": str(_ov_cache(cache, path, spec)) if _compiles(manifest["backend"]) else None}
+    out: dict[str, Any] = {"sizes": list(options.batch)}
+    try:
+        out.update(_spawn("batch", job, cache=cache, timeout=options.timeout))
+    except (WorkerError, subprocess.TimeoutExpired) as exc:
+        out["error"] = str(exc)
+        return out
+    out.update(batch_memory(manifest, out.get("kv_bytes_per_position"), out.get("bench_kv_bytes_per_position")))
+    return out

@@ -46,6 +46,20 @@ GOAL_FIRST_AUDIO = 1.1
 GOAL_LONG_CONTEXT_STEP = 1.15
 #: Full preset: the bare decoder's share of its memory-bandwidth roofline, at least.
 GOAL_ROOFLINE = 0.9
+#: Issue 19 (``--batch``), judged at the full preset only: the engine's aggregate frames/s at
+#: batch 4 and batch 8 over batch 1, at least.
+GOAL_BATCH4_SPEEDUP = 3.0
+GOAL_BATCH8_SPEEDUP = 5.0
+#: The engine's step (each request's time per frame) at batch 4 over batch 1, at most.
+GOAL_BATCH4_STEP = 1.35
+#: The engine's step over its bare batched decoder's step at the same batch, at most (every size).
+GOAL_ENGINE_OVER_BARE = 1.1
+#: Streamed aggregate frames/s over plain, at least (every size).
+GOAL_STREAM_OVER_PLAIN = 0.9
+#: The memory and context the largest batch is computed for (``fit_max_batch``; not run).
+FIT_MEMORY_BYTES = 12 * 2**30
+FIT_POSITIONS = 2000
+
 #: Presets whose sizes make the speed goals meaningful, and the one holding the full-size goals.
 SIZED_PRESETS: tuple[str, ...] = ("bench", "full")
 FULL_PRESET = "full"

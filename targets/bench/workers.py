@@ -463,9 +463,16 @@ def worker_bandwidth(spec: dict[str, Any]) -> dict[str, Any]:
     return measure_bandwidth(spec["mib"])
 
 
+def worker_batch(spec: dict[str, Any]) -> dict[str, Any]:
+    """The engine at several batch sizes (``--batch``): :func:`~higgs_pack.targets.bench.batch.measure_batches`."""
+    from higgs_pack.targets.bench.batch import measure_batches
+
+    return measure_batches(spec)
+
+
 WORKERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "measure": worker_measure, "checkpoint": worker_checkpoint, "build": worker_build,
-    "bandwidth": worker_bandwidth,
+    "bandwidth": worker_bandwidth, "batch": worker_batch,
 }
 
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from higgs_pack.manifests.errors import InputError, SignatureMismatch
 from higgs_pack.runtime.backends.onnxruntime.failures import _raise_unsupported
-from higgs_pack.runtime.backends.onnxruntime.runners import _bind_host, shared_kv_device
+from higgs_pack.runtime.backends.onnxruntime.runners import _bind_host, kv_cache_dtype, shared_kv_device
 from higgs_pack.runtime.backends.onnxruntime.sessions import ORT_TYPES
 from higgs_pack.runtime.loop.pipeline import check_decoder_room
 
@@ -42,7 +42,9 @@ class BatchedOrtDecoder:
 
     Raises:
         SignatureMismatch: the graph takes ``position_ids`` or has no ``inputs_embeds`` (not a
-            ModelBuilder GroupQueryAttention graph), or a dynamic hidden size.
+            ModelBuilder GroupQueryAttention graph), or a dynamic hidden size, or a KV cache
+            dtype or layout the runtime does not read (see
+            :func:`~higgs_pack.runtime.backends.onnxruntime.runners.kv_cache_dtype`).
         InputError: the session is not on the CPU execution provider, or a bad size.
     """
 
@@ -68,7 +70,7 @@ class BatchedOrtDecoder:
         self._hidden_type = ORT_TYPES[{o.name: o for o in session.get_outputs()}["hidden_states"].type]
         self._past = sorted(n for n in inputs if n.startswith("past_key_values."))
         self._present = [n.replace("past_key_values.", "present.") for n in self._past]
-        kv_type = ORT_TYPES[inputs[self._past[0]].type]
+        kv_type = kv_cache_dtype(session, head_dim)  # int8 for a quantized KV cache, as the graph declares
         shape = (max_batch, kv_heads, max_length, head_dim)
         self.kv = {name: np.zeros(shape, dtype=kv_type) for name in self._past}
         self.kv_bytes_per_position = len(self._past) * kv_heads * head_dim * np.dtype(kv_type).itemsize

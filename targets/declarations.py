@@ -53,6 +53,9 @@ def _onnx_recipes(ep: str, *, decoder: dict | None = None, heads: dict | None = 
 #: compute (accuracy_level 1) was 28-39% slower.
 CPU_DECODER_INT4 = {"block_size": 128}
 
+#: The cpu decoder's KV cache choices (``--kv-cache``), the first the default.
+CPU_KV_CACHES = ("float", "int8")
+
 CPU = register(
     Target(
         name="cpu",
@@ -67,6 +70,8 @@ CPU = register(
         # int4 heads with int8 compute (MatMulNBits accuracy_level 4, as ModelBuilder's cpu
         # decoder): 1.30 -> 0.31 ms per frame on the bench preset; other providers keep the default.
         recipes=_onnx_recipes("cpu", decoder=CPU_DECODER_INT4, heads={"accuracy_level": 4}),
+        # KV_CACHE_DECISION
+        kv_caches=CPU_KV_CACHES,
     )
 )
 
@@ -183,5 +188,8 @@ OPENVINO = register(
         extra="openvino",
         runtime_requirements=(OPENVINO_REQUIREMENT,),
         variants=(NPU,),
+        # The OpenVINO CPU plugin picks the KV cache precision when it compiles (u8 by default
+        # on x86 after NNCF: MODEL.md): not a build choice, the manifest records null.
+        kv_caches=(),
     )
 )

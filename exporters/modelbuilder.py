@@ -148,8 +148,8 @@ def passes_for(precision: str, execution_provider: str, kv_cache: str = kv.FLOAT
     graph = f"ModelBuilder({base}, exclude_embeds, exclude_lm_head)"
     if kv_cache != kv.FLOAT:
         scheme = kv.SCHEMES[kv_cache]
-        calibrate = (f"{kv.CALIBRATION_TOOL}({scheme}, {kv.CALIBRATION['method']} {kv.CALIBRATION['percentile']}) "
-                     f"on a {precision} ModelBuilder baseline with input_ids",)
+        calibrate = (f"ModelBuilder kv_cache_calibration({scheme}, {kv.CALIBRATION['method']} "
+                     f"{kv.CALIBRATION['percentile']}) on a {precision} baseline with input_ids",)
         graph = f"ModelBuilder({base}, exclude_embeds, exclude_lm_head, kv_cache_quant_scheme={scheme})"
     return (*calibrate, graph, *((STREAMED_INT4_PASS,) if precision == "int4" else ()))
 

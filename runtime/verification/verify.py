@@ -342,7 +342,7 @@ def _check_greedy(pipeline: Pipeline, bundle: Bundle, golden: dict[str, np.ndarr
                    f"(fp32 needs all, and at least {MIN_GREEDY_FRAMES})", same)
     else:
         kv = bundle.manifest.get("kv_cache")
-        at = bundle.manifest["precision"] + (f" with a {kv} KV cache" if kv not in (None, "float") else "")
+        at = bundle.manifest["precision"] + (f", KV cache {kv}" if kv not in (None, "float") else "")
         report.add("greedy codes", True, f"{same}/{len(expected)} steps identical to the PyTorch reference "
                    f"(informational at {at})", same)
 

@@ -123,6 +123,9 @@ def make_plan(target: str | Target, precision: str | None = None, variant: str |
             options["kv_cache"] = kv_cache
         passes, quantization = info.planned(eff, options)
         rows.append(PlannedSubPart(part, info, eff, passes, options, extra, quantization))
+    # A variant that sets the decoder's kv_cache (the benchmarks' variants) decides it.
+    kv_cache = next((r.options["kv_cache"] for r in rows if r.subpart == SubPart.LLM_DECODER
+                     and "kv_cache" in r.options), kv_cache)
     return BuildPlan(t, precision, tuple(rows), variant, spec, kv_cache)
 
 

@@ -28,9 +28,9 @@ Memory: the baseline's ONNX Runtime session plus the tool's per-layer samples (m
 on the bench preset: 1.9 GB peak, 13 s; most of it importing transformers for the
 tokenizer).
 
-The corpus is fixed (:data:`CALIBRATION_TEXTS`: the texts of the project's ``cases``
-folder, English and Chinese), so a build's scales depend only on the checkpoint.  It is
-text only: the audio-frame positions of a TTS sequence (sums of codebook embeddings) are
+The corpus is fixed (:data:`CALIBRATION_TEXTS`, the texts of the project's ``cases``
+folder, English and Chinese, then the tool's own English corpus), so a build's scales
+depend only on the checkpoint and the tool's version.  It is text only: the audio-frame positions of a TTS sequence (sums of codebook embeddings) are
 never seen by the calibration, which is why the build verifies the KV cache and the
 hidden states against the oracle before it keeps the bundle.
 """
@@ -63,13 +63,18 @@ DTYPES = {"int8": "int8"}
 #: ModelBuilder's calibration tool (run as ``python -m``).
 CALIBRATION_TOOL = "onnxruntime_genai.models.quantization.kv_cache_calibration"
 #: The tool's settings: its own defaults (percentile 99.99, K by its rotation envelope), and
-#: 4 windows of 256 tokens (the corpus has about 150 tokens; the tool rotates it to fill the
-#: windows, so more windows would repeat the same text).
-CALIBRATION: dict[str, Any] = {"method": "percentile", "percentile": 99.99, "target_seq": 256, "num_seqs": 4,
+#: 8 windows of 256 tokens: the corpus (the cases' ~150 tokens and the tool's ~1,700) once.
+CALIBRATION: dict[str, Any] = {"method": "percentile", "percentile": 99.99, "target_seq": 256, "num_seqs": 8,
                                "k_rotary_envelope": True}
-#: The calibration corpus: the texts of ``shared/cases`` (``text_en_basic.txt``,
-#: ``text_zh.txt``, ``ref_en_16k.txt``, stripped), kept here so that a build needs no
-#: folder outside the package (tests/test_kv_cache.py checks they are the cases' texts).
+#: The calibration corpus starts with the texts of ``shared/cases`` (``text_en_basic.txt``,
+#: ``text_zh.txt``, ``ref_en_16k.txt``, stripped), kept here so that a build needs no folder
+#: outside the package (tests/test_kv_cache.py checks they are the cases' texts), followed by
+#: the tool's own corpus (``kv_cache_calibration.CORPUS``: 16 encyclopedic English passages,
+#: read from the installed tool when the build runs).  The cases alone are too little: on
+#: the bench preset (fp32, 400 teacher-forced audio frames after a case prompt; AMD EPYC,
+#: ONNX Runtime 1.32) their scales moved the hidden states by relative L2 0.049 (median) /
+#: 0.078 (worst), the tool's corpus added to them by 0.026 / 0.042; more windows of the cases
+#: alone did not help (the same 0.078).
 CALIBRATION_TEXTS: dict[str, str] = {
     "text_en_basic": "The sun rises in the east and sets in the west. This simple fact has been observed by "
                      "humans for thousands of years.",
@@ -92,26 +97,38 @@ def check_choice(kv_cache: str, where: str = "--kv-cache / kv_cache=") -> str:
     return kv_cache
 
 
-def corpus_sha256() -> str:
-    """sha256 of the calibration corpus as the tool reads it (:func:`write_corpus`'s JSON)."""
-    return hashlib.sha256(_corpus_json().encode("utf-8")).hexdigest()
+#: The corpus's second part, named as the record names it.
+TOOL_CORPUS = "kv_cache_calibration.CORPUS"
 
 
-def _corpus_json() -> str:
-    return json.dumps(list(CALIBRATION_TEXTS.values()), ensure_ascii=False)
+def cases_sha256() -> str:
+    """sha256 of :data:`CALIBRATION_TEXTS` (a JSON array of the texts, UTF-8)."""
+    return hashlib.sha256(json.dumps(list(CALIBRATION_TEXTS.values()), ensure_ascii=False).encode("utf-8")).hexdigest()
 
 
-def write_corpus(path: Path) -> Path:
-    """The calibration corpus as the tool's ``--corpus-file`` (a JSON array of strings)."""
-    path.write_text(_corpus_json(), encoding="utf-8")
-    return path
+def write_corpus(path: Path) -> tuple[Path, str]:
+    """The calibration corpus as the tool's ``--corpus-file`` (a JSON array of strings): the
+    cases' texts, then the installed tool's own ``CORPUS`` (imports onnxruntime_genai).
+
+    Returns:
+        (``path``, sha256 of the file's bytes).
+    """
+    from onnxruntime_genai.models.quantization.kv_cache_calibration import CORPUS
+
+    text = json.dumps([*CALIBRATION_TEXTS.values(), *CORPUS], ensure_ascii=False)
+    path.write_text(text, encoding="utf-8")
+    return path, hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def calibration_record() -> dict[str, Any]:
-    """How the scales are calibrated, as the manifest records it: the tool, its settings, the
-    corpus (names of its texts and their sha256)."""
-    return {"tool": CALIBRATION_TOOL, **CALIBRATION, "corpus": list(CALIBRATION_TEXTS),
-            "corpus_sha256": corpus_sha256()}
+    """How the scales are calibrated, as the plan and the manifest record it (no heavy import):
+    the tool and its version (its corpus is part of the calibration's), its settings, the
+    corpus (the cases' names and sha256, and the tool's own corpus)."""
+    from higgs_pack.exporters.result import installed_version
+
+    return {"tool": CALIBRATION_TOOL, "tool_version": installed_version("onnxruntime-genai"), **CALIBRATION,
+            "corpus": [*(f"cases/{name}.txt" for name in CALIBRATION_TEXTS), TOOL_CORPUS],
+            "cases_sha256": cases_sha256()}
 
 
 def planned_record(kv_cache: str) -> dict[str, Any] | None:
@@ -163,13 +180,13 @@ def calibrate(baseline_model: Path, tokenizer_dir: Path, out_json: Path, kv_cach
 
     Returns:
         ``{"seconds": wall time, "peak_rss_mb": the tool's peak resident memory (MiB),
-        "tokens": tokens calibrated on}``.
+        "tokens": tokens calibrated on, "corpus_sha256": of the corpus file it read}``.
 
     Raises:
         BuildError: the tool failed, timed out, was killed, or wrote no scale file (the
             message ends with its log's tail).
     """
-    corpus = write_corpus(out_json.with_name("kv-calibration-corpus.json"))
+    corpus, corpus_sha = write_corpus(out_json.with_name("kv-calibration-corpus.json"))
     command = [
         sys.executable, "-m", CALIBRATION_TOOL,
         "--model", str(baseline_model.resolve()),
@@ -192,4 +209,4 @@ def calibrate(baseline_model: Path, tokenizer_dir: Path, out_json: Path, kv_cach
         raise BuildError(f"the KV cache calibration ({CALIBRATION_TOOL}) {describe_exit(run.returncode, out_json.parent)} "
                          f"on {baseline_model}; log {log_path}:\n{log_tail(log_path)}")
     return {"seconds": round(run.seconds, 2), "peak_rss_mb": round(run.peak_rss_mb, 1),
-            "tokens": CALIBRATION["target_seq"] * CALIBRATION["num_seqs"]}
+            "tokens": CALIBRATION["target_seq"] * CALIBRATION["num_seqs"], "corpus_sha256": corpus_sha}

@@ -53,6 +53,10 @@ DECODER_EXPORT_REL_L2 = {"fp32": 1e-2, "fp16": 0.03, "int8": 0.03, "int4": 0.03}
 #: float oracle, or the one with the bundle's weights where those are quantized), worst layer.
 #: MEASURED_BELOW
 KV_CACHE_PARITY: dict[str, dict[str, float]] = {"int8": {"threshold": 0.999, "max_rel_l2": 0.03}}
+#: What a quantized KV cache adds to the decoder's hidden-state limit (per 2 layers, grown with
+#: depth like :data:`DECODER_EXPORT_REL_L2`): no oracle quantizes its K/V, so the cache's effect
+#: on the hidden states counts against the export limit.  MEASURED_HIDDEN
+DECODER_KV_CACHE_REL_L2 = {"int8": 0.01}
 #: The codec encoder outputs codes: fraction of equal codes at fp32 (near-ties in
 #: the residual quantizer may flip under float reordering).
 CODE_AGREEMENT_THRESHOLD = 0.9

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import slow_fixture
+
 from higgs_pack.exporters import kv_cache as kv
 from higgs_pack.manifests.constants import SubPart
 from higgs_pack.manifests.errors import BuildError, BuildPlanError, ManifestError

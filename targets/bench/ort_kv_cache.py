@@ -86,7 +86,7 @@ def heads_table(checkpoint: Path) -> tuple[np.ndarray, np.ndarray, dict[str, int
     """What the TTS-shaped sequence and the first-code agreement need from the checkpoint.
 
     Returns:
-        ``(W, text_table_reader, special token ids, tokenizer, codebooks)``: ``W`` float32
+        ``(W, text table, special token ids, tokenizer, N)``: ``W`` float32
         [N * V, H], the audio heads' weight (the separate head where the checkpoint has one,
         else the tied fused audio embedding, MODEL.md); the text embedding float32
         [vocab, H]; the special-token ids by role; a ``tokenizers.Tokenizer``; N.
@@ -94,7 +94,11 @@ def heads_table(checkpoint: Path) -> tuple[np.ndarray, np.ndarray, dict[str, int
     from tokenizers import Tokenizer
 
     from higgs_pack.exporters.checkpoint import open_checkpoint
-    from higgs_pack.exporters.checkpoint_layout import AUDIO_EMBEDDING, AUDIO_HEAD_PREFIX, TEXT_EMBEDDING
+    from higgs_pack.exporters.checkpoint_layout import (
+        AUDIO_EMBEDDING,
+        AUDIO_HEAD_PREFIX,
+        TEXT_EMBEDDING,
+    )
 
     with open_checkpoint(checkpoint) as ckpt:
         head = next((n for n in ckpt.tensor_names() if n.startswith(AUDIO_HEAD_PREFIX) and n.endswith("weight")),

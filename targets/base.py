@@ -50,9 +50,15 @@ EXPORT_REL_L2 = {"fp32": 1e-3, "fp16": 1e-2, "int8": 2e-2, "int4": 2e-2}
 DECODER_EXPORT_REL_L2 = {"fp32": 1e-2, "fp16": 0.03, "int8": 0.03, "int4": 0.03}
 #: A quantized KV cache's own rule (``parity.kv_cache`` of the decoder): its cached K/V,
 #: dequantized with the graph's scales, against the oracle's K/V on the golden prompt (the
-#: float oracle, or the one with the bundle's weights where those are quantized), worst layer.
-#: MEASURED_BELOW
-KV_CACHE_PARITY: dict[str, dict[str, float]] = {"int8": {"threshold": 0.999, "max_rel_l2": 0.03}}
+#: float oracle, or the one with the bundle's weights where those are quantized), worst layer
+#: and side.  Each layer's cache carries its own rounding (int8 per channel: relative L2
+#: 0.007-0.014 in the first layer, tiny and bench presets) plus what the layers below it
+#: changed, so ``max_rel_l2`` grows with depth like the decoder's (``* sqrt(layers / 2)``:
+#: 0.03 tiny, 0.06 bench, 0.127 full).  Measured worst layers of correct bundles: tiny fp32
+#: 0.0085, tiny int4 0.013 (with int8 activations); scales x10 give about ten times as much in
+#: every layer (0.07-0.08 in the first), /10 clips.  The cosine floor is loose: the relative
+#: L2 decides (cosine misses a scale).
+KV_CACHE_PARITY: dict[str, dict[str, float]] = {"int8": {"threshold": 0.99, "max_rel_l2": 0.03}}
 #: What a quantized KV cache adds to the decoder's hidden-state limit (per 2 layers, grown with
 #: depth like :data:`DECODER_EXPORT_REL_L2`): no oracle quantizes its K/V, so the cache's effect
 #: on the hidden states counts against the export limit.  MEASURED_HIDDEN

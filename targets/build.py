@@ -364,7 +364,8 @@ def _parity_rule(part: SubPart, precision: str, layers: int, kv_cache: dict[str,
 
     A decoder with a quantized KV cache (``kv_cache``: its ``quantization["kv_cache"]``) also
     gets ``kv_cache``: the rule its dequantized cache is judged by against the oracle's K/V
-    (:data:`~higgs_pack.targets.base.KV_CACHE_PARITY`; reference ``float``, made ``matched``
+    (:data:`~higgs_pack.targets.base.KV_CACHE_PARITY`, its limit grown with depth like the
+    hidden states'; reference ``float``, made ``matched``
     with the golden capture's matched references where the weights are quantized).  Its
     hidden states keep the weights' rule, their limit raised by
     :data:`~higgs_pack.targets.base.DECODER_KV_CACHE_REL_L2` (no oracle quantizes K/V, so the
@@ -380,7 +381,9 @@ def _parity_rule(part: SubPart, precision: str, layers: int, kv_cache: dict[str,
         limit = round(limit * math.sqrt(max(layers, 2) / 2), 6)
     rule: dict[str, Any] = {"metric": "cosine", "threshold": table[precision], "max_rel_l2": limit, "reference": "float"}
     if decoder and kv_cache:
-        rule["kv_cache"] = {"metric": "cosine", **KV_CACHE_PARITY[kv_cache["precision"]], "reference": "float"}
+        kv_rule = dict(KV_CACHE_PARITY[kv_cache["precision"]])
+        kv_rule["max_rel_l2"] = round(kv_rule["max_rel_l2"] * math.sqrt(max(layers, 2) / 2), 6)
+        rule["kv_cache"] = {"metric": "cosine", **kv_rule, "reference": "float"}
     return rule
 
 

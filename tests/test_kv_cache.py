@@ -278,11 +278,22 @@ def _scale_kv_scales(bundle: Path, factor: float, layer: int | None = None) -> l
     for node in (n for n in model.graph.node if n.op_type == "GroupQueryAttention"):
         if layer is None or node.input[3] == f"past_key_values.{layer}.key":
             names += [node.input[K_SCALE_INPUT], node.input[V_SCALE_INPUT]]
+    inline = False
     for tensor in model.graph.initializer:
-        if tensor.name in names:
-            assert tensor.data_location != onnx.TensorProto.EXTERNAL  # small: inside the graph file
+        if tensor.name not in names:
+            continue
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:  # float32 bytes in the external data file
+            where = {e.key: e.value for e in tensor.external_data}
+            with (path.parent / where["location"]).open("r+b") as data:
+                data.seek(int(where["offset"]))
+                values = np.frombuffer(data.read(int(where["length"])), np.float32) * np.float32(factor)
+                data.seek(int(where["offset"]))
+                data.write(values.astype(np.float32).tobytes())
+        else:
             tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor) * np.float32(factor), tensor.name))
-    onnx.save_model(model, str(path))
+            inline = True
+    if inline:
+        onnx.save_model(model, str(path))
     manifest = read_manifest(bundle)
     manifest["files"] = [file_entry(bundle, f["path"]) for f in manifest["files"]]
     write_manifest(bundle, manifest)

@@ -114,7 +114,7 @@ EXPORTERS: dict[str, ExporterInfo] = {
             "decoder",
             "onnx",
             ("int4", "fp16", "fp32"),
-            {"execution_provider": str, "extra_options": dict, "timeout_s": (int, float)},
+            {"execution_provider": str, "extra_options": dict, "timeout_s": (int, float), "kv_cache": str},
             scratch="cache_dir",
             tool=("onnxruntime-genai", "onnxruntime", "onnx"),
             space="higgs_pack.exporters.space:modelbuilder",

@@ -15,6 +15,7 @@ import numpy as np
 
 from higgs_pack.runtime.loop.delay import SamplingOptions
 from higgs_pack.runtime.loop.generate import build_prompt, generate_codes
+from higgs_pack.runtime.verification.kv_cache import GOLDEN_KV
 
 #: Text of the greedy-parity check (recorded in the manifest's ``reference.cases``).
 GREEDY_TEXT = "The quick brown fox jumps over the lazy dog."
@@ -57,11 +58,15 @@ def capture_golden(ckpt, out_path: Path, *, seed: int = 1234, bundle_dir: Path |
     """Run the oracle on fixed inputs and save the results.
 
     With ``bundle_dir`` and ``subparts`` (sub-part -> ``{"format", "entry", "precision"}``
-    of the bundle being built), every sub-part whose weights were quantized or cast is
+    of the bundle being built, and for the decoder ``"kv_cache"``: its quantized KV cache
+    record or None), every sub-part whose weights were quantized or cast is
     also run as the *matched* oracle: the same torch code with the weights read back
     from the bundle (:mod:`higgs_pack.exporters.dequantize`), saved as
     ``<sub-part>/matched/<tensor>``.  Verification measures the export error against it
-    and the quantization error between it and the float outputs.
+    and the quantization error between it and the float outputs.  For a decoder with a
+    quantized KV cache the oracle's K/V after the golden prompt are saved too
+    (``llm_decoder/kv/present.{i}.key|value``, and ``llm_decoder/kv_matched/...`` of the
+    matched oracle): verification compares the bundle's dequantized cache with them.
 
     Args:
         ckpt: an open :class:`~higgs_pack.exporters.checkpoint.HiggsCheckpoint`.
@@ -93,6 +98,8 @@ def capture_golden(ckpt, out_path: Path, *, seed: int = 1234, bundle_dir: Path |
 
     pipe.decoder.reset()
     hidden = pipe.decoder.forward(embeds)
+    if (subparts or {}).get("llm_decoder", {}).get("kv_cache"):  # a quantized KV cache: the oracle's K/V
+        g.update({f"{GOLDEN_KV}{name}": value for name, value in pipe.decoder.kv_cache().items()})
     step_codes = rng.integers(0, c.codebook_size, size=(1, 1, c.num_codebooks), dtype=np.int64)
     step_embeds = pipe.audio_embed.run({"codes": step_codes})["audio_embeds"]
     g["llm_decoder/in/inputs_embeds"], g["llm_decoder/out/hidden_states"] = embeds, hidden

@@ -20,6 +20,7 @@ import numpy as np
 
 from higgs_pack.manifests.constants import SUBPART_IO, SubPart
 from higgs_pack.manifests.errors import BuildError
+from higgs_pack.runtime.verification.kv_cache import GOLDEN_KV_MATCHED
 
 #: Largest relative L2 difference a read-back weight may have from the checkpoint's, per
 #: precision.  Round-to-nearest int4 of Gaussian weights lands near 0.10 with blocks of
@@ -103,7 +104,9 @@ def capture_matched(ckpt: Any, pipe: Any, g: dict[str, np.ndarray], bundle_dir: 
             is reused with read-back weights, so no second copy of the body is held).
         g: the golden arrays so far (inputs are read from it).
         bundle_dir: the bundle being built.
-        subparts: sub-part -> ``{"format", "entry", "precision"}``.
+        subparts: sub-part -> ``{"format", "entry", "precision"}`` (+ the decoder's ``"kv_cache"``
+            record: the matched oracle's K/V after the golden prompt are then saved as
+            ``llm_decoder/kv_matched/present.{i}.key|value``).
 
     Returns:
         ``{part: {"max_rel_l2": float, "tensor": name}}`` for every matched sub-part.
@@ -140,6 +143,8 @@ def capture_matched(ckpt: Any, pipe: Any, g: dict[str, np.ndarray], bundle_dir: 
             skeleton = upcast_per_layer(qwen3_model(ckpt, stored_dtype=True, projections=False), read)
             decoder = TorchDecoder(skeleton, c.max_position_embeddings)
             g["llm_decoder/matched/hidden_states"] = decoder.forward(g["llm_decoder/in/inputs_embeds"])
+            if info.get("kv_cache"):  # a quantized KV cache is judged against these K/V
+                g.update({f"{GOLDEN_KV_MATCHED}{name}": value for name, value in decoder.kv_cache().items()})
             g["llm_decoder/matched/step_hidden_states"] = decoder.forward(g["llm_decoder/in/step_embeds"])
             del decoder, skeleton
             gc.collect()

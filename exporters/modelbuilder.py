@@ -16,16 +16,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from higgs_pack.exporters import kv_cache as kv
 from higgs_pack.exporters import onnx_utils
 from higgs_pack.exporters.catalog import MODELBUILDER
 from higgs_pack.exporters.matmul_nbits import quantize_matmuls, raise_disk_error
-from higgs_pack.exporters.process import describe_exit
+from higgs_pack.exporters.process import describe_exit, run_tool
 from higgs_pack.exporters.result import ExportResult, installed_version, log_tail
 from higgs_pack.manifests.constants import EXECUTION_PROVIDERS as PROVIDER_ROWS
 from higgs_pack.manifests.constants import SubPart
@@ -50,6 +50,11 @@ def modelbuilder_providers() -> tuple[str, ...]:
 REQUIRED_EXTRA_OPTIONS: dict[str, str] = {"exclude_embeds": "true", "exclude_lm_head": "true"}
 #: Options that would break the contract or produce no model.
 FORBIDDEN_EXTRA_OPTIONS = ("config_only", "include_hidden_states")
+#: KV cache options the build sets itself from ``kv_cache=`` (with calibrated scales).
+KV_CACHE_EXTRA_OPTIONS = ("kv_cache_quant_scheme", "kv_cache_scale_file", "kv_cache_rotation")
+#: Execution providers a quantized KV cache is built for: ModelBuilder 0.18 writes one for cpu
+#: and cuda; cpu is the one measured and verified here (targets/bench/ort_kv_cache.py).
+KV_CACHE_PROVIDERS = ("cpu",)
 #: ModelBuilder's documented int4 defaults (``--extra_options`` help, 0.18); the
 #: recorded values are read back from the graph, these only fill what it omits.
 INT4_DEFAULTS: dict[str, Any] = {
@@ -89,11 +94,21 @@ def int4_settings(execution_provider: str, extra_options: Mapping[str, Any] | No
 
 def plan(precision: str, options: Any) -> tuple[tuple[str, ...], dict[str, Any]]:
     """``(passes, quantization)`` that :func:`build_llm_decoder` records (no heavy import; for the
-    build plan): for int4 every declared setting (block size, accuracy level, symmetry), which
-    the build compares with what it reads back from the graph."""
+    build plan): for int4 every declared setting (block size, accuracy level, symmetry), and for
+    a quantized KV cache (``options["kv_cache"]``) its record under ``"kv_cache"`` (precision,
+    dtype, scheme, calibration settings and corpus: :func:`~higgs_pack.exporters.kv_cache.planned_record`),
+    which the build compares with what it reads back from the graph.
+
+    Raises:
+        BuildPlanError: an unknown ``kv_cache``.
+    """
     ep = options["execution_provider"]
-    return passes_for(precision, ep), (_int4_record(ep, int4_settings(ep, options.get("extra_options")))
-                                       if precision == "int4" else {})
+    kv_cache = options.get("kv_cache") or kv.FLOAT
+    quantization = _int4_record(ep, int4_settings(ep, options.get("extra_options"))) if precision == "int4" else {}
+    record = kv.planned_record(kv_cache)
+    if record is not None:
+        quantization["kv_cache"] = record
+    return passes_for(precision, ep, kv_cache), quantization
 
 
 def _int4_record(execution_provider: str, settings: Mapping[str, Any]) -> dict[str, Any]:
@@ -123,12 +138,20 @@ INT4_IN_MEMORY_OPTIONS = frozenset(
 STREAMED_INT4_PASS = "MatMulNBits int4 (onnxruntime DefaultWeightOnlyQuantizer, node by node)"
 
 
-def passes_for(precision: str, execution_provider: str) -> tuple[str, ...]:
-    """The passes an ``llm_decoder`` build of ``precision`` runs, as the manifest records them."""
-    if precision == "int4":
-        base = int4_float_base(execution_provider)
-        return (f"ModelBuilder({base}, exclude_embeds, exclude_lm_head)", STREAMED_INT4_PASS)
-    return (f"ModelBuilder({precision}, exclude_embeds, exclude_lm_head)",)
+def passes_for(precision: str, execution_provider: str, kv_cache: str = kv.FLOAT) -> tuple[str, ...]:
+    """The passes an ``llm_decoder`` build of ``precision`` (and ``kv_cache``) runs, as the
+    manifest records them: for a quantized KV cache, first the calibration of its scales on a
+    baseline decoder with ModelBuilder's embedding (the tool feeds ``input_ids``), then
+    ModelBuilder with ``kv_cache_quant_scheme``."""
+    base = int4_float_base(execution_provider) if precision == "int4" else precision
+    calibrate: tuple[str, ...] = ()
+    graph = f"ModelBuilder({base}, exclude_embeds, exclude_lm_head)"
+    if kv_cache != kv.FLOAT:
+        scheme = kv.SCHEMES[kv_cache]
+        calibrate = (f"ModelBuilder kv_cache_calibration({scheme}, {kv.CALIBRATION['method']} "
+                     f"{kv.CALIBRATION['percentile']}) on a {precision} baseline with input_ids",)
+        graph = f"ModelBuilder({base}, exclude_embeds, exclude_lm_head, kv_cache_quant_scheme={scheme})"
+    return (*calibrate, graph, *((STREAMED_INT4_PASS,) if precision == "int4" else ()))
 
 
 #: Files ModelBuilder writes that the sub-part keeps besides the graph.
@@ -201,8 +224,15 @@ def _run_modelbuilder(
     cache_dir: Path,
     options: dict[str, str],
     timeout_s: float | None,
+    *,
+    log_name: str | None = None,
+    stats: dict[str, Any] | None = None,
 ) -> tuple[Path, Path]:
     """Run ModelBuilder's CLI once; return (graph path, log path).
+
+    ``log_name`` names its log in ``cache_dir`` (default ``modelbuilder-<ep>-<precision>.log``);
+    ``stats``, when given, gets its ``seconds`` and ``peak_rss_mb`` (its process tree's peak
+    resident memory, MiB).
 
     Raises:
         BuildError: it failed, timed out, was killed (out of memory) or wrote no graph.
@@ -227,29 +257,20 @@ def _run_modelbuilder(
         "TRANSFORMERS_OFFLINE": "1",
         "PYTHONUNBUFFERED": "1",
     }
-    log_path = cache_dir / f"modelbuilder-{execution_provider}-{precision}.log"
-    with log_path.open("w") as log:
-        log.write("$ " + " ".join(command) + "\n")
-        log.flush()
-        try:
-            completed = subprocess.run(
-                command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                timeout=timeout_s,
-                check=False,
-            )
-        except subprocess.TimeoutExpired:
-            raise BuildError(
-                f"ModelBuilder ({execution_provider}, {precision}) did not finish in {timeout_s} s; "
-                f"log {log_path}:\n{log_tail(log_path)}"
-            ) from None
+    log_path = cache_dir / (log_name or f"modelbuilder-{execution_provider}-{precision}.log")
+    run = run_tool(command, log_path, env=env, timeout_s=timeout_s)
+    if stats is not None:
+        stats.update(seconds=round(run.seconds, 2), peak_rss_mb=round(run.peak_rss_mb, 1))
+    if run.returncode is None:
+        raise BuildError(
+            f"ModelBuilder ({execution_provider}, {precision}) did not finish in {timeout_s} s; "
+            f"log {log_path}:\n{log_tail(log_path)}"
+        )
 
     genai_config_path = out_dir / GENAI_CONFIG
-    if completed.returncode != 0 or not genai_config_path.is_file():
+    if run.returncode != 0 or not genai_config_path.is_file():
         raise BuildError(
-            f"ModelBuilder ({execution_provider}, {precision}) {describe_exit(completed.returncode, out_dir)} "
+            f"ModelBuilder ({execution_provider}, {precision}) {describe_exit(run.returncode, out_dir)} "
             f"on {hf_dir}; log {log_path}:\n{log_tail(log_path)}"
         )
     genai_config = json.loads(genai_config_path.read_text())
@@ -273,6 +294,7 @@ def build_llm_decoder(
     bundle_dir: Path | None = None,
     overwrite: bool = False,
     timeout_s: float | None = None,
+    kv_cache: str = kv.FLOAT,
 ) -> ExportResult:
     """Build the ONNX ``llm_decoder`` with onnxruntime-genai's ModelBuilder.
 
@@ -313,6 +335,14 @@ def build_llm_decoder(
         overwrite (`bool`, *optional*, defaults to `False`): Empty a non-empty
             ``out_dir`` first instead of refusing.
         timeout_s (`float`, *optional*): Kill ModelBuilder after this many seconds.
+        kv_cache (`str`, *optional*, defaults to ``"float"``): the KV cache's precision:
+            ``"float"`` (the graph's I/O dtype) or ``"int8"`` (cpu only: ModelBuilder's
+            ``kv_cache_quant_scheme=int8_per_channel`` with scales calibrated by its
+            ``kv_cache_calibration`` tool on a baseline of this precision built with the
+            embedding kept, on the fixed corpus of :mod:`higgs_pack.exporters.kv_cache`;
+            the baseline is removed afterwards).  The KV inputs/outputs are then int8
+            [batch_size, kv_heads, positions, head_dim] and each GroupQueryAttention node
+            takes two float32 scale initializers.
 
     Returns:
         `ExportResult`: ``subpart="llm_decoder"``, ``exporter="modelbuilder"``,
@@ -320,23 +350,34 @@ def build_llm_decoder(
         ``genai_config.json``; ``quantization`` (int4) = the ``bits``,
         ``block_size`` and ``accuracy_level`` read from the MatMulNBits nodes, plus
         ``is_symmetric``, ``algo_config`` and the quantized op counts; tool versions
-        of onnxruntime-genai, onnxruntime, onnx and transformers.
+        of onnxruntime-genai, onnxruntime, onnx and transformers.  With a quantized KV
+        cache ``quantization["kv_cache"]`` is what the graph holds (precision, dtype,
+        scheme, read from its GroupQueryAttention nodes) and how it was calibrated, and
+        ``options["kv_cache_calibration"]`` the baseline's and the tool's seconds and peak
+        resident memory (MiB).
 
     Raises:
-        BuildPlanError: Unknown precision or execution provider, a forbidden or
-            malformed extra option, a non-empty ``out_dir`` without ``overwrite``,
-            or ``cache_dir`` inside the bundle.
+        BuildPlanError: Unknown precision, execution provider or ``kv_cache``, a KV cache
+            extra option (``kv_cache_quant_scheme``...: set ``kv_cache=``), a quantized
+            KV cache for a provider other than cpu, a forbidden or malformed extra
+            option, a non-empty ``out_dir`` without ``overwrite``, or ``cache_dir``
+            inside the bundle.
         CheckpointError: ``hf_dir`` has no ``config.json``.
-        BuildError: ModelBuilder failed or timed out (the message ends with the tail
-            of its log), or wrote no graph, or its external data points outside
-            the bundle.
+        BuildError: ModelBuilder or the calibration failed or timed out (the message ends
+            with the tail of its log), or wrote no graph, or its external data points
+            outside the bundle, or the graph's KV cache is not the ``kv_cache`` asked for.
     """
     hf_dir, out_dir, cache_dir = Path(hf_dir), Path(out_dir), Path(cache_dir)
     bundle_dir = Path(bundle_dir) if bundle_dir is not None else out_dir.parent
     options = _check_request(hf_dir, out_dir, cache_dir, bundle_dir, precision, execution_provider,
-                             extra_options, overwrite)
+                             extra_options, overwrite, kv_cache)
     int4_options = {k: options.pop(k) for k in list(options) if k in INT4_STREAMED_OPTIONS}
     settings = int4_settings(execution_provider, int4_options)
+    calibration: dict[str, Any] = {}
+    if kv_cache != kv.FLOAT:
+        scale_file, calibration = _calibrate_kv_cache(hf_dir, cache_dir, precision, execution_provider, options,
+                                                      settings, kv_cache, timeout_s)
+        options = {**options, "kv_cache_quant_scheme": kv.SCHEMES[kv_cache], "kv_cache_scale_file": str(scale_file)}
     if precision == "int4":
         model_path, log_path, kept_float = _build_int4(hf_dir, out_dir, execution_provider, cache_dir, options,
                                                        settings, timeout_s)
@@ -346,12 +387,16 @@ def build_llm_decoder(
         )
         kept_float = []
     options = {**options, **int4_options}
+    options.pop("kv_cache_scale_file", None)  # a scratch path; the scales are in the graph
     _check_outputs_produced(model_path, log_path)
     repaired = _repair_constant_shapes(model_path)
     files, removed = _keep_sub_part_files(model_path, out_dir, bundle_dir)
     quantization: dict[str, Any] = {}
     if precision == "int4":
         quantization = _int4_quantization(model_path, log_path, execution_provider, settings, options, kept_float)
+    kv_record = _check_kv_cache(model_path, kv_cache, log_path)
+    if kv_record is not None:
+        quantization["kv_cache"] = kv_record
     inputs, outputs = onnx_utils.onnx_io_signature(model_path)
     return ExportResult(
         subpart=SubPart.LLM_DECODER.value,
@@ -359,7 +404,7 @@ def build_llm_decoder(
         files=files,
         entry=files[0],
         exporter=MODELBUILDER,
-        passes=list(passes_for(precision, execution_provider)),
+        passes=list(passes_for(precision, execution_provider, kv_cache)),
         tool_versions={
             "onnxruntime-genai": installed_version("onnxruntime-genai"),
             **onnx_utils.onnx_tool_versions(),
@@ -376,6 +421,7 @@ def build_llm_decoder(
             "op_types": onnx_utils.op_type_counts(model_path),
             "removed_files": removed,
             "repaired_value_info": repaired,
+            **({"kv_cache_calibration": calibration} if calibration else {}),
             **({"workarounds": ["packed Attention off (ModelBuilder 0.18 writes no present KV with it): "
                                 "MultiHeadAttention path"]}
                if no_packed_attention(execution_provider, precision) else {}),
@@ -384,7 +430,8 @@ def build_llm_decoder(
 
 
 def _check_request(hf_dir: Path, out_dir: Path, cache_dir: Path, bundle_dir: Path, precision: str,
-                   execution_provider: str, extra_options: dict[str, Any] | None, overwrite: bool) -> dict[str, str]:
+                   execution_provider: str, extra_options: dict[str, Any] | None, overwrite: bool,
+                   kv_cache: str = kv.FLOAT) -> dict[str, str]:
     """Validate a :func:`build_llm_decoder` call and prepare its folders; return the extra options
     as ModelBuilder strings (the contract's own included).
 
@@ -406,7 +453,18 @@ def _check_request(hf_dir: Path, out_dir: Path, cache_dir: Path, bundle_dir: Pat
                 "--target / execution_provider=",
             )
         )
+    kv.check_choice(kv_cache, "kv_cache= (higgs-pack build --kv-cache)")
+    if kv_cache != kv.FLOAT and execution_provider not in KV_CACHE_PROVIDERS:
+        raise BuildPlanError(
+            f"kv_cache={kv_cache!r} is built for execution provider(s) {', '.join(KV_CACHE_PROVIDERS)} only "
+            f"(measured and verified there), not {execution_provider!r}; build with kv_cache='float'.")
     options = _extra_options(extra_options)
+    set_here = sorted(set(options) & set(KV_CACHE_EXTRA_OPTIONS))
+    if set_here:
+        raise BuildPlanError(
+            f"extra option(s) {set_here} are set by the build from kv_cache= (the scheme, and scales "
+            f"calibrated with ModelBuilder's tool); drop them from extra_options= and pass kv_cache= "
+            f"({', '.join(kv.CHOICES)}; higgs-pack build --kv-cache).")
     if precision == "int4":
         unsupported = sorted(set(options) & INT4_IN_MEMORY_OPTIONS)
         if unsupported:
@@ -466,6 +524,70 @@ def _build_int4(hf_dir: Path, out_dir: Path, execution_provider: str, cache_dir:
     finally:
         shutil.rmtree(float_dir, ignore_errors=True)
     return model_path, log_path, streamed["kept_float"]
+
+
+def _calibrate_kv_cache(hf_dir: Path, cache_dir: Path, precision: str, execution_provider: str,
+                        options: dict[str, str], settings: dict[str, Any], kv_cache: str,
+                        timeout_s: float | None) -> tuple[Path, dict[str, Any]]:
+    """Calibrated KV scales for ``kv_cache``: ModelBuilder's calibration tool on a baseline
+    decoder of the same checkpoint and precision built with its embedding (``exclude_embeds=false``:
+    the tool feeds ``input_ids``) and a float KV cache, which is removed afterwards.
+
+    Returns:
+        (the scale file in ``cache_dir``, ``{"baseline": {"seconds", "peak_rss_mb"},
+        "calibration": {"seconds", "peak_rss_mb", "tokens"}}``).
+
+    Raises:
+        BuildError: ModelBuilder or the tool failed (their logs' tails in the message).
+    """
+    base_dir = cache_dir / "kv-calibration-baseline"
+    shutil.rmtree(base_dir, ignore_errors=True)
+    base_dir.mkdir(parents=True)
+    baseline_options = {**options, "exclude_embeds": "false"}
+    built: dict[str, Any] = {}
+    try:
+        if precision == "int4":
+            float_dir = cache_dir / "kv-calibration-float"
+            shutil.rmtree(float_dir, ignore_errors=True)
+            float_dir.mkdir()
+            try:
+                float_model, _ = _run_modelbuilder(
+                    hf_dir, float_dir, int4_float_base(execution_provider), execution_provider, cache_dir,
+                    baseline_options, timeout_s, log_name="modelbuilder-kv-calibration-baseline.log", stats=built)
+                model = base_dir / float_model.name
+                try:
+                    quantize_matmuls(float_model, model, **settings)
+                except OSError as exc:
+                    raise_disk_error(exc, base_dir)
+                    raise
+                shutil.copyfile(float_dir / GENAI_CONFIG, base_dir / GENAI_CONFIG)  # the tool reads head_size there
+            finally:
+                shutil.rmtree(float_dir, ignore_errors=True)
+        else:
+            model, _ = _run_modelbuilder(hf_dir, base_dir, precision, execution_provider, cache_dir, baseline_options,
+                                         timeout_s, log_name="modelbuilder-kv-calibration-baseline.log", stats=built)
+        scale_file = cache_dir / f"kv-scales-{kv.SCHEMES[kv_cache]}.json"
+        tool = kv.calibrate(model, hf_dir, scale_file, kv_cache, log_path=cache_dir / "kv-cache-calibration.log",
+                            timeout_s=timeout_s)
+    finally:
+        shutil.rmtree(base_dir, ignore_errors=True)
+    return scale_file, {"baseline": built, "calibration": tool}
+
+
+def _check_kv_cache(model_path: Path, kv_cache: str, log_path: Path) -> dict[str, Any] | None:
+    """The graph's ``quantization["kv_cache"]`` record (None: float), refused when it is not the
+    ``kv_cache`` asked for (nothing falls back to another KV precision).
+
+    Raises:
+        BuildError: naming what was asked and what the graph holds.
+    """
+    record = kv.graph_record(model_path, kv_cache)
+    asked = kv.SCHEMES.get(kv_cache)
+    got = record["scheme"] if record else None
+    if got != asked:
+        raise BuildError(f"ModelBuilder wrote {model_path} with a {got or 'float'} KV cache, but kv_cache={kv_cache!r} "
+                         f"asked for {asked or 'a float one'}; log {log_path}")
+    return record
 
 
 def _keep_sub_part_files(model_path: Path, out_dir: Path, bundle_dir: Path) -> tuple[list[str], list[str]]:

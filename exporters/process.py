@@ -253,6 +253,55 @@ def run_step(
     return value, StepRecord(name, seconds, peak / 2**20, detail, monitor.last_phase_anon / 2**20)
 
 
+@dataclass
+class ToolRun:
+    """How one run of a tool's command line went (:func:`run_tool`).
+
+    Attributes:
+        returncode: its exit status (negative: killed by that signal); None when it timed out.
+        seconds: wall time.
+        peak_rss_mb: peak resident memory of the tool and its descendants, MiB (sampled
+            every :data:`SAMPLE_INTERVAL_S`).
+    """
+
+    returncode: int | None
+    seconds: float
+    peak_rss_mb: float
+
+
+def run_tool(command: list[str], log_path: Path, *, env: dict[str, str] | None = None,
+             timeout_s: float | None = None) -> ToolRun:
+    """Run a tool's command line as a child process, its output to ``log_path``, and sample the
+    resident memory of its process tree while it runs.
+
+    Args:
+        command: the command (``[sys.executable, "-m", "tool", ...]``).
+        log_path: file that gets ``$ command`` and then the tool's stdout and stderr.
+        env: its environment (default: this process's).
+        timeout_s: kill it (and wait for it) after this many seconds.
+
+    Returns:
+        A :class:`ToolRun`; ``returncode`` None when it was killed for the timeout.
+    """
+    peak = 0
+    start = time.perf_counter()
+    with Path(log_path).open("w") as log:
+        log.write("$ " + " ".join(command) + "\n")
+        log.flush()
+        child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        while True:
+            try:
+                child.wait(timeout=SAMPLE_INTERVAL_S)
+                break
+            except subprocess.TimeoutExpired:
+                peak = max(peak, tree_rss(child.pid))
+                if timeout_s is not None and time.perf_counter() - start > timeout_s:
+                    child.kill()
+                    child.wait()
+                    return ToolRun(None, time.perf_counter() - start, peak / 2**20)
+    return ToolRun(child.returncode, time.perf_counter() - start, peak / 2**20)
+
+
 def _child(spec_path: str) -> int:
     """Child side of :func:`run_step`."""
     import importlib

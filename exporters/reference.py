@@ -177,6 +177,19 @@ class TorchDecoder:
         self._cache = DynamicCache(config=self.model.config)
         self._length = 0
 
+    def kv_cache(self) -> dict[str, np.ndarray]:
+        """The cached keys and values, named as the ONNX decoder's outputs: ``present.{i}.key`` /
+        ``present.{i}.value`` -> float32 [1, kv_heads, positions, head_dim] (keys after q/k-norm
+        and RoPE, as GroupQueryAttention caches them); empty before the first ``forward``."""
+        out: dict[str, np.ndarray] = {}
+        for i, layer in enumerate(getattr(self._cache, "layers", [])):
+            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+            if keys is None or values is None:
+                continue
+            out[f"present.{i}.key"] = _to_numpy(keys).copy()
+            out[f"present.{i}.value"] = _to_numpy(values).copy()
+        return out
+
     def forward(self, inputs_embeds: np.ndarray) -> np.ndarray:
         """float32 [1, S, H] -> float32 [1, S, H] (final-norm hidden states)."""
         x = _to_torch("inputs_embeds", inputs_embeds)

@@ -26,12 +26,19 @@ def _output(params: int, precision: str) -> int:
 
 
 def modelbuilder(params: int, stored_itemsize: int, precision: str, options: Mapping[str, Any]) -> tuple[int, int]:
-    """ModelBuilder decoder: int4 first writes the float graph (fp32 on cpu, fp16 on cuda/dml)."""
+    """ModelBuilder decoder: int4 first writes the float graph (fp32 on cpu, fp16 on cuda/dml).
+    A quantized KV cache (``options["kv_cache"]``) first builds a calibration baseline of the
+    same precision (for int4 its float graph and the int4 one side by side), removed before
+    the decoder is built: the larger of the two phases counts (the baseline's embedding, not
+    in ``params``, is inside the margin)."""
     from higgs_pack.exporters.modelbuilder import int4_float_base
 
     scratch = 0
+    float_graph = _output(params, int4_float_base(options.get("execution_provider", "cpu")))
     if precision == "int4":
-        scratch = _output(params, int4_float_base(options.get("execution_provider", "cpu")))
+        scratch = float_graph
+    if (options.get("kv_cache") or "float") != "float":
+        scratch = max(scratch, _output(params, precision) + (float_graph if precision == "int4" else 0))
     return scratch, _output(params, precision)
 
 

@@ -48,6 +48,28 @@ EXPORT_REL_L2 = {"fp32": 1e-3, "fp16": 1e-2, "int8": 2e-2, "int4": 2e-2}
 #: q/k norms dropped, measured 0.225, so 0.03 (0.127 at 36 layers) passes the correct exports
 #: with a margin of 2.7x and fails that one by 1.8x, where 0.05 (0.212) failed it by only 6%.
 DECODER_EXPORT_REL_L2 = {"fp32": 1e-2, "fp16": 0.03, "int8": 0.03, "int4": 0.03}
+#: A quantized KV cache's own rule (``parity.kv_cache`` of the decoder): its cached K/V,
+#: dequantized with the graph's scales, against the oracle's K/V on the golden prompt (the
+#: float oracle, or the one with the bundle's weights where those are quantized), worst layer
+#: and side.  Each layer's cache carries its own rounding (int8 per channel: relative L2
+#: 0.007-0.014 in the first layer, tiny and bench presets) plus what the layers below it
+#: changed, so ``max_rel_l2`` grows with depth like the decoder's (``* sqrt(layers / 2)``:
+#: 0.03 tiny, 0.06 bench, 0.127 full).  Measured worst layers of correct bundles (AMD EPYC,
+#: ONNX Runtime 1.32): tiny fp32 0.0097, tiny int4 0.0133, bench int4 0.0488 (against the
+#: oracle with the bundle's weights: its int8 activations add noise that grows with depth).
+#: The bench int4 bundle with its scales tampered: x10 in every layer 0.203, x10 in layer 3
+#: alone 0.088, /10 1.01, /2 0.396 (clipped) all fail; x2 gives 0.049 and passes, hidden by
+#: the deeper layers' noise.  The cosine floor is loose: the relative L2 decides (cosine
+#: misses a scale).
+KV_CACHE_PARITY: dict[str, dict[str, float]] = {"int8": {"threshold": 0.99, "max_rel_l2": 0.03}}
+#: What a quantized KV cache adds to the decoder's hidden-state limit (per 2 layers, grown with
+#: depth like :data:`DECODER_EXPORT_REL_L2`): no oracle quantizes its K/V, so the cache's effect
+#: on the hidden states counts against the export limit.  Measured on the golden inputs (text
+#: prompt + one step): tiny fp32 0.0073 (float KV: ~1e-6; limit 0.01 without this), tiny int4
+#: 0.0107 against the matched oracle (float KV: 0.0063), bench int4 0.0421 (limit 0.06
+#: without this, 0.08 with it); on random prompts (targets/bench/ort_kv_cache.py) bench int4
+#: 0.0155, fp32 0.0050 against the float KV cache.
+DECODER_KV_CACHE_REL_L2 = {"int8": 0.01}
 #: The codec encoder outputs codes: fraction of equal codes at fp32 (near-ties in
 #: the residual quantizer may flip under float reordering).
 CODE_AGREEMENT_THRESHOLD = 0.9
@@ -124,6 +146,11 @@ class Target:
             hardware is missing (``None`` = the target's own, which every machine has).
         variants: optional build variants (e.g. ``npu``: static shapes), see :class:`Variant`.
         classifiers: extra trove classifiers of its wheels (default: the provider's).
+        kv_caches: the decoder KV cache precisions a build may choose (``--kv-cache``), the
+            first the default: ``"float"`` (the graph's I/O dtype) and, where the decoder's
+            exporter takes a ``kv_cache`` option, quantized ones (``"int8"``: see
+            :mod:`higgs_pack.exporters.kv_cache`).  Empty: not a build choice (OpenVINO picks
+            its KV cache precision when it compiles the model); the manifest records null.
     """
 
     name: str
@@ -141,6 +168,7 @@ class Target:
     verify_on: str | None = None
     variants: tuple[Variant, ...] = ()
     classifiers: tuple[str, ...] | None = None
+    kv_caches: tuple[str, ...] = ("float",)
 
     def __post_init__(self) -> None:
         missing = set(SubPart) - set(self.recipes)
@@ -188,6 +216,11 @@ class Target:
     def default_precision(self) -> str:
         return self.precisions[0]
 
+    @property
+    def default_kv_cache(self) -> str | None:
+        """The KV cache precision of a build without ``--kv-cache`` (None: not a build choice)."""
+        return self.kv_caches[0] if self.kv_caches else None
+
     def precision_for(self, part: SubPart, precision: str) -> str:
         """Effective precision of one sub-part in a bundle of ``precision``."""
         rule = self.recipes[part].precision
@@ -220,7 +253,8 @@ def register(target: Target) -> Target:
 
     Checked: the name is new; every recipe's exporter writes the format of the target's
     backend; every recipe and variant option is one its exporter takes, with the right
-    type; every sub-part's exporter builds every precision the target allows.
+    type; every sub-part's exporter builds every precision the target allows; a quantized
+    KV cache choice has a decoder exporter that takes ``kv_cache``.
 
     Raises:
         BuildPlanError: naming the target, sub-part and the bad value with the allowed ones.
@@ -244,6 +278,11 @@ def register(target: Target) -> Target:
                     f"target {target.name!r}: exporter {info.name!r} of {part} cannot build {eff} "
                     f"(it builds {', '.join(info.precisions)})"
                 )
+    quantized = [kv for kv in target.kv_caches if kv != "float"]
+    decoder = get_exporter(target.recipes[SubPart.LLM_DECODER].exporter)
+    if quantized and "kv_cache" not in decoder.options:
+        raise BuildPlanError(f"target {target.name!r}: KV cache choice(s) {quantized} need a decoder exporter that "
+                             f"takes kv_cache; {decoder.name!r} does not")
     _REGISTRY[target.name] = target
     return target
 

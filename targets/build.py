@@ -36,7 +36,9 @@ from higgs_pack.targets.base import (
     COSINE_THRESHOLDS,
     DECODER_COSINE_THRESHOLDS,
     DECODER_EXPORT_REL_L2,
+    DECODER_KV_CACHE_REL_L2,
     EXPORT_REL_L2,
+    KV_CACHE_PARITY,
 )
 from higgs_pack.targets.plan import (
     BuildPlan,
@@ -111,6 +113,7 @@ def build(
     dist_dir: str | Path = "dist",
     work_dir: str | Path | None = None,
     progress=None,
+    kv_cache: str | None = None,
 ) -> Path:
     """Build one bundle.
 
@@ -131,12 +134,17 @@ def build(
         work_dir: folder for the scratch folder (default ``$HIGGS_PACK_WORK_DIR``, else
             the system temp folder); scratch of killed builds there is removed first.
         progress: optional ``callable(str)`` told about each step.
+        kv_cache: the decoder's KV cache precision (``--kv-cache``; one of the target's
+            ``kv_caches``, default its first).  A quantized one is calibrated with ModelBuilder's
+            tool during the decoder's export and recorded in the manifest (``kv_cache``, and the
+            decoder's ``quantization.kv_cache`` and ``parity.kv_cache``).
 
     Returns:
         The bundle directory.
 
     Raises:
-        BuildPlanError: unknown target/precision/variant (before anything heavy runs).
+        BuildPlanError: unknown target/precision/variant, or a KV cache the target does not
+            offer (before anything heavy runs).
         BundleError: ``out`` holds a bundle and ``force`` is False, or ``out`` is a
             non-empty directory that is not a bundle.
         CheckpointError: the checkpoint cannot be read.
@@ -148,7 +156,7 @@ def build(
     from higgs_pack.exporters.process import TreeMemory
     from higgs_pack.targets.workspace import FolderPeak, check_space, work_area, work_root
 
-    plan = make_plan(target, precision, variant)
+    plan = make_plan(target, precision, variant, kv_cache)
     say = progress or (lambda msg: log.info(msg))
     out = bundle_path(plan, model, out, dist_dir)
     _check_out(out, force)
@@ -167,7 +175,8 @@ def build(
         golden = steps("capturing golden reference outputs with the PyTorch oracle",
                        "higgs_pack.targets.steps:capture", [stage], checkpoint=str(ckpt.root),
                        out_path=str(bundle_dir / REFERENCE_FILE), bundle_dir=str(bundle_dir),
-                       subparts={p: {k: r[k] for k in ("format", "entry", "precision")} for p, r in results.items()})
+                       subparts={p: {**{k: r[k] for k in ("format", "entry", "precision")},
+                                     "kv_cache": r["quantization"].get("kv_cache")} for p, r in results.items()})
         manifest = _assemble(plan, ckpt, model_slug(model), source, bundle_dir, results, tokenizer_file, golden,
                              time.perf_counter() - start)
         verified = _verify_staged(plan, steps, bundle_dir, manifest, stage)
@@ -343,7 +352,8 @@ def _copy_tokenizer(ckpt, bundle_dir: Path) -> str:
     return "tokenizer.json"
 
 
-def _parity_rule(part: SubPart, precision: str, layers: int) -> dict[str, Any]:
+def _parity_rule(part: SubPart, precision: str, layers: int, kv_cache: dict[str, Any] | None = None
+                 ) -> dict[str, Any]:
     """The acceptance rule recorded for one sub-part (verify applies the bundle's own rule).
 
     The decoder's export-error limit grows with depth as independent per-layer compute
@@ -351,6 +361,15 @@ def _parity_rule(part: SubPart, precision: str, layers: int) -> dict[str, Any]:
     table is set on the 2-layer tiny model).  Measured export errors of cpu int4 against the
     matched oracle: 0.006 with 2 layers, 0.047 with 36 (limit 0.21); an export bug (swapped
     layers, a dropped norm) gives errors of order 1.
+
+    A decoder with a quantized KV cache (``kv_cache``: its ``quantization["kv_cache"]``) also
+    gets ``kv_cache``: the rule its dequantized cache is judged by against the oracle's K/V
+    (:data:`~higgs_pack.targets.base.KV_CACHE_PARITY`, its limit grown with depth like the
+    hidden states'; reference ``float``, made ``matched``
+    with the golden capture's matched references where the weights are quantized).  Its
+    hidden states keep the weights' rule, their limit raised by
+    :data:`~higgs_pack.targets.base.DECODER_KV_CACHE_REL_L2` (no oracle quantizes K/V, so the
+    cache's effect on the hidden states counts there).
     """
     if part == SubPart.AUDIO_ENCODER:
         return {"metric": "code_agreement", "threshold": CODE_AGREEMENT_THRESHOLD}
@@ -358,8 +377,14 @@ def _parity_rule(part: SubPart, precision: str, layers: int) -> dict[str, Any]:
     table = DECODER_COSINE_THRESHOLDS if decoder else COSINE_THRESHOLDS
     limit = (DECODER_EXPORT_REL_L2 if decoder else EXPORT_REL_L2)[precision]
     if decoder:
+        limit += DECODER_KV_CACHE_REL_L2[kv_cache["precision"]] if kv_cache else 0.0
         limit = round(limit * math.sqrt(max(layers, 2) / 2), 6)
-    return {"metric": "cosine", "threshold": table[precision], "max_rel_l2": limit, "reference": "float"}
+    rule: dict[str, Any] = {"metric": "cosine", "threshold": table[precision], "max_rel_l2": limit, "reference": "float"}
+    if decoder and kv_cache:
+        kv_rule = dict(KV_CACHE_PARITY[kv_cache["precision"]])
+        kv_rule["max_rel_l2"] = round(kv_rule["max_rel_l2"] * math.sqrt(max(layers, 2) / 2), 6)
+        rule["kv_cache"] = {"metric": "cosine", **kv_rule, "reference": "float"}
+    return rule
 
 
 def _assemble(plan: BuildPlan, ckpt, slug: str, source: str, bundle_dir: Path, results, tokenizer_file: str,
@@ -378,11 +403,14 @@ def _assemble(plan: BuildPlan, ckpt, slug: str, source: str, bundle_dir: Path, r
             "passes": d["passes"], "tool_versions": d["tool_versions"], "precision": d["precision"],
             "quantization": d["quantization"], "inputs": d["inputs"], "outputs": d["outputs"],
             "options": d["options"],
-            "parity": _parity_rule(part, d["precision"], int(ckpt.text_config["num_hidden_layers"])),
+            "parity": _parity_rule(part, d["precision"], int(ckpt.text_config["num_hidden_layers"]),
+                                   d["quantization"].get("kv_cache")),
         }
         if part.value in golden["weights"]:  # checked against the oracle with the bundle's own weights
             subparts[part.value]["parity"].update(
                 reference="matched", weights_max_rel_l2=golden["weights"][part.value]["max_rel_l2"])
+            if "kv_cache" in subparts[part.value]["parity"]:  # its K/V: the matched oracle's too
+                subparts[part.value]["parity"]["kv_cache"]["reference"] = "matched"
     files = sorted(
         p.relative_to(bundle_dir).as_posix() for p in bundle_dir.rglob("*") if p.is_file() and p.name != MANIFEST_NAME
     )
@@ -392,6 +420,7 @@ def _assemble(plan: BuildPlan, ckpt, slug: str, source: str, bundle_dir: Path, r
         "model": {"id": ckpt.model_id, "slug": slug, "checkpoint_sha256": ckpt.digest(), "license": DEFAULT_LICENSE},
         "target": t.name,
         "precision": plan.precision,
+        "kv_cache": plan.kv_cache,
         "variant": plan.variant,
         "backend": t.backend,
         "execution_provider": t.execution_provider,

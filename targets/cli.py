@@ -28,6 +28,8 @@ def _require_build_tools() -> None:
 @click.option("--model", "-m", help="Checkpoint directory or Hugging Face repo id (default: the embedded tiny checkpoint).")
 @click.option("--out", "-o", type=click.Path(path_type=Path, file_okay=False),
               help="Bundle directory (default: dist/<model-slug>-<target>-<precision>).")
+@click.option("--kv-cache", "kv_cache", help="Decoder KV cache precision: float, or int8 (cpu: ModelBuilder's "
+              "kv_cache_quant_scheme, scales from its kv_cache_calibration tool). Default: the target's.")
 @click.option("--variant", help="Target variant, e.g. npu (openvino: static shapes for Intel NPUs).")
 @click.option("--npu", is_flag=True, help="Shorthand for --variant npu.")
 @click.option("--force", is_flag=True, help="Replace an existing bundle (only once the new one passed verification).")
@@ -36,7 +38,7 @@ def _require_build_tools() -> None:
                    "folder; the 4B model needs 20-40 GB there).")
 @click.option("--plan", "plan_only", is_flag=True, help="Print the build plan and stop.")
 @click.option("--print-path", is_flag=True, help="Print the bundle directory this build writes (absolute) and stop.")
-def build(target, precision, model, out, variant, npu, force, work_dir, plan_only, print_path):
+def build(target, precision, model, out, kv_cache, variant, npu, force, work_dir, plan_only, print_path):
     """Build a bundle for one hardware target."""
     from higgs_pack.targets.plan import make_plan
 
@@ -44,7 +46,7 @@ def build(target, precision, model, out, variant, npu, force, work_dir, plan_onl
         if variant not in (None, "npu"):
             raise click.UsageError(f"--npu conflicts with --variant {variant}")
         variant = "npu"
-    plan = make_plan(target, precision, variant)
+    plan = make_plan(target, precision, variant, kv_cache)
     if print_path:
         from higgs_pack.targets.plan import bundle_path
 
@@ -57,7 +59,7 @@ def build(target, precision, model, out, variant, npu, force, work_dir, plan_onl
     from higgs_pack.targets.build import build as run_build
 
     path = run_build(target, precision=precision, model=model, out=out, variant=variant, force=force,
-                     work_dir=work_dir, progress=lambda msg: click.echo(msg, err=True))
+                     work_dir=work_dir, progress=lambda msg: click.echo(msg, err=True), kv_cache=kv_cache)
     click.echo(str(path))
 
 

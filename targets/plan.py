@@ -55,10 +55,12 @@ class BuildPlan:
     rows: tuple[PlannedSubPart, ...]
     variant: str | None = None
     variant_spec: Variant | None = None
+    kv_cache: str | None = None
 
     def render(self) -> str:
         """Human-readable table (``higgs-pack build --plan``)."""
         lines = [f"plan: target {self.target.name}, precision {self.precision}"
+                 + (f", KV cache {self.kv_cache}" if self.kv_cache else "")
                  + (f", variant {self.variant}" if self.variant else "")]
         if self.variant_spec is not None and self.variant_spec.description:
             lines[0] += f" ({self.variant_spec.description})"
@@ -74,17 +76,22 @@ class BuildPlan:
         return "\n".join(lines)
 
 
-def make_plan(target: str | Target, precision: str | None = None, variant: str | None = None) -> BuildPlan:
+def make_plan(target: str | Target, precision: str | None = None, variant: str | None = None,
+              kv_cache: str | None = None) -> BuildPlan:
     """Plan a build.
 
     Args:
         target: target name or declaration.
         precision: bundle precision; default the target's default.
         variant: optional target variant (e.g. ``"npu"`` for openvino).
+        kv_cache: the decoder's KV cache precision (``--kv-cache``: one of the target's
+            ``kv_caches``); default the target's default.  A quantized one is handed to the
+            decoder's exporter as its ``kv_cache`` option and planned in its ``quantization``.
 
     Raises:
         BuildPlanError: unknown target, a precision the target does not support
-            (naming both and the allowed ones), or an unknown variant.
+            (naming both and the allowed ones), an unknown variant, or a KV cache the
+            target does not offer (naming both and the allowed ones).
     """
     t = get_target(target) if isinstance(target, str) else target
     precision = precision or t.default_precision
@@ -99,6 +106,11 @@ def make_plan(target: str | Target, precision: str | None = None, variant: str |
         raise BuildPlanError(f"target {t.name!r} has no variant {variant!r}; variants: {allowed} "
                              "(set it with --variant / variant=)")
     spec = variants[variant] if variant is not None else None
+    if kv_cache is not None and kv_cache not in t.kv_caches:
+        allowed = ", ".join(t.kv_caches) or "none (its runtime picks the KV cache precision)"
+        raise BuildPlanError(f"target {t.name!r} does not offer KV cache {kv_cache!r}; it offers {allowed} "
+                             "(set it with --kv-cache / kv_cache=)")
+    kv_cache = kv_cache or t.default_kv_cache
     rows = []
     for part in SubPart:
         recipe = t.recipes[part]
@@ -107,9 +119,14 @@ def make_plan(target: str | Target, precision: str | None = None, variant: str |
         extra = dict(spec.options.get(part, {})) if spec is not None else {}
         info.check_options(extra, f"target {t.name!r}, variant {variant!r}, {part.value}")
         options = {**recipe.options, **extra}
+        if part == SubPart.LLM_DECODER and kv_cache not in (None, "float"):
+            options["kv_cache"] = kv_cache
         passes, quantization = info.planned(eff, options)
         rows.append(PlannedSubPart(part, info, eff, passes, options, extra, quantization))
-    return BuildPlan(t, precision, tuple(rows), variant, spec)
+    # A variant that sets the decoder's kv_cache (the benchmarks' variants) decides it.
+    kv_cache = next((r.options["kv_cache"] for r in rows if r.subpart == SubPart.LLM_DECODER
+                     and "kv_cache" in r.options), kv_cache)
+    return BuildPlan(t, precision, tuple(rows), variant, spec, kv_cache)
 
 
 def plan_mismatches(plan: BuildPlan, recorded: Mapping[str, Mapping[str, Any]],
@@ -143,6 +160,9 @@ def plan_mismatches(plan: BuildPlan, recorded: Mapping[str, Mapping[str, Any]],
             if got["quantization"].get(key) != value:
                 out.append(f"{row.subpart.value}: quantization {key}={got['quantization'].get(key)!r}, "
                            f"planned {value!r}")
+        if "kv_cache" in got["quantization"] and "kv_cache" not in row.quantization:
+            out.append(f"{row.subpart.value}: quantization kv_cache={got['quantization']['kv_cache']!r}, "
+                       "planned a float KV cache")
     return out
 
 
@@ -157,8 +177,12 @@ def model_slug(model: str | Path | None) -> str:
 
 
 def bundle_name(slug: str, plan: BuildPlan) -> str:
-    """``<model-slug>-<target>-<precision>[-<variant>]``: the bundle's folder and manifest name."""
+    """``<model-slug>-<target>-<precision>[-kv-<kv cache>][-<variant>]``: the bundle's folder and
+    manifest name; ``-kv-<kv cache>`` only for a KV cache other than the target's default
+    (``higgs-audio-v3-tiny-cpu-int4-kv-int8``), so default builds keep their names."""
     parts = [slug, plan.target.name, plan.precision]
+    if plan.kv_cache is not None and plan.kv_cache != plan.target.default_kv_cache:
+        parts.append(f"kv-{plan.kv_cache}")
     if plan.variant:
         parts.append(plan.variant)
     return "-".join(parts)
@@ -171,7 +195,7 @@ def bundle_path(plan: BuildPlan, model: str | Path | None = None, out: str | Pat
     that instead of naming bundles itself).
 
     Args:
-        plan: the build's plan (target, precision, variant).
+        plan: the build's plan (target, precision, KV cache, variant).
         model: the checkpoint directory or repo id (``None``: the embedded tiny one).
         out: an explicit bundle directory.
         dist_dir: parent of the default directory (relative paths: to the working directory).

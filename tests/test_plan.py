@@ -103,7 +103,7 @@ def _target(recipes, **kw) -> Target:
 def test_an_unknown_recipe_option_is_named_with_the_allowed_ones(registry):
     with pytest.raises(BuildPlanError, match=r"target 'typo', llm_decoder recipe: unknown option of exporter "
                                              r"'modelbuilder' 'extra_option' \(did you mean 'extra_options'\?\); "
-                                             r"known: execution_provider, extra_options, timeout_s"):
+                                             r"known: execution_provider, extra_options, kv_cache, timeout_s"):
         register(_target(_recipes(extra_option={"a": 1})))
 
 

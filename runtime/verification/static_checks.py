@@ -197,10 +197,13 @@ def check_decoder_io(bundle: Bundle, report: VerifyReport) -> None:
             problems.append(f"inputs_embeds width {embed_shape[-1]} != hidden_size {c['hidden_size']}")
         if graph_out["hidden_states"][0] != embed_dtype:
             problems.append(f"hidden_states is {graph_out['hidden_states'][0]}, inputs_embeds {embed_dtype}")
+        kv_record = spec.get("quantization", {}).get("kv_cache")
+        kv_dtype = kv_record["dtype"] if kv_record else embed_dtype  # a quantized KV cache: its own dtype
         for name in past:
             dtype, shape = graph_in[name]
-            if dtype != embed_dtype:
-                problems.append(f"{name} is {dtype}, inputs_embeds {embed_dtype}")
+            if dtype != kv_dtype:
+                problems.append(f"{name} is {dtype}, " + (f"the manifest's {kv_record['scheme']} KV cache {kv_dtype}"
+                                                          if kv_record else f"inputs_embeds {embed_dtype}"))
             if len(shape) != 4 or shape[1] != c["num_key_value_heads"]:
                 problems.append(f"{name} shape {shape}: expected [batch, {c['num_key_value_heads']}, past, head_dim]")
     if len(past) != 2 * c["num_layers"]:
@@ -218,8 +221,8 @@ def check_decoder_io(bundle: Bundle, report: VerifyReport) -> None:
         dtype = graph_in["inputs_embeds"][0]
         extra = ", position_ids" if "position_ids" in graph_in else ""
         report.add("decoder I/O", True, f"matches the manifest: inputs_embeds {dtype}[..,{c['hidden_size']}], "
-                   f"attention_mask{extra}, {len(past)} KV tensors {dtype} for {c['num_layers']} layers, "
-                   f"hidden_states {dtype}")
+                   f"attention_mask{extra}, {len(past)} KV tensors {graph_in[past[0]][0] if past else dtype} "
+                   f"for {c['num_layers']} layers, hidden_states {dtype}")
 
 
 def static_checks(bundle: Bundle, report: VerifyReport, *, ep: str | None = None) -> dict[str, Any]:

@@ -115,10 +115,14 @@ class OnnxRuntimeBackend(Backend):
         return (static_checks,)
 
     def runtime_checks(self):
-        """Node placement on the provider (:func:`~higgs_pack.runtime.verification.backend_checks.check_node_placement`)."""
+        """A quantized KV cache against the oracle's K/V
+        (:func:`~higgs_pack.runtime.verification.kv_cache.check_kv_cache`; nothing for a float one),
+        and node placement on the provider
+        (:func:`~higgs_pack.runtime.verification.backend_checks.check_node_placement`)."""
         from higgs_pack.runtime.verification.backend_checks import check_node_placement
+        from higgs_pack.runtime.verification.kv_cache import check_kv_cache
 
-        return (check_node_placement,)
+        return (check_kv_cache, check_node_placement)
 
     def placements(self, candidate: Candidate, inventory: Inventory, bench: Mapping[str, float]
                    ) -> tuple[list[Placement], str | None]:

@@ -26,7 +26,11 @@ import numpy as np
 
 from higgs_pack.manifests.errors import InputError, SignatureMismatch
 from higgs_pack.runtime.backends.onnxruntime.failures import _raise_unsupported
-from higgs_pack.runtime.backends.onnxruntime.runners import _bind_host, shared_kv_device
+from higgs_pack.runtime.backends.onnxruntime.runners import (
+    _bind_host,
+    kv_cache_dtype,
+    shared_kv_device,
+)
 from higgs_pack.runtime.backends.onnxruntime.sessions import ORT_TYPES
 from higgs_pack.runtime.loop.pipeline import check_decoder_room
 
@@ -63,7 +67,9 @@ class BatchedOrtDecoder:
 
     Raises:
         SignatureMismatch: the graph takes ``position_ids`` or has no ``inputs_embeds`` (not a
-            ModelBuilder GroupQueryAttention graph), a dynamic hidden size, or a
+            ModelBuilder GroupQueryAttention graph), a dynamic hidden size, a KV cache dtype or
+            layout the runtime does not read (see
+            :func:`~higgs_pack.runtime.backends.onnxruntime.runners.kv_cache_dtype`), or a
             ``present.*`` output whose dtype differs from its ``past_key_values.*`` input
             (they share one buffer).
         InputError: the session is not on the CPU execution provider, or a bad size.
@@ -94,10 +100,11 @@ class BatchedOrtDecoder:
         self._hidden_type = ORT_TYPES[outputs["hidden_states"].type]
         self._past = sorted(n for n in inputs if n.startswith("past_key_values."))
         self._present = [n.replace("past_key_values.", "present.") for n in self._past]
+        kv_type = kv_cache_dtype(session, head_dim)  # int8 for a quantized KV cache, as the graph declares
         self.kv: dict[str, np.ndarray] = {}
         self._kv_maps: dict[str, mmap.mmap] = {}
         for past, present in zip(self._past, self._present, strict=True):
-            kv_type, declared = ORT_TYPES[inputs[past].type], inputs[past].shape
+            declared = inputs[past].shape
             if present in outputs and outputs[present].type != inputs[past].type:
                 raise SignatureMismatch(
                     f"llm_decoder: {present} is {outputs[present].type} but {past} is {inputs[past].type}; "

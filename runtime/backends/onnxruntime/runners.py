@@ -158,6 +158,45 @@ def shared_kv_device(ort_provider: str) -> str | None:
     row = next((r for r in EXECUTION_PROVIDERS.values() if r.ort_provider == ort_provider), None)
     return row.sessions.iobinding_device if row else None
 
+def kv_cache_dtype(session, head_dim: int) -> type:
+    """The numpy dtype of a decoder session's KV cache, as its ``past_key_values.*`` inputs
+    declare it: float32 (ModelBuilder's cpu graphs), float16 (cuda/dml fp16 and int4), or
+    int8 for a quantized KV cache (``kv_cache_quant_scheme=int8_per_tensor|int8_per_channel``:
+    ModelBuilder 0.18 builders/base.py ``make_kv_cache_init``; ONNX Runtime 1.32's CPU
+    GroupQueryAttention registers ``T_CACHE`` float, float16, int8 and uint8, read from its
+    kernel registry).  The decoders allocate and bind their KV buffers in this dtype.
+
+    Args:
+        session: an ``InferenceSession`` of an ``llm_decoder`` graph.
+        head_dim: the model's head size (manifest ``constants.head_dim``).
+
+    Returns:
+        The dtype (``np.float32`` for a graph without KV inputs).
+
+    Raises:
+        SignatureMismatch: the KV inputs disagree on their dtype, declare one this runtime
+            has no numpy type for (float8), or a last dimension other than ``head_dim``
+            (ModelBuilder's packed int4 KV cache, [.., head_dim / 2] uint8, which this
+            runtime does not read).
+    """
+    past = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
+    if not past:
+        return np.float32
+    types = sorted({i.type for i in past})
+    if len(types) != 1 or types[0] not in ORT_TYPES:
+        raise SignatureMismatch(
+            f"llm_decoder: the KV cache inputs are {', '.join(types)}; this runtime reads one of "
+            f"{', '.join(t for t in ORT_TYPES if 'int64' not in t and 'bool' not in t)} for all of them. "
+            "Rebuild the bundle with `higgs-pack build --kv-cache float` or `--kv-cache int8`")
+    dims = {i.shape[-1] for i in past if isinstance(i.shape[-1], int)}
+    if dims - {head_dim}:
+        raise SignatureMismatch(
+            f"llm_decoder: the KV cache inputs have a last dimension of {sorted(dims)}, not head_dim {head_dim} "
+            f"({types[0]}: a packed int4 KV cache, which this runtime does not read). Rebuild the bundle with "
+            "`higgs-pack build --kv-cache float` or `--kv-cache int8`")
+    return ORT_TYPES[types[0]]
+
+
 #: First KV buffer length of the shared-buffer decoder (positions); it doubles when a request
 #: needs more (one copy of the used part), up to the decoder's ``max_length``.
 INITIAL_KV_CAPACITY = 512
@@ -170,6 +209,10 @@ class OrtDecoder:
     ``attention_mask`` int64 [1, past+S], ``past_key_values.{i}.key|value``
     [1, kv_heads, past, head_dim] (+ ``position_ids`` [1,S] for dml); outputs
     ``hidden_states`` and ``present.{i}.key|value``.
+
+    The KV buffers have the dtype the graph's ``past_key_values.*`` inputs declare
+    (:func:`kv_cache_dtype`: float32, float16, or int8 for a quantized KV cache, whose
+    per-layer scales are initializers of the graph).
 
     Two ways to hold the cache:
 
@@ -199,6 +242,11 @@ class OrtDecoder:
             step has read them and come back from the page cache next step.  The
             full-size fp32 decoder (14.5 GB) then runs in a few hundred MB of resident
             memory, at the price of a minor fault per page each step.
+
+    Raises:
+        SignatureMismatch: no ``inputs_embeds`` input; shared buffers asked of a graph with
+            ``position_ids`` or a dynamic hidden size; a KV cache dtype or layout this runtime
+            does not read (:func:`kv_cache_dtype`).
     """
 
     def __init__(self, session, *, max_length: int, kv_heads: int, head_dim: int,
@@ -219,7 +267,7 @@ class OrtDecoder:
         self._past = sorted(n for n in inputs if n.startswith("past_key_values."))
         self._present = [n.replace("past_key_values.", "present.") for n in self._past]
         self._has_position_ids = "position_ids" in inputs
-        self._kv_type = ORT_TYPES[inputs[self._past[0]].type] if self._past else np.float32
+        self._kv_type = kv_cache_dtype(session, head_dim)
         self._kv_heads, self._head_dim = kv_heads, head_dim
         self._outputs = ["hidden_states", *self._present]
         provider = (session.get_providers() or ["CPUExecutionProvider"])[0]

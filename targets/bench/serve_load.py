@@ -20,8 +20,8 @@ on the CPUs):
    read every 50 answers; its growth from the first reading to the last is the leak figure.
 
 Requests: a pool of ``--pool`` jobs over the lines of the cases' texts (``text_en_basic.txt``,
-``text_zh.txt``), seed = the job's index, ``max_new_tokens = --frames``, alternately whole WAV
-files and ``stream_format="audio"`` PCM streams, six jobs of each in turn; request ``i`` of a
+``text_zh.txt``), seed = the job's index, ``max_new_tokens = --frames``, whole WAV files and
+``stream_format="audio"`` PCM streams in turn (every text asked both ways); request ``i`` of a
 level is job ``i mod pool``, so every level and the engine run the same requests.
 
 Every answer is checked (:func:`check`): complete audio (a whole WAV that libsndfile reads,
@@ -80,9 +80,6 @@ DEFAULT_REQUEST_TIMEOUT = 300.0
 #: Most seconds a server started here may live, and may take to get ready.
 SERVER_LIFETIME_S = 3600.0
 SERVER_START_S = 300.0
-#: Jobs of one kind (whole or stream) in a row in the pool.
-RUN_LENGTH = 6
-
 #: How an answer is counted.
 #:
 #: ``ok``: complete audio of the reference length; ``length_differs``: complete and well-formed
@@ -143,9 +140,12 @@ def case_texts(cases: Path) -> list[str]:
 
 
 def request_pool(texts: Sequence[str], size: int, frames: int) -> list[Job]:
-    """``size`` jobs: text ``i mod len(texts)``, seed ``i``, :data:`RUN_LENGTH` whole then as many
-    streamed in turn (so every text is asked both ways)."""
-    return [Job(i, texts[i % len(texts)], i, (i // RUN_LENGTH) % 2 == 1, frames) for i in range(size)]
+    """``size`` jobs: text ``i mod len(texts)``, seed ``i``, whole and streamed in turn; with an
+    even number of texts the turn shifts by one at each pass over them, so every text is asked
+    both ways."""
+    shift = len(texts) % 2 == 0
+    return [Job(i, texts[i % len(texts)], i, (i + (i // len(texts) if shift else 0)) % 2 == 1, frames)
+            for i in range(size)]
 
 
 def pcm16(samples: np.ndarray) -> bytes:

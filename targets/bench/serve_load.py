@@ -402,10 +402,8 @@ async def run_clients(url: str, model: str, jobs: Sequence[Job], clients: int, s
     out = _Outstanding()
     pending = iter(jobs)
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
-    t0 = time.monotonic()
-    deadline = t0 + seconds
-
     answered = 0
+    deadline = math.inf
 
     async def client(http: httpx.AsyncClient) -> None:
         nonlocal answered
@@ -422,6 +420,7 @@ async def run_clients(url: str, model: str, jobs: Sequence[Job], clients: int, s
                 await asyncio.sleep(max(0.0, min(float(obs.retry_after), deadline - time.monotonic())))
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), limits=limits) as http:
+        deadline = time.monotonic() + seconds
         tasks = [asyncio.create_task(client(http)) for _ in range(clients)]
         done, late = await asyncio.wait(tasks, timeout=seconds + timeout + 30.0)
         for task in late:
@@ -429,8 +428,8 @@ async def run_clients(url: str, model: str, jobs: Sequence[Job], clients: int, s
         await asyncio.gather(*late, return_exceptions=True)
         for task in done:
             task.result()
-    ends = [o.ended for o in run.observed]
-    run.seconds = (max(ends) - t0) if ends else 0.0
+    if run.observed:  # from the first send to the last byte, not the client's own set-up
+        run.seconds = max(o.ended for o in run.observed) - min(o.started for o in run.observed)
     return run
 
 

@@ -125,7 +125,9 @@ def test_a_tiny_load_run_writes_its_figures_and_goals(cpu_int4_bundle, cases_dir
         assert {"p50", "p95", "p99", "n", "max"} <= set(level["latency_ms"])
     assert one["checks"]["ok"] == 3 and one["exact"] == 3  # alone: the reference's very samples
     assert one["first_audio_ms"]["n"] == 1 and one["engine"]["first_audio_ms"]["n"] == 1
-    assert one["server_frames"] == pytest.approx(one["frames"])
+    assert one["server_frames"] == pytest.approx(one["frames"])  # the server's count of what it sent
+    answers = [dict(zip(one["answers_columns"], row, strict=True)) for row in one["answers"]]
+    assert [a["category"] for a in answers] == ["ok"] * 3 and answers[1]["stream"] and answers[1]["first_audio_ms"]
     assert three["checks"]["rejected"] >= 1 and three["by_status"].get("429") == three["checks"]["rejected"]
     assert record["soak"]["requests"] == 6 and record["soak"]["rss_growth"] is not None
 

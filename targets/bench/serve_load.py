@@ -93,6 +93,8 @@ SERVER_START_S = 300.0
 #: 429 while fewer than ``max_batch + max_queue`` other requests were out, or one not saying
 #: ``queue_full``.
 CATEGORIES = ("ok", "length_differs", "rejected", "error", "lost", "truncated", "malformed", "unjustified_429")
+#: The fields of each answer a level keeps (``answers``): times in ms from the level's first send.
+ANSWER_COLUMNS = ("job", "stream", "status", "category", "sent_ms", "latency_ms", "first_audio_ms", "frames")
 #: The categories the goals allow none of.
 FAILURES = ("lost", "truncated", "malformed", "unjustified_429")
 
@@ -488,6 +490,7 @@ def summarize_http(run: LevelRun, verdicts: Sequence[Verdict], problems_kept: in
         by_status[key] = by_status.get(key, 0) + 1
     counts = {c: sum(v.category == c for v in verdicts) for c in CATEGORIES}
     span = run.seconds or math.nan
+    t0 = min((o.started for o in run.observed), default=0.0)
     problems = [{"job": o.job.index, "category": v.category, "detail": v.detail}
                 for o, v in zip(run.observed, verdicts, strict=True) if v.category not in ("ok", "rejected")]
     return {
@@ -500,6 +503,11 @@ def summarize_http(run: LevelRun, verdicts: Sequence[Verdict], problems_kept: in
         "latency_stream_ms": percentiles([o.ended - o.started for o, _ in audio if o.job.stream]),
         "by_status": by_status, "checks": counts, "exact": sum(v.exact for v in verdicts),
         "problems": problems[:problems_kept], "problems_total": len(problems),
+        "answers_columns": list(ANSWER_COLUMNS),
+        "answers": [[o.job.index, o.job.stream, o.status, v.category, round(1e3 * (o.started - t0), 1),
+                     round(1e3 * (o.ended - o.started), 1),
+                     None if o.first_audio is None else round(1e3 * (o.first_audio - o.started), 1), v.frames]
+                    for o, v in zip(run.observed, verdicts, strict=True)],
     }
 
 

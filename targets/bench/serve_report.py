@@ -125,6 +125,7 @@ COLUMNS: tuple[tuple[str, Any], ...] = (
     ("engine 1st audio p50", lambda lv: _f(_p50(lv.get("engine"), "first_audio_ms"))),
     ("latency ms p50/95/99", lambda lv: _pcts(lv.get("latency_ms"))),
     ("engine latency p50", lambda lv: _f(_p50(lv.get("engine"), "latency_ms"))),
+    ("exact", lambda lv: f"{lv['exact']}/{lv['answered_audio']}"),
     ("rows/step", lambda lv: _f(lv.get("mean_rows_per_step"), ".2f")),
     ("engine rows/step", lambda lv: _f((lv.get("engine") or {}).get("mean_rows_per_step"), ".2f")),
     ("status", lambda lv: " ".join(f"{k}:{v}" for k, v in sorted(lv["by_status"].items()))),

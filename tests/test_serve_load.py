@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from higgs_pack.targets.bench import serve_load, serve_report
-from higgs_pack.targets.bench.serve_load import Expected, Job, Observed, check
+from higgs_pack.targets.bench import serve_checks, serve_load, serve_report
+from higgs_pack.targets.bench.serve_checks import Expected, Job, Observed, check
 
-SAMPLES = 12 * serve_load.FRAME_SAMPLES
+SAMPLES = 12 * serve_checks.FRAME_SAMPLES
 
 
 def _pcm(n: int = SAMPLES) -> bytes:
@@ -30,7 +30,7 @@ def _pcm(n: int = SAMPLES) -> bytes:
 
 def _wav(pcm: bytes) -> bytes:
     out = io.BytesIO()
-    sf.write(out, np.frombuffer(pcm, "<i2"), serve_load.SAMPLE_RATE, format="WAV", subtype="PCM_16")
+    sf.write(out, np.frombuffer(pcm, "<i2"), serve_checks.SAMPLE_RATE, format="WAV", subtype="PCM_16")
     return out.getvalue()
 
 
@@ -55,7 +55,7 @@ def test_complete_answers_pass_and_are_exact():
     assert (stream.category, stream.exact, stream.frames) == ("ok", True, 12.0)
     other = bytearray(pcm)
     other[0] ^= 1
-    assert check(_ok(STREAM, bytes(other)), _expected(pcm), 20) == serve_load.Verdict("ok", "", 12.0, False)
+    assert check(_ok(STREAM, bytes(other)), _expected(pcm), 20) == serve_checks.Verdict("ok", "", 12.0, False)
 
 
 def test_the_checker_catches_truncated_answers():
@@ -67,7 +67,7 @@ def test_the_checker_catches_truncated_answers():
     broke = check(_ok(STREAM, pcm[:4000], error="RemoteProtocolError: incomplete chunked read"), want, 20)
     assert broke.category == "truncated" and "broke off after 4000 bytes" in broke.detail
     assert check(_ok(STREAM, pcm[:4001]), want, 20).category == "truncated"  # half a sample
-    short = pcm[: len(pcm) - 2 * serve_load.FRAME_SAMPLES]
+    short = pcm[: len(pcm) - 2 * serve_checks.FRAME_SAMPLES]
     assert check(_ok(STREAM, short), want, 20, alone=True).category == "truncated"
     # beside other requests a complete, shorter answer is another draw (the codes may depend on the batch)
     assert check(_ok(STREAM, short), want, 20).category == "length_differs"
@@ -97,7 +97,7 @@ def test_the_checker_catches_lost_malformed_and_unjustified_answers():
 
 def test_the_pool_mixes_whole_and_streamed_requests_over_every_text():
     for texts in (["a", "b", "c"], ["a", "b", "c", "d"]):
-        pool = serve_load.request_pool(texts, 16, 30)
+        pool = serve_checks.request_pool(texts, 16, 30)
         assert [j.seed for j in pool] == list(range(16))
         assert [j.stream for j in pool[:2]] == [False, True]
         assert {(j.text, j.stream) for j in pool} == {(t, s) for t in texts for s in (False, True)}
@@ -117,8 +117,8 @@ def test_a_tiny_load_run_writes_its_figures_and_goals(cpu_int4_bundle, cases_dir
     assert record["server_exit"] is not None and record["reference"]["requests"] == 8
     one, three = record["levels"]
     for level in (one, three):
-        assert set(level["checks"]) == set(serve_load.CATEGORIES)
-        assert all(level["checks"][k] == 0 for k in serve_load.FAILURES), level["problems"]
+        assert set(level["checks"]) == set(serve_checks.CATEGORIES)
+        assert all(level["checks"][k] == 0 for k in serve_checks.FAILURES), level["problems"]
         assert level["frames_per_s"] > 0 and level["latency_ms"]["p50"] > 0
         assert level["rss_start_mb"] > 0 and level["rss_end_mb"] > 0
         assert level["engine"]["frames_per_s"] > 0 and level["engine"]["checks"]["error"] == 0

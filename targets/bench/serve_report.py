@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from higgs_pack.targets.bench.records import Goal, goal_state
-from higgs_pack.targets.bench.serve_load import CATEGORIES, FAILURES
+from higgs_pack.targets.bench.serve_checks import CATEGORIES, FAILURES
 
 #: The concurrency at which no answer may be lost, truncated or malformed.
 GOAL_CLEAN_CLIENTS = 64
@@ -60,9 +60,9 @@ def goal_checks(record: dict[str, Any]) -> list[Goal]:
     if level is None:
         checks.append((goal, None, f"no {GOAL_CLEAN_CLIENTS}-client level"))
     else:
-        c = level["checks"]
+        c = level.get("checks_all_rounds") or level["checks"]
         bad = sum(c.get(k, 0) for k in FAILURES)
-        checks.append((goal, bad == 0, f"{level['requests']} sent: " + ", ".join(
+        checks.append((goal, bad == 0, f"{sum(c.values())} sent: " + ", ".join(
             f"{c.get(k, 0)} {k.replace('_', ' ')}" for k in CATEGORIES)))
 
     goal = f"{tag}: server RSS growth < {GOAL_RSS_GROWTH:.0%} over {GOAL_SOAK_REQUESTS} requests"
@@ -126,6 +126,9 @@ COLUMNS: tuple[tuple[str, Any], ...] = (
     ("latency ms p50/95/99", lambda lv: _pcts(lv.get("latency_ms"))),
     ("engine latency p50", lambda lv: _f(_p50(lv.get("engine"), "latency_ms"))),
     ("exact", lambda lv: f"{lv['exact']}/{lv['answered_audio']}"),
+    ("server CPU s", lambda lv: _f(lv.get("server_cpu_s"), ".1f")),
+    ("client CPU s", lambda lv: _f(lv.get("client_cpu_s"), ".1f")),
+    ("engine CPU s", lambda lv: _f((lv.get("engine") or {}).get("cpu_s"), ".1f")),
     ("rows/step", lambda lv: _f(lv.get("mean_rows_per_step"), ".2f")),
     ("engine rows/step", lambda lv: _f((lv.get("engine") or {}).get("mean_rows_per_step"), ".2f")),
     ("status", lambda lv: " ".join(f"{k}:{v}" for k, v in sorted(lv["by_status"].items()))),

@@ -35,7 +35,8 @@ SAMPLE_RATE = 24000
 #: ``queue_full``.
 CATEGORIES = ("ok", "length_differs", "rejected", "error", "lost", "truncated", "malformed", "unjustified_429")
 #: The fields of each answer a level keeps (``answers``): times in ms from the level's first send.
-ANSWER_COLUMNS = ("job", "stream", "status", "category", "sent_ms", "latency_ms", "first_audio_ms", "frames")
+ANSWER_COLUMNS = ("job", "stream", "status", "category", "sent_ms", "latency_ms", "first_audio_ms", "frames",
+                  "retry_after_s")
 #: The categories the goals allow none of.
 FAILURES = ("lost", "truncated", "malformed", "unjustified_429")
 

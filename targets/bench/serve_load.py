@@ -261,7 +261,8 @@ def summarize_http(run: LevelRun, verdicts: Sequence[Verdict], problems_kept: in
         "answers_columns": list(ANSWER_COLUMNS),
         "answers": [[o.job.index, o.job.stream, o.status, v.category, round(1e3 * (o.started - t0), 1),
                      round(1e3 * (o.ended - o.started), 1),
-                     None if o.first_audio is None else round(1e3 * (o.first_audio - o.started), 1), v.frames]
+                     None if o.first_audio is None else round(1e3 * (o.first_audio - o.started), 1), v.frames,
+                     int(o.retry_after) if (o.retry_after or "").isdigit() else None]
                     for o, v in zip(run.observed, verdicts, strict=True)],
     }
 

@@ -145,3 +145,19 @@ def test_a_tiny_load_run_writes_its_figures_and_goals(cpu_int4_bundle, cases_dir
     assert page.count("<img") >= 3 and "not measured" in page and "<th>clients</th>" in page
     text = serve_report.render(record)
     assert "1st audio ms p50/95/99" in text and "goal [tiny]" in text
+
+
+def test_a_level_keeps_each_sides_fastest_round_and_counts_every_answer():
+    def http(fps, ok, rejected, cpu):
+        checks = dict.fromkeys(serve_checks.CATEGORIES, 0) | {"ok": ok, "rejected": rejected}
+        return {"frames_per_s": fps, "frames": 100.0, "server_cpu_s": cpu, "checks": checks,
+                "first_audio_ms": {"p50": 1000 / fps}, "rss_start_mb": fps, "rss_end_mb": fps + 1}
+
+    rounds = [{"http": http(80, 4, 1, 2.0), "engine": {"frames_per_s": 100, "frames": 100.0, "cpu_s": 1.0}},
+              {"http": http(90, 5, 0, 2.0), "engine": {"frames_per_s": 50, "frames": 100.0, "cpu_s": 1.0}}]
+    level = serve_load.keep_fastest(4, 6, rounds)
+    assert level["frames_per_s"] == 90 and level["engine"]["frames_per_s"] == 100  # each side's fastest
+    assert level["paired_ratios"] == [0.8, 1.8] and level["paired_ratio_median"] == pytest.approx(1.3)
+    assert level["cpu_efficiency"] == pytest.approx(0.5)  # 50 frames per server CPU s, 100 per engine CPU s
+    assert level["checks_all_rounds"]["ok"] == 9 and level["checks_all_rounds"]["rejected"] == 1
+    assert (level["rss_start_mb"], level["rss_end_mb"]) == (80, 91)  # first round's start, last round's end

@@ -455,12 +455,25 @@ def keep_fastest(clients: int, allowed: int, rounds: Sequence[dict[str, Any]]) -
     figures of the round with the most frames/s, the engine's of its own fastest round (other
     work on a shared machine only ever slows a round down, as ``nox -s bench --rounds``
     assumes); the checks of every round summed (``checks_all_rounds``: every answer counts),
-    the RSS from the first round's start to the last one's end, and each round's main figures."""
+    the RSS from the first round's start to the last one's end, and each round's main figures.
+    Beside them, two figures less at the mercy of other work on the machine: ``paired_ratios``
+    (each round's HTTP frames/s over the engine's, run one after the other) with their median,
+    and ``cpu_efficiency``: frames per CPU second of the server process over those of the
+    engine process, every round summed (1.0: HTTP costs no CPU; the client's CPU not counted)."""
     best = max(rounds, key=lambda r: r["http"]["frames_per_s"])
     level: dict[str, Any] = {"clients": clients, "requests_allowed": allowed, **best["http"]}
     engines = [r["engine"] for r in rounds if r.get("engine")]
     if engines:
         level["engine"] = max(engines, key=lambda e: e["frames_per_s"])
+        paired = [r["http"]["frames_per_s"] / r["engine"]["frames_per_s"] for r in rounds
+                  if (r.get("engine") or {}).get("frames_per_s")]
+        level["paired_ratios"] = paired
+        level["paired_ratio_median"] = float(np.median(paired)) if paired else None
+        server_cpu = [r["http"].get("server_cpu_s") for r in rounds]
+        if all(server_cpu) and all(e.get("cpu_s") for e in engines):
+            per_server = sum(r["http"]["frames"] for r in rounds) / sum(server_cpu)
+            per_engine = sum(e["frames"] for e in engines) / sum(e["cpu_s"] for e in engines)
+            level["cpu_efficiency"] = per_server / per_engine
     level["checks_all_rounds"] = {c: sum(r["http"]["checks"][c] for r in rounds) for c in CATEGORIES}
     level["rss_start_mb"], level["rss_end_mb"] = rounds[0]["http"]["rss_start_mb"], rounds[-1]["http"]["rss_end_mb"]
     level["rounds"] = [{"frames_per_s": r["http"]["frames_per_s"],

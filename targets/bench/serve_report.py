@@ -94,8 +94,12 @@ def goal_checks(record: dict[str, Any]) -> list[Goal]:
                        else "no engine figures"))
     else:
         ratio = level["frames_per_s"] / engine_fps
+        rounds = level.get("paired_ratios") or []
+        more = (f"; rounds paired {'/'.join(f'{r:.2f}' for r in rounds)}" if len(rounds) > 1 else "")
+        if level.get("cpu_efficiency"):
+            more += f"; frames per CPU second {level['cpu_efficiency']:.2f}x the engine's"
         checks.append((goal, ratio >= GOAL_THROUGHPUT_RATIO, f"{level['frames_per_s']:.1f} vs {engine_fps:.1f} "
-                       f"frames/s ({ratio:.2f}x) at max_batch {record['server']['max_batch']}"))
+                       f"frames/s ({ratio:.2f}x) at max_batch {record['server']['max_batch']}{more}"))
     return checks
 
 
@@ -121,6 +125,8 @@ COLUMNS: tuple[tuple[str, Any], ...] = (
     ("engine f/s", lambda lv: _f((lv.get("engine") or {}).get("frames_per_s"), ".1f")),
     ("http/engine", lambda lv: _f(lv["frames_per_s"] / lv["engine"]["frames_per_s"], ".2f")
      if (lv.get("engine") or {}).get("frames_per_s") else "-"),
+    ("paired", lambda lv: _f(lv.get("paired_ratio_median"), ".2f")),
+    ("CPU eff.", lambda lv: _f(lv.get("cpu_efficiency"), ".2f")),
     ("1st audio ms p50/95/99", lambda lv: _pcts(lv.get("first_audio_ms"))),
     ("engine 1st audio p50", lambda lv: _f(_p50(lv.get("engine"), "first_audio_ms"))),
     ("latency ms p50/95/99", lambda lv: _pcts(lv.get("latency_ms"))),

@@ -7,11 +7,11 @@ server on 127.0.0.1, side by side with the same requests through the engine in i
 What one run does, in this order (nothing else runs meanwhile, so the two processes take turns
 on the CPUs):
 
-1. the engine process (``tts.engine(max_batch)``, the server's batch) runs every request of the
+1. the server (``higgs-pack serve BUNDLE --host 127.0.0.1 --port 0``, a subprocess bounded in
+   time and stopped by its process id) or ``--url``; its ``/ready`` gives the batch and queue;
+2. the engine process (``tts.engine(max_batch)``, the server's batch) runs every request of the
    pool once, one at a time: the reference length (samples) and the sha256 of the 16-bit PCM of
    each request;
-2. the server (``higgs-pack serve BUNDLE --host 127.0.0.1 --port 0``, a subprocess bounded in
-   time and stopped by its process id) or ``--url``;
 3. per concurrency level (1, 4, 16, 64 clients): the engine process runs the level's requests
    with as many threads as clients, then the server gets the same requests from as many
    asyncio clients (one ``httpx.AsyncClient``); each level is bounded by its request count and
@@ -181,7 +181,7 @@ async def run_clients(url: str, model: str, jobs: Sequence[Job], clients: int, s
         pid: the server's process id, whose RSS is read every ``read_every`` answers (0: never).
 
     Returns:
-        A :class:`LevelRun` (answers in the order they ended).
+        A :class:`LevelRun` (answers in the order they were sent).
     """
     import httpx
 

@@ -14,10 +14,13 @@ on the CPUs):
    each request;
 3. per concurrency level (1, 4, 16, 64 clients): the engine process runs the level's requests
    with as many threads as clients, then the server gets the same requests from as many
-   asyncio clients (one ``httpx.AsyncClient``); each level is bounded by its request count and
-   its seconds (no request starts after them; one in flight gets ``--request-timeout``); with
-   ``--rounds N`` the level runs N times in turn and each side keeps its fastest round, as
-   ``nox -s bench --rounds`` does on a shared machine (every round's answers are checked);
+   asyncio clients (one ``httpx.AsyncClient``); at one client the two take turns request by
+   request instead (the engine, then HTTP, job by job: both meet the same load on a shared
+   machine, which moved a whole level's first audio by up to 2x); each level is bounded by its
+   request count and its seconds (no request starts after them; one in flight gets
+   ``--request-timeout``); with ``--rounds N`` the level runs N times in turn and each side
+   keeps its fastest round, as ``nox -s bench --rounds`` does on a shared machine (every
+   round's answers are checked);
 4. the soak: ``--soak-requests`` (500) more requests at ``--soak-clients``, the server's RSS
    read every 50 answers; its growth from the first reading to the last is the leak figure.
 
@@ -225,12 +228,13 @@ async def run_clients(url: str, model: str, jobs: Sequence[Job], clients: int, s
 
 
 def percentiles(values_s: Sequence[float]) -> dict[str, float] | None:
-    """``{"n", "p50", "p95", "p99", "max"}`` of seconds, in milliseconds; None when empty."""
+    """``{"n", "p50", "p95", "p99", "max", "mean"}`` of seconds, in milliseconds; None when empty."""
     if not values_s:
         return None
     ms = np.asarray(values_s, dtype=np.float64) * 1e3
     p50, p95, p99 = np.percentile(ms, [50, 95, 99])
-    return {"n": len(ms), "p50": float(p50), "p95": float(p95), "p99": float(p99), "max": float(ms.max())}
+    return {"n": len(ms), "p50": float(p50), "p95": float(p95), "p99": float(p99), "max": float(ms.max()),
+            "mean": float(ms.mean())}
 
 
 def summarize_http(run: LevelRun, verdicts: Sequence[Verdict], problems_kept: int = 8) -> dict[str, Any]:
@@ -280,6 +284,7 @@ def summarize_engine(rows: Sequence[dict[str, Any]], seconds: float, stats: dict
         "frames_per_cpu_s": frames / cpu if cpu else None,
         "first_audio_ms": percentiles([r["first_audio_s"] for r in audio if r["first_audio_s"] is not None]),
         "latency_ms": percentiles([r["latency_s"] for r in audio]),
+        "submit_ms": percentiles([r["submit_s"] for r in audio if r.get("submit_s") is not None]),
         "checks": {c: sum(r["category"] == c for r in rows) for c in ("ok", "length_differs", "error")},
         "exact": sum(bool(r["exact"]) for r in rows), **_batch_figures(stats),
     }
@@ -418,6 +423,11 @@ def run_load(options: LoadOptions) -> dict[str, Any]:
             rounds = []
             for round_ in range(max(1, options.rounds)):
                 one: dict[str, Any] = {}
+                if engine is not None and clients == 1:
+                    _say(options, f"engine and server in turn, 1 client: {len(jobs)} requests"
+                         + (f" (round {round_ + 1})" if options.rounds > 1 else ""))
+                    rounds.append(_one_client_in_turn(url, model, pid, jobs, engine, capacity, expected, options))
+                    continue
                 if engine is not None:
                     _say(options, f"engine, {clients} clients: {len(jobs)} requests")
                     answer = engine.ask({"task": "level", "jobs": [asdict(j) for j in jobs], "clients": clients,
@@ -428,8 +438,9 @@ def run_load(options: LoadOptions) -> dict[str, Any]:
                                                      answer.get("cpu_s"))
                 _say(options, f"server, {clients} clients: {len(jobs)} requests"
                      + (f" (round {round_ + 1})" if options.rounds > 1 else ""))
-                one["http"] = _http_level(url, model, pid, jobs, clients, options.level_seconds, capacity,
-                                          expected, options)
+                one["http"] = _http_level(url, pid, clients, capacity, expected, lambda jobs=jobs, clients=clients:
+                                          asyncio.run(run_clients(url, model, jobs, clients, options.level_seconds,
+                                                                  timeout=options.request_timeout)))
                 rounds.append(one)
             level = keep_fastest(clients, len(jobs), rounds)
             record["levels"].append(level)
@@ -484,12 +495,55 @@ def keep_fastest(clients: int, allowed: int, rounds: Sequence[dict[str, Any]]) -
     return level
 
 
-def _http_level(url: str, model: str, pid: int | None, jobs: list[Job], clients: int, seconds: float,
-                capacity: int, expected: dict[int, Expected], options: LoadOptions) -> dict[str, Any]:
+def _one_client_in_turn(url: str, model: str, pid: int | None, jobs: list[Job], engine: EngineProcess,
+                        capacity: int, expected: dict[int, Expected], options: LoadOptions) -> dict[str, Any]:
+    """The one-client level, request by request in turn: job ``i`` through the engine process,
+    then the same job over HTTP (one kept-alive connection), so both meet the same load on the
+    machine; each side's seconds are the sum of its requests' (one client: nothing overlaps).
+
+    Returns:
+        ``{"http": figures, "engine": figures}`` as the concurrent levels give them.
+    """
+    rows: list[dict[str, Any]] = []
+    totals = {"seconds": 0.0, "cpu_s": 0.0, "engine_steps": 0.0, "engine_frames": 0.0, "engine_step_seconds": 0.0}
+
+    async def turns() -> LevelRun:
+        import httpx
+
+        run, out = LevelRun(), _Outstanding()
+        deadline = time.monotonic() + options.level_seconds
+        loop = asyncio.get_running_loop()
+        async with httpx.AsyncClient(timeout=httpx.Timeout(options.request_timeout, connect=30.0)) as http:
+            for job in jobs:
+                if time.monotonic() >= deadline:
+                    break
+                task = {"task": "level", "jobs": [asdict(job)], "clients": 1, "seconds": options.request_timeout,
+                        "expected": {str(job.index): asdict(expected[job.index])} if job.index in expected else {}}
+                answer = await loop.run_in_executor(None, engine.ask, task, options.request_timeout + 60)
+                rows.extend(answer["rows"])
+                totals["seconds"] += answer["seconds"]
+                totals["cpu_s"] += answer.get("cpu_s") or 0.0
+                for key, value in answer["stats"].items():
+                    totals[key] += value
+                obs = Observed(job)
+                run.observed.append(obs)
+                await _one(http, url, model, obs, out, options.request_timeout)
+        run.seconds = sum(o.ended - o.started for o in run.observed)
+        return run
+
+    http = _http_level(url, pid, 1, capacity, expected, lambda: asyncio.run(turns()))
+    stats = {k: totals[k] for k in ("engine_steps", "engine_frames", "engine_step_seconds")}
+    return {"http": http, "engine": summarize_engine(rows, totals["seconds"], stats, totals["cpu_s"])}
+
+
+def _http_level(url: str, pid: int | None, clients: int, capacity: int, expected: dict[int, Expected],
+                measure: Any) -> dict[str, Any]:
+    """The figures of one HTTP level: ``measure()`` runs its clients (a :class:`LevelRun`), with
+    the server's counters, RSS and CPU seconds read around it and every answer checked."""
     before = scrape(url)
     rss_start = rss_mb(pid) if pid else None
     server_cpu, client_cpu = cpu_s(pid) if pid else None, cpu_s()
-    run = asyncio.run(run_clients(url, model, jobs, clients, seconds, timeout=options.request_timeout))
+    run = measure()
     server_cpu = cpu_s(pid) - server_cpu if server_cpu is not None and cpu_s(pid) is not None else None
     client_cpu = cpu_s() - client_cpu
     rss_end = rss_mb(pid) if pid else None
@@ -501,6 +555,10 @@ def _http_level(url: str, model: str, pid: int | None, jobs: list[Job], clients:
                     "client_cpu_s": client_cpu, "server_frames": delta.get("frames"), **_batch_figures(delta)})
     if server_cpu:
         figures["frames_per_server_cpu_s"] = figures["frames"] / server_cpu
+    if delta.get("first_audio_count"):  # the server's own view: its stream start to its first chunk
+        figures["server_first_audio_ms_mean"] = 1e3 * delta["first_audio_seconds"] / delta["first_audio_count"]
+    if delta.get("request_count"):
+        figures["server_request_ms_mean"] = 1e3 * delta["request_seconds"] / delta["request_count"]
     return figures
 
 

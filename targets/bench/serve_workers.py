@@ -56,21 +56,35 @@ def cpu_s(pid: int | None = None) -> float | None:
         return None
 
 
+#: ``/metrics`` samples :func:`scrape` reads: (sample name with its labels, key).
+SCRAPED = (
+    ("higgs_pack_frames_total", "frames"),
+    ("higgs_pack_engine_frames_total", "engine_frames"),
+    ("higgs_pack_engine_steps_total", "engine_steps"),
+    ("higgs_pack_engine_step_seconds_total", "engine_step_seconds"),
+    ("higgs_pack_time_to_first_audio_seconds_sum", "first_audio_seconds"),
+    ("higgs_pack_time_to_first_audio_seconds_count", "first_audio_count"),
+    ('higgs_pack_request_seconds_sum{route="/v1/audio/speech"}', "request_seconds"),
+    ('higgs_pack_request_seconds_count{route="/v1/audio/speech"}', "request_count"),
+)
+
+
 def scrape(url: str) -> dict[str, float]:
-    """The server's frame and step counters from ``/metrics`` ({} when it has none)."""
+    """The server's counters of :data:`SCRAPED` from ``/metrics`` ({} when it has none): frames
+    sent, the engine's frames, steps and step seconds, and the sums and counts of its own time
+    to first audio (from the start of a stream's body to its first audio chunk) and request
+    seconds (from the request to its last byte)."""
     import httpx
 
-    names = ("higgs_pack_frames_total", "higgs_pack_engine_frames_total", "higgs_pack_engine_steps_total",
-             "higgs_pack_engine_step_seconds_total")
     try:
         text = httpx.get(url + "/metrics", timeout=30).text
     except httpx.HTTPError:
         return {}
     found = {}
-    for name in names:
-        match = re.search("^" + re.escape(name) + r"(?:\{\})? (\S+)$", text, re.MULTILINE)
+    for sample, key in SCRAPED:
+        match = re.search("^" + re.escape(sample) + r"(?:\{\})? (\S+)$", text, re.MULTILINE)
         if match:
-            found[name.removeprefix("higgs_pack_").removesuffix("_total")] = float(match.group(1))
+            found[key] = float(match.group(1))
     return found
 
 
@@ -166,6 +180,7 @@ def engine_worker(bundle: str, max_batch: int) -> int:
         first = None
         try:
             handle = engine.submit(SynthesisRequest.create(job.text, seed=job.seed, max_frames=job.frames))
+            submitted = time.perf_counter() - t0
             if job.stream:
                 pieces = []
                 for chunk in handle:
@@ -183,7 +198,7 @@ def engine_worker(bundle: str, max_batch: int) -> int:
         samples = len(pcm) // 2
         category = "ok" if expected is None or samples == expected.samples else "length_differs"
         return {"job": job.index, "stream": job.stream, "category": category, "latency_s": latency,
-                "first_audio_s": first, "samples": samples, "sha256": sha,
+                "first_audio_s": first, "submit_s": submitted, "samples": samples, "sha256": sha,
                 "exact": expected is not None and sha == expected.sha256}
 
     def level(jobs: list[Job], clients: int, seconds: float, expected: dict[int, Expected]) -> dict[str, Any]:

@@ -129,6 +129,7 @@ COLUMNS: tuple[tuple[str, Any], ...] = (
     ("CPU eff.", lambda lv: _f(lv.get("cpu_efficiency"), ".2f")),
     ("1st audio ms p50/95/99", lambda lv: _pcts(lv.get("first_audio_ms"))),
     ("engine 1st audio p50", lambda lv: _f(_p50(lv.get("engine"), "first_audio_ms"))),
+    ("server's own 1st audio mean", lambda lv: _f(lv.get("server_first_audio_ms_mean"))),
     ("latency ms p50/95/99", lambda lv: _pcts(lv.get("latency_ms"))),
     ("engine latency p50", lambda lv: _f(_p50(lv.get("engine"), "latency_ms"))),
     ("exact", lambda lv: f"{lv['exact']}/{lv['answered_audio']}"),

@@ -1,4 +1,4 @@
-"""nox sessions: build-/verify-/package-<target>, tests, lint, bench.
+"""nox sessions: build-/verify-/package-<target>, tests, lint, bench, serve-bench.
 
 Thin by design: every session calls the ``higgs-pack`` CLI or a module of the
 package; the logic lives there.  Build-side sessions share one virtualenv
@@ -183,3 +183,15 @@ def bench(session: nox.Session) -> None:
     env = {"HIGGS_PACK_CACHE": os.environ.get("HIGGS_PACK_CACHE", str(ROOT / ".nox" / "cache"))}
     session.run(_bin("python"), "-m", "higgs_pack.targets.bench", "--out", str(ROOT / "dist" / "bench.json"),
                 *session.posargs, env=env, external=True)
+
+
+@nox.session(name="serve-bench", venv_backend="none", default=False)
+def serve_bench(session: nox.Session) -> None:
+    """Load-test `higgs-pack serve` on 127.0.0.1 at 1, 4, 16 and 64 clients beside the engine in its
+    own process (the tiny cpu int4 bundle; -- --preset bench for the bench one); writes
+    dist/serve-bench.json and dist/serve-bench.html with the goals met or missed."""
+    build_env(session)
+    env = {"HIGGS_PACK_CACHE": os.environ.get("HIGGS_PACK_CACHE", str(ROOT / ".nox" / "cache"))}
+    cases = ["--cases", str(CASES)] if CASES.is_dir() else []
+    session.run(_bin("python"), "-m", "higgs_pack.targets.bench.serve_load", "--out",
+                str(ROOT / "dist" / "serve-bench.json"), *cases, *session.posargs, env=env, external=True)

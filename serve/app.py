@@ -63,7 +63,7 @@ def create_app(server: SpeechServer, *, warm_up: bool = True) -> FastAPI:
                   redoc_url=None)
     app.state.server = server
     _handlers(app)
-    app.middleware("http")(_count(server))
+    app.add_middleware(_CountRequests, metrics=server.metrics)
     _routes(app, server)
     return app
 
@@ -100,14 +100,33 @@ def _handlers(app: FastAPI) -> None:
                             status_code=500)
 
 
-def _count(server: SpeechServer):
-    async def count(request: Request, call_next):
-        path = request.url.path
+class _CountRequests:
+    """Pure ASGI middleware counting answers by route and status (``requests_total``).
+
+    Not Starlette's ``BaseHTTPMiddleware``: that one passes every streamed chunk through a
+    memory stream and a task group, which cost the server 5 ms of CPU per request at 16
+    clients on the tiny bundle (measured by the serve load test with py-spy)."""
+
+    def __init__(self, app: Any, metrics: Any):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
         route = next((r for r in _ROUTES if path == r or (r != "/" and path.startswith(r + "/"))), "other")
-        response = await call_next(request)
-        server.metrics.requests.labels(route, str(response.status_code)).inc()
-        return response
-    return count
+        status = [500]
+
+        async def sending(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            self.metrics.requests.labels(route, str(status[0])).inc()
 
 
 def _check_key(server: SpeechServer, request: Request) -> None:

@@ -84,7 +84,7 @@ class SpeechServer:
         self.stopping = False
         self._warm = False
         self._lock = threading.Lock()
-        self._mean_seconds = 2.0  # running mean of request seconds, for Retry-After
+        self._mean_seconds = 2.0  # running mean of seconds in flight (queue wait included), for Retry-After
         self.limiter = anyio.CapacityLimiter(self.capacity + 4)
         self.metrics = Metrics(self)
 
@@ -155,8 +155,9 @@ class SpeechServer:
                            headers={"Retry-After": "1"})
         with self._lock:
             if self.in_flight >= self.capacity:
-                wait = max(1, math.ceil(self._mean_seconds * (self.in_flight - self.engine.max_batch + 1)
-                                        / self.engine.max_batch))
+                # A place frees when any request in flight finishes: by Little's law, one does every
+                # (mean seconds in flight) / (requests in flight) seconds.
+                wait = max(1, math.ceil(self._mean_seconds / max(self.in_flight, 1)))
                 raise ApiError(429, f"the queue is full: {self.engine.max_batch} requests in the batch and "
                                f"{self.config.max_queue} waiting (--max-batch, --max-queue); retry after {wait} s",
                                code="queue_full", headers={"Retry-After": str(wait)})

@@ -18,8 +18,18 @@ def python_blocks(markdown: str) -> list[str]:
     return [m.group(1) for m in re.finditer(r"^```python\n(.*?)^```", markdown, re.S | re.M)]
 
 
+def readme_until(heading: str) -> str:
+    """README.md up to the line ``heading`` (all of it when there is no such line)."""
+    text = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    return text.split(f"\n{heading}\n", 1)[0]
+
+
+#: Where the README's examples that need a running server begin (tests/test_serve.py runs them).
+SERVING_HEADING = "## Serving: `higgs-pack serve`"
+
+
 def test_readme_python_examples_run(cpu_int4_bundle, tmp_path):
-    blocks = python_blocks((REPO_ROOT / "README.md").read_text(encoding="utf-8"))
+    blocks = python_blocks(readme_until(SERVING_HEADING))
     assert len(blocks) >= 2 and "import higgs_pack" in blocks[0]
     (tmp_path / "dist").mkdir()
     (tmp_path / "dist" / "higgs-audio-v3-tiny-cpu-int4").symlink_to(cpu_int4_bundle, target_is_directory=True)

@@ -507,11 +507,14 @@ def batch_html(records: list[dict[str, Any]]) -> str:
         for i, r in enumerate(here):
             color = f"C{i % 10}"
             table = [row for row in batch_table_rows(r) if "refused" not in row]
+            refused = [str(row["batch"]) for row in batch_table_rows(r) if "refused" in row]
+            note = f" (refused at {', '.join(refused)})" if refused else ""
             for key, style, what in (("aggregate_frames_per_s", "-", "plain"),
                                      ("stream_aggregate_frames_per_s", "--", "streamed")):
                 points = [(row["batch"], row[key]) for row in table if row.get(key)]
                 if points:
-                    ax.plot(*zip(*points, strict=True), style, marker="o", color=color, label=f"{r['label']} {what}")
+                    ax.plot(*zip(*points, strict=True), style, marker="o", color=color,
+                            label=f"{r['label']} {what}{note if what == 'plain' else ''}")
         sizes = sorted({row["batch"] for r in here for row in batch_table_rows(r)})
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [str(b) for b in sizes])

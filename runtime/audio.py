@@ -8,6 +8,7 @@ the file and what to do.
 from __future__ import annotations
 
 import io
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,7 +80,8 @@ def _decode(file: Path | BinaryIO, source: str, how: str) -> tuple[np.ndarray, i
     try:
         data, rate = sf.read(file, dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, ValueError, TypeError) as exc:
-        raise InputError(f"{source} is not a readable audio file ({exc}); give a wav, flac or ogg file with "
+        reason = re.sub(r"^Error opening <[^>]*>: ", "", str(exc))  # not the repr of an in-memory file
+        raise InputError(f"{source} is not a readable audio file ({reason}); give a wav, flac or ogg file with "
                          f"{how}") from exc
     if data.size == 0:
         raise InputError(f"{source} holds no samples; give a recording of speech")

@@ -154,6 +154,9 @@ async def _json_body(request: Request, limit: int) -> Any:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the body is not JSON ({exc}); send a JSON object with model, input and voice",
                        code="invalid_json") from exc
+    except RecursionError as exc:
+        raise ApiError(400, "the body nests JSON arrays or objects too deeply to read; send a flat JSON object "
+                       "with model, input and voice", code="invalid_json") from exc
 
 
 def _routes(app: FastAPI, server: SpeechServer) -> None:
@@ -229,12 +232,22 @@ def _routes(app: FastAPI, server: SpeechServer) -> None:
         if size is not None and size.isdigit() and int(size) > config.max_upload_bytes + 65536:
             raise ApiError(413, f"the upload is {size} bytes; the limit is {config.max_upload_bytes} "
                            "(--max-upload-mb)", param="audio", code="too_large")
+        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+            raise ApiError(400, "a voice upload is multipart/form-data with the parts audio (the clip), "
+                           "transcript and name", param="audio", code="invalid_body")
         form = await request.form(max_files=1, max_fields=8, max_part_size=config.max_upload_bytes + 1)
+        unknown = [k for k in form if k not in ("name", "transcript", "ref_text", "audio", "file")]
+        if unknown:
+            raise ApiError(400, f"unknown part(s) {', '.join(repr(k[:80]) for k in unknown)}; a voice upload takes "
+                           "audio, transcript and name", param=unknown[0][:80], code="unknown_field")
         name, transcript = form.get("name"), form.get("transcript", form.get("ref_text"))
         upload = form.get("audio", form.get("file"))
         problem = name_problem(name if isinstance(name, str) else None)
         if problem:
             raise ApiError(400, problem, param="name", code="invalid_name")
+        if server.voices.get(name) is not None:
+            raise ApiError(409, f"voice {name!r} exists; DELETE /v1/audio/voices/{name} first to replace it",
+                           param="name", code="voice_exists")
         if upload is None or isinstance(upload, str):
             raise ApiError(400, "the upload needs an audio file part (multipart field 'audio')", param="audio",
                            code="missing_field")

@@ -192,16 +192,20 @@ class SpeechServer:
             ApiError: 500 when generation failed (a non-finite output: run higgs-pack verify),
                 499 when the client went away.
         """
+        failure: BaseException | None = None
         async with anyio.create_task_group() as group:
             group.start_soon(_cancel_on_disconnect, receive, handle, group.cancel_scope)
             try:
                 result = await anyio.to_thread.run_sync(handle.result, abandon_on_cancel=True, limiter=self.limiter)
-            except RequestCancelled as exc:
-                raise ApiError(499, "the client closed the request", code="cancelled") from exc
-            except HiggsPackError as exc:
-                raise ApiError(500, f"generation failed: {exc}", code="generation_failed") from exc
+            except HiggsPackError as exc:  # raised below, outside the group (it would wrap it)
+                failure = exc
             finally:
                 group.cancel_scope.cancel()
+        if isinstance(failure, RequestCancelled):
+            log.info("a client left before its answer was ready; its request was cancelled")
+            raise ApiError(499, "the client closed the request", code="cancelled") from failure
+        if failure is not None:
+            raise ApiError(500, f"generation failed: {failure}", code="generation_failed") from failure
         body = encode_whole(result.samples, result.sample_rate, job.response_format)
         return body, Answer(int(result.codes.shape[0]), len(result.samples) / result.sample_rate)
 

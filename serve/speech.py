@@ -79,8 +79,8 @@ def parse_speech(body: Any, *, models: tuple[str, ...], voices: Any, config: Ser
         raise _bad(f"the body must be a JSON object, got {type(body).__name__}", None, "invalid_body")
     unknown = [name for name in body if name not in FIELDS]
     if unknown:
-        raise _bad(f"unknown field(s) {', '.join(map(repr, unknown))}; this server takes {', '.join(FIELDS)}",
-                   unknown[0], "unknown_field")
+        raise _bad(f"unknown field(s) {', '.join(repr(n[:80]) for n in unknown[:5])}; this server takes "
+                   f"{', '.join(FIELDS)}", unknown[0][:80], "unknown_field")
     model = _model(body, models)
     text = _input(body, config)
     response_format, stream_format = _formats(body)
@@ -101,12 +101,18 @@ def parse_speech(body: Any, *, models: tuple[str, ...], voices: Any, config: Ser
     return SpeechJob(request, response_format, stream_format, model, voice_name)
 
 
+def _short(value: Any) -> str:
+    """``repr(value)``, cut to 80 characters (an error never echoes a huge input)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _model(body: dict, models: tuple[str, ...]) -> str:
     model = body.get("model")
     if model is None:
         raise _bad(f"model is required; this server serves {', '.join(models)}", "model", "missing_field")
     if model not in models:
-        raise ApiError(404, f"model {model!r} is not served here; this server serves {', '.join(models)}",
+        raise ApiError(404, f"model {_short(model)} is not served here; this server serves {', '.join(models)}",
                        param="model", code="model_not_found")
     return model
 
@@ -166,12 +172,12 @@ def _voice(body: dict, voices: Any, config: ServeConfig) -> tuple[str, dict[str,
             return voice, {}
         prepared = voices.get(voice)
         if prepared is None:
-            raise _bad(f"voice {voice!r} is not known; use one of {', '.join([DEFAULT_VOICE, *voices.names()])} "
+            raise _bad(f"voice {_short(voice)} is not known; use one of {', '.join([DEFAULT_VOICE, *voices.names()])} "
                        "(upload one with POST /v1/audio/voices), or clone with ref_audio and ref_text", "voice",
                        "unknown_voice")
         return voice, {"voice": prepared}
     if voice != DEFAULT_VOICE:
-        raise _bad(f"give voice ({voice!r}) or ref_audio with ref_text, not both", "voice")
+        raise _bad(f"give voice ({_short(voice)}) or ref_audio with ref_text, not both", "voice")
     if not isinstance(ref_text, str) or not ref_text.strip():
         raise _bad("ref_audio needs ref_text, the exact transcript of the clip", "ref_text", "missing_field")
     samples, rate = reference_clip(ref_audio, config)
@@ -205,7 +211,8 @@ def reference_clip(ref_audio: Any, config: ServeConfig, param: str = "ref_audio"
     if isinstance(ref_audio, bytes):  # an upload's bytes
         return _decoded(ref_audio, param, config, param)
     if not isinstance(ref_audio, str) or not ref_audio:
-        raise _bad(f"{param} must be a base64 string or a data: URI, got {type(ref_audio).__name__}", param)
+        got = "an empty string" if ref_audio == "" else type(ref_audio).__name__
+        raise _bad(f"{param} must be a base64 string or a data: URI, got {got}", param)
     if re.match(r"^[a-z][a-z0-9+.-]*://", ref_audio, re.IGNORECASE) and not ref_audio.startswith("file://"):
         raise _bad(f"{param} is a URL ({ref_audio[:60]}); this server does not fetch URLs: send the clip as "
                    "base64 or a data: URI", param, "url_refused")
@@ -241,10 +248,13 @@ def _local_path(value: str, config: ServeConfig, param: str) -> Path | None:
         raise _bad(f"{param} names a file ({value[:80]}); this server reads no local files unless started with "
                    "--allow-local-media DIR: send the clip as base64 or a data: URI", param, "local_media_refused")
     root = Path(config.allow_local_media).resolve()
-    path = Path(value.removeprefix("file://")).resolve()
-    if not path.is_relative_to(root) or not path.is_file():
-        raise _bad(f"{param} {value[:80]} is not a file under the allowed folder {root} (--allow-local-media)",
+    path = (root / value.removeprefix("file://")).resolve()  # a relative path is relative to the folder
+    if not path.is_relative_to(root):
+        raise _bad(f"{param} {value[:80]} is outside the allowed folder {root} (--allow-local-media)",
                    param, "local_media_refused")
+    if not path.is_file():
+        raise _bad(f"{param} {value[:80]} is not a file in the allowed folder {root} (--allow-local-media); "
+                   "give a path relative to it, or absolute", param, "local_media_missing")
     return path
 
 

@@ -198,7 +198,8 @@ BAD_BODIES = [
     ({"seed": -1, "top_k": 1.5}, 400, "top_k", "2 problems"),
     ({"max_new_tokens": 0}, 400, "max_new_tokens", ">= 1"),
     ({"ref_audio": "https://example.com/a.wav", "ref_text": "hi"}, 400, "ref_audio", "does not fetch URLs"),
-    ({"ref_audio": "/etc/passwd.wav", "ref_text": "hi"}, 400, "ref_audio", "not a file under the allowed folder"),
+    ({"ref_audio": "/etc/passwd.wav", "ref_text": "hi"}, 400, "ref_audio", "is outside the allowed folder"),
+    ({"ref_audio": "missing.wav", "ref_text": "hi"}, 400, "ref_audio", "is not a file in the allowed folder"),
     ({"ref_audio": "bm90IGF1ZGlv", "ref_text": "hi"}, 400, "ref_audio", "not a readable audio file"),
     ({"ref_audio": "%%%", "ref_text": "hi"}, 400, "ref_audio", "not valid base64"),
     ({"ref_text": "hi"}, 400, "ref_text", "needs ref_audio"),
@@ -247,6 +248,20 @@ def test_limits_name_the_limit(server, clip, tmp_path):
     no_text = httpx.post(server.url + "/v1/audio/voices", files={"audio": ("r.wav", clip[0], "audio/wav")},
                          data={"name": "quiet"}, timeout=60)
     assert no_text.status_code == 400 and no_text.json()["error"]["param"] == "transcript"
+    extra = httpx.post(server.url + "/v1/audio/voices", files={"audio": ("r.wav", clip[0], "audio/wav")},
+                       data={"name": "extra", "transcript": clip[1], "lang": "en"}, timeout=60)
+    assert extra.status_code == 400 and extra.json()["error"]["code"] == "unknown_field"
+    as_json = httpx.post(server.url + "/v1/audio/voices", json={"name": "x"}, timeout=60)
+    assert as_json.status_code == 400 and "multipart/form-data" in as_json.json()["error"]["message"]
+    once = {"files": {"audio": ("r.wav", clip[0], "audio/wav")}, "data": {"name": "twice", "transcript": clip[1]}}
+    assert httpx.post(server.url + "/v1/audio/voices", timeout=60, **once).status_code == 201
+    again = httpx.post(server.url + "/v1/audio/voices", timeout=60, **once)
+    assert again.status_code == 409 and again.json()["error"]["code"] == "voice_exists"
+    assert httpx.delete(server.url + "/v1/audio/voices/twice").status_code == 200
+    deep = "[" * 100_000 + "]" * 100_000
+    nested = httpx.post(server.url + "/v1/audio/speech", content=f'{{"model": "{MODEL}", "input": "hi", "voice": {deep}}}',
+                        headers={"content-type": "application/json"}, timeout=60)
+    assert nested.status_code == 400 and nested.json()["error"]["code"] == "invalid_json"
 
 
 def test_models_health_ready_metrics_and_demo_page(server):
@@ -288,6 +303,28 @@ def test_a_client_that_leaves_frees_its_row(server):
     assert server.metric("higgs_pack_in_flight") == 0 and server.metric("higgs_pack_active_batch") == 0
     made = server.metric("higgs_pack_engine_frames_total") - frames_before
     assert 0 < made < whole_frames / 2, f"the dropped request went on: {made} of {whole_frames} frames"
+
+
+def test_a_client_that_leaves_a_whole_file_request_cancels_it_quietly(server):
+    import socket
+
+    frames_before = server.metric("higgs_pack_engine_frames_total")
+    body = json.dumps({"model": MODEL, "input": LONG_TEXT, "seed": 3, "response_format": "pcm"}).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        deadline = time.monotonic() + 10
+        while not server.metric("higgs_pack_in_flight") and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert server.metric("higgs_pack_in_flight") == 1  # admitted; now the client leaves
+    deadline = time.monotonic() + 10
+    while server.metric("higgs_pack_in_flight") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.metric("higgs_pack_in_flight") == 0
+    assert server.metric("higgs_pack_requests_total", 'route="/v1/audio/speech",status="499"') >= 1
+    assert server.metric("higgs_pack_engine_frames_total") - frames_before < 1500
+    assert "Traceback" not in "".join(server.log) and "unexpected error" not in "".join(server.log)
 
 
 def test_a_full_queue_answers_429_and_every_other_answer_is_complete(cpu_int4_bundle):

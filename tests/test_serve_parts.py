@@ -112,8 +112,20 @@ def test_ref_audio_is_decoded_and_bounded(tmp_path):
     (tmp_path / "clip.wav").write_bytes(data.getvalue())
     allowed = ServeConfig(allow_local_media=tmp_path)
     assert _parse(allowed, ref_audio="file://" + str(tmp_path / "clip.wav"), ref_text="w").request.voice is not None
-    with pytest.raises(ApiError, match="not a file under the allowed folder"):
+    assert _parse(allowed, ref_audio="clip.wav", ref_text="w").request.voice is not None  # relative to the folder
+    with pytest.raises(ApiError, match="is outside the allowed folder"):
         _parse(allowed, ref_audio=str(tmp_path / ".." / "elsewhere.wav"), ref_text="w")
+    with pytest.raises(ApiError, match="is outside the allowed folder"):
+        _parse(allowed, ref_audio="../elsewhere.wav", ref_text="w")
+    with pytest.raises(ApiError, match="is not a file in the allowed folder"):
+        _parse(allowed, ref_audio="missing.wav", ref_text="w")
+    with pytest.raises(ApiError, match=r"not a readable audio file \(Format not recognised"):
+        _parse(ref_audio=base64.b64encode(b"plain text, not audio").decode(), ref_text="w")
+    with pytest.raises(ApiError, match="got an empty string"):
+        _parse(ref_audio="", ref_text="w")
+    with pytest.raises(ApiError, match=r"unknown field\(s\) 'xxxxxxxx") as err:
+        _parse(**{"x" * 10_000: 1})
+    assert len(err.value.message) < 1000  # a huge input is not echoed back
 
 
 def test_whole_files_hold_the_samples_the_stream_carries():

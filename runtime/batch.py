@@ -199,6 +199,24 @@ def remove_partials(folder: Path) -> int:
     return len(found)
 
 
+def refuse_strangers(folder: Path, names: list[str], previous: dict[str, Any] | None) -> None:
+    """Refuse to start when a file this run would write, or its manifest, is already in
+    ``folder`` without ``previous`` (the earlier run's manifest) listing it (a user's file is never
+    overwritten; a folder in its place would stop the run half way).
+
+    Raises:
+        InputError: naming up to five such paths and what to do.
+    """
+    listed = {str(entry.get("file")) for entry in (previous or {}).get("files", [])}  # redone when damaged
+    found = [name for name in names if name not in listed and ((folder / name).exists() or (folder / name).is_symlink())]
+    if (folder / MANIFEST).exists() and not (folder / MANIFEST).is_file():
+        found.insert(0, MANIFEST)
+    if found:
+        shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+        raise InputError(f"{folder} already holds {shown}, which no earlier run of this batch wrote (the batch "
+                         "manifest does not list them); move them away or choose another -o")
+
+
 @dataclass
 class BatchOutcome:
     """What :func:`run_batch` did.

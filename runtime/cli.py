@@ -263,8 +263,10 @@ def _synthesize_batch(bundle, text, text_file, output: Path, ref_audio, ref_text
         MANIFEST,
         BatchManifest,
         batch_settings,
+        file_name,
         finished_lines,
         read_lines,
+        refuse_strangers,
         remove_partials,
         run_batch,
     )
@@ -293,9 +295,11 @@ def _synthesize_batch(bundle, text, text_file, output: Path, ref_audio, ref_text
     if removed:
         click.echo(f"removed {removed} unfinished file(s) a stopped run left in {output}", err=True)
     settings = batch_settings(tts.info.bundle, first, sampling["seed"], subtype, ref_audio)
-    done = finished_lines(BatchManifest.read(output), settings, lines, output)
+    previous = BatchManifest.read(output)
+    done = finished_lines(previous, settings, lines, output)
     manifest = BatchManifest(settings, str(text_file), line_count, len(lines), files=done)
     todo = [i for i, line in enumerate(lines) if line.number not in done]
+    refuse_strangers(output, [file_name(lines[i].number, line_count) for i in todo], previous)
     if done:
         click.echo(f"skipping {len(done)} of {len(lines)} lines: already written ({output / MANIFEST})", err=True)
     if ref_audio is not None and todo:

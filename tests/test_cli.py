@@ -297,6 +297,20 @@ def test_batch_writes_one_wav_per_line_and_a_manifest(cpu_int4_bundle, tmp_path)
     assert sorted(p.name for p in (tmp_path / "twelve").glob("*.wav")) == ["03.wav", "12.wav"]
 
 
+def test_batch_never_overwrites_a_file_it_did_not_write(cpu_int4_bundle, tmp_path):
+    lines = tmp_path / "lines.txt"
+    lines.write_text("Hello there.\nSecond line.\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "1.wav").write_text("my precious")
+    (out / "2.wav").mkdir()  # a folder where a wav would go
+    refused = run("synthesize", cpu_int4_bundle, "--text-file", lines, "--batch", "2", "-o", out,
+                  "--max-frames", "10", check=False)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "already holds 1.wav, 2.wav, which no earlier run of this batch wrote" in refused.stderr
+    assert (out / "1.wav").read_text() == "my precious" and not (out / "batch-manifest.json").exists()
+
+
 def test_batch_a_failing_line_is_reported_and_a_rerun_does_only_what_is_left(cpu_int4_bundle, tmp_path):
     lines = tmp_path / "lines.txt"
     lines.write_text("First line.\nSay <|endoftext|> now.\nThird line.\n")

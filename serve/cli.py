@@ -13,6 +13,7 @@ import errno
 import ipaddress
 import logging
 import socket
+import sys
 from pathlib import Path
 
 import click
@@ -27,6 +28,10 @@ from higgs_pack.serve.config import (
 )
 
 log = logging.getLogger(__name__)
+
+#: Seconds a thread may hold the interpreter lock before another waiting thread gets it (Python's
+#: default is 0.005).
+SWITCH_INTERVAL_S = 0.0005
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -105,6 +110,9 @@ def serve(source, host, port, device, max_batch, max_queue, api_key, voices_dir,
         click.echo(f"warning: listening on {host} without --api-key: anyone who reaches this port can use it",
                    err=True)
     sock = bind(host, port)
+    # The engine's thread, the event loop and the codec readers share one interpreter lock; at the
+    # default 5 ms switch interval a decode step shorter than that waits a whole interval for it.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     server = SpeechServer.open(source, config, device=device)
     app = create_app(server)
     shown = sock.getsockname()

@@ -319,10 +319,13 @@ class TTS:
             ``list(tts.synthesize_many(texts))`` holds every pair, in order.
 
         Raises:
-            InputError: here, at the call: a bad or unknown option (every bad one named), a
+            InputError: here, at the call: one string instead of texts, a bad or unknown option (every bad one named), a
                 bad ``max_batch`` / ``max_length`` / ``max_kv_bytes``, or an unusable voice.
             EngineClosed, or the error that stopped the engine: while iterating.
         """
+        if isinstance(texts, (str, bytes)):
+            raise InputError("synthesize_many takes a list (or any iterable) of texts, got one string; use "
+                             "tts.synthesize(text) for one text, or synthesize_many([text])")
         probe = SynthesisRequest.of("-", options)  # every option checked now, before any text
         voice = probe.voice
         if isinstance(voice, Voice):

@@ -180,7 +180,7 @@ class SpeechServer:
         try:
             return await anyio.to_thread.run_sync(self.engine.submit, job.request, limiter=self.limiter)
         except InputError as exc:
-            raise ApiError(400, str(exc), param="input", code="invalid_value") from exc
+            raise ApiError(400, server_terms(str(exc)), param="input", code="invalid_value") from exc
         except HiggsPackError as exc:
             raise ApiError(503, f"the engine cannot take requests: {exc}", code="engine_stopped") from exc
 
@@ -243,6 +243,22 @@ class SpeechServer:
             yield sse_error(f"generation failed: {exc}", "generation_failed")
         finally:
             handle.cancel()  # a no-op when it finished; frees the row when the client left
+
+
+#: The runtime's advice in CLI and Python terms -> how a client of this server follows it.
+SERVER_TERMS = (
+    ("--max-frames", "max_new_tokens"),
+    ("max_frames=", "max_new_tokens"),
+    ("make the engine with a larger max_kv_bytes= (tts.engine(max_kv_bytes=...))",
+     "ask the server's operator for a larger --max-kv-mb"),
+)
+
+
+def server_terms(message: str) -> str:
+    """``message`` with the runtime's flags and keywords named as this server's fields."""
+    for runtime, server in SERVER_TERMS:
+        message = message.replace(runtime, server)
+    return message
 
 
 async def _cancel_on_disconnect(receive: Any, handle: EngineHandle, scope: anyio.CancelScope) -> None:

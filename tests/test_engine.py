@@ -486,3 +486,8 @@ def test_synthesize_many_requests_keep_their_seed_and_bad_options_raise_at_once(
     many = tts.synthesize_many(["A long one here."] * 6, max_batch=2, max_frames=300)
     assert next(many)[0] == 0
     many.close()  # leaving early closes the engine; nothing hangs
+
+
+def test_synthesize_many_refuses_one_string(tts):
+    with pytest.raises(InputError, match="got one string"):
+        list(tts.synthesize_many("abc"))

@@ -151,3 +151,11 @@ def test_config_limits_are_checked(tmp_path):
         ServeConfig(api_key=" ")
     with pytest.raises(InputError, match="is not a folder"):
         ServeConfig(allow_local_media=tmp_path / "missing")
+
+
+def test_runtime_advice_is_given_in_the_servers_terms():
+    from higgs_pack.serve.server import server_terms
+
+    assert server_terms("split it with punctuation, or lower --max-frames") == \
+        "split it with punctuation, or lower max_new_tokens"
+    assert "--max-kv-mb" in server_terms("or make the engine with a larger max_kv_bytes= (tts.engine(max_kv_bytes=...))")

@@ -313,15 +313,24 @@ def _synthesize_batch(bundle, text, text_file, output: Path, ref_audio, ref_text
     def say(message: str, is_error: bool) -> None:
         (bar.write if not quiet else click.echo)(message, **({"file": sys.stderr} if is_error else {}))
 
+    import signal
+
+    def terminated(signum, frame) -> None:  # SIGTERM (timeout, systemd, Kubernetes) stops as Ctrl-C does
+        raise _Terminated
+
+    previous_handler = signal.signal(signal.SIGTERM, terminated)
     try:
         outcome = run_batch(tts, [lines[i] for i in todo], [requests[i] for i in todo], manifest, output,
                             max_batch=batch, subtype=subtype, say=say,
                             progress=lambda n: bar.update(n - bar.n))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         bar.close()
-        click.echo(f"interrupted (Ctrl-C): {len(manifest.files)} of {len(lines)} lines written, listed in "
+        how = "stopped (SIGTERM)" if isinstance(exc, _Terminated) else "interrupted (Ctrl-C)"
+        click.echo(f"{how}: {len(manifest.files)} of {len(lines)} lines written, listed in "
                    f"{output / MANIFEST}; run the same command again to do the rest", err=True)
-        sys.exit(EXIT_INTERRUPTED)
+        sys.exit(EXIT_TERMINATED if isinstance(exc, _Terminated) else EXIT_INTERRUPTED)
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
     bar.close()
     notes = [f"{outcome.skipped} skipped: already written"] if outcome.skipped else []
     notes += [f"{outcome.failed} failed, listed in its errors"] if outcome.failed else []
@@ -338,6 +347,12 @@ def _synthesize_batch(bundle, text, text_file, output: Path, ref_audio, ref_text
 EXIT_BROKEN_PIPE = 128 + 13
 #: Exit status after Ctrl-C (as a program stopped by SIGINT).
 EXIT_INTERRUPTED = 128 + 2
+#: Exit status after SIGTERM (as a program stopped by it).
+EXIT_TERMINATED = 128 + 15
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM during a batch: handled as Ctrl-C is (the manifest says ``interrupted``)."""
 #: Said when some text chunk stopped at its frame cap, not where the model ended the speech.
 FRAME_CAP_NOTE = "note: the frame cap was reached before the model ended the speech (raise it with --max-frames)"
 

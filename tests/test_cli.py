@@ -383,8 +383,17 @@ def test_batch_killed_or_interrupted_keeps_finished_files_and_resumes(cpu_int4_b
     assert manifest["state"] == "interrupted" and len(first_files) < manifest["written"] < 24
     _check_listed(out, manifest)
 
+    before = manifest["written"]
+    terminated, manifest = start_and_stop(signal.SIGTERM, before)  # timeout, systemd, Kubernetes
+    if terminated.returncode != 0:  # (0: the run finished before the signal reached it)
+        assert terminated.returncode == 143, terminated.stderr
+        assert f"stopped (SIGTERM): {manifest['written']} of 24 lines written" in terminated.stderr
+        assert manifest["state"] == "interrupted" and before < manifest["written"]
+    _check_listed(out, manifest)
+
     finished = run(*command[len(HIGGS):])
-    assert f"skipping {manifest['written']} of 24 lines: already written" in finished.stderr
+    if manifest["written"] < 24:
+        assert f"skipping {manifest['written']} of 24 lines: already written" in finished.stderr
     final = _manifest(out)
     assert final["state"] == "finished" and [e["line"] for e in final["files"]] == list(range(1, 25))
     assert {e["file"]: e["sha256"] for e in final["files"] if e["file"] in first_files} == first_files

@@ -315,6 +315,7 @@ class SynthesisRequest:
         first_chunk_frames: int = FIRST_CHUNK_FRAMES,
         chunk_growth: float = CHUNK_GROWTH,
         max_chunk_frames: int = MAX_CHUNK_FRAMES,
+        **unknown: Any,
     ) -> SynthesisRequest:
         """A request from the keywords of ``TTS.synthesize`` / ``TTS.stream`` (the CLI's flags).
 
@@ -331,8 +332,13 @@ class SynthesisRequest:
             first_chunk_frames, chunk_growth, max_chunk_frames: the :class:`StreamSchedule`.
 
         Raises:
-            InputError: every bad field at once (field, value, what is allowed, flag/keyword).
+            InputError: every bad field at once (field, value, what is allowed, flag/keyword), or
+                an unknown keyword (with a close match).
         """
+        if unknown:
+            known = [name for name in SETTINGS if name != "text"]
+            raise InputError(unknown_choice("synthesis option", next(iter(unknown)), known,
+                                            "the keywords of SynthesisRequest.create"))
         if voice is not None:
             found = [] if isinstance(voice, PreparedVoice) else [
                 f"voice must be a PreparedVoice (from tts.prepare_voice), got {type(voice).__name__}; "

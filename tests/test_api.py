@@ -173,6 +173,8 @@ def test_requests_are_checked_without_a_bundle(tmp_path):
 
     request = SynthesisRequest.create("Hi.", top_k=5)
     assert request.schedule == StreamSchedule() and request.voice is None
+    with pytest.raises(InputError, match=r"unknown synthesis option 'temprature' \(did you mean 'temperature'\?\)"):
+        SynthesisRequest.create("Hi.", temprature=0.5)
     # The bundle's generation defaults fill what the request leaves unset; its choices win.
     options = request.sampling_options({"sampling": {"temperature": 0.6, "top_k": 40, "repeat_guard_frames": 9}})
     assert (options.temperature, options.top_k, options.top_p, options.seed, options.repeat_guard_frames) \

@@ -593,3 +593,14 @@ def test_fill_kv_refuses_what_it_cannot_fill():
 
     with pytest.raises(ValueError, match="keeps no host KV buffers"):
         fill_kv(object(), 10)
+
+
+def test_bundle_spec_labels_a_quantized_kv_cache(cpu_int4_bundle, tmp_path):
+    """A ``--bundle`` with an int8 KV cache is its own system beside the float one of the same
+    target and precision (both can run side by side in one bench)."""
+    source = json.loads((cpu_int4_bundle / "manifest.json").read_text())
+    for kv, label in (("float", "cpu-int4"), ("int8", "cpu-int4-kv-int8")):
+        bundle = tmp_path / kv
+        bundle.mkdir()
+        (bundle / "manifest.json").write_text(json.dumps({**source, "kv_cache": kv}))
+        assert bench.bundle_spec(bundle).label == label

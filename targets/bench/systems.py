@@ -121,7 +121,8 @@ def parse_system(text: str) -> SystemSpec:
 
 
 def bundle_spec(path: str | Path) -> SystemSpec:
-    """A system for an existing bundle directory (``--bundle PATH[@device]``)."""
+    """A system for an existing bundle directory (``--bundle PATH[@device]``); its label is
+    ``<target>-<precision>[-<variant>][-kv-<kv cache>]`` (the KV cache only when quantized)."""
     text = str(path)
     device = None
     if "@" in Path(text).name:
@@ -130,6 +131,8 @@ def bundle_spec(path: str | Path) -> SystemSpec:
 
     m = read_manifest(Path(text))
     label = "-".join(p for p in (m["target"], m["precision"], m.get("variant")) if p)
+    if m.get("kv_cache", "float") != "float":  # a quantized KV cache (build --kv-cache int8): its own system
+        label += f"-kv-{m['kv_cache']}"
     return SystemSpec(label=label + (f"@{device}" if device else ""), target=m["target"],
                       precision=m["precision"], variant=m.get("variant"), device=device,
                       bundle=Path(text))

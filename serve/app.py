@@ -210,8 +210,8 @@ def _routes(app: FastAPI, server: SpeechServer) -> None:
                 _finish(server, t0, answer)
             return Response(data, media_type=media_type(job.response_format), headers=headers)
 
-        def close() -> None:
-            handle.cancel()  # a no-op once it finished; frees the row when the client left
+        def close() -> None:  # the one cancel of a stream: a no-op once it finished, frees the row when the client left
+            handle.cancel()
             _finish(server, t0, answer)
 
         kind = "text/event-stream" if job.stream_format == "sse" else media_type(job.response_format)

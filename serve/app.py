@@ -9,6 +9,7 @@ Bearer <key>`` (compared in constant time).  Every error is OpenAI's body shape.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -123,10 +124,49 @@ class _CountRequests:
                 status[0] = message["status"]
             await send(message)
 
+        key = object()
+        client = scope.get("client") or ("?", 0)
+        IN_FLIGHT[key] = (f"{scope['method']} {path} from {client[0]}:{client[1]}", time.monotonic())
         try:
             await self.app(scope, receive, sending)
         finally:
+            del IN_FLIGHT[key]
             self.metrics.requests.labels(route, str(status[0])).inc()
+
+
+#: The HTTP requests being answered now: key -> (``"METHOD PATH from HOST:PORT"``, monotonic start),
+#: kept by :class:`_CountRequests`; :class:`CutOffLog` names them when the grace period ends.
+IN_FLIGHT: dict[object, tuple[str, float]] = {}
+
+
+class CutOffLog(logging.Filter):
+    """A filter for uvicorn's ``uvicorn.error`` logger that makes a stop past the grace period
+    one clean line: uvicorn's "Cancel N running task(s), timeout graceful shutdown exceeded"
+    becomes a warning naming the requests cut off (what, from whom, how long they ran), and its
+    "Exception in ASGI application" traceback of each of them (the cancellation uvicorn itself
+    sent) is dropped.  Other records pass unchanged.
+
+    Args:
+        grace_seconds: the ``--grace-seconds`` the line quotes.
+    """
+
+    def __init__(self, grace_seconds: float):
+        super().__init__()
+        self.grace_seconds = grace_seconds
+        self.cutting = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg.startswith("Cancel %s running task(s), timeout graceful shutdown exceeded"):
+            now = time.monotonic()
+            named = [f"{what} ({now - since:.1f} s in)" for what, since in list(IN_FLIGHT.values())]
+            record.msg, record.args = ("grace period of %g s over: cutting off %d request(s) still in flight: %s",
+                                       (self.grace_seconds, len(named), "; ".join(named) or "none"))
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            self.cutting = True
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (self.cutting and isinstance(exc, asyncio.CancelledError)
+                    and record.msg.startswith("Exception in ASGI application"))
 
 
 def _check_key(server: SpeechServer, request: Request) -> None:

@@ -88,7 +88,7 @@ def serve(source, host, port, device, max_batch, max_queue, api_key, voices_dir,
     POST /v1/audio/speech, voices, models, /health, /ready, /metrics, and a demo page at /."""
     import uvicorn
 
-    from higgs_pack.serve.app import create_app
+    from higgs_pack.serve.app import CutOffLog, create_app
     from higgs_pack.serve.config import ServeConfig
     from higgs_pack.serve.server import SpeechServer
 
@@ -115,8 +115,10 @@ def serve(source, host, port, device, max_batch, max_queue, api_key, voices_dir,
     click.echo(f"serving http://{url_host}:{shown[1]} (model {server.models[0]}, max_batch "
                f"{server.engine.max_batch}, max_queue {config.max_queue}); /ready answers 200 once warmed up",
                err=True)
-    uv = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=int(grace_seconds + 0.999),
+    grace = int(grace_seconds + 0.999)  # uvicorn takes whole seconds
+    uv = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace,
                                        access_log=log_level == "debug"))
+    logging.getLogger("uvicorn.error").addFilter(CutOffLog(grace))  # after uvicorn configured its loggers
     uv.run(sockets=[sock])
 
 

@@ -386,6 +386,28 @@ def test_sigterm_finishes_the_request_in_flight_then_exits(cpu_int4_bundle):
         live.stop()
 
 
+def test_sigterm_past_the_grace_period_cuts_off_with_one_line_naming_the_request(cpu_int4_bundle):
+    live = LiveServer(cpu_int4_bundle, "--grace-seconds", "1")
+    try:
+        with httpx.stream("POST", live.url + "/v1/audio/speech", timeout=120,
+                          json={"model": MODEL, "input": LONG_TEXT * 3, "seed": 6, "response_format": "pcm",
+                                "stream_format": "audio", "max_new_tokens": 4000}) as response:
+            pieces = response.iter_raw()
+            next(pieces)
+            live.signal(signal.SIGTERM)
+            with pytest.raises(httpx.HTTPError):  # cut off: the stream ends short, not cleanly
+                for _ in pieces:
+                    pass
+        assert live.process.wait(60) == -signal.SIGTERM
+        log = "".join(live.log)
+        cut = [line for line in live.log if "grace period of 1 s over" in line]
+        assert len(cut) == 1 and "cutting off 1 request(s)" in cut[0] and "POST /v1/audio/speech from 127.0.0.1:" in cut[0]
+        assert "Traceback" not in log and "Exception in ASGI application" not in log, log
+        assert "Application shutdown complete" in log
+    finally:
+        live.stop()
+
+
 def test_serve_refuses_bad_sources_and_a_port_in_use(tmp_path, cpu_int4_bundle):
     import socket
     import sys

@@ -441,7 +441,7 @@ def test_a_streamed_wav_stopped_by_a_signal_is_a_complete_wav_of_what_was_writte
         assert time.monotonic() < deadline, "no audio within 240 s"
         time.sleep(0.01)
     proc.send_signal(getattr(signal, sig))
-    stdout, stderr = proc.communicate(timeout=120)
+    _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == {"SIGTERM": 143, "SIGINT": 130}[sig], stderr
     head = wav.read_bytes()[:44]
     size = wav.stat().st_size

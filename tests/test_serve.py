@@ -327,6 +327,43 @@ def test_a_client_that_leaves_a_whole_file_request_cancels_it_quietly(server):
     assert "Traceback" not in "".join(server.log) and "unexpected error" not in "".join(server.log)
 
 
+def test_each_stream_cancels_its_request_once_however_it_ends(cpu_int4_bundle, monkeypatch):
+    """In-process app over a real engine: a finished stream cancels its request once (a no-op
+    after the end), in the app's close, not again in the body's generator."""
+    import asyncio
+
+    from higgs_pack.runtime.loop.engine import EngineHandle
+    from higgs_pack.serve.app import create_app
+    from higgs_pack.serve.config import ServeConfig
+    from higgs_pack.serve.server import SpeechServer
+
+    cancels: list[EngineHandle] = []
+    real_cancel = EngineHandle.cancel
+
+    def counted(handle: EngineHandle) -> None:
+        cancels.append(handle)
+        real_cancel(handle)
+
+    monkeypatch.setattr(EngineHandle, "cancel", counted)
+    server = SpeechServer.open(cpu_int4_bundle, ServeConfig(max_batch=2))
+    try:
+        server.warm_up()
+        app = create_app(server, warm_up=False)
+
+        async def ask(**extra) -> httpx.Response:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+                return await http.post("/v1/audio/speech", json={"model": MODEL, "input": TEXT, "seed": 1,
+                                                                 "max_new_tokens": 30, "response_format": "pcm",
+                                                                 **extra})
+
+        streamed = asyncio.run(ask(stream_format="audio"))
+        assert streamed.status_code == 200 and len(streamed.content) > 0
+        assert len(cancels) == 1 and cancels[0].done
+        assert server.in_flight == 0
+    finally:
+        server.close()
+
+
 def test_a_full_queue_answers_429_and_every_other_answer_is_complete(cpu_int4_bundle):
     with LiveServer(cpu_int4_bundle, "--max-batch", "1", "--max-queue", "1") as live:
         answers: list[httpx.Response] = []

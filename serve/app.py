@@ -10,6 +10,7 @@ Bearer <key>`` (compared in constant time).  Every error is OpenAI's body shape.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -233,8 +234,10 @@ def _routes(app: FastAPI, server: SpeechServer) -> None:
         _check_key(server, request)
         t0 = time.perf_counter()
         body = await _json_body(request, body_limit)
-        job = await anyio.to_thread.run_sync(
-            lambda: parse_speech(body, models=server.models, voices=server.voices, config=config))
+        parse = functools.partial(parse_speech, body, models=server.models, voices=server.voices, config=config)
+        # Checking the fields takes microseconds: on a worker thread only when it reads a file or decodes
+        # a clip (a ref_audio, or a stored voice in --voices-dir), not a thread round trip for every request.
+        job = await anyio.to_thread.run_sync(parse) if _parse_blocks(body, server) else parse()
         server.admit()
         try:
             handle = await server.submit(job)
@@ -341,6 +344,16 @@ class _Stream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._close()
+
+
+def _parse_blocks(body: Any, server: SpeechServer) -> bool:
+    """Whether checking ``body`` may block: it carries a reference clip (decoded, or read under
+    --allow-local-media), or names a voice other than the default that the store reads from its folder."""
+    if not isinstance(body, dict):
+        return False
+    if body.get("ref_audio") is not None or body.get("references") is not None:
+        return True
+    return server.voices.folder is not None and body.get("voice", DEFAULT_VOICE) != DEFAULT_VOICE
 
 
 def _finish(server: SpeechServer, t0: float, answer: Answer) -> None:

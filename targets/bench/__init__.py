@@ -50,6 +50,13 @@ system generates exactly ``--frames`` frames), after one warm-up run:
     the last-level cache (``machine.llc_bytes``); otherwise ``cache_resident`` is true and
     no fraction is given (see :func:`~higgs_pack.targets.bench.records._roofline`).
 
+``decoder_step`` records (with ``llama.cpp-q4_0`` / ``llama.cpp-q4_k_m`` in ``--systems``)
+    the bare decoder step of B rows (``--step-batch``, default 1,4) after a prefill of each
+    ``--contexts`` length, for every bundle and for llama.cpp running the same Qwen3 weights
+    at that quant (converted with llama.cpp's own converter, cached under
+    ``$HIGGS_PACK_CACHE/llama.cpp/``), each in its own process, in turns
+    (:mod:`~higgs_pack.targets.bench.decoder_steps`, :mod:`~higgs_pack.targets.bench.llama_cpp`;
+    needs the ``[llamacpp]`` extra). ``--steps-only`` skips the loop measurements.
 ``batch`` (with ``--batch 1,2,4,8``)
     every bundle's continuous-batching engine at those batch sizes, in its own process
     (:mod:`~higgs_pack.targets.bench.batch`): per size aggregate and per-request frames/s,
@@ -76,6 +83,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from higgs_pack.targets.bench.decoder_steps import KIND as STEP_KIND
+from higgs_pack.targets.bench.decoder_steps import render_steps
 from higgs_pack.targets.bench.records import (
     BUILD_MEMORY_BUDGET_MB,
     COLUMNS,
@@ -145,6 +154,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", default="", metavar="B,B,...",
                    help="also measure every bundle's engine (tts.engine(max_batch=B)) at these batch sizes, "
                         "e.g. 1,2,4,8 (default: none)")
+    p.add_argument("--step-batch", default="1,4", metavar="B,B,...",
+                   help="batch sizes of the decoder-step comparison with llama.cpp systems (default 1,4)")
+    p.add_argument("--steps-only", action="store_true",
+                   help="with llama.cpp-* systems: time only the bare decoder step of every system "
+                        "side by side, not the generation loop")
     p.add_argument("--timeout", type=float, help="seconds allowed per measuring process")
     p.add_argument("--out", default="dist/bench.json",
                    help="JSON records file, charted into the same name with .html ('' = do not write)")
@@ -171,6 +185,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     batch = parse_batch(args.batch)
     if isinstance(batch, str):
         _parser().error(batch)
+    step_batch = parse_batch(args.step_batch)
+    if isinstance(step_batch, str) or not step_batch:
+        _parser().error(f"--step-batch: {step_batch or 'give at least one size'}".replace("--batch", "sizes"))
     options = BenchOptions(
         preset=args.preset, systems=tuple(s for s in args.systems.split(",") if s.strip()),
         bundles=tuple(args.bundle), frames=args.frames, repeats=args.repeats, rounds=args.rounds,
@@ -178,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         seed=args.seed, text=args.text, checkpoint=args.checkpoint, cache=args.cache,
         rebuild=args.rebuild, bandwidth_mib=args.bandwidth_mib, contexts=contexts, out=args.out or None,
         append=args.append, timeout=args.timeout, quiet=args.quiet, build_only=args.build_only,
-        batch=batch,
+        batch=batch, step_batch=step_batch, steps_only=args.steps_only,
     )
     from higgs_pack.manifests.errors import HiggsPackError
 
@@ -188,15 +205,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     builds = [r for r in records if r.get("kind") == "build"]
-    records = [r for r in records if r.get("kind") != "build"]
+    steps = [r for r in records if r.get("kind") == STEP_KIND]
+    records = [r for r in records if r.get("kind") is None]
     print(render_builds(builds))
     if records:
         print(render_table(records))
         if options.batch:
             print(render_batch(records))
         print(render_details(records))
+    if steps:
+        print(render_steps(steps))
     if options.out:
-        write_records(builds + records, Path(options.out), options.append)
+        write_records(builds + records + steps, Path(options.out), options.append)
         print(f"wrote {options.out}")
         try:
             print(f"wrote {write_html(Path(options.out))}")
@@ -205,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     over = [b["system"] for b in builds if (b.get("peak_rss_mb") or 0) > BUILD_MEMORY_BUDGET_MB]
     if over:
         print(f"builds over the {BUILD_MEMORY_BUDGET_MB} MB memory budget: {', '.join(over)}", file=sys.stderr)
-    failed = any("error" in r or "error" in (r.get("batch") or {}) for r in builds + records)
+    failed = any("error" in r or "error" in (r.get("batch") or {}) for r in builds + records + steps)
     return 1 if over or failed else 0
 
 

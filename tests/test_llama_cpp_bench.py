@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import slow_fixture
 
 from higgs_pack.manifests.errors import BuildError, InputError
 from higgs_pack.targets import bench
@@ -171,7 +172,7 @@ def test_gguf_facts_split_decoder_and_head(tmp_path):
     assert facts["weight_bytes"] == 320 + 128 + 32 and facts["tensor_types"] == {"F32": 2, "F16": 1}
 
 
-@pytest.fixture(scope="module")
+@slow_fixture(scope="module")
 def tiny_ggufs(tiny_checkpoint, tmp_path_factory):
     if llama_cpp.llama_cpp_missing():
         pytest.skip(llama_cpp.NOT_INSTALLED)
@@ -179,9 +180,7 @@ def tiny_ggufs(tiny_checkpoint, tmp_path_factory):
 
     cache = Path(os.environ.get("HIGGS_PACK_CACHE") or tmp_path_factory.mktemp("cache"))
     out = tmp_path_factory.mktemp("llama")
-    ggufs = llama_cpp.ensure_ggufs(tiny_checkpoint, out, ["q4_0", "q4_k_m"], keep_float=True,
-                                   converter_cache=cache)
-    return ggufs
+    return llama_cpp.ensure_ggufs(tiny_checkpoint, out, ["q4_0", "q4_k_m"], keep_float=True, converter_cache=cache)
 
 
 @needs_llama

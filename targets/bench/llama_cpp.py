@@ -135,7 +135,7 @@ def converter_tree(cache: Path) -> Path:
     with tempfile.TemporaryDirectory(prefix="llama-cpp-sdist-", dir=tree.parent) as tmp:
         if not sdist:
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                   "--no-build-isolation", "-d", tmp, f"llama-cpp-python=={version}"]
+                   "-d", tmp, f"llama-cpp-python=={version}"]
             done = subprocess.run(cmd, capture_output=True, text=True, check=False)
             found = sorted(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
             if done.returncode != 0 or not found:

@@ -320,7 +320,8 @@ def step_facts(records: list[dict[str, Any]]) -> list[str]:
                 f"{r.get('llama_cpp_commit')}), {r['threads']} threads, decoder layers {r['decoder_bytes'] / 1e6:.1f} MB "
                 f"+ text head {r['head_tensor']} {r['head_type']} {r['head_bytes'] / 1e6:.1f} MB (run on every "
                 f"row that asks for logits), GGUF {r['gguf_bytes'] / 1e6:.1f} MB; dims {r.get('dims')}; converter "
-                f"{conv.get('convert_s')} s, peak RSS {conv.get('convert_peak_rss_mb')} MB"
+                f"{conv.get('convert_s')} s, peak RSS {conv.get('convert_peak_rss_mb')} MiB (anon "
+                f"{conv.get('convert_peak_anon_mb')})"
                 f"{' (cached)' if (r.get('conversion') or {}).get('cached') else ''}; {load_text}")
         else:
             lines.append(f"{r['label']} [{r['preset']}]: decoder weights {r.get('decoder_weight_mb', 0):.1f} MB, "

@@ -225,9 +225,10 @@ def ensure_ggufs(checkpoint: Path, cache: Path, quants: list[str], *, threads: i
 
     Returns:
         ``{"dir", "version" (llama-cpp-python), "llama_cpp_commit", "float": {"path", "outtype",
-        "convert_s", "convert_peak_rss_mb", "hf_view_s", "hf_view_peak_rss_mb"} (path None once
-        removed), "quants": {quant: {"path", "quantize_s", "quantize_peak_rss_mb",
-        **gguf_facts}}}``; the facts of a conversion made by an earlier run are those of that run
+        "convert_s", "convert_peak_rss_mb", "convert_peak_anon_mb", "hf_view_s",
+        "hf_view_peak_rss_mb", "hf_view_peak_anon_mb"} (path None once removed), "quants":
+        {quant: {"path", "quantize_s", "quantize_peak_rss_mb", "quantize_peak_anon_mb",
+        **gguf_facts}}}`` (MiB; anon: not file-backed, memory-mapped inputs left out); the facts of a conversion made by an earlier run are those of that run
         (``cached`` true).
 
     Raises:
@@ -273,8 +274,10 @@ def ensure_ggufs(checkpoint: Path, cache: Path, quants: list[str], *, threads: i
             tail = "\n".join((out / "convert.log").read_text(errors="replace").splitlines()[-15:])
             raise BuildError(f"convert_hf_to_gguf.py exited {run.returncode} (log: {out / 'convert.log'}):\n{tail}")
         facts["float"] = {"path": str(float_gguf), "outtype": outtype, "convert_s": round(run.seconds, 1),
-                          "convert_peak_rss_mb": round(run.peak_rss_mb, 1), "hf_view_s": round(hf_record.seconds, 1),
+                          "convert_peak_rss_mb": round(run.peak_rss_mb, 1),
+                          "convert_peak_anon_mb": round(run.peak_anon_mb, 1), "hf_view_s": round(hf_record.seconds, 1),
                           "hf_view_peak_rss_mb": round(hf_record.peak_rss_mb, 1),
+                          "hf_view_peak_anon_mb": round(hf_record.peak_anon_mb or 0, 1),
                           "gguf_bytes": float_gguf.stat().st_size}
     else:
         facts["float"] = done["float"]
@@ -289,7 +292,8 @@ def ensure_ggufs(checkpoint: Path, cache: Path, quants: list[str], *, threads: i
                              {"src": str(float_gguf), "out": str(target), "quant": quant, "threads": threads},
                              name=f"llama_model_quantize ({quant})", folders=[out], work_dir=out)
         facts["quants"][quant] = {"path": str(target), "quantize_s": round(record.seconds, 1),
-                                  "quantize_peak_rss_mb": round(record.peak_rss_mb, 1), **gguf_facts(target)}
+                                  "quantize_peak_rss_mb": round(record.peak_rss_mb, 1),
+                                  "quantize_peak_anon_mb": round(record.peak_anon_mb or 0, 1), **gguf_facts(target)}
     if not keep_float:
         float_gguf.unlink(missing_ok=True)
         facts["float"] = {**facts["float"], "path": None}

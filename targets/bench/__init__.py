@@ -159,6 +159,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps-only", action="store_true",
                    help="with llama.cpp-* systems: time only the bare decoder step of every system "
                         "side by side, not the generation loop")
+    p.add_argument("--llama-threads", type=int, metavar="N",
+                   help="llama.cpp threads (default: the CPUs this process may use, as ONNX Runtime's pool)")
     p.add_argument("--timeout", type=float, help="seconds allowed per measuring process")
     p.add_argument("--out", default="dist/bench.json",
                    help="JSON records file, charted into the same name with .html ('' = do not write)")
@@ -185,6 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     batch = parse_batch(args.batch)
     if isinstance(batch, str):
         _parser().error(batch)
+    if args.llama_threads is not None and args.llama_threads < 1:
+        _parser().error(f"--llama-threads must be >= 1, got {args.llama_threads}")
     step_batch = parse_batch(args.step_batch)
     if isinstance(step_batch, str) or not step_batch:
         _parser().error(f"--step-batch: {step_batch or 'give at least one size'}".replace("--batch", "sizes"))
@@ -195,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         seed=args.seed, text=args.text, checkpoint=args.checkpoint, cache=args.cache,
         rebuild=args.rebuild, bandwidth_mib=args.bandwidth_mib, contexts=contexts, out=args.out or None,
         append=args.append, timeout=args.timeout, quiet=args.quiet, build_only=args.build_only,
-        batch=batch, step_batch=step_batch, steps_only=args.steps_only,
+        batch=batch, step_batch=step_batch, steps_only=args.steps_only, llama_threads=args.llama_threads,
     )
     from higgs_pack.manifests.errors import HiggsPackError
 

@@ -69,6 +69,8 @@ class BenchOptions:
     """Batch sizes of the decoder-step comparison with llama.cpp (``--step-batch``)."""
     steps_only: bool = False
     """Measure only the decoder-step comparison (``--steps-only``), not the loop."""
+    llama_threads: int | None = None
+    """llama.cpp's ``n_threads`` (``--llama-threads``; None: the CPUs this process may use)."""
 
 
 def _cache(options: BenchOptions) -> Path:
@@ -185,7 +187,8 @@ def run_bench(options: BenchOptions) -> list[dict[str, Any]]:
         records += run_step_comparison(
             llama, ours, checkpoint, cache, preset=options.preset, contexts=options.contexts or DEFAULT_CONTEXTS,
             batches=options.step_batch, rounds=options.rounds if options.rounds > 1 else CONTEXT_ROUNDS,
-            text=options.text, machine=machine, timeout=options.timeout, say=lambda m: _say(options, m))
+            text=options.text, machine=machine, threads=options.llama_threads, timeout=options.timeout,
+            say=lambda m: _say(options, m))
     return builds + records
 
 

@@ -732,9 +732,13 @@ def write_html(out: Path) -> Path:
     marks = {"outside_decoder_frac": (GOAL_OUTSIDE_DECODER * 100, f"goal: under {GOAL_OUTSIDE_DECODER:.0%}"),
              "loop_over_decoder": (GOAL_LOOP_OVER_DECODER, f"goal: at most {GOAL_LOOP_OVER_DECODER:g}x")}
     page = bench_html(records, goal_checks(records), marks)
-    batch = batch_html(records)
-    if batch:  # the --batch section after the per-preset ones, before the page's end
-        end = page.rindex("</body>")
-        page = page[:end].rstrip("\n") + "\n" + batch + "\n" + page[end:]
+    from higgs_pack.targets.bench.decoder_steps import KIND as STEP_KIND
+    from higgs_pack.targets.bench.decoder_steps import steps_html
+
+    steps = [r for r in json.loads(out.read_text()) if r.get("kind") == STEP_KIND]
+    for section in (batch_html(records), steps_html(steps)):
+        if section:  # the --batch and llama.cpp sections after the per-preset ones, before the page's end
+            end = page.rindex("</body>")
+            page = page[:end].rstrip("\n") + "\n" + section + "\n" + page[end:]
     path.write_text(page, encoding="utf-8")
     return path

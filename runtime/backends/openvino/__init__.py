@@ -38,8 +38,7 @@ class OpenVINOBackend(Backend):
     preferred_on_cpus = ("intel",)
     rungs = (NPU_RUNG, IGPU_RUNG, NPU_ON_CPU_RUNG)
     install_hint = f"pip install 'higgs-pack[openvino]' ({OPENVINO_REQUIREMENT})"
-    batching_refusal = (
-        "the NPU variant's static shapes take batch 1: its decoder is compiled for one row")
+    batching_refusal = "the NPU variant's static shapes take batch 1: its decoder is compiled for one row"
 
     def batched_decoder(self, pipeline, max_batch: int, max_length: int):
         """An :class:`~higgs_pack.runtime.backends.openvino.batched.OvBatchedDecoder` on the
@@ -65,6 +64,11 @@ class OpenVINOBackend(Backend):
             c = pipeline.constants
             return OvBatchedDecoder(decoder, max_batch=max_batch, max_length=max_length,
                                     num_layers=c.num_layers, kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
+        if max_batch > 1:
+            raise InputError(
+                f"this OpenVINO bundle's decoder cannot batch requests ({self.batching_refusal}); use "
+                "engine(max_batch=1) (the CLI's --batch 1), or the openvino bundle without --npu (it batches "
+                "on the CPU device)")
         return super().batched_decoder(pipeline, max_batch, max_length)
 
     def open(self, bundle: Bundle, options: OpenOptions) -> OpenedParts:

@@ -82,6 +82,15 @@ def cache_bytes_per_position(compiled, *, num_layers: int, kv_heads: int, head_d
     return num_layers * kv_heads * total, ", ".join(words)
 
 
+def _columns(mask_row: np.ndarray) -> slice | np.ndarray:
+    """The state columns of one row's real positions: a slice when they are contiguous (every
+    step named the row), else their indices."""
+    real = np.flatnonzero(mask_row)
+    if real.size and real[-1] - real[0] + 1 == real.size:
+        return slice(int(real[0]), int(real[-1]) + 1)
+    return real
+
+
 class OvBatchedDecoder:
     """The stateful OpenVINO decoder IR serving up to ``max_batch`` requests (module docstring).
 
@@ -179,12 +188,15 @@ class OvBatchedDecoder:
         width = max(lengths)
         if keep:
             solo = {v.name: v for v in self._solo.query_state()}
-            real = [np.flatnonzero(self._mask[i]) for i in keep]
+            real = [_columns(self._mask[i]) for i in keep]
             for variable in self._batched.query_state():
                 old = variable.state.data  # float32 [n, kv_heads, P, head_dim], the plugin's copy
-                new = np.zeros((len(lengths), old.shape[1], width, old.shape[3]), dtype=old.dtype)
+                new = np.empty((len(lengths), old.shape[1], width, old.shape[3]), dtype=old.dtype)
                 for j, (i, columns) in enumerate(zip(keep, real, strict=True)):
-                    new[j, :, width - len(columns):] = old[i][:, columns]
+                    pad = width - lengths[j]
+                    new[j, :, :pad] = 0
+                    new[j, :, pad:] = old[i][:, columns]
+                new[-1, :, :width - s] = 0
                 new[-1, :, width - s:] = solo[variable.name].state.data[0]
                 variable.state = ov.Tensor(new)
         else:  # an empty batch: the solo request's state becomes the batch's, nothing is copied

@@ -102,6 +102,7 @@ from higgs_pack.targets.bench.systems import (
     DEFAULT_FRAMES,
     DEFAULT_REPEATS,
     DEFAULT_SYSTEMS,
+    FIT_MEMORY_BYTES,
     PRESETS,
     PYTORCH,
     SystemSpec,
@@ -145,6 +146,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", default="", metavar="B,B,...",
                    help="also measure every bundle's engine (tts.engine(max_batch=B)) at these batch sizes, "
                         "e.g. 1,2,4,8 (default: none)")
+    p.add_argument("--fit-memory-gib", type=float, default=FIT_MEMORY_BYTES / 2**30,
+                   help="memory budget of the largest batch at 2,000 positions that --batch computes "
+                        f"(default {FIT_MEMORY_BYTES / 2**30:g})")
+    p.add_argument("--fit-run", action="store_true",
+                   help="with --batch: also run that largest batch (every KV page written, a few steps) and "
+                        "record its peak RSS against the budget; it commits the whole budget: run it alone")
     p.add_argument("--timeout", type=float, help="seconds allowed per measuring process")
     p.add_argument("--out", default="dist/bench.json",
                    help="JSON records file, charted into the same name with .html ('' = do not write)")
@@ -171,6 +178,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     batch = parse_batch(args.batch)
     if isinstance(batch, str):
         _parser().error(batch)
+    if not args.fit_memory_gib > 0:
+        _parser().error(f"--fit-memory-gib must be positive, got {args.fit_memory_gib}")
+    if args.fit_run and not batch:
+        _parser().error("--fit-run needs --batch (it runs the batch --batch computes to fit)")
     options = BenchOptions(
         preset=args.preset, systems=tuple(s for s in args.systems.split(",") if s.strip()),
         bundles=tuple(args.bundle), frames=args.frames, repeats=args.repeats, rounds=args.rounds,
@@ -178,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         seed=args.seed, text=args.text, checkpoint=args.checkpoint, cache=args.cache,
         rebuild=args.rebuild, bandwidth_mib=args.bandwidth_mib, contexts=contexts, out=args.out or None,
         append=args.append, timeout=args.timeout, quiet=args.quiet, build_only=args.build_only,
-        batch=batch,
+        batch=batch, fit_run=args.fit_run, fit_memory_bytes=int(args.fit_memory_gib * 2**30),
     )
     from higgs_pack.manifests.errors import HiggsPackError
 

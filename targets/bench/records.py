@@ -285,11 +285,12 @@ def goal_state(met: bool | None, measured: str = "") -> str:
 
 
 def batch_memory(manifest: dict[str, Any], engine_per_position: int | None,
-                 bench_per_position: int | None) -> dict[str, Any]:
-    """The largest batch whose KV cache fits :data:`FIT_MEMORY_BYTES` beside the bundle's
-    weights at :data:`FIT_POSITIONS` positions per request: computed, not run.
+                 bench_per_position: int | None, memory_bytes: int = FIT_MEMORY_BYTES) -> dict[str, Any]:
+    """The largest batch whose KV cache fits ``memory_bytes`` (default :data:`FIT_MEMORY_BYTES`)
+    beside the bundle's weights at :data:`FIT_POSITIONS` positions per request: computed (``--fit-run``
+    runs it: :mod:`~higgs_pack.targets.bench.kv_fit`).
 
-    ``fit_max_batch = floor((FIT_MEMORY_BYTES - fit_weight_bytes) / (FIT_POSITIONS x
+    ``fit_max_batch = floor((memory_bytes - fit_weight_bytes) / (FIT_POSITIONS x
     fit_kv_bytes_per_position))``, where the weight bytes are every sub-part's weight files
     (ONNX external data, OpenVINO ``.bin``, else the graph) and the KV bytes per position are
     the engine's (``engine.kv_bytes_per_position``: the KV dtype its decoder binds), else the
@@ -302,8 +303,8 @@ def batch_memory(manifest: dict[str, Any], engine_per_position: int | None,
                             else (bench_per_position, "bench") if bench_per_position else (None, None))
     fit = None
     if per_position:
-        fit = max(0, (FIT_MEMORY_BYTES - weights) // (per_position * FIT_POSITIONS))
-    return {"fit_memory_bytes": FIT_MEMORY_BYTES, "fit_positions": FIT_POSITIONS, "fit_weight_bytes": weights,
+        fit = max(0, (memory_bytes - weights) // (per_position * FIT_POSITIONS))
+    return {"fit_memory_bytes": memory_bytes, "fit_positions": FIT_POSITIONS, "fit_weight_bytes": weights,
             "fit_kv_bytes_per_position": per_position, "fit_kv_source": source, "fit_max_batch": fit,
             "fit_computed": True}
 
@@ -452,6 +453,12 @@ def batch_facts(record: dict[str, Any]) -> str:
                f"{batch['fit_max_batch']} (computed, not run: weights {batch['fit_weight_bytes'] / 2**20:.0f} MiB + "
                f"B x {batch['fit_positions']} x {batch['fit_kv_bytes_per_position']} B, KV bytes from the "
                f"{batch['fit_kv_source']})")
+        if batch.get("fit_run_peak_rss_mb") is not None:
+            fit += (f"; run: {batch['fit_run_batch']} rows full, peak RSS {batch['fit_run_peak_rss_mb']:.0f} MB "
+                    f"({'fits' if batch.get('fit_run_fits') else 'EXCEEDS'} the budget), step "
+                    f"{batch['fit_run_step_ms']:.0f} ms")
+        elif batch.get("fit_run_skipped") or batch.get("fit_run_error"):
+            fit += f"; run: {batch.get('fit_run_skipped') or 'ERROR ' + batch['fit_run_error']}"
     load = batch.get("loadavg_1m") or []
     load_text = (f"; load average {load[0]:.2f} before, {load[1]:.2f} after"
                  if len(load) == 2 and None not in load else "")

@@ -28,6 +28,7 @@ from higgs_pack.targets.bench.systems import (
     DEFAULT_FRAMES,
     DEFAULT_REPEATS,
     DEFAULT_SYSTEMS,
+    FIT_MEMORY_BYTES,
     PYTORCH,
     SystemSpec,
     bundle_spec,
@@ -63,6 +64,10 @@ class BenchOptions:
     build_only: bool = False
     batch: tuple[int, ...] = ()
     """Engine batch sizes to measure every bundle at (``--batch 1,2,4,8``; empty: none)."""
+    fit_memory_bytes: int = FIT_MEMORY_BYTES
+    """The memory budget of the computed (and with ``fit_run``, run) largest batch."""
+    fit_run: bool = False
+    """Also run ``fit_max_batch`` rows at ``FIT_POSITIONS`` (:mod:`~higgs_pack.targets.bench.kv_fit`)."""
 
 
 def _cache(options: BenchOptions) -> Path:
@@ -296,5 +301,17 @@ def _measure_batches(spec: SystemSpec, path: Path, manifest: dict[str, Any], cac
     except (WorkerError, subprocess.TimeoutExpired) as exc:
         out["error"] = str(exc)
         return out
-    out.update(batch_memory(manifest, out.get("kv_bytes_per_position"), out.get("bench_kv_bytes_per_position")))
+    out.update(batch_memory(manifest, out.get("kv_bytes_per_position"), out.get("bench_kv_bytes_per_position"),
+                            options.fit_memory_bytes))
+    if options.fit_run and out.get("fit_max_batch"):
+        _say(options, f"running {spec.label} at its computed fit: {out['fit_max_batch']} rows x {out['fit_positions']} "
+                      "positions")
+        fit_job = {**job, "backend": manifest["backend"], "batch": out["fit_max_batch"],
+                   "positions": out["fit_positions"]}
+        try:
+            out.update(_spawn("fit", fit_job, cache=cache, timeout=options.timeout))
+        except (WorkerError, subprocess.TimeoutExpired) as exc:
+            out["fit_run_error"] = str(exc)
+        if out.get("fit_run_peak_rss_mb") is not None:
+            out["fit_run_fits"] = out["fit_run_peak_rss_mb"] * 2**20 <= out["fit_memory_bytes"]
     return out

@@ -470,9 +470,16 @@ def worker_batch(spec: dict[str, Any]) -> dict[str, Any]:
     return measure_batches(spec)
 
 
+def worker_fit(spec: dict[str, Any]) -> dict[str, Any]:
+    """The computed largest batch, run (``--fit-run``): :func:`~higgs_pack.targets.bench.kv_fit.fit_run`."""
+    from higgs_pack.targets.bench.kv_fit import fit_run
+
+    return fit_run(spec)
+
+
 WORKERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "measure": worker_measure, "checkpoint": worker_checkpoint, "build": worker_build,
-    "bandwidth": worker_bandwidth, "batch": worker_batch,
+    "bandwidth": worker_bandwidth, "batch": worker_batch, "fit": worker_fit,
 }
 
 

@@ -38,7 +38,9 @@ from higgs_pack.manifests.errors import InputError
 from higgs_pack.runtime.loop.pipeline import check_decoder_room
 
 #: Bytes the CPU plugin keeps per token and KV head beside a u8/u4 cache: one f32 scale and
-#: one f32 zero point (its by-token quantization; group size 0 = the whole head).
+#: one f32 zero point (its by-token quantization; group size 0 = the whole head).  Read from
+#: the CPU plugin's by-token cache layout, not measured here: the plugin also grows its state
+#: buffers ahead of the positions written, which no count from outside sees.
 _QUANT_PARAM_BYTES = 8
 
 

@@ -415,6 +415,7 @@ BATCH_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("streamed f/s", "stream_aggregate_frames_per_s", "{:.1f}"),
     ("streamed/plain", "stream_over_plain", "{:.2f}x"),
     ("join 1st audio ms", "join_first_audio_ms", "{:.0f}"),
+    ("join splice ms", "join_splice_ms", "{:.1f}"),
     ("KV in use KiB", "max_kv_kib_in_use", "{:.0f}"),
 )
 

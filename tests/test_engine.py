@@ -160,9 +160,10 @@ def test_streamed_chunks_join_to_the_result(tts, alone):
         handle.result()
 
 
-def test_cancel_frees_the_row_and_a_queued_request_runs(tts, alone):
+def check_cancel_frees_the_row(tts, alone, timeout: float = 60.0) -> None:
     """Two long requests fill both rows and a short one waits; cancelling the first lets the
-    short one in (it finishes with its codes alone) while the second goes on."""
+    short one in (it finishes with its codes alone) while the second goes on.  Shared by every
+    backend's engine tests."""
     with tts.engine(max_batch=2) as engine:
         first = engine.submit("A long request that will be cancelled.", seed=7, max_frames=3000)
         second = engine.submit("A long request that goes on.", seed=7, max_frames=400)
@@ -170,12 +171,16 @@ def test_cancel_frees_the_row_and_a_queued_request_runs(tts, alone):
         _wait_for(lambda: engine.stats.steps >= 5, "5 steps")
         assert engine.waiting == 1 and not queued.done
         first.cancel()
-        got = queued.result(timeout=60)
+        got = queued.result(timeout=timeout)
         assert not second.done, "the short request should finish while the long one still runs"
         with pytest.raises(RequestCancelled):
             first.result(timeout=60)
-        assert second.result(timeout=60).codes.shape[0] > 0
+        assert second.result(timeout=timeout).codes.shape[0] > 0
     np.testing.assert_array_equal(got.codes, alone[2].codes)
+
+
+def test_cancel_frees_the_row_and_a_queued_request_runs(tts, alone):
+    check_cancel_frees_the_row(tts, alone)
 
 
 def test_submit_from_several_threads(tts, alone):

@@ -20,14 +20,14 @@ import time
 import numpy as np
 import openvino as ov
 import pytest
-from test_engine import REQUESTS, _PoisonedRow, _submit, _wait_for
+from test_engine import REQUESTS, _PoisonedRow, _submit, _wait_for, check_cancel_frees_the_row
 
 import higgs_pack
 from higgs_pack.manifests.errors import InputError, NumericalError
 from higgs_pack.runtime.backends import get_backend
 from higgs_pack.runtime.backends.openvino.batched import OvBatchedDecoder, cache_bytes_per_position
 from higgs_pack.runtime.backends.openvino.runners import OvStatefulDecoder
-from higgs_pack.runtime.loop.engine import Engine, RequestCancelled, SingleRowDecoder
+from higgs_pack.runtime.loop.engine import Engine, SingleRowDecoder
 
 #: Largest |batched - alone| / max|alone| of a hidden state with the u8 KV cache (int4 weights
 #: in both runs; the difference is the u8 cache quantized again at a splice).
@@ -271,21 +271,9 @@ def test_u8_codes_batched_versus_alone(tts, capsys):
 
 
 def test_cancel_frees_the_row_at_the_next_step(tts_f32, alone_f32):
-    """Two long requests fill both rows and a short one waits; cancelling the first frees its
-    row (its state row is dropped at the next step) and the short one runs with its codes alone."""
-    with tts_f32.engine(max_batch=2) as engine:
-        first = engine.submit("A long request that will be cancelled.", seed=7, max_frames=3000)
-        second = engine.submit("A long request that goes on.", seed=7, max_frames=400)
-        queued = _submit(engine, tts_f32, 2)
-        _wait_for(lambda: engine.stats.steps >= 5, "5 steps")
-        assert engine.waiting == 1 and not queued.done
-        first.cancel()
-        got = queued.result(timeout=120)
-        assert not second.done, "the short request should finish while the long one still runs"
-        with pytest.raises(RequestCancelled):
-            first.result(timeout=60)
-        assert second.result(timeout=120).codes.shape[0] > 0
-    np.testing.assert_array_equal(got.codes, alone_f32[2].codes)
+    """Cancelling a row drops its state row at the next step and a queued request runs with its
+    codes alone (the scenario of tests/test_engine.py, on the spliced OpenVINO state)."""
+    check_cancel_frees_the_row(tts_f32, alone_f32, timeout=120)
 
 
 def test_a_row_with_non_finite_output_fails_that_request_alone(tts_f32, alone_f32):

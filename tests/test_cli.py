@@ -247,6 +247,16 @@ def test_closed_pipe_without_stream_is_reported_like_the_stream(cpu_int4_bundle)
 # ------------------------------------------------ --batch: a folder of wavs, one per line
 
 
+def _as_at_a_terminal() -> None:
+    """``preexec_fn`` of a child that a test stops with SIGINT: restore SIGINT's default action.
+    A shell that starts the test run in the background (``cmd &``, nohup) sets SIGINT to be
+    ignored, children inherit that, and Python then installs no KeyboardInterrupt handler, so
+    the signal would do nothing; Ctrl-C at a terminal meets the default action."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _manifest(folder: Path) -> dict:
     import json
 
@@ -354,7 +364,8 @@ def test_batch_killed_or_interrupted_keeps_finished_files_and_resumes(cpu_int4_b
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
 
     def start_and_stop(sig: int, written_before: int) -> tuple[subprocess.CompletedProcess, dict]:
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                preexec_fn=_as_at_a_terminal)
         deadline = time.monotonic() + 240
         while True:  # until the manifest lists a file this run wrote
             try:
@@ -434,7 +445,7 @@ def test_a_streamed_wav_stopped_by_a_signal_is_a_complete_wav_of_what_was_writte
     command = [*HIGGS, "synthesize", str(cpu_int4_bundle), "-t", text, "--stream", "-o", str(wav),
                "--max-frames", "2000", "--no-progress"]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                            env={**os.environ, "PYTHONWARNINGS": "ignore"}, preexec_fn=_as_at_a_terminal)
     deadline = time.monotonic() + 240
     while not (wav.exists() and wav.stat().st_size > 44 + 2 * 24000):  # a second of audio is in the file
         assert proc.poll() is None, proc.communicate()

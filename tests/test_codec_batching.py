@@ -16,7 +16,12 @@ import numpy as np
 import pytest
 
 import higgs_pack
-from higgs_pack.runtime.loop.codec_batch import BATCH_ATOL, CodecBatcher, CodecRunError, batch_support
+from higgs_pack.runtime.loop.codec_batch import (
+    BATCH_ATOL,
+    CodecBatcher,
+    CodecRunError,
+    batch_support,
+)
 from higgs_pack.runtime.loop.engine import RequestCancelled
 from higgs_pack.runtime.loop.generate import decode_codes
 
@@ -256,7 +261,7 @@ def test_a_failing_window_fails_only_its_request(tts_fp32):
         with batcher.stream():
             start.wait()
             try:
-                return batcher.decode((good + [bad])[i], i)
+                return batcher.decode([*good, bad][i], i)
             except CodecRunError as exc:
                 return exc
 

@@ -265,7 +265,15 @@ class CodecBatcher:
                 jobs = self._next_run()
                 if jobs is None:
                     return
-                self._run(jobs)
+                try:
+                    self._run(jobs)
+                except BaseException as exc:  # a bug here: the windows taken must not wait forever
+                    for job in jobs:
+                        if not job.done.is_set():
+                            job.error = CodecRunError(f"the engine's codec thread stopped on an error ({exc!r})")
+                            job.error.__cause__ = exc
+                            job.done.set()
+                    raise
         finally:
             with self._cond:
                 self._closed = True

@@ -28,6 +28,17 @@ default ONNX Runtime's one intra-op worker per core, spinning only within a run,
 and a decoder step overlap they share the cores, as they did before, but never more than one
 codec run does.
 
+What batching cannot do on a small CPU: the codec's work per frame exceeds the decoder's.  On
+the bench bundles (AMD EPYC, 2 vCPUs, load 10-13) the codec takes 13-20 ms per window frame
+alone or batched (rows of a batch cost about the same per frame: the convolutions are
+compute-bound), and a 100-frame request streamed with the default schedule decodes 166 window
+frames (21 + 42 + 62 + 41: each core with 11 frames of context per side), about 25-33 ms of codec
+per frame, against a cpu int4 engine step of 10 ms at batch 1 and 5.5 ms per frame at batch 8.
+Streamed throughput then stays well under the plain run's (``stream_over_plain`` 0.57-0.65 at
+batch 1-8 on cpu int4, ``python -m higgs_pack.targets.bench --batch 1,2,4,8``) until the codec
+gets cheaper per frame (fewer context frames per window, a stateful export that keeps the left
+context's activations, a quantized codec) or cores of its own.
+
 Exactness: only windows of the same length are stacked, never padded.  Padding a window with
 codes would change its output: the codec's convolutions zero-pad at the input's end, and pad
 codes are not zeros once embedded, so a window whose end is the real end of the input (the

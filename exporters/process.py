@@ -262,11 +262,14 @@ class ToolRun:
         seconds: wall time.
         peak_rss_mb: peak resident memory of the tool and its descendants, MiB (sampled
             every :data:`SAMPLE_INTERVAL_S`).
+        peak_anon_mb: peak of their anonymous (not file-backed) resident memory, MiB: what
+            must fit in memory (memory-mapped inputs are file-backed).
     """
 
     returncode: int | None
     seconds: float
     peak_rss_mb: float
+    peak_anon_mb: float = 0.0
 
 
 def run_tool(command: list[str], log_path: Path, *, env: dict[str, str] | None = None,
@@ -283,7 +286,7 @@ def run_tool(command: list[str], log_path: Path, *, env: dict[str, str] | None =
     Returns:
         A :class:`ToolRun`; ``returncode`` None when it was killed for the timeout.
     """
-    peak = 0
+    peak = peak_anon = 0
     start = time.perf_counter()
     with Path(log_path).open("w") as log:
         log.write("$ " + " ".join(command) + "\n")
@@ -294,12 +297,13 @@ def run_tool(command: list[str], log_path: Path, *, env: dict[str, str] | None =
                 child.wait(timeout=SAMPLE_INTERVAL_S)
                 break
             except subprocess.TimeoutExpired:
-                peak = max(peak, tree_rss(child.pid))
+                rss, anon = tree_memory(child.pid)
+                peak, peak_anon = max(peak, rss), max(peak_anon, anon)
                 if timeout_s is not None and time.perf_counter() - start > timeout_s:
                     child.kill()
                     child.wait()
-                    return ToolRun(None, time.perf_counter() - start, peak / 2**20)
-    return ToolRun(child.returncode, time.perf_counter() - start, peak / 2**20)
+                    return ToolRun(None, time.perf_counter() - start, peak / 2**20, peak_anon / 2**20)
+    return ToolRun(child.returncode, time.perf_counter() - start, peak / 2**20, peak_anon / 2**20)
 
 
 def _child(spec_path: str) -> int:

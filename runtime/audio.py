@@ -286,8 +286,8 @@ class AudioSink:
                 samples = np.clip(samples, -1.0, 1.0)
         if self._file is not None:
             self._file.write(samples)
+            self.samples_written = self._file.frames  # what is in the file, even if a signal stops us here
             self._file.flush()
-            self.samples_written += len(samples)
         elif self._stream is not None:
             data = pcm_samples(samples, self.subtype)
             # In pieces of at most a pipe's capacity, each flushed: one large write that the
@@ -300,7 +300,8 @@ class AudioSink:
                 self.samples_written += len(data[start:start + step])
 
     def close(self) -> None:
-        """Finalise a file's header (idempotent); a stream is left open for its owner."""
+        """Finalise a file's header: libsndfile sets its RIFF and data sizes to the samples
+        written (idempotent; until then they say 0).  A stream is left open for its owner."""
         if self._file is not None:
             self._file.close()
             self._file = None

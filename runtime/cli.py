@@ -8,6 +8,7 @@ of them runs, so a runtime-only install (no torch) works.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import logging
@@ -313,24 +314,16 @@ def _synthesize_batch(bundle, text, text_file, output: Path, ref_audio, ref_text
     def say(message: str, is_error: bool) -> None:
         (bar.write if not quiet else click.echo)(message, **({"file": sys.stderr} if is_error else {}))
 
-    import signal
-
-    def terminated(signum, frame) -> None:  # SIGTERM (timeout, systemd, Kubernetes) stops as Ctrl-C does
-        raise _Terminated
-
-    previous_handler = signal.signal(signal.SIGTERM, terminated)
     try:
-        outcome = run_batch(tts, [lines[i] for i in todo], [requests[i] for i in todo], manifest, output,
-                            max_batch=batch, subtype=subtype, say=say,
-                            progress=lambda n: bar.update(n - bar.n))
+        with _sigterm_as_interrupt():
+            outcome = run_batch(tts, [lines[i] for i in todo], [requests[i] for i in todo], manifest, output,
+                                max_batch=batch, subtype=subtype, say=say,
+                                progress=lambda n: bar.update(n - bar.n))
     except KeyboardInterrupt as exc:
         bar.close()
-        how = "stopped (SIGTERM)" if isinstance(exc, _Terminated) else "interrupted (Ctrl-C)"
-        click.echo(f"{how}: {len(manifest.files)} of {len(lines)} lines written, listed in "
+        click.echo(f"{_how_stopped(exc)}: {len(manifest.files)} of {len(lines)} lines written, listed in "
                    f"{output / MANIFEST}; run the same command again to do the rest", err=True)
         sys.exit(EXIT_TERMINATED if isinstance(exc, _Terminated) else EXIT_INTERRUPTED)
-    finally:
-        signal.signal(signal.SIGTERM, previous_handler)
     bar.close()
     notes = [f"{outcome.skipped} skipped: already written"] if outcome.skipped else []
     notes += [f"{outcome.failed} failed, listed in its errors"] if outcome.failed else []
@@ -352,7 +345,30 @@ EXIT_TERMINATED = 128 + 15
 
 
 class _Terminated(KeyboardInterrupt):
-    """SIGTERM during a batch: handled as Ctrl-C is (the manifest says ``interrupted``)."""
+    """SIGTERM during a batch or a stream: handled as Ctrl-C is (a batch's manifest says
+    ``interrupted``; a streamed file is closed as a complete WAV of what was written)."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """While inside: SIGTERM (a timeout, systemd, Kubernetes) raises :class:`_Terminated`, a
+    KeyboardInterrupt, so it stops the work as Ctrl-C does; the previous handler after."""
+    import signal
+
+    def terminated(signum, frame) -> None:
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _how_stopped(exc: KeyboardInterrupt) -> str:
+    return "stopped (SIGTERM)" if isinstance(exc, _Terminated) else "interrupted (Ctrl-C)"
+
+
 #: Said when some text chunk stopped at its frame cap, not where the model ended the speech.
 FRAME_CAP_NOTE = "note: the frame cap was reached before the model ended the speech (raise it with --max-frames)"
 
@@ -360,8 +376,8 @@ FRAME_CAP_NOTE = "note: the frame cap was reached before the model ended the spe
 def _stream_out(tts, request, output: Path, subtype: str, fmt: str, bar, streaming: bool, progress) -> None:
     """Write speech to ``output`` (a .wav path or ``-``) piece by piece as it is generated.
 
-    Ctrl-C stops generation and leaves a valid WAV of what was written (exit 130); a
-    closed stdout pipe stops it quietly (exit 141), with or without --stream. Without
+    Ctrl-C (exit 130) or SIGTERM (exit 143) stops generation and leaves a valid WAV of what
+    was written (its header's sizes set to it, and said so); a closed stdout pipe stops it quietly (exit 141), with or without --stream. Without
     --stream (stdout only) the whole utterance is synthesized first and written at once.
     Nothing is opened or written before the loop has accepted the request.
     """
@@ -376,18 +392,20 @@ def _stream_out(tts, request, output: Path, subtype: str, fmt: str, bar, streami
     sink, results = None, []
     status, note = 0, ""
     try:
-        if speech is None:
-            result = tts.synthesize(request, progress=progress)
-            results = result.chunks
-            sink = AudioSink(sys.stdout.buffer, rate, subtype=subtype, container=fmt)
-            sink.write(result.samples)
-        else:
-            sink = AudioSink(sys.stdout.buffer if to_stdout else output, rate, subtype=subtype, container=fmt)
-            for chunk in speech:
-                sink.write(chunk.samples)
-            results = speech.results
-    except KeyboardInterrupt:
-        status, note = EXIT_INTERRUPTED, "interrupted (Ctrl-C): "
+        with _sigterm_as_interrupt():
+            if speech is None:
+                result = tts.synthesize(request, progress=progress)
+                results = result.chunks
+                sink = AudioSink(sys.stdout.buffer, rate, subtype=subtype, container=fmt)
+                sink.write(result.samples)
+            else:
+                sink = AudioSink(sys.stdout.buffer if to_stdout else output, rate, subtype=subtype, container=fmt)
+                for chunk in speech:
+                    sink.write(chunk.samples)
+                results = speech.results
+    except KeyboardInterrupt as exc:
+        status = EXIT_TERMINATED if isinstance(exc, _Terminated) else EXIT_INTERRUPTED
+        note = f"{_how_stopped(exc)}: "
     except BrokenPipeError:
         # The reader went away: nothing more can reach it. Point stdout at /dev/null so
         # that Python's own flush at exit does not fail again (Python's signal docs).
@@ -401,6 +419,9 @@ def _stream_out(tts, request, output: Path, subtype: str, fmt: str, bar, streami
             sink.close()
         bar.close()
     _say_written(note, sink, rate, where, results if not status else [], speech)
+    if status in (EXIT_INTERRUPTED, EXIT_TERMINATED) and sink is not None and not to_stdout:
+        click.echo(f"{output} is a complete WAV of the audio written before the stop (its RIFF and data sizes "
+                   "were set to it)", err=True)
     if status:
         sys.exit(status)
 

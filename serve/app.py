@@ -9,6 +9,8 @@ Bearer <key>`` (compared in constant time).  Every error is OpenAI's body shape.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -123,10 +125,49 @@ class _CountRequests:
                 status[0] = message["status"]
             await send(message)
 
+        key = object()
+        client = scope.get("client") or ("?", 0)
+        IN_FLIGHT[key] = (f"{scope['method']} {path} from {client[0]}:{client[1]}", time.monotonic())
         try:
             await self.app(scope, receive, sending)
         finally:
+            del IN_FLIGHT[key]
             self.metrics.requests.labels(route, str(status[0])).inc()
+
+
+#: The HTTP requests being answered now: key -> (``"METHOD PATH from HOST:PORT"``, monotonic start),
+#: kept by :class:`_CountRequests`; :class:`CutOffLog` names them when the grace period ends.
+IN_FLIGHT: dict[object, tuple[str, float]] = {}
+
+
+class CutOffLog(logging.Filter):
+    """A filter for uvicorn's ``uvicorn.error`` logger that makes a stop past the grace period
+    one clean line: uvicorn's "Cancel N running task(s), timeout graceful shutdown exceeded"
+    becomes a warning naming the requests cut off (what, from whom, how long they ran), and its
+    "Exception in ASGI application" traceback of each of them (the cancellation uvicorn itself
+    sent) is dropped.  Other records pass unchanged.
+
+    Args:
+        grace_seconds: the ``--grace-seconds`` the line quotes.
+    """
+
+    def __init__(self, grace_seconds: float):
+        super().__init__()
+        self.grace_seconds = grace_seconds
+        self.cutting = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg.startswith("Cancel %s running task(s), timeout graceful shutdown exceeded"):
+            now = time.monotonic()
+            named = [f"{what} ({now - since:.1f} s in)" for what, since in list(IN_FLIGHT.values())]
+            record.msg, record.args = ("grace period of %g s over: cutting off %d request(s) still in flight: %s",
+                                       (self.grace_seconds, len(named), "; ".join(named) or "none"))
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            self.cutting = True
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (self.cutting and isinstance(exc, asyncio.CancelledError)
+                    and record.msg.startswith("Exception in ASGI application"))
 
 
 def _check_key(server: SpeechServer, request: Request) -> None:
@@ -193,8 +234,10 @@ def _routes(app: FastAPI, server: SpeechServer) -> None:
         _check_key(server, request)
         t0 = time.perf_counter()
         body = await _json_body(request, body_limit)
-        job = await anyio.to_thread.run_sync(
-            lambda: parse_speech(body, models=server.models, voices=server.voices, config=config))
+        parse = functools.partial(parse_speech, body, models=server.models, voices=server.voices, config=config)
+        # Checking the fields takes microseconds: on a worker thread only when it reads a file or decodes
+        # a clip (a ref_audio, or a stored voice in --voices-dir), not a thread round trip for every request.
+        job = await anyio.to_thread.run_sync(parse) if _parse_blocks(body, server) else parse()
         server.admit()
         try:
             handle = await server.submit(job)
@@ -210,8 +253,8 @@ def _routes(app: FastAPI, server: SpeechServer) -> None:
                 _finish(server, t0, answer)
             return Response(data, media_type=media_type(job.response_format), headers=headers)
 
-        def close() -> None:
-            handle.cancel()  # a no-op once it finished; frees the row when the client left
+        def close() -> None:  # the one cancel of a stream: a no-op once it finished, frees the row when the client left
+            handle.cancel()
             _finish(server, t0, answer)
 
         kind = "text/event-stream" if job.stream_format == "sse" else media_type(job.response_format)
@@ -301,6 +344,16 @@ class _Stream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._close()
+
+
+def _parse_blocks(body: Any, server: SpeechServer) -> bool:
+    """Whether checking ``body`` may block: it carries a reference clip (decoded, or read under
+    --allow-local-media), or names a voice other than the default that the store reads from its folder."""
+    if not isinstance(body, dict):
+        return False
+    if body.get("ref_audio") is not None or body.get("references") is not None:
+        return True
+    return server.voices.folder is not None and body.get("voice", DEFAULT_VOICE) != DEFAULT_VOICE
 
 
 def _finish(server: SpeechServer, t0: float, answer: Answer) -> None:

@@ -27,8 +27,9 @@ Sizing (the defaults of :func:`deployment` and :func:`build_app`):
 - ``max_ongoing_requests`` per replica is the server's capacity, ``max_batch + max_queue``
   (20 with the defaults): Ray sends a replica no more than it admits, and queues the rest
   itself (``max_queued_requests``, unbounded by default; set it to answer 503 beyond).
-  Without ``max_batch``, 4 rows are assumed; a backend that cannot batch (OpenVINO) runs one
-  row, so give ``max_batch=1`` there or the replica answers 429 beyond ``1 + max_queue``.
+  Without ``max_batch``, 4 rows are assumed; a bundle that cannot batch (the NPU variant,
+  OpenVINO on a GPU) runs one row, so give ``max_batch=1`` there or the replica answers 429
+  beyond ``1 + max_queue``.
 - autoscaling's ``target_ongoing_requests`` is :func:`target_ongoing_requests`: the batch's
   rows plus half of them waiting (6 for 4 rows).  Below the rows a replica's batch still has
   room, and the engine reads the decoder's weights once per step for all its rows, so a

@@ -211,7 +211,9 @@ class SpeechServer:
 
     async def chunks(self, handle: EngineHandle, job: SpeechJob, answer: Answer) -> AsyncIterator[bytes]:
         """The bytes of a streamed answer (``stream_format`` "audio" or "sse") as chunks are
-        generated; the request is cancelled if the stream is dropped (the client left)."""
+        generated.  The caller cancels ``handle`` once the stream ends however it ends (the app's
+        ``_Stream`` does, also when the client left before the first byte and this generator
+        never started), so a dropped stream frees its row."""
         sse = job.stream_format == "sse"
         encoder = StreamEncoder(job.response_format, self.tts.sample_rate)
         stream = iter(handle)
@@ -241,8 +243,6 @@ class SpeechServer:
             if not sse:
                 raise  # the connection is cut: a truncated stream, never a wrong one
             yield sse_error(f"generation failed: {exc}", "generation_failed")
-        finally:
-            handle.cancel()  # a no-op when it finished; frees the row when the client left
 
 
 #: The runtime's advice in CLI and Python terms -> how a client of this server follows it.

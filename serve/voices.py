@@ -6,7 +6,8 @@ and, in its metadata, the transcript, when it was made and the sha256 of the cod
 encoded it (a voice made by another codec is not offered: its codes would mean other sounds).
 Files are written to a temporary name and renamed, so a crash leaves no half voice.  The folder
 is the truth: listing reads it again and a name is looked up in it, so servers (or Ray replicas)
-sharing one folder see each other's voices.
+sharing one folder see each other's voices.  A file that is not a usable voice (damaged, or
+made by another codec) is warned about once, and again only when it changes (its mtime or size).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class VoiceStore:
         self.folder = Path(folder) if folder is not None else None
         self.codec_sha256 = codec_sha256
         self._voices: dict[str, tuple[PreparedVoice, dict[str, str]]] = {}
+        self._unusable: dict[str, str] = {}  # name -> version of a file found unusable (warned about once)
         self._lock = threading.Lock()
         if self.folder is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -73,22 +75,36 @@ class VoiceStore:
         seen = {}
         for path in sorted(self.folder.glob(f"*{SUFFIX}")):
             name = path.name[: -len(SUFFIX)]
-            try:
-                seen[name] = path.stat().st_mtime_ns
-            except FileNotFoundError:  # removed meanwhile
+            version = _version(path)
+            if version is None:  # removed meanwhile
                 continue
-            with self._lock:
-                known = self._voices.get(name)
-            if known is not None and known[1].get("_mtime_ns") == str(seen[name]):
-                continue
-            found = self._read(path, name)
-            if found is not None:
-                found[1]["_mtime_ns"] = str(seen[name])
-                with self._lock:
-                    self._voices[name] = found
+            seen[name] = version
+            self._refresh(path, name, version)
         with self._lock:
             for name in [n for n in self._voices if n not in seen]:
                 del self._voices[name]
+            for name in [n for n in self._unusable if n not in seen]:
+                del self._unusable[name]
+
+    def _refresh(self, path: Path, name: str, version: str) -> tuple[PreparedVoice, dict[str, str]] | None:
+        """The voice in ``path`` at ``version`` (its mtime and size): the one in memory when it
+        is that version, else read again; None for a file found unusable (said once per version)."""
+        with self._lock:
+            known = self._voices.get(name)
+            if self._unusable.get(name) == version:
+                return None
+        if known is not None and known[1].get("_version") == version:
+            return known
+        found = self._read(path, name)
+        with self._lock:
+            if found is None:
+                self._voices.pop(name, None)
+                self._unusable[name] = version
+                return None
+            found[1]["_version"] = version
+            self._voices[name] = found
+            self._unusable.pop(name, None)
+        return found
 
     def _read(self, path: Path, name: str) -> tuple[PreparedVoice, dict[str, str]] | None:
         from safetensors import safe_open
@@ -118,23 +134,14 @@ class VoiceStore:
         since is found; one it removed is gone)."""
         if self.folder is not None and name_problem(name) is None:
             path = self.folder / f"{name}{SUFFIX}"
-            with self._lock:
-                known = self._voices.get(name)
-            try:
-                mtime = str(path.stat().st_mtime_ns)
-            except FileNotFoundError:
-                mtime = None
-            if mtime is None:
+            version = _version(path)
+            if version is None:
                 with self._lock:
                     self._voices.pop(name, None)
+                    self._unusable.pop(name, None)
                 return None
-            if known is None or known[1].get("_mtime_ns") != mtime:
-                found = self._read(path, name)
-                if found is None:
-                    return None
-                found[1]["_mtime_ns"] = mtime
-                with self._lock:
-                    self._voices[name] = found
+            found = self._refresh(path, name, version)
+            return found[0] if found else None
         with self._lock:
             found = self._voices.get(name)
         return found[0] if found else None
@@ -173,9 +180,10 @@ class VoiceStore:
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
-            meta = {**meta, "_mtime_ns": str(target.stat().st_mtime_ns)}
+            meta = {**meta, "_version": _version(target) or ""}
         with self._lock:
             self._voices[voice.name] = (voice, meta)
+            self._unusable.pop(voice.name, None)
         return self.describe(voice.name)
 
     def delete(self, name: str) -> bool:
@@ -185,3 +193,12 @@ class VoiceStore:
         if found is not None and self.folder is not None:
             (self.folder / f"{name}{SUFFIX}").unlink(missing_ok=True)
         return found is not None
+
+
+def _version(path: Path) -> str | None:
+    """``"mtime_ns:size"`` of a voice file (a rewrite changes it), or None when it is gone."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return f"{st.st_mtime_ns}:{st.st_size}"

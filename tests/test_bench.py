@@ -555,12 +555,56 @@ def test_bench_batch_on_tiny_cpu_int4(cpu_int4_bundle, tmp_path):
         assert "Many requests at once (--batch)" in out.with_suffix(".html").read_text()
 
 
-def test_bench_batch_refused_on_tiny_openvino(ov_int4_bundle, tmp_path):
-    """The OpenVINO engine runs batch 1 and refuses batch 2: the row carries its reason, no number."""
+def test_bench_batch_on_tiny_openvino(ov_int4_bundle, tmp_path):
+    """The OpenVINO engine runs batch 1 and 2 on the CPU: batch 2 has its figures, the joining
+    request's splice time and KV bytes in use (the batched decoder counts its u8 cache: 192 B
+    per position on the tiny model; the batch-1 decoder states none)."""
     (rec,) = bench.run_bench(bench.BenchOptions(
         preset="tiny", systems=(), bundles=(str(ov_int4_bundle),), frames=24, repeats=1, warmup=0, contexts=(),
         bandwidth_mib=0, cache=str(tmp_path / "cache"), out=None, quiet=True, batch=(1, 2)))
     one, two = rec["batch"]["rows"]
     assert one["batch"] == 1 and one["aggregate_frames_per_s"] > 0 and one["max_kv_bytes_in_use"] is None
-    assert two == {"batch": 2, "refused": two["refused"]} and "OpenVINO" in two["refused"]
-    assert rec["batch"]["kv_bytes_per_position"] is None and rec["batch"]["fit_kv_source"] == "bench"
+    assert "join_splice_ms" not in one
+    assert two["batch"] == 2 and "refused" not in two and two["aggregate_frames_per_s"] > 0
+    assert two["join_splice_ms"] > 0 and two["max_kv_bytes_in_use"] > 0
+    assert rec["batch"]["kv_bytes_per_position"] == 192 and rec["batch"]["fit_kv_source"] == "engine"
+
+
+def test_bench_fit_run_on_tiny_cpu_int4(cpu_int4_bundle, tmp_path):
+    """``--fit-run``: the computed largest batch is run with every KV page written; the record
+    says how much the process really held against the budget (here a tiny one, which the
+    process's own baseline exceeds: the computation counts weights and KV only)."""
+    out = tmp_path / "bench.json"
+    code = bench.main(["--preset", "tiny", "--systems", "", "--bundle", str(cpu_int4_bundle), "--batch", "1",
+                       "--fit-memory-gib", "0.05", "--fit-run", "--frames", "8", "--repeats", "1", "--warmup", "0",
+                       "--contexts", "", "--bandwidth-mib", "0", "--cache", str(tmp_path / "cache"), "--out", str(out),
+                       "--quiet"])
+    assert code == 0
+    batch = json.loads(out.read_text())[0]["batch"]
+    per_position, budget = 2 * 2 * 2 * 16 * 4, int(0.05 * 2**30)
+    assert batch["fit_memory_bytes"] == budget
+    assert batch["fit_max_batch"] == (budget - batch["fit_weight_bytes"]) // (2000 * per_position) > 1
+    assert batch["fit_run_batch"] == batch["fit_max_batch"] and batch["fit_run_positions"] == 2000
+    # every row holds 2000 positions after the steps (1999 written, then the timed steps)
+    assert batch["fit_run_kv_bytes"] >= batch["fit_max_batch"] * 1999 * per_position
+    assert batch["fit_run_peak_rss_mb"] > batch["fit_run_load_rss_mb"] > 0 and batch["fit_run_step_ms"] > 0
+    assert batch["fit_run_fits"] is False  # a Python process with ONNX Runtime alone exceeds 51 MiB
+    assert "EXCEEDS the budget" in bench.render_batch([json.loads(out.read_text())[0]])
+
+
+def test_fill_kv_refuses_what_it_cannot_fill():
+    from higgs_pack.targets.bench.kv_fit import fill_kv
+
+    with pytest.raises(ValueError, match="keeps no host KV buffers"):
+        fill_kv(object(), 10)
+
+
+def test_bundle_spec_labels_a_quantized_kv_cache(cpu_int4_bundle, tmp_path):
+    """A ``--bundle`` with an int8 KV cache is its own system beside the float one of the same
+    target and precision (both can run side by side in one bench)."""
+    source = json.loads((cpu_int4_bundle / "manifest.json").read_text())
+    for kv, label in (("float", "cpu-int4"), ("int8", "cpu-int4-kv-int8")):
+        bundle = tmp_path / kv
+        bundle.mkdir()
+        (bundle / "manifest.json").write_text(json.dumps({**source, "kv_cache": kv}))
+        assert bench.bundle_spec(bundle).label == label

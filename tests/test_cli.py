@@ -421,3 +421,35 @@ def test_batch_usage_errors_before_the_bundle_is_looked_at(tmp_path, args, messa
     code, err = invoke("synthesize", tmp_path / "no-bundle", *[a.format(tmp=tmp_path) for a in args])
     assert code == 2 and message in err and "no such bundle" not in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_streamed_wav_stopped_by_a_signal_is_a_complete_wav_of_what_was_written(cpu_int4_bundle, tmp_path, sig):
+    import signal
+    import struct
+    import time
+
+    wav = tmp_path / "out.wav"
+    text = " ".join(f"This is sentence number {i} of a long text to speak." for i in range(1, 30))
+    command = [*HIGGS, "synthesize", str(cpu_int4_bundle), "-t", text, "--stream", "-o", str(wav),
+               "--max-frames", "2000", "--no-progress"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    deadline = time.monotonic() + 240
+    while not (wav.exists() and wav.stat().st_size > 44 + 2 * 24000):  # a second of audio is in the file
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no audio within 240 s"
+        time.sleep(0.01)
+    proc.send_signal(getattr(signal, sig))
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == {"SIGTERM": 143, "SIGINT": 130}[sig], stderr
+    head = wav.read_bytes()[:44]
+    size = wav.stat().st_size
+    assert head[:4] == b"RIFF" and struct.unpack("<I", head[4:8])[0] == size - 8
+    assert head[36:40] == b"data" and struct.unpack("<I", head[40:44])[0] == size - 44
+    samples, rate = sf.read(wav, dtype="float32")
+    assert rate == 24000 and len(samples) == (size - 44) // 2 >= 24000
+    how = {"SIGTERM": "stopped (SIGTERM)", "SIGINT": "interrupted (Ctrl-C)"}[sig]
+    assert f"{how}: wrote {len(samples) / 24000:.2f} s at 24000 Hz to {wav}" in stderr, stderr
+    assert f"{wav} is a complete WAV of the audio written before the stop" in stderr
+    assert "Traceback" not in stderr

@@ -160,9 +160,10 @@ def test_streamed_chunks_join_to_the_result(tts, alone):
         handle.result()
 
 
-def test_cancel_frees_the_row_and_a_queued_request_runs(tts, alone):
+def check_cancel_frees_the_row(tts, alone, timeout: float = 60.0) -> None:
     """Two long requests fill both rows and a short one waits; cancelling the first lets the
-    short one in (it finishes with its codes alone) while the second goes on."""
+    short one in (it finishes with its codes alone) while the second goes on.  Shared by every
+    backend's engine tests."""
     with tts.engine(max_batch=2) as engine:
         first = engine.submit("A long request that will be cancelled.", seed=7, max_frames=3000)
         second = engine.submit("A long request that goes on.", seed=7, max_frames=400)
@@ -170,12 +171,16 @@ def test_cancel_frees_the_row_and_a_queued_request_runs(tts, alone):
         _wait_for(lambda: engine.stats.steps >= 5, "5 steps")
         assert engine.waiting == 1 and not queued.done
         first.cancel()
-        got = queued.result(timeout=60)
+        got = queued.result(timeout=timeout)
         assert not second.done, "the short request should finish while the long one still runs"
         with pytest.raises(RequestCancelled):
             first.result(timeout=60)
-        assert second.result(timeout=60).codes.shape[0] > 0
+        assert second.result(timeout=timeout).codes.shape[0] > 0
     np.testing.assert_array_equal(got.codes, alone[2].codes)
+
+
+def test_cancel_frees_the_row_and_a_queued_request_runs(tts, alone):
+    check_cancel_frees_the_row(tts, alone)
 
 
 def test_submit_from_several_threads(tts, alone):
@@ -227,13 +232,15 @@ def test_bad_submissions_are_refused_at_once_and_close_stops_everything(tts):
         engine.submit("Too late.")
 
 
-def test_max_batch_is_checked_and_openvino_refuses_to_batch(tts):
+def test_max_batch_is_checked_and_openvino_refuses_a_decoder_it_cannot_batch(tts):
+    """OpenVINO batches its stateful decoder (tests/test_engine_openvino.py); any other decoder
+    (the npu variant's static one; here ONNX Runtime's) is refused above batch 1, saying why."""
     with pytest.raises(InputError, match="max_batch must be a whole number >= 1"):
         tts.engine(max_batch=0)
     with pytest.raises(InputError, match="more than the decoder's context"):
         tts.engine(max_batch=2, max_length=10 ** 7)
     openvino = get_backend("openvino")
-    with pytest.raises(InputError, match="lockstep"):
+    with pytest.raises(InputError, match=r"static shapes take batch 1.*without --npu"):
         openvino.batched_decoder(tts.pipeline, 2, 512)
     assert openvino.batched_decoder(tts.pipeline, 1, 512).max_batch == 1
 

@@ -89,6 +89,28 @@ def test_int4_subparts_compute_in_f32_on_the_cpu(ov_bundles):
             assert "uint8" in str(parts["llm_decoder"].compiled.get_property("KV_CACHE_PRECISION"))
 
 
+def test_the_npu_variant_takes_batch_1_and_the_int4_bundle_batches_on_the_cpu(ov_bundles):
+    """engine(max_batch > 1): the npu variant's static decoder is refused, naming its batch and
+    the bundle that batches, and the server then serves it one request at a time saying so; the
+    stateful int4 bundle gets the batched decoder."""
+    import higgs_pack
+    from higgs_pack.manifests.errors import InputError
+    from higgs_pack.runtime.backends.openvino.batched import OvBatchedDecoder
+    from higgs_pack.serve.server import _make_engine
+
+    with higgs_pack.load(ov_bundles["npu"], "cpu", cache_dir=False) as npu:
+        with pytest.raises(InputError, match=r"static shapes take batch 1.*without --npu"):
+            npu.engine(max_batch=2)
+        with npu.engine(max_batch=1) as engine:
+            assert engine.max_batch == 1
+            assert engine.submit("Hello.", seed=0, max_frames=20).result(timeout=120).codes.shape[0] > 0
+        engine, note = _make_engine(npu, None, None)
+        with engine:
+            assert engine.max_batch == 1 and note.startswith("one request at a time: ") and "batch 1" in note
+    with higgs_pack.load(ov_bundles["int4"], "cpu", cache_dir=False) as int4, int4.engine(max_batch=2) as engine:
+        assert isinstance(engine.decoder, OvBatchedDecoder) and engine.max_batch == 2
+
+
 def _copy(bundle: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(bundle, tmp_path / bundle.name))
 

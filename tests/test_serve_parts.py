@@ -55,6 +55,24 @@ def test_the_voice_store_skips_what_it_cannot_use(tmp_path, caplog):
         memory.add(_voice("../escape"))
 
 
+def test_a_damaged_voice_file_is_warned_about_once_per_version(tmp_path, caplog):
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(b"not a safetensors file")
+    store = VoiceStore(tmp_path, "c0dec")
+    for _ in range(3):
+        assert store.get("broken") is None and store.names() == []
+    assert caplog.text.count("not a usable voice") == 1, caplog.text
+    broken.write_bytes(b"still not a safetensors file")  # changed (size): said again, once
+    for _ in range(3):
+        assert store.get("broken") is None and store.names() == []
+    assert caplog.text.count("not a usable voice") == 2, caplog.text
+    VoiceStore(tmp_path / "x", "c0dec").add(_voice("broken"))  # repaired: a good file of that name is served
+    (tmp_path / "x" / "broken.safetensors").replace(broken)
+    assert store.get("broken") is not None and store.names() == ["broken"]
+    broken.unlink()
+    assert store.get("broken") is None and store.names() == []
+
+
 @pytest.mark.parametrize(("name", "ok"), [("narrator", True), ("a.b-c_1", True), ("x" * 64, True), ("x" * 65, False),
                                           ("../x", False), ("a/b", False), ("a\\b", False), (".hidden", False),
                                           ("", False), ("default", False), ("a..b", False), (None, False)])

@@ -50,6 +50,13 @@ system generates exactly ``--frames`` frames), after one warm-up run:
     the last-level cache (``machine.llc_bytes``); otherwise ``cache_resident`` is true and
     no fraction is given (see :func:`~higgs_pack.targets.bench.records._roofline`).
 
+``decoder_step`` records (with ``llama.cpp-q4_0`` / ``llama.cpp-q4_k_m`` in ``--systems``)
+    the bare decoder step of B rows (``--step-batch``, default 1,4) after a prefill of each
+    ``--contexts`` length, for every bundle and for llama.cpp running the same Qwen3 weights
+    at that quant (converted with llama.cpp's own converter, cached under
+    ``$HIGGS_PACK_CACHE/llama.cpp/``), each in its own process, in turns
+    (:mod:`~higgs_pack.targets.bench.decoder_steps`, :mod:`~higgs_pack.targets.bench.llama_cpp`;
+    needs the ``[llamacpp]`` extra). ``--steps-only`` skips the loop measurements.
 ``batch`` (with ``--batch 1,2,4,8``)
     every bundle's continuous-batching engine at those batch sizes, in its own process
     (:mod:`~higgs_pack.targets.bench.batch`): per size aggregate and per-request frames/s,
@@ -76,6 +83,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from higgs_pack.targets.bench.decoder_steps import KIND as STEP_KIND
+from higgs_pack.targets.bench.decoder_steps import render_steps
 from higgs_pack.targets.bench.records import (
     BUILD_MEMORY_BUDGET_MB,
     COLUMNS,
@@ -102,6 +111,7 @@ from higgs_pack.targets.bench.systems import (
     DEFAULT_FRAMES,
     DEFAULT_REPEATS,
     DEFAULT_SYSTEMS,
+    FIT_MEMORY_BYTES,
     PRESETS,
     PYTORCH,
     SystemSpec,
@@ -145,6 +155,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", default="", metavar="B,B,...",
                    help="also measure every bundle's engine (tts.engine(max_batch=B)) at these batch sizes, "
                         "e.g. 1,2,4,8 (default: none)")
+    p.add_argument("--fit-memory-gib", type=float, default=FIT_MEMORY_BYTES / 2**30,
+                   help="memory budget of the largest batch at 2,000 positions that --batch computes "
+                        f"(default {FIT_MEMORY_BYTES / 2**30:g})")
+    p.add_argument("--fit-run", action="store_true",
+                   help="with --batch: also run that largest batch (every KV page written, a few steps) and "
+                        "record its peak RSS against the budget; it commits the whole budget: run it alone")
+    p.add_argument("--step-batch", default="1,4", metavar="B,B,...",
+                   help="batch sizes of the decoder-step comparison with llama.cpp systems (default 1,4)")
+    p.add_argument("--steps-only", action="store_true",
+                   help="with llama.cpp-* systems: time only the bare decoder step of every system "
+                        "side by side, not the generation loop")
+    p.add_argument("--llama-threads", type=int, metavar="N",
+                   help="llama.cpp threads (default: the CPUs this process may use, as ONNX Runtime's pool)")
     p.add_argument("--timeout", type=float, help="seconds allowed per measuring process")
     p.add_argument("--out", default="dist/bench.json",
                    help="JSON records file, charted into the same name with .html ('' = do not write)")
@@ -171,6 +194,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     batch = parse_batch(args.batch)
     if isinstance(batch, str):
         _parser().error(batch)
+    if not args.fit_memory_gib > 0:
+        _parser().error(f"--fit-memory-gib must be positive, got {args.fit_memory_gib}")
+    if args.fit_run and not batch:
+        _parser().error("--fit-run needs --batch (it runs the batch --batch computes to fit)")
+    if args.llama_threads is not None and args.llama_threads < 1:
+        _parser().error(f"--llama-threads must be >= 1, got {args.llama_threads}")
+    step_batch = parse_batch(args.step_batch)
+    if isinstance(step_batch, str) or not step_batch:
+        _parser().error(f"--step-batch: {step_batch or 'give at least one size'}".replace("--batch", "sizes"))
     options = BenchOptions(
         preset=args.preset, systems=tuple(s for s in args.systems.split(",") if s.strip()),
         bundles=tuple(args.bundle), frames=args.frames, repeats=args.repeats, rounds=args.rounds,
@@ -178,7 +210,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         seed=args.seed, text=args.text, checkpoint=args.checkpoint, cache=args.cache,
         rebuild=args.rebuild, bandwidth_mib=args.bandwidth_mib, contexts=contexts, out=args.out or None,
         append=args.append, timeout=args.timeout, quiet=args.quiet, build_only=args.build_only,
-        batch=batch,
+        batch=batch, fit_run=args.fit_run, fit_memory_bytes=int(args.fit_memory_gib * 2**30),
+        step_batch=step_batch, steps_only=args.steps_only, llama_threads=args.llama_threads,
     )
     from higgs_pack.manifests.errors import HiggsPackError
 
@@ -188,15 +221,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     builds = [r for r in records if r.get("kind") == "build"]
-    records = [r for r in records if r.get("kind") != "build"]
+    steps = [r for r in records if r.get("kind") == STEP_KIND]
+    records = [r for r in records if r.get("kind") is None]
     print(render_builds(builds))
     if records:
         print(render_table(records))
         if options.batch:
             print(render_batch(records))
         print(render_details(records))
+    if steps:
+        print(render_steps(steps))
     if options.out:
-        write_records(builds + records, Path(options.out), options.append)
+        write_records(builds + records + steps, Path(options.out), options.append)
         print(f"wrote {options.out}")
         try:
             print(f"wrote {write_html(Path(options.out))}")
@@ -205,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     over = [b["system"] for b in builds if (b.get("peak_rss_mb") or 0) > BUILD_MEMORY_BUDGET_MB]
     if over:
         print(f"builds over the {BUILD_MEMORY_BUDGET_MB} MB memory budget: {', '.join(over)}", file=sys.stderr)
-    failed = any("error" in r or "error" in (r.get("batch") or {}) for r in builds + records)
+    failed = any("error" in r or "error" in (r.get("batch") or {}) for r in builds + records + steps)
     return 1 if over or failed else 0
 
 

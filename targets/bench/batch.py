@@ -2,8 +2,8 @@
 engine (:meth:`higgs_pack.TTS.engine`) measured at several batch sizes in one process
 (:func:`measure_batches`, run as the ``batch`` worker of :mod:`~higgs_pack.targets.bench.workers`).
 
-For every batch size ``B`` the engine refuses (OpenVINO, the npu variant, cuda or dml: its
-``InputError``), the row says why and carries no number.  For the others, ``repeats`` rounds
+For every batch size ``B`` the engine refuses (OpenVINO's npu variant or a device other than
+CPU, cuda or dml: its ``InputError``), the row says why and carries no number.  For the others, ``repeats`` rounds
 take the sizes in turn (a machine that slows down meanwhile weighs on every size alike), each
 size with a fresh engine per run, after ``warmup`` untimed plain and streamed runs per size:
 
@@ -155,11 +155,13 @@ def _join_run(tts: Any, batch: int, spec: dict[str, Any], marks: list[tuple[floa
         speech = iter(joiner)
         next(speech)
         first_audio_ms = speech.first_audio_s * 1e3
+        splice_s = getattr(engine.decoder, "last_splice_seconds", None)  # OpenVINO: the joiner's splice
         rows_then = max((rows for _, rows in marks[start:]), default=0)
         joiner.cancel()
         for handle in running:
             handle.cancel()
-    return {"join_first_audio_ms": first_audio_ms, "join_rows": rows_then}
+    return {"join_first_audio_ms": first_audio_ms, "join_rows": rows_then,
+            **({"join_splice_ms": splice_s * 1e3} if splice_s is not None else {})}
 
 
 def _bare_run(decoder: Any, batch: int, prompt: np.ndarray, step: np.ndarray, steps: int) -> float:
@@ -231,7 +233,8 @@ def measure_batches(spec: dict[str, Any]) -> dict[str, Any]:
         ``prefill_ms`` (per request), ``full_batch_steps``, ``engine_steps``,
         ``joined_together`` (every row busy from the first step), ``stream_codes_match`` (the
         streamed codes equal the plain run's), ``join_rows`` (most rows busy while the joining
-        request waited for its first audio: ``B`` when it joined the busy batch), and
+        request waited for its first audio: ``B`` when it joined the busy batch), ``join_splice_ms`` (OpenVINO: the time its
+        decoder took to splice the joining request into the batched KV state), and
         ``rounds`` (every round's figures); ``kv_bytes_per_position`` (the engine's,
         ``engine.kv_bytes_per_position``; None where it cannot say), ``bench_kv_bytes_per_position``
         (the bench's own reading of the loaded decoder's KV dtype, :func:`~higgs_pack.targets.

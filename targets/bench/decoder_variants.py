@@ -124,7 +124,8 @@ def export_decoder_variants(target_name: str, checkpoint: Path, work: Path, vari
 
 
 def time_interleaved(decoders: Mapping[str, Any], *, hidden: int, context: int, steps: int, repeats: int,
-                     seed: int = 0, reference: str = REFERENCE) -> dict[str, dict[str, Any]]:
+                     seed: int = 0, reference: str = REFERENCE,
+                     also_against: str | None = None) -> dict[str, dict[str, Any]]:
     """Time one-position decoder steps of every decoder at one context length, interleaved, and
     compare each one's hidden states with ``reference``'s (same inputs).
 
@@ -138,6 +139,9 @@ def time_interleaved(decoders: Mapping[str, Any], *, hidden: int, context: int, 
             (float32 [1, S, hidden] in and out) and a KV cache with room for
             ``context + repeats * steps`` positions, empty.
         reference: the name whose hidden states are the parity reference (absent: no parity).
+        also_against: a second reference (e.g. the same weights with a float KV cache, to
+            judge a quantized cache apart from the weights' own error): adds
+            ``cosine_vs_<name>`` and ``rel_l2_vs_<name>`` the same way.
 
     Returns:
         name -> ``{"context", "prefill_ms", "rounds_ms" (ms per step, one per round),
@@ -174,10 +178,11 @@ def time_interleaved(decoders: Mapping[str, Any], *, hidden: int, context: int, 
     for name, rec in records.items():
         rec["step_ms_best"] = min(rec["rounds_ms"])
         rec["step_ms_median"] = round(statistics.median(rec["rounds_ms"]), 3)
-        if reference in hidden_states:
-            pairs = list(zip(hidden_states[reference], hidden_states[name], strict=True))
-            rec["cosine"] = round(min(compare(a, b, "cosine")[0] for a, b in pairs), 6)
-            rec["rel_l2"] = round(max(rel_l2(a, b) for a, b in pairs), 6)
+        for against, suffix in ((reference, ""), (also_against, f"_vs_{also_against}")):
+            if against in hidden_states:
+                pairs = list(zip(hidden_states[against], hidden_states[name], strict=True))
+                rec[f"cosine{suffix}"] = round(min(compare(a, b, "cosine")[0] for a, b in pairs), 6)
+                rec[f"rel_l2{suffix}"] = round(max(rel_l2(a, b) for a, b in pairs), 6)
     return records
 
 

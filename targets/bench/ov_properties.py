@@ -5,7 +5,12 @@ bare stateful decoder (:class:`~higgs_pack.runtime.backends.openvino.runners.OvS
 heads, embed or sampling) on the CPU device for:
 
 * compile properties on the default int4 IR (NNCF INT4_SYM, group 64):
-  ``KV_CACHE_PRECISION`` u8 / f16 / f32, ``PERFORMANCE_HINT`` LATENCY / THROUGHPUT,
+  ``KV_CACHE_PRECISION`` u8 / u4 / f16 / f32, ``KEY_CACHE_PRECISION`` u8 with
+  ``VALUE_CACHE_PRECISION`` u4 (each KV setting's hidden states are also compared with the
+  same IR's f32 KV cache, ``cosine_vs_kv_f32`` / ``rel_l2_vs_kv_f32``, so a quantized cache is
+  judged apart from the int4 weights' own error; the precisions the compiled model reports
+  back are recorded as ``compiled``, since a plugin may ignore a precision its kernels lack),
+  ``PERFORMANCE_HINT`` LATENCY / THROUGHPUT,
   ``INFERENCE_PRECISION_HINT`` f32 / bf16 (the plugin's default is bf16 on CPUs with AMX or
   AVX-512 BF16, f32 elsewhere), and
   ``InferRequest.infer``'s ``share_inputs``/``share_outputs`` on / off;
@@ -58,6 +63,13 @@ WEIGHT_VARIANTS: dict[str, dict[str, Any]] = {
     "int4_sym_g128": {"symmetric": True, "group_size": 128},
     "int4_sym_g64": {"symmetric": True, "group_size": 64},
 }
+#: ``KV_CACHE_PRECISION`` values measured (OpenVINO 2026 CPU plugin: u8 is its default after
+#: NNCF compression on x86; MODEL.md "Batching and KV-cache facts").
+KV_PRECISIONS = ("u8", "u4", "f16", "f32")
+#: The setting each KV setting is also compared with (same IR, float KV cache).
+KV_REFERENCE = "kv_f32"
+#: Compiled-model properties read back per setting (what the plugin really uses).
+READ_BACK = ("KV_CACHE_PRECISION", "KEY_CACHE_PRECISION", "VALUE_CACHE_PRECISION", "INFERENCE_PRECISION_HINT")
 #: The IR the compile-property variants run on (the openvino target's int4 default,
 #: :data:`~higgs_pack.targets.declarations.OPENVINO_DECODER_INT4`).
 DEFAULT_WEIGHTS = "int4_sym_g64"
@@ -92,9 +104,11 @@ def settings() -> list[Setting]:
     # What the runtime compiles an int4 decoder with on the CPU (openvino_backend's merge).
     default = {**precision_config("CPU", "int4", stateful=True), **decoder_compile_properties("int4", stateful=True)["CPU"]}
     out = [Setting("default", DEFAULT_WEIGHTS, dict(default))]
-    for kv in ("u8", "f16", "f32"):
+    for kv in KV_PRECISIONS:
         if kv != default.get("KV_CACHE_PRECISION"):
             out.append(Setting(f"kv_{kv}", DEFAULT_WEIGHTS, {**default, "KV_CACHE_PRECISION": kv}, varies="kv cache"))
+    out.append(Setting("kv_key_u8_value_u4", DEFAULT_WEIGHTS,
+                       {**default, "KEY_CACHE_PRECISION": "u8", "VALUE_CACHE_PRECISION": "u4"}, varies="kv cache"))
     for hint in ("LATENCY", "THROUGHPUT"):
         if hint != default.get("PERFORMANCE_HINT"):
             out.append(Setting(f"hint_{hint.lower()}", DEFAULT_WEIGHTS, {**default, "PERFORMANCE_HINT": hint},
@@ -127,7 +141,7 @@ def measure(irs: dict[str, dict[str, Any]], chosen: list[Setting], *, hidden: in
 
     Returns:
         One record per setting: ``setting``, ``weights``, ``properties``, ``share``,
-        ``varies``, ``context``, ``step_ms_best``, ``step_ms_median``, ``rounds_ms``,
+        ``varies``, ``compiled`` (:func:`read_back`), ``context``, ``step_ms_best``, ``step_ms_median``, ``rounds_ms``,
         ``prefill_ms`` and, against the reference's hidden states of the first round,
         ``cosine`` and ``rel_l2`` (worst step).
     """
@@ -139,16 +153,36 @@ def measure(irs: dict[str, dict[str, Any]], chosen: list[Setting], *, hidden: in
     decoders = {s.name: OvStatefulDecoder(core, irs[s.weights]["path"], "CPU", None, s.properties,
                                           max_length=context + repeats * steps + 1, share_inputs=s.share,
                                           share_outputs=s.share) for s in chosen}
-    timed = time_interleaved(decoders, hidden=hidden, context=context, steps=steps, repeats=repeats, seed=seed)
+    timed = time_interleaved(decoders, hidden=hidden, context=context, steps=steps, repeats=repeats, seed=seed,
+                             also_against=KV_REFERENCE)
     return [{"setting": s.name, "weights": s.weights, "properties": s.properties, "share": s.share,
-             "varies": s.varies, **timed[s.name]} for s in chosen]
+             "varies": s.varies, "compiled": read_back(decoders[s.name].compiled), **timed[s.name]} for s in chosen]
+
+
+def read_back(compiled: Any) -> dict[str, str]:
+    """The :data:`READ_BACK` properties of a compiled model as strings (element types as
+    OpenVINO names them: ``u8``, ``u4``, ``f16``, ``f32``; absent: not reported)."""
+    out = {}
+    for name in READ_BACK:
+        try:
+            value = compiled.get_property(name)
+        except Exception:  # an older plugin without the property
+            continue
+        out[name] = value.get_type_name() if hasattr(value, "get_type_name") else str(value)  # ov.Type -> "u8"
+    return out
 
 
 def run(preset: str = "bench", *, seed: int = 0, contexts: tuple[int, ...] = (64, 768), steps: int = 8,
-        repeats: int = 15, work: Path | None = None) -> dict[str, Any]:
+        repeats: int = 15, work: Path | None = None, only: tuple[str, ...] = ()) -> dict[str, Any]:
     """Export the IRs, measure every setting at every context, and return the report.
 
     Args:
+        only: names of the settings to measure (empty: all); the default setting and the
+            references are always measured.
+
+    Raises:
+        ValueError: a name in ``only`` is not a setting.
+
         work: folder for the IRs, kept and reused by later runs (IRs already there are not
             exported again); default a scratch folder removed at the end.
 
@@ -164,6 +198,12 @@ def run(preset: str = "bench", *, seed: int = 0, contexts: tuple[int, ...] = (64
     checkpoint = default_checkpoint(preset, seed)
     hidden = int(json.loads((checkpoint / "config.json").read_text())["text_config"]["hidden_size"])
     chosen = settings()
+    if only:
+        unknown = sorted(set(only) - {s.name for s in chosen})
+        if unknown:
+            raise ValueError(f"unknown settings {unknown}; known: {[s.name for s in chosen]}")
+        keep = {*only, "default", REFERENCE, KV_REFERENCE}
+        chosen = [s for s in chosen if s.name in keep]
     with work_folder(work, "higgs-pack-ov-properties-") as folder:
         irs = export_decoder_variants("openvino", checkpoint, folder, WEIGHT_VARIANTS,
                                       list(dict.fromkeys(s.weights for s in chosen)))
@@ -184,10 +224,16 @@ def table(report: dict[str, Any]) -> str:
     """The report as a text table (one row per setting and context)."""
     lines = [f"{report['machine']['cpu']}, openvino {report['openvino']}, preset {report['preset']}, "
              f"{report['steps']} steps x {report['repeats']} rounds",
-             f"{'setting':<17}{'weights':<16}{TIMING_HEADER}"]
+             f"{'setting':<19}{'weights':<16}{TIMING_HEADER}"]
     for row in report["results"]:
         mb = report["weights"][row["weights"]]["weights_mb"]
-        lines.append(f"{row['setting']:<17}{row['weights']:<16}{timing_columns(row, mb)}")
+        kv = ""
+        if row["varies"] == "kv cache" or row["setting"] == "default":
+            compiled = row.get("compiled", {})
+            kv = (f"  vs kv_f32: cosine {row.get('cosine_vs_kv_f32', float('nan')):.6f} rel_l2 "
+                  f"{row.get('rel_l2_vs_kv_f32', float('nan')):.4f}; compiled K/V "
+                  f"{compiled.get('KEY_CACHE_PRECISION', '?')}/{compiled.get('VALUE_CACHE_PRECISION', '?')}")
+        lines.append(f"{row['setting']:<19}{row['weights']:<16}{timing_columns(row, mb)}{kv}")
     return "\n".join(lines)
 
 
@@ -197,9 +243,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="bench", choices=("tiny", "bench"),
                    help="checkpoint preset (the full preset is the lead's: not offered here)")
     add_timing_arguments(p, contexts=(64, 768), what="IRs")
+    p.add_argument("--settings", default="", help="comma-separated settings to measure (default: all; e.g. "
+                                                  "kv_u4,kv_key_u8_value_u4 for the KV cache only)")
     args = p.parse_args(argv)
-    report = run(args.preset, seed=args.seed, contexts=tuple(args.contexts), steps=args.steps,
-                 repeats=args.repeats, work=args.work)
+    try:
+        report = run(args.preset, seed=args.seed, contexts=tuple(args.contexts), steps=args.steps,
+                     repeats=args.repeats, work=args.work,
+                     only=tuple(n for n in args.settings.split(",") if n.strip()))
+    except ValueError as exc:
+        p.error(str(exc))
     print(table(report))
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")

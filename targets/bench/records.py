@@ -285,11 +285,12 @@ def goal_state(met: bool | None, measured: str = "") -> str:
 
 
 def batch_memory(manifest: dict[str, Any], engine_per_position: int | None,
-                 bench_per_position: int | None) -> dict[str, Any]:
-    """The largest batch whose KV cache fits :data:`FIT_MEMORY_BYTES` beside the bundle's
-    weights at :data:`FIT_POSITIONS` positions per request: computed, not run.
+                 bench_per_position: int | None, memory_bytes: int = FIT_MEMORY_BYTES) -> dict[str, Any]:
+    """The largest batch whose KV cache fits ``memory_bytes`` (default :data:`FIT_MEMORY_BYTES`)
+    beside the bundle's weights at :data:`FIT_POSITIONS` positions per request: computed (``--fit-run``
+    runs it: :mod:`~higgs_pack.targets.bench.kv_fit`).
 
-    ``fit_max_batch = floor((FIT_MEMORY_BYTES - fit_weight_bytes) / (FIT_POSITIONS x
+    ``fit_max_batch = floor((memory_bytes - fit_weight_bytes) / (FIT_POSITIONS x
     fit_kv_bytes_per_position))``, where the weight bytes are every sub-part's weight files
     (ONNX external data, OpenVINO ``.bin``, else the graph) and the KV bytes per position are
     the engine's (``engine.kv_bytes_per_position``: the KV dtype its decoder binds), else the
@@ -302,8 +303,8 @@ def batch_memory(manifest: dict[str, Any], engine_per_position: int | None,
                             else (bench_per_position, "bench") if bench_per_position else (None, None))
     fit = None
     if per_position:
-        fit = max(0, (FIT_MEMORY_BYTES - weights) // (per_position * FIT_POSITIONS))
-    return {"fit_memory_bytes": FIT_MEMORY_BYTES, "fit_positions": FIT_POSITIONS, "fit_weight_bytes": weights,
+        fit = max(0, (memory_bytes - weights) // (per_position * FIT_POSITIONS))
+    return {"fit_memory_bytes": memory_bytes, "fit_positions": FIT_POSITIONS, "fit_weight_bytes": weights,
             "fit_kv_bytes_per_position": per_position, "fit_kv_source": source, "fit_max_batch": fit,
             "fit_computed": True}
 
@@ -414,6 +415,7 @@ BATCH_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("streamed f/s", "stream_aggregate_frames_per_s", "{:.1f}"),
     ("streamed/plain", "stream_over_plain", "{:.2f}x"),
     ("join 1st audio ms", "join_first_audio_ms", "{:.0f}"),
+    ("join splice ms", "join_splice_ms", "{:.1f}"),
     ("KV in use KiB", "max_kv_kib_in_use", "{:.0f}"),
 )
 
@@ -451,6 +453,12 @@ def batch_facts(record: dict[str, Any]) -> str:
                f"{batch['fit_max_batch']} (computed, not run: weights {batch['fit_weight_bytes'] / 2**20:.0f} MiB + "
                f"B x {batch['fit_positions']} x {batch['fit_kv_bytes_per_position']} B, KV bytes from the "
                f"{batch['fit_kv_source']})")
+        if batch.get("fit_run_peak_rss_mb") is not None:
+            fit += (f"; run: {batch['fit_run_batch']} rows full, peak RSS {batch['fit_run_peak_rss_mb']:.0f} MB "
+                    f"({'fits' if batch.get('fit_run_fits') else 'EXCEEDS'} the budget), step "
+                    f"{batch['fit_run_step_ms']:.0f} ms")
+        elif batch.get("fit_run_skipped") or batch.get("fit_run_error"):
+            fit += f"; run: {batch.get('fit_run_skipped') or 'ERROR ' + batch['fit_run_error']}"
     load = batch.get("loadavg_1m") or []
     load_text = (f"; load average {load[0]:.2f} before, {load[1]:.2f} after"
                  if len(load) == 2 and None not in load else "")
@@ -725,9 +733,13 @@ def write_html(out: Path) -> Path:
     marks = {"outside_decoder_frac": (GOAL_OUTSIDE_DECODER * 100, f"goal: under {GOAL_OUTSIDE_DECODER:.0%}"),
              "loop_over_decoder": (GOAL_LOOP_OVER_DECODER, f"goal: at most {GOAL_LOOP_OVER_DECODER:g}x")}
     page = bench_html(records, goal_checks(records), marks)
-    batch = batch_html(records)
-    if batch:  # the --batch section after the per-preset ones, before the page's end
-        end = page.rindex("</body>")
-        page = page[:end].rstrip("\n") + "\n" + batch + "\n" + page[end:]
+    from higgs_pack.targets.bench.decoder_steps import KIND as STEP_KIND
+    from higgs_pack.targets.bench.decoder_steps import steps_html
+
+    steps = [r for r in json.loads(out.read_text()) if r.get("kind") == STEP_KIND]
+    for section in (batch_html(records), steps_html(steps)):
+        if section:  # the --batch and llama.cpp sections after the per-preset ones, before the page's end
+            end = page.rindex("</body>")
+            page = page[:end].rstrip("\n") + "\n" + section + "\n" + page[end:]
     path.write_text(page, encoding="utf-8")
     return path

@@ -23,11 +23,14 @@ from higgs_pack.targets.bench.records import (
 )
 from higgs_pack.targets.bench.systems import (
     BENCH_TEXT,
+    CONTEXT_ROUNDS,
     DEFAULT_BANDWIDTH_MIB,
     DEFAULT_CONTEXTS,
     DEFAULT_FRAMES,
     DEFAULT_REPEATS,
+    DEFAULT_STEP_BATCHES,
     DEFAULT_SYSTEMS,
+    FIT_MEMORY_BYTES,
     PYTORCH,
     SystemSpec,
     bundle_spec,
@@ -63,6 +66,16 @@ class BenchOptions:
     build_only: bool = False
     batch: tuple[int, ...] = ()
     """Engine batch sizes to measure every bundle at (``--batch 1,2,4,8``; empty: none)."""
+    fit_memory_bytes: int = FIT_MEMORY_BYTES
+    """The memory budget of the computed (and with ``fit_run``, run) largest batch."""
+    fit_run: bool = False
+    """Also run ``fit_max_batch`` rows at ``FIT_POSITIONS`` (:mod:`~higgs_pack.targets.bench.kv_fit`)."""
+    step_batch: tuple[int, ...] = DEFAULT_STEP_BATCHES
+    """Batch sizes of the decoder-step comparison with llama.cpp (``--step-batch``)."""
+    steps_only: bool = False
+    """Measure only the decoder-step comparison (``--steps-only``), not the loop."""
+    llama_threads: int | None = None
+    """llama.cpp's ``n_threads`` (``--llama-threads``; None: the CPUs this process may use)."""
 
 
 def _cache(options: BenchOptions) -> Path:
@@ -143,8 +156,10 @@ def run_bench(options: BenchOptions) -> list[dict[str, Any]]:
 
     cache = _cache(options)
     specs = [parse_system(s) for s in options.systems] + [bundle_spec(b) for b in options.bundles]
+    llama = [s for s in specs if s.is_llama_cpp]  # GGUFs: the decoder-step comparison only
+    specs = [s for s in specs if not s.is_llama_cpp]
     repeats = options.repeats or DEFAULT_REPEATS.get(options.preset, 1)
-    need_ckpt = any(s.bundle is None for s in specs)
+    need_ckpt = bool(llama) or any(s.bundle is None for s in specs)
     checkpoint, ckpt_facts = _checkpoint(options, cache) if need_ckpt else (None, {})
     machine = _machine()
     common = {"frames": options.frames, "seed": options.seed, "temperature": options.temperature,
@@ -168,6 +183,24 @@ def run_bench(options: BenchOptions) -> list[dict[str, Any]]:
               for spec, _path, manifest, facts in prepared if not spec.is_pytorch and spec.bundle is None]
     if options.build_only:
         return builds
+    records = [] if options.steps_only else _measure_all(prepared, options, machine, common, checkpoint, cache)
+    if llama:  # 5. the bare decoder step of our bundles beside llama.cpp's, in turns
+        from higgs_pack.targets.bench.decoder_steps import run_step_comparison
+
+        ours = [(spec, path, manifest) for spec, path, manifest, _ in prepared
+                if path is not None and not spec.is_pytorch]
+        records += run_step_comparison(
+            llama, ours, checkpoint, cache, preset=options.preset, contexts=options.contexts or DEFAULT_CONTEXTS,
+            batches=options.step_batch, rounds=options.rounds if options.rounds > 1 else CONTEXT_ROUNDS,
+            text=options.text, machine=machine, threads=options.llama_threads, timeout=options.timeout,
+            say=lambda m: _say(options, m))
+    return builds + records
+
+
+def _measure_all(prepared: list[tuple[SystemSpec, Path | None, dict[str, Any] | None, dict[str, Any]]],
+                 options: BenchOptions, machine: dict[str, Any], common: dict[str, Any],
+                 checkpoint: Path | None, cache: Path) -> list[dict[str, Any]]:
+    """Steps 2 to 4 of :func:`run_bench`: the bandwidth, every system's loop, the engine's batches."""
 
     # 2. the machine's memory bandwidth, in the same run
     bandwidth = None
@@ -216,7 +249,7 @@ def run_bench(options: BenchOptions) -> list[dict[str, Any]]:
         for (spec, path, manifest, _), record in zip(prepared, records, strict=True):
             if not spec.is_pytorch and path is not None:
                 record["batch"] = _measure_batches(spec, path, manifest, cache, common, options)
-    return builds + records
+    return records
 
 
 def build_record(spec: SystemSpec, manifest: dict[str, Any] | None, facts: dict[str, Any], preset: str,
@@ -296,5 +329,17 @@ def _measure_batches(spec: SystemSpec, path: Path, manifest: dict[str, Any], cac
     except (WorkerError, subprocess.TimeoutExpired) as exc:
         out["error"] = str(exc)
         return out
-    out.update(batch_memory(manifest, out.get("kv_bytes_per_position"), out.get("bench_kv_bytes_per_position")))
+    out.update(batch_memory(manifest, out.get("kv_bytes_per_position"), out.get("bench_kv_bytes_per_position"),
+                            options.fit_memory_bytes))
+    if options.fit_run and out.get("fit_max_batch"):
+        _say(options, f"running {spec.label} at its computed fit: {out['fit_max_batch']} rows x {out['fit_positions']} "
+                      "positions")
+        fit_job = {**job, "backend": manifest["backend"], "batch": out["fit_max_batch"],
+                   "positions": out["fit_positions"]}
+        try:
+            out.update(_spawn("fit", fit_job, cache=cache, timeout=options.timeout))
+        except (WorkerError, subprocess.TimeoutExpired) as exc:
+            out["fit_run_error"] = str(exc)
+        if out.get("fit_run_peak_rss_mb") is not None:
+            out["fit_run_fits"] = out["fit_run_peak_rss_mb"] * 2**20 <= out["fit_memory_bytes"]
     return out

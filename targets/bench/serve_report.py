@@ -98,6 +98,11 @@ def goal_checks(record: dict[str, Any]) -> list[Goal]:
         more = (f"; rounds paired {'/'.join(f'{r:.2f}' for r in rounds)}" if len(rounds) > 1 else "")
         if level.get("cpu_efficiency"):
             more += f"; frames per CPU second {level['cpu_efficiency']:.2f}x the engine's"
+        if level.get("client_cpu_s") is not None and level.get("server_cpu_s"):
+            # The same cores run the load generator: say what it took beside the server (the engine's
+            # own client threads, PCM conversion and hashing, are inside its process's CPU seconds).
+            more += (f"; the HTTP clients took {level['client_cpu_s']:.1f} CPU s beside the server's "
+                     f"{level['server_cpu_s']:.1f}")
         checks.append((goal, ratio >= GOAL_THROUGHPUT_RATIO, f"{level['frames_per_s']:.1f} vs {engine_fps:.1f} "
                        f"frames/s ({ratio:.2f}x) at max_batch {record['server']['max_batch']}{more}"))
     return checks

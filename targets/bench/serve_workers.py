@@ -254,23 +254,42 @@ def engine_worker(bundle: str, max_batch: int) -> int:
 
 
 class ServerProcess:
-    """``higgs-pack serve BUNDLE --host 127.0.0.1 --port 0`` in a subprocess: ready when ``/ready``
-    answers 200, killed after :data:`SERVER_LIFETIME_S`, stopped by its process id.
+    """``higgs-pack serve SOURCE --host 127.0.0.1 --port 0 ARGS...`` in a subprocess, found at the
+    address it prints (``serving http://127.0.0.1:PORT``): ready when ``/ready`` answers 200,
+    killed after ``lifetime`` seconds, stopped by its process id.  The load test's server and the
+    tests' (``tests/live_server.py``) are this one class.
+
+    Args:
+        source: a bundle directory (or anything ``higgs-pack serve`` takes).
+        args: more ``higgs-pack serve`` flags.
+        cache: ``$HIGGS_PACK_CACHE`` for the process (None: inherited).
+        lifetime: seconds after which the process is killed.
+        log_level: its ``--log-level`` (``warning``: the load test keeps its log short).
+        env: more environment variables for the process.
+        cwd: its working folder (None: this process's).
+        start_timeout: most seconds to bind and most to get ready.
 
     Attributes:
         url: ``http://127.0.0.1:PORT``.
         pid: the server's process id (the process whose RSS is read).
-        log: what it printed.
+        process: the :class:`subprocess.Popen`.
+        log: what it printed (stdout and stderr), filled as it runs.
+
+    Raises:
+        RuntimeError: it did not bind or did not get ready (its last 30 lines of log said).
     """
 
-    def __init__(self, bundle: str | os.PathLike, args: Sequence[str] = (), cache: str | None = None,
-                 lifetime: float = SERVER_LIFETIME_S):
+    def __init__(self, source: str | os.PathLike, args: Sequence[str] = (), cache: str | None = None,
+                 lifetime: float = SERVER_LIFETIME_S, *, log_level: str = "warning",
+                 env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None,
+                 start_timeout: float = SERVER_START_S):
         import httpx
 
-        env = {**os.environ, **({"HIGGS_PACK_CACHE": cache} if cache else {})}
-        cmd = [sys.executable, "-m", "higgs_pack.runtime.cli", "serve", str(bundle), "--host", "127.0.0.1",
-               "--port", "0", "--log-level", "warning", *args]
-        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        env = {**os.environ, **({"HIGGS_PACK_CACHE": cache} if cache else {}), **(env or {})}
+        cmd = [sys.executable, "-m", "higgs_pack.runtime.cli", "serve", str(source), "--host", "127.0.0.1",
+               "--port", "0", "--log-level", log_level, *args]
+        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                        cwd=cwd)
         self.pid = self.process.pid
         self.url = ""
         self.log: list[str] = []
@@ -279,10 +298,10 @@ class ServerProcess:
         self._killer = threading.Timer(lifetime, self._kill)
         self._killer.daemon = True
         self._killer.start()
-        deadline = time.monotonic() + SERVER_START_S
-        if not bound.wait(SERVER_START_S) or not self.url:
+        if not bound.wait(start_timeout) or not self.url:
             self.stop()
             raise RuntimeError("the server did not start:\n" + "".join(self.log[-30:]))
+        deadline = time.monotonic() + start_timeout
         while time.monotonic() < deadline and self.process.poll() is None:
             try:
                 if httpx.get(self.url + "/ready", timeout=10).status_code == 200:
@@ -306,6 +325,10 @@ class ServerProcess:
         if self.process.poll() is None:
             os.kill(self.pid, signal.SIGKILL)
 
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        """Send ``sig`` to the server's process."""
+        os.kill(self.pid, sig)
+
     def stop(self, timeout: float = 60.0) -> int | None:
         """SIGTERM to its process id, SIGKILL after ``timeout``; its exit status."""
         self._killer.cancel()
@@ -317,3 +340,9 @@ class ServerProcess:
                 os.kill(self.pid, signal.SIGKILL)
                 self.process.wait(10)
         return self.process.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -27,6 +27,8 @@ PYTORCH = "pytorch"
 DEFAULT_CONTEXTS: tuple[int, ...] = (64, 900)
 #: Timed decoder steps per context length and round (median over all rounds reported).
 CONTEXT_STEPS = 8
+#: Batch sizes of the decoder-step comparison with llama.cpp (``--step-batch``, issue 19).
+DEFAULT_STEP_BATCHES: tuple[int, ...] = (1, 4)
 #: Rounds over the context lengths, in turn: the full-size cpu int4 step drifted by up to 30%
 #: between consecutive runs on a shared 2-core VM, which one block per length took for a
 #: context effect (900/64 read 0.83x, 1.28x, 1.11x and 1.34x in four runs).
@@ -91,19 +93,34 @@ class SystemSpec:
     def is_pytorch(self) -> bool:
         return self.target is None and self.bundle is None
 
+    @property
+    def is_llama_cpp(self) -> bool:
+        return self.target == "llama.cpp"
+
+
+#: System names of llama.cpp GGUFs (``llama.cpp-q4_0``, ``llama.cpp-q4_k_m``): timed in the
+#: decoder-step comparison only (:mod:`~higgs_pack.targets.bench.decoder_steps`).
+LLAMA_CPP_PREFIX = "llama.cpp-"
+
 
 def parse_system(text: str) -> SystemSpec:
-    """Parse ``pytorch`` or ``<target>[-<precision>[-<variant>]][@<device>]``.
+    """Parse ``pytorch``, ``llama.cpp-<quant>`` or ``<target>[-<precision>[-<variant>]][@<device>]``.
 
     The target/precision/variant triple is validated with the build planner, so an unknown
     name fails at once with the known ones listed.
 
     Raises:
         BuildPlanError: unknown target, precision or variant.
+        InputError: an unknown llama.cpp quant.
     """
     text = text.strip()
     if text.lower() == PYTORCH:
         return SystemSpec(label=PYTORCH, precision="fp32")
+    if text.lower().startswith(LLAMA_CPP_PREFIX):
+        from higgs_pack.targets.bench.llama_cpp import LLAMA_CPP, parse_quant
+
+        quant = parse_quant(text[len(LLAMA_CPP_PREFIX):])
+        return SystemSpec(label=f"{LLAMA_CPP}-{quant}", target=LLAMA_CPP, precision=quant)
     base, _, device = text.partition("@")
     target, *rest = base.split("-")
     precision = rest[0] if rest else None
@@ -121,7 +138,8 @@ def parse_system(text: str) -> SystemSpec:
 
 
 def bundle_spec(path: str | Path) -> SystemSpec:
-    """A system for an existing bundle directory (``--bundle PATH[@device]``)."""
+    """A system for an existing bundle directory (``--bundle PATH[@device]``); its label is
+    ``<target>-<precision>[-<variant>][-kv-<kv cache>]`` (the KV cache only when quantized)."""
     text = str(path)
     device = None
     if "@" in Path(text).name:
@@ -130,6 +148,8 @@ def bundle_spec(path: str | Path) -> SystemSpec:
 
     m = read_manifest(Path(text))
     label = "-".join(p for p in (m["target"], m["precision"], m.get("variant")) if p)
+    if m.get("kv_cache", "float") != "float":  # a quantized KV cache (build --kv-cache int8): its own system
+        label += f"-kv-{m['kv_cache']}"
     return SystemSpec(label=label + (f"@{device}" if device else ""), target=m["target"],
                       precision=m["precision"], variant=m.get("variant"), device=device,
                       bundle=Path(text))

@@ -470,9 +470,31 @@ def worker_batch(spec: dict[str, Any]) -> dict[str, Any]:
     return measure_batches(spec)
 
 
+def worker_fit(spec: dict[str, Any]) -> dict[str, Any]:
+    """The computed largest batch, run (``--fit-run``): :func:`~higgs_pack.targets.bench.kv_fit.fit_run`."""
+    from higgs_pack.targets.bench.kv_fit import fit_run
+
+    return fit_run(spec)
+
+
+def worker_our_steps(spec: dict[str, Any]) -> dict[str, Any]:
+    """A bundle's bare batched decoder step: :func:`~higgs_pack.targets.bench.decoder_steps.measure_our_steps`."""
+    from higgs_pack.targets.bench.decoder_steps import measure_our_steps
+
+    return measure_our_steps(spec)
+
+
+def worker_llama_steps(spec: dict[str, Any]) -> dict[str, Any]:
+    """A llama.cpp GGUF's decode step: :func:`~higgs_pack.targets.bench.llama_cpp.measure_llama_steps`."""
+    from higgs_pack.targets.bench.llama_cpp import measure_llama_steps
+
+    return measure_llama_steps(spec)
+
+
 WORKERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "measure": worker_measure, "checkpoint": worker_checkpoint, "build": worker_build,
-    "bandwidth": worker_bandwidth, "batch": worker_batch,
+    "bandwidth": worker_bandwidth, "batch": worker_batch, "fit": worker_fit, "our_steps": worker_our_steps,
+    "llama_steps": worker_llama_steps,
 }
 
 

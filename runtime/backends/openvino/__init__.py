@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from higgs_pack.manifests.constants import CPU_RUNG, OPENVINO_REQUIREMENT, ChoiceRung
-from higgs_pack.manifests.errors import ExecutionProviderUnavailable
+from higgs_pack.manifests.errors import ExecutionProviderUnavailable, InputError
 from higgs_pack.runtime.backends import Backend, OpenedParts, OpenOptions, register
 
 if TYPE_CHECKING:  # pragma: no cover - types only
@@ -38,10 +38,38 @@ class OpenVINOBackend(Backend):
     preferred_on_cpus = ("intel",)
     rungs = (NPU_RUNG, IGPU_RUNG, NPU_ON_CPU_RUNG)
     install_hint = f"pip install 'higgs-pack[openvino]' ({OPENVINO_REQUIREMENT})"
-    batching_refusal = (
-        "the stateful decoder IR keeps one state length for all its rows, which advance in lockstep "
-        "(beam_idx only reorders rows), so a request cannot join or leave between steps without "
-        "padding every row; the NPU variant's static shapes take batch 1")
+    batching_refusal = "the NPU variant's static shapes take batch 1: its decoder is compiled for one row"
+
+    def batched_decoder(self, pipeline, max_batch: int, max_length: int):
+        """An :class:`~higgs_pack.runtime.backends.openvino.batched.OvBatchedDecoder` on the
+        stateful decoder compiled for the CPU device; ``max_batch=1`` anywhere.
+
+        GPU is refused for ``max_batch > 1`` because the state splice was measured on the CPU
+        plugin only (no Intel GPU here); the NPU variant (static shapes) takes batch 1.
+
+        Raises:
+            InputError: ``max_batch > 1`` on the NPU variant or on a device other than CPU.
+        """
+        from higgs_pack.runtime.backends.openvino.runners import OvStatefulDecoder
+
+        decoder = pipeline.decoder
+        if max_batch > 1 and isinstance(decoder, OvStatefulDecoder):
+            if decoder.device.split(".")[0] != "CPU":
+                raise InputError(
+                    f"OpenVINO batches requests on the CPU device only; this decoder runs on {decoder.device} "
+                    "(splicing a request into the stateful KV cache is measured on the CPU plugin only): "
+                    "use engine(max_batch=1) (the CLI's --batch 1), or load the bundle with device='CPU'")
+            from higgs_pack.runtime.backends.openvino.batched import OvBatchedDecoder
+
+            c = pipeline.constants
+            return OvBatchedDecoder(decoder, max_batch=max_batch, max_length=max_length,
+                                    num_layers=c.num_layers, kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
+        if max_batch > 1:
+            raise InputError(
+                f"this OpenVINO bundle's decoder cannot batch requests ({self.batching_refusal}); use "
+                "engine(max_batch=1) (the CLI's --batch 1), or the openvino bundle without --npu (it batches "
+                "on the CPU device)")
+        return super().batched_decoder(pipeline, max_batch, max_length)
 
     def open(self, bundle: Bundle, options: OpenOptions) -> OpenedParts:
         """Compile every IR on the device asked for (default: the manifest's); see

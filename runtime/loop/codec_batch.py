@@ -308,8 +308,11 @@ class CodecBatcher:
                     if (self._streams and owners >= self._streams) or left <= 0:
                         break
                     seen = len(self._pending)
-                    self._cond.wait(min(self._gather_s, left))
-                    if len(self._pending) == seen:
+                    # A wake-up that is not a timeout (a stream opened or closed, a window came or
+                    # was withdrawn) re-counts the open streams; only a quiet gather_s ends the wait
+                    # early (a stream closing used to end it, so its neighbours ran one by one).
+                    notified = self._cond.wait(min(self._gather_s, left))
+                    if not notified and len(self._pending) == seen:
                         break
                 if self._closed:
                     return None

@@ -20,8 +20,11 @@ on the caller's thread (the reference voice is codec-encoded there) and returns 
 3. a request whose last text chunk is done, that was cancelled, or whose row failed leaves at
    once and frees its row.  A long text planned as several chunks re-prefills its row.
 
-The codec runs per request, on the thread that reads the handle (:meth:`EngineHandle.result`,
-or iterating it for streamed chunks), not on the engine's thread.  While an engine is open,
+The codec runs on the engine's one codec thread (:class:`~higgs_pack.runtime.loop.codec_batch.
+CodecBatcher`, ``Engine.codec``), not on the engine's thread nor on the threads that read the
+handles (:meth:`EngineHandle.result`, or iterating it for streamed chunks): a reader hands its
+windows of codes over and waits, and windows of the same length that several readers need at
+about the same time are decoded as one batched run (see that module for why).  While an engine is open,
 use it rather than the pipeline's own ``synthesize`` / ``stream`` on other threads: both share
 the sub-parts' per-step buffers.
 """
@@ -41,6 +44,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from higgs_pack.manifests.errors import HiggsPackError, InputError
+from higgs_pack.runtime.loop.codec_batch import CodecBatcher
 from higgs_pack.runtime.loop.delay import SamplingOptions
 from higgs_pack.runtime.loop.frames import CodeSteps
 from higgs_pack.runtime.loop.generate import (
@@ -191,8 +195,8 @@ class EngineHandle:
     def add_done_callback(self, callback) -> None:
         """Call ``callback(handle)`` once the engine is done with this request (as :meth:`wait`
         returns): on the engine's thread, or at once on this one when it is done already.
-        Keep it short and do not read the speech in it (the codec would run on the engine's
-        thread); an exception it raises is logged and ignored."""
+        Keep it short and do not read the speech in it (the engine's thread would wait for the
+        codec thread); an exception it raises is logged and ignored."""
         with self._callback_lock:
             if not self._finished.is_set():
                 self._callbacks.append(callback)
@@ -214,12 +218,16 @@ class EngineHandle:
 
     def cancel(self) -> None:
         """Stop this request: it leaves the batch (or the queue) before the engine's next step
-        and frees its row; reading it then raises :class:`RequestCancelled`.  Idempotent."""
+        and frees its row; reading it then raises :class:`RequestCancelled`.  Its windows waiting
+        for the codec thread are dropped unrun (a run under way finishes).  Idempotent."""
         self._cancelled.set()
         self._engine._wake()
+        self._engine.codec.withdraw(self, RequestCancelled("the request was cancelled while its audio was being "
+                                                           "decoded"))
 
     def result(self, timeout: float | None = None) -> SynthesisResult:
-        """Wait for all codes, codec-decode them (on this thread) and join the text chunks.
+        """Wait for all codes, codec-decode them (on the engine's codec thread, batched with other
+        readers' windows of the same length) and join the text chunks.
 
         Args:
             timeout: most seconds to wait for each engine event (None: no limit).
@@ -240,17 +248,19 @@ class EngineHandle:
                     next(steps)
                 except StopIteration:
                     break
-        return join_results(self._engine.pipeline, self._results)
+        codec = self._engine.codec
+        return join_results(self._engine.pipeline, self._results, lambda windows: codec.decode_many(windows, self))
 
     def __iter__(self) -> Iterator[AudioChunk]:
         """Streamed chunks, as :func:`higgs_pack.runtime.loop.streaming.stream` gives them: a
         :class:`~higgs_pack.runtime.loop.streaming.SpeechStream` (its ``results`` fill as text
-        chunks end; the codec runs on the iterating thread)."""
+        chunks end; its windows are decoded on the engine's codec thread)."""
         self._claim()
-        req = self.request
+        req, codec = self.request, self._engine.codec
         stream = SpeechStream(self._engine.pipeline, list(req.chunks), req.options, req.ref_codes, req.ref_text,
                               None, req.schedule, req.submitted,
-                              steps=lambda index, _text, _cap: self._chunk_steps(index, None))
+                              steps=lambda index, _text, _cap: self._chunk_steps(index, None),
+                              decode=lambda codes: codec.decode(codes, self), reading=codec.stream)
         return stream
 
     def _claim(self) -> None:
@@ -341,6 +351,8 @@ class Engine:
     Attributes:
         max_batch: rows decoded together.
         stats: :class:`EngineStats`.
+        codec: the :class:`~higgs_pack.runtime.loop.codec_batch.CodecBatcher` that decodes every
+            handle's audio (its ``stats``: runs, windows per run, seconds).
 
     Raises:
         InputError: ``max_kv_bytes`` is not a whole number >= 1.
@@ -367,6 +379,7 @@ class Engine:
         self._rows: dict[int, _Row] = {}
         self._closing = False
         self._crashed: BaseException | None = None
+        self.codec = CodecBatcher(self.pipeline)
         self._thread = threading.Thread(target=self._serve, name="higgs-pack-engine", daemon=True)
         self._thread.start()
 
@@ -377,12 +390,15 @@ class Engine:
         self.close()
 
     def close(self, timeout: float | None = None) -> None:
-        """Stop the thread after its current step; unfinished requests get :class:`EngineClosed`."""
+        """Stop the thread after its current step; unfinished requests get :class:`EngineClosed`.
+        The codec thread stops after its current run; finished requests stay readable (their
+        windows are then decoded on the reading thread)."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        self.codec.close(timeout)
 
     @property
     def alive(self) -> bool:

@@ -450,11 +450,19 @@ def synthesize(
     return join_results(pipeline, results)
 
 
-def join_results(pipeline: Pipeline, results: list[GenerationResult]) -> SynthesisResult:
+def join_results(pipeline: Pipeline, results: list[GenerationResult],
+                 decode: Callable[[list[np.ndarray]], list[np.ndarray]] | None = None) -> SynthesisResult:
     """Codec-decode each text chunk's codes and join them with :func:`sentence_pause`
-    (edges faded, :func:`fade_edges`) into one :class:`SynthesisResult`."""
+    (edges faded, :func:`fade_edges`) into one :class:`SynthesisResult`.
+
+    ``decode`` (optional) decodes all chunks' codes (int64 [T, N] each) to their samples
+    (float32 [T * hop] each) instead of :func:`decode_codes` one by one (the engine's batched
+    codec thread, :class:`~higgs_pack.runtime.loop.codec_batch.CodecBatcher`)."""
     codes = np.concatenate([r.codes for r in results], axis=0)
-    pieces = [decode_codes(pipeline, r.codes) for r in results]
+    if decode is None:
+        pieces = [decode_codes(pipeline, r.codes) for r in results]
+    else:
+        pieces = decode([r.codes for r in results])
     joined: list[np.ndarray] = []
     for i, piece in enumerate(pieces):
         if i:

@@ -8,9 +8,11 @@ one-shot decode of :func:`~higgs_pack.runtime.loop.generate.synthesize`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Generator, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,7 +107,12 @@ class SpeechStream(Iterator[AudioChunk]):
     ``steps`` (optional) gives each text chunk's codes instead of running
     :func:`~higgs_pack.runtime.loop.generate.generate_steps` here: called as
     ``steps(index, chunk_text, frame_cap)``, it returns a generator with that function's
-    yields and return value (the batched engine feeds its rows' codes this way).
+    yields and return value (the batched engine feeds its rows' codes this way).  ``decode``
+    (optional) codec-decodes one window, int64 codes [T, N] -> float32 samples [T * hop],
+    instead of :func:`~higgs_pack.runtime.loop.generate.decode_codes` on the iterating thread;
+    ``reading`` (optional) is a context manager held while the stream runs (from its first
+    chunk asked for until it ends or is closed): the engine hands both to its codec thread
+    (:class:`~higgs_pack.runtime.loop.codec_batch.CodecBatcher`).
 
     Attributes:
         results: :class:`GenerationResult` of each text chunk finished so far.
@@ -117,13 +124,17 @@ class SpeechStream(Iterator[AudioChunk]):
 
     def __init__(self, pipeline: Pipeline, chunks: list[tuple[str, int]], options: SamplingOptions,
                  ref_codes: np.ndarray | None, ref_text: str | None, progress: ProgressCallback | None,
-                 schedule: StreamSchedule, started: float, steps: StepsSource | None = None):
+                 schedule: StreamSchedule, started: float, steps: StepsSource | None = None,
+                 decode: Callable[[np.ndarray], np.ndarray] | None = None,
+                 reading: Callable[[], AbstractContextManager] | None = None):
         self.results: list[GenerationResult] = []
         self.samples_out = 0
         self.first_audio_s = math.nan
         self.context_frames = codec_context_frames(pipeline)
         self._started = started
         self._steps = steps
+        self._decode = decode or (lambda codes: decode_codes(pipeline, codes))
+        self._reading = reading or contextlib.nullcontext
         self._gen = self._run(pipeline, chunks, options, ref_codes, ref_text, progress, schedule)
 
     def __next__(self) -> AudioChunk:
@@ -147,6 +158,12 @@ class SpeechStream(Iterator[AudioChunk]):
     def _run(self, pipeline: Pipeline, chunks: list[tuple[str, int]], options: SamplingOptions,
              ref_codes: np.ndarray | None, ref_text: str | None, progress: ProgressCallback | None,
              schedule: StreamSchedule) -> Generator[AudioChunk, None, None]:
+        with self._reading():
+            yield from self._chunks(pipeline, chunks, options, ref_codes, ref_text, progress, schedule)
+
+    def _chunks(self, pipeline: Pipeline, chunks: list[tuple[str, int]], options: SamplingOptions,
+                ref_codes: np.ndarray | None, ref_text: str | None, progress: ProgressCallback | None,
+                schedule: StreamSchedule) -> Generator[AudioChunk, None, None]:
         c = pipeline.constants
         n, rate = c.num_codebooks, c.sample_rate
         offset = 0
@@ -161,7 +178,7 @@ class SpeechStream(Iterator[AudioChunk]):
             if index:
                 yield piece(sentence_pause(pipeline), index)
             inner_out = index < len(chunks) - 1
-            codec = StreamingCodec(lambda codes: decode_codes(pipeline, codes), self.context_frames,
+            codec = StreamingCodec(self._decode, self.context_frames,
                                    c.hop_length, chunk_schedule(schedule.first_chunk_frames, schedule.chunk_growth,
                                                                 schedule.max_chunk_frames))
             if self._steps is not None:

@@ -9,8 +9,8 @@ size with a fresh engine per run, after ``warmup`` untimed plain and streamed ru
 
 * **plain**: ``B`` requests of the same text and frame cap submitted together to
   ``tts.engine(max_batch=B)``, read with ``handle.result()`` (the codec runs after the codes);
-* **streamed**: the same, every handle iterated on its own thread (the codec decodes chunks
-  while the engine steps);
+* **streamed**: the same, every handle iterated on its own thread (the engine's codec thread
+  decodes their windows while the engine steps, those due together in one batched run);
 * **join**: ``B - 1`` requests running (a few steps after they all started), then one more
   submitted and iterated: its first streamed chunk's time (``SpeechStream.first_audio_s``,
   from ``submit``); the running ones are not read meanwhile (their codec does not run);

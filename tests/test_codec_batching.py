@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 from conftest import slow_fixture
+from test_engine import _wait_for
 
 import higgs_pack
 from higgs_pack.runtime.loop.chunking import StreamingCodec, chunk_schedule
@@ -56,14 +57,6 @@ def tts_fp32(cpu_fp32_bundle):
 def _codes(tts, frames: int, seed: int) -> np.ndarray:
     c = tts.pipeline.constants
     return np.random.default_rng(seed).integers(0, c.codebook_size, size=(frames, c.num_codebooks), dtype=np.int64)
-
-
-def _wait_for(predicate, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.002)
 
 
 def test_the_exported_codec_takes_a_batch_axis(tts):
@@ -190,7 +183,7 @@ def test_a_cancelled_window_leaves_the_queue_and_others_go_on(tts_fp32):
             reader = threading.Thread(target=cancelled_reader)
             reader.start()
             opened.wait(10)
-            _wait_for(lambda: batcher.pending == 1, "a's window to be waiting")
+            _wait_for(lambda: batcher.pending == 1, "a's window to be waiting", timeout=30.0)
             assert batcher.withdraw(a, RequestCancelled("cancelled mid-window")) == 1
             reader.join(10)
             assert len(errors) == 1 and "mid-window" in str(errors[0])
@@ -239,7 +232,7 @@ def test_closing_with_windows_pending_hands_them_back(tts_fp32):
     with batcher.stream(), batcher.stream():
         reader = threading.Thread(target=lambda: got.append(batcher.decode(window, "a")))
         reader.start()
-        _wait_for(lambda: batcher.pending == 1, "the window to be waiting")
+        _wait_for(lambda: batcher.pending == 1, "the window to be waiting", timeout=30.0)
         t0 = time.perf_counter()
         batcher.close(timeout=10)
         assert time.perf_counter() - t0 < 10 and not batcher.alive

@@ -111,18 +111,28 @@ def test_a_step_needs_prefilled_rows_and_room(tts):
         batched.step(np.array([0]), np.zeros((1, 1, h), np.float32))
 
 
-def test_requests_together_and_joining_mid_flight_give_their_codes_alone(tts, alone):
+def run_joining_mid_flight(tts, timeout: float = 60.0, check_engine=None) -> list:
     """Two requests start together, a third joins after 10 steps, a fourth and fifth after 25
-    (one of them waits: 3 rows): each one's codes and samples equal its run alone."""
+    (one of them waits: 3 rows); returns their results once every row is free again.
+    ``check_engine(engine)`` runs before the engine closes.  Shared by every backend's tests."""
     with tts.engine(max_batch=3) as engine:
         handles = [_submit(engine, tts, 0), _submit(engine, tts, 1)]
         _wait_for(lambda: engine.stats.steps >= 10, "10 steps")
         handles.append(_submit(engine, tts, 2))
         _wait_for(lambda: engine.stats.steps >= 25, "25 steps")
         handles += [_submit(engine, tts, 3), _submit(engine, tts, 4)]
-        results = [h.result(timeout=60) for h in handles]
+        results = [h.result(timeout=timeout) for h in handles]
         assert engine.stats.max_rows == 3
         assert engine.busy_rows == 0 and engine.waiting == 0
+        if check_engine is not None:
+            check_engine(engine)
+    return results
+
+
+def test_requests_together_and_joining_mid_flight_give_their_codes_alone(tts, alone):
+    """Requests joining mid-flight (:func:`run_joining_mid_flight`): each one's codes and samples
+    equal its run alone."""
+    results = run_joining_mid_flight(tts)
     for got, want in zip(results, alone, strict=True):
         np.testing.assert_array_equal(got.codes, want.codes)
         np.testing.assert_array_equal(got.samples, want.samples)
@@ -181,6 +191,21 @@ def check_cancel_frees_the_row(tts, alone, timeout: float = 60.0) -> None:
 
 def test_cancel_frees_the_row_and_a_queued_request_runs(tts, alone):
     check_cancel_frees_the_row(tts, alone)
+
+
+def test_cancel_after_the_last_code_still_reads_as_cancelled(tts):
+    """cancel() is the reader's last word: once the engine has drawn every code, the request's
+    events and windows are all there, yet result() and iteration raise RequestCancelled."""
+    with tts.engine(max_batch=2) as engine:
+        handles = [engine.submit("Done before it is cancelled.", seed=3, max_frames=40) for _ in range(2)]
+        for handle in handles:
+            assert handle.wait(60)
+            handle.cancel()
+        with pytest.raises(RequestCancelled):
+            handles[0].result(timeout=60)
+        with pytest.raises(RequestCancelled):
+            list(handles[1])
+        assert engine.codec.pending == 0
 
 
 def test_submit_from_several_threads(tts, alone):

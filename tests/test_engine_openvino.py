@@ -20,7 +20,13 @@ import time
 import numpy as np
 import openvino as ov
 import pytest
-from test_engine import REQUESTS, _PoisonedRow, _submit, _wait_for, check_cancel_frees_the_row
+from test_engine import (
+    REQUESTS,
+    _PoisonedRow,
+    _submit,
+    check_cancel_frees_the_row,
+    run_joining_mid_flight,
+)
 
 import higgs_pack
 from higgs_pack.manifests.errors import InputError, NumericalError
@@ -232,18 +238,12 @@ def test_a_step_needs_prefilled_rows_and_room(tts):
 
 
 def test_requests_joining_and_leaving_mid_flight_give_their_codes_alone(tts_f32, alone_f32):
-    """Two requests start together, a third joins after 10 steps, a fourth and fifth after 25
-    (one waits: 3 rows); rows leave as requests end. With the f32 cache each one's codes and
-    samples equal its run alone."""
-    with tts_f32.engine(max_batch=3) as engine:
-        handles = [_submit(engine, tts_f32, 0), _submit(engine, tts_f32, 1)]
-        _wait_for(lambda: engine.stats.steps >= 10, "10 steps")
-        handles.append(_submit(engine, tts_f32, 2))
-        _wait_for(lambda: engine.stats.steps >= 25, "25 steps")
-        handles += [_submit(engine, tts_f32, 3), _submit(engine, tts_f32, 4)]
-        results = [h.result(timeout=120) for h in handles]
-        assert engine.stats.max_rows == 3 and engine.busy_rows == 0
+    """The joining scenario of tests/test_engine.py on the spliced state; rows leave as requests
+    end. With the f32 cache each one's codes and samples equal its run alone."""
+    def spliced_five(engine) -> None:
         assert engine.decoder.splices == 5 and engine.decoder.columns == 0
+
+    results = run_joining_mid_flight(tts_f32, timeout=120, check_engine=spliced_five)
     for got, want in zip(results, alone_f32, strict=True):
         np.testing.assert_array_equal(got.codes, want.codes)
         np.testing.assert_array_equal(got.samples, want.samples)

@@ -218,8 +218,9 @@ class EngineHandle:
 
     def cancel(self) -> None:
         """Stop this request: it leaves the batch (or the queue) before the engine's next step
-        and frees its row; reading it then raises :class:`RequestCancelled`.  Its windows waiting
-        for the codec thread are dropped unrun (a run under way finishes).  Idempotent."""
+        and frees its row; reading it then raises :class:`RequestCancelled`, also when the engine
+        had already drawn all its codes.  Its windows waiting for the codec thread are dropped
+        unrun (a run under way finishes).  Idempotent."""
         self._cancelled.set()
         self._engine._wake()
         self._engine.codec.withdraw(self, RequestCancelled("the request was cancelled while its audio was being "
@@ -248,8 +249,7 @@ class EngineHandle:
                     next(steps)
                 except StopIteration:
                     break
-        codec = self._engine.codec
-        return join_results(self._engine.pipeline, self._results, lambda windows: codec.decode_many(windows, self))
+        return join_results(self._engine.pipeline, self._results, self._decode)
 
     def __iter__(self) -> Iterator[AudioChunk]:
         """Streamed chunks, as :func:`higgs_pack.runtime.loop.streaming.stream` gives them: a
@@ -260,8 +260,18 @@ class EngineHandle:
         stream = SpeechStream(self._engine.pipeline, list(req.chunks), req.options, req.ref_codes, req.ref_text,
                               None, req.schedule, req.submitted,
                               steps=lambda index, _text, _cap: self._chunk_steps(index, None),
-                              decode=lambda codes: codec.decode(codes, self), reading=codec.stream)
+                              decode=lambda codes: self._decode([codes])[0], reading=codec.stream)
         return stream
+
+    def _raise_if_cancelled(self) -> None:
+        """A cancelled request reads as cancelled even when the engine had drawn all its codes
+        (its events and windows are still there): cancel() is the reader's last word."""
+        if self._cancelled.is_set():
+            raise RequestCancelled("the request was cancelled")
+
+    def _decode(self, windows: list[np.ndarray]) -> list[np.ndarray]:
+        self._raise_if_cancelled()
+        return self._engine.codec.decode_many(windows, self)
 
     def _claim(self) -> None:
         if self._read:
@@ -271,6 +281,7 @@ class EngineHandle:
     def _chunk_steps(self, index: int, timeout: float | None) -> Generator[np.ndarray, None, GenerationResult]:
         """The codes of text chunk ``index`` as the engine sends them (generate_steps' yields)."""
         while True:
+            self._raise_if_cancelled()
             try:
                 kind, at, value = self._events.get(timeout=timeout)
             except queue.Empty:

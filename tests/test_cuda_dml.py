@@ -463,3 +463,50 @@ def test_plan_equals_manifest(cuda_fp16, dml_fp16):
     for bundle in (cuda_fp16, dml_fp16):
         m = read_manifest(bundle)
         assert plan_mismatches(make_plan(m["target"], m["precision"], m["variant"]), m["subparts"]) == []
+
+
+# ------------------------------------------------------------------ the engine (issue 19)
+
+
+def test_cuda_bundle_engine_takes_eight_rows_and_dml_is_refused_saying_why(cuda_fp16, dml_fp16):
+    """CPU-side checks of batching a cuda bundle: its GroupQueryAttention decoder shares its KV
+    buffers, so ``engine(max_batch=8)`` makes the batched decoder with the graph's float16 cache
+    (here on the CPU provider, where the buffers are host memory; the device path's
+    ``OrtValue`` buffers are run on the host in tests/test_engine.py).  A dml decoder (position_ids,
+    a copied cache) is refused above batch 1, naming why; batch 1 runs everywhere."""
+    import higgs_pack
+
+    with higgs_pack.load(cuda_fp16, execution_provider="cpu") as tts:
+        c = tts.pipeline.constants
+        engine = tts.engine(max_batch=8, max_length=256)
+        with engine:
+            decoder = engine.decoder
+            assert decoder.max_batch == 8 and decoder.kv_device == "cpu"
+            assert {b.dtype for b in decoder.kv.values()} == {np.dtype(np.float16)}
+            assert engine.kv_bytes_per_position == c.num_layers * 2 * c.num_key_value_heads * c.head_dim * 2
+    with higgs_pack.load(dml_fp16, execution_provider="cpu") as tts:
+        with pytest.raises(Exception, match=r"copies its cache every step \(a graph with position_ids"):
+            tts.engine(max_batch=2)
+        with tts.engine(max_batch=1) as engine:
+            assert engine.max_batch == 1
+
+
+@pytest.mark.gpu
+def test_cuda_engine_serves_eight_concurrent_requests_on_the_gpu(cuda_fp16, capsys):
+    """On an NVIDIA GPU: eight concurrent requests on eight rows whose KV buffers are in the
+    GPU's memory; every request ends, and the agreement with its run alone is reported (fp16
+    kernels may round differently with more rows)."""
+    if EXEC["cuda"] not in _available():
+        label, fix = HARDWARE["cuda"]
+        pytest.skip(f"{label}: {EXEC['cuda']} not available ({fix})")
+    import higgs_pack
+    from test_engine import EIGHT, codes_agreement, run_eight_concurrent
+
+    with higgs_pack.load(cuda_fp16) as tts:
+        single = [tts.synthesize(text, seed=seed, max_frames=cap) for text, seed, cap in EIGHT]
+        engine = tts.engine(max_batch=8)
+        assert engine.decoder.kv_device == "cuda" and engine.decoder.kv == {}
+        batched = run_eight_concurrent(tts, engine)
+    same, total = codes_agreement(single, batched)
+    with capsys.disabled():
+        print(f"\ncuda fp16, 8 concurrent requests batched vs alone: {same}/{total} frames equal")

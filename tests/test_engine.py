@@ -18,7 +18,7 @@ import higgs_pack
 from higgs_pack.manifests.errors import InputError
 from higgs_pack.runtime.backends import get_backend
 from higgs_pack.runtime.backends.onnxruntime.batched import BatchedOrtDecoder
-from higgs_pack.runtime.loop.engine import EngineClosed, RequestCancelled
+from higgs_pack.runtime.loop.engine import Engine, EngineClosed, RequestCancelled
 
 #: (text, seed, max_frames): different text lengths and frame caps.
 REQUESTS = [
@@ -27,6 +27,13 @@ REQUESTS = [
     ("Short one.", 2, 40),
     ("Number four is here too.", 3, 75),
     ("Five.", 4, 55),
+]
+
+#: Eight requests for the eight-rows checks: :data:`REQUESTS` and three more.
+EIGHT = REQUESTS + [
+    ("The sixth request speaks now.", 5, 45),
+    ("Seven is said to be a lucky number.", 6, 65),
+    ("And the eighth one closes the batch.", 7, 50),
 ]
 
 
@@ -55,10 +62,48 @@ def _wait_for(predicate, what: str, timeout: float = 60.0) -> None:
         time.sleep(0.002)
 
 
-def _batched(tts, max_batch: int = 4, max_length: int = 512) -> BatchedOrtDecoder:
+def _batched(tts, max_batch: int = 4, max_length: int = 512, **kwargs) -> BatchedOrtDecoder:
     c = tts.pipeline.constants
     return BatchedOrtDecoder(tts.pipeline.decoder.session, max_batch=max_batch, max_length=max_length,
-                             kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
+                             kv_heads=c.num_key_value_heads, head_dim=c.head_dim, **kwargs)
+
+
+def run_eight_concurrent(tts, engine=None, timeout: float = 120.0) -> list:
+    """:data:`EIGHT` submitted at once from eight threads to an engine of eight rows
+    (``tts.engine(max_batch=8)`` unless ``engine`` is given); every request ends with its frames
+    and the batch held all eight rows at once.  Returns the results in :data:`EIGHT`'s order.
+    Shared by every backend's tests (issue 19: eight concurrent requests per bundle)."""
+    engine = tts.engine(max_batch=8) if engine is None else engine
+    handles: list = [None] * len(EIGHT)
+    go = threading.Barrier(len(EIGHT))
+
+    def submit(i: int) -> None:
+        go.wait()
+        text, seed, cap = EIGHT[i]
+        handles[i] = engine.submit(text, seed=seed, max_frames=cap)
+
+    with engine:
+        threads = [threading.Thread(target=submit, args=(i,)) for i in range(len(EIGHT))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        results = [h.result(timeout=timeout) for h in handles]
+        assert engine.max_batch == 8 and engine.stats.max_rows == 8
+        assert engine.busy_rows == 0 and engine.waiting == 0
+    for (_, _, cap), result in zip(EIGHT, results, strict=True):
+        assert 0 < len(result.codes) <= cap and result.samples.size > 0
+    return results
+
+
+def codes_agreement(single: list, batched: list) -> tuple[int, int]:
+    """(frames equal, frames in all) of each batched result's codes against its run alone."""
+    same = total = 0
+    for a, b in zip(single, batched, strict=True):
+        n = min(len(a.codes), len(b.codes))
+        same += int((a.codes[:n] == b.codes[:n]).all(axis=1).sum())
+        total += max(len(a.codes), len(b.codes))
+    return same, total
 
 
 def test_prefill_on_a_row_view_writes_into_the_shared_buffer(tts):
@@ -99,6 +144,45 @@ def test_rows_at_their_own_lengths_give_the_hidden_states_of_separate_runs(tts):
         expected = [single.forward(prompt)] + [single.forward(x) for x in feeds]
         for a, b in zip(expected, got, strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+def test_device_buffers_give_the_host_buffers_hidden_states_and_kv(tts):
+    """The GPU path (KV buffers as ``OrtValue``s, bound by pointer: what a cuda bundle's engine
+    runs) made on the host: rows at their own lengths give exactly the host buffers' hidden
+    states, and each row holds the same K/V."""
+    host, device = _batched(tts), _batched(tts, device_buffers=True)
+    assert device.kv == {} and set(device.kv_values) == set(host.kv) and device.kv_device == "cpu"
+    assert device.kv_bytes_per_position == host.kv_bytes_per_position == 512
+    h = tts.pipeline.constants.hidden_size
+    rows = np.array([0, 1, 3])
+    outs = {}
+    for decoder in (host, device):
+        rng = np.random.default_rng(5)
+        outs[decoder] = [decoder.prefill(int(r), rng.standard_normal((1, n, h)).astype(np.float32))
+                         for r, n in zip(rows, (6, 11, 4), strict=True)]
+        outs[decoder] += [decoder.step(rows, rng.standard_normal((3, 1, h)).astype(np.float32)) for _ in range(20)]
+    for a, b in zip(outs[host], outs[device], strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert device.lengths.tolist() == host.lengths.tolist() == [26, 31, 0, 24]
+    for name in host.kv:
+        for row, n in zip(rows, (26, 31, 24), strict=True):
+            np.testing.assert_array_equal(device.kv_row(name, int(row))[:, :n], host.kv[name][row, :, :n])
+    device.release(1)
+    assert device.positions_held == 50
+
+
+def test_eight_concurrent_requests_give_their_codes_alone(tts):
+    """Issue 19: eight requests at once, from eight threads, on eight rows: each gives the codes
+    and samples of its run alone (fp32), on host KV buffers and on the device path's
+    ``OrtValue`` buffers (made on the host)."""
+    single = [tts.synthesize(text, seed=seed, max_frames=cap) for text, seed, cap in EIGHT]
+    c = tts.pipeline.constants
+    on_values = BatchedOrtDecoder(tts.pipeline.decoder.session, max_batch=8, max_length=512, device_buffers=True,
+                                  kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
+    for engine in (None, Engine(tts.pipeline, on_values)):
+        for got, want in zip(run_eight_concurrent(tts, engine), single, strict=True):
+            np.testing.assert_array_equal(got.codes, want.codes)
+            np.testing.assert_array_equal(got.samples, want.samples)
 
 
 def test_a_step_needs_prefilled_rows_and_room(tts):
@@ -271,20 +355,15 @@ def test_max_batch_is_checked_and_openvino_refuses_a_decoder_it_cannot_batch(tts
 
 
 def test_int4_agreement_batched_versus_alone(cpu_int4_bundle, capsys):
-    """int4 kernels may round differently with more rows (MatMulNBits tiles M > 1): report the
-    fraction of frames equal to the run alone; on the tiny bundle it is 1.0."""
+    """int4 kernels may round differently with more rows (MatMulNBits tiles M > 1): eight
+    concurrent requests on eight rows all end, and the fraction of frames equal to the run
+    alone is reported (on the tiny bundle 456 of 480 frames, 0.95)."""
     with higgs_pack.load(cpu_int4_bundle) as int4:
-        single = [int4.synthesize(text, seed=seed, max_frames=cap) for text, seed, cap in REQUESTS]
-        with int4.engine(max_batch=4) as engine:
-            handles = [_submit(engine, int4, i) for i in range(len(REQUESTS))]
-            batched = [h.result(timeout=60) for h in handles]
-    same = total = 0
-    for a, b in zip(single, batched, strict=True):
-        n = min(len(a.codes), len(b.codes))
-        same += int((a.codes[:n] == b.codes[:n]).all(axis=1).sum())
-        total += max(len(a.codes), len(b.codes))
+        single = [int4.synthesize(text, seed=seed, max_frames=cap) for text, seed, cap in EIGHT]
+        batched = run_eight_concurrent(int4)
+    same, total = codes_agreement(single, batched)
     with capsys.disabled():
-        print(f"\nint4 batched vs alone: {same}/{total} frames equal ({same / total:.3f})")
+        print(f"\nint4, 8 concurrent requests batched vs alone: {same}/{total} frames equal ({same / total:.3f})")
     assert same / total >= 0.9
 
 

@@ -21,10 +21,13 @@ import numpy as np
 import openvino as ov
 import pytest
 from test_engine import (
+    EIGHT,
     REQUESTS,
     _PoisonedRow,
     _submit,
     check_cancel_frees_the_row,
+    codes_agreement,
+    run_eight_concurrent,
     run_joining_mid_flight,
 )
 
@@ -247,6 +250,23 @@ def test_requests_joining_and_leaving_mid_flight_give_their_codes_alone(tts_f32,
     for got, want in zip(results, alone_f32, strict=True):
         np.testing.assert_array_equal(got.codes, want.codes)
         np.testing.assert_array_equal(got.samples, want.samples)
+
+
+def test_eight_concurrent_requests(tts, tts_f32, capsys):
+    """Issue 19: eight requests at once from eight threads on eight rows of the spliced state:
+    with the f32 cache each gives its codes alone; with the bundle's own u8 cache every request
+    ends and the agreement with its run alone is reported."""
+    for loaded in (tts_f32, tts):
+        single = [loaded.synthesize(text, seed=seed, max_frames=cap) for text, seed, cap in EIGHT]
+        batched = run_eight_concurrent(loaded, timeout=240)
+        if loaded is tts_f32:
+            for got, want in zip(batched, single, strict=True):
+                np.testing.assert_array_equal(got.codes, want.codes)
+        else:
+            same, total = codes_agreement(single, batched)
+            with capsys.disabled():
+                print(f"\nOpenVINO u8 KV, 8 concurrent requests batched vs alone: {same}/{total} frames equal")
+            assert same / total >= 0.5
 
 
 def test_u8_codes_batched_versus_alone(tts, capsys):

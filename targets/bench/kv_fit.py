@@ -42,7 +42,7 @@ def fill_kv(decoder: Any, length: int, seed: int = 0) -> None:
         ValueError: ``length`` out of range, or a decoder without host KV buffers.
     """
     kv = getattr(decoder, "kv", None)
-    if not isinstance(kv, dict) or not hasattr(decoder, "lengths"):
+    if not isinstance(kv, dict) or not kv or not hasattr(decoder, "lengths"):
         raise ValueError(f"{type(decoder).__name__} keeps no host KV buffers this bench can fill")
     if not 1 <= length < decoder.max_length:
         raise ValueError(f"length must be in 1..{decoder.max_length - 1}, got {length}")
@@ -85,6 +85,9 @@ def fit_run(spec: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(getattr(decoder, "kv", None), dict):
         return {"fit_run_skipped": f"{type(decoder).__name__} keeps its KV cache inside the runtime (it is "
                                    "allocated as positions are computed): the fit is computed only"}
+    if not decoder.kv:
+        return {"fit_run_skipped": f"{type(decoder).__name__}'s KV cache is in {decoder.kv_device} memory, "
+                                   "allocated whole: the fit is computed only"}
     fill_kv(decoder, positions - 1)
     rows = np.arange(batch)
     embeds = np.random.default_rng(1).standard_normal((batch, 1, decoder.hidden_size), dtype=np.float32) * 0.1

@@ -86,26 +86,31 @@ class OnnxRuntimeBackend(Backend):
 
     def batched_decoder(self, pipeline, max_batch: int, max_length: int):
         """A :class:`~higgs_pack.runtime.backends.onnxruntime.batched.BatchedOrtDecoder` on the
-        decoder's session when it runs on the CPU provider with shared KV buffers (a
-        GroupQueryAttention graph); ``max_batch=1`` elsewhere.
+        decoder's session when that decoder shares its KV buffers (a GroupQueryAttention graph
+        on the CPU or CUDA provider; on CUDA the buffers are in the GPU's memory);
+        ``max_batch=1`` elsewhere.
 
         Raises:
-            InputError: ``max_batch > 1`` on another provider or a graph with ``position_ids``.
+            InputError: ``max_batch > 1`` for a decoder that copies its cache every step (a
+                graph with ``position_ids``: ModelBuilder's MultiHeadAttention, as in dml and
+                fp32 cuda bundles) or runs on a provider without shared KV buffers (DirectML).
         """
         from higgs_pack.runtime.backends.onnxruntime.batched import BatchedOrtDecoder
         from higgs_pack.runtime.backends.onnxruntime.runners import OrtDecoder
 
         decoder = pipeline.decoder
         provider = (decoder.session.get_providers() or ["?"])[0] if isinstance(decoder, OrtDecoder) else "?"
-        if max_batch > 1 and provider == CPU_PROVIDER.ort_provider and decoder.shared_kv:
+        if max_batch > 1 and isinstance(decoder, OrtDecoder) and decoder.shared_kv:
             c = pipeline.constants
             return BatchedOrtDecoder(decoder.session, max_batch=max_batch, max_length=max_length,
                                      kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
         if max_batch > 1:
             raise InputError(
-                f"ONNX Runtime batches requests on the CPU execution provider with a GroupQueryAttention "
-                f"decoder only; this decoder runs on {provider} (the batched KV buffers are not written for "
-                "device memory yet): use engine(max_batch=1) (the CLI's --batch 1), or a cpu bundle")
+                f"ONNX Runtime batches requests with a GroupQueryAttention decoder on the CPU or CUDA execution "
+                f"provider, which shares one KV buffer per layer between past and present; this decoder runs on "
+                f"{provider} and copies its cache every step (a graph with position_ids, as ModelBuilder writes "
+                "for dml and fp32 cuda bundles): use engine(max_batch=1) (the CLI's --batch 1), or a cpu bundle "
+                "or a cuda fp16/int4 one")
         return super().batched_decoder(pipeline, max_batch, max_length)
 
     def structure_checks(self):

@@ -9,7 +9,19 @@ right-padded ``attention_mask``: row ``b`` has ``length_b + 1`` ones; the graph 
 row's ``seqlens_k`` from it and writes the new K/V at that row's offset).  ORT refuses a
 multi-token chunk with past at batch > 1, which is why prefill is per row.
 
-KV memory: each buffer is a private anonymous mapping (pages are committed as positions
+Every KV binding is a pointer into a buffer (``buffer + row x row_bytes``) with the buffer's
+device, so host and device memory take the same path.  On the CUDA execution provider (a
+cuda bundle's GroupQueryAttention decoder) the buffers are ``OrtValue``s in the GPU's memory,
+allocated whole when the decoder is made (``max_batch x max_length x``
+:attr:`~BatchedOrtDecoder.kv_bytes_per_position` bytes: 4.5 GiB for 8 rows of 4,096
+positions of the 4B model's float16 cache) and never copied to the host; ``inputs_embeds``,
+``attention_mask`` and ``hidden_states`` stay host buffers that ONNX Runtime copies per step
+(a few KB).  Device memory is not zeroed: a row is read only up to its own length, which
+its prefill and steps wrote.  ``device_buffers=True`` makes the same ``OrtValue`` buffers in
+host memory on the CPU provider, so the device path's allocation and binding are tested on
+machines without a GPU.
+
+KV memory on the host: each buffer is a private anonymous mapping (pages are committed as positions
 are written), and :meth:`BatchedOrtDecoder.release` gives a row's pages back to the
 kernel (``madvise(MADV_DONTNEED)``; they read back as zeros), so the memory held follows
 the requests on the rows, not the longest request a row ever held.  Where Python's
@@ -26,11 +38,13 @@ import numpy as np
 
 from higgs_pack.manifests.errors import InputError, SignatureMismatch
 from higgs_pack.runtime.backends.onnxruntime.failures import _raise_unsupported
+from higgs_pack.runtime.backends.onnxruntime.distributions import import_ort
 from higgs_pack.runtime.backends.onnxruntime.runners import (
     _bind_host,
     kv_cache_dtype,
     shared_kv_device,
 )
+from higgs_pack.runtime.loop.kv_memory import mib
 from higgs_pack.runtime.backends.onnxruntime.sessions import ORT_TYPES
 from higgs_pack.runtime.loop.pipeline import check_decoder_room
 
@@ -54,15 +68,20 @@ class BatchedOrtDecoder:
         max_length: most positions one row may hold (prompt + frames).
         kv_heads, head_dim: cache shape (the graph's own fixed sizes of its
             ``past_key_values.*`` inputs win where it declares them).
+        device_buffers: hold the KV buffers as ``OrtValue``s on the provider's device (default:
+            on a GPU provider); True on the CPU provider runs that path on host memory.
 
     Attributes:
-        kv: ``past_key_values.*`` name -> its buffer [max_batch, kv_heads, max_length,
+        kv: ``past_key_values.*`` name -> its host buffer [max_batch, kv_heads, max_length,
             head_dim] of the dtype the graph declares (float32 in fp32 and int4 bundles;
-            int8/uint8 for a quantized KV cache).
+            float16 in cuda ones; int8/uint8 for a quantized KV cache); empty when the buffers
+            are ``OrtValue``s (:attr:`kv_values`; read a row with :meth:`kv_row`).
+        kv_values: ``past_key_values.*`` name -> its ``OrtValue`` buffer of that shape (empty
+            for host buffers).
         kv_bytes_per_position: bytes one position of one row takes over all those buffers:
             ``num_layers x 2 x kv_heads x head_dim x itemsize`` (int; fp32 at full size
             294,912 = 288 KiB, the tiny model 512).
-        kv_device: ``"cpu"``: the buffers are host memory.
+        kv_device: where the buffers live: ``"cpu"`` (host memory) or ``"cuda"`` (the GPU's).
         lengths: int64 [max_batch] positions each row holds.
 
     Raises:
@@ -72,17 +91,18 @@ class BatchedOrtDecoder:
             :func:`~higgs_pack.runtime.backends.onnxruntime.runners.kv_cache_dtype`), or a
             ``present.*`` output whose dtype differs from its ``past_key_values.*`` input
             (they share one buffer).
-        InputError: the session is not on the CPU execution provider, or a bad size.
+        InputError: the session's provider keeps no shared KV buffers (DirectML), or a bad size.
+        MemoryError: the device has no room for the KV buffers (the message gives their size).
     """
 
-    kv_device = "cpu"
-
-    def __init__(self, session, *, max_batch: int, max_length: int, kv_heads: int, head_dim: int):
+    def __init__(self, session, *, max_batch: int, max_length: int, kv_heads: int, head_dim: int,
+                 device_buffers: bool | None = None):
         provider = (session.get_providers() or ["CPUExecutionProvider"])[0]
-        if shared_kv_device(provider) != "cpu":
+        device = shared_kv_device(provider)
+        if device is None:
             raise InputError(
-                f"the batched decoder runs on ONNX Runtime's CPU execution provider; this session runs on "
-                f"{provider}. Use max_batch=1 there, or a cpu bundle")
+                f"the batched decoder binds one KV buffer per layer as past and present, which {provider} "
+                "does not share; use max_batch=1 there, or a cpu or cuda bundle")
         if max_batch < 1 or max_length < 2:
             raise InputError(f"max_batch must be >= 1 and max_length >= 2, got {max_batch} and {max_length}")
         inputs = {i.name: i for i in session.get_inputs()}
@@ -101,8 +121,16 @@ class BatchedOrtDecoder:
         self._past = sorted(n for n in inputs if n.startswith("past_key_values."))
         self._present = [n.replace("past_key_values.", "present.") for n in self._past]
         kv_type = kv_cache_dtype(session, head_dim)  # int8 for a quantized KV cache, as the graph declares
+        options = session.get_provider_options().get(provider, {}) if hasattr(session, "get_provider_options") else {}
+        self.kv_device = device
+        self._device_id = int(options.get("device_id", 0))
+        self._on_values = device != "cpu" if device_buffers is None else bool(device_buffers)
+        self._kv_type = np.dtype(kv_type)
         self.kv: dict[str, np.ndarray] = {}
+        self.kv_values: dict[str, object] = {}
         self._kv_maps: dict[str, mmap.mmap] = {}
+        self._kv_shape: dict[str, tuple[int, int, int, int]] = {}
+        self._kv_ptr: dict[str, int] = {}
         for past, present in zip(self._past, self._present, strict=True):
             declared = inputs[past].shape
             if present in outputs and outputs[present].type != inputs[past].type:
@@ -112,8 +140,15 @@ class BatchedOrtDecoder:
             fixed = len(declared) == 4
             heads = declared[1] if fixed and isinstance(declared[1], int) else kv_heads
             width = declared[3] if fixed and isinstance(declared[3], int) else head_dim
-            self.kv[past] = self._kv_buffer(past, (max_batch, heads, max_length, width), kv_type)
-        self.kv_bytes_per_position = sum(buffer[0, :, 0].nbytes for buffer in self.kv.values())
+            self._kv_shape[past] = (max_batch, heads, max_length, width)
+        self.kv_bytes_per_position = sum(h * w * self._kv_type.itemsize for _, h, _, w in self._kv_shape.values())
+        total = self.kv_bytes_per_position * max_batch * max_length
+        for past, shape in self._kv_shape.items():
+            if self._on_values:
+                self._kv_ptr[past] = self._device_buffer(past, shape, total)
+            else:
+                self.kv[past] = self._kv_buffer(past, shape, kv_type)
+                self._kv_ptr[past] = self.kv[past].ctypes.data
         self.lengths = np.zeros(max_batch, dtype=np.int64)
         self._embeds = np.zeros((max_batch, 1, self.hidden_size), dtype=self._embed_type)
         self._hidden = np.zeros((max_batch, 1, self.hidden_size), dtype=self._hidden_type)
@@ -133,9 +168,45 @@ class BatchedOrtDecoder:
         self._kv_maps[name] = mapping
         return np.frombuffer(mapping, dtype=dtype).reshape(shape)
 
+    def _device_buffer(self, name: str, shape: tuple[int, ...], total: int) -> int:
+        """Allocate ``name``'s buffer as an ``OrtValue`` on :attr:`kv_device`; its address."""
+        ort = import_ort()
+        try:
+            value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), self._kv_type.type, self.kv_device,
+                                                              self._device_id)
+        except Exception as exc:  # onnxruntime's own error types
+            if "memory" in str(exc).lower() or "alloc" in str(exc).lower():
+                raise MemoryError(
+                    f"out of {self.kv_device} memory for the batched KV cache: {self.max_batch} rows x "
+                    f"{self.max_length} positions x {self.kv_bytes_per_position} B = {mib(total)} in all; "
+                    f"lower max_batch or max_length ({exc})") from exc
+            raise
+        self.kv_values[name] = value
+        return int(value.data_ptr())
+
+    def kv_row(self, name: str, row: int) -> np.ndarray:
+        """A host copy of row ``row`` of buffer ``name`` ([kv_heads, max_length, head_dim], the
+        cache dtype), wherever the buffer lives (a device buffer is copied out whole: for tests
+        and checks, not for the decode path)."""
+        if name in self.kv:
+            return self.kv[name][row].copy()
+        return self.kv_values[name].numpy()[row]
+
+    def _bind_kv(self, binding, first: int, count: int) -> None:
+        """Bind rows ``first .. first+count-1`` of every KV buffer as its ``past_key_values.*``
+        input and ``present.*`` output (a pointer into the buffer: the rows are contiguous)."""
+        for past, present in zip(self._past, self._present, strict=True):
+            _, heads, length, width = self._kv_shape[past]
+            row_bytes = heads * length * width * self._kv_type.itemsize
+            pointer = self._kv_ptr[past] + first * row_bytes
+            shape = [count, heads, length, width]
+            binding.bind_input(past, self.kv_device, self._device_id, self._kv_type, shape, pointer)
+            binding.bind_output(present, self.kv_device, self._device_id, self._kv_type, shape, pointer)
+
     def release(self, row: int) -> None:
-        """Forget row ``row``'s positions and give its KV pages back to the OS (each buffer's
-        whole pages inside the row; the row reads as zeros until the next prefill writes it)."""
+        """Forget row ``row``'s positions and give its KV pages back to the OS (each host buffer's
+        whole pages inside the row; the row reads as zeros until the next prefill writes it).
+        A device buffer keeps its memory (it was allocated whole)."""
         self.lengths[row] = 0
         page = mmap.PAGESIZE
         for name, mapping in self._kv_maps.items():
@@ -173,10 +244,7 @@ class BatchedOrtDecoder:
         _bind_host(binding, "inputs_embeds", embeds)
         _bind_host(binding, "attention_mask", mask)
         _bind_host(binding, "hidden_states", hidden, output=True)
-        for past, present in zip(self._past, self._present, strict=True):
-            view = self.kv[past][row:row + 1]  # contiguous: binds the row itself, no copy
-            _bind_host(binding, past, view)
-            _bind_host(binding, present, view, output=True)
+        self._bind_kv(binding, row, 1)  # the row itself (contiguous), no copy
         self._run(binding)
         self.lengths[row] = s
         return hidden.astype(np.float32)
@@ -217,9 +285,7 @@ class BatchedOrtDecoder:
         """Bind the first ``k`` rows of every buffer (contiguous views) for the decode steps."""
         _bind_host(self._binding, "inputs_embeds", self._embeds[:k])
         _bind_host(self._binding, "hidden_states", self._hidden[:k], output=True)
-        for past, present in zip(self._past, self._present, strict=True):
-            _bind_host(self._binding, past, self.kv[past][:k])
-            _bind_host(self._binding, present, self.kv[past][:k], output=True)
+        self._bind_kv(self._binding, 0, k)
         self._bound_rows = k
 
     def _run(self, binding) -> None:

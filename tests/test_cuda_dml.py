@@ -499,8 +499,9 @@ def test_cuda_engine_serves_eight_concurrent_requests_on_the_gpu(cuda_fp16, caps
     if EXEC["cuda"] not in _available():
         label, fix = HARDWARE["cuda"]
         pytest.skip(f"{label}: {EXEC['cuda']} not available ({fix})")
-    import higgs_pack
     from test_engine import EIGHT, codes_agreement, run_eight_concurrent
+
+    import higgs_pack
 
     with higgs_pack.load(cuda_fp16) as tts:
         single = [tts.synthesize(text, seed=seed, max_frames=cap) for text, seed, cap in EIGHT]

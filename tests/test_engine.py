@@ -30,7 +30,8 @@ REQUESTS = [
 ]
 
 #: Eight requests for the eight-rows checks: :data:`REQUESTS` and three more.
-EIGHT = REQUESTS + [
+EIGHT = [
+    *REQUESTS,
     ("The sixth request speaks now.", 5, 45),
     ("Seven is said to be a lucky number.", 6, 65),
     ("And the eighth one closes the batch.", 7, 50),

@@ -37,15 +37,15 @@ import mmap
 import numpy as np
 
 from higgs_pack.manifests.errors import InputError, SignatureMismatch
-from higgs_pack.runtime.backends.onnxruntime.failures import _raise_unsupported
 from higgs_pack.runtime.backends.onnxruntime.distributions import import_ort
+from higgs_pack.runtime.backends.onnxruntime.failures import _raise_unsupported
 from higgs_pack.runtime.backends.onnxruntime.runners import (
     _bind_host,
     kv_cache_dtype,
     shared_kv_device,
 )
-from higgs_pack.runtime.loop.kv_memory import mib
 from higgs_pack.runtime.backends.onnxruntime.sessions import ORT_TYPES
+from higgs_pack.runtime.loop.kv_memory import mib
 from higgs_pack.runtime.loop.pipeline import check_decoder_room
 
 

@@ -28,7 +28,7 @@ Sizing (the defaults of :func:`deployment` and :func:`build_app`):
   (20 with the defaults): Ray sends a replica no more than it admits, and queues the rest
   itself (``max_queued_requests``, unbounded by default; set it to answer 503 beyond).
   Without ``max_batch``, 4 rows are assumed; a bundle that cannot batch (the NPU variant,
-  OpenVINO on a GPU) runs one row, so give ``max_batch=1`` there or the replica answers 429
+  OpenVINO on a GPU, dml bundles) runs one row, so give ``max_batch=1`` there or the replica answers 429
   beyond ``1 + max_queue``.
 - autoscaling's ``target_ongoing_requests`` is :func:`target_ongoing_requests`: the batch's
   rows plus half of them waiting (6 for 4 rows).  Below the rows a replica's batch still has

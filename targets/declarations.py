@@ -82,6 +82,19 @@ CPU_DECODER_INT4 = {"block_size": 128}
 #: float stays the default; int8 is for memory-bound batching: 4x fewer KV bytes (full size:
 #: 288 -> 72 KiB per position; the step's bytes at 900 positions are mostly the 1.95 GB of
 #: int4 weights, so int8 KV saves at most ~9% of them).
+#:
+#: At full size (36 layers, random weights; the same tool with ``--preset full --precisions int4``,
+#: 15 rounds, same machine kind, load 1.3-1.9, 2026-12-03):
+#:
+#: ========== ======== ============= ============= =============== ================================
+#: decoder    KV B/pos 64 positions  900 positions rel_l2 64 / 900 loop (400 frames)
+#: ========== ======== ============= ============= =============== ================================
+#: int4 float  294,912 82.80 / 95.78 122.4 / 139.0 -               -
+#: int4 int8    73,728 68.94 / 87.00 103.6 / 108.3 0.1002 / 0.0914 0.107 / 0.086, 0.99426, 87%, 30%
+#: ========== ======== ============= ============= =============== ================================
+#:
+#: int8 is 15-22% faster there (best), but its hidden states part from the float cache's by
+#: 0.09-0.11 relative L2 and 70% of the frames differ in some codebook: the default stays float.
 CPU_KV_CACHES = ("float", "int8")
 
 CPU = register(

@@ -225,6 +225,14 @@ def cpu_packs_weights(device: str, precision: str) -> bool:
 #: bench cache, in a 300 MiB L3, showed no byte saving either: u8 / f16 / f32 8.67 / 8.86 /
 #: 8.70 at 64 positions and 10.86 / 9.83 / 9.82 (medians 12.38 / 11.74 / 11.54) at 768;
 #: at full size u8 reads 5.6 MB a step where f32 would read 22.3 (~75 positions).
+#: u4 and key u8 / value u4 (``python -m higgs_pack.targets.bench.ov_properties --settings
+#: default,kv_u4,kv_key_u8_value_u4,kv_f16,kv_f32 --contexts 64 900``, bench preset, AMD EPYC
+#: AVX-512 VNNI, 32 MiB L3, OpenVINO 2026.4.1, 15 rounds, load 1.9-2.5; best / median ms, then
+#: rel_l2 against the same IR with an f32 cache): at 64 positions u8 4.18 / 6.22 0.0101, u4
+#: 3.63 / 6.08 0.0312, key u8 value u4 3.54 / 6.21 0.0237, f16 3.74 / 6.17 0.0097, f32 3.87 /
+#: 6.06; at 900 u8 5.14 / 6.28 0.0102, u4 4.96 / 5.78 0.0143, key u8 value u4 4.74 / 5.70
+#: 0.0129, f16 5.35 / 5.87 0.0094, f32 6.17 / 6.81.  No setting is faster beyond this machine's
+#: noise at bench size, and u4 triples u8's distance from f32 at 64 positions: u8 stays.
 KV_CACHE_PRECISION = {"int4": "u8", "int8": "u8", "fp16": "f16", "fp32": "f32"}
 
 

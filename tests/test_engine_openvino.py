@@ -50,14 +50,21 @@ def tts(ov_int4_bundle):
         yield loaded
 
 
-@pytest.fixture(scope="module")
-def tts_f32(ov_int4_bundle):
-    """The same bundle with its decoder compiled with an f32 KV cache (``KV_CACHE_PRECISION``)."""
-    with higgs_pack.load(ov_int4_bundle, "cpu", cache_dir=False) as loaded:
+def _load(bundle, f32: bool):
+    """The bundle loaded on the CPU; ``f32``: its decoder compiled with an f32 KV cache instead."""
+    loaded = higgs_pack.load(bundle, "cpu", cache_dir=False)
+    if f32:
         old = loaded.pipeline.decoder
         loaded.pipeline.decoder = OvStatefulDecoder(
             ov.Core(), old.path, "CPU", None, {"KV_CACHE_PRECISION": "f32", "PERFORMANCE_HINT": "LATENCY"},
             max_length=old.max_length)
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def tts_f32(ov_int4_bundle):
+    """The same bundle with its decoder compiled with an f32 KV cache (``KV_CACHE_PRECISION``)."""
+    with _load(ov_int4_bundle, f32=True) as loaded:
         yield loaded
 
 
@@ -252,14 +259,19 @@ def test_requests_joining_and_leaving_mid_flight_give_their_codes_alone(tts_f32,
         np.testing.assert_array_equal(got.samples, want.samples)
 
 
-def test_eight_concurrent_requests(tts, tts_f32, capsys):
+def test_eight_concurrent_requests(ov_int4_bundle, capsys):
     """Issue 19: eight requests at once from eight threads on eight rows of the spliced state:
     with the f32 cache each gives its codes alone; with the bundle's own u8 cache every request
-    ends and the agreement with its run alone is reported."""
-    for loaded in (tts_f32, tts):
-        single = [loaded.synthesize(text, seed=seed, max_frames=cap) for text, seed, cap in EIGHT]
-        batched = run_eight_concurrent(loaded, timeout=240)
-        if loaded is tts_f32:
+    ends and the agreement with its run alone is reported.  The runs alone come from a bundle
+    loaded for them, before any engine ran on it: in this module's order the shared
+    ``tts_f32``'s own ``synthesize`` gave other codes after the joining test's engine (an open
+    bug, in the closing note of 2026-12-03)."""
+    for f32 in (True, False):
+        with _load(ov_int4_bundle, f32) as fresh:
+            single = [fresh.synthesize(text, seed=seed, max_frames=cap) for text, seed, cap in EIGHT]
+        with _load(ov_int4_bundle, f32) as loaded:
+            batched = run_eight_concurrent(loaded, timeout=240)
+        if f32:
             for got, want in zip(batched, single, strict=True):
                 np.testing.assert_array_equal(got.codes, want.codes)
         else:

@@ -172,6 +172,14 @@ def test_device_buffers_give_the_host_buffers_hidden_states_and_kv(tts):
     assert device.positions_held == 50
 
 
+def test_kv_buffers_that_do_not_fit_are_refused_naming_their_size(tts):
+    """Device buffers are allocated whole: a cache the device has no room for is a MemoryError
+    giving its size and what to lower (shown on the host, where the same OrtValue path runs)."""
+    with pytest.raises(MemoryError, match=r"out of cpu memory for the batched KV cache: 65536 rows x 16777216 "
+                                          r"positions x 512 B = 536870912\.00 MiB in all; lower max_batch or max_length"):
+        _batched(tts, max_batch=2**16, max_length=2**24, device_buffers=True)
+
+
 def test_eight_concurrent_requests_give_their_codes_alone(tts):
     """Issue 19: eight requests at once, from eight threads, on eight rows: each gives the codes
     and samples of its run alone (fp32), on host KV buffers and on the device path's

@@ -42,6 +42,7 @@ from higgs_pack.runtime.backends.onnxruntime.failures import _raise_unsupported
 from higgs_pack.runtime.backends.onnxruntime.runners import (
     _bind_host,
     kv_cache_dtype,
+    provider_device_id,
     shared_kv_device,
 )
 from higgs_pack.runtime.backends.onnxruntime.sessions import ORT_TYPES
@@ -121,9 +122,8 @@ class BatchedOrtDecoder:
         self._past = sorted(n for n in inputs if n.startswith("past_key_values."))
         self._present = [n.replace("past_key_values.", "present.") for n in self._past]
         kv_type = kv_cache_dtype(session, head_dim)  # int8 for a quantized KV cache, as the graph declares
-        options = session.get_provider_options().get(provider, {}) if hasattr(session, "get_provider_options") else {}
         self.kv_device = device
-        self._device_id = int(options.get("device_id", 0))
+        self._device_id = provider_device_id(session, provider)
         self._on_values = device != "cpu" if device_buffers is None else bool(device_buffers)
         self._kv_type = np.dtype(kv_type)
         self.kv: dict[str, np.ndarray] = {}

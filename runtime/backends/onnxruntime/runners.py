@@ -158,6 +158,13 @@ def shared_kv_device(ort_provider: str) -> str | None:
     row = next((r for r in EXECUTION_PROVIDERS.values() if r.ort_provider == ort_provider), None)
     return row.sessions.iobinding_device if row else None
 
+def provider_device_id(session, ort_provider: str) -> int:
+    """The device index a session's provider runs on (its ``device_id`` provider option; 0
+    where the provider has none, as the CPU provider)."""
+    options = session.get_provider_options().get(ort_provider, {}) if hasattr(session, "get_provider_options") else {}
+    return int(options.get("device_id", 0))
+
+
 def kv_cache_dtype(session, head_dim: int) -> type:
     """The numpy dtype of a decoder session's KV cache, as its ``past_key_values.*`` inputs
     declare it: float32 (ModelBuilder's cpu graphs), float16 (cuda/dml fp16 and int4), or
@@ -281,8 +288,7 @@ class OrtDecoder:
                 f"fixed hidden size (inputs: {sorted(inputs)}); open it with shared_kv=False"
             )
         self._device = device or "cpu"
-        options = session.get_provider_options().get(provider, {}) if hasattr(session, "get_provider_options") else {}
-        self._device_id = int(options.get("device_id", 0))
+        self._device_id = provider_device_id(session, provider)
         if self.shared_kv:
             self._binding = session.io_binding()
             self._mask = np.ones((1, max_length), dtype=np.int64)

@@ -68,14 +68,20 @@ def read_lines(text: str, base_seed: int | None) -> tuple[list[Line], int]:
         ``(lines, line_count)``; empty and whitespace-only lines are left out but counted.
 
     Raises:
-        InputError: no line holds any text.
+        InputError: no line holds any text, or a line cannot be spoken (only control
+            characters, or not valid Unicode: :func:`~higgs_pack.runtime.request.unspeakable`),
+            every such line named.
     """
+    from higgs_pack.runtime.request import refuse, unspeakable
+
     raw = text.splitlines()
     lines = [Line(n, s.strip(), None if base_seed is None else base_seed + n - 1)
              for n, s in enumerate(raw, start=1) if s.strip()]
     if not lines:
         raise InputError(f"the text file has no non-empty line ({len(raw)} lines); --batch speaks one wav per "
                          "non-empty line")
+    refuse([f"{problem}; fix or remove that line of --text-file" for line in lines
+            if (problem := unspeakable(line.text, f"line {line.number}")) is not None])
     return lines, len(raw)
 
 

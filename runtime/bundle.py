@@ -22,6 +22,7 @@ from typing import Any, Literal
 from higgs_pack.manifests.constants import SubPart
 from higgs_pack.manifests.errors import BundleError, ManifestError
 from higgs_pack.manifests.manifest import (
+    MANIFEST_NAME,
     hub_cache_blobs,
     read_manifest,
     resolve_inside,
@@ -100,22 +101,47 @@ def find_bundle(name_or_path: str | Path) -> Path:
     entry-point group (see ``higgs-pack list``).
 
     Raises:
-        BundleError: neither a directory nor an installed bundle name.
+        BundleError: neither a directory nor an installed bundle name, or a directory that
+            holds no ``manifest.json`` (:func:`require_bundle_dir`).
     """
     path = Path(name_or_path)
     if path.exists():
+        require_bundle_dir(path)
         return path
     from higgs_pack.runtime.installed import installed_bundles
 
     found = installed_bundles()
     if str(name_or_path) in found:
         return found[str(name_or_path)]
-    known = ", ".join(sorted(found)) or "none installed"
+    known = f"installed: {', '.join(sorted(found))}" if found else "no bundle wheels are installed"
     raise BundleError(
         f"{name_or_path}: no such bundle directory, and no installed bundle of that name "
-        f"(installed: {known}), nor a model slug of a visible bundle (`higgs-pack devices` lists them). "
+        f"({known}), nor a model slug of a visible bundle (`higgs-pack devices` lists them). "
         "Pass a bundle directory, an archive, hf://ORG/REPO[@REVISION], or pip install a bundle wheel"
     )
+
+
+def require_bundle_dir(path: Path, *, folders_of_bundles: bool = False) -> None:
+    """Refuse a directory that is not a bundle, before anything else is said about it.
+
+    Args:
+        path: an existing path (a file is left to the archive reader).
+        folders_of_bundles: also accept a folder whose sub-folders are bundles (what
+            :func:`higgs_pack.runtime.api.load` chooses among).
+
+    Raises:
+        BundleError: ``path`` is a directory with no ``manifest.json`` (and, with
+            ``folders_of_bundles``, no bundle folder one level below).
+    """
+    path = Path(path)
+    if not path.is_dir() or (path / MANIFEST_NAME).is_file():
+        return
+    if folders_of_bundles and any((child / MANIFEST_NAME).is_file() for child in path.iterdir() if child.is_dir()):
+        return
+    below = "; nor is it a folder of bundles: none one level below" if folders_of_bundles else ""
+    raise BundleError(f"{path} is not a bundle ({MANIFEST_NAME} is missing{below}); give a bundle directory "
+                      "(as `higgs-pack build` writes), an archive, an installed bundle name, a model slug or "
+                      "hf://ORG/REPO[@REVISION]")
 
 
 def open_bundle(name_or_path: str | Path, *, check_hashes: bool = True) -> Bundle:

@@ -56,6 +56,11 @@ class _Group(click.Group):
         except HiggsPackError as exc:
             click.echo(f"error: {exc}", err=True)
             ctx.exit(2)
+        except KeyboardInterrupt:
+            # Ctrl-C anywhere a command does not handle it itself (loading, preparing the text):
+            # the status of a program stopped by SIGINT, not click's "Aborted!" and 1.
+            click.echo("interrupted (Ctrl-C)", err=True)
+            ctx.exit(EXIT_INTERRUPTED)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -80,7 +85,9 @@ def _read_text(text: str | None, text_file: Path | None) -> str:
         if text_file is not None:
             return text_file.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
-        raise click.BadParameter(f"the text is not UTF-8 ({exc}); save it as UTF-8 text") from exc
+        where = "stdin" if from_stdin else str(text_file)
+        raise click.BadParameter(f"{where} is not UTF-8 text ({exc}); save it as UTF-8",
+                                 param_hint="stdin" if from_stdin else "--text-file") from exc
     return text
 
 
@@ -183,8 +190,11 @@ def synthesize(bundle, text, text_file, output, ref_audio, ref_text, execution_p
     """
     from higgs_pack.runtime.api import load
     from higgs_pack.runtime.audio import write_wav
+    from higgs_pack.runtime.bundle import require_bundle_dir
     from higgs_pack.runtime.request import SynthesisRequest
 
+    require_bundle_dir(Path(bundle), folders_of_bundles=True)  # before -o is judged against it
+    _refuse_schedule_without_stream(click.get_current_context(), streaming)
     if batch is not None:
         _synthesize_batch(bundle, text, text_file, output, ref_audio, ref_text, batch, streaming, fmt,
                           dict(seed=seed, temperature=temperature, top_k=top_k, top_p=top_p, max_frames=max_frames),
@@ -227,6 +237,22 @@ def synthesize(bundle, text, text_file, output, ref_audio, ref_text, execution_p
     if written.scaled:
         click.echo(f"note: peak {written.peak:.2f} exceeded 16-bit range; audio was scaled down "
                    "(use --float to keep it unscaled)", err=True)
+
+
+def _refuse_schedule_without_stream(ctx: click.Context, streaming: bool) -> None:
+    """Refuse the stream-schedule flags given without ``--stream`` (they would do nothing).
+
+    Raises:
+        click.UsageError: naming the flags given.
+    """
+    from click.core import ParameterSource
+
+    given = [f"--{name.replace('_', '-')}" for name in ("first_chunk_frames", "chunk_growth", "max_chunk_frames")
+             if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE]
+    if given and not streaming:
+        raise click.UsageError(f"{' and '.join(given)} shape{'s' if len(given) == 1 else ''} the chunks of "
+                               "--stream, and --stream is not given: add --stream, or drop "
+                               f"{'it' if len(given) == 1 else 'them'}")
 
 
 def _check_output_folder(output: Path, bundle: str, inputs: list[Path | None]) -> None:
@@ -496,8 +522,10 @@ def verify(bundle, execution_provider, device, allow_fallback, cases, report, re
     """Check BUNDLE (directory, installed name, archive or hf://ORG/REPO[@REV]): files, static checks,
     signatures, parity, speech; a GPU bundle also on its GPU provider where present (else skipped, naming it)."""
     from higgs_pack.runtime.hub import is_hub_ref
-    from higgs_pack.runtime.verification.verify import verify_any
+    from higgs_pack.runtime.verification.verify import require_cases, verify_any
 
+    if cases is not None:
+        require_cases(cases)  # a wrong folder is an error before minutes of checks, not a PASS
     as_html = report is not None and report.suffix.lower() in (".html", ".htm")
     if report is not None and not as_html and report.suffix.lower() != ".json":
         raise click.BadParameter(f"{report}: the report is .html or .json", param_hint="--report")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import unicodedata
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 from typing import Any
@@ -82,30 +83,77 @@ def _whole_at_least(name: str, value: Any, minimum: int, meaning: str) -> list[s
     return []
 
 
+def unspeakable(value: Any, what: str) -> str | None:
+    """Why the text field ``what`` cannot be used, or None: the one text check of every front door.
+
+    Every text a user gives (the words to speak, a transcript, a voice name, a script line) goes
+    through this: the CLI, the Python API and the server each add how to set the field.
+
+    Args:
+        value: the field's value.
+        what: its name in messages (``"text"``, ``"ref_text"``, ``"voice name"``).
+
+    Returns:
+        None when ``value`` is a string with at least one character that is neither whitespace
+        nor a control or format character; else what is wrong with it:
+
+        - not a string (the type named in plain words);
+        - not valid Unicode: a lone surrogate (U+D800-U+DFFF), which is what bytes that are
+          not UTF-8 become in a command-line argument (Python's ``surrogateescape``) or a JSON
+          ``"\\ud800"`` escape; the tokenizer cannot encode it;
+        - empty, or only whitespace and control characters (Unicode categories Cc and Cf, such
+          as U+0000-U+001F): there is nothing to speak.
+    """
+    if not isinstance(value, str):
+        return f"{what} must be text (a string), got {plain_type(value)}"
+    for index, char in enumerate(value):
+        if "\ud800" <= char <= "\udfff":
+            return (f"{what} is not valid Unicode: character {index + 1} is a lone surrogate "
+                    f"(U+{ord(char):04X}; bytes that are not UTF-8 arrive as these); send UTF-8 text")
+    if not any(not char.isspace() and unicodedata.category(char) not in ("Cc", "Cf") for char in value):
+        kind = "empty" if not value else ("only whitespace" if value.isspace() else
+                                            "only whitespace and control characters")
+        return f"{what} is {kind}: there is nothing to speak"
+    return None
+
+
+def plain_type(value: Any) -> str:
+    """The JSON-ish name of ``value``'s type for messages (``null``, a number, a list...), not Python's."""
+    if value is None:
+        return "nothing (null/None)"
+    if isinstance(value, bool):
+        return f"a boolean ({str(value).lower()})"
+    if isinstance(value, (int, float)):
+        return f"a number ({value!r})"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, bytes):
+        return "bytes"
+    return f"a {type(value).__name__}"
+
+
 def text_problems(text: Any) -> list[str]:
-    """The message for text that cannot be spoken (not a string, empty or only whitespace), else ``[]``."""
-    if not isinstance(text, str):
-        return [f"text must be a string, got {type(text).__name__}; give the words to speak with "
-                f"{_set_with('text')}"]
-    if not text.strip():
-        return [f"text is empty or only whitespace; give the words to speak with {_set_with('text')} "
-                "(--text-file FILE, or text on stdin)"]
-    return []
+    """The message for text that cannot be spoken (:func:`unspeakable`), else ``[]``."""
+    problem = unspeakable(text, "text")
+    if problem is None:
+        return []
+    return [f"{problem}; give the words to speak with {_set_with('text')} (--text-file FILE, or text on stdin)"]
 
 
 def voice_pair_problems(audio: Any, transcript: Any) -> list[str]:
     """The message when only one of a reference clip and its transcript is given, else ``[]``.
 
-    The one pairing rule of every path into the loop (a blank transcript counts as none).
+    The one pairing rule of every path into the loop; the transcript, when given beside a clip,
+    must be speakable text (:func:`unspeakable`: a string, valid Unicode, not blank).
     """
-    has_transcript = isinstance(transcript, str) and bool(transcript.strip())
-    if (audio is None) == (transcript is None) and (audio is None or has_transcript):
+    if audio is None and transcript is None:
         return []
-    if audio is not None and not isinstance(transcript, (str, type(None))):
-        return [f"ref_text must be a string, got {type(transcript).__name__}; give the exact transcript of the "
-                f"reference audio with {_set_with('ref_text')}"]
     if audio is not None and transcript is not None:
-        return [f"ref_text is blank; give the exact transcript of the reference audio with {_set_with('ref_text')}"]
+        problem = unspeakable(transcript, "ref_text")
+        return [] if problem is None else [
+            f"{problem}; give the exact transcript of the reference audio with {_set_with('ref_text')}"]
     return ["voice cloning needs both ref_audio= and ref_text= (--ref-audio with --ref-text): the reference "
             "clip and its exact transcript; give both, or neither for the bundle's own voice"]
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import soundfile as sf
 
@@ -168,7 +169,7 @@ def test_unreadable_text_and_bad_numbers_are_usage_errors(cpu_int4_bundle, tmp_p
     latin = tmp_path / "latin.txt"
     latin.write_bytes("caf\xe9".encode("latin-1"))
     out = run("synthesize", cpu_int4_bundle, "--text-file", latin, "-o", tmp_path / "a.wav", check=False)
-    assert out.returncode == 2 and "not UTF-8" in out.stderr
+    assert out.returncode == 2 and f"Invalid value for --text-file: {latin} is not UTF-8 text" in out.stderr, out.stderr
     out = run("synthesize", cpu_int4_bundle, "--text-file", tmp_path / "nope.txt", "-o", tmp_path / "a.wav", check=False)
     assert out.returncode == 2 and "does not exist" in out.stderr
     for flag, value in (("--seed", "-1"), ("--max-frames", "0"), ("--temperature", "inf")):
@@ -193,19 +194,34 @@ def invoke(*args, input=None):
 
 
 @pytest.mark.parametrize(("args", "input", "message"), [
-    (["--text", "   "], None, "text is empty or only whitespace; give the words to speak with --text / text="),
-    (["--text", "-"], "", "text is empty or only whitespace"),
+    (["--text", "   "], None, "text is only whitespace: there is nothing to speak; give the words to speak with "
+                              "--text / text="),
+    (["--text", "-"], "", "text is empty: there is nothing to speak"),
+    (["--text", "\x01\x02"], None, "text is only whitespace and control characters: there is nothing to speak"),
+    (["--text", "\u200b\x00 "], None, "text is only whitespace and control characters"),
+    # Bytes that are not UTF-8 reach Python's argv as lone surrogates (surrogateescape).
+    (["--text", "\udced\udca0\udc80 bad \udcff"], None,
+     "text is not valid Unicode: character 1 is a lone surrogate (U+DCED"),
+    (["--text", "Hi.", "--ref-audio", "{ref}", "--ref-text", "\x07"], None,
+     "ref_text is only whitespace and control characters: there is nothing to speak; give the exact transcript"),
+    (["--text", "Hi.", "--first-chunk-frames", "2"], None,
+     "--first-chunk-frames shapes the chunks of --stream, and --stream is not given: add --stream, or drop it"),
+    (["--text", "Hi.", "--chunk-growth", "3", "--max-chunk-frames", "5"], None,
+     "--chunk-growth and --max-chunk-frames shape the chunks of --stream"),
     (["--text", "Hi.", "--top-p", "0"], None, r"top_p must be in (0, 1], got 0.0; set it with --top-p / top_p="),
     (["--text", "Hi.", "--seed", "-1"], None, "seed must be >= 0"),
     (["--text", "Hi.", "--max-frames", "0"], None, "max_frames must be >= 1 (frames, 25 per second), got 0"),
     (["--text", "Hi.", "--temperature", "inf"], None, "temperature must be a finite number >= 0 (0 = greedy), got inf"),
     (["--text", "Hi.", "--stream", "--first-chunk-frames", "50", "--max-chunk-frames", "5"], None,
      "max_chunk_frames must be >= first_chunk_frames (50), got 5"),
-    (["--text", "Hi.", "--chunk-growth", "0.5"], None, "chunk_growth must be a finite number >= 1"),
+    (["--text", "Hi.", "--stream", "--chunk-growth", "0.5"], None, "chunk_growth must be a finite number >= 1"),
     (["--text", "Hi.", "--ref-text", "Hello."], None, "voice cloning needs both ref_audio= and ref_text="),
 ])
 def test_a_bad_request_is_refused_before_the_bundle_is_looked_at(tmp_path, args, input, message):
     # The bundle does not exist: a message about the request proves it was checked first.
+    ref = tmp_path / "ref.wav"
+    sf.write(ref, np.zeros(24000, np.float32), 24000)
+    args = [a.format(ref=ref) for a in args]
     code, err = invoke("synthesize", tmp_path / "no-bundle", "-o", tmp_path / "a.wav", *args, input=input)
     assert code == 2 and message in err and "no such bundle" not in err, err
     assert not (tmp_path / "a.wav").exists()
@@ -464,3 +480,81 @@ def test_a_streamed_wav_stopped_by_a_signal_is_a_complete_wav_of_what_was_writte
     assert f"{how}: wrote {len(samples) / 24000:.2f} s at 24000 Hz to {wav}" in stderr, stderr
     assert f"{wav} is a complete WAV of the audio written before the stop" in stderr
     assert "Traceback" not in stderr
+
+
+# ------------------------------------------------ front doors: what a new user tried (issue 29)
+
+
+def test_text_bytes_that_are_not_utf8_exit_2_naming_the_problem(tmp_path):
+    # As a shell passes $'\xed\xa0\x80 bad \xff': raw bytes in argv, not a Python string.
+    out = subprocess.run([*map(os.fsencode, HIGGS), b"synthesize", os.fsencode(tmp_path / "no-bundle"),
+                          b"--text", b"\xed\xa0\x80 bad \xff", b"-o", os.fsencode(tmp_path / "o.wav")],
+                         capture_output=True, text=True, errors="replace")
+    assert out.returncode == 2, out.stderr
+    assert "text is not valid Unicode: character 1 is a lone surrogate" in out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "o.wav").exists()
+
+
+def test_ctrl_c_before_generation_exits_130_without_aborted(tmp_path):
+    import signal
+    import time
+
+    # The text is read from a pipe that stays open: the command waits there until SIGINT.
+    proc = subprocess.Popen([*HIGGS, "synthesize", str(tmp_path / "no-bundle"), "-o", str(tmp_path / "o.wav")],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_as_at_a_terminal)
+    time.sleep(3)  # the interpreter is up and reading stdin
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "interrupted (Ctrl-C)" in stderr and "Aborted!" not in stderr and "Traceback" not in stderr
+
+
+def test_a_folder_that_is_not_a_bundle_is_named_as_such_first(tmp_path):
+    (tmp_path / "x").mkdir()
+    (tmp_path / "notes.txt").write_text("not a bundle")
+    code, err = invoke("synthesize", tmp_path, "--text", "hi", "-o", tmp_path / "x" / "o.wav")
+    assert code == 2 and f"{tmp_path} is not a bundle (manifest.json is missing; nor is it a folder of bundles" \
+        in err, err
+    assert "inside the bundle" not in err
+    code, err = invoke("inspect", tmp_path)
+    assert code == 2 and f"{tmp_path} is not a bundle (manifest.json is missing)" in err, err
+
+
+def test_a_batch_line_that_cannot_be_spoken_is_named(tmp_path):
+    (tmp_path / "lines.txt").write_text("One.\n\x01\x02\nThree.\n\x00\n")
+    code, err = invoke("synthesize", tmp_path / "no-bundle", "--text-file", tmp_path / "lines.txt", "--batch", "2",
+                       "-o", tmp_path / "out")
+    assert code == 2 and "2 problems with the request:" in err, err
+    assert "line 2 is only whitespace and control characters" in err and "line 4 is only" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_verify_refuses_a_cases_folder_without_cases(tmp_path):
+    (tmp_path / "cases").mkdir()
+    (tmp_path / "cases" / "README.md").write_text("no cases here")
+    code, err = invoke("verify", tmp_path / "no-bundle", "--cases", tmp_path / "cases")
+    assert code == 2, err
+    assert f"--cases {tmp_path / 'cases'} holds no verification cases (none of text_en_basic.txt" in err
+
+
+def test_a_missing_bundle_says_what_is_installed_in_words(tmp_path):
+    from higgs_pack.manifests.errors import BundleError
+    from higgs_pack.runtime.bundle import find_bundle
+
+    with pytest.raises(BundleError) as caught:
+        find_bundle("no-such-bundle-name")
+    assert "none installed" not in str(caught.value)
+    assert "no bundle wheels are installed" in str(caught.value) or "(installed: " in str(caught.value)
+
+
+def test_a_gpu_device_on_an_onnx_runtime_bundle_names_the_gpu_providers(cpu_int4_bundle, tmp_path):
+    out = run("synthesize", cpu_int4_bundle, "--text", "Hi.", "--device", "GPU", "-o", tmp_path / "g.wav",
+              check=False)
+    assert out.returncode == 2, out.stderr
+    assert "'gpu' is an OpenVINO device name, not an ONNX Runtime execution provider" in out.stderr
+    assert "cuda (an NVIDIA GPU) or dml (a DirectX 12 GPU (DirectML))" in out.stderr
+    assert "did you mean 'cpu'" not in out.stderr and not (tmp_path / "g.wav").exists()
+    out = run("synthesize", cpu_int4_bundle, "--text", "Hi.", "--device", "cdua", "-o", tmp_path / "g.wav",
+              check=False)
+    assert out.returncode == 2 and "did you mean 'cuda'" in out.stderr, out.stderr

@@ -138,7 +138,7 @@ def test_dml_fp16_manifest_and_marker(dml_fp16, tiny_ckpt):
     checks = _checks(m)
     dec_parity = m["subparts"]["llm_decoder"]["parity"]
     assert checks["parity llm_decoder"]["status"] == "ok" and dec_parity["measured"] >= dec_parity["threshold"] == 0.995
-    assert checks["greedy codes"]["status"] == "ok"
+    assert checks["greedy codes"]["status"] == "info"  # fp16: measured, not judged
     assert "explicit --execution-provider cpu; bundle built for dml" in m["verification"]["build_time"]["backend"]
 
 

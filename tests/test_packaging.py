@@ -583,3 +583,17 @@ def _has_zip64_local_header(path: Path, info: zipfile.ZipInfo) -> bool:
         handle.seek(name_len, 1)
         extra = handle.read(extra_len)
     return extra[:2] == b"\x01\x00"
+
+
+def test_a_wheel_without_the_wheel_package_is_refused_before_anything_is_written(bundle: Path, tmp_path: Path,
+                                                                                  monkeypatch) -> None:
+    # A runtime-only install ('.[cpu]') has no `wheel` package; None in sys.modules makes its import fail.
+    monkeypatch.setitem(sys.modules, "wheel", None)
+    monkeypatch.setitem(sys.modules, "wheel.wheelfile", None)
+    out = tmp_path / "out"
+    with pytest.raises(PackagingError, match=r"writing a wheel needs the `wheel` package .*pip install "
+                                             r"'higgs-pack\[package\]'.*--format archive"):
+        package_bundle(bundle, formats="all", out_dir=out)
+    assert not out.exists()  # refused before the archive too: nothing half done
+    written = package_bundle(bundle, formats="archive", out_dir=out)  # the archive alone needs no `wheel`
+    assert [p.suffixes[-2:] for p in written] == [[".tar", ".gz"]]

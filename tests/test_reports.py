@@ -180,3 +180,16 @@ def test_parity_section_shows_what_decides():
             "cosine 0.800000 (threshold 0.85, not judged) 0.7 ok") in text, text
     assert "audio_tokenizer rel L2 vs the float oracle 0.004 0.001 cosine 0.999990 (threshold 0.9999) 1e-06 FAIL" \
         in text, text
+
+
+def test_a_check_shown_but_not_judged_reads_info_not_ok():
+    from higgs_pack.runtime.verification.report import VerifyReport
+
+    report = VerifyReport(bundle="b")
+    report.add("parity llm_decoder", True, "cos 0.999")
+    report.add("greedy codes", True, "not judged at int4: 0/32 steps identical", 0, informational=True)
+    lines = report.render().splitlines()
+    assert lines[2].split()[:3] == ["info", "greedy", "codes"] and "ok" not in lines[2].split()[:1]
+    assert report.ok and report.to_dict()["checks"][1]["status"] == "info"
+    report.add("synthesize text_zh", False, "boom")
+    assert not report.ok and report.render().endswith("result: FAIL")

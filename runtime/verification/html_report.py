@@ -31,7 +31,7 @@ h1{font-size:1.6rem;margin-bottom:.2rem} h2{margin-top:2.2rem;border-bottom:1px 
 .meta{color:#57606a;font-size:.92rem} .explain{color:#57606a;font-size:.92rem;max-width:900px}
 table{border-collapse:collapse;width:100%;font-size:.92rem} th,td{border:1px solid #d0d7de;padding:.35rem .55rem;
      text-align:left;vertical-align:top} th{background:#f6f8fa}
-.ok{color:#1a7f37;font-weight:600} .FAIL{color:#cf222e;font-weight:700} .skipped{color:#6e7781;font-weight:600}
+.ok{color:#1a7f37;font-weight:600} .FAIL{color:#cf222e;font-weight:700} .skipped{color:#6e7781;font-weight:600} .info{color:#0969da;font-weight:600}
 .badge{display:inline-block;padding:.25rem .8rem;border-radius:1rem;font-weight:700;color:#fff;font-size:1.05rem}
 .badge.pass{background:#1a7f37} .badge.fail{background:#cf222e}
 .case{border:1px solid #d0d7de;border-radius:8px;padding:.8rem 1rem;margin:1rem 0}
@@ -235,15 +235,17 @@ def verify_html(report: Any) -> str:
     require_matplotlib()
     s = report.summary
     failed = [c for c in report.checks if c.ok is False]
-    skipped = [c for c in report.checks if c.ok is None]
+    skipped = [c for c in report.checks if c.ok is None and not c.informational]
+    shown = [c for c in report.checks if c.informational]
     verdict = ("<span class=\"badge pass\">PASS</span>" if report.ok else "<span class=\"badge fail\">FAIL</span>")
     where = s.get("execution_provider") or s.get("device")
     built = (f"target <b>{_e(s.get('target'))}</b>, precision <b>{_e(s.get('precision'))}</b>"
              + (f", variant {_e(s['variant'])}" if s.get("variant") else "")
              + f", built for {_e(s.get('backend'))} on {_e(where)}") if s else "manifest unreadable"
     sections = [
-        f"<p>{verdict} &nbsp; {len(report.checks)} checks: {len(report.checks) - len(failed) - len(skipped)} "
-        f"passed, {len(failed)} failed, {len(skipped)} skipped. {built}. Verified on "
+        f"<p>{verdict} &nbsp; {len(report.checks)} checks: "
+        f"{len(report.checks) - len(failed) - len(skipped) - len(shown)} passed, {len(failed)} failed, "
+        f"{len(skipped)} skipped, {len(shown)} shown and not judged. {built}. Verified on "
         f"<b>{_e(report.backend or 'no backend')}</b>.</p>",
         "<p class=\"explain\">Verification uses only the bundle: its manifest and every file's sha256, each "
         "sub-part's inputs and outputs, each sub-part's output against golden outputs captured from the PyTorch "

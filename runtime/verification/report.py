@@ -180,15 +180,27 @@ def judge_subpart(pipeline: Pipeline, golden: dict[str, np.ndarray], part: str, 
 
 @dataclass
 class Check:
-    """One line of a verification report."""
+    """One line of a verification report.
+
+    Attributes:
+        name: what was checked.
+        ok: True passed, False failed, None skipped (``detail`` says why).
+        detail: the measurement or the reason, for people.
+        value: the measured number, where there is one.
+        informational: measured and shown but not judged (status ``info``; never fails the run).
+    """
 
     name: str
     ok: bool | None
     detail: str
     value: float | None = None
+    informational: bool = False
 
     @property
     def status(self) -> str:
+        """``ok``, ``FAIL``, ``skipped`` or ``info``."""
+        if self.informational:
+            return "info"
         return {True: "ok", False: "FAIL", None: "skipped"}[self.ok]
 
 
@@ -223,8 +235,9 @@ class VerifyReport:
     def ok(self) -> bool:
         return all(c.ok is not False for c in self.checks)
 
-    def add(self, name: str, ok: bool | None, detail: str, value: float | None = None) -> Check:
-        check = Check(name, ok, detail, value)
+    def add(self, name: str, ok: bool | None, detail: str, value: float | None = None, *,
+            informational: bool = False) -> Check:
+        check = Check(name, None if informational else ok, detail, value, informational)
         self.checks.append(check)
         return check
 

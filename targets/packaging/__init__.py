@@ -64,6 +64,7 @@ from higgs_pack.targets.packaging.wheel import (
     requires_dist,
     wheel_metadata,
     wheel_version,
+    wheel_writer_class,
     write_wheel,
 )
 
@@ -146,8 +147,9 @@ def package_bundle(
                     f"{target} already exists; pass --force (force=True) to overwrite it, or choose "
                     "another --out-dir (out_dir=)"
                 )
-    if "wheel" in targets:
+    if "wheel" in targets:  # both refused before anything is hashed or written
         _target_of(manifest, path)
+        wheel_writer_class()
     content = collect(path)
     out.mkdir(parents=True, exist_ok=True)
     epoch = source_date_epoch()

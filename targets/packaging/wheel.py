@@ -62,7 +62,7 @@ def write_wheel(content: BundleContent, dest: Path, epoch: int) -> None:
         PackagingError: the ``wheel`` package is missing or its writer changed.
     """
     target = _target_of(content.manifest, content.path)
-    writer = _wheel_writer_class()
+    writer = wheel_writer_class()
     package = dist_name(content.name)
     if any(m.relpath == "__init__.py" for m in content.members):
         raise PackagingError(f"cannot package {content.path} as a wheel: the bundle has its own __init__.py")
@@ -94,13 +94,19 @@ def _target_of(manifest: dict[str, Any], path: Path) -> Any:
     return known[manifest["target"]]
 
 
-def _wheel_writer_class() -> Callable[[Path, int], Any]:
+def wheel_writer_class() -> Callable[[Path, int], Any]:
+    """The wheel writer (a ``wheel.wheelfile.WheelFile`` that streams and dates members).
+
+    Raises:
+        PackagingError: the ``wheel`` package is not installed (names the extra to install).
+    """
     try:
         from wheel.wheelfile import WheelFile, urlsafe_b64encode
     except ImportError as exc:
         raise PackagingError(
-            f"writing a wheel needs the `wheel` package ({exc}); pip install 'wheel>=0.40' "
-            "(it comes with pip install 'higgs-pack[build]' environments), or use --format archive"
+            f"writing a wheel needs the `wheel` package ({exc}); install the packaging extra "
+            "(pip install 'higgs-pack[package]' from the clone: pip install '.[package]'; the build "
+            "environment has it), or write the archive alone with --format archive (formats='archive')"
         ) from exc
 
     class BundleWheelFile(WheelFile):

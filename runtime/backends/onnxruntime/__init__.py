@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from higgs_pack.manifests.constants import CPU_PROVIDER, CPU_RUNG, EXECUTION_PROVIDERS, SubPart
-from higgs_pack.manifests.errors import ExecutionProviderUnavailable, InputError, unknown_choice
+from higgs_pack.manifests.errors import ExecutionProviderUnavailable, InputError
 from higgs_pack.runtime.backends import Backend, OpenedParts, OpenOptions, register
 
 if TYPE_CHECKING:  # pragma: no cover - types only
@@ -171,11 +171,13 @@ class OnnxRuntimeBackend(Backend):
         Raises:
             ExecutionProviderUnavailable: not an execution provider name (lists them).
         """
+        from higgs_pack.runtime.backends.onnxruntime.sessions import unknown_provider
+
         ep = str(device).lower()
         if ep not in EXECUTION_PROVIDERS:
             raise ExecutionProviderUnavailable(
                 f"{bundle.name} is an ONNX Runtime bundle: "
-                + unknown_choice("execution provider", ep, EXECUTION_PROVIDERS, "device= / --execution-provider"))
+                + unknown_provider(ep, "device= / --device"))
         return {"execution_provider": ep}
 
 

@@ -74,6 +74,33 @@ THREAD_POOL_DEFAULTS: dict[str, str] = {
 }
 
 
+
+#: Device names of OpenVINO (and of people asking for a kind of hardware) that are not
+#: ONNX Runtime provider names.
+_DEVICE_WORDS = ("gpu", "npu", "igpu", "dgpu", "auto")
+
+
+def unknown_provider(ep: str, fix: str) -> str:
+    """The message for an execution provider name that is not one (:data:`EXECUTION_PROVIDERS`).
+
+    A device word (``GPU``, ``NPU``, ``AUTO``: OpenVINO's device names) gets the providers
+    that run on that hardware, not the closest spelling (``gpu`` is not a typo of ``cpu``).
+
+    Args:
+        ep: the name asked for (lower case).
+        fix: the keyword or flag that sets it.
+    """
+    if ep.split(":", 1)[0] not in _DEVICE_WORDS and not ep.startswith("hetero"):
+        return unknown_choice("execution provider", ep, EXECUTION_PROVIDERS, fix)
+    gpus = [f"{row.name} ({row.hardware.short})" for row in EXECUTION_PROVIDERS.values()
+            if row.hardware is not None and "GPU" in row.hardware.short]
+    return (f"{ep!r} is an OpenVINO device name, not an ONNX Runtime execution provider; this is an ONNX Runtime "
+            f"bundle: for a GPU name its provider, {' or '.join(gpus)}, and build a bundle for it "
+            "(`higgs-pack build --target cuda`, or dml on Windows) if this one was built for another; NPUs and "
+            "OpenVINO's devices run openvino bundles (`higgs-pack build --target openvino`). "
+            f"Execution providers: {', '.join(sorted(EXECUTION_PROVIDERS))}; set it with {fix}.")
+
+
 def session_options_for(ep: str, options: dict[str, Any]):
     """Build ``SessionOptions`` for a provider.
 
@@ -143,7 +170,7 @@ def create_session(path: Path, ep: str, *, provider_options: dict[str, Any] | No
     ort = import_ort()
     if ep not in EXECUTION_PROVIDERS:
         raise ExecutionProviderUnavailable(
-            unknown_choice("execution provider", ep, EXECUTION_PROVIDERS, "--execution-provider / execution_provider=")
+            unknown_provider(ep, "--execution-provider / execution_provider=")
         )
     row = EXECUTION_PROVIDERS[ep]
     available = ort.get_available_providers()

@@ -59,7 +59,7 @@ def test_synthesize_clone(cpu_int4_bundle, cases_dir, tmp_path):
 
 def test_bad_inputs_exit_2_with_a_message(cpu_int4_bundle, tmp_path):
     out = run("synthesize", cpu_int4_bundle, "--text", "   ", "-o", tmp_path / "e.wav", check=False)
-    assert out.returncode == 2 and "text is empty or only whitespace" in out.stderr
+    assert out.returncode == 2 and "text is only whitespace: there is nothing to speak" in out.stderr
     (tmp_path / "x.wav").write_text("not audio")
     out = run("synthesize", cpu_int4_bundle, "--text", "Hi.", "-o", tmp_path / "f.wav",
               "--ref-audio", tmp_path / "x.wav", "--ref-text", "Hi.", check=False)

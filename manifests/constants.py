@@ -103,6 +103,8 @@ class Packaging:
             tests/test_declarations.py checks that it does).
         platform_marker: PEP 508 marker of the platforms it exists on (``None``: all).
             Targets on this provider put it on their wheel and on every requirement.
+        companions: requirements the extra installs beside the distribution (Windows ML's
+            GenAI build beside its ONNX Runtime); targets record them with ``requirement``.
         wheel_platforms: platforms its wheels are resolver-checked for where it cannot run
             (keys of ``higgs_pack.targets.packaging.install_check.PLATFORMS``).
         classifiers: trove classifiers of bundle wheels for it.
@@ -114,6 +116,7 @@ class Packaging:
     requirement: str
     extra: str
     platform_marker: str | None = None
+    companions: tuple[str, ...] = ()
     wheel_platforms: tuple[str, ...] = ()
     classifiers: tuple[str, ...] = ("Operating System :: OS Independent",)
     own_venv: bool = False
@@ -193,6 +196,19 @@ class ExecutionProvider:
 
 #: DirectML runs on Windows only.
 _WINDOWS = "sys_platform == 'win32'"
+#: Windows ML's Python builds: x64 Windows only here (issue 28; its registry also has win_arm64
+#: wheels, not checked by this project).
+_WINDOWS_X64 = "sys_platform == 'win32' and platform_machine == 'AMD64'"
+
+#: DirectML as ONNX Runtime's execution provider, whichever distribution ships it
+#: (onnxruntime-directml, or Windows ML's onnxruntime-windowsml, which builds it in): memory
+#: patterns off and sequential execution (ONNX Runtime's DirectML execution provider
+#: documentation), its kernel table, ModelBuilder's ``-e dml`` graphs and one rung.
+_DIRECTML_SESSIONS = SessionSupport(rules={"enable_mem_pattern": False, "execution_mode": "ORT_SEQUENTIAL"},
+                                    kernel_table="dml.json")
+_DIRECTML_MODELBUILDER = ModelBuilderSupport("dml", accuracy_level=0, no_packed_attention=("fp32",),
+                                             int4_float_base="fp16")
+_DIRECTML_RUNG = ChoiceRung("dml", 40, "dml or winml bundle on a Windows GPU (DirectML)")
 
 #: Bundle EP name -> provider, package and extra (the one table; see STYLE.md #6).
 #: Adding a provider is adding a row here (and its extra in pyproject.toml).
@@ -234,13 +250,32 @@ EXECUTION_PROVIDERS: dict[str, ExecutionProvider] = {
                 missing="no DirectML GPU (Windows 10/11 with DirectX 12)",
                 short="a DirectX 12 GPU (DirectML)", probe="platform:win32",
             ),
-            # DirectML needs memory patterns off and sequential execution (ONNX Runtime's
-            # DirectML execution provider documentation).
-            sessions=SessionSupport(rules={"enable_mem_pattern": False, "execution_mode": "ORT_SEQUENTIAL"},
-                                    kernel_table="dml.json"),
-            modelbuilder=ModelBuilderSupport("dml", accuracy_level=0, no_packed_attention=("fp32",),
-                                             int4_float_base="fp16"),
-            rung=ChoiceRung("dml", 40, "dml bundle on a Windows GPU (DirectML)"),
+            sessions=_DIRECTML_SESSIONS,
+            modelbuilder=_DIRECTML_MODELBUILDER,
+            rung=_DIRECTML_RUNG,
+        ),
+        # Windows ML (docs/windows.md): Microsoft's successor of DirectML on Windows 11 24H2 and
+        # later.  Its ONNX Runtime (onnxruntime-windowsml 1.30, built with DirectML in) runs the
+        # dml graphs on the same DmlExecutionProvider; the GenAI build comes with it.  Never the
+        # registry's unrelated `onnxruntime-winml` (not Microsoft's; reported as malware).
+        ExecutionProvider(
+            "winml", "DmlExecutionProvider", label="DirectML (Windows ML)",
+            packaging=Packaging(
+                "onnxruntime-windowsml", f"onnxruntime-windowsml>=1.30,<1.33; {_WINDOWS_X64}", "winml",
+                platform_marker=_WINDOWS_X64,
+                companions=(f"onnxruntime-genai-winml>=0.18,<0.19; {_WINDOWS_X64}",),
+                wheel_platforms=("win_amd64",),
+                classifiers=("Operating System :: Microsoft :: Windows",
+                             "Operating System :: Microsoft :: Windows :: Windows 11"),
+            ),
+            hardware=Hardware(
+                needs="Windows 11 24H2 or later on x64 with a DirectX 12 GPU, and Python 3.11 or later (Windows ML)",
+                missing="no DirectML GPU (Windows ML: Windows 11 24H2 or later, x64)",
+                short="a DirectX 12 GPU (Windows ML)", probe="platform:win32",
+            ),
+            sessions=_DIRECTML_SESSIONS,
+            modelbuilder=_DIRECTML_MODELBUILDER,
+            rung=_DIRECTML_RUNG,
         ),
         ExecutionProvider(
             "openvino", "OpenVINOExecutionProvider", label="OpenVINO",

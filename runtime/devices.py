@@ -67,28 +67,42 @@ def ort_providers() -> tuple[dict[str, str | None], tuple[str, ...]]:
     except HiggsPackError as exc:
         log.info("ONNX Runtime unusable: %s", exc)
         return {}, dists
-    by_ort = {row.ort_provider: name for name, row in EXECUTION_PROVIDERS.items()}
+    by_ort = rows_by_ort_provider()
     try:
         model = _probe_model()
     except ImportError:  # pragma: no cover - onnx comes with every ONNX Runtime extra
         model = None
     out: dict[str, str | None] = {}
     for provider in ort.get_available_providers():
-        name = by_ort.get(provider)
-        if name is None:
+        names = by_ort.get(provider, ())
+        if not names:
             continue
         if model is None:
-            out[name] = "not probed (onnx is not installed)"
+            out.update(dict.fromkeys(names, "not probed (onnx is not installed)"))
             continue
         try:
             so = ort.SessionOptions()
             so.log_severity_level = 3
             session = ort.InferenceSession(model, sess_options=so, providers=[provider])
             used = session.get_providers()
-            out[name] = None if used and used[0] == provider else f"the session landed on {', '.join(used)}"
+            state = None if used and used[0] == provider else f"the session landed on {', '.join(used)}"
         except Exception as exc:  # ONNX Runtime raises its own types for a provider that fails to load
-            out[name] = str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else type(exc).__name__
+            state = str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else type(exc).__name__
+        out.update(dict.fromkeys(names, state))
     return out, dists
+
+
+def rows_by_ort_provider() -> dict[str, tuple[str, ...]]:
+    """ONNX Runtime provider name -> every bundle EP name that runs on it.
+
+    Rows may share one provider: ``dml`` and ``winml`` both run ModelBuilder's dml graphs on
+    ``DmlExecutionProvider``, from onnxruntime-directml or Windows ML's onnxruntime-windowsml,
+    so where it creates sessions either bundle runs.
+    """
+    out: dict[str, tuple[str, ...]] = {}
+    for name, row in EXECUTION_PROVIDERS.items():
+        out[row.ort_provider] = (*out.get(row.ort_provider, ()), name)
+    return out
 
 
 def openvino_devices() -> tuple[str | None, dict[str, str]]:

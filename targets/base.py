@@ -135,7 +135,7 @@ class Target:
         extra: the ``higgs-pack[extra]`` a user of the bundle installs (default: the
             provider's).
         runtime_requirements: requirement strings recorded in the manifest (default:
-            the provider's requirement and ``onnx``), each restricted to
+            the provider's requirement, its companions and ``onnx``), each restricted to
             ``platform_marker``.
         execution_provider: bundle EP name (onnxruntime targets).
         device: default OpenVINO device (openvino targets).
@@ -184,7 +184,8 @@ class Target:
                                                             EXECUTION_PROVIDERS, "Target(execution_provider=)"))
         if row is not None:
             defaults = {"extra": row.packaging.extra, "platform_marker": row.packaging.platform_marker, "classifiers": row.packaging.classifiers,
-                        "runtime_requirements": (row.packaging.requirement, ONNX_REQUIREMENT)}
+                        "runtime_requirements": (row.packaging.requirement, *row.packaging.companions,
+                                                 ONNX_REQUIREMENT)}
             for key, value in defaults.items():
                 if getattr(self, key) is None:
                     object.__setattr__(self, key, value)

@@ -141,6 +141,21 @@ DML = register(
     )
 )
 
+#: Windows ML: the dml graphs (the provider row's ModelBuilder ``-e dml``) in a wheel that needs
+#: Windows ML's ONNX Runtime instead of onnxruntime-directml; which to pick: docs/windows.md.
+WINML = register(
+    Target(
+        name="winml",
+        description="ONNX Runtime of Windows ML on its DirectML execution provider (Windows 11 24H2+ GPUs)",
+        backend="onnxruntime",
+        execution_provider="winml",
+        precisions=("fp16", "int4"),
+        recipes=_onnx_recipes("winml"),  # x64 Windows only: the provider row's platform marker
+        provider_options={"device_id": 0},
+        verify_on="cpu",
+    )
+)
+
 #: NPU variant: static lengths in positions. The prompt (text tokens, or for a voice
 #: clone its transcript + ~25 reference frames per second + the text) fits in
 #: NPU_MAX_PROMPT; the decoder's KV window holds prompt + generated frames (the TTS

@@ -1,6 +1,6 @@
-"""The cuda and dml targets on a machine without their GPUs.
+"""The cuda, dml and winml targets on a machine without their GPUs.
 
-The tiny cuda fp16 and dml fp16 bundles are built once for the module.  What needs no
+The tiny cuda fp16, dml fp16 and winml fp16 bundles are built once for the module.  What needs no
 GPU runs for real here (build, CPU parity, fp16 casting, static checks, guards); what
 needs one is skipped with a reason naming the hardware.
 """
@@ -53,6 +53,13 @@ def dml_fp16(tmp_path_factory, tiny_checkpoint) -> Path:
     from higgs_pack.targets.build import build
 
     return build("dml", model=tiny_checkpoint, out=tmp_path_factory.mktemp("dml") / "dml-fp16")
+
+
+@slow_fixture(scope="module")
+def winml_fp16(tmp_path_factory, tiny_checkpoint) -> Path:
+    from higgs_pack.targets.build import build
+
+    return build("winml", model=tiny_checkpoint, out=tmp_path_factory.mktemp("winml") / "winml-fp16")
 
 
 def _checks(manifest: dict) -> dict[str, dict]:
@@ -140,6 +147,30 @@ def test_dml_fp16_manifest_and_marker(dml_fp16, tiny_ckpt):
     assert checks["parity llm_decoder"]["status"] == "ok" and dec_parity["measured"] >= dec_parity["threshold"] == 0.995
     assert checks["greedy codes"]["status"] == "info"  # fp16: measured, not judged
     assert "explicit --execution-provider cpu; bundle built for dml" in m["verification"]["build_time"]["backend"]
+
+
+def test_winml_fp16_is_the_dml_bundle_for_windows_ml(winml_fp16, dml_fp16):
+    """The winml bundle holds dml's graphs byte for byte (ModelBuilder ``-e dml``, the same
+    Olive sub-parts and golden outputs); only its manifest differs: the target, the provider,
+    and Windows ML's requirements on x64 Windows."""
+    from packaging.requirements import Requirement
+
+    m, dml = read_manifest(winml_fp16), read_manifest(dml_fp16)
+    assert (m["target"], m["execution_provider"], m["precision"]) == ("winml", "winml", "fp16")
+    assert m["provider_options"] == dml["provider_options"] == {"device_id": 0}
+    hashes = {f["path"]: f["sha256"] for f in m["files"]}
+    assert hashes == {f["path"]: f["sha256"] for f in dml["files"]}
+    assert {"llm_decoder/model.onnx", "llm_decoder/model.onnx.data", "reference/golden.npz"} <= set(hashes)
+    assert m["subparts"]["llm_decoder"]["options"]["execution_provider"] == "winml"
+    reqs = [Requirement(r) for r in m["runtime_requirements"]]
+    assert [r.name for r in reqs] == ["onnxruntime-windowsml", "onnxruntime-genai-winml", "onnx"]
+    x64 = {"sys_platform": "win32", "platform_machine": "AMD64"}
+    for req in reqs:
+        assert req.marker.evaluate(x64) and not req.marker.evaluate({**x64, "platform_machine": "ARM64"})
+        assert not req.marker.evaluate({"sys_platform": "linux", "platform_machine": "x86_64"})
+    checks = _checks(m)
+    assert checks["parity llm_decoder"]["status"] == "ok" and m["verification"]["build_time"]["ok"] is True
+    assert "explicit --execution-provider cpu; bundle built for winml" in m["verification"]["build_time"]["backend"]
 
 
 # ----------------------------------------------------------------------------- runtime dtypes and session rules
@@ -352,6 +383,54 @@ def test_static_verification_of_the_dml_bundle(dml_fp16, tmp_path):
     assert "dml runtime" in checks
 
 
+def test_static_verification_of_the_winml_bundle(winml_fp16):
+    """What `higgs-pack verify` / `nox -s verify-winml` check without Windows: DirectML's kernel
+    table against the graphs, and the Windows ML run skipped naming the hardware and Windows."""
+    report = verify_bundle(winml_fp16, parity=False)
+    checks = {c.name: c for c in report.checks}
+    assert report.ok, report.render()
+    assert checks["ops llm_decoder"].ok and checks["ops llm_decoder"].detail.startswith("all ")
+    assert "Gelu" in checks["ops audio_encoder"].detail and "fall back" in checks["ops audio_encoder"].detail
+    assert checks["decoder I/O"].ok
+    if DML not in _available():
+        gpu = checks["winml runtime"]
+        assert gpu.ok is None and gpu.detail.startswith(
+            "no DirectML GPU (Windows ML: Windows 11 24H2 or later, x64): DmlExecutionProvider not available")
+
+
+def test_winml_wheel_resolves_for_windows_x64(winml_fp16, tmp_path):
+    """The winml wheel's metadata, its bundle found by name once installed, and pip's resolver
+    (``--platform win_amd64 --only-binary=:all:``) finding a wheel of every requirement: what
+    `nox -s package-winml` checks where Windows is missing.  Needs the package index."""
+    from higgs_pack.targets.base import get_target
+    from higgs_pack.targets.packaging import package_bundle
+    from higgs_pack.targets.packaging.install_check import (
+        Results,
+        check_metadata,
+        check_no_deps_install,
+        check_plan,
+        check_resolves,
+        read_wheel,
+    )
+
+    target = get_target("winml")
+    whl, = package_bundle(winml_fp16, formats="wheel", out_dir=tmp_path / "dist")
+    wheel = read_wheel(whl)
+    results = Results()
+    check_metadata(wheel, target, results)
+    check_no_deps_install(wheel, tmp_path, results)
+    assert not results.failed, results.lines
+    resolved = Results()
+    check_resolves(wheel, target, check_plan(target), tmp_path, resolved)
+    ((status, name, detail),) = resolved.lines
+    if status == "FAIL" and any(w in detail for w in ("NewConnectionError", "Could not fetch", "Failed to establish",
+                                                      "Temporary failure in name resolution")):
+        pytest.skip(f"the package index is not reachable: {detail[:200]}")
+    assert status == "ok" and name.startswith("runtime requirements have wheels for Windows x86-64"), detail
+    assert "onnxruntime-windowsml-1.3" in detail and "onnxruntime-genai-winml-0.18" in detail, detail
+    assert "onnxruntime-winml-" not in detail
+
+
 def test_op_tables_cover_every_node_with_types(cuda_fp16, dml_fp16):
     """Every op the built bundles contain is in the tables with its type constraints."""
     for bundle, ep in ((cuda_fp16, "cuda"), (dml_fp16, "dml")):
@@ -426,10 +505,11 @@ def test_cuda_fp32_decoder_works_around_modelbuilder(tmp_path, tiny_ckpt):
     onnx.checker.check_model(str(tmp_path / "b" / "llm_decoder" / "model.onnx"), full_check=False)
 
 
-EXEC = {"cuda": CUDA, "dml": DML}
+EXEC = {"cuda": CUDA, "dml": DML, "winml": DML}
 #: GPU provider -> (the skip's label, what makes the provider available).
 HARDWARE = {"cuda": ("no CUDA GPU", "pip install onnxruntime-gpu on an NVIDIA machine"),
-            "dml": ("no DirectML GPU", "onnxruntime-directml on Windows")}
+            "dml": ("no DirectML GPU", "onnxruntime-directml on Windows"),
+            "winml": ("no DirectML GPU (Windows ML: Windows 11 24H2 or later, x64)", "onnxruntime-windowsml there")}
 
 
 @pytest.mark.parametrize("ep", list(EXEC))
@@ -457,10 +537,10 @@ def test_gpu_bundle_verifies_on_its_gpu(request, ep, cases_dir):
     assert report.ok, report.render()
 
 
-def test_plan_equals_manifest(cuda_fp16, dml_fp16):
+def test_plan_equals_manifest(cuda_fp16, dml_fp16, winml_fp16):
     from higgs_pack.targets.plan import make_plan, plan_mismatches
 
-    for bundle in (cuda_fp16, dml_fp16):
+    for bundle in (cuda_fp16, dml_fp16, winml_fp16):
         m = read_manifest(bundle)
         assert plan_mismatches(make_plan(m["target"], m["precision"], m["variant"]), m["subparts"]) == []
 

@@ -174,7 +174,7 @@ def test_new_provider_row_is_the_only_declaration(qnn, tmp_path):
     # ModelBuilder builds for it (its -e name and int4 accuracy level come from the row).
     from higgs_pack.exporters import modelbuilder
 
-    assert modelbuilder.modelbuilder_providers() == ("cpu", "cuda", "dml", "qnn")
+    assert modelbuilder.modelbuilder_providers() == ("cpu", "cuda", "dml", "winml", "qnn")
     # The bundle choice ranks it by its row's rung and names its hardware when no bundle runs.
     from higgs_pack.runtime.choice import Candidate, Inventory, choose, preference
 
@@ -191,6 +191,85 @@ def test_new_provider_row_is_the_only_declaration(qnn, tmp_path):
     assert runners.shared_kv_device("CUDAExecutionProvider") == "cuda"
 
 
+def test_winml_is_a_provider_row_and_a_target(registry):
+    """Windows ML: one provider row (its distributions, marker, hardware) and one target; the rest
+    (the dml graphs, DirectML's session rules and kernel table, its rung) is DirectML's own."""
+    row, dml = EXECUTION_PROVIDERS["winml"], EXECUTION_PROVIDERS["dml"]
+    target = get_target("winml")
+    x64 = "sys_platform == 'win32' and platform_machine == 'AMD64'"
+    assert (target.extra, target.platform_marker, target.verify_on) == ("winml", x64, "cpu")
+    assert target.runtime_requirements == (f"onnxruntime-windowsml>=1.30,<1.33; {x64}",
+                                           f"onnxruntime-genai-winml>=0.18,<0.19; {x64}", f"onnx>=1.17; {x64}")
+    assert "Operating System :: Microsoft :: Windows :: Windows 11" in target.classifiers
+    # The same provider, graphs, session rules, kernel table and rung as dml.
+    assert row.ort_provider == dml.ort_provider == "DmlExecutionProvider"
+    assert (row.modelbuilder, row.sessions, row.rung) == (dml.modelbuilder, dml.sessions, dml.rung)
+    assert row.modelbuilder.ep == "dml"
+    decoder = {r.subpart: r for r in make_plan("winml", "int4").rows}[SubPart.LLM_DECODER]
+    assert decoder.options == {"execution_provider": "winml"}
+    assert (decoder.passes, decoder.quantization) == (
+        {r.subpart: r for r in make_plan("dml", "int4").rows}[SubPart.LLM_DECODER].passes,
+        {r.subpart: r for r in make_plan("dml", "int4").rows}[SubPart.LLM_DECODER].quantization)
+    from higgs_pack.runtime.backends.onnxruntime.sessions import session_options_for
+    from higgs_pack.runtime.verification.kernels import load_kernel_table
+
+    so = session_options_for("winml", {"enable_mem_pattern": True})
+    assert so.enable_mem_pattern is False and so.execution_mode.name == "ORT_SEQUENTIAL"
+    assert load_kernel_table("winml").provider == "DmlExecutionProvider"
+    # A DmlExecutionProvider that creates sessions runs both bundles (whichever distribution
+    # ships it); the choice ranks them on DirectML's one rung.
+    from higgs_pack.runtime.choice import Candidate, Inventory, choose, preference
+    from higgs_pack.runtime.devices import rows_by_ort_provider
+
+    assert rows_by_ort_provider()["DmlExecutionProvider"] == ("dml", "winml")
+    assert list(preference()) == ["npu", "cuda", "igpu", "dml", "cpu", "npu-on-cpu"]
+    bundles = [Candidate(f"m-{t}-int4", f"/b/{t}", "m", t, "int4", None, "onnxruntime", t) for t in ("cpu", "winml")]
+    choice = choose(bundles, Inventory(ort_providers={"cpu": None, "dml": None, "winml": None}, platform="win32"))
+    assert choice.chosen.candidate.name == "m-winml-int4" and choice.chosen.rung == "dml", choice.reason
+    assert "the DirectML (Windows ML) execution provider: preference 4 of 6" in choice.reason
+    only_cpu = choose(bundles[:1], Inventory(ort_providers={"cpu": None, "dml": None, "winml": None}))
+    assert any(n.startswith("a DirectX 12 GPU (Windows ML) is present (DmlExecutionProvider creates sessions) "
+                            "but no winml bundle") for n in only_cpu.notes), only_cpu.notes
+    # The wheel is resolver-checked for x64 Windows, and nox finds it by platform.
+    from higgs_pack.targets.nox_sessions import session_table
+    from higgs_pack.targets.packaging.install_check import check_plan
+
+    plan = check_plan(target)
+    assert not plan.runs_here and [p.label for p in plan.platforms] == ["Windows x86-64"]
+    assert "Windows 11 24H2" in plan.needs
+    assert session_table()["targets"]["winml"] == {"gpu": {"extra": "winml", "probe": "platform:win32"},
+                                                   "runs_anywhere": False, "runtime_extra": "cpu"}
+
+
+def test_winml_requirements_hold_on_x64_windows_only():
+    """Every runtime requirement of a winml bundle applies on x64 Windows and nowhere else."""
+    from packaging.requirements import Requirement
+
+    from higgs_pack.targets.packaging.install_check import LINUX_X86_64, WINDOWS_AMD64
+
+    arm64 = {**WINDOWS_AMD64.markers, "platform_machine": "ARM64"}
+    for raw in get_target("winml").runtime_requirements:
+        marker = Requirement(raw).marker
+        assert marker.evaluate(dict(WINDOWS_AMD64.markers)), raw
+        assert not marker.evaluate(dict(LINUX_X86_64.markers)) and not marker.evaluate(arm64), raw
+
+
+def test_no_requirement_names_the_unrelated_onnxruntime_winml():
+    """`onnxruntime-winml` on the registry is not Microsoft's (reported as malware): no provider
+    row, target or extra may name it; Windows ML's builds are onnxruntime-windowsml and
+    onnxruntime-genai-winml."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    raw = [r for reqs in extras.values() for r in reqs]
+    raw += [r for row in EXECUTION_PROVIDERS.values() for r in (row.packaging.requirement, *row.packaging.companions)]
+    raw += [r for target in targets().values() for r in target.runtime_requirements]
+    names = {canonicalize_name(Requirement(r).name) for r in raw}
+    assert "onnxruntime-winml" not in names
+    assert {"onnxruntime-windowsml", "onnxruntime-genai-winml"} <= names
+
+
 def test_unknown_provider_in_a_target_is_refused(registry):
     with pytest.raises(BuildPlanError, match=r"unknown execution provider 'qnx'.*known: cpu, cuda, dml, openvino"):
         Target(name="x", description="", backend="onnxruntime", execution_provider="qnx", precisions=("fp32",),
@@ -203,7 +282,8 @@ def test_every_provider_extra_is_declared_in_pyproject():
         assert row.packaging.extra in extras, f"pyproject.toml has no [{row.packaging.extra}] extra for provider {row.name!r}"
         dists = [e.split(";")[0] for e in extras[row.packaging.extra]]
         assert any(d.startswith(row.packaging.distribution) for d in dists), (row.name, extras[row.packaging.extra])
-        assert row.packaging.requirement.split(";")[0].strip() in dists, (row.name, row.packaging.requirement, dists)
+        for requirement in (row.packaging.requirement, *row.packaging.companions):
+            assert requirement.split(";")[0].strip() in dists, (row.name, requirement, dists)
 
 
 def test_noxfile_session_table_is_current():

@@ -221,6 +221,37 @@ def test_dml_wheel_carries_the_windows_marker(tmp_path: Path) -> None:
         "wheel names its bundle", "Requires-Dist higgs-pack extra and marker"]
 
 
+def test_winml_wheel_needs_windows_ml_on_x64_windows_only(tmp_path: Path) -> None:
+    """A winml wheel requires higgs-pack[winml], Windows ML's ONNX Runtime and GenAI builds, each
+    on x64 Windows only (never the unrelated onnxruntime-winml)."""
+    from higgs_pack.targets.base import get_target
+    from higgs_pack.targets.packaging.install_check import Results, check_metadata, read_wheel
+
+    src = make_bundle(tmp_path / "winml", name="hand-made-winml-fp32", target="winml")
+    manifest = read_manifest(src)
+    manifest["runtime_requirements"] = list(get_target("winml").runtime_requirements)
+    relist(src, manifest)
+    whl, = package_bundle(src, formats="wheel", out_dir=tmp_path / "out")
+    with zipfile.ZipFile(whl) as zf:
+        meta = HeaderParser().parsestr(zf.read(f"hand_made_winml_fp32-{BUILT_WITH}.dist-info/METADATA").decode())
+    x64 = 'sys_platform == "win32" and platform_machine == "AMD64"'
+    assert meta.get_all("Requires-Dist") == [
+        f"higgs-pack[winml]>={BUILT_WITH}; {x64}",
+        f"onnxruntime-windowsml<1.33,>=1.30; {x64}",
+        f"onnxruntime-genai-winml<0.19,>=0.18; {x64}",
+        f"onnx>=1.17; {x64}",
+    ]
+    assert "Operating System :: Microsoft :: Windows :: Windows 11" in meta.get_all("Classifier")
+    wheel = read_wheel(whl)
+    results = Results()
+    check_metadata(wheel, get_target("winml"), results)
+    assert not results.failed, results.lines
+    results = Results()
+    check_metadata(wheel, get_target("dml"), results)
+    assert [name for status, name, _ in results.lines if status == "FAIL"] == [
+        "wheel names its bundle", "Requires-Dist higgs-pack extra and marker"]
+
+
 def test_package_command(bundle: Path, tmp_path: Path) -> None:
     from click.testing import CliRunner
 
@@ -285,7 +316,7 @@ def test_wheel_needs_a_registered_target(tmp_path: Path) -> None:
     manifest = read_manifest(src)
     manifest["target"] = "tpu"
     write_manifest(src, manifest)
-    with pytest.raises(PackagingError, match=r"cannot package .* as a wheel: its target 'tpu' is not a target of this higgs-pack \(known: cpu, cuda, dml, openvino\)"):
+    with pytest.raises(PackagingError, match=r"cannot package .* as a wheel: its target 'tpu' is not a target of this higgs-pack \(known: cpu, cuda, dml, openvino, winml\)"):
         package_bundle(src, formats="all", out_dir=tmp_path / "out")
     assert not (tmp_path / "out").exists()
     tgz, = package_bundle(src, formats="archive", out_dir=tmp_path / "out")  # archives need no target

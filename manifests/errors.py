@@ -12,6 +12,8 @@ import errno
 import os
 import shutil
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
 
 class HiggsPackError(Exception):
@@ -56,8 +58,74 @@ class ExecutionProviderUnavailable(HiggsPackError):
     """The execution provider or OpenVINO device asked for is not usable here."""
 
 
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a request, as data: each front door says it in its own terms.
+
+    Attributes:
+        field: the request field at fault, by its Python keyword (``"top_p"``,
+            ``"max_frames"``), or None when the problem is the request as a whole.
+        value: the value given (never shown whole: :meth:`shown` cuts it to 80 characters).
+        allowed: what the field takes ("in (0, 1]", "a whole number >= 1 (frames, 25 per second)").
+        fix: what to do besides setting the field ("" when setting it is the fix).
+        message: the whole sentence, for problems that are not "FIELD must be ALLOWED, got
+            VALUE"; ``{name}`` in it stands for the field's name in the front door's terms.
+    """
+
+    field: str | None
+    value: Any = None
+    allowed: str = ""
+    fix: str = ""
+    message: str = ""
+
+    def shown(self) -> str:
+        """The value as messages show it: numbers as written, other values as repr, cut to 80 characters."""
+        text = str(self.value) if isinstance(self.value, (int, float)) and not isinstance(self.value, bool) \
+            else repr(self.value)
+        return text if len(text) <= 80 else text[:77] + "..."
+
+    def render(self, name: str | None = None, how: str | None = None) -> str:
+        """The problem as one sentence.
+
+        Args:
+            name: the field's name in the caller's terms (the HTTP field ``max_new_tokens``
+                for ``max_frames``); default the Python keyword.
+            how: how the caller's user sets the field (``"--top-p / top_p="``), appended as
+                "; set it with HOW"; None: not appended (an HTTP error names the field in ``param``).
+        """
+        name = name or self.field or "request"
+        text = self.message.format(name=name) if self.message else f"{name} must be {self.allowed}, got {self.shown()}"
+        if self.fix:
+            text += f"; {self.fix}"
+        if how:
+            text += f"; set it with {how}"
+        return text
+
+
 class InputError(HiggsPackError):
-    """Bad user input: empty text, text too long, unreadable or unusable audio."""
+    """Bad user input: empty text, text too long, unreadable or unusable audio.
+
+    Args:
+        message: the whole message; when None, made from ``problems`` in the Python API's and
+            the CLI's terms (one line, or "N problems with the request:" and one line each).
+        problems: every bad field of the request, as data (:class:`Problem`); a plain message
+            is one problem of the request as a whole.
+        render: how to say one problem for ``message`` (default :meth:`Problem.render`).
+
+    Attributes:
+        problems: tuple of :class:`Problem`; every front door renders them in its own terms
+            (the server: each field's HTTP name, the first one's as the error's ``param``).
+    """
+
+    def __init__(self, message: str | None = None, problems: Iterable[Problem] = (),
+                 render: Any = None):
+        self.problems = tuple(problems) or (Problem(None, message=(message or "").replace("{", "{{")
+                                                    .replace("}", "}}")),)
+        if message is None:
+            lines = [(render or Problem.render)(problem) for problem in self.problems]
+            message = lines[0] if len(lines) == 1 else (
+                f"{len(lines)} problems with the request:\n" + "\n".join(f"  - {line}" for line in lines))
+        super().__init__(message)
 
 
 class NumericalError(HiggsPackError):

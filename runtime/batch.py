@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.manifests.errors import InputError
+from higgs_pack.manifests.errors import InputError, Problem
 
 #: The manifest of a batch folder.
 MANIFEST = "batch-manifest.json"
@@ -80,7 +80,8 @@ def read_lines(text: str, base_seed: int | None) -> tuple[list[Line], int]:
     if not lines:
         raise InputError(f"the text file has no non-empty line ({len(raw)} lines); --batch speaks one wav per "
                          "non-empty line")
-    refuse([f"{problem}; fix or remove that line of --text-file" for line in lines
+    refuse([Problem(None, line.text, message=problem.replace("{", "{{").replace("}", "}}"),
+                    fix="fix or remove that line of --text-file") for line in lines
             if (problem := unspeakable(line.text, f"line {line.number}")) is not None])
     return lines, len(raw)
 

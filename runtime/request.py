@@ -27,59 +27,81 @@ from typing import Any
 
 import numpy as np
 
-from higgs_pack.manifests.errors import InputError, unknown_choice
-from higgs_pack.runtime.loop.delay import SamplingOptions, bundle_sampling
+from higgs_pack.manifests.errors import InputError, Problem, unknown_choice
+from higgs_pack.runtime.loop.delay import SamplingOptions, bundle_sampling, sampling_problems
 
 #: Default streaming schedule (frames at 25 fps): 0.4 s first, doubling up to 4 s.
 FIRST_CHUNK_FRAMES = 10
 CHUNK_GROWTH = 2.0
 MAX_CHUNK_FRAMES = 100
 
-#: Request field -> how a user sets it: ``(CLI flag, Python keyword)``.
-SETTINGS: dict[str, tuple[str, str]] = {
-    "text": ("--text", "text"),
-    "ref_audio": ("--ref-audio", "ref_audio"),
-    "ref_text": ("--ref-text", "ref_text"),
-    "voice": ("the server's \"voice\"", "voice"),
-    "seed": ("--seed", "seed"),
-    "temperature": ("--temperature", "temperature"),
-    "top_k": ("--top-k", "top_k"),
-    "top_p": ("--top-p", "top_p"),
-    "max_frames": ("--max-frames", "max_frames"),
-    "first_chunk_frames": ("--first-chunk-frames", "first_chunk_frames"),
-    "chunk_growth": ("--chunk-growth", "chunk_growth"),
-    "max_chunk_frames": ("--max-chunk-frames", "max_chunk_frames"),
-}
+@dataclass(frozen=True)
+class FieldNames:
+    """How each front door names one request field.
+
+    Attributes:
+        keyword: the Python keyword (``TTS.synthesize``, ``SynthesisRequest.create``), also
+            the field's name in :class:`~higgs_pack.manifests.errors.Problem`.
+        flag: the CLI option of ``higgs-pack synthesize``, or None when the CLI has none.
+        http: the field of the server's speech body (``POST /v1/audio/speech``), or None.
+    """
+
+    keyword: str
+    flag: str | None
+    http: str | None
+
+
+#: The one table of request fields: each front door renders a problem in its own terms from it.
+FIELDS: dict[str, FieldNames] = {f.keyword: f for f in (
+    FieldNames("text", "--text", "input"),
+    FieldNames("ref_audio", "--ref-audio", "ref_audio"),
+    FieldNames("ref_text", "--ref-text", "ref_text"),
+    FieldNames("voice", None, "voice"),
+    FieldNames("seed", "--seed", "seed"),
+    FieldNames("temperature", "--temperature", "temperature"),
+    FieldNames("top_k", "--top-k", "top_k"),
+    FieldNames("top_p", "--top-p", "top_p"),
+    FieldNames("max_frames", "--max-frames", "max_new_tokens"),
+    FieldNames("first_chunk_frames", "--first-chunk-frames", "initial_chunk_frames"),
+    FieldNames("chunk_growth", "--chunk-growth", None),
+    FieldNames("max_chunk_frames", "--max-chunk-frames", None),
+)}
 
 Audio = str | os.PathLike | tuple[np.ndarray, int]
 """A reference clip: a file libsndfile reads, or ``(samples, sample_rate)`` (float32 [samples]
 or [samples, channels] in [-1, 1], Hz)."""
 
 
-def _set_with(name: str) -> str:
-    flag, keyword = SETTINGS[name]
-    return f"{flag} / {keyword}="
+def how_set(field: str | None) -> str | None:
+    """How the Python API and the CLI set ``field``: ``"--top-p / top_p="`` (None for no field)."""
+    names = FIELDS.get(field or "")
+    if names is None:
+        return None
+    return f"{names.flag} / {names.keyword}=" if names.flag else f"{names.keyword}="
 
 
-def refuse(problems: list[str]) -> None:
-    """Raise one :class:`InputError` listing every problem, one per line (nothing when there is none)."""
-    if len(problems) == 1:
-        raise InputError(problems[0])
+def say(problem: Problem) -> str:
+    """A problem in the Python API's and the CLI's terms: the keyword, and how to set it."""
+    return problem.render(how=how_set(problem.field))
+
+
+def refuse(problems: list[Problem]) -> None:
+    """Raise one :class:`InputError` carrying every problem (:func:`say` for its message);
+    nothing when there is none."""
     if problems:
-        raise InputError(f"{len(problems)} problems with the request:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise InputError(problems=problems, render=say)
 
 
 def _is_whole(value: Any) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool)
 
 
-def _whole_at_least(name: str, value: Any, minimum: int, meaning: str) -> list[str]:
-    """``[]`` when ``value`` is a whole number >= ``minimum``, else the one message naming ``name``."""
+def _whole_at_least(name: str, value: Any, minimum: int, meaning: str) -> list[Problem]:
+    """``[]`` when ``value`` is a whole number >= ``minimum``, else the one problem of ``name``."""
     if not _is_whole(value):
-        return [f"{name} must be a whole number of {meaning}, got {value!r} ({type(value).__name__}); "
-                f"set it with {_set_with(name)}"]
+        return [Problem(name, value, f"a whole number of {meaning}")]
     if value < minimum:
-        return [f"{name} must be >= {minimum} ({meaning}), got {value}; set it with {_set_with(name)}"]
+        return [Problem(name, value, f">= {minimum} ({meaning})")]
     return []
 
 
@@ -131,18 +153,25 @@ def plain_type(value: Any) -> str:
         return "an object"
     if isinstance(value, bytes):
         return "bytes"
+    if isinstance(value, str):
+        shown = repr(value)
+        return f"text ({shown if len(shown) <= 40 else shown[:37] + '...'})"
     return f"a {type(value).__name__}"
 
 
-def text_problems(text: Any) -> list[str]:
-    """The message for text that cannot be spoken (:func:`unspeakable`), else ``[]``."""
-    problem = unspeakable(text, "text")
+def _braced(text: str) -> str:
+    return text.replace("{", "{{").replace("}", "}}")
+
+
+def text_problems(text: Any) -> list[Problem]:
+    """The problem of text that cannot be spoken (:func:`unspeakable`), else ``[]``."""
+    problem = unspeakable(text, "\0")
     if problem is None:
         return []
-    return [f"{problem}; give the words to speak with {_set_with('text')} (--text-file FILE, or text on stdin)"]
+    return [Problem("text", text, message=_braced(problem).replace("\0", "{name}"))]
 
 
-def voice_pair_problems(audio: Any, transcript: Any) -> list[str]:
+def voice_pair_problems(audio: Any, transcript: Any) -> list[Problem]:
     """The message when only one of a reference clip and its transcript is given, else ``[]``.
 
     The one pairing rule of every path into the loop; the transcript, when given beside a clip,
@@ -151,11 +180,13 @@ def voice_pair_problems(audio: Any, transcript: Any) -> list[str]:
     if audio is None and transcript is None:
         return []
     if audio is not None and transcript is not None:
-        problem = unspeakable(transcript, "ref_text")
+        problem = unspeakable(transcript, "\0")
         return [] if problem is None else [
-            f"{problem}; give the exact transcript of the reference audio with {_set_with('ref_text')}"]
-    return ["voice cloning needs both ref_audio= and ref_text= (--ref-audio with --ref-text): the reference "
-            "clip and its exact transcript; give both, or neither for the bundle's own voice"]
+            Problem("ref_text", transcript, message=_braced(problem).replace("\0", "{name}"),
+                    fix="give the exact transcript of the reference audio")]
+    return [Problem(None, None, message=(
+        "voice cloning needs both ref_audio= and ref_text= (--ref-audio with --ref-text): the reference "
+        "clip and its exact transcript; give both, or neither for the bundle's own voice"))]
 
 
 @dataclass(frozen=True)
@@ -224,8 +255,8 @@ class PreparedVoice:
         codes = np.asarray(self.codes)
         found = voice_pair_problems(codes, self.transcript)
         if codes.ndim != 2 or codes.shape[0] < 1 or not np.issubdtype(codes.dtype, np.integer):
-            found.append(f"a prepared voice's codes must be int64 [frames >= 1, codebooks], got {codes.dtype} "
-                         f"{list(codes.shape)}")
+            found.append(Problem("voice", None, message=f"a prepared voice's codes must be int64 [frames >= 1, "
+                                                        f"codebooks], got {codes.dtype} {list(codes.shape)}"))
         refuse(found)
         object.__setattr__(self, "codes", codes.astype(np.int64, copy=False))
 
@@ -235,8 +266,8 @@ class PreparedVoice:
         return self.codes.shape[0] / 25.0
 
 
-def voice_problems(audio: Any, transcript: Any) -> list[str]:
-    """One message per bad part of a voice (the clip is checked to exist, not read); ``[]`` when usable."""
+def voice_problems(audio: Any, transcript: Any) -> list[Problem]:
+    """One problem per bad part of a voice (the clip is checked to exist, not read); ``[]`` when usable."""
     from higgs_pack.runtime.audio import require_audio_file
 
     found = voice_pair_problems(audio, transcript)
@@ -248,25 +279,28 @@ def voice_problems(audio: Any, transcript: Any) -> list[str]:
         try:
             require_audio_file(audio)
         except InputError as exc:
-            found.append(str(exc))
+            found.append(Problem("ref_audio", os.fspath(audio), message=_braced(str(exc))))
     else:
-        found.append(f"ref_audio must be a file path or a (samples, sample_rate) tuple, got "
-                     f"{type(audio).__name__}; set it with {_set_with('ref_audio')}")
+        found.append(Problem("ref_audio", audio, message="{name} must be a file path or a (samples, sample_rate) "
+                                                         f"tuple, got {plain_type(audio)}"))
     return found
 
 
-def _tuple_problems(audio: tuple) -> list[str]:
+def _tuple_problems(audio: tuple) -> list[Problem]:
     if len(audio) != 2:
-        return [f"ref_audio= takes a file path or a (samples, sample_rate) tuple, got a tuple of {len(audio)}"]
+        return [Problem("ref_audio", None, message="{name}= takes a file path or a (samples, sample_rate) tuple, "
+                                                   f"got a tuple of {len(audio)}")]
     try:
         shape = np.shape(audio[0])
     except ValueError:
         shape = None
     found = []
     if shape is None or len(shape) not in (1, 2):
-        found.append(f"ref_audio samples must be [samples] or [samples, channels], got shape {shape}")
+        found.append(Problem("ref_audio", None, message="{name} samples must be [samples] or [samples, channels], "
+                                                        f"got shape {shape}"))
     if not _is_whole(audio[1]) or audio[1] <= 0:
-        found.append(f"ref_audio's sample rate must be a whole number of Hz > 0, got {audio[1]!r}")
+        found.append(Problem("ref_audio", audio[1], message="{name}'s sample rate must be a whole number of Hz > 0, "
+                                                            f"got {audio[1]!r}"))
     return found
 
 
@@ -291,18 +325,16 @@ class StreamSchedule:
         refuse(schedule_problems(self.first_chunk_frames, self.chunk_growth, self.max_chunk_frames))
 
 
-def schedule_problems(first_chunk_frames: Any, chunk_growth: Any, max_chunk_frames: Any) -> list[str]:
-    """One message per bad field of a :class:`StreamSchedule`; ``[]`` when usable."""
+def schedule_problems(first_chunk_frames: Any, chunk_growth: Any, max_chunk_frames: Any) -> list[Problem]:
+    """One problem per bad field of a :class:`StreamSchedule`; ``[]`` when usable."""
     first = _whole_at_least("first_chunk_frames", first_chunk_frames, 1, "frames, 25 per second")
     largest = _whole_at_least("max_chunk_frames", max_chunk_frames, 1, "frames, 25 per second")
     found = first + largest
     if not first and not largest and max_chunk_frames < first_chunk_frames:
-        found.append(f"max_chunk_frames must be >= first_chunk_frames ({first_chunk_frames}), got "
-                     f"{max_chunk_frames}; set them with {_set_with('first_chunk_frames')} and "
-                     f"{_set_with('max_chunk_frames')}")
+        found.append(Problem("max_chunk_frames", max_chunk_frames, f">= first_chunk_frames ({first_chunk_frames})",
+                             fix=f"first_chunk_frames is set with {how_set('first_chunk_frames')}"))
     if isinstance(chunk_growth, bool) or not isinstance(chunk_growth, Real) or not 1 <= chunk_growth < math.inf:
-        found.append(f"chunk_growth must be a finite number >= 1 (1 = equal chunks), got {chunk_growth!r}; "
-                     f"set it with {_set_with('chunk_growth')}")
+        found.append(Problem("chunk_growth", chunk_growth, "a finite number >= 1 (1 = equal chunks)"))
     return found
 
 
@@ -384,15 +416,14 @@ class SynthesisRequest:
                 an unknown keyword (with a close match).
         """
         if unknown:
-            known = [name for name in SETTINGS if name != "text"]
-            raise InputError(unknown_choice("synthesis option", next(iter(unknown)), known,
-                                            "the keywords of SynthesisRequest.create"))
+            _refuse_unknown(unknown)
         if voice is not None:
-            found = [] if isinstance(voice, PreparedVoice) else [
-                f"voice must be a PreparedVoice (from tts.prepare_voice), got {type(voice).__name__}; "
-                "for a clip use ref_audio= with ref_text="]
+            found = [] if isinstance(voice, PreparedVoice) else [Problem("voice", None, message=(
+                f"{{name}} must be a PreparedVoice (from tts.prepare_voice), got {plain_type(voice)}; for a clip "
+                "use ref_audio= with ref_text="))]
             if ref_audio is not None or ref_text is not None:
-                found.append("give a voice as voice= (prepared) or as ref_audio= with ref_text=, not both")
+                found.append(Problem("voice", None, message="give a voice as voice= (prepared) or as ref_audio= "
+                                                            "with ref_text=, not both"))
         else:
             found = voice_problems(ref_audio, ref_text)
         refuse(found
@@ -417,11 +448,6 @@ class SynthesisRequest:
                 raise InputError(f"a SynthesisRequest carries its own options; got {', '.join(sorted(keywords))} "
                                  "beside it (set them when making the request)")
             return text
-        known = [name for name in SETTINGS if name != "text"]
-        for name in keywords:
-            if name not in known:
-                raise InputError(unknown_choice("synthesis option", name, known, "the keywords of "
-                                                "SynthesisRequest.create"))
         return cls.create(text, **keywords)
 
     def loop_inputs(self, pipeline: Any) -> dict[str, Any]:
@@ -453,7 +479,7 @@ class SynthesisRequest:
         """
         try:
             return bundle_sampling(generation_defaults, **self._chosen())
-        except ValueError as exc:
+        except InputError as exc:
             raise InputError(f"{exc} (the bundle's manifest 'generation' defaults with this request's "
                              "options); rebuild the bundle or set the option explicitly") from exc
 
@@ -463,15 +489,19 @@ def _chosen(seed: Any, temperature: Any, top_k: Any, top_p: Any) -> dict[str, An
     return {"seed": seed, **{k: v for k, v in chosen.items() if v is not None}}
 
 
-def request_problems(text: Any, sampling: dict[str, Any], max_frames: Any) -> list[str]:
-    """One message per bad field of the text, the chosen sampling fields and the frame cap; ``[]`` when usable.
+def _refuse_unknown(keywords: dict[str, Any]) -> None:
+    """Refuse keywords that are not request fields, with the closest known one."""
+    known = [name for name in FIELDS if name != "text"]
+    name = next(iter(keywords))
+    raise InputError(problems=[Problem(name, None, message=_braced(unknown_choice(
+        "synthesis option", name, known, "the keywords of SynthesisRequest.create")))])
 
-    The sampling rules are :meth:`SamplingOptions.problems`'s (each message gains the flag and
-    keyword that set the field).
-    """
+
+def request_problems(text: Any, sampling: dict[str, Any], max_frames: Any) -> list[Problem]:
+    """One problem per bad field of the text, the chosen sampling fields and the frame cap; ``[]``
+    when usable.  The sampling rules are :func:`~higgs_pack.runtime.loop.delay.sampling_problems`."""
     found = text_problems(text)
-    found += [f"{message}; set it with {_set_with(message.split(' ', 1)[0])}"
-              for message in SamplingOptions(**sampling).problems()]
+    found += sampling_problems(sampling)
     if max_frames is not None:
         found += _whole_at_least("max_frames", max_frames, 1, "frames, 25 per second")
     return found

@@ -195,7 +195,7 @@ def test_requests_are_checked_without_a_bundle(tmp_path):
     with pytest.raises(InputError, match="ref_audio's sample rate must be a whole number of Hz > 0, got 0"):
         Voice((np.zeros(24000, np.float32), 0), "Hello.")
     with pytest.raises(InputError, match="ref_audio must be a file path or a \\(samples, sample_rate\\) tuple, "
-                                         "got list"):
+                                         "got a list"):
         Voice([0.0], "Hello.")
 
 

@@ -194,7 +194,7 @@ def invoke(*args, input=None):
 
 
 @pytest.mark.parametrize(("args", "input", "message"), [
-    (["--text", "   "], None, "text is only whitespace: there is nothing to speak; give the words to speak with "
+    (["--text", "   "], None, "text is only whitespace: there is nothing to speak; set it with "
                               "--text / text="),
     (["--text", "-"], "", "text is empty: there is nothing to speak"),
     (["--text", "\x01\x02"], None, "text is only whitespace and control characters: there is nothing to speak"),

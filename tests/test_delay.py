@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from higgs_pack.manifests.errors import InputError
 from higgs_pack.runtime.loop.delay import (
     Sampler,
     SamplingOptions,
@@ -88,15 +89,23 @@ def test_sampling_follows_the_distribution():
     ({"repeat_guard_frames": -1}, "repeat_guard_frames"),
 ])
 def test_bad_sampling_options_name_the_option(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        SamplingOptions(**kwargs).validate()
+    from higgs_pack.manifests.errors import InputError
+
+    with pytest.raises(InputError, match=message) as caught:
+        SamplingOptions(**kwargs)  # checked once, when made
+    assert [p.field for p in caught.value.problems] == [message]
 
 
 def test_every_bad_option_is_named_once():
-    problems = SamplingOptions(temperature="hot", top_k=-2, top_p=0, seed=1.5).problems()
-    assert problems == ["seed must be a whole number, got 1.5 (float)", "temperature must be a number, got 'hot' (str)",
-                        "top_k must be >= 0 (0 = off), got -2", "top_p must be in (0, 1], got 0"]
-    assert SamplingOptions().problems() == []
+    from higgs_pack.runtime.loop.delay import sampling_problems
+
+    problems = sampling_problems({"temperature": "hot", "top_k": -2, "top_p": 0, "seed": 1.5})
+    assert [p.render() for p in problems] == [
+        "seed must be a whole number, got 1.5", "temperature must be a number, got 'hot'",
+        "top_k must be >= 0 (0 = off), got -2", "top_p must be in (0, 1], got 0"]
+    assert [(p.field, p.value) for p in problems] == [("seed", 1.5), ("temperature", "hot"), ("top_k", -2),
+                                                      ("top_p", 0)]
+    assert sampling_problems({}) == [] and sampling_problems(vars(SamplingOptions())) == []
 
 
 def test_bundle_defaults_fill_what_the_caller_left_unset():
@@ -105,7 +114,7 @@ def test_bundle_defaults_fill_what_the_caller_left_unset():
     assert (options.temperature, options.top_k, options.top_p, options.seed, options.repeat_guard_frames) \
         == (0.7, 5, 1.0, None, 20)
     assert bundle_sampling({}) == SamplingOptions()
-    with pytest.raises(ValueError, match="top_p must be in"):
+    with pytest.raises(InputError, match="top_p must be in"):
         bundle_sampling(defaults, top_p=2.0)
 
 

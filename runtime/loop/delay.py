@@ -7,12 +7,15 @@ real codec entries.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import Any
 
 import numpy as np
+
+from higgs_pack.manifests.errors import InputError, Problem
 
 
 def apply_delay(codes: np.ndarray, boc: int, eoc: int) -> np.ndarray:
@@ -81,37 +84,38 @@ class SamplingOptions:
     seed: int | None = 0
     repeat_guard_frames: int = 50
 
-    def problems(self) -> list[str]:
-        """One message per bad option (its name, the value given and what is allowed); empty when valid."""
-        found = []
-        for name in ("top_k", "repeat_guard_frames", "seed"):
-            value = getattr(self, name)
-            if not (value is None and name == "seed") and (isinstance(value, bool) or not isinstance(value, Integral)):
-                found.append(f"{name} must be a whole number, got {value!r} ({type(value).__name__})")
-        for name in ("temperature", "top_p"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, Real):
-                found.append(f"{name} must be a number, got {value!r} ({type(value).__name__})")
-        bad = {message.split(" ", 1)[0] for message in found}
-        checks = (
-            ("seed", lambda: self.seed is None or self.seed >= 0,
-             f"seed must be >= 0 (numpy's PCG64 seeds are non-negative) or None, got {self.seed}"),
-            ("temperature", lambda: 0 <= self.temperature < float("inf"),
-             f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}"),
-            ("top_k", lambda: self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}"),
-            ("top_p", lambda: 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            ("repeat_guard_frames", lambda: self.repeat_guard_frames >= 0,
-             f"repeat_guard_frames must be >= 0, got {self.repeat_guard_frames}"),
-        )
-        found += [message for name, ok, message in checks if name not in bad and not ok()]
-        return found
-
-    def validate(self) -> SamplingOptions:
-        """Return ``self``; raise ``ValueError`` naming every bad option, its value and its allowed range."""
-        found = self.problems()
+    def __post_init__(self) -> None:
+        found = sampling_problems(dataclasses.asdict(self))
         if found:
-            raise ValueError("; ".join(found))
-        return self
+            raise InputError(problems=found)
+
+
+def sampling_problems(values: Mapping[str, Any]) -> list[Problem]:
+    """One problem per bad :class:`SamplingOptions` field of ``values`` (its name, the value given and
+    what is allowed), in field order; ``[]`` when all are valid.  Fields ``values`` leaves out are
+    not judged.  The one place the sampling rules live: a :class:`SamplingOptions` is checked
+    once, when it is made, and a request collects these with its other problems."""
+    whole = ("seed", "top_k", "repeat_guard_frames")
+    rules = {
+        "seed": (lambda v: v is None or v >= 0, ">= 0 (numpy's PCG64 seeds are non-negative) or None"),
+        "temperature": (lambda v: 0 <= v < float("inf"), "a finite number >= 0 (0 = greedy)"),
+        "top_k": (lambda v: v >= 0, ">= 0 (0 = off)"),
+        "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+        "repeat_guard_frames": (lambda v: v >= 0, ">= 0"),
+    }
+    found = []
+    for name, (ok, allowed) in rules.items():
+        if name not in values:
+            continue
+        value = values[name]
+        if name in whole and not (value is None and name == "seed") and (
+                isinstance(value, bool) or not isinstance(value, Integral)):
+            found.append(Problem(name, value, "a whole number"))
+        elif name not in whole and (isinstance(value, bool) or not isinstance(value, Real)):
+            found.append(Problem(name, value, "a number"))
+        elif not ok(value):
+            found.append(Problem(name, value, allowed))
+    return found
 
 
 def bundle_sampling(generation_defaults: Mapping[str, Any], **overrides: Any) -> SamplingOptions:
@@ -126,12 +130,12 @@ def bundle_sampling(generation_defaults: Mapping[str, Any], **overrides: Any) ->
         overrides: :class:`SamplingOptions` fields to set (pass only those the caller chose).
 
     Returns:
-        Validated :class:`SamplingOptions`.
+        :class:`SamplingOptions` (checked when made).
 
     Raises:
-        ValueError: a resulting option is out of range (names it).
+        InputError: a resulting option is out of range (its problems name it).
     """
-    return replace(SamplingOptions(**generation_defaults.get("sampling", {})), **overrides).validate()
+    return SamplingOptions(**{**generation_defaults.get("sampling", {}), **overrides})
 
 
 class Sampler:
@@ -167,14 +171,11 @@ class Sampler:
 
     Args:
         allowed: bool [N, V]; False entries are never drawn.
-        options: sampling options (validated).
-
-    Raises:
-        ValueError: invalid options.
+        options: sampling options (checked when they were made).
     """
 
     def __init__(self, allowed: np.ndarray, options: SamplingOptions):
-        self.options = options.validate()
+        self.options = options
         n, v = allowed.shape
         self._allowed = np.array(allowed, dtype=bool)
         self._mask = np.where(allowed, np.float32(0), np.float32(-np.inf)).astype(np.float32)

@@ -36,7 +36,7 @@ class CodeSteps:
     def __init__(self, constants: ModelConstants, options: SamplingOptions, max_frames: int):
         c = constants
         self._c = c
-        self.options = options.validate()
+        self.options = options
         n, vocab = c.num_codebooks, c.audio_vocab_size
         self.max_steps = max_frames + n - 1
         self.rng = np.random.default_rng(options.seed)

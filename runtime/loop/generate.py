@@ -243,7 +243,6 @@ def generate_steps(
         InputError: prompt + cap exceed the decoder's context length.
         NumericalError: a sub-part returned NaN/inf or an all-zero hidden state.
     """
-    options.validate()
     c = pipeline.constants
     n, vocab, h = c.num_codebooks, c.audio_vocab_size, c.hidden_size
     prompt_len = prompt_embeds.shape[1]
@@ -491,7 +490,7 @@ def prepare_synthesis(pipeline: Pipeline, text: str, ref_samples: np.ndarray | N
     refuse(text_problems(text) or voice_pair_problems(voice, ref_text))
     if ref_codes is not None:
         check_voice_codes(pipeline, ref_codes)
-    options = bundle_sampling(pipeline.generation_defaults) if options is None else options.validate()
+    options = bundle_sampling(pipeline.generation_defaults) if options is None else options
     check_text_tokens(pipeline, text)
     if ref_text is not None:
         check_text_tokens(pipeline, ref_text)

@@ -138,6 +138,9 @@ def check_node_placement(bundle: Bundle, pipeline: Pipeline, report: VerifyRepor
     from higgs_pack.runtime.backends.onnxruntime.placement import bundle_node_placement
 
     by_provider = {row.ort_provider: name for name, row in EXECUTION_PROVIDERS.items()}
+    own = bundle.manifest.get("execution_provider")
+    if own in EXECUTION_PROVIDERS:  # rows that share an ORT provider (dml, winml): name the bundle's own
+        by_provider[EXECUTION_PROVIDERS[own].ort_provider] = own
     used = set(pipeline.description.values())
     cpu = CPU_PROVIDER.ort_provider
     eps = sorted({by_provider[u] for u in used if u in by_provider and u != cpu})

@@ -1,7 +1,8 @@
 """nox sessions: build-/verify-/package-<target>, tests, lint, bench, serve-bench.
 
-Thin by design: every session calls the ``higgs-pack`` CLI or a module of the
-package; the logic lives there.  Build-side sessions share one virtualenv
+Thin by design: every session calls the ``higgs-pack`` CLI, a module of the
+package or the benchmark (``bench/``, a folder of this checkout, not of the wheel: run from
+here with ``python -m bench``); the logic lives there.  Build-side sessions share one virtualenv
 (``.nox/build-env``: torch, ModelBuilder, Olive, OpenVINO… about 5 GB) that is
 created once and reused while pyproject.toml is unchanged.  verify-<target>
 sessions use a runtime-only venv (no torch) per target, as a bundle user has.
@@ -180,8 +181,9 @@ def bench(session: nox.Session) -> None:
     """Benchmark PyTorch reference vs bundles side by side (-- --preset full for real size);
     writes dist/bench.json."""
     build_env(session)
-    env = {"HIGGS_PACK_CACHE": os.environ.get("HIGGS_PACK_CACHE", str(ROOT / ".nox" / "cache"))}
-    session.run(_bin("python"), "-m", "higgs_pack.targets.bench", "--out", str(ROOT / "dist" / "bench.json"),
+    env = {"HIGGS_PACK_CACHE": os.environ.get("HIGGS_PACK_CACHE", str(ROOT / ".nox" / "cache")),
+           "PYTHONPATH": str(ROOT)}  # bench/ is imported from the checkout
+    session.run(_bin("python"), "-m", "bench", "--out", str(ROOT / "dist" / "bench.json"),
                 *session.posargs, env=env, external=True)
 
 
@@ -191,7 +193,8 @@ def serve_bench(session: nox.Session) -> None:
     own process (the tiny cpu int4 bundle; -- --preset bench for the bench one); writes
     dist/serve-bench.json and dist/serve-bench.html with the goals met or missed."""
     build_env(session)
-    env = {"HIGGS_PACK_CACHE": os.environ.get("HIGGS_PACK_CACHE", str(ROOT / ".nox" / "cache"))}
+    env = {"HIGGS_PACK_CACHE": os.environ.get("HIGGS_PACK_CACHE", str(ROOT / ".nox" / "cache")),
+           "PYTHONPATH": str(ROOT)}  # bench/ is imported from the checkout
     cases = ["--cases", str(CASES)] if CASES.is_dir() else []
-    session.run(_bin("python"), "-m", "higgs_pack.targets.bench.serve_load", "--out",
+    session.run(_bin("python"), "-m", "bench.serve_load", "--out",
                 str(ROOT / "dist" / "serve-bench.json"), *cases, *session.posargs, env=env, external=True)

@@ -1,6 +1,6 @@
 """Benchmark the PyTorch reference and built bundles side by side (``nox -s bench``).
 
-``python -m higgs_pack.targets.bench [--preset tiny|bench|full] [--systems pytorch,cpu-int4,…]
+``python -m bench [--preset tiny|bench|full] [--systems pytorch,cpu-int4,…]
 [--frames N] [--out dist/bench.json]``
 
 One run measures every system with the same text, the same fixed frame count and the same
@@ -48,24 +48,24 @@ system generates exactly ``--frames`` frames), after one warm-up run:
     (``roofline_frac`` the loop, ``roofline_frac_decoder`` the bare decoder,
     ``roofline_frac_ctx<N>`` its step at context N). Only where the decoder weights exceed
     the last-level cache (``machine.llc_bytes``); otherwise ``cache_resident`` is true and
-    no fraction is given (see :func:`~higgs_pack.targets.bench.records._roofline`).
+    no fraction is given (see :func:`~bench.records._roofline`).
 
 ``decoder_step`` records (with ``llama.cpp-q4_0`` / ``llama.cpp-q4_k_m`` in ``--systems``)
     the bare decoder step of B rows (``--step-batch``, default 1,4) after a prefill of each
     ``--contexts`` length, for every bundle and for llama.cpp running the same Qwen3 weights
     at that quant (converted with llama.cpp's own converter, cached under
     ``$HIGGS_PACK_CACHE/llama.cpp/``), each in its own process, in turns
-    (:mod:`~higgs_pack.targets.bench.decoder_steps`, :mod:`~higgs_pack.targets.bench.llama_cpp`;
+    (:mod:`~bench.decoder_steps`, :mod:`~bench.llama_cpp`;
     needs the ``[llamacpp]`` extra). ``--steps-only`` skips the loop measurements.
 ``batch`` (with ``--batch 1,2,4,8``)
     every bundle's continuous-batching engine at those batch sizes, in its own process
-    (:mod:`~higgs_pack.targets.bench.batch`): per size aggregate and per-request frames/s,
+    (:mod:`~bench.batch`): per size aggregate and per-request frames/s,
     the engine's step and its bare batched decoder's, the first audio of a request joining
     ``B - 1`` running ones, streamed over plain aggregate frames/s and the KV bytes in use;
     the KV bytes per position and the largest batch that fits 12 GiB at 2,000 positions
     (computed, not run).  Sizes the engine refuses carry its reason and no number.
 
-The goals (:func:`~higgs_pack.targets.bench.records.goal_checks`) are printed and recorded
+The goals (:func:`~bench.records.goal_checks`) are printed and recorded
 side by side; a goal whose systems were not measured reads "not measured".
 
 Checkpoints come from ``higgs-pack make-tiny-checkpoint --preset …`` (cached under
@@ -83,9 +83,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from higgs_pack.targets.bench.decoder_steps import KIND as STEP_KIND
-from higgs_pack.targets.bench.decoder_steps import render_steps
-from higgs_pack.targets.bench.records import (
+from bench.decoder_steps import KIND as STEP_KIND
+from bench.decoder_steps import render_steps
+from bench.records import (
     BUILD_MEMORY_BUDGET_MB,
     COLUMNS,
     _roofline,
@@ -103,8 +103,8 @@ from higgs_pack.targets.bench.records import (
     write_html,
     write_records,
 )
-from higgs_pack.targets.bench.run import BenchOptions, run_bench
-from higgs_pack.targets.bench.systems import (
+from bench.run import BenchOptions, run_bench
+from bench.systems import (
     BENCH_TEXT,
     DEFAULT_BANDWIDTH_MIB,
     DEFAULT_CONTEXTS,
@@ -118,7 +118,7 @@ from higgs_pack.targets.bench.systems import (
     bundle_spec,
     parse_system,
 )
-from higgs_pack.targets.bench.workers import (
+from bench.workers import (
     WORKERS,
     WorkerError,
     _spawn,
@@ -128,7 +128,7 @@ from higgs_pack.targets.bench.workers import (
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m higgs_pack.targets.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=PRESETS, default="bench", help="checkpoint preset (default: bench)")
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
                    help="comma-separated: pytorch, <target>-<precision>[-<variant>][@<device>] "

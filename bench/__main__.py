@@ -1,7 +1,7 @@
-"""``python -m higgs_pack.targets.bench``: see :mod:`higgs_pack.targets.bench`."""
+"""``python -m bench``: see :mod:`bench`."""
 
 import sys
 
-from higgs_pack.targets.bench import main
+from bench import main
 
 sys.exit(main())

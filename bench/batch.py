@@ -1,6 +1,6 @@
 """The batching side of the benchmark (``--batch 1,2,4,8``): one bundle's continuous-batching
 engine (:meth:`higgs_pack.TTS.engine`) measured at several batch sizes in one process
-(:func:`measure_batches`, run as the ``batch`` worker of :mod:`~higgs_pack.targets.bench.workers`).
+(:func:`measure_batches`, run as the ``batch`` worker of :mod:`~bench.workers`).
 
 For every batch size ``B`` the engine refuses (OpenVINO's npu variant or a device other than
 CPU, cuda or dml: its ``InputError``), the row says why and carries no number.  For the others, ``repeats`` rounds
@@ -42,7 +42,7 @@ JOIN_WAIT_S = 120.0
 class _HeadsProbe:
     """Wraps the audio-heads runner: one ``(time, rows)`` mark per call (the engine calls it
     once per step, for all busy rows, at the step's start) and EOC suppressed as in
-    :func:`~higgs_pack.targets.bench.workers._instrument` (a large negative finite logit)."""
+    :func:`~bench.workers._instrument` (a large negative finite logit)."""
 
     def __init__(self, inner: Any, eoc: int, marks: list[tuple[float, int]]):
         self.inner, self.eoc, self.marks = inner, eoc, marks
@@ -242,10 +242,10 @@ def measure_batches(spec: dict[str, Any]) -> dict[str, Any]:
         ``prompt_length``, ``loadavg_1m`` (before, after), ``peak_rss_mb``.
     """
     import higgs_pack
+    from bench.workers import _peak_rss_mb, kv_bytes_per_position, kv_itemsize
     from higgs_pack.manifests.errors import InputError
     from higgs_pack.runtime.loop.generate import build_prompt
     from higgs_pack.runtime.loop.streaming import codec_context_frames
-    from higgs_pack.targets.bench.workers import _peak_rss_mb, kv_bytes_per_position, kv_itemsize
 
     loadavg = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     tts = higgs_pack.load(spec["bundle"], spec.get("device") or "auto", cache_dir=spec.get("ov_cache"))

@@ -1,15 +1,15 @@
 """The bare decoder step side by side with llama.cpp (issue 19): ``B`` rows stepped together
 after a prefill of ``L`` positions each, for our bundles (their engine's batched decoder,
 :meth:`~higgs_pack.runtime.backends.Backend.batched_decoder`: ``BatchedOrtDecoder`` on a cpu
-bundle) and for llama.cpp GGUFs (:class:`~higgs_pack.targets.bench.llama_cpp.LlamaDecoder`),
+bundle) and for llama.cpp GGUFs (:class:`~bench.llama_cpp.LlamaDecoder`),
 in one run.
 
 Protocol (:func:`time_steps`, the same for every system): per context ``L``, every row is
 prefilled with ``L`` positions, then per batch ``B`` (ascending) one untimed step of rows
-``0..B-1`` and :data:`~higgs_pack.targets.bench.systems.CONTEXT_STEPS` timed ones (median
+``0..B-1`` and :data:`~bench.systems.CONTEXT_STEPS` timed ones (median
 reported); row 0 grows by the steps of the smaller batches first (a few positions).  Every
 system runs in its own process (``our_steps`` / ``llama_steps`` workers), the systems take
-turns over :data:`~higgs_pack.targets.bench.systems.CONTEXT_ROUNDS` rounds (the order rotated
+turns over :data:`~bench.systems.CONTEXT_ROUNDS` rounds (the order rotated
 every round) and each (B, L) keeps its fastest round, as ``--rounds`` does for the loop.
 
 Records (``"kind": "decoder_step"``, one per system) carry ``rows`` of ``{batch, context,
@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.targets.bench.systems import CONTEXT_STEPS
+from bench.systems import CONTEXT_STEPS
 
 #: The record kind.
 KIND = "decoder_step"
@@ -117,10 +117,10 @@ def measure_our_steps(spec: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
 
     import higgs_pack
+    from bench.workers import _peak_rss_mb, kv_itemsize
     from higgs_pack.manifests.errors import InputError
     from higgs_pack.runtime.backends import backend_of
     from higgs_pack.runtime.loop.generate import build_prompt
-    from higgs_pack.targets.bench.workers import _peak_rss_mb, kv_itemsize
 
     before = load_average()
     t = time.perf_counter()
@@ -213,11 +213,11 @@ def run_step_comparison(llama: list[Any], ours: list[tuple[Any, Path, dict[str, 
     Returns:
         ``"kind": "decoder_step"`` records (a failed system: ``error`` and no rows).
     """
+    from bench.llama_cpp import ensure_ggufs, llama_cpp_missing
+    from bench.records import base_record
+    from bench.run import _ov_cache
+    from bench.workers import WorkerError, _spawn
     from higgs_pack.manifests.errors import HiggsPackError
-    from higgs_pack.targets.bench.llama_cpp import ensure_ggufs, llama_cpp_missing
-    from higgs_pack.targets.bench.records import base_record
-    from higgs_pack.targets.bench.run import _ov_cache
-    from higgs_pack.targets.bench.workers import WorkerError, _spawn
 
     spawn = spawn or _spawn
     threads = threads or default_threads()
@@ -331,7 +331,7 @@ def step_facts(records: list[dict[str, Any]]) -> list[str]:
 
 def render_steps(records: list[dict[str, Any]]) -> str:
     """The step comparison as a text table and its facts; empty without such records."""
-    from higgs_pack.targets.bench.records import _table
+    from bench.records import _table
 
     mine = [r for r in records if r.get("kind") == KIND]
     if not mine:

@@ -1,8 +1,8 @@
 """The largest batch whose KV cache fits the memory budget, run rather than only computed.
 
-:func:`~higgs_pack.targets.bench.records.batch_memory` computes ``fit_max_batch``, the most
-rows whose KV cache at :data:`~higgs_pack.targets.bench.systems.FIT_POSITIONS` positions
-fits :data:`~higgs_pack.targets.bench.systems.FIT_MEMORY_BYTES` beside the bundle's weights.
+:func:`~bench.records.batch_memory` computes ``fit_max_batch``, the most
+rows whose KV cache at :data:`~bench.systems.FIT_POSITIONS` positions
+fits :data:`~bench.systems.FIT_MEMORY_BYTES` beside the bundle's weights.
 That arithmetic leaves out what a real process also holds (activations, the codec, the
 runtime's own buffers, allocator slack).  ``--fit-run`` checks it: a fresh process loads
 the whole bundle, opens the engine's batched decoder with that many rows of that many
@@ -72,8 +72,8 @@ def fit_run(spec: dict[str, Any]) -> dict[str, Any]:
         run), "fit_run_load_rss_mb" (after loading the bundle, before the KV)}``, or
         ``{"fit_run_skipped": reason}`` for a decoder whose cache this bench cannot fill.
     """
+    from bench.workers import _load_bundle, _peak_rss_mb, _rss_now_mb
     from higgs_pack.runtime.backends import registered
-    from higgs_pack.targets.bench.workers import _load_bundle, _peak_rss_mb, _rss_now_mb
 
     batch, positions = int(spec["batch"]), int(spec["positions"])
     pipeline, _ = _load_bundle(spec)

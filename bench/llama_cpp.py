@@ -17,7 +17,7 @@ after, unless asked to keep the float one.
 :func:`measure_llama_steps` (the ``llama_steps`` worker) loads one GGUF with the low-level
 API and times the decode step of ``B`` sequences in one ``llama_batch`` (sequence ids
 ``0..B-1``, each at its own position) after a prefill of ``L`` positions each, the protocol
-of :func:`higgs_pack.targets.bench.decoder_steps.time_steps`.
+of :func:`bench.decoder_steps.time_steps`.
 
 The text head: llama.cpp's Qwen3 graph always ends in the LM head (``output.weight``, tied
 to ``token_embd.weight``: vocab x hidden, 151936 x 2560 at full size, Q6_K in both quants
@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.systems import child_env
 from higgs_pack.manifests.errors import BuildError, InputError
 
 #: The bench system names' prefix (``llama.cpp-q4_0``).
@@ -288,12 +289,14 @@ def ensure_ggufs(checkpoint: Path, cache: Path, quants: list[str], *, threads: i
         target = out / f"{checkpoint.name}-{quant}.gguf"
         if log:
             log(f"llama.cpp: quantizing to {quant}: {target}")
-        _, record = run_step("higgs_pack.targets.bench.llama_cpp:quantize",
-                             {"src": str(float_gguf), "out": str(target), "quant": quant, "threads": threads},
-                             name=f"llama_model_quantize ({quant})", folders=[out], work_dir=out)
-        facts["quants"][quant] = {"path": str(target), "quantize_s": round(record.seconds, 1),
-                                  "quantize_peak_rss_mb": round(record.peak_rss_mb, 1),
-                                  "quantize_peak_anon_mb": round(record.peak_anon_mb or 0, 1), **gguf_facts(target)}
+        log_file = out / f"quantize-{quant}.log"
+        cmd = [sys.executable, "-m", "bench.llama_cpp", str(float_gguf), str(target), quant, str(threads)]
+        run = run_tool(cmd, log_file, env=child_env())
+        if run.returncode != 0 or not target.is_file():
+            raise BuildError(f"llama_model_quantize ({quant}) exited {run.returncode} (log: {log_file})")
+        facts["quants"][quant] = {"path": str(target), "quantize_s": round(run.seconds, 1),
+                                  "quantize_peak_rss_mb": round(run.peak_rss_mb, 1),
+                                  "quantize_peak_anon_mb": round(run.peak_anon_mb, 1), **gguf_facts(target)}
     if not keep_float:
         float_gguf.unlink(missing_ok=True)
         facts["float"] = {**facts["float"], "path": None}
@@ -422,12 +425,12 @@ def measure_llama_steps(spec: dict[str, Any]) -> dict[str, Any]:
     Returns:
         ``{"rows": [{batch, context, step_ms, step_ms_no_output}], "dims", "system_info",
         "threads", "load_s", "loadavg" (before, after), "peak_rss_mb"}``
-        (:func:`~higgs_pack.targets.bench.decoder_steps.time_steps`).
+        (:func:`~bench.decoder_steps.time_steps`).
     """
     import numpy as np
 
-    from higgs_pack.targets.bench.decoder_steps import load_average, positions_needed, time_steps
-    from higgs_pack.targets.bench.workers import _peak_rss_mb
+    from bench.decoder_steps import load_average, positions_needed, time_steps
+    from bench.workers import _peak_rss_mb
 
     before = load_average()
     batches, contexts, steps = list(spec["batches"]), list(spec["contexts"]), int(spec["steps"])
@@ -446,3 +449,7 @@ def measure_llama_steps(spec: dict[str, Any]) -> dict[str, Any]:
         dec.close()
     return {"rows": rows, "dims": dims, "system_info": system_info(), "threads": int(spec["threads"]),
             "load_s": round(load_s, 3), "loadavg": [before, load_average()], "peak_rss_mb": _peak_rss_mb()}
+
+
+if __name__ == "__main__":  # the quantize step of ensure_ggufs, in a child process: SRC OUT QUANT THREADS
+    quantize(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))

@@ -1,6 +1,6 @@
 """ONNX Runtime int4 decoder options measured side by side on this machine (issue 9 item 5).
 
-``python -m higgs_pack.targets.bench.ort_int4_options [--preset bench] [--out FILE]`` exports
+``python -m bench.ort_int4_options [--preset bench] [--out FILE]`` exports
 the cpu target's ``llm_decoder`` once per ModelBuilder int4 option set (``block_size`` 32 /
 64 / 128, ``accuracy_level`` 4 = int8 compute and 1 = float32 compute, symmetric as
 ModelBuilder's default), each through the build's own decoder step (ModelBuilder's float
@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.targets.bench.decoder_variants import (
+from bench.decoder_variants import (
     REFERENCE,
     TIMING_HEADER,
     add_timing_arguments,
@@ -106,7 +106,7 @@ def run(preset: str = "bench", *, seed: int = 0, names: list[str] | None = None,
         ``{"machine": {"cpu", "model", "isa", "logical_cpus"}, "onnxruntime", "preset",
         "steps", "repeats", "default", "weights": {name: export facts}, "results": [one
         record per variant and context: "variant", "block_size", "accuracy_level",
-        :func:`~higgs_pack.targets.bench.decoder_variants.time_interleaved`'s fields, "cpu",
+        :func:`~bench.decoder_variants.time_interleaved`'s fields, "cpu",
         "isa", "vnni", "load_before", "load_after"]}``.
 
     Raises:
@@ -154,7 +154,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m higgs_pack.targets.bench.ort_int4_options",
+    p = argparse.ArgumentParser(prog="python -m bench.ort_int4_options",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="bench", choices=("tiny", "bench", "full"),
                    help="checkpoint preset (full: 4B dimensions; each variant's export needs ~16 GB of scratch)")

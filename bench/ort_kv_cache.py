@@ -1,16 +1,16 @@
 """The cpu decoder's float and int8 KV caches measured side by side (issue 19 item 3).
 
-``python -m higgs_pack.targets.bench.ort_kv_cache [--preset bench] [--precisions int4,fp32]
+``python -m bench.ort_kv_cache [--preset bench] [--precisions int4,fp32]
 [--out FILE]`` exports the cpu target's ``llm_decoder`` once per precision and KV cache
 (``--kv-cache float`` and ``int8``: ModelBuilder's ``kv_cache_quant_scheme=int8_per_channel``
 with scales from its ``kv_cache_calibration`` tool, exactly as ``higgs-pack build`` makes
-them, through :func:`~higgs_pack.targets.bench.decoder_variants.export_decoder_variants`),
+them, through :func:`~bench.decoder_variants.export_decoder_variants`),
 and measures, in one run:
 
 * the bare decoder's step (:class:`~higgs_pack.runtime.backends.onnxruntime.runners.OrtDecoder`:
   shared KV buffers in the dtype the graph declares, IOBinding, the runtime's session
   options) at each context length (64 and 900 positions), float and int8 interleaved
-  (:func:`~higgs_pack.targets.bench.decoder_variants.time_interleaved`: random
+  (:func:`~bench.decoder_variants.time_interleaved`: random
   ``inputs_embeds``, rounds rotated), best and median ms per step, with the hidden states'
   cosine and relative L2 against the float KV cache at the same precision and the agreement
   of the first code (codebook 0's argmax of the tied audio heads, ``hidden @ W^T``) over
@@ -22,7 +22,7 @@ and measures, in one run:
   cosine, and the first-code and all-codebook agreement per frame;
 * the KV bytes per position and the peak resident memory of each export and of this process.
 
-Every row carries the CPU model and ISA (:func:`~higgs_pack.targets.bench.decoder_variants.machine_record`).
+Every row carries the CPU model and ISA (:func:`~bench.decoder_variants.machine_record`).
 The decoders are written under ``--work`` (kept and reused) or a scratch folder removed at the end.
 """
 
@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from higgs_pack.targets.bench.decoder_variants import (
+from bench.decoder_variants import (
     TIMING_HEADER,
     add_timing_arguments,
     export_decoder_variants,
@@ -188,7 +188,7 @@ def run(preset: str = "bench", *, seed: int = 0, precisions: tuple[str, ...] = P
         ``{"machine", "onnxruntime", "preset", "steps", "repeats", "decoders": {name: export
         facts + "kv_bytes_per_position"}, "results": [one record per decoder and context:
         "variant", "precision", "kv_cache", the timing and parity fields of
-        :func:`~higgs_pack.targets.bench.decoder_variants.time_interleaved`, "first_code",
+        :func:`~bench.decoder_variants.time_interleaved`, "first_code",
         "all_codes", "cpu", "isa", "vnni", "load_before", "load_after"], "loop": {name:
         :func:`teacher_forced`'s fields}, "peak_rss_mb": this process's peak}``.
     """
@@ -260,7 +260,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m higgs_pack.targets.bench.ort_kv_cache",
+    p = argparse.ArgumentParser(prog="python -m bench.ort_kv_cache",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="bench", choices=("tiny", "bench", "full"),
                    help="checkpoint preset (full: 4B dimensions; each export needs ~16 GB of scratch)")

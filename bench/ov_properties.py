@@ -1,6 +1,6 @@
 """OpenVINO decoder settings measured side by side on this machine (issue 9 item 3).
 
-``python -m higgs_pack.targets.bench.ov_properties [--preset bench] [--out FILE]`` times the
+``python -m bench.ov_properties [--preset bench] [--out FILE]`` times the
 bare stateful decoder (:class:`~higgs_pack.runtime.backends.openvino.runners.OvStatefulDecoder`, no
 heads, embed or sampling) on the CPU device for:
 
@@ -16,7 +16,7 @@ heads, embed or sampling) on the CPU device for:
   ``InferRequest.infer``'s ``share_inputs``/``share_outputs`` on / off;
 * weight compression: INT4_ASYM and INT4_SYM at group sizes 128 and 64, each IR exported
   by the openvino target's own decoder step (its recipe options laid over by a build
-  variant, :func:`~higgs_pack.targets.bench.decoder_variants.export_decoder_variants`), with the runtime's default properties;
+  variant, :func:`~bench.decoder_variants.export_decoder_variants`), with the runtime's default properties;
 * the fp32 IR with f32 inference and KV precision: the reference every variant's hidden
   states are compared with (``cosine``, ``rel_l2``; the fp32 IR matches the PyTorch
   oracle to cosine 0.9999999, MODEL.md).
@@ -42,7 +42,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.targets.bench.decoder_variants import (
+from bench.decoder_variants import (
     REFERENCE,
     TIMING_HEADER,
     add_timing_arguments,
@@ -132,7 +132,7 @@ def measure(irs: dict[str, dict[str, Any]], chosen: list[Setting], *, hidden: in
     hidden states with the :data:`REFERENCE` setting's (same inputs).
 
     Args:
-        irs: from :func:`~higgs_pack.targets.bench.decoder_variants.export_decoder_variants`.
+        irs: from :func:`~bench.decoder_variants.export_decoder_variants`.
         chosen: the settings (the reference among them for parity).
         hidden: the decoder's hidden size.
         context: prompt positions prefilled before the timed steps.
@@ -238,7 +238,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m higgs_pack.targets.bench.ov_properties",
+    p = argparse.ArgumentParser(prog="python -m bench.ov_properties",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="bench", choices=("tiny", "bench"),
                    help="checkpoint preset (the full preset is the lead's: not offered here)")

@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.targets.bench.systems import (
+from bench.systems import (
     FIT_MEMORY_BYTES,
     FIT_POSITIONS,
     FULL_PRESET,
@@ -288,7 +288,7 @@ def batch_memory(manifest: dict[str, Any], engine_per_position: int | None,
                  bench_per_position: int | None, memory_bytes: int = FIT_MEMORY_BYTES) -> dict[str, Any]:
     """The largest batch whose KV cache fits ``memory_bytes`` (default :data:`FIT_MEMORY_BYTES`)
     beside the bundle's weights at :data:`FIT_POSITIONS` positions per request: computed (``--fit-run``
-    runs it: :mod:`~higgs_pack.targets.bench.kv_fit`).
+    runs it: :mod:`~bench.kv_fit`).
 
     ``fit_max_batch = floor((memory_bytes - fit_weight_bytes) / (FIT_POSITIONS x
     fit_kv_bytes_per_position))``, where the weight bytes are every sub-part's weight files
@@ -733,8 +733,8 @@ def write_html(out: Path) -> Path:
     marks = {"outside_decoder_frac": (GOAL_OUTSIDE_DECODER * 100, f"goal: under {GOAL_OUTSIDE_DECODER:.0%}"),
              "loop_over_decoder": (GOAL_LOOP_OVER_DECODER, f"goal: at most {GOAL_LOOP_OVER_DECODER:g}x")}
     page = bench_html(records, goal_checks(records), marks)
-    from higgs_pack.targets.bench.decoder_steps import KIND as STEP_KIND
-    from higgs_pack.targets.bench.decoder_steps import steps_html
+    from bench.decoder_steps import KIND as STEP_KIND
+    from bench.decoder_steps import steps_html
 
     steps = [r for r in json.loads(out.read_text()) if r.get("kind") == STEP_KIND]
     for section in (batch_html(records), steps_html(steps)):

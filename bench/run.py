@@ -12,16 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.runtime.backends import registered
-from higgs_pack.runtime.cpu import cpu_info
-from higgs_pack.targets.bench.records import (
+from bench.records import (
     _roofline,
     add_ratios,
     base_record,
     batch_memory,
     first_audio_budget,
 )
-from higgs_pack.targets.bench.systems import (
+from bench.systems import (
     BENCH_TEXT,
     CONTEXT_ROUNDS,
     DEFAULT_BANDWIDTH_MIB,
@@ -36,7 +34,9 @@ from higgs_pack.targets.bench.systems import (
     bundle_spec,
     parse_system,
 )
-from higgs_pack.targets.bench.workers import WorkerError, _spawn
+from bench.workers import WorkerError, _spawn
+from higgs_pack.runtime.backends import registered
+from higgs_pack.runtime.cpu import cpu_info
 
 
 @dataclass
@@ -69,7 +69,7 @@ class BenchOptions:
     fit_memory_bytes: int = FIT_MEMORY_BYTES
     """The memory budget of the computed (and with ``fit_run``, run) largest batch."""
     fit_run: bool = False
-    """Also run ``fit_max_batch`` rows at ``FIT_POSITIONS`` (:mod:`~higgs_pack.targets.bench.kv_fit`)."""
+    """Also run ``fit_max_batch`` rows at ``FIT_POSITIONS`` (:mod:`~bench.kv_fit`)."""
     step_batch: tuple[int, ...] = DEFAULT_STEP_BATCHES
     """Batch sizes of the decoder-step comparison with llama.cpp (``--step-batch``)."""
     steps_only: bool = False
@@ -185,7 +185,7 @@ def run_bench(options: BenchOptions) -> list[dict[str, Any]]:
         return builds
     records = [] if options.steps_only else _measure_all(prepared, options, machine, common, checkpoint, cache)
     if llama:  # 5. the bare decoder step of our bundles beside llama.cpp's, in turns
-        from higgs_pack.targets.bench.decoder_steps import run_step_comparison
+        from bench.decoder_steps import run_step_comparison
 
         ours = [(spec, path, manifest) for spec, path, manifest, _ in prepared
                 if path is not None and not spec.is_pytorch]
@@ -318,8 +318,8 @@ def _ov_cache(cache: Path, path: Path, spec: SystemSpec) -> Path:
 def _measure_batches(spec: SystemSpec, path: Path, manifest: dict[str, Any], cache: Path,
                      common: dict[str, Any], options: BenchOptions) -> dict[str, Any]:
     """The ``batch`` field of one bundle's record: the ``batch`` worker's figures
-    (:func:`~higgs_pack.targets.bench.batch.measure_batches`) and the computed memory fit
-    (:func:`~higgs_pack.targets.bench.records.batch_memory`); ``error`` when the worker failed."""
+    (:func:`~bench.batch.measure_batches`) and the computed memory fit
+    (:func:`~bench.records.batch_memory`); ``error`` when the worker failed."""
     _say(options, f"measuring {spec.label} at batch {','.join(map(str, options.batch))}")
     job = {**common, "bundle": str(path), "device": spec.device, "batch": list(options.batch),
            "ov_cache": str(_ov_cache(cache, path, spec)) if _compiles(manifest["backend"]) else None}

@@ -1,7 +1,7 @@
 """Load test of ``higgs-pack serve`` (issue 20 item 8): concurrent HTTP clients against a live
 server on 127.0.0.1, side by side with the same requests through the engine in its own process.
 
-``python -m higgs_pack.targets.bench.serve_load [--preset tiny|bench | --bundle PATH | --url URL]
+``python -m bench.serve_load [--preset tiny|bench | --bundle PATH | --url URL]
 [--clients 1,4,16,64] [--requests N] [--level-seconds S] [--soak-requests 500] [--out dist/serve-bench.json]``
 
 What one run does, in this order (nothing else runs meanwhile, so the two processes take turns
@@ -42,9 +42,9 @@ milliseconds; RSS in MiB (``VmRSS`` of ``/proc/PID/status``); CPU seconds of eac
 system, every thread).
 
 The rooms: this module (the clients, a level's figures, one run, the command line);
-:mod:`~higgs_pack.targets.bench.serve_checks` (the requests and the judge of their answers);
-:mod:`~higgs_pack.targets.bench.serve_workers` (the server and engine processes, ``/proc`` and
-``/metrics``); :mod:`~higgs_pack.targets.bench.serve_report` (goals, table, ``dist/serve-bench.json``
+:mod:`~bench.serve_checks` (the requests and the judge of their answers);
+:mod:`~bench.serve_workers` (the server and engine processes, ``/proc`` and
+``/metrics``); :mod:`~bench.serve_report` (goals, table, ``dist/serve-bench.json``
 and ``.html``).
 """
 
@@ -64,7 +64,7 @@ from typing import Any
 
 import numpy as np
 
-from higgs_pack.targets.bench.serve_checks import (
+from bench.serve_checks import (
     ANSWER_COLUMNS,
     CATEGORIES,
     FAILURES,
@@ -78,7 +78,7 @@ from higgs_pack.targets.bench.serve_checks import (
     check,
     request_pool,
 )
-from higgs_pack.targets.bench.serve_workers import (
+from bench.serve_workers import (
     EngineProcess,
     ServerProcess,
     cpu_s,
@@ -343,7 +343,7 @@ def requests_per_level(options: LoadOptions) -> dict[int, int]:
 
 
 def _machine() -> dict[str, Any]:
-    from higgs_pack.targets.bench.run import _machine as bench_machine
+    from bench.run import _machine as bench_machine
 
     machine = bench_machine()
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
@@ -360,7 +360,7 @@ def _jobs_for(pool: Sequence[Job], count: int) -> list[Job]:
 
 def run_load(options: LoadOptions) -> dict[str, Any]:
     """One load test (see the module docstring); returns its record for
-    :func:`higgs_pack.targets.bench.serve_report.write_run`.
+    :func:`bench.serve_report.write_run`.
 
     Raises:
         RuntimeError: the server or the engine process did not start.
@@ -370,7 +370,7 @@ def run_load(options: LoadOptions) -> dict[str, Any]:
 
     if not options.bundle and not options.url:
         raise InputError("give a bundle (--bundle, --preset) or a running server (--url)")
-    cases = Path(options.cases or os.environ.get("HIGGS_PACK_CASES") or Path(__file__).resolve().parents[3]
+    cases = Path(options.cases or os.environ.get("HIGGS_PACK_CASES") or Path(__file__).resolve().parents[2]
                  / "shared" / "cases")
     pool = request_pool(case_texts(cases), options.pool, options.frames)
     counts = requests_per_level(options)
@@ -599,8 +599,8 @@ def _level_line(level: dict[str, Any]) -> str:
 
 def _bundle_for_preset(preset: str, cache: str | None, quiet: bool) -> str:
     """The bench's cpu int4 bundle of ``preset`` (built once into the bench cache and reused)."""
-    from higgs_pack.targets.bench.run import BenchOptions, _bundle_for, _cache, _checkpoint
-    from higgs_pack.targets.bench.systems import parse_system
+    from bench.run import BenchOptions, _bundle_for, _cache, _checkpoint
+    from bench.systems import parse_system
 
     options = BenchOptions(preset=preset, cache=cache, quiet=quiet)
     root = _cache(options)
@@ -610,7 +610,7 @@ def _bundle_for_preset(preset: str, cache: str | None, quiet: bool) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m higgs_pack.targets.bench.serve_load",
+    p = argparse.ArgumentParser(prog="python -m bench.serve_load",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=tuple(DEFAULT_REQUESTS), default="tiny",
                    help="the bench's cpu int4 bundle of this checkpoint preset (built once into the cache)")
@@ -654,8 +654,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _parser().error(f"--clients must be comma-separated whole numbers, got {args.clients!r}")
     if not clients or min(clients) < 1:
         _parser().error(f"--clients must be whole numbers >= 1, got {args.clients!r}")
+    from bench import serve_report
     from higgs_pack.manifests.errors import HiggsPackError
-    from higgs_pack.targets.bench import serve_report
 
     try:
         bundle = args.bundle

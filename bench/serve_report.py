@@ -1,5 +1,5 @@
 """The load test's goals, printed table, JSON file and HTML page (``dist/serve-bench.json`` and
-``dist/serve-bench.html``), for the records of :mod:`higgs_pack.targets.bench.serve_load`.
+``dist/serve-bench.html``), for the records of :mod:`bench.serve_load`.
 
 The HTML page is its own file, not a section of ``dist/bench.html``: the two come from different
 runs (``nox -s bench`` rewrites bench.html from bench.json alone), so a section there would be
@@ -15,8 +15,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.targets.bench.records import Goal, goal_state
-from higgs_pack.targets.bench.serve_checks import CATEGORIES, FAILURES
+from bench.records import Goal, goal_state
+from bench.serve_checks import CATEGORIES, FAILURES
 
 #: The concurrency at which no answer may be lost, truncated or malformed.
 GOAL_CLEAN_CLIENTS = 64

@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from higgs_pack.targets.bench.serve_checks import Expected, Job, pcm16
+from bench.serve_checks import Expected, Job, pcm16
+from bench.systems import child_env
 
 #: Most seconds a server started here may live, and may take to get ready (or the engine to load).
 SERVER_LIFETIME_S = 3600.0
@@ -93,7 +94,7 @@ def scrape(url: str) -> dict[str, float]:
 
 
 class EngineProcess:
-    """``python -m higgs_pack.targets.bench.serve_load --engine-worker``: the bundle loaded with
+    """``python -m bench.serve_load --engine-worker``: the bundle loaded with
     ``tts.engine(max_batch)``, driven by one JSON line per task on its stdin, each answered by
     one JSON line on its stdout.
 
@@ -104,8 +105,8 @@ class EngineProcess:
     """
 
     def __init__(self, bundle: str | os.PathLike, max_batch: int, cache: str | None = None):
-        env = {**os.environ, **({"HIGGS_PACK_CACHE": cache} if cache else {})}
-        cmd = [sys.executable, "-m", "higgs_pack.targets.bench.serve_load", "--engine-worker", str(bundle),
+        env = child_env(**({"HIGGS_PACK_CACHE": cache} if cache else {}))
+        cmd = [sys.executable, "-m", "bench.serve_load", "--engine-worker", str(bundle),
                "--max-batch", str(max_batch)]
         self.process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self._lines: queue.SimpleQueue = queue.SimpleQueue()

@@ -4,8 +4,19 @@ and the run's defaults and goals.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
+
+#: The repository root: ``bench`` is a folder of the checkout, not part of the wheel, so every
+#: child process that imports it gets this folder on its ``PYTHONPATH`` (:func:`child_env`).
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment with :data:`ROOT` first on ``PYTHONPATH``, plus ``extra``."""
+    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return {**os.environ, "PYTHONPATH": path, **extra}
 
 #: Systems measured when ``--systems`` is not given.
 DEFAULT_SYSTEMS: tuple[str, ...] = (
@@ -99,7 +110,7 @@ class SystemSpec:
 
 
 #: System names of llama.cpp GGUFs (``llama.cpp-q4_0``, ``llama.cpp-q4_k_m``): timed in the
-#: decoder-step comparison only (:mod:`~higgs_pack.targets.bench.decoder_steps`).
+#: decoder-step comparison only (:mod:`~bench.decoder_steps`).
 LLAMA_CPP_PREFIX = "llama.cpp-"
 
 
@@ -117,7 +128,7 @@ def parse_system(text: str) -> SystemSpec:
     if text.lower() == PYTORCH:
         return SystemSpec(label=PYTORCH, precision="fp32")
     if text.lower().startswith(LLAMA_CPP_PREFIX):
-        from higgs_pack.targets.bench.llama_cpp import LLAMA_CPP, parse_quant
+        from bench.llama_cpp import LLAMA_CPP, parse_quant
 
         quant = parse_quant(text[len(LLAMA_CPP_PREFIX):])
         return SystemSpec(label=f"{LLAMA_CPP}-{quant}", target=LLAMA_CPP, precision=quant)

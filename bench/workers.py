@@ -21,15 +21,16 @@ from typing import Any
 
 import numpy as np
 
-from higgs_pack.exporters.result import tool_versions
-from higgs_pack.runtime.backends import registered
-from higgs_pack.targets.bench.systems import (
+from bench.systems import (
     CONTEXT_ROUNDS,
     CONTEXT_STEPS,
     DEFAULT_BANDWIDTH_MIB,
     DEFAULT_CONTEXTS,
     PYTORCH,
+    child_env,
 )
+from higgs_pack.exporters.result import tool_versions
+from higgs_pack.runtime.backends import registered
 
 
 def _rss_now_mb() -> float | None:
@@ -464,29 +465,29 @@ def worker_bandwidth(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def worker_batch(spec: dict[str, Any]) -> dict[str, Any]:
-    """The engine at several batch sizes (``--batch``): :func:`~higgs_pack.targets.bench.batch.measure_batches`."""
-    from higgs_pack.targets.bench.batch import measure_batches
+    """The engine at several batch sizes (``--batch``): :func:`~bench.batch.measure_batches`."""
+    from bench.batch import measure_batches
 
     return measure_batches(spec)
 
 
 def worker_fit(spec: dict[str, Any]) -> dict[str, Any]:
-    """The computed largest batch, run (``--fit-run``): :func:`~higgs_pack.targets.bench.kv_fit.fit_run`."""
-    from higgs_pack.targets.bench.kv_fit import fit_run
+    """The computed largest batch, run (``--fit-run``): :func:`~bench.kv_fit.fit_run`."""
+    from bench.kv_fit import fit_run
 
     return fit_run(spec)
 
 
 def worker_our_steps(spec: dict[str, Any]) -> dict[str, Any]:
-    """A bundle's bare batched decoder step: :func:`~higgs_pack.targets.bench.decoder_steps.measure_our_steps`."""
-    from higgs_pack.targets.bench.decoder_steps import measure_our_steps
+    """A bundle's bare batched decoder step: :func:`~bench.decoder_steps.measure_our_steps`."""
+    from bench.decoder_steps import measure_our_steps
 
     return measure_our_steps(spec)
 
 
 def worker_llama_steps(spec: dict[str, Any]) -> dict[str, Any]:
-    """A llama.cpp GGUF's decode step: :func:`~higgs_pack.targets.bench.llama_cpp.measure_llama_steps`."""
-    from higgs_pack.targets.bench.llama_cpp import measure_llama_steps
+    """A llama.cpp GGUF's decode step: :func:`~bench.llama_cpp.measure_llama_steps`."""
+    from bench.llama_cpp import measure_llama_steps
 
     return measure_llama_steps(spec)
 
@@ -521,7 +522,7 @@ def _spawn(task: str, spec: dict[str, Any], *, cache: Path, stream: bool = False
         spec = {**spec, "task": task, "result": str(Path(tmp) / "result.json")}
         spec_file = Path(tmp) / "spec.json"
         spec_file.write_text(json.dumps(spec, default=str))
-        cmd = [sys.executable, "-m", "higgs_pack.targets.bench", "--worker", str(spec_file)]
+        cmd = [sys.executable, "-m", "bench", "--worker", str(spec_file)]
         out: Any = subprocess.PIPE
         if stream:  # long tasks (builds) show their progress on our stderr, not our stdout
             try:
@@ -530,7 +531,7 @@ def _spawn(task: str, spec: dict[str, Any], *, cache: Path, stream: bool = False
                 out = subprocess.PIPE
         proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, text=True,
                               timeout=timeout, check=False,
-                              env={**os.environ, "HIGGS_PACK_CACHE": str(cache)})
+                              env=child_env(HIGGS_PACK_CACHE=str(cache)))
         result_file = Path(spec["result"])
         if proc.returncode != 0 or not result_file.is_file():
             tail = "\n".join((proc.stdout or "").strip().splitlines()[-25:])

@@ -1,4 +1,4 @@
-"""The benchmark (``python -m higgs_pack.targets.bench``): system names, records, ratios,
+"""The benchmark (``python -m bench``): system names, records, ratios,
 table, JSON, and the real measuring code path on the tiny checkpoint.
 
 The end-to-end test runs the PyTorch reference in its worker subprocess on the tiny
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+import bench
 from higgs_pack.manifests.errors import BuildPlanError
-from higgs_pack.targets import bench
 
 #: Keys every measured record carries, with their types.
 RECORD_TYPES = {
@@ -347,8 +347,8 @@ def test_bench_streams_and_drives_the_bare_decoder(cpu_int4_bundle, tmp_path):
 
 
 def test_cpu_isa_names_vnni_and_avx512():
+    from bench.run import _machine
     from higgs_pack.runtime.cpu import cpu_isa
-    from higgs_pack.targets.bench.run import _machine
 
     amd = cpu_isa(["fpu", "sse4_2", "avx", "avx2", "fma", "f16c"])
     assert amd == {"flags": ["sse4_2", "avx", "avx2", "fma", "f16c"], "vnni": False, "avx512": False}
@@ -371,8 +371,8 @@ def test_context_steps_take_the_lengths_in_turn(cpu_int4_bundle):
     weighs on both alike), on the real tiny decoder; each length gets rounds x steps timings."""
     import numpy as np
 
+    from bench import workers
     from higgs_pack.runtime.bundle import load
-    from higgs_pack.targets.bench import workers
 
     decoder = load(cpu_int4_bundle).decoder
     prefills: list[int] = []
@@ -501,7 +501,7 @@ def test_batch_memory_fit_table_and_html(tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "bench.json"
     bench.write_records(records, out)
-    from higgs_pack.targets.bench.records import write_html
+    from bench.records import write_html
 
     page = write_html(out).read_text()
     section = page[page.index("Many requests at once (--batch)"):]
@@ -593,7 +593,7 @@ def test_bench_fit_run_on_tiny_cpu_int4(cpu_int4_bundle, tmp_path):
 
 
 def test_fill_kv_refuses_what_it_cannot_fill():
-    from higgs_pack.targets.bench.kv_fit import fill_kv
+    from bench.kv_fit import fill_kv
 
     with pytest.raises(ValueError, match="keeps no host KV buffers"):
         fill_kv(object(), 10)

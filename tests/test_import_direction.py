@@ -4,7 +4,8 @@ The runtime never imports exporters or targets (it ships without torch); manifes
 import none of the other three (pure data and validation); exporters never import
 targets (mechanisms do not know the declarations that compose them); the server uses the
 runtime and no build code, and nothing below it imports the server (the runtime needs no web
-stack).  Every import
+stack).  The benchmark (``bench/``, a folder of the checkout that is not in the wheel) may
+import the whole package, and no part of the package imports it.  Every import
 counts, also one inside a function: a lazy import still ties the rooms together.
 """
 
@@ -17,21 +18,25 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 ROOMS = ("targets", "exporters", "serve", "runtime", "manifests")
+#: The benchmark: a top-level package of the checkout (``import bench``), outside the wheel.
+BENCH = "bench"
 
-#: room -> rooms it must never import.
+#: room -> rooms it must never import (``higgs_pack`` is the top-level package's own folder).
 FORBIDDEN: dict[str, frozenset[str]] = {
-    "serve": frozenset({"exporters", "targets"}),
-    "runtime": frozenset({"exporters", "targets", "serve"}),
-    "manifests": frozenset({"runtime", "exporters", "targets", "serve"}),
-    "exporters": frozenset({"targets", "serve"}),
+    "serve": frozenset({"exporters", "targets", BENCH}),
+    "runtime": frozenset({"exporters", "targets", "serve", BENCH}),
+    "manifests": frozenset({"runtime", "exporters", "targets", "serve", BENCH}),
+    "exporters": frozenset({"targets", "serve", BENCH}),
+    "targets": frozenset({BENCH}),
+    "higgs_pack": frozenset({BENCH}),
 }
 
 
 def imported_rooms(path: Path, room: str) -> list[tuple[int, str]]:
     """``(line, room)`` for every import in ``path`` (a module of ``room``) that reaches a room.
 
-    Absolute imports (``higgs_pack.<room>…``) and relative ones (``from ..<room> import``)
-    both count; ``from . import x`` stays in ``room``.
+    Absolute imports (``higgs_pack.<room>…``, and ``bench…`` as the room :data:`BENCH`) and
+    relative ones (``from ..<room> import``) both count; ``from . import x`` stays in ``room``.
     """
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     found = []
@@ -53,6 +58,8 @@ def imported_rooms(path: Path, room: str) -> list[tuple[int, str]]:
             parts = name.split(".")
             if len(parts) >= 2 and parts[0] == "higgs_pack" and parts[1] in ROOMS:
                 found.append((node.lineno, parts[1]))
+            elif parts[0] == BENCH:
+                found.append((node.lineno, BENCH))
     return found
 
 
@@ -85,6 +92,9 @@ def test_every_room_is_checked():
         ("manifests", "import os\nfrom higgs_pack.runtime import bundle\n", "2: manifests imports runtime"),
         ("exporters", "from higgs_pack import targets\n", "1: exporters imports targets"),
         ("exporters", "import higgs_pack.targets.declarations as d\n", "1: exporters imports targets"),
+        ("targets", "def f():\n    from bench.run import run_bench\n", "2: targets imports bench"),
+        ("runtime", "import bench.html\n", "1: runtime imports bench"),
+        ("higgs_pack", "from bench import records\n", "1: higgs_pack imports bench"),
     ],
 )
 def test_a_violation_is_found(tmp_path, room, source, expected):
@@ -96,7 +106,8 @@ def test_a_violation_is_found(tmp_path, room, source, expected):
 def test_allowed_directions_pass(tmp_path):
     for room, source in (("targets", "from higgs_pack.exporters import catalog\n"),
                          ("exporters", "from higgs_pack.runtime.loop.generate import synthesize\n"),
-                         ("runtime", "from higgs_pack.manifests.errors import BundleError\n")):
+                         ("runtime", "from higgs_pack.manifests.errors import BundleError\n"),
+                         ("bench", "from higgs_pack.targets.build import build\nimport bench.records\n")):
         (tmp_path / room).mkdir()
         (tmp_path / room / "ok.py").write_text(source)
     assert violations(tmp_path) == []

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from conftest import slow_fixture
 
+import bench
+from bench import decoder_steps, llama_cpp
 from higgs_pack.manifests.errors import BuildError, InputError
-from higgs_pack.targets import bench
-from higgs_pack.targets.bench import decoder_steps, llama_cpp
 
 needs_llama = pytest.mark.skipif(llama_cpp.llama_cpp_missing() is not None,
                                  reason=llama_cpp.NOT_INSTALLED)
@@ -132,7 +132,7 @@ def test_records_go_to_json_and_html(tmp_path):
     bench.write_records(records, out)
     written = json.loads(out.read_text())
     assert [r["label"] for r in written if r.get("kind") == "decoder_step"] == [r["label"] for r in records]
-    from higgs_pack.targets.bench.records import write_html
+    from bench.records import write_html
 
     assert "Decoder step beside llama.cpp" in write_html(out).read_text()
 

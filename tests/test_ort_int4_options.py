@@ -1,4 +1,4 @@
-"""The ONNX Runtime int4 options measurement (``python -m higgs_pack.targets.bench.ort_int4_options``)
+"""The ONNX Runtime int4 options measurement (``python -m bench.ort_int4_options``)
 on the tiny preset: each option set is exported through the cpu target's decoder step with the
 block size and accuracy level asked for (read back from the MatMulNBits nodes), timed on the CPU
 provider and compared with the fp32 decoder.  No timing is asserted (the shared test machine
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from higgs_pack.targets.bench import ort_int4_options as oio
+from bench import ort_int4_options as oio
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""The OpenVINO settings measurement (``python -m higgs_pack.targets.bench.ov_properties``) on the
+"""The OpenVINO settings measurement (``python -m bench.ov_properties``) on the
 tiny preset: it exports every weight variant through the openvino target's decoder step, runs
 every setting and reports each with the CPU, its ISA and parity against the fp32 IR.  No timing
 is asserted (the shared test machine cannot give stable numbers)."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from higgs_pack.targets.bench import ov_properties as ovp
+from bench import ov_properties as ovp
 
 pytestmark = pytest.mark.slow
 

@@ -104,7 +104,7 @@ def test_report_without_matplotlib_names_the_extra(tmp_path):
 def test_bench_html_from_records(tmp_path):
     import json
 
-    from higgs_pack.targets import bench
+    import bench
 
     records = [
         {"label": "pytorch", "system": "pytorch", "precision": "fp32", "preset": "bench", "frames_per_s": 10.0,

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from higgs_pack.targets.bench import serve_checks, serve_load, serve_report
-from higgs_pack.targets.bench.serve_checks import Expected, Job, Observed, check
+from bench import serve_checks, serve_load, serve_report
+from bench.serve_checks import Expected, Job, Observed, check
 
 SAMPLES = 12 * serve_checks.FRAME_SAMPLES
 

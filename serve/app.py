@@ -3,8 +3,11 @@
 Routes: ``POST /v1/audio/speech``; ``GET/POST /v1/audio/voices`` and ``DELETE
 /v1/audio/voices/{name}``; ``GET /v1/models``; ``GET /health`` (the process is up), ``GET
 /ready`` (loaded and warmed up; 503 before and while stopping), ``GET /metrics``
-(Prometheus); ``GET /`` (the demo page).  With an API key, ``/v1/*`` needs ``Authorization:
-Bearer <key>`` (compared in constant time).  Every error is OpenAI's body shape.
+(Prometheus); ``GET /`` (the demo page); ``GET /docs`` (the API docs: Swagger UI from the
+``fastapi-offline`` package's own copy, no network needed; every body described by
+:mod:`~higgs_pack.serve.schema`).  With an API key, ``/v1/*`` needs ``Authorization:
+Bearer <key>`` (compared in constant time).  Every error is OpenAI's body shape, including a
+request cut off at shutdown (a 503; see :class:`_CountRequests`).
 """
 
 from __future__ import annotations
@@ -25,14 +28,17 @@ import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from higgs_pack.manifests.errors import InputError, disk_full, disk_full_message
+from higgs_pack.runtime.request import unspeakable
+from higgs_pack.serve import schema
 from higgs_pack.serve.errors import ApiError, error_body
-from higgs_pack.serve.formats import media_type, response_formats
+from higgs_pack.serve.formats import FORMATS, media_type, response_formats, sse_error
 from higgs_pack.serve.metrics import CONTENT_TYPE
 from higgs_pack.serve.server import Answer, SpeechServer
-from higgs_pack.serve.speech import DEFAULT_VOICE, parse_speech, reference_clip
+from higgs_pack.serve.speech import DEFAULT_VOICE, parse_speech, reference_clip, unknown_fields
 from higgs_pack.serve.voices import name_problem
 
 log = logging.getLogger(__name__)
@@ -61,12 +67,14 @@ def create_app(server: SpeechServer, *, warm_up: bool = True) -> FastAPI:
         server.stopping = True
         await anyio.to_thread.run_sync(server.close)
 
-    app = FastAPI(title="higgs-pack speech server", version="1", lifespan=lifespan, docs_url="/docs",
-                  redoc_url=None)
+    # The docs page loads Swagger UI from the package's files, not a CDN: it works offline.
+    app = FastAPIOffline(title="higgs-pack speech server", version="1", lifespan=lifespan, docs_url="/docs",
+                         redoc_url=None, swagger_ui_parameters={"validatorUrl": None})
     app.state.server = server
     _handlers(app)
     app.add_middleware(_CountRequests, metrics=server.metrics)
     _routes(app, server)
+    schema.add_bodies(app)
     return app
 
 
@@ -102,8 +110,20 @@ def _handlers(app: FastAPI) -> None:
                             status_code=500)
 
 
+#: What a request cut off at shutdown is told (a 503, or an SSE stream's last event).
+CUT_OFF = ("the server is shutting down: this request was still running when its grace period "
+           "(--grace-seconds) ended, and was stopped; send it again (to another replica)")
+
+
 class _CountRequests:
-    """Pure ASGI middleware counting answers by route and status (``requests_total``).
+    """Pure ASGI middleware counting answers by route and status (``requests_total``), and
+    answering for a request cut off at shutdown.
+
+    A request's task is cancelled only when the server stops it (uvicorn past
+    ``--grace-seconds``; Ray Serve dropping the request): one with no answer started then gets a
+    503 in OpenAI's shape (:data:`CUT_OFF`, code ``shutting_down``) instead of the server's
+    plain-text 500; an SSE stream ends with a ``speech.audio.error`` event saying so; an audio
+    stream is cut (a truncated stream, never a wrong one).  The cancellation is then re-raised.
 
     Not Starlette's ``BaseHTTPMiddleware``: that one passes every streamed chunk through a
     memory stream and a task group, which cost the server 5 ms of CPU per request at 16
@@ -119,10 +139,15 @@ class _CountRequests:
         path = scope["path"]
         route = next((r for r in _ROUTES if path == r or (r != "/" and path.startswith(r + "/"))), "other")
         status = [500]
+        started, sse, ended = [False], [False], [False]
 
         async def sending(message) -> None:
             if message["type"] == "http.response.start":
-                status[0] = message["status"]
+                status[0], started[0] = message["status"], True
+                sse[0] = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                             for k, v in message.get("headers", ()))
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                ended[0] = True
             await send(message)
 
         key = object()
@@ -130,6 +155,15 @@ class _CountRequests:
         IN_FLIGHT[key] = (f"{scope['method']} {path} from {client[0]}:{client[1]}", time.monotonic())
         try:
             await self.app(scope, receive, sending)
+        except asyncio.CancelledError:
+            if not started[0]:
+                body = json.dumps(error_body(503, CUT_OFF, code="shutting_down")).encode()
+                await sending({"type": "http.response.start", "status": 503, "headers": [
+                    (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                await sending({"type": "http.response.body", "body": body})
+            elif sse[0] and not ended[0]:
+                await sending({"type": "http.response.body", "body": sse_error(CUT_OFF, "shutting_down")})
+            raise
         finally:
             del IN_FLIGHT[key]
             self.metrics.requests.labels(route, str(status[0])).inc()
@@ -229,8 +263,15 @@ def _routes(app: FastAPI, server: SpeechServer) -> None:
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "higgs-pack",
                                             **about} for name in server.models]}
 
-    @app.post("/v1/audio/speech")
+    audio = {kind: {"schema": {"type": "string", "format": "binary"}} for kind, _, _ in FORMATS.values()}
+
+    @app.post("/v1/audio/speech", response_class=Response, openapi_extra=schema.json_body(schema.SpeechBody),
+              responses={
+        200: {"description": "The audio: whole, or streamed as it is generated (stream_format)",
+              "content": {**audio, "text/event-stream": {"schema": {"type": "string"}}}},
+        **schema.errors(400, 401, 404, 413, 429, 503)})
     async def speech(request: Request) -> Response:
+        """Speak ``input``; every field is described by the body's schema (SpeechBody)."""
         _check_key(server, request)
         t0 = time.perf_counter()
         body = await _json_body(request, body_limit)
@@ -268,8 +309,10 @@ def _routes(app: FastAPI, server: SpeechServer) -> None:
         return {"voices": [own, *(server.voices.describe(n) for n in server.voices.names())],
                 "response_formats": list(response_formats())}
 
-    @app.post("/v1/audio/voices")
+    @app.post("/v1/audio/voices", status_code=201, openapi_extra=schema.form_body(schema.VoiceUpload),
+              responses=schema.errors(400, 401, 409, 413, 507))
     async def add_voice(request: Request) -> JSONResponse:
+        """Encode a clip once with the bundle's codec and keep it by name; ``voice: NAME`` then uses it."""
         _check_key(server, request)
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > config.max_upload_bytes + 65536:
@@ -279,13 +322,15 @@ def _routes(app: FastAPI, server: SpeechServer) -> None:
             raise ApiError(400, "a voice upload is multipart/form-data with the parts audio (the clip), "
                            "transcript and name", param="audio", code="invalid_body")
         form = await request.form(max_files=1, max_fields=8, max_part_size=config.max_upload_bytes + 1)
-        unknown = [k for k in form if k not in ("name", "transcript", "ref_text", "audio", "file")]
+        parts = ("name", "transcript", "ref_text", "audio", "file")
+        unknown = [k for k in form if k not in parts]
         if unknown:
-            raise ApiError(400, f"unknown part(s) {', '.join(repr(k[:80]) for k in unknown)}; a voice upload takes "
-                           "audio, transcript and name", param=unknown[0][:80], code="unknown_field")
+            raise ApiError(400, unknown_fields(unknown, parts, "part", "one of these multipart parts (a voice "
+                                               "upload takes audio, transcript and name)"),
+                           param=unknown[0][:80], code="unknown_field")
         name, transcript = form.get("name"), form.get("transcript", form.get("ref_text"))
         upload = form.get("audio", form.get("file"))
-        problem = name_problem(name if isinstance(name, str) else None)
+        problem = name_problem(None) if name is None else unspeakable(name, "name") or name_problem(name)
         if problem:
             raise ApiError(400, problem, param="name", code="invalid_name")
         if server.voices.get(name) is not None:
@@ -294,9 +339,13 @@ def _routes(app: FastAPI, server: SpeechServer) -> None:
         if upload is None or isinstance(upload, str):
             raise ApiError(400, "the upload needs an audio file part (multipart field 'audio')", param="audio",
                            code="missing_field")
-        if not isinstance(transcript, str) or not transcript.strip():
+        if transcript is None:
             raise ApiError(400, "the upload needs 'transcript': the exact words said in the clip",
                            param="transcript", code="missing_field")
+        problem = unspeakable(transcript, "transcript")
+        if problem:
+            raise ApiError(400, f"{problem}; transcript is the exact words said in the clip", param="transcript",
+                           code="invalid_value")
         data = await upload.read(config.max_upload_bytes + 1)
         if len(data) > config.max_upload_bytes:
             raise ApiError(413, f"the audio file is over the limit of {config.max_upload_bytes} bytes "
@@ -321,8 +370,9 @@ def _routes(app: FastAPI, server: SpeechServer) -> None:
         about = await anyio.to_thread.run_sync(encode, limiter=server.limiter)
         return JSONResponse(about, status_code=201)
 
-    @app.delete("/v1/audio/voices/{name}")
+    @app.delete("/v1/audio/voices/{name}", responses=schema.errors(401, 404))
     async def delete_voice(name: str, request: Request) -> dict[str, Any]:
+        """Forget a stored voice (and its file in --voices-dir)."""
         _check_key(server, request)
         if not server.voices.delete(name):
             raise ApiError(404, f"voice {name!r} is not known; GET /v1/audio/voices lists them", param="name",

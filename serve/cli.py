@@ -4,7 +4,8 @@ Found by the runtime CLI through the ``higgs_pack.commands`` entry points; needs
 ``[serve]`` extra.  The socket is bound before the bundle loads, so a port in use is said at
 once; the line ``serving http://HOST:PORT`` is printed when it is bound (``--port 0`` picks a
 free port).  SIGTERM or Ctrl-C stops accepting, lets the requests in flight finish for
-``--grace-seconds``, then exits.
+``--grace-seconds``, then exits: after SIGTERM by that signal (143 in a shell), after Ctrl-C
+(SIGINT) with status 130, as the other commands do; Ctrl-C while the bundle loads exits 130 too.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import ipaddress
 import logging
 import socket
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -27,6 +29,10 @@ from higgs_pack.serve.config import (
 )
 
 log = logging.getLogger(__name__)
+
+#: Exit status after Ctrl-C (128 + SIGINT), as every higgs-pack command.
+INTERRUPTED = 130
+
 
 def bind(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host:port`` (IPv4 or IPv6).
@@ -68,20 +74,24 @@ def bind(host: str, port: int) -> socket.socket:
 @click.option("--api-key", envvar="HIGGS_PACK_API_KEY", help="Require Authorization: Bearer KEY on /v1/* "
               "(or set HIGGS_PACK_API_KEY).")
 @click.option("--voices-dir", type=click.Path(file_okay=False, path_type=Path),
-              help="Keep uploaded voices here (default: in memory, lost at exit).")
+              help="Keep uploaded voices here; its parent folder must exist (default: in memory, lost at exit).")
 @click.option("--allow-local-media", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="ref_audio may name a file under this folder (default: never).")
 @click.option("--max-kv-mb", type=click.FloatRange(min=1), help="KV cache budget of the requests in the batch, "
               "MiB (default: half the memory available at start); a request that does not fit waits.")
-@click.option("--max-input-chars", default=MAX_INPUT_CHARS, show_default=True, type=click.IntRange(min=1))
+@click.option("--max-input-chars", default=MAX_INPUT_CHARS, show_default=True, type=click.IntRange(min=1),
+              help="Longest `input` of a speech request, characters; a longer one is answered 400.")
 @click.option("--max-upload-mb", default=MAX_UPLOAD_BYTES / 2**20, show_default=True,
               type=click.FloatRange(min=0.01), help="Largest voice upload or ref_audio, MiB.")
-@click.option("--max-ref-seconds", default=MAX_REF_SECONDS, show_default=True, type=click.FloatRange(min=0.5))
+@click.option("--max-ref-seconds", default=MAX_REF_SECONDS, show_default=True, type=click.FloatRange(min=0.5),
+              help="Longest reference clip (ref_audio, or a voice upload), seconds; a longer one is answered 400.")
 @click.option("--grace-seconds", default=GRACE_SECONDS, show_default=True, type=click.FloatRange(min=0.1),
-              help="On SIGTERM, time the requests in flight have to finish.")
+              help="On SIGTERM or Ctrl-C, seconds the requests in flight have to finish; those still running "
+              "then are cut off (a 503 where no audio was sent yet).")
 @click.option("--model-name", "model_names", multiple=True, help="Another name `model` may take (repeatable).")
 @click.option("--log-level", default="info", show_default=True,
-              type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+              type=click.Choice(["critical", "error", "warning", "info", "debug"]),
+              help="How much the server logs (debug adds a line per request).")
 def serve(source, host, port, device, max_batch, max_queue, api_key, voices_dir, allow_local_media, max_kv_mb,
           max_input_chars, max_upload_mb, max_ref_seconds, grace_seconds, model_names, log_level) -> None:
     """Serve SOURCE (a bundle, an installed name, a model slug, hf://...) over the OpenAI speech API:
@@ -108,7 +118,12 @@ def serve(source, host, port, device, max_batch, max_queue, api_key, voices_dir,
     # it too): at 0.5 ms the server made 16% fewer frames/s at 16 clients on the tiny bundle and spent
     # more CPU per request (3 paired runs each, 2 vCPUs; the engine thread is made to hand the interpreter
     # lock over ten times as often, mid-step).
-    server = SpeechServer.open(source, config, device=device)
+    try:
+        server = SpeechServer.open(source, config, device=device)
+    except KeyboardInterrupt:
+        sock.close()
+        click.echo("interrupted while loading the bundle; nothing was served", err=True)
+        raise SystemExit(INTERRUPTED) from None
     app = create_app(server)
     shown = sock.getsockname()
     url_host = f"[{shown[0]}]" if sock.family == socket.AF_INET6 else shown[0]
@@ -116,10 +131,19 @@ def serve(source, host, port, device, max_batch, max_queue, api_key, voices_dir,
                f"{server.engine.max_batch}, max_queue {config.max_queue}); /ready answers 200 once warmed up",
                err=True)
     grace = int(grace_seconds + 0.999)  # uvicorn takes whole seconds
-    uv = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace,
-                                       access_log=log_level == "debug"))
+
+    class Uvicorn(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            server.stopping = True  # from the signal on: /ready and a new request answer 503 (stopping)
+            await super().shutdown(sockets)
+
+    uv = Uvicorn(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace,
+                                access_log=log_level == "debug"))
     logging.getLogger("uvicorn.error").addFilter(CutOffLog(grace))  # after uvicorn configured its loggers
-    uv.run(sockets=[sock])
+    try:
+        uv.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn raises the SIGINT it stopped on again once it shut down cleanly
+        raise SystemExit(INTERRUPTED) from None
 
 
 def _loopback(host: str) -> bool:

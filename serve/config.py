@@ -28,7 +28,8 @@ class ServeConfig:
             batches, at most 4; 1 where it cannot batch).
         max_queue: requests admitted beyond the batch, waiting for a row; one more is a 429.
         api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <api_key>``.
-        voices_dir: where uploaded voices are kept (None: in memory only, lost at exit).
+        voices_dir: where uploaded voices are kept (None: in memory only, lost at exit); created
+            when missing, but only that last folder: its parent must exist.
         allow_local_media: ``ref_audio`` may name a file under this folder (None: never).
         max_input_chars: longest ``input``.
         max_upload_bytes: largest voice upload or decoded ``ref_audio``.
@@ -39,7 +40,8 @@ class ServeConfig:
         model_names: extra names ``model`` may take (the bundle's name and model slug always work).
 
     Raises:
-        InputError: a limit out of range, or a folder that is not one.
+        InputError: a limit out of range, a folder that is not one, or a ``voices_dir`` whose
+            parent folder does not exist ("folder X does not exist; create it first").
     """
 
     max_batch: int | None = None
@@ -73,5 +75,11 @@ class ServeConfig:
         if media is not None and not Path(media).is_dir():
             problems.append(f"--allow-local-media {media} is not a folder; give the folder reference clips may "
                             "be read from")
+        voices = Path(self.voices_dir) if self.voices_dir is not None else None
+        if voices is not None and voices.exists() and not voices.is_dir():
+            problems.append(f"--voices-dir {voices} is not a folder; give the folder voices are kept in")
+        elif voices is not None and not voices.exists() and not voices.absolute().parent.is_dir():
+            problems.append(f"--voices-dir {voices}: folder {voices.absolute().parent} does not exist; create it "
+                            "first (the server creates only the voices folder itself)")
         if problems:
             raise InputError("; ".join(problems))

@@ -175,12 +175,18 @@ class SpeechServer:
 
         Raises:
             ApiError: 400 for what the engine refuses at once (a special token in the text, a
-                sentence too long, an unusable clip), 503 when the engine stopped.
+                sentence too long, an unusable clip), with ``param`` ``max_new_tokens`` when the
+                request set it and the message says to lower it (a sentence plus that many frames
+                over the decoder's context, or over the KV budget), else ``input``; 503 when the
+                engine stopped.
         """
         try:
             return await anyio.to_thread.run_sync(self.engine.submit, job.request, limiter=self.limiter)
         except InputError as exc:
-            raise ApiError(400, server_terms(str(exc)), param="input", code="invalid_value") from exc
+            message = server_terms(str(exc))
+            frames = job.request.max_frames is not None and "max_new_tokens" in message
+            raise ApiError(400, message, param="max_new_tokens" if frames else "input",
+                           code="invalid_value") from exc
         except HiggsPackError as exc:
             raise ApiError(503, f"the engine cannot take requests: {exc}", code="engine_stopped") from exc
 

@@ -9,7 +9,10 @@ Boson's ``references: [{"audio", "text"}]``, one entry), ``seed``, ``temperature
 ``top_p``, ``max_new_tokens`` (frames, 25 per second), ``initial_chunk_frames`` (sglang-omni's
 ``initial_codec_chunk_frames`` too) and ``stream`` (sglang-omni's boolean: ``true`` is
 ``stream_format="audio"``).  Any other field is a 400 that names it: a field dropped in
-silence gives the wrong voice with no error (vllm-omni#4169).
+silence gives the wrong voice with no error (vllm-omni#4169); a close match is suggested.
+A field sent as ``null`` counts as left out, except ``seed`` (null: a random seed).  Every text
+field (``input``, ``ref_text``, a reference's ``text``, ``voice``) goes through the runtime's
+one text check, :func:`~higgs_pack.runtime.request.unspeakable`.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ from numbers import Integral
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.manifests.errors import InputError
+from higgs_pack.manifests.errors import InputError, unknown_choice
 from higgs_pack.runtime.audio import read_audio_bytes
-from higgs_pack.runtime.request import SynthesisRequest
+from higgs_pack.runtime.request import SynthesisRequest, plain_type, unspeakable
 from higgs_pack.serve.config import ServeConfig
 from higgs_pack.serve.errors import ApiError
 from higgs_pack.serve.formats import STREAMABLE, response_formats
@@ -72,21 +75,24 @@ def parse_speech(body: Any, *, models: tuple[str, ...], voices: Any, config: Ser
         config: the limits.
 
     Raises:
-        ApiError: 400 for an unknown field or a bad value (the field named, with what is
-            allowed), 404 for an unknown model, 413 for a ``ref_audio`` over the upload limit.
+        ApiError: 400 for an unknown field (with a close match when there is one), a bad value
+            (the field named, with what is allowed), text that is not speakable (not a string,
+            not valid Unicode, only whitespace or control characters), or ``stream`` and
+            ``stream_format`` that disagree; 404 for an unknown model; 413 for a ``ref_audio``
+            over the upload limit.
     """
     if not isinstance(body, dict):
-        raise _bad(f"the body must be a JSON object, got {type(body).__name__}", None, "invalid_body")
+        raise _bad(f"the body must be a JSON object, got {plain_type(body)}", None, "invalid_body")
     unknown = [name for name in body if name not in FIELDS]
     if unknown:
-        raise _bad(f"unknown field(s) {', '.join(repr(n[:80]) for n in unknown[:5])}; this server takes "
-                   f"{', '.join(FIELDS)}", unknown[0][:80], "unknown_field")
+        raise _bad(unknown_fields(unknown, FIELDS), unknown[0][:80], "unknown_field")
     model = _model(body, models)
     text = _input(body, config)
     response_format, stream_format = _formats(body)
-    if body.get("speed", 1.0) != 1.0 or isinstance(body.get("speed"), bool):
-        raise _bad(f"speed {body['speed']!r} is not supported: only 1.0 (changing the speed without changing "
-                   "the pitch is not implemented); leave speed out", "speed", "unsupported_value")
+    speed = body.get("speed")
+    if speed is not None and (speed != 1.0 or isinstance(speed, bool)):
+        raise _bad(f"speed must be 1.0, got {_got(speed)}: only 1.0 is supported (changing the speed without "
+                   "changing the pitch is not implemented); leave speed out", "speed", "unsupported_value")
     if body.get("instructions"):
         raise _bad("instructions are not supported by this bundle: its prompt format has no instruction slot "
                    "(the tokenizer has no instruction control token); write inline controls such as "
@@ -101,10 +107,40 @@ def parse_speech(body: Any, *, models: tuple[str, ...], voices: Any, config: Ser
     return SpeechJob(request, response_format, stream_format, model, voice_name)
 
 
+def unknown_fields(unknown: list[str], known: tuple[str, ...], kind: str = "field",
+                   fix: str = "one of these fields (each described at /docs)") -> str:
+    """The message for the unknown fields (or form parts, ``kind``) ``unknown``: the first with
+    its close match among ``known`` (``unknown field 'sede' (did you mean 'seed'?)``), then the
+    others.  Names are cut to 80 characters (a huge name is not echoed back)."""
+    message = unknown_choice(kind, unknown[0][:80], known, fix)
+    if len(unknown) > 1:
+        others = ", ".join(repr(name[:80]) for name in unknown[1:5])
+        message += f" Also unknown: {others}{' and more' if len(unknown) > 5 else ''}."
+    return message
+
+
 def _short(value: Any) -> str:
     """``repr(value)``, cut to 80 characters (an error never echoes a huge input)."""
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _got(value: Any) -> str:
+    """``value`` for a message in JSON's words: a string quoted (cut to 80 characters), else
+    what it is (``a number (1.5)``, ``a boolean (true)``, ``a list``), never a Python type name."""
+    return _short(value) if isinstance(value, str) else plain_type(value)
+
+
+def _text(value: Any, param: str, meaning: str) -> str:
+    """``value`` when it is speakable text (:func:`~higgs_pack.runtime.request.unspeakable`).
+
+    Raises:
+        ApiError: 400 naming ``param`` and what it should hold (``meaning``).
+    """
+    problem = unspeakable(value, param)
+    if problem is not None:
+        raise _bad(f"{problem}; {param} is {meaning}", param.split("[", 1)[0])
+    return value
 
 
 def _model(body: dict, models: tuple[str, ...]) -> str:
@@ -119,9 +155,9 @@ def _model(body: dict, models: tuple[str, ...]) -> str:
 
 def _input(body: dict, config: ServeConfig) -> str:
     text = body.get("input")
-    if not isinstance(text, str) or not text.strip():
-        raise _bad(f"input must be a non-empty string (the words to speak), got {text!r}"[:300], "input",
-                   "missing_field" if text is None else "invalid_value")
+    if text is None:
+        raise _bad("input is required: the words to speak, as a string", "input", "missing_field")
+    _text(text, "input", "the words to speak")
     if len(text) > config.max_input_chars:
         raise _bad(f"input is {len(text)} characters; the limit is {config.max_input_chars} (--max-input-chars); "
                    "split the text into several requests", "input", "input_too_long")
@@ -130,20 +166,27 @@ def _input(body: dict, config: ServeConfig) -> str:
 
 def _formats(body: dict) -> tuple[str, str | None]:
     formats = response_formats()
-    response_format = body.get("response_format", "wav")
-    if response_format not in formats:
-        raise _bad(f"response_format {response_format!r} is not supported; use one of {', '.join(formats)} "
+    response_format = body.get("response_format")
+    response_format = "wav" if response_format is None else response_format
+    if not isinstance(response_format, str) or response_format not in formats:
+        raise _bad(f"response_format {_got(response_format)} is not supported; use one of {', '.join(formats)} "
                    "(the formats this server's libsndfile writes)", "response_format", "unsupported_value")
     stream_format = body.get("stream_format")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise _bad(f"stream must be true or false, got {stream!r}", "stream")
-    if stream_format is None and stream:
-        stream_format = "audio"
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise _bad(f"stream must be true or false, got {_got(stream)}", "stream")
     if stream_format not in (None, "audio", "sse"):
-        raise _bad(f"stream_format {stream_format!r} is not supported; use \"audio\" (bytes as they are "
+        raise _bad(f"stream_format {_got(stream_format)} is not supported; use \"audio\" (bytes as they are "
                    "generated) or \"sse\" (speech.audio.delta events), or leave it out for the whole file",
                    "stream_format", "unsupported_value")
+    if stream is not None and stream_format is not None and not (stream and stream_format == "audio"):
+        # stream: true is stream_format "audio"; stream: false is the whole file: either disagrees with "sse".
+        meant = "stream_format \"audio\"" if stream else "the whole file at once"
+        raise _bad(f"stream {str(stream).lower()} and stream_format \"{stream_format}\" disagree: stream "
+                   f"{str(stream).lower()} means {meant}; send only stream_format (\"audio\" or \"sse\"), or "
+                   "only stream", "stream", "conflicting_fields")
+    if stream_format is None and stream:
+        stream_format = "audio"
     if stream_format is not None and response_format not in STREAMABLE:
         raise _bad(f"response_format {response_format!r} cannot be streamed; a stream carries "
                    f"{' or '.join(STREAMABLE)} (leave stream_format out for a whole {response_format} file)",
@@ -153,18 +196,22 @@ def _formats(body: dict) -> tuple[str, str | None]:
 
 def _voice(body: dict, voices: Any, config: ServeConfig) -> tuple[str, dict[str, Any]]:
     """The voice's name and the request keywords that carry it."""
-    voice = body.get("voice", DEFAULT_VOICE)
+    voice = body.get("voice")
+    voice = DEFAULT_VOICE if voice is None else voice
     if isinstance(voice, dict):
         if set(voice) != {"id"}:
-            raise _bad(f"voice as an object takes only \"id\", got {sorted(voice)}", "voice")
+            raise _bad(f"voice as an object takes only \"id\", got {_short(sorted(voice))}", "voice")
         voice = voice["id"]
     if not isinstance(voice, str):
-        raise _bad(f"voice must be a voice name or {{\"id\": name}}, got {voice!r}", "voice")
+        raise _bad(f"voice must be a voice name or {{\"id\": name}}, got {_got(voice)}", "voice")
+    _text(voice, "voice", f"a voice name ({DEFAULT_VOICE!r}, or one GET /v1/audio/voices lists)")
     ref_audio, ref_text = body.get("ref_audio"), body.get("ref_text")
+    text_param = "ref_text"
     if body.get("references") is not None:
         if ref_audio is not None or ref_text is not None:
             raise _bad("give references or ref_audio with ref_text, not both", "references")
         ref_audio, ref_text = _reference_entry(body["references"])
+        text_param = "references[0].text"
     if ref_audio is None:
         if ref_text is not None:
             raise _bad("ref_text needs ref_audio (the clip it is the transcript of)", "ref_text", "missing_field")
@@ -178,21 +225,25 @@ def _voice(body: dict, voices: Any, config: ServeConfig) -> tuple[str, dict[str,
         return voice, {"voice": prepared}
     if voice != DEFAULT_VOICE:
         raise _bad(f"give voice ({_short(voice)}) or ref_audio with ref_text, not both", "voice")
-    if not isinstance(ref_text, str) or not ref_text.strip():
-        raise _bad("ref_audio needs ref_text, the exact transcript of the clip", "ref_text", "missing_field")
+    if ref_text is None:
+        raise _bad(f"ref_audio needs {text_param}, the exact transcript of the clip", text_param.split("[", 1)[0],
+                   "missing_field")
+    _text(ref_text, text_param, "the exact transcript of the reference clip")
     samples, rate = reference_clip(ref_audio, config)
     return "ref_audio", {"ref_audio": (samples, rate), "ref_text": ref_text}
 
 
 def _reference_entry(references: Any) -> tuple[Any, Any]:
     if not isinstance(references, list) or len(references) != 1 or not isinstance(references[0], dict):
-        count = len(references) if isinstance(references, list) else type(references).__name__
+        got = (f"a list of {len(references)}" if isinstance(references, list) and len(references) != 1 else
+               "a list holding " + plain_type(references[0]) if isinstance(references, list) else _got(references))
         raise _bad(f"references must be a list of exactly one {{\"audio\", \"text\"}} object (one reference "
-                   f"voice per request), got {count}", "references")
+                   f"voice per request), got {got}", "references")
     entry = references[0]
     extra = set(entry) - {"audio", "audio_path", "text"}
     if extra:
-        raise _bad(f"a reference takes audio (or audio_path) and text, got {sorted(extra)} too", "references")
+        raise _bad(f"a reference takes audio (or audio_path) and text, got {_short(sorted(extra))} too",
+                   "references")
     return entry.get("audio", entry.get("audio_path")), entry.get("text")
 
 
@@ -211,7 +262,7 @@ def reference_clip(ref_audio: Any, config: ServeConfig, param: str = "ref_audio"
     if isinstance(ref_audio, bytes):  # an upload's bytes
         return _decoded(ref_audio, param, config, param)
     if not isinstance(ref_audio, str) or not ref_audio:
-        got = "an empty string" if ref_audio == "" else type(ref_audio).__name__
+        got = "an empty string" if ref_audio == "" else plain_type(ref_audio)
         raise _bad(f"{param} must be a base64 string or a data: URI, got {got}", param)
     if re.match(r"^[a-z][a-z0-9+.-]*://", ref_audio, re.IGNORECASE) and not ref_audio.startswith("file://"):
         raise _bad(f"{param} is a URL ({ref_audio[:60]}); this server does not fetch URLs: send the clip as "
@@ -304,7 +355,7 @@ def _sampling(body: dict) -> dict[str, Any]:
 
 def _whole(value: Any, name: str, meaning: str) -> int:
     if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
-        raise _bad(f"{name} must be a whole number >= 1 of {meaning}, got {value!r}", name)
+        raise _bad(f"{name} must be a whole number >= 1 of {meaning}, got {_got(value)}", name)
     return int(value)
 
 

@@ -51,12 +51,12 @@ class VoiceStore:
     """Voices by name, in memory and (with a folder) on disk.
 
     Args:
-        folder: where voices are kept (created if missing), or None: in memory only.
+        folder: where voices are kept (created if missing, not its parents), or None: in memory only.
         codec_sha256: sha256 of the bundle's codec (its ``audio_tokenizer`` file); voices
             encoded by another codec in the folder are skipped, with a logged line.
 
     Raises:
-        OSError: the folder cannot be created.
+        OSError: the folder cannot be created (its parent folder is missing, say).
     """
 
     def __init__(self, folder: str | os.PathLike | None, codec_sha256: str = ""):
@@ -66,7 +66,7 @@ class VoiceStore:
         self._unusable: dict[str, str] = {}  # name -> version of a file found unusable (warned about once)
         self._lock = threading.Lock()
         if self.folder is not None:
-            self.folder.mkdir(parents=True, exist_ok=True)
+            self.folder.mkdir(exist_ok=True)
             self._load()
 
     def _load(self) -> None:

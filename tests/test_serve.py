@@ -183,20 +183,26 @@ def test_cloning_through_extra_body_and_a_stored_voice_agree(server, client, cli
     assert httpx.delete(server.url + "/v1/audio/voices/narrator").status_code == 404
 
 
-#: (body fields, status, param, words the message must hold)
+#: (body fields, status, param (or the params it may be), words the message must hold)
 BAD_BODIES = [
     ({"model": "tts-1"}, 404, "model", "serves higgs-audio-v3-tiny-cpu-int4, higgs-audio-v3-tiny"),
-    ({"input": ""}, 400, "input", "non-empty string"),
+    ({"input": ""}, 400, "input", "input is empty: there is nothing to speak"),
+    ({"input": "\x00"}, 400, "input", "input is only whitespace and control characters: there is nothing to speak"),
     ({"input": "x" * 1001}, 400, "input", "1001 characters; the limit is 1000"),
-    ({"references_": []}, 400, "references_", "unknown field(s) 'references_'"),
+    ({"references_": []}, 400, "references_", "unknown field 'references_' (did you mean 'references'?)"),
+    ({"sede": 1}, 400, "sede", "unknown field 'sede' (did you mean 'seed'?)"),
     ({"response_format": "aac"}, 400, "response_format", "use one of wav, pcm, flac"),
     ({"response_format": "mp3", "stream_format": "audio"}, 400, "response_format", "cannot be streamed"),
     ({"stream_format": "chunks"}, 400, "stream_format", "\"audio\""),
+    ({"stream": True, "stream_format": "sse"}, 400, "stream", 'stream true and stream_format "sse" disagree'),
+    ({"stream": False, "stream_format": "sse"}, 400, "stream", 'stream false and stream_format "sse" disagree'),
     ({"speed": 1.5}, 400, "speed", "only 1.0"),
     ({"instructions": "whisper"}, 400, "instructions", "inline controls"),
     ({"voice": "alloy"}, 400, "voice", "use one of default"),
-    ({"seed": -1, "top_k": 1.5}, 400, "top_k", "2 problems"),
+    ({"seed": -1, "top_k": 1.5}, 400, ("seed", "top_k"), "2 problems"),  # param: the first one listed
     ({"max_new_tokens": 0}, 400, "max_new_tokens", ">= 1"),
+    ({"max_new_tokens": 10**9}, 400, "max_new_tokens", "split it with punctuation, or lower max_new_tokens"),
+    ({"voice": None, "seed": "x"}, 400, "seed", "seed must be a whole number"),
     ({"ref_audio": "https://example.com/a.wav", "ref_text": "hi"}, 400, "ref_audio", "does not fetch URLs"),
     ({"ref_audio": "/etc/passwd.wav", "ref_text": "hi"}, 400, "ref_audio", "is outside the allowed folder"),
     ({"ref_audio": "missing.wav", "ref_text": "hi"}, 400, "ref_audio", "is not a file in the allowed folder"),
@@ -215,7 +221,7 @@ def test_bad_requests_get_openai_errors_that_name_the_field(server, fields, stat
     assert answer.status_code == status, answer.text
     error = answer.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
-    assert error["param"] == param and words in error["message"], error
+    assert error["param"] in (param if isinstance(param, tuple) else (param,)) and words in error["message"], error
     assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
 
 
@@ -224,6 +230,73 @@ def test_openai_client_raises_the_servers_error(client):
         client.audio.speech.create(model=MODEL, voice="default", input=TEXT, extra_body={"clone_from": "x"})
     with pytest.raises(openai.NotFoundError, match="not served here"):
         client.audio.speech.create(model="tts-1", voice="default", input=TEXT)
+
+
+#: (raw JSON text of the input, words): JSON escapes a client may send that are no speakable text.
+RAW_INPUTS = [
+    ('"\\ud800"', "input is not valid Unicode: character 1 is a lone surrogate (U+D800"),
+    ('"Hello \\udfff there"', "character 7 is a lone surrogate (U+DFFF"),
+    ('"\\u0000"', "input is only whitespace and control characters: there is nothing to speak"),
+    ('"\\u0001\\u0002"', "only whitespace and control characters"),
+]
+
+
+@pytest.mark.parametrize(("raw", "words"), RAW_INPUTS, ids=["surrogate", "surrogate-inside", "nul", "controls"])
+def test_text_that_is_not_speakable_is_a_400_naming_the_input(server, raw, words):
+    body = f'{{"model": "{MODEL}", "input": {raw}, "response_format": "pcm"}}'
+    answer = httpx.post(server.url + "/v1/audio/speech", content=body, timeout=60,
+                        headers={"content-type": "application/json"})
+    assert answer.status_code == 400, (answer.status_code, answer.content[:200])
+    error = answer.json()["error"]
+    assert error["param"] == "input" and error["type"] == "invalid_request_error" and words in error["message"], error
+    assert "--text" not in error["message"]
+
+
+def test_voice_uploads_check_their_name_and_transcript_as_text(server, clip):
+    audio, transcript = clip
+    for data, param, words in (({"name": "ok", "transcript": "\x00\x01"}, "transcript",
+                                "transcript is only whitespace and control characters"),
+                               ({"name": "ok", "transcript": "   "}, "transcript", "transcript is only whitespace"),
+                               ({"name": "\x01", "transcript": transcript}, "name",
+                                "name is only whitespace and control characters"),
+                               ({"nmae": "ok", "transcript": transcript}, "nmae",
+                                "unknown part 'nmae' (did you mean 'name'?)")):
+        bad = httpx.post(server.url + "/v1/audio/voices", files={"audio": ("r.wav", audio, "audio/wav")}, data=data,
+                         timeout=60)
+        assert bad.status_code == 400, bad.text
+        error = bad.json()["error"]
+        assert error["param"] == param and words in error["message"], error
+    assert [v["name"] for v in httpx.get(server.url + "/v1/audio/voices").json()["voices"]] == ["default"]
+
+
+def test_the_api_docs_need_no_network_and_describe_every_body(server):
+    import re
+
+    page = httpx.get(server.url + "/docs", timeout=30)
+    assert page.status_code == 200 and "SwaggerUIBundle" in page.text
+    assert "http://" not in page.text and "https://" not in page.text and "//cdn" not in page.text
+    assets = re.findall(r'(?:src|href)="([^"]+)"', page.text)
+    assert len(assets) == 3 and all(a.startswith("/") for a in assets), assets
+    for asset in assets:
+        got = httpx.get(server.url + asset, timeout=30)
+        assert got.status_code == 200 and len(got.content) > 1000, asset
+    spec = httpx.get(server.url + "/openapi.json", timeout=30).json()
+    schemas = spec["components"]["schemas"]
+    speech = spec["paths"]["/v1/audio/speech"]["post"]
+    assert speech["requestBody"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/SpeechBody"}
+    body = schemas["SpeechBody"]
+    assert body["required"] == ["model", "input"] and body["additionalProperties"] is False
+    assert {"seed", "stream", "stream_format", "ref_audio", "references", "max_new_tokens"} <= set(body["properties"])
+    assert all(field.get("description") for field in body["properties"].values())
+    assert set(speech["responses"]["200"]["content"]) >= {"audio/wav", "audio/pcm", "text/event-stream"}
+    assert "application/json" not in speech["responses"]["200"]["content"]  # audio, not JSON
+    assert speech["responses"]["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorBody")
+    upload = spec["paths"]["/v1/audio/voices"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
+    assert schemas[upload["$ref"].rsplit("/", 1)[1]]["required"] == ["audio", "transcript", "name"]
+    for path, methods in spec["paths"].items():  # every route that takes a body says what it is
+        for method, operation in methods.items():
+            if method in ("post", "put", "patch"):
+                assert "requestBody" in operation, (method, path)
 
 
 def test_limits_name_the_limit(server, clip, tmp_path):
@@ -441,6 +514,49 @@ def test_sigterm_past_the_grace_period_cuts_off_with_one_line_naming_the_request
         assert len(cut) == 1 and "cutting off 1 request(s)" in cut[0] and "POST /v1/audio/speech from 127.0.0.1:" in cut[0]
         assert "Traceback" not in log and "Exception in ASGI application" not in log, log
         assert "Application shutdown complete" in log
+    finally:
+        live.stop()
+
+
+def test_ctrl_c_past_the_grace_period_answers_503_ends_streams_and_exits_130(cpu_int4_bundle):
+    """Issue 29 item 3 and 6: a whole-file request cut off at shutdown gets a 503 in OpenAI's shape
+    (not uvicorn's 21-byte plain-text 500), an SSE stream ends with a speech.audio.error event, and
+    after Ctrl-C the process exits 130 without click's "Aborted!"."""
+    live = LiveServer(cpu_int4_bundle, "--grace-seconds", "1")
+    got: dict[str, object] = {}
+    body = {"model": MODEL, "input": LONG_TEXT * 3, "seed": 6, "response_format": "pcm", "max_new_tokens": 4000}
+
+    def whole() -> None:
+        got["whole"] = httpx.post(live.url + "/v1/audio/speech", json=body, timeout=120)
+
+    def sse() -> None:
+        with httpx.stream("POST", live.url + "/v1/audio/speech", json={**body, "stream_format": "sse"},
+                          timeout=120) as response:
+            got["events"] = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+
+    try:
+        threads = [threading.Thread(target=whole), threading.Thread(target=sse)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while live.metric("higgs_pack_in_flight") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert live.metric("higgs_pack_in_flight") == 2
+        live.signal(signal.SIGINT)
+        for thread in threads:
+            thread.join(90)
+        assert live.process.wait(60) == 130
+        answer = got["whole"]
+        assert answer.status_code == 503 and answer.headers["content-type"] == "application/json", answer.content
+        error = answer.json()["error"]
+        assert error["code"] == "shutting_down" and error["type"] == "server_unavailable"
+        assert error["message"].startswith("the server is shutting down") and "--grace-seconds" in error["message"]
+        events = got["events"]
+        assert events[0]["type"] == "speech.audio.delta" and events[-1]["type"] == "speech.audio.error", events[-1]
+        assert events[-1]["error"]["code"] == "shutting_down"
+        log = "".join(live.log)
+        assert "Aborted!" not in log and "Traceback" not in log and "Exception in ASGI application" not in log, log
+        assert "cutting off 2 request(s)" in log and "Application shutdown complete" in log
     finally:
         live.stop()
 

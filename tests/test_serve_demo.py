@@ -226,7 +226,7 @@ def test_an_uploaded_voice_joins_the_picker_and_speaks(page, server, cases_dir, 
 
 def test_the_servers_error_for_empty_text_is_shown(page):
     page.play("   ")
-    assert page.shown_error().startswith("input must be a non-empty string")
+    assert page.shown_error().startswith("input is only whitespace: there is nothing to speak")
     assert page.page.inner_text("#ttfa") == "–" and page.state()["samples"] == 0
     assert not page.page.is_disabled("#play") and page.page.is_disabled("#stop")
     page.play(TEXT, seed=1)  # the next request clears it
@@ -281,3 +281,29 @@ def test_the_api_key_field_appears_when_the_server_wants_a_key(browser, cpu_int4
         finally:
             page.close()
 
+
+
+def test_the_api_docs_render_offline_with_the_speech_body(browser, server, tmp_path):
+    """Issue 29 item 10: ``/docs`` draws Swagger UI from the server's own files (this browser
+    reaches nothing else) and shows the speech route's request body, field by field."""
+    page = browser.new_page()
+    try:
+        watched = Watched(page, server.url)
+        watched.wait_connected()  # the demo page's own requests done before it is left
+        page.goto(server.url + "/docs")
+        operation = "#operations-default-speech_v1_audio_speech_post"
+        page.wait_for_selector(operation, timeout=30_000)
+        page.click(f"{operation} .opblock-summary")
+        page.wait_for_selector(f"{operation} .opblock-section-request-body", timeout=30_000)
+        shown = page.inner_text(operation)
+        assert "Request body" in shown and "application/json" in shown, shown[:2000]
+        assert "higgs-audio-v3-tiny" in shown and "Hello from the server." in shown  # the body's example
+        page.click(f"{operation} .opblock-section-request-body button[data-name='model']")
+        page.wait_for_selector(f"{operation} .model-box", timeout=30_000)
+        described = page.inner_text(f"{operation} .opblock-section-request-body")
+        for field in ("input", "voice", "stream_format", "ref_audio", "max_new_tokens"):
+            assert field in described, described[:3000]
+        page.screenshot(path=str(tmp_path / "docs.png"), full_page=True)
+        watched.assert_clean()
+    finally:
+        page.close()

@@ -141,7 +141,7 @@ def test_ref_audio_is_decoded_and_bounded(tmp_path):
         _parse(ref_audio=base64.b64encode(b"plain text, not audio").decode(), ref_text="w")
     with pytest.raises(ApiError, match="got an empty string"):
         _parse(ref_audio="", ref_text="w")
-    with pytest.raises(ApiError, match=r"unknown field\(s\) 'xxxxxxxx") as err:
+    with pytest.raises(ApiError, match=r"unknown field 'xxxxxxxx") as err:
         _parse(**{"x" * 10_000: 1})
     assert len(err.value.message) < 1000  # a huge input is not echoed back
 
@@ -177,3 +177,166 @@ def test_runtime_advice_is_given_in_the_servers_terms():
     assert server_terms("split it with punctuation, or lower --max-frames") == \
         "split it with punctuation, or lower max_new_tokens"
     assert "--max-kv-mb" in server_terms("or make the engine with a larger max_kv_bytes= (tts.engine(max_kv_bytes=...))")
+
+
+def _clip_b64(seconds: float = 1.0) -> str:
+    wave = (0.3 * np.sin(np.arange(int(16000 * seconds)) / 8)).astype(np.float32)
+    data = io.BytesIO()
+    sf.write(data, wave, 16000, format="WAV")
+    return base64.b64encode(data.getvalue()).decode()
+
+
+#: (body fields, param, words): every text field of the speech body goes through the one text check.
+UNSPEAKABLE = [
+    ({"input": "\ud800"}, "input", "input is not valid Unicode: character 1 is a lone surrogate (U+D800"),
+    ({"input": "ok \udcff"}, "input", "character 4 is a lone surrogate (U+DCFF"),
+    ({"input": "\u0000"}, "input", "input is only whitespace and control characters: there is nothing to speak"),
+    ({"input": "\x01\x02 \t"}, "input", "only whitespace and control characters"),
+    ({"input": "   "}, "input", "input is only whitespace: there is nothing to speak"),
+    ({"input": 5}, "input", "input must be text (a string), got a number (5)"),
+    ({"voice": "\ud800"}, "voice", "voice is not valid Unicode"),
+    ({"voice": {"id": "\x00"}}, "voice", "voice is only whitespace and control characters"),
+    ({"ref_audio": "CLIP", "ref_text": "\x00\x1f"}, "ref_text", "ref_text is only whitespace and control characters"),
+    ({"ref_audio": "CLIP", "ref_text": "\ud83d"}, "ref_text", "ref_text is not valid Unicode"),
+    ({"ref_audio": "CLIP", "ref_text": ""}, "ref_text", "ref_text is empty"),
+    ({"references": [{"audio": "CLIP", "text": "\udfff"}]}, "references", "references[0].text is not valid Unicode"),
+    ({"references": [{"audio": "CLIP", "text": "\t"}]}, "references", "references[0].text is only whitespace"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param", "words"), UNSPEAKABLE, ids=[str(i) for i in range(len(UNSPEAKABLE))])
+def test_every_text_field_goes_through_the_one_text_check(fields, param, words):
+    clip = _clip_b64()
+    fields = {k: ([{**v[0], "audio": clip}] if k == "references" else clip if v == "CLIP" else v)
+              for k, v in fields.items()}
+    with pytest.raises(ApiError) as err:
+        _parse(**fields)
+    assert err.value.status == 400 and err.value.param == param and words in err.value.message, err.value.message
+    assert err.value.code == "invalid_value"
+    assert "--text" not in err.value.message  # the server's terms, not the CLI's
+
+
+def test_text_with_some_words_and_controls_passes_the_check():
+    assert _parse(input="Hello.\n\tAgain.").request.text == "Hello.\n\tAgain."
+    with pytest.raises(ApiError, match="input is required") as err:
+        _parse(input=None)
+    assert err.value.code == "missing_field"
+
+
+@pytest.mark.parametrize(("fields", "words"), [
+    ({"stream": True, "stream_format": "sse"}, 'stream true and stream_format "sse" disagree: stream true means '
+                                                'stream_format "audio"'),
+    ({"stream": False, "stream_format": "sse"}, 'stream false and stream_format "sse" disagree: stream false means '
+                                                 "the whole file at once"),
+    ({"stream": False, "stream_format": "audio"}, 'stream false and stream_format "audio" disagree'),
+])
+def test_stream_and_stream_format_that_disagree_are_refused(fields, words):
+    with pytest.raises(ApiError) as err:
+        _parse(response_format="pcm", **fields)
+    assert err.value.status == 400 and err.value.param == "stream" and err.value.code == "conflicting_fields"
+    assert words in err.value.message and "send only stream_format" in err.value.message
+
+
+def test_stream_and_stream_format_that_agree_or_are_null_are_taken():
+    assert _parse(stream=True, stream_format="audio").stream_format == "audio"
+    assert _parse(stream=True).stream_format == "audio"
+    assert _parse(stream=False).stream_format is None
+    assert _parse(stream=None, stream_format="sse").stream_format == "sse"
+    assert _parse(stream_format=None).stream_format is None
+    assert _parse(response_format=None, voice=None, speed=None).response_format == "wav"
+
+
+def test_an_unknown_field_gets_a_close_match():
+    with pytest.raises(ApiError) as err:
+        _parse(sede=3)
+    assert err.value.param == "sede" and err.value.code == "unknown_field"
+    assert err.value.message.startswith("unknown field 'sede' (did you mean 'seed'?); known: ")
+    with pytest.raises(ApiError, match=r"unknown field 'tempreature' \(did you mean 'temperature'\?\).* "
+                                       r"Also unknown: 'zzz'\.$"):
+        _parse(tempreature=0.5, zzz=1)
+
+
+@pytest.mark.parametrize(("body", "words"), [
+    ([1], "the body must be a JSON object, got a list"),
+    ({"voice": 5}, "got a number (5)"),
+    ({"voice": [1]}, "got a list"),
+    ({"stream": "yes"}, "stream must be true or false, got 'yes'"),
+    ({"stream": 1}, "got a number (1)"),
+    ({"response_format": 3}, "response_format a number (3) is not supported"),
+    ({"speed": "fast"}, "speed must be 1.0, got 'fast'"),
+    ({"speed": True}, "speed must be 1.0, got a boolean (true)"),
+    ({"speed": 1.5}, "speed must be 1.0, got a number (1.5): only 1.0 is supported"),
+    ({"references": 3}, "got a number (3)"),
+    ({"references": [3]}, "got a list holding a number (3)"),
+    ({"references": [{}, {}]}, "got a list of 2"),
+    ({"ref_audio": 5, "ref_text": "hi"}, "ref_audio must be a base64 string or a data: URI, got a number (5)"),
+    ({"ref_audio": {"a": 1}, "ref_text": "hi"}, "got an object"),
+    ({"max_new_tokens": "5"}, "max_new_tokens must be a whole number >= 1 of frames (25 per second) per sentence, "
+                              "got '5'"),
+    ({"initial_chunk_frames": 2.5}, "got a number (2.5)"),
+])
+def test_messages_name_json_types_not_python_ones(body, words):
+    with pytest.raises(ApiError) as err:
+        if isinstance(body, list):
+            parse_speech(body, models=MODELS, voices=_Voices(), config=ServeConfig())
+        else:
+            _parse(**body)
+    message = err.value.message
+    assert words in message, message
+    for python in ("NoneType", "(int)", "(str)", "(float)", "(list)", "(dict)", "(bool)", " None", "True", "False"):
+        assert python not in message, message
+
+
+def test_voices_dir_needs_its_parent_folder(tmp_path):
+    missing = tmp_path / "missing" / "voices"
+    with pytest.raises(InputError, match=f"--voices-dir {missing}: folder {missing.parent} does not exist; create it "
+                                         "first"):
+        ServeConfig(voices_dir=missing)
+    assert not missing.parent.exists()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(InputError, match="is not a folder"):
+        ServeConfig(voices_dir=tmp_path / "file")
+    config = ServeConfig(voices_dir=tmp_path / "voices")  # the last folder alone is created, by the store
+    assert not (tmp_path / "voices").exists()
+    VoiceStore(config.voices_dir, "c0dec")
+    assert (tmp_path / "voices").is_dir()
+    with pytest.raises(FileNotFoundError):
+        VoiceStore(missing, "c0dec")
+    assert not missing.parent.exists()
+
+
+def test_serve_refuses_a_voices_dir_whose_parent_is_missing_before_anything(tmp_path):
+    import subprocess
+    import sys
+
+    missing = tmp_path / "nonexistent" / "x"
+    done = subprocess.run([sys.executable, "-m", "higgs_pack.runtime.cli", "serve", str(tmp_path / "bundle"),
+                           "--voices-dir", str(missing), "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert f"folder {missing.parent} does not exist; create it first" in done.stderr
+    assert "Traceback" not in done.stderr and "serving http" not in done.stderr
+    assert not missing.parent.exists()
+
+
+def test_every_serve_option_has_a_help_line():
+    import click
+
+    from higgs_pack.serve.cli import serve
+
+    options = [p for p in serve.params if isinstance(p, click.Option)]
+    assert len(options) >= 15
+    assert [o.name for o in options if not (o.help or "").strip()] == []
+    text = serve.get_help(click.Context(serve, info_name="serve"))
+    for flag in ("--max-input-chars", "--max-ref-seconds"):
+        line = text.split(flag, 1)[1].split("\n  --", 1)[0]
+        assert "[default:" in line and len(line.split("[default:")[0].split()) > 4, line
+
+
+def test_the_api_docs_describe_each_body_field_the_server_takes():
+    from higgs_pack.serve.schema import SpeechBody, VoiceUpload
+    from higgs_pack.serve.speech import FIELDS
+
+    assert set(SpeechBody.model_fields) == set(FIELDS)
+    assert all(f.description for f in SpeechBody.model_fields.values())
+    assert set(VoiceUpload.model_fields) == {"audio", "transcript", "name"}
+    assert VoiceUpload.model_json_schema()["properties"]["audio"]["format"] == "binary"

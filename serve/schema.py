@@ -1,0 +1,149 @@
+"""The request bodies as the API docs (``/docs``, ``/openapi.json``) show them.
+
+These pydantic models only describe: the routes read their bodies themselves and check every
+field with their own messages (:func:`~higgs_pack.serve.speech.parse_speech`, the voice
+upload in :mod:`~higgs_pack.serve.app`), which name the field, what was wrong and what is
+allowed, and refuse an unknown field with a close match.  :func:`add_bodies` puts the models in
+the app's OpenAPI schema; each route points at its model with ``openapi_extra``
+(:func:`json_body`, :func:`form_body`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from higgs_pack.serve.config import MAX_INPUT_CHARS, MAX_REF_SECONDS
+
+
+class VoiceId(BaseModel):
+    """A voice as an object (the form OpenAI's newer clients send)."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(description="The voice's name.")
+
+
+class Reference(BaseModel):
+    """One reference voice (Boson's form of ``ref_audio`` with ``ref_text``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    audio: str | None = Field(None, description="The clip: base64, or a data: URI (a file path only under "
+                              "--allow-local-media).")
+    audio_path: str | None = Field(None, description="Another name of audio.")
+    text: str = Field(description="The exact words said in the clip.")
+
+
+class SpeechBody(BaseModel):
+    """The body of ``POST /v1/audio/speech``: OpenAI's fields and the extensions of vllm-omni
+    and sglang-omni.  A field sent as null counts as left out (``seed``: null is a random seed)."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"model": "higgs-audio-v3-tiny", "input": "Hello from the server.", "voice": "default",
+         "response_format": "wav"},
+        {"model": "higgs-audio-v3-tiny", "input": "Raw PCM as it is made.", "response_format": "pcm",
+         "stream_format": "audio", "seed": 7}]})
+
+    model: str = Field(description="The bundle's name or its model slug (GET /v1/models lists them, with the "
+                       "names --model-name adds).")
+    input: str = Field(description=f"The words to speak: at most {MAX_INPUT_CHARS} characters by default "
+                       "(--max-input-chars); valid Unicode, not only whitespace or control characters. Inline "
+                       "controls such as <|emotion:amusement|> are read as text.")
+    voice: str | VoiceId = Field("default", description="\"default\" (the bundle's own voice), a stored voice's "
+                                 "name (GET /v1/audio/voices), or {\"id\": name}.")
+    response_format: Literal["wav", "pcm", "flac", "mp3", "opus"] = Field(
+        "wav", description="pcm is raw 24 kHz 16-bit little-endian mono; mp3 and opus where the installed "
+        "libsndfile writes them (GET /v1/audio/voices lists the formats). A stream carries pcm or wav.")
+    speed: float = Field(1.0, description="Only 1.0 (changing the speed without changing the pitch is not "
+                         "implemented).")
+    instructions: str | None = Field(None, description="Refused: the model's prompt has no instruction slot; "
+                                     "write inline controls in the input instead.")
+    stream_format: Literal["audio", "sse"] | None = Field(
+        None, description="Left out: the whole file at once. \"audio\": bytes as frames are generated. \"sse\": "
+        "speech.audio.delta events (base64 audio), then speech.audio.done with usage, or speech.audio.error.")
+    stream: bool | None = Field(None, description="sglang-omni's switch: true is stream_format \"audio\", false "
+                                "the whole file; given beside a stream_format that disagrees, a 400.")
+    ref_audio: str | None = Field(None, description="A reference clip to clone: base64 or a data: URI (a file "
+                                  "path only under --allow-local-media; URLs are refused); 0.5 s to "
+                                  f"{MAX_REF_SECONDS:g} s by default (--max-ref-seconds). Needs ref_text.")
+    ref_text: str | None = Field(None, description="The exact transcript of ref_audio.")
+    references: list[Reference] | None = Field(None, min_length=1, max_length=1, description="Boson's form of "
+                                               "ref_audio with ref_text: exactly one entry.")
+    seed: int | None = Field(None, description="Sampling seed: the same seed gives the same audio.")
+    temperature: float | None = Field(None, description="Sampling temperature (the bundle's default when left "
+                                      "out).")
+    top_k: int | None = Field(None, description="Sample among the k most likely codes.")
+    top_p: float | None = Field(None, description="Sample within this cumulative probability.")
+    max_new_tokens: int | None = Field(None, ge=1, description="Frame cap per sentence (25 frames per second); "
+                                       "left out: from the text's length.")
+    initial_chunk_frames: int | None = Field(None, ge=1, description="Frames in the first streamed chunk (fewer: "
+                                             "audio sooner).")
+    initial_codec_chunk_frames: int | None = Field(None, ge=1, description="sglang-omni's name of "
+                                                   "initial_chunk_frames.")
+
+
+class VoiceUpload(BaseModel):
+    """The multipart form of ``POST /v1/audio/voices``: a clip encoded once by the bundle's
+    codec and kept by name (``transcript`` may be sent as ``ref_text``, ``audio`` as ``file``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    audio: bytes = Field(description="The clip: a file libsndfile reads, 0.5 s to --max-ref-seconds, at most "
+                         "--max-upload-mb.", json_schema_extra={"format": "binary"})
+    transcript: str = Field(description="The exact words said in the clip.")
+    name: str = Field(description="1 to 64 letters, digits, '_', '-' or '.', starting with a letter or digit; "
+                      "not 'default' or 'ref_audio'.")
+
+
+class ErrorDetail(BaseModel):
+    message: str = Field(description="What was wrong and what to do.")
+    type: str = Field(description="invalid_request_error, not_found_error, rate_limit_error, server_error, ...")
+    param: str | None = Field(description="The request field at fault, or null.")
+    code: str | None = Field(description="A stable name: unknown_field, queue_full, shutting_down, ...")
+
+
+class ErrorBody(BaseModel):
+    """Every error, in OpenAI's shape."""
+
+    error: ErrorDetail
+
+
+#: The models :func:`add_bodies` puts in the schema.
+MODELS = (SpeechBody, VoiceUpload, ErrorBody)
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """``responses`` entries for error ``statuses``, each an :class:`ErrorBody`."""
+    return {status: {"description": "An error in OpenAI's shape", "content": {"application/json": {
+        "schema": _ref(ErrorBody)}}} for status in statuses}
+
+
+def json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` for a route whose body is ``model`` as JSON."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": _ref(model)}}}}
+
+
+def form_body(model: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` for a route whose body is ``model`` as multipart/form-data."""
+    return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": _ref(model)}}}}
+
+
+def add_bodies(app: Any) -> None:
+    """Make ``app.openapi()`` hold :data:`MODELS` under ``components.schemas`` (the routes'
+    ``openapi_extra`` points at them by name)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in MODELS:
+                found = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(found.pop("$defs", {}))
+                schemas[model.__name__] = found
+        return app.openapi_schema
+
+    app.openapi = openapi

@@ -53,7 +53,7 @@ FORBIDDEN_EXTRA_OPTIONS = ("config_only", "include_hidden_states")
 #: KV cache options the build sets itself from ``kv_cache=`` (with calibrated scales).
 KV_CACHE_EXTRA_OPTIONS = ("kv_cache_quant_scheme", "kv_cache_scale_file", "kv_cache_rotation")
 #: Execution providers a quantized KV cache is built for: ModelBuilder 0.18 writes one for cpu
-#: and cuda; cpu is the one measured and verified here (bench/ort_kv_cache.py).
+#: and cuda; cpu is the one measured and verified here (``python -m bench.ab ort-kv-cache``).
 KV_CACHE_PROVIDERS = ("cpu",)
 #: ModelBuilder's documented int4 defaults (``--extra_options`` help, 0.18); the
 #: recorded values are read back from the graph, these only fill what it omits.

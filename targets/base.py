@@ -67,7 +67,7 @@ KV_CACHE_PARITY: dict[str, dict[str, float]] = {"int8": {"threshold": 0.99, "max
 #: on the hidden states counts against the export limit.  Measured on the golden inputs (text
 #: prompt + one step): tiny fp32 0.0073 (float KV: ~1e-6; limit 0.01 without this), tiny int4
 #: 0.0107 against the matched oracle (float KV: 0.0063), bench int4 0.0421 (limit 0.06
-#: without this, 0.08 with it); on random prompts (targets/bench/ort_kv_cache.py) bench int4
+#: without this, 0.08 with it); on random prompts (python -m bench.ab ort-kv-cache) bench int4
 #: 0.0155, fp32 0.0050 against the float KV cache.
 DECODER_KV_CACHE_REL_L2 = {"int8": 0.01}
 #: The codec encoder outputs codes: fraction of equal codes at fp32 (near-ties in

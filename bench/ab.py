@@ -1,0 +1,595 @@
+"""Decoder settings measured side by side on this machine (A/B):
+``python -m bench.ab {ort-int4,ort-kv-cache,ov-properties} [--preset tiny|bench|full] [--contexts N ...]
+[--steps N] [--repeats N] [--out FILE] [--work DIR]``.
+
+Every sub-command exports the ``llm_decoder`` once per variant the way ``higgs-pack build`` does
+(:func:`export_variants`: the target's recipe with a build variant's options laid over it, each
+export in a child process), opens the decoders bare (no heads, embed or sampling), prefills one
+random prompt of ``context`` positions into each, then times ``repeats`` rounds of ``steps``
+one-position steps with the variants interleaved, the order rotated every round, so load on a
+shared machine hits all of them alike (:func:`time_interleaved`: best and median ms per step),
+and compares each variant's hidden states with a reference's (cosine and relative L2, worst step
+of the first round).  Every row carries the CPU model, its ISA and the load averages before and
+after: rankings change with VNNI and AMX.  The report is printed as a Markdown table
+(docs/measurements.md holds the tables that chose today's defaults) and written as JSON with
+``--out``; the decoders go to ``--work`` (kept and reused) or a scratch folder removed at the end.
+
+* ``ort-int4``: ModelBuilder int4 ``block_size`` x ``accuracy_level`` of the cpu decoder, against
+  the fp32 decoder (opened as ``--low-memory`` opens it: weights read in place, paged out after
+  every step, so the full preset's 14.5 GB reference does not sit beside the variants);
+* ``ort-kv-cache``: the cpu decoder's float and int8 KV cache at each precision, against the
+  float one, with the first-code agreement of the audio heads over every timed step and a
+  teacher-forced TTS-shaped sequence (a case prompt, then ``--frames`` audio frames);
+* ``ov-properties``: OpenVINO CPU compile properties (KV cache precision, performance hint,
+  inference precision, shared inference I/O) on the default int4 IR and NNCF INT4 SYM/ASYM x
+  group 64/128, against the fp32 IR with f32 inference and KV cache; KV settings also against the
+  same IR's f32 cache (``*_vs_kv_f32``), with the precisions the plugin compiled (``compiled``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from higgs_pack.manifests.constants import SubPart
+
+#: The variant every other one's hidden states are compared with: the target's fp32 decoder.
+REFERENCE = "fp32"
+
+
+def load_average() -> list[float]:
+    """The 1, 5 and 15 minute load averages (empty where the OS has none)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def machine_record() -> dict[str, Any]:
+    """``{"cpu": one line, "model", "isa", "logical_cpus"}`` of this machine."""
+    from higgs_pack.runtime.cpu import cpu_info
+
+    cpu = cpu_info()
+    return {"cpu": cpu.describe(), "model": cpu.model, "isa": cpu.isa, "logical_cpus": cpu.logical_cpus}
+
+
+@contextlib.contextmanager
+def work_folder(work: Path | None, prefix: str) -> Iterator[Path]:
+    """``work`` (created, kept: its exports are reused by later runs) or a scratch folder
+    ``<tmp>/<prefix>...`` removed when the block ends, whatever happened."""
+    path = Path(work) if work is not None else Path(tempfile.mkdtemp(prefix=prefix))
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        yield path
+    finally:
+        if work is None:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def export_variants(target_name: str, checkpoint: Path, work: Path, variants: Mapping[str, Mapping[str, Any]],
+                    names: list[str], *, precision: str = "int4") -> dict[str, dict[str, Any]]:
+    """The ``llm_decoder`` of ``target_name`` exported once per name of ``names`` (a key of
+    ``variants``, whose options are laid over the recipe at ``precision``, or :data:`REFERENCE`)
+    into ``work/<name>/``; a name with a ``work/<name>/done.json`` is reused.
+
+    Returns:
+        name -> ``{"path" (graph entry), "weights_mb" (external data or .bin), "quantization"
+        (what the exporter recorded), "export_s", "export_peak_rss_mb"}``.
+
+    Raises:
+        KeyError: an unknown name.
+        HiggsPackError: an export failed.
+    """
+    from higgs_pack.exporters.process import run_step
+    from higgs_pack.targets.base import Variant, get_target
+    from higgs_pack.targets.plan import make_plan
+
+    target = get_target(target_name)
+    unknown = [n for n in names if n != REFERENCE and n not in variants]
+    if unknown:
+        raise KeyError(f"unknown decoder variant(s) {unknown}; known: {[*variants, REFERENCE]}")
+    out = {n: json.loads((work / n / "done.json").read_text()) for n in names if (work / n / "done.json").is_file()}
+    if len(out) == len(names):
+        return out
+    hf_dir, _ = run_step("higgs_pack.targets.steps:write_hf_dir",
+                         {"checkpoint": str(checkpoint), "out_dir": str(work / "qwen3-hf")},
+                         name="remapping the checkpoint to a Qwen3 directory", folders=[work], work_dir=work)
+    try:
+        for name in (n for n in names if n not in out):
+            if name == REFERENCE:
+                plan = make_plan(target, "fp32")
+            else:
+                variant = Variant(name, options={SubPart.LLM_DECODER: dict(variants[name])})
+                plan = make_plan(dataclasses.replace(target, variants=(*target.variants, variant)), precision, name)
+            row = next(r for r in plan.rows if r.subpart == SubPart.LLM_DECODER)
+            bundle, scratch = work / name, work / f"{name}-scratch"
+            try:
+                result, record = run_step(
+                    "higgs_pack.targets.steps:export_decoder",
+                    {"hf_dir": hf_dir, "exporter": row.exporter.name, "part": row.subpart.value,
+                     "precision": row.precision, "bundle_dir": str(bundle), "work_dir": str(scratch),
+                     "options": dict(row.options)},
+                    name=f"exporting llm_decoder ({name})", folders=[work], work_dir=work)
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+            weights = [bundle / f for f in result["files"] if f.endswith((".data", ".bin"))]
+            out[name] = {"path": str(bundle / result["entry"]),
+                         "weights_mb": round(sum(f.stat().st_size for f in weights) / 1e6, 2),
+                         "quantization": result["quantization"], "export_s": round(record.seconds, 1),
+                         "export_peak_rss_mb": round(record.peak_rss_mb, 1)}
+            (bundle / "done.json").write_text(json.dumps(out[name]), encoding="utf-8")
+    finally:
+        shutil.rmtree(hf_dir, ignore_errors=True)
+    return out
+
+
+def time_interleaved(decoders: Mapping[str, Any], *, hidden: int, context: int, steps: int, repeats: int,
+                     seed: int = 0, reference: str = REFERENCE,
+                     also_against: str | None = None) -> dict[str, dict[str, Any]]:
+    """Time every decoder's one-position step at one context, interleaved (see the module).
+
+    Args:
+        decoders: name -> an object with ``forward(inputs_embeds) -> hidden_states`` (float32
+            [1, S, hidden]) and room for ``context + repeats * steps`` positions, empty.
+        reference: the name whose hidden states are the parity reference (absent: no parity).
+        also_against: a second reference: adds ``cosine_vs_<name>`` and ``rel_l2_vs_<name>``.
+
+    Returns:
+        name -> ``{"context", "prefill_ms", "rounds_ms" (ms per step, one per round),
+        "step_ms_best", "step_ms_median"}`` and, against each reference present, ``cosine``
+        (worst step) and ``rel_l2`` (worst step) over the first round.
+    """
+    from higgs_pack.runtime.verification.report import compare, rel_l2
+
+    rng = np.random.default_rng(seed)
+    prompt = rng.standard_normal((1, context, hidden)).astype(np.float32)
+    feeds = rng.standard_normal((repeats * steps, 1, 1, hidden)).astype(np.float32)
+    records: dict[str, dict[str, Any]] = {}
+    hidden_states: dict[str, list[Any]] = {}
+    for name, decoder in decoders.items():
+        t = time.perf_counter()
+        decoder.forward(prompt)
+        records[name] = {"context": context, "prefill_ms": round(1e3 * (time.perf_counter() - t), 2), "rounds_ms": []}
+    order = list(decoders)
+    for r in range(repeats):
+        for name in order[r % len(order):] + order[: r % len(order)]:
+            t = time.perf_counter()
+            outs = [decoders[name].forward(x) for x in feeds[r * steps:(r + 1) * steps]]
+            records[name]["rounds_ms"].append(round(1e3 * (time.perf_counter() - t) / steps, 3))
+            if r == 0:
+                hidden_states[name] = outs
+    for name, rec in records.items():
+        rec["step_ms_best"] = min(rec["rounds_ms"])
+        rec["step_ms_median"] = round(statistics.median(rec["rounds_ms"]), 3)
+        for against, suffix in ((reference, ""), (also_against, f"_vs_{also_against}")):
+            if against in hidden_states:
+                pairs = list(zip(hidden_states[against], hidden_states[name], strict=True))
+                rec[f"cosine{suffix}"] = round(min(compare(a, b, "cosine")[0] for a, b in pairs), 6)
+                rec[f"rel_l2{suffix}"] = round(max(rel_l2(a, b) for a, b in pairs), 6)
+    return records
+
+
+def measured(machine: Mapping[str, Any], before: list[float], timed: Mapping[str, Any]) -> dict[str, Any]:
+    """A result row's timing (``timed``) with the CPU model, its ISA flags, VNNI and the load
+    averages before and now."""
+    return {**timed, "cpu": machine["model"], "isa": machine["isa"]["flags"], "vnni": machine["isa"]["vnni"],
+            "load_before": before, "load_after": load_average()}
+
+
+def markdown(headers: list[str], rows: list[list[Any]]) -> str:
+    """A Markdown table (the form of docs/measurements.md)."""
+    def line(cells: list[Any]) -> str:
+        return "| " + " | ".join("-" if c is None else str(c) for c in cells) + " |"
+
+    return "\n".join([line(headers), line(["---"] * len(headers)), *map(line, rows)])
+
+
+def timing_cells(row: Mapping[str, Any], weights_mb: float) -> list[Any]:
+    """Context, best / median ms, cosine, rel_l2, weight MB and load of one result row."""
+    return [row["context"], f"{row['step_ms_best']:.2f} / {row['step_ms_median']:.2f}", row.get("cosine"),
+            row.get("rel_l2"), weights_mb, f"{(row['load_before'] or ['?'])[0]} -> {(row['load_after'] or ['?'])[0]}"]
+
+
+TIMING_HEADERS = ["ctx", "best / median ms", "cosine", "rel_l2", "MB", "load"]
+
+
+def open_ort(path: str, config: Mapping[str, Any], max_length: int, *, lean: bool = False) -> Any:
+    """An :class:`~higgs_pack.runtime.backends.onnxruntime.runners.OrtDecoder` on the CPU provider
+    with the runtime's session options; ``lean``: opened as ``--low-memory`` opens a float decoder."""
+    from higgs_pack.runtime.backends.onnxruntime.runners import OrtDecoder
+    from higgs_pack.runtime.backends.onnxruntime.sessions import create_session
+
+    session, _ = create_session(Path(path), "cpu", prepacking=not lean)
+    weights = tuple(p for p in Path(path).parent.iterdir() if p.suffix == ".data") if lean else ()
+    return OrtDecoder(session, max_length=max_length, kv_heads=config["num_key_value_heads"],
+                      head_dim=config["head_dim"], page_out_weights=weights)
+
+
+# ----------------------------------------------------------------------------- ort-int4
+
+#: ModelBuilder int4 option sets of the cpu decoder: name -> decoder exporter options.
+ORT_INT4_VARIANTS: dict[str, dict[str, Any]] = {
+    f"b{block}_l{level}": {"extra_options": {"block_size": block, "accuracy_level": level}}
+    for block, level in ((32, 4), (64, 4), (128, 4), (32, 1), (128, 1))
+}
+
+
+def default_int4_variant() -> str:
+    """The :data:`ORT_INT4_VARIANTS` name a cpu int4 build uses today (the target's decoder
+    ``extra_options`` over ModelBuilder's defaults and the cpu provider row's accuracy_level)."""
+    from higgs_pack.exporters.modelbuilder import INT4_DEFAULTS
+    from higgs_pack.manifests.constants import EXECUTION_PROVIDERS
+    from higgs_pack.targets.plan import make_plan
+
+    row = next(r for r in make_plan("cpu", "int4").rows if r.subpart == SubPart.LLM_DECODER)
+    extra = row.options.get("extra_options") or {}
+    block = extra.get("block_size", INT4_DEFAULTS["block_size"])
+    level = extra.get("accuracy_level", EXECUTION_PROVIDERS["cpu"].modelbuilder.accuracy_level)
+    return f"b{block}_l{level}"
+
+
+def ort_int4(args: argparse.Namespace, folder: Path, checkpoint: Path, machine: dict[str, Any]) -> dict[str, Any]:
+    """The ``ort-int4`` report: ``default``, ``weights`` (export facts per name) and one result
+    per variant and context (``variant``, ``block_size``, ``accuracy_level`` and the timing)."""
+    config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))["text_config"]
+    chosen = args.variants + ([] if args.no_reference else [REFERENCE])
+    exported = export_variants("cpu", checkpoint, folder, ORT_INT4_VARIANTS, chosen)
+    results = []
+    for context in args.contexts:
+        length = context + args.repeats * args.steps + 1
+        decoders = {n: open_ort(exported[n]["path"], config, length, lean=n == REFERENCE) for n in chosen}
+        before = load_average()
+        timed = time_interleaved(decoders, hidden=int(config["hidden_size"]), context=context, steps=args.steps,
+                                 repeats=args.repeats, seed=args.seed)
+        del decoders
+        for name in chosen:
+            q = exported[name]["quantization"]
+            results.append({"variant": name, "block_size": q.get("block_size"), "accuracy_level": q.get("accuracy_level"),
+                            **measured(machine, before, timed[name])})
+    return {"default": default_int4_variant(), "weights": strip_paths(exported), "results": results}
+
+
+def ort_int4_table(report: dict[str, Any]) -> str:
+    rows = [[r["variant"], r["block_size"], r["accuracy_level"],
+             *timing_cells(r, report["weights"][r["variant"]]["weights_mb"])] for r in report["results"]]
+    return f"default {report['default']}\n" + markdown(["variant", "block", "level", *TIMING_HEADERS], rows)
+
+
+# ----------------------------------------------------------------------------- ort-kv-cache
+
+#: The KV caches compared (the first is each precision's reference) and the precisions measured.
+KV_CACHES = ("float", "int8")
+KV_PRECISIONS = ("int4", "fp32")
+#: The text of the TTS-shaped sequence.
+LOOP_TEXT = "The quick brown fox jumps over the lazy dog. Packaging models for every device is hard work."
+
+
+class Recording:
+    """A decoder whose one-position outputs are kept (float32 [1, 1, H] each, in call order)."""
+
+    def __init__(self, decoder: Any) -> None:
+        self.decoder, self.steps = decoder, []
+
+    def forward(self, inputs_embeds: np.ndarray) -> np.ndarray:
+        out = self.decoder.forward(inputs_embeds)
+        if out.shape[1] == 1:
+            self.steps.append(out)
+        return out
+
+
+def heads_table(checkpoint: Path) -> tuple[np.ndarray, np.ndarray, dict[str, int], Any, int]:
+    """``(W, text table, special token ids, tokenizer, N)``: ``W`` float32 [N * V, H] the audio
+    heads' weight (the separate head, else the tied fused audio embedding), the text embedding
+    float32 [vocab, H], the special-token ids by role, a ``tokenizers.Tokenizer``, N codebooks."""
+    from tokenizers import Tokenizer
+
+    from higgs_pack.exporters.checkpoint import open_checkpoint
+    from higgs_pack.exporters.checkpoint_layout import (
+        AUDIO_EMBEDDING,
+        AUDIO_HEAD_PREFIX,
+        TEXT_EMBEDDING,
+    )
+
+    with open_checkpoint(checkpoint) as ckpt:
+        head = next((n for n in ckpt.tensor_names() if n.startswith(AUDIO_HEAD_PREFIX) and n.endswith("weight")),
+                    AUDIO_EMBEDDING)
+        c = ckpt.constants
+        tokenizer = Tokenizer.from_file(str(next(p for p in ckpt.tokenizer_files() if p.name == "tokenizer.json")))
+        return (ckpt.tensor(head).float().numpy(), ckpt.tensor(TEXT_EMBEDDING).float().numpy(),
+                dict(c.special_tokens), tokenizer, int(c.num_codebooks))
+
+
+def codes_of(hidden: np.ndarray, w: np.ndarray, codebooks: int) -> np.ndarray:
+    """int64 [N]: each codebook's argmax of the heads' logits at the last position of ``hidden``."""
+    return (hidden.reshape(-1, hidden.shape[-1])[-1] @ w.T).reshape(codebooks, -1).argmax(axis=1)
+
+
+def code_agreement(reference: list[np.ndarray], got: list[np.ndarray], w: np.ndarray, codebooks: int
+                   ) -> dict[str, float]:
+    """Fraction of positions whose codebook-0 argmax (``first_code``) and all argmaxes
+    (``all_codes``) equal the reference's."""
+    pairs = [(codes_of(a, w, codebooks), codes_of(b, w, codebooks)) for a, b in zip(reference, got, strict=True)]
+    return {"first_code": round(float(np.mean([a[0] == b[0] for a, b in pairs])), 4),
+            "all_codes": round(float(np.mean([(a == b).all() for a, b in pairs])), 4)}
+
+
+def teacher_forced(decoders: dict[str, Any], reference: str, prompt: np.ndarray, w: np.ndarray, codebooks: int,
+                   frames: int) -> dict[str, dict[str, Any]]:
+    """``prompt`` then ``frames`` positions through every decoder, each position the audio
+    embedding (sum over codebooks of ``W[c * V + code]``) of the reference's greedy codes at the
+    previous one; per name ``positions``, ``rel_l2_max``, ``rel_l2_median``, ``cosine_min``
+    and :func:`code_agreement` against ``reference``."""
+    from higgs_pack.runtime.verification.report import compare, rel_l2
+
+    vocab = w.shape[0] // codebooks
+    outs = {name: [d.forward(prompt)[:, -1:]] for name, d in decoders.items()}
+    for _ in range(frames):
+        codes = codes_of(outs[reference][-1], w, codebooks)
+        embed = w[codes + np.arange(codebooks) * vocab].sum(axis=0, dtype=np.float32)[None, None]
+        for name, decoder in decoders.items():
+            outs[name].append(decoder.forward(embed))
+    result = {}
+    for name, got in outs.items():
+        pairs = list(zip(outs[reference], got, strict=True))
+        errors = [rel_l2(a, b) for a, b in pairs]
+        result[name] = {"positions": prompt.shape[1] + frames, "rel_l2_max": round(max(errors), 6),
+                        "rel_l2_median": round(statistics.median(errors), 6),
+                        "cosine_min": round(min(compare(a, b, "cosine")[0] for a, b in pairs), 6),
+                        **code_agreement(outs[reference], got, w, codebooks)}
+    return result
+
+
+def ort_kv_cache(args: argparse.Namespace, folder: Path, checkpoint: Path, machine: dict[str, Any]) -> dict[str, Any]:
+    """The ``ort-kv-cache`` report: ``decoders`` (export facts and KV bytes per position), one
+    result per decoder and context (timing, parity and code agreement) and ``loop`` (the
+    teacher-forced sequence, :func:`teacher_forced`)."""
+    config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))["text_config"]
+    w, text_table, special, tokenizer, codebooks = heads_table(checkpoint)
+    ids = [special["tts"], special["text"], *tokenizer.encode(LOOP_TEXT, add_special_tokens=False).ids, special["audio"]]
+    prompt = text_table[np.asarray(ids)][None].astype(np.float32)
+    del text_table
+    per_position = 2 * int(config["num_hidden_layers"]) * int(config["num_key_value_heads"]) * int(config["head_dim"])
+    decoders: dict[str, dict[str, Any]] = {}
+    results: list[dict[str, Any]] = []
+    loop: dict[str, dict[str, Any]] = {}
+    for precision in args.precisions:
+        variants = {f"{precision}-{kv}": ({} if kv == "float" else {"kv_cache": kv}) for kv in KV_CACHES}
+        names, reference = list(variants), f"{precision}-float"
+        exported = export_variants("cpu", checkpoint, folder / precision, variants, names, precision=precision)
+        for name in names:
+            decoders[name] = {**strip_paths({name: exported[name]})[name],
+                              "kv_bytes_per_position": per_position * (4 if name == reference else 1)}
+        for context in args.contexts:
+            length = context + args.repeats * args.steps + 1
+            opened = {n: Recording(open_ort(exported[n]["path"], config, length)) for n in names}
+            before = load_average()
+            timed = time_interleaved(opened, hidden=int(config["hidden_size"]), context=context, steps=args.steps,
+                                     repeats=args.repeats, seed=args.seed, reference=reference)
+            for name in names:
+                agree = code_agreement(opened[reference].steps, opened[name].steps, w, codebooks)
+                results.append({"variant": name, "precision": precision, "kv_cache": name.split("-", 1)[1],
+                                **measured(machine, before, {**timed[name], **agree})})
+            del opened
+        if args.frames:
+            opened = {n: open_ort(exported[n]["path"], config, prompt.shape[1] + args.frames + 1) for n in names}
+            loop.update(teacher_forced(opened, reference, prompt, w, codebooks, args.frames))
+            del opened
+    import resource
+
+    return {"frames": args.frames, "loop_text": LOOP_TEXT, "decoders": decoders, "results": results, "loop": loop,
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+
+
+def ort_kv_cache_table(report: dict[str, Any]) -> str:
+    rows = [[r["variant"], report["decoders"][r["variant"]]["kv_bytes_per_position"],
+             *timing_cells(r, report["decoders"][r["variant"]]["weights_mb"]), r["first_code"]]
+            for r in report["results"]]
+    text = markdown(["decoder", "KV B/pos", *TIMING_HEADERS, "code0"], rows)
+    if report["loop"]:
+        text += (f"\n\nTTS-shaped sequence, {report['frames']} frames teacher-forced:\n\n"
+                 + markdown(["decoder", "positions", "rel_l2 max / median", "cosine min", "code0", "all codes"],
+                            [[n, r["positions"], f"{r['rel_l2_max']:.4f} / {r['rel_l2_median']:.4f}", r["cosine_min"],
+                              r["first_code"], r["all_codes"]] for n, r in report["loop"].items()]))
+    return text + f"\n\npeak RSS of the measuring process {report['peak_rss_mb']} MB"
+
+
+# ----------------------------------------------------------------------------- ov-properties
+
+#: NNCF weight compression of the int4 decoder: name -> openvino decoder exporter options.
+OV_WEIGHT_VARIANTS: dict[str, dict[str, Any]] = {
+    f"int4_{'sym' if sym else 'asym'}_g{group}": {"symmetric": sym, "group_size": group}
+    for sym in (False, True) for group in (128, 64)
+}
+#: ``KV_CACHE_PRECISION`` values measured; the setting every KV setting is also compared with.
+OV_KV_PRECISIONS = ("u8", "u4", "f16", "f32")
+KV_REFERENCE = "kv_f32"
+#: Compiled-model properties read back per setting (what the plugin really uses).
+READ_BACK = ("KV_CACHE_PRECISION", "KEY_CACHE_PRECISION", "VALUE_CACHE_PRECISION", "INFERENCE_PRECISION_HINT")
+#: The IR the compile-property settings run on: the openvino target's int4 default.
+OV_DEFAULT_WEIGHTS = "int4_sym_g64"
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One OpenVINO decoder configuration: its name, its IR (a :data:`OV_WEIGHT_VARIANTS` name or
+    :data:`REFERENCE`), CPU compile properties, ``share_inputs``/``share_outputs``, and what it
+    changes from the runtime's default."""
+
+    name: str
+    weights: str
+    properties: dict[str, str]
+    share: bool = True
+    varies: str = "default"
+
+
+def ov_settings() -> list[Setting]:
+    """Every configuration measured: the runtime's default first, one change per setting."""
+    from higgs_pack.runtime.backends.openvino.devices import (
+        decoder_compile_properties,
+        precision_config,
+    )
+
+    default = {**precision_config("CPU", "int4", stateful=True), **decoder_compile_properties("int4", stateful=True)["CPU"]}
+
+    def changed(name: str, varies: str, **props: str) -> Setting:
+        return Setting(name, OV_DEFAULT_WEIGHTS, {**default, **props}, varies=varies)
+
+    out = [Setting("default", OV_DEFAULT_WEIGHTS, dict(default))]
+    out += [changed(f"kv_{kv}", "kv cache", KV_CACHE_PRECISION=kv) for kv in OV_KV_PRECISIONS
+            if kv != default.get("KV_CACHE_PRECISION")]
+    out.append(changed("kv_key_u8_value_u4", "kv cache", KEY_CACHE_PRECISION="u8", VALUE_CACHE_PRECISION="u4"))
+    out += [changed(f"hint_{hint.lower()}", "performance hint", PERFORMANCE_HINT=hint)
+            for hint in ("LATENCY", "THROUGHPUT") if hint != default.get("PERFORMANCE_HINT")]
+    out += [changed(f"infer_{p}", "inference precision", INFERENCE_PRECISION_HINT=p)
+            for p in ("f32", "bf16") if p != default.get("INFERENCE_PRECISION_HINT")]
+    out.append(Setting("share_off", OV_DEFAULT_WEIGHTS, dict(default), share=False, varies="share_inputs/outputs"))
+    out += [Setting(n, n, dict(default), varies="weight compression") for n in OV_WEIGHT_VARIANTS
+            if n != OV_DEFAULT_WEIGHTS]
+    out.append(Setting(REFERENCE, REFERENCE, {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": "f32",
+                                              "KV_CACHE_PRECISION": "f32"}, varies="reference"))
+    return out
+
+
+def read_back(compiled: Any) -> dict[str, str]:
+    """The :data:`READ_BACK` properties of a compiled model as OpenVINO names them (``u8``…)."""
+    out = {}
+    for name in READ_BACK:
+        try:
+            value = compiled.get_property(name)
+        except Exception:  # a plugin without the property
+            continue
+        out[name] = value.get_type_name() if hasattr(value, "get_type_name") else str(value)
+    return out
+
+
+def ov_properties(args: argparse.Namespace, folder: Path, checkpoint: Path, machine: dict[str, Any]) -> dict[str, Any]:
+    """The ``ov-properties`` report: ``weights`` (export facts per IR) and one result per setting
+    and context (``setting``, ``weights``, ``properties``, ``share``, ``varies``, ``compiled`` and
+    the timing, with parity against :data:`REFERENCE` and :data:`KV_REFERENCE`)."""
+    import openvino as ov
+
+    from higgs_pack.runtime.backends.openvino.runners import OvStatefulDecoder
+
+    hidden = int(json.loads((checkpoint / "config.json").read_text())["text_config"]["hidden_size"])
+    chosen = ov_settings()
+    if args.settings:
+        keep = {*args.settings, "default", REFERENCE, KV_REFERENCE}
+        chosen = [s for s in chosen if s.name in keep]
+    irs = export_variants("openvino", checkpoint, folder, OV_WEIGHT_VARIANTS,
+                          list(dict.fromkeys(s.weights for s in chosen)))
+    core, results = ov.Core(), []
+    for context in args.contexts:
+        length = context + args.repeats * args.steps + 1
+        decoders = {s.name: OvStatefulDecoder(core, irs[s.weights]["path"], "CPU", None, s.properties,
+                                              max_length=length, share_inputs=s.share, share_outputs=s.share)
+                    for s in chosen}
+        before = load_average()
+        timed = time_interleaved(decoders, hidden=hidden, context=context, steps=args.steps, repeats=args.repeats,
+                                 seed=args.seed, also_against=KV_REFERENCE)
+        results += [{"setting": s.name, "weights": s.weights, "properties": s.properties, "share": s.share,
+                     "varies": s.varies, "compiled": read_back(decoders[s.name].compiled),
+                     **measured(machine, before, timed[s.name])} for s in chosen]
+    return {"weights": strip_paths(irs), "results": results}
+
+
+def ov_properties_table(report: dict[str, Any]) -> str:
+    rows = []
+    for r in report["results"]:
+        compiled = r["compiled"]
+        kv = (f"{r.get('cosine_vs_kv_f32')} / {r.get('rel_l2_vs_kv_f32')}; K/V "
+              f"{compiled.get('KEY_CACHE_PRECISION', '?')}/{compiled.get('VALUE_CACHE_PRECISION', '?')}"
+              if r["varies"] == "kv cache" or r["setting"] == "default" else None)
+        rows.append([r["setting"], r["weights"], *timing_cells(r, report["weights"][r["weights"]]["weights_mb"]), kv])
+    return markdown(["setting", "weights", *TIMING_HEADERS, "vs kv_f32: cosine / rel_l2"], rows)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def strip_paths(exported: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Export facts without the local paths (the report's ``weights``)."""
+    return {name: {k: v for k, v in facts.items() if k != "path"} for name, facts in exported.items()}
+
+
+#: sub-command -> (measure, table, target's runtime for the versions line, scratch prefix).
+COMMANDS = {
+    "ort-int4": (ort_int4, ort_int4_table, "onnxruntime", "higgs-pack-ort-int4-"),
+    "ort-kv-cache": (ort_kv_cache, ort_kv_cache_table, "onnxruntime", "higgs-pack-ort-kv-cache-"),
+    "ov-properties": (ov_properties, ov_properties_table, "openvino", "higgs-pack-ov-properties-"),
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.ab", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, contexts in (("ort-int4", (64, 900)), ("ort-kv-cache", (64, 900)), ("ov-properties", (64, 768))):
+        s = sub.add_parser(name, help=f"see the module docstring: {name}")
+        s.add_argument("--preset", default="bench", choices=("tiny", "bench") if name == "ov-properties" else
+                       ("tiny", "bench", "full"), help="checkpoint preset (full: 4B dimensions, ~16 GB per export)")
+        s.add_argument("--seed", type=int, default=0)
+        s.add_argument("--contexts", type=int, nargs="+", default=list(contexts), help="prompt positions before the steps")
+        s.add_argument("--steps", type=int, default=8, help="one-position steps per round")
+        s.add_argument("--repeats", type=int, default=15, help="rounds per variant (best and median reported)")
+        s.add_argument("--out", type=Path, help="write the JSON report here")
+        s.add_argument("--work", type=Path, help="keep the exports in this folder and reuse them in later runs")
+    ort = sub.choices["ort-int4"]
+    ort.add_argument("--variants", default=",".join(ORT_INT4_VARIANTS),
+                     help=f"comma-separated option sets (default all: {','.join(ORT_INT4_VARIANTS)})")
+    ort.add_argument("--no-reference", action="store_true", help="skip the fp32 decoder (no parity columns)")
+    kv = sub.choices["ort-kv-cache"]
+    kv.add_argument("--precisions", default=",".join(KV_PRECISIONS), help="comma-separated cpu precisions")
+    kv.add_argument("--frames", type=int, default=400, help="frames of the TTS-shaped sequence (0: none)")
+    sub.choices["ov-properties"].add_argument(
+        "--settings", default="", help="comma-separated settings (default all; e.g. kv_u4,kv_key_u8_value_u4)")
+    return p
+
+
+def names(text: str, known: Any, what: str, p: argparse.ArgumentParser) -> list[str]:
+    """The comma-separated ``text`` as a list, every name in ``known`` (else a usage error)."""
+    got = [n for n in text.split(",") if n.strip()]
+    unknown = sorted(set(got) - set(known))
+    if unknown:
+        p.error(f"unknown {what} {unknown}; known: {', '.join(known)}")
+    return got
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    if args.command == "ort-int4":
+        args.variants = names(args.variants, ORT_INT4_VARIANTS, "variant(s)", p)
+    elif args.command == "ort-kv-cache":
+        args.precisions = tuple(names(args.precisions, KV_PRECISIONS, "precision(s)", p))
+    else:
+        args.settings = names(args.settings, [s.name for s in ov_settings()], "settings", p)
+    measure, table, runtime, prefix = COMMANDS[args.command]
+    from higgs_pack.targets.build import default_checkpoint
+
+    machine = machine_record()
+    checkpoint = default_checkpoint(args.preset, args.seed)
+    with work_folder(args.work, prefix) as folder:
+        report = measure(args, folder, checkpoint, machine)
+    report = {"command": args.command, "machine": machine, runtime: __import__(runtime).__version__,
+              "preset": args.preset, "steps": args.steps, "repeats": args.repeats, **report}
+    print(f"{machine['cpu']}, {runtime} {report[runtime]}, preset {args.preset}, "
+          f"{args.steps} steps x {args.repeats} rounds\n\n{table(report)}")
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -230,7 +230,7 @@ ORT_INT4_VARIANTS: dict[str, dict[str, Any]] = {
 def default_int4_variant() -> str:
     """The :data:`ORT_INT4_VARIANTS` name a cpu int4 build uses today (the target's decoder
     ``extra_options`` over ModelBuilder's defaults and the cpu provider row's accuracy_level)."""
-    from higgs_pack.exporters.modelbuilder import INT4_DEFAULTS
+    from higgs_pack.exporters.onnx.modelbuilder import INT4_DEFAULTS
     from higgs_pack.manifests.constants import EXECUTION_PROVIDERS
     from higgs_pack.targets.plan import make_plan
 
@@ -296,12 +296,12 @@ def heads_table(checkpoint: Path) -> tuple[np.ndarray, np.ndarray, dict[str, int
     float32 [vocab, H], the special-token ids by role, a ``tokenizers.Tokenizer``, N codebooks."""
     from tokenizers import Tokenizer
 
-    from higgs_pack.exporters.checkpoint import open_checkpoint
-    from higgs_pack.exporters.checkpoint_layout import (
+    from higgs_pack.exporters.checkpoint.layout import (
         AUDIO_EMBEDDING,
         AUDIO_HEAD_PREFIX,
         TEXT_EMBEDDING,
     )
+    from higgs_pack.exporters.checkpoint.reader import open_checkpoint
 
     with open_checkpoint(checkpoint) as ckpt:
         head = next((n for n in ckpt.tensor_names() if n.startswith(AUDIO_HEAD_PREFIX) and n.endswith("weight")),

@@ -22,7 +22,7 @@ def child_env(**extra: str) -> dict[str, str]:
 DEFAULT_SYSTEMS: tuple[str, ...] = (
     "pytorch", "cpu-int4", "cpu-fp32", "openvino-int4", "openvino-int8", "openvino-fp32",
 )
-#: Checkpoint presets (``higgs_pack.exporters.tiny.PRESETS``).
+#: Checkpoint presets (``higgs_pack.exporters.checkpoint.tiny.PRESETS``).
 PRESETS: tuple[str, ...] = ("tiny", "bench", "full")
 #: The text every system speaks (the frame count is fixed; the text only sets the prompt).
 BENCH_TEXT = (

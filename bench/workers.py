@@ -336,8 +336,8 @@ def _load_pytorch(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     import torch
     import transformers
 
-    from higgs_pack.exporters.checkpoint import open_checkpoint
-    from higgs_pack.exporters.reference import reference_pipeline
+    from higgs_pack.exporters.checkpoint.reader import open_checkpoint
+    from higgs_pack.exporters.pytorch.reference import reference_pipeline
 
     for name in ("Qwen3Model", "HiggsAudioV2TokenizerModel", "DynamicCache"):
         getattr(transformers, name, None)  # transformers imports these lazily (seconds)

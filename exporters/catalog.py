@@ -109,8 +109,8 @@ EXPORTERS: dict[str, ExporterInfo] = {
     for e in (
         ExporterInfo(
             MODELBUILDER,
-            "higgs_pack.exporters.modelbuilder:build_llm_decoder",
-            "higgs_pack.exporters.modelbuilder:plan",
+            "higgs_pack.exporters.onnx.modelbuilder:build_llm_decoder",
+            "higgs_pack.exporters.onnx.modelbuilder:plan",
             "decoder",
             "onnx",
             ("int4", "fp16", "fp32"),
@@ -121,8 +121,8 @@ EXPORTERS: dict[str, ExporterInfo] = {
         ),
         ExporterInfo(
             OLIVE_ONNX,
-            "higgs_pack.exporters.olive:export_onnx",
-            "higgs_pack.exporters.olive:plan",
+            "higgs_pack.exporters.onnx.olive:export_onnx",
+            "higgs_pack.exporters.onnx.olive:plan",
             "module",
             "onnx",
             ("fp32", "fp16", "int4"),
@@ -132,8 +132,8 @@ EXPORTERS: dict[str, ExporterInfo] = {
         ),
         ExporterInfo(
             OPTIMUM_OPENVINO,
-            "higgs_pack.exporters.openvino_decoder:convert_llm_decoder",
-            "higgs_pack.exporters.openvino_plan:decoder_plan",
+            "higgs_pack.exporters.openvino.decoder:convert_llm_decoder",
+            "higgs_pack.exporters.openvino.plan:decoder_plan",
             "decoder",
             "openvino",
             ("int4", "int8", "fp16", "fp32"),
@@ -143,8 +143,8 @@ EXPORTERS: dict[str, ExporterInfo] = {
         ),
         ExporterInfo(
             OLIVE_OPENVINO,
-            "higgs_pack.exporters.openvino_subpart:convert_subpart",
-            "higgs_pack.exporters.openvino_plan:subpart_plan",
+            "higgs_pack.exporters.openvino.subpart:convert_subpart",
+            "higgs_pack.exporters.openvino.plan:subpart_plan",
             "module",
             "openvino",
             ("fp32", "fp16", "int8", "int4"),

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from higgs_pack.manifests.constants import EXECUTION_PROVIDERS
+
 #: Bytes per weight stored at each precision, with the quantization metadata:
 #: int4 = 4 bits + one fp32 scale per block of 32 (ModelBuilder/ORT; OpenVINO's group of
 #: 128 with zero points needs less); int8 = 1 byte + a per-channel scale.
@@ -31,10 +33,9 @@ def modelbuilder(params: int, stored_itemsize: int, precision: str, options: Map
     same precision (for int4 its float graph and the int4 one side by side), removed before
     the decoder is built: the larger of the two phases counts (the baseline's embedding, not
     in ``params``, is inside the margin)."""
-    from higgs_pack.exporters.modelbuilder import int4_float_base
-
     scratch = 0
-    float_graph = _output(params, int4_float_base(options.get("execution_provider", "cpu")))
+    row = EXECUTION_PROVIDERS[options.get("execution_provider", "cpu")]
+    float_graph = _output(params, row.modelbuilder.int4_float_base)
     if precision == "int4":
         scratch = float_graph
     if (options.get("kv_cache") or "float") != "float":

@@ -149,7 +149,7 @@ class Target:
         kv_caches: the decoder KV cache precisions a build may choose (``--kv-cache``), the
             first the default: ``"float"`` (the graph's I/O dtype) and, where the decoder's
             exporter takes a ``kv_cache`` option, quantized ones (``"int8"``: see
-            :mod:`higgs_pack.exporters.kv_cache`).  Empty: not a build choice (OpenVINO picks
+            :mod:`higgs_pack.exporters.onnx.kv_quantization`).  Empty: not a build choice (OpenVINO picks
             its KV cache precision when it compiles the model); the manifest records null.
     """
 

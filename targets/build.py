@@ -61,7 +61,7 @@ def default_checkpoint(preset: str = "tiny", seed: int = 0) -> Path:
     Written to a temporary directory and renamed, so a half-written checkpoint is
     never reused.
     """
-    from higgs_pack.exporters.tiny import make_tiny_checkpoint
+    from higgs_pack.exporters.checkpoint.tiny import make_tiny_checkpoint
 
     path = cache_root() / "checkpoints" / f"{preset}-seed{seed}"
     if (path / "config.json").is_file():
@@ -152,7 +152,7 @@ def build(
             the folder, the space needed and free); an exporter failed, ran out of
             memory or disk; or the bundle failed its own verification.
     """
-    from higgs_pack.exporters.checkpoint import open_checkpoint
+    from higgs_pack.exporters.checkpoint.reader import open_checkpoint
     from higgs_pack.exporters.process import TreeMemory
     from higgs_pack.targets.workspace import FolderPeak, check_space, work_area, work_root
 
@@ -317,7 +317,7 @@ def estimate_space(plan: BuildPlan, ckpt) -> Any:
     every sub-part at its precision.  Both get :data:`~higgs_pack.exporters.space.MARGIN`.
     """
 
-    from higgs_pack.exporters.checkpoint_layout import (
+    from higgs_pack.exporters.checkpoint.layout import (
         AUDIO_EMBEDDING,
         CODEC_PREFIX,
         TEXT_EMBEDDING,

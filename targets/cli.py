@@ -70,7 +70,7 @@ def build(target, precision, model, out, kv_cache, variant, npu, force, work_dir
 def make_tiny_checkpoint(out, preset, seed):
     """Write a random Higgs-Audio-v3 checkpoint in the real layout (deterministic per seed)."""
     _require_build_tools()
-    from higgs_pack.exporters.tiny import make_tiny_checkpoint as make
+    from higgs_pack.exporters.checkpoint.tiny import make_tiny_checkpoint as make
 
     click.echo(str(make(out, preset=preset, seed=seed)))
 

@@ -34,7 +34,7 @@ CPU_DECODER_INT4 = {"block_size": 128}
 
 #: The cpu decoder's KV cache choices (``--kv-cache``), the first the default: float.
 #: int8 is ModelBuilder's ``kv_cache_quant_scheme=int8_per_channel`` with scales from its
-#: ``kv_cache_calibration`` tool (:mod:`higgs_pack.exporters.kv_cache`): 4x fewer KV bytes, but
+#: ``kv_cache_calibration`` tool (:mod:`higgs_pack.exporters.onnx.kv_quantization`): 4x fewer KV bytes, but
 #: its parity does not hold at audio-frame positions (docs/measurements.md, "cpu: float or
 #: int8 KV cache").
 CPU_KV_CACHES = ("float", "int8")

@@ -22,8 +22,8 @@ __all__ = ["StepRecord", "TreeMemory", "run_step"]
 
 def write_hf_dir(checkpoint: str, out_dir: str) -> str:
     """The checkpoint's backbone as a standard Qwen3 HF directory (one tensor in memory at a time)."""
-    from higgs_pack.exporters.checkpoint import open_checkpoint
-    from higgs_pack.exporters.checkpoint_models import write_qwen3_hf_dir
+    from higgs_pack.exporters.checkpoint.models import write_qwen3_hf_dir
+    from higgs_pack.exporters.checkpoint.reader import open_checkpoint
 
     with open_checkpoint(checkpoint) as ckpt:
         return str(write_qwen3_hf_dir(ckpt, Path(out_dir)))
@@ -53,8 +53,8 @@ def export_modules(checkpoint: str, rows: list[dict[str, Any]], bundle_dir: str,
     and dropped after it.
     """
     from higgs_pack.exporters.catalog import get_exporter
-    from higgs_pack.exporters.checkpoint import open_checkpoint
-    from higgs_pack.exporters.torch_modules import DYNAMIC_AXES, build_modules, example_inputs
+    from higgs_pack.exporters.checkpoint.reader import open_checkpoint
+    from higgs_pack.exporters.pytorch.modules import DYNAMIC_AXES, build_modules, example_inputs
 
     bundle = Path(bundle_dir)
     results: dict[str, Any] = {}
@@ -91,7 +91,7 @@ def _with_stream_context(result, module, constants):
     streaming synthesis reads; a static chunked codec (npu) already measured it."""
     from dataclasses import replace
 
-    from higgs_pack.exporters.torch_modules import codec_stream_context
+    from higgs_pack.exporters.pytorch.modules import codec_stream_context
 
     measured = (result.options.get("chunking") or {}).get("context")
     entry = {"stream_context_frames": int(measured)} if measured else codec_stream_context(module, constants)
@@ -101,9 +101,9 @@ def _with_stream_context(result, module, constants):
 def capture(checkpoint: str, out_path: str, bundle_dir: str | None = None,
             subparts: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """Golden reference outputs of the PyTorch oracle, and the matched oracle's for the
-    quantized sub-parts of ``bundle_dir`` (see :func:`~higgs_pack.exporters.golden.capture_golden`)."""
-    from higgs_pack.exporters.checkpoint import open_checkpoint
-    from higgs_pack.exporters.golden import GREEDY_TEXT, capture_golden
+    quantized sub-parts of ``bundle_dir`` (see :func:`~higgs_pack.exporters.pytorch.golden.capture_golden`)."""
+    from higgs_pack.exporters.checkpoint.reader import open_checkpoint
+    from higgs_pack.exporters.pytorch.golden import GREEDY_TEXT, capture_golden
 
     with open_checkpoint(checkpoint) as ckpt:
         captured = capture_golden(ckpt, Path(out_path), bundle_dir=Path(bundle_dir) if bundle_dir else None,

@@ -83,7 +83,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The ``tiny`` preset, seed 0, written once per session (2 shards + index)."""
-    from higgs_pack.exporters.tiny import make_tiny_checkpoint
+    from higgs_pack.exporters.checkpoint.tiny import make_tiny_checkpoint
 
     return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "higgs-audio-v3-tiny", "tiny", 0)
 
@@ -91,7 +91,7 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_ckpt(tiny_checkpoint: Path):
     """:class:`HiggsCheckpoint` of :func:`tiny_checkpoint`, opened once per session."""
-    from higgs_pack.exporters.checkpoint import open_checkpoint
+    from higgs_pack.exporters.checkpoint.reader import open_checkpoint
 
     return open_checkpoint(tiny_checkpoint)
 

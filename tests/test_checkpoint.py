@@ -16,20 +16,20 @@ pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from higgs_pack.exporters.checkpoint import HiggsCheckpoint, open_checkpoint  # noqa: E402
-from higgs_pack.exporters.checkpoint_layout import (  # noqa: E402
+from higgs_pack.exporters.checkpoint.layout import (  # noqa: E402
     AUDIO_EMBEDDING,
     AUDIO_HEAD_PREFIX,
     CODEC_PREFIX,
     INDEX_NAME,
     TEXT_EMBEDDING,
 )
-from higgs_pack.exporters.checkpoint_models import (  # noqa: E402
+from higgs_pack.exporters.checkpoint.models import (  # noqa: E402
     codec_model,
     qwen3_config,
     qwen3_model,
     write_qwen3_hf_dir,
 )
+from higgs_pack.exporters.checkpoint.reader import HiggsCheckpoint, open_checkpoint  # noqa: E402
 from higgs_pack.manifests.constants import SPECIAL_TOKENS  # noqa: E402
 from higgs_pack.manifests.errors import CheckpointError  # noqa: E402
 from higgs_pack.runtime.loop.pipeline import ModelConstants  # noqa: E402

@@ -62,7 +62,7 @@ def test_manifest_schema_is_strict(cpu_int4_bundle):
 
 
 def test_fp32_greedy_reproduces_the_pytorch_reference(cpu_fp32_bundle, tiny_ckpt):
-    from higgs_pack.exporters.reference import reference_pipeline
+    from higgs_pack.exporters.pytorch.reference import reference_pipeline
 
     text = "Packaging models for every device is hard work."
     greedy = SamplingOptions(temperature=0, repeat_guard_frames=0)

@@ -492,8 +492,8 @@ def test_dtype_check_finds_a_cast_boundary_mismatch():
 
 def test_cuda_fp32_decoder_works_around_modelbuilder(tmp_path, tiny_ckpt):
     """ModelBuilder 0.18's packed Attention writes no present KV for cuda fp32: built with MultiHeadAttention."""
-    from higgs_pack.exporters.checkpoint_models import write_qwen3_hf_dir
-    from higgs_pack.exporters.modelbuilder import build_llm_decoder
+    from higgs_pack.exporters.checkpoint.models import write_qwen3_hf_dir
+    from higgs_pack.exporters.onnx.modelbuilder import build_llm_decoder
 
     hf = write_qwen3_hf_dir(tiny_ckpt, tmp_path / "hf")
     result = build_llm_decoder(hf, tmp_path / "b" / "llm_decoder", precision="fp32", execution_provider="cuda",

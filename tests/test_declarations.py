@@ -172,7 +172,7 @@ def test_new_provider_row_is_the_only_declaration(qnn, tmp_path):
     assert reqs[0].startswith("higgs-pack[qnn]>=0.1.0; ")
     assert session_table()["targets"]["qnn"]["gpu"] == {"extra": "qnn", "probe": "platform:win32"}
     # ModelBuilder builds for it (its -e name and int4 accuracy level come from the row).
-    from higgs_pack.exporters import modelbuilder
+    from higgs_pack.exporters.onnx import modelbuilder
 
     assert modelbuilder.modelbuilder_providers() == ("cpu", "cuda", "dml", "winml", "qnn")
     # The bundle choice ranks it by its row's rung and names its hardware when no bundle runs.

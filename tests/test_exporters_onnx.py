@@ -24,9 +24,9 @@ pytest.importorskip("olive")
 pytest.importorskip("onnxruntime_genai")
 transformers = pytest.importorskip("transformers")
 
-from higgs_pack.exporters import onnx_utils  # noqa: E402
-from higgs_pack.exporters.modelbuilder import build_llm_decoder, passes_for  # noqa: E402
-from higgs_pack.exporters.olive import export_onnx, plan_passes  # noqa: E402
+from higgs_pack.exporters.onnx import graphs  # noqa: E402
+from higgs_pack.exporters.onnx.modelbuilder import build_llm_decoder, passes_for  # noqa: E402
+from higgs_pack.exporters.onnx.olive import export_onnx, plan_passes  # noqa: E402
 from higgs_pack.exporters.result import ExportResult, TensorSpec  # noqa: E402
 from higgs_pack.manifests.errors import (  # noqa: E402
     BuildError,
@@ -177,7 +177,7 @@ def test_modelbuilder_io_names_and_files(decoders, precision):
     assert result.options["extra_options"]["exclude_lm_head"] == "true"
     assert "GroupQueryAttention" in result.options["op_types"]
     json.dumps(result.to_dict())  # the manifest entry is JSON-ready
-    onnx_utils.check_external_data(bundle / result.entry, bundle)
+    graphs.check_external_data(bundle / result.entry, bundle)
 
 
 def test_modelbuilder_fp32_matches_pytorch(decoders, decoder_reference):
@@ -488,7 +488,7 @@ def test_olive_external_data(audio_table, tmp_path):
         external_data_threshold=1024 * 1024,  # the 2 MB table is now "large"
     )
     assert result.files == ["audio_heads.onnx", "audio_heads.onnx.data"]
-    assert onnx_utils.external_data_locations(bundle / "audio_heads.onnx") == [
+    assert graphs.external_data_locations(bundle / "audio_heads.onnx") == [
         "audio_heads.onnx.data"
     ]
     assert sorted(p.name for p in bundle.iterdir()) == ["audio_heads.onnx", "audio_heads.onnx.data"]
@@ -538,7 +538,7 @@ def test_olive_int4_without_weights_to_quantize(tmp_path):
     assert list((tmp_path / "w").iterdir()) == []
 
 
-# ----------------------------------------------------------------------------- onnx_utils
+# ----------------------------------------------------------------------------- graphs
 
 
 def test_external_data_must_stay_inside_the_bundle(tmp_path):
@@ -556,8 +556,8 @@ def test_external_data_must_stay_inside_the_bundle(tmp_path):
     onnx.save_model(
         model, str(bundle / "m.onnx"), save_as_external_data=True, location="m.onnx.data"
     )
-    assert onnx_utils.onnx_files(bundle / "m.onnx", bundle) == ["m.onnx", "m.onnx.data"]
-    inputs, outputs = onnx_utils.onnx_io_signature(bundle / "m.onnx")
+    assert graphs.onnx_files(bundle / "m.onnx", bundle) == ["m.onnx", "m.onnx.data"]
+    inputs, outputs = graphs.onnx_io_signature(bundle / "m.onnx")
     assert inputs == [TensorSpec("x", "float32", ["n", 64])]
     assert outputs == [TensorSpec("y", "float32", ["n", 64])]
 
@@ -568,4 +568,4 @@ def test_external_data_must_stay_inside_the_bundle(tmp_path):
                 entry.value = location
         onnx.save_model(bad, str(bundle / "bad.onnx"))
         with pytest.raises(BuildError, match="relative path"):
-            onnx_utils.check_external_data(bundle / "bad.onnx", bundle)
+            graphs.check_external_data(bundle / "bad.onnx", bundle)

@@ -13,7 +13,7 @@ BOC, EOC, N = 1024, 1025, 8
 
 @pytest.fixture(scope="module")
 def oracle(tiny_ckpt):
-    from higgs_pack.exporters.reference import reference_pipeline
+    from higgs_pack.exporters.pytorch.reference import reference_pipeline
 
     return reference_pipeline(tiny_ckpt)
 

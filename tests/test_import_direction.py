@@ -7,6 +7,13 @@ runtime and no build code, and nothing below it imports the server (the runtime 
 stack).  The benchmark (``bench/``, a folder of the checkout that is not in the wheel) may
 import the whole package, and no part of the package imports it.  Every import
 counts, also one inside a function: a lazy import still ties the rooms together.
+
+Inside exporters/ the rooms are folders too: checkpoint/ (reading and writing checkpoints),
+pytorch/ (the sub-part modules and the oracle, which read checkpoints), onnx/ and openvino/
+(the exporters: openvino's static shapes run a pytorch module); the shared modules at its root
+(catalog, result, process, space) know no room: the catalogue names its exporters only as
+``"module:function"`` strings.  And no import from higgs-pack binds the name of a package the
+code imports (``onnx``, ``openvino``, ``torch``...): the rooms named for them would hide them.
 """
 
 from __future__ import annotations
@@ -30,6 +37,20 @@ FORBIDDEN: dict[str, frozenset[str]] = {
     "targets": frozenset({BENCH}),
     "higgs_pack": frozenset({BENCH}),
 }
+
+
+#: The rooms of exporters/ (folders) and, as ``"exporters"``, its root's shared modules.
+EXPORTER_ROOMS = ("checkpoint", "pytorch", "onnx", "openvino")
+#: exporters' room -> exporters' rooms it must never import.
+EXPORTER_FORBIDDEN: dict[str, frozenset[str]] = {
+    "exporters": frozenset(EXPORTER_ROOMS),
+    "checkpoint": frozenset({"pytorch", "onnx", "openvino"}),
+    "pytorch": frozenset({"onnx", "openvino"}),
+    "onnx": frozenset({"checkpoint", "pytorch", "openvino"}),
+    "openvino": frozenset({"onnx"}),
+}
+#: Third-party packages whose names a room of ours also has (or that the code imports beside one).
+HIDDEN = frozenset({"onnx", "onnxruntime", "openvino", "torch", "nncf"})
 
 
 def imported_rooms(path: Path, room: str) -> list[tuple[int, str]]:
@@ -74,8 +95,89 @@ def violations(root: Path) -> list[str]:
     return out
 
 
+def imported_modules(path: Path, package: str) -> list[tuple[int, str, str]]:
+    """``(line, module, bound name)`` for every import in ``path``, a module of the dotted
+    ``package``, relative imports resolved (``from . import x`` in ``a.b`` is ``a.b.x``)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name, a.asname or a.name.split(".")[0]) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            found += [(node.lineno, f"{base}.{a.name}", a.asname or a.name) for a in node.names]
+    return found
+
+
+def exporter_violations(root: Path) -> list[str]:
+    """``path:line: exporters/<room> imports exporters/<room>`` against :data:`EXPORTER_FORBIDDEN`
+    (``exporters imports …`` for a module at its root)."""
+    out = []
+    for path in sorted((root / "exporters").rglob("*.py")):
+        rel = path.relative_to(root / "exporters")
+        room = rel.parts[0] if len(rel.parts) > 1 else "exporters"
+        if room not in EXPORTER_FORBIDDEN:
+            continue
+        package = "higgs_pack.exporters" + ("" if room == "exporters" else f".{room}")
+        for line, module, _ in imported_modules(path, package):
+            parts = module.split(".")
+            if parts[:2] == ["higgs_pack", "exporters"] and len(parts) > 2 and parts[2] in EXPORTER_FORBIDDEN[room]:
+                where = "exporters" if room == "exporters" else f"exporters/{room}"
+                out.append(f"exporters/{rel.as_posix()}:{line}: {where} imports exporters/{parts[2]}")
+    return out
+
+
+def hiding_imports(root: Path) -> list[str]:
+    """``path:line: binds <name>`` for an import of higgs-pack (or ``bench``) that binds a
+    name of :data:`HIDDEN` (``from higgs_pack.exporters import onnx`` hides the onnx package)."""
+    out = []
+    for folder in (*ROOMS, "higgs_pack", BENCH, "tests"):
+        for path in sorted((root / folder).rglob("*.py")):
+            for line, module, bound in imported_modules(path, f"higgs_pack.{folder}"):
+                if bound in HIDDEN and module.split(".")[0] != bound:
+                    out.append(f"{path.relative_to(root).as_posix()}:{line}: binds {bound}")
+    return out
+
+
 def test_the_repository_follows_the_import_rules():
     assert not violations(ROOT), "\n".join(violations(ROOT))
+
+
+def test_the_exporters_rooms_follow_their_rules():
+    assert not exporter_violations(ROOT), "\n".join(exporter_violations(ROOT))
+    assert {p.name for p in (ROOT / "exporters").iterdir() if (p / "__init__.py").is_file()} == set(EXPORTER_ROOMS)
+
+
+def test_no_import_hides_a_package():
+    assert not hiding_imports(ROOT), "\n".join(hiding_imports(ROOT))
+
+
+@pytest.mark.parametrize(
+    ("path", "source", "expected"),
+    [
+        ("checkpoint/x.py", "from higgs_pack.exporters.pytorch.modules import TextEmbed\n",
+         "exporters/checkpoint/x.py:1: exporters/checkpoint imports exporters/pytorch"),
+        ("onnx/x.py", "def f():\n    from ..openvino import ir\n",
+         "exporters/onnx/x.py:2: exporters/onnx imports exporters/openvino"),
+        ("catalog.py", "from higgs_pack.exporters import onnx as o\n",
+         "exporters/catalog.py:1: exporters imports exporters/onnx"),
+    ],
+)
+def test_an_exporters_room_violation_is_found(tmp_path, path, source, expected):
+    (tmp_path / "exporters" / path).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "exporters" / path).write_text(source)
+    assert exporter_violations(tmp_path) == [expected]
+
+
+def test_a_hiding_import_is_found(tmp_path):
+    (tmp_path / "exporters" / "onnx").mkdir(parents=True)
+    (tmp_path / "exporters" / "onnx" / "x.py").write_text(
+        "import onnx\nfrom higgs_pack.exporters import onnx\nfrom . import graphs\n"
+        "import higgs_pack.exporters.pytorch as torch\nimport onnx.helper\n")
+    assert hiding_imports(tmp_path) == ["exporters/onnx/x.py:2: binds onnx", "exporters/onnx/x.py:4: binds torch"]
 
 
 def test_every_room_is_checked():
@@ -87,7 +189,7 @@ def test_every_room_is_checked():
     ("room", "source", "expected"),
     [
         ("runtime", "from higgs_pack.targets.base import get_target\n", "1: runtime imports targets"),
-        ("runtime", "def f():\n    import higgs_pack.exporters.tiny\n", "2: runtime imports exporters"),
+        ("runtime", "def f():\n    import higgs_pack.exporters.checkpoint.tiny\n", "2: runtime imports exporters"),
         ("runtime", "from ..exporters import catalog\n", "1: runtime imports exporters"),
         ("manifests", "import os\nfrom higgs_pack.runtime import bundle\n", "2: manifests imports runtime"),
         ("exporters", "from higgs_pack import targets\n", "1: exporters imports targets"),

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from conftest import slow_fixture
 
-from higgs_pack.exporters import kv_cache as kv
+from higgs_pack.exporters.onnx import kv_quantization as kv
 from higgs_pack.manifests.constants import SubPart
 from higgs_pack.manifests.errors import BuildError, BuildPlanError, ManifestError
 from higgs_pack.targets.plan import bundle_name, make_plan, plan_mismatches
@@ -117,7 +117,7 @@ def test_plan_mismatches_name_a_kv_cache_other_than_planned():
 ])
 def test_the_exporter_refuses_kv_cache_requests_before_any_work(tmp_path, kwargs, message):
     """Bad requests are refused before ModelBuilder runs (the folders stay empty)."""
-    from higgs_pack.exporters.modelbuilder import build_llm_decoder
+    from higgs_pack.exporters.onnx.modelbuilder import build_llm_decoder
 
     args = {"precision": "fp32", "execution_provider": "cpu", "cache_dir": tmp_path / "cache", **kwargs}
     with pytest.raises(BuildPlanError, match=message):

@@ -186,7 +186,7 @@ def tiny_ggufs(tiny_checkpoint, tmp_path_factory):
 @needs_llama
 @pytest.mark.slow
 def test_tiny_converts_and_loads_with_its_dims(tiny_ggufs):
-    from higgs_pack.exporters.tiny import PRESETS
+    from higgs_pack.exporters.checkpoint.tiny import PRESETS
 
     p = PRESETS["tiny"]
     assert tiny_ggufs["float"]["convert_peak_rss_mb"] > 0 and tiny_ggufs["version"] == llama_cpp.llama_cpp_version()
@@ -205,10 +205,10 @@ def _oracle_logits(checkpoint: Path, tokens: list[int]) -> np.ndarray:
     """float32 [vocab] logits of the last token from the fp32 oracle (TorchDecoder, tied head)."""
     import torch
 
-    from higgs_pack.exporters.checkpoint import open_checkpoint
-    from higgs_pack.exporters.checkpoint_layout import TEXT_EMBEDDING
-    from higgs_pack.exporters.checkpoint_models import qwen3_model
-    from higgs_pack.exporters.reference import TorchDecoder
+    from higgs_pack.exporters.checkpoint.layout import TEXT_EMBEDDING
+    from higgs_pack.exporters.checkpoint.models import qwen3_model
+    from higgs_pack.exporters.checkpoint.reader import open_checkpoint
+    from higgs_pack.exporters.pytorch.reference import TorchDecoder
 
     with open_checkpoint(checkpoint) as ckpt:
         table = ckpt.tensor(TEXT_EMBEDDING).float()

@@ -15,10 +15,10 @@ pytest.importorskip("onnxruntime_genai")
 
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
-from higgs_pack.exporters.checkpoint_models import write_qwen3_hf_dir  # noqa: E402
-from higgs_pack.exporters.dequantize import OnnxWeights  # noqa: E402
-from higgs_pack.exporters.matmul_nbits import quantize_matmuls  # noqa: E402
+from higgs_pack.exporters.checkpoint.models import write_qwen3_hf_dir  # noqa: E402
+from higgs_pack.exporters.onnx.matmul_nbits import quantize_matmuls  # noqa: E402
 from higgs_pack.exporters.process import run_step  # noqa: E402
+from higgs_pack.exporters.pytorch.dequantize import OnnxWeights  # noqa: E402
 
 
 def _modelbuilder(hf_dir: Path, out: Path, precision: str, ep: str, cache: Path) -> Path:
@@ -101,10 +101,10 @@ def test_quantization_memory_scales_with_the_largest_weight_not_the_model(tmp_pa
     _matmul_chain(tmp_path / "big.onnx", k, n, count)
     largest = k * n * 4
     _matmul_chain(tmp_path / "small.onnx", 64, 64, 1)  # the baseline: the same imports, one small weight
-    _, baseline = run_step("higgs_pack.exporters.matmul_nbits:quantize_matmuls",
+    _, baseline = run_step("higgs_pack.exporters.onnx.matmul_nbits:quantize_matmuls",
                            {"source": str(tmp_path / "small.onnx"), "target": str(tmp_path / "small-q.onnx")},
                            name="baseline")
-    _, record = run_step("higgs_pack.exporters.matmul_nbits:quantize_matmuls",
+    _, record = run_step("higgs_pack.exporters.onnx.matmul_nbits:quantize_matmuls",
                          {"source": str(tmp_path / "big.onnx"), "target": str(tmp_path / "q.onnx")},
                          name="quantize")
     model_bytes = count * largest

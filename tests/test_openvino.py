@@ -22,14 +22,14 @@ pytest.importorskip("nncf")
 pytest.importorskip("optimum.intel")
 transformers = pytest.importorskip("transformers")
 
-from higgs_pack.exporters.openvino_decoder import convert_llm_decoder  # noqa: E402
-from higgs_pack.exporters.openvino_ir import (  # noqa: E402
+from higgs_pack.exporters.openvino.decoder import convert_llm_decoder  # noqa: E402
+from higgs_pack.exporters.openvino.ir import (  # noqa: E402
     ir_io_signature,
     is_stateful,
     reshape_static,
     weight_summary,
 )
-from higgs_pack.exporters.openvino_subpart import convert_subpart  # noqa: E402
+from higgs_pack.exporters.openvino.subpart import convert_subpart  # noqa: E402
 from higgs_pack.manifests.constants import SUBPART_IO, SubPart  # noqa: E402
 from higgs_pack.manifests.errors import (  # noqa: E402
     BuildError,

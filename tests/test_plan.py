@@ -38,7 +38,7 @@ def test_plans_follow_the_declarations():
 
 def test_olive_passes_per_precision():
     """int4 quantizes after the conversion; fp16 casts in the conversion (torch_dtype): one pass."""
-    from higgs_pack.exporters.olive import CONVERSION_PASS, RTN_PASS
+    from higgs_pack.exporters.onnx.olive import CONVERSION_PASS, RTN_PASS
 
     rows = {r.subpart: r for r in make_plan("cpu", "int4").rows}
     assert rows[SubPart.AUDIO_HEADS].passes == (CONVERSION_PASS, RTN_PASS)
@@ -141,7 +141,7 @@ def test_catalogue_options_are_the_exporters_keywords():
 def test_npu_plan_says_static_decoder_and_symmetric_int4():
     """The npu variant plans the static decoder and INT4_SYM, with its own group sizes over the
     target's (declared in targets/declarations.py)."""
-    from higgs_pack.exporters.openvino_plan import (
+    from higgs_pack.exporters.openvino.plan import (
         DECODER_EXPORT_PASS,
         STATIC_DECODER_PASS,
         SUBPART_COMPRESSION,

@@ -11,18 +11,18 @@ torch = pytest.importorskip("torch")
 ort = pytest.importorskip("onnxruntime")
 pytest.importorskip("transformers")
 
-from higgs_pack.exporters.checkpoint_models import codec_model, qwen3_model  # noqa: E402
-from higgs_pack.exporters.reference import (  # noqa: E402
-    TorchDecoder,
-    reference_pipeline,
-)
-from higgs_pack.exporters.torch_modules import (  # noqa: E402
+from higgs_pack.exporters.checkpoint.models import codec_model, qwen3_model  # noqa: E402
+from higgs_pack.exporters.pytorch.modules import (  # noqa: E402
     DYNAMIC_AXES,
     AudioEmbed,
     AudioHeads,
     CodecEncoder,
     build_modules,
     example_inputs,
+)
+from higgs_pack.exporters.pytorch.reference import (  # noqa: E402
+    TorchDecoder,
+    reference_pipeline,
 )
 from higgs_pack.manifests.constants import SUBPART_IO, SubPart  # noqa: E402
 from higgs_pack.manifests.errors import InputError  # noqa: E402
@@ -96,7 +96,7 @@ def test_codec_encoder_refuses_partial_frames(modules):
 def test_onnx_export_runs_on_ort_at_other_lengths(subpart, modules, tiny_ckpt, tmp_path: Path):
     """Exported at length 5 by the build's exporter (Olive, fp32), run at 3 and 11 with batch 2:
     same as torch."""
-    from higgs_pack.exporters.olive import export_onnx
+    from higgs_pack.exporters.onnx.olive import export_onnx
 
     module = modules[subpart]
     inputs, outputs = SUBPART_IO[subpart]

@@ -12,8 +12,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402
 
-from higgs_pack.exporters.checkpoint import open_checkpoint  # noqa: E402
-from higgs_pack.exporters.checkpoint_layout import (  # noqa: E402
+from higgs_pack.exporters.checkpoint.layout import (  # noqa: E402
     AUDIO_EMBEDDING,
     BODY_PREFIX,
     CODEC_PREFIX,
@@ -21,15 +20,16 @@ from higgs_pack.exporters.checkpoint_layout import (  # noqa: E402
     TEXT_EMBEDDING,
     llm_tensor_shapes,
 )
-from higgs_pack.exporters.checkpoint_models import codec_model  # noqa: E402
-from higgs_pack.exporters.safetensors_writer import plan_shards  # noqa: E402
-from higgs_pack.exporters.tiny import (  # noqa: E402
+from higgs_pack.exporters.checkpoint.models import codec_model  # noqa: E402
+from higgs_pack.exporters.checkpoint.reader import open_checkpoint  # noqa: E402
+from higgs_pack.exporters.checkpoint.safetensors_writer import plan_shards  # noqa: E402
+from higgs_pack.exporters.checkpoint.tiny import (  # noqa: E402
     PRESETS,
     get_preset,
     make_tiny_checkpoint,
     tensor_plan,
 )
-from higgs_pack.exporters.tiny_tokenizer import HIGGS_SPECIAL_IDS  # noqa: E402
+from higgs_pack.exporters.checkpoint.tiny_tokenizer import HIGGS_SPECIAL_IDS  # noqa: E402
 from higgs_pack.manifests.errors import BuildPlanError  # noqa: E402
 
 SHARDS = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]

@@ -14,11 +14,11 @@ import, which costs about 7 s, and real exceptions: Olive's conversion replaces
 any converter error by "Invalid config file").
 
 With ``static_axes`` (the ``npu`` variant) every axis gets a fixed size, planned by
-:class:`higgs_pack.exporters.openvino_static_shapes.StaticPlan`.
+:class:`higgs_pack.exporters.openvino.static_shapes.StaticPlan`.
 
 Gotcha measured here (olive 0.13): Olive's ``OpenVINOWeightCompression`` saves with the
 default ``compress_to_fp16=True``, so float weights NNCF leaves alone come out f16;
-:func:`~higgs_pack.exporters.openvino_ir.weight_summary` records what the IR really holds.
+:func:`~higgs_pack.exporters.openvino.ir.weight_summary` records what the IR really holds.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import openvino as ov
 
 from higgs_pack.exporters.catalog import OLIVE_OPENVINO
-from higgs_pack.exporters.openvino_ir import (
+from higgs_pack.exporters.openvino.compression import nncf_compress
+from higgs_pack.exporters.openvino.ir import (
     Precision,
     check_precision,
     ir_io_signature,
@@ -42,9 +43,8 @@ from higgs_pack.exporters.openvino_ir import (
     set_rt_info,
     weight_summary,
 )
-from higgs_pack.exporters.openvino_nncf import nncf_compress
-from higgs_pack.exporters.openvino_plan import SUBPART_NNCF, compress_settings
-from higgs_pack.exporters.openvino_static_shapes import StaticPlan
+from higgs_pack.exporters.openvino.plan import SUBPART_NNCF, compress_settings
+from higgs_pack.exporters.openvino.static_shapes import StaticPlan
 from higgs_pack.exporters.result import ExportResult, tool_versions
 from higgs_pack.manifests.constants import SUBPART_IO, SubPart
 from higgs_pack.manifests.errors import BuildError, BuildPlanError, unknown_choice
@@ -187,7 +187,7 @@ def convert_subpart(
             ``-1`` or a string (dynamic), e.g. ``[[None, None, 8]]`` for ``codes``.
             ``None`` (the default) leaves every axis dynamic. All-int shapes give
             a static IR (see also
-            :func:`~higgs_pack.exporters.openvino_ir.reshape_static`).
+            :func:`~higgs_pack.exporters.openvino.ir.reshape_static`).
         dynamic_axes: Alternative to ``input_shapes``, as for ``torch.onnx.export``:
             input name -> ``{axis: symbolic name}`` or a list of axes. Those axes are
             dynamic, every other axis keeps the example's size (``{"codes": {0:

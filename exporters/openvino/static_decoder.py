@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import openvino as ov
 
-from higgs_pack.exporters.openvino_ir import (
+from higgs_pack.exporters.openvino.compression import nncf_compress
+from higgs_pack.exporters.openvino.ir import (
     Precision,
     check_precision,
     decoder_result,
@@ -22,8 +23,7 @@ from higgs_pack.exporters.openvino_ir import (
     set_rt_info,
     weight_summary,
 )
-from higgs_pack.exporters.openvino_nncf import nncf_compress
-from higgs_pack.exporters.openvino_plan import DECODER_NNCF, STATIC_DECODER_PASS
+from higgs_pack.exporters.openvino.plan import DECODER_NNCF, STATIC_DECODER_PASS
 from higgs_pack.exporters.result import ExportResult, tool_versions
 from higgs_pack.manifests.constants import SubPart
 from higgs_pack.manifests.errors import BuildError, BuildPlanError
@@ -138,10 +138,10 @@ def convert_static_decoder(
     Args:
         hf_dir: A standard Qwen3 Hugging Face directory.
         out_dir: Where ``<name>.xml`` / ``.bin`` are written.
-        precision: As :func:`~higgs_pack.exporters.openvino_decoder.convert_llm_decoder` (NNCF weight compression).
+        precision: As :func:`~higgs_pack.exporters.openvino.decoder.convert_llm_decoder` (NNCF weight compression).
         kv_length: Positions the KV buffers hold (prompt + generated frames).
         step: Positions per call.
-        group_size, ratio, all_layers, symmetric: NNCF settings, as :func:`~higgs_pack.exporters.openvino_decoder.convert_llm_decoder`.
+        group_size, ratio, all_layers, symmetric: NNCF settings, as :func:`~higgs_pack.exporters.openvino.decoder.convert_llm_decoder`.
         bundle_dir: Root the returned file paths are relative to (default ``out_dir``).
         name: File stem of the IR.
 

@@ -1,6 +1,6 @@
 """The matched oracle: the PyTorch reference run with the weights read back from a bundle.
 
-See :mod:`higgs_pack.exporters.dequantize` for why.  For each sub-part whose weights
+See :mod:`higgs_pack.exporters.pytorch.dequantize` for why.  For each sub-part whose weights
 were quantized or cast (precision other than fp32) this captures, on the golden inputs
 already in ``g``, the oracle's outputs with the bundle's own weights
 (``<part>/matched/<tensor>``), and checks every read-back weight against the
@@ -52,12 +52,12 @@ def _decoder_reader(bundle_dir: Path, info: dict[str, Any], ckpt: Any):
     """``f(layer) -> {param: float32 array}`` for the bundle's decoder, by its format."""
     entry = bundle_dir / info["entry"]
     if info["format"] == "onnx":
-        from higgs_pack.exporters.dequantize import OnnxWeights
+        from higgs_pack.exporters.pytorch.dequantize import OnnxWeights
 
         reader = OnnxWeights(entry)
         sizes = _layer_sizes(ckpt)
         return lambda layer: reader.modelbuilder_layer(layer, sizes)
-    from higgs_pack.exporters.dequantize import OpenVinoWeights
+    from higgs_pack.exporters.pytorch.dequantize import OpenVinoWeights
 
     reader = OpenVinoWeights(entry)
     return reader.optimum_layer
@@ -66,14 +66,14 @@ def _decoder_reader(bundle_dir: Path, info: dict[str, Any], ckpt: Any):
 def _single_weight(path: Path, fmt: str) -> np.ndarray:
     """The one weight table of a small sub-part file, read back (ONNX or OpenVINO IR)."""
     if fmt == "onnx":
-        from higgs_pack.exporters.dequantize import OnnxWeights
+        from higgs_pack.exporters.pytorch.dequantize import OnnxWeights
 
         reader = OnnxWeights(path)
         nodes = reader.weight_nodes()
         if len(nodes) != 1:
             raise BuildError(f"{path}: expected one weight node, found {nodes}")
         return reader.weight(nodes[0])
-    from higgs_pack.exporters.dequantize import OpenVinoWeights
+    from higgs_pack.exporters.pytorch.dequantize import OpenVinoWeights
 
     return OpenVinoWeights(path).single_weight()
 
@@ -116,10 +116,10 @@ def capture_matched(ckpt: Any, pipe: Any, g: dict[str, np.ndarray], bundle_dir: 
     """
     import torch
 
-    from higgs_pack.exporters.checkpoint_layout import AUDIO_EMBEDDING, BODY_PREFIX, TEXT_EMBEDDING
-    from higgs_pack.exporters.checkpoint_models import qwen3_model
-    from higgs_pack.exporters.reference import TorchDecoder, TorchRunner, upcast_per_layer
-    from higgs_pack.exporters.torch_modules import AudioEmbed, AudioHeads, TextEmbed
+    from higgs_pack.exporters.checkpoint.layout import AUDIO_EMBEDDING, BODY_PREFIX, TEXT_EMBEDDING
+    from higgs_pack.exporters.checkpoint.models import qwen3_model
+    from higgs_pack.exporters.pytorch.modules import AudioEmbed, AudioHeads, TextEmbed
+    from higgs_pack.exporters.pytorch.reference import TorchDecoder, TorchRunner, upcast_per_layer
 
     out: dict[str, Any] = {}
     c = pipe.constants

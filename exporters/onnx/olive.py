@@ -46,8 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from higgs_pack.exporters import onnx_utils
 from higgs_pack.exporters.catalog import OLIVE_ONNX
+from higgs_pack.exporters.onnx import graphs
 from higgs_pack.exporters.result import ExportResult, installed_version, log_tail
 from higgs_pack.manifests.errors import BuildError, BuildPlanError, unknown_choice
 
@@ -214,7 +214,7 @@ def _finalize(model_path: Path, out_dir: Path, name: str, threshold: int) -> Pat
     for stale in (final, out_dir / data_name):
         stale.unlink(missing_ok=True)
 
-    locations = onnx_utils.external_data_locations(model_path)
+    locations = graphs.external_data_locations(model_path)
     weight_bytes = model_path.stat().st_size + sum(
         (model_path.parent / loc).stat().st_size for loc in locations
     )
@@ -447,15 +447,15 @@ def export_onnx(
         model_path = _run_passes(module.eval(), tuple(example_inputs), io_config, passes, configs, scratch,
                                  f"{name} ({precision})")
         final = _finalize(model_path, out_dir, name, external_data_threshold)
-        renamed = onnx_utils.rename_graph_outputs(final, output_names)
+        renamed = graphs.rename_graph_outputs(final, output_names)
     finally:
         if not keep_work_dir:
             shutil.rmtree(scratch, ignore_errors=True)
 
-    inputs, outputs = onnx_utils.onnx_io_signature(final)
+    inputs, outputs = graphs.onnx_io_signature(final)
     quantization: dict[str, Any] = {}
     if plan.bits is not None:
-        ops = onnx_utils.quantized_ops(final)
+        ops = graphs.quantized_ops(final)
         if not ops:
             raise BuildError(
                 f"{RTN_PASS} quantized nothing in {name} ({precision}): the graph has no MatMul "
@@ -469,13 +469,13 @@ def export_onnx(
     return ExportResult(
         subpart=subpart or name,
         format="onnx",
-        files=onnx_utils.onnx_files(final, bundle_dir),
+        files=graphs.onnx_files(final, bundle_dir),
         entry=final.resolve().relative_to(bundle_dir.resolve()).as_posix(),
         exporter=OLIVE_ONNX,
         passes=passes,
         tool_versions={
             "olive-ai": installed_version("olive-ai"),
-            **onnx_utils.onnx_tool_versions(),
+            **graphs.onnx_tool_versions(),
             "onnxscript": installed_version("onnxscript"),
             "torch": torch.__version__,
         },
@@ -487,7 +487,7 @@ def export_onnx(
             "opset": opset,
             "exporter": "torchscript",
             "dynamic_axes": {k: {str(a): v for a, v in ax.items()} for k, ax in axes.items()},
-            "op_types": onnx_utils.op_type_counts(final),
+            "op_types": graphs.op_type_counts(final),
             "renamed_outputs": renamed,
         },
     )

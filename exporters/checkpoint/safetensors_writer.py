@@ -2,8 +2,8 @@
 
 :func:`write_safetensors` writes one file, :func:`write_sharded_safetensors` a
 ``model.safetensors`` or shards plus an index as transformers writes them. Shared by the
-tiny-checkpoint generator (:mod:`higgs_pack.exporters.tiny`) and
-:func:`~higgs_pack.exporters.checkpoint_models.write_qwen3_hf_dir`,
+tiny-checkpoint generator (:mod:`higgs_pack.exporters.checkpoint.tiny`) and
+:func:`~higgs_pack.exporters.checkpoint.models.write_qwen3_hf_dir`,
 so neither ever holds a whole model in memory.
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from higgs_pack.exporters.checkpoint_layout import INDEX_NAME, SINGLE_NAME
+from higgs_pack.exporters.checkpoint.layout import INDEX_NAME, SINGLE_NAME
 
 if TYPE_CHECKING:  # heavy imports stay lazy: planning must not import torch
     import torch

@@ -15,11 +15,11 @@ A Higgs-Audio-v3 checkpoint (``bosonai/higgs-audio-v3-tts-4b``, see
 * ``tokenizer.json`` (Qwen3 BPE plus the Higgs special tokens) and its companions.
 
 The published checkpoint carries the codec weights but not the codec's config.
-higgs-pack's own checkpoints (:mod:`higgs_pack.exporters.tiny`) add the key
+higgs-pack's own checkpoints (:mod:`higgs_pack.exporters.checkpoint.tiny`) add the key
 ``audio_tokenizer_config`` to ``config.json``: the ``to_dict()`` of the
 ``HiggsAudioV2TokenizerConfig`` their codec was built from.  When the key is absent,
 the reader uses
-:data:`~higgs_pack.exporters.checkpoint_layout.PUBLISHED_CODEC_CONFIG` (bosonai/higgs-audio-v2-tokenizer,
+:data:`~higgs_pack.exporters.checkpoint.layout.PUBLISHED_CODEC_CONFIG` (bosonai/higgs-audio-v2-tokenizer,
 MODEL.md).
 
 Only safetensors are read (never pickles), one tensor at a time through
@@ -27,9 +27,9 @@ Only safetensors are read (never pickles), one tensor at a time through
 :class:`~higgs_pack.manifests.errors.CheckpointError` that names the file, says what is
 wrong and what to do.
 
-The layout facts live in :mod:`higgs_pack.exporters.checkpoint_layout`, the transformers
-models a checkpoint becomes in :mod:`higgs_pack.exporters.checkpoint_models`, the
-safetensors writer in :mod:`higgs_pack.exporters.safetensors_writer`.  What is left here
+The layout facts live in :mod:`higgs_pack.exporters.checkpoint.layout`, the transformers
+models a checkpoint becomes in :mod:`higgs_pack.exporters.checkpoint.models`, the
+safetensors writer in :mod:`higgs_pack.exporters.checkpoint.safetensors_writer`.  What is left here
 (about 600 lines) is one concern, reading and checking: :class:`HiggsCheckpoint` checks
 config, shards, layout, tokenizer and derived constants as it opens, and splitting its
 checks from the reads they guard would scatter one class's invariants over modules.
@@ -45,7 +45,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from higgs_pack.exporters.checkpoint_layout import (
+from higgs_pack.exporters.checkpoint.layout import (
     AUDIO_EMBEDDING,
     AUDIO_HEAD_PREFIX,
     BODY_PREFIX,
@@ -61,7 +61,7 @@ from higgs_pack.exporters.checkpoint_layout import (
     fixed_text_config,
     llm_tensor_shapes,
 )
-from higgs_pack.exporters.safetensors_writer import ST_DTYPES
+from higgs_pack.exporters.checkpoint.safetensors_writer import ST_DTYPES
 from higgs_pack.manifests.constants import SPECIAL_TOKENS
 from higgs_pack.manifests.errors import CheckpointError, disk_full, disk_full_message, first_line
 from higgs_pack.runtime.loop.pipeline import ModelConstants

@@ -21,10 +21,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.exporters import kv_cache as kv
-from higgs_pack.exporters import onnx_utils
 from higgs_pack.exporters.catalog import MODELBUILDER
-from higgs_pack.exporters.matmul_nbits import quantize_matmuls, raise_disk_error
+from higgs_pack.exporters.onnx import graphs
+from higgs_pack.exporters.onnx import kv_quantization as kv
+from higgs_pack.exporters.onnx.matmul_nbits import quantize_matmuls, raise_disk_error
 from higgs_pack.exporters.process import describe_exit, run_tool
 from higgs_pack.exporters.result import ExportResult, installed_version, log_tail
 from higgs_pack.manifests.constants import EXECUTION_PROVIDERS as PROVIDER_ROWS
@@ -80,7 +80,7 @@ def int4_settings(execution_provider: str, extra_options: Mapping[str, Any] | No
     Returns:
         ``{"block_size": int, "accuracy_level": int, "is_symmetric": bool,
         "nodes_to_exclude": [node names]}``: the keywords of
-        :func:`~higgs_pack.exporters.matmul_nbits.quantize_matmuls`.
+        :func:`~higgs_pack.exporters.onnx.matmul_nbits.quantize_matmuls`.
     """
     options = extra_options or {}
     return {
@@ -96,7 +96,7 @@ def plan(precision: str, options: Any) -> tuple[tuple[str, ...], dict[str, Any]]
     """``(passes, quantization)`` that :func:`build_llm_decoder` records (no heavy import; for the
     build plan): for int4 every declared setting (block size, accuracy level, symmetry), and for
     a quantized KV cache (``options["kv_cache"]``) its record under ``"kv_cache"`` (precision,
-    dtype, scheme, calibration settings and corpus: :func:`~higgs_pack.exporters.kv_cache.planned_record`),
+    dtype, scheme, calibration settings and corpus: :func:`~higgs_pack.exporters.onnx.kv_quantization.planned_record`),
     which the build compares with what it reads back from the graph.
 
     Raises:
@@ -121,7 +121,7 @@ def _int4_record(execution_provider: str, settings: Mapping[str, Any]) -> dict[s
 #: int4 is built in two steps, so that no step holds the whole float model: ModelBuilder
 #: writes the float graph ModelBuilder's own int4 build starts from (its I/O dtype per
 #: execution provider: fp32 on cpu, fp16 on cuda and dml; read in builders/base.py,
-#: 0.18), then :func:`~higgs_pack.exporters.matmul_nbits.quantize_matmuls` replaces its
+#: 0.18), then :func:`~higgs_pack.exporters.onnx.matmul_nbits.quantize_matmuls` replaces its
 #: MatMuls node by node.  The result is byte-identical to ModelBuilder's in-memory int4
 #: build (tests/test_matmul_nbits.py), whose peak was 22.7 GB on the 4B checkpoint.
 def int4_float_base(execution_provider: str) -> str:
@@ -339,7 +339,7 @@ def build_llm_decoder(
             ``"float"`` (the graph's I/O dtype) or ``"int8"`` (cpu only: ModelBuilder's
             ``kv_cache_quant_scheme=int8_per_channel`` with scales calibrated by its
             ``kv_cache_calibration`` tool on a baseline of this precision built with the
-            embedding kept, on the fixed corpus of :mod:`higgs_pack.exporters.kv_cache`;
+            embedding kept, on the fixed corpus of :mod:`higgs_pack.exporters.onnx.kv_quantization`;
             the baseline is removed afterwards).  The KV inputs/outputs are then int8
             [batch_size, kv_heads, positions, head_dim] and each GroupQueryAttention node
             takes two float32 scale initializers.
@@ -397,7 +397,7 @@ def build_llm_decoder(
     kv_record = _check_kv_cache(model_path, kv_cache, log_path)
     if kv_record is not None:
         quantization["kv_cache"] = kv_record
-    inputs, outputs = onnx_utils.onnx_io_signature(model_path)
+    inputs, outputs = graphs.onnx_io_signature(model_path)
     return ExportResult(
         subpart=SubPart.LLM_DECODER.value,
         format="onnx",
@@ -407,7 +407,7 @@ def build_llm_decoder(
         passes=list(passes_for(precision, execution_provider, kv_cache)),
         tool_versions={
             "onnxruntime-genai": installed_version("onnxruntime-genai"),
-            **onnx_utils.onnx_tool_versions(),
+            **graphs.onnx_tool_versions(),
             "transformers": installed_version("transformers"),
         },
         precision=precision,
@@ -418,7 +418,7 @@ def build_llm_decoder(
             "execution_provider": execution_provider,
             "extra_options": options,
             "opset": _opsets(model_path),
-            "op_types": onnx_utils.op_type_counts(model_path),
+            "op_types": graphs.op_type_counts(model_path),
             "removed_files": removed,
             "repaired_value_info": repaired,
             **({"kv_cache_calibration": calibration} if calibration else {}),
@@ -597,7 +597,7 @@ def _keep_sub_part_files(model_path: Path, out_dir: Path, bundle_dir: Path) -> t
     Returns:
         (the sub-part's files relative to ``bundle_dir``, graph first; the names removed).
     """
-    files = onnx_utils.onnx_files(model_path, bundle_dir)
+    files = graphs.onnx_files(model_path, bundle_dir)
     genai_config = (out_dir / GENAI_CONFIG).resolve().relative_to(bundle_dir.resolve()).as_posix()
     keep = {*files, genai_config}
     removed: list[str] = []
@@ -615,7 +615,7 @@ def _int4_quantization(model_path: Path, log_path: Path, execution_provider: str
     Raises:
         BuildError: the graph has no MatMulNBits node.
     """
-    ops = onnx_utils.quantized_ops(model_path)
+    ops = graphs.quantized_ops(model_path)
     if not ops:
         raise BuildError(
             f"ModelBuilder int4 build {model_path} has no MatMulNBits node; log {log_path}:\n"

@@ -18,7 +18,7 @@ configs are Python objects). The IR is then renamed (``logits`` ->
 ``hidden_states``) and its weights compressed with ``nncf.compress_weights``.
 
 With ``static_kv_length`` (the ``npu`` variant) it hands over to
-:func:`higgs_pack.exporters.openvino_static_decoder.convert_static_decoder`.
+:func:`higgs_pack.exporters.openvino.static_decoder.convert_static_decoder`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from pathlib import Path
 
 import openvino as ov
 
-from higgs_pack.exporters.openvino_ir import (
+from higgs_pack.exporters.openvino.compression import nncf_compress
+from higgs_pack.exporters.openvino.ir import (
     Precision,
     check_precision,
     decoder_result,
@@ -40,9 +41,8 @@ from higgs_pack.exporters.openvino_ir import (
     set_rt_info,
     weight_summary,
 )
-from higgs_pack.exporters.openvino_nncf import nncf_compress
-from higgs_pack.exporters.openvino_plan import DECODER_EXPORT_PASS, DECODER_NNCF
-from higgs_pack.exporters.openvino_static_decoder import convert_static_decoder
+from higgs_pack.exporters.openvino.plan import DECODER_EXPORT_PASS, DECODER_NNCF
+from higgs_pack.exporters.openvino.static_decoder import convert_static_decoder
 from higgs_pack.exporters.process import disk_note
 from higgs_pack.exporters.result import ExportResult, tool_versions
 from higgs_pack.manifests.constants import SubPart

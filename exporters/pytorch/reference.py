@@ -1,7 +1,7 @@
 """The PyTorch oracle: the checkpoint's torch modules behind the runtime's backend interface.
 
 :func:`reference_pipeline` returns a :class:`higgs_pack.runtime.loop.pipeline.Pipeline`
-whose sub-parts are the float32 modules of :mod:`higgs_pack.exporters.torch_modules`
+whose sub-parts are the float32 modules of :mod:`higgs_pack.exporters.pytorch.modules`
 (wrapped by :class:`TorchRunner`) and whose decoder is transformers' ``Qwen3Model``
 with a ``DynamicCache`` (:class:`TorchDecoder`).  The runtime's generation loop runs on
 it unchanged, so golden outputs captured at build time and parity tests measure the
@@ -17,13 +17,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from higgs_pack.exporters.torch_modules import build_modules
+from higgs_pack.exporters.pytorch.modules import build_modules
 from higgs_pack.manifests.constants import SUBPART_IO, SubPart
 from higgs_pack.manifests.errors import InputError
 from higgs_pack.runtime.loop.pipeline import Pipeline
 
 if TYPE_CHECKING:
-    from higgs_pack.exporters.checkpoint import HiggsCheckpoint
+    from higgs_pack.exporters.checkpoint.reader import HiggsCheckpoint
 
 #: What :attr:`Pipeline.description` says for every sub-part of the oracle.
 DESCRIPTION = "pytorch"
@@ -128,11 +128,11 @@ def upcast_per_layer(model: nn.Module, replace: Callable[[int], dict[str, np.nda
     instead of the 14.6 GiB float32 model.
 
     Args:
-        model: the ``Qwen3Model`` (:func:`~higgs_pack.exporters.checkpoint_models.qwen3_model` with ``stored_dtype=True``).
+        model: the ``Qwen3Model`` (:func:`~higgs_pack.exporters.checkpoint.models.qwen3_model` with ``stored_dtype=True``).
         replace: optional ``f(layer_index) -> {parameter path in the layer: float32 array}``:
             those parameters are taken from ``f`` instead of the model for that layer's
             forward (the matched oracle: weights read back from a bundle, see
-            :mod:`higgs_pack.exporters.dequantize`).
+            :mod:`higgs_pack.exporters.pytorch.dequantize`).
 
     Returns:
         ``model``.
@@ -152,7 +152,7 @@ class TorchDecoder:
     and returns the final-norm hidden states of the new positions, float32.
 
     Args:
-        model: A float32 eval-mode transformers ``Qwen3Model`` (:func:`~higgs_pack.exporters.checkpoint_models.qwen3_model`).
+        model: A float32 eval-mode transformers ``Qwen3Model`` (:func:`~higgs_pack.exporters.checkpoint.models.qwen3_model`).
         max_length: Most positions per request (default: ``max_position_embeddings``).
 
     Raises:
@@ -232,7 +232,7 @@ def reference_pipeline(ckpt: HiggsCheckpoint, *, with_encoder: bool = True) -> P
         wanted.append(SubPart.AUDIO_ENCODER)
     modules = build_modules(ckpt, wanted, keep_dtype=True)
     runners = {sp: TorchRunner(m, *SUBPART_IO[sp]) for sp, m in modules.items()}
-    from higgs_pack.exporters.checkpoint_models import qwen3_model
+    from higgs_pack.exporters.checkpoint.models import qwen3_model
 
     body = upcast_per_layer(qwen3_model(ckpt, stored_dtype=True))
     ckpt.close()

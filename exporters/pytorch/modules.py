@@ -15,7 +15,7 @@ CodecEncoder     ``waveform`` float32 [B, 1, T*960]     ``audio_codes`` int64 [B
 ===============  =====================================  =========================================
 
 Every module exports with ``torch.onnx.export(..., dynamo=False, opset_version=20)``
-(Olive's ``OnnxConversion``: :func:`higgs_pack.exporters.olive.export_onnx`) with dynamic
+(Olive's ``OnnxConversion``: :func:`higgs_pack.exporters.onnx.olive.export_onnx`) with dynamic
 batch and sequence/frame/sample axes (:data:`DYNAMIC_AXES`), and the
 exported graph accepts lengths other than the example's.  The codec encoder is written
 so that tracing folds nothing length-dependent: the 24 kHz -> 16 kHz resampling of the
@@ -41,7 +41,7 @@ from higgs_pack.manifests.constants import SubPart
 from higgs_pack.manifests.errors import InputError
 
 if TYPE_CHECKING:
-    from higgs_pack.exporters.checkpoint import HiggsCheckpoint
+    from higgs_pack.exporters.checkpoint.reader import HiggsCheckpoint
     from higgs_pack.runtime.loop.pipeline import ModelConstants
 
 #: Symbolic axes of every exported input and output.
@@ -300,10 +300,10 @@ def build_modules(
 
     Returns:
         ``{subpart: module}``; ``SubPart.LLM_DECODER`` is not among them (see
-        :class:`higgs_pack.exporters.reference.TorchDecoder`).
+        :class:`higgs_pack.exporters.pytorch.reference.TorchDecoder`).
     """
-    from higgs_pack.exporters.checkpoint_layout import TEXT_EMBEDDING
-    from higgs_pack.exporters.checkpoint_models import codec_model
+    from higgs_pack.exporters.checkpoint.layout import TEXT_EMBEDDING
+    from higgs_pack.exporters.checkpoint.models import codec_model
 
     wanted = list(subparts or DYNAMIC_AXES)
     c = ckpt.constants

@@ -61,7 +61,7 @@ def capture_golden(ckpt, out_path: Path, *, seed: int = 1234, bundle_dir: Path |
     of the bundle being built, and for the decoder ``"kv_cache"``: its quantized KV cache
     record or None), every sub-part whose weights were quantized or cast is
     also run as the *matched* oracle: the same torch code with the weights read back
-    from the bundle (:mod:`higgs_pack.exporters.dequantize`), saved as
+    from the bundle (:mod:`higgs_pack.exporters.pytorch.dequantize`), saved as
     ``<sub-part>/matched/<tensor>``.  Verification measures the export error against it
     and the quantization error between it and the float outputs.  For a decoder with a
     quantized KV cache the oracle's K/V after the golden prompt are saved too
@@ -69,7 +69,7 @@ def capture_golden(ckpt, out_path: Path, *, seed: int = 1234, bundle_dir: Path |
     matched oracle): verification compares the bundle's dequantized cache with them.
 
     Args:
-        ckpt: an open :class:`~higgs_pack.exporters.checkpoint.HiggsCheckpoint`.
+        ckpt: an open :class:`~higgs_pack.exporters.checkpoint.reader.HiggsCheckpoint`.
         out_path: where to write the ``.npz`` (parent directories are created).
         seed: seed of the random probe codes.
         bundle_dir: the bundle the matched references are read from.
@@ -83,7 +83,7 @@ def capture_golden(ckpt, out_path: Path, *, seed: int = 1234, bundle_dir: Path |
     Raises:
         BuildError: a read-back weight does not fit its model parameter (wrong layout).
     """
-    from higgs_pack.exporters.reference import reference_pipeline
+    from higgs_pack.exporters.pytorch.reference import reference_pipeline
 
     pipe = reference_pipeline(ckpt)
     c = pipe.constants
@@ -133,7 +133,7 @@ def capture_golden(ckpt, out_path: Path, *, seed: int = 1234, bundle_dir: Path |
         g["greedy/delayed"] = np.zeros((0, c.num_codebooks), dtype=np.int64)
     weights: dict[str, Any] = {}
     if bundle_dir is not None and subparts:
-        from higgs_pack.exporters.matched import capture_matched
+        from higgs_pack.exporters.pytorch.matched import capture_matched
 
         weights = capture_matched(ckpt, pipe, g, Path(bundle_dir), subparts)
     out_path.parent.mkdir(parents=True, exist_ok=True)

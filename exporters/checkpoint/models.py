@@ -4,7 +4,7 @@ device and filled one tensor at a time, strictly (every tensor present, no extra
 checked); and the backbone written as a standard Qwen3 HF directory for ModelBuilder /
 optimum-intel.
 
-Plain functions of an opened :class:`~higgs_pack.exporters.checkpoint.HiggsCheckpoint`,
+Plain functions of an opened :class:`~higgs_pack.exporters.checkpoint.reader.HiggsCheckpoint`,
 using only its public reading interface (``text_config``, ``codec_config_dict``,
 ``tensor``, ``tensor_shape``, ``tensor_dtype``, ``tensor_names``, ``weight_files``,
 ``index_path``, ``tokenizer_files``, ``close``, ``root``).
@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from higgs_pack.exporters.checkpoint_layout import (
+from higgs_pack.exporters.checkpoint.layout import (
     BODY_PREFIX,
     CODEC_CONFIG_KEY,
     CODEC_OPTIONAL_KEYS,
@@ -27,14 +27,14 @@ from higgs_pack.exporters.checkpoint_layout import (
     hf_qwen3_name,
     llm_tensor_shapes,
 )
-from higgs_pack.exporters.safetensors_writer import LazyTensor, write_sharded_safetensors
+from higgs_pack.exporters.checkpoint.safetensors_writer import LazyTensor, write_sharded_safetensors
 from higgs_pack.manifests.errors import CheckpointError, first_line
 
 if TYPE_CHECKING:  # heavy imports stay lazy: planning must not import torch
     import torch
     from transformers import HiggsAudioV2TokenizerModel, Qwen3Config, Qwen3Model
 
-    from higgs_pack.exporters.checkpoint import HiggsCheckpoint
+    from higgs_pack.exporters.checkpoint.reader import HiggsCheckpoint
 
 
 def _weights_file(ckpt: HiggsCheckpoint) -> Path:
@@ -93,7 +93,7 @@ def qwen3_model(ckpt: HiggsCheckpoint, *, stored_dtype: bool = False, projection
         ckpt: the opened checkpoint.
         stored_dtype: keep the weights in the checkpoint's dtype (bf16 for the real
             model: 7.3 GiB instead of 14.6 GiB for the 4B body); the caller then runs
-            each layer in float32 with :func:`higgs_pack.exporters.reference.upcast_per_layer`.
+            each layer in float32 with :func:`higgs_pack.exporters.pytorch.reference.upcast_per_layer`.
             Default: a float32 model.
         projections: load the attention and MLP projection weights (False: they stay
             on the meta device, for a caller that supplies every layer's projections

@@ -23,7 +23,7 @@ dataset download, only the baseline graph and a tokenizer, but it feeds ``input_
 and refuses any other input ("Calibration model is missing required input 'input_ids'"),
 so it cannot run on the ``llm_decoder`` itself (``inputs_embeds`` in): the build makes a
 calibration baseline with ModelBuilder's embedding kept (``exclude_embeds=false``) at the
-bundle's precision, calibrates it, and removes it (:mod:`higgs_pack.exporters.modelbuilder`).
+bundle's precision, calibrates it, and removes it (:mod:`higgs_pack.exporters.onnx.modelbuilder`).
 Memory: the baseline's ONNX Runtime session plus the tool's per-layer samples (measured
 on the bench preset: 1.9 GB peak, 13 s; most of it importing transformers for the
 tokenizer).

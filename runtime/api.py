@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import queue
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from numbers import Integral
@@ -34,11 +36,10 @@ from higgs_pack.runtime.loop.generate import (
     SynthesisResult,
     check_text_tokens,
     encode_reference,
+    run_plan,
 )
-from higgs_pack.runtime.loop.generate import synthesize as run_synthesis
 from higgs_pack.runtime.loop.pipeline import Pipeline
-from higgs_pack.runtime.loop.streaming import SpeechStream
-from higgs_pack.runtime.loop.streaming import stream as run_stream
+from higgs_pack.runtime.loop.streaming import SpeechStream, stream_plan
 from higgs_pack.runtime.request import PreparedVoice, SynthesisRequest, Voice
 
 log = logging.getLogger(__name__)
@@ -187,8 +188,7 @@ class TTS:
                 the decoder's context.
             NumericalError: a sub-part returned NaN/inf (run ``higgs-pack verify``).
         """
-        request = SynthesisRequest.of(text, options)
-        return run_synthesis(self.pipeline, request.text, progress=progress, **request.loop_inputs(self.pipeline))
+        return run_plan(self.pipeline, SynthesisRequest.of(text, options).plan(self.pipeline), progress)
 
     def stream(self, text: str | SynthesisRequest, *, progress: ProgressCallback | None = None,
                **options: Any) -> SpeechStream:
@@ -215,9 +215,8 @@ class TTS:
             InputError: as :meth:`synthesize` (a bad chunk schedule too), before the first chunk.
             NumericalError: while iterating, as :meth:`synthesize`.
         """
-        request = SynthesisRequest.of(text, options)
-        return run_stream(self.pipeline, request.text, progress=progress, schedule=request.schedule,
-                          **request.loop_inputs(self.pipeline))
+        started = time.perf_counter()
+        return stream_plan(self.pipeline, SynthesisRequest.of(text, options).plan(self.pipeline), progress, started)
 
     def prepare_voice(self, ref_audio: Any, ref_text: str, name: str = "") -> PreparedVoice:
         """Encode a reference voice once, for many requests (``voice=`` of :meth:`synthesize`,
@@ -326,14 +325,11 @@ class TTS:
         if isinstance(texts, (str, bytes)):
             raise InputError("synthesize_many takes a list (or any iterable) of texts, got one string; use "
                              "tts.synthesize(text) for one text, or synthesize_many([text])")
-        probe = SynthesisRequest.of("-", options)  # every option checked now, before any text
-        voice = probe.voice
-        if isinstance(voice, Voice):
-            voice = self.prepare_voice(voice.audio, voice.transcript)
-        base_seed = probe.seed
-        common = {k: v for k, v in options.items() if k not in ("seed", "ref_audio", "ref_text", "voice")}
-        if voice is not None:
-            common["voice"] = voice
+        template = SynthesisRequest.of("-", options)  # every option checked now, before any text
+        if isinstance(template.voice, Voice):  # the clip is read and encoded once, for every text
+            template = dataclasses.replace(template, voice=self.prepare_voice(template.voice.audio,
+                                                                              template.voice.transcript))
+        base_seed = template.seed
         engine_kwargs = {"max_length": max_length, "max_kv_bytes": max_kv_bytes}
         for name, value in (("max_batch", max_batch), *engine_kwargs.items()):
             if (value is not None or name == "max_batch") and (
@@ -344,7 +340,7 @@ class TTS:
             if isinstance(item, SynthesisRequest):
                 return item
             seed = None if base_seed is None else base_seed + index
-            return SynthesisRequest.create(item, seed=seed, **common)
+            return dataclasses.replace(template, text=item, seed=seed)  # the text and seed checked again
 
         return _many(self, enumerate(texts), request_of, int(max_batch), in_order, engine_kwargs)
 

@@ -45,17 +45,15 @@ import numpy as np
 
 from higgs_pack.manifests.errors import HiggsPackError, InputError
 from higgs_pack.runtime.loop.codec_batch import CodecBatcher
-from higgs_pack.runtime.loop.delay import SamplingOptions
 from higgs_pack.runtime.loop.frames import CodeSteps
 from higgs_pack.runtime.loop.generate import (
     GenerationResult,
+    SynthesisPlan,
     SynthesisResult,
     _FiniteChecks,
     build_prompt,
     check_context,
-    chunk_positions,
     join_results,
-    prepare_synthesis,
 )
 from higgs_pack.runtime.loop.kv_memory import KVBudget, default_kv_budget
 from higgs_pack.runtime.loop.pipeline import Decoder, Pipeline
@@ -63,7 +61,7 @@ from higgs_pack.runtime.loop.streaming import (
     AudioChunk,
     SpeechStream,
 )
-from higgs_pack.runtime.request import StreamSchedule, SynthesisRequest
+from higgs_pack.runtime.request import SynthesisRequest
 
 #: Default most positions per request of :meth:`higgs_pack.TTS.engine` (prompt + frames; 4096
 #: positions hold 2.7 minutes of audio at 25 frames per second).
@@ -141,20 +139,6 @@ class SingleRowDecoder:
         self._decoder.reset()
 
 
-@dataclass(frozen=True)
-class _Request:
-    """One checked and planned request (the engine's own; made by :meth:`Engine.submit`)."""
-
-    options: SamplingOptions
-    ref_codes: np.ndarray | None
-    ref_text: str | None
-    chunks: tuple[tuple[str, int], ...]
-    schedule: StreamSchedule
-    submitted: float
-    positions: int
-    """Most positions the request holds on its row (its largest chunk's prompt + audio steps)."""
-
-
 class EngineHandle:
     """One submitted request: read its speech with :meth:`result`, or iterate it for
     :class:`~higgs_pack.runtime.loop.streaming.AudioChunk` as frames are generated (not both).
@@ -163,9 +147,12 @@ class EngineHandle:
     are raised here, by :meth:`result` or while iterating; other requests go on.
     """
 
-    def __init__(self, engine: Engine, request: _Request):
+    def __init__(self, engine: Engine, plan: SynthesisPlan, submitted: float):
         self._engine = engine
-        self.request = request
+        self.plan = plan
+        """The request as the loop runs it (:class:`~higgs_pack.runtime.loop.generate.SynthesisPlan`)."""
+        self.submitted = submitted
+        """``time.perf_counter()`` at :meth:`Engine.submit` (a stream's ``first_audio_s`` counts from it)."""
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._cancelled = threading.Event()
         self._finished = threading.Event()
@@ -242,7 +229,7 @@ class EngineHandle:
             TimeoutError: no event within ``timeout``.
         """
         self._claim()
-        for index, _ in enumerate(self.request.chunks):
+        for index, _ in enumerate(self.plan.chunks):
             steps = self._chunk_steps(index, timeout)
             while True:
                 try:
@@ -256,9 +243,8 @@ class EngineHandle:
         :class:`~higgs_pack.runtime.loop.streaming.SpeechStream` (its ``results`` fill as text
         chunks end; its windows are decoded on the engine's codec thread)."""
         self._claim()
-        req, codec = self.request, self._engine.codec
-        stream = SpeechStream(self._engine.pipeline, list(req.chunks), req.options, req.ref_codes, req.ref_text,
-                              None, req.schedule, req.submitted,
+        codec = self._engine.codec
+        stream = SpeechStream(self._engine.pipeline, self.plan, None, self.submitted,
                               steps=lambda index, _text, _cap: self._chunk_steps(index, None),
                               decode=lambda codes: self._decode([codes])[0], reading=codec.stream)
         return stream
@@ -470,16 +456,9 @@ class Engine:
         """
         submitted = time.perf_counter()
         self._check_open()
-        request = SynthesisRequest.of(text, keywords)
-        inputs = request.loop_inputs(self.pipeline)
-        options, ref_codes, chunks = prepare_synthesis(self.pipeline, request.text, inputs["ref_samples"],
-                                                       inputs["ref_text"], inputs["options"], inputs["max_frames"],
-                                                       inputs["ref_codes"])
-        positions = max(chunk_positions(self.pipeline, chunk, cap, ref_codes, inputs["ref_text"])
-                        for chunk, cap in chunks)
-        self.kv.check_request(positions)
-        handle = EngineHandle(self, _Request(options, ref_codes, inputs["ref_text"], tuple(chunks),
-                                             request.schedule, submitted, positions))
+        plan = SynthesisRequest.of(text, keywords).plan(self.pipeline)
+        self.kv.check_request(plan.positions)
+        handle = EngineHandle(self, plan, submitted)
         with self._cond:
             self._check_open()
             self._waiting.append(handle)
@@ -532,12 +511,12 @@ class Engine:
             free = [r for r in range(self.max_batch) if r not in self._rows]
             admitted = []
             for handle, row in zip(self._waiting, free, strict=False):
-                if not self.kv.fits(handle.request.positions):
+                if not self.kv.fits(handle.plan.positions):
                     if not handle.waited_for_kv:
                         handle.waited_for_kv = True
                         self.stats.kv_waits += 1
                     break
-                handle.kv_reserved = self.kv.reserve(handle.request.positions)
+                handle.kv_reserved = self.kv.reserve(handle.plan.positions)
                 admitted.append((handle, row))
             self.stats.max_kv_bytes_in_use = max(self.stats.max_kv_bytes_in_use, self.kv.in_use_bytes)
             del self._waiting[: len(admitted)]
@@ -551,7 +530,7 @@ class Engine:
     def _start_chunk(self, state: _Row) -> None:
         """Embed the prompt of the row's current text chunk and prefill it on the row; a bad
         prompt fails this request alone."""
-        req, c = state.handle.request, self.pipeline.constants
+        req, c = state.handle.plan, self.pipeline.constants
         text, cap = req.chunks[state.chunk]
         t0 = time.perf_counter()
         try:
@@ -657,7 +636,7 @@ class Engine:
                                   prompt_length=state.prompt_length, first_frame_s=state.first_frame_s,
                                   seconds=time.perf_counter() - state.started, decoder_seconds=state.decoder_s)
         state.handle._send("end", state.chunk, result)
-        if state.chunk + 1 < len(state.handle.request.chunks) and not state.handle.cancelled:
+        if state.chunk + 1 < len(state.handle.plan.chunks) and not state.handle.cancelled:
             state.chunk += 1
             state.started = time.perf_counter()
             self._start_chunk(state)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from higgs_pack.manifests.errors import InputError, NumericalError
+from higgs_pack.manifests.errors import InputError, NumericalError, Problem
 from higgs_pack.runtime.loop.delay import (
     SamplingOptions,
     apply_delay,
@@ -27,7 +27,7 @@ from higgs_pack.runtime.loop.delay import (
 )
 from higgs_pack.runtime.loop.frames import CodeSteps
 from higgs_pack.runtime.loop.pipeline import Pipeline
-from higgs_pack.runtime.request import refuse, text_problems, voice_pair_problems
+from higgs_pack.runtime.request import StreamSchedule, refuse, text_problems, voice_pair_problems
 
 #: Frame cap per text token and its floor, when the caller gives no ``max_frames``.
 #: 10 frames (0.4 s at 25 fps) per token is well above normal speech
@@ -98,7 +98,7 @@ def _check_finite(name: str, array: np.ndarray, pipeline: Pipeline) -> np.ndarra
     return array
 
 
-def check_text_tokens(pipeline: Pipeline, text: str) -> list[int]:
+def check_text_tokens(pipeline: Pipeline, text: str, field: str = "text") -> list[int]:
     """Tokenize ``text`` and refuse it if it holds a special token of the tokenizer.
 
     The prompt's control tokens (``<|tts|>``, ``<|text|>``, ``<|audio|>``, …) and every
@@ -109,6 +109,8 @@ def check_text_tokens(pipeline: Pipeline, text: str) -> list[int]:
     Args:
         pipeline: the backend (its tokenizer and special-token ids).
         text: text to speak, or a reference transcript.
+        field: the request field ``text`` came from (``"text"``, ``"ref_text"``), for the
+            :class:`~higgs_pack.manifests.errors.Problem` of the error.
 
     Returns:
         The token ids of ``text`` (no special tokens added).
@@ -128,8 +130,9 @@ def check_text_tokens(pipeline: Pipeline, text: str) -> list[int]:
         why = "the prompt control token(s) {names}, which the model reserves for its prompt format"
     else:
         why = "the tokenizer's special token(s) {names}, which would reach the model as control ids, not words"
-    raise InputError(f"the text contains {why.format(names=names)}; remove them (inline controls such as "
-                     "<|emotion:amusement|> are read as text unless the tokenizer has them)")
+    message = (f"the text contains {why.format(names=names)}; remove them (inline controls such as "
+               "<|emotion:amusement|> are read as text unless the tokenizer has them)")
+    raise InputError(message, [Problem(field, None, message=message.replace("{", "{{").replace("}", "}}"))])
 
 
 def build_prompt(
@@ -437,16 +440,11 @@ def synthesize(
         InputError: empty/whitespace text, a special token of the tokenizer in the text or
             the transcript (:func:`check_text_tokens`), ``ref_samples`` without ``ref_text``
             (or the reverse), or one sentence too long.
-        ValueError: ``options`` out of range (names the option).
         NumericalError: non-finite or all-zero sub-part output.
     """
-    options, ref_codes, chunks = prepare_synthesis(pipeline, text, ref_samples, ref_text, options, max_frames,
-                                                   ref_codes)
-    results: list[GenerationResult] = []
-    for chunk_text, cap in chunks:
-        embeds = build_prompt(pipeline, chunk_text, ref_codes, ref_text)
-        results.append(generate_codes(pipeline, embeds, options, cap, progress))
-    return join_results(pipeline, results)
+    plan = plan_synthesis(pipeline, text, options=options, ref_samples=ref_samples, ref_codes=ref_codes,
+                          ref_text=ref_text, max_frames=max_frames)
+    return run_plan(pipeline, plan, progress)
 
 
 def join_results(pipeline: Pipeline, results: list[GenerationResult],
@@ -471,32 +469,92 @@ def join_results(pipeline: Pipeline, results: list[GenerationResult],
     return SynthesisResult(samples, pipeline.constants.sample_rate, codes, results)
 
 
-def prepare_synthesis(pipeline: Pipeline, text: str, ref_samples: np.ndarray | None, ref_text: str | None,
-                      options: SamplingOptions | None, max_frames: int | None,
-                      ref_codes: np.ndarray | None = None,
-                      ) -> tuple[SamplingOptions, np.ndarray | None, list[tuple[str, int]]]:
-    """Check the request and plan it: (options, reference codes or None, text chunks with caps).
+@dataclass(frozen=True, eq=False)
+class SynthesisPlan:
+    """One request resolved against one loaded bundle, once: what the loop runs.
+
+    Made by :meth:`SynthesisRequest.plan <higgs_pack.runtime.request.SynthesisRequest.plan>`
+    (every front door) or :func:`plan_synthesis` (pipeline-level callers); run by
+    :func:`run_plan`, :func:`higgs_pack.runtime.loop.streaming.stream_plan` and the engine.
+
+    Attributes:
+        options: the sampling options (the bundle's defaults with the request's choices).
+        ref_codes: int64 [frames, N] codes of the voice (its clip encoded by this bundle's
+            codec, or a prepared voice's), or None for the bundle's own voice.
+        ref_text: the voice's transcript, or None.
+        chunks: ``(text, frame cap)`` per text chunk, in order (one unless the text does not
+            fit the decoder's context).
+        schedule: the chunk sizes a stream of this request yields.
+        positions: most decoder positions one chunk holds (prompt + audio steps of its cap):
+            KV bytes are this times the decoder's bytes per position.
+    """
+
+    options: SamplingOptions
+    ref_codes: np.ndarray | None
+    ref_text: str | None
+    chunks: tuple[tuple[str, int], ...]
+    schedule: StreamSchedule
+    positions: int
+
+
+def plan_synthesis(pipeline: Pipeline, text: str, *, options: SamplingOptions | None = None,
+                   ref_samples: np.ndarray | None = None, ref_codes: np.ndarray | None = None,
+                   ref_text: str | None = None, max_frames: int | None = None,
+                   schedule: StreamSchedule | None = None, checked: bool = False) -> SynthesisPlan:
+    """Check what only the bundle can judge and plan the request: a :class:`SynthesisPlan`.
 
     Everything the loop can refuse is refused here, before a frame is generated or a byte
-    written: the text (:func:`higgs_pack.runtime.request.text_problems`, then its special
-    tokens, :func:`check_text_tokens`), the voice pairing, a sentence too long for the context.
-    ``options=None`` takes the bundle's defaults (:func:`~higgs_pack.runtime.loop.delay.bundle_sampling`).
-    A voice is either ``ref_samples`` (encoded here) or ``ref_codes`` (encoded before,
-    checked against :func:`check_voice_codes`), never both.
+    written: the text (:func:`higgs_pack.runtime.request.text_problems`, unless ``checked``),
+    its special tokens (:func:`check_text_tokens`), the voice pairing, a voice's codes against
+    the codec (:func:`check_voice_codes`), a sentence too long for the context.
+
+    Args:
+        pipeline: a loaded bundle or the oracle.
+        text: what to say.
+        options: sampling options; None: the bundle's defaults
+            (:func:`~higgs_pack.runtime.loop.delay.bundle_sampling`).
+        ref_samples: float32 [samples] mono at the codec's rate, a multiple of ``hop_length``
+            long (``audio.prepare_reference``): encoded here.  Or
+        ref_codes: int64 [frames, N] codes encoded before (never both).
+        ref_text: the voice's transcript (with either).
+        max_frames: frame cap per chunk; None: from each chunk's length (:func:`frame_cap`).
+        schedule: stream chunk sizes (default :class:`~higgs_pack.runtime.request.StreamSchedule`).
+        checked: the text and voice pairing were checked already (a
+            :class:`~higgs_pack.runtime.request.SynthesisRequest` checks them when made).
+
+    Raises:
+        InputError: as listed above.
     """
     if ref_samples is not None and ref_codes is not None:
         raise InputError("give a voice as reference samples or as prepared codes, not both")
-    voice = ref_samples if ref_codes is None else ref_codes
-    refuse(text_problems(text) or voice_pair_problems(voice, ref_text))
+    if not checked:
+        voice = ref_samples if ref_codes is None else ref_codes
+        refuse(text_problems(text) or voice_pair_problems(voice, ref_text))
     if ref_codes is not None:
         check_voice_codes(pipeline, ref_codes)
     options = bundle_sampling(pipeline.generation_defaults) if options is None else options
     check_text_tokens(pipeline, text)
     if ref_text is not None:
-        check_text_tokens(pipeline, ref_text)
+        check_text_tokens(pipeline, ref_text, "ref_text")
     if ref_samples is not None:
         ref_codes = encode_reference(pipeline, ref_samples)
-    return options, ref_codes, plan_chunks(pipeline, text.strip(), ref_codes, ref_text, max_frames)
+    chunks = tuple(plan_chunks(pipeline, text.strip(), ref_codes, ref_text, max_frames))
+    positions = max(chunk_positions(pipeline, chunk, cap, ref_codes, ref_text) for chunk, cap in chunks)
+    return SynthesisPlan(options, ref_codes, ref_text, chunks, schedule or StreamSchedule(), positions)
+
+
+def run_plan(pipeline: Pipeline, plan: SynthesisPlan, progress: ProgressCallback | None = None) -> SynthesisResult:
+    """Generate every text chunk of ``plan`` and join them (:func:`join_results`).
+
+    Raises:
+        InputError: a prompt and cap past the decoder's context.
+        NumericalError: non-finite or all-zero sub-part output.
+    """
+    results: list[GenerationResult] = []
+    for chunk_text, cap in plan.chunks:
+        embeds = build_prompt(pipeline, chunk_text, plan.ref_codes, plan.ref_text)
+        results.append(generate_codes(pipeline, embeds, plan.options, cap, progress))
+    return join_results(pipeline, results)
 
 
 #: Silence between text chunks that were generated separately (seconds).
@@ -546,6 +604,17 @@ def _prompt_overhead(pipeline: Pipeline, ref_codes: np.ndarray | None, ref_text:
     if ref_codes is not None:
         fixed += _token_count(pipeline, ref_text or "") + 2 + ref_codes.shape[0] + n - 1
     return fixed
+
+
+def _too_long(needed: int, limit: int, sentence: str, max_frames: int | None) -> Problem:
+    """The problem of one sentence whose prompt and frames do not fit the context: the frame cap's
+    when the request set one (lowering it is a fix), else the text's."""
+    what = (f"one sentence needs {needed} positions (its prompt and audio frames), more than the decoder's "
+            f"context of {limit}: split it with punctuation (it starts {sentence[:60]!r})")
+    what = what.replace("{", "{{").replace("}", "}}")
+    if max_frames is None:
+        return Problem("text", None, message=what)
+    return Problem("max_frames", max_frames, message=what + ", or lower {name}")
 
 
 def chunk_positions(pipeline: Pipeline, text: str, cap: int, ref_codes: np.ndarray | None = None,
@@ -604,11 +673,7 @@ def plan_chunks(pipeline: Pipeline, text: str, ref_codes: np.ndarray | None = No
     joined = [len(e.ids) for e in encoded[len(sentences):]]
     for sentence, tokens in zip(sentences, alone, strict=True):
         if positions(tokens) > limit:
-            raise InputError(
-                f"one sentence needs {positions(tokens)} positions (text + audio frames), more than the "
-                f"decoder's context of {limit}: split it with punctuation, or lower --max-frames "
-                f"(the sentence starts {sentence[:60]!r})"
-            )
+            refuse([_too_long(positions(tokens), limit, sentence, max_frames)])
     groups: list[list[int]] = []  # sentence indices of each chunk
     tokens = 0
     for i in range(len(sentences)):

@@ -23,7 +23,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from higgs_pack.manifests.errors import InputError
+from higgs_pack.manifests.errors import Problem
+from higgs_pack.runtime.request import refuse
 
 log = logging.getLogger(__name__)
 
@@ -127,11 +128,11 @@ class KVBudget:
         need = self.request_bytes(positions)
         if not self.limited or need <= self.budget_bytes:
             return
-        raise InputError(
+        refuse([Problem("max_frames", None, message=(
             f"this request needs {mib(need)} of KV cache ({positions} positions x {self.bytes_per_position} B), "
-            f"more than the engine's whole KV budget of {mib(self.budget_bytes)} (max_kv_bytes="
-            f"{self.budget_bytes}); shorten the text or lower max_frames=, or make the engine with a larger "
-            "max_kv_bytes= (tts.engine(max_kv_bytes=...))")
+            f"more than the engine's whole KV budget of {mib(self.budget_bytes)} (max_kv_bytes={self.budget_bytes}): "
+            "shorten the text or lower "
+            "{name}; the budget is the engine's (tts.engine(max_kv_bytes=...); the server's --max-kv-mb)"))])
 
     def fits(self, positions: int) -> bool:
         """Whether a request of ``positions`` fits in what the admitted requests leave."""

@@ -28,11 +28,12 @@ from higgs_pack.runtime.loop.delay import SamplingOptions
 from higgs_pack.runtime.loop.generate import (
     GenerationResult,
     ProgressCallback,
+    SynthesisPlan,
     build_prompt,
     decode_codes,
     fade_edges,
     generate_steps,
-    prepare_synthesis,
+    plan_synthesis,
     sentence_pause,
 )
 from higgs_pack.runtime.loop.pipeline import Pipeline
@@ -122,9 +123,8 @@ class SpeechStream(Iterator[AudioChunk]):
         context_frames: codec context used per side of each decoded window (frames).
     """
 
-    def __init__(self, pipeline: Pipeline, chunks: list[tuple[str, int]], options: SamplingOptions,
-                 ref_codes: np.ndarray | None, ref_text: str | None, progress: ProgressCallback | None,
-                 schedule: StreamSchedule, started: float, steps: StepsSource | None = None,
+    def __init__(self, pipeline: Pipeline, plan: SynthesisPlan, progress: ProgressCallback | None,
+                 started: float, steps: StepsSource | None = None,
                  decode: Callable[[np.ndarray], np.ndarray] | None = None,
                  reading: Callable[[], AbstractContextManager] | None = None):
         self.results: list[GenerationResult] = []
@@ -135,7 +135,7 @@ class SpeechStream(Iterator[AudioChunk]):
         self._steps = steps
         self._decode = decode or (lambda codes: decode_codes(pipeline, codes))
         self._reading = reading or contextlib.nullcontext
-        self._gen = self._run(pipeline, chunks, options, ref_codes, ref_text, progress, schedule)
+        self._gen = self._run(pipeline, plan, progress)
 
     def __next__(self) -> AudioChunk:
         chunk = next(self._gen)
@@ -155,16 +155,14 @@ class SpeechStream(Iterator[AudioChunk]):
             return np.zeros((0, 0), dtype=np.int64)
         return np.concatenate([r.codes for r in self.results], axis=0)
 
-    def _run(self, pipeline: Pipeline, chunks: list[tuple[str, int]], options: SamplingOptions,
-             ref_codes: np.ndarray | None, ref_text: str | None, progress: ProgressCallback | None,
-             schedule: StreamSchedule) -> Generator[AudioChunk, None, None]:
+    def _run(self, pipeline: Pipeline, plan: SynthesisPlan,
+             progress: ProgressCallback | None) -> Generator[AudioChunk, None, None]:
         with self._reading():
-            yield from self._chunks(pipeline, chunks, options, ref_codes, ref_text, progress, schedule)
+            yield from self._chunks(pipeline, plan, progress)
 
-    def _chunks(self, pipeline: Pipeline, chunks: list[tuple[str, int]], options: SamplingOptions,
-                ref_codes: np.ndarray | None, ref_text: str | None, progress: ProgressCallback | None,
-                schedule: StreamSchedule) -> Generator[AudioChunk, None, None]:
-        c = pipeline.constants
+    def _chunks(self, pipeline: Pipeline, plan: SynthesisPlan,
+                progress: ProgressCallback | None) -> Generator[AudioChunk, None, None]:
+        c, chunks, schedule = pipeline.constants, plan.chunks, plan.schedule
         n, rate = c.num_codebooks, c.sample_rate
         offset = 0
 
@@ -184,8 +182,8 @@ class SpeechStream(Iterator[AudioChunk]):
             if self._steps is not None:
                 steps = self._steps(index, chunk_text, cap)
             else:
-                steps = generate_steps(pipeline, build_prompt(pipeline, chunk_text, ref_codes, ref_text), options,
-                                       cap, progress)
+                steps = generate_steps(pipeline, build_prompt(pipeline, chunk_text, plan.ref_codes, plan.ref_text),
+                                       plan.options, cap, progress)
             rows: list[np.ndarray] = []
             columns = np.arange(n)
             live, first = True, True
@@ -252,7 +250,14 @@ def stream(
         NumericalError: during iteration, as :func:`synthesize`.
     """
     started = time.perf_counter()
-    options, ref_codes, chunks = prepare_synthesis(pipeline, text, ref_samples, ref_text, options, max_frames,
-                                                   ref_codes)
-    return SpeechStream(pipeline, chunks, options, ref_codes, ref_text, progress, schedule or StreamSchedule(),
-                        started)
+    plan = plan_synthesis(pipeline, text, options=options, ref_samples=ref_samples, ref_codes=ref_codes,
+                          ref_text=ref_text, max_frames=max_frames, schedule=schedule)
+    return SpeechStream(pipeline, plan, progress, started)
+
+
+def stream_plan(pipeline: Pipeline, plan: SynthesisPlan, progress: ProgressCallback | None = None,
+                started: float | None = None) -> SpeechStream:
+    """A :class:`SpeechStream` of a planned request (:meth:`SynthesisRequest.plan
+    <higgs_pack.runtime.request.SynthesisRequest.plan>`); ``started`` (``time.perf_counter()``,
+    default now) is when ``first_audio_s`` counts from."""
+    return SpeechStream(pipeline, plan, progress, time.perf_counter() if started is None else started)

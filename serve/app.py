@@ -31,10 +31,10 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from higgs_pack.manifests.errors import InputError, disk_full, disk_full_message
+from higgs_pack.manifests.errors import HiggsPackError, InputError, disk_full, disk_full_message
 from higgs_pack.runtime.request import unspeakable
 from higgs_pack.serve import schema
-from higgs_pack.serve.errors import ApiError, error_body
+from higgs_pack.serve.errors import ApiError, error_body, from_input_error
 from higgs_pack.serve.formats import FORMATS, media_type, response_formats, sse_error
 from higgs_pack.serve.metrics import CONTENT_TYPE
 from higgs_pack.serve.server import Answer, SpeechServer
@@ -86,8 +86,15 @@ def _warm_up(server: SpeechServer) -> None:
 
 
 def _handlers(app: FastAPI) -> None:
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+    @app.exception_handler(HiggsPackError)
+    async def our_error(request: Request, exc: HiggsPackError) -> JSONResponse:
+        """Every error of ours: an ApiError as it is; a request's problems (InputError) in this
+        server's terms (a 400 naming the field); any other one a 500 that says what failed."""
+        if isinstance(exc, InputError):
+            exc = from_input_error(exc)
+        elif not isinstance(exc, ApiError):
+            log.error("%s answering %s %s: %s", type(exc).__name__, request.method, request.url.path, exc)
+            exc = ApiError(500, f"{type(exc).__name__}: {exc}", code="internal_error")
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)

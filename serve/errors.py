@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from higgs_pack.manifests.errors import HiggsPackError, InputError
+
 #: HTTP status -> OpenAI's error ``type``.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 409: "invalid_request_error",
                405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
                429: "rate_limit_error", 499: "request_cancelled", 500: "server_error", 503: "server_unavailable"}
 
 
-class ApiError(Exception):
+class ApiError(HiggsPackError):
     """An answer that is an error: its status, what was wrong and what is allowed.
 
     Args:
@@ -41,3 +43,28 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     """OpenAI's error body for ``status``."""
     kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def http_name(field: str | None) -> str | None:
+    """A request field's name in the speech body (``max_frames`` -> ``max_new_tokens``; the
+    runtime's one table, :data:`higgs_pack.runtime.request.FIELDS`), else the field itself."""
+    from higgs_pack.runtime.request import FIELDS
+
+    names = FIELDS.get(field or "")
+    return names.http if names is not None and names.http else field
+
+
+def from_input_error(exc: InputError, status: int = 400, code: str = "invalid_value",
+                     param: str | None = None) -> ApiError:
+    """An :class:`~higgs_pack.manifests.errors.InputError` said in this server's terms: each of its
+    problems with the field's HTTP name (no CLI flag or Python keyword), every one at once, and
+    the first named field as ``param`` (or ``param`` when none is named).
+
+    Returns:
+        The :class:`ApiError` to raise (``status`` 400 unless given).
+    """
+    lines = [problem.render(name=http_name(problem.field)) for problem in exc.problems]
+    message = lines[0] if len(lines) == 1 else (
+        f"{len(lines)} problems with the request:\n" + "\n".join(f"  - {line}" for line in lines))
+    named = next((http_name(problem.field) for problem in exc.problems if problem.field), None)
+    return ApiError(status, message, param=named or param, code=code)

@@ -31,7 +31,7 @@ import anyio.to_thread
 from higgs_pack.manifests.errors import HiggsPackError, InputError
 from higgs_pack.runtime.loop.engine import EngineHandle, RequestCancelled
 from higgs_pack.serve.config import ServeConfig
-from higgs_pack.serve.errors import ApiError
+from higgs_pack.serve.errors import ApiError, from_input_error
 from higgs_pack.serve.formats import StreamEncoder, encode_whole, sse_delta, sse_done, sse_error
 from higgs_pack.serve.metrics import Metrics
 from higgs_pack.serve.speech import SpeechJob
@@ -175,18 +175,15 @@ class SpeechServer:
 
         Raises:
             ApiError: 400 for what the engine refuses at once (a special token in the text, a
-                sentence too long, an unusable clip), with ``param`` ``max_new_tokens`` when the
-                request set it and the message says to lower it (a sentence plus that many frames
-                over the decoder's context, or over the KV budget), else ``input``; 503 when the
-                engine stopped.
+                sentence too long, an unusable clip, more KV than the budget), its problems in
+                this server's terms (:func:`~higgs_pack.serve.errors.from_input_error`: ``param``
+                the field at fault, ``max_new_tokens`` for the frame cap); 503 when the engine
+                stopped.
         """
         try:
             return await anyio.to_thread.run_sync(self.engine.submit, job.request, limiter=self.limiter)
         except InputError as exc:
-            message = server_terms(str(exc))
-            frames = job.request.max_frames is not None and "max_new_tokens" in message
-            raise ApiError(400, message, param="max_new_tokens" if frames else "input",
-                           code="invalid_value") from exc
+            raise from_input_error(exc, param="input") from exc
         except HiggsPackError as exc:
             raise ApiError(503, f"the engine cannot take requests: {exc}", code="engine_stopped") from exc
 
@@ -249,22 +246,6 @@ class SpeechServer:
             if not sse:
                 raise  # the connection is cut: a truncated stream, never a wrong one
             yield sse_error(f"generation failed: {exc}", "generation_failed")
-
-
-#: The runtime's advice in CLI and Python terms -> how a client of this server follows it.
-SERVER_TERMS = (
-    ("--max-frames", "max_new_tokens"),
-    ("max_frames=", "max_new_tokens"),
-    ("make the engine with a larger max_kv_bytes= (tts.engine(max_kv_bytes=...))",
-     "ask the server's operator for a larger --max-kv-mb"),
-)
-
-
-def server_terms(message: str) -> str:
-    """``message`` with the runtime's flags and keywords named as this server's fields."""
-    for runtime, server in SERVER_TERMS:
-        message = message.replace(runtime, server)
-    return message
 
 
 async def _cancel_on_disconnect(receive: Any, handle: EngineHandle, scope: anyio.CancelScope) -> None:

@@ -29,7 +29,7 @@ from higgs_pack.manifests.errors import InputError, unknown_choice
 from higgs_pack.runtime.audio import read_audio_bytes
 from higgs_pack.runtime.request import SynthesisRequest, plain_type, unspeakable
 from higgs_pack.serve.config import ServeConfig
-from higgs_pack.serve.errors import ApiError
+from higgs_pack.serve.errors import ApiError, from_input_error
 from higgs_pack.serve.formats import STREAMABLE, response_formats
 
 #: Every field the body may hold.
@@ -102,8 +102,7 @@ def parse_speech(body: Any, *, models: tuple[str, ...], voices: Any, config: Ser
     try:
         request = SynthesisRequest.create(text, **keywords)
     except InputError as exc:
-        message = _HOW_SET.sub("", str(exc))  # the CLI flag and keyword: not how an HTTP client sets it
-        raise _bad(message, _param_of(message)) from exc
+        raise from_input_error(exc) from exc
     return SpeechJob(request, response_format, stream_format, model, voice_name)
 
 
@@ -357,14 +356,3 @@ def _whole(value: Any, name: str, meaning: str) -> int:
     if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
         raise _bad(f"{name} must be a whole number >= 1 of {meaning}, got {_got(value)}", name)
     return int(value)
-
-
-_HOW_SET = re.compile(r"; set (it|them) with [^\n]*")
-
-
-def _param_of(message: str) -> str | None:
-    """The request field the (first) problem of a request message names (``seed must be ...`` -> ``seed``)."""
-    lines = message.splitlines()
-    first = (lines[1].strip().removeprefix("- ") if len(lines) > 1 else message).split(" ", 1)[0]
-    return {"max_frames": "max_new_tokens", "first_chunk_frames": "initial_chunk_frames",
-            "text": "input"}.get(first, first if first in FIELDS else None)

@@ -171,12 +171,27 @@ def test_config_limits_are_checked(tmp_path):
         ServeConfig(allow_local_media=tmp_path / "missing")
 
 
-def test_runtime_advice_is_given_in_the_servers_terms():
-    from higgs_pack.serve.server import server_terms
+def test_a_requests_problems_are_said_in_the_servers_terms():
+    """The runtime's problems carry their fields; the server names them as its body does, with
+    no CLI flag or Python keyword, every problem at once, the first field as param."""
+    from higgs_pack.manifests.errors import Problem
+    from higgs_pack.runtime.request import SynthesisRequest
+    from higgs_pack.serve.errors import from_input_error
 
-    assert server_terms("split it with punctuation, or lower --max-frames") == \
-        "split it with punctuation, or lower max_new_tokens"
-    assert "--max-kv-mb" in server_terms("or make the engine with a larger max_kv_bytes= (tts.engine(max_kv_bytes=...))")
+    with pytest.raises(InputError) as caught:
+        SynthesisRequest.create("Hi.", top_p=2, max_frames=0, first_chunk_frames=0)
+    assert "set it with --max-frames / max_frames=" in str(caught.value)  # the Python API's and CLI's terms
+    answer = from_input_error(caught.value)
+    assert answer.status == 400 and answer.param == "initial_chunk_frames"
+    assert answer.message.startswith("3 problems with the request:")
+    assert "initial_chunk_frames must be >= 1" in answer.message and "top_p must be in (0, 1], got 2" in answer.message
+    assert "max_new_tokens must be >= 1 (frames, 25 per second), got 0" in answer.message
+    assert "--" not in answer.message and "set it with" not in answer.message and "max_frames" not in answer.message
+    budget = InputError(problems=[Problem("max_frames", None, message="too much KV: lower {name}")])
+    assert (from_input_error(budget).message, from_input_error(budget).param) == \
+        ("too much KV: lower max_new_tokens", "max_new_tokens")
+    plain = from_input_error(InputError("a {plain} message"), param="input")
+    assert (plain.message, plain.param) == ("a {plain} message", "input")
 
 
 def _clip_b64(seconds: float = 1.0) -> str:

@@ -15,7 +15,7 @@ import logging
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -41,10 +41,14 @@ class Bundle:
     Attributes:
         path: the bundle directory.
         manifest: the validated manifest dict.
+        parsed: what :func:`open_bundle`'s file checks read, by relative path, so a load reads
+            nothing twice (ONNX graph -> its external-data entries; tokenizer file -> the
+            ``tokenizers.Tokenizer``); empty for a bundle made otherwise.
     """
 
     path: Path
     manifest: dict[str, Any]
+    parsed: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def name(self) -> str:
@@ -159,8 +163,8 @@ def open_bundle(name_or_path: str | Path, *, check_hashes: bool = True) -> Bundl
     path = find_bundle(name_or_path)
     manifest = read_manifest(path)
     check_formats(manifest)
-    check_bundle_files(path, manifest, hashes=check_hashes)  # readable, size, sha256, and what its kind says
-    bundle = Bundle(path.resolve(), manifest)
+    parsed = check_bundle_files(path, manifest, hashes=check_hashes)  # readable, size, sha256, and its kind
+    bundle = Bundle(path.resolve(), manifest, parsed)
     for part, spec in manifest["subparts"].items():
         if spec["format"] == "onnx":
             check_external_data(bundle, part, spec)
@@ -211,7 +215,9 @@ def check_external_data(bundle: Bundle, part: str, spec: dict[str, Any]) -> None
     entry = bundle.file(spec["entry"])
     base = entry.parent.relative_to(bundle.path)
     listed = set(spec["files"])
-    for location, tensor_name in external_data_refs(entry).items():
+    entries = bundle.parsed.get(spec["entry"])
+    refs = external_data_refs(entry) if entries is None else {loc: first for loc, (first, _) in entries.items()}
+    for location, tensor_name in refs.items():
         rel = (base / location).as_posix() if location else ""
         if not location or Path(location).is_absolute() or ".." in Path(location).parts:
             raise BundleError(
@@ -276,7 +282,7 @@ def load(
                           low_memory=low_memory)
     parts = backend_of(m).open(opened, options)
     runners = parts.runners
-    tokenizer = Tokenizer.from_file(str(opened.file(m["tokenizer"]["file"])))
+    tokenizer = opened.parsed.get(m["tokenizer"]["file"]) or Tokenizer.from_file(str(opened.file(m["tokenizer"]["file"])))
     gen = dict(m["generation"])
     sampling = {k: gen.pop(k) for k in ("temperature", "top_k", "top_p", "repeat_guard_frames") if k in gen}
     return Pipeline(

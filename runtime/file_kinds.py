@@ -101,8 +101,9 @@ def external_data_entries(model: Any) -> dict[str, tuple[str, int]]:
     return entries
 
 
-def _onnx_extents(path: Path) -> dict[str, int]:
-    """An ONNX graph, parsed without external data: location -> end of its furthest tensor there (bytes).
+def _onnx_extents(path: Path) -> dict[str, tuple[str, int]]:
+    """An ONNX graph, parsed without external data: location -> (its first tensor, the end of its
+    furthest tensor there in bytes), :func:`external_data_entries`.
 
     Raises:
         ValueError: not an ONNX model, or one with no nodes or no opset.
@@ -116,11 +117,11 @@ def _onnx_extents(path: Path) -> dict[str, int]:
         raise ValueError(f"does not parse as an ONNX model ({type(exc).__name__}: {last_line(exc)})") from None
     if not model.graph.node or not model.opset_import:
         raise ValueError("parses, but as an ONNX model with no graph nodes or no opset")
-    return {location: end for location, (_, end) in external_data_entries(model).items()}
+    return external_data_entries(model)
 
 
-def _ir_extents(xml: Path) -> dict[str, int]:
-    """An OpenVINO IR ``.xml``: ``{its .bin's name: end of the furthest constant there (bytes)}``.
+def _ir_extents(xml: Path) -> dict[str, tuple[str, int]]:
+    """An OpenVINO IR ``.xml``: ``{its .bin's name: ("", end of the furthest constant there in bytes)}``.
 
     Raises:
         ValueError: not XML, not a ``<net>`` with layers, or a constant without a numeric extent.
@@ -141,7 +142,7 @@ def _ir_extents(xml: Path) -> dict[str, int]:
         except ValueError:
             raise ValueError(f"has a Const layer with offset {data.get('offset')!r}, size {data.get('size')!r}") \
                 from None
-    return {xml.with_suffix(".bin").name: end}
+    return {xml.with_suffix(".bin").name: ("", end)}
 
 
 def _check_golden(path: Path) -> None:
@@ -168,11 +169,11 @@ def _check_golden(path: Path) -> None:
                 raise ValueError(f"member {name} holds Python objects (dtype {dtype}), which are never unpickled")
 
 
-def _check_tokenizer(path: Path) -> None:
+def _check_tokenizer(path: Path) -> Any:
     from tokenizers import Tokenizer
 
     try:
-        Tokenizer.from_file(str(path))
+        return Tokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises a plain Exception for every problem
         raise ValueError(f"does not open as a tokenizers tokenizer ({last_line(exc)})") from None
 
@@ -194,11 +195,19 @@ _CHECKS: dict[str, tuple[str, Callable[[Path], Any]]] = {
 }
 
 
-def file_kind_problems(bundle: Path, manifest: dict[str, Any]) -> dict[str, str]:
+def file_kind_problems(bundle: Path, manifest: dict[str, Any],
+                       parsed: dict[str, Any] | None = None) -> dict[str, str]:
     """Listed files that are not what their kind (:func:`file_kinds`) says.
 
     Reads graph protos without external data, IR XML, archive and array headers, the
     tokenizer and JSON files; never a weights file's content (only its size).
+
+    Args:
+        bundle: the bundle directory.
+        manifest: its validated manifest.
+        parsed: filled, when given, with what was read, so that nothing is parsed twice on a
+            load: an ONNX graph's path -> its external-data entries (location -> (first
+            tensor, end in bytes)); the tokenizer's path -> the ``tokenizers.Tokenizer``.
 
     Returns:
         relative path -> what it should be and what is wrong, e.g.
@@ -212,12 +221,16 @@ def file_kind_problems(bundle: Path, manifest: dict[str, Any]) -> dict[str, str]
             continue
         what, check = _CHECKS[kind]
         try:
-            ends = check(bundle / rel)
+            read = check(bundle / rel)
         except ValueError as exc:
             problems[rel] = f"{rel} is not {what}: {exc}"
             continue
+        if parsed is not None and read is not None:
+            parsed[rel] = read
+        if kind not in ("onnx", "ir-xml"):
+            continue
         base = Path(rel).parent
-        for location, end in (ends or {}).items():
+        for location, (_, end) in read.items():
             extents[(base / location).as_posix()] = (rel, end)
     for rel, (graph, end) in extents.items():
         size = (bundle / rel).stat().st_size if kinds.get(rel) in ("onnx-data", "ir-bin") else None
@@ -227,13 +240,16 @@ def file_kind_problems(bundle: Path, manifest: dict[str, Any]) -> dict[str, str]
     return problems
 
 
-def check_bundle_files(bundle: Path, manifest: dict[str, Any], *, hashes: bool = True) -> None:
+def check_bundle_files(bundle: Path, manifest: dict[str, Any], *, hashes: bool = True) -> dict[str, Any]:
     """Every listed file readable, of its size and sha256, and what its kind says, in that order.
 
     Args:
         bundle: the bundle directory.
         manifest: its validated manifest.
         hashes: compare every file's sha256 (streamed); sizes are always compared.
+
+    Returns:
+        What the kind checks read, by relative path (see :func:`file_kind_problems`'s ``parsed``).
 
     Raises:
         BundleError: naming each unreadable file, then each file that differs from the
@@ -247,9 +263,11 @@ def check_bundle_files(bundle: Path, manifest: dict[str, Any], *, hashes: bool =
             "bundle file: fix the permissions (chmod a+r), or copy the bundle somewhere it can read"
         )
     check_files(bundle, manifest, hashes=hashes).raise_for_problems(bundle)
-    problems = file_kind_problems(bundle, manifest)
+    parsed: dict[str, Any] = {}
+    problems = file_kind_problems(bundle, manifest, parsed)
     if problems:
         raise BundleError(
             f"{bundle}: " + "; ".join(problems.values()) + ". The file's sha256 matches the manifest, so the "
             "bundle was built by a broken tool or edited and re-hashed: rebuild it or re-download it"
         )
+    return parsed

@@ -373,3 +373,19 @@ def test_unreadable_file_is_named_by_load_and_verify(bundle_copy):
     assert re.search(message, loaded.stdout), loaded.stdout + loaded.stderr
     assert verified.returncode == 1 and "Traceback" not in verified.stderr, verified.stderr
     assert re.search(r"FAIL +files +.*" + message, verified.stdout), verified.stdout
+
+
+def test_a_load_parses_each_graph_and_the_tokenizer_once(cpu_int4_bundle, monkeypatch):
+    """The file checks' parse is the one a load uses (issue 21's leftover: every ONNX proto and the
+    tokenizer were parsed twice before the sessions were made)."""
+    import onnx
+    import tokenizers
+
+    parses: list[str] = []
+    onnx_load, from_file = onnx.load, tokenizers.Tokenizer.from_file
+    monkeypatch.setattr(onnx, "load", lambda f, *a, **k: (parses.append(Path(f).name), onnx_load(f, *a, **k))[1])
+    monkeypatch.setattr(tokenizers.Tokenizer, "from_file",
+                        staticmethod(lambda f, *a, **k: (parses.append(Path(f).name), from_file(f, *a, **k))[1]))
+    load(cpu_int4_bundle)
+    graphs = [spec["entry"] for spec in read_manifest(cpu_int4_bundle)["subparts"].values()]
+    assert sorted(parses) == sorted([Path(g).name for g in graphs] + ["tokenizer.json"]), parses

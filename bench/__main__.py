@@ -1,7 +1,7 @@
-"""``python -m bench``: see :mod:`bench`."""
+"""``python -m bench``: :func:`bench.cli.main`."""
 
 import sys
 
-from bench import main
+from bench.cli import main
 
 sys.exit(main())

@@ -94,10 +94,12 @@ def export_variants(target_name: str, checkpoint: Path, work: Path, variants: Ma
         HiggsPackError: an export failed.
     """
     from higgs_pack.exporters.process import run_step
-    from higgs_pack.targets.base import Variant, get_target
+    from higgs_pack.targets.base import Variant
     from higgs_pack.targets.plan import make_plan
+    from higgs_pack.targets.registry import get_target
 
     target = get_target(target_name)
+    work.mkdir(parents=True, exist_ok=True)
     unknown = [n for n in names if n != REFERENCE and n not in variants]
     if unknown:
         raise KeyError(f"unknown decoder variant(s) {unknown}; known: {[*variants, REFERENCE]}")

@@ -28,18 +28,21 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.systems import CONTEXT_STEPS
+from bench import llama_cpp
+from bench.records import base_record
+from bench.systems import (
+    CONTEXT_STEPS,
+    WorkerError,
+    load_average,
+    ov_cache_dir,
+    peak_rss_mb,
+    spawn,
+    table,
+)
+from bench.workers import kv_itemsize
 
 #: The record kind.
 KIND = "decoder_step"
-
-
-def load_average() -> float | None:
-    """The 1-minute load average (None where the OS has none)."""
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (AttributeError, OSError):
-        return None
 
 
 def default_threads() -> int:
@@ -117,7 +120,6 @@ def measure_our_steps(spec: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
 
     import higgs_pack
-    from bench.workers import _peak_rss_mb, kv_itemsize
     from higgs_pack.manifests.errors import InputError
     from higgs_pack.runtime.backends import backend_of
     from higgs_pack.runtime.loop.generate import build_prompt
@@ -148,7 +150,7 @@ def measure_our_steps(spec: dict[str, Any]) -> dict[str, Any]:
             batches=usable, contexts=contexts, steps=steps)
     rows += [{"batch": b, "context": n, "refused": why} for b, why in refused.items() for n in contexts]
     return {"rows": rows, "kv_itemsize": kv_itemsize(pipeline.decoder), "load_s": round(load_s, 3),
-            "loadavg": [before, load_average()], "peak_rss_mb": _peak_rss_mb()}
+            "loadavg": [before, load_average()], "peak_rss_mb": peak_rss_mb()}
 
 
 def merge_rounds(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -198,8 +200,8 @@ def add_step_ratios(records: list[dict[str, Any]]) -> None:
 def run_step_comparison(llama: list[Any], ours: list[tuple[Any, Path, dict[str, Any]]], checkpoint: Path,
                         cache: Path, *, preset: str, contexts: Sequence[int], batches: Sequence[int],
                         rounds: int, text: str, machine: dict[str, Any], threads: int | None = None,
-                        timeout: float | None = None, say: Callable[[str], None] = lambda _m: None,
-                        spawn: Callable[..., dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+                        timeout: float | None = None, say: Callable[[str], None] = lambda _m: None
+                        ) -> list[dict[str, Any]]:
     """Convert (or reuse) the GGUFs, then time every system's step in turns; one record each.
 
     Args:
@@ -213,13 +215,8 @@ def run_step_comparison(llama: list[Any], ours: list[tuple[Any, Path, dict[str, 
     Returns:
         ``"kind": "decoder_step"`` records (a failed system: ``error`` and no rows).
     """
-    from bench.llama_cpp import ensure_ggufs, llama_cpp_missing
-    from bench.records import base_record
-    from bench.run import _ov_cache
-    from bench.workers import WorkerError, _spawn
     from higgs_pack.manifests.errors import HiggsPackError
 
-    spawn = spawn or _spawn
     threads = threads or default_threads()
     common = {"contexts": list(contexts), "batches": list(batches), "steps": CONTEXT_STEPS, "text": text}
     records, jobs = [], []
@@ -227,12 +224,12 @@ def run_step_comparison(llama: list[Any], ours: list[tuple[Any, Path, dict[str, 
         rec = {**base_record(manifest, spec, preset), "kind": KIND, "machine": machine}
         records.append(rec)
         jobs.append(("our_steps", {**common, "bundle": str(path), "device": spec.device,
-                                   "ov_cache": str(_ov_cache(cache, path, spec))}))
-    missing = llama_cpp_missing()
+                                   "ov_cache": str(ov_cache_dir(cache, path, spec))}))
+    missing = llama_cpp.llama_cpp_missing()
     ggufs: dict[str, Any] = {}
     if llama and not missing:
         try:
-            ggufs = ensure_ggufs(checkpoint, cache, [s.precision for s in llama], threads=threads, log=say)
+            ggufs = llama_cpp.ensure_ggufs(checkpoint, cache, [s.precision for s in llama], threads=threads, log=say)
         except HiggsPackError as exc:
             missing = f"conversion: {exc}"
     for spec in llama:
@@ -331,35 +328,42 @@ def step_facts(records: list[dict[str, Any]]) -> list[str]:
 
 def render_steps(records: list[dict[str, Any]]) -> str:
     """The step comparison as a text table and its facts; empty without such records."""
-    from bench.records import _table
-
     mine = [r for r in records if r.get("kind") == KIND]
     if not mine:
         return ""
     headers, rows = step_table_rows(mine)
     presets = sorted({r["preset"] for r in mine})
-    text = _table(f"decoder step (ms), ours beside llama.cpp, preset {', '.join(presets)}", headers, rows) if rows else ""
+    text = table(f"decoder step (ms), ours beside llama.cpp, preset {', '.join(presets)}", headers, rows) if rows else ""
     return (text + "\n" + "\n".join(step_facts(mine))).strip("\n")
 
 
-def steps_html(records: list[dict[str, Any]]) -> str:
-    """The HTML section of the step comparison (a table per preset and the facts); empty without records."""
-    from higgs_pack.runtime.verification.html_report import _e
+def measure_llama_steps(spec: dict[str, Any]) -> dict[str, Any]:
+    """The ``llama_steps`` worker: one GGUF's decode step at every batch and context.
 
-    mine = [r for r in records if r.get("kind") == KIND]
-    if not mine:
-        return ""
-    parts = ["<h2>Decoder step beside llama.cpp</h2><p class=\"explain\">The bare decoder step of B rows at once "
-             "after a prefill of ctx positions each, every system in its own process, in turns; fastest round. "
-             "llama.cpp runs the same Qwen3 weights converted with its own convert_hf_to_gguf.py and quantized "
-             "with llama_model_quantize; its 'ms' column asks logits for every row (its text head runs, ours has "
-             "none), 'no-out' asks none (no head, and its last layer's feed-forward skipped too: a lower bound). "
-             "Ratios: llama.cpp's step over ours (above 1: ours is faster).</p>"]
-    for preset in sorted({r["preset"] for r in mine}):
-        here = [r for r in mine if r["preset"] == preset]
-        headers, rows = step_table_rows(here)
-        head = "".join(f"<th>{_e(h)}</th>" for h in headers)
-        body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>" for row in rows)
-        facts = "".join(f"<li>{_e(line)}</li>" for line in step_facts(here))
-        parts.append(f"<h3>Preset {_e(preset)}</h3><table><tr>{head}</tr>{body}</table><ul class=\"explain\">{facts}</ul>")
-    return "\n".join(parts)
+    Args:
+        spec: ``gguf`` (path), ``batches``, ``contexts``, ``steps``, ``threads``, ``seed``.
+
+    Returns:
+        ``{"rows": [{batch, context, step_ms, step_ms_no_output}], "dims", "system_info",
+        "threads", "load_s", "loadavg" (before, after), "peak_rss_mb"}``
+        (:func:`time_steps`).
+    """
+    import numpy as np
+
+    before = load_average()
+    batches, contexts, steps = list(spec["batches"]), list(spec["contexts"]), int(spec["steps"])
+    t = time.perf_counter()
+    dec = llama_cpp.LlamaDecoder(Path(spec["gguf"]), max_batch=max(batches), max_length=positions_needed(contexts, batches, steps, 2), threads=int(spec["threads"]))
+    load_s = time.perf_counter() - t
+    rng = np.random.default_rng(spec.get("seed", 0))
+    ids = rng.integers(0, min(dec.n_vocab, 150000), size=max(contexts) + 2 * steps + 4).tolist()
+    try:
+        rows = time_steps(
+            prefill=lambda row, length: dec.prefill(row, ids[:length]),
+            step=lambda rows, out: dec.step(list(rows), ids[:len(rows)], logits=out),
+            batches=batches, contexts=contexts, steps=steps, no_output=True)
+        dims = dec.dims()
+    finally:
+        dec.close()
+    return {"rows": rows, "dims": dims, "system_info": llama_cpp.system_info(), "threads": int(spec["threads"]),
+            "load_s": round(load_s, 3), "loadavg": [before, load_average()], "peak_rss_mb": peak_rss_mb()}

@@ -14,10 +14,9 @@ exits; its peak RSS sampled like a build's), then one GGUF per quant
 (``llama_model_quantize`` in a child process).  The HF view and the float GGUF are removed
 after, unless asked to keep the float one.
 
-:func:`measure_llama_steps` (the ``llama_steps`` worker) loads one GGUF with the low-level
-API and times the decode step of ``B`` sequences in one ``llama_batch`` (sequence ids
-``0..B-1``, each at its own position) after a prefill of ``L`` positions each, the protocol
-of :func:`bench.decoder_steps.time_steps`.
+:class:`LlamaDecoder` loads one GGUF with the low-level API and steps ``B`` sequences in one
+``llama_batch`` (sequence ids ``0..B-1``, each at its own position), as
+:func:`bench.decoder_steps.measure_llama_steps` times it.
 
 The text head: llama.cpp's Qwen3 graph always ends in the LM head (``output.weight``, tied
 to ``token_embd.weight``: vocab x hidden, 151936 x 2560 at full size, Q6_K in both quants
@@ -41,17 +40,12 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from bench.systems import child_env
+from bench.systems import LLAMA_CPP, QUANTS, child_env, parse_quant
 from higgs_pack.manifests.errors import BuildError, InputError
 
-#: The bench system names' prefix (``llama.cpp-q4_0``).
-LLAMA_CPP = "llama.cpp"
-#: Quant name -> llama.cpp's ``LLAMA_FTYPE_MOSTLY_*`` (llama.h: Q4_0 = 2, Q4_K_M = 15).
-QUANTS: dict[str, int] = {"q4_0": 2, "q4_k_m": 15}
 #: Why the llama.cpp systems and tests do not run without the extra.
 NOT_INSTALLED = "llama-cpp-python is not installed (the [llamacpp] extra compiles llama.cpp)"
 #: Files of the sdist's vendored llama.cpp the converter needs.
@@ -81,20 +75,7 @@ def llama_cpp_version() -> str:
         raise InputError(NOT_INSTALLED) from None
 
 
-def parse_quant(name: str) -> str:
-    """``q4_0`` / ``q4_k_m`` (any case) from a quant name.
-
-    Raises:
-        InputError: an unknown quant, with the known ones.
-    """
-    key = name.strip().lower().replace("-", "_")
-    if key not in QUANTS:
-        raise InputError(f"unknown llama.cpp quant {name!r}; known: {', '.join(QUANTS)} "
-                         f"(systems {', '.join(f'{LLAMA_CPP}-{q}' for q in QUANTS)})")
-    return key
-
-
-def _unpack_converter(sdist: Path, out: Path) -> None:
+def unpack_converter(sdist: Path, out: Path) -> None:
     """Extract :data:`CONVERTER_PARTS` of ``vendor/llama.cpp`` (and the CHANGELOG) from ``sdist``."""
     tmp = Path(tempfile.mkdtemp(prefix="llama-cpp-src-", dir=out.parent))
     try:
@@ -144,7 +125,7 @@ def converter_tree(cache: Path) -> Path:
                                  f"({' '.join(cmd)} exited {done.returncode}: {done.stderr.strip()[-400:]}); "
                                  f"set {SDIST_ENV} to a local llama_cpp_python-{version}.tar.gz")
             sdist = str(found[0])
-        _unpack_converter(Path(sdist), tree)
+        unpack_converter(Path(sdist), tree)
     return tree
 
 
@@ -416,39 +397,6 @@ def system_info() -> str:
     return llama_cpp.llama_print_system_info().decode(errors="replace").strip()
 
 
-def measure_llama_steps(spec: dict[str, Any]) -> dict[str, Any]:
-    """The ``llama_steps`` worker: one GGUF's decode step at every batch and context.
-
-    Args:
-        spec: ``gguf`` (path), ``batches``, ``contexts``, ``steps``, ``threads``, ``seed``.
-
-    Returns:
-        ``{"rows": [{batch, context, step_ms, step_ms_no_output}], "dims", "system_info",
-        "threads", "load_s", "loadavg" (before, after), "peak_rss_mb"}``
-        (:func:`~bench.decoder_steps.time_steps`).
-    """
-    import numpy as np
-
-    from bench.decoder_steps import load_average, positions_needed, time_steps
-    from bench.workers import _peak_rss_mb
-
-    before = load_average()
-    batches, contexts, steps = list(spec["batches"]), list(spec["contexts"]), int(spec["steps"])
-    t = time.perf_counter()
-    dec = LlamaDecoder(Path(spec["gguf"]), max_batch=max(batches), max_length=positions_needed(contexts, batches, steps, 2), threads=int(spec["threads"]))
-    load_s = time.perf_counter() - t
-    rng = np.random.default_rng(spec.get("seed", 0))
-    ids = rng.integers(0, min(dec.n_vocab, 150000), size=max(contexts) + 2 * steps + 4).tolist()
-    try:
-        rows = time_steps(
-            prefill=lambda row, length: dec.prefill(row, ids[:length]),
-            step=lambda rows, out: dec.step(list(rows), ids[:len(rows)], logits=out),
-            batches=batches, contexts=contexts, steps=steps, no_output=True)
-        dims = dec.dims()
-    finally:
-        dec.close()
-    return {"rows": rows, "dims": dims, "system_info": system_info(), "threads": int(spec["threads"]),
-            "load_s": round(load_s, 3), "loadavg": [before, load_average()], "peak_rss_mb": _peak_rss_mb()}
 
 
 if __name__ == "__main__":  # the quantize step of ensure_ggufs, in a child process: SRC OUT QUANT THREADS

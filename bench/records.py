@@ -4,7 +4,6 @@ the goals they are judged against, the printed table and the JSON file.
 
 from __future__ import annotations
 
-import io
 import json
 import math
 from pathlib import Path
@@ -30,6 +29,7 @@ from bench.systems import (
     PYTORCH,
     SIZED_PRESETS,
     SystemSpec,
+    table,
 )
 
 
@@ -65,7 +65,7 @@ def base_record(manifest: dict[str, Any] | None, spec: SystemSpec, preset: str) 
     }
 
 
-def _roofline(record: dict[str, Any], bandwidth: dict[str, float] | None) -> None:
+def roofline(record: dict[str, Any], bandwidth: dict[str, float] | None) -> None:
     """Add the memory-bandwidth roofline of a measured record, in place.
 
     A decode step reads every decoder weight once plus the KV cache of every earlier
@@ -480,70 +480,11 @@ def render_batch(records: list[dict[str, Any]]) -> str:
                 facts.append(f"{r['label']} [{r['preset']}] batch {row['batch']} refused by the engine: "
                              f"{row['refused']}")
             else:
-                rows.append([r["label"]] + [_cell(row, key, fmt) for _, key, fmt in BATCH_COLUMNS])
+                rows.append([r["label"]] + [cell(row, key, fmt) for _, key, fmt in BATCH_COLUMNS])
     presets = sorted({r["preset"] for r in batched})
-    table = _table(f"higgs-pack bench --batch, preset {', '.join(presets)}",
-                   ["system"] + [h for h, _, _ in BATCH_COLUMNS], rows)
-    return table + "\n" + "\n".join(facts)
-
-
-def batch_html(records: list[dict[str, Any]]) -> str:
-    """The ``--batch`` section of the HTML report: per preset, one plot of aggregate frames/s
-    against the batch size (a line per system; plain solid, streamed dashed) and the table;
-    empty when no record has a batch measurement.
-
-    Raises:
-        HiggsPackError: matplotlib is missing.
-    """
-    from higgs_pack.runtime.verification.html_report import _e, _img, figure_png, require_matplotlib
-
-    batched = [r for r in records if isinstance(r.get("batch"), dict)]
-    if not batched:
-        return ""
-    plt = require_matplotlib()
-    parts = ["<h2>Many requests at once (--batch)</h2><p class=\"explain\">Each bundle's continuous-batching "
-             "engine (<code>tts.engine(max_batch=B)</code>) in its own process: B requests of the same text and "
-             "frame cap submitted together, read with <code>result()</code> (plain) or each iterated on its own "
-             "thread (streamed). Aggregate frames/s counts every row's frames over the steps with all B rows busy; "
-             "the step is the engine's own (heads, sampling, embedding, decoder), the bare step its batched decoder "
-             "alone with the same bindings; the join time is the first streamed audio of a request submitted while "
-             "B-1 others run. Sizes the engine refuses are listed with its reason and no number. The largest batch "
-             "in 12 GiB is computed, not run.</p>"]
-    for preset in [p for p in PRESETS if any(r["preset"] == p for r in batched)]:
-        here = [r for r in batched if r["preset"] == preset]
-        fig, ax = plt.subplots(figsize=(8, 4.2))
-        for i, r in enumerate(here):
-            color = f"C{i % 10}"
-            table = [row for row in batch_table_rows(r) if "refused" not in row]
-            refused = [str(row["batch"]) for row in batch_table_rows(r) if "refused" in row]
-            note = f" (refused at {', '.join(refused)})" if refused else ""
-            for key, style, what in (("aggregate_frames_per_s", "-", "plain"),
-                                     ("stream_aggregate_frames_per_s", "--", "streamed")):
-                points = [(row["batch"], row[key]) for row in table if row.get(key)]
-                if points:
-                    ax.plot(*zip(*points, strict=True), style, marker="o", color=color,
-                            label=f"{r['label']} {what}{note if what == 'plain' else ''}")
-        sizes = sorted({row["batch"] for r in here for row in batch_table_rows(r)})
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sizes, [str(b) for b in sizes])
-        ax.set_xlabel("batch size (requests decoded together)")
-        ax.set_ylabel("aggregate frames/s (25 frames = 1 s of audio)")
-        ax.set_title(f"aggregate frames per second against the batch, preset {preset}")
-        ax.grid(alpha=0.25)
-        ax.legend(fontsize=8)
-        parts.append(f"<h3>Preset {_e(preset)}</h3>" + _img(figure_png(fig), f"aggregate frames/s vs batch, {preset}"))
-        head = "".join(f"<th>{_e(h)}</th>" for h, _, _ in BATCH_COLUMNS)
-        body = []
-        for r in here:
-            for row in batch_table_rows(r):
-                if "refused" in row:
-                    cells = f"<td>{row['batch']}</td><td colspan=\"{len(BATCH_COLUMNS) - 1}\">refused: {_e(row['refused'])}</td>"
-                else:
-                    cells = "".join(f"<td>{_e(_cell(row, key, fmt))}</td>" for _, key, fmt in BATCH_COLUMNS)
-                body.append(f"<tr><td>{_e(r['label'])}</td>{cells}</tr>")
-        facts = "".join(f"<li>{_e(batch_facts(r))}</li>" for r in here)
-        parts.append(f"<table><tr><th>system</th>{head}</tr>{''.join(body)}</table><ul class=\"explain\">{facts}</ul>")
-    return "\n".join(parts)
+    text = table(f"higgs-pack bench --batch, preset {', '.join(presets)}",
+                 ["system"] + [h for h, _, _ in BATCH_COLUMNS], rows)
+    return text + "\n" + "\n".join(facts)
 
 
 def first_audio_budget(record: dict[str, Any]) -> float | None:
@@ -585,7 +526,7 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def _cell(record: dict[str, Any], key: str, fmt: str) -> str:
+def cell(record: dict[str, Any], key: str, fmt: str) -> str:
     value = record.get(key)
     if key.startswith("roofline") and record.get("cache_resident"):
         return "in LLC"
@@ -596,29 +537,9 @@ def _cell(record: dict[str, Any], key: str, fmt: str) -> str:
 
 def render_table(records: list[dict[str, Any]]) -> str:
     """The records as a table (rich when installed, else plain text)."""
-    rows = [[_cell(r, key, fmt) for _, key, fmt in COLUMNS] for r in records]
+    rows = [[cell(r, key, fmt) for _, key, fmt in COLUMNS] for r in records]
     presets = sorted({r["preset"] for r in records})
-    return _table(f"higgs-pack bench, preset {', '.join(presets)}", [h for h, _, _ in COLUMNS], rows)
-
-
-def _table(title: str, headers: list[str], rows: list[list[str]]) -> str:
-    """A text table (rich when installed, else plain text), first column left-aligned."""
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-        lines = [title, "  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))]
-        lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-        return "\n".join(lines)
-    table = Table(title=title)
-    for i, h in enumerate(headers):
-        table.add_column(h, justify="left" if i == 0 else "right")
-    for r in rows:
-        table.add_row(*r)
-    buffer = io.StringIO()
-    Console(file=buffer, width=200, color_system=None).print(table)
-    return buffer.getvalue().rstrip("\n")
+    return table(f"higgs-pack bench, preset {', '.join(presets)}", [h for h, _, _ in COLUMNS], rows)
 
 
 def _llc(record: dict[str, Any]) -> str:
@@ -718,28 +639,3 @@ def write_records(records: list[dict[str, Any]], out: Path, append: bool = False
     tmp = out.with_suffix(out.suffix + ".tmp")
     tmp.write_text(json.dumps([*rows, goals], indent=2, default=str) + "\n")
     tmp.replace(out)
-
-
-def write_html(out: Path) -> Path:
-    """Write ``<out>.html`` beside the JSON records file: every record of ``out``, charted.
-
-    Raises:
-        HiggsPackError: matplotlib is missing (``pip install 'higgs-pack[report]'``).
-    """
-    from higgs_pack.runtime.verification.html_report import bench_html
-
-    records = [r for r in json.loads(out.read_text()) if r.get("kind") is None]  # not builds, not goals
-    path = out.with_suffix(".html")
-    marks = {"outside_decoder_frac": (GOAL_OUTSIDE_DECODER * 100, f"goal: under {GOAL_OUTSIDE_DECODER:.0%}"),
-             "loop_over_decoder": (GOAL_LOOP_OVER_DECODER, f"goal: at most {GOAL_LOOP_OVER_DECODER:g}x")}
-    page = bench_html(records, goal_checks(records), marks)
-    from bench.decoder_steps import KIND as STEP_KIND
-    from bench.decoder_steps import steps_html
-
-    steps = [r for r in json.loads(out.read_text()) if r.get("kind") == STEP_KIND]
-    for section in (batch_html(records), steps_html(steps)):
-        if section:  # the --batch and llama.cpp sections after the per-preset ones, before the page's end
-            end = page.rindex("</body>")
-            page = page[:end].rstrip("\n") + "\n" + section + "\n" + page[end:]
-    path.write_text(page, encoding="utf-8")
-    return path

@@ -4,7 +4,6 @@ reused, every system measured by a worker, the records put together.
 
 from __future__ import annotations
 
-import platform
 import shutil
 import subprocess
 import sys
@@ -12,12 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.decoder_steps import run_step_comparison
 from bench.records import (
-    _roofline,
     add_ratios,
     base_record,
     batch_memory,
     first_audio_budget,
+    roofline,
 )
 from bench.systems import (
     BENCH_TEXT,
@@ -31,12 +31,14 @@ from bench.systems import (
     FIT_MEMORY_BYTES,
     PYTORCH,
     SystemSpec,
+    WorkerError,
     bundle_spec,
+    machine,
+    ov_cache_dir,
     parse_system,
+    spawn,
 )
-from bench.workers import WorkerError, _spawn
 from higgs_pack.runtime.backends import registered
-from higgs_pack.runtime.cpu import cpu_info
 
 
 @dataclass
@@ -78,13 +80,13 @@ class BenchOptions:
     """llama.cpp's ``n_threads`` (``--llama-threads``; None: the CPUs this process may use)."""
 
 
-def _cache(options: BenchOptions) -> Path:
+def cache_dir(options: BenchOptions) -> Path:
     from higgs_pack.runtime.paths import cache_root
 
     return Path(options.cache) if options.cache else cache_root()
 
 
-def _say(options: BenchOptions, msg: str) -> None:
+def say(options: BenchOptions, msg: str) -> None:
     if not options.quiet:
         print(msg, file=sys.stderr, flush=True)
 
@@ -111,19 +113,19 @@ def _reusable(bundle: Path, checkpoint: Path) -> bool:
     return (bundle / "manifest.json").stat().st_mtime >= (checkpoint / "config.json").stat().st_mtime
 
 
-def _checkpoint(options: BenchOptions, cache: Path) -> tuple[Path, dict[str, Any]]:
+def checkpoint_for(options: BenchOptions, cache: Path) -> tuple[Path, dict[str, Any]]:
     if options.checkpoint:
         return Path(options.checkpoint), {}
     path = cache / "checkpoints" / f"{options.preset}-seed{options.seed}"
     if (path / "config.json").is_file():
         return path, {"checkpoint_cached": True}
-    _say(options, f"writing the {options.preset} checkpoint to {path}")
-    res = _spawn("checkpoint", {"preset": options.preset, "seed": options.seed}, cache=cache,
+    say(options, f"writing the {options.preset} checkpoint to {path}")
+    res = spawn("checkpoint", {"preset": options.preset, "seed": options.seed}, cache=cache,
                  stream=not options.quiet)
     return Path(res["checkpoint"]), {"checkpoint_s": res["seconds"], "checkpoint_cached": False}
 
 
-def _bundle_for(spec: SystemSpec, options: BenchOptions, checkpoint: Path, cache: Path
+def bundle_for(spec: SystemSpec, options: BenchOptions, checkpoint: Path, cache: Path
                 ) -> tuple[Path, dict[str, Any]]:
     """Reuse or build the bundle of ``spec``; returns it and the build facts for the record."""
     if spec.bundle is not None:
@@ -134,17 +136,11 @@ def _bundle_for(spec: SystemSpec, options: BenchOptions, checkpoint: Path, cache
         from higgs_pack.manifests.manifest import read_manifest
 
         return path, {"build_s": read_manifest(path)["build"]["seconds"], "build_cached": True}
-    _say(options, f"building {spec.label} into {path}")
-    res = _spawn("build", {"label": spec.label, "target": spec.target, "precision": spec.precision,
+    say(options, f"building {spec.label} into {path}")
+    res = spawn("build", {"label": spec.label, "target": spec.target, "precision": spec.precision,
                            "variant": spec.variant, "checkpoint": str(checkpoint), "out": str(path)},
                  cache=cache, stream=not options.quiet)
     return path, {"build_s": res["seconds"], "build_cached": False, "build_peak_rss_mb": res["peak_rss_mb"]}
-
-
-def _machine() -> dict[str, Any]:
-    cpu = cpu_info()
-    return {"cpu": cpu.model, "cores": cpu.logical_cpus, "python": platform.python_version(), "isa": cpu.isa,
-            "llc_bytes": cpu.llc_bytes, "llc_level": cpu.llc_level}
 
 
 def run_bench(options: BenchOptions) -> list[dict[str, Any]]:
@@ -154,14 +150,14 @@ def run_bench(options: BenchOptions) -> list[dict[str, Any]]:
     """
     from higgs_pack.manifests.manifest import read_manifest
 
-    cache = _cache(options)
+    cache = cache_dir(options)
     specs = [parse_system(s) for s in options.systems] + [bundle_spec(b) for b in options.bundles]
     llama = [s for s in specs if s.is_llama_cpp]  # GGUFs: the decoder-step comparison only
     specs = [s for s in specs if not s.is_llama_cpp]
     repeats = options.repeats or DEFAULT_REPEATS.get(options.preset, 1)
     need_ckpt = bool(llama) or any(s.bundle is None for s in specs)
-    checkpoint, ckpt_facts = _checkpoint(options, cache) if need_ckpt else (None, {})
-    machine = _machine()
+    checkpoint, ckpt_facts = checkpoint_for(options, cache) if need_ckpt else (None, {})
+    machine_facts = machine()
     common = {"frames": options.frames, "seed": options.seed, "temperature": options.temperature,
               "top_k": options.top_k, "text": options.text, "warmup": options.warmup, "repeats": repeats,
               "contexts": list(options.contexts)}
@@ -174,26 +170,24 @@ def run_bench(options: BenchOptions) -> list[dict[str, Any]]:
             prepared.append((spec, None, None, facts))
             continue
         try:
-            path, facts = _bundle_for(spec, options, checkpoint, cache)
+            path, facts = bundle_for(spec, options, checkpoint, cache)
             prepared.append((spec, path, read_manifest(path), facts))
         except Exception as exc:  # a failed build is a record, not the end of the run
             prepared.append((spec, None, None, {"error": f"build: {exc}"}))
 
-    builds = [build_record(spec, manifest, facts, options.preset, machine)
+    builds = [build_record(spec, manifest, facts, options.preset, machine_facts)
               for spec, _path, manifest, facts in prepared if not spec.is_pytorch and spec.bundle is None]
     if options.build_only:
         return builds
-    records = [] if options.steps_only else _measure_all(prepared, options, machine, common, checkpoint, cache)
+    records = [] if options.steps_only else _measure_all(prepared, options, machine_facts, common, checkpoint, cache)
     if llama:  # 5. the bare decoder step of our bundles beside llama.cpp's, in turns
-        from bench.decoder_steps import run_step_comparison
-
         ours = [(spec, path, manifest) for spec, path, manifest, _ in prepared
                 if path is not None and not spec.is_pytorch]
         records += run_step_comparison(
             llama, ours, checkpoint, cache, preset=options.preset, contexts=options.contexts or DEFAULT_CONTEXTS,
             batches=options.step_batch, rounds=options.rounds if options.rounds > 1 else CONTEXT_ROUNDS,
-            text=options.text, machine=machine, threads=options.llama_threads, timeout=options.timeout,
-            say=lambda m: _say(options, m))
+            text=options.text, machine=machine_facts, threads=options.llama_threads, timeout=options.timeout,
+            say=lambda m: say(options, m))
     return builds + records
 
 
@@ -205,12 +199,12 @@ def _measure_all(prepared: list[tuple[SystemSpec, Path | None, dict[str, Any] | 
     # 2. the machine's memory bandwidth, in the same run
     bandwidth = None
     if options.bandwidth_mib > 0:
-        _say(options, f"measuring memory bandwidth ({options.bandwidth_mib} MiB buffer)")
+        say(options, f"measuring memory bandwidth ({options.bandwidth_mib} MiB buffer)")
         try:
-            bandwidth = _spawn("bandwidth", {"mib": options.bandwidth_mib}, cache=cache,
+            bandwidth = spawn("bandwidth", {"mib": options.bandwidth_mib}, cache=cache,
                                timeout=options.timeout)
         except (WorkerError, subprocess.TimeoutExpired) as exc:
-            _say(options, f"bandwidth measurement failed: {exc}")
+            say(options, f"bandwidth measurement failed: {exc}")
 
     # 3. every system in its own process; with several rounds the systems take turns and
     #    each keeps its fastest round (other work on a shared machine only ever slows a run)
@@ -241,7 +235,7 @@ def _measure_all(prepared: list[tuple[SystemSpec, Path | None, dict[str, Any] | 
         if spec.is_pytorch and record.get("decoder_weight_bytes"):
             record["decoder_weight_mb"] = record.pop("decoder_weight_bytes") / 1e6
         record["first_audio_budget_ms"] = first_audio_budget(record)
-        _roofline(record, bandwidth)
+        roofline(record, bandwidth)
     add_ratios(records)
 
     # 4. the engine at each batch size, every bundle in its own process (PyTorch has no engine)
@@ -290,29 +284,24 @@ def _measure_system(spec: SystemSpec, path: Path | None, manifest: dict[str, Any
                     checkpoint: Path | None, cache: Path, common: dict[str, Any],
                     options: BenchOptions, *, cold: bool = True) -> dict[str, Any]:
     """Measure one system; OpenVINO bundles get a cold-cache load first when ``cold``."""
-    _say(options, f"measuring {spec.label}")
+    say(options, f"measuring {spec.label}")
     if spec.is_pytorch:
-        return _spawn("measure", {**common, "kind": PYTORCH, "checkpoint": str(checkpoint)},
+        return spawn("measure", {**common, "kind": PYTORCH, "checkpoint": str(checkpoint)},
                       cache=cache, timeout=options.timeout)
     job = {**common, "kind": "bundle", "bundle": str(path), "backend": manifest["backend"],
            "device": spec.device}
     out: dict[str, Any] = {}
     if _compiles(manifest["backend"]):
-        ov_cache = _ov_cache(cache, path, spec)
+        ov_cache = ov_cache_dir(cache, path, spec)
         job["ov_cache"] = str(ov_cache)
         if cold:
             shutil.rmtree(ov_cache, ignore_errors=True)
-            first = _spawn("measure", {**job, "load_only": True}, cache=cache, timeout=options.timeout)
+            first = spawn("measure", {**job, "load_only": True}, cache=cache, timeout=options.timeout)
             out = {"load_s": first["load_s"], "peak_rss_cold_load_mb": first["peak_rss_mb"]}
-    res = _spawn("measure", job, cache=cache, timeout=options.timeout)
+    res = spawn("measure", job, cache=cache, timeout=options.timeout)
     if _compiles(manifest["backend"]):
         res["load_warm_s"] = res.pop("load_s")
     return {**res, **out}
-
-
-def _ov_cache(cache: Path, path: Path, spec: SystemSpec) -> Path:
-    """The OpenVINO model cache of one system's bundle (and device) in the bench's cache."""
-    return cache / "bench" / "ov-cache" / f"{path.name}{'@' + spec.device if spec.device else ''}"
 
 
 def _measure_batches(spec: SystemSpec, path: Path, manifest: dict[str, Any], cache: Path,
@@ -320,24 +309,24 @@ def _measure_batches(spec: SystemSpec, path: Path, manifest: dict[str, Any], cac
     """The ``batch`` field of one bundle's record: the ``batch`` worker's figures
     (:func:`~bench.batch.measure_batches`) and the computed memory fit
     (:func:`~bench.records.batch_memory`); ``error`` when the worker failed."""
-    _say(options, f"measuring {spec.label} at batch {','.join(map(str, options.batch))}")
+    say(options, f"measuring {spec.label} at batch {','.join(map(str, options.batch))}")
     job = {**common, "bundle": str(path), "device": spec.device, "batch": list(options.batch),
-           "ov_cache": str(_ov_cache(cache, path, spec)) if _compiles(manifest["backend"]) else None}
+           "ov_cache": str(ov_cache_dir(cache, path, spec)) if _compiles(manifest["backend"]) else None}
     out: dict[str, Any] = {"sizes": list(options.batch)}
     try:
-        out.update(_spawn("batch", job, cache=cache, timeout=options.timeout))
+        out.update(spawn("batch", job, cache=cache, timeout=options.timeout))
     except (WorkerError, subprocess.TimeoutExpired) as exc:
         out["error"] = str(exc)
         return out
     out.update(batch_memory(manifest, out.get("kv_bytes_per_position"), out.get("bench_kv_bytes_per_position"),
                             options.fit_memory_bytes))
     if options.fit_run and out.get("fit_max_batch"):
-        _say(options, f"running {spec.label} at its computed fit: {out['fit_max_batch']} rows x {out['fit_positions']} "
+        say(options, f"running {spec.label} at its computed fit: {out['fit_max_batch']} rows x {out['fit_positions']} "
                       "positions")
         fit_job = {**job, "backend": manifest["backend"], "batch": out["fit_max_batch"],
                    "positions": out["fit_positions"]}
         try:
-            out.update(_spawn("fit", fit_job, cache=cache, timeout=options.timeout))
+            out.update(spawn("fit", fit_job, cache=cache, timeout=options.timeout))
         except (WorkerError, subprocess.TimeoutExpired) as exc:
             out["fit_run_error"] = str(exc)
         if out.get("fit_run_peak_rss_mb") is not None:

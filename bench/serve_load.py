@@ -343,7 +343,7 @@ def requests_per_level(options: LoadOptions) -> dict[int, int]:
 
 
 def _machine() -> dict[str, Any]:
-    from bench.run import _machine as bench_machine
+    from bench.systems import machine as bench_machine
 
     machine = bench_machine()
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
@@ -599,13 +599,13 @@ def _level_line(level: dict[str, Any]) -> str:
 
 def _bundle_for_preset(preset: str, cache: str | None, quiet: bool) -> str:
     """The bench's cpu int4 bundle of ``preset`` (built once into the bench cache and reused)."""
-    from bench.run import BenchOptions, _bundle_for, _cache, _checkpoint
+    from bench.run import BenchOptions, bundle_for, cache_dir, checkpoint_for
     from bench.systems import parse_system
 
     options = BenchOptions(preset=preset, cache=cache, quiet=quiet)
-    root = _cache(options)
-    checkpoint, _ = _checkpoint(options, root)
-    path, _ = _bundle_for(parse_system("cpu-int4"), options, checkpoint, root)
+    root = cache_dir(options)
+    checkpoint, _ = checkpoint_for(options, root)
+    path, _ = bundle_for(parse_system("cpu-int4"), options, checkpoint, root)
     return str(path)
 
 

@@ -9,14 +9,15 @@ page of :mod:`higgs_pack.runtime.verification.html_report`.
 
 from __future__ import annotations
 
-import html
 import json
 import math
 from pathlib import Path
 from typing import Any
 
 from bench.records import Goal, goal_state
+from bench.report import esc, goals_table, img
 from bench.serve_checks import CATEGORIES, FAILURES
+from higgs_pack.runtime.verification.html_report import page, require_matplotlib
 
 #: The concurrency at which no answer may be lost, truncated or malformed.
 GOAL_CLEAN_CLIENTS = 64
@@ -202,18 +203,8 @@ def write_run(record: dict[str, Any], out: Path) -> None:
     tmp.replace(out)
 
 
-def _e(text: Any) -> str:
-    return html.escape(str(text))
-
-
-def _img(uri: str, alt: str) -> str:
-    return f'<img src="{uri}" alt="{_e(alt)}">'
-
-
 def _charts(record: dict[str, Any]) -> list[str]:
     """frames/s, first audio, latency and answers per level, and the soak's RSS, as PNGs."""
-    from higgs_pack.runtime.verification.html_report import figure_png, require_matplotlib
-
     plt = require_matplotlib()
     levels = record.get("levels", [])
     x = [lv["clients"] for lv in levels]
@@ -244,7 +235,7 @@ def _charts(record: dict[str, Any]) -> list[str]:
             ax.set_xlabel("concurrent clients")
             ax.grid(alpha=0.25)
             ax.legend(fontsize=7)
-        charts.append(_img(figure_png(fig), "frames/s, first audio and latency by concurrency"))
+        charts.append(img(fig, "frames/s, first audio and latency by concurrency"))
 
         fig, ax = plt.subplots(figsize=(9, 0.5 * len(levels) + 1.4))
         colors = {"ok": "#1a7f37", "length_differs": "#8c959f", "rejected": "#bf8700", "error": "#cf222e",
@@ -259,7 +250,7 @@ def _charts(record: dict[str, Any]) -> list[str]:
         ax.invert_yaxis()
         ax.set_title("answers by check (429 rejected: queue full)")
         ax.legend(fontsize=7, loc="lower right")
-        charts.append(_img(figure_png(fig), "answers by check"))
+        charts.append(img(fig, "answers by check"))
     soak = record.get("soak") or {}
     readings = [(n, mb) for n, mb in soak.get("rss_readings", []) if mb is not None]
     if len(readings) >= 2:
@@ -273,45 +264,36 @@ def _charts(record: dict[str, Any]) -> list[str]:
         ax.set_title(f"server RSS over the soak ({soak['clients']} clients)")
         ax.grid(alpha=0.25)
         ax.legend(fontsize=8)
-        charts.append(_img(figure_png(fig), "server RSS over the soak"))
+        charts.append(img(fig, "server RSS over the soak"))
     return charts
 
 
 def run_section(record: dict[str, Any]) -> str:
     """One run's HTML: what was served, the charts and the level table."""
     s = record.get("server") or {}
-    head = "".join(f"<th>{_e(h)}</th>" for h, _ in COLUMNS)
-    body = "".join("<tr>" + "".join(f"<td>{_e(cell(lv))}</td>" for _, cell in COLUMNS) + "</tr>"
+    head = "".join(f"<th>{esc(h)}</th>" for h, _ in COLUMNS)
+    body = "".join("<tr>" + "".join(f"<td>{esc(cell(lv))}</td>" for _, cell in COLUMNS) + "</tr>"
                    for lv in record.get("levels", []))
     soak = record.get("soak")
     soak_line = (f"<p>Soak: {soak['requests']} requests at {soak['clients']} clients, "
                  f"{_f(soak['frames_per_s'], '.1f')} frames/s; server RSS {_f(soak.get('rss_start_mb'), '.1f')} -> "
                  f"{_f(soak.get('rss_end_mb'), '.1f')} MiB.</p>") if soak else ""
-    return (f"<h2>{_e(record.get('label'))}, preset {_e(record.get('preset'))}</h2>"
-            f"<p class=\"meta\">{_e(record.get('model'))}: {_e(s.get('backend'))} on {_e(s.get('device'))}, "
-            f"max_batch {_e(s.get('max_batch'))}, max_queue {_e(s.get('max_queue'))}, "
-            f"{_e(record.get('frames_per_request'))} frames per request; {_e(_machine_line(record))}</p>"
+    return (f"<h2>{esc(record.get('label'))}, preset {esc(record.get('preset'))}</h2>"
+            f"<p class=\"meta\">{esc(record.get('model'))}: {esc(s.get('backend'))} on {esc(s.get('device'))}, "
+            f"max_batch {esc(s.get('max_batch'))}, max_queue {esc(s.get('max_queue'))}, "
+            f"{esc(record.get('frames_per_request'))} frames per request; {esc(_machine_line(record))}</p>"
             + "".join(_charts(record)) + f"<table><tr>{head}</tr>{body}</table>" + soak_line)
 
 
 def serve_bench_html(runs: list[dict[str, Any]]) -> str:
     """The page of every run in ``dist/serve-bench.json``: the goals first, then each run."""
-    from higgs_pack.runtime.verification.html_report import page
-
-    def state(met: bool | None) -> str:
-        return ("<td class=\"skipped\">not measured</td>" if met is None
-                else f"<td class=\"{'ok' if met else 'FAIL'}\">{'met' if met else 'missed'}</td>")
-
-    goals = [g for r in runs for g in goal_checks(r)]
-    rows = "".join(f"<tr>{state(met)}<td>{_e(goal)}</td><td>{_e(measured)}</td></tr>" for goal, met, measured in goals)
     intro = ("<p class=\"explain\">Concurrent HTTP clients (httpx, one asyncio loop) against <code>higgs-pack serve"
              "</code> on 127.0.0.1, mixed whole WAV files and streamed PCM, fixed seeds and texts; each level bounded "
              "by its request count and seconds. The engine line is the same requests through "
              "<code>tts.engine(max_batch)</code> in its own process, from as many threads. Frames are counted "
              "from the audio bytes (960 samples at 24 kHz). Every answer is checked against the request's reference "
              "(the engine, one request at a time).</p>")
-    sections = [intro, f"<h2>Goals</h2><table><tr><th>result</th><th>goal</th><th>measured</th></tr>{rows}</table>",
-                *(run_section(r) for r in runs)]
+    sections = [intro, goals_table([g for r in runs for g in goal_checks(r)]), *(run_section(r) for r in runs)]
     return page("higgs-pack serve load test", f"{len(runs)} runs", sections)
 
 

@@ -4,9 +4,16 @@ and the run's defaults and goals.
 
 from __future__ import annotations
 
+import io
+import json
 import os
+import platform
+import subprocess
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 #: The repository root: ``bench`` is a folder of the checkout, not part of the wheel, so every
 #: child process that imports it gets this folder on its ``PYTHONPATH`` (:func:`child_env`).
@@ -111,7 +118,25 @@ class SystemSpec:
 
 #: System names of llama.cpp GGUFs (``llama.cpp-q4_0``, ``llama.cpp-q4_k_m``): timed in the
 #: decoder-step comparison only (:mod:`~bench.decoder_steps`).
-LLAMA_CPP_PREFIX = "llama.cpp-"
+LLAMA_CPP = "llama.cpp"
+LLAMA_CPP_PREFIX = LLAMA_CPP + "-"
+#: Quant name -> llama.cpp's ``LLAMA_FTYPE_MOSTLY_*`` (llama.h: Q4_0 = 2, Q4_K_M = 15).
+QUANTS: dict[str, int] = {"q4_0": 2, "q4_k_m": 15}
+
+
+def parse_quant(name: str) -> str:
+    """``q4_0`` / ``q4_k_m`` (any case) from a quant name.
+
+    Raises:
+        InputError: an unknown quant, with the known ones.
+    """
+    key = name.strip().lower().replace("-", "_")
+    if key not in QUANTS:
+        from higgs_pack.manifests.errors import InputError
+
+        raise InputError(f"unknown llama.cpp quant {name!r}; known: {', '.join(QUANTS)} "
+                         f"(systems {', '.join(LLAMA_CPP_PREFIX + q for q in QUANTS)})")
+    return key
 
 
 def parse_system(text: str) -> SystemSpec:
@@ -128,8 +153,6 @@ def parse_system(text: str) -> SystemSpec:
     if text.lower() == PYTORCH:
         return SystemSpec(label=PYTORCH, precision="fp32")
     if text.lower().startswith(LLAMA_CPP_PREFIX):
-        from bench.llama_cpp import LLAMA_CPP, parse_quant
-
         quant = parse_quant(text[len(LLAMA_CPP_PREFIX):])
         return SystemSpec(label=f"{LLAMA_CPP}-{quant}", target=LLAMA_CPP, precision=quant)
     base, _, device = text.partition("@")
@@ -164,3 +187,95 @@ def bundle_spec(path: str | Path) -> SystemSpec:
     return SystemSpec(label=label + (f"@{device}" if device else ""), target=m["target"],
                       precision=m["precision"], variant=m.get("variant"), device=device,
                       bundle=Path(text))
+
+
+def rss_now_mb() -> float | None:
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def peak_rss_mb() -> float:
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (None where the OS has none): other work skews timings."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def machine() -> dict[str, Any]:
+    """What every record says of the machine: CPU model, logical CPUs, Python, ISA, last-level cache."""
+    from higgs_pack.runtime.cpu import cpu_info
+
+    cpu = cpu_info()
+    return {"cpu": cpu.model, "cores": cpu.logical_cpus, "python": platform.python_version(), "isa": cpu.isa,
+            "llc_bytes": cpu.llc_bytes, "llc_level": cpu.llc_level}
+
+
+def ov_cache_dir(cache: Path, bundle: Path, spec: SystemSpec) -> Path:
+    """The OpenVINO model cache of one system's bundle (and device) in the bench's cache."""
+    return cache / "bench" / "ov-cache" / f"{bundle.name}{'@' + spec.device if spec.device else ''}"
+
+
+def table(title: str, headers: list[str], rows: list[list[str]]) -> str:
+    """A text table (rich when installed, else plain text), first column left-aligned."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+        lines = [title, "  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))]
+        lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+        return "\n".join(lines)
+    rich = Table(title=title)
+    for i, h in enumerate(headers):
+        rich.add_column(h, justify="left" if i == 0 else "right")
+    for r in rows:
+        rich.add_row(*r)
+    buffer = io.StringIO()
+    Console(file=buffer, width=200, color_system=None).print(rich)
+    return buffer.getvalue().rstrip("\n")
+
+
+class WorkerError(RuntimeError):
+    """A worker subprocess failed; the message carries the tail of its output."""
+
+
+def spawn(task: str, spec: dict[str, Any], *, cache: Path, stream: bool = False,
+           timeout: float | None = None) -> dict[str, Any]:
+    """Run one worker in a fresh interpreter (its own peak RSS) and return its JSON result.
+
+    The worker sees ``HIGGS_PACK_CACHE=cache``, so checkpoints, bundles and OpenVINO model
+    caches land where the parent looks for them.
+    """
+    with tempfile.TemporaryDirectory(prefix="higgs-pack-bench-") as tmp:
+        spec = {**spec, "task": task, "result": str(Path(tmp) / "result.json")}
+        spec_file = Path(tmp) / "spec.json"
+        spec_file.write_text(json.dumps(spec, default=str))
+        cmd = [sys.executable, "-m", "bench", "--worker", str(spec_file)]  # bench.workers.run_worker
+        out: Any = subprocess.PIPE
+        if stream:  # long tasks (builds) show their progress on our stderr, not our stdout
+            try:
+                out = sys.stderr.fileno()
+            except (AttributeError, OSError, io.UnsupportedOperation):
+                out = subprocess.PIPE
+        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, text=True,
+                              timeout=timeout, check=False,
+                              env=child_env(HIGGS_PACK_CACHE=str(cache)))
+        result_file = Path(spec["result"])
+        if proc.returncode != 0 or not result_file.is_file():
+            tail = "\n".join((proc.stdout or "").strip().splitlines()[-25:])
+            raise WorkerError(f"{task} worker exited with {proc.returncode}" + (f":\n{tail}" if tail else ""))
+        return json.loads(result_file.read_text())

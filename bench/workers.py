@@ -5,14 +5,11 @@ so every system gets its own peak RSS; timings of one generation loop, bandwidth
 from __future__ import annotations
 
 import importlib
-import io
 import itertools
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -27,28 +24,11 @@ from bench.systems import (
     DEFAULT_BANDWIDTH_MIB,
     DEFAULT_CONTEXTS,
     PYTORCH,
-    child_env,
+    peak_rss_mb,
+    rss_now_mb,
 )
 from higgs_pack.exporters.result import tool_versions
 from higgs_pack.runtime.backends import registered
-
-
-def _rss_now_mb() -> float | None:
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
-def _peak_rss_mb() -> float:
-    import resource
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
 class _TimedRunner:
@@ -226,7 +206,7 @@ def _decoder_only(decoder: Any, prompt: np.ndarray, step: np.ndarray, steps: int
     return {"decoder_only_frames_per_s": (steps - 1) / (time.perf_counter() - t)}
 
 
-def _context_steps(decoder: Any, prompt: np.ndarray, step: np.ndarray, contexts: list[int],
+def context_steps(decoder: Any, prompt: np.ndarray, step: np.ndarray, contexts: list[int],
                    steps: int = CONTEXT_STEPS, rounds: int = CONTEXT_ROUNDS) -> dict[str, float]:
     """The bare decoder's step time at each context length ``L`` in ``contexts``.
 
@@ -306,7 +286,7 @@ def _median_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _load_bundle(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+def load_bundle(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """Open (validate, hash) and load a bundle; returns the pipeline and timings."""
     from higgs_pack.runtime.bundle import load, open_bundle
 
@@ -360,10 +340,10 @@ def worker_measure(spec: dict[str, Any]) -> dict[str, Any]:
     from higgs_pack.runtime.loop.delay import SamplingOptions
 
     loadavg = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    pipeline, info = (_load_pytorch if spec["kind"] == PYTORCH else _load_bundle)(spec)
-    info["rss_after_load_mb"] = _rss_now_mb()
+    pipeline, info = (_load_pytorch if spec["kind"] == PYTORCH else load_bundle)(spec)
+    info["rss_after_load_mb"] = rss_now_mb()
     if spec.get("load_only"):
-        info["peak_rss_mb"] = _peak_rss_mb()
+        info["peak_rss_mb"] = peak_rss_mb()
         return info
     bare = pipeline.decoder
     logs = _instrument(pipeline)
@@ -395,12 +375,12 @@ def worker_measure(spec: dict[str, Any]) -> dict[str, Any]:
     out = {**info, **_median_runs(runs)}
     out["stream_codes_match"] = all(r["stream_codes_match"] for r in runs)
     out["loop_over_decoder"] = out["decoder_only_frames_per_s"] / out["frames_per_s"]
-    out.update(_context_steps(bare, prompt, step, list(spec.get("contexts", DEFAULT_CONTEXTS))))
+    out.update(context_steps(bare, prompt, step, list(spec.get("contexts", DEFAULT_CONTEXTS))))
     itemsize = kv_itemsize(bare)
     out.update({"kv_itemsize": itemsize, "kv_bytes_per_position": kv_bytes_per_position(c, itemsize)})
     # the 1-minute load average before and after: other work on the machine skews timings
     after = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    return {**out, "peak_rss_mb": _peak_rss_mb(), "loadavg_1m": [loadavg, after]}
+    return {**out, "peak_rss_mb": peak_rss_mb(), "loadavg_1m": [loadavg, after]}
 
 
 def worker_checkpoint(spec: dict[str, Any]) -> dict[str, Any]:
@@ -408,7 +388,7 @@ def worker_checkpoint(spec: dict[str, Any]) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     path = default_checkpoint(spec["preset"], spec["seed"])
-    return {"checkpoint": str(path), "seconds": time.perf_counter() - t0, "peak_rss_mb": _peak_rss_mb()}
+    return {"checkpoint": str(path), "seconds": time.perf_counter() - t0, "peak_rss_mb": peak_rss_mb()}
 
 
 def worker_build(spec: dict[str, Any]) -> dict[str, Any]:
@@ -418,7 +398,7 @@ def worker_build(spec: dict[str, Any]) -> dict[str, Any]:
     out = build(spec["target"], precision=spec["precision"], model=spec["checkpoint"],
                 out=spec["out"], variant=spec["variant"], force=True,
                 progress=lambda msg: print(f"  [build {spec['label']}] {msg}", file=sys.stderr, flush=True))
-    return {"bundle": str(out), "seconds": time.perf_counter() - t0, "peak_rss_mb": _peak_rss_mb()}
+    return {"bundle": str(out), "seconds": time.perf_counter() - t0, "peak_rss_mb": peak_rss_mb()}
 
 
 def measure_bandwidth(mib: int = DEFAULT_BANDWIDTH_MIB, repeats: int = 5,
@@ -464,76 +444,21 @@ def worker_bandwidth(spec: dict[str, Any]) -> dict[str, Any]:
     return measure_bandwidth(spec["mib"])
 
 
-def worker_batch(spec: dict[str, Any]) -> dict[str, Any]:
-    """The engine at several batch sizes (``--batch``): :func:`~bench.batch.measure_batches`."""
-    from bench.batch import measure_batches
-
-    return measure_batches(spec)
-
-
-def worker_fit(spec: dict[str, Any]) -> dict[str, Any]:
-    """The computed largest batch, run (``--fit-run``): :func:`~bench.kv_fit.fit_run`."""
-    from bench.kv_fit import fit_run
-
-    return fit_run(spec)
-
-
-def worker_our_steps(spec: dict[str, Any]) -> dict[str, Any]:
-    """A bundle's bare batched decoder step: :func:`~bench.decoder_steps.measure_our_steps`."""
-    from bench.decoder_steps import measure_our_steps
-
-    return measure_our_steps(spec)
-
-
-def worker_llama_steps(spec: dict[str, Any]) -> dict[str, Any]:
-    """A llama.cpp GGUF's decode step: :func:`~bench.llama_cpp.measure_llama_steps`."""
-    from bench.llama_cpp import measure_llama_steps
-
-    return measure_llama_steps(spec)
-
-
-WORKERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    "measure": worker_measure, "checkpoint": worker_checkpoint, "build": worker_build,
-    "bandwidth": worker_bandwidth, "batch": worker_batch, "fit": worker_fit, "our_steps": worker_our_steps,
-    "llama_steps": worker_llama_steps,
+#: Worker tasks (``spawn(task, ...)``) -> the ``module:function`` that runs one in its process.
+WORKERS: dict[str, str] = {
+    "measure": "bench.workers:worker_measure", "checkpoint": "bench.workers:worker_checkpoint",
+    "build": "bench.workers:worker_build", "bandwidth": "bench.workers:worker_bandwidth",
+    "batch": "bench.batch:measure_batches", "fit": "bench.batch:fit_run",
+    "our_steps": "bench.decoder_steps:measure_our_steps", "llama_steps": "bench.decoder_steps:measure_llama_steps",
 }
 
 
 def run_worker(spec_file: str) -> int:
     """Entry of ``--worker SPEC.json``: run the task, write its JSON result to ``spec["result"]``."""
     spec = json.loads(Path(spec_file).read_text())
-    result = WORKERS[spec["task"]](spec)
+    module, _, function = WORKERS[spec["task"]].partition(":")
+    result = getattr(importlib.import_module(module), function)(spec)
     Path(spec["result"]).write_text(json.dumps(result))
     return 0
 
 
-class WorkerError(RuntimeError):
-    """A worker subprocess failed; the message carries the tail of its output."""
-
-
-def _spawn(task: str, spec: dict[str, Any], *, cache: Path, stream: bool = False,
-           timeout: float | None = None) -> dict[str, Any]:
-    """Run one worker in a fresh interpreter (its own peak RSS) and return its JSON result.
-
-    The worker sees ``HIGGS_PACK_CACHE=cache``, so checkpoints, bundles and OpenVINO model
-    caches land where the parent looks for them.
-    """
-    with tempfile.TemporaryDirectory(prefix="higgs-pack-bench-") as tmp:
-        spec = {**spec, "task": task, "result": str(Path(tmp) / "result.json")}
-        spec_file = Path(tmp) / "spec.json"
-        spec_file.write_text(json.dumps(spec, default=str))
-        cmd = [sys.executable, "-m", "bench", "--worker", str(spec_file)]
-        out: Any = subprocess.PIPE
-        if stream:  # long tasks (builds) show their progress on our stderr, not our stdout
-            try:
-                out = sys.stderr.fileno()
-            except (AttributeError, OSError, io.UnsupportedOperation):
-                out = subprocess.PIPE
-        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, text=True,
-                              timeout=timeout, check=False,
-                              env=child_env(HIGGS_PACK_CACHE=str(cache)))
-        result_file = Path(spec["result"])
-        if proc.returncode != 0 or not result_file.is_file():
-            tail = "\n".join((proc.stdout or "").strip().splitlines()[-25:])
-            raise WorkerError(f"{task} worker exited with {proc.returncode}" + (f":\n{tail}" if tail else ""))
-        return json.loads(result_file.read_text())

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-import bench
+from bench import cli, run, systems, workers
+from bench import records as bench_records
 from higgs_pack.manifests.errors import BuildPlanError
 
 #: Keys every measured record carries, with their types.
@@ -56,7 +57,7 @@ def check_record(record: dict) -> None:
     assert record["first_audio_ms"] > 0 and record["prefill_ms"] > 0
     ready = FIRST_CHUNK_FRAMES + max(record["stream_context_frames"], 1) + 7
     assert record["first_audio_steps"] == min(ready, record["steps"])
-    assert record["first_audio_budget_ms"] == pytest.approx(bench.first_audio_budget(record))
+    assert record["first_audio_budget_ms"] == pytest.approx(bench_records.first_audio_budget(record))
     # the budget's parts are disjoint pieces of the streamed run's first-audio interval
     assert record["first_audio_prefill_ms"] > 0 and record["first_audio_steps_ms"] >= 0
     assert record["first_audio_budget_ms"] <= record["first_audio_ms"] + 1e-6
@@ -83,7 +84,7 @@ def check_record(record: dict) -> None:
     ],
 )
 def test_parse_system(text, label, target, precision, variant, device):
-    spec = bench.parse_system(text)
+    spec = systems.parse_system(text)
     assert (spec.label, spec.target, spec.precision, spec.variant, spec.device) == (
         label, target, precision, variant, device)
     assert spec.is_pytorch == (text == "pytorch")
@@ -92,7 +93,7 @@ def test_parse_system(text, label, target, precision, variant, device):
 @pytest.mark.parametrize(("text", "named"), [("cpu-int9", "int9"), ("openvno-int4", "openvno")])
 def test_parse_system_rejects_unknown(text, named):
     with pytest.raises(BuildPlanError, match=named):
-        bench.parse_system(text)
+        systems.parse_system(text)
 
 
 def _fake(label, system, precision, fps, **extra):
@@ -110,31 +111,31 @@ def test_ratios_goals_and_table(tmp_path):
         _fake("openvino-int4", "openvino", "int4", 50.0, device="CPU", preset="tiny", load_warm_s=0.4),
         {"label": "cpu-fp16", "system": "cpu", "precision": "fp16", "preset": "bench", "error": "build: boom"},
     ]
-    bench.add_ratios(records)
+    bench_records.add_ratios(records)
     assert records[1]["speedup_vs_pytorch"] == pytest.approx(3.0)
     assert records[2]["speedup_vs_cpu"] == pytest.approx(1.2) and records[2]["vs_cpu"] == "cpu-int4"
     assert "speedup_vs_cpu" not in records[0] and "speedup_vs_pytorch" not in records[0]
     assert "speedup_vs_pytorch" not in records[3]  # other preset, no PyTorch record there
-    goals = {goal: (met, numbers) for goal, met, numbers in bench.goal_checks(records)}
+    goals = {goal: (met, numbers) for goal, met, numbers in bench_records.goal_checks(records)}
     assert goals["[bench] cpu int4 >= 2x PyTorch frames/s"] == (True, "3.00x")
     assert goals["[bench] openvino int4 >= cpu int4 frames/s"][0] is True
     assert goals["openvino-int4 warm-cache load < 1 s (tiny)"][0] is True
 
     roof = records[1] | {"decoder_weight_mb": 300.0}
-    bench._roofline(roof, {"bandwidth_gbps": 10.0})
+    bench_records.roofline(roof, {"bandwidth_gbps": 10.0})
     assert roof["roofline_min_frame_ms"] == pytest.approx(30.0)
     assert roof["roofline_frac"] == pytest.approx(0.9)
     assert roof["roofline_frac_decoder"] == pytest.approx(1.0)
 
-    table = bench.render_table(records)
+    table = bench_records.render_table(records)
     for text in ("pytorch", "cpu-int4", "3.00x", "1.20x", "error"):
         assert text in table
-    details = bench.render_details(records)
+    details = bench_records.render_details(records)
     assert "ERROR build: boom" in details and "met" in details and "not measured" in details
 
     out = tmp_path / "bench.json"
-    bench.write_records(records[:2], out)
-    bench.write_records([records[2]], out, append=True)
+    bench_records.write_records(records[:2], out)
+    bench_records.write_records([records[2]], out, append=True)
     *written, goals_record = json.loads(out.read_text())
     assert [r["label"] for r in written] == ["pytorch", "cpu-int4", "openvino-int4"]
     # the goals of everything in the file, recorded once at its end
@@ -142,7 +143,7 @@ def test_ratios_goals_and_table(tmp_path):
     recorded = {g["goal"]: (g["met"], g["measured"]) for g in goals_record["goals"]}
     assert recorded["[bench] openvino int4 >= cpu int4 frames/s"] == (True, "1.20x")
     assert recorded["[full] cpu int4 decoder weight bytes <= openvino int4's"][0] is None
-    bench.write_records([records[2]], out)
+    bench_records.write_records([records[2]], out)
     assert [r.get("kind") for r in json.loads(out.read_text())] == [None, "goals"]
 
 
@@ -157,7 +158,7 @@ def _measured(label, system, fps, preset="bench", **extra):
 
 
 def _goals(records):
-    return {goal: (met, numbers) for goal, met, numbers in bench.goal_checks(records)}
+    return {goal: (met, numbers) for goal, met, numbers in bench_records.goal_checks(records)}
 
 
 def test_goal_checks_met_missed_and_not_measured():
@@ -212,19 +213,19 @@ def test_goal_checks_met_missed_and_not_measured():
     assert goals["[bench] cpu-int4: loop within 1.1x of its bare decoder"][0] is None
     assert goals["[full] cpu int4 decoder weight bytes <= openvino int4's"][0] is None
     assert all(met is None for met, _ in goals.values())
-    assert bench.goal_state(None) == "not measured" and bench.goal_state(False) == "MISSED"
+    assert bench_records.goal_state(None) == "not measured" and bench_records.goal_state(False) == "MISSED"
 
 
 def test_roofline_cache_resident_and_kv_bytes():
     machine = {"llc_bytes": 32 * 2**20}
     small = {"frames_per_s": 100.0, "decoder_weight_mb": 20.0, "machine": machine, "step_ms": {"decoder": 5.0}}
-    bench._roofline(small, {"bandwidth_gbps": 10.0})
+    bench_records.roofline(small, {"bandwidth_gbps": 10.0})
     assert small["cache_resident"] is True and not any(k.startswith("roofline") for k in small)
     # 100 MB of weights + 10 kB per position over a mean of 100 + 50 positions, at 10 GB/s
     big = {"frames_per_s": 50.0, "decoder_only_frames_per_s": 80.0, "decoder_weight_mb": 100.0,
            "kv_bytes_per_position": 10_000, "prompt_length": 100, "steps": 100, "machine": machine,
            "step_ms_ctx900": 12.0}
-    bench._roofline(big, {"bandwidth_gbps": 10.0})
+    bench_records.roofline(big, {"bandwidth_gbps": 10.0})
     assert big["cache_resident"] is False and big["kv_read_mb_per_step"] == pytest.approx(1.5)
     assert big["roofline_min_frame_ms"] == pytest.approx(10.15)
     assert big["roofline_frac"] == pytest.approx(0.01015 * 50)
@@ -232,7 +233,7 @@ def test_roofline_cache_resident_and_kv_bytes():
     assert big["roofline_frac_ctx900"] == pytest.approx((100e6 + 9e6) / 10e9 * 1e3 / 12.0)
     unknown = dict(small, machine={"llc_bytes": None})
     del unknown["cache_resident"]
-    bench._roofline(unknown, {"bandwidth_gbps": 10.0})
+    bench_records.roofline(unknown, {"bandwidth_gbps": 10.0})
     assert unknown["cache_resident"] is None and unknown["roofline_frac"] > 0
 
 
@@ -254,13 +255,13 @@ def test_last_level_cache_reader(tmp_path):
 
 
 def test_bandwidth_measurement():
-    bw = bench.measure_bandwidth(mib=16, repeats=2, threads=2)
+    bw = workers.measure_bandwidth(mib=16, repeats=2, threads=2)
     assert bw["bandwidth_gbps"] > 0 and bw["bandwidth_copy_gbps"] > 0 and bw["bandwidth_read_1t_gbps"] > 0
 
 
 def test_worker_failure_is_reported(tmp_path):
-    with pytest.raises(bench.WorkerError, match="measure worker exited"):
-        bench._spawn("measure", {"kind": "bundle", "bundle": str(tmp_path / "missing"), "backend": "onnxruntime"},
+    with pytest.raises(systems.WorkerError, match="measure worker exited"):
+        systems.spawn("measure", {"kind": "bundle", "bundle": str(tmp_path / "missing"), "backend": "onnxruntime"},
                      cache=tmp_path)
 
 
@@ -270,7 +271,7 @@ def test_worker_failure_is_reported(tmp_path):
 @pytest.mark.slow
 def test_bench_pytorch_on_tiny_checkpoint(tiny_checkpoint, tmp_path):
     out = tmp_path / "bench.json"
-    code = bench.main(["--preset", "tiny", "--systems", "pytorch", "--checkpoint", str(tiny_checkpoint),
+    code = cli.main(["--preset", "tiny", "--systems", "pytorch", "--checkpoint", str(tiny_checkpoint),
                        "--frames", "8", "--repeats", "1", "--bandwidth-mib", "32", "--cache",
                        str(tmp_path / "cache"), "--out", str(out), "--quiet"])
     assert code == 0
@@ -287,16 +288,16 @@ def test_bench_pytorch_on_tiny_checkpoint(tiny_checkpoint, tmp_path):
 @pytest.mark.slow
 def test_bench_cpu_bundle_built_then_reused(tiny_checkpoint, tmp_path):
     cache = tmp_path / "cache"
-    options = bench.BenchOptions(preset="tiny", systems=("pytorch", "cpu-fp32"), frames=8, repeats=1,
+    options = run.BenchOptions(preset="tiny", systems=("pytorch", "cpu-fp32"), frames=8, repeats=1,
                                  checkpoint=str(tiny_checkpoint), cache=str(cache), bandwidth_mib=32,
                                  out=None, quiet=True)
-    build_rec, torch_rec, cpu_rec = bench.run_bench(options)
+    build_rec, torch_rec, cpu_rec = run.run_bench(options)
     for record in (torch_rec, cpu_rec):
         check_record(record)
     # the build record: the whole process tree's peak memory and every step, from the manifest
     assert build_rec["kind"] == "build" and build_rec["system"] == "cpu-fp32" and build_rec["preset"] == "tiny"
     assert build_rec["cached"] is False and build_rec["verified"] is True
-    assert 0 < build_rec["peak_rss_mb"] < bench.BUILD_MEMORY_BUDGET_MB
+    assert 0 < build_rec["peak_rss_mb"] < bench_records.BUILD_MEMORY_BUDGET_MB
     assert build_rec["build_s"] > 0 and build_rec["bundle_mb"] > 0 and build_rec["scratch_peak_mb"] > 0
     names = [p["name"] for p in build_rec["phases"]]
     assert any("llm_decoder" in n for n in names) and any("golden" in n for n in names) and names[-1].startswith("verif")
@@ -312,19 +313,19 @@ def test_bench_cpu_bundle_built_then_reused(tiny_checkpoint, tmp_path):
     assert cpu_rec["bundle_mb"] == pytest.approx(sum(f["size"] for f in manifest["files"]) / 1e6)
     assert cpu_rec["decoder_weight_mb"] > 0 and cpu_rec["load_s"] > 0
 
-    again = bench.run_bench(bench.BenchOptions(
+    again = run.run_bench(run.BenchOptions(
         preset="tiny", systems=(), bundles=(str(bundle),), frames=8, repeats=1, warmup=0, rounds=2,
         bandwidth_mib=0, cache=str(cache), out=None, quiet=True))
     (rec,) = again
     check_record(rec)
     assert rec["label"] == "cpu-fp32" and "roofline_frac" not in rec
     assert len(rec["rounds_frames_per_s"]) == 2 and rec["frames_per_s"] == max(rec["rounds_frames_per_s"])
-    (build2, rec2) = bench.run_bench(bench.BenchOptions(
+    (build2, rec2) = run.run_bench(run.BenchOptions(
         preset="tiny", systems=("cpu-fp32",), frames=8, repeats=1, warmup=0, bandwidth_mib=0,
         checkpoint=str(tiny_checkpoint), cache=str(cache), out=None, quiet=True))
     assert rec2["build_cached"] is True and build2["cached"] is True
     assert build2["peak_rss_mb"] == build_rec["peak_rss_mb"]  # the numbers of the build that made it
-    (only,) = bench.run_bench(bench.BenchOptions(
+    (only,) = run.run_bench(run.BenchOptions(
         preset="tiny", systems=("cpu-fp32",), build_only=True, checkpoint=str(tiny_checkpoint),
         cache=str(cache), out=None, quiet=True))
     assert only["kind"] == "build" and "frames_per_s" not in only
@@ -332,7 +333,7 @@ def test_bench_cpu_bundle_built_then_reused(tiny_checkpoint, tmp_path):
 
 def test_bench_streams_and_drives_the_bare_decoder(cpu_int4_bundle, tmp_path):
     """cpu int4 on the tiny checkpoint, long enough that the first chunk comes before the end."""
-    (rec,) = bench.run_bench(bench.BenchOptions(
+    (rec,) = run.run_bench(run.BenchOptions(
         preset="tiny", systems=(), bundles=(str(cpu_int4_bundle),), frames=40, repeats=2, warmup=1,
         bandwidth_mib=64, cache=str(tmp_path / "cache"), out=None, quiet=True))
     check_record(rec)
@@ -342,12 +343,11 @@ def test_bench_streams_and_drives_the_bare_decoder(cpu_int4_bundle, tmp_path):
     from higgs_pack.runtime.cpu import cpu_info
 
     assert rec["machine"]["llc_bytes"] == cpu_info().llc_bytes
-    details = bench.render_details([rec])
+    details = bench_records.render_details([rec])
     assert "first audio" in details and "ctx 900" in details
 
 
 def test_cpu_isa_names_vnni_and_avx512():
-    from bench.run import _machine
     from higgs_pack.runtime.cpu import cpu_isa
 
     amd = cpu_isa(["fpu", "sse4_2", "avx", "avx2", "fma", "f16c"])
@@ -356,7 +356,7 @@ def test_cpu_isa_names_vnni_and_avx512():
     assert xeon["vnni"] and xeon["avx512"] and xeon["flags"] == ["avx2", "avx512f", "avx512bw", "avx512_vnni",
                                                                  "amx_tile"]
     assert cpu_isa(["avx2", "avx_vnni"])["vnni"]
-    machine = _machine()  # what every bench record carries
+    machine = systems.machine()  # what every bench record carries
     assert set(machine["isa"]) == {"flags", "vnni", "avx512"}
     from higgs_pack.runtime.cpu import cpu_info
 
@@ -371,7 +371,6 @@ def test_context_steps_take_the_lengths_in_turn(cpu_int4_bundle):
     weighs on both alike), on the real tiny decoder; each length gets rounds x steps timings."""
     import numpy as np
 
-    from bench import workers
     from higgs_pack.runtime.bundle import load
 
     decoder = load(cpu_int4_bundle).decoder
@@ -388,7 +387,7 @@ def test_context_steps_take_the_lengths_in_turn(cpu_int4_bundle):
     prompt = np.random.default_rng(0).standard_normal((1, 5, h)).astype(np.float32)
     step = np.zeros((1, 1, h), dtype=np.float32)
     too_long = decoder.max_length
-    out = workers._context_steps(decoder, prompt, step, [8, 20, too_long], steps=3, rounds=2)
+    out = workers.context_steps(decoder, prompt, step, [8, 20, too_long], steps=3, rounds=2)
     assert prefills == [8, 20, 8, 20]
     assert set(out) == {"step_ms_ctx8", "step_ms_ctx20"} and all(v > 0 for v in out.values())
 
@@ -397,11 +396,11 @@ def test_context_steps_take_the_lengths_in_turn(cpu_int4_bundle):
 
 
 def test_parse_batch():
-    assert bench.parse_batch("1,2,4,8") == (1, 2, 4, 8) and bench.parse_batch("") == ()
+    assert cli.parse_batch("1,2,4,8") == (1, 2, 4, 8) and cli.parse_batch("") == ()
     for bad, named in (("1,x", "comma-separated"), ("0,2", ">= 1"), ("2,2", "distinct")):
-        assert named in bench.parse_batch(bad)
+        assert named in cli.parse_batch(bad)
     with pytest.raises(SystemExit):
-        bench.main(["--batch", "1,1"])
+        cli.main(["--batch", "1,1"])
 
 
 def _row(size, agg, step, bare=None, stream=0.95):
@@ -462,11 +461,11 @@ def test_batch_goals_judged_at_full_size_and_missed_when_a_figure_misses():
     bench_goals = _goals([_batched("cpu-int4", "cpu", "bench", rows)])
     missed = bench_goals["[bench] cpu-int4: aggregate frames/s at batch 8 >= 5x batch 1"]
     assert missed[0] is None and missed[1] == "45 / 10 = 4.50x: would be missed; judged at full size only"
-    assert bench.goal_state(*missed) == "not judged" and bench.goal_state(None, "no --batch record") == "not measured"
+    assert bench_records.goal_state(*missed) == "not judged" and bench_records.goal_state(None, "no --batch record") == "not measured"
     assert not any(g.startswith("[full]") and "batch" in g for g in bench_goals)  # only the presets run
     printed = _batched("cpu-int4", "cpu", "bench", rows)
     printed.update(first_audio_steps=28, stream_chunk_frames=10, stream_context_frames=11, stream_frames_per_s=28.0)
-    details = bench.render_details([printed])
+    details = bench_records.render_details([printed])
     assert "would be missed; judged at full size only -> not judged" in details
     # no --batch run: no batch goals; a failed batch run: every batch goal not measured, saying so
     assert not any("batch" in g for g in _goals([_measured("cpu-int4", "cpu", 30.0, preset="full")]))
@@ -483,25 +482,25 @@ def test_batch_memory_fit_table_and_html(tmp_path):
                           {"path": "golden/outputs.npz", "size": 2**30}],
                 "subparts": {"llm_decoder": {"files": ["llm_decoder/model.onnx", "llm_decoder/model.onnx.data"]},
                              "audio_heads": {"files": ["audio_heads/model.onnx"]}}}
-    fit = bench.batch_memory(manifest, 294912, 128)  # the 4B model's fp32 KV: 288 KiB per position
+    fit = bench_records.batch_memory(manifest, 294912, 128)  # the 4B model's fp32 KV: 288 KiB per position
     # (12 GiB - 2 GiB of decoder weights - 1 MiB of heads) / (2000 x 288 KiB): 18 requests (computed)
     assert fit["fit_weight_bytes"] == 2 * 2**30 + 2**20 and fit["fit_max_batch"] == 18
     assert fit["fit_kv_source"] == "engine" and fit["fit_computed"] is True
-    assert bench.batch_memory(manifest, None, 128)["fit_kv_source"] == "bench"
-    assert bench.batch_memory(manifest, None, None)["fit_max_batch"] is None
+    assert bench_records.batch_memory(manifest, None, 128)["fit_kv_source"] == "bench"
+    assert bench_records.batch_memory(manifest, None, None)["fit_max_batch"] is None
 
     ov_rows = [_row(1, 9.0, 110.0)] + [{"batch": b, "refused": OV_REFUSAL} for b in (2, 4)]
     records = [_batched("cpu-int4", "cpu", "bench", _good_rows()[:3]),
                _batched("openvino-int4", "openvino", "bench", ov_rows)]
-    text = bench.render_batch(records)
+    text = bench_records.render_batch(records)
     for part in ("3.50x", "1.14x", "refused", "largest batch in 12 GiB at 2000 positions: 18 (computed, not run",
                  "openvino-int4 [bench] batch 2 refused by the engine: OpenVINO bundles do not decode"):
         assert part in text, part
-    assert bench.render_batch([_measured("cpu-int4", "cpu", 30.0)]) == ""
+    assert bench_records.render_batch([_measured("cpu-int4", "cpu", 30.0)]) == ""
     pytest.importorskip("matplotlib")
     out = tmp_path / "bench.json"
-    bench.write_records(records, out)
-    from bench.records import write_html
+    bench_records.write_records(records, out)
+    from bench.report import write_html
 
     page = write_html(out).read_text()
     section = page[page.index("Many requests at once (--batch)"):]
@@ -520,7 +519,7 @@ BATCH_ROW_TYPES = {
 def test_bench_batch_on_tiny_cpu_int4(cpu_int4_bundle, tmp_path):
     """``--batch 1,2`` on the tiny cpu int4 bundle: the record's structure, the JSON, the goals, the HTML."""
     out = tmp_path / "bench.json"
-    code = bench.main(["--preset", "tiny", "--systems", "", "--bundle", str(cpu_int4_bundle), "--batch", "1,2",
+    code = cli.main(["--preset", "tiny", "--systems", "", "--bundle", str(cpu_int4_bundle), "--batch", "1,2",
                        "--frames", "24", "--repeats", "1", "--warmup", "0", "--contexts", "", "--bandwidth-mib", "0",
                        "--cache", str(tmp_path / "cache"), "--out", str(out), "--quiet"])
     assert code == 0
@@ -559,7 +558,7 @@ def test_bench_batch_on_tiny_openvino(ov_int4_bundle, tmp_path):
     """The OpenVINO engine runs batch 1 and 2 on the CPU: batch 2 has its figures, the joining
     request's splice time and KV bytes in use (the batched decoder counts its u8 cache: 192 B
     per position on the tiny model; the batch-1 decoder states none)."""
-    (rec,) = bench.run_bench(bench.BenchOptions(
+    (rec,) = run.run_bench(run.BenchOptions(
         preset="tiny", systems=(), bundles=(str(ov_int4_bundle),), frames=24, repeats=1, warmup=0, contexts=(),
         bandwidth_mib=0, cache=str(tmp_path / "cache"), out=None, quiet=True, batch=(1, 2)))
     one, two = rec["batch"]["rows"]
@@ -575,7 +574,7 @@ def test_bench_fit_run_on_tiny_cpu_int4(cpu_int4_bundle, tmp_path):
     says how much the process really held against the budget (here a tiny one, which the
     process's own baseline exceeds: the computation counts weights and KV only)."""
     out = tmp_path / "bench.json"
-    code = bench.main(["--preset", "tiny", "--systems", "", "--bundle", str(cpu_int4_bundle), "--batch", "1",
+    code = cli.main(["--preset", "tiny", "--systems", "", "--bundle", str(cpu_int4_bundle), "--batch", "1",
                        "--fit-memory-gib", "0.05", "--fit-run", "--frames", "8", "--repeats", "1", "--warmup", "0",
                        "--contexts", "", "--bandwidth-mib", "0", "--cache", str(tmp_path / "cache"), "--out", str(out),
                        "--quiet"])
@@ -589,11 +588,11 @@ def test_bench_fit_run_on_tiny_cpu_int4(cpu_int4_bundle, tmp_path):
     assert batch["fit_run_kv_bytes"] >= batch["fit_max_batch"] * 1999 * per_position
     assert batch["fit_run_peak_rss_mb"] > batch["fit_run_load_rss_mb"] > 0 and batch["fit_run_step_ms"] > 0
     assert batch["fit_run_fits"] is False  # a Python process with ONNX Runtime alone exceeds 51 MiB
-    assert "EXCEEDS the budget" in bench.render_batch([json.loads(out.read_text())[0]])
+    assert "EXCEEDS the budget" in bench_records.render_batch([json.loads(out.read_text())[0]])
 
 
 def test_fill_kv_refuses_what_it_cannot_fill():
-    from bench.kv_fit import fill_kv
+    from bench.batch import fill_kv
 
     with pytest.raises(ValueError, match="keeps no host KV buffers"):
         fill_kv(object(), 10)
@@ -607,4 +606,4 @@ def test_bundle_spec_labels_a_quantized_kv_cache(cpu_int4_bundle, tmp_path):
         bundle = tmp_path / kv
         bundle.mkdir()
         (bundle / "manifest.json").write_text(json.dumps({**source, "kv_cache": kv}))
-        assert bench.bundle_spec(bundle).label == label
+        assert systems.bundle_spec(bundle).label == label

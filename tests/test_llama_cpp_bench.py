@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from conftest import slow_fixture
 
-import bench
-from bench import decoder_steps, llama_cpp
+from bench import cli, decoder_steps, llama_cpp, report, systems
+from bench import records as bench_records
 from higgs_pack.manifests.errors import BuildError, InputError
 
 needs_llama = pytest.mark.skipif(llama_cpp.llama_cpp_missing() is not None,
@@ -23,17 +23,17 @@ needs_llama = pytest.mark.skipif(llama_cpp.llama_cpp_missing() is not None,
 
 
 def test_llama_system_names():
-    spec = bench.parse_system("llama.cpp-Q4_K_M")
+    spec = systems.parse_system("llama.cpp-Q4_K_M")
     assert (spec.label, spec.target, spec.precision, spec.is_llama_cpp) == ("llama.cpp-q4_k_m", "llama.cpp", "q4_k_m", True)
-    assert bench.parse_system("llama.cpp-q4_0").label == "llama.cpp-q4_0"
-    assert not bench.parse_system("cpu-int4").is_llama_cpp
+    assert systems.parse_system("llama.cpp-q4_0").label == "llama.cpp-q4_0"
+    assert not systems.parse_system("cpu-int4").is_llama_cpp
     with pytest.raises(InputError, match="known: q4_0, q4_k_m"):
-        bench.parse_system("llama.cpp-q8_0")
+        systems.parse_system("llama.cpp-q8_0")
 
 
 def test_step_batch_flag_is_checked(capsys):
     with pytest.raises(SystemExit):
-        bench.main(["--step-batch", "1,x", "--systems", ""])
+        cli.main(["--step-batch", "1,x", "--systems", ""])
     assert "--step-batch" in capsys.readouterr().err
 
 
@@ -119,9 +119,9 @@ def test_ratios_table_and_html():
     text = decoder_steps.render_steps(records)
     assert "llama.cpp-q4_k_m [tiny]: ERROR llama-cpp-python is not installed" in text
     assert "Q6_K 8.0 MB" in text
-    html = decoder_steps.steps_html(records)
+    html = report.steps_section(records)
     assert "<h2>Decoder step beside llama.cpp</h2>" in html and "refused" in html
-    assert decoder_steps.render_steps([]) == "" and decoder_steps.steps_html([]) == ""
+    assert decoder_steps.render_steps([]) == "" and report.steps_section([]) == ""
 
 
 def test_records_go_to_json_and_html(tmp_path):
@@ -129,12 +129,10 @@ def test_records_go_to_json_and_html(tmp_path):
     records = _records()
     decoder_steps.add_step_ratios(records)
     out = tmp_path / "bench.json"
-    bench.write_records(records, out)
+    bench_records.write_records(records, out)
     written = json.loads(out.read_text())
     assert [r["label"] for r in written if r.get("kind") == "decoder_step"] == [r["label"] for r in records]
-    from bench.records import write_html
-
-    assert "Decoder step beside llama.cpp" in write_html(out).read_text()
+    assert "Decoder step beside llama.cpp" in report.write_html(out).read_text()
 
 
 def test_converter_unpack_rejects_an_sdist_without_converter(tmp_path):
@@ -145,7 +143,7 @@ def test_converter_unpack_rejects_an_sdist_without_converter(tmp_path):
         info.size = len(data)
         tar.addfile(info, io.BytesIO(data))
     with pytest.raises(BuildError, match=re.escape("no vendor/llama.cpp/convert_hf_to_gguf.py")):
-        llama_cpp._unpack_converter(sdist, tmp_path / "src")
+        llama_cpp.unpack_converter(sdist, tmp_path / "src")
 
 
 def test_llama_cpp_commit(tmp_path):
@@ -242,7 +240,7 @@ def test_tiny_logits_match_the_fp32_oracle(tiny_ggufs, tiny_checkpoint):
 @pytest.mark.slow
 def test_tiny_steps_time_at_batch_1_and_4(tiny_ggufs):
     for quant, q in tiny_ggufs["quants"].items():
-        got = llama_cpp.measure_llama_steps({"gguf": q["path"], "batches": [1, 4], "contexts": [8, 40], "steps": 2,
+        got = decoder_steps.measure_llama_steps({"gguf": q["path"], "batches": [1, 4], "contexts": [8, 40], "steps": 2,
                                              "threads": 2})
         assert [(r["batch"], r["context"]) for r in got["rows"]] == [(1, 8), (4, 8), (1, 40), (4, 40)], quant
         assert all(r["step_ms"] > 0 and r["step_ms_no_output"] > 0 for r in got["rows"])

@@ -104,7 +104,8 @@ def test_report_without_matplotlib_names_the_extra(tmp_path):
 def test_bench_html_from_records(tmp_path):
     import json
 
-    import bench
+    from bench import records as bench_records
+    from bench import report
 
     records = [
         {"label": "pytorch", "system": "pytorch", "precision": "fp32", "preset": "bench", "frames_per_s": 10.0,
@@ -116,10 +117,10 @@ def test_bench_html_from_records(tmp_path):
          "frames_per_s": 36.0, "first_frame_ms": 25.0, "rtf": 0.7, "outside_decoder_frac": 0.08,
          "roofline_frac": 0.5, "peak_rss_mb": 210.0, "bundle_mb": 18.0},
     ]
-    bench.add_ratios(records)
+    bench_records.add_ratios(records)
     out = tmp_path / "bench.json"
-    bench.write_records(records, out)
-    path = bench.write_html(out)
+    bench_records.write_records(records, out)
+    path = report.write_html(out)
     assert path == tmp_path / "bench.html"
     page = assert_self_contained(path.read_text(encoding="utf-8"))
     pngs = decoded(page, "img", "data:image/png;base64,")

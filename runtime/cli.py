@@ -13,7 +13,9 @@ import importlib.metadata
 import json
 import logging
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -130,6 +132,59 @@ def _progress_bar(no_progress: bool):
     return tqdm(total=0, unit="frame", disable=quiet, desc="synthesizing", leave=False)
 
 
+@dataclass(frozen=True)
+class SynthesizeFlags:
+    """The flags of ``higgs-pack synthesize``, as click parsed them (one object, not 24 parameters).
+
+    Attributes are the command's options by their click names (``--float`` is ``as_float``,
+    ``--stream`` is ``streaming``, ``--format`` is ``fmt``, ``--bundles`` is ``bundle_dirs``).
+    """
+
+    bundle: str
+    text: str | None
+    text_file: Path | None
+    output: Path
+    ref_audio: Path | None
+    ref_text: str | None
+    execution_provider: str | None
+    device: str | None
+    allow_fallback: bool
+    seed: int
+    temperature: float | None
+    top_k: int | None
+    top_p: float | None
+    max_frames: int | None
+    as_float: bool
+    no_progress: bool
+    bundle_dirs: tuple[Path, ...]
+    variant: str | None
+    streaming: bool
+    fmt: str
+    first_chunk_frames: int
+    chunk_growth: float
+    max_chunk_frames: int
+    batch: int | None
+
+    def sampling(self) -> dict[str, Any]:
+        """The request's sampling keywords and frame cap (``SynthesisRequest.create``'s)."""
+        return {"seed": self.seed, "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
+                "max_frames": self.max_frames}
+
+    def voice(self) -> dict[str, Any]:
+        """The reference clip and its transcript (``SynthesisRequest.create``'s keywords)."""
+        return {"ref_audio": self.ref_audio, "ref_text": self.ref_text}
+
+    def load_keywords(self) -> dict[str, Any]:
+        """Where to run the bundle (:func:`higgs_pack.runtime.api.load`'s keywords)."""
+        return {"device": self.device, "execution_provider": self.execution_provider,
+                "allow_fallback": self.allow_fallback, "bundle_dirs": self.bundle_dirs, "variant": self.variant}
+
+    @property
+    def subtype(self) -> str:
+        """libsndfile's subtype of the written audio: ``FLOAT`` with ``--float``, else ``PCM_16``."""
+        return "FLOAT" if self.as_float else "PCM_16"
+
+
 @main.command()
 @click.argument("bundle")
 @click.option("--text", "-t", help="Text to speak ('-' or omitted: read stdin).")
@@ -166,9 +221,7 @@ def _progress_bar(no_progress: bool):
 @click.option("--batch", type=click.IntRange(min=1),
               help="Speak every non-empty line of --text-file into its own wav in the folder -o, this many "
                    "lines decoded together; rerun to resume.")
-def synthesize(bundle, text, text_file, output, ref_audio, ref_text, execution_provider, device,
-               allow_fallback, seed, temperature, top_k, top_p, max_frames, as_float, no_progress,
-               bundle_dirs, variant, streaming, fmt, first_chunk_frames, chunk_growth, max_chunk_frames, batch):
+def synthesize(**flags: Any) -> None:
     """Speak TEXT with BUNDLE into a wav (or, with -o -, to stdout).
 
     BUNDLE is a bundle directory, a folder of bundles (the best for this machine is
@@ -193,26 +246,22 @@ def synthesize(bundle, text, text_file, output, ref_audio, ref_text, execution_p
     from higgs_pack.runtime.bundle import require_bundle_dir
     from higgs_pack.runtime.request import SynthesisRequest
 
-    require_bundle_dir(Path(bundle), folders_of_bundles=True)  # before -o is judged against it
-    _refuse_schedule_without_stream(click.get_current_context(), streaming)
-    if batch is not None:
-        _synthesize_batch(bundle, text, text_file, output, ref_audio, ref_text, batch, streaming, fmt,
-                          dict(seed=seed, temperature=temperature, top_k=top_k, top_p=top_p, max_frames=max_frames),
-                          dict(device=device, execution_provider=execution_provider, allow_fallback=allow_fallback,
-                               bundle_dirs=bundle_dirs, variant=variant),
-                          "FLOAT" if as_float else "PCM_16", no_progress)
+    f = SynthesizeFlags(**flags)
+    output = f.output
+    require_bundle_dir(Path(f.bundle), folders_of_bundles=True)  # before -o is judged against it
+    _refuse_schedule_without_stream(click.get_current_context(), f.streaming)
+    if f.batch is not None:
+        _synthesize_batch(f)
         return
-    _check_output(output, bundle, [text_file, ref_audio], fmt)
+    _check_output(output, f.bundle, [f.text_file, f.ref_audio], f.fmt)
     request = SynthesisRequest.create(
-        _read_text(text, text_file), ref_audio=ref_audio, ref_text=ref_text, seed=seed, temperature=temperature,
-        top_k=top_k, top_p=top_p, max_frames=max_frames, first_chunk_frames=first_chunk_frames,
-        chunk_growth=chunk_growth, max_chunk_frames=max_chunk_frames)
-    tts = load(bundle, device=device, execution_provider=execution_provider, allow_fallback=allow_fallback,
-               bundle_dirs=bundle_dirs, variant=variant)
+        _read_text(f.text, f.text_file), **f.voice(), **f.sampling(), first_chunk_frames=f.first_chunk_frames,
+        chunk_growth=f.chunk_growth, max_chunk_frames=f.max_chunk_frames)
+    tts = load(f.bundle, **f.load_keywords())
     click.echo(f"using {tts.info}", err=True)
     for name, why in tts.info.not_chosen.items():
         click.echo(f"  not chosen: {name}: {why}", err=True)
-    bar = _progress_bar(no_progress)
+    bar = _progress_bar(f.no_progress)
 
     def progress(done: int, total: int) -> None:
         if bar.total != total:
@@ -220,9 +269,9 @@ def synthesize(bundle, text, text_file, output, ref_audio, ref_text, execution_p
         bar.n = done
         bar.refresh()
 
-    subtype = "FLOAT" if as_float else "PCM_16"
-    if streaming or str(output) == "-":
-        _stream_out(tts, request, output, subtype, fmt, bar, streaming, progress)
+    subtype = f.subtype
+    if f.streaming or str(output) == "-":
+        _stream_out(tts, request, output, subtype, f.fmt, bar, f.streaming, progress)
         return
     try:
         result = tts.synthesize(request, progress=progress)
@@ -278,8 +327,37 @@ def _check_output_folder(output: Path, bundle: str, inputs: list[Path | None]) -
                                  param_hint="-o")
 
 
-def _synthesize_batch(bundle, text, text_file, output: Path, ref_audio, ref_text, batch: int, streaming: bool,
-                      fmt: str, sampling: dict, load_kwargs: dict, subtype: str, no_progress: bool) -> None:
+def _batch_lines(f: SynthesizeFlags) -> tuple[list[Any], int, list[Any]]:
+    """``synthesize --batch``'s flags and lines checked, before the bundle is looked at:
+    ``(lines, the file's line count, one SynthesisRequest per line)``.
+
+    Raises:
+        click.UsageError: a flag that does not go with --batch; click.BadParameter: a bad -o.
+        InputError: a line that cannot be spoken, or a bad option.
+    """
+    from dataclasses import replace
+
+    from higgs_pack.runtime.batch import read_lines
+    from higgs_pack.runtime.request import SynthesisRequest
+
+    text, text_file, output = f.text, f.text_file, f.output
+    if text_file is None:
+        raise click.UsageError("--batch N speaks one wav per line of a text file: give --text-file FILE (and a "
+                               "folder as -o), or drop --batch to speak one text")
+    if text is not None:
+        raise click.UsageError("--batch reads its lines from --text-file; --text gives one text (drop --batch)")
+    if f.streaming:
+        raise click.UsageError("--stream writes one text while it is generated; --batch writes one finished wav "
+                               "per line: use one of them")
+    if f.fmt != "wav":
+        raise click.UsageError("--format raw writes one text to stdout; --batch writes wav files: drop --format")
+    _check_output_folder(output, f.bundle, [text_file, f.ref_audio])
+    lines, line_count = read_lines(_read_text(None, text_file), f.seed)
+    first = SynthesisRequest.create(lines[0].text, **f.voice(), **{**f.sampling(), "seed": lines[0].seed})
+    return lines, line_count, [first] + [replace(first, text=line.text, seed=line.seed) for line in lines[1:]]
+
+
+def _synthesize_batch(f: SynthesizeFlags) -> None:
     """``synthesize --batch``: every non-empty line of ``--text-file`` into its own wav in the
     folder ``-o`` (:mod:`higgs_pack.runtime.batch`).  Exit 1 when some line failed, 130 after
     Ctrl-C (the finished files and the manifest stay)."""
@@ -292,36 +370,21 @@ def _synthesize_batch(bundle, text, text_file, output: Path, ref_audio, ref_text
         batch_settings,
         file_name,
         finished_lines,
-        read_lines,
         refuse_strangers,
         remove_partials,
         run_batch,
     )
-    from higgs_pack.runtime.request import SynthesisRequest
 
-    if text_file is None:
-        raise click.UsageError("--batch N speaks one wav per line of a text file: give --text-file FILE (and a "
-                               "folder as -o), or drop --batch to speak one text")
-    if text is not None:
-        raise click.UsageError("--batch reads its lines from --text-file; --text gives one text (drop --batch)")
-    if streaming:
-        raise click.UsageError("--stream writes one text while it is generated; --batch writes one finished wav "
-                               "per line: use one of them")
-    if fmt != "wav":
-        raise click.UsageError("--format raw writes one text to stdout; --batch writes wav files: drop --format")
-    _check_output_folder(output, bundle, [text_file, ref_audio])
-    lines, line_count = read_lines(_read_text(None, text_file), sampling["seed"])
-    voice = dict(ref_audio=ref_audio, ref_text=ref_text)
-    first = SynthesisRequest.create(lines[0].text, **voice, **{**sampling, "seed": lines[0].seed})
-    requests = [first] + [replace(first, text=line.text, seed=line.seed) for line in lines[1:]]
-
-    tts = load(bundle, **load_kwargs)
+    lines, line_count, requests = _batch_lines(f)
+    first, output, text_file, ref_audio, ref_text = requests[0], f.output, f.text_file, f.ref_audio, f.ref_text
+    subtype, no_progress, batch = f.subtype, f.no_progress, f.batch
+    tts = load(f.bundle, **f.load_keywords())
     click.echo(f"using {tts.info}", err=True)
     output.mkdir(exist_ok=True)
     removed = remove_partials(output)
     if removed:
         click.echo(f"removed {removed} unfinished file(s) a stopped run left in {output}", err=True)
-    settings = batch_settings(tts.info.bundle, first, sampling["seed"], subtype, ref_audio)
+    settings = batch_settings(tts.info.bundle, first, f.seed, subtype, ref_audio)
     previous = BatchManifest.read(output)
     done = finished_lines(previous, settings, lines, output)
     manifest = BatchManifest(settings, str(text_file), line_count, len(lines), files=done)

@@ -242,9 +242,13 @@ async def _json_body(request: Request, limit: int) -> Any:
 
 
 def _routes(app: FastAPI, server: SpeechServer) -> None:
-    config = server.config
-    body_limit = config.max_upload_bytes * 4 // 3 + 65536
+    """Every route: the server's own (demo page, health, readiness, metrics, models), speech, voices."""
+    _service_routes(app, server)
+    _speech_route(app, server)
+    _voice_routes(app, server)
 
+
+def _service_routes(app: FastAPI, server: SpeechServer) -> None:
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def demo() -> HTMLResponse:
         page = resources.files("higgs_pack.serve").joinpath("demo.html").read_text(encoding="utf-8")
@@ -270,6 +274,9 @@ def _routes(app: FastAPI, server: SpeechServer) -> None:
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "higgs-pack",
                                             **about} for name in server.models]}
 
+
+def _speech_route(app: FastAPI, server: SpeechServer) -> None:
+    body_limit = server.config.max_upload_bytes * 4 // 3 + 65536
     audio = {kind: {"schema": {"type": "string", "format": "binary"}} for kind, _, _ in FORMATS.values()}
 
     @app.post("/v1/audio/speech", response_class=Response, openapi_extra=schema.json_body(schema.SpeechBody),
@@ -282,7 +289,8 @@ def _routes(app: FastAPI, server: SpeechServer) -> None:
         _check_key(server, request)
         t0 = time.perf_counter()
         body = await _json_body(request, body_limit)
-        parse = functools.partial(parse_speech, body, models=server.models, voices=server.voices, config=config)
+        parse = functools.partial(parse_speech, body, models=server.models, voices=server.voices,
+                                  config=server.config)
         # Checking the fields takes microseconds: on a worker thread only when it reads a file or decodes
         # a clip (a ref_audio, or a stored voice in --voices-dir), not a thread round trip for every request.
         job = await anyio.to_thread.run_sync(parse) if _parse_blocks(body, server) else parse()
@@ -308,6 +316,10 @@ def _routes(app: FastAPI, server: SpeechServer) -> None:
         kind = "text/event-stream" if job.stream_format == "sse" else media_type(job.response_format)
         return _Stream(server.chunks(handle, job, answer), close, media_type=kind,
                        headers={**headers, "Cache-Control": "no-cache"})
+
+
+def _voice_routes(app: FastAPI, server: SpeechServer) -> None:
+    config = server.config
 
     @app.get("/v1/audio/voices")
     async def list_voices(request: Request) -> dict[str, Any]:

@@ -35,7 +35,7 @@ compute-bound), and a 100-frame request streamed with the default schedule decod
 frames (21 + 42 + 62 + 41: each core with 11 frames of context per side), about 25-33 ms of codec
 per frame, against a cpu int4 engine step of 10 ms at batch 1 and 5.5 ms per frame at batch 8.
 Streamed throughput then stays well under the plain run's (``stream_over_plain`` 0.57-0.65 at
-batch 1-8 on cpu int4, ``python -m higgs_pack.targets.bench --batch 1,2,4,8``) until the codec
+batch 1-8 on cpu int4, ``python -m bench --batch 1,2,4,8``) until the codec
 gets cheaper per frame (fewer context frames per window, a stateful export that keeps the left
 context's activations, a quantized codec) or cores of its own.
 

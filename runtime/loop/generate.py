@@ -231,7 +231,7 @@ def generate_steps(
     Args:
         pipeline: the backend; its decoder is reset first.
         prompt_embeds: float32 [1, P, H].
-        options: sampling options (validated here).
+        options: sampling options (checked when they were made).
         max_frames: frame cap (steps = max_frames + N - 1 at most).
         progress: optional callback, see :data:`ProgressCallback`.
 
@@ -246,6 +246,8 @@ def generate_steps(
         InputError: prompt + cap exceed the decoder's context length.
         NumericalError: a sub-part returned NaN/inf or an all-zero hidden state.
     """
+    # Over 80 lines with its docstring on purpose: the body is the per-frame hot loop, kept in one
+    # frame so a step makes no call beyond the sub-parts and the sampler.
     c = pipeline.constants
     n, vocab, h = c.num_codebooks, c.audio_vocab_size, c.hidden_size
     prompt_len = prompt_embeds.shape[1]

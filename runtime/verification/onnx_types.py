@@ -186,6 +186,28 @@ def _attr(node, name: str):
     return None
 
 
+def _known_types(model) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
+    """The element types a graph states before any node is typed: ``(types, declared, guessed)``:
+    its inputs' and initializers' types, its ``value_info`` and outputs' declared types, and
+    onnx shape inference's (a fallback; empty when inference fails).  Tensor name -> dtype name."""
+    import onnx
+
+    graph = model.graph
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    except Exception:  # inference is only a fallback source of types
+        inferred = model
+    declared: dict[str, str] = {}
+    for value in [*graph.value_info, *graph.output]:
+        if value.type.HasField("tensor_type") and value.type.tensor_type.elem_type:
+            declared[value.name] = _dtype(value.type.tensor_type.elem_type)
+    guessed = {v.name: _dtype(v.type.tensor_type.elem_type) for v in inferred.graph.value_info
+               if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type}
+    types: dict[str, str] = {value.name: _dtype(value.type.tensor_type.elem_type) for value in graph.input}
+    types.update({init.name: _dtype(init.data_type) for init in graph.initializer})
+    return types, declared, guessed
+
+
 def type_graph(model) -> GraphTypes:
     """Propagate element types through a graph and check them against the op schemas.
 
@@ -199,26 +221,10 @@ def type_graph(model) -> GraphTypes:
     or graph output) that differs from what its producer makes.  Subgraphs (If, Loop) are
     not entered: no higgs-pack graph has one.
     """
-    import onnx
-
     result = GraphTypes()
     graph = model.graph
     opsets = {_domain(o.domain): o.version for o in model.opset_import}
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
-    except Exception:  # inference is only a fallback source of types
-        inferred = model
-    declared: dict[str, str] = {}
-    for value in [*graph.value_info, *graph.output]:
-        if value.type.HasField("tensor_type") and value.type.tensor_type.elem_type:
-            declared[value.name] = _dtype(value.type.tensor_type.elem_type)
-    guessed = {v.name: _dtype(v.type.tensor_type.elem_type) for v in inferred.graph.value_info
-               if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type}
-    types: dict[str, str] = {}
-    for value in graph.input:
-        types[value.name] = _dtype(value.type.tensor_type.elem_type)
-    for init in graph.initializer:
-        types[init.name] = _dtype(init.data_type)
+    types, declared, guessed = _known_types(model)
     cast_of: dict[str, str] = {}
 
     def cast_note(tensor: str) -> str:

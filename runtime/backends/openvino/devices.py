@@ -145,7 +145,7 @@ def check_device(core: ov.Core, device: str, allow_fallback: bool = False) -> tu
 #: activations quantized to int8 per group either way; a one-position decode step is bound by
 #: the weights read, and the bf16 conversions around every operator only add time.  Measured
 #: on that Xeon (2 vCPUs), int4 INT4_SYM g64 decoder, best / median ms per step, interleaved:
-#: bench preset (``python -m higgs_pack.targets.bench.ov_properties``, 15 rounds of 8 steps)
+#: bench preset (``python -m bench.ab ov-properties``, 15 rounds of 8 steps)
 #: f32 5.19 / 6.70 vs bf16 8.67 / 9.91 at 64 positions, 9.31 / 10.67 vs 10.86 / 12.38 at
 #: 768, the same rel_l2 against the fp32 IR (0.126 / 0.125); full size, 6 rounds of 4 steps:
 #: 162.6 / 170.5 vs 194.7 / 206.2 ms at 64 positions, 162.9 / 171.2 vs 192.9 / 212.9 at 900,
@@ -216,7 +216,7 @@ def cpu_packs_weights(device: str, precision: str) -> bool:
 #: u8 (the plugin's x86 default, made explicit): a quarter of f32's bytes read per step, what
 #: matters once the cache is long (full size, Intel AVX-512 VNNI: 0.97 of the weight-read
 #: roofline with u8, MODEL.md).  Measured on an AMD EPYC, AVX2 only, no VNNI (bench preset,
-#: int4 decoder, ``python -m higgs_pack.targets.bench.ov_properties``, 15 interleaved rounds
+#: int4 decoder, ``python -m bench.ab ov-properties``, 15 interleaved rounds
 #: of 8 steps, load 4.5-6 on 2 cores; best / median ms per step): u8 19.7 / 24.1, f16
 #: 18.5 / 23.5, f32 20.1 / 25.7 at 64 positions; u8 22.5 / 26.5, f16 22.0 / 25.3, f32
 #: 23.5 / 29.9 at 768 positions; the same hidden states to 4 digits.  The bench cache (6 MB
@@ -225,7 +225,7 @@ def cpu_packs_weights(device: str, precision: str) -> bool:
 #: bench cache, in a 300 MiB L3, showed no byte saving either: u8 / f16 / f32 8.67 / 8.86 /
 #: 8.70 at 64 positions and 10.86 / 9.83 / 9.82 (medians 12.38 / 11.74 / 11.54) at 768;
 #: at full size u8 reads 5.6 MB a step where f32 would read 22.3 (~75 positions).
-#: u4 and key u8 / value u4 (``python -m higgs_pack.targets.bench.ov_properties --settings
+#: u4 and key u8 / value u4 (``python -m bench.ab ov-properties --settings
 #: default,kv_u4,kv_key_u8_value_u4,kv_f16,kv_f32 --contexts 64 900``, bench preset, AMD EPYC
 #: AVX-512 VNNI, 32 MiB L3, OpenVINO 2026.4.1, 15 rounds, load 1.9-2.5; best / median ms, then
 #: rel_l2 against the same IR with an f32 cache): at 64 positions u8 4.18 / 6.22 0.0101, u4

@@ -230,7 +230,7 @@ class OvStatefulDecoder:
         share_inputs, share_outputs: ``InferRequest.infer``'s flags: read the inputs in place
             and return the output as a view of the request's memory (then copied once into
             the returned array) instead of copying them (on by default; measured by
-            ``python -m higgs_pack.targets.bench.ov_properties``).
+            ``python -m bench.ab ov-properties``).
         page_out_weights: Run the first :meth:`forward` inside
             :func:`~higgs_pack.runtime.mapped_pages.paging_out` on the IR's ``.bin``, for a
             device that copies the weights into its own buffers then (see

@@ -60,7 +60,7 @@ def load_average() -> list[float]:
 
 def machine_record() -> dict[str, Any]:
     """``{"cpu": one line, "model", "isa", "logical_cpus"}`` of this machine."""
-    from higgs_pack.runtime.cpu import cpu_info
+    from higgs_pack.runtime.machine.cpu import cpu_info
 
     cpu = cpu_info()
     return {"cpu": cpu.describe(), "model": cpu.model, "isa": cpu.isa, "logical_cpus": cpu.logical_cpus}

@@ -81,7 +81,7 @@ class BenchOptions:
 
 
 def cache_dir(options: BenchOptions) -> Path:
-    from higgs_pack.runtime.paths import cache_root
+    from higgs_pack.runtime.sources.paths import cache_root
 
     return Path(options.cache) if options.cache else cache_root()
 
@@ -99,7 +99,7 @@ def _reusable(bundle: Path, checkpoint: Path) -> bool:
     """A cached bundle is reused if it opens (manifest, sizes, paths), names this checkpoint as
     its source and is newer than it."""
     from higgs_pack.manifests.errors import HiggsPackError
-    from higgs_pack.runtime.bundle import open_bundle
+    from higgs_pack.runtime.sources.bundle import open_bundle
 
     if not (bundle / "manifest.json").is_file():
         return False

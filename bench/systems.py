@@ -217,7 +217,7 @@ def load_average() -> float | None:
 
 def machine() -> dict[str, Any]:
     """What every record says of the machine: CPU model, logical CPUs, Python, ISA, last-level cache."""
-    from higgs_pack.runtime.cpu import cpu_info
+    from higgs_pack.runtime.machine.cpu import cpu_info
 
     cpu = cpu_info()
     return {"cpu": cpu.model, "cores": cpu.logical_cpus, "python": platform.python_version(), "isa": cpu.isa,

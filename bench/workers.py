@@ -288,7 +288,8 @@ def _median_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def load_bundle(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """Open (validate, hash) and load a bundle; returns the pipeline and timings."""
-    from higgs_pack.runtime.bundle import load, open_bundle
+    from higgs_pack.runtime.sources.bundle import load_pipeline as load
+    from higgs_pack.runtime.sources.bundle import open_bundle
 
     backend = registered()[spec["backend"]]
     t0 = time.perf_counter()  # imports are reported apart: they are not model loading

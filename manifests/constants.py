@@ -74,7 +74,7 @@ class ModelBuilderSupport:
 
 @dataclass(frozen=True)
 class ChoiceRung:
-    """One step of the runtime's preference ladder (``higgs_pack.runtime.choice``).
+    """One step of the runtime's preference ladder (``higgs_pack.runtime.machine.choice``).
 
     Attributes:
         name: the rung's name, shown in ``higgs-pack devices`` (``cuda``, ``cpu``, ``npu``).

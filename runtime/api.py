@@ -3,7 +3,7 @@
 ``load`` accepts every way a bundle reaches a user (a directory, an archive, the
 name of an installed bundle wheel, a model slug, a ``hf://`` hub reference),
 validates the bundle before any session exists (see
-:func:`higgs_pack.runtime.bundle.load`), and returns a :class:`TTS` that speaks
+:func:`higgs_pack.runtime.sources.bundle.load_pipeline`), and returns a :class:`TTS` that speaks
 text with the bundle's defaults.  ``TTS.info`` says which bundle, target,
 precision and provider/device are in use, and why.
 
@@ -28,19 +28,19 @@ from typing import Any
 from higgs_pack.manifests.errors import InputError
 from higgs_pack.manifests.manifest import MANIFEST_NAME
 from higgs_pack.runtime.backends import backend_of
-from higgs_pack.runtime.bundle import Bundle, open_bundle
-from higgs_pack.runtime.bundle import load as load_pipeline
 from higgs_pack.runtime.loop.engine import DEFAULT_MAX_LENGTH, Engine, EngineClosed
 from higgs_pack.runtime.loop.generate import (
     ProgressCallback,
     SynthesisResult,
     check_text_tokens,
     encode_reference,
+    plan_request,
     run_plan,
 )
 from higgs_pack.runtime.loop.pipeline import Pipeline
 from higgs_pack.runtime.loop.streaming import SpeechStream, stream_plan
 from higgs_pack.runtime.request import PreparedVoice, SynthesisRequest, Voice
+from higgs_pack.runtime.sources.bundle import Bundle, load_pipeline, open_bundle
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ class TTS:
                 the decoder's context.
             NumericalError: a sub-part returned NaN/inf (run ``higgs-pack verify``).
         """
-        return run_plan(self.pipeline, SynthesisRequest.of(text, options).plan(self.pipeline), progress)
+        return run_plan(self.pipeline, plan_request(self.pipeline, SynthesisRequest.of(text, options)), progress)
 
     def stream(self, text: str | SynthesisRequest, *, progress: ProgressCallback | None = None,
                **options: Any) -> SpeechStream:
@@ -216,7 +216,8 @@ class TTS:
             NumericalError: while iterating, as :meth:`synthesize`.
         """
         started = time.perf_counter()
-        return stream_plan(self.pipeline, SynthesisRequest.of(text, options).plan(self.pipeline), progress, started)
+        return stream_plan(self.pipeline, plan_request(self.pipeline, SynthesisRequest.of(text, options)), progress,
+                           started)
 
     def prepare_voice(self, ref_audio: Any, ref_text: str, name: str = "") -> PreparedVoice:
         """Encode a reference voice once, for many requests (``voice=`` of :meth:`synthesize`,
@@ -405,7 +406,7 @@ def _device_kwargs(bundle: Bundle, device: str | None, execution_provider: str |
     placement = backend.placement
     own = m[placement]
     if execution_provider is not None:
-        # The backend-specific keywords of higgs_pack.runtime.bundle.load (the CLI's flags).
+        # The backend-specific keywords of higgs_pack.runtime.sources.bundle.load_pipeline (the CLI's flags).
         kwargs = {"execution_provider": execution_provider}
         if device is not None and str(device).lower() != AUTO:
             kwargs["device"] = device
@@ -421,7 +422,7 @@ def resolve(source: str | os.PathLike, *, bundle_dirs: tuple[str | os.PathLike, 
 
     Order: ``hf://`` reference; an existing file (archive); an existing directory; an
     installed bundle name; a model slug (the best runnable variant among the visible
-    bundles, :mod:`higgs_pack.runtime.choice`).
+    bundles, :mod:`higgs_pack.runtime.machine.choice`).
 
     Raises:
         BundleError: nothing of that name (the message lists what was looked for),
@@ -429,8 +430,8 @@ def resolve(source: str | os.PathLike, *, bundle_dirs: tuple[str | os.PathLike, 
         HubError: a hub reference that cannot be fetched.
         PackagingError: an archive that is damaged or unsafe.
     """
-    from higgs_pack.runtime.bundle import find_bundle
-    from higgs_pack.runtime.hub import is_hub_ref, pull
+    from higgs_pack.runtime.sources.bundle import find_bundle
+    from higgs_pack.runtime.sources.hub import is_hub_ref, pull
 
     text = os.fspath(source)
     if is_hub_ref(text):
@@ -439,7 +440,7 @@ def resolve(source: str | os.PathLike, *, bundle_dirs: tuple[str | os.PathLike, 
                                   f"{got.reason}", got.device, verified=True)
     path = Path(text)
     if path.is_file():
-        from higgs_pack.runtime.archive import extracted_archive
+        from higgs_pack.runtime.sources.archive import extracted_archive
 
         stack = contextlib.ExitStack()
         try:
@@ -448,8 +449,13 @@ def resolve(source: str | os.PathLike, *, bundle_dirs: tuple[str | os.PathLike, 
             stack.close()
             raise
         return Resolved(bundle_dir, f"archive {path.name}, extracted and checked", stack=stack)
-    from higgs_pack.runtime.choice import choose, require
-    from higgs_pack.runtime.devices import bench_speeds, bundles_in, inventory, visible_bundles
+    from higgs_pack.runtime.machine.choice import choose, require
+    from higgs_pack.runtime.machine.inventory import (
+        bench_speeds,
+        bundles_in,
+        inventory,
+        visible_bundles,
+    )
 
     if path.is_dir() and not (path / MANIFEST_NAME).is_file() and bundles_in(path):
         # A folder of bundles (dist/, a downloaded multi-variant repository): choose among them.
@@ -461,7 +467,7 @@ def resolve(source: str | os.PathLike, *, bundle_dirs: tuple[str | os.PathLike, 
                         placement.device, tuple(choice.notes), dict(choice.rejected))
     if path.exists():
         return Resolved(find_bundle(path), "bundle directory")
-    from higgs_pack.runtime.installed import installed_bundles
+    from higgs_pack.runtime.sources.installed import installed_bundles
 
     installed = installed_bundles()
     if text in installed:
@@ -496,7 +502,7 @@ def load(
             an installed bundle wheel (``higgs-pack list``); a model slug
             (``higgs-audio-v3-tiny``: the best variant that runs here among the installed
             bundles, ``bundle_dirs`` and pulled hub repositories, chosen by the order in
-            :mod:`higgs_pack.runtime.choice`); or ``hf://ORG/REPO[@REVISION][/VARIANT]``
+            :mod:`higgs_pack.runtime.machine.choice`); or ``hf://ORG/REPO[@REVISION][/VARIANT]``
             (downloaded with huggingface_hub, every file verified; offline with
             ``HF_HUB_OFFLINE=1`` when cached).
         device: ``"auto"`` (default): the provider/device the bundle was built for (for

@@ -243,8 +243,8 @@ def synthesize(**flags: Any) -> None:
     """
     from higgs_pack.runtime.api import load
     from higgs_pack.runtime.audio import write_wav
-    from higgs_pack.runtime.bundle import require_bundle_dir
     from higgs_pack.runtime.request import SynthesisRequest
+    from higgs_pack.runtime.sources.bundle import require_bundle_dir
 
     f = SynthesizeFlags(**flags)
     output = f.output
@@ -539,7 +539,7 @@ def _say_written(note: str, sink, rate: int, where: str, results: list, speech) 
 def inspect(bundle, as_json):
     """Describe BUNDLE: target, precision, provider, sub-parts, sizes, tools."""
     from higgs_pack.runtime.backends import placement_of
-    from higgs_pack.runtime.bundle import open_bundle
+    from higgs_pack.runtime.sources.bundle import open_bundle
 
     opened = open_bundle(bundle, check_hashes=False)
     m = opened.manifest
@@ -584,7 +584,7 @@ def inspect(bundle, as_json):
 def verify(bundle, execution_provider, device, allow_fallback, cases, report, require_gpu, skip_parity, low_memory):
     """Check BUNDLE (directory, installed name, archive or hf://ORG/REPO[@REV]): files, static checks,
     signatures, parity, speech; a GPU bundle also on its GPU provider where present (else skipped, naming it)."""
-    from higgs_pack.runtime.hub import is_hub_ref
+    from higgs_pack.runtime.sources.hub import is_hub_ref
     from higgs_pack.runtime.verification.verify import require_cases, verify_any
 
     if cases is not None:
@@ -601,7 +601,7 @@ def verify(bundle, execution_provider, device, allow_fallback, cases, report, re
         require_matplotlib()  # before minutes of verification, not after
 
     if is_hub_ref(bundle):
-        from higgs_pack.runtime.hub import pull as run_pull
+        from higgs_pack.runtime.sources.hub import pull as run_pull
 
         got = run_pull(bundle)
         click.echo(f"{got.repo_id}@{got.commit}: {got.reason} ({got.path})", err=True)
@@ -634,7 +634,7 @@ def pull(repo, variant, cache_dir):
     offline (HF_HUB_OFFLINE=1) from the cache; every file is checked against the
     manifest before the path is printed.
     """
-    from higgs_pack.runtime.hub import pull as run_pull
+    from higgs_pack.runtime.sources.hub import pull as run_pull
 
     got = run_pull(repo, variant=variant, cache_dir=cache_dir)
     click.echo(f"{got.repo_id}@{got.commit}: {got.reason}; {got.files_checked} files verified", err=True)
@@ -647,7 +647,7 @@ def pull(repo, variant, cache_dir):
 @click.option("--json", "as_json", is_flag=True, help="Print the inventory and the verdicts as JSON.")
 def devices(bundle_dirs, as_json):
     """What this machine offers, and which visible bundles run here (and why not)."""
-    from higgs_pack.runtime.devices import describe
+    from higgs_pack.runtime.machine.inventory import describe
 
     text, data = describe(bundle_dirs)
     click.echo(json.dumps(data, indent=2) if as_json else text)
@@ -656,8 +656,8 @@ def devices(bundle_dirs, as_json):
 @main.command(name="list")
 def list_bundles():
     """List bundles installed as wheels (usable by name)."""
-    from higgs_pack.runtime.bundle import open_bundle
-    from higgs_pack.runtime.installed import installed_bundles
+    from higgs_pack.runtime.sources.bundle import open_bundle
+    from higgs_pack.runtime.sources.installed import installed_bundles
 
     found = installed_bundles()
     if not found:

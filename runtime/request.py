@@ -450,28 +450,6 @@ class SynthesisRequest:
             return text
         return cls.create(text, **keywords)
 
-    def plan(self, pipeline: Any) -> Any:
-        """This request resolved once against a loaded bundle (a
-        :class:`~higgs_pack.runtime.loop.pipeline.Pipeline`): the frozen
-        :class:`~higgs_pack.runtime.loop.generate.SynthesisPlan` that ``TTS.synthesize``,
-        ``TTS.stream`` and the engine run: the sampling options (:meth:`sampling_options`), the
-        voice's codes (a clip read, resampled and encoded here; a prepared voice's checked
-        against the codec), the text chunks with their frame caps, the stream schedule.
-
-        Raises:
-            InputError: the reference clip cannot be read or used, a special token of the
-                tokenizer in the text or transcript, a sentence too long for the context.
-        """
-        from higgs_pack.runtime.loop.generate import plan_synthesis
-
-        c, voice = pipeline.constants, self.voice
-        return plan_synthesis(
-            pipeline, self.text, options=self.sampling_options(pipeline.generation_defaults),
-            ref_samples=voice.prepared(c.sample_rate, c.hop_length) if isinstance(voice, Voice) else None,
-            ref_codes=voice.codes if isinstance(voice, PreparedVoice) else None,
-            ref_text=voice.transcript if voice is not None else None,
-            max_frames=self.max_frames, schedule=self.schedule, checked=True)
-
     def sampling_options(self, generation_defaults: dict[str, Any]) -> SamplingOptions:
         """The options the loop samples with: the bundle's defaults, then this request's choices.
 

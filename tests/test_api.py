@@ -115,8 +115,8 @@ def test_load_archive_and_reference_tuple(cpu_fp32_bundle, tmp_path):
 
     # An archive as `higgs-pack package` lays it out: one folder + SHA256SUMS.
     from higgs_pack.manifests.manifest import sha256_file
-    from higgs_pack.runtime.archive import CHECKSUMS_NAME
     from higgs_pack.runtime.audio import load_audio
+    from higgs_pack.runtime.sources.archive import CHECKSUMS_NAME
 
     root = cpu_fp32_bundle
     lines = [f"{sha256_file(p)}  {p.relative_to(root).as_posix()}" for p in sorted(root.rglob("*")) if p.is_file()]

@@ -71,7 +71,7 @@ class ToyBackend(Backend):
         return (toy_runtime,)
 
     def placements(self, candidate, inventory, bench):
-        from higgs_pack.runtime.choice import Placement
+        from higgs_pack.runtime.machine.facts import Placement
 
         return [Placement(candidate, TOY_RUNG.name, "CPU", (), "toy CPU")], None
 
@@ -116,7 +116,7 @@ def test_builtin_backends_are_registered_with_their_facts():
 
 @pytest.mark.slow
 def test_unknown_backend_and_foreign_format_are_refused_at_load(bundle_copy: Path):
-    from higgs_pack.runtime.bundle import open_bundle
+    from higgs_pack.runtime.sources.bundle import open_bundle
 
     _rewrite(bundle_copy, backend="nope")
     with pytest.raises(ManifestError, match=r"unknown backend 'nope' \(known: onnxruntime, openvino.*rebuild"):
@@ -129,7 +129,8 @@ def test_unknown_backend_and_foreign_format_are_refused_at_load(bundle_copy: Pat
 @pytest.mark.slow
 def test_a_backend_in_one_new_folder_loads_verifies_and_is_chosen(toy_backend, bundle_copy: Path, cases_dir: Path):
     from higgs_pack.runtime.api import load
-    from higgs_pack.runtime.choice import CPU_RUNG, Candidate, Inventory, choose, preference
+    from higgs_pack.runtime.machine.choice import CPU_RUNG, candidate_of, choose, preference
+    from higgs_pack.runtime.machine.facts import Candidate, Inventory
     from higgs_pack.runtime.verification.verify import verify_bundle
 
     _rewrite(bundle_copy, backend="toy", device="CPU", execution_provider=None)
@@ -148,7 +149,7 @@ def test_a_backend_in_one_new_folder_loads_verifies_and_is_chosen(toy_backend, b
 
     ladder = list(preference())
     assert ladder.index("toy") < ladder.index(CPU_RUNG.name)
-    toy = Candidate.from_manifest(manifest, bundle_copy)
+    toy = candidate_of(manifest, bundle_copy)
     cpu = Candidate("higgs-audio-v3-tiny-cpu-int4", "/elsewhere", toy.model, "cpu", "int4", None, "onnxruntime", "cpu")
     choice = choose([cpu, toy], Inventory(ort_providers={"cpu": None}))
     assert choice.chosen.candidate.name == manifest["name"] and choice.chosen.rung == "toy", choice.render()

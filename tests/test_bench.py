@@ -238,7 +238,7 @@ def test_roofline_cache_resident_and_kv_bytes():
 
 
 def test_last_level_cache_reader(tmp_path):
-    from higgs_pack.runtime.cpu import cpu_info, last_level_cache, parse_cache_size
+    from higgs_pack.runtime.machine.cpu import cpu_info, last_level_cache, parse_cache_size
 
     for index, (level, kind, size) in enumerate([(1, "Data", "32K"), (1, "Instruction", "32K"),
                                                  (2, "Unified", "512K"), (3, "Unified", "32768K")]):
@@ -340,7 +340,7 @@ def test_bench_streams_and_drives_the_bare_decoder(cpu_int4_bundle, tmp_path):
     assert rec["first_audio_steps"] < rec["steps"]  # audio before the loop ended
     assert rec["stream_frames_per_s"] > 0 and rec["kv_itemsize"] == 4  # ModelBuilder cpu: float32 KV
     assert rec["kv_bytes_per_position"] == 2 * 2 * 2 * 16 * 4  # tiny: 2 layers, 2 KV heads, head_dim 16
-    from higgs_pack.runtime.cpu import cpu_info
+    from higgs_pack.runtime.machine.cpu import cpu_info
 
     assert rec["machine"]["llc_bytes"] == cpu_info().llc_bytes
     details = bench_records.render_details([rec])
@@ -348,7 +348,7 @@ def test_bench_streams_and_drives_the_bare_decoder(cpu_int4_bundle, tmp_path):
 
 
 def test_cpu_isa_names_vnni_and_avx512():
-    from higgs_pack.runtime.cpu import cpu_isa
+    from higgs_pack.runtime.machine.cpu import cpu_isa
 
     amd = cpu_isa(["fpu", "sse4_2", "avx", "avx2", "fma", "f16c"])
     assert amd == {"flags": ["sse4_2", "avx", "avx2", "fma", "f16c"], "vnni": False, "avx512": False}
@@ -358,7 +358,7 @@ def test_cpu_isa_names_vnni_and_avx512():
     assert cpu_isa(["avx2", "avx_vnni"])["vnni"]
     machine = systems.machine()  # what every bench record carries
     assert set(machine["isa"]) == {"flags", "vnni", "avx512"}
-    from higgs_pack.runtime.cpu import cpu_info
+    from higgs_pack.runtime.machine.cpu import cpu_info
 
     # One reader: the build record's line names the same CPU and ISA the bench records.
     line = cpu_info().describe()
@@ -371,7 +371,7 @@ def test_context_steps_take_the_lengths_in_turn(cpu_int4_bundle):
     weighs on both alike), on the real tiny decoder; each length gets rounds x steps timings."""
     import numpy as np
 
-    from higgs_pack.runtime.bundle import load
+    from higgs_pack.runtime.sources.bundle import load_pipeline as load
 
     decoder = load(cpu_int4_bundle).decoder
     prefills: list[int] = []

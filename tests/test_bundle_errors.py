@@ -22,7 +22,7 @@ from higgs_pack.manifests.errors import (
     UnsupportedFormatVersion,
 )
 from higgs_pack.manifests.manifest import file_entry, read_manifest, write_manifest
-from higgs_pack.runtime.bundle import load
+from higgs_pack.runtime.sources.bundle import load_pipeline as load
 
 
 def _edit_manifest(bundle: Path, edit) -> None:
@@ -237,7 +237,7 @@ def test_openvino_bundle_without_openvino_names_the_extra(bundle_copy, monkeypat
 
     from higgs_pack.manifests.manifest import read_manifest
     from higgs_pack.runtime.backends import OpenOptions, get_backend
-    from higgs_pack.runtime.bundle import Bundle
+    from higgs_pack.runtime.sources.bundle import Bundle
 
     manifest = {**read_manifest(bundle_copy), "backend": "openvino", "execution_provider": None, "device": "CPU"}
     monkeypatch.setitem(sys.modules, "higgs_pack.runtime.backends.openvino.parts", None)  # as if openvino were absent
@@ -299,7 +299,7 @@ def _refused_by_load_and_verify(bundle: Path, rel: str, kind: str) -> None:
 
 def _kinds(bundle: Path) -> dict[str, str]:
     """kind -> the first file of that kind in the bundle."""
-    from higgs_pack.runtime.file_kinds import file_kinds
+    from higgs_pack.runtime.sources.file_kinds import file_kinds
 
     found: dict[str, str] = {}
     for rel, kind in file_kinds(read_manifest(bundle)).items():
@@ -351,7 +351,7 @@ def test_unreadable_file_is_named_by_load_and_verify(bundle_copy):
         pytest.skip("running as root without capsh: no way to make a file unreadable to this process")
     target = bundle_copy / "tokenizer.json"
     target.chmod(0)
-    code = ("import sys\nfrom higgs_pack.runtime.bundle import load\nfrom higgs_pack.manifests.errors import BundleError\n"
+    code = ("import sys\nfrom higgs_pack.runtime.sources.bundle import load_pipeline as load\nfrom higgs_pack.manifests.errors import BundleError\n"
             "try:\n    load(sys.argv[1])\nexcept BundleError as exc:\n    print(exc)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
 

@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from higgs_pack.manifests.errors import BundleError
-from higgs_pack.runtime.choice import Candidate, Inventory, choose, require
+from higgs_pack.runtime.machine.choice import candidate_of, choose, require
+from higgs_pack.runtime.machine.facts import Candidate, Inventory
 
 SLUG = "higgs-audio-v3-tiny"
 
@@ -103,7 +104,7 @@ def test_cpu_speed_class_uses_measurements_then_precision_then_vendor():
 
 
 def test_bench_speeds_read_this_machines_cpu_records(tmp_path):
-    from higgs_pack.runtime.devices import bench_speeds
+    from higgs_pack.runtime.machine.inventory import bench_speeds
 
     def rec(system, precision, fps, cpu, preset="bench", **extra):
         return {"system": system, "precision": precision, "frames_per_s": fps, "device": "cpu" if system == "cpu"
@@ -134,7 +135,7 @@ def test_nothing_runs_raises_with_every_reason():
 
 @pytest.mark.slow
 def test_real_inventory_and_devices_command(cpu_int4_bundle, tmp_path):
-    from higgs_pack.runtime.devices import inventory
+    from higgs_pack.runtime.machine.inventory import inventory
 
     inv = inventory()
     assert inv.ort_providers.get("cpu") is None and "cpu" in inv.ort_providers  # a real session was created
@@ -186,12 +187,12 @@ def test_a_damaged_bundle_is_not_chosen(cpu_int4_bundle, tmp_path):
     import shutil
 
     from higgs_pack.manifests.manifest import read_manifest
-    from higgs_pack.runtime.choice import Inventory as Inv
+    from higgs_pack.runtime.machine.choice import Inventory as Inv
 
     broken = shutil.copytree(cpu_int4_bundle, tmp_path / "a-broken")
     (broken / "audio_heads.onnx").unlink()
-    good = Candidate.from_manifest(read_manifest(cpu_int4_bundle), cpu_int4_bundle)
-    bad = Candidate.from_manifest(read_manifest(broken), broken)
+    good = candidate_of(read_manifest(cpu_int4_bundle), cpu_int4_bundle)
+    bad = candidate_of(read_manifest(broken), broken)
     assert good.damaged is None and bad.damaged == "audio_heads.onnx is missing"
     inv = Inv(ort_providers={"cpu": None})
     choice = choose([bad, good], inv, model=SLUG)

@@ -116,7 +116,7 @@ def test_runtime_commands_do_not_import_build_tools(cpu_int4_bundle, tmp_path):
         " '--no-progress', '--max-frames', '10'], standalone_mode=False)\n"
         "heavy = sorted(m for m in ('torch', 'transformers', 'olive', 'onnxruntime_genai', 'optimum') if m in sys.modules)\n"
         "assert not heavy, heavy\n"
-        "import higgs_pack.runtime.bundle, higgs_pack.runtime.verification.verify\n"
+        "import higgs_pack.runtime.sources.bundle, higgs_pack.runtime.verification.verify\n"
         "bad = sorted(m for m in sys.modules if m.startswith(('higgs_pack.targets', 'higgs_pack.exporters')))\n"
         "assert not bad, bad\n"
     )
@@ -540,7 +540,7 @@ def test_verify_refuses_a_cases_folder_without_cases(tmp_path):
 
 def test_a_missing_bundle_says_what_is_installed_in_words(tmp_path):
     from higgs_pack.manifests.errors import BundleError
-    from higgs_pack.runtime.bundle import find_bundle
+    from higgs_pack.runtime.sources.bundle import find_bundle
 
     with pytest.raises(BundleError) as caught:
         find_bundle("no-such-bundle-name")

@@ -8,7 +8,6 @@ import pytest
 from higgs_pack.manifests.constants import FORMAT_VERSION, SubPart
 from higgs_pack.manifests.manifest import read_manifest, schema
 from higgs_pack.runtime.audio import load_audio, prepare_reference
-from higgs_pack.runtime.bundle import load
 from higgs_pack.runtime.loop.delay import SamplingOptions
 from higgs_pack.runtime.loop.generate import (
     build_prompt,
@@ -17,6 +16,7 @@ from higgs_pack.runtime.loop.generate import (
     split_sentences,
     synthesize,
 )
+from higgs_pack.runtime.sources.bundle import load_pipeline as load
 from higgs_pack.runtime.verification.verify import verify_bundle
 
 

@@ -22,9 +22,10 @@ from higgs_pack.manifests.errors import ExecutionProviderUnavailable, NumericalE
 from higgs_pack.manifests.manifest import file_entry, read_manifest, write_manifest
 from higgs_pack.runtime.backends.onnxruntime.distributions import import_ort
 from higgs_pack.runtime.backends.onnxruntime.sessions import session_options_for
-from higgs_pack.runtime.bundle import load, open_bundle
 from higgs_pack.runtime.loop.delay import SamplingOptions
 from higgs_pack.runtime.loop.generate import synthesize
+from higgs_pack.runtime.sources.bundle import load_pipeline as load
+from higgs_pack.runtime.sources.bundle import open_bundle
 from higgs_pack.runtime.verification.backend_checks import compare_providers
 from higgs_pack.runtime.verification.kernels import KernelTable, coverage, load_kernel_table
 from higgs_pack.runtime.verification.onnx_types import TypedNode, type_graph
@@ -139,7 +140,7 @@ def test_dml_fp16_manifest_and_marker(dml_fp16, tiny_ckpt):
     for req in reqs:  # every requirement is Windows-only, like the wheel's metadata
         assert req.marker is not None
         assert req.marker.evaluate({"sys_platform": "win32"}) and not req.marker.evaluate({"sys_platform": "linux"})
-    from higgs_pack.targets.base import get_target
+    from higgs_pack.targets.registry import get_target
 
     assert get_target("dml").platform_marker == "sys_platform == 'win32'"
     checks = _checks(m)
@@ -402,7 +403,6 @@ def test_winml_wheel_resolves_for_windows_x64(winml_fp16, tmp_path):
     """The winml wheel's metadata, its bundle found by name once installed, and pip's resolver
     (``--platform win_amd64 --only-binary=:all:``) finding a wheel of every requirement: what
     `nox -s package-winml` checks where Windows is missing.  Needs the package index."""
-    from higgs_pack.targets.base import get_target
     from higgs_pack.targets.packaging import package_bundle
     from higgs_pack.targets.packaging.install_check import (
         Results,
@@ -412,6 +412,7 @@ def test_winml_wheel_resolves_for_windows_x64(winml_fp16, tmp_path):
         check_resolves,
         read_wheel,
     )
+    from higgs_pack.targets.registry import get_target
 
     target = get_target("winml")
     whl, = package_bundle(winml_fp16, formats="wheel", out_dir=tmp_path / "dist")

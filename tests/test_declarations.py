@@ -176,7 +176,7 @@ def test_new_provider_row_is_the_only_declaration(qnn, tmp_path):
 
     assert modelbuilder.modelbuilder_providers() == ("cpu", "cuda", "dml", "winml", "qnn")
     # The bundle choice ranks it by its row's rung and names its hardware when no bundle runs.
-    from higgs_pack.runtime.choice import Candidate, Inventory, choose, preference
+    from higgs_pack.runtime.machine.choice import Candidate, Inventory, choose, preference
 
     assert list(preference()).index("qnn") == 1  # after the NPU rung, before cuda
     bundles = [Candidate(f"m-{t}-int4", f"/b/{t}", "m", t, "int4", None, "onnxruntime", t) for t in ("cpu", "qnn")]
@@ -218,8 +218,8 @@ def test_winml_is_a_provider_row_and_a_target(registry):
     assert load_kernel_table("winml").provider == "DmlExecutionProvider"
     # A DmlExecutionProvider that creates sessions runs both bundles (whichever distribution
     # ships it); the choice ranks them on DirectML's one rung.
-    from higgs_pack.runtime.choice import Candidate, Inventory, choose, preference
-    from higgs_pack.runtime.devices import rows_by_ort_provider
+    from higgs_pack.runtime.machine.choice import Candidate, Inventory, choose, preference
+    from higgs_pack.runtime.machine.inventory import rows_by_ort_provider
 
     assert rows_by_ort_provider()["DmlExecutionProvider"] == ("dml", "winml")
     assert list(preference()) == ["npu", "cuda", "igpu", "dml", "cpu", "npu-on-cpu"]

@@ -60,7 +60,7 @@ def test_a_hub_download_that_fills_the_disk_says_so(monkeypatch, tmp_path: Path)
     write really fails with ENOSPC, and the classification under test is ours."""
     import huggingface_hub
 
-    from higgs_pack.runtime.hub import HubRef, _download
+    from higgs_pack.runtime.sources.hub import HubRef, _download
 
     def snapshot_download(*args, **kwargs):
         raise RuntimeError("a shard failed to download") from _real_enospc()

@@ -115,7 +115,7 @@ def test_offline_unknown_repo_says_how_to_fix(hf_cache):
 
 
 def test_cache_layout_hashes_are_checked_and_escapes_refused(tmp_path, cpu_fp32_bundle):
-    from higgs_pack.runtime.bundle import open_bundle
+    from higgs_pack.runtime.sources.bundle import open_bundle
 
     snapshot = lay_out_hf_cache(tmp_path / "cache", REPO, COMMIT, {"b": cpu_fp32_bundle})
     bundle = open_bundle(snapshot / "b")  # symlinks into the repo's blobs/: accepted, hashes checked
@@ -139,7 +139,7 @@ def test_cache_layout_hashes_are_checked_and_escapes_refused(tmp_path, cpu_fp32_
 
 
 def test_parse_ref():
-    from higgs_pack.runtime.hub import HubRef, parse_ref
+    from higgs_pack.runtime.sources.hub import HubRef, parse_ref
 
     assert parse_ref("hf://org/repo") == HubRef("org/repo")
     assert parse_ref("org/repo@v1.0") == HubRef("org/repo", "v1.0")

@@ -14,6 +14,11 @@ pytorch/ (the sub-part modules and the oracle, which read checkpoints), onnx/ an
 (catalog, result, process, space) know no room: the catalogue names its exporters only as
 ``"module:function"`` strings.  And no import from higgs-pack binds the name of a package the
 code imports (``onnx``, ``openvino``, ``torch``...): the rooms named for them would hide them.
+
+Inside runtime/ the backends run a bundle they are handed (they never find, open or choose
+one), the loop knows no bundle source, and the types both sides name (machine/facts.py,
+sources/opened.py) import nothing of the runtime.  No module of the package reaches itself
+through its imports.
 """
 
 from __future__ import annotations
@@ -140,6 +145,91 @@ def hiding_imports(root: Path) -> list[str]:
                 if bound in HIDDEN and module.split(".")[0] != bound:
                     out.append(f"{path.relative_to(root).as_posix()}:{line}: binds {bound}")
     return out
+
+
+#: runtime's modules that only name types for the rooms above them: they import nothing of the runtime.
+RUNTIME_TYPES = ("machine/facts.py", "sources/opened.py")
+#: runtime room -> runtime modules (dotted, below ``higgs_pack.runtime``) it must never import: a
+#: backend runs a bundle it is handed and never finds, opens or chooses one (it names their
+#: types through :data:`RUNTIME_TYPES`); the loop runs requests on sub-parts and knows no source.
+RUNTIME_FORBIDDEN: dict[str, tuple[str, ...]] = {
+    "backends": ("api", "cli", "batch", "machine.choice", "machine.inventory", "sources.bundle", "sources.hub",
+                 "sources.archive", "sources.installed"),
+    "loop": ("api", "cli", "batch", "machine", "sources", "verification"),
+}
+
+
+def runtime_violations(root: Path) -> list[str]:
+    """``path:line: runtime/<room> imports runtime.<module>`` against :data:`RUNTIME_FORBIDDEN`,
+    and ``path:line: imports <module>`` for any runtime import of a :data:`RUNTIME_TYPES` module."""
+    out = []
+    for rel in RUNTIME_TYPES:
+        path = root / "runtime" / rel
+        if path.is_file():
+            package = "higgs_pack.runtime." + ".".join(Path(rel).with_suffix("").parts[:-1])
+            out += [f"runtime/{rel}:{line}: imports {module}" for line, module, _ in imported_modules(path, package)
+                    if module.startswith("higgs_pack.runtime")]
+    for room, banned in RUNTIME_FORBIDDEN.items():
+        for path in sorted((root / "runtime" / room).rglob("*.py")):
+            package = "higgs_pack.runtime." + ".".join(path.relative_to(root / "runtime").with_suffix("").parts[:-1])
+            for line, module, _ in imported_modules(path, package):
+                inner = module.removeprefix("higgs_pack.runtime.")
+                if module.startswith("higgs_pack.runtime.") and any(inner == b or inner.startswith(b + ".")
+                                                                    for b in banned):
+                    out.append(f"{path.relative_to(root).as_posix()}:{line}: runtime/{room} imports runtime.{inner}")
+    return out
+
+
+def import_circles(root: Path) -> list[list[str]]:
+    """Groups of package modules that import each other, directly or around a loop (every import
+    counts: lazy ones and those under ``TYPE_CHECKING`` too), each sorted; [] when there is none."""
+    packages = {"higgs_pack": "higgs_pack", **{room: f"higgs_pack.{room}" for room in ROOMS}}
+    modules: dict[str, Path] = {}
+    for folder, package in packages.items():
+        for path in (root / folder).rglob("*.py"):
+            parts = [p for p in path.relative_to(root / folder).with_suffix("").parts if p != "__init__"]
+            modules[".".join([package, *parts])] = path
+    edges: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        edges[name] = set()
+        for _, module, _ in imported_modules(path, package):
+            while module and module not in modules:
+                module = module.rpartition(".")[0]
+            if module and module not in (name, "higgs_pack"):
+                edges[name].add(module)
+    reach = {name: set() for name in modules}  # modules each one reaches (small graph: a walk from each)
+    for start in modules:
+        todo, seen = list(edges[start]), reach[start]
+        while todo:
+            module = todo.pop()
+            if module not in seen:
+                seen.add(module)
+                todo.extend(edges[module])
+    groups = {tuple(sorted({name} | {m for m in reach[name] if name in reach[m]}))
+              for name in modules if name in reach[name]}
+    return sorted(list(g) for g in groups)
+
+
+def test_the_runtime_rooms_follow_their_rules():
+    assert not runtime_violations(ROOT), "\n".join(runtime_violations(ROOT))
+
+
+def test_no_module_of_the_package_imports_itself_around_a_circle():
+    assert import_circles(ROOT) == []
+
+
+def test_a_runtime_room_violation_and_a_circle_are_found(tmp_path):
+    (tmp_path / "runtime" / "machine").mkdir(parents=True)
+    (tmp_path / "runtime" / "backends").mkdir()
+    (tmp_path / "runtime" / "machine" / "facts.py").write_text("from higgs_pack.runtime.machine import choice\n")
+    (tmp_path / "runtime" / "machine" / "choice.py").write_text("def f():\n    from ..backends import x\n")
+    (tmp_path / "runtime" / "backends" / "x.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from higgs_pack.runtime.machine.choice import f\n")
+    assert runtime_violations(tmp_path) == [
+        "runtime/machine/facts.py:1: imports higgs_pack.runtime.machine.choice",
+        "runtime/backends/x.py:3: runtime/backends imports runtime.machine.choice.f"]
+    assert import_circles(tmp_path) == [["higgs_pack.runtime.backends.x", "higgs_pack.runtime.machine.choice"]]
 
 
 def test_the_repository_follows_the_import_rules():

@@ -43,14 +43,14 @@ def kv8_bundle(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path) 
 
 @pytest.fixture(scope="module")
 def kv8(kv8_bundle):
-    from higgs_pack.runtime.bundle import load
+    from higgs_pack.runtime.sources.bundle import load_pipeline as load
 
     return load(kv8_bundle)
 
 
 @pytest.fixture(scope="module")
 def float_kv(cpu_int4_bundle):
-    from higgs_pack.runtime.bundle import load
+    from higgs_pack.runtime.sources.bundle import load_pipeline as load
 
     return load(cpu_int4_bundle)
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import skip_unless_reclaimable
 
-from higgs_pack.runtime.mapped_pages import file_mappings, paging_out, resident_bytes
+from higgs_pack.runtime.machine.mapped_pages import file_mappings, paging_out, resident_bytes
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and madvise(MADV_PAGEOUT) are Linux's")
 

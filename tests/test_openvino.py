@@ -409,7 +409,7 @@ def test_decoder_pages_out_the_weights_its_device_packs(decoders):
     from conftest import skip_unless_reclaimable
 
     from higgs_pack.runtime.backends.openvino.devices import cpu_packs_weights
-    from higgs_pack.runtime.mapped_pages import file_mappings, resident_bytes
+    from higgs_pack.runtime.machine.mapped_pages import file_mappings, resident_bytes
 
     assert cpu_packs_weights("CPU", "fp32") and cpu_packs_weights("CPU", "fp16")
     assert not cpu_packs_weights("CPU", "int4") and not cpu_packs_weights("GPU", "fp16")

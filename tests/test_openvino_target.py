@@ -34,9 +34,10 @@ from higgs_pack.manifests.errors import (  # noqa: E402
 )
 from higgs_pack.manifests.manifest import file_entry, read_manifest, write_manifest  # noqa: E402
 from higgs_pack.runtime.backends.openvino.parts import open_openvino_parts  # noqa: E402
-from higgs_pack.runtime.bundle import load, open_bundle  # noqa: E402
 from higgs_pack.runtime.loop.chunking import chunk_windows  # noqa: E402
 from higgs_pack.runtime.loop.generate import synthesize  # noqa: E402
+from higgs_pack.runtime.sources.bundle import load_pipeline as load  # noqa: E402
+from higgs_pack.runtime.sources.bundle import open_bundle  # noqa: E402
 from higgs_pack.runtime.verification.verify import verify_bundle  # noqa: E402
 from higgs_pack.targets.build import bundle_name  # noqa: E402
 from higgs_pack.targets.declarations import NPU_KV_LENGTH as NPU_KV  # noqa: E402
@@ -284,7 +285,7 @@ def test_stream_equals_one_shot(ov_bundles, check_stream, variant):
 
 def test_warm_cache_load(ov_bundles, tmp_path, record_property):
     """The compiled-model cache makes the second load fast (the bench reports it too)."""
-    from higgs_pack.runtime.bundle import open_bundle as opened
+    from higgs_pack.runtime.sources.bundle import open_bundle as opened
 
     bundle = opened(ov_bundles["int4"])
     times = []
@@ -426,7 +427,7 @@ def test_damaged_ir_weights_are_caught_by_the_hash_check(ov_bundles, tmp_path, d
 
 def test_truncated_weights_with_a_rewritten_manifest(ov_bundles, tmp_path):
     """Even when the manifest was rewritten to match, a .bin shorter than its IR's constants is a BundleError
-    (runtime/file_kinds.py, before OpenVINO reads it)."""
+    (runtime/sources/file_kinds.py, before OpenVINO reads it)."""
     bundle = _copy(ov_bundles["int4"], tmp_path)
     target = bundle / "audio_embed.bin"
     with open(target, "r+b") as handle:

@@ -11,9 +11,9 @@ from higgs_pack.manifests.errors import InputError
 from higgs_pack.runtime.backends.onnxruntime import runners
 from higgs_pack.runtime.backends.onnxruntime import sessions as ort_backend
 from higgs_pack.runtime.backends.onnxruntime.runners import OrtDecoder, OrtSubPart
-from higgs_pack.runtime.bundle import load
 from higgs_pack.runtime.loop.delay import SamplingOptions
 from higgs_pack.runtime.loop.generate import synthesize
+from higgs_pack.runtime.sources.bundle import load_pipeline as load
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_cuda_shared_buffers_live_on_the_device(cpu_int4_bundle):
     ort = ort_backend.import_ort()
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         pytest.skip("needs an NVIDIA GPU with onnxruntime-gpu (CUDAExecutionProvider); this machine has none")
-    from higgs_pack.runtime.bundle import open_bundle
+    from higgs_pack.runtime.sources.bundle import open_bundle
 
     bundle = open_bundle(cpu_int4_bundle)
     m = bundle.manifest
@@ -166,7 +166,7 @@ def test_low_memory_decoder_reads_weights_in_place_and_computes_the_same(cpu_fp3
     import gc
     import sys
 
-    from higgs_pack.runtime.mapped_pages import file_mappings, resident_bytes
+    from higgs_pack.runtime.machine.mapped_pages import file_mappings, resident_bytes
 
     if not sys.platform.startswith("linux"):
         pytest.skip("/proc/self/smaps and madvise are Linux's")

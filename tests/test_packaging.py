@@ -45,8 +45,8 @@ from higgs_pack.manifests.manifest import (  # noqa: E402
     read_manifest,
     write_manifest,
 )
-from higgs_pack.runtime.archive import extracted_archive  # noqa: E402
-from higgs_pack.runtime.bundle import open_bundle  # noqa: E402
+from higgs_pack.runtime.sources.archive import extracted_archive  # noqa: E402
+from higgs_pack.runtime.sources.bundle import open_bundle  # noqa: E402
 from higgs_pack.runtime.verification.verify import verify_any  # noqa: E402
 from higgs_pack.targets.packaging import DEFAULT_EPOCH, package_bundle  # noqa: E402
 
@@ -487,8 +487,8 @@ def test_installed_wheel_is_found_by_name(bundle: Path, tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(whl)],
                    check=True)
     code = (
-        "import json; from higgs_pack.runtime.installed import installed_bundles;"
-        "from higgs_pack.runtime.bundle import open_bundle; from higgs_pack.manifests.manifest import check_files;"
+        "import json; from higgs_pack.runtime.sources.installed import installed_bundles;"
+        "from higgs_pack.runtime.sources.bundle import open_bundle; from higgs_pack.manifests.manifest import check_files;"
         f"b = open_bundle({NAME!r}); r = check_files(b.path, b.manifest);"
         "print(json.dumps({'found': {k: str(v) for k, v in installed_bundles().items()}, 'path': str(b.path),"
         " 'ok': r.ok, 'extra': r.extra}))"

@@ -20,7 +20,6 @@ import soundfile as sf
 
 from higgs_pack.manifests.errors import InputError
 from higgs_pack.runtime.audio import AudioSink, streaming_wav_header
-from higgs_pack.runtime.bundle import load
 from higgs_pack.runtime.loop.chunking import (
     NotLocalError,
     StreamingCodec,
@@ -30,6 +29,7 @@ from higgs_pack.runtime.loop.chunking import (
 from higgs_pack.runtime.loop.delay import SamplingOptions
 from higgs_pack.runtime.loop.streaming import codec_context_frames, stream
 from higgs_pack.runtime.request import StreamSchedule
+from higgs_pack.runtime.sources.bundle import load_pipeline as load
 
 HIGGS = [sys.executable, "-m", "higgs_pack.runtime.cli"]
 HOP = 4

@@ -22,7 +22,8 @@ onnx = pytest.importorskip("onnx")
 from onnx import numpy_helper  # noqa: E402
 
 from higgs_pack.manifests.manifest import file_entry, read_manifest, write_manifest  # noqa: E402
-from higgs_pack.runtime.bundle import load, open_bundle  # noqa: E402
+from higgs_pack.runtime.sources.bundle import load_pipeline as load  # noqa: E402
+from higgs_pack.runtime.sources.bundle import open_bundle  # noqa: E402
 from higgs_pack.runtime.verification.backend_checks import compare_providers, device_parity  # noqa: E402
 from higgs_pack.runtime.verification.report import VerifyReport  # noqa: E402
 from higgs_pack.runtime.verification.verify import verify_bundle  # noqa: E402

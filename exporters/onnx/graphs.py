@@ -99,7 +99,7 @@ def external_data_locations(path: str | os.PathLike) -> list[str]:
     Returns:
         Distinct locations in first-seen order (usually one, ``"model.onnx.data"``).
     """
-    from higgs_pack.runtime.bundle import external_data_refs
+    from higgs_pack.runtime.sources.bundle import external_data_refs
 
     return list(external_data_refs(Path(path)))
 

@@ -48,7 +48,7 @@ from higgs_pack.exporters.result import ExportResult, tool_versions
 from higgs_pack.manifests.constants import SubPart
 from higgs_pack.manifests.errors import BuildError
 from higgs_pack.runtime.backends.openvino.runners import DECODER_OUTPUT
-from higgs_pack.runtime.mapped_pages import paging_out
+from higgs_pack.runtime.machine.mapped_pages import paging_out
 
 # The stateful decoder IR's inputs (optimum-intel writes attention_mask, position_ids,
 # inputs_embeds, beam_idx) and its single output after renaming: the runtime's names,

@@ -27,8 +27,8 @@ from higgs_pack.manifests.constants import ChoiceRung, SubPart
 from higgs_pack.manifests.errors import ExecutionProviderUnavailable, InputError, ManifestError
 
 if TYPE_CHECKING:  # pragma: no cover - types only
-    from higgs_pack.runtime.bundle import Bundle
-    from higgs_pack.runtime.choice import Candidate, Inventory, Placement
+    from higgs_pack.runtime.machine.facts import Candidate, Inventory, Placement
+    from higgs_pack.runtime.sources.opened import Bundle
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ RuntimeCheck = Callable[..., None]
 
 @dataclass(frozen=True)
 class OpenOptions:
-    """How :func:`higgs_pack.runtime.bundle.load` asks a backend to open a bundle.
+    """How :func:`higgs_pack.runtime.sources.bundle.load_pipeline` asks a backend to open a bundle.
 
     Attributes:
         execution_provider: ONNX Runtime: a provider name overriding the manifest's.
@@ -99,7 +99,7 @@ class Backend:
         preferred_on_cpus: CPU vendors (``Inventory.cpu_vendor``) on whose CPUs its bundles
             rank first among equal speed classes when nothing was measured.
         rungs: the rungs of the choice ladder that belong to this backend alone
-            (:func:`higgs_pack.runtime.choice.preference`); shared rungs (the CPU's, an
+            (:func:`higgs_pack.runtime.machine.choice.preference`); shared rungs (the CPU's, an
             execution provider's) are declared where they are shared.
         install_hint: what to install to run its bundles, for messages.
     """

@@ -122,7 +122,7 @@ def bundle_sampling(generation_defaults: Mapping[str, Any], **overrides: Any) ->
     """The sampling options a request runs with: the bundle's defaults, then ``overrides``.
 
     The one place a bundle's own defaults (the manifest's ``generation`` object, which
-    :func:`higgs_pack.runtime.bundle.load` puts in ``Pipeline.generation_defaults["sampling"]``)
+    :func:`higgs_pack.runtime.sources.bundle.load_pipeline` puts in ``Pipeline.generation_defaults["sampling"]``)
     meet the caller's choices; fields neither gives keep the :class:`SamplingOptions` defaults.
 
     Args:

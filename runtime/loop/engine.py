@@ -54,6 +54,7 @@ from higgs_pack.runtime.loop.generate import (
     build_prompt,
     check_context,
     join_results,
+    plan_request,
 )
 from higgs_pack.runtime.loop.kv_memory import KVBudget, default_kv_budget
 from higgs_pack.runtime.loop.pipeline import Decoder, Pipeline
@@ -456,7 +457,7 @@ class Engine:
         """
         submitted = time.perf_counter()
         self._check_open()
-        plan = SynthesisRequest.of(text, keywords).plan(self.pipeline)
+        plan = plan_request(self.pipeline, SynthesisRequest.of(text, keywords))
         self.kv.check_request(plan.positions)
         handle = EngineHandle(self, plan, submitted)
         with self._cond:

@@ -27,7 +27,15 @@ from higgs_pack.runtime.loop.delay import (
 )
 from higgs_pack.runtime.loop.frames import CodeSteps
 from higgs_pack.runtime.loop.pipeline import Pipeline
-from higgs_pack.runtime.request import StreamSchedule, refuse, text_problems, voice_pair_problems
+from higgs_pack.runtime.request import (
+    PreparedVoice,
+    StreamSchedule,
+    SynthesisRequest,
+    Voice,
+    refuse,
+    text_problems,
+    voice_pair_problems,
+)
 
 #: Frame cap per text token and its floor, when the caller gives no ``max_frames``.
 #: 10 frames (0.4 s at 25 fps) per token is well above normal speech
@@ -422,7 +430,7 @@ def synthesize(
     into sentences, each spoken with the same options and joined.
 
     Args:
-        pipeline: a loaded bundle (``higgs_pack.runtime.bundle.load``) or the oracle.
+        pipeline: a loaded bundle (``higgs_pack.runtime.sources.bundle.load_pipeline``) or the oracle.
         text: what to say; inline controls like ``<|emotion:amusement|>`` pass as text.
         ref_samples: float32 [samples] mono at ``sample_rate`` Hz, a multiple of
             ``hop_length`` long (see ``audio.prepare_reference``), or None.
@@ -475,7 +483,7 @@ def join_results(pipeline: Pipeline, results: list[GenerationResult],
 class SynthesisPlan:
     """One request resolved against one loaded bundle, once: what the loop runs.
 
-    Made by :meth:`SynthesisRequest.plan <higgs_pack.runtime.request.SynthesisRequest.plan>`
+    Made by :func:`plan_request`
     (every front door) or :func:`plan_synthesis` (pipeline-level callers); run by
     :func:`run_plan`, :func:`higgs_pack.runtime.loop.streaming.stream_plan` and the engine.
 
@@ -543,6 +551,27 @@ def plan_synthesis(pipeline: Pipeline, text: str, *, options: SamplingOptions | 
     chunks = tuple(plan_chunks(pipeline, text.strip(), ref_codes, ref_text, max_frames))
     positions = max(chunk_positions(pipeline, chunk, cap, ref_codes, ref_text) for chunk, cap in chunks)
     return SynthesisPlan(options, ref_codes, ref_text, chunks, schedule or StreamSchedule(), positions)
+
+
+def plan_request(pipeline: Pipeline, request: SynthesisRequest) -> SynthesisPlan:
+    """A request resolved once against a loaded bundle: the frozen :class:`SynthesisPlan` that
+    ``TTS.synthesize``, ``TTS.stream`` and the engine run: the sampling options (the bundle's
+    defaults with the request's choices), the voice's codes (a clip read, resampled and encoded
+    here; a prepared voice's checked against the codec), the text chunks with their frame caps,
+    the stream schedule.  The request's own fields were checked when it was made.
+
+    Raises:
+        InputError: the reference clip cannot be read or used, a special token of the
+            tokenizer in the text or transcript, a sentence too long for the context, the
+            bundle's own sampling defaults out of range.
+    """
+    c, voice = pipeline.constants, request.voice
+    return plan_synthesis(
+        pipeline, request.text, options=request.sampling_options(pipeline.generation_defaults),
+        ref_samples=voice.prepared(c.sample_rate, c.hop_length) if isinstance(voice, Voice) else None,
+        ref_codes=voice.codes if isinstance(voice, PreparedVoice) else None,
+        ref_text=voice.transcript if voice is not None else None,
+        max_frames=request.max_frames, schedule=request.schedule, checked=True)
 
 
 def run_plan(pipeline: Pipeline, plan: SynthesisPlan, progress: ProgressCallback | None = None) -> SynthesisResult:

@@ -257,7 +257,6 @@ def stream(
 
 def stream_plan(pipeline: Pipeline, plan: SynthesisPlan, progress: ProgressCallback | None = None,
                 started: float | None = None) -> SpeechStream:
-    """A :class:`SpeechStream` of a planned request (:meth:`SynthesisRequest.plan
-    <higgs_pack.runtime.request.SynthesisRequest.plan>`); ``started`` (``time.perf_counter()``,
+    """A :class:`SpeechStream` of a planned request (:func:`~higgs_pack.runtime.loop.generate.plan_request`); ``started`` (``time.perf_counter()``,
     default now) is when ``first_audio_s`` counts from."""
     return SpeechStream(pipeline, plan, progress, time.perf_counter() if started is None else started)

@@ -13,8 +13,8 @@ import numpy as np
 from higgs_pack.manifests.constants import CPU_PROVIDER, EXECUTION_PROVIDERS, SubPart
 from higgs_pack.manifests.errors import HiggsPackError, last_line
 from higgs_pack.runtime.backends.onnxruntime.failures import provider_cannot_run
-from higgs_pack.runtime.bundle import Bundle, load
 from higgs_pack.runtime.loop.pipeline import Pipeline
+from higgs_pack.runtime.sources.bundle import Bundle, load_pipeline
 from higgs_pack.runtime.verification.report import (
     VerifyReport,
     judge_parity,
@@ -94,7 +94,7 @@ def _check_on_device(device: str, bundle: Bundle, pipeline: Pipeline, report: Ve
                    "build the npu variant (higgs-pack build --target openvino --npu)")
         return
     try:
-        other = load(bundle, device=device)
+        other = load_pipeline(bundle, device=device)
     except Exception as exc:  # HiggsPackError, or OpenVINO's RuntimeError while compiling
         report.add(name, False, f"on {device}: {type(exc).__name__}: {last_line(exc)}")
         return

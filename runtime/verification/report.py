@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 
 from higgs_pack.manifests.constants import SubPart
-from higgs_pack.runtime.bundle import Bundle
 from higgs_pack.runtime.loop.pipeline import Pipeline
+from higgs_pack.runtime.sources.bundle import Bundle
 
 
 def read_golden(bundle: Bundle) -> dict[str, np.ndarray]:

@@ -28,7 +28,7 @@ from collections import Counter
 from typing import Any
 
 from higgs_pack.manifests.constants import CPU_PROVIDER, EXECUTION_PROVIDERS, SubPart
-from higgs_pack.runtime.bundle import Bundle, regular_files
+from higgs_pack.runtime.sources.bundle import Bundle, regular_files
 from higgs_pack.runtime.verification.kernels import (
     Coverage,
     coverage,

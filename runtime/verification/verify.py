@@ -31,8 +31,6 @@ from higgs_pack.runtime.backends.onnxruntime.distributions import (
     installed_ort_distributions,
 )
 from higgs_pack.runtime.backends.onnxruntime.failures import provider_cannot_run
-from higgs_pack.runtime.bundle import Bundle, find_bundle, load, open_bundle
-from higgs_pack.runtime.file_kinds import check_bundle_files
 from higgs_pack.runtime.loop.delay import SamplingOptions
 from higgs_pack.runtime.loop.generate import (
     build_prompt,
@@ -41,6 +39,8 @@ from higgs_pack.runtime.loop.generate import (
     synthesize,
 )
 from higgs_pack.runtime.loop.pipeline import Pipeline
+from higgs_pack.runtime.sources.bundle import Bundle, find_bundle, load_pipeline, open_bundle
+from higgs_pack.runtime.sources.file_kinds import check_bundle_files
 from higgs_pack.runtime.verification.backend_checks import (
     compare_providers,
 )
@@ -69,7 +69,7 @@ class VerifyOptions:
     """What :func:`verify_bundle` checks, and where.
 
     Attributes:
-        execution_provider, device, allow_fallback: as for :func:`~higgs_pack.runtime.bundle.load`.
+        execution_provider, device, allow_fallback: as for :func:`~higgs_pack.runtime.sources.bundle.load_pipeline`.
         cases_dir: folder with ``text_en_basic.txt``, ``text_zh.txt``, ``ref_en_16k.wav``
             and ``ref_en_16k.txt`` (``shared/cases``); None: no synthesis.
         synthesize_cases: set False to skip synthesis even with ``cases_dir``.
@@ -80,10 +80,10 @@ class VerifyOptions:
             instead of being skipped (for a machine known to have the hardware).
         parity: set False to stop after the file-level checks (no session on the
             bundle's or the CPU provider; the GPU provider run still happens).
-        cache_dir: OpenVINO model cache (see :func:`~higgs_pack.runtime.bundle.load`). The
+        cache_dir: OpenVINO model cache (see :func:`~higgs_pack.runtime.sources.bundle.load_pipeline`). The
             build passes ``False``: verifying a staged bundle then writes no compiled blobs
             (8.3-9.0 GB per full-size openvino bundle were left in the user's cache before).
-        low_memory: load as :func:`~higgs_pack.runtime.bundle.load` ``low_memory`` (a float
+        low_memory: load as :func:`~higgs_pack.runtime.sources.bundle.load_pipeline` ``low_memory`` (a float
             ONNX Runtime decoder reads its weights in place and pages them out every step);
             the build passes True, so a 4B fp32 bundle verifies within its memory budget.
     """
@@ -161,7 +161,7 @@ def _check_structure(bundle: str | Path | Bundle, options: VerifyOptions, report
     """Manifest, files and the backend's file-level checks: the opened bundle, or None to stop.
 
     The files are checked as ``load()`` checks them (readable, size, sha256, each what its
-    kind says: :func:`~higgs_pack.runtime.file_kinds.check_bundle_files`), with its message.
+    kind says: :func:`~higgs_pack.runtime.sources.file_kinds.check_bundle_files`), with its message.
     """
     try:
         path = bundle.path if isinstance(bundle, Bundle) else find_bundle(bundle)
@@ -193,7 +193,7 @@ def _check_structure(bundle: str | Path | Bundle, options: VerifyOptions, report
 def _load(bundle: Bundle, options: VerifyOptions, report: VerifyReport) -> Pipeline | None:
     """The bundle loaded as ``options`` say, with its "load+signatures" line; None (and a FAIL) if it cannot be."""
     try:
-        pipeline = load(bundle, execution_provider=options.execution_provider, device=options.device,
+        pipeline = load_pipeline(bundle, execution_provider=options.execution_provider, device=options.device,
                         allow_fallback=options.allow_fallback, check_hashes=False, cache_dir=options.cache_dir,
                         low_memory=options.low_memory)
     except HiggsPackError as exc:
@@ -292,7 +292,7 @@ def check_gpu_provider(bundle: Bundle, report: VerifyReport, *, ep: str | None =
                    f"pip install '{row.packaging.requirement}', then nox -s verify-{bundle.manifest['target']}")
         return
     try:
-        target = load(bundle, execution_provider=ep, check_hashes=False)
+        target = load_pipeline(bundle, execution_provider=ep, check_hashes=False)
     except HiggsPackError as exc:
         report.add(f"{ep} runtime", missing, f"{row.ort_provider} is installed but unusable here "
                    f"({row.hardware.missing if row.hardware else ep}, or its libraries are missing?): {exc}")
@@ -307,7 +307,7 @@ def check_gpu_provider(bundle: Bundle, report: VerifyReport, *, ep: str | None =
     note = ""
     if reference is None:
         try:
-            reference = load(bundle, execution_provider=CPU_PROVIDER.name, check_hashes=False)
+            reference = load_pipeline(bundle, execution_provider=CPU_PROVIDER.name, check_hashes=False)
         except HiggsPackError as exc:
             note = f"the CPU provider cannot open the bundle: {exc}"
     compare_providers(bundle, target, reference, report, label=ep, reference_note=note)
@@ -413,11 +413,11 @@ def verify_any(target: str | Path, options: VerifyOptions | None = None, **kwarg
 
     Archives (``.tar.gz``, ``.zip``) are checked member by member and extracted
     into a temporary directory (never the working directory) before the bundle
-    checks; see :mod:`higgs_pack.runtime.archive`.
+    checks; see :mod:`higgs_pack.runtime.sources.archive`.
     """
     path = Path(target)
     if path.is_file():
-        from higgs_pack.runtime.archive import extracted_archive
+        from higgs_pack.runtime.sources.archive import extracted_archive
 
         with extracted_archive(path) as bundle_dir:
             return verify_bundle(bundle_dir, options, **kwargs)

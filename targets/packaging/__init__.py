@@ -123,7 +123,7 @@ def package_bundle(
     if formats not in FORMATS:
         raise PackagingError(unknown_choice("package format", str(formats), FORMATS, "--format / formats="))
     # Cheap checks first (manifest only), so a mistake is reported before hashing gigabytes.
-    from higgs_pack.runtime.bundle import find_bundle
+    from higgs_pack.runtime.sources.bundle import find_bundle
 
     try:
         path = find_bundle(bundle).resolve()

@@ -19,7 +19,7 @@ from typing import IO, Any, BinaryIO
 
 from higgs_pack.manifests.errors import HiggsPackError, PackagingError
 from higgs_pack.manifests.manifest import CHUNK, MANIFEST_NAME, sha256_file
-from higgs_pack.runtime.archive import CHECKSUMS_NAME
+from higgs_pack.runtime.sources.archive import CHECKSUMS_NAME
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ def collect(bundle: str | Path) -> BundleContent:
     Raises:
         PackagingError: the bundle is not valid; the message names the first problem.
     """
-    from higgs_pack.runtime.bundle import open_bundle
+    from higgs_pack.runtime.sources.bundle import open_bundle
 
     try:
         opened = open_bundle(bundle, check_hashes=True)

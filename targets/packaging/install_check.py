@@ -213,7 +213,7 @@ def check_no_deps_install(wheel: WheelInfo, work: Path, results: Results) -> Non
     if proc.returncode:
         results.add("FAIL", "pip install --no-deps --target", _tail(proc))
         return
-    code = ("import sys; from higgs_pack.runtime.bundle import open_bundle; "
+    code = ("import sys; from higgs_pack.runtime.sources.bundle import open_bundle; "
             "b = open_bundle(sys.argv[1], check_hashes=True); print(b.path, len(b.manifest['files']))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
     proc = _run([sys.executable, "-c", code, wheel.bundle_name], env=env, cwd=work)

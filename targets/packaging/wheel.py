@@ -205,7 +205,7 @@ def wheel_metadata(content: BundleContent, target: Any) -> str:
         f"Use it by name once installed:\n\n"
         f"    higgs-pack list\n"
         f"    higgs-pack synthesize {m['name']} --text \"Hello.\" -o out.wav\n\n"
-        f"or in Python: `higgs_pack.runtime.bundle.load(\"{m['name']}\")`.\n"
+        f"or in Python: `higgs_pack.load(\"{m['name']}\")`.\n"
     )
     return "".join(f"{k}: {_header(v)}\n" for k, v in headers) + "\n" + body
 
@@ -223,7 +223,7 @@ def _init_py(content: BundleContent) -> str:
     return (
         f'"""Higgs-Audio-v3 TTS bundle {name} (this folder is the bundle).\n\n'
         f"Use it by name: ``higgs-pack synthesize {name} --text ... -o out.wav`` or\n"
-        f'``higgs_pack.runtime.bundle.load("{name}")``.\n"""\n\n'
+        f'``higgs_pack.load("{name}")``.\n"""\n\n'
         "from pathlib import Path\n\n"
         f'BUNDLE_NAME = "{name}"\n'
         "BUNDLE_DIR = Path(__file__).resolve().parent\n"

@@ -16,8 +16,8 @@ from higgs_pack.manifests.errors import ExecutionProviderUnavailable, InputError
 from higgs_pack.runtime.backends import Backend, OpenedParts, OpenOptions, register
 
 if TYPE_CHECKING:  # pragma: no cover - types only
-    from higgs_pack.runtime.bundle import Bundle
-    from higgs_pack.runtime.choice import Candidate, Inventory, Placement
+    from higgs_pack.runtime.machine.facts import Candidate, Inventory, Placement
+    from higgs_pack.runtime.sources.opened import Bundle
 
 #: Precisions whose ONNX Runtime decoder holds float weights (read in place with ``low_memory``).
 FLOAT_DECODER_PRECISIONS = ("fp32", "fp16")
@@ -132,7 +132,7 @@ class OnnxRuntimeBackend(Backend):
     def placements(self, candidate: Candidate, inventory: Inventory, bench: Mapping[str, float]
                    ) -> tuple[list[Placement], str | None]:
         """The rung of the bundle's execution-provider row, where that provider creates sessions."""
-        from higgs_pack.runtime.choice import Placement, speed_key, speed_words
+        from higgs_pack.runtime.machine.facts import Placement, speed_key, speed_words
 
         row = EXECUTION_PROVIDERS.get(candidate.built_for)
         if row is None:
@@ -146,7 +146,8 @@ class OnnxRuntimeBackend(Backend):
         what = f"the {row.label} execution provider" if row.gpu else row.ort_provider
         if rung == CPU_RUNG.name:
             what += f", {speed_words(candidate, bench)}"
-        return [Placement(candidate, rung, candidate.built_for, speed_key(candidate, inventory, bench), what)], None
+        key = speed_key(candidate, inventory, bench, self.preferred_on_cpus)
+        return [Placement(candidate, rung, candidate.built_for, key, what)], None
 
     def notes(self, candidates: list[Candidate], inventory: Inventory, runnable: set[str], of: str) -> list[str]:
         """A GPU provider's hardware present (seen on the bus, or its provider works) with no

@@ -94,7 +94,7 @@ def bundle_node_placement(bundle: Any, ep: str, golden: dict[str, np.ndarray]) -
     golden inputs (the decoder: its golden prefill).
 
     Args:
-        bundle: an opened ``runtime.bundle.Bundle`` in ONNX format.
+        bundle: an opened ``runtime.sources.opened.Bundle`` in ONNX format.
         ep: bundle EP name (``openvino``, ``cuda``…).
         golden: the bundle's ``reference/golden.npz`` arrays.
 

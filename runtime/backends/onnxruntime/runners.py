@@ -18,7 +18,7 @@ from higgs_pack.runtime.backends.onnxruntime.distributions import import_ort
 from higgs_pack.runtime.backends.onnxruntime.failures import _raise_unsupported
 from higgs_pack.runtime.backends.onnxruntime.sessions import ORT_TYPES
 from higgs_pack.runtime.loop.pipeline import check_decoder_room
-from higgs_pack.runtime.mapped_pages import paging_out
+from higgs_pack.runtime.machine.mapped_pages import paging_out
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +244,7 @@ class OrtDecoder:
             that provider's device).
         page_out_weights: the graph's external-data files, for a session created with
             ``prepacking=False`` on the CPU provider: every :meth:`forward` runs inside
-            :func:`~higgs_pack.runtime.mapped_pages.paging_out` (``keep_page_cache=True``)
+            :func:`~higgs_pack.runtime.machine.mapped_pages.paging_out` (``keep_page_cache=True``)
             on each, so the weights' pages leave the process's resident set as soon as a
             step has read them and come back from the page cache next step.  The
             full-size fp32 decoder (14.5 GB) then runs in a few hundred MB of resident

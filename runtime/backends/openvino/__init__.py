@@ -17,8 +17,8 @@ from higgs_pack.manifests.errors import ExecutionProviderUnavailable, InputError
 from higgs_pack.runtime.backends import Backend, OpenedParts, OpenOptions, register
 
 if TYPE_CHECKING:  # pragma: no cover - types only
-    from higgs_pack.runtime.bundle import Bundle
-    from higgs_pack.runtime.choice import Candidate, Inventory, Placement
+    from higgs_pack.runtime.machine.facts import Candidate, Inventory, Placement
+    from higgs_pack.runtime.sources.opened import Bundle
 
 #: OpenVINO's device rungs of the choice ladder (device names are the backend's own).
 NPU_RUNG = ChoiceRung("npu", 10, "OpenVINO NPU variant on an Intel NPU")
@@ -111,7 +111,7 @@ class OpenVINOBackend(Backend):
     def placements(self, candidate: Candidate, inventory: Inventory, bench: Mapping[str, float]
                    ) -> tuple[list[Placement], str | None]:
         """The NPU variant on an NPU, else any bundle on an Intel GPU; then the CPU device."""
-        from higgs_pack.runtime.choice import Placement, speed_key, speed_words
+        from higgs_pack.runtime.machine.facts import Placement, speed_key, speed_words
 
         inv, c = inventory, candidate
         if inv.openvino is None:
@@ -125,7 +125,7 @@ class OpenVINOBackend(Backend):
         if found:
             out.append(Placement(c, rung_here.name, found, (), f"OpenVINO {found}: {inv.openvino_devices[found]}"))
         if inv.ov_has("CPU"):
-            out.append(Placement(c, rung_cpu.name, "CPU", speed_key(c, inv, bench), on_cpu))
+            out.append(Placement(c, rung_cpu.name, "CPU", speed_key(c, inv, bench, self.preferred_on_cpus), on_cpu))
         if not out:
             return [], f"OpenVINO sees no usable device for it (devices: {', '.join(inv.openvino_devices) or 'none'})"
         return out, None

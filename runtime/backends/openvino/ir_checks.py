@@ -27,7 +27,7 @@ def static_shape_problems(bundle: Any) -> dict[str, list[str]]:
     ``options.static_shapes[name]`` and to the shape its manifest signature declares.
 
     Args:
-        bundle: an opened ``runtime.bundle.Bundle``.
+        bundle: an opened ``runtime.sources.opened.Bundle``.
 
     Returns:
         sub-part -> problems (human-readable), for the sub-parts that promise

@@ -9,7 +9,7 @@ only (no torch, no exporters). The pieces it composes:
   written into the runner's ``description``) and the compile properties;
 * :mod:`higgs_pack.runtime.backends.openvino.runners`: the sub-part and stateful-decoder runners;
   a decoder whose weights the CPU plugin packs is compiled without the model cache and
-  gives its mapped weights back during that packing (:mod:`higgs_pack.runtime.mapped_pages`);
+  gives its mapped weights back during that packing (:mod:`higgs_pack.runtime.machine.mapped_pages`);
 * :mod:`higgs_pack.runtime.backends.openvino.static_runners`: the runners of static (NPU) bundles;
   a sub-part may be pinned to another device for a given bundle device
   (``device_overrides``, see :func:`~higgs_pack.runtime.backends.openvino.devices.subpart_device`);
@@ -51,7 +51,7 @@ def open_openvino_parts(bundle: Any, *, device: str | None = None, allow_fallbac
     CPUs and a u8 KV cache; its GPU plugin f16).
 
     Args:
-        bundle: an opened ``runtime.bundle.Bundle``.
+        bundle: an opened ``runtime.sources.opened.Bundle``.
         device: OpenVINO device overriding the manifest's (``CPU``, ``GPU``, ``NPU``, ``AUTO``, ``HETERO:…``).
         allow_fallback: compile on CPU when the device is missing (logged, described).
         cache_dir: model cache; default ``<cache root>/openvino/<bundle name>-<checkpoint digest>``;
@@ -87,7 +87,7 @@ def open_openvino_parts(bundle: Any, *, device: str | None = None, allow_fallbac
 
 def _model_cache(manifest: dict, cache_dir: str | os.PathLike | Literal[False] | None) -> Path | None:
     """The model cache folder (created), or None for no cache (``cache_dir=False``)."""
-    from higgs_pack.runtime.paths import cache_root
+    from higgs_pack.runtime.sources.paths import cache_root
 
     if cache_dir is False:
         return None

@@ -27,7 +27,7 @@ from higgs_pack.manifests.errors import (
 )
 from higgs_pack.runtime.backends.openvino.devices import META_DEVICES, check_device
 from higgs_pack.runtime.loop.pipeline import check_decoder_room, check_io_signature
-from higgs_pack.runtime.mapped_pages import PageOutResult, paging_out
+from higgs_pack.runtime.machine.mapped_pages import PageOutResult, paging_out
 
 #: Inputs the stateful decoder IR (optimum-intel, see ``exporters/openvino_decoder.py``) may declare.
 DECODER_INPUTS: tuple[str, ...] = ("inputs_embeds", "attention_mask", "position_ids", "beam_idx")
@@ -232,7 +232,7 @@ class OvStatefulDecoder:
             the returned array) instead of copying them (on by default; measured by
             ``python -m bench.ab ov-properties``).
         page_out_weights: Run the first :meth:`forward` inside
-            :func:`~higgs_pack.runtime.mapped_pages.paging_out` on the IR's ``.bin``, for a
+            :func:`~higgs_pack.runtime.machine.mapped_pages.paging_out` on the IR's ``.bin``, for a
             device that copies the weights into its own buffers then (see
             :func:`~higgs_pack.runtime.backends.openvino.devices.cpu_packs_weights`); pass no
             ``cache_dir`` with it (importing the cached blob copies the weights twice).

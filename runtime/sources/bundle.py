@@ -15,7 +15,6 @@ import logging
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,48 +27,11 @@ from higgs_pack.manifests.manifest import (
     resolve_inside,
 )
 from higgs_pack.runtime.backends import OpenOptions, backend_of
-from higgs_pack.runtime.file_kinds import check_bundle_files, external_data_entries
 from higgs_pack.runtime.loop.pipeline import ModelConstants, Pipeline
+from higgs_pack.runtime.sources.file_kinds import check_bundle_files, external_data_entries
+from higgs_pack.runtime.sources.opened import Bundle
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Bundle:
-    """A bundle directory whose manifest has been read and validated.
-
-    Attributes:
-        path: the bundle directory.
-        manifest: the validated manifest dict.
-        parsed: what :func:`open_bundle`'s file checks read, by relative path, so a load reads
-            nothing twice (ONNX graph -> its external-data entries; tokenizer file -> the
-            ``tokenizers.Tokenizer``); empty for a bundle made otherwise.
-    """
-
-    path: Path
-    manifest: dict[str, Any]
-    parsed: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
-
-    @property
-    def name(self) -> str:
-        return self.manifest["name"]
-
-    def file(self, relpath: str) -> Path:
-        """Absolute path of a bundle file, proven to resolve inside the bundle.
-
-        The path is returned as it sits in the bundle, not resolved, so that files
-        found beside it (ONNX external data, an IR's ``.bin``) are found even when the
-        bundle is a Hugging Face cache snapshot whose files are symlinks into ``blobs/``.
-
-        Raises:
-            BundleError: the path leaves the bundle (see ``manifests.manifest.resolve_inside``).
-        """
-        resolve_inside(self.path, relpath)
-        return self.path / relpath
-
-    def subpart(self, part: SubPart | str) -> dict[str, Any]:
-        """The manifest entry of one sub-part."""
-        return self.manifest["subparts"][str(part)]
 
 
 @contextlib.contextmanager
@@ -112,7 +74,7 @@ def find_bundle(name_or_path: str | Path) -> Path:
     if path.exists():
         require_bundle_dir(path)
         return path
-    from higgs_pack.runtime.installed import installed_bundles
+    from higgs_pack.runtime.sources.installed import installed_bundles
 
     found = installed_bundles()
     if str(name_or_path) in found:
@@ -157,7 +119,7 @@ def open_bundle(name_or_path: str | Path, *, check_hashes: bool = True) -> Bundl
 
     Raises:
         BundleError: a file cannot be read, differs from the manifest, or is not what its
-            kind says (:func:`~higgs_pack.runtime.file_kinds.check_bundle_files`).
+            kind says (:func:`~higgs_pack.runtime.sources.file_kinds.check_bundle_files`).
         ManifestError, UnsupportedFormatVersion: see ``manifests.manifest``.
     """
     path = find_bundle(name_or_path)
@@ -231,7 +193,7 @@ def check_external_data(bundle: Bundle, part: str, spec: dict[str, Any]) -> None
             )
 
 
-def load(
+def load_pipeline(
     bundle: str | Path | Bundle,
     *,
     execution_provider: str | None = None,

@@ -1,4 +1,4 @@
-"""What this machine offers, and which bundles are visible: the inputs of :func:`~higgs_pack.runtime.choice.choose`.
+"""What this machine offers, and which bundles are visible: the inputs of :func:`~higgs_pack.runtime.machine.choice.choose`.
 
 :func:`inventory` probes the real machine: every ONNX Runtime provider the
 installed onnxruntime lists is asked to create a session on a one-node graph (a
@@ -26,8 +26,9 @@ from pathlib import Path
 from higgs_pack.manifests.constants import EXECUTION_PROVIDERS
 from higgs_pack.manifests.errors import HiggsPackError
 from higgs_pack.manifests.manifest import MANIFEST_NAME, read_manifest
-from higgs_pack.runtime.choice import Candidate, Inventory
-from higgs_pack.runtime.cpu import cpu_info
+from higgs_pack.runtime.machine.choice import candidate_of
+from higgs_pack.runtime.machine.cpu import cpu_info
+from higgs_pack.runtime.machine.facts import Candidate, Inventory
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +217,7 @@ def visible_bundles(bundle_dirs: Iterable[str | Path] = (), *, installed: bool =
         ``(candidates, broken)``: one :class:`Candidate` per readable manifest, and
         folder -> why for bundles whose manifest is unreadable.
     """
-    from higgs_pack.runtime.installed import installed_bundles
+    from higgs_pack.runtime.sources.installed import installed_bundles
 
     found: list[tuple[Path, str]] = [(p, "installed") for p in installed_bundles().values()] if installed else []
     env = os.environ.get("HIGGS_PACK_BUNDLES", "") if installed else ""
@@ -234,7 +235,7 @@ def visible_bundles(bundle_dirs: Iterable[str | Path] = (), *, installed: bool =
             continue
         seen.add(key)
         try:
-            candidates.append(Candidate.from_manifest(read_manifest(folder), folder, origin))
+            candidates.append(candidate_of(read_manifest(folder), folder, origin))
         except HiggsPackError as exc:
             broken[str(folder)] = str(exc)
     return candidates, broken
@@ -252,7 +253,7 @@ def bench_speeds(path: str | Path | None = None, *, cpu: str | None = None) -> d
         cpu: keep only records measured on this CPU model (records that do not name
             their machine are kept); None keeps all.
     """
-    from higgs_pack.runtime.paths import cache_root
+    from higgs_pack.runtime.sources.paths import cache_root
 
     paths = [Path(path)] if path else [Path("dist/bench.json"), cache_root() / "bench.json"]
     for p in paths:
@@ -280,7 +281,7 @@ def describe(bundle_dirs: Iterable[str | Path] = (), inv: Inventory | None = Non
     Returns:
         ``(text for a terminal, the same as a JSON-ready dict)``.
     """
-    from higgs_pack.runtime.choice import choose, placements, preference
+    from higgs_pack.runtime.machine.choice import choose, placements, preference
 
     inv = inv if inv is not None else inventory()
     broken: dict[str, str] = {}

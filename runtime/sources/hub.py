@@ -13,7 +13,7 @@ manifest before the bundle is used.
 A repository holds one bundle at its root, or several (one folder per variant,
 ``higgs-audio-v3-tiny-cpu-int4/``, ``…-openvino-int4-npu/``).  Only the manifests are
 fetched first; the variant is then picked by
-:func:`higgs_pack.runtime.choice.choose` for this machine (or named with
+:func:`higgs_pack.runtime.machine.choice.choose` for this machine (or named with
 ``--variant`` / ``variant=``), and only its folder is downloaded.
 """
 
@@ -162,10 +162,10 @@ def pull(source: str | HubRef, *, variant: str | None = None, cache_dir: str | P
     Args:
         source: ``[hf://]ORG/REPO[@REVISION][/VARIANT]`` or a :class:`HubRef`.
         variant: the bundle folder to take (overrides one in ``source``); None: the only
-            one, or the best for this machine (:func:`higgs_pack.runtime.choice.choose`).
+            one, or the best for this machine (:func:`higgs_pack.runtime.machine.choice.choose`).
         cache_dir: Hugging Face cache (default ``$HF_HUB_CACHE``).
         token: hub token (default ``$HF_TOKEN`` or the saved login).
-        inventory: a :class:`~higgs_pack.runtime.choice.Inventory` (default: probe this machine).
+        inventory: a :class:`~higgs_pack.runtime.machine.choice.Inventory` (default: probe this machine).
         bench: measured frames/s per system for the choice (default: ``dist/bench.json`` if any).
 
     Returns:
@@ -176,7 +176,7 @@ def pull(source: str | HubRef, *, variant: str | None = None, cache_dir: str | P
             no access, or no bundle in the repository.
         BundleError: a downloaded file does not match the manifest.
     """
-    from higgs_pack.runtime.bundle import open_bundle
+    from higgs_pack.runtime.sources.bundle import open_bundle
 
     ref = parse_ref(source) if isinstance(source, str) else source
     want = variant or ref.variant
@@ -197,11 +197,11 @@ def pull(source: str | HubRef, *, variant: str | None = None, cache_dir: str | P
         want = next(iter(folders))
         reason = "the repository's only bundle"
     else:
-        from higgs_pack.runtime.choice import Candidate, choose, require
-        from higgs_pack.runtime.devices import bench_speeds
-        from higgs_pack.runtime.devices import inventory as probe
+        from higgs_pack.runtime.machine.choice import candidate_of, choose, require
+        from higgs_pack.runtime.machine.inventory import bench_speeds
+        from higgs_pack.runtime.machine.inventory import inventory as probe
 
-        candidates = [Candidate.from_manifest(read_manifest(p), p, f"hub {ref.repo_id}") for p in folders.values()]
+        candidates = [candidate_of(read_manifest(p), p, f"hub {ref.repo_id}") for p in folders.values()]
         inv = inventory if inventory is not None else probe()
         choice = choose(candidates, inv, bench=bench if bench is not None else bench_speeds(cpu=inv.cpu))
         for note in choice.notes:

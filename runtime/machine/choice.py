@@ -1,12 +1,12 @@
 """Pick the best bundle variant for this machine: a pure function of an inventory and a bundle list.
 
 :func:`choose` takes what the machine offers (:class:`Inventory`, filled by
-:func:`higgs_pack.runtime.devices.inventory`, or written by hand in tests) and the
+:func:`higgs_pack.runtime.machine.inventory.inventory`, or written by hand in tests) and the
 bundles that are visible (:class:`Candidate`, one per manifest) and returns a
 :class:`Choice`: the chosen bundle and the provider/device to run it on, why, and
 for every other bundle why it was not taken.  Nothing here probes the hardware or
 opens a session: :func:`choose` reads only its arguments, and the one file-system access is
-:meth:`Candidate.from_manifest`, which checks the bundle's files with ``stat`` to mark a
+:func:`candidate_of`, which checks the bundle's files with ``stat`` to mark a
 damaged candidate (a missing file or a wrong size; hashes are checked at load).
 
 Preference order (:func:`preference`, first runnable wins; the shared CPU rung is declared
@@ -41,83 +41,23 @@ from typing import Any
 from higgs_pack.manifests.constants import CPU_RUNG, EXECUTION_PROVIDERS, ChoiceRung
 from higgs_pack.manifests.errors import BundleError, ManifestError
 from higgs_pack.manifests.manifest import check_files
-
-PRECISION_SPEED = {"int4": 0, "int8": 1, "fp16": 2, "fp32": 3}
-
-
-@dataclass(frozen=True)
-class Inventory:
-    """What this machine offers (see :func:`higgs_pack.runtime.devices.inventory`).
-
-    Attributes:
-        ort_providers: bundle EP name (``cpu``, ``cuda``, ``dml``, ``openvino``) -> None
-            when ONNX Runtime created a session on it here, else the reason it did not
-            (only providers the installed onnxruntime lists; absent = not installed).
-        ort_distributions: installed onnxruntime distributions.
-        openvino: installed OpenVINO version, or None when it is not installed.
-        openvino_devices: OpenVINO device (``CPU``, ``GPU.0``, ``NPU``) -> FULL_DEVICE_NAME.
-        hardware: physical devices seen outside any runtime: kind (``nvidia-gpu``,
-            ``intel-gpu``, ``intel-npu``) -> list of descriptions.
-        npu_driver: Intel NPU kernel driver loaded (``/dev/accel`` node present), None if unknown.
-        platform: ``sys.platform``.
-        cpu: CPU model name.
-        cpu_vendor: ``intel``, ``amd``, ``arm`` or ``other``.
-    """
-
-    ort_providers: Mapping[str, str | None] = field(default_factory=dict)
-    ort_distributions: tuple[str, ...] = ()
-    openvino: str | None = None
-    openvino_devices: Mapping[str, str] = field(default_factory=dict)
-    hardware: Mapping[str, list[str]] = field(default_factory=dict)
-    npu_driver: bool | None = None
-    platform: str = "linux"
-    cpu: str = ""
-    cpu_vendor: str = "other"
-
-    def ort_ok(self, ep: str) -> bool:
-        return ep in self.ort_providers and self.ort_providers[ep] is None
-
-    def ov_has(self, base: str) -> str | None:
-        """The first OpenVINO device of a kind (``GPU`` matches ``GPU.0``), or None."""
-        return next((d for d in self.openvino_devices if d == base or d.startswith(base + ".")), None)
+from higgs_pack.runtime.machine.facts import Candidate, Inventory, Placement
 
 
-@dataclass(frozen=True)
-class Candidate:
-    """One visible bundle, as its manifest describes it.
+def candidate_of(manifest: Mapping[str, Any], source: str | Path, origin: str = "") -> Candidate:
+    """The :class:`~higgs_pack.runtime.machine.facts.Candidate` a bundle's manifest describes; its
+    files are checked with ``stat`` only (``damaged`` says what is missing or of the wrong size).
 
-    Attributes:
-        name: bundle name.
-        source: where it was found (a directory; for hub repos the snapshot folder).
-        model: model slug.
-        target, precision, variant, backend: from the manifest.
-        built_for: the manifest's execution provider (ONNX Runtime) or device (OpenVINO).
-        requirements: the manifest's runtime requirements.
+    Args:
+        manifest: the bundle's validated manifest.
+        source: its folder.
         origin: how it was found (``installed``, ``--bundles``, ``hub ORG/REPO@rev``).
-        damaged: why its files do not match its manifest (a missing file or a wrong size,
-            checked with ``stat`` only; hashes are checked at load), or None.
     """
-
-    name: str
-    source: str
-    model: str
-    target: str
-    precision: str
-    variant: str | None
-    backend: str
-    built_for: str
-    requirements: tuple[str, ...] = ()
-    origin: str = ""
-    damaged: str | None = None
-
-    @classmethod
-    def from_manifest(cls, manifest: Mapping[str, Any], source: str | Path, origin: str = "") -> Candidate:
-        m = manifest
-        return cls(name=m["name"], source=str(source), model=m["model"]["slug"], target=m["target"],
-                   precision=m["precision"], variant=m.get("variant"), backend=m["backend"],
-                   built_for=_built_for(m),
-                   requirements=tuple(m.get("runtime_requirements", ())), origin=origin,
-                   damaged=_damaged(m, Path(source)))
+    m = manifest
+    return Candidate(name=m["name"], source=str(source), model=m["model"]["slug"], target=m["target"],
+                     precision=m["precision"], variant=m.get("variant"), backend=m["backend"],
+                     built_for=_built_for(m), requirements=tuple(m.get("runtime_requirements", ())), origin=origin,
+                     damaged=_damaged(m, Path(source)))
 
 
 def _built_for(manifest: Mapping[str, Any]) -> str:
@@ -129,18 +69,6 @@ def _built_for(manifest: Mapping[str, Any]) -> str:
         return placement_of(manifest)
     except ManifestError:
         return ""
-
-
-@dataclass(frozen=True)
-class Placement:
-    """A candidate that can run here, on one provider/device, at one rung of :func:`preference`."""
-
-    candidate: Candidate
-    rung: str
-    device: str
-    """``device=`` for :func:`higgs_pack.load`: an EP name (ONNX Runtime) or an OpenVINO device."""
-    speed: tuple
-    why: str
 
 
 @dataclass
@@ -184,23 +112,6 @@ def preference() -> dict[str, str]:
         if ladder.setdefault(rung.name, rung) != rung:
             raise ValueError(f"two rungs named {rung.name!r} differ: {ladder[rung.name]} and {rung}")
     return {name: rung.means for name, rung in ladder.items()}
-
-
-def speed_key(c: Candidate, inv: Inventory, bench: Mapping[str, float]) -> tuple:
-    """Sort key on the cpu rung: measured frames/s first, then precision, then backend by CPU vendor."""
-    from higgs_pack.runtime.backends import registered
-
-    system = f"{c.target}-{c.precision}"
-    measured = bench.get(system)
-    backend = registered().get(c.backend)
-    backend_order = 0 if backend is not None and inv.cpu_vendor in backend.preferred_on_cpus else 1
-    return (0 if measured is not None else 1, -(measured or 0.0), PRECISION_SPEED.get(c.precision, 9),
-            backend_order)
-
-
-def speed_words(c: Candidate, bench: Mapping[str, float]) -> str:
-    measured = bench.get(f"{c.target}-{c.precision}")
-    return f"measured {measured:.0f} frames/s here" if measured is not None else f"{c.precision} speed class"
 
 
 def _damaged(manifest: Mapping[str, Any], root: Path) -> str | None:

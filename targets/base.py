@@ -1,10 +1,11 @@
-"""Target declarations and their registry.
+"""What a target is: :class:`Target`, :class:`Recipe`, :class:`Variant`.
 
 A :class:`Target` is data: where the bundle runs, what it needs installed, its
 precisions, and a table sub-part -> :class:`Recipe` (which exporter builds it and
 at which precision).  The build loop in :mod:`higgs_pack.targets.build` is
 generic; adding a target is adding one declaration (see
-:mod:`higgs_pack.targets.declarations`).
+:mod:`higgs_pack.targets.declarations`), checked when the registry
+(:mod:`higgs_pack.targets.registry`) takes it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from higgs_pack.exporters.catalog import get_exporter
 from higgs_pack.manifests.constants import (
     EXECUTION_PROVIDERS,
     FP32_ONLY,
@@ -244,60 +244,3 @@ def on_platform(requirements: tuple[str, ...], marker: str) -> tuple[str, ...]:
         else:
             out.append(f"{spec}; ({existing}) and {marker}" if existing else f"{spec}; {marker}")
     return tuple(out)
-
-
-_REGISTRY: dict[str, Target] = {}
-
-
-def register(target: Target) -> Target:
-    """Add a target to the registry after checking its declaration.
-
-    Checked: the name is new; every recipe's exporter writes the format of the target's
-    backend; every recipe and variant option is one its exporter takes, with the right
-    type; every sub-part's exporter builds every precision the target allows; a quantized
-    KV cache choice has a decoder exporter that takes ``kv_cache``.
-
-    Raises:
-        BuildPlanError: naming the target, sub-part and the bad value with the allowed ones.
-    """
-    if target.name in _REGISTRY:
-        raise BuildPlanError(f"target {target.name!r} is already registered")
-    backend = registered()[target.backend]
-    for part, recipe in target.recipes.items():
-        info = get_exporter(recipe.exporter)
-        if info.format != backend.format:
-            raise BuildPlanError(
-                f"target {target.name!r}: exporter {info.name!r} of {part} writes {info.format}, but the "
-                f"{backend.name} backend runs {backend.format}; choose an exporter that writes {backend.format}")
-        info.check_options(recipe.options, f"target {target.name!r}, {part} recipe")
-        for variant in target.variants:
-            info.check_options(variant.options.get(part, {}), f"target {target.name!r}, variant {variant.name!r}, {part}")
-        for precision in target.precisions:
-            eff = target.precision_for(part, precision)
-            if eff not in info.precisions:
-                raise BuildPlanError(
-                    f"target {target.name!r}: exporter {info.name!r} of {part} cannot build {eff} "
-                    f"(it builds {', '.join(info.precisions)})"
-                )
-    quantized = [kv for kv in target.kv_caches if kv != "float"]
-    decoder = get_exporter(target.recipes[SubPart.LLM_DECODER].exporter)
-    if quantized and "kv_cache" not in decoder.options:
-        raise BuildPlanError(f"target {target.name!r}: KV cache choice(s) {quantized} need a decoder exporter that "
-                             f"takes kv_cache; {decoder.name!r} does not")
-    _REGISTRY[target.name] = target
-    return target
-
-
-def targets() -> dict[str, Target]:
-    """All registered targets by name (declarations are imported on first use)."""
-    from higgs_pack.targets import declarations  # noqa: F401  (registers the targets)
-
-    return dict(_REGISTRY)
-
-
-def get_target(name: str) -> Target:
-    """Look up a target; unknown names raise :class:`BuildPlanError` listing the known ones."""
-    known = targets()
-    if name not in known:
-        raise BuildPlanError(unknown_choice("target", name, known, "--target / target="))
-    return known[name]

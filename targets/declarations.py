@@ -1,4 +1,5 @@
-"""The registered targets.  Adding a target = adding one ``register(Target(...))`` here.
+"""The built-in targets.  Adding a target = adding one ``builtin(Target(...))`` here (the registry,
+:mod:`higgs_pack.targets.registry`, checks each when it takes it).
 
 Sub-part tools per target follow DESIGN.md's table: ModelBuilder for the ONNX
 decoders, Olive for the other ONNX sub-parts, optimum-intel + NNCF and Olive's
@@ -9,7 +10,16 @@ from __future__ import annotations
 
 from higgs_pack.exporters.catalog import MODELBUILDER, OLIVE_ONNX, OLIVE_OPENVINO, OPTIMUM_OPENVINO
 from higgs_pack.manifests.constants import OPENVINO_REQUIREMENT, SubPart
-from higgs_pack.targets.base import Recipe, Target, Variant, register
+from higgs_pack.targets.base import Recipe, Target, Variant
+
+#: The targets :func:`~higgs_pack.targets.registry.targets` registers, in declaration order.
+BUILTIN: list[Target] = []
+
+
+def builtin(target: Target) -> Target:
+    """Declare ``target`` built in (:data:`BUILTIN`); the registry checks it when it takes it."""
+    BUILTIN.append(target)
+    return target
 
 
 def _onnx_recipes(ep: str, *, decoder: dict | None = None, heads: dict | None = None) -> dict[SubPart, Recipe]:
@@ -39,7 +49,7 @@ CPU_DECODER_INT4 = {"block_size": 128}
 #: int8 KV cache").
 CPU_KV_CACHES = ("float", "int8")
 
-CPU = register(
+CPU = builtin(
     Target(
         name="cpu",
         description="ONNX Runtime on the CPU execution provider (x86-64 and ARM64)",
@@ -57,7 +67,7 @@ CPU = register(
     )
 )
 
-CUDA = register(
+CUDA = builtin(
     Target(
         name="cuda",
         description="ONNX Runtime on the CUDA execution provider (NVIDIA GPUs)",
@@ -70,7 +80,7 @@ CUDA = register(
     )
 )
 
-DML = register(
+DML = builtin(
     Target(
         name="dml",
         description="ONNX Runtime on the DirectML execution provider (Windows GPUs)",
@@ -85,7 +95,7 @@ DML = register(
 
 #: Windows ML: the dml graphs (the provider row's ModelBuilder ``-e dml``) in a wheel that needs
 #: Windows ML's ONNX Runtime instead of onnxruntime-directml; which to pick: docs/windows.md.
-WINML = register(
+WINML = builtin(
     Target(
         name="winml",
         description="ONNX Runtime of Windows ML on its DirectML execution provider (Windows 11 24H2+ GPUs)",
@@ -141,7 +151,7 @@ OPENVINO_DECODER_INT4 = {"symmetric": True, "group_size": 64}
 #: frame): the decoder's INT4_SYM g64 (docs/measurements.md, "openvino: NNCF int4 audio heads").
 OPENVINO_HEADS_INT4 = {"symmetric": True, "group_size": 64}
 
-OPENVINO = register(
+OPENVINO = builtin(
     Target(
         name="openvino",
         description="Native OpenVINO IR for Intel CPUs, iGPUs and NPUs (NNCF weight compression)",

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from higgs_pack.manifests.constants import EXECUTION_PROVIDERS
-from higgs_pack.targets.base import ONNX_REQUIREMENT, targets
+from higgs_pack.targets.base import ONNX_REQUIREMENT
+from higgs_pack.targets.registry import targets
 
 #: Where the noxfile reads the table (beside this module, shipped as package data).
 SESSIONS_JSON = Path(__file__).with_name("sessions.json")

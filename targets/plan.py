@@ -15,7 +15,8 @@ from typing import Any
 from higgs_pack.exporters.catalog import ExporterInfo, get_exporter
 from higgs_pack.manifests.constants import SubPart
 from higgs_pack.manifests.errors import BuildPlanError
-from higgs_pack.targets.base import Target, Variant, get_target
+from higgs_pack.targets.base import Target, Variant
+from higgs_pack.targets.registry import get_target
 
 #: Bundle-name slug of the embedded tiny checkpoint (the default ``--model``).
 DEFAULT_MODEL_SLUG = "higgs-audio-v3-tiny"

@@ -30,8 +30,10 @@ from higgs_pack.manifests.constants import (
 )
 from higgs_pack.manifests.errors import BuildPlanError
 from higgs_pack.targets import base
-from higgs_pack.targets.base import Recipe, Target, get_target, register, targets
+from higgs_pack.targets import registry as registry_module
+from higgs_pack.targets.base import Recipe, Target
 from higgs_pack.targets.plan import make_plan
+from higgs_pack.targets.registry import get_target, register, targets
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,8 +50,8 @@ def onnx_recipes(ep: str) -> dict[SubPart, Recipe]:
 def registry(monkeypatch):
     """The target registry, restored after the test (declarations loaded first)."""
     targets()
-    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
-    return base._REGISTRY
+    monkeypatch.setattr(registry_module, "_REGISTRY", dict(registry_module._REGISTRY))
+    return registry_module._REGISTRY
 
 
 @pytest.fixture

@@ -207,8 +207,8 @@ def test_dml_wheel_carries_the_windows_marker(tmp_path: Path) -> None:
     ]
     assert "Operating System :: Microsoft :: Windows" in meta.get_all("Classifier")
 
-    from higgs_pack.targets.base import get_target
     from higgs_pack.targets.packaging.install_check import Results, check_metadata, read_wheel
+    from higgs_pack.targets.registry import get_target
 
     wheel = read_wheel(whl)
     assert (wheel.bundle_name, wheel.package) == ("hand-made-dml-fp32", "hand_made_dml_fp32")
@@ -224,8 +224,8 @@ def test_dml_wheel_carries_the_windows_marker(tmp_path: Path) -> None:
 def test_winml_wheel_needs_windows_ml_on_x64_windows_only(tmp_path: Path) -> None:
     """A winml wheel requires higgs-pack[winml], Windows ML's ONNX Runtime and GenAI builds, each
     on x64 Windows only (never the unrelated onnxruntime-winml)."""
-    from higgs_pack.targets.base import get_target
     from higgs_pack.targets.packaging.install_check import Results, check_metadata, read_wheel
+    from higgs_pack.targets.registry import get_target
 
     src = make_bundle(tmp_path / "winml", name="hand-made-winml-fp32", target="winml")
     manifest = read_manifest(src)

@@ -8,8 +8,9 @@ import pytest
 from higgs_pack.exporters.catalog import EXPORTERS
 from higgs_pack.manifests.constants import SubPart
 from higgs_pack.manifests.errors import BuildPlanError
-from higgs_pack.targets.base import Recipe, Target, get_target, register, targets
+from higgs_pack.targets.base import Recipe, Target
 from higgs_pack.targets.plan import make_plan
+from higgs_pack.targets.registry import get_target, register, targets
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,11 +81,11 @@ def test_planning_imports_nothing_heavy():
 @pytest.fixture
 def registry(monkeypatch):
     """The target registry, restored after the test."""
-    from higgs_pack.targets import base
+    from higgs_pack.targets import registry
 
     targets()
-    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
-    return base._REGISTRY
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    return registry._REGISTRY
 
 
 def _recipes(**decoder_options) -> dict[SubPart, Recipe]:

@@ -86,7 +86,7 @@ def output_names(manifest: dict[str, Any], kinds: tuple[str, ...]) -> dict[str, 
     for kind in kinds:
         if kind == "wheel":
             names[kind] = f"{dist_name(manifest['name'])}-{wheel_version(manifest)}-py3-none-any.whl"
-        elif kind == "hub":  # a folder: hub/<model-slug>/<bundle-name>/ (see targets/hub_layout.py)
+        elif kind == "hub":  # a folder: hub/<model-slug>/<bundle-name>/ (see hub_layout.py)
             names[kind] = f"hub/{manifest['model']['slug']}/{manifest['name']}"
         else:
             names[kind] = f"{manifest['name']}.{kind}"
@@ -162,7 +162,7 @@ def package_bundle(
         with _atomic_output(path) as tmp:
             WRITERS[kind](content, tmp, epoch)
         if kind == "hub":
-            from higgs_pack.targets.hub_layout import CARD_NAME, model_card
+            from higgs_pack.targets.packaging.hub_layout import CARD_NAME, model_card
 
             (path.parent / CARD_NAME).write_text(model_card(path.parent), encoding="utf-8")
         log.info("wrote %s (%d bytes) in %.1f s", path, path.stat().st_size, time.perf_counter() - start)
@@ -172,7 +172,7 @@ def package_bundle(
 
 #: Output kind -> writer ``(content, destination, epoch)``.
 def _write_hub(content: BundleContent, dest: Path, epoch: int) -> None:
-    from higgs_pack.targets.hub_layout import write_hub_bundle
+    from higgs_pack.targets.packaging.hub_layout import write_hub_bundle
 
     write_hub_bundle(content, dest, epoch)
 

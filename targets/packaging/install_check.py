@@ -373,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path, help="Keep the venv and outputs here (default: a temporary folder).")
     args = parser.parse_args(argv)
 
-    from higgs_pack.targets.base import get_target
+    from higgs_pack.targets.registry import get_target
 
     results = Results()
     try:

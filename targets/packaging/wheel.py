@@ -82,7 +82,7 @@ def _target_of(manifest: dict[str, Any], path: Path) -> Any:
     Raises:
         PackagingError: the bundle's target is not registered in this higgs-pack.
     """
-    from higgs_pack.targets.base import targets
+    from higgs_pack.targets.registry import targets
 
     known = targets()
     if manifest["target"] not in known:

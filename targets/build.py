@@ -147,6 +147,8 @@ def build(
             offer (before anything heavy runs).
         BundleError: ``out`` holds a bundle and ``force`` is False, or ``out`` is a
             non-empty directory that is not a bundle.
+        InputError: ``work_dir`` (or ``$HIGGS_PACK_WORK_DIR``) does not exist or cannot be
+            written (before the checkpoint is opened).
         CheckpointError: the checkpoint cannot be read.
         BuildError: not enough disk space (before anything heavy runs: the message names
             the folder, the space needed and free); an exporter failed, ran out of
@@ -154,17 +156,18 @@ def build(
     """
     from higgs_pack.exporters.checkpoint.reader import open_checkpoint
     from higgs_pack.exporters.process import TreeMemory
-    from higgs_pack.targets.workspace import FolderPeak, check_space, work_area, work_root
+    from higgs_pack.targets.workspace import FolderPeak, check_space, usable_work_root, work_area
 
     plan = make_plan(target, precision, variant, kv_cache)
     say = progress or (lambda msg: log.info(msg))
     out = bundle_path(plan, model, out, dist_dir)
     _check_out(out, force)
+    scratch_root = usable_work_root(work_dir)  # path problems before the checkpoint is opened or fetched
     say(plan.render())
     start = time.perf_counter()
     source = str(model) if model is not None else str(default_checkpoint())
     ckpt = open_checkpoint(source)
-    say(check_space(estimate_space(plan, ckpt), work_root(work_dir), out.absolute().parent))
+    say(check_space(estimate_space(plan, ckpt), scratch_root, out.absolute().parent))
     with (_staging(out) as stage, work_area(work_dir) as work, TreeMemory() as memory,
           FolderPeak(work, stage) as scratch):
         steps = _Steps(say, memory, work)

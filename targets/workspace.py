@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from higgs_pack.manifests.errors import BuildError
+from higgs_pack.manifests.errors import BuildError, InputError, Problem
 
 log = logging.getLogger(__name__)
 
@@ -71,16 +71,30 @@ def remove_dead_scratch(root: Path, prefix: str = WORK_PREFIX) -> list[Path]:
     return removed
 
 
+def usable_work_root(work_dir: str | Path | None = None) -> Path:
+    """:func:`work_root`, checked before a build starts work.
+
+    Raises:
+        InputError: the folder does not exist or cannot be written (problem field ``work_dir``).
+    """
+    root = work_root(work_dir)
+    if not root.is_dir() or not os.access(root, os.W_OK | os.X_OK):
+        state = "does not exist" if not root.exists() else "is not a folder" if not root.is_dir() else "cannot be written"
+        raise InputError(problems=[Problem(
+            "work_dir", str(root), allowed="an existing folder this process can write",
+            fix=f"it {state}; create it or pass another --work-dir (or ${WORK_DIR_ENV})")])
+    return root
+
+
 @contextmanager
 def work_area(work_dir: str | Path | None = None) -> Iterator[Path]:
     """A fresh scratch folder under :func:`work_root`, removed on exit (also after errors).
 
     Raises:
-        BuildError: the root does not exist or is not writable.
+        InputError: the root does not exist or is not writable (:func:`usable_work_root`).
+        BuildError: the scratch folder cannot be created in it.
     """
-    root = work_root(work_dir)
-    if not root.is_dir():
-        raise BuildError(f"scratch folder {root} does not exist; create it or pass another --work-dir")
+    root = usable_work_root(work_dir)
     remove_dead_scratch(root)
     try:
         path = Path(tempfile.mkdtemp(prefix=f"{WORK_PREFIX}{os.getpid()}-", dir=root))

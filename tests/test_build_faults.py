@@ -110,3 +110,22 @@ def test_a_sub_part_built_with_other_quantization_settings_is_refused(tmp_path, 
                                          rf"block_size=32, planned {declared}"):
         build_module.build("cpu", precision="int4", model=tiny_checkpoint, out=out, work_dir=work)
     assert not out.exists() and list(work.iterdir()) == [] and list(out.parent.iterdir()) == []
+
+
+def test_a_bad_work_dir_is_refused_before_the_checkpoint_is_opened(tmp_path, monkeypatch):
+    """Path problems are the caller's input (InputError naming the argument), found before any
+    work: the checkpoint (perhaps a download) is never opened."""
+    from higgs_pack.exporters.checkpoint import reader
+    from higgs_pack.manifests.errors import InputError
+    from higgs_pack.targets.build import build
+
+    def never(*args, **kwargs):
+        raise AssertionError("the checkpoint was opened")
+
+    monkeypatch.setattr(reader, "open_checkpoint", never)
+    (tmp_path / "file").write_text("")
+    for bad, state in ((tmp_path / "missing", "does not exist"), (tmp_path / "file", "is not a folder")):
+        with pytest.raises(InputError, match=rf"work_dir must be an existing folder .*{state}; .*--work-dir") as info:
+            build("cpu", model="org/never-fetched", out=tmp_path / "out", work_dir=bad)
+        assert [p.field for p in info.value.problems] == ["work_dir"]
+    assert not (tmp_path / "out").exists()

@@ -32,6 +32,7 @@ from higgs_pack.manifests.errors import (  # noqa: E402
     BuildError,
     BuildPlanError,
     CheckpointError,
+    InputError,
 )
 
 HIDDEN = 64
@@ -237,9 +238,11 @@ def test_modelbuilder_plan_errors(tiny_qwen3, tmp_path):
     busy = tmp_path / "busy" / "llm_decoder"
     busy.mkdir(parents=True)
     (busy / "old.onnx").write_bytes(b"")
-    with pytest.raises(BuildPlanError, match="overwrite=True"):
+    # Path problems are the caller's input, named by argument (issue 21: not plan errors).
+    with pytest.raises(InputError, match=r"out_dir must be an empty or new folder.*overwrite=True") as busy_error:
         build_llm_decoder(hf_dir, busy, precision="fp32", execution_provider="cpu", **common)
-    with pytest.raises(BuildPlanError, match="cache_dir"):
+    assert [p.field for p in busy_error.value.problems] == ["out_dir"]
+    with pytest.raises(InputError, match="cache_dir must be a folder outside the bundle"):
         build_llm_decoder(
             hf_dir,
             tmp_path / "c/llm_decoder",
@@ -509,7 +512,7 @@ def test_olive_plan_errors(audio_table, tmp_path):
     }
     with pytest.raises(BuildPlanError, match=r"Olive ONNX exporter.*'bf16'"):
         export_onnx(module, example, precision="bf16", **kwargs)
-    with pytest.raises(BuildPlanError, match="inside the bundle"):
+    with pytest.raises(InputError, match="work_dir must be a folder outside the bundle"):
         export_onnx(
             module, example, precision="fp32", **{**kwargs, "work_dir": tmp_path / "b" / "w"}
         )

@@ -33,6 +33,8 @@ from higgs_pack.manifests.errors import (
     BuildError,
     BuildPlanError,
     CheckpointError,
+    InputError,
+    Problem,
     unknown_choice,
 )
 
@@ -360,8 +362,10 @@ def build_llm_decoder(
         BuildPlanError: Unknown precision, execution provider or ``kv_cache``, a KV cache
             extra option (``kv_cache_quant_scheme``...: set ``kv_cache=``), a quantized
             KV cache for a provider other than cpu, a forbidden or malformed extra
-            option, a non-empty ``out_dir`` without ``overwrite``, or ``cache_dir``
-            inside the bundle.
+            option.
+        InputError: a path that cannot be used (a non-empty ``out_dir`` without
+            ``overwrite``, ``cache_dir`` inside the bundle), its problem naming the argument;
+            raised before anything is written.
         CheckpointError: ``hf_dir`` has no ``config.json``.
         BuildError: ModelBuilder or the calibration failed or timed out (the message ends
             with the tail of its log), or wrote no graph, or its external data points
@@ -479,16 +483,14 @@ def _check_request(hf_dir: Path, out_dir: Path, cache_dir: Path, bundle_dir: Pat
             "remapped Qwen3 checkpoint as hf_dir=."
         )
     if cache_dir.resolve().is_relative_to(bundle_dir.resolve()):
-        raise BuildPlanError(
-            f"cache_dir={cache_dir} is inside the bundle {bundle_dir}; ModelBuilder's scratch "
-            "files would be packaged. Pass a cache_dir= outside the bundle."
-        )
+        raise InputError(problems=[Problem(
+            "cache_dir", str(cache_dir), allowed=f"a folder outside the bundle {bundle_dir}",
+            fix="ModelBuilder's scratch files would be packaged")])
     if out_dir.exists() and any(out_dir.iterdir()):
         if not overwrite:
-            raise BuildPlanError(
-                f"out_dir={out_dir} is not empty; stale files would mix with the new build. "
-                "Empty it or pass overwrite=True."
-            )
+            raise InputError(problems=[Problem(
+                "out_dir", str(out_dir), allowed="an empty or new folder",
+                fix="stale files would mix with the new build; empty it or pass overwrite=True")])
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cache_dir.mkdir(parents=True, exist_ok=True)

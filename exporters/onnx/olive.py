@@ -49,7 +49,13 @@ from typing import TYPE_CHECKING, Any
 from higgs_pack.exporters.catalog import OLIVE_ONNX
 from higgs_pack.exporters.onnx import graphs
 from higgs_pack.exporters.result import ExportResult, installed_version, log_tail
-from higgs_pack.manifests.errors import BuildError, BuildPlanError, unknown_choice
+from higgs_pack.manifests.errors import (
+    BuildError,
+    BuildPlanError,
+    InputError,
+    Problem,
+    unknown_choice,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -269,9 +275,9 @@ def _check_request(name: str, input_names: list[str], output_names: list[str], e
             f"{name}: block_size={block_size} for {RTN_PASS}; it must be a power of two >= 16."
         )
     if work_dir.resolve().is_relative_to(bundle_dir.resolve()):
-        raise BuildPlanError(
-            f"work_dir={work_dir} is inside the bundle {bundle_dir}; pass a work_dir= outside it."
-        )
+        raise InputError(problems=[Problem(
+            "work_dir", str(work_dir), allowed=f"a folder outside the bundle {bundle_dir}",
+            fix="Olive's scratch files would be packaged")])
     return axes
 
 
@@ -424,7 +430,8 @@ def export_onnx(
 
     Raises:
         BuildPlanError: Unknown precision; names/examples/dynamic axes that do not
-            match; ``work_dir`` inside the bundle.
+            match.
+        InputError: ``work_dir`` inside the bundle (before anything is written).
         BuildError: An Olive pass failed (the message quotes the tail of Olive's
             log), or int4/int8 found no MatMul/Gather with constant weights to
             quantize.

@@ -1,4 +1,4 @@
-"""nox sessions: build-/verify-/package-<target>, tests, lint, bench, serve-bench.
+"""nox sessions: build-/verify-/package-<target>, tests, lint, docs, bench, serve-bench.
 
 Thin by design: every session calls the ``higgs-pack`` CLI, a module of the
 package or the benchmark (``bench/``, a folder of this checkout, not of the wheel: run from
@@ -174,6 +174,17 @@ def lint(session: nox.Session) -> None:
     ruff-formatted, and reformatting it would bury every other change."""
     build_env(session)
     session.run(_bin("ruff"), "check", ".", external=True)
+
+
+@nox.session(default=False)
+def docs(session: nox.Session) -> None:
+    """Build the documentation site (mkdocs-material, mkdocs.yml) into dist/site/ with
+    `mkdocs build --strict`: a broken link or anchor, or a page left out of the nav, fails it.
+    Its own venv holds only the [docs] extra (read from pyproject.toml), not higgs-pack."""
+    extras = nox.project.load_toml(ROOT / "pyproject.toml")["project"]["optional-dependencies"]
+    session.install(*extras["docs"])
+    session.run("mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"), *session.posargs,
+                env={"NO_MKDOCS_2_WARNING": "1"})  # no banner about MkDocs 2 in every CI log
 
 
 @nox.session(venv_backend="none", default=False)

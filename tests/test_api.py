@@ -1,4 +1,5 @@
-"""The one-import Python API (``import higgs_pack; higgs_pack.load(...)``) and the README's Python examples."""
+"""The one-import Python API (``import higgs_pack; higgs_pack.load(...)``) and the Python examples of the
+README and of the documentation's pages on using a bundle."""
 
 from __future__ import annotations
 
@@ -18,18 +19,18 @@ def python_blocks(markdown: str) -> list[str]:
     return [m.group(1) for m in re.finditer(r"^```python\n(.*?)^```", markdown, re.S | re.M)]
 
 
-def readme_until(heading: str) -> str:
-    """README.md up to the line ``heading`` (all of it when there is no such line)."""
-    text = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
-    return text.split(f"\n{heading}\n", 1)[0]
+def doc_text(page: str) -> str:
+    """A Markdown page of the repository (README.md, docs/...), as text."""
+    return (REPO_ROOT / page).read_text(encoding="utf-8")
 
 
-#: Where the README's examples that need a running server begin (tests/test_serve.py runs them).
-SERVING_HEADING = "## Serving: `higgs-pack serve`"
+#: The pages whose Python examples run in order, as one reader's session (the server's example
+#: is in docs/serving/index.md; tests/test_serve.py runs it).
+USING_PAGES = ("README.md", "docs/using/python.md", "docs/using/engine.md")
 
 
-def test_readme_python_examples_run(cpu_int4_bundle, tmp_path):
-    blocks = python_blocks(readme_until(SERVING_HEADING))
+def test_readme_and_docs_python_examples_run(cpu_int4_bundle, tmp_path):
+    blocks = [block for page in USING_PAGES for block in python_blocks(doc_text(page))]
     assert len(blocks) >= 2 and "import higgs_pack" in blocks[0]
     (tmp_path / "dist").mkdir()
     (tmp_path / "dist" / "higgs-audio-v3-tiny-cpu-int4").symlink_to(cpu_int4_bundle, target_is_directory=True)

@@ -83,16 +83,15 @@ def test_openai_client_whole_and_streamed_speech_agree(client, tmp_path):
     assert float(np.abs(streamed - samples).max()) <= 2 / 32768  # the same codes; codec windows round alike
 
 
-def test_the_readme_serving_example_writes_a_playable_file(server, tmp_path):
-    """The README's Python example of the Serving section, run as a reader pastes it, against
-    this server (its address in place of the README's)."""
+def test_the_docs_serving_example_writes_a_playable_file(server, tmp_path):
+    """The first Python example of the serving page (docs/serving/index.md), run as a reader pastes
+    it, against this server (its address in place of the page's)."""
     import subprocess
     import sys
 
-    from test_api import REPO_ROOT, SERVING_HEADING, python_blocks
+    from test_api import doc_text, python_blocks
 
-    text = (REPO_ROOT / "README.md").read_text(encoding="utf-8").split(f"\n{SERVING_HEADING}\n", 1)[1]
-    block = python_blocks(text.split("\n## ", 1)[0])[0]
+    block = python_blocks(doc_text("docs/serving/index.md"))[0]
     assert "http://127.0.0.1:8000/v1" in block
     script = block.replace("http://127.0.0.1:8000", server.url)
     out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)

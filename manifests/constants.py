@@ -60,7 +60,7 @@ class ModelBuilderSupport:
             back from the graph, this fills what the graph omits.
         no_packed_attention: precisions at which ModelBuilder 0.18's packed ``Attention``
             writes an invalid graph for this provider, so it is built with packed
-            attention off (see ``higgs_pack.exporters.modelbuilder``).
+            attention off (see ``higgs_pack.exporters.onnx.modelbuilder``).
         int4_float_base: precision of the float graph ModelBuilder's int4 build starts
             from for this provider (its I/O dtype: fp32 on cpu, fp16 on GPUs; read in
             builders/base.py, 0.18); higgs-pack writes it, then quantizes it node by node.

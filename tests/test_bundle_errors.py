@@ -273,6 +273,11 @@ _NOT_THEIR_KIND = {
     "golden": (lambda data: np.random.default_rng(0).bytes(4096),
                r"{rel} is not the golden outputs \(\.npz\): is not an \.npz archive"),
     "json": (lambda data: b"\xff" + data, r"{rel} is not a JSON file: is not UTF-8 JSON"),
+    # Weights of the right size but random bytes (issue 21's leftover: only parity caught them).
+    "onnx-data-random": (lambda data: np.random.default_rng(0).bytes(len(data)),
+                         r"\S+ is not an ONNX graph: its external data \S+: tensor \S+ at byte \d+ holds NaN values"),
+    "ir-bin-random": (lambda data: np.random.default_rng(0).bytes(len(data)),
+                      r"\S+ is not an OpenVINO IR \.xml: its weights \S+: tensor .+ at byte \d+ holds NaN values"),
 }
 
 
@@ -312,6 +317,16 @@ def test_onnx_bundle_file_that_is_not_its_kind(bundle_copy, kind):
     kinds = _kinds(bundle_copy)
     assert set(kinds) == {"onnx", "onnx-data", "tokenizer", "golden", "json"}  # every kind an ONNX bundle holds
     _refused_by_load_and_verify(bundle_copy, kinds[kind], kind)
+
+
+def test_onnx_weights_of_random_bytes_are_refused_by_load_and_verify(bundle_copy):
+    _refused_by_load_and_verify(bundle_copy, _kinds(bundle_copy)["onnx-data"], "onnx-data-random")
+
+
+@pytest.mark.slow
+def test_openvino_weights_of_random_bytes_are_refused_by_load_and_verify(ov_int4_bundle, tmp_path):
+    bundle = Path(shutil.copytree(ov_int4_bundle, tmp_path / ov_int4_bundle.name))
+    _refused_by_load_and_verify(bundle, _kinds(bundle)["ir-bin"], "ir-bin-random")
 
 
 def test_every_onnx_graph_and_json_file_is_checked(bundle_copy):

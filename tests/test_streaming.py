@@ -195,7 +195,7 @@ def test_cpu_stream_across_sentences_has_no_gap_or_click(cpu_pipeline, check_str
 
 
 def test_stream_refuses_bad_requests_before_generating(cpu_pipeline):
-    with pytest.raises(InputError, match="empty"):
+    with pytest.raises(InputError, match="only whitespace: there is nothing to speak"):
         stream(cpu_pipeline, "   ")
     # Refused when stream() is called, not when the first chunk is asked for.
     with pytest.raises(InputError, match=r"special token\(s\) <\|im_start\|>"):

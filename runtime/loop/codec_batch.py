@@ -139,7 +139,7 @@ def batch_support(runner: Any) -> tuple[bool, str]:
 
     A static-shape runner (``OvStaticSubPart``: an ``in_shape`` with batch 1, the NPU variant)
     takes one row; the exported ONNX and OpenVINO IR codecs have a symbolic batch axis
-    (``audio_codes`` [batch, N, frames], ``exporters/torch_modules.py`` ``DYNAMIC_AXES``).
+    (``audio_codes`` [batch, N, frames], ``exporters/pytorch/modules.py`` ``DYNAMIC_AXES``).
 
     Returns:
         ``(batched, reason)``; reason is "" when batched.

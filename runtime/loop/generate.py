@@ -641,7 +641,7 @@ def _too_long(needed: int, limit: int, sentence: str, max_frames: int | None) ->
     """The problem of one sentence whose prompt and frames do not fit the context: the frame cap's
     when the request set one (lowering it is a fix), else the text's."""
     what = (f"one sentence needs {needed} positions (its prompt and audio frames), more than the decoder's "
-            f"context of {limit}: split it with punctuation (it starts {sentence[:60]!r})")
+            f"context of {limit} (the sentence starts {sentence[:60]!r}): split it with punctuation")
     what = what.replace("{", "{{").replace("}", "}}")
     if max_frames is None:
         return Problem("text", None, message=what)

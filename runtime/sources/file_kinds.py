@@ -9,8 +9,10 @@ manifest lists:
 - its size and sha256 (:func:`higgs_pack.manifests.manifest.check_files`);
 - its kind, from the manifest's role for it: an ONNX graph parses as a ModelProto with
   nodes (read without external data); ONNX external data covers every offset and length
-  its graph's tensors name (raw bytes have nothing else to check); an OpenVINO IR ``.xml``
-  is a ``<net>`` with layers, and its ``.bin`` covers every constant's offset and size; the
+  its graph's tensors name, and a sample of its floating-point tensors holds no NaN
+  (:func:`float_samples_problem`: random bytes of the right size give NaN there); an
+  OpenVINO IR ``.xml`` is a ``<net>`` with layers, and its ``.bin`` covers every constant's
+  offset and size, with the same float sample; the
   tokenizer opens with ``tokenizers.Tokenizer.from_file``; the golden outputs are an
   ``.npz`` of ``.npy`` arrays with readable headers and no object dtype; every other
   ``.json`` is UTF-8 JSON.
@@ -35,6 +37,45 @@ from higgs_pack.manifests.manifest import check_files
 
 #: Bytes read to prove a file can be read.
 _PROBE = 1
+#: Floating-point tensors sampled per weights file, and bytes read from each (the check reads at
+#: most 8 x 64 KiB per file: a load never reads the weights themselves).
+FLOAT_SAMPLES, FLOAT_SAMPLE_BYTES = 8, 64 * 1024
+#: ONNX TensorProto data types (onnx.TensorProto: FLOAT 1, FLOAT16 10, DOUBLE 11) and OpenVINO IR
+#: element types -> numpy dtype, for the float sample.  bfloat16 has no numpy dtype: not sampled.
+_ONNX_FLOATS = {1: np.float32, 10: np.float16, 11: np.float64}
+_IR_FLOATS = {"f32": np.float32, "f16": np.float16, "f64": np.float64}
+
+
+def float_samples_problem(data: Path, tensors: list[tuple[str, Any, int, int]]) -> str | None:
+    """Read up to :data:`FLOAT_SAMPLES` of ``tensors`` (spread over the list) from the weights file
+    ``data``, at most :data:`FLOAT_SAMPLE_BYTES` each, and say which holds a NaN.
+
+    Trained weights, scales and norms hold no NaN (an infinity may be a mask constant, so only
+    NaN is judged); bytes that are not weights (a broken writer, a file swapped for random bytes
+    and re-hashed) do: in 16,384 random float32 values one is NaN with probability about
+    1 - (255/256)^16384, 1 - 1e-28 (fp16: 1/32 of the values).  Tensors under 1 KiB are not
+    sampled (constants, not weights).
+
+    Args:
+        data: the weights file (ONNX external data or an IR ``.bin``).
+        tensors: ``(name, numpy dtype, offset, length in bytes)`` of its float tensors.
+
+    Returns:
+        ``"tensor NAME at byte OFFSET holds NaN values (not weights)"`` for the first bad one, else None.
+    """
+    tensors = [t for t in tensors if t[3] >= 1024]
+    if not tensors:
+        return None
+    step = max(1, len(tensors) // FLOAT_SAMPLES)
+    with open(data, "rb") as f:
+        for name, dtype, offset, length in tensors[::step][:FLOAT_SAMPLES]:
+            size = np.dtype(dtype).itemsize
+            count = min(length, FLOAT_SAMPLE_BYTES) // size
+            f.seek(offset)
+            values = np.frombuffer(f.read(count * size), dtype=dtype)
+            if np.isnan(values).any():
+                return f"tensor {name} at byte {offset} holds NaN values (not weights)"
+    return None
 
 
 def unreadable_files(bundle: Path, manifest: dict[str, Any]) -> dict[str, str]:
@@ -117,7 +158,31 @@ def _onnx_extents(path: Path) -> dict[str, tuple[str, int]]:
         raise ValueError(f"does not parse as an ONNX model ({type(exc).__name__}: {last_line(exc)})") from None
     if not model.graph.node or not model.opset_import:
         raise ValueError("parses, but as an ONNX model with no graph nodes or no opset")
-    return external_data_entries(model)
+    entries = external_data_entries(model)
+    _sample_onnx_floats(path, model, entries)
+    return entries
+
+
+def _sample_onnx_floats(path: Path, model: Any, entries: dict[str, tuple[str, int]]) -> None:
+    """:func:`float_samples_problem` on each external-data file of ``model`` that covers its tensors.
+
+    Raises:
+        ValueError: a sampled float tensor holds NaN.
+    """
+    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+
+    floats: dict[str, list[tuple[str, Any, int, int]]] = {}
+    for tensor in _get_all_tensors(model):
+        if uses_external_data(tensor) and tensor.data_type in _ONNX_FLOATS:
+            info = {e.key: e.value for e in tensor.external_data}
+            floats.setdefault(info.get("location", ""), []).append(
+                (tensor.name, _ONNX_FLOATS[tensor.data_type], int(info.get("offset", 0)), int(info.get("length", 0))))
+    for location, tensors in floats.items():
+        data = path.parent / location
+        if location and data.is_file() and data.stat().st_size >= entries[location][1]:
+            problem = float_samples_problem(data, tensors)
+            if problem:
+                raise ValueError(f"its external data {location}: {problem}")
 
 
 def _ir_extents(xml: Path) -> dict[str, tuple[str, int]]:
@@ -136,13 +201,25 @@ def _ir_extents(xml: Path) -> dict[str, tuple[str, int]]:
     if root.tag != "net" or layers is None or not len(layers):
         raise ValueError(f"is XML but not an OpenVINO IR (root <{root.tag}>, expected <net> with <layers>)")
     end = 0
-    for data in root.iterfind("layers/layer[@type='Const']/data"):
+    floats: list[tuple[str, Any, int, int]] = []
+    for layer in root.iterfind("layers/layer[@type='Const']"):
+        data = layer.find("data")
+        if data is None:
+            continue
         try:
-            end = max(end, int(data.get("offset", 0)) + int(data.get("size", 0)))
+            offset, size = int(data.get("offset", 0)), int(data.get("size", 0))
         except ValueError:
             raise ValueError(f"has a Const layer with offset {data.get('offset')!r}, size {data.get('size')!r}") \
                 from None
-    return {xml.with_suffix(".bin").name: ("", end)}
+        end = max(end, offset + size)
+        if data.get("element_type") in _IR_FLOATS:
+            floats.append((layer.get("name", "?"), _IR_FLOATS[data.get("element_type")], offset, size))
+    binary = xml.with_suffix(".bin")
+    if binary.is_file() and binary.stat().st_size >= end:
+        problem = float_samples_problem(binary, floats)
+        if problem:
+            raise ValueError(f"its weights {binary.name}: {problem}")
+    return {binary.name: ("", end)}
 
 
 def _check_golden(path: Path) -> None:

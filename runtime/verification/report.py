@@ -94,7 +94,7 @@ def subpart_errors(pipeline: Pipeline, golden: dict[str, np.ndarray], part: str,
 
     Golden keys are ``<part>/in/<tensor>``, ``<part>/out/<tensor>`` (the float oracle)
     and, for sub-parts whose weights were quantized or cast, ``<part>/matched/<tensor>``
-    (the oracle with the bundle's own weights, see ``exporters/matched.py``).  The
+    (the oracle with the bundle's own weights, see ``exporters/pytorch/matched.py``).  The
     decoder has a prefill (``inputs_embeds`` -> ``hidden_states``) and one cached step
     (``step_embeds`` -> ``step_hidden_states``); every score is the worse of its outputs.
 

@@ -232,7 +232,7 @@ class OrtDecoder:
       ``inputs_embeds`` and ``hidden_states`` are preallocated too. On cuda the KV
       buffers live on the device.
     * copies (MultiHeadAttention graphs with ``position_ids``: ModelBuilder's dml and
-      fp32 cuda, see ``exporters/modelbuilder.py`` NO_PACKED_ATTENTION): present
+      fp32 cuda, see ``exporters/onnx/modelbuilder.py`` NO_PACKED_ATTENTION): present
       tensors [1, kv_heads, past+S, head_dim] are fed back as OrtValues.
 
     Args:

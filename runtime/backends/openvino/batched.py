@@ -24,7 +24,7 @@ of an unchanged state is usually exact but can move a later hidden state by ~1 %
 max; one u8 code flips when the plugin quantizes the dequantized values again); with an
 f16/f32 cache it is exact.  Why this design: the alternatives (running a joining prompt
 inside the batched infer with the other rows masked, a stateless decoder with explicit KV,
-OpenVINO GenAI's continuous batching) are compared in ``ARCHITECTURE.md``.
+OpenVINO GenAI's continuous batching) are compared in ``docs/architecture.md``.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from higgs_pack.runtime.backends.openvino.devices import META_DEVICES, check_dev
 from higgs_pack.runtime.loop.pipeline import check_decoder_room, check_io_signature
 from higgs_pack.runtime.machine.mapped_pages import PageOutResult, paging_out
 
-#: Inputs the stateful decoder IR (optimum-intel, see ``exporters/openvino_decoder.py``) may declare.
+#: Inputs the stateful decoder IR (optimum-intel, see ``exporters/openvino/decoder.py``) may declare.
 DECODER_INPUTS: tuple[str, ...] = ("inputs_embeds", "attention_mask", "position_ids", "beam_idx")
 
 #: Name of the decoder IR's output.

@@ -1,7 +1,7 @@
-"""``python -m bench``: :func:`bench.cli.main`."""
+"""``python -m bench``: :func:`bench.run.main`."""
 
 import sys
 
-from bench.cli import main
+from bench.run import main
 
 sys.exit(main())

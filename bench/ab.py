@@ -1,29 +1,14 @@
-"""Decoder settings measured side by side on this machine (A/B):
-``python -m bench.ab {ort-int4,ort-kv-cache,ov-properties} [--preset tiny|bench|full] [--contexts N ...]
-[--steps N] [--repeats N] [--out FILE] [--work DIR]``.
+"""Decoder settings side by side on this machine: ``python -m bench.ab {ort-int4,ort-kv-cache,
+ov-properties}``.  Each variant's ``llm_decoder`` is exported the way a build does, opened bare,
+prefilled with one random prompt, then timed in rounds with the variants interleaved (order
+rotated, so load on a shared machine hits all alike) and its hidden states compared with a
+reference's; every row names the CPU, its ISA and the load (rankings change with VNNI and AMX).
+Printed as Markdown (docs/measurements.md), written as JSON with ``--out``.
 
-Every sub-command exports the ``llm_decoder`` once per variant the way ``higgs-pack build`` does
-(:func:`export_variants`: the target's recipe with a build variant's options laid over it, each
-export in a child process), opens the decoders bare (no heads, embed or sampling), prefills one
-random prompt of ``context`` positions into each, then times ``repeats`` rounds of ``steps``
-one-position steps with the variants interleaved, the order rotated every round, so load on a
-shared machine hits all of them alike (:func:`time_interleaved`: best and median ms per step),
-and compares each variant's hidden states with a reference's (cosine and relative L2, worst step
-of the first round).  Every row carries the CPU model, its ISA and the load averages before and
-after: rankings change with VNNI and AMX.  The report is printed as a Markdown table
-(docs/measurements.md holds the tables that chose today's defaults) and written as JSON with
-``--out``; the decoders go to ``--work`` (kept and reused) or a scratch folder removed at the end.
-
-* ``ort-int4``: ModelBuilder int4 ``block_size`` x ``accuracy_level`` of the cpu decoder, against
-  the fp32 decoder (opened as ``--low-memory`` opens it: weights read in place, paged out after
-  every step, so the full preset's 14.5 GB reference does not sit beside the variants);
-* ``ort-kv-cache``: the cpu decoder's float and int8 KV cache at each precision, against the
-  float one, with the first-code agreement of the audio heads over every timed step and a
-  teacher-forced TTS-shaped sequence (a case prompt, then ``--frames`` audio frames);
-* ``ov-properties``: OpenVINO CPU compile properties (KV cache precision, performance hint,
-  inference precision, shared inference I/O) on the default int4 IR and NNCF INT4 SYM/ASYM x
-  group 64/128, against the fp32 IR with f32 inference and KV cache; KV settings also against the
-  same IR's f32 cache (``*_vs_kv_f32``), with the precisions the plugin compiled (``compiled``).
+* ``ort-int4``: ModelBuilder int4 ``block_size`` x ``accuracy_level`` against the fp32 decoder;
+* ``ort-kv-cache``: float and int8 KV caches, with code agreement and a teacher-forced sequence;
+* ``ov-properties``: OpenVINO CPU compile properties and NNCF INT4 SYM/ASYM x group 64/128, against
+  the fp32 IR (KV settings also against the same IR's f32 cache, ``*_vs_kv_f32``).
 """
 
 from __future__ import annotations
@@ -32,7 +17,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -44,22 +28,14 @@ from typing import Any
 
 import numpy as np
 
-from higgs_pack.manifests.constants import SubPart
+from bench.systems import loadavg
+from higgs_pack.manifests.model import SubPart
 
 #: The variant every other one's hidden states are compared with: the target's fp32 decoder.
 REFERENCE = "fp32"
 
 
-def load_average() -> list[float]:
-    """The 1, 5 and 15 minute load averages (empty where the OS has none)."""
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return []
-
-
 def machine_record() -> dict[str, Any]:
-    """``{"cpu": one line, "model", "isa", "logical_cpus"}`` of this machine."""
     from higgs_pack.runtime.machine.cpu import cpu_info
 
     cpu = cpu_info()
@@ -68,8 +44,7 @@ def machine_record() -> dict[str, Any]:
 
 @contextlib.contextmanager
 def work_folder(work: Path | None, prefix: str) -> Iterator[Path]:
-    """``work`` (created, kept: its exports are reused by later runs) or a scratch folder
-    ``<tmp>/<prefix>...`` removed when the block ends, whatever happened."""
+    """``work`` (kept: later runs reuse its exports) or a scratch folder removed at the end."""
     path = Path(work) if work is not None else Path(tempfile.mkdtemp(prefix=prefix))
     path.mkdir(parents=True, exist_ok=True)
     try:
@@ -81,18 +56,9 @@ def work_folder(work: Path | None, prefix: str) -> Iterator[Path]:
 
 def export_variants(target_name: str, checkpoint: Path, work: Path, variants: Mapping[str, Mapping[str, Any]],
                     names: list[str], *, precision: str = "int4") -> dict[str, dict[str, Any]]:
-    """The ``llm_decoder`` of ``target_name`` exported once per name of ``names`` (a key of
-    ``variants``, whose options are laid over the recipe at ``precision``, or :data:`REFERENCE`)
-    into ``work/<name>/``; a name with a ``work/<name>/done.json`` is reused.
-
-    Returns:
-        name -> ``{"path" (graph entry), "weights_mb" (external data or .bin), "quantization"
-        (what the exporter recorded), "export_s", "export_peak_rss_mb"}``.
-
-    Raises:
-        KeyError: an unknown name.
-        HiggsPackError: an export failed.
-    """
+    """The ``llm_decoder`` of a target exported once per name (a key of ``variants``, laid over the recipe
+    at ``precision``, or :data:`REFERENCE`), each in a child process, reused where ``work/<name>/done.json`` is:
+    name -> ``{path, weights_mb, quantization, export_s, export_peak_rss_mb}``."""
     from higgs_pack.exporters.process import run_step
     from higgs_pack.targets.base import Variant
     from higgs_pack.targets.plan import make_plan
@@ -141,19 +107,10 @@ def export_variants(target_name: str, checkpoint: Path, work: Path, variants: Ma
 def time_interleaved(decoders: Mapping[str, Any], *, hidden: int, context: int, steps: int, repeats: int,
                      seed: int = 0, reference: str = REFERENCE,
                      also_against: str | None = None) -> dict[str, dict[str, Any]]:
-    """Time every decoder's one-position step at one context, interleaved (see the module).
-
-    Args:
-        decoders: name -> an object with ``forward(inputs_embeds) -> hidden_states`` (float32
-            [1, S, hidden]) and room for ``context + repeats * steps`` positions, empty.
-        reference: the name whose hidden states are the parity reference (absent: no parity).
-        also_against: a second reference: adds ``cosine_vs_<name>`` and ``rel_l2_vs_<name>``.
-
-    Returns:
-        name -> ``{"context", "prefill_ms", "rounds_ms" (ms per step, one per round),
-        "step_ms_best", "step_ms_median"}`` and, against each reference present, ``cosine``
-        (worst step) and ``rel_l2`` (worst step) over the first round.
-    """
+    """Every decoder (``forward(float32 [1, S, H])``) prefilled with one random prompt, then ``repeats``
+    rounds of ``steps`` steps, the order rotated each round: ``context``, ``prefill_ms``, ``rounds_ms``,
+    ``step_ms_best``, ``step_ms_median`` and, against ``reference`` (and ``also_against``: ``*_vs_<name>``),
+    the worst step's ``cosine`` and ``rel_l2`` over the first round."""
     from higgs_pack.runtime.verification.report import compare, rel_l2
 
     rng = np.random.default_rng(seed)
@@ -185,14 +142,12 @@ def time_interleaved(decoders: Mapping[str, Any], *, hidden: int, context: int, 
 
 
 def measured(machine: Mapping[str, Any], before: list[float], timed: Mapping[str, Any]) -> dict[str, Any]:
-    """A result row's timing (``timed``) with the CPU model, its ISA flags, VNNI and the load
-    averages before and now."""
+    """A result row: the timing, the CPU model, its ISA flags, VNNI, the load averages before and after."""
     return {**timed, "cpu": machine["model"], "isa": machine["isa"]["flags"], "vnni": machine["isa"]["vnni"],
-            "load_before": before, "load_after": load_average()}
+            "load_before": before, "load_after": loadavg()}
 
 
 def markdown(headers: list[str], rows: list[list[Any]]) -> str:
-    """A Markdown table (the form of docs/measurements.md)."""
     def line(cells: list[Any]) -> str:
         return "| " + " | ".join("-" if c is None else str(c) for c in cells) + " |"
 
@@ -200,7 +155,6 @@ def markdown(headers: list[str], rows: list[list[Any]]) -> str:
 
 
 def timing_cells(row: Mapping[str, Any], weights_mb: float) -> list[Any]:
-    """Context, best / median ms, cosine, rel_l2, weight MB and load of one result row."""
     return [row["context"], f"{row['step_ms_best']:.2f} / {row['step_ms_median']:.2f}", row.get("cosine"),
             row.get("rel_l2"), weights_mb, f"{(row['load_before'] or ['?'])[0]} -> {(row['load_after'] or ['?'])[0]}"]
 
@@ -209,8 +163,7 @@ TIMING_HEADERS = ["ctx", "best / median ms", "cosine", "rel_l2", "MB", "load"]
 
 
 def open_ort(path: str, config: Mapping[str, Any], max_length: int, *, lean: bool = False) -> Any:
-    """An :class:`~higgs_pack.runtime.backends.onnxruntime.runners.OrtDecoder` on the CPU provider
-    with the runtime's session options; ``lean``: opened as ``--low-memory`` opens a float decoder."""
+    """An OrtDecoder on the CPU provider; ``lean``: opened as ``--low-memory`` opens a float decoder."""
     from higgs_pack.runtime.backends.onnxruntime.runners import OrtDecoder
     from higgs_pack.runtime.backends.onnxruntime.sessions import create_session
 
@@ -230,10 +183,9 @@ ORT_INT4_VARIANTS: dict[str, dict[str, Any]] = {
 
 
 def default_int4_variant() -> str:
-    """The :data:`ORT_INT4_VARIANTS` name a cpu int4 build uses today (the target's decoder
-    ``extra_options`` over ModelBuilder's defaults and the cpu provider row's accuracy_level)."""
+    """The :data:`ORT_INT4_VARIANTS` name a cpu int4 build uses today."""
     from higgs_pack.exporters.onnx.modelbuilder import INT4_DEFAULTS
-    from higgs_pack.manifests.constants import EXECUTION_PROVIDERS
+    from higgs_pack.manifests.providers import EXECUTION_PROVIDERS
     from higgs_pack.targets.plan import make_plan
 
     row = next(r for r in make_plan("cpu", "int4").rows if r.subpart == SubPart.LLM_DECODER)
@@ -244,8 +196,7 @@ def default_int4_variant() -> str:
 
 
 def ort_int4(args: argparse.Namespace, folder: Path, checkpoint: Path, machine: dict[str, Any]) -> dict[str, Any]:
-    """The ``ort-int4`` report: ``default``, ``weights`` (export facts per name) and one result
-    per variant and context (``variant``, ``block_size``, ``accuracy_level`` and the timing)."""
+    """``ort-int4``: ``default``, ``weights`` and a result per variant and context."""
     config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))["text_config"]
     chosen = args.variants + ([] if args.no_reference else [REFERENCE])
     exported = export_variants("cpu", checkpoint, folder, ORT_INT4_VARIANTS, chosen)
@@ -253,7 +204,7 @@ def ort_int4(args: argparse.Namespace, folder: Path, checkpoint: Path, machine: 
     for context in args.contexts:
         length = context + args.repeats * args.steps + 1
         decoders = {n: open_ort(exported[n]["path"], config, length, lean=n == REFERENCE) for n in chosen}
-        before = load_average()
+        before = loadavg()
         timed = time_interleaved(decoders, hidden=int(config["hidden_size"]), context=context, steps=args.steps,
                                  repeats=args.repeats, seed=args.seed)
         del decoders
@@ -280,7 +231,7 @@ LOOP_TEXT = "The quick brown fox jumps over the lazy dog. Packaging models for e
 
 
 class Recording:
-    """A decoder whose one-position outputs are kept (float32 [1, 1, H] each, in call order)."""
+    """A decoder keeping its one-position outputs."""
 
     def __init__(self, decoder: Any) -> None:
         self.decoder, self.steps = decoder, []
@@ -293,9 +244,8 @@ class Recording:
 
 
 def heads_table(checkpoint: Path) -> tuple[np.ndarray, np.ndarray, dict[str, int], Any, int]:
-    """``(W, text table, special token ids, tokenizer, N)``: ``W`` float32 [N * V, H] the audio
-    heads' weight (the separate head, else the tied fused audio embedding), the text embedding
-    float32 [vocab, H], the special-token ids by role, a ``tokenizers.Tokenizer``, N codebooks."""
+    """``(W, text table, special ids, tokenizer, N)``: the audio heads' weight float32 [N * V, H] (the
+    tied fused embedding without a separate head), the text embedding, N codebooks."""
     from tokenizers import Tokenizer
 
     from higgs_pack.exporters.checkpoint.layout import (
@@ -315,14 +265,13 @@ def heads_table(checkpoint: Path) -> tuple[np.ndarray, np.ndarray, dict[str, int
 
 
 def codes_of(hidden: np.ndarray, w: np.ndarray, codebooks: int) -> np.ndarray:
-    """int64 [N]: each codebook's argmax of the heads' logits at the last position of ``hidden``."""
+    """Each codebook's greedy code at the last position of ``hidden``."""
     return (hidden.reshape(-1, hidden.shape[-1])[-1] @ w.T).reshape(codebooks, -1).argmax(axis=1)
 
 
 def code_agreement(reference: list[np.ndarray], got: list[np.ndarray], w: np.ndarray, codebooks: int
                    ) -> dict[str, float]:
-    """Fraction of positions whose codebook-0 argmax (``first_code``) and all argmaxes
-    (``all_codes``) equal the reference's."""
+    """Shares of positions whose first code (``first_code``) and all codes (``all_codes``) agree."""
     pairs = [(codes_of(a, w, codebooks), codes_of(b, w, codebooks)) for a, b in zip(reference, got, strict=True)]
     return {"first_code": round(float(np.mean([a[0] == b[0] for a, b in pairs])), 4),
             "all_codes": round(float(np.mean([(a == b).all() for a, b in pairs])), 4)}
@@ -330,10 +279,8 @@ def code_agreement(reference: list[np.ndarray], got: list[np.ndarray], w: np.nda
 
 def teacher_forced(decoders: dict[str, Any], reference: str, prompt: np.ndarray, w: np.ndarray, codebooks: int,
                    frames: int) -> dict[str, dict[str, Any]]:
-    """``prompt`` then ``frames`` positions through every decoder, each position the audio
-    embedding (sum over codebooks of ``W[c * V + code]``) of the reference's greedy codes at the
-    previous one; per name ``positions``, ``rel_l2_max``, ``rel_l2_median``, ``cosine_min``
-    and :func:`code_agreement` against ``reference``."""
+    """``prompt`` then ``frames`` positions fed the reference's greedy codes' audio embedding:
+    per decoder the error against the reference and the code agreement."""
     from higgs_pack.runtime.verification.report import compare, rel_l2
 
     vocab = w.shape[0] // codebooks
@@ -355,9 +302,7 @@ def teacher_forced(decoders: dict[str, Any], reference: str, prompt: np.ndarray,
 
 
 def ort_kv_cache(args: argparse.Namespace, folder: Path, checkpoint: Path, machine: dict[str, Any]) -> dict[str, Any]:
-    """The ``ort-kv-cache`` report: ``decoders`` (export facts and KV bytes per position), one
-    result per decoder and context (timing, parity and code agreement) and ``loop`` (the
-    teacher-forced sequence, :func:`teacher_forced`)."""
+    """``ort-kv-cache``: ``decoders``, a result per decoder and context, the teacher-forced ``loop``."""
     config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))["text_config"]
     w, text_table, special, tokenizer, codebooks = heads_table(checkpoint)
     ids = [special["tts"], special["text"], *tokenizer.encode(LOOP_TEXT, add_special_tokens=False).ids, special["audio"]]
@@ -377,7 +322,7 @@ def ort_kv_cache(args: argparse.Namespace, folder: Path, checkpoint: Path, machi
         for context in args.contexts:
             length = context + args.repeats * args.steps + 1
             opened = {n: Recording(open_ort(exported[n]["path"], config, length)) for n in names}
-            before = load_average()
+            before = loadavg()
             timed = time_interleaved(opened, hidden=int(config["hidden_size"]), context=context, steps=args.steps,
                                      repeats=args.repeats, seed=args.seed, reference=reference)
             for name in names:
@@ -426,9 +371,7 @@ OV_DEFAULT_WEIGHTS = "int4_sym_g64"
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-    """One OpenVINO decoder configuration: its name, its IR (a :data:`OV_WEIGHT_VARIANTS` name or
-    :data:`REFERENCE`), CPU compile properties, ``share_inputs``/``share_outputs``, and what it
-    changes from the runtime's default."""
+    """One OpenVINO decoder configuration: IR, CPU compile properties, shared I/O, what it varies."""
 
     name: str
     weights: str
@@ -438,7 +381,7 @@ class Setting:
 
 
 def ov_settings() -> list[Setting]:
-    """Every configuration measured: the runtime's default first, one change per setting."""
+    """Every configuration measured: the runtime's default first, then one change each."""
     from higgs_pack.runtime.backends.openvino.devices import (
         decoder_compile_properties,
         precision_config,
@@ -466,7 +409,7 @@ def ov_settings() -> list[Setting]:
 
 
 def read_back(compiled: Any) -> dict[str, str]:
-    """The :data:`READ_BACK` properties of a compiled model as OpenVINO names them (``u8``…)."""
+    """The compiled model's :data:`READ_BACK` properties."""
     out = {}
     for name in READ_BACK:
         try:
@@ -478,9 +421,7 @@ def read_back(compiled: Any) -> dict[str, str]:
 
 
 def ov_properties(args: argparse.Namespace, folder: Path, checkpoint: Path, machine: dict[str, Any]) -> dict[str, Any]:
-    """The ``ov-properties`` report: ``weights`` (export facts per IR) and one result per setting
-    and context (``setting``, ``weights``, ``properties``, ``share``, ``varies``, ``compiled`` and
-    the timing, with parity against :data:`REFERENCE` and :data:`KV_REFERENCE`)."""
+    """``ov-properties``: ``weights`` and a result per setting and context."""
     import openvino as ov
 
     from higgs_pack.runtime.backends.openvino.runners import OvStatefulDecoder
@@ -498,7 +439,7 @@ def ov_properties(args: argparse.Namespace, folder: Path, checkpoint: Path, mach
         decoders = {s.name: OvStatefulDecoder(core, irs[s.weights]["path"], "CPU", None, s.properties,
                                               max_length=length, share_inputs=s.share, share_outputs=s.share)
                     for s in chosen}
-        before = load_average()
+        before = loadavg()
         timed = time_interleaved(decoders, hidden=hidden, context=context, steps=args.steps, repeats=args.repeats,
                                  seed=args.seed, also_against=KV_REFERENCE)
         results += [{"setting": s.name, "weights": s.weights, "properties": s.properties, "share": s.share,
@@ -522,7 +463,6 @@ def ov_properties_table(report: dict[str, Any]) -> str:
 
 
 def strip_paths(exported: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Export facts without the local paths (the report's ``weights``)."""
     return {name: {k: v for k, v in facts.items() if k != "path"} for name, facts in exported.items()}
 
 
@@ -560,7 +500,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def names(text: str, known: Any, what: str, p: argparse.ArgumentParser) -> list[str]:
-    """The comma-separated ``text`` as a list, every name in ``known`` (else a usage error)."""
+    """The comma-separated names, each known (else a usage error)."""
     got = [n for n in text.split(",") if n.strip()]
     unknown = sorted(set(got) - set(known))
     if unknown:

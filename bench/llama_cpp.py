@@ -1,32 +1,12 @@
-"""llama.cpp as a bench peer (issue 19): our checkpoint's Qwen3 decoder as GGUF files at
-llama.cpp's own 4-bit types, and its decode step timed the way we time ours.
+"""llama.cpp as a bench peer (issue 19, ``[llamacpp]`` extra): the checkpoint's Qwen3 decoder as
+GGUFs at llama.cpp's own 4-bit types (:func:`ensure_ggufs`: the Qwen3 HF view, llama.cpp's own
+``convert_hf_to_gguf.py`` from the installed version's sdist, ``llama_model_quantize``, each in a
+child process) and :class:`LlamaDecoder`, stepped the way we step ours.
 
-llama.cpp comes from the ``[llamacpp]`` extra (llama-cpp-python, which compiles it).  Its
-HF-to-GGUF converter is not installed with it: it lives in the package's source
-distribution (``vendor/llama.cpp/convert_hf_to_gguf.py`` with its ``conversion/`` modules
-and the matching ``gguf-py``), so :func:`converter_tree` unpacks those files of the sdist
-of the installed version once into the cache.
-
-:func:`ensure_ggufs` writes, per checkpoint, under ``$HIGGS_PACK_CACHE/llama.cpp/<checkpoint>/``:
-the standard-Qwen3 HF view (:func:`higgs_pack.targets.steps.write_hf_dir`, one tensor in
-memory at a time, in a child process), the converter's float GGUF (a child process that
-exits; its peak RSS sampled like a build's), then one GGUF per quant
-(``llama_model_quantize`` in a child process).  The HF view and the float GGUF are removed
-after, unless asked to keep the float one.
-
-:class:`LlamaDecoder` loads one GGUF with the low-level API and steps ``B`` sequences in one
-``llama_batch`` (sequence ids ``0..B-1``, each at its own position), as
-:func:`bench.decoder_steps.measure_llama_steps` times it.
-
-The text head: llama.cpp's Qwen3 graph always ends in the LM head (``output.weight``, tied
-to ``token_embd.weight``: vocab x hidden, 151936 x 2560 at full size, Q6_K in both quants
-by llama.cpp's rule for the output tensor), run on every row that asks for logits.  Our
-decoder ends at the hidden states.  So every row is timed twice: with logits for each row
-(``step_ms``, what a llama.cpp user runs) and with no row asking for output
-(``step_ms_no_output``): llama.cpp then multiplies zero rows by the head, and also skips the
-last layer's feed-forward for the rows no one reads (its ``inp_out_ids``), so this is a lower
-bound of llama.cpp without a head.  The head's bytes are recorded (``head_bytes``) beside
-the decoder layers' (``decoder_bytes``).
+llama.cpp's Qwen3 graph ends in the text head (``output.weight`` or the tied embedding, Q6_K),
+run on every row that asks for logits; ours ends at the hidden states.  So rows are timed with
+logits (``step_ms``) and without (``step_ms_no_output``: no head, and the last layer's
+feed-forward skipped too, a lower bound); ``head_bytes`` is recorded beside ``decoder_bytes``.
 """
 
 from __future__ import annotations
@@ -57,18 +37,13 @@ HEAD_TENSORS = ("output.weight", "token_embd.weight")
 
 
 def llama_cpp_missing() -> str | None:
-    """None when llama-cpp-python can be imported, else :data:`NOT_INSTALLED`."""
     import importlib.util
 
     return None if importlib.util.find_spec("llama_cpp") is not None else NOT_INSTALLED
 
 
 def llama_cpp_version() -> str:
-    """The installed llama-cpp-python version (``0.3.36``).
-
-    Raises:
-        InputError: it is not installed (:data:`NOT_INSTALLED`).
-    """
+    """The installed llama-cpp-python version; InputError when it is not installed."""
     try:
         return importlib.metadata.version("llama-cpp-python")
     except importlib.metadata.PackageNotFoundError:
@@ -76,7 +51,6 @@ def llama_cpp_version() -> str:
 
 
 def unpack_converter(sdist: Path, out: Path) -> None:
-    """Extract :data:`CONVERTER_PARTS` of ``vendor/llama.cpp`` (and the CHANGELOG) from ``sdist``."""
     tmp = Path(tempfile.mkdtemp(prefix="llama-cpp-src-", dir=out.parent))
     try:
         with tarfile.open(sdist) as tar:
@@ -98,16 +72,8 @@ def unpack_converter(sdist: Path, out: Path) -> None:
 
 
 def converter_tree(cache: Path) -> Path:
-    """The folder holding llama.cpp's ``convert_hf_to_gguf.py`` for the installed version.
-
-    ``<cache>/llama.cpp/src-<version>/``, unpacked once from the llama-cpp-python sdist of
-    the installed version: the file named by ``$HIGGS_PACK_LLAMA_CPP_SDIST``, else one
-    ``pip download --no-binary :all: --no-deps llama-cpp-python==<version>``.
-
-    Raises:
-        InputError: llama-cpp-python is not installed.
-        BuildError: the sdist could not be fetched or has no converter.
-    """
+    """``<cache>/llama.cpp/src-<version>/`` holding llama.cpp's converter, unpacked once from the installed
+    version's sdist (``$HIGGS_PACK_LLAMA_CPP_SDIST``, else ``pip download``); BuildError when it cannot be had."""
     version = llama_cpp_version()
     tree = cache / LLAMA_CPP / f"src-{version}"
     if (tree / "convert_hf_to_gguf.py").is_file():
@@ -130,8 +96,7 @@ def converter_tree(cache: Path) -> Path:
 
 
 def llama_cpp_commit(tree: Path) -> str | None:
-    """The llama.cpp commit the vendored tree is, from the sdist's CHANGELOG's newest
-    ``update llama.cpp to ggml-org/llama.cpp@<commit>`` line (None when absent)."""
+    """From the sdist CHANGELOG's newest ``llama.cpp@<commit>`` line (None without)."""
     log = tree / "CHANGELOG.md"
     if not log.is_file():
         return None
@@ -142,14 +107,8 @@ def llama_cpp_commit(tree: Path) -> str | None:
 
 
 def gguf_facts(path: Path) -> dict[str, Any]:
-    """What a GGUF holds, from its header (tensor data memory-mapped, not read).
-
-    Returns:
-        ``gguf_bytes`` (file size), ``weight_bytes`` (all tensor data), ``decoder_bytes``
-        (``blk.*`` and ``output_norm``: what our ``llm_decoder`` holds), ``head_bytes`` and
-        ``head_type`` (``output.weight``, or the tied ``token_embd.weight``), ``embed_bytes``
-        (``token_embd.weight`` when it is not the head too), ``tensor_types`` (type -> count).
-    """
+    """A GGUF's sizes from its header: ``gguf_bytes``, ``weight_bytes``, ``decoder_bytes`` (``blk.*``,
+    ``output_norm``), ``head_bytes``/``head_type``/``head_tensor``, ``embed_bytes``, ``tensor_types``."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
@@ -166,11 +125,7 @@ def gguf_facts(path: Path) -> dict[str, Any]:
 
 
 def quantize(src: str, out: str, quant: str, threads: int) -> dict[str, Any]:
-    """``llama_model_quantize(src, out)`` at ``quant`` (run in a child process by :func:`ensure_ggufs`).
-
-    Raises:
-        BuildError: llama.cpp returned non-zero.
-    """
+    """``llama_model_quantize(src, out)`` at ``quant`` (in a child process); BuildError on failure."""
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
@@ -183,42 +138,29 @@ def quantize(src: str, out: str, quant: str, threads: int) -> dict[str, Any]:
 
 
 def _float_outtype(checkpoint: Path) -> str:
-    """The converter's ``--outtype`` keeping the checkpoint's float type (bf16 or f16; f32 stays f32)."""
     config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
     dtype = str(config.get("torch_dtype") or config.get("dtype") or (config.get("text_config") or {}).get("torch_dtype")
                 or "bfloat16")
     return {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}.get(dtype, "bf16")
 
 
+def _costs(name: str, run: Any) -> dict[str, float]:
+    """A child process's seconds, peak RSS and peak anonymous memory (MiB) as ``<name>_*`` fields."""
+    return {f"{name}_s": round(run.seconds, 1), f"{name}_peak_rss_mb": round(run.peak_rss_mb, 1),
+            f"{name}_peak_anon_mb": round(run.peak_anon_mb or 0, 1)}
+
+
 def ensure_ggufs(checkpoint: Path, cache: Path, quants: list[str], *, threads: int = 2,
                  keep_float: bool = False, rebuild: bool = False, log=None,
                  converter_cache: Path | None = None) -> dict[str, Any]:
-    """The checkpoint's decoder as GGUF files at every quant of ``quants``, cached.
-
-    Args:
-        checkpoint: a Higgs-Audio-v3 checkpoint directory.
-        cache: the bench cache; files go to ``cache/llama.cpp/<checkpoint name>/``.
-        quants: names of :data:`QUANTS`.
-        threads: quantization threads.
-        keep_float: keep the converter's float GGUF (``float`` in the result) for parity checks.
-        rebuild: convert again even where cached files are newer than the checkpoint.
-        log: a callable taking progress lines (None: quiet).
-        converter_cache: where :func:`converter_tree` keeps the converter (default: ``cache``).
-
-    Returns:
-        ``{"dir", "version" (llama-cpp-python), "llama_cpp_commit", "float": {"path", "outtype",
-        "convert_s", "convert_peak_rss_mb", "convert_peak_anon_mb", "hf_view_s",
-        "hf_view_peak_rss_mb", "hf_view_peak_anon_mb"} (path None once removed), "quants":
-        {quant: {"path", "quantize_s", "quantize_peak_rss_mb", "quantize_peak_anon_mb",
-        **gguf_facts}}}`` (MiB; anon: not file-backed, memory-mapped inputs left out); the facts of a conversion made by an earlier run are those of that run
-        (``cached`` true).
-
-    Raises:
-        InputError: llama-cpp-python is missing or a quant is unknown.
-        BuildError: a step failed (the converter's log file is named).
-    """
+    """The checkpoint's decoder as a GGUF per quant, cached in ``cache/llama.cpp/<checkpoint>/``
+    (``done.json``): ``{dir, version, llama_cpp_commit, float: {path (None once removed), outtype,
+    convert_s, convert_peak_rss_mb, convert_peak_anon_mb, hf_view_*}, quants: {quant: {path,
+    quantize_s, quantize_peak_rss_mb, quantize_peak_anon_mb, **gguf_facts}}, cached}`` (MiB).
+    InputError without llama-cpp-python or for an unknown quant; BuildError when a step fails."""
     from higgs_pack.exporters.process import run_step, run_tool
 
+    log = log or (lambda _m: None)
     quants = [parse_quant(q) for q in quants]
     tree = converter_tree(converter_cache or cache)
     out = cache / LLAMA_CPP / checkpoint.name
@@ -238,16 +180,14 @@ def ensure_ggufs(checkpoint: Path, cache: Path, quants: list[str], *, threads: i
     float_gguf = out / f"{checkpoint.name}-{outtype}.gguf"
     if not (float_path and Path(float_path).is_file()):
         hf_dir = out / "qwen3-hf"
-        if log:
-            log(f"llama.cpp: writing the Qwen3 HF view of {checkpoint} to {hf_dir}")
+        log(f"llama.cpp: writing the Qwen3 HF view of {checkpoint} to {hf_dir}")
         _, hf_record = run_step("higgs_pack.targets.steps:write_hf_dir",
                                 {"checkpoint": str(checkpoint), "out_dir": str(hf_dir)},
                                 name="remapping the checkpoint to a Qwen3 directory", folders=[out], work_dir=out)
         try:
             cmd = [sys.executable, str(tree / "convert_hf_to_gguf.py"), str(hf_dir), "--outfile", str(float_gguf),
                    "--outtype", outtype]
-            if log:
-                log(f"llama.cpp: {' '.join(cmd)}")
+            log(f"llama.cpp: {' '.join(cmd)}")
             env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}  # its own gguf-py
             run = run_tool(cmd, out / "convert.log", env=env)
         finally:
@@ -255,12 +195,8 @@ def ensure_ggufs(checkpoint: Path, cache: Path, quants: list[str], *, threads: i
         if run.returncode != 0 or not float_gguf.is_file():
             tail = "\n".join((out / "convert.log").read_text(errors="replace").splitlines()[-15:])
             raise BuildError(f"convert_hf_to_gguf.py exited {run.returncode} (log: {out / 'convert.log'}):\n{tail}")
-        facts["float"] = {"path": str(float_gguf), "outtype": outtype, "convert_s": round(run.seconds, 1),
-                          "convert_peak_rss_mb": round(run.peak_rss_mb, 1),
-                          "convert_peak_anon_mb": round(run.peak_anon_mb, 1), "hf_view_s": round(hf_record.seconds, 1),
-                          "hf_view_peak_rss_mb": round(hf_record.peak_rss_mb, 1),
-                          "hf_view_peak_anon_mb": round(hf_record.peak_anon_mb or 0, 1),
-                          "gguf_bytes": float_gguf.stat().st_size}
+        facts["float"] = {"path": str(float_gguf), "outtype": outtype, **_costs("convert", run),
+                          **_costs("hf_view", hf_record), "gguf_bytes": float_gguf.stat().st_size}
     else:
         facts["float"] = done["float"]
     facts["quants"] = dict(have)
@@ -268,16 +204,13 @@ def ensure_ggufs(checkpoint: Path, cache: Path, quants: list[str], *, threads: i
         if quant in have:
             continue
         target = out / f"{checkpoint.name}-{quant}.gguf"
-        if log:
-            log(f"llama.cpp: quantizing to {quant}: {target}")
+        log(f"llama.cpp: quantizing to {quant}: {target}")
         log_file = out / f"quantize-{quant}.log"
         cmd = [sys.executable, "-m", "bench.llama_cpp", str(float_gguf), str(target), quant, str(threads)]
         run = run_tool(cmd, log_file, env=child_env())
         if run.returncode != 0 or not target.is_file():
             raise BuildError(f"llama_model_quantize ({quant}) exited {run.returncode} (log: {log_file})")
-        facts["quants"][quant] = {"path": str(target), "quantize_s": round(run.seconds, 1),
-                                  "quantize_peak_rss_mb": round(run.peak_rss_mb, 1),
-                                  "quantize_peak_anon_mb": round(run.peak_anon_mb, 1), **gguf_facts(target)}
+        facts["quants"][quant] = {"path": str(target), **_costs("quantize", run), **gguf_facts(target)}
     if not keep_float:
         float_gguf.unlink(missing_ok=True)
         facts["float"] = {**facts["float"], "path": None}
@@ -286,24 +219,8 @@ def ensure_ggufs(checkpoint: Path, cache: Path, quants: list[str], *, threads: i
 
 
 class LlamaDecoder:
-    """One GGUF loaded with llama.cpp's C API (llama-cpp-python's ctypes bindings), driven
-    like our batched decoder: ``prefill(row, length)`` then ``step(rows)``.
-
-    One ``llama_context`` with ``n_seq_max = max_batch`` sequences, each its own KV stream
-    (``kv_unified = false``: a row's step attends its own positions only, as ours does),
-    ``n_ctx = max_batch * max_length``; token ids in (our decoder takes ``inputs_embeds``;
-    llama.cpp's embedding lookup is one row gather per token).
-
-    Args:
-        path: the GGUF file.
-        max_batch: sequences (rows), >= 1.
-        max_length: positions per sequence.
-        threads: ``n_threads`` and ``n_threads_batch``.
-
-    Raises:
-        InputError: llama-cpp-python missing or bad sizes.
-        BuildError: llama.cpp could not load the model or make the context.
-    """
+    """One GGUF through llama.cpp's C API, driven like our batched decoder: one context of
+    ``max_batch`` sequences, each its own KV stream (``kv_unified`` off), token ids in."""
 
     def __init__(self, path: Path, *, max_batch: int, max_length: int, threads: int):
         if llama_cpp_missing():
@@ -335,8 +252,7 @@ class LlamaDecoder:
         self._batch = llama_cpp.llama_batch_init(512, 0, 1)
 
     def dims(self) -> dict[str, int]:
-        """What llama.cpp read from the GGUF: ``hidden``, ``layers``, ``heads``, ``kv_heads``,
-        ``head_dim`` (``qwen3.attention.key_length``), ``vocab``."""
+        """What llama.cpp read: hidden, layers, heads, kv_heads, head_dim, vocab."""
         ll = self._ll
         buf = ctypes.create_string_buffer(64)
         n = ll.llama_model_meta_val_str(self.model, b"qwen3.attention.key_length", buf, 64)
@@ -345,7 +261,6 @@ class LlamaDecoder:
                 "head_dim": int(buf.value) if n > 0 else -1, "vocab": self.n_vocab}
 
     def _decode(self, items: list[tuple[int, int, int, bool]]) -> None:
-        """One ``llama_decode`` of ``(token, position, seq, wants_logits)`` items."""
         b = self._batch
         b.n_tokens = len(items)
         for i, (tok, pos, seq, out) in enumerate(items):
@@ -356,7 +271,7 @@ class LlamaDecoder:
             raise BuildError(f"llama_decode returned {rc} ({len(items)} tokens)")
 
     def prefill(self, row: int, tokens: list[int]) -> None:
-        """Start sequence ``row`` over with ``tokens`` (512 per ``llama_decode``), logits of the last."""
+        """Start sequence ``row`` over with ``tokens``, logits of the last."""
         if len(tokens) + 1 > self.max_length:
             raise InputError(f"{len(tokens)} positions do not fit the context of {self.max_length}")
         self._ll.llama_memory_seq_rm(self._ll.llama_get_memory(self.ctx), row, -1, -1)
@@ -366,8 +281,7 @@ class LlamaDecoder:
         self.lengths[row] = len(tokens)
 
     def step(self, rows: list[int], tokens: list[int], *, logits: bool = True) -> None:
-        """One position for each of ``rows`` in one ``llama_batch``; ``logits``: every row asks for
-        its logits (the LM head runs on each), else none does."""
+        """One position for each of ``rows`` in one batch, every row asking for logits or none."""
         if any(self.lengths[r] + 1 > self.max_length for r in rows):
             raise InputError(f"a row would exceed {self.max_length} positions")
         self._decode([(t, self.lengths[r], r, logits) for r, t in zip(rows, tokens, strict=True)])
@@ -382,7 +296,6 @@ class LlamaDecoder:
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
 
     def close(self) -> None:
-        """Free the batch, the context and the model."""
         if getattr(self, "ctx", None):
             self._ll.llama_batch_free(self._batch)
             self._ll.llama_free(self.ctx)
@@ -391,7 +304,6 @@ class LlamaDecoder:
 
 
 def system_info() -> str:
-    """llama.cpp's ``llama_print_system_info()`` (the CPU features it was compiled with)."""
     import llama_cpp
 
     return llama_cpp.llama_print_system_info().decode(errors="replace").strip()

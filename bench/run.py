@@ -1,23 +1,39 @@
-"""Orchestration of a benchmark run: checkpoints and bundles built once into the cache and
-reused, every system measured by a worker, the records put together.
+"""``python -m bench`` (``nox -s bench``): the PyTorch reference and built bundles side by side.
+
+Every system speaks the same text for the same frame count (temperature 0.8, top-k 50, seed 0,
+repeat guard off, EOC suppressed) after a warm-up, each in its own process; ``--batch`` adds the
+engine at several batch sizes, llama.cpp systems the bare decoder step beside llama.cpp's.  The
+checkpoint and bundles are built once into the cache and reused.
 """
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from bench.decoder_steps import run_step_comparison
 from bench.records import (
+    BUILD_MEMORY_BUDGET_MB,
     add_ratios,
     base_record,
     batch_memory,
     first_audio_budget,
     roofline,
+    write_records,
+)
+from bench.report import (
+    render_batch,
+    render_builds,
+    render_details,
+    render_steps,
+    render_table,
+    write_html,
 )
 from bench.systems import (
     BENCH_TEXT,
@@ -29,21 +45,27 @@ from bench.systems import (
     DEFAULT_STEP_BATCHES,
     DEFAULT_SYSTEMS,
     FIT_MEMORY_BYTES,
+    PRESETS,
     PYTORCH,
+    STEP_KIND,
     SystemSpec,
     WorkerError,
     bundle_spec,
     machine,
     ov_cache_dir,
     parse_system,
+    run_worker,
     spawn,
 )
 from higgs_pack.runtime.backends import registered
 
+#: What a failed worker raises.
+FAILED = (WorkerError, subprocess.TimeoutExpired)
+
 
 @dataclass
 class BenchOptions:
-    """What one benchmark run measures (the command-line flags)."""
+    """What one run measures: the command-line flags (``fit_memory_bytes``: ``--fit-memory-gib``)."""
 
     preset: str = "bench"
     systems: tuple[str, ...] = DEFAULT_SYSTEMS
@@ -67,17 +89,14 @@ class BenchOptions:
     quiet: bool = False
     build_only: bool = False
     batch: tuple[int, ...] = ()
-    """Engine batch sizes to measure every bundle at (``--batch 1,2,4,8``; empty: none)."""
     fit_memory_bytes: int = FIT_MEMORY_BYTES
-    """The memory budget of the computed (and with ``fit_run``, run) largest batch."""
     fit_run: bool = False
-    """Also run ``fit_max_batch`` rows at ``FIT_POSITIONS`` (:mod:`~bench.kv_fit`)."""
     step_batch: tuple[int, ...] = DEFAULT_STEP_BATCHES
-    """Batch sizes of the decoder-step comparison with llama.cpp (``--step-batch``)."""
     steps_only: bool = False
-    """Measure only the decoder-step comparison (``--steps-only``), not the loop."""
     llama_threads: int | None = None
-    """llama.cpp's ``n_threads`` (``--llama-threads``; None: the CPUs this process may use)."""
+
+
+Prepared = tuple[SystemSpec, "Path | None", "dict[str, Any] | None", dict[str, Any]]
 
 
 def cache_dir(options: BenchOptions) -> Path:
@@ -91,26 +110,17 @@ def say(options: BenchOptions, msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-def _dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
 def _reusable(bundle: Path, checkpoint: Path) -> bool:
-    """A cached bundle is reused if it opens (manifest, sizes, paths), names this checkpoint as
-    its source and is newer than it."""
+    """A cached bundle opens, names this checkpoint as its source and is newer than it."""
     from higgs_pack.manifests.errors import HiggsPackError
     from higgs_pack.runtime.sources.bundle import open_bundle
 
-    if not (bundle / "manifest.json").is_file():
-        return False
     try:
-        m = open_bundle(bundle, check_hashes=False).manifest
-    except HiggsPackError:
+        source = open_bundle(bundle, check_hashes=False).manifest["build"].get("checkpoint_source")
+    except (HiggsPackError, OSError):
         return False
-    source = m["build"].get("checkpoint_source")
-    if source is None or Path(source).resolve() != checkpoint.resolve():
-        return False
-    return (bundle / "manifest.json").stat().st_mtime >= (checkpoint / "config.json").stat().st_mtime
+    return (source is not None and Path(source).resolve() == checkpoint.resolve()
+            and (bundle / "manifest.json").stat().st_mtime >= (checkpoint / "config.json").stat().st_mtime)
 
 
 def checkpoint_for(options: BenchOptions, cache: Path) -> tuple[Path, dict[str, Any]]:
@@ -120,69 +130,72 @@ def checkpoint_for(options: BenchOptions, cache: Path) -> tuple[Path, dict[str, 
     if (path / "config.json").is_file():
         return path, {"checkpoint_cached": True}
     say(options, f"writing the {options.preset} checkpoint to {path}")
-    res = spawn("checkpoint", {"preset": options.preset, "seed": options.seed}, cache=cache,
-                 stream=not options.quiet)
+    res = spawn("checkpoint", {"preset": options.preset, "seed": options.seed}, cache=cache, stream=not options.quiet)
     return Path(res["checkpoint"]), {"checkpoint_s": res["seconds"], "checkpoint_cached": False}
 
 
-def bundle_for(spec: SystemSpec, options: BenchOptions, checkpoint: Path, cache: Path
-                ) -> tuple[Path, dict[str, Any]]:
-    """Reuse or build the bundle of ``spec``; returns it and the build facts for the record."""
+def bundle_for(spec: SystemSpec, options: BenchOptions, checkpoint: Path, cache: Path) -> tuple[Path, dict[str, Any]]:
+    """Reuse or build the bundle of ``spec``: its path and the build facts for the record."""
     if spec.bundle is not None:
         return spec.bundle, {}
-    name = "-".join(p for p in (checkpoint.name, spec.target, spec.precision, spec.variant) if p)
-    path = cache / "bundles" / name
+    path = cache / "bundles" / "-".join(p for p in (checkpoint.name, spec.target, spec.precision, spec.variant) if p)
     if not options.rebuild and _reusable(path, checkpoint):
         from higgs_pack.manifests.manifest import read_manifest
 
         return path, {"build_s": read_manifest(path)["build"]["seconds"], "build_cached": True}
     say(options, f"building {spec.label} into {path}")
     res = spawn("build", {"label": spec.label, "target": spec.target, "precision": spec.precision,
-                           "variant": spec.variant, "checkpoint": str(checkpoint), "out": str(path)},
-                 cache=cache, stream=not options.quiet)
+                          "variant": spec.variant, "checkpoint": str(checkpoint), "out": str(path)},
+                cache=cache, stream=not options.quiet)
     return path, {"build_s": res["seconds"], "build_cached": False, "build_peak_rss_mb": res["peak_rss_mb"]}
 
 
-def run_bench(options: BenchOptions) -> list[dict[str, Any]]:
-    """Measure every system of ``options`` and return the records (ratios included).
+def build_record(spec: SystemSpec, manifest: dict[str, Any] | None, facts: dict[str, Any], preset: str,
+                 machine: dict[str, Any]) -> dict[str, Any]:
+    """The ``"kind": "build"`` record of a bundle, from its manifest's ``build.resources`` (``cached``:
+    reused, with the numbers of the build that made it); ``error`` for a failed build."""
+    record: dict[str, Any] = {"kind": "build", "system": spec.label, "preset": preset, "machine": machine}
+    if manifest is None:
+        return {**record, "error": facts.get("error", "no bundle")}
+    resources = manifest["build"].get("resources", {})
+    return {**record, "cached": bool(facts.get("build_cached")), "build_s": manifest["build"].get("seconds"),
+            "bundle_mb": round(sum(f["size"] for f in manifest["files"]) / 2**20, 1),
+            **{k: resources.get(k) for k in ("peak_rss_mb", "peak_anon_mb", "scratch_peak_mb")},
+            "phases": resources.get("phases", []), "built_on": resources.get("cpu"),
+            "verified": manifest.get("verification", {}).get("build_time", {}).get("ok")}
 
-    Systems that fail are recorded with an ``error`` and no numbers; the others still run.
-    """
+
+def run_bench(options: BenchOptions) -> list[dict[str, Any]]:
+    """Build (or reuse) every system's bundle, then measure them: the build records, then the
+    measurement records (ratios included), then the decoder-step ones.  A failing system is a
+    record with ``error``; the others still run."""
     from higgs_pack.manifests.manifest import read_manifest
 
     cache = cache_dir(options)
     specs = [parse_system(s) for s in options.systems] + [bundle_spec(b) for b in options.bundles]
-    llama = [s for s in specs if s.is_llama_cpp]  # GGUFs: the decoder-step comparison only
+    llama = [s for s in specs if s.is_llama_cpp]
     specs = [s for s in specs if not s.is_llama_cpp]
-    repeats = options.repeats or DEFAULT_REPEATS.get(options.preset, 1)
-    need_ckpt = bool(llama) or any(s.bundle is None for s in specs)
-    checkpoint, ckpt_facts = checkpoint_for(options, cache) if need_ckpt else (None, {})
+    need = bool(llama) or any(s.bundle is None for s in specs)
+    checkpoint, ckpt_facts = checkpoint_for(options, cache) if need else (None, {})
     machine_facts = machine()
-    common = {"frames": options.frames, "seed": options.seed, "temperature": options.temperature,
-              "top_k": options.top_k, "text": options.text, "warmup": options.warmup, "repeats": repeats,
-              "contexts": list(options.contexts)}
-
-    # 1. bundles first (builds are long and load the CPUs; nothing is timed meanwhile)
-    prepared: list[tuple[SystemSpec, Path | None, dict[str, Any] | None, dict[str, Any]]] = []
+    prepared: list[Prepared] = []  # builds first: long, and nothing is timed meanwhile
     for spec in specs:
         if spec.is_pytorch:
-            facts = {"bundle_mb": _dir_bytes(checkpoint) / 1e6, **ckpt_facts}
-            prepared.append((spec, None, None, facts))
+            size = sum(p.stat().st_size for p in checkpoint.rglob("*") if p.is_file())
+            prepared.append((spec, None, None, {"bundle_mb": size / 1e6, **ckpt_facts}))
             continue
         try:
             path, facts = bundle_for(spec, options, checkpoint, cache)
             prepared.append((spec, path, read_manifest(path), facts))
         except Exception as exc:  # a failed build is a record, not the end of the run
             prepared.append((spec, None, None, {"error": f"build: {exc}"}))
-
     builds = [build_record(spec, manifest, facts, options.preset, machine_facts)
-              for spec, _path, manifest, facts in prepared if not spec.is_pytorch and spec.bundle is None]
+              for spec, _, manifest, facts in prepared if not spec.is_pytorch and spec.bundle is None]
     if options.build_only:
         return builds
-    records = [] if options.steps_only else _measure_all(prepared, options, machine_facts, common, checkpoint, cache)
-    if llama:  # 5. the bare decoder step of our bundles beside llama.cpp's, in turns
-        ours = [(spec, path, manifest) for spec, path, manifest, _ in prepared
-                if path is not None and not spec.is_pytorch]
+    records = [] if options.steps_only else _measure_all(prepared, options, machine_facts, checkpoint, cache)
+    if llama:
+        ours = [(spec, path, manifest) for spec, path, manifest, _ in prepared if path is not None]
         records += run_step_comparison(
             llama, ours, checkpoint, cache, preset=options.preset, contexts=options.contexts or DEFAULT_CONTEXTS,
             batches=options.step_batch, rounds=options.rounds if options.rounds > 1 else CONTEXT_ROUNDS,
@@ -191,144 +204,198 @@ def run_bench(options: BenchOptions) -> list[dict[str, Any]]:
     return builds + records
 
 
-def _measure_all(prepared: list[tuple[SystemSpec, Path | None, dict[str, Any] | None, dict[str, Any]]],
-                 options: BenchOptions, machine: dict[str, Any], common: dict[str, Any],
-                 checkpoint: Path | None, cache: Path) -> list[dict[str, Any]]:
-    """Steps 2 to 4 of :func:`run_bench`: the bandwidth, every system's loop, the engine's batches."""
+def _compiles(backend: str) -> bool:
+    """The backend compiles into a model cache (its cold and warm loads are measured)."""
+    return backend in registered() and registered()[backend].compile_cache
 
-    # 2. the machine's memory bandwidth, in the same run
+
+def _measure_all(prepared: list[Prepared], options: BenchOptions, machine: dict[str, Any],
+                 checkpoint: Path | None, cache: Path) -> list[dict[str, Any]]:
+    """The bandwidth, every system's loop in its own process (``rounds`` in turn, each keeping its
+    fastest: other work on a shared machine only slows a run), then the engine's batches."""
     bandwidth = None
     if options.bandwidth_mib > 0:
         say(options, f"measuring memory bandwidth ({options.bandwidth_mib} MiB buffer)")
         try:
-            bandwidth = spawn("bandwidth", {"mib": options.bandwidth_mib}, cache=cache,
-                               timeout=options.timeout)
-        except (WorkerError, subprocess.TimeoutExpired) as exc:
+            bandwidth = spawn("bandwidth", {"mib": options.bandwidth_mib}, cache=cache, timeout=options.timeout)
+        except FAILED as exc:
             say(options, f"bandwidth measurement failed: {exc}")
-
-    # 3. every system in its own process; with several rounds the systems take turns and
-    #    each keeps its fastest round (other work on a shared machine only ever slows a run)
-    records = []
-    for spec, _path, manifest, facts in prepared:
-        record = base_record(manifest, spec, options.preset)
-        record.update(facts)
-        record.update({"frames": options.frames, "machine": machine, **(bandwidth or {})})
-        records.append(record)
+    job = {"frames": options.frames, "seed": options.seed, "temperature": options.temperature,
+           "top_k": options.top_k, "text": options.text, "warmup": options.warmup,
+           "repeats": options.repeats or DEFAULT_REPEATS.get(options.preset, 1), "contexts": list(options.contexts)}
+    records = [{**base_record(manifest, spec, options.preset), **facts, "frames": options.frames,
+                "machine": machine, **(bandwidth or {})} for spec, _, manifest, facts in prepared]
     results: list[list[dict[str, Any]]] = [[] for _ in prepared]
     for round_ in range(max(1, options.rounds)):
         for i, (spec, path, manifest, _) in enumerate(prepared):
-            if "error" in records[i]:
-                continue
-            try:
-                results[i].append(_measure_system(spec, path, manifest, checkpoint, cache, common,
-                                                  options, cold=round_ == 0))
-            except (WorkerError, subprocess.TimeoutExpired) as exc:
-                records[i]["error"] = str(exc)
+            if "error" not in records[i]:
+                try:
+                    results[i].append(_measure_system(spec, path, manifest, checkpoint, cache, job, options,
+                                                      cold=round_ == 0))
+                except FAILED as exc:
+                    records[i]["error"] = str(exc)
     for (spec, *_), record, runs in zip(prepared, records, results, strict=True):
         if "error" in record or not runs:
             continue
         cold = {k: v for k, v in runs[0].items() if k in ("load_s", "peak_rss_cold_load_mb")
                 and _compiles(record["backend"])}
-        record.update(max(runs, key=lambda r: r["frames_per_s"]))
-        record.update(cold)
-        record["rounds_frames_per_s"] = [r["frames_per_s"] for r in runs]
+        record.update({**max(runs, key=lambda r: r["frames_per_s"]), **cold,
+                       "rounds_frames_per_s": [r["frames_per_s"] for r in runs]})
         if spec.is_pytorch and record.get("decoder_weight_bytes"):
             record["decoder_weight_mb"] = record.pop("decoder_weight_bytes") / 1e6
         record["first_audio_budget_ms"] = first_audio_budget(record)
         roofline(record, bandwidth)
     add_ratios(records)
-
-    # 4. the engine at each batch size, every bundle in its own process (PyTorch has no engine)
-    if options.batch:
-        for (spec, path, manifest, _), record in zip(prepared, records, strict=True):
-            if not spec.is_pytorch and path is not None:
-                record["batch"] = _measure_batches(spec, path, manifest, cache, common, options)
+    for (spec, path, manifest, _), record in zip(prepared, records, strict=True):
+        if options.batch and not spec.is_pytorch and path is not None:
+            record["batch"] = _measure_batches(spec, path, manifest, cache, job, options)
     return records
 
 
-def build_record(spec: SystemSpec, manifest: dict[str, Any] | None, facts: dict[str, Any], preset: str,
-                 machine: dict[str, Any]) -> dict[str, Any]:
-    """The ``"kind": "build"`` record of one system's bundle, from its manifest's ``build.resources``.
-
-    Fields: ``system`` (label, e.g. ``cpu-int4``), ``preset``, ``peak_rss_mb`` (peak
-    resident memory of the build's whole process tree), ``build_s``, ``bundle_mb``,
-    ``scratch_peak_mb``, ``phases`` (name, seconds, peak_rss_mb of each step), ``cached``
-    (the bundle was reused: its numbers are those of the build that made it), ``machine``;
-    a failed build has ``error`` instead.
-    """
-    record: dict[str, Any] = {"kind": "build", "system": spec.label, "preset": preset, "machine": machine}
-    if manifest is None:
-        record["error"] = facts.get("error", "no bundle")
-        return record
-    resources = manifest["build"].get("resources", {})
-    record.update({
-        "cached": bool(facts.get("build_cached")),
-        "build_s": manifest["build"].get("seconds"),
-        "bundle_mb": round(sum(f["size"] for f in manifest["files"]) / 2**20, 1),
-        "peak_rss_mb": resources.get("peak_rss_mb"),
-        "peak_anon_mb": resources.get("peak_anon_mb"),
-        "scratch_peak_mb": resources.get("scratch_peak_mb"),
-        "phases": resources.get("phases", []),
-        "built_on": resources.get("cpu"),
-        "verified": manifest.get("verification", {}).get("build_time", {}).get("ok"),
-    })
-    return record
-
-
-def _compiles(backend: str) -> bool:
-    """Whether a backend compiles into a model cache (its cold and warm loads are measured)."""
-    return backend in registered() and registered()[backend].compile_cache
-
-
-def _measure_system(spec: SystemSpec, path: Path | None, manifest: dict[str, Any] | None,
-                    checkpoint: Path | None, cache: Path, common: dict[str, Any],
-                    options: BenchOptions, *, cold: bool = True) -> dict[str, Any]:
-    """Measure one system; OpenVINO bundles get a cold-cache load first when ``cold``."""
+def _measure_system(spec: SystemSpec, path: Path | None, manifest: dict[str, Any] | None, checkpoint: Path | None,
+                    cache: Path, job: dict[str, Any], options: BenchOptions, *, cold: bool) -> dict[str, Any]:
+    """One system's ``measure`` worker; a compiling backend gets a cold-cache load first when ``cold``."""
     say(options, f"measuring {spec.label}")
     if spec.is_pytorch:
-        return spawn("measure", {**common, "kind": PYTORCH, "checkpoint": str(checkpoint)},
-                      cache=cache, timeout=options.timeout)
-    job = {**common, "kind": "bundle", "bundle": str(path), "backend": manifest["backend"],
-           "device": spec.device}
+        return spawn("measure", {**job, "kind": PYTORCH, "checkpoint": str(checkpoint)}, cache=cache,
+                     timeout=options.timeout)
+    job = {**job, "kind": "bundle", "bundle": str(path), "backend": manifest["backend"], "device": spec.device}
+    if not _compiles(manifest["backend"]):
+        return spawn("measure", job, cache=cache, timeout=options.timeout)
+    job["ov_cache"] = str(ov_cache_dir(cache, path, spec))
     out: dict[str, Any] = {}
-    if _compiles(manifest["backend"]):
-        ov_cache = ov_cache_dir(cache, path, spec)
-        job["ov_cache"] = str(ov_cache)
-        if cold:
-            shutil.rmtree(ov_cache, ignore_errors=True)
-            first = spawn("measure", {**job, "load_only": True}, cache=cache, timeout=options.timeout)
-            out = {"load_s": first["load_s"], "peak_rss_cold_load_mb": first["peak_rss_mb"]}
+    if cold:
+        shutil.rmtree(job["ov_cache"], ignore_errors=True)
+        first = spawn("measure", {**job, "load_only": True}, cache=cache, timeout=options.timeout)
+        out = {"load_s": first["load_s"], "peak_rss_cold_load_mb": first["peak_rss_mb"]}
     res = spawn("measure", job, cache=cache, timeout=options.timeout)
-    if _compiles(manifest["backend"]):
-        res["load_warm_s"] = res.pop("load_s")
+    res["load_warm_s"] = res.pop("load_s")
     return {**res, **out}
 
 
-def _measure_batches(spec: SystemSpec, path: Path, manifest: dict[str, Any], cache: Path,
-                     common: dict[str, Any], options: BenchOptions) -> dict[str, Any]:
-    """The ``batch`` field of one bundle's record: the ``batch`` worker's figures
-    (:func:`~bench.batch.measure_batches`) and the computed memory fit
-    (:func:`~bench.records.batch_memory`); ``error`` when the worker failed."""
+def _measure_batches(spec: SystemSpec, path: Path, manifest: dict[str, Any], cache: Path, job: dict[str, Any],
+                     options: BenchOptions) -> dict[str, Any]:
+    """A record's ``batch``: the ``batch`` worker's figures, the computed memory fit and, with
+    ``fit_run``, the ``fit`` worker's run of that batch; ``error`` when the worker failed."""
     say(options, f"measuring {spec.label} at batch {','.join(map(str, options.batch))}")
-    job = {**common, "bundle": str(path), "device": spec.device, "batch": list(options.batch),
+    job = {**job, "bundle": str(path), "device": spec.device, "batch": list(options.batch),
            "ov_cache": str(ov_cache_dir(cache, path, spec)) if _compiles(manifest["backend"]) else None}
     out: dict[str, Any] = {"sizes": list(options.batch)}
     try:
         out.update(spawn("batch", job, cache=cache, timeout=options.timeout))
-    except (WorkerError, subprocess.TimeoutExpired) as exc:
-        out["error"] = str(exc)
-        return out
+    except FAILED as exc:
+        return {**out, "error": str(exc)}
     out.update(batch_memory(manifest, out.get("kv_bytes_per_position"), out.get("bench_kv_bytes_per_position"),
                             options.fit_memory_bytes))
     if options.fit_run and out.get("fit_max_batch"):
-        say(options, f"running {spec.label} at its computed fit: {out['fit_max_batch']} rows x {out['fit_positions']} "
-                      "positions")
-        fit_job = {**job, "backend": manifest["backend"], "batch": out["fit_max_batch"],
-                   "positions": out["fit_positions"]}
+        say(options, f"running {spec.label} at its computed fit: {out['fit_max_batch']} rows x {out['fit_positions']}")
         try:
-            out.update(spawn("fit", fit_job, cache=cache, timeout=options.timeout))
-        except (WorkerError, subprocess.TimeoutExpired) as exc:
+            out.update(spawn("fit", {**job, "backend": manifest["backend"], "batch": out["fit_max_batch"],
+                                     "positions": out["fit_positions"]}, cache=cache, timeout=options.timeout))
+        except FAILED as exc:
             out["fit_run_error"] = str(exc)
         if out.get("fit_run_peak_rss_mb") is not None:
             out["fit_run_fits"] = out["fit_run_peak_rss_mb"] * 2**20 <= out["fit_memory_bytes"]
     return out
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def parse_batch(text: str, flag: str = "--batch") -> tuple[int, ...] | str:
+    """``"1,2,4,8"`` -> ``(1, 2, 4, 8)`` (empty: none), or the error message."""
+    try:
+        sizes = tuple(int(b) for b in text.split(",") if b.strip())
+    except ValueError:
+        return f"{flag} must be comma-separated batch sizes such as 1,2,4,8, got {text!r}"
+    if any(b < 1 for b in sizes) or len(set(sizes)) != len(sizes):
+        return f"{flag} sizes must be distinct whole numbers >= 1, got {text!r}"
+    return sizes
+
+
+def _sizes(flag: str) -> Any:
+    def parse(text: str) -> tuple[int, ...]:
+        got = parse_batch(text, flag)
+        if isinstance(got, str):
+            raise argparse.ArgumentTypeError(got)
+        return got
+
+    return parse
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    add = p.add_argument
+    add("--preset", choices=PRESETS, default="bench")
+    add("--systems", default=DEFAULT_SYSTEMS, type=lambda s: tuple(x for x in s.split(",") if x.strip()),
+        help="comma-separated: pytorch, llama.cpp-<quant>, <target>-<precision>[-<variant>][@<device>]; empty: none")
+    add("--bundle", dest="bundles", action="append", default=[], metavar="PATH[@DEVICE]",
+        help="also measure this built bundle (repeatable)")
+    add("--frames", type=int, default=DEFAULT_FRAMES, help="audio frames per run (25 per second), >= 2")
+    add("--repeats", type=int, help="timed runs per system, median reported (default 3, 1 for --preset full)")
+    add("--rounds", type=int, default=1, help="measure all systems this many times in turn, keep each one's fastest")
+    add("--warmup", type=int, default=1)
+    add("--seed", type=int, default=0)
+    add("--text", default=BENCH_TEXT)
+    add("--checkpoint", help="use this checkpoint directory instead of the preset's")
+    add("--cache", help="cache directory (default $HIGGS_PACK_CACHE or ~/.cache/higgs-pack)")
+    add("--rebuild", action="store_true", help="rebuild cached bundles")
+    add("--bandwidth-mib", type=int, default=DEFAULT_BANDWIDTH_MIB, help="memory-bandwidth buffer (0: skip)")
+    add("--contexts", type=_sizes("--contexts"), default=DEFAULT_CONTEXTS,
+        help="contexts of the bare decoder's step (default 64,900; empty: none)")
+    add("--batch", type=_sizes("--batch"), default=(), help="engine batch sizes to measure, e.g. 1,2,4,8")
+    add("--fit-memory-gib", type=float, default=FIT_MEMORY_BYTES / 2**30, help="memory budget of the largest batch")
+    add("--fit-run", action="store_true", help="with --batch: also run that largest batch (commits the budget)")
+    add("--step-batch", type=_sizes("--step-batch"), default=DEFAULT_STEP_BATCHES,
+        help="batch sizes of the decoder-step comparison with llama.cpp systems")
+    add("--steps-only", action="store_true", help="with llama.cpp systems: only the decoder-step comparison")
+    add("--llama-threads", type=int, help="llama.cpp threads (default: the CPUs this process may use)")
+    add("--timeout", type=float, help="seconds allowed per measuring process")
+    add("--out", default="dist/bench.json", type=lambda s: s or None,
+        help="JSON records, charted into the same name with .html ('' = do not write)")
+    add("--append", action="store_true", help="keep records of other systems already in --out")
+    add("--quiet", action="store_true")
+    add("--build-only", action="store_true", help="build (or reuse) the bundles, measure nothing")
+    add("--worker", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.worker:
+        return run_worker(args.worker)
+    for bad, why in ((args.frames < 2, "--frames must be at least 2"),
+                     (not args.fit_memory_gib > 0, "--fit-memory-gib must be positive"),
+                     (args.fit_run and not args.batch, "--fit-run needs --batch"),
+                     (args.llama_threads is not None and args.llama_threads < 1, "--llama-threads must be >= 1"),
+                     (not args.step_batch, "--step-batch: give at least one size")):
+        if bad:
+            parser.error(why)
+    options = BenchOptions(**{f.name: getattr(args, f.name) for f in fields(BenchOptions) if hasattr(args, f.name)},
+                           fit_memory_bytes=int(args.fit_memory_gib * 2**30))
+    options.bundles = tuple(options.bundles)
+    from higgs_pack.manifests.errors import HiggsPackError
+
+    try:
+        records = run_bench(options)
+    except HiggsPackError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    builds = [r for r in records if r.get("kind") == "build"]
+    steps = [r for r in records if r.get("kind") == STEP_KIND]
+    measured = [r for r in records if r.get("kind") is None]
+    print("\n".join(filter(None, [render_builds(builds), *([render_table(measured), render_batch(measured),
+                                                            render_details(measured)] if measured else []),
+                                  render_steps(steps)])))
+    if options.out:
+        write_records(builds + measured + steps, Path(options.out), options.append)
+        print(f"wrote {options.out}")
+        try:
+            print(f"wrote {write_html(Path(options.out))}")
+        except HiggsPackError as exc:
+            print(f"note: no HTML report: {exc}", file=sys.stderr)
+    over = [b["system"] for b in builds if (b.get("peak_rss_mb") or 0) > BUILD_MEMORY_BUDGET_MB]
+    if over:
+        print(f"builds over the {BUILD_MEMORY_BUDGET_MB} MB memory budget: {', '.join(over)}", file=sys.stderr)
+    return 1 if over or any("error" in r or "error" in (r.get("batch") or {}) for r in records) else 0

@@ -1,8 +1,6 @@
-"""The requests of the load test and the judge of their answers: :class:`Job` (one request of
-the pool), :class:`Expected` (its reference), :class:`Observed` (what a client saw) and
-:func:`check` (a :class:`Verdict`: one of :data:`CATEGORIES`).
-
-Units: frames of 960 samples at 24 kHz (25 per second); 16-bit little-endian PCM.
+"""The load test's requests (:class:`Job`), references (:class:`Expected`), what a client saw
+(:class:`Observed`) and the judge of an answer (:func:`check`, a :class:`Verdict` in
+:data:`CATEGORIES`).  Frames of 960 samples at 24 kHz; 16-bit little-endian PCM.
 """
 
 from __future__ import annotations
@@ -18,42 +16,24 @@ from typing import Any
 
 import numpy as np
 
-#: Samples per audio frame at 24 kHz (25 frames per second).
 FRAME_SAMPLES = 960
 SAMPLE_RATE = 24000
-#: How an answer is counted.
-#:
-#: ``ok``: complete audio of the reference length; ``length_differs``: complete and well-formed
-#: audio of another length (on an int4 bundle a request's codes can depend on which rows share
-#: its steps, so a request run beside others may stop at another frame than alone; at one client
-#: there are no others and this counts as ``truncated``); ``rejected``: 429 ``queue_full`` while
-#: the queue was full; ``error``: another status with OpenAI's error body; ``lost``: no answer (a
-#: refused connection, a timeout before the headers); ``truncated``: audio that broke off (the
-#: body ended early, a WAV shorter than its header says, half a sample); ``malformed``: not what
-#: it says (unreadable audio, a wrong media type or rate, no error body); ``unjustified_429``: a
-#: 429 while fewer than ``max_batch + max_queue`` other requests were out, or one not saying
-#: ``queue_full``.
+#: ok: complete audio of the reference length; length_differs: complete, another length (an int4
+#: request's codes can depend on the rows sharing its steps; alone it is truncated or malformed);
+#: rejected: 429 queue_full while the queue was full; error: another status with OpenAI's error
+#: body; lost: no answer; truncated: audio that broke off; malformed: not what it says;
+#: unjustified_429: a 429 while fewer than max_batch + max_queue others were out, or not queue_full.
 CATEGORIES = ("ok", "length_differs", "rejected", "error", "lost", "truncated", "malformed", "unjustified_429")
+#: The categories the goals allow none of.
+FAILURES = ("lost", "truncated", "malformed", "unjustified_429")
 #: The fields of each answer a level keeps (``answers``): times in ms from the level's first send.
 ANSWER_COLUMNS = ("job", "stream", "status", "category", "sent_ms", "latency_ms", "first_audio_ms", "frames",
                   "retry_after_s")
-#: The categories the goals allow none of.
-FAILURES = ("lost", "truncated", "malformed", "unjustified_429")
-
-
 
 
 @dataclass(frozen=True)
 class Job:
-    """One request of the pool.
-
-    Attributes:
-        index: its place in the pool; also its seed.
-        text: what is said.
-        seed: sampling seed.
-        stream: True: ``stream_format="audio"`` with ``response_format="pcm"``; False: a whole WAV.
-        frames: ``max_new_tokens`` (25 per second).
-    """
+    """One request of the pool: its index (also its seed), text, a PCM stream or a whole WAV, frames."""
 
     index: int
     text: str
@@ -63,72 +43,24 @@ class Job:
 
     def body(self, model: str) -> dict[str, Any]:
         """The ``POST /v1/audio/speech`` body."""
-        body = {"model": model, "input": self.text, "voice": "default", "seed": self.seed,
-                "max_new_tokens": self.frames, "response_format": "pcm" if self.stream else "wav"}
-        if self.stream:
-            body["stream_format"] = "audio"
-        return body
-
-
-def case_texts(cases: Path) -> list[str]:
-    """The non-empty lines of the cases' texts (English, then Chinese)."""
-    texts = []
-    for name in ("text_en_basic.txt", "text_zh.txt"):
-        path = cases / name
-        if path.is_file():
-            texts += [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    if not texts:
-        from higgs_pack.manifests.errors import InputError
-
-        raise InputError(f"no texts in {cases} (text_en_basic.txt, text_zh.txt); give the cases folder with --cases "
-                         "or $HIGGS_PACK_CASES")
-    return texts
-
-
-def request_pool(texts: Sequence[str], size: int, frames: int) -> list[Job]:
-    """``size`` jobs: text ``i mod len(texts)``, seed ``i``, whole and streamed in turn; with an
-    even number of texts the turn shifts by one at each pass over them, so every text is asked
-    both ways."""
-    shift = len(texts) % 2 == 0
-    return [Job(i, texts[i % len(texts)], i, (i + (i // len(texts) if shift else 0)) % 2 == 1, frames)
-            for i in range(size)]
-
-
-def pcm16(samples: np.ndarray) -> bytes:
-    """Float samples as the server sends them: clipped to [-1, 1], 16-bit little-endian."""
-    from higgs_pack.runtime.audio import pcm_samples
-
-    return pcm_samples(np.clip(np.asarray(samples, dtype=np.float32).reshape(-1), -1.0, 1.0)).tobytes()
+        return {"model": model, "input": self.text, "voice": "default", "seed": self.seed,
+                "max_new_tokens": self.frames, "response_format": "pcm" if self.stream else "wav",
+                **({"stream_format": "audio"} if self.stream else {})}
 
 
 @dataclass(frozen=True)
 class Expected:
-    """A job's reference answer (the engine, one request at a time): ``samples`` at 24 kHz and
-    the sha256 of their 16-bit PCM."""
+    """A job's reference (the engine, one request at a time): samples and the sha256 of their PCM."""
 
     samples: int
     sha256: str
 
 
-# ---------------------------------------------------------------------------------------------
-# the checker
-
-
 @dataclass
 class Observed:
-    """What the client saw of one request.
-
-    Attributes:
-        job: the request.
-        status: HTTP status, None when no answer came.
-        content_type: the answer's ``Content-Type``.
-        retry_after: its ``Retry-After`` header, or None.
-        body: the bytes received.
-        error: the transport error that ended the request (``ReadTimeout: ...``), or None.
-        started, first_audio, ended: ``time.monotonic()`` at the send, at the first audio byte
-            (streams; None otherwise) and at the end.
-        peak_others: most other requests of this run out at once while it was.
-    """
+    """What a client saw of one request: status (None: no answer), headers, body, the transport
+    error, ``time.monotonic()`` at the send, first audio byte and end, and ``peak_others`` (most
+    other requests out at once meanwhile)."""
 
     job: Job
     status: int | None = None
@@ -144,8 +76,7 @@ class Observed:
 
 @dataclass(frozen=True)
 class Verdict:
-    """How one answer counts: a :data:`CATEGORIES` name, why, its audio frames (960 samples
-    each; 0 when not audio) and whether its PCM equals the reference's bit for bit."""
+    """How one answer counts: a category, why, its frames and whether its PCM equals the reference's."""
 
     category: str
     detail: str = ""
@@ -153,65 +84,69 @@ class Verdict:
     exact: bool = False
 
 
+def case_texts(cases: Path) -> list[str]:
+    """The non-empty lines of the cases' English and Chinese texts; InputError when there are none."""
+    texts = [line.strip() for name in ("text_en_basic.txt", "text_zh.txt") if (cases / name).is_file()
+             for line in (cases / name).read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not texts:
+        from higgs_pack.manifests.errors import InputError
+
+        raise InputError(f"no texts in {cases} (text_en_basic.txt, text_zh.txt); give --cases or $HIGGS_PACK_CASES")
+    return texts
+
+
+def request_pool(texts: Sequence[str], size: int, frames: int) -> list[Job]:
+    """``size`` jobs: text ``i mod len(texts)``, seed ``i``, whole and streamed in turn (shifted by
+    one each pass over an even number of texts, so every text is asked both ways)."""
+    shift = len(texts) % 2 == 0
+    return [Job(i, texts[i % len(texts)], i, (i + (i // len(texts) if shift else 0)) % 2 == 1, frames)
+            for i in range(size)]
+
+
+def pcm16(samples: np.ndarray) -> bytes:
+    """Float samples as the server sends them: clipped to [-1, 1], 16-bit little-endian."""
+    from higgs_pack.runtime.audio import pcm_samples
+
+    return pcm_samples(np.clip(np.asarray(samples, dtype=np.float32).reshape(-1), -1.0, 1.0)).tobytes()
+
+
 def check(obs: Observed, expected: Expected | None, capacity: int | None, *, alone: bool = False) -> Verdict:
-    """Judge one answer (see :data:`CATEGORIES`).
-
-    Args:
-        obs: what the client saw.
-        expected: the job's reference, or None (the length is then not compared).
-        capacity: ``max_batch + max_queue`` of the server (None: a 429 is not judged by it).
-        alone: no other request was out (one client): a length other than the reference's is
-            ``truncated`` (shorter) or ``malformed`` (longer), not ``length_differs``.
-
-    Returns:
-        A :class:`Verdict`.
-    """
+    """Judge one answer against the job's reference (None: length not compared) and the server's
+    ``max_batch + max_queue`` (None: a 429 is not judged by it); ``alone``: no other request was out."""
     if obs.status is None:
         return Verdict("lost", obs.error or "no answer")
     if obs.status == 200:
         if obs.error:
             return Verdict("truncated", f"the body broke off after {len(obs.body)} bytes: {obs.error}")
         return _check_audio(obs, expected, alone)
-    error = _error_body(obs.body)
-    if error is None:
+    try:
+        error = json.loads(obs.body).get("error")
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        error = None
+    if not (isinstance(error, dict) and {"message", "type", "param", "code"} <= set(error)
+            and isinstance(error["message"], str) and error["message"]):
         return Verdict("malformed", f"status {obs.status} without OpenAI's error body: {obs.body[:160]!r}"
                        + (f" ({obs.error})" if obs.error else ""))
-    if obs.status == 429:
-        if error.get("code") != "queue_full" or not (obs.retry_after or "").isdigit():
-            return Verdict("unjustified_429", f"429 with code {error.get('code')!r} and Retry-After "
-                           f"{obs.retry_after!r} (expected queue_full and whole seconds)")
-        if capacity is not None and obs.peak_others < capacity:
-            return Verdict("unjustified_429", f"429 queue_full while at most {obs.peak_others} other requests were "
-                           f"out (the queue holds {capacity})")
-        return Verdict("rejected", f"429 queue_full, Retry-After {obs.retry_after} s")
-    return Verdict("error", f"{obs.status} {error.get('code')}: {str(error.get('message'))[:160]}")
-
-
-def _error_body(body: bytes) -> dict[str, Any] | None:
-    """The ``error`` object of OpenAI's body shape, or None when the body is not one."""
-    try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    error = data.get("error") if isinstance(data, dict) else None
-    if not isinstance(error, dict) or not {"message", "type", "param", "code"} <= set(error):
-        return None
-    return error if isinstance(error["message"], str) and error["message"] else None
+    if obs.status != 429:
+        return Verdict("error", f"{obs.status} {error.get('code')}: {str(error.get('message'))[:160]}")
+    if error.get("code") != "queue_full" or not (obs.retry_after or "").isdigit():
+        return Verdict("unjustified_429", f"429 with code {error.get('code')!r} and Retry-After {obs.retry_after!r} "
+                       "(expected queue_full and whole seconds)")
+    if capacity is not None and obs.peak_others < capacity:
+        return Verdict("unjustified_429", f"429 queue_full while at most {obs.peak_others} other requests were out "
+                       f"(the queue holds {capacity})")
+    return Verdict("rejected", f"429 queue_full, Retry-After {obs.retry_after} s")
 
 
 def _check_audio(obs: Observed, expected: Expected | None, alone: bool) -> Verdict:
-    job = obs.job
-    want = "audio/pcm" if job.stream else "audio/wav"
+    job, want = obs.job, "audio/pcm" if obs.job.stream else "audio/wav"
     if not obs.content_type.startswith(want):
         return Verdict("malformed", f"Content-Type {obs.content_type!r}, expected {want}")
-    if job.stream:
-        if len(obs.body) % 2:
-            return Verdict("truncated", f"{len(obs.body)} bytes of 16-bit PCM: it broke off inside a sample")
-        pcm = obs.body
-    else:
-        pcm, problem = wav_pcm(obs.body)
-        if problem:
-            return Verdict("truncated" if problem.startswith("short") else "malformed", problem)
+    if job.stream and len(obs.body) % 2:
+        return Verdict("truncated", f"{len(obs.body)} bytes of 16-bit PCM: it broke off inside a sample")
+    pcm, problem = (obs.body, "") if job.stream else wav_pcm(obs.body)
+    if problem:
+        return Verdict("truncated" if problem.startswith("short") else "malformed", problem)
     samples = len(pcm) // 2
     frames = samples / FRAME_SAMPLES
     if samples == 0:
@@ -229,12 +164,8 @@ def _check_audio(obs: Observed, expected: Expected | None, alone: bool) -> Verdi
 
 
 def wav_pcm(data: bytes) -> tuple[bytes, str]:
-    """The 16-bit PCM of a whole WAV file, and "" or what is wrong with it.
-
-    The RIFF chunks are walked to the ``data`` chunk, whose declared size must be there in full
-    ("short: ..." when fewer bytes came: a truncated file); the format must be 16-bit PCM mono at
-    24 kHz, and libsndfile must read the file to the same samples.
-    """
+    """A whole WAV's 16-bit PCM and "" or what is wrong: its ``data`` chunk must be there in full
+    ("short: ..." otherwise), 16-bit PCM mono at 24 kHz, and read by libsndfile to the same samples."""
     import soundfile as sf
 
     if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":

@@ -1,8 +1,6 @@
-"""The load test's two other processes and what it reads of them: :class:`ServerProcess`
-(``higgs-pack serve`` on 127.0.0.1), :class:`EngineProcess` and :func:`engine_worker` (the same
-bundle through ``tts.engine(max_batch)``), the resident memory and CPU seconds of a process
-(``/proc``), and the server's counters (``/metrics``).
-"""
+"""The load test's other processes: :class:`ServerProcess` (``higgs-pack serve`` on 127.0.0.1,
+also the tests' live server), :class:`EngineProcess` and :func:`engine_worker` (the same bundle
+through ``tts.engine(max_batch)``), and the server's counters (:func:`scrape`)."""
 
 from __future__ import annotations
 
@@ -21,46 +19,14 @@ from dataclasses import asdict
 from typing import Any
 
 from bench.serve_checks import Expected, Job, pcm16
-from bench.systems import child_env
+from bench.systems import child_env, cpu_s
 
 #: Most seconds a server started here may live, and may take to get ready (or the engine to load).
 SERVER_LIFETIME_S = 3600.0
 SERVER_START_S = 300.0
-
-
-
-def rss_mb(pid: int) -> float | None:
-    """Resident memory of process ``pid`` (``VmRSS``), MiB; None when it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def cpu_s(pid: int | None = None) -> float | None:
-    """CPU seconds (user + system, every thread) used so far by process ``pid`` (``/proc/PID/stat``),
-    or by this process when None; None when it cannot be read."""
-    if pid is None:
-        import resource
-
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        return usage.ru_utime + usage.ru_stime
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-#: ``/metrics`` samples :func:`scrape` reads: (sample name with its labels, key).
+#: ``/metrics`` samples :func:`scrape` reads, and their keys.
 SCRAPED = (
-    ("higgs_pack_frames_total", "frames"),
-    ("higgs_pack_engine_frames_total", "engine_frames"),
+    ("higgs_pack_frames_total", "frames"), ("higgs_pack_engine_frames_total", "engine_frames"),
     ("higgs_pack_engine_steps_total", "engine_steps"),
     ("higgs_pack_engine_step_seconds_total", "engine_step_seconds"),
     ("higgs_pack_time_to_first_audio_seconds_sum", "first_audio_seconds"),
@@ -71,10 +37,7 @@ SCRAPED = (
 
 
 def scrape(url: str) -> dict[str, float]:
-    """The server's counters of :data:`SCRAPED` from ``/metrics`` ({} when it has none): frames
-    sent, the engine's frames, steps and step seconds, and the sums and counts of its own time
-    to first audio (from the start of a stream's body to its first audio chunk) and request
-    seconds (from the request to its last byte)."""
+    """The :data:`SCRAPED` counters of the server's ``/metrics`` ({} when it has none)."""
     import httpx
 
     try:
@@ -89,34 +52,18 @@ def scrape(url: str) -> dict[str, float]:
     return found
 
 
-# ---------------------------------------------------------------------------------------------
-# the engine in its own process
-
-
 class EngineProcess:
-    """``python -m bench.serve_load --engine-worker``: the bundle loaded with
-    ``tts.engine(max_batch)``, driven by one JSON line per task on its stdin, each answered by
-    one JSON line on its stdout.
-
-    Args:
-        bundle: the bundle directory.
-        max_batch: the engine's rows (the server's).
-        cache: ``$HIGGS_PACK_CACHE`` for the process (None: inherited).
-    """
+    """``python -m bench.serve_load --engine-worker``: the bundle in ``tts.engine(max_batch)``, one
+    JSON task per line on its stdin, one JSON answer per line on its stdout."""
 
     def __init__(self, bundle: str | os.PathLike, max_batch: int, cache: str | None = None):
-        env = child_env(**({"HIGGS_PACK_CACHE": cache} if cache else {}))
-        cmd = [sys.executable, "-m", "bench.serve_load", "--engine-worker", str(bundle),
-               "--max-batch", str(max_batch)]
-        self.process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        cmd = [sys.executable, "-m", "bench.serve_load", "--engine-worker", str(bundle), "--max-batch", str(max_batch)]
+        self.process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                        env=child_env(**({"HIGGS_PACK_CACHE": cache} if cache else {})))
         self._lines: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=lambda: [*map(self._lines.put, self.process.stdout), self._lines.put(None)],
+                         daemon=True).start()
         self.info = self._answer(SERVER_START_S)
-
-    def _read(self) -> None:
-        for line in self.process.stdout:
-            self._lines.put(line)
-        self._lines.put(None)
 
     def _answer(self, timeout: float) -> dict[str, Any]:
         try:
@@ -132,7 +79,7 @@ class EngineProcess:
         return answer
 
     def ask(self, task: dict[str, Any], timeout: float) -> dict[str, Any]:
-        """Send one task; its answer (raises RuntimeError when the process fails or is late)."""
+        """Send one task and wait for its answer (RuntimeError when the process fails or is late)."""
         self.process.stdin.write(json.dumps(task) + "\n")
         self.process.stdin.flush()
         return self._answer(timeout)
@@ -149,14 +96,10 @@ class EngineProcess:
                 self.process.wait(10)
 
 
-def _jobs_of(items: Sequence[dict[str, Any]]) -> list[Job]:
-    return [Job(**item) for item in items]
-
-
 def engine_worker(bundle: str, max_batch: int) -> int:
-    """The engine process (``--engine-worker``): tasks ``reference`` (every job alone: its
-    samples and PCM sha256), ``level`` (the jobs from ``clients`` threads: per-request rows and
-    the span) and ``quit``.  Only answers go to stdout; anything printed goes to stderr."""
+    """The engine process: tasks ``reference`` (every job alone) and ``level`` (the jobs from
+    ``clients`` threads for at most ``seconds``: a row per request, the span, the engine's counter
+    deltas and CPU seconds), then ``quit``.  Only answers go to stdout."""
     answers = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
@@ -177,8 +120,8 @@ def engine_worker(bundle: str, max_batch: int) -> int:
     say({"max_batch": engine.max_batch, "bundle": tts.info.bundle, "pid": os.getpid()})
 
     def one(job: Job, expected: Expected | None) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        first = None
+        t0, first, submitted = time.perf_counter(), None, None
+        row: dict[str, Any] = {"job": job.index, "stream": job.stream}
         try:
             handle = engine.submit(SynthesisRequest.create(job.text, seed=job.seed, max_frames=job.frames))
             submitted = time.perf_counter() - t0
@@ -192,27 +135,21 @@ def engine_worker(bundle: str, max_batch: int) -> int:
             else:
                 pcm = pcm16(handle.result(timeout=600).samples)
         except Exception as exc:  # one request failing is a figure, not the end of the run
-            return {"job": job.index, "stream": job.stream, "category": "error", "detail": repr(exc),
-                    "latency_s": time.perf_counter() - t0, "first_audio_s": None, "samples": 0, "exact": False}
-        latency = time.perf_counter() - t0
+            return {**row, "category": "error", "detail": repr(exc), "latency_s": time.perf_counter() - t0,
+                    "first_audio_s": None, "samples": 0, "exact": False}
         sha = hashlib.sha256(pcm).hexdigest()
-        samples = len(pcm) // 2
-        category = "ok" if expected is None or samples == expected.samples else "length_differs"
-        return {"job": job.index, "stream": job.stream, "category": category, "latency_s": latency,
-                "first_audio_s": first, "submit_s": submitted, "samples": samples, "sha256": sha,
+        same = expected is None or len(pcm) // 2 == expected.samples
+        return {**row, "category": "ok" if same else "length_differs", "latency_s": time.perf_counter() - t0,
+                "first_audio_s": first, "submit_s": submitted, "samples": len(pcm) // 2, "sha256": sha,
                 "exact": expected is not None and sha == expected.sha256}
 
     def level(jobs: list[Job], clients: int, seconds: float, expected: dict[int, Expected]) -> dict[str, Any]:
         rows: list[dict[str, Any]] = []
-        lock = threading.Lock()
-        pending = iter(jobs)
-        before = asdict(engine.stats)
-        cpu_before = cpu_s()
-        t0 = time.perf_counter()
-        deadline = t0 + seconds
+        lock, pending = threading.Lock(), iter(jobs)
+        before, cpu_before, t0 = asdict(engine.stats), cpu_s(), time.perf_counter()
 
         def client() -> None:
-            while time.perf_counter() < deadline:
+            while time.perf_counter() < t0 + seconds:
                 with lock:
                     job = next(pending, None)
                 if job is None:
@@ -226,10 +163,8 @@ def engine_worker(bundle: str, max_batch: int) -> int:
             thread.start()
         for thread in threads:
             thread.join()
-        span = time.perf_counter() - t0
-        after = asdict(engine.stats)
-        stats = {"engine_steps": after["steps"] - before["steps"], "engine_frames": after["frames"] - before["frames"],
-                 "engine_step_seconds": after["step_seconds"] - before["step_seconds"]}
+        span, after = time.perf_counter() - t0, asdict(engine.stats)
+        stats = {f"engine_{k}": after[k] - before[k] for k in ("steps", "frames", "step_seconds")}
         return {"rows": rows, "seconds": span, "stats": stats, "cpu_s": cpu_s() - cpu_before}
 
     for line in sys.stdin:
@@ -237,12 +172,12 @@ def engine_worker(bundle: str, max_batch: int) -> int:
         try:
             if task["task"] == "quit":
                 break
+            jobs = [Job(**item) for item in task["jobs"]]
             if task["task"] == "reference":
-                rows = [one(job, None) for job in _jobs_of(task["jobs"])]
-                say({"rows": rows})
-            elif task["task"] == "level":
+                say({"rows": [one(job, None) for job in jobs]})
+            else:
                 expected = {int(k): Expected(**v) for k, v in task["expected"].items()}
-                say(level(_jobs_of(task["jobs"]), task["clients"], task["seconds"], expected))
+                say(level(jobs, task["clients"], task["seconds"], expected))
         except Exception as exc:
             say({"error": f"{type(exc).__name__}: {exc}"})
     engine.close(timeout=30)
@@ -250,35 +185,11 @@ def engine_worker(bundle: str, max_batch: int) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------------------------
-# the server
-
-
 class ServerProcess:
-    """``higgs-pack serve SOURCE --host 127.0.0.1 --port 0 ARGS...`` in a subprocess, found at the
-    address it prints (``serving http://127.0.0.1:PORT``): ready when ``/ready`` answers 200,
-    killed after ``lifetime`` seconds, stopped by its process id.  The load test's server and the
-    tests' (``tests/live_server.py``) are this one class.
-
-    Args:
-        source: a bundle directory (or anything ``higgs-pack serve`` takes).
-        args: more ``higgs-pack serve`` flags.
-        cache: ``$HIGGS_PACK_CACHE`` for the process (None: inherited).
-        lifetime: seconds after which the process is killed.
-        log_level: its ``--log-level`` (``warning``: the load test keeps its log short).
-        env: more environment variables for the process.
-        cwd: its working folder (None: this process's).
-        start_timeout: most seconds to bind and most to get ready.
-
-    Attributes:
-        url: ``http://127.0.0.1:PORT``.
-        pid: the server's process id (the process whose RSS is read).
-        process: the :class:`subprocess.Popen`.
-        log: what it printed (stdout and stderr), filled as it runs.
-
-    Raises:
-        RuntimeError: it did not bind or did not get ready (its last 30 lines of log said).
-    """
+    """``higgs-pack serve SOURCE --host 127.0.0.1 --port 0 ARGS...`` in a subprocess, at the address
+    it prints: ready when ``/ready`` answers 200, killed after ``lifetime`` seconds, stopped by its
+    process id (``url``, ``pid``, ``process``, ``log``); RuntimeError with its last log lines when it
+    does not bind or get ready within ``start_timeout`` each."""
 
     def __init__(self, source: str | os.PathLike, args: Sequence[str] = (), cache: str | None = None,
                  lifetime: float = SERVER_LIFETIME_S, *, log_level: str = "warning",
@@ -286,17 +197,15 @@ class ServerProcess:
                  start_timeout: float = SERVER_START_S):
         import httpx
 
-        env = {**os.environ, **({"HIGGS_PACK_CACHE": cache} if cache else {}), **(env or {})}
         cmd = [sys.executable, "-m", "higgs_pack.runtime.cli", "serve", str(source), "--host", "127.0.0.1",
                "--port", "0", "--log-level", log_level, *args]
-        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                        cwd=cwd)
-        self.pid = self.process.pid
-        self.url = ""
-        self.log: list[str] = []
+        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
+                                        env={**os.environ, **({"HIGGS_PACK_CACHE": cache} if cache else {}),
+                                             **(env or {})})
+        self.pid, self.url, self.log = self.process.pid, "", []
         bound = threading.Event()
         threading.Thread(target=self._read, args=(bound,), daemon=True).start()
-        self._killer = threading.Timer(lifetime, self._kill)
+        self._killer = threading.Timer(lifetime, lambda: self.process.poll() is None and self.signal(signal.SIGKILL))
         self._killer.daemon = True
         self._killer.start()
         if not bound.wait(start_timeout) or not self.url:
@@ -322,23 +231,19 @@ class ServerProcess:
                 bound.set()
         bound.set()
 
-    def _kill(self) -> None:
-        if self.process.poll() is None:
-            os.kill(self.pid, signal.SIGKILL)
-
     def signal(self, sig: int = signal.SIGTERM) -> None:
         """Send ``sig`` to the server's process."""
         os.kill(self.pid, sig)
 
     def stop(self, timeout: float = 60.0) -> int | None:
-        """SIGTERM to its process id, SIGKILL after ``timeout``; its exit status."""
+        """SIGTERM, SIGKILL after ``timeout``; its exit status."""
         self._killer.cancel()
         if self.process.poll() is None:
-            os.kill(self.pid, signal.SIGTERM)
+            self.signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
-                os.kill(self.pid, signal.SIGKILL)
+                self.signal(signal.SIGKILL)
                 self.process.wait(10)
         return self.process.returncode
 

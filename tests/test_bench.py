@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import cli, run, systems, workers
 from bench import records as bench_records
+from bench import report, run, systems, workers
 from higgs_pack.manifests.errors import BuildPlanError
 
 #: Keys every measured record carries, with their types.
@@ -127,10 +127,10 @@ def test_ratios_goals_and_table(tmp_path):
     assert roof["roofline_frac"] == pytest.approx(0.9)
     assert roof["roofline_frac_decoder"] == pytest.approx(1.0)
 
-    table = bench_records.render_table(records)
+    table = report.render_table(records)
     for text in ("pytorch", "cpu-int4", "3.00x", "1.20x", "error"):
         assert text in table
-    details = bench_records.render_details(records)
+    details = report.render_details(records)
     assert "ERROR build: boom" in details and "met" in details and "not measured" in details
 
     out = tmp_path / "bench.json"
@@ -271,7 +271,7 @@ def test_worker_failure_is_reported(tmp_path):
 @pytest.mark.slow
 def test_bench_pytorch_on_tiny_checkpoint(tiny_checkpoint, tmp_path):
     out = tmp_path / "bench.json"
-    code = cli.main(["--preset", "tiny", "--systems", "pytorch", "--checkpoint", str(tiny_checkpoint),
+    code = run.main(["--preset", "tiny", "--systems", "pytorch", "--checkpoint", str(tiny_checkpoint),
                        "--frames", "8", "--repeats", "1", "--bandwidth-mib", "32", "--cache",
                        str(tmp_path / "cache"), "--out", str(out), "--quiet"])
     assert code == 0
@@ -343,7 +343,7 @@ def test_bench_streams_and_drives_the_bare_decoder(cpu_int4_bundle, tmp_path):
     from higgs_pack.runtime.machine.cpu import cpu_info
 
     assert rec["machine"]["llc_bytes"] == cpu_info().llc_bytes
-    details = bench_records.render_details([rec])
+    details = report.render_details([rec])
     assert "first audio" in details and "ctx 900" in details
 
 
@@ -396,11 +396,11 @@ def test_context_steps_take_the_lengths_in_turn(cpu_int4_bundle):
 
 
 def test_parse_batch():
-    assert cli.parse_batch("1,2,4,8") == (1, 2, 4, 8) and cli.parse_batch("") == ()
+    assert run.parse_batch("1,2,4,8") == (1, 2, 4, 8) and run.parse_batch("") == ()
     for bad, named in (("1,x", "comma-separated"), ("0,2", ">= 1"), ("2,2", "distinct")):
-        assert named in cli.parse_batch(bad)
+        assert named in run.parse_batch(bad)
     with pytest.raises(SystemExit):
-        cli.main(["--batch", "1,1"])
+        run.main(["--batch", "1,1"])
 
 
 def _row(size, agg, step, bare=None, stream=0.95):
@@ -465,7 +465,7 @@ def test_batch_goals_judged_at_full_size_and_missed_when_a_figure_misses():
     assert not any(g.startswith("[full]") and "batch" in g for g in bench_goals)  # only the presets run
     printed = _batched("cpu-int4", "cpu", "bench", rows)
     printed.update(first_audio_steps=28, stream_chunk_frames=10, stream_context_frames=11, stream_frames_per_s=28.0)
-    details = bench_records.render_details([printed])
+    details = report.render_details([printed])
     assert "would be missed; judged at full size only -> not judged" in details
     # no --batch run: no batch goals; a failed batch run: every batch goal not measured, saying so
     assert not any("batch" in g for g in _goals([_measured("cpu-int4", "cpu", 30.0, preset="full")]))
@@ -492,11 +492,11 @@ def test_batch_memory_fit_table_and_html(tmp_path):
     ov_rows = [_row(1, 9.0, 110.0)] + [{"batch": b, "refused": OV_REFUSAL} for b in (2, 4)]
     records = [_batched("cpu-int4", "cpu", "bench", _good_rows()[:3]),
                _batched("openvino-int4", "openvino", "bench", ov_rows)]
-    text = bench_records.render_batch(records)
+    text = report.render_batch(records)
     for part in ("3.50x", "1.14x", "refused", "largest batch in 12 GiB at 2000 positions: 18 (computed, not run",
                  "openvino-int4 [bench] batch 2 refused by the engine: OpenVINO bundles do not decode"):
         assert part in text, part
-    assert bench_records.render_batch([_measured("cpu-int4", "cpu", 30.0)]) == ""
+    assert report.render_batch([_measured("cpu-int4", "cpu", 30.0)]) == ""
     pytest.importorskip("matplotlib")
     out = tmp_path / "bench.json"
     bench_records.write_records(records, out)
@@ -519,7 +519,7 @@ BATCH_ROW_TYPES = {
 def test_bench_batch_on_tiny_cpu_int4(cpu_int4_bundle, tmp_path):
     """``--batch 1,2`` on the tiny cpu int4 bundle: the record's structure, the JSON, the goals, the HTML."""
     out = tmp_path / "bench.json"
-    code = cli.main(["--preset", "tiny", "--systems", "", "--bundle", str(cpu_int4_bundle), "--batch", "1,2",
+    code = run.main(["--preset", "tiny", "--systems", "", "--bundle", str(cpu_int4_bundle), "--batch", "1,2",
                        "--frames", "24", "--repeats", "1", "--warmup", "0", "--contexts", "", "--bandwidth-mib", "0",
                        "--cache", str(tmp_path / "cache"), "--out", str(out), "--quiet"])
     assert code == 0
@@ -574,7 +574,7 @@ def test_bench_fit_run_on_tiny_cpu_int4(cpu_int4_bundle, tmp_path):
     says how much the process really held against the budget (here a tiny one, which the
     process's own baseline exceeds: the computation counts weights and KV only)."""
     out = tmp_path / "bench.json"
-    code = cli.main(["--preset", "tiny", "--systems", "", "--bundle", str(cpu_int4_bundle), "--batch", "1",
+    code = run.main(["--preset", "tiny", "--systems", "", "--bundle", str(cpu_int4_bundle), "--batch", "1",
                        "--fit-memory-gib", "0.05", "--fit-run", "--frames", "8", "--repeats", "1", "--warmup", "0",
                        "--contexts", "", "--bandwidth-mib", "0", "--cache", str(tmp_path / "cache"), "--out", str(out),
                        "--quiet"])
@@ -588,7 +588,7 @@ def test_bench_fit_run_on_tiny_cpu_int4(cpu_int4_bundle, tmp_path):
     assert batch["fit_run_kv_bytes"] >= batch["fit_max_batch"] * 1999 * per_position
     assert batch["fit_run_peak_rss_mb"] > batch["fit_run_load_rss_mb"] > 0 and batch["fit_run_step_ms"] > 0
     assert batch["fit_run_fits"] is False  # a Python process with ONNX Runtime alone exceeds 51 MiB
-    assert "EXCEEDS the budget" in bench_records.render_batch([json.loads(out.read_text())[0]])
+    assert "EXCEEDS the budget" in report.render_batch([json.loads(out.read_text())[0]])
 
 
 def test_fill_kv_refuses_what_it_cannot_fill():

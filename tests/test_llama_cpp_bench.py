@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import slow_fixture
 
-from bench import cli, decoder_steps, llama_cpp, report, systems
+from bench import decoder_steps, llama_cpp, report, run, systems
 from bench import records as bench_records
 from higgs_pack.manifests.errors import BuildError, InputError
 
@@ -33,7 +33,7 @@ def test_llama_system_names():
 
 def test_step_batch_flag_is_checked(capsys):
     with pytest.raises(SystemExit):
-        cli.main(["--step-batch", "1,x", "--systems", ""])
+        run.main(["--step-batch", "1,x", "--systems", ""])
     assert "--step-batch" in capsys.readouterr().err
 
 
@@ -113,15 +113,15 @@ def test_ratios_table_and_html():
     assert ll["rows"][0]["over"] == {"cpu-int4": 1.5, "openvino-int4": 3.0}
     assert ll["rows"][0]["over_no_output"] == {"cpu-int4": 0.5, "openvino-int4": 1.0}
     assert ll["rows"][1]["over"] == {"cpu-int4": 1.5}  # openvino refused batch 4
-    headers, rows = decoder_steps.step_table_rows(records)
+    headers, rows = report.step_table_rows(records)
     assert headers[:4] == ["B", "ctx", "cpu-int4 ms", "openvino-int4 ms"]
     assert rows[1][:4] == ["4", "64", "4.00", "refused"] and rows[0][-2:] == ["1.50x", "3.00x"]
-    text = decoder_steps.render_steps(records)
+    text = report.render_steps(records)
     assert "llama.cpp-q4_k_m [tiny]: ERROR llama-cpp-python is not installed" in text
     assert "Q6_K 8.0 MB" in text
     html = report.steps_section(records)
     assert "<h2>Decoder step beside llama.cpp</h2>" in html and "refused" in html
-    assert decoder_steps.render_steps([]) == "" and report.steps_section([]) == ""
+    assert report.render_steps([]) == "" and report.steps_section([]) == ""
 
 
 def test_records_go_to_json_and_html(tmp_path):

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from typing import Any, Literal
 
-from higgs_pack.manifests.constants import SubPart
+from higgs_pack.manifests.model import SubPart
 from higgs_pack.runtime.backends import registered
 
 #: Formats an exporter may write: those of the runtime backends.
@@ -51,7 +51,7 @@ class ExportResult:
     """One exported sub-part: its files, how it was made, and its I/O signature.
 
     Attributes:
-        subpart: The sub-part name (a :class:`~higgs_pack.manifests.constants.SubPart`
+        subpart: The sub-part name (a :class:`~higgs_pack.manifests.model.SubPart`
             value such as ``"llm_decoder"``); stored as the plain string.
         format: ``"onnx"`` or ``"openvino"``.
         files: Every file of the sub-part, as POSIX paths relative to the bundle

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from higgs_pack.manifests.constants import EXECUTION_PROVIDERS
+from higgs_pack.manifests.providers import EXECUTION_PROVIDERS
 
 #: Bytes per weight stored at each precision, with the quantization metadata:
 #: int4 = 4 bits + one fp32 scale per block of 32 (ModelBuilder/ORT; OpenVINO's group of

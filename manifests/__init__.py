@@ -3,12 +3,6 @@
 Pure data and validation; imports no other higgs-pack subpackage.
 """
 
-from higgs_pack.manifests.constants import (
-    EXECUTION_PROVIDERS,
-    FORMAT_VERSION,
-    ExecutionProvider,
-    SubPart,
-)
 from higgs_pack.manifests.errors import (
     BuildError,
     BuildPlanError,
@@ -23,6 +17,9 @@ from higgs_pack.manifests.errors import (
     SignatureMismatch,
     UnsupportedFormatVersion,
 )
+from higgs_pack.manifests.manifest import FORMAT_VERSION
+from higgs_pack.manifests.model import SubPart
+from higgs_pack.manifests.providers import EXECUTION_PROVIDERS, ExecutionProvider
 
 __all__ = [
     "EXECUTION_PROVIDERS",

@@ -19,11 +19,14 @@ from typing import Any
 
 import jsonschema
 
-from higgs_pack.manifests.constants import FORMAT_VERSION
 from higgs_pack.manifests.errors import BundleError, ManifestError, UnsupportedFormatVersion
 
 MANIFEST_NAME = "manifest.json"
 CHUNK = 1 << 20
+
+#: Version of the manifest format this higgs-pack writes and the newest it reads.
+FORMAT_VERSION = 1
+
 
 
 @cache

@@ -19,8 +19,8 @@ from typing import Any
 
 import click
 
-from higgs_pack.manifests.constants import EXECUTION_PROVIDERS
 from higgs_pack.manifests.errors import HiggsPackError
+from higgs_pack.manifests.providers import EXECUTION_PROVIDERS
 from higgs_pack.runtime.request import CHUNK_GROWTH, FIRST_CHUNK_FRAMES, MAX_CHUNK_FRAMES
 
 COMMAND_GROUP = "higgs_pack.commands"

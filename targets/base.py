@@ -15,13 +15,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from higgs_pack.manifests.constants import (
-    EXECUTION_PROVIDERS,
-    FP32_ONLY,
-    ExecutionProvider,
-    SubPart,
-)
 from higgs_pack.manifests.errors import BuildPlanError, unknown_choice
+from higgs_pack.manifests.model import FP32_ONLY, SubPart
+from higgs_pack.manifests.providers import EXECUTION_PROVIDERS, ExecutionProvider
 from higgs_pack.runtime.backends import registered
 
 #: Minimum similarity to the PyTorch reference's golden outputs, per sub-part
@@ -121,7 +117,7 @@ class Target:
     """One hardware target.
 
     An ONNX Runtime target names its execution provider; what the provider row of
-    :data:`~higgs_pack.manifests.constants.EXECUTION_PROVIDERS` holds (extra,
+    :data:`~higgs_pack.manifests.providers.EXECUTION_PROVIDERS` holds (extra,
     requirement, platform marker, wheel classifiers) is taken from it unless the
     target says otherwise, so a target on an existing provider is one declaration.
 

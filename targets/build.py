@@ -24,12 +24,18 @@ from pathlib import Path
 from typing import Any
 
 from higgs_pack.exporters.result import installed_version
-from higgs_pack.manifests.constants import FORMAT_VERSION, SubPart
 from higgs_pack.manifests.errors import BuildError, BundleError, HiggsPackError
-from higgs_pack.manifests.manifest import MANIFEST_NAME, file_entry, read_manifest, write_manifest
-from higgs_pack.runtime.machine.cpu import cpu_info
+from higgs_pack.manifests.manifest import (
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    file_entry,
+    read_manifest,
+    write_manifest,
+)
+from higgs_pack.manifests.model import SubPart
 from higgs_pack.runtime.loop.delay import SamplingOptions
 from higgs_pack.runtime.loop.generate import FRAMES_PER_TEXT_TOKEN, MIN_MAX_FRAMES
+from higgs_pack.runtime.machine.cpu import cpu_info
 from higgs_pack.runtime.sources.paths import cache_root
 from higgs_pack.targets.base import (
     CODE_AGREEMENT_THRESHOLD,

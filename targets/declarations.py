@@ -9,7 +9,8 @@ OpenVINO passes for the native OpenVINO target; codec sub-parts always fp32.
 from __future__ import annotations
 
 from higgs_pack.exporters.catalog import MODELBUILDER, OLIVE_ONNX, OLIVE_OPENVINO, OPTIMUM_OPENVINO
-from higgs_pack.manifests.constants import OPENVINO_REQUIREMENT, SubPart
+from higgs_pack.manifests.model import SubPart
+from higgs_pack.manifests.providers import OPENVINO_REQUIREMENT
 from higgs_pack.targets.base import Recipe, Target, Variant
 
 #: The targets :func:`~higgs_pack.targets.registry.targets` registers, in declaration order.

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.manifests.constants import EXECUTION_PROVIDERS
+from higgs_pack.manifests.providers import EXECUTION_PROVIDERS
 from higgs_pack.targets.base import ONNX_REQUIREMENT
 from higgs_pack.targets.registry import targets
 

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from higgs_pack.exporters.catalog import ExporterInfo, get_exporter
-from higgs_pack.manifests.constants import SubPart
 from higgs_pack.manifests.errors import BuildPlanError
+from higgs_pack.manifests.model import SubPart
 from higgs_pack.targets.base import Target, Variant
 from higgs_pack.targets.registry import get_target
 

@@ -26,7 +26,7 @@ pytest.importorskip("onnxruntime")
 TOY_BACKEND = '''
 """A toy runtime backend: a folder and its registration, nothing else."""
 
-from higgs_pack.manifests.constants import ChoiceRung
+from higgs_pack.manifests.providers import ChoiceRung
 from higgs_pack.runtime.backends import Backend, OpenedParts, register
 
 TOY_RUNG = ChoiceRung("toy", 45, "toy backend on the CPU")

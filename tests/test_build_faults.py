@@ -91,7 +91,7 @@ def test_a_sub_part_built_with_other_quantization_settings_is_refused(tmp_path, 
     planning (the plan still says the declared block size), so ModelBuilder really writes 32."""
     from dataclasses import replace
 
-    from higgs_pack.manifests.constants import SubPart
+    from higgs_pack.manifests.model import SubPart
     from higgs_pack.targets import build as build_module
     from higgs_pack.targets.plan import make_plan
 

@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from higgs_pack.manifests.constants import FORMAT_VERSION
 from higgs_pack.manifests.errors import (
     BundleError,
     CheckpointError,
@@ -21,7 +20,7 @@ from higgs_pack.manifests.errors import (
     SignatureMismatch,
     UnsupportedFormatVersion,
 )
-from higgs_pack.manifests.manifest import file_entry, read_manifest, write_manifest
+from higgs_pack.manifests.manifest import FORMAT_VERSION, file_entry, read_manifest, write_manifest
 from higgs_pack.runtime.sources.bundle import load_pipeline as load
 
 

@@ -30,8 +30,8 @@ from higgs_pack.exporters.checkpoint.models import (  # noqa: E402
     write_qwen3_hf_dir,
 )
 from higgs_pack.exporters.checkpoint.reader import HiggsCheckpoint, open_checkpoint  # noqa: E402
-from higgs_pack.manifests.constants import SPECIAL_TOKENS  # noqa: E402
 from higgs_pack.manifests.errors import CheckpointError  # noqa: E402
+from higgs_pack.manifests.model import SPECIAL_TOKENS  # noqa: E402
 from higgs_pack.runtime.loop.pipeline import ModelConstants  # noqa: E402
 
 SHARD2 = "model-00002-of-00002.safetensors"

@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from higgs_pack.manifests.constants import FORMAT_VERSION, SubPart
-from higgs_pack.manifests.manifest import read_manifest, schema
+from higgs_pack.manifests.manifest import FORMAT_VERSION, read_manifest, schema
+from higgs_pack.manifests.model import SubPart
 from higgs_pack.runtime.audio import load_audio, prepare_reference
 from higgs_pack.runtime.loop.delay import SamplingOptions
 from higgs_pack.runtime.loop.generate import (

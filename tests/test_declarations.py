@@ -17,8 +17,10 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from higgs_pack.manifests import constants
-from higgs_pack.manifests.constants import (
+from higgs_pack.manifests import providers
+from higgs_pack.manifests.errors import BuildPlanError
+from higgs_pack.manifests.model import SubPart
+from higgs_pack.manifests.providers import (
     EXECUTION_PROVIDERS,
     ChoiceRung,
     ExecutionProvider,
@@ -26,9 +28,7 @@ from higgs_pack.manifests.constants import (
     ModelBuilderSupport,
     Packaging,
     SessionSupport,
-    SubPart,
 )
-from higgs_pack.manifests.errors import BuildPlanError
 from higgs_pack.targets import base
 from higgs_pack.targets import registry as registry_module
 from higgs_pack.targets.base import Recipe, Target
@@ -143,7 +143,7 @@ def qnn(monkeypatch, registry) -> ExecutionProvider:
         modelbuilder=ModelBuilderSupport("cpu", accuracy_level=4),
         rung=ChoiceRung("qnn", 15, "qnn bundle on a Qualcomm NPU"),
     )
-    monkeypatch.setitem(constants.EXECUTION_PROVIDERS, "qnn", row)
+    monkeypatch.setitem(providers.EXECUTION_PROVIDERS, "qnn", row)
     return row
 
 
@@ -178,7 +178,8 @@ def test_new_provider_row_is_the_only_declaration(qnn, tmp_path):
 
     assert modelbuilder.modelbuilder_providers() == ("cpu", "cuda", "dml", "winml", "qnn")
     # The bundle choice ranks it by its row's rung and names its hardware when no bundle runs.
-    from higgs_pack.runtime.machine.choice import Candidate, Inventory, choose, preference
+    from higgs_pack.runtime.machine.choice import choose, preference
+    from higgs_pack.runtime.machine.facts import Candidate, Inventory
 
     assert list(preference()).index("qnn") == 1  # after the NPU rung, before cuda
     bundles = [Candidate(f"m-{t}-int4", f"/b/{t}", "m", t, "int4", None, "onnxruntime", t) for t in ("cpu", "qnn")]
@@ -220,7 +221,8 @@ def test_winml_is_a_provider_row_and_a_target(registry):
     assert load_kernel_table("winml").provider == "DmlExecutionProvider"
     # A DmlExecutionProvider that creates sessions runs both bundles (whichever distribution
     # ships it); the choice ranks them on DirectML's one rung.
-    from higgs_pack.runtime.machine.choice import Candidate, Inventory, choose, preference
+    from higgs_pack.runtime.machine.choice import choose, preference
+    from higgs_pack.runtime.machine.facts import Candidate, Inventory
     from higgs_pack.runtime.machine.inventory import rows_by_ort_provider
 
     assert rows_by_ort_provider()["DmlExecutionProvider"] == ("dml", "winml")

@@ -37,7 +37,7 @@ def _signature(model) -> tuple[list, dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize(("ep", "float_precision"), [("cpu", "fp32"), ("dml", "fp16")])
 def test_streamed_int4_is_modelbuilders_int4_byte_for_byte(tiny_ckpt, tmp_path, ep, float_precision):
-    from higgs_pack.manifests.constants import EXECUTION_PROVIDERS
+    from higgs_pack.manifests.providers import EXECUTION_PROVIDERS
 
     hf = write_qwen3_hf_dir(tiny_ckpt, tmp_path / "hf")
     native = _modelbuilder(hf, tmp_path / "native", "int4", ep, tmp_path / "cache")

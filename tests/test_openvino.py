@@ -30,13 +30,13 @@ from higgs_pack.exporters.openvino.ir import (  # noqa: E402
     weight_summary,
 )
 from higgs_pack.exporters.openvino.subpart import convert_subpart  # noqa: E402
-from higgs_pack.manifests.constants import SUBPART_IO, SubPart  # noqa: E402
 from higgs_pack.manifests.errors import (  # noqa: E402
     BuildError,
     BuildPlanError,
     ExecutionProviderUnavailable,
     SignatureMismatch,
 )
+from higgs_pack.manifests.model import SUBPART_IO, SubPart  # noqa: E402
 from higgs_pack.runtime.backends.openvino.devices import (  # noqa: E402
     check_device,
     normalize_device,

@@ -36,7 +36,6 @@ from onnx import TensorProto, helper  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 from tokenizers.models import WordLevel  # noqa: E402
 
-from higgs_pack.manifests.constants import EXECUTION_PROVIDERS  # noqa: E402
 from higgs_pack.manifests.errors import PackagingError  # noqa: E402
 from higgs_pack.manifests.manifest import (  # noqa: E402
     MANIFEST_NAME,
@@ -45,6 +44,7 @@ from higgs_pack.manifests.manifest import (  # noqa: E402
     read_manifest,
     write_manifest,
 )
+from higgs_pack.manifests.providers import EXECUTION_PROVIDERS  # noqa: E402
 from higgs_pack.runtime.sources.archive import extracted_archive  # noqa: E402
 from higgs_pack.runtime.sources.bundle import open_bundle  # noqa: E402
 from higgs_pack.runtime.verification.verify import verify_any  # noqa: E402

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from higgs_pack.exporters.catalog import EXPORTERS
-from higgs_pack.manifests.constants import SubPart
 from higgs_pack.manifests.errors import BuildPlanError
+from higgs_pack.manifests.model import SubPart
 from higgs_pack.targets.base import Recipe, Target
 from higgs_pack.targets.plan import make_plan
 from higgs_pack.targets.registry import get_target, register, targets
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_plans_follow_the_declarations():
     """Each row is its recipe's exporter at the recipe's precision rule, with the recipe's options
     and the variant's on top (read from the declarations, not restated)."""
-    from higgs_pack.manifests.constants import FP32_ONLY
+    from higgs_pack.manifests.model import FP32_ONLY
 
     for name, target in targets().items():
         for variant in (None, *target.variants):
@@ -231,7 +231,7 @@ def test_plan_records_every_declared_quantization_setting():
             ("optimum-openvino", "symmetric"), ("olive-openvino", "group_size")} <= checked
     # What no recipe declares is the exporter's default, recorded too (ModelBuilder's accuracy level
     # comes from the provider row).
-    from higgs_pack.manifests.constants import EXECUTION_PROVIDERS
+    from higgs_pack.manifests.providers import EXECUTION_PROVIDERS
 
     decoder = {r.subpart: r for r in make_plan("cuda", "int4").rows}[SubPart.LLM_DECODER].quantization
     assert decoder["accuracy_level"] == EXECUTION_PROVIDERS["cuda"].modelbuilder.accuracy_level

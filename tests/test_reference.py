@@ -24,8 +24,8 @@ from higgs_pack.exporters.pytorch.reference import (  # noqa: E402
     TorchDecoder,
     reference_pipeline,
 )
-from higgs_pack.manifests.constants import SUBPART_IO, SubPart  # noqa: E402
 from higgs_pack.manifests.errors import InputError  # noqa: E402
+from higgs_pack.manifests.model import SUBPART_IO, SubPart  # noqa: E402
 from higgs_pack.runtime.loop.pipeline import Pipeline  # noqa: E402
 
 EXPORTED = list(DYNAMIC_AXES)

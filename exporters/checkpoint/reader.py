@@ -62,8 +62,8 @@ from higgs_pack.exporters.checkpoint.layout import (
     llm_tensor_shapes,
 )
 from higgs_pack.exporters.checkpoint.safetensors_writer import ST_DTYPES
-from higgs_pack.manifests.constants import SPECIAL_TOKENS
 from higgs_pack.manifests.errors import CheckpointError, disk_full, disk_full_message, first_line
+from higgs_pack.manifests.model import SPECIAL_TOKENS
 from higgs_pack.runtime.loop.pipeline import ModelConstants
 
 if TYPE_CHECKING:  # heavy imports stay lazy: planning must not import torch

@@ -27,8 +27,6 @@ from higgs_pack.exporters.onnx import kv_quantization as kv
 from higgs_pack.exporters.onnx.matmul_nbits import quantize_matmuls, raise_disk_error
 from higgs_pack.exporters.process import describe_exit, run_tool
 from higgs_pack.exporters.result import ExportResult, installed_version, log_tail
-from higgs_pack.manifests.constants import EXECUTION_PROVIDERS as PROVIDER_ROWS
-from higgs_pack.manifests.constants import SubPart
 from higgs_pack.manifests.errors import (
     BuildError,
     BuildPlanError,
@@ -37,6 +35,8 @@ from higgs_pack.manifests.errors import (
     Problem,
     unknown_choice,
 )
+from higgs_pack.manifests.model import SubPart
+from higgs_pack.manifests.providers import EXECUTION_PROVIDERS as PROVIDER_ROWS
 
 #: Precisions this exporter builds (ModelBuilder ``-p``).
 PRECISIONS = ("fp32", "fp16", "int4")

@@ -27,8 +27,8 @@ import openvino as ov
 
 from higgs_pack.exporters.catalog import OPTIMUM_OPENVINO
 from higgs_pack.exporters.result import ExportResult, TensorSpec
-from higgs_pack.manifests.constants import FP32_ONLY, SubPart
 from higgs_pack.manifests.errors import BuildError, BuildPlanError, unknown_choice
+from higgs_pack.manifests.model import FP32_ONLY, SubPart
 from higgs_pack.runtime.backends.openvino.devices import decoder_compile_properties
 
 Precision = Literal["fp32", "fp16", "int8", "int4"]

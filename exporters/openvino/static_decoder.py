@@ -25,8 +25,8 @@ from higgs_pack.exporters.openvino.ir import (
 )
 from higgs_pack.exporters.openvino.plan import DECODER_NNCF, STATIC_DECODER_PASS
 from higgs_pack.exporters.result import ExportResult, tool_versions
-from higgs_pack.manifests.constants import SubPart
 from higgs_pack.manifests.errors import BuildError, BuildPlanError
+from higgs_pack.manifests.model import SubPart
 from higgs_pack.runtime.backends.openvino.runners import DECODER_OUTPUT
 
 if TYPE_CHECKING:

@@ -46,8 +46,8 @@ from higgs_pack.exporters.openvino.ir import (
 from higgs_pack.exporters.openvino.plan import SUBPART_NNCF, compress_settings
 from higgs_pack.exporters.openvino.static_shapes import StaticPlan
 from higgs_pack.exporters.result import ExportResult, tool_versions
-from higgs_pack.manifests.constants import SUBPART_IO, SubPart
 from higgs_pack.manifests.errors import BuildError, BuildPlanError, unknown_choice
+from higgs_pack.manifests.model import SUBPART_IO, SubPart
 
 if TYPE_CHECKING:
     import torch

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from higgs_pack.manifests.constants import SUBPART_IO, SubPart
 from higgs_pack.manifests.errors import BuildError
+from higgs_pack.manifests.model import SUBPART_IO, SubPart
 from higgs_pack.runtime.verification.kv_cache import GOLDEN_KV_MATCHED
 
 #: Largest relative L2 difference a read-back weight may have from the checkpoint's, per

@@ -1,7 +1,7 @@
 """PyTorch modules of the Higgs-Audio-v3 sub-parts: what gets exported, and the oracle.
 
 One ``nn.Module`` per stateless sub-part, float32, with the tensor names of
-:data:`higgs_pack.manifests.constants.SUBPART_IO` and the contracts of
+:data:`higgs_pack.manifests.model.SUBPART_IO` and the contracts of
 ``shared/MODEL.md`` (B batch, S/L sequence, N = 8 codebooks, V = 1026, H hidden):
 
 ===============  =====================================  =========================================
@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from higgs_pack.manifests.constants import SubPart
 from higgs_pack.manifests.errors import InputError
+from higgs_pack.manifests.model import SubPart
 
 if TYPE_CHECKING:
     from higgs_pack.exporters.checkpoint.reader import HiggsCheckpoint

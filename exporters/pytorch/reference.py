@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from higgs_pack.exporters.pytorch.modules import build_modules
-from higgs_pack.manifests.constants import SUBPART_IO, SubPart
 from higgs_pack.manifests.errors import InputError
+from higgs_pack.manifests.model import SUBPART_IO, SubPart
 from higgs_pack.runtime.loop.pipeline import Pipeline
 
 if TYPE_CHECKING:

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from higgs_pack.manifests.constants import ChoiceRung, SubPart
 from higgs_pack.manifests.errors import ExecutionProviderUnavailable, InputError, ManifestError
+from higgs_pack.manifests.model import SubPart
+from higgs_pack.manifests.providers import ChoiceRung
 
 if TYPE_CHECKING:  # pragma: no cover - types only
     from higgs_pack.runtime.machine.facts import Candidate, Inventory, Placement

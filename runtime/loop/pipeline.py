@@ -30,8 +30,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from higgs_pack.manifests.constants import SubPart
 from higgs_pack.manifests.errors import InputError, SignatureMismatch
+from higgs_pack.manifests.model import SubPart
 
 
 class SubPartRunner(Protocol):

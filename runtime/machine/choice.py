@@ -10,9 +10,9 @@ opens a session: :func:`choose` reads only its arguments, and the one file-syste
 damaged candidate (a missing file or a wrong size; hashes are checked at load).
 
 Preference order (:func:`preference`, first runnable wins; the shared CPU rung is declared
-in ``higgs_pack.manifests.constants``, OpenVINO's device rungs by its backend object
+in ``higgs_pack.manifests.providers``, OpenVINO's device rungs by its backend object
 (``runtime/backends/openvino``), each execution provider's rung in its row of
-``higgs_pack.manifests.constants.EXECUTION_PROVIDERS``: a new backend or provider brings its
+``higgs_pack.manifests.providers.EXECUTION_PROVIDERS``: a new backend or provider brings its
 own; where a bundle can run is asked of its backend, :meth:`~higgs_pack.runtime.backends.Backend.placements`):
 
 1. ``npu``: an OpenVINO NPU variant on an Intel NPU;
@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.manifests.constants import CPU_RUNG, EXECUTION_PROVIDERS, ChoiceRung
 from higgs_pack.manifests.errors import BundleError, ManifestError
 from higgs_pack.manifests.manifest import check_files
+from higgs_pack.manifests.providers import CPU_RUNG, EXECUTION_PROVIDERS, ChoiceRung
 from higgs_pack.runtime.machine.facts import Candidate, Inventory, Placement
 
 

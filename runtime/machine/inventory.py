@@ -23,9 +23,9 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from higgs_pack.manifests.constants import EXECUTION_PROVIDERS
 from higgs_pack.manifests.errors import HiggsPackError
 from higgs_pack.manifests.manifest import MANIFEST_NAME, read_manifest
+from higgs_pack.manifests.providers import EXECUTION_PROVIDERS
 from higgs_pack.runtime.machine.choice import candidate_of
 from higgs_pack.runtime.machine.cpu import cpu_info
 from higgs_pack.runtime.machine.facts import Candidate, Inventory

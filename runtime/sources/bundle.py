@@ -18,7 +18,6 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from higgs_pack.manifests.constants import SubPart
 from higgs_pack.manifests.errors import BundleError, ManifestError
 from higgs_pack.manifests.manifest import (
     MANIFEST_NAME,
@@ -26,6 +25,7 @@ from higgs_pack.manifests.manifest import (
     read_manifest,
     resolve_inside,
 )
+from higgs_pack.manifests.model import SubPart
 from higgs_pack.runtime.backends import OpenOptions, backend_of
 from higgs_pack.runtime.loop.pipeline import ModelConstants, Pipeline
 from higgs_pack.runtime.sources.file_kinds import check_bundle_files, external_data_entries

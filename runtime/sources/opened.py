@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.manifests.constants import SubPart
 from higgs_pack.manifests.manifest import resolve_inside
+from higgs_pack.manifests.model import SubPart
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from higgs_pack.manifests.constants import CPU_PROVIDER, EXECUTION_PROVIDERS, SubPart
 from higgs_pack.manifests.errors import HiggsPackError, last_line
+from higgs_pack.manifests.model import SubPart
+from higgs_pack.manifests.providers import CPU_PROVIDER, EXECUTION_PROVIDERS
 from higgs_pack.runtime.backends.onnxruntime.failures import provider_cannot_run
 from higgs_pack.runtime.loop.pipeline import Pipeline
 from higgs_pack.runtime.sources.bundle import Bundle, load_pipeline

@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from higgs_pack.manifests.constants import SubPart
 from higgs_pack.manifests.errors import BundleError
+from higgs_pack.manifests.model import SubPart
 
 #: ``GroupQueryAttention`` input positions of the KV scales (com.microsoft schema order, as
 #: ModelBuilder 0.18 writes them: 12 k_scale, 13 v_scale, 14/15 q/k norm weights).

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from higgs_pack.manifests.constants import SubPart
+from higgs_pack.manifests.model import SubPart
 from higgs_pack.runtime.loop.pipeline import Pipeline
 from higgs_pack.runtime.sources.bundle import Bundle
 

@@ -27,7 +27,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from higgs_pack.manifests.constants import CPU_PROVIDER, EXECUTION_PROVIDERS, SubPart
+from higgs_pack.manifests.model import SubPart
+from higgs_pack.manifests.providers import CPU_PROVIDER, EXECUTION_PROVIDERS
 from higgs_pack.runtime.sources.bundle import Bundle, regular_files
 from higgs_pack.runtime.verification.kernels import (
     Coverage,

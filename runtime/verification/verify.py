@@ -22,9 +22,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from higgs_pack.manifests.constants import CPU_PROVIDER, EXECUTION_PROVIDERS
 from higgs_pack.manifests.errors import HiggsPackError, InputError
 from higgs_pack.manifests.manifest import read_manifest
+from higgs_pack.manifests.providers import CPU_PROVIDER, EXECUTION_PROVIDERS
 from higgs_pack.runtime.backends import get_backend
 from higgs_pack.runtime.backends.onnxruntime.distributions import (
     import_ort,

@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from higgs_pack.manifests.constants import CPU_PROVIDER, CPU_RUNG, EXECUTION_PROVIDERS, SubPart
 from higgs_pack.manifests.errors import ExecutionProviderUnavailable, InputError
+from higgs_pack.manifests.model import SubPart
+from higgs_pack.manifests.providers import CPU_PROVIDER, CPU_RUNG, EXECUTION_PROVIDERS
 from higgs_pack.runtime.backends import Backend, OpenedParts, OpenOptions, register
 
 if TYPE_CHECKING:  # pragma: no cover - types only

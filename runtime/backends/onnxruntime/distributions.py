@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import importlib.metadata
 
-from higgs_pack.manifests.constants import CPU_PROVIDER, EXECUTION_PROVIDERS
 from higgs_pack.manifests.errors import (
     ExecutionProviderUnavailable,
 )
+from higgs_pack.manifests.providers import CPU_PROVIDER, EXECUTION_PROVIDERS
 
 
 def ort_distributions() -> tuple[str, ...]:

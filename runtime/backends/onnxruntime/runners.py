@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from higgs_pack.manifests.constants import EXECUTION_PROVIDERS
 from higgs_pack.manifests.errors import (
     SignatureMismatch,
 )
+from higgs_pack.manifests.providers import EXECUTION_PROVIDERS
 from higgs_pack.runtime.backends.onnxruntime.distributions import import_ort
 from higgs_pack.runtime.backends.onnxruntime.failures import _raise_unsupported
 from higgs_pack.runtime.backends.onnxruntime.sessions import ORT_TYPES

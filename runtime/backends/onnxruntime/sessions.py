@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from higgs_pack.manifests.constants import CPU_PROVIDER, EXECUTION_PROVIDERS
 from higgs_pack.manifests.errors import (
     ExecutionProviderUnavailable,
     unknown_choice,
 )
+from higgs_pack.manifests.providers import CPU_PROVIDER, EXECUTION_PROVIDERS
 from higgs_pack.runtime.backends.onnxruntime.distributions import (
     import_ort,
     install_hint,

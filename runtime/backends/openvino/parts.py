@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import openvino as ov
 
-from higgs_pack.manifests.constants import SubPart
+from higgs_pack.manifests.model import SubPart
 from higgs_pack.runtime.backends import OpenedParts
 from higgs_pack.runtime.backends.openvino.devices import (
     check_device,

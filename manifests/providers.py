@@ -1,52 +1,13 @@
-"""Names and tables shared by every part of higgs-pack (pure data).
-
-Sub-part names, execution providers and model facts come from
-``shared/MODEL.md`` (Higgs-Audio-v3, bosonai/higgs-audio-v3-tts-4b).
-"""
+"""The execution providers and runtimes a bundle can be built for (pure data): one row per
+provider (:data:`EXECUTION_PROVIDERS`), each made of small records by concern (packaging,
+hardware, session rules, ModelBuilder support, its rung in the choice); adding a provider is
+adding a row."""
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-
-#: Version of the manifest format this higgs-pack writes and the newest it reads.
-FORMAT_VERSION = 1
-
-
-class SubPart(str, enum.Enum):
-    """The six exported pieces of Higgs-Audio-v3 (names as in MODEL.md)."""
-
-    TEXT_EMBED = "text_embed"
-    """input_ids int64 [batch, sequence] -> inputs_embeds float [batch, sequence, hidden]."""
-    LLM_DECODER = "llm_decoder"
-    """Qwen3 body: inputs_embeds + KV cache -> hidden_states (no embedding, no LM head)."""
-    AUDIO_EMBED = "audio_embed"
-    """codes int64 [batch, frames, 8] -> audio_embeds [batch, frames, hidden] (fused table, summed)."""
-    AUDIO_HEADS = "audio_heads"
-    """hidden_states [batch, frames, hidden] -> audio_logits [batch, frames, 8, 1026]."""
-    AUDIO_TOKENIZER = "audio_tokenizer"
-    """Codec decoder: audio_codes int64 [batch, 8, frames] -> waveform float32 [batch, 1, frames*960]."""
-    AUDIO_ENCODER = "audio_encoder"
-    """Codec encoder: waveform float32 [batch, 1, samples] -> audio_codes int64 [batch, 8, samples/960]."""
-
-    def __str__(self) -> str:
-        return self.value
-
-
-#: Input and output tensor names of each sub-part except the decoder, whose
-#: names depend on the exporter (ModelBuilder or optimum-intel).
-SUBPART_IO: dict[SubPart, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    SubPart.TEXT_EMBED: (("input_ids",), ("inputs_embeds",)),
-    SubPart.AUDIO_EMBED: (("codes",), ("audio_embeds",)),
-    SubPart.AUDIO_HEADS: (("hidden_states",), ("audio_logits",)),
-    SubPart.AUDIO_TOKENIZER: (("audio_codes",), ("waveform",)),
-    SubPart.AUDIO_ENCODER: (("waveform",), ("audio_codes",)),
-}
-
-#: Sub-parts that are always exported at fp32 (int4/fp16 DAC is too lossy, per the seed).
-FP32_ONLY = frozenset({SubPart.AUDIO_TOKENIZER, SubPart.AUDIO_ENCODER})
 
 
 @dataclass(frozen=True)
@@ -290,13 +251,3 @@ CPU_PROVIDER = EXECUTION_PROVIDERS["cpu"]
 
 #: OpenVINO runtime requirement for bundles in OpenVINO IR.
 OPENVINO_REQUIREMENT = "openvino>=2026.4,<2027"
-
-#: Higgs special tokens, by role -> token text.  Ids are resolved by name from the
-#: tokenizer, never hard-coded (MODEL.md: reported ids 151667..151680).
-SPECIAL_TOKENS: dict[str, str] = {
-    "tts": "<|tts|>",
-    "audio": "<|audio|>",
-    "text": "<|text|>",
-    "ref_audio": "<|ref_audio|>",
-    "ref_text": "<|ref_text|>",
-}

@@ -21,8 +21,8 @@ import pytest
 from conftest import slow_fixture
 
 from higgs_pack.exporters.onnx import kv_quantization as kv
-from higgs_pack.manifests.model import SubPart
 from higgs_pack.manifests.errors import BuildError, BuildPlanError, ManifestError
+from higgs_pack.manifests.model import SubPart
 from higgs_pack.targets.plan import bundle_name, make_plan, plan_mismatches
 
 #: Largest relative L2 difference of one position's hidden states, int8 vs float KV cache.
@@ -270,7 +270,7 @@ def _scale_kv_scales(bundle: Path, factor: float, layer: int | None = None) -> l
     from onnx import numpy_helper
 
     from higgs_pack.manifests.manifest import file_entry, read_manifest, write_manifest
-    from higgs_pack.runtime.verification.kv_cache import K_SCALE_INPUT, V_SCALE_INPUT
+    from higgs_pack.runtime.verification.kv_parity import K_SCALE_INPUT, V_SCALE_INPUT
 
     path = bundle / DECODER
     model = onnx.load(str(path), load_external_data=False)

@@ -147,13 +147,13 @@ def planned_record(kv_cache: str) -> dict[str, Any] | None:
 def graph_record(model_path: Path, kv_cache: str) -> dict[str, Any] | None:
     """The ``quantization["kv_cache"]`` record of a built decoder, read back from its graph
     (dtype and scheme from its GroupQueryAttention nodes: see
-    :func:`higgs_pack.runtime.verification.kv_cache.graph_kv_cache`), with the calibration
+    :func:`higgs_pack.runtime.verification.kv_parity.graph_kv_cache`), with the calibration
     the build ran for ``kv_cache``; None when the graph's KV cache is float.
 
     The build compares it with :func:`planned_record` (the plan), so a graph whose KV
     cache is not what was asked for is refused, never kept.
     """
-    from higgs_pack.runtime.verification.kv_cache import graph_kv_cache
+    from higgs_pack.runtime.verification.kv_parity import graph_kv_cache
 
     info = graph_kv_cache(model_path)
     if info is None:

@@ -15,7 +15,7 @@ import numpy as np
 
 from higgs_pack.runtime.loop.delay import SamplingOptions
 from higgs_pack.runtime.loop.generate import build_prompt, generate_codes
-from higgs_pack.runtime.verification.kv_cache import GOLDEN_KV
+from higgs_pack.runtime.verification.kv_parity import GOLDEN_KV
 
 #: Text of the greedy-parity check (recorded in the manifest's ``reference.cases``).
 GREEDY_TEXT = "The quick brown fox jumps over the lazy dog."

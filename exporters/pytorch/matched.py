@@ -20,7 +20,7 @@ import numpy as np
 
 from higgs_pack.manifests.errors import BuildError
 from higgs_pack.manifests.model import SUBPART_IO, SubPart
-from higgs_pack.runtime.verification.kv_cache import GOLDEN_KV_MATCHED
+from higgs_pack.runtime.verification.kv_parity import GOLDEN_KV_MATCHED
 
 #: Largest relative L2 difference a read-back weight may have from the checkpoint's, per
 #: precision.  Round-to-nearest int4 of Gaussian weights lands near 0.10 with blocks of

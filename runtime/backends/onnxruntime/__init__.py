@@ -122,11 +122,11 @@ class OnnxRuntimeBackend(Backend):
 
     def runtime_checks(self):
         """A quantized KV cache against the oracle's K/V
-        (:func:`~higgs_pack.runtime.verification.kv_cache.check_kv_cache`; nothing for a float one),
+        (:func:`~higgs_pack.runtime.verification.kv_parity.check_kv_cache`; nothing for a float one),
         and node placement on the provider
         (:func:`~higgs_pack.runtime.verification.backend_checks.check_node_placement`)."""
         from higgs_pack.runtime.verification.backend_checks import check_node_placement
-        from higgs_pack.runtime.verification.kv_cache import check_kv_cache
+        from higgs_pack.runtime.verification.kv_parity import check_kv_cache
 
         return (check_kv_cache, check_node_placement)
 

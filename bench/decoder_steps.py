@@ -17,16 +17,8 @@ from typing import Any
 
 from bench import llama_cpp
 from bench.records import base_record
-from bench.systems import (
-    CONTEXT_STEPS,
-    STEP_KIND,
-    WorkerError,
-    load_1m,
-    ov_cache_dir,
-    peak_rss_mb,
-    spawn,
-)
-from bench.workers import fixed_inputs, kv_itemsize
+from bench.systems import STEP_KIND, WorkerError, load_1m, ov_cache_dir, peak_rss_mb, spawn
+from bench.workers import CONTEXT_STEPS, fixed_inputs, kv_itemsize
 
 
 def default_threads() -> int:

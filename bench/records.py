@@ -7,28 +7,27 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.systems import (
-    FIT_MEMORY_BYTES,
-    FIT_POSITIONS,
-    FULL_PRESET,
-    GOAL_BATCH4_SPEEDUP,
-    GOAL_BATCH4_STEP,
-    GOAL_BATCH8_SPEEDUP,
-    GOAL_ENGINE_OVER_BARE,
-    GOAL_FIRST_AUDIO,
-    GOAL_LONG_CONTEXT_STEP,
-    GOAL_LOOP_OVER_DECODER,
-    GOAL_OUTSIDE_DECODER,
-    GOAL_ROOFLINE,
-    GOAL_SPEEDUP_CPU_INT4,
-    GOAL_STREAM_OVER_PLAIN,
-    GOAL_WARM_LOAD_S,
-    PRESETS,
-    PYTORCH,
-    SIZED_PRESETS,
-    SystemSpec,
-)
+from bench.systems import PRESETS, PYTORCH, SystemSpec
 
+# The issues' goals (2, 3, 9; 19 for --batch, judged at the full preset only).
+GOAL_SPEEDUP_CPU_INT4 = 2.0
+GOAL_OUTSIDE_DECODER = 0.05
+GOAL_WARM_LOAD_S = 1.0
+GOAL_LOOP_OVER_DECODER = 1.1
+GOAL_FIRST_AUDIO = 1.1
+GOAL_LONG_CONTEXT_STEP = 1.15
+GOAL_ROOFLINE = 0.9
+GOAL_BATCH4_SPEEDUP = 3.0
+GOAL_BATCH8_SPEEDUP = 5.0
+GOAL_BATCH4_STEP = 1.35
+GOAL_ENGINE_OVER_BARE = 1.1
+GOAL_STREAM_OVER_PLAIN = 0.9
+#: Presets whose sizes make the speed goals mean something, and the full one.
+SIZED_PRESETS = ("bench", "full")
+FULL_PRESET = "full"
+#: The memory budget and context of the largest batch (``fit_max_batch``).
+FIT_MEMORY_BYTES = 12 * 2**30
+FIT_POSITIONS = 2000
 #: Peak RSS a build's whole process tree may use (12 GiB).
 BUILD_MEMORY_BUDGET_MB = 12 * 1024
 #: The bundles every sized preset must measure (else their goals read "not measured").

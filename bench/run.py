@@ -13,52 +13,21 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from bench import records as rec
+from bench import report, systems
 from bench.decoder_steps import run_step_comparison
-from bench.records import (
-    BUILD_MEMORY_BUDGET_MB,
-    add_ratios,
-    base_record,
-    batch_memory,
-    first_audio_budget,
-    roofline,
-    write_records,
-)
-from bench.report import (
-    render_batch,
-    render_builds,
-    render_details,
-    render_steps,
-    render_table,
-    write_html,
-)
-from bench.systems import (
-    BENCH_TEXT,
-    CONTEXT_ROUNDS,
-    DEFAULT_BANDWIDTH_MIB,
-    DEFAULT_CONTEXTS,
-    DEFAULT_FRAMES,
-    DEFAULT_REPEATS,
-    DEFAULT_STEP_BATCHES,
-    DEFAULT_SYSTEMS,
-    FIT_MEMORY_BYTES,
-    PRESETS,
-    PYTORCH,
-    STEP_KIND,
-    SystemSpec,
-    WorkerError,
-    bundle_spec,
-    machine,
-    ov_cache_dir,
-    parse_system,
-    run_worker,
-    spawn,
-)
+from bench.systems import SystemSpec, WorkerError, machine, ov_cache_dir, parse_system, spawn
+from bench.workers import CONTEXT_ROUNDS
 from higgs_pack.runtime.backends import registered
 
+DEFAULT_SYSTEMS = ("pytorch", "cpu-int4", "cpu-fp32", "openvino-int4", "openvino-int8", "openvino-fp32")
+BENCH_TEXT = "The quick brown fox jumps over the lazy dog, then runs back home before the evening rain."
+#: Timed runs per system (median reported) by preset.
+DEFAULT_REPEATS = {"tiny": 3, "bench": 3, "full": 1}
 #: What a failed worker raises.
 FAILED = (WorkerError, subprocess.TimeoutExpired)
 
@@ -70,7 +39,7 @@ class BenchOptions:
     preset: str = "bench"
     systems: tuple[str, ...] = DEFAULT_SYSTEMS
     bundles: tuple[str, ...] = ()
-    frames: int = DEFAULT_FRAMES
+    frames: int = 100
     repeats: int | None = None
     rounds: int = 1
     warmup: int = 1
@@ -81,17 +50,17 @@ class BenchOptions:
     checkpoint: str | None = None
     cache: str | None = None
     rebuild: bool = False
-    bandwidth_mib: int = DEFAULT_BANDWIDTH_MIB
-    contexts: tuple[int, ...] = DEFAULT_CONTEXTS
+    bandwidth_mib: int = 1024
+    contexts: tuple[int, ...] = (64, 900)
     out: str | None = "dist/bench.json"
     append: bool = False
     timeout: float | None = None
     quiet: bool = False
     build_only: bool = False
     batch: tuple[int, ...] = ()
-    fit_memory_bytes: int = FIT_MEMORY_BYTES
+    fit_memory_bytes: int = rec.FIT_MEMORY_BYTES
     fit_run: bool = False
-    step_batch: tuple[int, ...] = DEFAULT_STEP_BATCHES
+    step_batch: tuple[int, ...] = (1, 4)
     steps_only: bool = False
     llama_threads: int | None = None
 
@@ -172,7 +141,7 @@ def run_bench(options: BenchOptions) -> list[dict[str, Any]]:
     from higgs_pack.manifests.manifest import read_manifest
 
     cache = cache_dir(options)
-    specs = [parse_system(s) for s in options.systems] + [bundle_spec(b) for b in options.bundles]
+    specs = [parse_system(s) for s in options.systems] + [systems.bundle_spec(b) for b in options.bundles]
     llama = [s for s in specs if s.is_llama_cpp]
     specs = [s for s in specs if not s.is_llama_cpp]
     need = bool(llama) or any(s.bundle is None for s in specs)
@@ -197,7 +166,7 @@ def run_bench(options: BenchOptions) -> list[dict[str, Any]]:
     if llama:
         ours = [(spec, path, manifest) for spec, path, manifest, _ in prepared if path is not None]
         records += run_step_comparison(
-            llama, ours, checkpoint, cache, preset=options.preset, contexts=options.contexts or DEFAULT_CONTEXTS,
+            llama, ours, checkpoint, cache, preset=options.preset, contexts=options.contexts or BenchOptions.contexts,
             batches=options.step_batch, rounds=options.rounds if options.rounds > 1 else CONTEXT_ROUNDS,
             text=options.text, machine=machine_facts, threads=options.llama_threads, timeout=options.timeout,
             say=lambda m: say(options, m))
@@ -223,7 +192,7 @@ def _measure_all(prepared: list[Prepared], options: BenchOptions, machine: dict[
     job = {"frames": options.frames, "seed": options.seed, "temperature": options.temperature,
            "top_k": options.top_k, "text": options.text, "warmup": options.warmup,
            "repeats": options.repeats or DEFAULT_REPEATS.get(options.preset, 1), "contexts": list(options.contexts)}
-    records = [{**base_record(manifest, spec, options.preset), **facts, "frames": options.frames,
+    records = [{**rec.base_record(manifest, spec, options.preset), **facts, "frames": options.frames,
                 "machine": machine, **(bandwidth or {})} for spec, _, manifest, facts in prepared]
     results: list[list[dict[str, Any]]] = [[] for _ in prepared]
     for round_ in range(max(1, options.rounds)):
@@ -243,9 +212,9 @@ def _measure_all(prepared: list[Prepared], options: BenchOptions, machine: dict[
                        "rounds_frames_per_s": [r["frames_per_s"] for r in runs]})
         if spec.is_pytorch and record.get("decoder_weight_bytes"):
             record["decoder_weight_mb"] = record.pop("decoder_weight_bytes") / 1e6
-        record["first_audio_budget_ms"] = first_audio_budget(record)
-        roofline(record, bandwidth)
-    add_ratios(records)
+        record["first_audio_budget_ms"] = rec.first_audio_budget(record)
+        rec.roofline(record, bandwidth)
+    rec.add_ratios(records)
     for (spec, path, manifest, _), record in zip(prepared, records, strict=True):
         if options.batch and not spec.is_pytorch and path is not None:
             record["batch"] = _measure_batches(spec, path, manifest, cache, job, options)
@@ -257,7 +226,7 @@ def _measure_system(spec: SystemSpec, path: Path | None, manifest: dict[str, Any
     """One system's ``measure`` worker; a compiling backend gets a cold-cache load first when ``cold``."""
     say(options, f"measuring {spec.label}")
     if spec.is_pytorch:
-        return spawn("measure", {**job, "kind": PYTORCH, "checkpoint": str(checkpoint)}, cache=cache,
+        return spawn("measure", {**job, "kind": systems.PYTORCH, "checkpoint": str(checkpoint)}, cache=cache,
                      timeout=options.timeout)
     job = {**job, "kind": "bundle", "bundle": str(path), "backend": manifest["backend"], "device": spec.device}
     if not _compiles(manifest["backend"]):
@@ -285,7 +254,7 @@ def _measure_batches(spec: SystemSpec, path: Path, manifest: dict[str, Any], cac
         out.update(spawn("batch", job, cache=cache, timeout=options.timeout))
     except FAILED as exc:
         return {**out, "error": str(exc)}
-    out.update(batch_memory(manifest, out.get("kv_bytes_per_position"), out.get("bench_kv_bytes_per_position"),
+    out.update(rec.batch_memory(manifest, out.get("kv_bytes_per_position"), out.get("bench_kv_bytes_per_position"),
                             options.fit_memory_bytes))
     if options.fit_run and out.get("fit_max_batch"):
         say(options, f"running {spec.label} at its computed fit: {out['fit_max_batch']} rows x {out['fit_positions']}")
@@ -326,37 +295,31 @@ def _sizes(flag: str) -> Any:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     add = p.add_argument
-    add("--preset", choices=PRESETS, default="bench")
-    add("--systems", default=DEFAULT_SYSTEMS, type=lambda s: tuple(x for x in s.split(",") if x.strip()),
+    add("--preset", choices=systems.PRESETS)
+    add("--systems", type=lambda s: tuple(x for x in s.split(",") if x.strip()),
         help="comma-separated: pytorch, llama.cpp-<quant>, <target>-<precision>[-<variant>][@<device>]; empty: none")
     add("--bundle", dest="bundles", action="append", default=[], metavar="PATH[@DEVICE]",
         help="also measure this built bundle (repeatable)")
-    add("--frames", type=int, default=DEFAULT_FRAMES, help="audio frames per run (25 per second), >= 2")
+    add("--frames", type=int, help="audio frames per run (25 per second), >= 2")
     add("--repeats", type=int, help="timed runs per system, median reported (default 3, 1 for --preset full)")
-    add("--rounds", type=int, default=1, help="measure all systems this many times in turn, keep each one's fastest")
-    add("--warmup", type=int, default=1)
-    add("--seed", type=int, default=0)
-    add("--text", default=BENCH_TEXT)
-    add("--checkpoint", help="use this checkpoint directory instead of the preset's")
-    add("--cache", help="cache directory (default $HIGGS_PACK_CACHE or ~/.cache/higgs-pack)")
-    add("--rebuild", action="store_true", help="rebuild cached bundles")
-    add("--bandwidth-mib", type=int, default=DEFAULT_BANDWIDTH_MIB, help="memory-bandwidth buffer (0: skip)")
-    add("--contexts", type=_sizes("--contexts"), default=DEFAULT_CONTEXTS,
-        help="contexts of the bare decoder's step (default 64,900; empty: none)")
-    add("--batch", type=_sizes("--batch"), default=(), help="engine batch sizes to measure, e.g. 1,2,4,8")
-    add("--fit-memory-gib", type=float, default=FIT_MEMORY_BYTES / 2**30, help="memory budget of the largest batch")
-    add("--fit-run", action="store_true", help="with --batch: also run that largest batch (commits the budget)")
-    add("--step-batch", type=_sizes("--step-batch"), default=DEFAULT_STEP_BATCHES,
-        help="batch sizes of the decoder-step comparison with llama.cpp systems")
-    add("--steps-only", action="store_true", help="with llama.cpp systems: only the decoder-step comparison")
-    add("--llama-threads", type=int, help="llama.cpp threads (default: the CPUs this process may use)")
-    add("--timeout", type=float, help="seconds allowed per measuring process")
-    add("--out", default="dist/bench.json", type=lambda s: s or None,
-        help="JSON records, charted into the same name with .html ('' = do not write)")
-    add("--append", action="store_true", help="keep records of other systems already in --out")
-    add("--quiet", action="store_true")
-    add("--build-only", action="store_true", help="build (or reuse) the bundles, measure nothing")
+    add("--rounds", type=int, help="measure all systems this many times in turn, keep each one's fastest")
+    for flag, kind in (("--warmup", int), ("--seed", int), ("--text", str), ("--checkpoint", str), ("--cache", str),
+                       ("--llama-threads", int), ("--timeout", float)):
+        add(flag, type=kind)
+    add("--bandwidth-mib", type=int, help="memory-bandwidth buffer (0: skip)")
+    for flag, what in (("--contexts", "contexts of the bare decoder's step (empty: none)"),
+                       ("--batch", "engine batch sizes to measure, e.g. 1,2,4,8"),
+                       ("--step-batch", "batch sizes of the decoder-step comparison with llama.cpp systems")):
+        add(flag, type=_sizes(flag), help=what)
+    add("--fit-memory-gib", type=float, default=rec.FIT_MEMORY_BYTES / 2**30, help="memory budget of the largest batch")
+    add("--out", type=lambda s: s or None, help="JSON records, charted into the same name with .html ('': none)")
+    for flag, what in (("--rebuild", "rebuild cached bundles"), ("--fit-run", "with --batch: run the largest batch"),
+                       ("--steps-only", "with llama.cpp systems: only the decoder-step comparison"),
+                       ("--append", "keep records of other systems in --out"), ("--quiet", "no progress"),
+                       ("--build-only", "build (or reuse) the bundles, measure nothing")):
+        add(flag, action="store_true", help=what)
     add("--worker", help=argparse.SUPPRESS)
+    p.set_defaults(**{k: v for k, v in asdict(BenchOptions()).items() if k != "bundles"})
     return p
 
 
@@ -364,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.worker:
-        return run_worker(args.worker)
+        return systems.run_worker(args.worker)
     for bad, why in ((args.frames < 2, "--frames must be at least 2"),
                      (not args.fit_memory_gib > 0, "--fit-memory-gib must be positive"),
                      (args.fit_run and not args.batch, "--fit-run needs --batch"),
@@ -372,9 +335,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                      (not args.step_batch, "--step-batch: give at least one size")):
         if bad:
             parser.error(why)
-    options = BenchOptions(**{f.name: getattr(args, f.name) for f in fields(BenchOptions) if hasattr(args, f.name)},
-                           fit_memory_bytes=int(args.fit_memory_gib * 2**30))
-    options.bundles = tuple(options.bundles)
+    options = BenchOptions(**{f.name: getattr(args, f.name) for f in fields(BenchOptions)})
+    options.bundles, options.fit_memory_bytes = tuple(options.bundles), int(args.fit_memory_gib * 2**30)
     from higgs_pack.manifests.errors import HiggsPackError
 
     try:
@@ -383,19 +345,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     builds = [r for r in records if r.get("kind") == "build"]
-    steps = [r for r in records if r.get("kind") == STEP_KIND]
+    steps = [r for r in records if r.get("kind") == systems.STEP_KIND]
     measured = [r for r in records if r.get("kind") is None]
-    print("\n".join(filter(None, [render_builds(builds), *([render_table(measured), render_batch(measured),
-                                                            render_details(measured)] if measured else []),
-                                  render_steps(steps)])))
+    print("\n".join(filter(None, [report.render_builds(builds), *([report.render_table(measured), report.render_batch(measured),
+                                                            report.render_details(measured)] if measured else []),
+                                  report.render_steps(steps)])))
     if options.out:
-        write_records(builds + measured + steps, Path(options.out), options.append)
+        rec.write_records(builds + measured + steps, Path(options.out), options.append)
         print(f"wrote {options.out}")
         try:
-            print(f"wrote {write_html(Path(options.out))}")
+            print(f"wrote {report.write_html(Path(options.out))}")
         except HiggsPackError as exc:
             print(f"note: no HTML report: {exc}", file=sys.stderr)
-    over = [b["system"] for b in builds if (b.get("peak_rss_mb") or 0) > BUILD_MEMORY_BUDGET_MB]
+    over = [b["system"] for b in builds if (b.get("peak_rss_mb") or 0) > rec.BUILD_MEMORY_BUDGET_MB]
     if over:
-        print(f"builds over the {BUILD_MEMORY_BUDGET_MB} MB memory budget: {', '.join(over)}", file=sys.stderr)
+        print(f"builds over the {rec.BUILD_MEMORY_BUDGET_MB} MB memory budget: {', '.join(over)}", file=sys.stderr)
     return 1 if over or any("error" in r or "error" in (r.get("batch") or {}) for r in records) else 0

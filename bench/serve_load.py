@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from bench.serve_checks import (
     check,
     request_pool,
 )
-from bench.serve_workers import EngineProcess, ServerProcess, engine_worker, scrape
+from bench.serve_workers import EngineProcess, ServerProcess, scrape
 from bench.systems import cpu_s, machine, rss_mb
 
 DEFAULT_CLIENTS = (1, 4, 16, 64)
@@ -317,7 +317,7 @@ def run_load(options: LoadOptions) -> dict[str, Any]:
         if options.engine and options.bundle:
             say(f"starting the engine process (max_batch {ready['max_batch']}); references: {len(pool)} requests")
             engine = EngineProcess(options.bundle, ready["max_batch"], options.cache)
-            rows = engine.ask({"task": "reference", "jobs": [asdict(j) for j in pool]}, timeout * len(pool))["rows"]
+            rows = engine.ask({"task": "reference", "jobs": pool}, timeout * len(pool))["rows"]
             bad = [r for r in rows if r["category"] == "error"]
             if bad:
                 raise RuntimeError(f"the engine failed on its own: job {bad[0]['job']}: {bad[0]['detail']}")
@@ -326,10 +326,8 @@ def run_load(options: LoadOptions) -> dict[str, Any]:
                                    "frames_at_cap": sum(r["samples"] == options.frames * FRAME_SAMPLES for r in rows)}
 
         def engine_level(jobs: list[Job], clients: int, seconds: float) -> dict[str, Any]:
-            return engine.ask({"task": "level", "jobs": [asdict(j) for j in jobs], "clients": clients,
-                               "seconds": seconds, "expected": {str(j.index): asdict(expected[j.index])
-                                                                for j in jobs if j.index in expected}},
-                              timeout=seconds + timeout + 60)
+            return engine.ask({"task": "level", "jobs": jobs, "clients": clients, "seconds": seconds,
+                               "expected": expected}, timeout=seconds + timeout + 60)
 
         record["levels"] = []
         for clients in options.clients:
@@ -416,10 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add("--cache", help="cache directory (default $HIGGS_PACK_CACHE or ~/.cache/higgs-pack)")
     add("--out", default="dist/serve-bench.json", help="JSON runs (same label and preset replaced) and .html")
     add("--quiet", action="store_true")
-    add("--engine-worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.engine_worker:
-        return engine_worker(args.engine_worker, args.max_batch or 4)
     try:
         clients = tuple(int(c) for c in args.clients.split(",") if c.strip())
     except ValueError:

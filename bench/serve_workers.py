@@ -4,10 +4,10 @@ through ``tts.engine(max_batch)``), and the server's counters (:func:`scrape`)."
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import json
+import multiprocessing
 import os
-import queue
 import re
 import signal
 import subprocess
@@ -15,11 +15,12 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
 from bench.serve_checks import Expected, Job, pcm16
-from bench.systems import child_env, cpu_s
+from bench.systems import cpu_s
 
 #: Most seconds a server started here may live, and may take to get ready (or the engine to load).
 SERVER_LIFETIME_S = 3600.0
@@ -53,71 +54,62 @@ def scrape(url: str) -> dict[str, float]:
 
 
 class EngineProcess:
-    """``python -m bench.serve_load --engine-worker``: the bundle in ``tts.engine(max_batch)``, one
-    JSON task per line on its stdin, one JSON answer per line on its stdout."""
+    """The same bundle in ``tts.engine(max_batch)`` in a process of its own (:func:`engine_worker`),
+    asked one task at a time over a pipe."""
 
     def __init__(self, bundle: str | os.PathLike, max_batch: int, cache: str | None = None):
-        cmd = [sys.executable, "-m", "bench.serve_load", "--engine-worker", str(bundle), "--max-batch", str(max_batch)]
-        self.process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                        env=child_env(**({"HIGGS_PACK_CACHE": cache} if cache else {})))
-        self._lines: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=lambda: [*map(self._lines.put, self.process.stdout), self._lines.put(None)],
-                         daemon=True).start()
+        context = multiprocessing.get_context("spawn")
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=engine_worker, args=(child, str(bundle), max_batch, cache), daemon=True)
+        self.process.start()
         self.info = self._answer(SERVER_START_S)
 
     def _answer(self, timeout: float) -> dict[str, Any]:
-        try:
-            line = self._lines.get(timeout=timeout)
-        except queue.Empty:
+        if not self.conn.poll(timeout):
             self.close()
-            raise RuntimeError(f"the engine process gave no answer within {timeout:.0f} s") from None
-        if line is None:
-            raise RuntimeError(f"the engine process exited with {self.process.wait()}; its log is above")
-        answer = json.loads(line)
+            raise RuntimeError(f"the engine process gave no answer within {timeout:.0f} s")
+        try:
+            answer = self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the engine process exited with {self.process.join(10) or self.process.exitcode}; "
+                               "its log is above") from None
         if "error" in answer:
             raise RuntimeError(f"the engine process failed: {answer['error']}")
         return answer
 
     def ask(self, task: dict[str, Any], timeout: float) -> dict[str, Any]:
         """Send one task and wait for its answer (RuntimeError when the process fails or is late)."""
-        self.process.stdin.write(json.dumps(task) + "\n")
-        self.process.stdin.flush()
+        self.conn.send(task)
         return self._answer(timeout)
 
     def close(self) -> None:
         """Ask it to stop; kill it after 30 s."""
-        if self.process.poll() is None:
-            try:
-                self.process.stdin.write(json.dumps({"task": "quit"}) + "\n")
-                self.process.stdin.close()
-                self.process.wait(30)
-            except (OSError, subprocess.TimeoutExpired):
+        if self.process.is_alive():
+            with contextlib.suppress(OSError):
+                self.conn.send({"task": "quit"})
+            self.process.join(30)
+            if self.process.is_alive():
                 self.process.kill()
-                self.process.wait(10)
+                self.process.join(10)
 
 
-def engine_worker(bundle: str, max_batch: int) -> int:
+def engine_worker(conn: Any, bundle: str, max_batch: int, cache: str | None) -> int:
     """The engine process: tasks ``reference`` (every job alone) and ``level`` (the jobs from
     ``clients`` threads for at most ``seconds``: a row per request, the span, the engine's counter
-    deltas and CPU seconds), then ``quit``.  Only answers go to stdout."""
-    answers = os.fdopen(os.dup(1), "w", encoding="utf-8")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
+    deltas and CPU seconds), then ``quit``."""
+    if cache:
+        os.environ["HIGGS_PACK_CACHE"] = cache
     import higgs_pack
     from higgs_pack.runtime.request import SynthesisRequest
-
-    def say(answer: dict[str, Any]) -> None:
-        answers.write(json.dumps(answer) + "\n")
-        answers.flush()
 
     try:
         tts = higgs_pack.load(bundle)
         engine = tts.engine(max_batch)
         engine.submit("Hello.", max_frames=8).result(timeout=600)
     except Exception as exc:
-        say({"error": f"{type(exc).__name__}: {exc}"})
+        conn.send({"error": f"{type(exc).__name__}: {exc}"})
         return 1
-    say({"max_batch": engine.max_batch, "bundle": tts.info.bundle, "pid": os.getpid()})
+    conn.send({"max_batch": engine.max_batch, "bundle": tts.info.bundle, "pid": os.getpid()})
 
     def one(job: Job, expected: Expected | None) -> dict[str, Any]:
         t0, first, submitted = time.perf_counter(), None, None
@@ -158,28 +150,24 @@ def engine_worker(bundle: str, max_batch: int) -> int:
                 with lock:
                     rows.append(row)
 
-        threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        with ThreadPoolExecutor(clients) as pool:
+            for _ in range(clients):
+                pool.submit(client)
         span, after = time.perf_counter() - t0, asdict(engine.stats)
         stats = {f"engine_{k}": after[k] - before[k] for k in ("steps", "frames", "step_seconds")}
         return {"rows": rows, "seconds": span, "stats": stats, "cpu_s": cpu_s() - cpu_before}
 
-    for line in sys.stdin:
-        task = json.loads(line)
+    while True:
+        task = conn.recv()
         try:
             if task["task"] == "quit":
                 break
-            jobs = [Job(**item) for item in task["jobs"]]
             if task["task"] == "reference":
-                say({"rows": [one(job, None) for job in jobs]})
+                conn.send({"rows": [one(job, None) for job in task["jobs"]]})
             else:
-                expected = {int(k): Expected(**v) for k, v in task["expected"].items()}
-                say(level(jobs, task["clients"], task["seconds"], expected))
+                conn.send(level(task["jobs"], task["clients"], task["seconds"], task["expected"]))
         except Exception as exc:
-            say({"error": f"{type(exc).__name__}: {exc}"})
+            conn.send({"error": f"{type(exc).__name__}: {exc}"})
     engine.close(timeout=30)
     tts.close()
     return 0

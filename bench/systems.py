@@ -18,39 +18,8 @@ from typing import Any
 #: The checkout (``bench`` is not in the wheel): children get it first on ``PYTHONPATH``.
 ROOT = Path(__file__).resolve().parents[1]
 
-DEFAULT_SYSTEMS = ("pytorch", "cpu-int4", "cpu-fp32", "openvino-int4", "openvino-int8", "openvino-fp32")
-PRESETS = ("tiny", "bench", "full")
-BENCH_TEXT = "The quick brown fox jumps over the lazy dog, then runs back home before the evening rain."
-DEFAULT_FRAMES = 100
-DEFAULT_REPEATS = {"tiny": 3, "bench": 3, "full": 1}
-DEFAULT_BANDWIDTH_MIB = 1024
 PYTORCH = "pytorch"
-#: Contexts of ``step_ms_ctx<N>``; timed steps per context and round; rounds over the contexts in
-#: turn (a shared 2-core VM drifted up to 30% between runs, which one block per length misread).
-DEFAULT_CONTEXTS = (64, 900)
-CONTEXT_STEPS = 8
-CONTEXT_ROUNDS = 3
-DEFAULT_STEP_BATCHES = (1, 4)
-
-# Goals of issues 2, 3, 9 and 19 (the batch ones judged at the full preset only).
-GOAL_SPEEDUP_CPU_INT4 = 2.0
-GOAL_OUTSIDE_DECODER = 0.05
-GOAL_WARM_LOAD_S = 1.0
-GOAL_LOOP_OVER_DECODER = 1.1
-GOAL_FIRST_AUDIO = 1.1
-GOAL_LONG_CONTEXT_STEP = 1.15
-GOAL_ROOFLINE = 0.9
-GOAL_BATCH4_SPEEDUP = 3.0
-GOAL_BATCH8_SPEEDUP = 5.0
-GOAL_BATCH4_STEP = 1.35
-GOAL_ENGINE_OVER_BARE = 1.1
-GOAL_STREAM_OVER_PLAIN = 0.9
-#: The memory budget and context of the largest batch (``fit_max_batch``).
-FIT_MEMORY_BYTES = 12 * 2**30
-FIT_POSITIONS = 2000
-SIZED_PRESETS = ("bench", "full")
-FULL_PRESET = "full"
-
+PRESETS = ("tiny", "bench", "full")
 LLAMA_CPP = "llama.cpp"
 #: The ``kind`` of the decoder-step records (ours beside llama.cpp).
 STEP_KIND = "decoder_step"

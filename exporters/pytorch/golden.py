@@ -115,22 +115,9 @@ def capture_golden(ckpt, out_path: Path, *, seed: int = 1234, bundle_dir: Path |
     g["audio_heads/in/hidden_states"] = hidden
     g["audio_heads/out/audio_logits"] = pipe.audio_heads.run({"hidden_states": hidden})["audio_logits"]
 
-    audio_codes = rng.integers(0, c.codebook_size, size=(1, c.num_codebooks, 12), dtype=np.int64)
-    g["audio_tokenizer/in/audio_codes"] = audio_codes
-    g["audio_tokenizer/out/waveform"] = pipe.audio_tokenizer.run({"audio_codes": audio_codes})["waveform"]
-
-    wave = _probe_waveform(c.sample_rate, c.hop_length, rng)[None, None]
-    g["audio_encoder/in/waveform"] = wave
-    g["audio_encoder/out/audio_codes"] = pipe.audio_encoder.run({"waveform": wave})["audio_codes"]
-
+    g.update(_codec_probes(pipe, rng))
     precision = (subparts or {}).get("llm_decoder", {}).get("precision", "fp32")
-    frames = greedy_frames(sum(p.numel() for p in pipe.decoder.model.parameters()), precision)
-    if frames:
-        greedy = generate_codes(pipe, build_prompt(pipe, GREEDY_TEXT),
-                                SamplingOptions(temperature=0.0, repeat_guard_frames=0), max_frames=frames)
-        g["greedy/delayed"] = greedy.delayed
-    else:
-        g["greedy/delayed"] = np.zeros((0, c.num_codebooks), dtype=np.int64)
+    g["greedy/delayed"] = _greedy_delayed(pipe, precision)
     weights: dict[str, Any] = {}
     if bundle_dir is not None and subparts:
         from higgs_pack.exporters.pytorch.matched import capture_matched
@@ -140,3 +127,26 @@ def capture_golden(ckpt, out_path: Path, *, seed: int = 1234, bundle_dir: Path |
     with open(out_path, "wb") as handle:
         np.savez(handle, **g)
     return {"frames": int(g["greedy/delayed"].shape[0]), "weights": weights}
+
+
+def _codec_probes(pipe, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """The codec's golden entries: the decoder on random codes, the encoder on the probe waveform."""
+    c = pipe.constants
+    audio_codes = rng.integers(0, c.codebook_size, size=(1, c.num_codebooks, 12), dtype=np.int64)
+    wave = _probe_waveform(c.sample_rate, c.hop_length, rng)[None, None]
+    return {
+        "audio_tokenizer/in/audio_codes": audio_codes,
+        "audio_tokenizer/out/waveform": pipe.audio_tokenizer.run({"audio_codes": audio_codes})["waveform"],
+        "audio_encoder/in/waveform": wave,
+        "audio_encoder/out/audio_codes": pipe.audio_encoder.run({"waveform": wave})["audio_codes"],
+    }
+
+
+def _greedy_delayed(pipe, precision: str) -> np.ndarray:
+    """The oracle's greedy delayed codes for :data:`GREEDY_TEXT` (:func:`greedy_frames` of them)."""
+    frames = greedy_frames(sum(p.numel() for p in pipe.decoder.model.parameters()), precision)
+    if not frames:
+        return np.zeros((0, pipe.constants.num_codebooks), dtype=np.int64)
+    greedy = generate_codes(pipe, build_prompt(pipe, GREEDY_TEXT),
+                            SamplingOptions(temperature=0.0, repeat_guard_frames=0), max_frames=frames)
+    return greedy.delayed

@@ -114,64 +114,83 @@ def capture_matched(ckpt: Any, pipe: Any, g: dict[str, np.ndarray], bundle_dir: 
     Raises:
         BuildError: a read-back weight's shape or values do not fit the checkpoint's.
     """
-    import torch
-
-    from higgs_pack.exporters.checkpoint.layout import AUDIO_EMBEDDING, BODY_PREFIX, TEXT_EMBEDDING
-    from higgs_pack.exporters.checkpoint.models import qwen3_model
-    from higgs_pack.exporters.pytorch.modules import AudioEmbed, AudioHeads, TextEmbed
-    from higgs_pack.exporters.pytorch.reference import TorchDecoder, TorchRunner, upcast_per_layer
-
     out: dict[str, Any] = {}
-    c = pipe.constants
     for part, info in subparts.items():
         precision = info["precision"]
         if precision == "fp32":
             continue
         limit = WEIGHT_REL_L2_LIMIT[precision]
-        worst: dict[str, Any] = {"max_rel_l2": 0.0, "tensor": None}
         if part == SubPart.LLM_DECODER.value:
-            read = _decoder_reader(bundle_dir, info, ckpt)
-            layers = int(ckpt.text_config["num_hidden_layers"])
-            for layer in range(layers):
-                _check_weights(lambda p, i=layer: f"{BODY_PREFIX}layers.{i}.{p}", read(layer), ckpt, limit, worst)
-                ckpt.close()
-            # The float oracle's weights are done with: drop them, and run the matched oracle on
-            # a body holding only the norms, every projection read back layer by layer (so the
-            # 4B model is never in memory twice: measured 14 GiB before, at full size).
-            pipe.decoder.model = None
-            gc.collect()
-            skeleton = upcast_per_layer(qwen3_model(ckpt, stored_dtype=True, projections=False), read)
-            decoder = TorchDecoder(skeleton, c.max_position_embeddings)
-            g["llm_decoder/matched/hidden_states"] = decoder.forward(g["llm_decoder/in/inputs_embeds"])
-            if info.get("kv_cache"):  # a quantized KV cache is judged against these K/V
-                g.update({f"{GOLDEN_KV_MATCHED}{name}": value for name, value in decoder.kv_cache().items()})
-            g["llm_decoder/matched/step_hidden_states"] = decoder.forward(g["llm_decoder/in/step_embeds"])
-            del decoder, skeleton
-            gc.collect()
+            worst = _matched_decoder(ckpt, pipe, g, bundle_dir, info, limit)
         elif part in (SubPart.TEXT_EMBED.value, SubPart.AUDIO_EMBED.value, SubPart.AUDIO_HEADS.value):
-            table = torch.from_numpy(_single_weight(bundle_dir / info["entry"], info["format"]))
-            source = TEXT_EMBEDDING if part == SubPart.TEXT_EMBED.value else AUDIO_EMBEDDING
-            ref = ckpt.tensor(source).float()
-            if part == SubPart.AUDIO_HEADS.value:
-                ref = pipe.audio_heads.module.weight.detach()  # tied or separate head, as the oracle uses it
-            if tuple(ref.shape) != tuple(table.shape):
-                raise BuildError(f"read-back {part} weight has shape {list(table.shape)}, expected {list(ref.shape)}")
-            worst.update(max_rel_l2=_rel_l2(table.numpy(), ref.numpy()), tensor=source)
-            if worst["max_rel_l2"] > limit:
-                raise BuildError(f"the bundle's {part} weight differs from the checkpoint's by relative L2 "
-                                 f"{worst['max_rel_l2']:.3f} (at most {limit} is quantization)")
-            if part == SubPart.TEXT_EMBED.value:
-                module = TextEmbed(table)
-            elif part == SubPart.AUDIO_EMBED.value:
-                module = AudioEmbed(table, c.num_codebooks, c.audio_vocab_size)
-            else:
-                module = AudioHeads(table, c.num_codebooks, c.audio_vocab_size)
-            runner = TorchRunner(module, *SUBPART_IO[SubPart(part)])
-            feeds = {k.split("/", 2)[2]: v for k, v in g.items() if k.startswith(f"{part}/in/")}
-            for name, value in runner.run(feeds).items():
-                g[f"{part}/matched/{name}"] = value
+            worst = _matched_table(ckpt, pipe, g, bundle_dir, part, info, limit)
         else:
             continue
         worst["max_rel_l2"] = round(worst["max_rel_l2"], 6) if math.isfinite(worst["max_rel_l2"]) else None
         out[part] = worst
     return out
+
+
+def _matched_decoder(ckpt: Any, pipe: Any, g: dict[str, np.ndarray], bundle_dir: Path, info: dict[str, Any],
+                     limit: float) -> dict[str, Any]:
+    """The decoder's part of :func:`capture_matched`: check every read-back layer, then run the matched
+    oracle on the golden prompt and step; returns the worst weight."""
+    from higgs_pack.exporters.checkpoint.layout import BODY_PREFIX
+    from higgs_pack.exporters.checkpoint.models import qwen3_model
+    from higgs_pack.exporters.pytorch.reference import TorchDecoder, upcast_per_layer
+
+    worst: dict[str, Any] = {"max_rel_l2": 0.0, "tensor": None}
+    read = _decoder_reader(bundle_dir, info, ckpt)
+    layers = int(ckpt.text_config["num_hidden_layers"])
+    for layer in range(layers):
+        _check_weights(lambda p, i=layer: f"{BODY_PREFIX}layers.{i}.{p}", read(layer), ckpt, limit, worst)
+        ckpt.close()
+    # The float oracle's weights are done with: drop them, and run the matched oracle on
+    # a body holding only the norms, every projection read back layer by layer (so the
+    # 4B model is never in memory twice: measured 14 GiB before, at full size).
+    pipe.decoder.model = None
+    gc.collect()
+    skeleton = upcast_per_layer(qwen3_model(ckpt, stored_dtype=True, projections=False), read)
+    decoder = TorchDecoder(skeleton, pipe.constants.max_position_embeddings)
+    g["llm_decoder/matched/hidden_states"] = decoder.forward(g["llm_decoder/in/inputs_embeds"])
+    if info.get("kv_cache"):  # a quantized KV cache is judged against these K/V
+        g.update({f"{GOLDEN_KV_MATCHED}{name}": value for name, value in decoder.kv_cache().items()})
+    g["llm_decoder/matched/step_hidden_states"] = decoder.forward(g["llm_decoder/in/step_embeds"])
+    del decoder, skeleton
+    gc.collect()
+    return worst
+
+
+def _matched_table(ckpt: Any, pipe: Any, g: dict[str, np.ndarray], bundle_dir: Path, part: str,
+                   info: dict[str, Any], limit: float) -> dict[str, Any]:
+    """A one-table sub-part's part of :func:`capture_matched` (text or audio embedding, audio heads):
+    check its read-back table, then run it on the golden inputs; returns the weight's difference."""
+    import torch
+
+    from higgs_pack.exporters.checkpoint.layout import AUDIO_EMBEDDING, TEXT_EMBEDDING
+    from higgs_pack.exporters.pytorch.modules import AudioEmbed, AudioHeads, TextEmbed
+    from higgs_pack.exporters.pytorch.reference import TorchRunner
+
+    c = pipe.constants
+    table = torch.from_numpy(_single_weight(bundle_dir / info["entry"], info["format"]))
+    source = TEXT_EMBEDDING if part == SubPart.TEXT_EMBED.value else AUDIO_EMBEDDING
+    ref = ckpt.tensor(source).float()
+    if part == SubPart.AUDIO_HEADS.value:
+        ref = pipe.audio_heads.module.weight.detach()  # tied or separate head, as the oracle uses it
+    if tuple(ref.shape) != tuple(table.shape):
+        raise BuildError(f"read-back {part} weight has shape {list(table.shape)}, expected {list(ref.shape)}")
+    worst: dict[str, Any] = {"max_rel_l2": _rel_l2(table.numpy(), ref.numpy()), "tensor": source}
+    if worst["max_rel_l2"] > limit:
+        raise BuildError(f"the bundle's {part} weight differs from the checkpoint's by relative L2 "
+                         f"{worst['max_rel_l2']:.3f} (at most {limit} is quantization)")
+    if part == SubPart.TEXT_EMBED.value:
+        module = TextEmbed(table)
+    elif part == SubPart.AUDIO_EMBED.value:
+        module = AudioEmbed(table, c.num_codebooks, c.audio_vocab_size)
+    else:
+        module = AudioHeads(table, c.num_codebooks, c.audio_vocab_size)
+    runner = TorchRunner(module, *SUBPART_IO[SubPart(part)])
+    feeds = {k.split("/", 2)[2]: v for k, v in g.items() if k.startswith(f"{part}/in/")}
+    for name, value in runner.run(feeds).items():
+        g[f"{part}/matched/{name}"] = value
+    return worst

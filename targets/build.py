@@ -179,31 +179,48 @@ def build(
         steps = _Steps(say, memory, work)
         bundle_dir = stage / "bundle"
         bundle_dir.mkdir()
-        results = _export_subparts(plan, steps, str(ckpt.root), bundle_dir, work, stage)
-        tokenizer_file = _copy_tokenizer(ckpt, bundle_dir)
-        golden = steps("capturing golden reference outputs with the PyTorch oracle",
-                       "higgs_pack.targets.steps:capture", [stage], checkpoint=str(ckpt.root),
-                       out_path=str(bundle_dir / REFERENCE_FILE), bundle_dir=str(bundle_dir),
-                       subparts={p: {**{k: r[k] for k in ("format", "entry", "precision")},
-                                     "kv_cache": r["quantization"].get("kv_cache")} for p, r in results.items()})
-        manifest = _assemble(plan, ckpt, model_slug(model), source, bundle_dir, results, tokenizer_file, golden,
-                             time.perf_counter() - start)
-        verified = _verify_staged(plan, steps, bundle_dir, manifest, stage)
-        _record_verification(manifest, verified)
-        scratch.sample()
-        manifest["build"]["seconds"] = round(time.perf_counter() - start, 2)
-        manifest["build"]["resources"] = {
-            "peak_rss_mb": round(memory.peak / 2**20, 1),
-            "peak_anon_mb": round(memory.peak_anon / 2**20, 1),
-            "scratch_peak_mb": round(scratch.peak / 2**20, 1),
-            "cpu": cpu_info().describe(),
-            "phases": [p.to_dict() for p in steps.phases],
-        }
+        manifest = _staged_manifest(plan, steps, ckpt, model, source, bundle_dir, work, stage, start)
+        _record_verification(manifest, _verify_staged(plan, steps, bundle_dir, manifest, stage))
+        _record_resources(manifest, start, memory, scratch, steps)
         write_manifest(bundle_dir, manifest)  # the final manifest: what verification measured, resources
         _move_into_place(bundle_dir, out, stage)
     say(f"bundle ready: {out} (peak memory {memory.peak / 2**30:.2f} GiB, "
         f"{time.perf_counter() - start:.0f} s)")
     return out
+
+
+def _staged_manifest(plan: BuildPlan, steps: _Steps, ckpt: Any, model: str | Path | None, source: str,
+                     bundle_dir: Path, work: Path, stage: Path, start: float) -> dict[str, Any]:
+    """Export every sub-part, copy the tokenizer and capture the golden outputs into ``bundle_dir``; the
+    manifest of it all (before verification)."""
+    results = _export_subparts(plan, steps, str(ckpt.root), bundle_dir, work, stage)
+    tokenizer_file = _copy_tokenizer(ckpt, bundle_dir)
+    golden = _capture_golden(steps, str(ckpt.root), bundle_dir, results, stage)
+    return _assemble(plan, ckpt, model_slug(model), source, bundle_dir, results, tokenizer_file, golden,
+                     time.perf_counter() - start)
+
+
+def _capture_golden(steps: _Steps, checkpoint: str, bundle_dir: Path, results: dict[str, Any],
+                    stage: Path) -> Any:
+    """The golden step: the PyTorch oracle's reference outputs, matched against the exported sub-parts."""
+    return steps("capturing golden reference outputs with the PyTorch oracle",
+                 "higgs_pack.targets.steps:capture", [stage], checkpoint=checkpoint,
+                 out_path=str(bundle_dir / REFERENCE_FILE), bundle_dir=str(bundle_dir),
+                 subparts={p: {**{k: r[k] for k in ("format", "entry", "precision")},
+                               "kv_cache": r["quantization"].get("kv_cache")} for p, r in results.items()})
+
+
+def _record_resources(manifest: dict[str, Any], start: float, memory: Any, scratch: Any, steps: _Steps) -> None:
+    """The manifest's ``build.seconds`` and ``build.resources``: peak memory and scratch, the CPU, each step."""
+    scratch.sample()
+    manifest["build"]["seconds"] = round(time.perf_counter() - start, 2)
+    manifest["build"]["resources"] = {
+        "peak_rss_mb": round(memory.peak / 2**20, 1),
+        "peak_anon_mb": round(memory.peak_anon / 2**20, 1),
+        "scratch_peak_mb": round(scratch.peak / 2**20, 1),
+        "cpu": cpu_info().describe(),
+        "phases": [p.to_dict() for p in steps.phases],
+    }
 
 
 def _check_out(out: Path, force: bool) -> None:

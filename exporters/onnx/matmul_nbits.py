@@ -151,11 +151,6 @@ def quantize_matmuls(
             out of disk space while writing (the message names the folder).
     """
     import onnx
-    from onnxruntime.quantization.matmul_nbits_quantizer import (
-        DefaultWeightOnlyQuantConfig,
-        DefaultWeightOnlyQuantizer,
-    )
-    from onnxruntime.quantization.quant_utils import QuantFormat
 
     source, target = Path(source), Path(target)
     if source.resolve() == target.resolve():
@@ -166,41 +161,11 @@ def quantize_matmuls(
     graph = model.graph
     base_dir = source.parent
     initializers = {t.name: t for t in graph.initializer}
-    uses = Counter(name for node in graph.node for name in node.input)
-    exclude = set(nodes_to_exclude)
-    quantizer = DefaultWeightOnlyQuantizer(
-        DefaultWeightOnlyQuantConfig(
-            block_size=block_size,
-            is_symmetric=is_symmetric,
-            accuracy_level=accuracy_level,
-            quant_format=QuantFormat.QOperator,
-            op_types_to_quantize=("MatMul",),
-            bits=bits,
-        )
-    )
-    data_path = target.parent / f"{target.name}.data"
-    writer = _ExternalDataWriter(data_path)
-    replaced: set[str] = set()
-    kept_float: list[str] = []
-    largest = 0
-    nodes = []
+    quantizer = _weight_only_quantizer(bits, block_size, is_symmetric, accuracy_level)
+    writer = _ExternalDataWriter(target.parent / f"{target.name}.data")
     try:
-        for node in graph.node:
-            weight = initializers.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) > 1 else None
-            if weight is None or node.name in exclude or uses[weight.name] != 1 or len(weight.dims) != 2:
-                if node.op_type == "MatMul":
-                    kept_float.append(node.name)
-                nodes.append(node)
-                continue
-            holder = onnx.helper.make_graph([], "weight", [], [], initializer=[_load_tensor(weight, base_dir)])
-            largest = max(largest, len(holder.initializer[0].raw_data))
-            new_nodes = quantizer.quantize(node, [holder])
-            for tensor in holder.initializer[1:]:  # the packed weight, scales (and zero points)
-                writer.add(tensor)
-                graph.initializer.append(tensor)
-            del holder
-            nodes.extend(new_nodes)
-            replaced.add(weight.name)
+        nodes, replaced, kept_float, largest = _quantized_nodes(graph, initializers, set(nodes_to_exclude),
+                                                                quantizer, writer, base_dir)
         kept = [t for t in graph.initializer if t.name not in replaced]
         for tensor in kept:
             if tensor.name in initializers:  # original tensors: copy their bytes over
@@ -217,6 +182,57 @@ def quantize_matmuls(
         raise_disk_error(exc, target.parent)
         raise
     return {"quantized": len(replaced), "kept_float": kept_float, "largest_weight_bytes": largest}
+
+
+def _weight_only_quantizer(bits: int, block_size: int, is_symmetric: bool, accuracy_level: int | None) -> Any:
+    """ONNX Runtime's ``MatMulNBitsQuantizer`` default (round-to-nearest) quantizer, one node at a time."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import (
+        DefaultWeightOnlyQuantConfig,
+        DefaultWeightOnlyQuantizer,
+    )
+    from onnxruntime.quantization.quant_utils import QuantFormat
+
+    return DefaultWeightOnlyQuantizer(
+        DefaultWeightOnlyQuantConfig(
+            block_size=block_size,
+            is_symmetric=is_symmetric,
+            accuracy_level=accuracy_level,
+            quant_format=QuantFormat.QOperator,
+            op_types_to_quantize=("MatMul",),
+            bits=bits,
+        )
+    )
+
+
+def _quantized_nodes(graph: Any, initializers: dict[str, Any], exclude: set[str], quantizer: Any,
+                     writer: _ExternalDataWriter, base_dir: Path) -> tuple[list[Any], set[str], list[str], int]:
+    """``graph``'s nodes with each eligible MatMul replaced by ``quantizer``'s nodes, their new tensors
+    written and appended to the graph's initializers; ``(nodes, replaced weights, MatMuls kept float,
+    largest float weight in bytes)``."""
+    import onnx
+
+    uses = Counter(name for node in graph.node for name in node.input)
+    replaced: set[str] = set()
+    kept_float: list[str] = []
+    largest = 0
+    nodes = []
+    for node in graph.node:
+        weight = initializers.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) > 1 else None
+        if weight is None or node.name in exclude or uses[weight.name] != 1 or len(weight.dims) != 2:
+            if node.op_type == "MatMul":
+                kept_float.append(node.name)
+            nodes.append(node)
+            continue
+        holder = onnx.helper.make_graph([], "weight", [], [], initializer=[_load_tensor(weight, base_dir)])
+        largest = max(largest, len(holder.initializer[0].raw_data))
+        new_nodes = quantizer.quantize(node, [holder])
+        for tensor in holder.initializer[1:]:  # the packed weight, scales (and zero points)
+            writer.add(tensor)
+            graph.initializer.append(tensor)
+        del holder
+        nodes.extend(new_nodes)
+        replaced.add(weight.name)
+    return nodes, replaced, kept_float, largest
 
 
 def raise_disk_error(exc: OSError, folder: Path) -> None:

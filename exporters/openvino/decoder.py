@@ -55,6 +55,8 @@ from higgs_pack.runtime.machine.mapped_pages import paging_out
 # DECODER_INPUTS / DECODER_OUTPUT of higgs_pack.runtime.backends.openvino.runners.
 
 
+# Over 80 lines because of its docstring and optimum-intel's steps in order (load in the stored dtype,
+# strip the head, export stateful, compress with NNCF while paging out, save): one tool, read whole.
 def convert_llm_decoder(
     hf_dir: str | Path,
     out_dir: str | Path,

@@ -21,7 +21,12 @@ import click
 
 from higgs_pack.manifests.errors import HiggsPackError
 from higgs_pack.manifests.providers import EXECUTION_PROVIDERS
-from higgs_pack.runtime.request import CHUNK_GROWTH, FIRST_CHUNK_FRAMES, MAX_CHUNK_FRAMES
+from higgs_pack.runtime.request import (
+    CHUNK_GROWTH,
+    CONTEXT_CHUNKS,
+    FIRST_CHUNK_FRAMES,
+    MAX_CHUNK_FRAMES,
+)
 
 COMMAND_GROUP = "higgs_pack.commands"
 
@@ -164,11 +169,12 @@ class SynthesizeFlags:
     chunk_growth: float
     max_chunk_frames: int
     batch: int | None
+    context_chunks: int
 
     def sampling(self) -> dict[str, Any]:
-        """The request's sampling keywords and frame cap (``SynthesisRequest.create``'s)."""
+        """The request's sampling keywords, frame cap and rolling context (``SynthesisRequest.create``'s)."""
         return {"seed": self.seed, "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
-                "max_frames": self.max_frames}
+                "max_frames": self.max_frames, "context_chunks": self.context_chunks}
 
     def voice(self) -> dict[str, Any]:
         """The reference clip and its transcript (``SynthesisRequest.create``'s keywords)."""
@@ -218,6 +224,9 @@ class SynthesizeFlags:
               help="--stream: each chunk is this many times the previous one (>= 1).")
 @click.option("--max-chunk-frames", type=int, default=MAX_CHUNK_FRAMES, show_default=True,
               help="--stream: largest chunk in frames (>= --first-chunk-frames).")
+@click.option("--context-chunks", type=int, default=CONTEXT_CHUNKS, show_default=True,
+              help="A long text's rolling context: previous text chunks (text and audio) that open each next "
+                   "chunk's prompt, so the voice carries on (0: each chunk on its own).")
 @click.option("--batch", type=click.IntRange(min=1),
               help="Speak every non-empty line of --text-file into its own wav in the folder -o, this many "
                    "lines decoded together; rerun to resume.")

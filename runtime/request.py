@@ -30,6 +30,12 @@ import numpy as np
 from higgs_pack.manifests.errors import InputError, Problem, unknown_choice
 from higgs_pack.runtime.loop.delay import SamplingOptions, bundle_sampling, sampling_problems
 
+#: Previous text chunks of a long text whose text and codes open the next chunk's prompt (the
+#: rolling context, :func:`higgs_pack.runtime.loop.generate.chunk_voice`; Higgs' own long-form
+#: generation calls it ``generation_chunk_buffer_size``).  Not yet measured at full size (issue 30
+#: asks for the prefill cost of each K): 1 carries the voice and prosody of the chunk just spoken.
+CONTEXT_CHUNKS = 1
+
 #: Default streaming schedule (frames at 25 fps): 0.4 s first, doubling up to 4 s.
 FIRST_CHUNK_FRAMES = 10
 CHUNK_GROWTH = 2.0
@@ -65,6 +71,7 @@ FIELDS: dict[str, FieldNames] = {f.keyword: f for f in (
     FieldNames("first_chunk_frames", "--first-chunk-frames", "initial_chunk_frames"),
     FieldNames("chunk_growth", "--chunk-growth", None),
     FieldNames("max_chunk_frames", "--max-chunk-frames", None),
+    FieldNames("context_chunks", "--context-chunks", "context_chunks"),
 )}
 
 Audio = str | os.PathLike | tuple[np.ndarray, int]
@@ -358,6 +365,9 @@ class SynthesisRequest:
         max_frames: frame cap per text chunk, >= 1 (25 frames per second), or None: from
             the text length.
         schedule: the :class:`StreamSchedule` a stream of this request follows.
+        context_chunks: a long text's rolling context: how many previous text chunks (their
+            text and codes) open each chunk's prompt, after the voice (>= 0; default
+            :data:`CONTEXT_CHUNKS`; 0: chunks packed to the context and generated on their own).
 
     Raises:
         InputError: one message naming every bad field, its value and what is allowed.
@@ -371,9 +381,10 @@ class SynthesisRequest:
     top_p: float | None = None
     max_frames: int | None = None
     schedule: StreamSchedule = field(default_factory=StreamSchedule)
+    context_chunks: int = CONTEXT_CHUNKS
 
     def __post_init__(self) -> None:
-        refuse(request_problems(self.text, self._chosen(), self.max_frames))
+        refuse(request_problems(self.text, self._chosen(), self.max_frames, self.context_chunks))
 
     def _chosen(self) -> dict[str, Any]:
         """The sampling fields this request sets (the seed always; the others unless None)."""
@@ -395,6 +406,7 @@ class SynthesisRequest:
         first_chunk_frames: int = FIRST_CHUNK_FRAMES,
         chunk_growth: float = CHUNK_GROWTH,
         max_chunk_frames: int = MAX_CHUNK_FRAMES,
+        context_chunks: int = CONTEXT_CHUNKS,
         **unknown: Any,
     ) -> SynthesisRequest:
         """A request from the keywords of ``TTS.synthesize`` / ``TTS.stream`` (the CLI's flags).
@@ -410,6 +422,8 @@ class SynthesisRequest:
             top_p: nucleus mass in (0, 1]; None = the bundle's default (1.0 = off).
             max_frames: frame cap per chunk at 25 frames per second; None: from the text length.
             first_chunk_frames, chunk_growth, max_chunk_frames: the :class:`StreamSchedule`.
+            context_chunks: previous text chunks kept as context of a long text's next one
+                (>= 0, default 1).
 
         Raises:
             InputError: every bad field at once (field, value, what is allowed, flag/keyword), or
@@ -428,12 +442,12 @@ class SynthesisRequest:
             found = voice_problems(ref_audio, ref_text)
         refuse(found
                 + schedule_problems(first_chunk_frames, chunk_growth, max_chunk_frames)
-                + request_problems(text, _chosen(seed, temperature, top_k, top_p), max_frames))
+                + request_problems(text, _chosen(seed, temperature, top_k, top_p), max_frames, context_chunks))
         if voice is None and ref_audio is not None:
             voice = Voice(ref_audio, ref_text)  # type: ignore[arg-type]
         return cls(text, voice,
                    seed, temperature, top_k, top_p, max_frames,
-                   StreamSchedule(first_chunk_frames, chunk_growth, max_chunk_frames))
+                   StreamSchedule(first_chunk_frames, chunk_growth, max_chunk_frames), context_chunks)
 
     @classmethod
     def of(cls, text: str | SynthesisRequest, keywords: dict[str, Any]) -> SynthesisRequest:
@@ -479,11 +493,14 @@ def _refuse_unknown(keywords: dict[str, Any]) -> None:
         "synthesis option", name, known, "the keywords of SynthesisRequest.create")))])
 
 
-def request_problems(text: Any, sampling: dict[str, Any], max_frames: Any) -> list[Problem]:
-    """One problem per bad field of the text, the chosen sampling fields and the frame cap; ``[]``
-    when usable.  The sampling rules are :func:`~higgs_pack.runtime.loop.delay.sampling_problems`."""
+def request_problems(text: Any, sampling: dict[str, Any], max_frames: Any,
+                     context_chunks: Any = CONTEXT_CHUNKS) -> list[Problem]:
+    """One problem per bad field of the text, the chosen sampling fields, the frame cap and the
+    rolling context; ``[]`` when usable.  The sampling rules are
+    :func:`~higgs_pack.runtime.loop.delay.sampling_problems`."""
     found = text_problems(text)
     found += sampling_problems(sampling)
+    found += _whole_at_least("context_chunks", context_chunks, 0, "previous text chunks")
     if max_frames is not None:
         found += _whole_at_least("max_frames", max_frames, 1, "frames, 25 per second")
     return found

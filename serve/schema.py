@@ -76,6 +76,9 @@ class SpeechBody(BaseModel):
     top_p: float | None = Field(None, description="Sample within this cumulative probability.")
     max_new_tokens: int | None = Field(None, ge=1, description="Frame cap per sentence (25 frames per second); "
                                        "left out: from the text's length.")
+    context_chunks: int | None = Field(None, ge=0, description="A long input's rolling context: previous text "
+                                       "chunks (their text and audio) that open the next chunk's prompt, so the "
+                                       "voice and prosody carry on (default 1; 0: each chunk on its own).")
     initial_chunk_frames: int | None = Field(None, ge=1, description="Frames in the first streamed chunk (fewer: "
                                              "audio sooner).")
     initial_codec_chunk_frames: int | None = Field(None, ge=1, description="sglang-omni's name of "

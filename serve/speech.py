@@ -35,7 +35,7 @@ from higgs_pack.serve.formats import STREAMABLE, response_formats
 #: Every field the body may hold.
 FIELDS = ("model", "input", "voice", "response_format", "speed", "instructions", "stream_format", "stream",
           "ref_audio", "ref_text", "references", "seed", "temperature", "top_k", "top_p", "max_new_tokens",
-          "initial_chunk_frames", "initial_codec_chunk_frames")
+          "initial_chunk_frames", "initial_codec_chunk_frames", "context_chunks")
 #: The name of the bundle's own voice (no reference clip).
 DEFAULT_VOICE = "default"
 _DATA_URI = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(;[\w-]+=[\w.-]+)*;base64,", re.ASCII)
@@ -332,7 +332,7 @@ def _base64(value: str, config: ServeConfig, param: str) -> bytes:
 def _sampling(body: dict) -> dict[str, Any]:
     """The request keywords of the sampling and stream fields (their range checked by the request)."""
     keywords: dict[str, Any] = {}
-    for name in ("seed", "temperature", "top_k", "top_p"):
+    for name in ("seed", "temperature", "top_k", "top_p", "context_chunks"):
         if body.get(name) is not None:
             keywords[name] = body[name]
     if "seed" in body and body["seed"] is None:

@@ -174,3 +174,43 @@ def test_ordinary_and_non_special_added_tokens_pass(oracle):
     assert check_text_tokens(oracle, "Hello world.") == tok.encode("Hello world.", add_special_tokens=False).ids
     # Qwen3's <tool_call> is an added token the tokenizer does not mark special: vocabulary, not control.
     assert tok.token_to_id("<tool_call>") in check_text_tokens(oracle, "a <tool_call> b")
+
+
+# ------------------------------------------------ long text: chunks by a word budget, a rolling context
+
+
+STORY = " ".join(["This is one more sentence of a long story told in one steady voice."] * 40)  # 560 words
+
+
+def test_a_long_text_is_chunked_by_words_and_each_chunk_opens_with_the_voice_and_the_last_chunk(oracle):
+    from higgs_pack.runtime.loop.generate import CHUNK_WORDS, plan_synthesis, run_plan
+
+    plan = plan_synthesis(oracle, STORY, options=SamplingOptions(seed=3), max_frames=12)
+    assert len(plan.chunks) == 3 and all(len(chunk.split()) <= CHUNK_WORDS for chunk, _ in plan.chunks)
+    assert " ".join(chunk for chunk, _ in plan.chunks) == STORY
+    result = run_plan(oracle, plan)
+    (first, second, third), texts = result.chunks, [chunk for chunk, _ in plan.chunks]
+    assert first.prompt_length == build_prompt(oracle, texts[0]).shape[1]  # zero-shot: a voice of its own
+    # No reference voice: the first chunk is the voice of the rest, then the last chunk before.
+    assert second.prompt_length == build_prompt(oracle, texts[1], first.codes, texts[0]).shape[1]
+    context = np.concatenate([first.codes, second.codes])
+    assert third.prompt_length == build_prompt(oracle, texts[2], context, f"{texts[0]} {texts[1]}").shape[1]
+    for chunk in result.chunks:  # the KV a request reserves covers its largest chunk with its context
+        assert chunk.prompt_length + 12 + N - 1 <= plan.positions <= plan.max_length
+
+
+def test_a_reference_voice_leads_the_context_and_zero_context_keeps_chunks_apart(oracle):
+    from higgs_pack.runtime.loop.generate import chunk_voice, plan_synthesis, run_plan
+
+    voice = np.random.default_rng(0).integers(0, 1024, size=(20, N))
+    plan = plan_synthesis(oracle, STORY, options=SamplingOptions(seed=3), ref_codes=voice, ref_text="A voice.",
+                          max_frames=12, context_chunks=1)
+    result = run_plan(oracle, plan)
+    texts = [chunk for chunk, _ in plan.chunks]
+    codes, words = chunk_voice(oracle, plan, 2, result.chunks)
+    assert np.array_equal(codes, np.concatenate([voice, result.chunks[1].codes])) and words == f"A voice. {texts[1]}"
+    assert result.chunks[2].prompt_length == build_prompt(oracle, texts[2], codes, words).shape[1]
+    apart = plan_synthesis(oracle, STORY, options=SamplingOptions(seed=3), max_frames=12, context_chunks=0)
+    assert len(apart.chunks) == 1  # packed up to the context, as before the rolling context
+    alone = run_plan(oracle, apart)
+    assert alone.chunks[0].prompt_length == build_prompt(oracle, STORY).shape[1]

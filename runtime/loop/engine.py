@@ -37,7 +37,7 @@ import queue
 import threading
 import time
 from collections.abc import Generator, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from numbers import Integral
 from typing import Any, Protocol
 
@@ -53,6 +53,7 @@ from higgs_pack.runtime.loop.generate import (
     _FiniteChecks,
     build_prompt,
     check_context,
+    chunk_voice,
     join_results,
     plan_request,
 )
@@ -305,6 +306,8 @@ class _Row:
     started: float = 0.0
     first_frame_s: float = math.nan
     decoder_s: float = 0.0
+    results: list[GenerationResult] = field(default_factory=list)
+    """Its finished text chunks (their codes are the next chunk's rolling context)."""
 
 
 @dataclass
@@ -535,7 +538,7 @@ class Engine:
         text, cap = req.chunks[state.chunk]
         t0 = time.perf_counter()
         try:
-            embeds = build_prompt(self.pipeline, text, req.ref_codes, req.ref_text)
+            embeds = build_prompt(self.pipeline, text, *chunk_voice(self.pipeline, req, state.chunk, state.results))
             state.rules = CodeSteps(c, req.options, cap)
             check_context(embeds.shape[1], state.rules.max_steps, self.decoder.max_length)
             hidden = self.decoder.prefill(state.row, embeds)
@@ -637,6 +640,7 @@ class Engine:
                                   prompt_length=state.prompt_length, first_frame_s=state.first_frame_s,
                                   seconds=time.perf_counter() - state.started, decoder_seconds=state.decoder_s)
         state.handle._send("end", state.chunk, result)
+        state.results.append(result)
         if state.chunk + 1 < len(state.handle.plan.chunks) and not state.handle.cancelled:
             state.chunk += 1
             state.started = time.perf_counter()

@@ -11,6 +11,7 @@ Streaming (the same loop, its codes decoded as they arrive) is in
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import time
@@ -28,6 +29,7 @@ from higgs_pack.runtime.loop.delay import (
 from higgs_pack.runtime.loop.frames import CodeSteps
 from higgs_pack.runtime.loop.pipeline import Pipeline
 from higgs_pack.runtime.request import (
+    CONTEXT_CHUNKS,
     PreparedVoice,
     StreamSchedule,
     SynthesisRequest,
@@ -479,6 +481,10 @@ def join_results(pipeline: Pipeline, results: list[GenerationResult],
     return SynthesisResult(samples, pipeline.constants.sample_rate, codes, results)
 
 
+#: Most words in one text chunk when a rolling context is kept (Higgs' ``chunk_max_word_num``, 200).
+CHUNK_WORDS = 200
+
+
 @dataclass(frozen=True, eq=False)
 class SynthesisPlan:
     """One request resolved against one loaded bundle, once: what the loop runs.
@@ -495,8 +501,12 @@ class SynthesisPlan:
         chunks: ``(text, frame cap)`` per text chunk, in order (one unless the text does not
             fit the decoder's context).
         schedule: the chunk sizes a stream of this request yields.
-        positions: most decoder positions one chunk holds (prompt + audio steps of its cap):
-            KV bytes are this times the decoder's bytes per position.
+        positions: most decoder positions one chunk holds (prompt, rolling context at its
+            largest, and audio steps of its cap; at most ``max_length``): KV bytes are this times
+            the decoder's bytes per position.
+        context_chunks: previous text chunks whose text and codes open a chunk's prompt
+            (:func:`chunk_voice`); 0: every chunk is generated on its own.
+        max_length: the decoder context the chunks were planned for (positions).
     """
 
     options: SamplingOptions
@@ -505,12 +515,15 @@ class SynthesisPlan:
     chunks: tuple[tuple[str, int], ...]
     schedule: StreamSchedule
     positions: int
+    context_chunks: int = CONTEXT_CHUNKS
+    max_length: int = 0
 
 
 def plan_synthesis(pipeline: Pipeline, text: str, *, options: SamplingOptions | None = None,
                    ref_samples: np.ndarray | None = None, ref_codes: np.ndarray | None = None,
                    ref_text: str | None = None, max_frames: int | None = None,
-                   schedule: StreamSchedule | None = None, checked: bool = False) -> SynthesisPlan:
+                   schedule: StreamSchedule | None = None, checked: bool = False,
+                   context_chunks: int = CONTEXT_CHUNKS) -> SynthesisPlan:
     """Check what only the bundle can judge and plan the request: a :class:`SynthesisPlan`.
 
     Everything the loop can refuse is refused here, before a frame is generated or a byte
@@ -531,6 +544,10 @@ def plan_synthesis(pipeline: Pipeline, text: str, *, options: SamplingOptions | 
         schedule: stream chunk sizes (default :class:`~higgs_pack.runtime.request.StreamSchedule`).
         checked: the text and voice pairing were checked already (a
             :class:`~higgs_pack.runtime.request.SynthesisRequest` checks them when made).
+        context_chunks: the rolling context (:func:`chunk_voice`): with it (default
+            :data:`CONTEXT_CHUNKS`) a long text is cut into chunks of at most
+            :data:`CHUNK_WORDS` words; 0 packs each chunk up to the decoder's context and
+            generates it on its own.
 
     Raises:
         InputError: as listed above.
@@ -548,9 +565,11 @@ def plan_synthesis(pipeline: Pipeline, text: str, *, options: SamplingOptions | 
         check_text_tokens(pipeline, ref_text, "ref_text")
     if ref_samples is not None:
         ref_codes = encode_reference(pipeline, ref_samples)
-    chunks = tuple(plan_chunks(pipeline, text.strip(), ref_codes, ref_text, max_frames))
-    positions = max(chunk_positions(pipeline, chunk, cap, ref_codes, ref_text) for chunk, cap in chunks)
-    return SynthesisPlan(options, ref_codes, ref_text, chunks, schedule or StreamSchedule(), positions)
+    chunks = tuple(plan_chunks(pipeline, text.strip(), ref_codes, ref_text, max_frames,
+                               max_words=CHUNK_WORDS if context_chunks else None))
+    plan = SynthesisPlan(options, ref_codes, ref_text, chunks, schedule or StreamSchedule(), 0, context_chunks,
+                         pipeline.decoder.max_length)
+    return dataclasses.replace(plan, positions=_most_positions(pipeline, plan))
 
 
 def plan_request(pipeline: Pipeline, request: SynthesisRequest) -> SynthesisPlan:
@@ -571,7 +590,8 @@ def plan_request(pipeline: Pipeline, request: SynthesisRequest) -> SynthesisPlan
         ref_samples=voice.prepared(c.sample_rate, c.hop_length) if isinstance(voice, Voice) else None,
         ref_codes=voice.codes if isinstance(voice, PreparedVoice) else None,
         ref_text=voice.transcript if voice is not None else None,
-        max_frames=request.max_frames, schedule=request.schedule, checked=True)
+        max_frames=request.max_frames, schedule=request.schedule, checked=True,
+        context_chunks=request.context_chunks)
 
 
 def run_plan(pipeline: Pipeline, plan: SynthesisPlan, progress: ProgressCallback | None = None) -> SynthesisResult:
@@ -582,10 +602,68 @@ def run_plan(pipeline: Pipeline, plan: SynthesisPlan, progress: ProgressCallback
         NumericalError: non-finite or all-zero sub-part output.
     """
     results: list[GenerationResult] = []
-    for chunk_text, cap in plan.chunks:
-        embeds = build_prompt(pipeline, chunk_text, plan.ref_codes, plan.ref_text)
+    for index, (chunk_text, cap) in enumerate(plan.chunks):
+        embeds = build_prompt(pipeline, chunk_text, *chunk_voice(pipeline, plan, index, results))
         results.append(generate_codes(pipeline, embeds, plan.options, cap, progress))
     return join_results(pipeline, results)
+
+
+def chunk_voice(pipeline: Pipeline, plan: SynthesisPlan, index: int,
+                results: list[GenerationResult]) -> tuple[np.ndarray | None, str | None]:
+    """The voice and rolling context that open text chunk ``index``'s prompt.
+
+    The voice is the request's (a reference clip's codes and transcript); with none, the
+    first chunk's own codes and text become the voice of every later chunk.  After it come
+    the last ``plan.context_chunks`` chunks before ``index`` (text and codes, oldest first),
+    as Higgs' own long-form generation keeps its ``generation_chunk_buffer_size`` chunks
+    (../shared/SPEECH-AT-LENGTH.md); the oldest are left out while the prompt and the chunk's
+    cap would not fit ``plan.max_length``, and a first-chunk voice that cannot fit is left
+    out too.  The same function serves :func:`run_plan`, streaming and the engine, so each
+    gives the same codes for the same seed.
+
+    Args:
+        pipeline: the backend (its tokenizer and constants).
+        plan: the request's plan.
+        index: the text chunk about to be generated.
+        results: the :class:`GenerationResult` of chunks ``0 .. index - 1``.
+
+    Returns:
+        ``(codes int64 [frames, N], transcript)`` for :func:`build_prompt`, or ``(None, None)``.
+    """
+    voice_codes, voice_text, first = plan.ref_codes, plan.ref_text, 0
+    if plan.context_chunks <= 0 or index == 0:
+        return voice_codes, voice_text
+    if voice_codes is None:
+        if not len(results[0].codes):
+            return None, None
+        voice_codes, voice_text, first = results[0].codes, plan.chunks[0][0], 1
+    text, cap = plan.chunks[index]
+    previous = list(range(max(first, index - plan.context_chunks), index))
+    while True:
+        codes = np.concatenate([voice_codes, *(results[j].codes for j in previous)], axis=0)
+        words = " ".join([voice_text, *(plan.chunks[j][0] for j in previous)])
+        if chunk_positions(pipeline, text, cap, codes, words) <= plan.max_length:
+            return codes, words
+        if not previous:
+            return plan.ref_codes, plan.ref_text  # a first-chunk voice that does not fit: none
+        previous = previous[1:]
+
+
+def _most_positions(pipeline: Pipeline, plan: SynthesisPlan) -> int:
+    """Most decoder positions a chunk of ``plan`` can hold: its prompt and cap, with the rolling
+    context of :func:`chunk_voice` at its largest (every previous chunk at its frame cap), and
+    never more than ``plan.max_length`` (:func:`chunk_voice` drops context past it)."""
+    most = 0
+    for index, (text, cap) in enumerate(plan.chunks):
+        frames, words = (plan.ref_codes.shape[0], [plan.ref_text]) if plan.ref_codes is not None else (0, [])
+        if plan.context_chunks > 0 and index:
+            first = 0 if plan.ref_codes is not None else 1  # with no voice, chunk 0 is the voice
+            chosen = ([] if first == 0 else [0]) + list(range(max(first, index - plan.context_chunks), index))
+            frames += sum(plan.chunks[j][1] for j in chosen)
+            words += [plan.chunks[j][0] for j in chosen]
+        codes = np.zeros((frames, pipeline.constants.num_codebooks), np.int64) if frames else None
+        most = max(most, min(plan.max_length, chunk_positions(pipeline, text, cap, codes, " ".join(words) or None)))
+    return most
 
 
 #: Silence between text chunks that were generated separately (seconds).
@@ -667,11 +745,15 @@ def chunk_positions(pipeline: Pipeline, text: str, cap: int, ref_codes: np.ndarr
 
 
 def plan_chunks(pipeline: Pipeline, text: str, ref_codes: np.ndarray | None = None,
-                ref_text: str | None = None, max_frames: int | None = None) -> list[tuple[str, int]]:
+                ref_text: str | None = None, max_frames: int | None = None,
+                max_words: int | None = None) -> list[tuple[str, int]]:
     """Split ``text`` into ``(chunk, frame cap)`` pairs whose prompt + frames fit the context.
 
-    The whole text is one chunk when it fits; otherwise sentences are packed
-    greedily into chunks (the reference voice, if any, is repeated in each prompt).
+    The whole text is one chunk when it fits (and holds at most ``max_words`` words);
+    otherwise sentences are packed greedily into chunks (the reference voice, if any, is
+    repeated in each prompt), each closed before it would pass the context or ``max_words``
+    words (whitespace-separated; None: no word budget).  A sentence longer than the word
+    budget is a chunk of its own.
 
     Linear in the text: the whole text and each sentence are tokenized once (in one
     batch), a chunk's token count is the sum of its sentences' (each after the first
@@ -696,7 +778,7 @@ def plan_chunks(pipeline: Pipeline, text: str, ref_codes: np.ndarray | None = No
         return fixed + tokens + cap_of(tokens)
 
     whole = _token_count(pipeline, text)
-    if positions(whole) <= limit:
+    if positions(whole) <= limit and (max_words is None or len(text.split()) <= max_words):
         return [(text, cap_of(whole))]
     sentences = split_sentences(text)
     encoded = pipeline.tokenizer.encode_batch([*sentences, *(" " + s for s in sentences)], add_special_tokens=False)
@@ -705,15 +787,17 @@ def plan_chunks(pipeline: Pipeline, text: str, ref_codes: np.ndarray | None = No
     for sentence, tokens in zip(sentences, alone, strict=True):
         if positions(tokens) > limit:
             refuse([_too_long(positions(tokens), limit, sentence, max_frames)])
+    words = [len(sentence.split()) for sentence in sentences]
     groups: list[list[int]] = []  # sentence indices of each chunk
-    tokens = 0
+    tokens = count = 0
     for i in range(len(sentences)):
-        if groups and positions(tokens + joined[i]) <= limit:
+        if groups and positions(tokens + joined[i]) <= limit and (max_words is None or count + words[i] <= max_words):
             groups[-1].append(i)
             tokens += joined[i]
+            count += words[i]
         else:
             groups.append([i])
-            tokens = alone[i]
+            tokens, count = alone[i], words[i]
     chunks: list[tuple[str, int]] = []
     while groups:
         group = groups.pop(0)

@@ -30,6 +30,7 @@ from higgs_pack.runtime.loop.generate import (
     ProgressCallback,
     SynthesisPlan,
     build_prompt,
+    chunk_voice,
     decode_codes,
     fade_edges,
     generate_steps,
@@ -182,8 +183,9 @@ class SpeechStream(Iterator[AudioChunk]):
             if self._steps is not None:
                 steps = self._steps(index, chunk_text, cap)
             else:
-                steps = generate_steps(pipeline, build_prompt(pipeline, chunk_text, plan.ref_codes, plan.ref_text),
-                                       plan.options, cap, progress)
+                voice = chunk_voice(pipeline, plan, index, self.results)
+                steps = generate_steps(pipeline, build_prompt(pipeline, chunk_text, *voice), plan.options, cap,
+                                       progress)
             rows: list[np.ndarray] = []
             columns = np.arange(n)
             live, first = True, True

@@ -14,7 +14,6 @@ Printed as Markdown (docs/measurements.md), written as JSON with ``--out``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import shutil
@@ -22,43 +21,37 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bench.systems import loadavg
+from bench.systems import loadavg, peak_rss_mb
 from higgs_pack.manifests.model import SubPart
 
 #: The variant every other one's hidden states are compared with: the target's fp32 decoder.
 REFERENCE = "fp32"
-
-
-def machine_record() -> dict[str, Any]:
-    from higgs_pack.runtime.machine.cpu import cpu_info
-
-    cpu = cpu_info()
-    return {"cpu": cpu.describe(), "model": cpu.model, "isa": cpu.isa, "logical_cpus": cpu.logical_cpus}
-
-
-@contextlib.contextmanager
-def work_folder(work: Path | None, prefix: str) -> Iterator[Path]:
-    """``work`` (kept: later runs reuse its exports) or a scratch folder removed at the end."""
-    path = Path(work) if work is not None else Path(tempfile.mkdtemp(prefix=prefix))
-    path.mkdir(parents=True, exist_ok=True)
-    try:
-        yield path
-    finally:
-        if work is None:
-            shutil.rmtree(path, ignore_errors=True)
+ORT_INT4_VARIANTS = {f"b{block}_l{level}": {"extra_options": {"block_size": block, "accuracy_level": level}}
+                     for block, level in ((32, 4), (64, 4), (128, 4), (32, 1), (128, 1))}
+#: The KV caches compared (the first is each precision's reference), the precisions, the loop's text.
+KV_CACHES = ("float", "int8")
+KV_PRECISIONS = ("int4", "fp32")
+LOOP_TEXT = "The quick brown fox jumps over the lazy dog. Packaging models for every device is hard work."
+OV_WEIGHT_VARIANTS = {f"int4_{'sym' if sym else 'asym'}_g{group}": {"symmetric": sym, "group_size": group}
+                      for sym in (False, True) for group in (128, 64)}
+OV_DEFAULT_WEIGHTS = "int4_sym_g64"
+KV_REFERENCE = "kv_f32"
+#: Compiled-model properties read back per setting (what the plugin really uses).
+READ_BACK = ("KV_CACHE_PRECISION", "KEY_CACHE_PRECISION", "VALUE_CACHE_PRECISION", "INFERENCE_PRECISION_HINT")
+TIMING_HEADERS = ["ctx", "best / median ms", "cosine", "rel_l2", "MB", "load"]
 
 
 def export_variants(target_name: str, checkpoint: Path, work: Path, variants: Mapping[str, Mapping[str, Any]],
                     names: list[str], *, precision: str = "int4") -> dict[str, dict[str, Any]]:
-    """The ``llm_decoder`` of a target exported once per name (a key of ``variants``, laid over the recipe
-    at ``precision``, or :data:`REFERENCE`), each in a child process, reused where ``work/<name>/done.json`` is:
-    name -> ``{path, weights_mb, quantization, export_s, export_peak_rss_mb}``."""
+    """The ``llm_decoder`` of a target exported once per name (a key of ``variants``, laid over the
+    recipe at ``precision``, or :data:`REFERENCE`), each in a child process, reused where
+    ``work/<name>/done.json`` is: name -> ``{path, weights_mb, quantization, export_s, export_peak_rss_mb}``."""
     from higgs_pack.exporters.process import run_step
     from higgs_pack.targets.base import Variant
     from higgs_pack.targets.plan import make_plan
@@ -66,9 +59,6 @@ def export_variants(target_name: str, checkpoint: Path, work: Path, variants: Ma
 
     target = get_target(target_name)
     work.mkdir(parents=True, exist_ok=True)
-    unknown = [n for n in names if n != REFERENCE and n not in variants]
-    if unknown:
-        raise KeyError(f"unknown decoder variant(s) {unknown}; known: {[*variants, REFERENCE]}")
     out = {n: json.loads((work / n / "done.json").read_text()) for n in names if (work / n / "done.json").is_file()}
     if len(out) == len(names):
         return out
@@ -77,11 +67,9 @@ def export_variants(target_name: str, checkpoint: Path, work: Path, variants: Ma
                          name="remapping the checkpoint to a Qwen3 directory", folders=[work], work_dir=work)
     try:
         for name in (n for n in names if n not in out):
-            if name == REFERENCE:
-                plan = make_plan(target, "fp32")
-            else:
-                variant = Variant(name, options={SubPart.LLM_DECODER: dict(variants[name])})
-                plan = make_plan(dataclasses.replace(target, variants=(*target.variants, variant)), precision, name)
+            variant = Variant(name, options={SubPart.LLM_DECODER: dict(variants.get(name, {}))})
+            plan = (make_plan(target, "fp32") if name == REFERENCE else
+                    make_plan(dataclasses.replace(target, variants=(*target.variants, variant)), precision, name))
             row = next(r for r in plan.rows if r.subpart == SubPart.LLM_DECODER)
             bundle, scratch = work / name, work / f"{name}-scratch"
             try:
@@ -89,8 +77,7 @@ def export_variants(target_name: str, checkpoint: Path, work: Path, variants: Ma
                     "higgs_pack.targets.steps:export_decoder",
                     {"hf_dir": hf_dir, "exporter": row.exporter.name, "part": row.subpart.value,
                      "precision": row.precision, "bundle_dir": str(bundle), "work_dir": str(scratch),
-                     "options": dict(row.options)},
-                    name=f"exporting llm_decoder ({name})", folders=[work], work_dir=work)
+                     "options": dict(row.options)}, name=f"exporting llm_decoder ({name})", folders=[work], work_dir=work)
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
             weights = [bundle / f for f in result["files"] if f.endswith((".data", ".bin"))]
@@ -105,12 +92,12 @@ def export_variants(target_name: str, checkpoint: Path, work: Path, variants: Ma
 
 
 def time_interleaved(decoders: Mapping[str, Any], *, hidden: int, context: int, steps: int, repeats: int,
-                     seed: int = 0, reference: str = REFERENCE,
-                     also_against: str | None = None) -> dict[str, dict[str, Any]]:
-    """Every decoder (``forward(float32 [1, S, H])``) prefilled with one random prompt, then ``repeats``
-    rounds of ``steps`` steps, the order rotated each round: ``context``, ``prefill_ms``, ``rounds_ms``,
-    ``step_ms_best``, ``step_ms_median`` and, against ``reference`` (and ``also_against``: ``*_vs_<name>``),
-    the worst step's ``cosine`` and ``rel_l2`` over the first round."""
+                     seed: int = 0, reference: str = REFERENCE, also_against: str | None = None
+                     ) -> dict[str, dict[str, Any]]:
+    """Every decoder (``forward(float32 [1, S, H])``) prefilled with one random prompt, then
+    ``repeats`` rounds of ``steps`` steps, the order rotated each round: ``context``, ``prefill_ms``,
+    ``rounds_ms``, ``step_ms_best``, ``step_ms_median`` and, against ``reference`` (and
+    ``also_against``: ``*_vs_<name>``), the worst step's ``cosine`` and ``rel_l2`` in the first round."""
     from higgs_pack.runtime.verification.report import compare, rel_l2
 
     rng = np.random.default_rng(seed)
@@ -128,11 +115,9 @@ def time_interleaved(decoders: Mapping[str, Any], *, hidden: int, context: int, 
             t = time.perf_counter()
             outs = [decoders[name].forward(x) for x in feeds[r * steps:(r + 1) * steps]]
             records[name]["rounds_ms"].append(round(1e3 * (time.perf_counter() - t) / steps, 3))
-            if r == 0:
-                hidden_states[name] = outs
+            hidden_states.setdefault(name, outs)
     for name, rec in records.items():
-        rec["step_ms_best"] = min(rec["rounds_ms"])
-        rec["step_ms_median"] = round(statistics.median(rec["rounds_ms"]), 3)
+        rec.update(step_ms_best=min(rec["rounds_ms"]), step_ms_median=round(statistics.median(rec["rounds_ms"]), 3))
         for against, suffix in ((reference, ""), (also_against, f"_vs_{also_against}")):
             if against in hidden_states:
                 pairs = list(zip(hidden_states[against], hidden_states[name], strict=True))
@@ -141,10 +126,22 @@ def time_interleaved(decoders: Mapping[str, Any], *, hidden: int, context: int, 
     return records
 
 
-def measured(machine: Mapping[str, Any], before: list[float], timed: Mapping[str, Any]) -> dict[str, Any]:
-    """A result row: the timing, the CPU model, its ISA flags, VNNI, the load averages before and after."""
-    return {**timed, "cpu": machine["model"], "isa": machine["isa"]["flags"], "vnni": machine["isa"]["vnni"],
-            "load_before": before, "load_after": loadavg()}
+def each_context(args: argparse.Namespace, machine: Mapping[str, Any], hidden: int,
+                 open_all: Callable[[int], dict[str, Any]], extra: Callable[[dict, str], dict] = lambda d, n: {},
+                 **kw: Any) -> list[dict[str, dict[str, Any]]]:
+    """Per ``--contexts`` length, the decoders ``open_all(positions)`` opened for it (and closed
+    before the next) timed by :func:`time_interleaved`: name -> its row with the CPU model, ISA
+    flags, VNNI, the load before and after, and ``extra(decoders, name)``."""
+    out = []
+    for context in args.contexts:
+        decoders, before = open_all(context + args.repeats * args.steps + 1), loadavg()
+        timed = time_interleaved(decoders, hidden=hidden, context=context, steps=args.steps, repeats=args.repeats,
+                                 seed=args.seed, **kw)
+        cpu = {"cpu": machine["model"], "isa": machine["isa"]["flags"], "vnni": machine["isa"]["vnni"]}
+        out.append({n: {**t, **cpu, "load_before": before, "load_after": loadavg(), **extra(decoders, n)}
+                    for n, t in timed.items()})
+        del decoders
+    return out
 
 
 def markdown(headers: list[str], rows: list[list[Any]]) -> str:
@@ -159,11 +156,17 @@ def timing_cells(row: Mapping[str, Any], weights_mb: float) -> list[Any]:
             row.get("rel_l2"), weights_mb, f"{(row['load_before'] or ['?'])[0]} -> {(row['load_after'] or ['?'])[0]}"]
 
 
-TIMING_HEADERS = ["ctx", "best / median ms", "cosine", "rel_l2", "MB", "load"]
+def strip_paths(exported: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {name: {k: v for k, v in facts.items() if k != "path"} for name, facts in exported.items()}
+
+
+def text_config(checkpoint: Path) -> dict[str, Any]:
+    return json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))["text_config"]
 
 
 def open_ort(path: str, config: Mapping[str, Any], max_length: int, *, lean: bool = False) -> Any:
-    """An OrtDecoder on the CPU provider; ``lean``: opened as ``--low-memory`` opens a float decoder."""
+    """An OrtDecoder on the CPU provider; ``lean``: opened as ``--low-memory`` opens a float decoder
+    (weights read in place and paged out after every step)."""
     from higgs_pack.runtime.backends.onnxruntime.runners import OrtDecoder
     from higgs_pack.runtime.backends.onnxruntime.sessions import create_session
 
@@ -171,15 +174,6 @@ def open_ort(path: str, config: Mapping[str, Any], max_length: int, *, lean: boo
     weights = tuple(p for p in Path(path).parent.iterdir() if p.suffix == ".data") if lean else ()
     return OrtDecoder(session, max_length=max_length, kv_heads=config["num_key_value_heads"],
                       head_dim=config["head_dim"], page_out_weights=weights)
-
-
-# ----------------------------------------------------------------------------- ort-int4
-
-#: ModelBuilder int4 option sets of the cpu decoder: name -> decoder exporter options.
-ORT_INT4_VARIANTS: dict[str, dict[str, Any]] = {
-    f"b{block}_l{level}": {"extra_options": {"block_size": block, "accuracy_level": level}}
-    for block, level in ((32, 4), (64, 4), (128, 4), (32, 1), (128, 1))
-}
 
 
 def default_int4_variant() -> str:
@@ -190,28 +184,18 @@ def default_int4_variant() -> str:
 
     row = next(r for r in make_plan("cpu", "int4").rows if r.subpart == SubPart.LLM_DECODER)
     extra = row.options.get("extra_options") or {}
-    block = extra.get("block_size", INT4_DEFAULTS["block_size"])
-    level = extra.get("accuracy_level", EXECUTION_PROVIDERS["cpu"].modelbuilder.accuracy_level)
-    return f"b{block}_l{level}"
+    return (f"b{extra.get('block_size', INT4_DEFAULTS['block_size'])}_"
+            f"l{extra.get('accuracy_level', EXECUTION_PROVIDERS['cpu'].modelbuilder.accuracy_level)}")
 
 
 def ort_int4(args: argparse.Namespace, folder: Path, checkpoint: Path, machine: dict[str, Any]) -> dict[str, Any]:
     """``ort-int4``: ``default``, ``weights`` and a result per variant and context."""
-    config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))["text_config"]
-    chosen = args.variants + ([] if args.no_reference else [REFERENCE])
+    config, chosen = text_config(checkpoint), [*args.variants, REFERENCE]
     exported = export_variants("cpu", checkpoint, folder, ORT_INT4_VARIANTS, chosen)
-    results = []
-    for context in args.contexts:
-        length = context + args.repeats * args.steps + 1
-        decoders = {n: open_ort(exported[n]["path"], config, length, lean=n == REFERENCE) for n in chosen}
-        before = loadavg()
-        timed = time_interleaved(decoders, hidden=int(config["hidden_size"]), context=context, steps=args.steps,
-                                 repeats=args.repeats, seed=args.seed)
-        del decoders
-        for name in chosen:
-            q = exported[name]["quantization"]
-            results.append({"variant": name, "block_size": q.get("block_size"), "accuracy_level": q.get("accuracy_level"),
-                            **measured(machine, before, timed[name])})
+    results = [{"variant": name, **{k: exported[name]["quantization"].get(k) for k in ("block_size", "accuracy_level")},
+                **rows[name]} for rows in each_context(args, machine, int(config["hidden_size"]), lambda n: {
+                    name: open_ort(exported[name]["path"], config, n, lean=name == REFERENCE) for name in chosen})
+               for name in chosen]
     return {"default": default_int4_variant(), "weights": strip_paths(exported), "results": results}
 
 
@@ -219,15 +203,6 @@ def ort_int4_table(report: dict[str, Any]) -> str:
     rows = [[r["variant"], r["block_size"], r["accuracy_level"],
              *timing_cells(r, report["weights"][r["variant"]]["weights_mb"])] for r in report["results"]]
     return f"default {report['default']}\n" + markdown(["variant", "block", "level", *TIMING_HEADERS], rows)
-
-
-# ----------------------------------------------------------------------------- ort-kv-cache
-
-#: The KV caches compared (the first is each precision's reference) and the precisions measured.
-KV_CACHES = ("float", "int8")
-KV_PRECISIONS = ("int4", "fp32")
-#: The text of the TTS-shaped sequence.
-LOOP_TEXT = "The quick brown fox jumps over the lazy dog. Packaging models for every device is hard work."
 
 
 class Recording:
@@ -258,10 +233,9 @@ def heads_table(checkpoint: Path) -> tuple[np.ndarray, np.ndarray, dict[str, int
     with open_checkpoint(checkpoint) as ckpt:
         head = next((n for n in ckpt.tensor_names() if n.startswith(AUDIO_HEAD_PREFIX) and n.endswith("weight")),
                     AUDIO_EMBEDDING)
-        c = ckpt.constants
         tokenizer = Tokenizer.from_file(str(next(p for p in ckpt.tokenizer_files() if p.name == "tokenizer.json")))
         return (ckpt.tensor(head).float().numpy(), ckpt.tensor(TEXT_EMBEDDING).float().numpy(),
-                dict(c.special_tokens), tokenizer, int(c.num_codebooks))
+                dict(ckpt.constants.special_tokens), tokenizer, int(ckpt.constants.num_codebooks))
 
 
 def codes_of(hidden: np.ndarray, w: np.ndarray, codebooks: int) -> np.ndarray:
@@ -279,7 +253,7 @@ def code_agreement(reference: list[np.ndarray], got: list[np.ndarray], w: np.nda
 
 def teacher_forced(decoders: dict[str, Any], reference: str, prompt: np.ndarray, w: np.ndarray, codebooks: int,
                    frames: int) -> dict[str, dict[str, Any]]:
-    """``prompt`` then ``frames`` positions fed the reference's greedy codes' audio embedding:
+    """``prompt`` then ``frames`` positions fed the audio embedding of the reference's greedy codes:
     per decoder the error against the reference and the code agreement."""
     from higgs_pack.runtime.verification.report import compare, rel_l2
 
@@ -303,7 +277,7 @@ def teacher_forced(decoders: dict[str, Any], reference: str, prompt: np.ndarray,
 
 def ort_kv_cache(args: argparse.Namespace, folder: Path, checkpoint: Path, machine: dict[str, Any]) -> dict[str, Any]:
     """``ort-kv-cache``: ``decoders``, a result per decoder and context, the teacher-forced ``loop``."""
-    config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))["text_config"]
+    config = text_config(checkpoint)
     w, text_table, special, tokenizer, codebooks = heads_table(checkpoint)
     ids = [special["tts"], special["text"], *tokenizer.encode(LOOP_TEXT, add_special_tokens=False).ids, special["audio"]]
     prompt = text_table[np.asarray(ids)][None].astype(np.float32)
@@ -316,28 +290,19 @@ def ort_kv_cache(args: argparse.Namespace, folder: Path, checkpoint: Path, machi
         variants = {f"{precision}-{kv}": ({} if kv == "float" else {"kv_cache": kv}) for kv in KV_CACHES}
         names, reference = list(variants), f"{precision}-float"
         exported = export_variants("cpu", checkpoint, folder / precision, variants, names, precision=precision)
-        for name in names:
-            decoders[name] = {**strip_paths({name: exported[name]})[name],
-                              "kv_bytes_per_position": per_position * (4 if name == reference else 1)}
-        for context in args.contexts:
-            length = context + args.repeats * args.steps + 1
-            opened = {n: Recording(open_ort(exported[n]["path"], config, length)) for n in names}
-            before = loadavg()
-            timed = time_interleaved(opened, hidden=int(config["hidden_size"]), context=context, steps=args.steps,
-                                     repeats=args.repeats, seed=args.seed, reference=reference)
-            for name in names:
-                agree = code_agreement(opened[reference].steps, opened[name].steps, w, codebooks)
-                results.append({"variant": name, "precision": precision, "kv_cache": name.split("-", 1)[1],
-                                **measured(machine, before, {**timed[name], **agree})})
-            del opened
+        decoders.update({n: {**strip_paths(exported)[n], "kv_bytes_per_position": per_position * (4 if n == reference
+                                                                                                else 1)} for n in names})
+        results += [{"variant": name, "precision": precision, "kv_cache": name.split("-", 1)[1], **rows[name]}
+                    for rows in each_context(args, machine, int(config["hidden_size"]), lambda n, e=exported, ns=names: {
+                        name: Recording(open_ort(e[name]["path"], config, n)) for name in ns},
+                        lambda d, n, r=reference: code_agreement(d[r].steps, d[n].steps, w, codebooks), reference=reference)
+                    for name in names]
         if args.frames:
             opened = {n: open_ort(exported[n]["path"], config, prompt.shape[1] + args.frames + 1) for n in names}
             loop.update(teacher_forced(opened, reference, prompt, w, codebooks, args.frames))
             del opened
-    import resource
-
     return {"frames": args.frames, "loop_text": LOOP_TEXT, "decoders": decoders, "results": results, "loop": loop,
-            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+            "peak_rss_mb": round(peak_rss_mb(), 1)}
 
 
 def ort_kv_cache_table(report: dict[str, Any]) -> str:
@@ -351,22 +316,6 @@ def ort_kv_cache_table(report: dict[str, Any]) -> str:
                             [[n, r["positions"], f"{r['rel_l2_max']:.4f} / {r['rel_l2_median']:.4f}", r["cosine_min"],
                               r["first_code"], r["all_codes"]] for n, r in report["loop"].items()]))
     return text + f"\n\npeak RSS of the measuring process {report['peak_rss_mb']} MB"
-
-
-# ----------------------------------------------------------------------------- ov-properties
-
-#: NNCF weight compression of the int4 decoder: name -> openvino decoder exporter options.
-OV_WEIGHT_VARIANTS: dict[str, dict[str, Any]] = {
-    f"int4_{'sym' if sym else 'asym'}_g{group}": {"symmetric": sym, "group_size": group}
-    for sym in (False, True) for group in (128, 64)
-}
-#: ``KV_CACHE_PRECISION`` values measured; the setting every KV setting is also compared with.
-OV_KV_PRECISIONS = ("u8", "u4", "f16", "f32")
-KV_REFERENCE = "kv_f32"
-#: Compiled-model properties read back per setting (what the plugin really uses).
-READ_BACK = ("KV_CACHE_PRECISION", "KEY_CACHE_PRECISION", "VALUE_CACHE_PRECISION", "INFERENCE_PRECISION_HINT")
-#: The IR the compile-property settings run on: the openvino target's int4 default.
-OV_DEFAULT_WEIGHTS = "int4_sym_g64"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,24 +341,23 @@ def ov_settings() -> list[Setting]:
     def changed(name: str, varies: str, **props: str) -> Setting:
         return Setting(name, OV_DEFAULT_WEIGHTS, {**default, **props}, varies=varies)
 
-    out = [Setting("default", OV_DEFAULT_WEIGHTS, dict(default))]
-    out += [changed(f"kv_{kv}", "kv cache", KV_CACHE_PRECISION=kv) for kv in OV_KV_PRECISIONS
-            if kv != default.get("KV_CACHE_PRECISION")]
-    out.append(changed("kv_key_u8_value_u4", "kv cache", KEY_CACHE_PRECISION="u8", VALUE_CACHE_PRECISION="u4"))
-    out += [changed(f"hint_{hint.lower()}", "performance hint", PERFORMANCE_HINT=hint)
-            for hint in ("LATENCY", "THROUGHPUT") if hint != default.get("PERFORMANCE_HINT")]
-    out += [changed(f"infer_{p}", "inference precision", INFERENCE_PRECISION_HINT=p)
-            for p in ("f32", "bf16") if p != default.get("INFERENCE_PRECISION_HINT")]
-    out.append(Setting("share_off", OV_DEFAULT_WEIGHTS, dict(default), share=False, varies="share_inputs/outputs"))
-    out += [Setting(n, n, dict(default), varies="weight compression") for n in OV_WEIGHT_VARIANTS
-            if n != OV_DEFAULT_WEIGHTS]
-    out.append(Setting(REFERENCE, REFERENCE, {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": "f32",
-                                              "KV_CACHE_PRECISION": "f32"}, varies="reference"))
-    return out
+    return [Setting("default", OV_DEFAULT_WEIGHTS, dict(default)),
+            *(changed(f"kv_{kv}", "kv cache", KV_CACHE_PRECISION=kv) for kv in ("u8", "u4", "f16", "f32")
+              if kv != default.get("KV_CACHE_PRECISION")),
+            changed("kv_key_u8_value_u4", "kv cache", KEY_CACHE_PRECISION="u8", VALUE_CACHE_PRECISION="u4"),
+            *(changed(f"hint_{hint.lower()}", "performance hint", PERFORMANCE_HINT=hint)
+              for hint in ("LATENCY", "THROUGHPUT") if hint != default.get("PERFORMANCE_HINT")),
+            *(changed(f"infer_{p}", "inference precision", INFERENCE_PRECISION_HINT=p)
+              for p in ("f32", "bf16") if p != default.get("INFERENCE_PRECISION_HINT")),
+            Setting("share_off", OV_DEFAULT_WEIGHTS, dict(default), share=False, varies="share_inputs/outputs"),
+            *(Setting(n, n, dict(default), varies="weight compression") for n in OV_WEIGHT_VARIANTS
+              if n != OV_DEFAULT_WEIGHTS),
+            Setting(REFERENCE, REFERENCE, {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": "f32",
+                                           "KV_CACHE_PRECISION": "f32"}, varies="reference")]
 
 
 def read_back(compiled: Any) -> dict[str, str]:
-    """The compiled model's :data:`READ_BACK` properties."""
+    """The compiled model's :data:`READ_BACK` properties (those its plugin has)."""
     out = {}
     for name in READ_BACK:
         try:
@@ -426,104 +374,75 @@ def ov_properties(args: argparse.Namespace, folder: Path, checkpoint: Path, mach
 
     from higgs_pack.runtime.backends.openvino.runners import OvStatefulDecoder
 
-    hidden = int(json.loads((checkpoint / "config.json").read_text())["text_config"]["hidden_size"])
-    chosen = ov_settings()
-    if args.settings:
-        keep = {*args.settings, "default", REFERENCE, KV_REFERENCE}
-        chosen = [s for s in chosen if s.name in keep]
-    irs = export_variants("openvino", checkpoint, folder, OV_WEIGHT_VARIANTS,
-                          list(dict.fromkeys(s.weights for s in chosen)))
-    core, results = ov.Core(), []
-    for context in args.contexts:
-        length = context + args.repeats * args.steps + 1
-        decoders = {s.name: OvStatefulDecoder(core, irs[s.weights]["path"], "CPU", None, s.properties,
-                                              max_length=length, share_inputs=s.share, share_outputs=s.share)
-                    for s in chosen}
-        before = loadavg()
-        timed = time_interleaved(decoders, hidden=hidden, context=context, steps=args.steps, repeats=args.repeats,
-                                 seed=args.seed, also_against=KV_REFERENCE)
-        results += [{"setting": s.name, "weights": s.weights, "properties": s.properties, "share": s.share,
-                     "varies": s.varies, "compiled": read_back(decoders[s.name].compiled),
-                     **measured(machine, before, timed[s.name])} for s in chosen]
+    keep = {*args.settings, "default", REFERENCE, KV_REFERENCE}
+    chosen = [s for s in ov_settings() if not args.settings or s.name in keep]
+    irs = export_variants("openvino", checkpoint, folder, OV_WEIGHT_VARIANTS, list(dict.fromkeys(s.weights for s in chosen)))
+    core = ov.Core()
+    results = [{"setting": s.name, "weights": s.weights, "properties": s.properties, "share": s.share,
+                "varies": s.varies, **rows[s.name]}
+               for rows in each_context(args, machine, int(text_config(checkpoint)["hidden_size"]), lambda n: {
+                   s.name: OvStatefulDecoder(core, irs[s.weights]["path"], "CPU", None, s.properties, max_length=n,
+                                             share_inputs=s.share, share_outputs=s.share) for s in chosen},
+                   lambda d, n: {"compiled": read_back(d[n].compiled)}, also_against=KV_REFERENCE)
+               for s in chosen]
     return {"weights": strip_paths(irs), "results": results}
 
 
 def ov_properties_table(report: dict[str, Any]) -> str:
     rows = []
     for r in report["results"]:
-        compiled = r["compiled"]
-        kv = (f"{r.get('cosine_vs_kv_f32')} / {r.get('rel_l2_vs_kv_f32')}; K/V "
-              f"{compiled.get('KEY_CACHE_PRECISION', '?')}/{compiled.get('VALUE_CACHE_PRECISION', '?')}"
-              if r["varies"] == "kv cache" or r["setting"] == "default" else None)
+        c = r["compiled"]
+        kv = (f"{r.get('cosine_vs_kv_f32')} / {r.get('rel_l2_vs_kv_f32')}; K/V {c.get('KEY_CACHE_PRECISION', '?')}/"
+              f"{c.get('VALUE_CACHE_PRECISION', '?')}" if r["varies"] == "kv cache" or r["setting"] == "default" else None)
         rows.append([r["setting"], r["weights"], *timing_cells(r, report["weights"][r["weights"]]["weights_mb"]), kv])
     return markdown(["setting", "weights", *TIMING_HEADERS, "vs kv_f32: cosine / rel_l2"], rows)
 
 
-# ----------------------------------------------------------------------------- command line
-
-
-def strip_paths(exported: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {name: {k: v for k, v in facts.items() if k != "path"} for name, facts in exported.items()}
-
-
-#: sub-command -> (measure, table, target's runtime for the versions line, scratch prefix).
+#: sub-command -> (measure, table, the runtime whose version is recorded, default contexts, option lists).
 COMMANDS = {
-    "ort-int4": (ort_int4, ort_int4_table, "onnxruntime", "higgs-pack-ort-int4-"),
-    "ort-kv-cache": (ort_kv_cache, ort_kv_cache_table, "onnxruntime", "higgs-pack-ort-kv-cache-"),
-    "ov-properties": (ov_properties, ov_properties_table, "openvino", "higgs-pack-ov-properties-"),
+    "ort-int4": (ort_int4, ort_int4_table, "onnxruntime", (64, 900), ("variants", lambda: ORT_INT4_VARIANTS)),
+    "ort-kv-cache": (ort_kv_cache, ort_kv_cache_table, "onnxruntime", (64, 900), ("precisions", lambda: KV_PRECISIONS)),
+    "ov-properties": (ov_properties, ov_properties_table, "openvino", (64, 768),
+                      ("settings", lambda: [s.name for s in ov_settings()])),
 }
 
 
-def parser() -> argparse.ArgumentParser:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.ab", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    for name, contexts in (("ort-int4", (64, 900)), ("ort-kv-cache", (64, 900)), ("ov-properties", (64, 768))):
+    for name, (*_, contexts, (option, _known)) in COMMANDS.items():
         s = sub.add_parser(name, help=f"see the module docstring: {name}")
-        s.add_argument("--preset", default="bench", choices=("tiny", "bench") if name == "ov-properties" else
-                       ("tiny", "bench", "full"), help="checkpoint preset (full: 4B dimensions, ~16 GB per export)")
+        s.add_argument("--preset", default="bench", choices=("tiny", "bench") + ("full",) * (name != "ov-properties"),
+                       help="checkpoint preset (full: 4B dimensions, ~16 GB per export)")
         s.add_argument("--seed", type=int, default=0)
         s.add_argument("--contexts", type=int, nargs="+", default=list(contexts), help="prompt positions before the steps")
         s.add_argument("--steps", type=int, default=8, help="one-position steps per round")
         s.add_argument("--repeats", type=int, default=15, help="rounds per variant (best and median reported)")
         s.add_argument("--out", type=Path, help="write the JSON report here")
         s.add_argument("--work", type=Path, help="keep the exports in this folder and reuse them in later runs")
-    ort = sub.choices["ort-int4"]
-    ort.add_argument("--variants", default=",".join(ORT_INT4_VARIANTS),
-                     help=f"comma-separated option sets (default all: {','.join(ORT_INT4_VARIANTS)})")
-    ort.add_argument("--no-reference", action="store_true", help="skip the fp32 decoder (no parity columns)")
-    kv = sub.choices["ort-kv-cache"]
-    kv.add_argument("--precisions", default=",".join(KV_PRECISIONS), help="comma-separated cpu precisions")
-    kv.add_argument("--frames", type=int, default=400, help="frames of the TTS-shaped sequence (0: none)")
-    sub.choices["ov-properties"].add_argument(
-        "--settings", default="", help="comma-separated settings (default all; e.g. kv_u4,kv_key_u8_value_u4)")
-    return p
-
-
-def names(text: str, known: Any, what: str, p: argparse.ArgumentParser) -> list[str]:
-    """The comma-separated names, each known (else a usage error)."""
-    got = [n for n in text.split(",") if n.strip()]
-    unknown = sorted(set(got) - set(known))
-    if unknown:
-        p.error(f"unknown {what} {unknown}; known: {', '.join(known)}")
-    return got
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = parser()
+        s.add_argument(f"--{option}", default="" if option == "settings" else ",".join(_known()),
+                       help=f"comma-separated {option} (default all)")
+    sub.choices["ort-kv-cache"].add_argument("--frames", type=int, default=400, help="teacher-forced frames (0: none)")
     args = p.parse_args(argv)
-    if args.command == "ort-int4":
-        args.variants = names(args.variants, ORT_INT4_VARIANTS, "variant(s)", p)
-    elif args.command == "ort-kv-cache":
-        args.precisions = tuple(names(args.precisions, KV_PRECISIONS, "precision(s)", p))
-    else:
-        args.settings = names(args.settings, [s.name for s in ov_settings()], "settings", p)
-    measure, table, runtime, prefix = COMMANDS[args.command]
+    measure, table, runtime, _, (option, known) = COMMANDS[args.command]
+    got = [n for n in getattr(args, option).split(",") if n.strip()]
+    unknown = sorted(set(got) - set(known()))
+    if unknown:
+        p.error(f"unknown {option if option == 'settings' else option[:-1] + '(s)'} {unknown}; known: {', '.join(known())}")
+    setattr(args, option, got)
+    from higgs_pack.runtime.machine.cpu import cpu_info
     from higgs_pack.targets.build import default_checkpoint
 
-    machine = machine_record()
+    cpu = cpu_info()
+    machine = {"cpu": cpu.describe(), "model": cpu.model, "isa": cpu.isa, "logical_cpus": cpu.logical_cpus}
     checkpoint = default_checkpoint(args.preset, args.seed)
-    with work_folder(args.work, prefix) as folder:
+    folder = Path(args.work or tempfile.mkdtemp(prefix=f"higgs-pack-{args.command}-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
         report = measure(args, folder, checkpoint, machine)
+    finally:
+        if args.work is None:
+            shutil.rmtree(folder, ignore_errors=True)
     report = {"command": args.command, "machine": machine, runtime: __import__(runtime).__version__,
               "preset": args.preset, "steps": args.steps, "repeats": args.repeats, **report}
     print(f"{machine['cpu']}, {runtime} {report[runtime]}, preset {args.preset}, "

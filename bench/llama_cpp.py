@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.metadata
+import importlib.util
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +39,6 @@ HEAD_TENSORS = ("output.weight", "token_embd.weight")
 
 
 def llama_cpp_missing() -> str | None:
-    import importlib.util
-
     return None if importlib.util.find_spec("llama_cpp") is not None else NOT_INSTALLED
 
 
@@ -98,12 +98,8 @@ def converter_tree(cache: Path) -> Path:
 def llama_cpp_commit(tree: Path) -> str | None:
     """From the sdist CHANGELOG's newest ``llama.cpp@<commit>`` line (None without)."""
     log = tree / "CHANGELOG.md"
-    if not log.is_file():
-        return None
-    for line in log.read_text(encoding="utf-8").splitlines():
-        if "llama.cpp@" in line:
-            return line.split("llama.cpp@", 1)[1].split()[0].strip(").,")
-    return None
+    lines = log.read_text(encoding="utf-8").splitlines() if log.is_file() else []
+    return next((line.split("llama.cpp@", 1)[1].split()[0].strip(").,") for line in lines if "llama.cpp@" in line), None)
 
 
 def gguf_facts(path: Path) -> dict[str, Any]:
@@ -111,12 +107,9 @@ def gguf_facts(path: Path) -> dict[str, Any]:
     ``output_norm``), ``head_bytes``/``head_type``/``head_tensor``, ``embed_bytes``, ``tensor_types``."""
     from gguf import GGUFReader
 
-    reader = GGUFReader(str(path))
-    sizes = {t.name: (int(t.n_bytes), t.tensor_type.name) for t in reader.tensors}
+    sizes = {t.name: (int(t.n_bytes), t.tensor_type.name) for t in GGUFReader(str(path)).tensors}
     head = next(n for n in HEAD_TENSORS if n in sizes)
-    types: dict[str, int] = {}
-    for _, kind in sizes.values():
-        types[kind] = types.get(kind, 0) + 1
+    types = dict(Counter(kind for _, kind in sizes.values()))
     decoder = sum(b for n, (b, _) in sizes.items() if n.startswith("blk.") or n == "output_norm.weight")
     embed = sizes["token_embd.weight"][0] if head != "token_embd.weight" else 0
     return {"gguf_bytes": path.stat().st_size, "weight_bytes": sum(b for b, _ in sizes.values()),
@@ -129,10 +122,8 @@ def quantize(src: str, out: str, quant: str, threads: int) -> dict[str, Any]:
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = QUANTS[quant]
-    params.nthread = threads
-    rc = llama_cpp.llama_model_quantize(src.encode(), out.encode(), ctypes.byref(params))
-    if rc != 0:
+    params.ftype, params.nthread = QUANTS[quant], threads
+    if (rc := llama_cpp.llama_model_quantize(src.encode(), out.encode(), ctypes.byref(params))) != 0:
         raise BuildError(f"llama_model_quantize {src} -> {out} ({quant}) returned {rc}")
     return {"out": out}
 
@@ -165,10 +156,8 @@ def ensure_ggufs(checkpoint: Path, cache: Path, quants: list[str], *, threads: i
     tree = converter_tree(converter_cache or cache)
     out = cache / LLAMA_CPP / checkpoint.name
     done_file = out / "done.json"
-    stamp = (checkpoint / "config.json").stat().st_mtime
-    done: dict[str, Any] = {}
-    if done_file.is_file() and not rebuild and done_file.stat().st_mtime >= stamp:
-        done = json.loads(done_file.read_text(encoding="utf-8"))
+    fresh = done_file.is_file() and done_file.stat().st_mtime >= (checkpoint / "config.json").stat().st_mtime
+    done = json.loads(done_file.read_text(encoding="utf-8")) if fresh and not rebuild else {}
     have = {q: v for q, v in done.get("quants", {}).items() if Path(v["path"]).is_file()}
     float_path = (done.get("float") or {}).get("path")
     need_float = any(q not in have for q in quants) or (keep_float and not (float_path and Path(float_path).is_file()))
@@ -206,8 +195,8 @@ def ensure_ggufs(checkpoint: Path, cache: Path, quants: list[str], *, threads: i
         target = out / f"{checkpoint.name}-{quant}.gguf"
         log(f"llama.cpp: quantizing to {quant}: {target}")
         log_file = out / f"quantize-{quant}.log"
-        cmd = [sys.executable, "-m", "bench.llama_cpp", str(float_gguf), str(target), quant, str(threads)]
-        run = run_tool(cmd, log_file, env=child_env())
+        run = run_tool([sys.executable, "-m", "bench.llama_cpp", str(float_gguf), str(target), quant, str(threads)],
+                       log_file, env=child_env())
         if run.returncode != 0 or not target.is_file():
             raise BuildError(f"llama_model_quantize ({quant}) exited {run.returncode} (log: {log_file})")
         facts["quants"][quant] = {"path": str(target), **_costs("quantize", run), **gguf_facts(target)}
@@ -232,17 +221,13 @@ class LlamaDecoder:
 
         self._ll = llama_cpp
         llama_cpp.llama_backend_init()
-        mp = llama_cpp.llama_model_default_params()
-        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
+        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
         if not self.model:
             raise BuildError(f"llama.cpp could not load {path}")
         cp = llama_cpp.llama_context_default_params()
-        cp.n_ctx = max_batch * max_length
-        cp.n_batch = cp.n_ubatch = 512
-        cp.n_seq_max = max_batch
-        cp.n_threads = cp.n_threads_batch = threads
-        cp.kv_unified = False
-        cp.no_perf = True
+        for key, value in {"n_ctx": max_batch * max_length, "n_batch": 512, "n_ubatch": 512, "n_seq_max": max_batch,
+                           "n_threads": threads, "n_threads_batch": threads, "kv_unified": False, "no_perf": True}.items():
+            setattr(cp, key, value)
         self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
         if not self.ctx:
             raise BuildError(f"llama.cpp could not make a context of {cp.n_ctx} positions for {path}")
@@ -266,8 +251,7 @@ class LlamaDecoder:
         for i, (tok, pos, seq, out) in enumerate(items):
             b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, out
             b.seq_id[i][0] = seq
-        rc = self._ll.llama_decode(self.ctx, b)
-        if rc != 0:
+        if (rc := self._ll.llama_decode(self.ctx, b)) != 0:
             raise BuildError(f"llama_decode returned {rc} ({len(items)} tokens)")
 
     def prefill(self, row: int, tokens: list[int]) -> None:
@@ -292,8 +276,7 @@ class LlamaDecoder:
         """float32 [vocab] logits of output ``index`` of the last decode (a copy)."""
         import numpy as np
 
-        ptr = self._ll.llama_get_logits_ith(self.ctx, index)
-        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+        return np.ctypeslib.as_array(self._ll.llama_get_logits_ith(self.ctx, index), shape=(self.n_vocab,)).copy()
 
     def close(self) -> None:
         if getattr(self, "ctx", None):

@@ -20,12 +20,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from bench import serve_report
 from bench.serve_checks import (
     ANSWER_COLUMNS,
     CATEGORIES,
@@ -40,6 +41,7 @@ from bench.serve_checks import (
 )
 from bench.serve_workers import EngineProcess, ServerProcess, scrape
 from bench.systems import cpu_s, machine, rss_mb
+from higgs_pack.manifests.errors import HiggsPackError, InputError
 
 DEFAULT_CLIENTS = (1, 4, 16, 64)
 #: Requests per level, at most, by preset (the level's seconds bound it too).
@@ -279,8 +281,6 @@ def _machine() -> dict[str, Any]:
 def run_load(options: LoadOptions) -> dict[str, Any]:
     """One load test; its record for :func:`bench.serve_report.write_run`.  RuntimeError when the
     server or the engine does not start; InputError without a bundle, URL or texts."""
-    from higgs_pack.manifests.errors import InputError
-
     if not options.bundle and not options.url:
         raise InputError("give a bundle (--bundle, --preset) or a running server (--url)")
     say = (lambda m: None) if options.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
@@ -389,50 +389,39 @@ def _bundle_for_preset(preset: str, cache: str | None, quiet: bool) -> str:
     return str(bundle_for(parse_system("cpu-int4"), options, checkpoint, cache_dir(options))[0])
 
 
+#: Help of the flags whose name does not say it all.
+HELP = {"preset": "tiny or bench: the bench's cpu int4 bundle of this preset", "url": "load a running server instead",
+        "server_pid": "with --url: the server's process id (its RSS)", "pool": "distinct requests",
+        "level_seconds": "no request of a level starts after this", "frames": "max_new_tokens of every request",
+        "rounds": "run each level this many times, keep each side's fastest", "soak_requests": "0: no soak"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.serve_load", description=__doc__.split("\n\n")[0])
-    d = LoadOptions()
-    add = p.add_argument
-    add("--preset", choices=tuple(DEFAULT_REQUESTS), default="tiny", help="the bench's cpu int4 bundle of this preset")
-    add("--bundle", help="serve this bundle instead of the preset's")
-    add("--url", help="load a running server instead (its RSS only with --server-pid)")
-    add("--server-pid", type=int)
-    add("--label", help="the run's name in the report (default: target-precision)")
-    add("--clients", default=",".join(map(str, DEFAULT_CLIENTS)), help="concurrency levels")
-    add("--requests", type=int, help="requests per level, at most (default: by preset and level)")
-    add("--level-seconds", type=float, default=d.level_seconds, help="no request of a level starts after this")
-    add("--frames", type=int, default=d.frames, help="max_new_tokens of every request (25 per s)")
-    add("--pool", type=int, default=d.pool, help="distinct requests (text, seed, whole or stream)")
-    add("--soak-requests", type=int, default=d.soak_requests, help="requests of the RSS soak (0: none)")
-    add("--soak-clients", type=int, default=d.soak_clients)
-    add("--max-batch", type=int, help="the server's --max-batch")
-    add("--max-queue", type=int, help="the server's --max-queue")
-    add("--request-timeout", type=float, default=d.request_timeout)
-    add("--rounds", type=int, default=1, help="run each level this many times, keep each side's fastest round")
-    add("--no-engine", action="store_true", help="skip the in-process engine figures")
-    add("--cases", help="the cases folder (default $HIGGS_PACK_CASES or ../shared/cases)")
-    add("--cache", help="cache directory (default $HIGGS_PACK_CACHE or ~/.cache/higgs-pack)")
-    add("--out", default="dist/serve-bench.json", help="JSON runs (same label and preset replaced) and .html")
-    add("--quiet", action="store_true")
+    for f in fields(LoadOptions):  # a flag per option of a plain type, default and type from LoadOptions
+        kind = {"int": int, "float": float, "str": str}.get(str(f.type).split(" |")[0])
+        if kind is not None:
+            p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=HELP.get(f.name))
+    p.add_argument("--clients", default=",".join(map(str, DEFAULT_CLIENTS)), help="concurrency levels")
+    p.add_argument("--requests", type=int, help="requests per level, at most (default: by preset and level)")
+    p.add_argument("--no-engine", dest="engine", action="store_false", help="skip the in-process engine figures")
+    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--out", default="dist/serve-bench.json", help="JSON runs (same label and preset replaced), .html")
     args = p.parse_args(argv)
     try:
-        clients = tuple(int(c) for c in args.clients.split(",") if c.strip())
+        args.clients = tuple(int(c) for c in args.clients.split(",") if c.strip())
     except ValueError:
-        clients = ()
-    if not clients or min(clients) < 1:
-        p.error(f"--clients must be comma-separated whole numbers >= 1, got {args.clients!r}")
-    from bench import serve_report
-    from higgs_pack.manifests.errors import HiggsPackError
-
+        args.clients = ()
+    if not args.clients or min(args.clients) < 1:
+        p.error("--clients must be comma-separated whole numbers >= 1")
+    args.requests = dict.fromkeys(args.clients, args.requests) if args.requests else None
+    if args.preset not in DEFAULT_REQUESTS:
+        p.error(f"--preset must be one of {', '.join(DEFAULT_REQUESTS)}")
+    options = LoadOptions(**{f.name: getattr(args, f.name) for f in fields(LoadOptions)})
     try:
-        bundle = args.bundle or (None if args.url else _bundle_for_preset(args.preset, args.cache, args.quiet))
-        record = run_load(LoadOptions(
-            bundle=bundle, url=args.url, server_pid=args.server_pid, preset=args.preset, label=args.label,
-            clients=clients, requests=dict.fromkeys(clients, args.requests) if args.requests else None,
-            level_seconds=args.level_seconds, frames=args.frames, pool=args.pool, soak_requests=args.soak_requests,
-            soak_clients=args.soak_clients, max_batch=args.max_batch, max_queue=args.max_queue,
-            request_timeout=args.request_timeout, engine=not args.no_engine, cases=args.cases, cache=args.cache,
-            rounds=args.rounds, quiet=args.quiet))
+        if not options.bundle and not options.url:
+            options.bundle = _bundle_for_preset(options.preset, options.cache, options.quiet)
+        record = run_load(options)
     except (HiggsPackError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

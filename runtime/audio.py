@@ -77,12 +77,24 @@ def read_audio_bytes(data: bytes, source: str = "reference audio", how: str = "r
 
 
 def _decode(file: Path | BinaryIO, source: str, how: str) -> tuple[np.ndarray, int]:
+    """Decode at most :data:`MAX_REFERENCE_S` of audio: a file whose header says it is longer is
+    refused before its samples are decoded, and one that does not say is read only that far, so a
+    small compressed file of hours (1.1 MB of FLAC holding 4 hours decoded to 4.3 GB before) costs
+    no more than a reference clip."""
     try:
-        data, rate = sf.read(file, dtype="float32", always_2d=True)
+        with sf.SoundFile(file) as f:
+            rate, cap = int(f.samplerate), int(MAX_REFERENCE_S * f.samplerate) + 1
+            if f.frames > cap:
+                raise InputError(f"{source} is {f.frames / rate:.1f} s long; use a clip of at most "
+                                 f"{MAX_REFERENCE_S:.0f} s (3-10 s of speech works best)")
+            data = f.read(frames=cap, dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, ValueError, TypeError) as exc:
         reason = re.sub(r"^Error opening <[^>]*>: ", "", str(exc))  # not the repr of an in-memory file
         raise InputError(f"{source} is not a readable audio file ({reason}); give a wav, flac or ogg file with "
                          f"{how}") from exc
+    if len(data) >= cap:
+        raise InputError(f"{source} is longer than {MAX_REFERENCE_S:.0f} s; use a clip of at most "
+                         f"{MAX_REFERENCE_S:.0f} s (3-10 s of speech works best)")
     if data.size == 0:
         raise InputError(f"{source} holds no samples; give a recording of speech")
     return data.mean(axis=1).astype(np.float32), int(rate)
@@ -154,15 +166,22 @@ def write_wav(path: str | Path, samples: np.ndarray, sample_rate: int, *, subtyp
 
     Args:
         path: output ``.wav`` path (parent directories must exist).
-        samples: float32 [samples].
-        sample_rate: Hz.
+        samples: float32 [samples] (mono; a [samples, 1] or [1, samples] array is taken too).
+        sample_rate: Hz, a whole number > 0.
         subtype: ``"PCM_16"`` or ``"FLOAT"``.
 
     Raises:
-        InputError: bad subtype, non-finite samples, or an unwritable path.
+        InputError: bad subtype, several channels, a bad sample rate, non-finite samples, or an
+            unwritable path.
     """
     if subtype not in ("PCM_16", "FLOAT"):
         raise InputError(f"unknown wav format {subtype!r}; use PCM_16 (16-bit) or FLOAT")
+    shape = np.shape(samples)
+    if len(shape) > 2 or (len(shape) == 2 and min(shape) != 1):
+        raise InputError(f"write_wav writes mono audio, float32 [samples]; got an array of shape {list(shape)}: "
+                         "mix the channels down first (samples.mean(axis=1))")
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, np.integer)) or sample_rate <= 0:
+        raise InputError(f"sample_rate must be a whole number of Hz > 0, got {sample_rate!r}")
     samples = np.asarray(samples, dtype=np.float32).reshape(-1)
     if not np.isfinite(samples).all():
         raise InputError("refusing to write audio with NaN/inf samples")
@@ -174,7 +193,7 @@ def write_wav(path: str | Path, samples: np.ndarray, sample_rate: int, *, subtyp
     try:
         sf.write(path, samples, sample_rate, subtype=subtype, format="WAV")
     except (sf.LibsndfileError, RuntimeError, OSError) as exc:
-        raise InputError(f"cannot write {path}: {exc}; choose a writable path with -o") from exc
+        raise InputError(f"cannot write {path}: {exc}; choose a writable path") from exc
     return WavWritten(path, peak, scaled)
 
 

@@ -101,3 +101,37 @@ def test_a_stream_is_written_in_pipe_sized_pieces(tmp_path):
     with pytest.raises(BrokenPipeError):
         sink.write(samples)
     assert sink.samples_written == PIPE_PIECE_BYTES // 2  # what reached the pipe before it closed
+
+
+def test_a_small_file_of_hours_is_refused_from_its_header_without_decoding(tmp_path):
+    """1.1 MB of FLAC holding hours of audio decoded to 4.3 GB before its length was judged."""
+    import resource
+
+    from higgs_pack.runtime.audio import MAX_REFERENCE_S, read_audio_bytes
+
+    bomb = tmp_path / "hours.flac"
+    with sf.SoundFile(bomb, "w", samplerate=8000, channels=1, format="FLAC") as f:
+        block = np.full(8000 * 60, 0.25, np.float32)
+        for _ in range(120):  # two hours, written a minute at a time
+            f.write(block)
+    assert bomb.stat().st_size < 2_000_000
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(InputError, match=rf"is 7200\.0 s long; use a clip of at most {MAX_REFERENCE_S:.0f} s"):
+        load_audio(bomb)
+    with pytest.raises(InputError, match=r"is 7200\.0 s long"):
+        read_audio_bytes(bomb.read_bytes())
+    # Nothing near the 230 MB the decoded file would take was allocated (peak RSS, KiB on Linux).
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000
+
+
+@pytest.mark.parametrize(("samples", "rate", "message"), [
+    (np.zeros((4800, 2), np.float32), SR, r"write_wav writes mono audio, float32 \[samples\]; got an array of shape "
+                                          r"\[4800, 2\]: mix the channels down"),
+    (np.zeros((2, 4800), np.float32), SR, r"shape \[2, 4800\]"),
+    (np.zeros(100, np.float32), 0, r"sample_rate must be a whole number of Hz > 0, got 0"),
+])
+def test_write_wav_refuses_what_it_would_write_wrong(tmp_path, samples, rate, message):
+    with pytest.raises(InputError, match=message):
+        write_wav(tmp_path / "x.wav", samples, rate)
+    assert not (tmp_path / "x.wav").exists()
+    assert sf.info(write_wav(tmp_path / "m.wav", np.zeros((4800, 1), np.float32), SR).path).frames == 4800

@@ -21,6 +21,7 @@ import click
 
 from higgs_pack.manifests.errors import HiggsPackError
 from higgs_pack.manifests.providers import EXECUTION_PROVIDERS
+from higgs_pack.runtime.entry import EXIT_INTERRUPTED
 from higgs_pack.runtime.request import (
     CHUNK_GROWTH,
     CONTEXT_CHUNKS,
@@ -436,8 +437,6 @@ def _synthesize_batch(f: SynthesizeFlags) -> None:
 
 #: Exit status after the reader of -o - closed the pipe (as a program stopped by SIGPIPE).
 EXIT_BROKEN_PIPE = 128 + 13
-#: Exit status after Ctrl-C (as a program stopped by SIGINT).
-EXIT_INTERRUPTED = 128 + 2
 #: Exit status after SIGTERM (as a program stopped by it).
 EXIT_TERMINATED = 128 + 15
 

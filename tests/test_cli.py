@@ -558,3 +558,22 @@ def test_a_gpu_device_on_an_onnx_runtime_bundle_names_the_gpu_providers(cpu_int4
     out = run("synthesize", cpu_int4_bundle, "--text", "Hi.", "--device", "cdua", "-o", tmp_path / "g.wav",
               check=False)
     assert out.returncode == 2 and "did you mean 'cuda'" in out.stderr, out.stderr
+
+
+def test_ctrl_c_at_start_up_of_the_console_script_is_one_line_and_130(tmp_path):
+    """SIGINT a tenth of a second in (numpy, click and the runtime still importing, or the text
+    being read): no traceback, whichever it hits."""
+    import signal
+    import time
+
+    script = Path(sys.executable).with_name("higgs-pack")
+    if not script.is_file():
+        pytest.skip(f"no higgs-pack console script beside {sys.executable} (the package is not installed there)")
+    proc = subprocess.Popen([str(script), "synthesize", str(tmp_path / "no-bundle"), "-o", str(tmp_path / "o.wav")],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_as_at_a_terminal)
+    time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert stderr.strip() == "interrupted (Ctrl-C)", stderr

@@ -214,3 +214,18 @@ def test_a_reference_voice_leads_the_context_and_zero_context_keeps_chunks_apart
     assert len(apart.chunks) == 1  # packed up to the context, as before the rolling context
     alone = run_plan(oracle, apart)
     assert alone.chunks[0].prompt_length == build_prompt(oracle, STORY).shape[1]
+
+
+def test_a_sentence_too_long_names_the_frame_cap_only_where_lowering_it_helps(oracle):
+    from higgs_pack.manifests.errors import InputError
+    from higgs_pack.runtime.loop.generate import plan_synthesis
+
+    endless = " ".join(["word"] * 5000)  # no punctuation: one sentence, longer than the context alone
+    with pytest.raises(InputError) as caught:
+        plan_synthesis(oracle, endless, max_frames=2, context_chunks=0)
+    assert "split it with punctuation" in str(caught.value) and "lower" not in str(caught.value)
+    assert caught.value.problems[0].field == "text"
+    fits_without_frames = " ".join(["word"] * 3000)
+    with pytest.raises(InputError, match="or lower max_frames") as caught:
+        plan_synthesis(oracle, fits_without_frames, max_frames=3000, context_chunks=0)
+    assert caught.value.problems[0].field == "max_frames"

@@ -721,7 +721,7 @@ def _too_long(needed: int, limit: int, sentence: str, max_frames: int | None) ->
     what = (f"one sentence needs {needed} positions (its prompt and audio frames), more than the decoder's "
             f"context of {limit} (the sentence starts {sentence[:60]!r}): split it with punctuation")
     what = what.replace("{", "{{").replace("}", "}}")
-    if max_frames is None:
+    if max_frames is None or needed - max_frames > limit - 1:  # a frame cap of 1 would not fit it either
         return Problem("text", None, message=what)
     return Problem("max_frames", max_frames, message=what + ", or lower {name}")
 

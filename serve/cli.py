@@ -34,11 +34,18 @@ log = logging.getLogger(__name__)
 INTERRUPTED = 130
 
 
+class BadAddress(click.ClickException):
+    """A ``--host`` or ``--port`` the server cannot listen on: an error in the options, exit status 2
+    (as a bad option: docs/using/cli.md), with the message alone (no usage text)."""
+
+    exit_code = 2
+
+
 def bind(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host:port`` (IPv4 or IPv6).
 
     Raises:
-        click.ClickException: the port is taken or the address is not this machine's.
+        BadAddress: the port is taken or the address is not this machine's.
     """
     try:
         family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
@@ -51,9 +58,9 @@ def bind(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
-            raise click.ClickException(f"port {port} on {host} is in use; choose another with --port "
+            raise BadAddress(f"port {port} on {host} is in use; choose another with --port "
                                        "(--port 0 picks a free one)") from exc
-        raise click.ClickException(f"cannot listen on {host}:{port} ({exc.strerror}); give an address of this "
+        raise BadAddress(f"cannot listen on {host}:{port} ({exc.strerror}); give an address of this "
                                    "machine with --host (127.0.0.1 for this machine only)") from exc
     sock.listen(2048)
     sock.set_inheritable(True)

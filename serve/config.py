@@ -71,6 +71,9 @@ class ServeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 problems.append(f"{name} must be a number of seconds > 0, got {value!r}")
+        if any(not isinstance(name, str) or not name.strip() for name in self.model_names):
+            problems.append("a --model-name is blank; give each extra model name as a non-empty word, or leave "
+                            "--model-name out")
         if self.api_key is not None and not self.api_key.strip():
             problems.append("api_key is blank; give a key, or leave --api-key out to serve without one")
         media = self.allow_local_media

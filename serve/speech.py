@@ -118,7 +118,7 @@ def unknown_fields(unknown: list[str], known: tuple[str, ...], kind: str = "fiel
     return message
 
 
-def _short(value: Any) -> str:
+def short(value: Any) -> str:
     """``repr(value)``, cut to 80 characters (an error never echoes a huge input)."""
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
@@ -127,7 +127,7 @@ def _short(value: Any) -> str:
 def _got(value: Any) -> str:
     """``value`` for a message in JSON's words: a string quoted (cut to 80 characters), else
     what it is (``a number (1.5)``, ``a boolean (true)``, ``a list``), never a Python type name."""
-    return _short(value) if isinstance(value, str) else plain_type(value)
+    return short(value) if isinstance(value, str) else plain_type(value)
 
 
 def _text(value: Any, param: str, meaning: str) -> str:
@@ -147,7 +147,7 @@ def _model(body: dict, models: tuple[str, ...]) -> str:
     if model is None:
         raise _bad(f"model is required; this server serves {', '.join(models)}", "model", "missing_field")
     if model not in models:
-        raise ApiError(404, f"model {_short(model)} is not served here; this server serves {', '.join(models)}",
+        raise ApiError(404, f"model {short(model)} is not served here; this server serves {', '.join(models)}",
                        param="model", code="model_not_found")
     return model
 
@@ -199,7 +199,7 @@ def _voice(body: dict, voices: Any, config: ServeConfig) -> tuple[str, dict[str,
     voice = DEFAULT_VOICE if voice is None else voice
     if isinstance(voice, dict):
         if set(voice) != {"id"}:
-            raise _bad(f"voice as an object takes only \"id\", got {_short(sorted(voice))}", "voice")
+            raise _bad(f"voice as an object takes only \"id\", got {short(sorted(voice))}", "voice")
         voice = voice["id"]
     if not isinstance(voice, str):
         raise _bad(f"voice must be a voice name or {{\"id\": name}}, got {_got(voice)}", "voice")
@@ -218,12 +218,12 @@ def _voice(body: dict, voices: Any, config: ServeConfig) -> tuple[str, dict[str,
             return voice, {}
         prepared = voices.get(voice)
         if prepared is None:
-            raise _bad(f"voice {_short(voice)} is not known; use one of {', '.join([DEFAULT_VOICE, *voices.names()])} "
+            raise _bad(f"voice {short(voice)} is not known; use one of {', '.join([DEFAULT_VOICE, *voices.names()])} "
                        "(upload one with POST /v1/audio/voices), or clone with ref_audio and ref_text", "voice",
                        "unknown_voice")
         return voice, {"voice": prepared}
     if voice != DEFAULT_VOICE:
-        raise _bad(f"give voice ({_short(voice)}) or ref_audio with ref_text, not both", "voice")
+        raise _bad(f"give voice ({short(voice)}) or ref_audio with ref_text, not both", "voice")
     if ref_text is None:
         raise _bad(f"ref_audio needs {text_param}, the exact transcript of the clip", text_param.split("[", 1)[0],
                    "missing_field")
@@ -241,7 +241,7 @@ def _reference_entry(references: Any) -> tuple[Any, Any]:
     entry = references[0]
     extra = set(entry) - {"audio", "audio_path", "text"}
     if extra:
-        raise _bad(f"a reference takes audio (or audio_path) and text, got {_short(sorted(extra))} too",
+        raise _bad(f"a reference takes audio (or audio_path) and text, got {short(sorted(extra))} too",
                    "references")
     return entry.get("audio", entry.get("audio_path")), entry.get("text")
 
@@ -288,11 +288,32 @@ def _decoded(data: bytes, source: str, config: ServeConfig, param: str) -> tuple
     return samples, rate
 
 
+_BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}", re.ASCII)
+
+
+def _looks_like_path(value: str, config: ServeConfig) -> bool:
+    """Whether a ``ref_audio`` string is meant as a path, not base64: ``file://``; or a short value
+    (under 1024 characters) that ends in an audio suffix (base64 has no "."), is absolute and
+    not base64 (``/etc/passwd``), or, under --allow-local-media, names something that exists
+    (absolute, or under the folder: ``sub``)."""
+    if value.startswith("file://"):
+        return True
+    if len(value) >= 1024 or _DATA_URI.match(value):
+        return False
+    if Path(value).suffix.lower() in (".wav", ".flac", ".ogg", ".opus", ".mp3"):
+        return True
+    if value.startswith("/") and not (len(value) % 4 == 0 and _BASE64.fullmatch(value)):
+        return True
+    if config.allow_local_media is None:
+        return False
+    try:
+        return (Path(config.allow_local_media) / value).exists()  # an absolute value replaces the folder
+    except (OSError, ValueError):  # a NUL character, a name too long
+        return False
+
+
 def _local_path(value: str, config: ServeConfig, param: str) -> Path | None:
-    # base64 has no ".": a short value ending in an audio suffix is a path, as is file://.
-    looks_like_path = value.startswith("file://") or (len(value) < 1024 and Path(value).suffix.lower()
-                                                      in (".wav", ".flac", ".ogg", ".opus", ".mp3"))
-    if not looks_like_path:
+    if not _looks_like_path(value, config):
         return None
     if config.allow_local_media is None:
         raise _bad(f"{param} names a file ({value[:80]}); this server reads no local files unless started with "

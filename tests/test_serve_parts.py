@@ -355,3 +355,42 @@ def test_the_api_docs_describe_each_body_field_the_server_takes():
     assert all(f.description for f in SpeechBody.model_fields.values())
     assert set(VoiceUpload.model_fields) == {"audio", "transcript", "name"}
     assert VoiceUpload.model_json_schema()["properties"]["audio"]["format"] == "binary"
+
+
+def test_a_ref_audio_that_looks_like_a_path_is_judged_as_one(tmp_path):
+    """A value that is absolute and not base64, or names something under --allow-local-media,
+    is a path (outside the folder, not a file), never "not valid base64"."""
+    (tmp_path / "sub").mkdir()
+    allowed = ServeConfig(allow_local_media=tmp_path)
+    for value, words in (("/etc/passwd", "is outside the allowed folder"), ("/dev/zero", "is outside the allowed folder"),
+                         ("sub", "is not a file in the allowed folder"),
+                         (str(tmp_path / "sub"), "is not a file in the allowed folder")):
+        with pytest.raises(ApiError, match=words) as err:
+            _parse(allowed, ref_audio=value, ref_text="w")
+        assert err.value.param == "ref_audio" and "base64" not in err.value.message
+    with pytest.raises(ApiError, match="reads no local files unless started with --allow-local-media"):
+        _parse(ref_audio="/etc/passwd", ref_text="w")
+    with pytest.raises(ApiError, match="not valid base64"):  # short base64-looking text is still base64
+        _parse(allowed, ref_audio="%%%", ref_text="w")
+
+
+def test_a_blank_model_name_is_refused(tmp_path):
+    import subprocess
+    import sys
+
+    with pytest.raises(InputError, match="--model-name is blank"):
+        ServeConfig(model_names=("extra", " "))
+    done = subprocess.run([sys.executable, "-m", "higgs_pack.runtime.cli", "serve", str(tmp_path / "bundle"),
+                           "--model-name", "", "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--model-name is blank" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "serving http" not in done.stderr
+
+
+def test_an_address_the_server_cannot_listen_on_exits_2(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "higgs_pack.runtime.cli", "serve", str(tmp_path / "bundle"),
+                           "--host", "not.a.host.invalid", "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "cannot listen on not.a.host.invalid:0" in done.stderr and "Traceback" not in done.stderr

@@ -151,6 +151,12 @@ def unknown_choice(kind: str, value: str, known: Iterable[str], fix: str) -> str
     return f"unknown {kind} {value!r}{hint}; known: {', '.join(known)}. Set it with {fix}."
 
 
+def install_extra(extra: str) -> str:
+    """How to install an extra of higgs-pack, for messages: it is installed from a clone of the
+    repository (it is not on a package index), ``pip install '.[EXTRA]'`` there."""
+    return f"install the [{extra}] extra: pip install '.[{extra}]' in a clone of higgs-pack"
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of an exception's message (a tool's summary before its details), or an
     empty string when the message is empty."""

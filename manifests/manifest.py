@@ -56,7 +56,7 @@ def validate(data: Any, *, source: str = MANIFEST_NAME) -> dict[str, Any]:
     if isinstance(version, int) and version > FORMAT_VERSION:
         raise UnsupportedFormatVersion(
             f"{source}: format_version {version} is newer than this higgs-pack reads "
-            f"(up to {FORMAT_VERSION}); upgrade higgs-pack (pip install -U higgs-pack) "
+            f"(up to {FORMAT_VERSION}); upgrade higgs-pack (git pull in its clone, then pip install it again) "
             "or rebuild the bundle with this version"
         )
     validator = jsonschema.Draft202012Validator(schema())

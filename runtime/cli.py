@@ -19,7 +19,7 @@ from typing import Any
 
 import click
 
-from higgs_pack.manifests.errors import HiggsPackError
+from higgs_pack.manifests.errors import HiggsPackError, install_extra
 from higgs_pack.manifests.providers import EXECUTION_PROVIDERS
 from higgs_pack.runtime.entry import EXIT_INTERRUPTED
 from higgs_pack.runtime.request import (
@@ -30,6 +30,12 @@ from higgs_pack.runtime.request import (
 )
 
 COMMAND_GROUP = "higgs_pack.commands"
+
+
+class _MissingExtra(click.ClickException):
+    """A command whose extra is not installed: exit 2, as every other error of the environment."""
+
+    exit_code = 2
 
 
 class _Group(click.Group):
@@ -53,9 +59,8 @@ class _Group(click.Group):
         except ImportError as exc:
             extra = ep.extras[0] if ep.extras else "build"  # `name = "module:command [extra]"`
             what = "the build tools" if extra == "build" else f"the [{extra}] extra"
-            raise click.ClickException(
-                f"`higgs-pack {name}` needs {what}, which is not installed ({exc}); "
-                f"pip install 'higgs-pack[{extra}]'"
+            raise _MissingExtra(
+                f"`higgs-pack {name}` needs {what}, which is not installed ({exc}); " + install_extra(extra)
             ) from exc
 
     def invoke(self, ctx):
@@ -212,7 +217,7 @@ class SynthesizeFlags:
 @click.option("--max-frames", type=int, help="Frame cap per chunk (25 frames = 1 s). Default: from text length.")
 @click.option("--float", "as_float", is_flag=True, help="Write 32-bit float wav instead of 16-bit PCM.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (there is none when stderr is not a terminal).")
-@click.option("--bundles", "bundle_dirs", multiple=True, type=click.Path(path_type=Path, file_okay=False),
+@click.option("--bundles", "bundle_dirs", multiple=True, type=click.Path(path_type=Path, file_okay=False, exists=True),
               help="For a model slug: also choose among the bundles in this folder (repeatable).")
 @click.option("--variant", help="For a hub repository holding several bundles: the folder to use.")
 @click.option("--stream", "streaming", is_flag=True,
@@ -290,7 +295,7 @@ def synthesize(**flags: Any) -> None:
     written = write_wav(output, result.samples, result.sample_rate, subtype=subtype)
     stops = ", ".join(r.stop_reason for r in result.chunks)
     click.echo(f"wrote {output}: {result.seconds_of_audio:.2f} s at {result.sample_rate} Hz, "
-               f"{len(result.codes)} frames in {len(result.chunks)} chunk(s), stop: {stops}")
+               f"{len(result.codes)} frames in {len(result.chunks)} text chunk(s), stop: {stops}")
     if result.frame_cap_hit:
         click.echo(FRAME_CAP_NOTE, err=True)
     if written.scaled:
@@ -530,7 +535,7 @@ def _say_written(note: str, sink, rate: int, where: str, results: list, speech) 
     if results:
         stops = ", ".join(r.stop_reason for r in results)
         frames = sum(len(r.codes) for r in results)
-        details = f", {frames} frames in {len(results)} chunk(s), stop: {stops}"
+        details = f", {frames} frames in {len(results)} text chunk(s), stop: {stops}"
         if speech is not None:
             details += f", first audio after {speech.first_audio_s:.2f} s"
     click.echo(f"{note}wrote {seconds:.2f} s at {rate} Hz to {where}{details}", err=True)
@@ -592,8 +597,10 @@ def inspect(bundle, as_json):
 def verify(bundle, execution_provider, device, allow_fallback, cases, report, require_gpu, skip_parity, low_memory):
     """Check BUNDLE (directory, installed name, archive or hf://ORG/REPO[@REV]): files, static checks,
     signatures, parity, speech; a GPU bundle also on its GPU provider where present (else skipped, naming it)."""
+    from higgs_pack.runtime.sources.bundle import require_bundle_dir
     from higgs_pack.runtime.sources.hub import is_hub_ref
     from higgs_pack.runtime.verification.verify import require_cases, verify_any
+
 
     if cases is not None:
         require_cases(cases)  # a wrong folder is an error before minutes of checks, not a PASS
@@ -608,6 +615,7 @@ def verify(bundle, execution_provider, device, allow_fallback, cases, report, re
 
         require_matplotlib()  # before minutes of verification, not after
 
+    require_bundle_dir(Path(bundle))  # a wrong folder is a wrong argument (exit 2), not a failed check
     if is_hub_ref(bundle):
         from higgs_pack.runtime.sources.hub import pull as run_pull
 
@@ -650,7 +658,7 @@ def pull(repo, variant, cache_dir):
 
 
 @main.command()
-@click.option("--bundles", "bundle_dirs", multiple=True, type=click.Path(path_type=Path, file_okay=False),
+@click.option("--bundles", "bundle_dirs", multiple=True, type=click.Path(path_type=Path, file_okay=False, exists=True),
               help="Also judge the bundles in this folder (repeatable; $HIGGS_PACK_BUNDLES adds more).")
 @click.option("--json", "as_json", is_flag=True, help="Print the inventory and the verdicts as JSON.")
 def devices(bundle_dirs, as_json):

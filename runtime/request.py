@@ -305,6 +305,9 @@ def _tuple_problems(audio: tuple) -> list[Problem]:
     if shape is None or len(shape) not in (1, 2):
         found.append(Problem("ref_audio", None, message="{name} samples must be [samples] or [samples, channels], "
                                                         f"got shape {shape}"))
+    elif np.asarray(audio[0]).dtype.kind not in "fiub":
+        found.append(Problem("ref_audio", None, message="{name} samples must be real numbers (float32 in [-1, 1]), "
+                                                        f"got {np.asarray(audio[0]).dtype}"))
     if not _is_whole(audio[1]) or audio[1] <= 0:
         found.append(Problem("ref_audio", audio[1], message="{name}'s sample rate must be a whole number of Hz > 0, "
                                                             f"got {audio[1]!r}"))

@@ -62,15 +62,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from higgs_pack.manifests.errors import InputError, install_extra
+
 try:
     from ray import serve
     from ray.serve import Application
     from ray.serve.config import AutoscalingConfig
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(f"higgs_pack.serve.ray_app needs Ray Serve ({exc}); install it with "
-                      "pip install 'higgs-pack[ray]'") from exc
+    raise ImportError(f"higgs_pack.serve.ray_app needs Ray Serve ({exc}); " + install_extra("ray")) from exc
 
-from higgs_pack.manifests.errors import InputError
 from higgs_pack.serve.app import create_app
 from higgs_pack.serve.config import ServeConfig
 from higgs_pack.serve.server import DEFAULT_MAX_BATCH, SpeechServer

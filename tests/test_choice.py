@@ -70,7 +70,7 @@ def test_variant_present_but_its_runtime_missing():
     choice = choose([bundle("cuda", "fp16"), bundle("cpu", "int4"), bundle("openvino", "int4")], inv)
     assert choice.chosen.candidate.name == f"{SLUG}-cpu-int4"
     assert "CUDAExecutionProvider unavailable" in choice.rejected[f"{SLUG}-cuda-fp16"]
-    assert "higgs-pack[cuda]" in choice.rejected[f"{SLUG}-cuda-fp16"]
+    assert "install the [cuda] extra" in choice.rejected[f"{SLUG}-cuda-fp16"]
     assert "OpenVINO is not installed" in choice.rejected[f"{SLUG}-openvino-int4"]
     assert any("NVIDIA GPU is present" in n and "cannot run" in n for n in choice.notes)
 

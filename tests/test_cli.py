@@ -577,3 +577,18 @@ def test_ctrl_c_at_start_up_of_the_console_script_is_one_line_and_130(tmp_path):
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr
     assert stderr.strip() == "interrupted (Ctrl-C)", stderr
+
+
+def test_verify_and_devices_refuse_folders_that_are_not_what_they_should_be(tmp_path):
+    code, err = invoke("verify", tmp_path)
+    assert code == 2 and f"{tmp_path} is not a bundle (manifest.json is missing)" in err, err
+    code, err = invoke("devices", "--bundles", tmp_path / "typo")
+    assert code == 2 and "does not exist" in err, err
+
+
+def test_a_complex_reference_array_is_refused():
+    from higgs_pack.manifests.errors import InputError
+    from higgs_pack.runtime.request import SynthesisRequest
+
+    with pytest.raises(InputError, match=r"ref_audio samples must be real numbers .*, got complex128"):
+        SynthesisRequest.create("Hi.", ref_audio=(np.zeros(24000, complex), 24000), ref_text="Hello.")

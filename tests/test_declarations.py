@@ -162,7 +162,8 @@ def test_new_provider_row_is_the_only_declaration(qnn, tmp_path):
 
     assert ort_backend.session_options_for("qnn", {"enable_mem_pattern": True}).enable_mem_pattern is False
     assert "onnxruntime-qnn" in distributions.ort_distributions()
-    assert distributions.install_hint(qnn) == "Install it with pip install 'higgs-pack[qnn]' (onnxruntime-qnn>=1.22)"
+    assert distributions.install_hint(qnn) == ("To have it, install the [qnn] extra: pip install '.[qnn]' in a clone "
+                                                "of higgs-pack (onnxruntime-qnn>=1.22)")
     # Packaging, install check and nox read the same row.
     from higgs_pack.targets.nox_sessions import session_table
     from higgs_pack.targets.packaging import requires_dist

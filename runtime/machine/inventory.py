@@ -23,7 +23,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from higgs_pack.manifests.errors import HiggsPackError
+from higgs_pack.manifests.errors import HiggsPackError, install_extra
 from higgs_pack.manifests.manifest import MANIFEST_NAME, read_manifest
 from higgs_pack.manifests.providers import EXECUTION_PROVIDERS
 from higgs_pack.runtime.machine.choice import candidate_of
@@ -300,13 +300,13 @@ def describe(bundle_dirs: Iterable[str | Path] = (), inv: Inventory | None = Non
         if name in inv.ort_providers:
             state = "creates sessions" if inv.ort_providers[name] is None else f"FAILS: {inv.ort_providers[name]}"
         else:
-            state = f"not available (pip install 'higgs-pack[{row.packaging.extra}]')"
+            state = f"not available ({install_extra(row.packaging.extra)})"
             probe = (row.hardware.probe if row.hardware else None) or ""
             platform_only = probe.removeprefix("platform:")
             if probe != platform_only and not inv.platform.startswith(platform_only):
                 state = f"not available ({platform_only} only)"
         lines.append(f"  {name:<9} {row.ort_provider:<27} {state}")
-    lines.append(f"OpenVINO       {inv.openvino or 'not installed (pip install higgs-pack[openvino])'}")
+    lines.append(f"OpenVINO       {inv.openvino or 'not installed (' + install_extra('openvino') + ')'}")
     for device, full in inv.openvino_devices.items():
         lines.append(f"  {device:<9} {full}")
     for kind in ("GPU", "NPU"):

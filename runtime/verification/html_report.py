@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from higgs_pack.manifests.errors import HiggsPackError
+from higgs_pack.manifests.errors import HiggsPackError, install_extra
 from higgs_pack.runtime.verification.report import export_error
 
-EXTRA_HINT = "pip install 'higgs-pack[report]' (it adds matplotlib)"
+EXTRA_HINT = install_extra("report") + " (it adds matplotlib)"
 
 _STYLE = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2rem auto;max-width:1100px;

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from higgs_pack.manifests.errors import ExecutionProviderUnavailable, InputError
+from higgs_pack.manifests.errors import ExecutionProviderUnavailable, InputError, install_extra
 from higgs_pack.manifests.model import SubPart
 from higgs_pack.manifests.providers import CPU_PROVIDER, CPU_RUNG, EXECUTION_PROVIDERS
 from higgs_pack.runtime.backends import Backend, OpenedParts, OpenOptions, register
@@ -33,7 +33,7 @@ class OnnxRuntimeBackend(Backend):
     label = "ONNX Runtime"
     modules = ("onnxruntime", "higgs_pack.runtime.backends.onnxruntime.runners")
     preferred_on_cpus = ("amd", "arm", "other")
-    install_hint = "pip install 'higgs-pack[cpu]' (or [cuda], [dml])"
+    install_hint = install_extra("cpu") + " (or [cuda], [dml], [winml])"
 
     def open(self, bundle: Bundle, options: OpenOptions) -> OpenedParts:
         """Create one session per sub-part on the provider asked for (default: the manifest's).
@@ -142,7 +142,7 @@ class OnnxRuntimeBackend(Backend):
         if not inventory.ort_providers:
             reason = "onnxruntime is not installed"
         if reason is not None:
-            return [], f"{row.ort_provider} unavailable ({reason}); pip install 'higgs-pack[{row.packaging.extra}]'"
+            return [], f"{row.ort_provider} unavailable ({reason}); {install_extra(row.packaging.extra)}"
         rung = row.rung.name
         what = f"the {row.label} execution provider" if row.gpu else row.ort_provider
         if rung == CPU_RUNG.name:

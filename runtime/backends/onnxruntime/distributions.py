@@ -7,6 +7,7 @@ import importlib.metadata
 
 from higgs_pack.manifests.errors import (
     ExecutionProviderUnavailable,
+    install_extra,
 )
 from higgs_pack.manifests.providers import CPU_PROVIDER, EXECUTION_PROVIDERS
 
@@ -49,7 +50,7 @@ def import_ort():
     except ImportError as exc:
         raise ExecutionProviderUnavailable(
             "onnxruntime is not installed; install the runtime for this bundle, e.g. "
-            f"pip install 'higgs-pack[{CPU_PROVIDER.packaging.extra}]' (or "
+            f"{install_extra(CPU_PROVIDER.packaging.extra)} (or "
             + ", ".join(f"[{row.packaging.extra}]" for row in EXECUTION_PROVIDERS.values() if not row.packaging.own_venv
                         and row is not CPU_PROVIDER) + ")"
         ) from exc
@@ -67,4 +68,4 @@ def install_hint(row) -> str:
         return (f"Install it in a venv of its own, or replace the installed one: pip uninstall -y "
                 f"{' '.join(others)} && pip install '{row.packaging.requirement}' (it cannot share a venv with "
                 "another onnxruntime distribution)")
-    return f"Install it with pip install 'higgs-pack[{row.packaging.extra}]' ({row.packaging.requirement})"
+    return f"To have it, {install_extra(row.packaging.extra)} ({row.packaging.requirement})"

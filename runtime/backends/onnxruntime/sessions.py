@@ -94,10 +94,9 @@ def unknown_provider(ep: str, fix: str) -> str:
         return unknown_choice("execution provider", ep, EXECUTION_PROVIDERS, fix)
     gpus = [f"{row.name} ({row.hardware.short})" for row in EXECUTION_PROVIDERS.values()
             if row.hardware is not None and "GPU" in row.hardware.short]
-    return (f"{ep!r} is an OpenVINO device name, not an ONNX Runtime execution provider; this is an ONNX Runtime "
-            f"bundle: for a GPU name its provider, {' or '.join(gpus)}, and build a bundle for it "
-            "(`higgs-pack build --target cuda`, or dml on Windows) if this one was built for another; NPUs and "
-            "OpenVINO's devices run openvino bundles (`higgs-pack build --target openvino`). "
+    return (f"{ep!r} is an OpenVINO device name, not an ONNX Runtime execution provider: for a GPU name its "
+            f"provider, {' or '.join(gpus)} (a bundle built for it: `higgs-pack build --target cuda`, or dml on "
+            "Windows); NPUs and OpenVINO's devices run openvino bundles (`higgs-pack build --target openvino`). "
             f"Execution providers: {', '.join(sorted(EXECUTION_PROVIDERS))}; set it with {fix}.")
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from higgs_pack.manifests.errors import ExecutionProviderUnavailable, InputError
+from higgs_pack.manifests.errors import ExecutionProviderUnavailable, InputError, install_extra
 from higgs_pack.manifests.providers import CPU_RUNG, OPENVINO_REQUIREMENT, ChoiceRung
 from higgs_pack.runtime.backends import Backend, OpenedParts, OpenOptions, register
 
@@ -37,7 +37,7 @@ class OpenVINOBackend(Backend):
     compile_cache = True
     preferred_on_cpus = ("intel",)
     rungs = (NPU_RUNG, IGPU_RUNG, NPU_ON_CPU_RUNG)
-    install_hint = f"pip install 'higgs-pack[openvino]' ({OPENVINO_REQUIREMENT})"
+    install_hint = f"{install_extra('openvino')} ({OPENVINO_REQUIREMENT})"
     batching_refusal = "the NPU variant's static shapes take batch 1: its decoder is compiled for one row"
 
     def batched_decoder(self, pipeline, max_batch: int, max_length: int):

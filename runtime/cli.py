@@ -21,7 +21,7 @@ import click
 
 from higgs_pack.manifests.errors import HiggsPackError, install_extra
 from higgs_pack.manifests.providers import EXECUTION_PROVIDERS
-from higgs_pack.runtime.entry import EXIT_INTERRUPTED
+from higgs_pack.runtime.exit_status import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_TERMINATED
 from higgs_pack.runtime.request import (
     CHUNK_GROWTH,
     CONTEXT_CHUNKS,
@@ -440,10 +440,6 @@ def _synthesize_batch(f: SynthesizeFlags) -> None:
         sys.exit(1)
 
 
-#: Exit status after the reader of -o - closed the pipe (as a program stopped by SIGPIPE).
-EXIT_BROKEN_PIPE = 128 + 13
-#: Exit status after SIGTERM (as a program stopped by it).
-EXIT_TERMINATED = 128 + 15
 
 
 class _Terminated(KeyboardInterrupt):

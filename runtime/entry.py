@@ -1,13 +1,12 @@
 """The ``higgs-pack`` console script: the CLI (:mod:`higgs_pack.runtime.cli`), with Ctrl-C during
 its start-up (importing numpy, click, the runtime: a few tenths of a second) said in one line and
-exit status 130, as after the start-up, instead of a traceback.  Imports nothing else itself."""
+exit status 130, as after the start-up, instead of a traceback.  Imports nothing heavy itself."""
 
 from __future__ import annotations
 
 import sys
 
-#: Exit status after Ctrl-C (as a program stopped by SIGINT).
-EXIT_INTERRUPTED = 128 + 2
+from higgs_pack.runtime.exit_status import EXIT_INTERRUPTED
 
 
 def main() -> None:

@@ -30,15 +30,22 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from higgs_pack.manifests.errors import HiggsPackError, InputError, disk_full, disk_full_message
 from higgs_pack.runtime.request import unspeakable
 from higgs_pack.serve import schema
-from higgs_pack.serve.errors import ApiError, error_body, from_input_error
+from higgs_pack.serve.errors import ApiError, error_body, from_input_error, upload_error
 from higgs_pack.serve.formats import FORMATS, media_type, response_formats, sse_error
 from higgs_pack.serve.metrics import CONTENT_TYPE
 from higgs_pack.serve.server import Answer, SpeechServer
-from higgs_pack.serve.speech import DEFAULT_VOICE, parse_speech, reference_clip, unknown_fields
+from higgs_pack.serve.speech import (
+    DEFAULT_VOICE,
+    parse_speech,
+    reference_clip,
+    short,
+    unknown_fields,
+)
 from higgs_pack.serve.voices import name_problem
 
 log = logging.getLogger(__name__)
@@ -99,9 +106,25 @@ def _handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        message = (f"no route {request.method} {request.url.path}; see /docs for the routes"
-                   if exc.status_code in (404, 405) else str(exc.detail))
-        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code)
+        path = short(request.url.path)[1:-1]
+        allowed = (exc.headers or {}).get("Allow", "")
+        if exc.status_code == 405:
+            message = (f"{request.method} is not allowed on {path}: it answers {allowed.replace(', ', ' and ')}; "
+                       "see /docs for the routes")
+            code = "method_not_allowed"
+        elif exc.status_code == 404:
+            message, code = f"no route {request.method} {path}; see /docs for the routes", "not_found"
+        else:
+            message, code = short(str(exc.detail))[1:-1], None
+        return JSONResponse(error_body(exc.status_code, message, code=code), status_code=exc.status_code,
+                            headers=exc.headers)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(request: Request, exc: ClientDisconnect) -> Response:
+        """A client that closed the connection while still sending its body: one info line, a 499
+        (nginx's "client closed the request") in the metrics, nobody to answer."""
+        log.info("client left while sending its body: %s %s", request.method, request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -222,17 +245,37 @@ def _check_key(server: SpeechServer, request: Request) -> None:
                        "server was started with)", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
+def _check_encoding(request: Request) -> None:
+    """Refuse a body sent compressed (``Content-Encoding``): the server reads plain bodies only."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise ApiError(415, f"Content-Encoding {short(encoding)} is not supported: send the body uncompressed "
+                       "(no Content-Encoding header)", param="Content-Encoding", code="unsupported_encoding")
+
+
+def _duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict, refusing a key given twice (which value counts is ambiguous)."""
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ApiError(400, f"the JSON body gives {short(key)} twice; give each field once", param=key[:80],
+                           code="duplicate_field")
+        seen[key] = value
+    return seen
+
+
 async def _json_body(request: Request, limit: int) -> Any:
+    _check_encoding(request)
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > limit:
-        raise ApiError(413, f"the body is {size} bytes; the limit is {limit} (--max-upload-mb)", code="too_large")
+        raise ApiError(413, f"the body is {size[:20]} bytes; the limit is {limit} (--max-upload-mb)", code="too_large")
     data = bytearray()
     async for piece in request.stream():
         data += piece
         if len(data) > limit:
             raise ApiError(413, f"the body is over the limit of {limit} bytes (--max-upload-mb)", code="too_large")
     try:
-        return json.loads(data)
+        return json.loads(data, object_pairs_hook=_duplicate_keys)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the body is not JSON ({exc}); send a JSON object with model, input and voice",
                        code="invalid_json") from exc
@@ -254,11 +297,11 @@ def _service_routes(app: FastAPI, server: SpeechServer) -> None:
         page = resources.files("higgs_pack.serve").joinpath("demo.html").read_text(encoding="utf-8")
         return HTMLResponse(page)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.api_route("/ready", methods=["GET", "HEAD"])
     async def ready() -> JSONResponse:
         state = "ready" if server.ready else ("stopping" if server.stopping else "warming up")
         return JSONResponse({"status": state, **server.describe()}, status_code=200 if server.ready else 503)
@@ -335,12 +378,17 @@ def _voice_routes(app: FastAPI, server: SpeechServer) -> None:
         _check_key(server, request)
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > config.max_upload_bytes + 65536:
-            raise ApiError(413, f"the upload is {size} bytes; the limit is {config.max_upload_bytes} "
+            raise ApiError(413, f"the upload is {size[:20]} bytes; the limit is {config.max_upload_bytes} "
                            "(--max-upload-mb)", param="audio", code="too_large")
+        _check_encoding(request)
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
             raise ApiError(400, "a voice upload is multipart/form-data with the parts audio (the clip), "
                            "transcript and name", param="audio", code="invalid_body")
-        form = await request.form(max_files=1, max_fields=8, max_part_size=config.max_upload_bytes + 1)
+        try:
+            form = await request.form(max_files=1, max_fields=8, max_part_size=config.max_upload_bytes + 1)
+        except StarletteHTTPException as exc:  # the multipart parser's limits: more than one file, too many parts
+            raise ApiError(400, f"{exc.detail} A voice upload is one audio file part with transcript and name "
+                           "parts", param="audio", code="invalid_body") from exc
         parts = ("name", "transcript", "ref_text", "audio", "file")
         unknown = [k for k in form if k not in parts]
         if unknown:
@@ -375,7 +423,7 @@ def _voice_routes(app: FastAPI, server: SpeechServer) -> None:
             try:
                 voice = server.tts.prepare_voice(clip, transcript.strip(), name)
             except InputError as exc:
-                raise ApiError(400, str(exc), param="audio", code="invalid_value") from exc
+                raise upload_error(exc) from exc
             try:
                 return server.voices.add(voice)
             except OSError as exc:
@@ -393,8 +441,11 @@ def _voice_routes(app: FastAPI, server: SpeechServer) -> None:
     async def delete_voice(name: str, request: Request) -> dict[str, Any]:
         """Forget a stored voice (and its file in --voices-dir)."""
         _check_key(server, request)
+        if name == DEFAULT_VOICE:
+            raise ApiError(400, f"voice {DEFAULT_VOICE!r} is the bundle's built-in voice: it cannot be deleted (only "
+                           "uploaded voices can)", param="name", code="builtin_voice")
         if not server.voices.delete(name):
-            raise ApiError(404, f"voice {name!r} is not known; GET /v1/audio/voices lists them", param="name",
+            raise ApiError(404, f"voice {short(name)} is not known; GET /v1/audio/voices lists them", param="name",
                            code="unknown_voice")
         return {"name": name, "deleted": True}
 

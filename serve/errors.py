@@ -68,3 +68,36 @@ def from_input_error(exc: InputError, status: int = 400, code: str = "invalid_va
         f"{len(lines)} problems with the request:\n" + "\n".join(f"  - {line}" for line in lines))
     named = next((http_name(problem.field) for problem in exc.problems if problem.field), None)
     return ApiError(status, message, param=named or param, code=code)
+
+
+def from_clip(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised while reading or checking a reference clip: its traceback passes
+    through :mod:`higgs_pack.runtime.audio` (unreadable, too short or long, silent, non-finite)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_globals.get("__name__") == "higgs_pack.runtime.audio":
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def speech_error(exc: InputError) -> ApiError:
+    """What the engine refused of a speech request, in this server's terms: a problem of the
+    reference clip names ``ref_audio``; any other problem its field (``input`` when none is named)."""
+    if from_clip(exc):
+        return ApiError(400, str(exc), param="ref_audio", code="invalid_value")
+    return from_input_error(exc, param="input")
+
+
+def upload_error(exc: InputError) -> ApiError:
+    """What encoding a voice upload refused, in the upload's terms: a problem of the clip names
+    ``audio`` (the runtime calls a clip ``ref_audio``), one of the text names ``transcript``."""
+    if from_clip(exc):
+        message = str(exc)
+        if message.startswith("ref_audio "):
+            message = "audio " + message.removeprefix("ref_audio ")
+        return ApiError(400, message, param="audio", code="invalid_value")
+    if any(problem.field for problem in exc.problems):
+        lines = [problem.render(name="transcript" if problem.field else None) for problem in exc.problems]
+        return ApiError(400, "; ".join(lines), param="transcript", code="invalid_value")
+    return ApiError(400, str(exc), param="audio", code="invalid_value")

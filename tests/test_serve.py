@@ -575,7 +575,7 @@ def test_serve_refuses_bad_sources_and_a_port_in_use(tmp_path, cpu_int4_bundle):
                                "--port", str(taken.getsockname()[1])], capture_output=True, text=True, timeout=120)
     finally:
         taken.close()
-    assert busy.returncode != 0 and "is in use; choose another with --port" in busy.stderr
+    assert busy.returncode == 2 and "is in use; choose another with --port" in busy.stderr
 
 
 def test_an_openvino_bundle_is_served_batched(ov_int4_bundle):
@@ -603,3 +603,91 @@ def test_an_openvino_bundle_is_served_batched(ov_int4_bundle):
             data = b"".join(response.iter_bytes())
         samples, rate = _wav(data)
         assert rate == 24000 and samples.size > 0
+
+
+def _silent_or_short_clips():
+    out = []
+    for samples in (np.zeros(16000, np.float32), (0.3 * np.sin(np.arange(1600) / 8)).astype(np.float32)):
+        data = io.BytesIO()
+        sf.write(data, samples, 16000, format="WAV")
+        out.append(data.getvalue())
+    return out
+
+
+def test_a_bad_clip_names_the_field_it_came_in(server):
+    """A silent or too short clip is a 400 naming ref_audio in a speech body, audio in a voice
+    upload (in the upload's words); a special token in an upload's transcript names transcript."""
+    silent, short = _silent_or_short_clips()
+    for clip, words in ((silent, "is silent"), (short, "s long")):
+        answer = _speech(server, input=TEXT, ref_audio=base64.b64encode(clip).decode(), ref_text="Hello there.")
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert error["param"] == "ref_audio" and words in error["message"], error
+    bad = httpx.post(server.url + "/v1/audio/voices", files={"audio": ("r.wav", silent, "audio/wav")},
+                     data={"name": "quiet", "transcript": "Hello there."}, timeout=60)
+    error = bad.json()["error"]
+    assert bad.status_code == 400 and error["param"] == "audio", error
+    assert error["message"].startswith("audio is silent") and "ref_audio" not in error["message"], error
+
+
+def test_a_special_token_in_an_uploads_transcript_names_the_transcript(server, clip):
+    audio, _ = clip
+    bad = httpx.post(server.url + "/v1/audio/voices", files={"audio": ("r.wav", audio, "audio/wav")},
+                     data={"name": "tokens", "transcript": "<|endoftext|>"}, timeout=60)
+    error = bad.json()["error"]
+    assert bad.status_code == 400 and error["param"] == "transcript" and "endoftext" in error["message"], error
+
+
+def test_a_client_that_leaves_while_sending_its_body_is_a_quiet_499(server):
+    import socket
+
+    host, port = server.url.removeprefix("http://").split(":")
+    for route, kind in (("/v1/audio/speech", "application/json"),
+                        ("/v1/audio/voices", "multipart/form-data; boundary=xyz")):
+        label = f'route="{route}",status="499"'
+        before = server.metric("higgs_pack_requests_total", label)
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            body = (b'{"model": "' + MODEL.encode() + b'", "input": "' if "json" in kind else
+                    b'--xyz\r\nContent-Disposition: form-data; name="audio"; filename="r.wav"\r\n\r\nRIFF')
+            sock.sendall(f"POST {route} HTTP/1.1\r\nHost: x\r\nContent-Type: {kind}\r\nContent-Length: 500\r\n\r\n"
+                         .encode() + body)
+            time.sleep(0.3)
+        deadline = time.monotonic() + 10
+        while server.metric("higgs_pack_requests_total", label) == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.metric("higgs_pack_requests_total", label) == before + 1, route
+    log = "".join(server.log)
+    assert "Traceback" not in log and "unexpected error" not in log and "ClientDisconnect" not in log
+
+
+def test_http_rough_edges_get_clear_openai_errors(server, clip):
+    url = server.url
+    wrong = httpx.get(url + "/v1/audio/speech", timeout=30)
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST", wrong.headers
+    error = wrong.json()["error"]
+    assert "GET is not allowed on /v1/audio/speech: it answers POST" in error["message"], error
+    assert error["code"] == "method_not_allowed" and error["type"] == "invalid_request_error"
+    head = httpx.head(url + "/health", timeout=30)
+    assert head.status_code == 200 and head.content == b""
+    gz = httpx.post(url + "/v1/audio/speech", content=b"\x1f\x8b...", timeout=30,
+                    headers={"content-type": "application/json", "content-encoding": "gzip"})
+    assert gz.status_code == 415, gz.text
+    error = gz.json()["error"]
+    assert error["param"] == "Content-Encoding" and "Content-Encoding 'gzip' is not supported" in error["message"]
+    audio, transcript = clip
+    two = httpx.post(url + "/v1/audio/voices", files=[("audio", ("a.wav", audio, "audio/wav")),
+                                                      ("audio", ("b.wav", audio, "audio/wav"))],
+                     data={"name": "two", "transcript": transcript}, timeout=60)
+    error = two.json()["error"]
+    assert two.status_code == 400 and "Too many files" in error["message"], error
+    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_body" and error["param"] == "audio"
+    builtin = httpx.delete(url + "/v1/audio/voices/default", timeout=30)
+    error = builtin.json()["error"]
+    assert builtin.status_code == 400 and "built-in voice: it cannot be deleted" in error["message"], error
+    huge = httpx.delete(url + "/v1/audio/voices/" + "v" * 5000, timeout=30)
+    assert huge.status_code == 404 and len(huge.json()["error"]["message"]) < 300, huge.text[:300]
+    twice = httpx.post(url + "/v1/audio/speech", timeout=30, headers={"content-type": "application/json"},
+                       content=f'{{"model": "{MODEL}", "input": "a", "input": "b"}}')
+    error = twice.json()["error"]
+    assert twice.status_code == 400 and error["param"] == "input" and "gives 'input' twice" in error["message"]
+    assert error["code"] == "duplicate_field"

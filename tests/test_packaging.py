@@ -622,8 +622,8 @@ def test_a_wheel_without_the_wheel_package_is_refused_before_anything_is_written
     monkeypatch.setitem(sys.modules, "wheel", None)
     monkeypatch.setitem(sys.modules, "wheel.wheelfile", None)
     out = tmp_path / "out"
-    with pytest.raises(PackagingError, match=r"writing a wheel needs the `wheel` package .*pip install "
-                                             r"'higgs-pack\[package\]'.*--format archive"):
+    with pytest.raises(PackagingError, match=r"writing a wheel needs the `wheel` package .*install the \[package\] "
+                                             r"extra: pip install '\.\[package\]'.*--format archive"):
         package_bundle(bundle, formats="all", out_dir=out)
     assert not out.exists()  # refused before the archive too: nothing half done
     written = package_bundle(bundle, formats="archive", out_dir=out)  # the archive alone needs no `wheel`

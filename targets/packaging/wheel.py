@@ -11,7 +11,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.manifests.errors import PackagingError
+from higgs_pack.manifests.errors import PackagingError, install_extra
 from higgs_pack.manifests.manifest import MANIFEST_NAME
 from higgs_pack.runtime.backends import placement_of
 from higgs_pack.targets.packaging.archives import _zip_member, _zipinfo
@@ -104,8 +104,7 @@ def wheel_writer_class() -> Callable[[Path, int], Any]:
         from wheel.wheelfile import WheelFile, urlsafe_b64encode
     except ImportError as exc:
         raise PackagingError(
-            f"writing a wheel needs the `wheel` package ({exc}); install the packaging extra "
-            "(pip install 'higgs-pack[package]' from the clone: pip install '.[package]'; the build "
+            f"writing a wheel needs the `wheel` package ({exc}); {install_extra('package')} (the build "
             "environment has it), or write the archive alone with --format archive (formats='archive')"
         ) from exc
 

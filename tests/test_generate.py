@@ -229,3 +229,19 @@ def test_a_sentence_too_long_names_the_frame_cap_only_where_lowering_it_helps(or
     with pytest.raises(InputError, match="or lower max_frames") as caught:
         plan_synthesis(oracle, fits_without_frames, max_frames=3000, context_chunks=0)
     assert caught.value.problems[0].field == "max_frames"
+
+
+def test_the_rolling_context_respects_a_decoders_own_prompt_limit(oracle):
+    """An NPU bundle's static prompt (generation.max_prompt_length) is shorter than its KV window:
+    a context that fits the window but not the prompt is dropped, not sent."""
+    from dataclasses import replace as with_fields
+
+    from higgs_pack.runtime.loop.generate import chunk_voice, plan_synthesis, run_plan
+
+    plan = plan_synthesis(oracle, STORY, options=SamplingOptions(seed=3), max_frames=12)
+    results = run_plan(oracle, plan).chunks
+    codes, words = chunk_voice(oracle, plan, 1, results)
+    prompt = build_prompt(oracle, plan.chunks[1][0], codes, words).shape[1]
+    assert codes is not None
+    assert np.array_equal(chunk_voice(oracle, with_fields(plan, max_prompt_length=prompt), 1, results)[0], codes)
+    assert chunk_voice(oracle, with_fields(plan, max_prompt_length=prompt - 1), 1, results) == (None, None)

@@ -507,6 +507,8 @@ class SynthesisPlan:
         context_chunks: previous text chunks whose text and codes open a chunk's prompt
             (:func:`chunk_voice`); 0: every chunk is generated on its own.
         max_length: the decoder context the chunks were planned for (positions).
+        max_prompt_length: the longest prompt the decoder takes, where it has a limit of its own
+            (an NPU bundle's static prompt, ``generation.max_prompt_length``), else None.
     """
 
     options: SamplingOptions
@@ -517,6 +519,7 @@ class SynthesisPlan:
     positions: int
     context_chunks: int = CONTEXT_CHUNKS
     max_length: int = 0
+    max_prompt_length: int | None = None
 
 
 def plan_synthesis(pipeline: Pipeline, text: str, *, options: SamplingOptions | None = None,
@@ -568,7 +571,7 @@ def plan_synthesis(pipeline: Pipeline, text: str, *, options: SamplingOptions | 
     chunks = tuple(plan_chunks(pipeline, text.strip(), ref_codes, ref_text, max_frames,
                                max_words=CHUNK_WORDS if context_chunks else None))
     plan = SynthesisPlan(options, ref_codes, ref_text, chunks, schedule or StreamSchedule(), 0, context_chunks,
-                         pipeline.decoder.max_length)
+                         pipeline.decoder.max_length, getattr(pipeline.decoder, "max_prompt_length", None))
     return dataclasses.replace(plan, positions=_most_positions(pipeline, plan))
 
 
@@ -617,8 +620,8 @@ def chunk_voice(pipeline: Pipeline, plan: SynthesisPlan, index: int,
     the last ``plan.context_chunks`` chunks before ``index`` (text and codes, oldest first),
     as Higgs' own long-form generation keeps its ``generation_chunk_buffer_size`` chunks
     (../shared/SPEECH-AT-LENGTH.md); the oldest are left out while the prompt and the chunk's
-    cap would not fit ``plan.max_length``, and a first-chunk voice that cannot fit is left
-    out too.  The same function serves :func:`run_plan`, streaming and the engine, so each
+    cap would not fit ``plan.max_length`` (or the prompt alone ``plan.max_prompt_length``), and
+    a first-chunk voice that cannot fit is left out too.  The same function serves :func:`run_plan`, streaming and the engine, so each
     gives the same codes for the same seed.
 
     Args:
@@ -638,11 +641,14 @@ def chunk_voice(pipeline: Pipeline, plan: SynthesisPlan, index: int,
             return None, None
         voice_codes, voice_text, first = results[0].codes, plan.chunks[0][0], 1
     text, cap = plan.chunks[index]
+    steps = cap + pipeline.constants.num_codebooks - 1
+    prompt_limit = plan.max_prompt_length or plan.max_length
     previous = list(range(max(first, index - plan.context_chunks), index))
     while True:
         codes = np.concatenate([voice_codes, *(results[j].codes for j in previous)], axis=0)
         words = " ".join([voice_text, *(plan.chunks[j][0] for j in previous)])
-        if chunk_positions(pipeline, text, cap, codes, words) <= plan.max_length:
+        positions = chunk_positions(pipeline, text, cap, codes, words)
+        if positions <= plan.max_length and positions - steps <= prompt_limit:
             return codes, words
         if not previous:
             return plan.ref_codes, plan.ref_text  # a first-chunk voice that does not fit: none

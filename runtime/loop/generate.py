@@ -621,8 +621,8 @@ def chunk_voice(pipeline: Pipeline, plan: SynthesisPlan, index: int,
     as Higgs' own long-form generation keeps its ``generation_chunk_buffer_size`` chunks
     (../shared/SPEECH-AT-LENGTH.md); the oldest are left out while the prompt and the chunk's
     cap would not fit ``plan.max_length`` (or the prompt alone ``plan.max_prompt_length``), and
-    a first-chunk voice that cannot fit is left out too.  The same function serves :func:`run_plan`, streaming and the engine, so each
-    gives the same codes for the same seed.
+    a first-chunk voice that cannot fit is left out too.  The same function serves
+    :func:`run_plan`, streaming and the engine, so each gives the same codes for the same seed.
 
     Args:
         pipeline: the backend (its tokenizer and constants).
@@ -633,40 +633,44 @@ def chunk_voice(pipeline: Pipeline, plan: SynthesisPlan, index: int,
     Returns:
         ``(codes int64 [frames, N], transcript)`` for :func:`build_prompt`, or ``(None, None)``.
     """
-    voice_codes, voice_text, first = plan.ref_codes, plan.ref_text, 0
-    if plan.context_chunks <= 0 or index == 0:
-        return voice_codes, voice_text
-    if voice_codes is None:
-        if not len(results[0].codes):
-            return None, None
-        voice_codes, voice_text, first = results[0].codes, plan.chunks[0][0], 1
+    chosen = _context_of(plan, index)
+    if not chosen or (plan.ref_codes is None and not len(results[0].codes)):
+        return plan.ref_codes, plan.ref_text
     text, cap = plan.chunks[index]
     steps = cap + pipeline.constants.num_codebooks - 1
     prompt_limit = plan.max_prompt_length or plan.max_length
-    previous = list(range(max(first, index - plan.context_chunks), index))
-    while True:
-        codes = np.concatenate([voice_codes, *(results[j].codes for j in previous)], axis=0)
-        words = " ".join([voice_text, *(plan.chunks[j][0] for j in previous)])
+    voice = [] if plan.ref_codes is None else [(plan.ref_codes, plan.ref_text)]
+    while chosen:
+        parts = voice + [(results[j].codes, plan.chunks[j][0]) for j in chosen]
+        codes = np.concatenate([part_codes for part_codes, _ in parts], axis=0)
+        words = " ".join(part_text for _, part_text in parts)
         positions = chunk_positions(pipeline, text, cap, codes, words)
         if positions <= plan.max_length and positions - steps <= prompt_limit:
             return codes, words
-        if not previous:
-            return plan.ref_codes, plan.ref_text  # a first-chunk voice that does not fit: none
-        previous = previous[1:]
+        # The oldest context goes first; a first-chunk voice (chunk 0, with no reference) last.
+        del chosen[1 if plan.ref_codes is None and len(chosen) > 1 else 0]
+    return plan.ref_codes, plan.ref_text
+
+
+def _context_of(plan: SynthesisPlan, index: int) -> list[int]:
+    """The earlier text chunks whose text and codes follow the request's voice in chunk ``index``'s
+    prompt at most, oldest first: with no reference voice chunk 0 (the voice of the rest) and then
+    the last ``plan.context_chunks`` chunks after it; with one, the last ``plan.context_chunks``."""
+    if plan.context_chunks <= 0 or index == 0:
+        return []
+    first = 0 if plan.ref_codes is not None else 1
+    return ([] if first == 0 else [0]) + list(range(max(first, index - plan.context_chunks), index))
 
 
 def _most_positions(pipeline: Pipeline, plan: SynthesisPlan) -> int:
     """Most decoder positions a chunk of ``plan`` can hold: its prompt and cap, with the rolling
-    context of :func:`chunk_voice` at its largest (every previous chunk at its frame cap), and
-    never more than ``plan.max_length`` (:func:`chunk_voice` drops context past it)."""
+    context of :func:`chunk_voice` at its largest (every chunk of :func:`_context_of` at its frame
+    cap), and never more than ``plan.max_length`` (:func:`chunk_voice` drops context past it)."""
     most = 0
     for index, (text, cap) in enumerate(plan.chunks):
-        frames, words = (plan.ref_codes.shape[0], [plan.ref_text]) if plan.ref_codes is not None else (0, [])
-        if plan.context_chunks > 0 and index:
-            first = 0 if plan.ref_codes is not None else 1  # with no voice, chunk 0 is the voice
-            chosen = ([] if first == 0 else [0]) + list(range(max(first, index - plan.context_chunks), index))
-            frames += sum(plan.chunks[j][1] for j in chosen)
-            words += [plan.chunks[j][0] for j in chosen]
+        chosen = _context_of(plan, index)
+        frames = (0 if plan.ref_codes is None else plan.ref_codes.shape[0]) + sum(plan.chunks[j][1] for j in chosen)
+        words = ([] if plan.ref_text is None else [plan.ref_text]) + [plan.chunks[j][0] for j in chosen]
         codes = np.zeros((frames, pipeline.constants.num_codebooks), np.int64) if frames else None
         most = max(most, min(plan.max_length, chunk_positions(pipeline, text, cap, codes, " ".join(words) or None)))
     return most

@@ -58,6 +58,12 @@ class ExecutionProviderUnavailable(HiggsPackError):
     """The execution provider or OpenVINO device asked for is not usable here."""
 
 
+def literal(sentence: str) -> str:
+    """``sentence`` as a :attr:`Problem.message` that is shown as it is: its braces escaped, so a
+    text quoted in it (a sentence, a token) is never read as a ``{name}`` field."""
+    return sentence.replace("{", "{{").replace("}", "}}")
+
+
 @dataclass(frozen=True)
 class Problem:
     """One thing wrong with a request, as data: each front door says it in its own terms.
@@ -119,13 +125,16 @@ class InputError(HiggsPackError):
 
     def __init__(self, message: str | None = None, problems: Iterable[Problem] = (),
                  render: Any = None):
-        self.problems = tuple(problems) or (Problem(None, message=(message or "").replace("{", "{{")
-                                                    .replace("}", "}}")),)
-        if message is None:
-            lines = [(render or Problem.render)(problem) for problem in self.problems]
-            message = lines[0] if len(lines) == 1 else (
-                f"{len(lines)} problems with the request:\n" + "\n".join(f"  - {line}" for line in lines))
-        super().__init__(message)
+        self.problems = tuple(problems) or (Problem(None, message=literal(message or "")),)
+        super().__init__(self.say(render or Problem.render) if message is None else message)
+
+    def say(self, render: Any) -> str:
+        """Every problem said with ``render`` (a :class:`Problem` -> one line): the one line, or
+        "N problems with the request:" and one indented line each; how each front door words it."""
+        lines = [render(problem) for problem in self.problems]
+        if len(lines) == 1:
+            return lines[0]
+        return f"{len(lines)} problems with the request:\n" + "\n".join(f"  - {line}" for line in lines)
 
 
 class NumericalError(HiggsPackError):

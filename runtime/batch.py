@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.manifests.errors import InputError, Problem
+from higgs_pack.manifests.errors import InputError, Problem, literal
 
 #: The manifest of a batch folder.
 MANIFEST = "batch-manifest.json"
@@ -80,7 +80,7 @@ def read_lines(text: str, base_seed: int | None) -> tuple[list[Line], int]:
     if not lines:
         raise InputError(f"the text file has no non-empty line ({len(raw)} lines); --batch speaks one wav per "
                          "non-empty line")
-    refuse([Problem(None, line.text, message=problem.replace("{", "{{").replace("}", "}}"),
+    refuse([Problem(None, line.text, message=literal(problem),
                     fix="fix or remove that line of --text-file") for line in lines
             if (problem := unspeakable(line.text, f"line {line.number}")) is not None])
     return lines, len(raw)

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from higgs_pack.manifests.errors import InputError, Problem, unknown_choice
+from higgs_pack.manifests.errors import InputError, Problem, literal, unknown_choice
 from higgs_pack.runtime.loop.delay import SamplingOptions, bundle_sampling, sampling_problems
 
 #: Previous text chunks of a long text whose text and codes open the next chunk's prompt (the
@@ -166,16 +166,17 @@ def plain_type(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-def _braced(text: str) -> str:
-    return text.replace("{", "{{").replace("}", "}}")
+def _unspeakable_problems(field: str, value: Any, fix: str = "") -> list[Problem]:
+    """:func:`unspeakable` of ``value`` as the problem of ``field`` (each front door names the field
+    in its own terms), else ``[]``."""
+    problem = unspeakable(value, "\0")
+    return [] if problem is None else [Problem(field, value, message=literal(problem).replace("\0", "{name}"),
+                                                fix=fix)]
 
 
 def text_problems(text: Any) -> list[Problem]:
     """The problem of text that cannot be spoken (:func:`unspeakable`), else ``[]``."""
-    problem = unspeakable(text, "\0")
-    if problem is None:
-        return []
-    return [Problem("text", text, message=_braced(problem).replace("\0", "{name}"))]
+    return _unspeakable_problems("text", text)
 
 
 def voice_pair_problems(audio: Any, transcript: Any) -> list[Problem]:
@@ -187,10 +188,7 @@ def voice_pair_problems(audio: Any, transcript: Any) -> list[Problem]:
     if audio is None and transcript is None:
         return []
     if audio is not None and transcript is not None:
-        problem = unspeakable(transcript, "\0")
-        return [] if problem is None else [
-            Problem("ref_text", transcript, message=_braced(problem).replace("\0", "{name}"),
-                    fix="give the exact transcript of the reference audio")]
+        return _unspeakable_problems("ref_text", transcript, "give the exact transcript of the reference audio")
     return [Problem(None, None, message=(
         "voice cloning needs both ref_audio= and ref_text= (--ref-audio with --ref-text): the reference "
         "clip and its exact transcript; give both, or neither for the bundle's own voice"))]
@@ -286,7 +284,7 @@ def voice_problems(audio: Any, transcript: Any) -> list[Problem]:
         try:
             require_audio_file(audio)
         except InputError as exc:
-            found.append(Problem("ref_audio", os.fspath(audio), message=_braced(str(exc))))
+            found.append(Problem("ref_audio", os.fspath(audio), message=literal(str(exc))))
     else:
         found.append(Problem("ref_audio", audio, message="{name} must be a file path or a (samples, sample_rate) "
                                                          f"tuple, got {plain_type(audio)}"))
@@ -492,7 +490,7 @@ def _refuse_unknown(keywords: dict[str, Any]) -> None:
     """Refuse keywords that are not request fields, with the closest known one."""
     known = [name for name in FIELDS if name != "text"]
     name = next(iter(keywords))
-    raise InputError(problems=[Problem(name, None, message=_braced(unknown_choice(
+    raise InputError(problems=[Problem(name, None, message=literal(unknown_choice(
         "synthesis option", name, known, "the keywords of SynthesisRequest.create")))])
 
 

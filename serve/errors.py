@@ -63,9 +63,7 @@ def from_input_error(exc: InputError, status: int = 400, code: str = "invalid_va
     Returns:
         The :class:`ApiError` to raise (``status`` 400 unless given).
     """
-    lines = [problem.render(name=http_name(problem.field)) for problem in exc.problems]
-    message = lines[0] if len(lines) == 1 else (
-        f"{len(lines)} problems with the request:\n" + "\n".join(f"  - {line}" for line in lines))
+    message = exc.say(lambda problem: problem.render(name=http_name(problem.field)))
     named = next((http_name(problem.field) for problem in exc.problems if problem.field), None)
     return ApiError(status, message, param=named or param, code=code)
 

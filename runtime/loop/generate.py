@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from higgs_pack.manifests.errors import InputError, NumericalError, Problem
+from higgs_pack.manifests.errors import InputError, NumericalError, Problem, literal
 from higgs_pack.runtime.loop.delay import (
     SamplingOptions,
     apply_delay,
@@ -142,7 +142,7 @@ def check_text_tokens(pipeline: Pipeline, text: str, field: str = "text") -> lis
         why = "the tokenizer's special token(s) {names}, which would reach the model as control ids, not words"
     message = (f"the text contains {why.format(names=names)}; remove them (inline controls such as "
                "<|emotion:amusement|> are read as text unless the tokenizer has them)")
-    raise InputError(message, [Problem(field, None, message=message.replace("{", "{{").replace("}", "}}"))])
+    raise InputError(message, [Problem(field, None, message=literal(message))])
 
 
 def build_prompt(
@@ -730,7 +730,7 @@ def _too_long(needed: int, limit: int, sentence: str, max_frames: int | None) ->
     when the request set one (lowering it is a fix), else the text's."""
     what = (f"one sentence needs {needed} positions (its prompt and audio frames), more than the decoder's "
             f"context of {limit} (the sentence starts {sentence[:60]!r}): split it with punctuation")
-    what = what.replace("{", "{{").replace("}", "}}")
+    what = literal(what)
     if max_frames is None or needed - max_frames > limit - 1:  # a frame cap of 1 would not fit it either
         return Problem("text", None, message=what)
     return Problem("max_frames", max_frames, message=what + ", or lower {name}")

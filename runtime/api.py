@@ -240,7 +240,7 @@ class TTS:
         """
         voice = Voice(ref_audio, ref_text)
         c = self.pipeline.constants
-        check_text_tokens(self.pipeline, ref_text)
+        check_text_tokens(self.pipeline, ref_text, "ref_text")
         codes = encode_reference(self.pipeline, voice.prepared(c.sample_rate, c.hop_length))
         return PreparedVoice(codes, ref_text, name)
 

@@ -18,7 +18,7 @@ import numpy as np
 import soundfile as sf
 import soxr
 
-from higgs_pack.manifests.errors import InputError
+from higgs_pack.manifests.errors import InputError, Problem, literal
 
 #: Shortest usable reference, seconds (shorter clips carry too little voice).
 MIN_REFERENCE_S = 0.5
@@ -28,6 +28,20 @@ MAX_REFERENCE_S = 60.0
 PAD_REFERENCE_TO_S = 1.0
 #: Peak below which a clip counts as silence (float samples in [-1, 1]).
 SILENCE_PEAK = 1e-3
+
+
+def clip_error(source: str, rest: str) -> InputError:
+    """The :class:`InputError` of an unusable reference clip, as data: a problem of the field
+    ``ref_audio`` (the server names it in its own terms: ``ref_audio`` in a speech body, ``audio``
+    in a voice upload).  ``source`` is what the message calls the clip: the field itself (a clip
+    given as samples) is left for each front door to name; a file is named as it is.
+
+    Args:
+        source: ``"ref_audio"``, or a description such as ``"reference audio voice.wav"``.
+        rest: the sentence after it (" is silent (...)...").
+    """
+    message = "{name}" + literal(rest) if source == "ref_audio" else literal(source + rest)
+    return InputError(problems=[Problem("ref_audio", None, message=message)])
 
 
 def require_audio_file(path: str | Path) -> Path:
@@ -85,18 +99,18 @@ def _decode(file: Path | BinaryIO, source: str, how: str) -> tuple[np.ndarray, i
         with sf.SoundFile(file) as f:
             rate, cap = int(f.samplerate), int(MAX_REFERENCE_S * f.samplerate) + 1
             if f.frames > cap:
-                raise InputError(f"{source} is {f.frames / rate:.1f} s long; use a clip of at most "
-                                 f"{MAX_REFERENCE_S:.0f} s (3-10 s of speech works best)")
+                raise clip_error(source, f" is {f.frames / rate:.1f} s long; use a clip of at most "
+                                         f"{MAX_REFERENCE_S:.0f} s (3-10 s of speech works best)")
             data = f.read(frames=cap, dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, ValueError, TypeError) as exc:
         reason = re.sub(r"^Error opening <[^>]*>: ", "", str(exc))  # not the repr of an in-memory file
-        raise InputError(f"{source} is not a readable audio file ({reason}); give a wav, flac or ogg file with "
-                         f"{how}") from exc
+        raise clip_error(source, f" is not a readable audio file ({reason}); give a wav, flac or ogg file with "
+                                 f"{how}") from exc
     if len(data) >= cap:
-        raise InputError(f"{source} is longer than {MAX_REFERENCE_S:.0f} s; use a clip of at most "
-                         f"{MAX_REFERENCE_S:.0f} s (3-10 s of speech works best)")
+        raise clip_error(source, f" is longer than {MAX_REFERENCE_S:.0f} s; use a clip of at most "
+                                 f"{MAX_REFERENCE_S:.0f} s (3-10 s of speech works best)")
     if data.size == 0:
-        raise InputError(f"{source} holds no samples; give a recording of speech")
+        raise clip_error(source, " holds no samples; give a recording of speech")
     return data.mean(axis=1).astype(np.float32), int(rate)
 
 
@@ -123,17 +137,15 @@ def prepare_reference(samples: np.ndarray, rate: int, target_rate: int, hop_leng
         InputError: too short (< 0.5 s), too long (> 60 s), silent or non-finite.
     """
     if not np.isfinite(samples).all():
-        raise InputError(f"{source} contains NaN or infinite samples; re-export the file")
+        raise clip_error(source, " contains NaN or infinite samples; re-export the file")
     seconds = len(samples) / rate
     if seconds < MIN_REFERENCE_S:
-        raise InputError(
-            f"{source} is {seconds:.2f} s long; a voice reference needs at least {MIN_REFERENCE_S} s "
-            "of speech (3-10 s works best)"
-        )
+        raise clip_error(source, f" is {seconds:.2f} s long; a voice reference needs at least {MIN_REFERENCE_S} s "
+                                 "of speech (3-10 s works best)")
     if seconds > MAX_REFERENCE_S:
-        raise InputError(f"{source} is {seconds:.1f} s long; use a clip of at most {MAX_REFERENCE_S:.0f} s")
+        raise clip_error(source, f" is {seconds:.1f} s long; use a clip of at most {MAX_REFERENCE_S:.0f} s")
     if float(np.abs(samples).max()) < SILENCE_PEAK:
-        raise InputError(f"{source} is silent (peak below {SILENCE_PEAK}); give a recording of speech")
+        raise clip_error(source, f" is silent (peak below {SILENCE_PEAK}); give a recording of speech")
     if rate != target_rate:
         samples = soxr.resample(samples, rate, target_rate, quality="HQ").astype(np.float32)
     length = max(len(samples), int(PAD_REFERENCE_TO_S * target_rate))

@@ -68,34 +68,14 @@ def from_input_error(exc: InputError, status: int = 400, code: str = "invalid_va
     return ApiError(status, message, param=named or param, code=code)
 
 
-def from_clip(exc: BaseException) -> bool:
-    """Whether ``exc`` was raised while reading or checking a reference clip: its traceback passes
-    through :mod:`higgs_pack.runtime.audio` (unreadable, too short or long, silent, non-finite)."""
-    tb = exc.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_globals.get("__name__") == "higgs_pack.runtime.audio":
-            return True
-        tb = tb.tb_next
-    return False
-
-
-def speech_error(exc: InputError) -> ApiError:
-    """What the engine refused of a speech request, in this server's terms: a problem of the
-    reference clip names ``ref_audio``; any other problem its field (``input`` when none is named)."""
-    if from_clip(exc):
-        return ApiError(400, str(exc), param="ref_audio", code="invalid_value")
-    return from_input_error(exc, param="input")
+#: A voice upload's parts by the request fields the runtime names: the clip is ``audio``, its
+#: transcript ``transcript``.
+UPLOAD_PARTS = {"ref_audio": "audio", "ref_text": "transcript", "text": "transcript"}
 
 
 def upload_error(exc: InputError) -> ApiError:
     """What encoding a voice upload refused, in the upload's terms: a problem of the clip names
-    ``audio`` (the runtime calls a clip ``ref_audio``), one of the text names ``transcript``."""
-    if from_clip(exc):
-        message = str(exc)
-        if message.startswith("ref_audio "):
-            message = "audio " + message.removeprefix("ref_audio ")
-        return ApiError(400, message, param="audio", code="invalid_value")
-    if any(problem.field for problem in exc.problems):
-        lines = [problem.render(name="transcript" if problem.field else None) for problem in exc.problems]
-        return ApiError(400, "; ".join(lines), param="transcript", code="invalid_value")
-    return ApiError(400, str(exc), param="audio", code="invalid_value")
+    ``audio``, one of the transcript ``transcript`` (:data:`UPLOAD_PARTS`); ``audio`` when none is named."""
+    message = exc.say(lambda problem: problem.render(name=UPLOAD_PARTS.get(problem.field, problem.field)))
+    named = next((UPLOAD_PARTS.get(p.field, p.field) for p in exc.problems if p.field), None)
+    return ApiError(400, message, param=named or "audio", code="invalid_value")

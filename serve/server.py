@@ -31,7 +31,7 @@ import anyio.to_thread
 from higgs_pack.manifests.errors import HiggsPackError, InputError
 from higgs_pack.runtime.loop.engine import EngineHandle, RequestCancelled
 from higgs_pack.serve.config import ServeConfig
-from higgs_pack.serve.errors import ApiError, speech_error
+from higgs_pack.serve.errors import ApiError, from_input_error
 from higgs_pack.serve.formats import StreamEncoder, encode_whole, sse_delta, sse_done, sse_error
 from higgs_pack.serve.metrics import Metrics
 from higgs_pack.serve.speech import SpeechJob
@@ -176,14 +176,14 @@ class SpeechServer:
         Raises:
             ApiError: 400 for what the engine refuses at once (a special token in the text, a
                 sentence too long, an unusable clip, more KV than the budget), its problems in
-                this server's terms (:func:`~higgs_pack.serve.errors.speech_error`: ``param``
+                this server's terms (:func:`~higgs_pack.serve.errors.from_input_error`: ``param``
                 the field at fault, ``max_new_tokens`` for the frame cap); 503 when the engine
                 stopped.
         """
         try:
             return await anyio.to_thread.run_sync(self.engine.submit, job.request, limiter=self.limiter)
         except InputError as exc:
-            raise speech_error(exc) from exc
+            raise from_input_error(exc, param="input") from exc
         except HiggsPackError as exc:
             raise ApiError(503, f"the engine cannot take requests: {exc}", code="engine_stopped") from exc
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from higgs_pack.manifests.errors import InputError, NumericalError, Problem, literal
+from higgs_pack.runtime.loop.chunking import NotLocalError, context_window, measure_codec_context
 from higgs_pack.runtime.loop.delay import (
     SamplingOptions,
     apply_delay,
@@ -461,24 +462,74 @@ def synthesize(
 
 def join_results(pipeline: Pipeline, results: list[GenerationResult],
                  decode: Callable[[list[np.ndarray]], list[np.ndarray]] | None = None) -> SynthesisResult:
-    """Codec-decode each text chunk's codes and join them with :func:`sentence_pause`
-    (edges faded, :func:`fade_edges`) into one :class:`SynthesisResult`.
+    """Codec-decode the text chunks' codes as one continuous utterance: one :class:`SynthesisResult`.
 
-    ``decode`` (optional) decodes all chunks' codes (int64 [T, N] each) to their samples
-    (float32 [T * hop] each) instead of :func:`decode_codes` one by one (the engine's batched
-    codec thread, :class:`~higgs_pack.runtime.loop.codec_batch.CodecBatcher`)."""
-    codes = np.concatenate([r.codes for r in results], axis=0)
-    if decode is None:
-        pieces = [decode_codes(pipeline, r.codes) for r in results]
+    The chunks join as continuous speech, with no inserted silence: each chunk is decoded in a
+    window holding :func:`codec_context_frames` frames of its neighbours' codes on each side
+    (:func:`~higgs_pack.runtime.loop.chunking.context_window`), and only its own frames' samples
+    are kept, so the joined samples equal one codec decode of all chunks' codes concatenated
+    (within float rounding; tests/test_streaming.py holds it to 1e-4) while the codec never runs
+    on more than one chunk and its context at once.  Pauses come from the speech itself (a
+    sentence's end), never from the join.
+
+    Args:
+        pipeline: the backend.
+        results: each text chunk's :class:`GenerationResult`, in order.
+        decode: optional; decodes all windows (int64 codes [T, N] each) to their samples
+            (float32 [T * hop] each) instead of :func:`decode_codes` one by one (the engine's
+            batched codec thread, :class:`~higgs_pack.runtime.loop.codec_batch.CodecBatcher`).
+
+    Raises:
+        InputError: the codec mixes the whole sequence (:func:`codec_context_frames`).
+        NumericalError: the codec returned NaN/inf.
+    """
+    codes = np.concatenate([r.codes for r in results], axis=0) if results else np.zeros((0, 0), np.int64)
+    hop = pipeline.constants.hop_length
+    ends = np.cumsum([len(r.codes) for r in results]).tolist()
+    spans = [(end - len(r.codes), end) for r, end in zip(results, ends, strict=True) if len(r.codes)]
+    if len(spans) > 1:
+        context = codec_context_frames(pipeline)
+        windows = [context_window(start, end, len(codes), context) for start, end in spans]
     else:
-        pieces = decode([r.codes for r in results])
-    joined: list[np.ndarray] = []
-    for i, piece in enumerate(pieces):
-        if i:
-            joined.append(sentence_pause(pipeline))
-        joined.append(fade_edges(piece, pipeline, fade_in=i > 0, fade_out=i < len(pieces) - 1))
-    samples = np.concatenate(joined) if joined else np.zeros(0, np.float32)
+        windows = spans
+    pieces = [codes[start:end] for start, end in windows]
+    decoded = [decode_codes(pipeline, piece) for piece in pieces] if decode is None else decode(pieces)
+    kept = [samples[(start - w_start) * hop:(end - w_start) * hop]
+            for samples, (start, end), (w_start, _) in zip(decoded, spans, windows, strict=True)]
+    samples = np.concatenate(kept).astype(np.float32, copy=False) if kept else np.zeros(0, np.float32)
     return SynthesisResult(samples, pipeline.constants.sample_rate, codes, results)
+
+
+def codec_context_frames(pipeline: Pipeline) -> int:
+    """Frames of codes each side of a window for chunked codec decoding to equal one pass.
+
+    The bundle's recorded value (``Pipeline.codec_context_frames``); for bundles built
+    before it was recorded (and the oracle) it is measured once on the pipeline's own
+    codec decoder with :func:`higgs_pack.runtime.loop.chunking.measure_codec_context` and
+    kept on the pipeline.  Streaming (:mod:`~higgs_pack.runtime.loop.streaming`) and the join
+    of text chunks (:func:`join_results`) read it.
+
+    Raises:
+        InputError: the codec mixes the whole sequence (no chunked decode can match).
+    """
+    if pipeline.codec_context_frames is None:
+        c = pipeline.constants
+
+        def run(codes: np.ndarray) -> np.ndarray:
+            return pipeline.audio_tokenizer.run({"audio_codes": codes})["waveform"]
+
+        try:
+            pipeline.codec_context_frames = measure_codec_context(run, c.num_codebooks, c.codebook_size,
+                                                                  atol=CONTEXT_ATOL)
+        except NotLocalError as exc:
+            raise InputError(f"this bundle's codec cannot be decoded in chunks ({exc}); use synthesize on "
+                             "a text short enough for one chunk, not streaming") from exc
+    return pipeline.codec_context_frames
+
+
+#: Output changes below this (float32 samples in [-1, 1]) do not count when measuring an
+#: exported codec's reach: kernels may round differently across a tile.
+CONTEXT_ATOL = 1e-6
 
 
 #: Most words in one text chunk when a rolling context is kept (Higgs' ``chunk_max_word_num``, 200).
@@ -676,38 +727,10 @@ def _most_positions(pipeline: Pipeline, plan: SynthesisPlan) -> int:
     return most
 
 
-#: Silence between text chunks that were generated separately (seconds).
+#: Silence between two sentences generated as separate requests (a live session's sentences,
+#: serve/live.py), seconds.  Text chunks of one request never get it: they join as continuous
+#: speech (:func:`join_results`).
 SENTENCE_PAUSE_S = 0.2
-#: Raised-cosine ramp at the inner edges of separately generated chunks, so the pause
-#: between them starts and ends without a step (a click); seconds.
-JOIN_FADE_S = 0.01
-
-
-def sentence_pause(pipeline: Pipeline) -> np.ndarray:
-    """float32 zeros [SENTENCE_PAUSE_S * sample_rate]: the pause between text chunks."""
-    return np.zeros(int(SENTENCE_PAUSE_S * pipeline.constants.sample_rate), dtype=np.float32)
-
-
-def fade_edges(samples: np.ndarray, pipeline: Pipeline, *, fade_in: bool, fade_out: bool) -> np.ndarray:
-    """Ramp the first / last :data:`JOIN_FADE_S` of a chunk's audio from / to zero.
-
-    Args:
-        samples: float32 [samples] of one text chunk (or, streaming, its first or last
-            piece, which always holds at least one frame of 960 samples).
-
-    Returns:
-        A faded copy (``samples`` itself when neither edge is faded).
-    """
-    if not (fade_in or fade_out):
-        return samples
-    n = min(int(JOIN_FADE_S * pipeline.constants.sample_rate), len(samples))
-    ramp = (0.5 - 0.5 * np.cos(np.pi * (np.arange(n) + 0.5) / n)).astype(np.float32)
-    out = samples.copy()
-    if fade_in:
-        out[:n] *= ramp
-    if fade_out:
-        out[len(out) - n:] *= ramp[::-1]
-    return out
 
 
 def _token_count(pipeline: Pipeline, text: str) -> int:

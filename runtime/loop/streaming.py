@@ -8,6 +8,7 @@ one-shot decode of :func:`~higgs_pack.runtime.loop.generate.synthesize`.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import math
 import time
@@ -17,13 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from higgs_pack.manifests.errors import InputError
-from higgs_pack.runtime.loop.chunking import (
-    NotLocalError,
-    StreamingCodec,
-    chunk_schedule,
-    measure_codec_context,
-)
+from higgs_pack.runtime.loop.chunking import StreamingCodec, chunk_schedule
 from higgs_pack.runtime.loop.delay import SamplingOptions
 from higgs_pack.runtime.loop.generate import (
     GenerationResult,
@@ -31,11 +26,10 @@ from higgs_pack.runtime.loop.generate import (
     SynthesisPlan,
     build_prompt,
     chunk_voice,
+    codec_context_frames,
     decode_codes,
-    fade_edges,
     generate_steps,
     plan_synthesis,
-    sentence_pause,
 )
 from higgs_pack.runtime.loop.pipeline import Pipeline
 from higgs_pack.runtime.request import FIRST_CHUNK_FRAMES, StreamSchedule  # noqa: F401 (the bench reads the default here)
@@ -45,36 +39,6 @@ StepsSource = Callable[[int, str, int], Generator[np.ndarray, None, GenerationRe
 :class:`SpeechStream`)."""
 
 
-def codec_context_frames(pipeline: Pipeline) -> int:
-    """Frames of codes each side of a window for chunked codec decoding to equal one pass.
-
-    The bundle's recorded value (``Pipeline.codec_context_frames``); for bundles built
-    before it was recorded (and the oracle) it is measured once on the pipeline's own
-    codec decoder with :func:`higgs_pack.runtime.loop.chunking.measure_codec_context` and
-    kept on the pipeline.
-
-    Raises:
-        InputError: the codec mixes the whole sequence (no chunked decode can match).
-    """
-    if pipeline.codec_context_frames is None:
-        c = pipeline.constants
-
-        def run(codes: np.ndarray) -> np.ndarray:
-            return pipeline.audio_tokenizer.run({"audio_codes": codes})["waveform"]
-
-        try:
-            pipeline.codec_context_frames = measure_codec_context(run, c.num_codebooks, c.codebook_size,
-                                                                  atol=CONTEXT_ATOL)
-        except NotLocalError as exc:
-            raise InputError(f"this bundle's codec cannot be decoded in chunks ({exc}); use synthesize, "
-                             "not streaming") from exc
-    return pipeline.codec_context_frames
-
-
-#: Output changes below this (float32 samples in [-1, 1]) do not count when measuring an
-#: exported codec's reach: kernels may round differently across a tile.
-CONTEXT_ATOL = 1e-6
-
 @dataclass(frozen=True)
 class AudioChunk:
     """One piece of streamed speech.
@@ -83,8 +47,8 @@ class AudioChunk:
         samples: float32 [n] mono, nominally in [-1, 1].
         offset: index of ``samples[0]`` in the whole stream (samples at ``sample_rate``).
         sample_rate: Hz (24000).
-        text_chunk: index of the text chunk (sentence group) it belongs to; the pause
-            between two text chunks comes as a chunk of its own.
+        text_chunk: index of the text chunk (sentence group) its samples belong to (a
+            decoded core that straddles a seam between text chunks comes as two pieces).
     """
 
     samples: np.ndarray
@@ -163,32 +127,41 @@ class SpeechStream(Iterator[AudioChunk]):
 
     def _chunks(self, pipeline: Pipeline, plan: SynthesisPlan,
                 progress: ProgressCallback | None) -> Generator[AudioChunk, None, None]:
-        c, chunks, schedule = pipeline.constants, plan.chunks, plan.schedule
-        n, rate = c.num_codebooks, c.sample_rate
+        """One codec stream over all text chunks: a chunk's last frames are decoded with the next
+        chunk's first frames as their right context (and its first with the last chunk's as their
+        left), so the stream is continuous speech across seams and equals one decode of all codes.
+        A decoded core that straddles a seam is yielded as two pieces, one per text chunk."""
+        c, schedule = pipeline.constants, plan.schedule
+        n, hop = c.num_codebooks, c.hop_length
+        codec = StreamingCodec(self._decode, self.context_frames, hop,
+                               chunk_schedule(schedule.first_chunk_frames, schedule.chunk_growth,
+                                              schedule.max_chunk_frames))
+        seams: list[int] = []  # the sample index where each finished text chunk ends
         offset = 0
 
-        def piece(samples: np.ndarray, index: int) -> AudioChunk:
+        def pieces(samples: np.ndarray | None) -> Iterator[AudioChunk]:
             nonlocal offset
-            out = AudioChunk(samples.astype(np.float32, copy=False), offset, rate, index)
-            offset += len(samples)
-            return out
+            if samples is None:
+                return
+            samples = samples.astype(np.float32, copy=False)
+            base, end = offset, offset + len(samples)
+            while offset < end:
+                index = bisect.bisect_right(seams, offset)
+                cut = min(end, seams[index]) if index < len(seams) else end
+                yield AudioChunk(samples[offset - base:cut - base], offset, c.sample_rate, index)
+                offset = cut
 
-        for index, (chunk_text, cap) in enumerate(chunks):
-            if index:
-                yield piece(sentence_pause(pipeline), index)
-            inner_out = index < len(chunks) - 1
-            codec = StreamingCodec(self._decode, self.context_frames,
-                                   c.hop_length, chunk_schedule(schedule.first_chunk_frames, schedule.chunk_growth,
-                                                                schedule.max_chunk_frames))
+        for index, (chunk_text, cap) in enumerate(plan.chunks):
             if self._steps is not None:
                 steps = self._steps(index, chunk_text, cap)
             else:
                 voice = chunk_voice(pipeline, plan, index, self.results)
                 steps = generate_steps(pipeline, build_prompt(pipeline, chunk_text, *voice), plan.options, cap,
                                        progress)
+            start = codec.frames  # this chunk's first frame in the stream
             rows: list[np.ndarray] = []
             columns = np.arange(n)
-            live, first = True, True
+            live = True
             while True:
                 try:
                     rows.append(next(steps))
@@ -202,14 +175,14 @@ class SpeechStream(Iterator[AudioChunk]):
                 if (frame >= c.codebook_size).any():
                     live = False  # the EOC ramp: no further real frames (undo_delay drops them)
                     continue
-                samples = codec.push(frame)
-                if samples is not None:
-                    yield piece(fade_edges(samples, pipeline, fade_in=first and index > 0, fade_out=False), index)
-                    first = False
+                yield from pieces(codec.push(frame))
             self.results.append(result)
-            tail = codec.finish(result.codes)
-            if len(tail):
-                yield piece(fade_edges(tail, pipeline, fade_in=first and index > 0, fade_out=inner_out), index)
+            seams.append((start + len(result.codes)) * hop)
+            # Frames the loop's stop left unpushed (a stop at the frame cap cuts the delay ramp).
+            for frame in result.codes[codec.frames - start:]:
+                yield from pieces(codec.push(frame))
+        if self.results:
+            yield from pieces(codec.finish(self.codes))
 
 
 def stream(
@@ -233,8 +206,8 @@ def stream(
     (:class:`higgs_pack.runtime.loop.chunking.StreamingCodec`), so a core is ready once that
     many frames after it exist: the first audio arrives after the prompt, about
     ``first_chunk_frames + context + 7`` decoder steps (7: the delay pattern) and one
-    codec decode.  Text chunks (long texts split into sentences) follow each other
-    with the same pause as in :func:`synthesize`, ramped at its edges (no click).
+    codec decode.  Text chunks (a long text split at sentence ends) follow each other as
+    continuous speech, as in :func:`synthesize`: one codec stream runs across their seams.
 
     Args:
         pipeline, text, ref_samples, ref_text, options, max_frames, progress, ref_codes: as

@@ -238,7 +238,7 @@ class EngineHandle:
                     next(steps)
                 except StopIteration:
                     break
-        return join_results(self._engine.pipeline, self._results, self._decode)
+        return join_results(self._engine.pipeline, self._results, self._decode, self.plan)
 
     def __iter__(self) -> Iterator[AudioChunk]:
         """Streamed chunks, as :func:`higgs_pack.runtime.loop.streaming.stream` gives them: a

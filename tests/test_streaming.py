@@ -197,6 +197,23 @@ def test_cpu_stream_across_sentences_is_continuous_speech(cpu_pipeline, check_st
     for c in chunks:
         assert bounds[c.text_chunk] <= c.offset and c.end <= bounds[c.text_chunk + 1]
     assert any(c.end == seam for c in chunks for seam in seams)  # a core straddling a seam came in two
+    # Segments: one per sentence, back to back from 0 to the end, a chunk's ends exact (frame counts);
+    # the stream hands each chunk's segments over with the piece that completes its audio.
+    rate = cpu_pipeline.constants.sample_rate
+    assert [s.text for s in one.segments] == ["The first sentence is here.", "A second one follows!",
+                                              "And the third?"]
+    assert one.segments[0].start == 0 and one.segments[-1].end == len(joined) / rate
+    assert all(a.end == b.start for a, b in zip(one.segments, one.segments[1:]))
+    for segment in one.segments:
+        result = speech.results[segment.chunk]
+        spoken = [s for s in one.segments if s.chunk == segment.chunk]
+        assert segment.exact == (len(spoken) == 1)
+        assert round((spoken[-1].end - spoken[0].start) * rate) == len(result.codes) * hop
+    assert speech.segments == one.segments
+    carried = [(c.end, s) for c in chunks for s in c.segments]
+    assert [s for _, s in carried] == one.segments
+    for end, segment in carried:
+        assert end == round(max(s.end for s in one.segments if s.chunk == segment.chunk) * rate)
 
 
 def test_stream_refuses_bad_requests_before_generating(cpu_pipeline):

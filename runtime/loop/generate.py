@@ -73,6 +73,38 @@ class GenerationResult:
     decoder_seconds: float
 
 
+@dataclass(frozen=True)
+class Segment:
+    """Where one sentence (or, in a dialogue, one turn) is in the audio.
+
+    Timings come from frame counts, not from an aligner: a text chunk's span is exact by
+    construction (its first and last frame, 25 frames per second), and so is a segment that is a
+    whole text chunk (a one-sentence chunk, a dialogue turn).  Sentences that share one chunk
+    share one generation, whose frames say nothing of where one sentence ends: their inner
+    boundaries are estimated by dividing the chunk's frames in proportion to the sentences'
+    characters (whitespace not counted), to a whole frame, and marked ``exact=False``.  There
+    are no word timings.
+
+    Attributes:
+        text: the sentence (or turn) as spoken.
+        start: seconds from the start of the audio to its first sample.
+        end: seconds to just after its last sample (``end >= start``; equal for a chunk that
+            produced no frame).
+        chunk: index of the text chunk it was generated in (:attr:`SynthesisPlan.chunks`; a
+            dialogue turn longer than one chunk: its first chunk).
+        exact: both ends are frame-exact (the segment is a whole chunk or turn); False: one or
+            both ends are the estimate above.
+        speaker: the speaker of a dialogue turn; None outside a dialogue.
+    """
+
+    text: str
+    start: float
+    end: float
+    chunk: int
+    exact: bool
+    speaker: str | None = None
+
+
 @dataclass
 class SynthesisResult:
     """Speech for one text.
@@ -82,6 +114,8 @@ class SynthesisResult:
         sample_rate: Hz (24000 for Higgs-Audio-v3).
         codes: int64 [frames, N], all chunks joined.
         chunks: per-chunk :class:`GenerationResult` (one unless the text was split).
+        segments: one :class:`Segment` per sentence (per turn in a dialogue), in order (empty
+            when the result was joined without its plan).
         frame_cap_hit: True when some chunk stopped at its frame cap, not at EOC.
     """
 
@@ -89,6 +123,7 @@ class SynthesisResult:
     sample_rate: int
     codes: np.ndarray
     chunks: list[GenerationResult] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)
 
     @property
     def frame_cap_hit(self) -> bool:
@@ -461,7 +496,8 @@ def synthesize(
 
 
 def join_results(pipeline: Pipeline, results: list[GenerationResult],
-                 decode: Callable[[list[np.ndarray]], list[np.ndarray]] | None = None) -> SynthesisResult:
+                 decode: Callable[[list[np.ndarray]], list[np.ndarray]] | None = None,
+                 plan: SynthesisPlan | None = None) -> SynthesisResult:
     """Codec-decode the text chunks' codes as one continuous utterance: one :class:`SynthesisResult`.
 
     The chunks join as continuous speech, with no inserted silence: each chunk is decoded in a
@@ -478,6 +514,8 @@ def join_results(pipeline: Pipeline, results: list[GenerationResult],
         decode: optional; decodes all windows (int64 codes [T, N] each) to their samples
             (float32 [T * hop] each) instead of :func:`decode_codes` one by one (the engine's
             batched codec thread, :class:`~higgs_pack.runtime.loop.codec_batch.CodecBatcher`).
+        plan: the plan the results are of: gives the result its :attr:`SynthesisResult.segments`
+            (:func:`chunk_segments`); None: no segments.
 
     Raises:
         InputError: the codec mixes the whole sequence (:func:`codec_context_frames`).
@@ -497,7 +535,33 @@ def join_results(pipeline: Pipeline, results: list[GenerationResult],
     kept = [samples[(start - w_start) * hop:(end - w_start) * hop]
             for samples, (start, end), (w_start, _) in zip(decoded, spans, windows, strict=True)]
     samples = np.concatenate(kept).astype(np.float32, copy=False) if kept else np.zeros(0, np.float32)
-    return SynthesisResult(samples, pipeline.constants.sample_rate, codes, results)
+    segments: list[Segment] = []
+    if plan is not None:
+        for index, result in enumerate(results):
+            segments += chunk_segments(plan, index, ends[index] - len(result.codes), len(result.codes), hop,
+                                       pipeline.constants.sample_rate)
+    return SynthesisResult(samples, pipeline.constants.sample_rate, codes, results, segments)
+
+
+def chunk_segments(plan: SynthesisPlan, index: int, first_frame: int, frames: int, hop: int,
+                   sample_rate: int) -> list[Segment]:
+    """The :class:`Segment` items of text chunk ``index`` of ``plan``, once its frames are known:
+    one per sentence (:func:`split_sentences` of the chunk's text), the chunk's ends exact and the
+    boundaries between its sentences estimated by their characters (see :class:`Segment`).
+
+    Args:
+        plan: the request's plan.
+        index: the text chunk.
+        first_frame: its first frame in the whole audio (the frames of chunks ``0 .. index - 1``).
+        frames: its frames (``len(GenerationResult.codes)``).
+        hop: samples per frame (960).
+        sample_rate: Hz (24000).
+    """
+    sentences = split_sentences(plan.chunks[index][0]) or [plan.chunks[index][0]]
+    weights = np.cumsum([sum(not ch.isspace() for ch in s) or 1 for s in sentences])
+    bounds = [first_frame, *(first_frame + round(frames * w / weights[-1]) for w in weights)]
+    return [Segment(sentence, bounds[i] * hop / sample_rate, bounds[i + 1] * hop / sample_rate, index,
+                    len(sentences) == 1) for i, sentence in enumerate(sentences)]
 
 
 def codec_context_frames(pipeline: Pipeline) -> int:
@@ -659,7 +723,7 @@ def run_plan(pipeline: Pipeline, plan: SynthesisPlan, progress: ProgressCallback
     for index, (chunk_text, cap) in enumerate(plan.chunks):
         embeds = build_prompt(pipeline, chunk_text, *chunk_voice(pipeline, plan, index, results))
         results.append(generate_codes(pipeline, embeds, plan.options, cap, progress))
-    return join_results(pipeline, results)
+    return join_results(pipeline, results, plan=plan)
 
 
 def chunk_voice(pipeline: Pipeline, plan: SynthesisPlan, index: int,

@@ -23,8 +23,10 @@ from higgs_pack.runtime.loop.delay import SamplingOptions
 from higgs_pack.runtime.loop.generate import (
     GenerationResult,
     ProgressCallback,
+    Segment,
     SynthesisPlan,
     build_prompt,
+    chunk_segments,
     chunk_voice,
     codec_context_frames,
     decode_codes,
@@ -49,12 +51,17 @@ class AudioChunk:
         sample_rate: Hz (24000).
         text_chunk: index of the text chunk (sentence group) its samples belong to (a
             decoded core that straddles a seam between text chunks comes as two pieces).
+        segments: the :class:`~higgs_pack.runtime.loop.generate.Segment` items (sentences, or a
+            dialogue's turns) whose audio this piece completes: with the last piece of a text
+            chunk, the segments of that chunk (a chunk's timings are known once its last frame
+            is); else empty.
     """
 
     samples: np.ndarray
     offset: int
     sample_rate: int
     text_chunk: int
+    segments: tuple[Segment, ...] = ()
 
     @property
     def end(self) -> int:
@@ -82,6 +89,8 @@ class SpeechStream(Iterator[AudioChunk]):
 
     Attributes:
         results: :class:`GenerationResult` of each text chunk finished so far.
+        segments: the :class:`~higgs_pack.runtime.loop.generate.Segment` items of those chunks
+            (as :attr:`~higgs_pack.runtime.loop.generate.SynthesisResult.segments`).
         samples_out: samples yielded so far.
         first_audio_s: seconds from the :func:`stream` call to the first yielded chunk
             (prefill and the first chunk's frames and codec decode included); NaN before.
@@ -93,6 +102,7 @@ class SpeechStream(Iterator[AudioChunk]):
                  decode: Callable[[np.ndarray], np.ndarray] | None = None,
                  reading: Callable[[], AbstractContextManager] | None = None):
         self.results: list[GenerationResult] = []
+        self.segments: list[Segment] = []
         self.samples_out = 0
         self.first_audio_s = math.nan
         self.context_frames = codec_context_frames(pipeline)
@@ -137,6 +147,7 @@ class SpeechStream(Iterator[AudioChunk]):
                                chunk_schedule(schedule.first_chunk_frames, schedule.chunk_growth,
                                               schedule.max_chunk_frames))
         seams: list[int] = []  # the sample index where each finished text chunk ends
+        ready: list[tuple[int, list[Segment]]] = []  # (seam, segments) of chunks whose audio is not all out
         offset = 0
 
         def pieces(samples: np.ndarray | None) -> Iterator[AudioChunk]:
@@ -148,7 +159,9 @@ class SpeechStream(Iterator[AudioChunk]):
             while offset < end:
                 index = bisect.bisect_right(seams, offset)
                 cut = min(end, seams[index]) if index < len(seams) else end
-                yield AudioChunk(samples[offset - base:cut - base], offset, c.sample_rate, index)
+                done = [segment for seam, found in ready if seam <= cut for segment in found]
+                ready[:] = [(seam, found) for seam, found in ready if seam > cut]
+                yield AudioChunk(samples[offset - base:cut - base], offset, c.sample_rate, index, tuple(done))
                 offset = cut
 
         for index, (chunk_text, cap) in enumerate(plan.chunks):
@@ -178,6 +191,9 @@ class SpeechStream(Iterator[AudioChunk]):
                 yield from pieces(codec.push(frame))
             self.results.append(result)
             seams.append((start + len(result.codes)) * hop)
+            found = chunk_segments(plan, index, start, len(result.codes), hop, c.sample_rate)
+            self.segments += found
+            ready.append((seams[-1], found))
             # Frames the loop's stop left unpushed (a stop at the frame cap cuts the delay ramp).
             for frame in result.codes[codec.frames - start:]:
                 yield from pieces(codec.push(frame))

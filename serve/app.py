@@ -37,6 +37,7 @@ from higgs_pack.runtime.request import unspeakable
 from higgs_pack.serve import schema
 from higgs_pack.serve.errors import ApiError, error_body, from_input_error, upload_error
 from higgs_pack.serve.formats import FORMATS, media_type, response_formats, sse_error
+from higgs_pack.serve.live import live_route
 from higgs_pack.serve.metrics import CONTENT_TYPE
 from higgs_pack.serve.server import Answer, SpeechServer
 from higgs_pack.serve.speech import (
@@ -289,6 +290,7 @@ def _routes(app: FastAPI, server: SpeechServer) -> None:
     _service_routes(app, server)
     _speech_route(app, server)
     _voice_routes(app, server)
+    live_route(app, server)
 
 
 def _service_routes(app: FastAPI, server: SpeechServer) -> None:

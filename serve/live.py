@@ -1,0 +1,553 @@
+"""Text streamed in, speech streamed out: the ``/v1/audio/speech/stream`` WebSocket.
+
+The protocol is vllm-omni's (``vllm_omni/entrypoints/openai``; ../shared/SPEECH-AT-LENGTH.md), so
+its clients work unchanged; docs/serving/live.md describes it for users.  The client sends JSON
+text messages:
+
+- ``{"type": "session.config", ...}`` (optional, first): ``voice``, ``response_format``
+  (``pcm``, the default, or ``wav``) and the sampling fields of ``POST /v1/audio/speech``
+  (``seed``, ``temperature``, ``top_k``, ``top_p``, ``max_new_tokens``, ``ref_audio`` with
+  ``ref_text``, ``references``, ``context_chunks``, ``initial_chunk_frames``), checked by the
+  HTTP route's own :func:`~higgs_pack.serve.speech.parse_speech`;
+- ``{"type": "input.text", "text": ...}`` pieces (an LLM's tokens, or whole sentences);
+- ``{"type": "input.done"}``: speak what is left and end the session.
+
+The server answers per sentence ``{"type": "audio.start", "sentence_index", "sentence_text",
+"format", "sample_rate"}``, binary messages of audio (16-bit little-endian mono PCM at 24 kHz; with
+``wav`` each sentence's first binary message opens with a WAV header of open length, so each
+sentence's bytes are a playable stream), ``{"type": "audio.done", "sentence_index", "start",
+"end", "frames", "first_audio_s"}``, and at the end ``{"type": "session.done",
+"total_sentences"}``, then closes the socket (code 1000).  Beyond vllm-omni:
+
+- each sentence is generated with the rolling context of a long text
+  (:func:`~higgs_pack.runtime.loop.generate.chunk_voice`): its prompt opens with the session's
+  voice (with none, the first sentence's own speech is the voice of the rest) and the previous
+  ``context_chunks`` sentences' text and codes, so voice and prosody carry across sentences;
+- ``audio.done``'s ``start`` and ``end`` are the sentence's speech in the session's audio
+  (seconds; the audio before ``start`` in a sentence's frames is the
+  :data:`~higgs_pack.runtime.loop.generate.SENTENCE_PAUSE_S` pause that separates it from the
+  previous sentence);
+- ``{"type": "input.cancel"}`` stops the sentence being spoken (its row leaves the engine), drops
+  its audio not yet sent and all buffered text, and answers ``{"type": "audio.cancelled",
+  "sentence_index", "end"}`` (``end``: the session's audio sent so far, seconds); the session goes
+  on with the next text;
+- ``{"type": "input.flush"}`` speaks buffered text that has no sentence end yet;
+- a bad message gets ``{"type": "error", "message", "param", "code"}`` naming the field; the
+  session goes on.
+
+A sentence is complete when its punctuation (``. ! ? ; …``) is followed by whitespace, or at a
+CJK full stop (``。！？；``) or a line break: a ``.`` at the end of what arrived so far may
+still be ``3.5`` or ``e.g.`` and waits for the next piece.
+
+Sessions share the server's engine.  A session holds one of the server's places in flight for
+its whole life (``--max-batch`` + ``--max-queue``; one more is refused with a 429 ``error`` event
+and close code 1013), and one engine request at a time.  Audio goes out through a bounded queue
+(:data:`OUTBOX`): a client that reads slowly stops the session's reading of the engine (the
+server never buffers its audio without bound).  The API key is the ``Authorization: Bearer``
+header, or an ``api_key`` query parameter for browsers (which cannot set WebSocket headers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import numpy as np
+from fastapi import FastAPI, WebSocket
+from starlette.websockets import WebSocketDisconnect, WebSocketState
+
+from higgs_pack.manifests.errors import HiggsPackError, InputError
+from higgs_pack.runtime.loop.engine import EngineHandle, RequestCancelled
+from higgs_pack.runtime.loop.generate import (
+    SENTENCE_PAUSE_S,
+    GenerationResult,
+    SynthesisPlan,
+    chunk_voice,
+    plan_chunks,
+)
+from higgs_pack.runtime.request import PreparedVoice, SynthesisRequest, Voice
+from higgs_pack.serve.errors import ApiError, from_input_error
+from higgs_pack.serve.formats import STREAMABLE, StreamEncoder
+from higgs_pack.serve.speech import SpeechJob, parse_speech, short
+
+log = logging.getLogger(__name__)
+
+#: The route.
+ROUTE = "/v1/audio/speech/stream"
+#: Messages (JSON events and audio pieces) waiting for a slow client, at most, per session.
+OUTBOX = 16
+#: The client's message types.
+MESSAGES = ("session.config", "input.text", "input.flush", "input.done", "input.cancel")
+#: Fields of the speech body a session cannot take (text comes in ``input.text`` messages and
+#: is always streamed).
+NOT_IN_CONFIG = ("input", "stream_format", "stream")
+#: Close code of a session refused for load (RFC 6455 1013 "try again later").
+TRY_AGAIN_LATER = 1013
+#: Close code of a refused API key (RFC 6455 1008 "policy violation").
+POLICY_VIOLATION = 1008
+_CONFIRMED_END = re.compile(r"[.!?;…]+[\"')\]]*\s|[。！？；]+|\n")
+
+
+def complete_text(buffer: str, final: bool = False) -> tuple[list[str], str]:
+    """The sentences of ``buffer`` that are known to be complete, and the rest.
+
+    A sentence ends at ``. ! ? ; …`` (with closing quotes or brackets) followed by whitespace,
+    at a CJK full stop, or at a line break.  (Not
+    :func:`~higgs_pack.runtime.loop.generate.split_sentences`: it cuts after any ``.``, which in
+    text that is still arriving may be ``3.`` of ``3.5``.)
+
+    Args:
+        buffer: the text received and not yet spoken.
+        final: the rest is complete too (``input.flush``, ``input.done``).
+
+    Returns:
+        ``(sentences, rest)``: the complete sentences in order (stripped, none blank), and the
+        text after the last confirmed end ("" when ``final``).
+    """
+    sentences, at = [], 0
+    for match in _CONFIRMED_END.finditer(buffer):
+        sentences.append(buffer[at:match.end()].strip())
+        at = match.end()
+    rest = buffer[at:]
+    if final:
+        sentences.append(rest.strip())
+        rest = ""
+    return [s for s in sentences if s], rest
+
+
+@dataclass
+class _Spoken:
+    """A finished sentence kept as rolling context: its text, frame cap and codes."""
+
+    text: str
+    cap: int
+    result: GenerationResult
+
+
+@dataclass
+class _Sentence:
+    text: str
+    complete_at: float  # perf_counter when its last text arrived (or the flush / done)
+
+
+_DONE = object()  # the sentence queue's end: input.done
+
+
+@dataclass
+class _Item:
+    """One message for the client: a JSON event or audio bytes, from one cancel epoch."""
+
+    epoch: int
+    event: dict[str, Any] | None = None
+    audio: bytes = b""
+    samples: int = 0  # samples of session audio in ``audio`` (a WAV header has none)
+    speech: bool = False  # the sentence's speech (not its leading pause)
+    keep: bool = False  # sent even after a cancel (audio.start, errors, audio.cancelled)
+
+
+def live_route(app: FastAPI, server: Any) -> None:
+    """Register :data:`ROUTE` on ``app`` for ``server`` (a
+    :class:`~higgs_pack.serve.server.SpeechServer`)."""
+
+    @app.websocket(ROUTE)
+    async def speech_stream(websocket: WebSocket) -> None:
+        await Session(server, websocket).run()
+
+
+class Session:
+    """One WebSocket session (see the module docstring): three tasks, the client's messages
+    (:meth:`_receive`), the sentences spoken one at a time (:meth:`_speak`) and the bounded
+    queue of what goes out (:meth:`_send`).
+
+    Args:
+        server: the :class:`~higgs_pack.serve.server.SpeechServer`.
+        websocket: the accepted-to-be socket.
+    """
+
+    def __init__(self, server: Any, websocket: WebSocket):
+        self.server, self.ws = server, websocket
+        self.rate = server.tts.sample_rate
+        self.job: SpeechJob | None = None
+        self.voice: PreparedVoice | None = None
+        self.configured = False
+        self.text_seen = False
+        self.ended = False  # input.done received
+        self.buffer = ""
+        self.sentences: list[_Sentence | object] = []
+        self.wake = anyio.Event()
+        self.epoch = 0
+        self.handle: EngineHandle | None = None
+        self.speaking: int | None = None  # index of the sentence being spoken
+        self.next_index = 0
+        self.spoken: list[_Spoken] = []
+        self.samples_sent = 0
+        self.started = time.perf_counter()
+        self.gone = False
+        self.speech_start: float | None = None  # where the sentence being sent began speaking (seconds)
+        self.send_out, self.outbox = anyio.create_memory_object_stream[_Item](OUTBOX)
+
+    async def run(self) -> None:
+        """Accept, check the key and admit the session, then serve it until ``session.done`` or
+        the client leaves; the engine request of a client that left is cancelled."""
+        status = "101"
+        await self.ws.accept()
+        try:
+            self._check_key()
+            self.server.admit()
+        except ApiError as exc:
+            status = str(exc.status)
+            await self.ws.send_json(error_event(exc))
+            await self.ws.close(POLICY_VIOLATION if exc.status == 401 else TRY_AGAIN_LATER)
+            self.server.metrics.requests.labels(ROUTE, status).inc()
+            return
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(self._receive, group.cancel_scope)
+                group.start_soon(self._speak)
+                await self._send()
+                group.cancel_scope.cancel()
+            if self.gone:
+                status = "499"
+                log.info("a live session's client left after %d sentence(s)", self.next_index)
+            elif self.ws.application_state == WebSocketState.CONNECTED:
+                await self.ws.close(1000)
+        finally:
+            if self.handle is not None:
+                self.handle.cancel()  # frees its row (a no-op when it finished)
+            seconds = time.perf_counter() - self.started
+            self.server.release(None)
+            self.server.metrics.requests.labels(ROUTE, status).inc()
+            self.server.metrics.request_seconds.labels(ROUTE).observe(seconds)
+
+    def _check_key(self) -> None:
+        key = self.server.config.api_key
+        if key is None:
+            return
+        import hmac
+
+        scheme, _, token = self.ws.headers.get("authorization", "").partition(" ")
+        token = token.strip() if scheme.lower() == "bearer" else self.ws.query_params.get("api_key", "")
+        if not hmac.compare_digest(token.encode(), key.encode()):
+            raise ApiError(401, "missing or wrong API key: send Authorization: Bearer <key> (or, from a browser, "
+                           "?api_key=<key>), the --api-key the server was started with", code="invalid_api_key")
+
+    # the client's messages
+    async def _receive(self, scope: anyio.CancelScope) -> None:
+        """Read the client's messages until it leaves (then stop the session's tasks)."""
+        while True:
+            try:
+                message = await self.ws.receive()
+            except (WebSocketDisconnect, OSError):
+                message = {"type": "websocket.disconnect"}
+            if message["type"] == "websocket.disconnect":
+                self._leave(scope)
+                return
+            try:
+                await self._handle(message)
+            except ApiError as exc:
+                await self._put(_Item(self.epoch, error_event(exc), keep=True))
+
+    def _leave(self, scope: anyio.CancelScope) -> None:
+        """The client left: cancel the sentence being spoken (its engine row frees) and the tasks."""
+        self.gone = True
+        if self.handle is not None:
+            self.handle.cancel()
+        scope.cancel()
+
+    async def _handle(self, message: dict[str, Any]) -> None:
+        if message.get("bytes") is not None:
+            raise _bad("binary messages are not taken: send JSON text messages (session.config, input.text, "
+                       "input.flush, input.done, input.cancel)", "type", "invalid_message")
+        try:
+            data = json.loads(message.get("text") or "")
+        except json.JSONDecodeError as exc:
+            raise _bad(f"the message is not JSON ({exc}); send a JSON object with a \"type\"", "type",
+                       "invalid_json") from exc
+        if not isinstance(data, dict):
+            raise _bad("a message is a JSON object with a \"type\"", "type", "invalid_message")
+        kind = data.get("type")
+        if kind not in MESSAGES:
+            raise _bad(f"type {short(kind)} is not a message of this protocol; use one of {', '.join(MESSAGES)}",
+                       "type", "unknown_type")
+        extra = sorted(set(data) - {"type", "text"}) if kind == "input.text" else \
+            [] if kind == "session.config" else sorted(set(data) - {"type"})
+        if extra:
+            raise _bad(f"{kind} takes no {', '.join(map(repr, extra[:5]))}", extra[0][:80], "unknown_field")
+        if kind == "session.config":
+            await self._configure(data)
+        elif kind == "input.cancel":
+            await self._cancel()
+        elif self.ended:
+            raise _bad(f"{kind} after input.done: the session is ending; open a new one", "type", "session_ended")
+        elif kind == "input.text":
+            self._add_text(data.get("text"))
+        elif kind == "input.flush":
+            self._queue_rest()
+        else:  # input.done
+            self._queue_rest()
+            self.ended = True
+            self.sentences.append(_DONE)
+            self.wake.set()
+
+    async def _configure(self, data: dict[str, Any]) -> None:
+        if self.configured or self.text_seen:
+            raise _bad("session.config comes once, before any input.text; this one was ignored", "type",
+                       "config_too_late")
+        self.job, self.voice = await anyio.to_thread.run_sync(self._parse_config, data, limiter=self.server.limiter)
+        self.configured = True
+
+    def _parse_config(self, data: dict[str, Any]) -> tuple[SpeechJob, PreparedVoice | None]:
+        """The session's :class:`SpeechJob` (its ``input`` a placeholder) and voice: the HTTP route's
+        checks, a reference clip encoded once here."""
+        fields = {k: v for k, v in data.items() if k != "type"}
+        for name in NOT_IN_CONFIG:
+            if name in fields:
+                raise _bad(f"session.config takes no {name}: text comes in input.text messages and is always "
+                           "streamed", name, "unknown_field")
+        fmt = fields.get("response_format")
+        if fmt is not None and fmt not in STREAMABLE:
+            raise _bad(f"response_format {short(fmt)} cannot be streamed; a live session carries "
+                       f"{' or '.join(STREAMABLE)}", "response_format", "unsupported_value")
+        body = {"model": self.server.models[0], "response_format": "pcm", **fields, "input": "session",
+                "stream_format": "audio"}
+        server = self.server
+        job = parse_speech(body, models=server.models, voices=server.voices, config=server.config)
+        voice = job.request.voice
+        if isinstance(voice, Voice):
+            try:
+                voice = server.tts.prepare_voice(voice.audio, voice.transcript, "ref_audio")
+            except InputError as exc:
+                raise from_input_error(exc, param="ref_audio") from exc
+        return job, voice
+
+    def _add_text(self, text: Any) -> None:
+        if not isinstance(text, str):
+            raise _bad(f"input.text needs \"text\", a string, got {short(text)}", "text",
+                       "missing_field" if text is None else "invalid_value")
+        waiting = len(self.buffer) + sum(len(s.text) for s in self.sentences if isinstance(s, _Sentence))
+        limit = self.server.config.max_input_chars
+        if waiting + len(text) > limit:
+            raise _bad(f"the session would hold {waiting + len(text)} characters not yet spoken; the limit is "
+                       f"{limit} (--max-input-chars): send the rest once more has been spoken", "text",
+                       "input_too_long")
+        self.text_seen = True
+        complete, self.buffer = complete_text(self.buffer + text)
+        now = time.perf_counter()
+        for sentence in complete:
+            self.sentences.append(_Sentence(sentence, now))
+        if complete:
+            self.wake.set()
+
+    def _queue_rest(self) -> None:
+        """Speak the buffered text with no sentence end yet (``input.flush``, ``input.done``)."""
+        now = time.perf_counter()
+        complete, self.buffer = complete_text(self.buffer, final=True)
+        for sentence in complete:
+            self.sentences.append(_Sentence(sentence, now))
+        self.wake.set()
+
+    async def _cancel(self) -> None:
+        self.epoch += 1
+        self.buffer = ""
+        self.sentences = [s for s in self.sentences if s is _DONE]
+        stopped = self.speaking
+        if self.handle is not None:
+            self.handle.cancel()
+        await self._put(_Item(self.epoch, {"type": "audio.cancelled", "sentence_index": stopped}, keep=True))
+
+    # speaking
+    async def _speak(self) -> None:
+        while True:
+            while not self.sentences:
+                self.wake = anyio.Event()
+                await self.wake.wait()
+            sentence = self.sentences.pop(0)
+            if sentence is _DONE:
+                await self._put(_Item(self.epoch, {"type": "session.done", "total_sentences": self.next_index},
+                                      keep=True))
+                return
+            try:
+                await self._say(sentence)
+            except ApiError as exc:
+                await self._put(_Item(self.epoch, error_event(exc, "text"), keep=True))
+
+    async def _say(self, sentence: _Sentence) -> None:
+        """Speak one sentence: submit it with its rolling context, stream its audio out, keep its
+        codes as the next sentence's context (unless it was cancelled)."""
+        epoch, index = self.epoch, self.next_index
+        job = await self._sentence_job(sentence.text, index)
+        handle = await self.server.submit(job)
+        if epoch != self.epoch or self.gone:  # cancelled (or left) while it was being submitted
+            handle.cancel()
+            return
+        self.handle, self.speaking = handle, index
+        self.next_index += 1
+        fmt = job.response_format
+        await self._put(_Item(epoch, {"type": "audio.start", "sentence_index": index, "sentence_text": sentence.text,
+                                      "format": fmt, "sample_rate": self.rate}, keep=True))
+        encoder = StreamEncoder(fmt, self.rate)
+        head = encoder.start()
+        if head:
+            await self._put(_Item(epoch, audio=head))
+        if index and self.samples_sent:
+            pause = np.zeros(int(SENTENCE_PAUSE_S * self.rate), np.float32)
+            await self._put(_Item(epoch, audio=encoder.chunk(pause), samples=len(pause)))
+        stream = iter(handle)
+        first = math.nan
+        t0 = time.perf_counter()
+        try:
+            while True:
+                chunk = await anyio.to_thread.run_sync(next, stream, None, abandon_on_cancel=True,
+                                                       limiter=self.server.limiter)
+                if chunk is None:
+                    break
+                if epoch != self.epoch:
+                    handle.cancel()
+                    return
+                if math.isnan(first):
+                    first = time.perf_counter() - sentence.complete_at
+                    self.server.metrics.first_audio.observe(first)
+                await self._put(_Item(epoch, audio=encoder.chunk(chunk.samples), samples=len(chunk.samples),
+                                      speech=True))
+        except RequestCancelled:
+            return
+        except HiggsPackError as exc:
+            raise ApiError(500, f"generation failed: {exc}", code="generation_failed") from exc
+        finally:
+            self.handle, self.speaking = None, None
+        if epoch != self.epoch:
+            return
+        results = stream.results
+        frames = int(sum(r.codes.shape[0] for r in results))
+        seconds = stream.samples_out / self.rate
+        self._remember(sentence.text, handle, results)
+        m = self.server.metrics
+        m.frames.inc(frames)
+        m.audio_seconds.inc(seconds)
+        if seconds > 0:
+            m.real_time_factor.observe((time.perf_counter() - t0) / seconds)
+        await self._put(_Item(epoch, {"type": "audio.done", "sentence_index": index, "frames": frames,
+                                      "first_audio_s": None if math.isnan(first) else round(first, 4)}))
+
+    async def _sentence_job(self, text: str, index: int) -> SpeechJob:
+        """The engine request of sentence ``index``: the session's options, its seed plus
+        ``index`` (a seeded session repeats; its sentences do not share one random stream's
+        start), and the voice with its rolling context as the request's prepared voice."""
+        if self.job is None:
+            self.job, self.voice = await anyio.to_thread.run_sync(self._parse_config, {}, limiter=self.server.limiter)
+        base = self.job.request
+        seed = None if base.seed is None else base.seed + index
+        voice = sentence_voice(self.server.engine.pipeline, base, self.voice, self.spoken, text)
+        try:
+            request = dataclasses.replace(base, text=text, voice=voice, seed=seed)
+        except InputError as exc:
+            raise from_input_error(exc, param="text") from exc
+        return dataclasses.replace(self.job, request=request)
+
+    def _remember(self, text: str, handle: EngineHandle, results: list[GenerationResult]) -> None:
+        """Keep a spoken sentence as context: the first one (the voice of the rest when the
+        session has none) and the last ``context_chunks``, no more."""
+        if not results:
+            return
+        codes = np.concatenate([r.codes for r in results], axis=0)
+        cap = max(c for _, c in handle.plan.chunks)
+        self.spoken.append(_Spoken(text, cap, dataclasses.replace(results[0], codes=codes)))
+        keep = self.job.request.context_chunks
+        first = self.spoken[:1] if self.voice is None else []
+        recent = self.spoken[len(first):][-keep:] if keep else []
+        self.spoken = first + recent
+
+    # what goes out
+    async def _put(self, item: _Item) -> None:
+        await self.send_out.send(item)
+
+    async def _send(self) -> None:
+        """Send the outbox in order until ``session.done`` or the client leaves: audio and
+        ``audio.done`` of a cancelled sentence are dropped (their ``epoch`` is behind)."""
+        async for item in self.outbox:
+            if item.epoch != self.epoch and not item.keep:
+                continue
+            try:
+                if not await self._send_one(item):
+                    return
+            except (WebSocketDisconnect, OSError):  # the client left while we wrote (uvicorn: ClientDisconnected)
+                self.gone = True
+                if self.handle is not None:
+                    self.handle.cancel()
+                return
+
+    async def _send_one(self, item: _Item) -> bool:
+        """Send one item; ``audio.done`` gets ``start``/``end`` from the audio sent (seconds of the
+        session's audio), ``audio.cancelled`` its ``end``.  False once ``session.done`` is sent."""
+        event = item.event
+        if event is None:
+            if item.speech and self.speech_start is None:
+                self.speech_start = self.samples_sent / self.rate
+            await self.ws.send_bytes(item.audio)
+            self.samples_sent += item.samples
+            return True
+        kind = event["type"]
+        now = round(self.samples_sent / self.rate, 4)
+        if kind == "audio.start":
+            self.speech_start = None
+        elif kind == "audio.done":
+            start = now if self.speech_start is None else round(self.speech_start, 4)
+            event = {**event, "start": start, "end": now}
+        elif kind == "audio.cancelled":
+            event = {**event, "end": now}
+        await self.ws.send_text(json.dumps(event))
+        return kind != "session.done"
+
+
+def sentence_voice(pipeline: Any, request: SynthesisRequest, voice: PreparedVoice | None, spoken: list[_Spoken],
+                   text: str) -> PreparedVoice | None:
+    """The voice that opens a live sentence's prompt: the session's ``voice`` and the rolling
+    context of the sentences ``spoken`` before it, chosen by
+    :func:`~higgs_pack.runtime.loop.generate.chunk_voice` as for a long text's chunks (the
+    sentences are the chunks: context past the decoder's length is dropped, oldest first).
+
+    Args:
+        pipeline: the engine's pipeline (its decoder's length).
+        request: the session's request (frame cap, ``context_chunks``).
+        voice: the session's voice, or None (the bundle's own; the first sentence then becomes
+            the voice).
+        spoken: the sentences kept as context (:meth:`Session._remember`), oldest first.
+        text: the sentence about to be spoken.
+
+    Returns:
+        A :class:`~higgs_pack.runtime.request.PreparedVoice` of the voice's and the context's
+        codes (int64 [frames, N]) and transcripts joined, or ``voice`` itself when there is no
+        context.
+    """
+    if not spoken or request.context_chunks == 0:
+        return voice
+    cap = max(c for _, c in plan_chunks(pipeline, text.strip(), None, None, request.max_frames))
+    decoder = pipeline.decoder
+    plan = SynthesisPlan(request.sampling_options(pipeline.generation_defaults),
+                         None if voice is None else voice.codes, None if voice is None else voice.transcript,
+                         (*((s.text, s.cap) for s in spoken), (text, cap)), request.schedule, 0,
+                         request.context_chunks, decoder.max_length, getattr(decoder, "max_prompt_length", None))
+    codes, words = chunk_voice(pipeline, plan, len(spoken), [s.result for s in spoken])
+    if codes is None:
+        return None
+    return PreparedVoice(codes, words, "live context")
+
+
+def error_event(exc: ApiError, text_param: str | None = None) -> dict[str, Any]:
+    """An ``error`` event of ``exc``: ``message``, ``param`` (the field; the HTTP body's ``input``
+    is the session's ``text``), ``code`` and ``status`` (what HTTP would have answered)."""
+    param = text_param if text_param and exc.param in (None, "input") else exc.param
+    return {"type": "error", "message": exc.message, "param": param, "code": exc.code, "status": exc.status}
+
+
+def _bad(message: str, param: str | None, code: str) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+

@@ -1,0 +1,355 @@
+"""Issue 31 item 2: the ``/v1/audio/speech/stream`` WebSocket on a live ``higgs-pack serve``
+(a real subprocess on 127.0.0.1 serving the real tiny cpu int4 bundle), driven by the
+``websockets`` client as a voice agent drives it: text in pieces, cancel, flush, bad messages,
+concurrent sessions, a client that leaves mid-sentence, the API key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import pytest
+from live_server import LiveServer
+
+websockets = pytest.importorskip("websockets", reason="the websockets client is a dev dependency")
+
+from higgs_pack.serve.live import complete_text  # noqa: E402  (after the skip)
+
+RATE = 24000
+HOP = 960  # samples per frame
+PAUSE = int(0.2 * RATE)  # SENTENCE_PAUSE_S
+#: A sentence that runs long: the tiny model speaks to its frame cap.
+LONG = "This sentence is long enough to be stopped while it is still being spoken out loud."
+
+
+@dataclass
+class Heard:
+    """What a session received: the JSON events in order, and per sentence its audio bytes."""
+
+    events: list[dict] = field(default_factory=list)
+    audio: dict[int, bytearray] = field(default_factory=dict)
+    order: list = field(default_factory=list)  # events and ("audio", index, bytes) as they came
+    close_code: int | None = None
+
+    def of(self, kind: str) -> list[dict]:
+        return [e for e in self.events if e["type"] == kind]
+
+
+@pytest.fixture(scope="module")
+def server(cpu_int4_bundle):
+    with LiveServer(cpu_int4_bundle, "--max-input-chars", "400", "--max-batch", "4", "--max-queue", "8") as live:
+        live.ws = live.url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+        yield live
+
+
+async def _read(ws, heard: Heard, until: str | None = "session.done", timeout: float = 120) -> Heard:
+    """Read messages into ``heard`` until an event of type ``until`` (None: until the close)."""
+    current = None
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            message = await asyncio.wait_for(ws.recv(), deadline - time.monotonic())
+        except websockets.ConnectionClosed as closed:
+            heard.close_code = closed.rcvd.code if closed.rcvd else None
+            return heard
+        if isinstance(message, bytes):
+            heard.audio.setdefault(current, bytearray()).extend(message)
+            heard.order.append(("audio", current, len(message)))
+            continue
+        event = json.loads(message)
+        heard.events.append(event)
+        heard.order.append(event)
+        if event["type"] == "audio.start":
+            current = event["sentence_index"]
+        if event["type"] == until:
+            return heard
+
+
+async def _session(url: str, pieces: list[str], config: dict | None = None, **connect) -> Heard:
+    async with websockets.connect(url, **connect) as ws:
+        if config is not None:
+            await ws.send(json.dumps({"type": "session.config", **config}))
+        for piece in pieces:
+            await ws.send(json.dumps({"type": "input.text", "text": piece}))
+        await ws.send(json.dumps({"type": "input.done"}))
+        heard = await _read(ws, Heard())
+        return await _read(ws, heard, None, timeout=10)
+
+
+def _check_sentences(heard: Heard, texts: list[str], fmt: str = "pcm") -> None:
+    """Each sentence: audio.start, its audio, audio.done whose start/end match the bytes sent."""
+    starts, dones = heard.of("audio.start"), heard.of("audio.done")
+    assert [e["sentence_text"] for e in starts] == texts
+    assert [e["sentence_index"] for e in starts] == list(range(len(texts)))
+    assert [e["sentence_index"] for e in dones] == list(range(len(texts)))
+    assert heard.of("session.done") == [{"type": "session.done", "total_sentences": len(texts)}]
+    assert heard.close_code == 1000
+    at = 0.0
+    for start, done in zip(starts, dones, strict=True):
+        index = start["sentence_index"]
+        assert start["format"] == fmt and start["sample_rate"] == RATE
+        data = bytes(heard.audio[index])
+        if fmt == "wav":
+            assert data[:4] == b"RIFF" and data[8:12] == b"WAVE"
+            data = data[44:]
+        pause = PAUSE if index else 0
+        assert len(data) == 2 * (pause + done["frames"] * HOP), (index, len(data), done)
+        assert done["start"] == pytest.approx(at + pause / RATE, abs=1e-3)
+        assert done["end"] == pytest.approx(done["start"] + done["frames"] * HOP / RATE, abs=1e-3)
+        assert done["first_audio_s"] > 0
+        at = done["end"]
+
+
+def test_sentence_ends_are_found_in_streamed_text():
+    assert complete_text("Hello there") == ([], "Hello there")
+    assert complete_text("It costs 3.") == ([], "It costs 3.")  # may still be 3.5
+    assert complete_text("It costs 3.5 now. And") == (["It costs 3.5 now."], "And")
+    assert complete_text("One! Two? Three; four") == (["One!", "Two?", "Three;"], "four")
+    assert complete_text('He said "stop." Then') == (['He said "stop."'], "Then")
+    assert complete_text("你好。再见") == (["你好。"], "再见")
+    assert complete_text("a line\nnext") == (["a line"], "next")
+
+
+def test_text_in_pieces_is_spoken_sentence_by_sentence(server):
+    pieces = ["Hello there", ", this is", " a test. And", " another one here!", " Trailing bit"]
+    heard = asyncio.run(_session(server.ws, pieces, {"seed": 3}))
+    _check_sentences(heard, ["Hello there, this is a test.", "And another one here!", "Trailing bit"])
+    # the events of a sentence come in order: its start, its audio, its done, then the next start
+    kinds = [o["type"] if isinstance(o, dict) else "audio" for o in heard.order]
+    assert kinds[0] == "audio.start" and kinds[-1] == "session.done"
+    for i, kind in enumerate(kinds[:-1]):
+        if kind == "audio.start":
+            assert kinds[i + 1] == "audio" and "audio.done" not in kinds[i + 1:i + 2]
+
+
+def test_wav_sessions_open_each_sentence_with_a_header(server):
+    heard = asyncio.run(_session(server.ws, ["First one. Second one."], {"response_format": "wav", "seed": 1}))
+    _check_sentences(heard, ["First one.", "Second one."], fmt="wav")
+
+
+def test_sentences_carry_the_rolling_context(server):
+    """With context (the default) the second sentence's prompt holds the first sentence's text and
+    codes, so its audio differs from the same sentence spoken on its own (context_chunks 0); the
+    first sentence, same seed, is the same either way."""
+    text = ["The first sentence sets the voice. The second one follows it."]
+    with_context = asyncio.run(_session(server.ws, text, {"seed": 5}))
+    alone = asyncio.run(_session(server.ws, text, {"seed": 5, "context_chunks": 0}))
+    again = asyncio.run(_session(server.ws, text, {"seed": 5}))
+    assert bytes(with_context.audio[0]) == bytes(alone.audio[0])
+    assert bytes(with_context.audio[1]) != bytes(alone.audio[1])
+    assert bytes(with_context.audio[1]) == bytes(again.audio[1])  # a seeded session repeats
+
+
+def test_flush_speaks_text_with_no_sentence_end(server):
+    async def run() -> Heard:
+        async with websockets.connect(server.ws) as ws:
+            await ws.send(json.dumps({"type": "input.text", "text": "No sentence end here"}))
+            await ws.send(json.dumps({"type": "input.flush"}))
+            heard = await _read(ws, Heard(), "audio.done")
+            assert heard.of("audio.start")[0]["sentence_text"] == "No sentence end here"
+            await ws.send(json.dumps({"type": "input.text", "text": "Then more."}))
+            await ws.send(json.dumps({"type": "input.done"}))
+            await _read(ws, heard)
+            return await _read(ws, heard, None, 10)
+
+    heard = asyncio.run(run())
+    _check_sentences(heard, ["No sentence end here", "Then more."])
+
+
+def test_cancel_stops_the_sentence_drops_buffered_text_and_the_session_goes_on(server):
+    async def run() -> Heard:
+        async with websockets.connect(server.ws) as ws:
+            await ws.send(json.dumps({"type": "session.config", "max_new_tokens": 2000, "seed": 2}))
+            await ws.send(json.dumps({"type": "input.text", "text": LONG + " Buffered but never spoken. And a rest"}))
+            heard = Heard()
+            while not heard.audio.get(0):  # the first audio of sentence 0
+                message = await asyncio.wait_for(ws.recv(), 60)
+                if isinstance(message, bytes):
+                    heard.audio.setdefault(0, bytearray()).extend(message)
+                else:
+                    heard.events.append(json.loads(message))
+            await ws.send(json.dumps({"type": "input.cancel"}))
+            await _read(ws, heard, "audio.cancelled")
+            await ws.send(json.dumps({"type": "input.text", "text": "After the cancel."}))
+            await ws.send(json.dumps({"type": "input.done"}))
+            await _read(ws, heard)
+            await _read(ws, heard, None, 10)
+            return heard
+
+    heard = asyncio.run(run())
+    cancelled = heard.of("audio.cancelled")
+    assert len(cancelled) == 1 and cancelled[0]["sentence_index"] == 0
+    assert cancelled[0]["end"] == pytest.approx(len(heard.audio[0]) / 2 / RATE, abs=1e-3)
+    # sentence 0 stopped well before its 2000-frame cap (80 s); no audio.done for it
+    assert len(heard.audio[0]) < 2 * 2000 * HOP // 4
+    assert [e["sentence_index"] for e in heard.of("audio.done")] == [1]
+    # the buffered sentences were dropped: the next one spoken is the text sent after the cancel
+    assert [e["sentence_text"] for e in heard.of("audio.start")] == [LONG, "After the cancel."]
+    assert heard.of("session.done") == [{"type": "session.done", "total_sentences": 2}]
+    assert heard.close_code == 1000
+
+
+def test_cancel_with_nothing_spoken_answers_and_keeps_the_session(server):
+    async def run() -> Heard:
+        async with websockets.connect(server.ws) as ws:
+            await ws.send(json.dumps({"type": "input.text", "text": "Not finished"}))
+            await ws.send(json.dumps({"type": "input.cancel"}))
+            heard = await _read(ws, Heard(), "audio.cancelled")
+            await ws.send(json.dumps({"type": "input.text", "text": "Spoken."}))
+            await ws.send(json.dumps({"type": "input.done"}))
+            await _read(ws, heard)
+            return await _read(ws, heard, None, 10)
+
+    heard = asyncio.run(run())
+    assert heard.of("audio.cancelled") == [{"type": "audio.cancelled", "sentence_index": None, "end": 0.0}]
+    _check_sentences(heard, ["Spoken."])
+
+
+BAD = [
+    ("not json at all", "type", "invalid_json"),
+    (b"\x00\x01", "type", "invalid_message"),
+    ([1, 2], "type", "invalid_message"),
+    ({"type": "input.bogus"}, "type", "unknown_type"),
+    ({"type": "input.text"}, "text", "missing_field"),
+    ({"type": "input.text", "text": 5}, "text", "invalid_value"),
+    ({"type": "input.text", "text": "x", "voice": "y"}, "voice", "unknown_field"),
+    ({"type": "input.flush", "now": True}, "now", "unknown_field"),
+    ({"type": "input.text", "text": "x" * 401}, "text", "input_too_long"),
+]
+
+
+def test_bad_messages_get_an_error_naming_the_field_and_the_session_goes_on(server):
+    async def run() -> Heard:
+        async with websockets.connect(server.ws) as ws:
+            for message, _, _ in BAD:
+                await ws.send(message if isinstance(message, (str, bytes)) else json.dumps(message))
+            heard = Heard()
+            for _ in BAD:
+                await _read(ws, heard, "error")
+            await ws.send(json.dumps({"type": "input.text", "text": "Still here."}))
+            await ws.send(json.dumps({"type": "session.config", "seed": 1}))  # too late: text came first
+            await _read(ws, heard, "error")
+            await ws.send(json.dumps({"type": "input.done"}))
+            await ws.send(json.dumps({"type": "input.text", "text": "after done"}))
+            await _read(ws, heard)
+            return await _read(ws, heard, None, 10)
+
+    heard = asyncio.run(run())
+    errors = heard.of("error")
+    assert [(e["param"], e["code"]) for e in errors[:len(BAD)]] == [(p, c) for _, p, c in BAD]
+    assert all(e["message"] and e["status"] == 400 for e in errors)
+    assert "--max-input-chars" in errors[len(BAD) - 1]["message"]
+    assert errors[len(BAD)]["code"] == "config_too_late"
+    assert (errors[-1]["param"], errors[-1]["code"]) == ("type", "session_ended")
+    _check_sentences(heard, ["Still here."])
+
+
+@pytest.mark.parametrize(("config", "param", "code"), [
+    ({"response_format": "flac"}, "response_format", "unsupported_value"),
+    ({"voice": "nobody"}, "voice", "unknown_voice"),
+    ({"sede": 1}, "sede", "unknown_field"),
+    ({"input": "hello"}, "input", "unknown_field"),
+    ({"temperature": -1}, "temperature", "invalid_value"),
+    ({"model": "gpt-4o-mini-tts"}, "model", "model_not_found"),
+])
+def test_a_bad_config_is_refused_by_the_http_routes_checks_and_the_session_goes_on(server, config, param, code):
+    async def run() -> Heard:
+        async with websockets.connect(server.ws) as ws:
+            await ws.send(json.dumps({"type": "session.config", **config}))
+            heard = await _read(ws, Heard(), "error")
+            await ws.send(json.dumps({"type": "session.config", "seed": 4}))  # a good one is still taken
+            await ws.send(json.dumps({"type": "input.text", "text": "Good after bad."}))
+            await ws.send(json.dumps({"type": "input.done"}))
+            await _read(ws, heard)
+            return await _read(ws, heard, None, 10)
+
+    heard = asyncio.run(run())
+    error = heard.of("error")[0]
+    assert (error["param"], error["code"]) == (param, code), error
+    if code == "unknown_field" and param == "sede":
+        assert "did you mean 'seed'" in error["message"]
+    _check_sentences(heard, ["Good after bad."])
+
+
+def test_eight_sessions_at_once_lose_and_reorder_no_audio(server):
+    """8 sessions share the engine (4 rows): each gets all its sentences, in order, each sentence's
+    audio whole (its frames' samples and the pause, contiguous in the session's timeline), and
+    no session gets another's audio.  (Not byte-equal to a run alone: the int4 MatMulNBits
+    kernels round differently with the batch's size, and the tiny model's flat logits turn that
+    into other samples; test_engine checks equality on fp32.)"""
+    texts = [[f"Session {s} says sentence one. ", f"Then sentence two of session {s}. ", "And a third."]
+             for s in range(8)]
+
+    async def together() -> list[Heard]:
+        return await asyncio.gather(*(_session(server.ws, t, {"seed": 10 + s}) for s, t in enumerate(texts)))
+
+    heard = asyncio.run(together())
+    for s, one in enumerate(heard):
+        _check_sentences(one, [p.strip() for p in texts[s]])
+    firsts = {bytes(one.audio[0]) for one in heard}
+    assert len(firsts) == len(heard)
+
+
+def test_a_client_that_leaves_mid_sentence_frees_its_engine_row(server):
+    async def run() -> None:
+        ws = await websockets.connect(server.ws)
+        await ws.send(json.dumps({"type": "session.config", "max_new_tokens": 3000}))
+        await ws.send(json.dumps({"type": "input.text", "text": LONG + " "}))
+        while not isinstance(await asyncio.wait_for(ws.recv(), 60), bytes):
+            pass
+        assert server.metric("higgs_pack_active_batch") == 1
+        ws.transport.abort()  # no close handshake: the connection just drops
+
+    before = server.metric("higgs_pack_requests_total", 'route="/v1/audio/speech/stream",status="499"')
+    asyncio.run(run())
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (server.metric("higgs_pack_active_batch")
+                                           or server.metric("higgs_pack_in_flight")):
+        time.sleep(0.1)
+    assert server.metric("higgs_pack_active_batch") == 0 and server.metric("higgs_pack_in_flight") == 0
+    after = server.metric("higgs_pack_requests_total", 'route="/v1/audio/speech/stream",status="499"')
+    assert after == before + 1
+    # 3000 frames are 2 minutes of audio: the engine stopped long before
+    frames = server.metric("higgs_pack_engine_frames_total")
+    time.sleep(0.5)
+    assert server.metric("higgs_pack_engine_frames_total") == frames
+
+
+def test_metrics_count_sessions_and_their_audio(server):
+    labels = 'route="/v1/audio/speech/stream",status="101"'
+    before, seconds = server.metric("higgs_pack_requests_total", labels), server.metric("higgs_pack_audio_seconds_total")
+    heard = asyncio.run(_session(server.ws, ["Counted once."], {"seed": 8}))
+    assert server.metric("higgs_pack_requests_total", labels) == before + 1
+    spoken = heard.of("audio.done")[0]["frames"] * HOP / RATE
+    assert server.metric("higgs_pack_audio_seconds_total") == pytest.approx(seconds + spoken, abs=1e-3)
+
+
+def test_api_key_and_the_session_limit_apply(cpu_int4_bundle):
+    with LiveServer(cpu_int4_bundle, "--max-batch", "1", "--max-queue", "1",
+                    env={"HIGGS_PACK_API_KEY": "s3cret"}) as live:
+        url = live.url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+
+        async def refused(**connect) -> Heard:
+            async with websockets.connect(url, **connect) as ws:
+                return await _read(ws, Heard(), None, 10)
+
+        for connect in ({}, {"additional_headers": {"Authorization": "Bearer wrong"}}):
+            heard = asyncio.run(refused(**connect))
+            assert heard.of("error")[0]["code"] == "invalid_api_key" and heard.close_code == 1008
+        keyed = {"additional_headers": {"Authorization": "Bearer s3cret"}}
+        _check_sentences(asyncio.run(_session(url, ["With the key."], {"seed": 1}, **keyed)), ["With the key."])
+        _check_sentences(asyncio.run(_session(url + "?api_key=s3cret", ["From a browser."], {"seed": 1})),
+                         ["From a browser."])
+
+        async def full() -> Heard:
+            # two sessions hold the server's two places (1 row + 1 queued); a third is refused
+            async with websockets.connect(url, **keyed), websockets.connect(url, **keyed):
+                await asyncio.sleep(0.3)
+                return await refused(**keyed)
+
+        heard = asyncio.run(full())
+        error = heard.of("error")[0]
+        assert error["code"] == "queue_full" and error["status"] == 429 and heard.close_code == 1013

@@ -176,6 +176,7 @@ class SynthesizeFlags:
     max_chunk_frames: int
     batch: int | None
     context_chunks: int
+    subtitles: Path | None
 
     def sampling(self) -> dict[str, Any]:
         """The request's sampling keywords, frame cap and rolling context (``SynthesisRequest.create``'s)."""
@@ -195,6 +196,13 @@ class SynthesizeFlags:
     def subtype(self) -> str:
         """libsndfile's subtype of the written audio: ``FLOAT`` with ``--float``, else ``PCM_16``."""
         return "FLOAT" if self.as_float else "PCM_16"
+
+
+#: ``--subtitles FILE`` of ``synthesize`` and ``dialogue``.
+SUBTITLES_OPTION = click.option(
+    "--subtitles", type=click.Path(path_type=Path, dir_okay=False),
+    help="Also write subtitles, one cue per sentence (per turn in a dialogue), timed from frame counts: "
+         "SubRip for .srt, WebVTT for .vtt (the [subtitles] extra).")
 
 
 @main.command()
@@ -236,6 +244,7 @@ class SynthesizeFlags:
 @click.option("--batch", type=click.IntRange(min=1),
               help="Speak every non-empty line of --text-file into its own wav in the folder -o, this many "
                    "lines decoded together; rerun to resume.")
+@SUBTITLES_OPTION
 def synthesize(**flags: Any) -> None:
     """Speak TEXT with BUNDLE into a wav (or, with -o -, to stdout).
 
@@ -266,9 +275,13 @@ def synthesize(**flags: Any) -> None:
     require_bundle_dir(Path(f.bundle), folders_of_bundles=True)  # before -o is judged against it
     _refuse_schedule_without_stream(click.get_current_context(), f.streaming)
     if f.batch is not None:
+        if f.subtitles is not None:
+            raise click.UsageError("--subtitles writes one file for one text; --batch writes a wav per line: "
+                                   "drop one of them")
         _synthesize_batch(f)
         return
     _check_output(output, f.bundle, [f.text_file, f.ref_audio], f.fmt)
+    _check_subtitles(f.subtitles, output, [f.text_file, f.ref_audio])
     request = SynthesisRequest.create(
         _read_text(f.text, f.text_file), **f.voice(), **f.sampling(), first_chunk_frames=f.first_chunk_frames,
         chunk_growth=f.chunk_growth, max_chunk_frames=f.max_chunk_frames)
@@ -286,13 +299,14 @@ def synthesize(**flags: Any) -> None:
 
     subtype = f.subtype
     if f.streaming or str(output) == "-":
-        _stream_out(tts, request, output, subtype, f.fmt, bar, f.streaming, progress)
+        _stream_out(tts, request, output, subtype, f.fmt, bar, f.streaming, progress, f.subtitles)
         return
     try:
         result = tts.synthesize(request, progress=progress)
     finally:
         bar.close()
     written = write_wav(output, result.samples, result.sample_rate, subtype=subtype)
+    _write_subtitles(f.subtitles, result.segments)
     stops = ", ".join(r.stop_reason for r in result.chunks)
     click.echo(f"wrote {output}: {result.seconds_of_audio:.2f} s at {result.sample_rate} Hz, "
                f"{len(result.codes)} frames in {len(result.chunks)} text chunk(s), stop: {stops}")
@@ -301,6 +315,29 @@ def synthesize(**flags: Any) -> None:
     if written.scaled:
         click.echo(f"note: peak {written.peak:.2f} exceeded 16-bit range; audio was scaled down "
                    "(use --float to keep it unscaled)", err=True)
+
+
+def _check_subtitles(subtitles: Path | None, output: Path, inputs: list[Path | None]) -> None:
+    """Refuse a ``--subtitles`` file that cannot be written (suffix, folder, library), or that is
+    the audio output or an input, before the bundle loads (:func:`~higgs_pack.runtime.subtitles.check_subtitles_path`)."""
+    if subtitles is None:
+        return
+    from higgs_pack.runtime.subtitles import check_subtitles_path
+
+    check_subtitles_path(subtitles)
+    for path in [output, *inputs]:
+        if path is not None and str(path) != "-" and subtitles.resolve() == path.resolve():
+            raise click.BadParameter(f"{subtitles} is also {'the audio output' if path is output else 'an input'} "
+                                     "of this command; give the subtitles their own file", param_hint="--subtitles")
+
+
+def _write_subtitles(subtitles: Path | None, segments: list) -> None:
+    if subtitles is None:
+        return
+    from higgs_pack.runtime.subtitles import write_subtitles
+
+    count = write_subtitles(subtitles, segments)
+    click.echo(f"wrote {subtitles}: {count} cue(s), timed from frame counts (no word timings)", err=True)
 
 
 def _refuse_schedule_without_stream(ctx: click.Context, streaming: bool) -> None:
@@ -471,7 +508,8 @@ def _how_stopped(exc: KeyboardInterrupt) -> str:
 FRAME_CAP_NOTE = "note: the frame cap was reached before the model ended the speech (raise it with --max-frames)"
 
 
-def _stream_out(tts, request, output: Path, subtype: str, fmt: str, bar, streaming: bool, progress) -> None:
+def _stream_out(tts, request, output: Path, subtype: str, fmt: str, bar, streaming: bool, progress,
+                subtitles: Path | None = None) -> None:
     """Write speech to ``output`` (a .wav path or ``-``) piece by piece as it is generated.
 
     Ctrl-C (exit 130) or SIGTERM (exit 143) stops generation and leaves a valid WAV of what
@@ -487,19 +525,20 @@ def _stream_out(tts, request, output: Path, subtype: str, fmt: str, bar, streami
     where = "stdout" if to_stdout else str(output)
     rate = tts.sample_rate
     speech = tts.stream(request, progress=progress) if streaming else None
-    sink, results = None, []
+    sink, results, segments = None, [], []
     status, note = 0, ""
     try:
         with _sigterm_as_interrupt():
             if speech is None:
                 result = tts.synthesize(request, progress=progress)
-                results = result.chunks
+                results, segments = result.chunks, result.segments
                 sink = AudioSink(sys.stdout.buffer, rate, subtype=subtype, container=fmt)
                 sink.write(result.samples)
             else:
                 sink = AudioSink(sys.stdout.buffer if to_stdout else output, rate, subtype=subtype, container=fmt)
                 for chunk in speech:
                     sink.write(chunk.samples)
+                    segments += chunk.segments
                 results = speech.results
     except KeyboardInterrupt as exc:
         status = EXIT_TERMINATED if isinstance(exc, _Terminated) else EXIT_INTERRUPTED
@@ -517,6 +556,8 @@ def _stream_out(tts, request, output: Path, subtype: str, fmt: str, bar, streami
             sink.close()
         bar.close()
     _say_written(note, sink, rate, where, results if not status else [], speech)
+    if status != EXIT_BROKEN_PIPE:
+        _write_subtitles(subtitles, segments)  # after a stop: the segments whose audio was written
     if status in (EXIT_INTERRUPTED, EXIT_TERMINATED) and sink is not None and not to_stdout:
         click.echo(f"{output} is a complete WAV of the audio written before the stop (its RIFF and data sizes "
                    "were set to it)", err=True)

@@ -592,3 +592,47 @@ def test_a_complex_reference_array_is_refused():
 
     with pytest.raises(InputError, match=r"ref_audio samples must be real numbers .*, got complex128"):
         SynthesisRequest.create("Hi.", ref_audio=(np.zeros(24000, complex), 24000), ref_text="Hello.")
+
+
+# ------------------------------------------------ subtitles
+
+
+def test_synthesize_writes_subtitles_timed_by_frames(cpu_int4_bundle, tmp_path):
+    """--subtitles: SubRip or WebVTT by suffix, one cue per sentence, back to back, the last ending
+    where the audio ends; the same with --stream (each chunk's cues come with its audio)."""
+    import srt
+    import webvtt
+
+    text = "The first sentence is here. A second one follows! And the third?"
+    wav, subs = tmp_path / "a.wav", tmp_path / "a.srt"
+    out = run("synthesize", cpu_int4_bundle, "--text", text, "-o", wav, "--subtitles", subs, "--max-frames", "20",
+              "--no-progress")
+    assert "wrote" in out.stderr and "3 cue(s)" in out.stderr, out.stderr
+    cues = list(srt.parse(subs.read_text(encoding="utf-8")))
+    assert [c.content for c in cues] == ["The first sentence is here.", "A second one follows!", "And the third?"]
+    assert cues[0].start.total_seconds() == 0 and all(a.end == b.start for a, b in zip(cues, cues[1:]))
+    assert cues[-1].end.total_seconds() == pytest.approx(sf.info(wav).frames / 24000, abs=1e-3)
+    vtt = tmp_path / "b.vtt"
+    run("synthesize", cpu_int4_bundle, "--text", text, "-o", tmp_path / "b.wav", "--subtitles", vtt,
+        "--max-frames", "20", "--stream", "--no-progress")
+    captions = webvtt.read(str(vtt))
+    assert [c.text for c in captions] == [c.content for c in cues]
+    h, m, s = captions[-1].end.split(":")
+    assert int(h) * 3600 + int(m) * 60 + float(s) == pytest.approx(cues[-1].end.total_seconds(), abs=2e-3)
+
+
+@pytest.mark.parametrize(("name", "message"), [
+    ("subs.txt", "a subtitles file is SubRip (.srt) or WebVTT (.vtt), chosen by its suffix; got .txt"),
+    ("subs", "got no suffix: name it .srt or .vtt"),
+    ("missing/subs.srt", "does not exist; create it first"),
+])
+def test_a_bad_subtitles_file_is_refused_before_anything_is_generated(tmp_path, name, message):
+    code, err = invoke("synthesize", tmp_path / "no-bundle", "-o", tmp_path / "a.wav", "--text", "Hi.",
+                       "--subtitles", tmp_path / name)
+    assert code == 2 and message in err and "no such bundle" not in err, err
+    assert not (tmp_path / "a.wav").exists()
+    script = tmp_path / "script.srt"
+    script.write_text("Hi.", encoding="utf-8")
+    code, err = invoke("synthesize", tmp_path / "no-bundle", "-o", tmp_path / "a.wav", "--text-file", script,
+                       "--subtitles", script)
+    assert code == 2 and "is also an input of this command" in err, err

@@ -1,0 +1,105 @@
+"""Subtitles of a result's segments: SubRip (``.srt``, with the ``srt`` library) or WebVTT
+(``.vtt``, with ``webvtt-py``), chosen by the file's suffix (the ``[subtitles]`` extra).
+
+The cues are :attr:`~higgs_pack.runtime.loop.generate.SynthesisResult.segments`: one per
+sentence (per turn in a dialogue), timed from frame counts, not by an aligner; a sentence that
+shared its text chunk with others has estimated ends (see
+:class:`~higgs_pack.runtime.loop.generate.Segment`), and there are no word timings.  A dialogue's
+cue starts with its speaker (``NAME: text``).
+
+Runtime code: no torch, no build tools.
+"""
+
+from __future__ import annotations
+
+import datetime
+import html
+import importlib.util
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from higgs_pack.manifests.errors import InputError, install_extra
+from higgs_pack.runtime.loop.generate import Segment
+
+#: Suffix -> (what it is, the module that writes it).
+FORMATS = {".srt": ("SubRip", "srt"), ".vtt": ("WebVTT", "webvtt")}
+
+
+def check_subtitles_path(path: str | os.PathLike, option: str = "--subtitles") -> Path:
+    """Refuse a subtitles file that cannot be written, before anything is generated.
+
+    Args:
+        path: where the subtitles go.
+        option: how the caller names it in messages (a CLI flag, a keyword).
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        InputError: a suffix other than ``.srt`` or ``.vtt`` (naming both), a folder that does
+            not exist, a directory, or the library of the format missing (with the extra that
+            installs it).
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in FORMATS:
+        raise InputError(f"{option} {path}: a subtitles file is SubRip (.srt) or WebVTT (.vtt), chosen by its "
+                         f"suffix; got {suffix or 'no suffix'}: name it .srt or .vtt")
+    if path.is_dir():
+        raise InputError(f"{option} {path} is a directory; give a file name ending in {suffix}")
+    if not path.resolve().parent.is_dir():
+        raise InputError(f"{option} {path}: folder {path.resolve().parent} does not exist; create it first")
+    kind, module = FORMATS[suffix]
+    if importlib.util.find_spec(module) is None:
+        raise InputError(f"{option} {path}: writing {kind} needs the {module!r} module; "
+                         f"{install_extra('subtitles')}")
+    return path
+
+
+def _cue_text(segment: Segment) -> str:
+    return segment.text if segment.speaker is None else f"{segment.speaker}: {segment.text}"
+
+
+def subtitles_text(segments: Sequence[Segment], suffix: str) -> str:
+    """The subtitles of ``segments`` as text in the format of ``suffix`` (``.srt`` or ``.vtt``).
+
+    Raises:
+        InputError: another suffix.
+    """
+    suffix = suffix.lower()
+    if suffix == ".srt":
+        import srt
+
+        return srt.compose([srt.Subtitle(i + 1, datetime.timedelta(seconds=s.start),
+                                         datetime.timedelta(seconds=s.end), _cue_text(s))
+                            for i, s in enumerate(segments)])
+    if suffix == ".vtt":
+        import webvtt
+
+        vtt = webvtt.WebVTT()
+        for s in segments:
+            # WebVTT cue text is markup: "<|emotion:...|>" or "-->" must be escaped (&lt; &gt; &amp;).
+            vtt.captions.append(webvtt.Caption(_stamp(s.start), _stamp(s.end), html.escape(_cue_text(s), False)))
+        return vtt.content
+    raise InputError(f"subtitles are .srt or .vtt, got {suffix or 'no suffix'}")
+
+
+def _stamp(seconds: float) -> str:
+    """WebVTT's ``HH:MM:SS.mmm``, to the nearest millisecond."""
+    ms = round(seconds * 1000)
+    return f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d}.{ms % 1000:03d}"
+
+
+def write_subtitles(path: str | os.PathLike, segments: Sequence[Segment]) -> int:
+    """Write ``segments`` as subtitles to ``path`` (format by suffix, UTF-8).
+
+    Returns:
+        The number of cues written.
+
+    Raises:
+        InputError: as :func:`check_subtitles_path`.
+    """
+    path = check_subtitles_path(path)
+    path.write_text(subtitles_text(segments, path.suffix), encoding="utf-8")
+    return len(segments)

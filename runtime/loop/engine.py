@@ -437,12 +437,13 @@ class Engine:
         with self._cond:
             return len(self._waiting)
 
-    def submit(self, text: str | SynthesisRequest, **keywords: Any) -> EngineHandle:
+    def submit(self, text: str | SynthesisRequest | SynthesisPlan, **keywords: Any) -> EngineHandle:
         """Queue a request (any thread, any time); it joins the batch when a row is free.
 
         Args:
             text: what to say, or a ready :class:`~higgs_pack.runtime.request.SynthesisRequest`
-                (then no keywords).
+                or a plan made for this engine's pipeline (a dialogue's,
+                :func:`~higgs_pack.runtime.loop.dialogue.plan_dialogue`), then no keywords.
             keywords: those of :meth:`SynthesisRequest.create
                 <higgs_pack.runtime.request.SynthesisRequest.create>`, as
                 :meth:`higgs_pack.runtime.api.TTS.synthesize` and ``TTS.stream`` take them
@@ -460,7 +461,12 @@ class Engine:
         """
         submitted = time.perf_counter()
         self._check_open()
-        plan = plan_request(self.pipeline, SynthesisRequest.of(text, keywords))
+        if isinstance(text, SynthesisPlan):
+            if keywords:
+                raise InputError(f"a plan carries its own options; got {', '.join(sorted(keywords))} beside it")
+            plan = text
+        else:
+            plan = plan_request(self.pipeline, SynthesisRequest.of(text, keywords))
         self.kv.check_request(plan.positions)
         handle = EngineHandle(self, plan, submitted)
         with self._cond:

@@ -222,6 +222,24 @@ def run_joining_mid_flight(tts, timeout: float = 60.0, check_engine=None) -> lis
     return results
 
 
+def check_synthesize_after_an_engine(tts) -> None:
+    """The order of issue 30 item 5: ``synthesize`` on a loaded bundle, an engine on that same
+    object (:func:`run_joining_mid_flight`), then ``synthesize`` again: the codes and samples
+    after equal those before.  Shared by every backend's tests (on OpenVINO the batched
+    decoder's infers wrote into the batch-1 decoder's shared input arrays)."""
+    before = [tts.synthesize(text, seed=seed, max_frames=cap) for text, seed, cap in REQUESTS[:2]]
+    run_joining_mid_flight(tts, timeout=120)
+    after = [tts.synthesize(text, seed=seed, max_frames=cap) for text, seed, cap in REQUESTS[:2]]
+    for got, want in zip(after, before, strict=True):
+        np.testing.assert_array_equal(got.codes, want.codes)
+        np.testing.assert_array_equal(got.samples, want.samples)
+
+
+def test_synthesize_after_an_engine_gives_the_codes_of_before(cpu_fp32_bundle):
+    with higgs_pack.load(cpu_fp32_bundle) as fresh:
+        check_synthesize_after_an_engine(fresh)
+
+
 def test_requests_together_and_joining_mid_flight_give_their_codes_alone(tts, alone):
     """Requests joining mid-flight (:func:`run_joining_mid_flight`): each one's codes and samples
     equal its run alone."""

@@ -30,6 +30,7 @@ from test_engine import (  # noqa: E402
     _PoisonedRow,
     _submit,
     check_cancel_frees_the_row,
+    check_synthesize_after_an_engine,
     codes_agreement,
     run_eight_concurrent,
     run_joining_mid_flight,
@@ -251,6 +252,49 @@ def test_a_step_needs_prefilled_rows_and_room(tts):
         decoder.step(np.array([0]), np.zeros((1, 1, h), np.float32))
 
 
+def test_the_batch_1_decoder_is_unchanged_by_a_batched_step(ov_int4_bundle):
+    """Issue 30 item 5, at the decoder: the batch-1 decoder's hidden states for one prompt and
+    its steps are the same before and after the batched decoder (its two infer requests on the
+    same compiled model) prefilled two rows of different lengths and stepped them, bit for bit
+    with an f32 cache and with the bundle's u8 cache.  With the batch-1 decoder's inputs shared
+    (``share_inputs=True``, the default until then) the batched step's ``attention_mask`` landed
+    in the batch-1 decoder's mask array, and its second step on differed (by up to 2.1 at
+    ``synthesize``'s scale)."""
+    for f32 in (True, False):
+        with _load(ov_int4_bundle, f32) as loaded:
+            h = loaded.pipeline.constants.hidden_size
+            rng = np.random.default_rng(11)
+            prompt = rng.standard_normal((1, 17, h)).astype(np.float32)
+            steps = rng.standard_normal((30, h)).astype(np.float32)
+            before = _solo(loaded, prompt, steps)
+            decoder = _decoder(loaded, max_batch=3)
+            decoder.prefill(0, prompt)
+            decoder.prefill(1, prompt[:, :9])
+            for t in range(3):
+                decoder.step(np.array([0, 1]), np.stack([steps[t], steps[t + 1]])[:, None])
+            np.testing.assert_array_equal(_solo(loaded, prompt, steps), before, err_msg=f"f32 cache: {f32}")
+
+
+def test_a_batch_1_decoder_that_shares_its_inputs_is_refused(tts):
+    """Its shared input arrays would receive the batched decoder's inputs (see the test above)."""
+    old = tts.pipeline.decoder
+    sharing = OvStatefulDecoder(ov.Core(), old.path, "CPU", None, {"PERFORMANCE_HINT": "LATENCY"},
+                                max_length=64, share_inputs=True)
+    with pytest.raises(InputError, match="share_inputs=True.*overwrite its input arrays.*share_inputs=False"):
+        OvBatchedDecoder(sharing, max_batch=2, max_length=64, num_layers=2, kv_heads=2, head_dim=16)
+    assert not old.shares_inputs
+
+
+def test_synthesize_after_an_engine_gives_the_codes_of_before(ov_int4_bundle):
+    """Issue 30 item 5 (the closing note of 2026-12-03): after an engine ran on an OpenVINO
+    bundle, ``synthesize`` on that same object gave other codes from frame 0 (734... instead of
+    725... for "Hello there."); now the same as before, with an f32 cache and with the
+    bundle's own u8 cache."""
+    for f32 in (True, False):
+        with _load(ov_int4_bundle, f32) as loaded:
+            check_synthesize_after_an_engine(loaded)
+
+
 def test_requests_joining_and_leaving_mid_flight_give_their_codes_alone(tts_f32, alone_f32):
     """The joining scenario of tests/test_engine.py on the spliced state; rows leave as requests
     end. With the f32 cache each one's codes and samples equal its run alone."""
@@ -267,9 +311,8 @@ def test_eight_concurrent_requests(ov_int4_bundle, capsys):
     """Issue 19: eight requests at once from eight threads on eight rows of the spliced state:
     with the f32 cache each gives its codes alone; with the bundle's own u8 cache every request
     ends and the agreement with its run alone is reported.  The runs alone come from a bundle
-    loaded for them, before any engine ran on it: in this module's order the shared
-    ``tts_f32``'s own ``synthesize`` gave other codes after the joining test's engine (an open
-    bug, in the closing note of 2026-12-03)."""
+    loaded for them (written while ``synthesize`` after an engine gave other codes, issue 30
+    item 5, since fixed)."""
     for f32 in (True, False):
         with _load(ov_int4_bundle, f32) as fresh:
             single = [fresh.synthesize(text, seed=seed, max_frames=cap) for text, seed, cap in EIGHT]

@@ -35,6 +35,7 @@ import numpy as np
 import openvino as ov
 
 from higgs_pack.manifests.errors import InputError
+from higgs_pack.runtime.backends.openvino.runners import read_state, state_layout, write_state
 from higgs_pack.runtime.loop.pipeline import check_decoder_room
 
 #: Bytes the CPU plugin keeps per token and KV head beside a u8/u4 cache: one f32 scale and
@@ -98,7 +99,8 @@ class OvBatchedDecoder:
 
     Args:
         decoder: the bundle's :class:`~higgs_pack.runtime.backends.openvino.runners.OvStatefulDecoder`
-            (its compiled model is shared; this class makes its own two infer requests).
+            (its compiled model is shared; this class makes its own two infer requests; every
+            request of the model copies its inputs, see that class's ``share_inputs``).
         max_batch: rows (requests decoded together), >= 1.
         max_length: most positions one row may hold (prompt + frames).
         num_layers, kv_heads, head_dim: the cache shape, for :attr:`kv_bytes_per_position`.
@@ -115,7 +117,7 @@ class OvBatchedDecoder:
             benchmark's splice cost per join).
 
     Raises:
-        InputError: a bad size.
+        InputError: a bad size, or a ``decoder`` that shares its inputs.
     """
 
     kv_device = "cpu"
@@ -124,6 +126,12 @@ class OvBatchedDecoder:
                  head_dim: int):
         if max_batch < 1 or max_length < 2:
             raise InputError(f"max_batch must be >= 1 and max_length >= 2, got {max_batch} and {max_length}")
+        if getattr(decoder, "shares_inputs", False):
+            # Its input memory would stay bound to the graph this class's requests run on, and
+            # their infers would write into it (OvStatefulDecoder's share_inputs says what broke).
+            raise InputError(
+                f"{decoder.path.name}: the batch-1 decoder was made with share_inputs=True, so the batched "
+                "decoder's infers would overwrite its input arrays; make it with share_inputs=False to batch")
         self.max_batch, self.max_length = int(max_batch), int(max_length)
         self.compiled = decoder.compiled
         self.kv_bytes_per_position, self.kv_count = cache_bytes_per_position(
@@ -137,6 +145,7 @@ class OvBatchedDecoder:
         self.lengths = np.zeros(self.max_batch, dtype=np.int64)
         self.splices = 0
         self.splice_seconds = self.last_splice_seconds = 0.0
+        self._pending: tuple[int, int] | None = None  # (row, positions) prefilled on the solo request, not spliced
         self._reset()
 
     def _reset(self) -> None:
@@ -154,31 +163,90 @@ class OvBatchedDecoder:
         """Forget row ``row``: its state row is dropped at the next step or splice; when no
         row is busy the state is reset."""
         self.lengths[row] = 0
+        if self._pending is not None and self._pending[0] == row:
+            self._pending = None
         if not self.lengths.any():
             self._reset()
 
-    def prefill(self, row: int, inputs_embeds: np.ndarray) -> np.ndarray:
-        """Start row ``row`` over with a prompt: prefilled alone, then spliced into the batch.
+    @property
+    def prefix_layout(self) -> str:
+        """The KV layout of voice-prefix entries (:func:`~higgs_pack.runtime.backends.openvino.
+        runners.state_layout`), the batch-1 stateful decoder's too (one compiled model)."""
+        return state_layout(self.compiled)
+
+    def write_prefix(self, row: int, arrays: dict[str, np.ndarray], length: int) -> None:
+        """Start row ``row`` over on the solo request holding ``arrays`` (variable -> float32
+        [kv_heads, length, head_dim]) as its first ``length`` positions; a :meth:`prefill` with
+        ``start=length`` continues it (and splices it in at its final chunk).
+
+        Raises:
+            KeyError, ValueError: names or shapes other than the state's (nothing changed).
+            InputError: ``length`` exceeds ``max_length``, or ``row`` is out of range.
+        """
+        self._check_row(row)
+        check_decoder_room(length, self.max_length)
+        write_state(self._solo, arrays, length)
+        self.lengths[row] = 0
+        self._pending = (row, length)
+
+    def read_prefix(self, row: int, length: int) -> dict[str, np.ndarray]:
+        """Copies of row ``row``'s first ``length`` positions (variable -> float32 [kv_heads, length,
+        head_dim]): from the solo request while its prompt is prefilled there, else from its
+        real columns in the batched state."""
+        if self._pending is not None and self._pending[0] == row:
+            if length > self._pending[1]:
+                raise ValueError(f"row {row} holds {self._pending[1]} positions, not {length}")
+            return read_state(self._solo, 0, slice(0, length))
+        if length > self.lengths[row]:
+            raise ValueError(f"row {row} holds {int(self.lengths[row])} positions, not {length}")
+        index = next(i for i, r in enumerate(self._order) if r == row and self._mask[i].any())
+        return read_state(self._batched, index, np.flatnonzero(self._mask[index])[:length])
+
+    def _check_row(self, row: int) -> None:
+        if not 0 <= row < self.max_batch:
+            raise InputError(f"row {row} is outside 0..{self.max_batch - 1}")
+
+    def prefill(self, row: int, inputs_embeds: np.ndarray, start: int = 0, final: bool = True) -> np.ndarray:
+        """Prefill ``S`` prompt positions of row ``row`` on the solo request from position
+        ``start``; at the ``final`` chunk the row is spliced into the batch.  ``start=0`` starts
+        the row over; a later chunk continues the one row being prefilled (``start`` = the
+        positions it holds: an earlier chunk's, or a cached prefix's, :meth:`write_prefix`), so a
+        prompt may be prefilled in chunks between steps of the other rows (one joining row at a
+        time).  The CPU plugin computes a prompt prefilled in chunks with other kernel blocks
+        than in one infer: about 2e-4 apart on the tiny int4 bundle's hidden states (its int4
+        weights; 1e-7 with f32 inference and no dynamic quantization), so codes of a request
+        prefilled in chunks agree with, but are not bound to equal, its codes alone.
 
         Args:
             row: 0 <= row < max_batch (a busy row starts over).
             inputs_embeds: float32 [1, S, H].
+            start: positions the row holds already on the solo request (0: start over).
+            final: the prompt's last chunk: splice the row into the batch.
 
         Returns:
             float32 [1, S, H] hidden states (a new array).
 
         Raises:
-            InputError: S exceeds ``max_length``, or ``row`` is out of range.
+            InputError: ``start + S`` exceeds ``max_length``, ``row`` is out of range, or
+                ``start`` is not 0 or the positions the row being prefilled holds.
         """
-        if not 0 <= row < self.max_batch:
-            raise InputError(f"row {row} is outside 0..{self.max_batch - 1}")
+        self._check_row(row)
         s = inputs_embeds.shape[1]
-        check_decoder_room(s, self.max_length)
+        if start and self._pending != (row, start):
+            raise InputError(f"a prefill continuing row {row} at position {start} must follow that row's own "
+                             f"earlier chunk or cached prefix (the solo request holds {self._pending})")
+        check_decoder_room(start + s, self.max_length)
         self.lengths[row] = 0
-        self._solo.reset_state()
-        hidden = self._infer(self._solo, inputs_embeds, np.ones((1, s)), np.arange(s)[None], np.zeros(1))
-        self._splice(row, s)
-        self.lengths[row] = s
+        if not start:
+            self._solo.reset_state()
+        hidden = self._infer(self._solo, inputs_embeds, np.ones((1, start + s)), np.arange(start, start + s)[None],
+                             np.zeros(1))
+        if final:
+            self._pending = None
+            self._splice(row, start + s)
+            self.lengths[row] = start + s
+        else:
+            self._pending = (row, start + s)
         return hidden
 
     def _splice(self, row: int, s: int) -> None:

@@ -211,6 +211,45 @@ class OvSubPart:
                     for name, port in zip(self.output_names, self.compiled.outputs, strict=True)}
 
 
+def state_layout(compiled) -> str:
+    """``openvino:state:<key cache precision>/<value cache precision>`` of a compiled stateful
+    decoder (``KEY_CACHE_PRECISION`` / ``VALUE_CACHE_PRECISION``, else ``KV_CACHE_PRECISION``):
+    the layout of its voice-prefix entries (:mod:`~higgs_pack.runtime.loop.prefix_cache`)."""
+    def prop(name):
+        try:
+            value = compiled.get_property(name)
+        except RuntimeError:
+            return None
+        return str(value.get_type_name() if hasattr(value, "get_type_name") else value)
+
+    kv = prop("KV_CACHE_PRECISION") or "default"
+    return f"openvino:state:{prop('KEY_CACHE_PRECISION') or kv}/{prop('VALUE_CACHE_PRECISION') or kv}"
+
+
+def read_state(request, index: int, columns) -> dict[str, np.ndarray]:
+    """Copies of batch row ``index``, state ``columns``, of every state variable of an infer
+    request: name -> float32 [kv_heads, len(columns), head_dim]."""
+    return {v.name: np.array(v.state.data[index][:, columns], dtype=np.float32, copy=True)
+            for v in request.query_state()}
+
+
+def write_state(request, arrays: dict[str, np.ndarray], length: int) -> None:
+    """Set every state variable of an infer request to one row of ``length`` positions from
+    ``arrays`` (name -> [kv_heads, length, head_dim]).
+
+    Raises:
+        KeyError, ValueError: the names are not the request's variables, or a shape is wrong
+            (checked before any variable is set).
+    """
+    from higgs_pack.runtime.loop.prefix_cache import check_prefix_arrays
+
+    variables = request.query_state()
+    check_prefix_arrays(arrays, [v.name for v in variables], length)
+    request.reset_state()
+    for variable in request.query_state():
+        variable.state = ov.Tensor(np.ascontiguousarray(arrays[variable.name], dtype=np.float32)[None])
+
+
 class OvStatefulDecoder:
     """The stateful Qwen3 decoder IR (a ``Decoder``): the KV cache lives in the request's state.
 
@@ -227,10 +266,22 @@ class OvStatefulDecoder:
         max_length: Most positions one request may use (the manifest's
             ``max_position_embeddings`` or less).
         allow_fallback: See :class:`OvSubPart`.
-        share_inputs, share_outputs: ``InferRequest.infer``'s flags: read the inputs in place
-            and return the output as a view of the request's memory (then copied once into
-            the returned array) instead of copying them (on by default; measured by
-            ``python -m bench.ab ov-properties``).
+        share_inputs: ``InferRequest.infer``'s flag: read the inputs in place instead of
+            copying them into the request.  Off by default, and refused by
+            :class:`~higgs_pack.runtime.backends.openvino.batched.OvBatchedDecoder`: the CPU
+            plugin binds a shared input's memory to the input of the graph that every infer
+            request of one compiled model (one stream) runs on, and it stays bound after the
+            infer; another request's infer then copies its own input into that memory.  Measured
+            with OpenVINO 2026.4.1 on the tiny bundle: after the batched decoder's first
+            two-row step, this decoder's ``attention_mask`` array (a view of one ones-row) held
+            the batch's mask with its zeros of left padding, so every later ``synthesize`` read
+            masked positions and gave other codes from its second step on (issue 30 item 5;
+            ``tests/test_engine_openvino.py``).  On only for a compiled model no other infer
+            request uses (the benchmark); off costs a copy of ``inputs_embeds`` and two int64
+            rows per step, the same speed within noise (``python -m bench.ab ov-properties``,
+            :func:`~higgs_pack.runtime.backends.openvino.devices.precision_config`).
+        share_outputs: return the output as a view of the request's memory (then copied once
+            into the returned array) instead of copying it twice (on by default).
         page_out_weights: Run the first :meth:`forward` inside
             :func:`~higgs_pack.runtime.machine.mapped_pages.paging_out` on the IR's ``.bin``, for a
             device that copies the weights into its own buffers then (see
@@ -242,6 +293,7 @@ class OvStatefulDecoder:
         page_out: What the paging-out did on the first forward (``None`` before it, or
             when ``page_out_weights`` is off).
         max_length: As given.
+        shares_inputs: ``share_inputs`` as given.
         length: Positions in the cache since the last :meth:`reset`.
 
     Raises:
@@ -253,13 +305,14 @@ class OvStatefulDecoder:
 
     def __init__(self, core: ov.Core, xml_path: str | os.PathLike, device: str,
                  cache_dir: str | os.PathLike | None = None, config: Mapping[str, Any] | None = None, *,
-                 max_length: int, allow_fallback: bool = False, share_inputs: bool = True,
+                 max_length: int, allow_fallback: bool = False, share_inputs: bool = False,
                  share_outputs: bool = True, page_out_weights: bool = False):
         self.path = Path(xml_path)
         self._page_out_weights = bool(page_out_weights)
         self.page_out: PageOutResult | None = None
         self.max_length = int(max_length)
-        self._share = {"share_inputs": bool(share_inputs), "share_outputs": bool(share_outputs)}
+        self.shares_inputs = bool(share_inputs)
+        self._share = {"share_inputs": self.shares_inputs, "share_outputs": bool(share_outputs)}
         self.compiled, self.device, self.description = compile_ir(
             core, xml_path, device, cache_dir, config, allow_fallback=allow_fallback
         )
@@ -296,6 +349,30 @@ class OvStatefulDecoder:
         """Forget the KV cache; the next :meth:`forward` starts at position 0."""
         self._request.reset_state()
         self.length = 0
+
+    @property
+    def prefix_layout(self) -> str:
+        """The KV layout of its voice-prefix entries (:func:`state_layout`)."""
+        return state_layout(self.compiled)
+
+    def read_prefix(self, length: int) -> dict[str, np.ndarray]:
+        """A copy of the state's first ``length`` positions: variable -> float32 [kv_heads, length,
+        head_dim] (the plugin dequantizes a u8 cache as it reads it)."""
+        if length > self.length:
+            raise ValueError(f"the state holds {self.length} positions, not {length}")
+        return read_state(self._request, 0, slice(0, length))
+
+    def write_prefix(self, arrays: dict[str, np.ndarray], length: int) -> None:
+        """Start over with ``arrays`` (:meth:`read_prefix`'s) as the state's positions
+        0..length-1 (the plugin quantizes them again into a u8 cache); the next :meth:`forward`
+        continues at ``length``.
+
+        Raises:
+            KeyError, ValueError: names or shapes other than this decoder's state (nothing changed).
+        """
+        check_decoder_room(length, self.max_length)
+        write_state(self._request, arrays, length)
+        self.length = length
 
     def forward(self, inputs_embeds: np.ndarray) -> np.ndarray:
         """Append ``S`` positions and return their hidden states.

@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from bench import llama_cpp
+from bench.gemm import PREFILL_LENGTHS
 from bench.records import base_record
 from bench.systems import STEP_KIND, WorkerError, load_1m, ov_cache_dir, peak_rss_mb, spawn
-from bench.workers import CONTEXT_STEPS, fixed_inputs, kv_itemsize
+from bench.workers import CONTEXT_STEPS, PREFILL_ROUNDS, fixed_inputs, kv_itemsize
 
 
 def default_threads() -> int:
@@ -103,20 +104,37 @@ def measure_llama_steps(spec: dict[str, Any]) -> dict[str, Any]:
     before = load_1m()
     batches, contexts, steps = list(spec["batches"]), list(spec["contexts"]), int(spec["steps"])
     t = time.perf_counter()
+    lengths = list(spec.get("prefill_lengths", PREFILL_LENGTHS))
     dec = llama_cpp.LlamaDecoder(Path(spec["gguf"]), max_batch=max(batches),
-                                 max_length=positions_needed(contexts, batches, steps, 2), threads=int(spec["threads"]))
+                                 max_length=max(positions_needed(contexts, batches, steps, 2), max(lengths, default=0) + 1),
+                                 threads=int(spec["threads"]))
     load_s = time.perf_counter() - t
     ids = np.random.default_rng(spec.get("seed", 0)).integers(
-        0, min(dec.n_vocab, 150000), size=max(contexts) + 2 * steps + 4).tolist()
+        0, min(dec.n_vocab, 150000), size=max(*contexts, *lengths) + 2 * steps + 4).tolist()
     try:
         rows = time_steps(prefill=lambda row, length: dec.prefill(row, ids[:length]),
                           step=lambda rows, out: dec.step(list(rows), ids[:len(rows)], logits=out),
                           batches=batches, contexts=contexts, steps=steps, no_output=True)
+        prefill = llama_prefill_rates(dec, ids, lengths, int(spec.get("prefill_rounds", PREFILL_ROUNDS)))
         dims = dec.dims()
     finally:
         dec.close()
-    return {"rows": rows, "dims": dims, "system_info": llama_cpp.system_info(), "threads": int(spec["threads"]),
+    return {"rows": rows, "dims": dims, **prefill, "system_info": llama_cpp.system_info(), "threads": int(spec["threads"]),
             "load_s": round(load_s, 3), "loadavg": [before, load_1m()], "peak_rss_mb": peak_rss_mb()}
+
+
+def llama_prefill_rates(dec: Any, ids: list[int], lengths: Sequence[int], rounds: int) -> dict[str, Any]:
+    """llama.cpp's own prompt processing (``llama_decode`` of the prompt in batches of 512, logits
+    of the last position only, as ``llama-bench``'s pp): ``prefill_positions_per_s`` ``{"L": L /
+    s}``, the fastest of ``rounds`` with the lengths in turn, into sequence 0 emptied first."""
+    best: dict[int, float] = {}
+    for _ in range(max(1, rounds)):
+        for length in lengths:
+            t = time.perf_counter()
+            dec.prefill(0, ids[:length])
+            best[length] = min(best.get(length, float("inf")), time.perf_counter() - t)
+    return {"prefill_positions_per_s": {str(n): round(n / s, 2) for n, s in best.items()},
+            "prefill_ms_by_length": {str(n): round(s * 1e3, 1) for n, s in best.items()}}
 
 
 def merge_rounds(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -134,6 +152,18 @@ def merge_rounds(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 row.update({field: min(values), field + "_rounds": values})
         out.append(row)
     return out
+
+
+def fastest_prefill(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per length the fastest round's ``prefill_positions_per_s`` and ``prefill_ms_by_length``
+    (none when the runs have no prefill)."""
+    if not any(run.get("prefill_positions_per_s") for run in runs):
+        return {}
+    lengths = {n for run in runs for n in run.get("prefill_positions_per_s", {})}
+    best = {n: max(run["prefill_positions_per_s"][n] for run in runs if n in run.get("prefill_positions_per_s", {}))
+            for n in sorted(lengths, key=int)}
+    return {"prefill_positions_per_s": best, "prefill_ms_by_length": {n: round(int(n) / v * 1e3, 1)
+                                                                      for n, v in best.items()}}
 
 
 def add_step_ratios(records: list[dict[str, Any]]) -> None:
@@ -154,18 +184,21 @@ def add_step_ratios(records: list[dict[str, Any]]) -> None:
 def run_step_comparison(llama: list[Any], ours: list[tuple[Any, Path, dict[str, Any]]], checkpoint: Path,
                         cache: Path, *, preset: str, contexts: Sequence[int], batches: Sequence[int],
                         rounds: int, text: str, machine: dict[str, Any], threads: int | None = None,
-                        timeout: float | None = None, say: Callable[[str], None] = lambda _m: None
+                        timeout: float | None = None, say: Callable[[str], None] = lambda _m: None,
+                        prefill_lengths: Sequence[int] = PREFILL_LENGTHS, extra: dict[str, Any] | None = None
                         ) -> list[dict[str, Any]]:
     """Convert (or reuse) the GGUFs of the llama.cpp systems, then time ours (``(spec, bundle,
-    manifest)``) and theirs in turns; one ``decoder_step`` record each (a failure: ``error``)."""
+    manifest)``) and theirs in turns; one ``decoder_step`` record each (a failure: ``error``), with
+    llama.cpp's own prompt processing at ``prefill_lengths`` and ``extra`` (the run's GEMM peak)."""
     from higgs_pack.manifests.errors import HiggsPackError
 
     threads = threads or default_threads()
-    common = {"contexts": list(contexts), "batches": list(batches), "steps": CONTEXT_STEPS, "text": text}
+    common = {"contexts": list(contexts), "batches": list(batches), "steps": CONTEXT_STEPS, "text": text,
+              "prefill_lengths": list(prefill_lengths), "prefill_rounds": 1}  # the rounds are the workers'
     records: list[dict[str, Any]] = []
     jobs: list[tuple[str, dict[str, Any]] | None] = []
     for spec, path, manifest in ours:
-        records.append({**base_record(manifest, spec, preset), "kind": STEP_KIND, "machine": machine})
+        records.append({**base_record(manifest, spec, preset), "kind": STEP_KIND, "machine": machine, **(extra or {})})
         jobs.append(("our_steps", {**common, "bundle": str(path), "device": spec.device,
                                    "ov_cache": str(ov_cache_dir(cache, path, spec))}))
     missing, ggufs = llama_cpp.llama_cpp_missing(), {}
@@ -176,7 +209,8 @@ def run_step_comparison(llama: list[Any], ours: list[tuple[Any, Path, dict[str, 
             missing = f"conversion: {exc}"
     for spec in llama:
         rec = {"kind": STEP_KIND, "system": "llama.cpp", "label": spec.label, "precision": spec.precision,
-               "preset": preset, "backend": "llama.cpp", "device": "cpu", "machine": machine, "threads": threads}
+               "preset": preset, "backend": "llama.cpp", "device": "cpu", "machine": machine, "threads": threads,
+               **(extra or {})}
         records.append(rec)
         if missing:
             rec["error"] = missing
@@ -202,7 +236,7 @@ def run_step_comparison(llama: list[Any], ours: list[tuple[Any, Path, dict[str, 
         if "error" not in rec and got:
             rec.update({"rows": merge_rounds(got), "loadavg": [x for run in got for x in run["loadavg"]],
                         "peak_rss_mb": max(run["peak_rss_mb"] for run in got),
-                        "load_s": min(run["load_s"] for run in got),
+                        "load_s": min(run["load_s"] for run in got), **fastest_prefill(got),
                         **{k: got[0][k] for k in ("dims", "system_info", "kv_itemsize") if k in got[0]}})
     add_step_ratios(records)
     return records

@@ -22,6 +22,13 @@ GOAL_BATCH8_SPEEDUP = 5.0
 GOAL_BATCH4_STEP = 1.35
 GOAL_ENGINE_OVER_BARE = 1.1
 GOAL_STREAM_OVER_PLAIN = 0.9
+#: Issue 32's prefill goal: at least 3x the positions/s measured before (full size, AMD EPYC 2 vCPUs,
+#: a 219-position prompt: cpu int4 about 21, openvino int4 about 16) at 256 positions.
+GOAL_PREFILL_SPEEDUP = 3.0
+PREFILL_BEFORE = {"cpu": 21.0, "openvino": 16.0}
+GOAL_PREFILL_LENGTH = "256"
+#: Issue 30's goal: a named voice's first audio (with its prefix cached) over zero-shot's.
+GOAL_NAMED_VOICE_FIRST_AUDIO = 1.15
 #: Presets whose sizes make the speed goals mean something, and the full one.
 SIZED_PRESETS = ("bench", "full")
 FULL_PRESET = "full"
@@ -89,6 +96,20 @@ def roofline(record: dict[str, Any], bandwidth: dict[str, float] | None) -> None
         record[f"roofline_frac_ctx{length}"] = (weights + per_position * length) / bw * 1e3 / record[key]
 
 
+def prefill_vs_peak(record: dict[str, Any]) -> None:
+    """In place, from ``prefill_positions_per_s`` (``{"L": positions/s}``), the run's
+    ``decoder_ops_per_position`` and ``gemm_peak_gops`` (``{"float32", "int8"}``): ``prefill_gops``
+    ``{"L": GOP/s}`` of the decoder's MatMuls (attention left out) and ``prefill_vs_peak``
+    ``{"float32": {"L": share}, "int8": {...}}`` of each peak; nothing without them."""
+    rates, ops = record.get("prefill_positions_per_s"), record.get("decoder_ops_per_position")
+    if not rates or not ops:
+        return
+    record["prefill_gops"] = {n: round(v * ops / 1e9, 2) for n, v in rates.items()}
+    peaks = record.get("gemm_peak_gops") or {}
+    record["prefill_vs_peak"] = {kind: {n: round(g / peak, 3) for n, g in record["prefill_gops"].items()}
+                                 for kind, peak in peaks.items() if peak}
+
+
 def first_audio_budget(record: dict[str, Any]) -> float | None:
     """Ms the first streamed audio should take, from the same streamed run's parts (prompt embed,
     prefill, steps to the first chunk, its codec decode: a shared VM's step drifts too much between
@@ -153,7 +174,7 @@ def goal_checks(records: list[dict[str, Any]]) -> list[Goal]:
             else:
                 checks.append(_missing(goal, **dict(zip(names, (num, den), strict=True))))
         checks += _per_bundle_goals(measured, preset)
-    checks += _full_size_goals(measured)
+    checks += _full_size_goals(measured) + prefill_goals(measured)
     checks += [(f"{r['label']} warm-cache load < {GOAL_WARM_LOAD_S:g} s (tiny)", r["load_warm_s"] < GOAL_WARM_LOAD_S,
                 f"{r['load_warm_s']:.3f} s") for r in records
                if r["system"] == "openvino" and r.get("load_warm_s") is not None and r["preset"] == "tiny"]
@@ -211,6 +232,35 @@ def _full_size_goals(measured: list[dict[str, Any]]) -> list[Goal]:
             checks.append((goal, None, "no bandwidth measurement"))
         else:
             checks.append((goal, r["roofline_frac_decoder"] >= GOAL_ROOFLINE, f"{r['roofline_frac_decoder']:.2f}"))
+    return checks
+
+
+def prefill_goals(measured: list[dict[str, Any]]) -> list[Goal]:
+    """Issue 32's prefill goal (cpu int4 and openvino int4 at 256 positions >= 3x before) and
+    issue 30's named-voice first audio (cached prefix, <= 1.15x zero-shot), at full size."""
+    checks: list[Goal] = []
+    for system in ("cpu", "openvino"):
+        r, goal = _find(measured, FULL_PRESET, system, "int4"), (
+            f"[{FULL_PRESET}] {system} int4 prefill at {GOAL_PREFILL_LENGTH} positions >= {GOAL_PREFILL_SPEEDUP:g}x "
+            f"before ({PREFILL_BEFORE[system]:g} positions/s)")
+        rate = (r or {}).get("prefill_positions_per_s", {}).get(GOAL_PREFILL_LENGTH)
+        if r is None:
+            checks.append(_missing(goal, **{f"{system}_int4": None}))
+        elif rate is None:
+            checks.append((goal, None, "no prefill_positions_per_s at 256"))
+        else:
+            s = rate / PREFILL_BEFORE[system]
+            checks.append((goal, s >= GOAL_PREFILL_SPEEDUP, f"{rate:.1f} positions/s ({s:.2f}x)"))
+        goal = (f"[{FULL_PRESET}] {system} int4: named voice's first audio (cached prefix) <= "
+                f"{GOAL_NAMED_VOICE_FIRST_AUDIO:g}x zero-shot")
+        ratio = (r or {}).get("first_audio_vs_zero_shot", {})
+        if r is None:
+            checks.append(_missing(goal, **{f"{system}_int4": None}))
+        elif "named_cached" not in ratio:
+            checks.append((goal, None, "no named_cached first audio" + (
+                f" (without the cache {ratio['named']:.2f}x)" if "named" in ratio else "")))
+        else:
+            checks.append((goal, ratio["named_cached"] <= GOAL_NAMED_VOICE_FIRST_AUDIO, f"{ratio['named_cached']:.2f}x"))
     return checks
 
 

@@ -112,6 +112,50 @@ def render_details(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def prefill_table(records: list[dict[str, Any]]) -> tuple[list[str], list[list[str]], list[str]]:
+    """Prefill beside decode, one row per system with ``prefill_positions_per_s`` (ours from the
+    ``measure`` records, llama.cpp's prompt processing from its decoder-step record): positions/s
+    per length, GOP/s and the share of the run's float32 and int8 GEMM peaks at each length, decode
+    frames/s and the first audio per voice kind; the facts name the peaks."""
+    have = [r for r in records if r.get("prefill_positions_per_s")]
+    lengths = sorted({n for r in have for n in r["prefill_positions_per_s"]}, key=int)
+    kinds = [k for k in ("zero_shot", "clip", "named", "named_cached")
+             if any(k in (r.get("first_audio_ms_by_voice") or {}) for r in have)]
+    headers = (["system", "preset"] + [f"prefill {n} pos/s" for n in lengths] + [f"{n}: GOP/s (int8 / fp32 peak)"
+                                                                                for n in lengths]
+               + ["decode f/s"] + [f"1st audio {k} ms" for k in kinds])
+    rows, facts = [], []
+    for r in have:
+        rates, gops, share = r["prefill_positions_per_s"], r.get("prefill_gops", {}), r.get("prefill_vs_peak", {})
+        ratio = r.get("first_audio_vs_zero_shot") or {}
+        voice = r.get("first_audio_ms_by_voice") or {}
+        rows.append([r["label"], r["preset"]] + [f"{rates[n]:.1f}" if n in rates else "-" for n in lengths]
+                    + [f"{gops[n]:.0f} ({share.get('int8', {}).get(n, math.nan):.0%} / "
+                       f"{share.get('float32', {}).get(n, math.nan):.0%})" if n in gops else "-" for n in lengths]
+                    + [f"{r['frames_per_s']:.1f}" if r.get("frames_per_s") else "-"]
+                    + [f"{voice[k]:.0f} ({ratio.get(k, math.nan):.2f}x)" if k in voice else "-" for k in kinds])
+    peak = next((r for r in records if r.get("gemm_peak_gops")), None)
+    if peak:
+        g = peak["gemm_peak_gops"]
+        facts.append(f"GEMM peak on this machine, one decoder layer's MatMuls ({peak.get('gemm_runtime')}, best of "
+                     f"{', '.join(map(str, peak.get('gemm_peak_rows', {}).get('int8', {})))} rows): int8 "
+                     f"{g['int8']:.0f} GOP/s, float32 {g['float32']:.0f} GOP/s; prefill GOP/s count the decoder's "
+                     f"MatMuls ({peak.get('decoder_ops_per_position', 0) / 1e9:.2f} GOP per position), not attention")
+    elif any(r.get("gemm_peak_error") for r in records):
+        facts.append("GEMM peak: ERROR " + next(r["gemm_peak_error"] for r in records if r.get("gemm_peak_error")))
+    positions = next((r["voice_prompt_positions"] for r in have if r.get("voice_prompt_positions")), None)
+    if positions:
+        facts.append("first audio per voice: ms from the stream call, fastest round, x zero-shot's; prompt positions "
+                     + ", ".join(f"{k} {v}" for k, v in positions.items()))
+    return headers, rows, facts
+
+
+def render_prefill(records: list[dict[str, Any]]) -> str:
+    """The prefill table and its facts as text; empty without prefill figures."""
+    headers, rows, facts = prefill_table(records)
+    return "\n".join([table("prefill beside decode", headers, rows), *facts]) if rows else ""
+
+
 def render_builds(builds: list[dict[str, Any]]) -> str:
     """The ``"kind": "build"`` records: memory, scratch, time, size, per phase."""
     rows = []
@@ -350,6 +394,35 @@ def steps_section(records: list[dict[str, Any]]) -> str:
     return "\n".join(parts)
 
 
+def prefill_section(records: list[dict[str, Any]]) -> str:
+    """Prefill positions/s against the prompt length per system (log-log) beside the GEMM peaks
+    as positions/s, the table and its facts; empty without prefill figures."""
+    headers, rows, facts = prefill_table(records)
+    if not rows:
+        return ""
+    plt = require_matplotlib()
+    fig, ax = axes(plt, (8, 4.2), "prefill positions per second against the prompt length",
+                   "prompt positions", "positions/s (higher is faster)")
+    have = [r for r in records if r.get("prefill_positions_per_s")]
+    for i, r in enumerate(have):
+        points = sorted((int(n), v) for n, v in r["prefill_positions_per_s"].items())
+        ax.plot(*zip(*points, strict=True), "-o", color=f"C{i % 10}", label=f"{r['label']} [{r['preset']}]")
+    peak = next((r for r in have if r.get("gemm_peak_gops") and r.get("decoder_ops_per_position")), None)
+    if peak:
+        for kind, style in (("int8", "--"), ("float32", ":")):
+            ax.axhline(peak["gemm_peak_gops"][kind] * 1e9 / peak["decoder_ops_per_position"], color="#1b1f24",
+                       linestyle=style, linewidth=1.2, label=f"{kind} GEMM peak as positions/s")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    return ("<h2>Prefill beside decode</h2><p class=\"explain\">A prompt prefill runs every decoder MatMul with "
+            "one row per position: bound by compute, unlike the decode step. Positions/s of one prefill into an "
+            "empty KV cache (ours: the bundle's own decoder; llama.cpp: its prompt processing), fastest round; "
+            "GOP/s of the decoder's MatMuls as a share of the GEMM peaks measured in the same run; the first audio "
+            "of a request with no voice, a reference clip, and a named voice.</p>"
+            + img(fig, "prefill positions/s") + html_table(headers, rows) + facts_list(facts))
+
+
 def write_html(out: Path) -> Path:
     """Write ``<out>.html`` beside the JSON records, every record charted; HiggsPackError without matplotlib."""
     everything = json.loads(out.read_text())
@@ -363,7 +436,7 @@ def write_html(out: Path) -> Path:
     sections = [goals_table(goal_checks(records)), intro]
     sections += [preset_section(p, [r for r in records if r.get("preset", "?") == p])
                  for p in sorted({r.get("preset", "?") for r in records})]
-    sections += [batch_section(records), steps_section(everything)]
+    sections += [prefill_section(everything), batch_section(records), steps_section(everything)]
     path = out.with_suffix(".html")
     path.write_text(page("higgs-pack benchmark", f"{len(records)} records", [s for s in sections if s]),
                     encoding="utf-8")

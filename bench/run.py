@@ -20,6 +20,7 @@ from typing import Any
 from bench import records as rec
 from bench import report, systems
 from bench.decoder_steps import run_step_comparison
+from bench.gemm import PREFILL_LENGTHS, layer_shapes, ops_per_row
 from bench.systems import SystemSpec, WorkerError, machine, ov_cache_dir, parse_system, spawn
 from bench.workers import CONTEXT_ROUNDS
 from higgs_pack.runtime.backends import registered
@@ -28,6 +29,8 @@ DEFAULT_SYSTEMS = ("pytorch", "cpu-int4", "cpu-fp32", "openvino-int4", "openvino
 BENCH_TEXT = "The quick brown fox jumps over the lazy dog, then runs back home before the evening rain."
 #: Timed runs per system (median reported) by preset.
 DEFAULT_REPEATS = {"tiny": 3, "bench": 3, "full": 1}
+#: The reference clip of ``first_audio_ms_by_voice`` (a 7-second voice; its transcript beside it, .txt).
+DEFAULT_VOICE_CLIP = systems.ROOT.parent / "shared" / "cases" / "ref_en_16k.wav"
 #: What a failed worker raises.
 FAILED = (WorkerError, subprocess.TimeoutExpired)
 
@@ -63,6 +66,9 @@ class BenchOptions:
     step_batch: tuple[int, ...] = (1, 4)
     steps_only: bool = False
     llama_threads: int | None = None
+    prefill_lengths: tuple[int, ...] = PREFILL_LENGTHS
+    gemm_peak: bool = True
+    voice_clip: str | None = str(DEFAULT_VOICE_CLIP) if DEFAULT_VOICE_CLIP.is_file() else None
 
 
 Prepared = tuple[SystemSpec, "Path | None", "dict[str, Any] | None", dict[str, Any]]
@@ -162,15 +168,53 @@ def run_bench(options: BenchOptions) -> list[dict[str, Any]]:
               for spec, _, manifest, facts in prepared if not spec.is_pytorch and spec.bundle is None]
     if options.build_only:
         return builds
-    records = [] if options.steps_only else _measure_all(prepared, options, machine_facts, checkpoint, cache)
+    peak = gemm_peak(options, checkpoint, prepared, cache)
+    records = [] if options.steps_only else _measure_all(prepared, options, machine_facts, checkpoint, cache, peak)
     if llama:
         ours = [(spec, path, manifest) for spec, path, manifest, _ in prepared if path is not None]
         records += run_step_comparison(
             llama, ours, checkpoint, cache, preset=options.preset, contexts=options.contexts or BenchOptions.contexts,
             batches=options.step_batch, rounds=options.rounds if options.rounds > 1 else CONTEXT_ROUNDS,
             text=options.text, machine=machine_facts, threads=options.llama_threads, timeout=options.timeout,
-            say=lambda m: say(options, m))
+            say=lambda m: say(options, m), prefill_lengths=options.prefill_lengths, extra=peak)
+        for record in records:
+            rec.prefill_vs_peak(record)
     return builds + records
+
+
+def decoder_config(checkpoint: Path | None, prepared: list[Prepared]) -> dict[str, Any] | None:
+    """The decoder's ``text_config`` (hidden, intermediate, heads, KV heads, head_dim, layers):
+    the checkpoint's, else that of a measured bundle's source checkpoint (its manifest's
+    ``build.checkpoint_source``) where it is still there; None without."""
+    import json
+
+    sources = [(manifest or {}).get("build", {}).get("checkpoint_source") for _, _, manifest, _ in prepared]
+    for config in [Path(p) / "config.json" for p in [checkpoint, *sources] if p]:
+        if config.is_file():
+            data = json.loads(config.read_text(encoding="utf-8"))
+            text = data.get("text_config", data)
+            if all(k in text for k in ("hidden_size", "intermediate_size", "num_attention_heads", "head_dim")):
+                return text
+    return None
+
+
+def gemm_peak(options: BenchOptions, checkpoint: Path | None, prepared: list[Prepared], cache: Path
+              ) -> dict[str, Any]:
+    """The machine's GEMM peak on the decoder layer's shapes, once per run (``gemm_peak`` worker:
+    :func:`bench.gemm.gemm_peak`), and ``decoder_ops_per_position`` (the decoder's MatMul operations
+    per prompt position, attention left out), for every record; ``gemm_peak_error`` when it failed,
+    nothing with ``gemm_peak`` off or no decoder config."""
+    config = decoder_config(checkpoint, prepared)
+    if config is None or not options.gemm_peak:
+        return {}
+    out: dict[str, Any] = {"decoder_ops_per_position": ops_per_row(layer_shapes(config)) * int(config["num_hidden_layers"])}
+    say(options, "measuring the GEMM peak (float32 and int8, ONNX Runtime, the decoder layer's shapes)")
+    try:
+        out.update(spawn("gemm_peak", {"config": config, "rows": list(options.prefill_lengths)}, cache=cache,
+                         timeout=options.timeout))
+    except FAILED as exc:
+        out["gemm_peak_error"] = str(exc)
+    return out
 
 
 def _compiles(backend: str) -> bool:
@@ -179,7 +223,7 @@ def _compiles(backend: str) -> bool:
 
 
 def _measure_all(prepared: list[Prepared], options: BenchOptions, machine: dict[str, Any],
-                 checkpoint: Path | None, cache: Path) -> list[dict[str, Any]]:
+                 checkpoint: Path | None, cache: Path, peak: dict[str, Any]) -> list[dict[str, Any]]:
     """The bandwidth, every system's loop in its own process (``rounds`` in turn, each keeping its
     fastest: other work on a shared machine only slows a run), then the engine's batches."""
     bandwidth = None
@@ -191,9 +235,10 @@ def _measure_all(prepared: list[Prepared], options: BenchOptions, machine: dict[
             say(options, f"bandwidth measurement failed: {exc}")
     job = {"frames": options.frames, "seed": options.seed, "temperature": options.temperature,
            "top_k": options.top_k, "text": options.text, "warmup": options.warmup,
-           "repeats": options.repeats or DEFAULT_REPEATS.get(options.preset, 1), "contexts": list(options.contexts)}
+           "repeats": options.repeats or DEFAULT_REPEATS.get(options.preset, 1), "contexts": list(options.contexts),
+           "prefill_lengths": list(options.prefill_lengths), **voice_job(options.voice_clip)}
     records = [{**rec.base_record(manifest, spec, options.preset), **facts, "frames": options.frames,
-                "machine": machine, **(bandwidth or {})} for spec, _, manifest, facts in prepared]
+                "machine": machine, **(bandwidth or {}), **peak} for spec, _, manifest, facts in prepared]
     results: list[list[dict[str, Any]]] = [[] for _ in prepared]
     for round_ in range(max(1, options.rounds)):
         for i, (spec, path, manifest, _) in enumerate(prepared):
@@ -214,11 +259,27 @@ def _measure_all(prepared: list[Prepared], options: BenchOptions, machine: dict[
             record["decoder_weight_mb"] = record.pop("decoder_weight_bytes") / 1e6
         record["first_audio_budget_ms"] = rec.first_audio_budget(record)
         rec.roofline(record, bandwidth)
+        rec.prefill_vs_peak(record)
     rec.add_ratios(records)
     for (spec, path, manifest, _), record in zip(prepared, records, strict=True):
         if options.batch and not spec.is_pytorch and path is not None:
             record["batch"] = _measure_batches(spec, path, manifest, cache, job, options)
     return records
+
+
+def voice_job(clip: str | None) -> dict[str, Any]:
+    """The ``measure`` job's ``voice_clip`` and ``voice_transcript`` (the clip's ``.txt`` beside it);
+    InputError naming ``--voice-clip`` when the clip or its transcript is missing."""
+    if not clip:
+        return {}
+    from higgs_pack.manifests.errors import InputError
+
+    path = Path(clip)
+    transcript = path.with_suffix(".txt")
+    if not path.is_file() or not transcript.is_file():
+        raise InputError(f"--voice-clip {clip}: needs the clip and its transcript {transcript.name} beside it "
+                         f"({'no clip' if not path.is_file() else 'no transcript'}); '' measures zero-shot only")
+    return {"voice_clip": str(path), "voice_transcript": transcript.read_text(encoding="utf-8").strip()}
 
 
 def _measure_system(spec: SystemSpec, path: Path | None, manifest: dict[str, Any] | None, checkpoint: Path | None,
@@ -307,9 +368,13 @@ def _parser() -> argparse.ArgumentParser:
                        ("--llama-threads", int), ("--timeout", float)):
         add(flag, type=kind)
     add("--bandwidth-mib", type=int, help="memory-bandwidth buffer (0: skip)")
+    add("--voice-clip", type=lambda s: s or None,
+        help="reference clip of the first audio per voice kind, its transcript in the .txt beside it ('': zero-shot only)")
+    add("--no-gemm-peak", dest="gemm_peak", action="store_false", help="skip the GEMM peak")
     for flag, what in (("--contexts", "contexts of the bare decoder's step (empty: none)"),
                        ("--batch", "engine batch sizes to measure, e.g. 1,2,4,8"),
-                       ("--step-batch", "batch sizes of the decoder-step comparison with llama.cpp systems")):
+                       ("--step-batch", "batch sizes of the decoder-step comparison with llama.cpp systems"),
+                       ("--prefill-lengths", "prompt positions of prefill_positions_per_s (empty: none)")):
         add(flag, type=_sizes(flag), help=what)
     add("--fit-memory-gib", type=float, default=rec.FIT_MEMORY_BYTES / 2**30, help="memory budget of the largest batch")
     add("--out", type=lambda s: s or None, help="JSON records, charted into the same name with .html ('': none)")
@@ -349,7 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     measured = [r for r in records if r.get("kind") is None]
     print("\n".join(filter(None, [report.render_builds(builds), *([report.render_table(measured), report.render_batch(measured),
                                                             report.render_details(measured)] if measured else []),
-                                  report.render_steps(steps)])))
+                                  report.render_prefill(measured + steps), report.render_steps(steps)])))
     if options.out:
         rec.write_records(builds + measured + steps, Path(options.out), options.append)
         print(f"wrote {options.out}")

@@ -201,7 +201,7 @@ WORKERS = {
     "measure": "bench.workers:worker_measure", "checkpoint": "bench.workers:worker_checkpoint",
     "build": "bench.workers:worker_build", "bandwidth": "bench.workers:worker_bandwidth",
     "batch": "bench.batch:measure_batches", "fit": "bench.batch:fit_run",
-    "our_steps": "bench.decoder_steps:measure_our_steps", "llama_steps": "bench.decoder_steps:measure_llama_steps",
+    "gemm_peak": "bench.gemm:worker_gemm_peak", "our_steps": "bench.decoder_steps:measure_our_steps", "llama_steps": "bench.decoder_steps:measure_llama_steps",
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import math
 import os
 import statistics
 import sys
@@ -15,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.gemm import PREFILL_LENGTHS
 from bench.systems import PYTORCH, load_1m, median_of, peak_rss_mb, rss_mb
 from higgs_pack.exporters.result import tool_versions
 from higgs_pack.runtime.backends import registered
@@ -23,6 +25,13 @@ from higgs_pack.runtime.backends import registered
 #: (a shared 2-core VM drifted up to 30% between runs, which one block per length misread).
 CONTEXT_STEPS = 8
 CONTEXT_ROUNDS = 3
+#: Rounds of the prefill timings (every length in turn each round, fastest kept) and of the
+#: first audio per voice kind (issue 32 item 1, issue 30 item 4).
+PREFILL_ROUNDS = 2
+VOICE_ROUNDS = 2
+#: The voice kinds of ``first_audio_ms_by_voice``: no voice, a reference clip encoded per request,
+#: a named (prepared) voice's codes.
+VOICE_KINDS = ("zero_shot", "clip", "named")
 
 
 class _Timed:
@@ -46,7 +55,13 @@ class _Timed:
         return self._timed(self.inner.run, feeds)
 
     def forward(self, inputs_embeds: np.ndarray) -> np.ndarray:
+        self.positions.append(int(inputs_embeds.shape[1]))
         return self._timed(self.inner.forward, inputs_embeds)
+
+    @property
+    def positions(self) -> list[int]:
+        """Positions of each ``forward`` call, beside ``log``."""
+        return self.__dict__.setdefault("_positions", [])
 
 
 def no_eoc(eoc: int) -> Callable[[dict], dict]:
@@ -162,6 +177,67 @@ def context_steps(decoder: Any, prompt: np.ndarray, step: np.ndarray, contexts: 
     return {f"step_ms_ctx{n}": statistics.median(times[n]) * 1e3 for n in lengths}
 
 
+def prefill_rates(decoder: Any, prompt: np.ndarray, lengths: list[int], rounds: int = PREFILL_ROUNDS
+                  ) -> dict[str, Any]:
+    """``prefill_positions_per_s``: ``{"L": L / s}`` for a prefill of ``L`` positions (``prompt``'s
+    rows [1, P, H] repeated) into an empty KV cache, the fastest of ``rounds`` (the lengths in
+    turn each round; the first round also meets each shape once); lengths the decoder cannot hold
+    are left out.  ``prefill_ms_by_length`` holds the same as ms."""
+    lengths = [n for n in lengths if n + 1 <= decoder.max_length]
+    best: dict[int, float] = {}
+    for _ in range(max(1, rounds)):
+        for length in lengths:
+            decoder.reset()
+            x = np.resize(prompt[0], (length, prompt.shape[-1]))[None].astype(np.float32)
+            t = time.perf_counter()
+            decoder.forward(x)
+            best[length] = min(best.get(length, math.inf), time.perf_counter() - t)
+    decoder.reset()
+    return {"prefill_positions_per_s": {str(n): round(n / s, 2) for n, s in best.items()},
+            "prefill_ms_by_length": {str(n): round(s * 1e3, 1) for n, s in best.items()}}
+
+
+def first_audio_by_voice(pipeline: Any, logs: dict[str, list[float]], text: str, frames: int, options: Any,
+                         clip: str | None, transcript: str | None, rounds: int = VOICE_ROUNDS) -> dict[str, Any]:
+    """First streamed audio (ms from the ``stream`` call) per :data:`VOICE_KINDS`, fastest of
+    ``rounds`` (the kinds in turn): ``zero_shot``; ``clip``, the reference ``clip`` (a file) and its
+    ``transcript`` read and encoded by the bundle's codec per request; ``named``, its codes encoded
+    once beforehand (a prepared voice, no voice cache).  Also each kind's ``voice_prompt_positions``
+    and prefill ms, and ``first_audio_vs_zero_shot``.  Without a clip, or a pipeline without an
+    audio encoder (PyTorch here), only ``zero_shot``."""
+    from higgs_pack.runtime.loop.generate import encode_reference
+    from higgs_pack.runtime.loop.streaming import stream
+    from higgs_pack.runtime.request import Voice
+
+    c = pipeline.constants
+    kinds: dict[str, dict[str, Any]] = {"zero_shot": {}}
+    if clip and transcript and getattr(pipeline, "audio_encoder", None) is not None:
+        samples = Voice(clip, transcript).prepared(c.sample_rate, c.hop_length)
+        kinds["clip"] = {"ref_samples": samples, "ref_text": transcript}
+        kinds["named"] = {"ref_codes": encode_reference(pipeline, samples), "ref_text": transcript}
+    best: dict[str, float] = {}
+    positions: dict[str, int] = {}
+    prefill: dict[str, float] = {}
+    decoder = pipeline.decoder
+    for _ in range(max(1, rounds)):
+        for kind, extra in kinds.items():
+            for log in logs.values():
+                log.clear()
+            decoder.positions.clear()
+            speech = stream(pipeline, text, options=options, max_frames=frames, **extra)
+            next(speech)
+            speech.close()
+            ms = speech.first_audio_s * 1e3
+            if ms < best.get(kind, math.inf):
+                best[kind], positions[kind] = ms, decoder.positions[0]
+                prefill[kind] = logs["decoder"][0] * 1e3
+    zero = best["zero_shot"]
+    return {"first_audio_ms_by_voice": {k: round(v, 1) for k, v in best.items()},
+            "voice_prompt_positions": positions, "voice_prefill_ms": {k: round(v, 1) for k, v in prefill.items()},
+            "first_audio_vs_zero_shot": {k: round(v / zero, 3) for k, v in best.items()},
+            "voice_clip": clip if len(kinds) > 1 else None}
+
+
 def kv_itemsize(decoder: Any) -> int | None:
     """Bytes per KV cache element of a loaded decoder: ONNX Runtime's ``past_key_values.*`` input
     type, OpenVINO's (static decoder) or its compiled ``KV_CACHE_PRECISION``, 4 for PyTorch's
@@ -271,6 +347,10 @@ def worker_measure(spec: dict[str, Any]) -> dict[str, Any]:
            "repeats": len(runs)}
     out["loop_over_decoder"] = out["decoder_only_frames_per_s"] / out["frames_per_s"]
     out.update(context_steps(bare, prompt, step, list(spec["contexts"])))
+    out.update(prefill_rates(bare, prompt, list(spec.get("prefill_lengths", PREFILL_LENGTHS)),
+                             spec.get("prefill_rounds", PREFILL_ROUNDS)))
+    out.update(first_audio_by_voice(pipeline, logs, text, frames, options, spec.get("voice_clip"),
+                                    spec.get("voice_transcript"), spec.get("voice_rounds", VOICE_ROUNDS)))
     itemsize = kv_itemsize(bare)
     return {**out, "kv_itemsize": itemsize, "kv_bytes_per_position": kv_bytes_per_position(c, itemsize),
             "peak_rss_mb": peak_rss_mb(), "loadavg_1m": [before, load_1m()]}

@@ -345,6 +345,67 @@ def test_bench_streams_and_drives_the_bare_decoder(cpu_int4_bundle, tmp_path):
     assert rec["machine"]["llc_bytes"] == cpu_info().llc_bytes
     details = report.render_details([rec])
     assert "first audio" in details and "ctx 900" in details
+    # prefill at the three lengths, the run's GEMM peak on the tiny layer's shapes, their ratio
+    assert set(rec["prefill_positions_per_s"]) == {"64", "256", "1024"}
+    assert all(v > 0 for v in rec["prefill_positions_per_s"].values())
+    assert rec["gemm_peak_gops"]["int8"] > 0 and rec["gemm_peak_gops"]["float32"] > 0
+    ops = rec["decoder_ops_per_position"]
+    assert ops == 2 * 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128)  # 2 layers of the tiny shapes
+    assert rec["prefill_gops"]["256"] == pytest.approx(rec["prefill_positions_per_s"]["256"] * ops / 1e9, rel=1e-2)
+    assert rec["prefill_vs_peak"]["int8"]["256"] == pytest.approx(
+        rec["prefill_gops"]["256"] / rec["gemm_peak_gops"]["int8"], rel=1e-2)
+    # first audio of zero-shot, the 7-second clip and the same voice prepared: the voice's prompt is longer
+    if run.DEFAULT_VOICE_CLIP.is_file():
+        voice, positions = rec["first_audio_ms_by_voice"], rec["voice_prompt_positions"]
+        assert set(voice) == {"zero_shot", "clip", "named"} and rec["first_audio_vs_zero_shot"]["zero_shot"] == 1.0
+        assert positions["clip"] == positions["named"] > positions["zero_shot"] + 150  # ~175 frames of codes
+    text = report.render_prefill([rec])
+    assert "prefill 256 pos/s" in text and "GEMM peak" in text
+
+
+def test_prefill_against_the_peak_table_and_goals():
+    """prefill_vs_peak from the fields, the prefill table (ours and llama.cpp's) and issue 32's goals."""
+    peak = {"gemm_peak_gops": {"int8": 400.0, "float32": 100.0}, "decoder_ops_per_position": 2e9}
+    cpu = _measured("cpu-int4", "cpu", 12.0, preset="full", prefill_positions_per_s={"64": 40.0, "256": 70.0},
+                    first_audio_ms_by_voice={"zero_shot": 800.0, "named": 4000.0},
+                    first_audio_vs_zero_shot={"zero_shot": 1.0, "named": 5.0}, **peak)
+    ov = _measured("openvino-int4", "openvino", 11.0, preset="full", prefill_positions_per_s={"256": 20.0},
+                   first_audio_vs_zero_shot={"zero_shot": 1.0, "named_cached": 1.1}, **peak)
+    llama = {"kind": systems.STEP_KIND, "label": "llama.cpp-q4_0", "preset": "full", "backend": "llama.cpp",
+             "prefill_positions_per_s": {"256": 50.0}, **peak}
+    for r in (cpu, ov, llama):
+        bench_records.prefill_vs_peak(r)
+    assert cpu["prefill_gops"] == {"64": 80.0, "256": 140.0}
+    assert cpu["prefill_vs_peak"] == {"int8": {"64": 0.2, "256": 0.35}, "float32": {"64": 0.8, "256": 1.4}}
+    goals = _goals([cpu, ov])
+    assert goals["[full] cpu int4 prefill at 256 positions >= 3x before (21 positions/s)"][0] is True
+    assert goals["[full] openvino int4 prefill at 256 positions >= 3x before (16 positions/s)"][0] is False
+    assert goals["[full] openvino int4: named voice's first audio (cached prefix) <= 1.15x zero-shot"][0] is True
+    named = goals["[full] cpu int4: named voice's first audio (cached prefix) <= 1.15x zero-shot"]
+    assert named[0] is None and "without the cache 5.00x" in named[1]
+    headers, rows, facts = report.prefill_table([cpu, ov, llama])
+    assert [r[0] for r in rows] == ["cpu-int4", "openvino-int4", "llama.cpp-q4_0"]
+    assert rows[0][headers.index("prefill 256 pos/s")] == "70.0" and rows[1][headers.index("prefill 64 pos/s")] == "-"
+    assert rows[0][headers.index("256: GOP/s (int8 / fp32 peak)")] == "140 (35% / 140%)"
+    assert rows[0][headers.index("1st audio named ms")] == "4000 (5.00x)"
+    assert "int8 400 GOP/s, float32 100 GOP/s" in facts[0]
+    bare = _measured("cpu-fp32", "cpu", 10.0)
+    bench_records.prefill_vs_peak(bare)  # no prefill figures: nothing added, no row
+    assert "prefill_gops" not in bare and report.render_prefill([bare]) == ""
+
+
+def test_voice_clip_needs_its_transcript(tmp_path):
+    from higgs_pack.manifests.errors import InputError
+
+    assert run.voice_job(None) == {}
+    clip = tmp_path / "v.wav"
+    with pytest.raises(InputError, match=r"--voice-clip .*no clip"):
+        run.voice_job(str(clip))
+    clip.write_bytes(b"RIFF")
+    with pytest.raises(InputError, match=r"v\.txt beside it .*no transcript"):
+        run.voice_job(str(clip))
+    (tmp_path / "v.txt").write_text(" Hello there. \n")
+    assert run.voice_job(str(clip)) == {"voice_clip": str(clip), "voice_transcript": "Hello there."}
 
 
 def test_cpu_isa_names_vnni_and_avx512():

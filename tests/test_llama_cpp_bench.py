@@ -245,3 +245,14 @@ def test_tiny_steps_time_at_batch_1_and_4(tiny_ggufs):
         assert [(r["batch"], r["context"]) for r in got["rows"]] == [(1, 8), (4, 8), (1, 40), (4, 40)], quant
         assert all(r["step_ms"] > 0 and r["step_ms_no_output"] > 0 for r in got["rows"])
         assert "CPU" in got["system_info"] and got["threads"] == 2
+        # llama.cpp's own prompt processing at the bench's lengths (the default 64, 256, 1024)
+        assert set(got["prefill_positions_per_s"]) == {"64", "256", "1024"}, quant
+        assert all(v > 0 for v in got["prefill_positions_per_s"].values())
+
+
+def test_fastest_prefill_keeps_each_lengths_best_round():
+    runs = [{"prefill_positions_per_s": {"64": 100.0, "256": 50.0}}, {"prefill_positions_per_s": {"64": 80.0,
+                                                                                                  "256": 64.0}}]
+    assert decoder_steps.fastest_prefill(runs) == {"prefill_positions_per_s": {"64": 100.0, "256": 64.0},
+                                                   "prefill_ms_by_length": {"64": 640.0, "256": 4000.0}}
+    assert decoder_steps.fastest_prefill([{"rows": []}]) == {}

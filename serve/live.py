@@ -32,8 +32,9 @@ sentence's bytes are a playable stream), ``{"type": "audio.done", "sentence_inde
   "sentence_index", "end"}`` (``end``: the session's audio sent so far, seconds); the session goes
   on with the next text;
 - ``{"type": "input.flush"}`` speaks buffered text that has no sentence end yet;
-- a bad message gets ``{"type": "error", "message", "param", "code"}`` naming the field; the
-  session goes on.
+- a bad message gets ``{"type": "error", "message", "param", "code", "status"}`` naming the
+  field; the session goes on (a sentence the engine refuses, say one too long for the context,
+  gets one with its ``sentence_text`` and is skipped).
 
 A sentence is complete when its punctuation (``. ! ? ; …``) is followed by whitespace, or at a
 CJK full stop (``。！？；``) or a line break: a ``.`` at the end of what arrived so far may
@@ -376,8 +377,9 @@ class Session:
                 return
             try:
                 await self._say(sentence)
-            except ApiError as exc:
-                await self._put(_Item(self.epoch, error_event(exc, "text"), keep=True))
+            except ApiError as exc:  # this sentence is not spoken; the session goes on
+                event = {**error_event(exc, "text"), "sentence_text": sentence.text}
+                await self._put(_Item(self.epoch, event, keep=True))
 
     async def _say(self, sentence: _Sentence) -> None:
         """Speak one sentence: submit it with its rolling context, stream its audio out, keep its

@@ -1,0 +1,195 @@
+"""A LiveKit Agents TTS plugin for ``higgs-pack serve``: :class:`HiggsTTS` (the ``[livekit]`` extra).
+
+It speaks to the server's live WebSocket (``/v1/audio/speech/stream``, docs/serving/live.md)
+the way LiveKit's streaming TTS plugins do (``livekit.agents.tts.TTS`` with
+``TTSCapabilities(streaming=True, aligned_transcript=True)``; ``SynthesizeStream._run`` with an
+``AudioEmitter``; source: livekit-agents 1.8 ``livekit/agents/tts/tts.py``):
+
+- one session per :class:`HiggsTTS`, kept open across the agent's turns (one stream at a
+  time), so the rolling context carries the voice and prosody from turn to turn;
+- a stream's text goes out as it is pushed (``input.text``), its ``flush()`` and end as
+  ``input.flush``; its audio comes back as the server's sentences end, resampled to the
+  ``sample_rate`` asked for (LiveKit's own ``rtc.AudioResampler``);
+- each sentence's text is a ``TimedString`` with its ``start_time``/``end_time`` in the
+  segment's audio (``aligned_transcript``), so the agent's transcript stops where speech was
+  interrupted;
+- a stream closed before its end (the agent interrupted) sends ``input.cancel``: the sentence
+  being spoken stops on the server and its row leaves the engine, and the session stays open
+  for the next turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import websockets
+from livekit import rtc
+from livekit.agents import tts, utils
+from livekit.agents._exceptions import APIConnectionError, APIStatusError
+from livekit.agents.types import DEFAULT_API_CONNECT_OPTIONS, APIConnectOptions, TimedString
+
+from higgs_pack.serve.integrations.protocol import (
+    CANCEL,
+    FLUSH,
+    SERVER_RATE,
+    Event,
+    Pending,
+    Reader,
+    auth_headers,
+    config_message,
+    stream_url,
+    text_message,
+)
+
+log = logging.getLogger(__name__)
+
+
+class HiggsTTS(tts.TTS):
+    """Higgs-Audio-v3 speech from a ``higgs-pack serve`` server, streamed.
+
+    Args:
+        base_url: the server (``http://127.0.0.1:8000``) or its live route's ``ws://`` address.
+        api_key: the server's ``--api-key``, if it has one.
+        voice: ``"default"`` or a voice stored on the server (``POST /v1/audio/voices``).
+        sample_rate: Hz of the audio frames this plugin gives LiveKit (the server speaks at
+            24000; other rates are resampled).
+        options: other ``session.config`` fields (``seed``, ``temperature``, ``top_k``,
+            ``top_p``, ``max_new_tokens``, ``context_chunks``, ``initial_chunk_frames``).
+    """
+
+    def __init__(self, *, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None,
+                 voice: str = "default", sample_rate: int = SERVER_RATE, **options: Any):
+        super().__init__(capabilities=tts.TTSCapabilities(streaming=True, aligned_transcript=True),
+                         sample_rate=sample_rate, num_channels=1)
+        self._url, self._headers = stream_url(base_url), auth_headers(api_key)
+        self._config = config_message(voice, **options)
+        self._ws: Any = None
+        self._reader = Reader()
+        self._lock = asyncio.Lock()
+
+    @property
+    def model(self) -> str:
+        return "higgs-audio-v3"
+
+    @property
+    def provider(self) -> str:
+        return "higgs-pack"
+
+    def synthesize(self, text: str, *,
+                   conn_options: APIConnectOptions = DEFAULT_API_CONNECT_OPTIONS) -> tts.ChunkedStream:
+        """Whole text: one stream with ``text`` pushed and ended (LiveKit's helper)."""
+        return self._synthesize_with_stream(text, conn_options=conn_options)
+
+    def stream(self, *, conn_options: APIConnectOptions = DEFAULT_API_CONNECT_OPTIONS) -> HiggsStream:
+        return HiggsStream(tts=self, conn_options=conn_options)
+
+    async def _session(self) -> Any:
+        """The open session (connected and configured on first use, or after it dropped)."""
+        if self._ws is None or self._ws.state is not websockets.protocol.State.OPEN:
+            try:
+                self._ws = await websockets.connect(self._url, additional_headers=self._headers, max_size=None)
+            except (OSError, websockets.InvalidHandshake) as exc:
+                raise APIConnectionError(f"cannot reach higgs-pack serve at {self._url}: {exc}") from exc
+            self._reader = Reader()
+            await self._ws.send(self._config)
+        return self._ws
+
+    async def aclose(self) -> None:
+        if self._ws is not None:
+            await self._ws.close()
+            self._ws = None
+
+
+class HiggsStream(tts.SynthesizeStream):
+    """One turn's text in, its speech out, over the :class:`HiggsTTS`'s session."""
+
+    def __init__(self, *, tts: HiggsTTS, conn_options: APIConnectOptions):
+        super().__init__(tts=tts, conn_options=conn_options)
+        self._higgs = tts
+        self._speaking = False  # a sentence of this stream started and is not done
+
+    async def _run(self, output_emitter: tts.AudioEmitter) -> None:
+        higgs = self._higgs
+        request_id = utils.shortuuid()
+        output_emitter.initialize(request_id=request_id, sample_rate=higgs.sample_rate, num_channels=1,
+                                  mime_type="audio/pcm", stream=True)
+        output_emitter.start_segment(segment_id=request_id)
+        async with higgs._lock:
+            ws = await higgs._session()
+            finished = False
+            try:
+                await self._speak(ws, higgs._reader, output_emitter)
+                finished = True
+            except websockets.ConnectionClosed as exc:
+                higgs._ws = None
+                raise APIConnectionError(f"higgs-pack serve closed the session: {exc}") from exc
+            finally:
+                if not finished and higgs._ws is not None:  # interrupted: stop the sentence, keep the session
+                    higgs._reader.cancelling()
+                    try:
+                        await asyncio.shield(ws.send(CANCEL))
+                    except (websockets.ConnectionClosed, asyncio.CancelledError):
+                        higgs._ws = None
+        output_emitter.end_segment()
+
+    async def _speak(self, ws: Any, reader: Reader, emitter: tts.AudioEmitter) -> None:
+        """Send this stream's text while reading its sentences, until every text it sent was spoken
+        (or refused) and its input ended."""
+        pending = Pending()
+        ended = asyncio.Event()
+        origin = reader.position  # where this stream's audio begins in the session's audio
+        rate = self._higgs.sample_rate
+        resampler = rtc.AudioResampler(SERVER_RATE, rate, num_channels=1) if rate != SERVER_RATE else None
+
+        async def send() -> None:
+            async for data in self._input_ch:
+                if isinstance(data, self._FlushSentinel):
+                    await ws.send(FLUSH)
+                    continue
+                self._mark_started()
+                pending.sent(self, data)
+                await ws.send(text_message(data))
+            await ws.send(FLUSH)
+            ended.set()
+
+        sender = asyncio.create_task(send(), name="higgs-pack.send")
+        try:
+            while not (ended.is_set() and not pending.waiting(self) and not self._speaking):
+                if sender.done() and sender.exception():
+                    raise sender.exception()
+                try:
+                    message = await asyncio.wait_for(ws.recv(), 0.05)
+                except asyncio.TimeoutError:
+                    continue
+                event = reader.read(message)
+                if event is not None:
+                    self._on(event, pending, emitter, resampler, origin)
+        finally:
+            sender.cancel()
+        if resampler is not None:
+            for frame in resampler.flush():
+                emitter.push(frame.data.tobytes())
+
+    def _on(self, event: Event, pending: Pending, emitter: tts.AudioEmitter, resampler: Any, origin: float) -> None:
+        if event.kind == "audio":
+            if resampler is None:
+                emitter.push(event.audio)
+            else:
+                for frame in resampler.push(bytearray(event.audio)):
+                    emitter.push(frame.data.tobytes())
+        elif event.kind == "start":
+            pending.spoken(event.text)
+            self._speaking = True
+        elif event.kind == "done":
+            self._speaking = False
+            emitter.push_timed_transcript(TimedString(event.text + " ", start_time=event.start - origin,
+                                                      end_time=event.end - origin))
+        elif event.kind == "error":
+            if event.param in ("text", None) and event.text:  # one sentence refused; the rest go on
+                pending.spoken(event.text)
+                log.warning("higgs-pack serve refused a sentence: %s", event.message)
+            else:
+                raise APIStatusError(f"higgs-pack serve: {event.message}", status_code=400, body=event.message,
+                                     retryable=False)

@@ -1,0 +1,248 @@
+"""A Pipecat TTS service for ``higgs-pack serve``: :class:`HiggsTTSService` (the ``[pipecat]`` extra).
+
+It speaks to the server's live WebSocket (``/v1/audio/speech/stream``, docs/serving/live.md) as
+Pipecat's WebSocket TTS services do (``pipecat.services.tts_service.WebsocketTTSService``:
+``run_tts`` sends text and yields None, a receive task appends the audio to the turn's audio
+context; source: pipecat-ai 1.14 ``pipecat/services/tts_service.py`` and its Gradium service):
+
+- one session for the service's life (reconnected by ``WebsocketService`` when it drops), so
+  the rolling context carries the voice and prosody from sentence to sentence and turn to turn;
+- with sentence aggregation (Pipecat's default) each sentence is sent and flushed at once; with
+  ``TextAggregationMode.TOKEN`` tokens go out as they come and the server finds the sentence
+  ends, the turn's end flushing the rest (``flush_audio``);
+- audio comes back at 24 kHz and is resampled to the pipeline's output rate (Pipecat's own
+  stream resampler);
+- each sentence's text is passed as a word timestamp at the sentence's start in the turn's
+  audio (``add_word_timestamps``), so Pipecat's context keeps only what was spoken;
+- an interruption (``on_audio_context_interrupted``) sends ``input.cancel``: the sentence being
+  spoken stops on the server, its row leaves the engine, and the session stays open.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Any
+
+from loguru import logger
+from pipecat.audio.utils import create_stream_resampler
+from pipecat.frames.frames import (
+    CancelFrame,
+    EndFrame,
+    ErrorFrame,
+    Frame,
+    TTSAudioRawFrame,
+    TTSStoppedFrame,
+)
+from pipecat.processors.frame_processor import FrameProcessorSetup
+from pipecat.services.settings import TTSSettings
+from pipecat.services.tts_service import WebsocketTTSService
+from websockets.protocol import State
+
+from higgs_pack.serve.integrations.protocol import (
+    CANCEL,
+    FLUSH,
+    SERVER_RATE,
+    Event,
+    Pending,
+    Reader,
+    auth_headers,
+    config_message,
+    stream_url,
+    text_message,
+)
+
+
+@dataclass
+class HiggsTTSSettings(TTSSettings):
+    """Settings of :class:`HiggsTTSService` (``voice``: ``"default"`` or a stored voice's name)."""
+
+
+class HiggsTTSService(WebsocketTTSService):
+    """Higgs-Audio-v3 speech from a ``higgs-pack serve`` server.
+
+    Args:
+        base_url: the server (``http://127.0.0.1:8000``) or its live route's ``ws://`` address.
+        api_key: the server's ``--api-key``, if it has one.
+        voice: ``"default"`` or a voice stored on the server (``POST /v1/audio/voices``).
+        sample_rate: Hz of the audio frames (None: the pipeline's output rate); the server's
+            24 kHz is resampled.
+        options: other ``session.config`` fields (``seed``, ``temperature``, ``top_k``,
+            ``top_p``, ``max_new_tokens``, ``context_chunks``, ``initial_chunk_frames``).
+        settings: Pipecat's runtime-updatable settings (a new ``voice`` reconnects).
+        kwargs: :class:`~pipecat.services.tts_service.TTSService`'s (``text_aggregation_mode``, ...).
+    """
+
+    Settings = HiggsTTSSettings
+    _settings: HiggsTTSSettings
+
+    def __init__(self, *, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None,
+                 voice: str = "default", sample_rate: int | None = None, options: dict[str, Any] | None = None,
+                 settings: HiggsTTSSettings | None = None, **kwargs: Any):
+        defaults = self.Settings(model="higgs-audio-v3", voice=voice, language=None)
+        if settings is not None:
+            defaults.apply_update(settings)
+        super().__init__(push_stop_frames=True, push_start_frame=True, push_text_frames=False,
+                         pause_frame_processing=True, sample_rate=sample_rate, settings=defaults, **kwargs)
+        self._url, self._headers, self._options = stream_url(base_url), auth_headers(api_key), dict(options or {})
+        self._receive_task = None
+        self._reader, self._pending = Reader(), Pending()
+        self._current: str | None = None  # the context of the sentence being received
+        self._origins: dict[str, float] = {}  # session seconds where a context's audio begins
+        self._ending: set[str] = set()  # contexts whose turn ended (flushed)
+        self._resampler = create_stream_resampler()
+
+    def can_generate_metrics(self) -> bool:
+        return True
+
+    async def _update_settings(self, delta: TTSSettings) -> dict[str, Any]:
+        changed = await super()._update_settings(delta)
+        if "voice" in changed:  # a new session.config needs a new session
+            await self._disconnect()
+            await self._connect()
+        else:
+            self._warn_unhandled_updated_settings(changed)
+        return changed
+
+    # the connection (as Pipecat's WebSocket services keep theirs)
+    async def setup(self, setup: FrameProcessorSetup) -> None:
+        await super().setup(setup)
+        await self._connect()
+
+    async def stop(self, frame: EndFrame) -> None:
+        await super().stop(frame)
+        await self._disconnect()
+
+    async def cancel(self, frame: CancelFrame) -> None:
+        await super().cancel(frame)
+        await self._disconnect()
+
+    async def _connect(self) -> None:
+        await super()._connect()
+        if (self._websocket is None or self._websocket.state is not State.OPEN) and self._receive_task:
+            await self.cancel_task(self._receive_task)  # the server closed it: a new receive task below
+            self._receive_task = None
+        await self._connect_websocket()
+        if self._websocket and not self._receive_task:
+            self._receive_task = self.create_task(self._receive_task_handler(self._report_error))
+
+    async def _disconnect(self) -> None:
+        await super()._disconnect()
+        if self._receive_task:
+            await self.cancel_task(self._receive_task)
+            self._receive_task = None
+        await self._disconnect_websocket()
+
+    async def _connect_websocket(self) -> None:
+        try:
+            if self._websocket and self._websocket.state is State.OPEN:
+                return
+            self._websocket = await self._websocket_connect(self._url, additional_headers=self._headers,
+                                                            max_size=None)
+            self._reader, self._pending = Reader(), Pending()
+            self._current, self._origins, self._ending = None, {}, set()
+            await self._websocket.send(config_message(self._settings.voice or "default", **self._options))
+            await self._call_event_handler("on_connected")
+        except Exception as exc:
+            self._websocket = None
+            await self.push_error(error_msg=f"cannot reach higgs-pack serve at {self._url}: {exc}", exception=exc)
+            await self._call_event_handler("on_connection_error", f"{exc}")
+
+    async def _disconnect_websocket(self) -> None:
+        try:
+            await self.stop_all_metrics()
+            if self._websocket:
+                await self._websocket.close()
+        finally:
+            self._websocket = None
+            await self._call_event_handler("on_disconnected")
+
+    # text out
+    async def run_tts(self, text: str, context_id: str) -> AsyncGenerator[Frame | None, None]:
+        """Send ``text``: a sentence (flushed at once) or, in token mode, a token."""
+        if not self._websocket or self._websocket.state is not State.OPEN:
+            await self._connect()
+        if not self._websocket:
+            yield ErrorFrame(error=f"higgs-pack serve at {self._url} is not connected")
+            return
+        try:
+            self._pending.sent(context_id, text)
+            await self._websocket.send(text_message(text))
+            if not self._is_streaming_tokens:  # sentence aggregation: Pipecat cut the sentence
+                await self._websocket.send(FLUSH)
+            await self.start_tts_usage_metrics(text)
+        except Exception as exc:
+            yield ErrorFrame(error=f"higgs-pack serve: {exc}")
+            yield TTSStoppedFrame(context_id=context_id)
+            await self._disconnect()
+            await self._connect()
+            return
+        yield None
+
+    async def flush_audio(self, context_id: str | None = None) -> None:
+        """The turn ended: speak the text left without a sentence end; the context ends when its
+        last sentence is done."""
+        context_id = context_id or self.get_active_audio_context_id()
+        if not context_id or not self._websocket:
+            return
+        self._ending.add(context_id)
+        await self._websocket.send(FLUSH)
+        await self._finish_if_spoken(context_id)
+
+    async def on_audio_context_interrupted(self, context_id: str) -> None:
+        """Barge-in: stop the sentence on the server (``input.cancel``), forget the text sent."""
+        self._reader.cancelling()
+        self._pending.clear()
+        self._current = None
+        self._ending.discard(context_id)
+        self._origins.pop(context_id, None)
+        if self._websocket and self._websocket.state is State.OPEN:
+            await self._websocket.send(CANCEL)
+        await self.stop_all_metrics()
+        await super().on_audio_context_interrupted(context_id)
+
+    # audio in
+    async def _receive_messages(self) -> None:
+        async for message in self._get_websocket():
+            event = self._reader.read(message)
+            if event is not None:
+                await self._on(event)
+
+    def _get_websocket(self) -> Any:
+        if self._websocket:
+            return self._websocket
+        raise ConnectionError("not connected to higgs-pack serve")
+
+    async def _on(self, event: Event) -> None:
+        if event.kind == "start":
+            self._current = self._pending.spoken(event.text)
+            if self._current is not None:
+                self._origins.setdefault(self._current, self._reader.position)
+        elif event.kind == "audio":
+            context_id = self._current
+            if context_id and self.audio_context_available(context_id):
+                audio = await self._resampler.resample(event.audio, SERVER_RATE, self.sample_rate)
+                await self.append_to_audio_context(context_id, TTSAudioRawFrame(
+                    audio=audio, sample_rate=self.sample_rate, num_channels=1, context_id=context_id))
+        elif event.kind == "done":
+            context_id, self._current = self._current, None
+            if context_id and self.audio_context_available(context_id):
+                start = event.start - self._origins.get(context_id, event.start)
+                await self.add_word_timestamps([(event.text, start)], context_id)
+                await self._finish_if_spoken(context_id)
+        elif event.kind == "error":
+            context_id = self._pending.spoken(event.text) if event.text else None
+            logger.warning(f"{self}: higgs-pack serve: {event.message}")
+            await self.push_error(error_msg=f"higgs-pack serve: {event.message}")
+            if context_id:
+                await self._finish_if_spoken(context_id)
+
+    async def _finish_if_spoken(self, context_id: str) -> None:
+        """End ``context_id``'s audio once its turn ended and every sentence of it is done."""
+        if context_id in self._ending and not self._pending.waiting(context_id) and self._current != context_id:
+            self._ending.discard(context_id)
+            self._origins.pop(context_id, None)
+            if self.audio_context_available(context_id):
+                await self.append_to_audio_context(context_id, TTSStoppedFrame(context_id=context_id))
+                await self.remove_audio_context(context_id)
+            await self.stop_all_metrics()

@@ -1,0 +1,167 @@
+"""The client side of ``higgs-pack serve``'s live WebSocket (``/v1/audio/speech/stream``;
+docs/serving/live.md), shared by the Pipecat service and the LiveKit plugin.
+
+It only builds messages and reads them (:class:`Reader`): each framework keeps its own
+connection (Pipecat's ``WebsocketService`` reconnects its socket itself).  Needs nothing but
+the standard library, so the frameworks' processes need no server dependencies.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+#: The server's audio: 16-bit little-endian mono PCM at this rate (Hz).
+SERVER_RATE = 24000
+#: The route on a server's address.
+ROUTE = "/v1/audio/speech/stream"
+
+
+def stream_url(base_url: str) -> str:
+    """The WebSocket address of the live route on a server (``http://host:port`` or
+    ``ws://host:port``, with or without the route)."""
+    url = base_url.rstrip("/")
+    if url.startswith("http"):
+        url = "ws" + url[4:]
+    return url if url.endswith(ROUTE) else url + ROUTE
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The ``Authorization`` header of ``api_key`` (none without a key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def config_message(voice: str = "default", **fields: Any) -> str:
+    """``session.config`` with ``response_format`` pcm, ``voice`` and the speech body's
+    sampling ``fields`` (``seed``, ``temperature``, ``top_k``, ``top_p``, ``max_new_tokens``,
+    ``context_chunks``, ``initial_chunk_frames``; None values left out)."""
+    body = {"type": "session.config", "voice": voice, "response_format": "pcm"}
+    body.update({k: v for k, v in fields.items() if v is not None})
+    return json.dumps(body)
+
+
+def text_message(text: str) -> str:
+    """``input.text`` carrying ``text`` (a token, or sentences)."""
+    return json.dumps({"type": "input.text", "text": text})
+
+
+FLUSH = json.dumps({"type": "input.flush"})
+DONE = json.dumps({"type": "input.done"})
+CANCEL = json.dumps({"type": "input.cancel"})
+
+
+@dataclass(frozen=True)
+class Event:
+    """One thing the server said, read by :class:`Reader`.
+
+    Attributes:
+        kind: ``"start"`` (a sentence begins), ``"audio"``, ``"done"`` (a sentence ended),
+            ``"cancelled"``, ``"error"``, ``"session.done"``.
+        sentence: the sentence's index (start, done; cancelled: the one stopped, or None).
+        text: the sentence's text (start, done; error: the sentence refused, or "").
+        audio: PCM bytes (audio; 16-bit mono at :data:`SERVER_RATE`).
+        start: seconds where the sentence's speech begins in the session's audio (done).
+        end: seconds where it ends (done, cancelled: the audio sent so far).
+        param: the field an error names.
+        message: an error's message.
+    """
+
+    kind: str
+    sentence: int | None = None
+    text: str = ""
+    audio: bytes = b""
+    start: float = 0.0
+    end: float = 0.0
+    param: str | None = None
+    message: str = ""
+
+
+class Reader:
+    """Reads the server's messages into :class:`Event`; after :meth:`cancelling` it drops audio
+    until the server's ``audio.cancelled`` (audio of the stopped sentence already on the wire),
+    so what follows is the next text's.
+
+    Raises:
+        ValueError: a message that is not this protocol's (not JSON, no known ``type``).
+    """
+
+    def __init__(self) -> None:
+        self.dropping = False
+        self.position = 0.0
+        """Seconds of the session's audio the server has sent, as of its last ``audio.done`` or
+        ``audio.cancelled`` (where the next sentence's audio begins)."""
+        self._texts: dict[int, str] = {}
+
+    def cancelling(self) -> None:
+        """The client sent ``input.cancel``."""
+        self.dropping = True
+
+    def read(self, message: str | bytes) -> Event | None:
+        """The event of one message, or None for one to ignore (stale audio, unknown events)."""
+        if isinstance(message, (bytes, bytearray)):
+            return None if self.dropping else Event("audio", audio=bytes(message))
+        data = json.loads(message)
+        kind = data.get("type")
+        if kind == "audio.cancelled":
+            self.dropping = False
+            self.position = data.get("end", self.position)
+            return Event("cancelled", data.get("sentence_index"), end=self.position)
+        if kind == "error":
+            return Event("error", text=data.get("sentence_text", ""), param=data.get("param"),
+                         message=data.get("message", ""))
+        if kind == "session.done":
+            return Event("session.done")
+        if self.dropping:
+            return None
+        index = data.get("sentence_index")
+        if kind == "audio.start":
+            self._texts[index] = data.get("sentence_text", "")
+            return Event("start", index, self._texts[index])
+        if kind == "audio.done":
+            self.position = data["end"]
+            return Event("done", index, self._texts.pop(index, ""), start=data["start"], end=data["end"])
+        return None
+
+
+def spoken_chars(text: str) -> int:
+    """Characters of ``text`` that are not whitespace: the server cuts sentences out of what it
+    is sent and strips only whitespace, so these counts let a client tell which of its texts a
+    sentence came from."""
+    return sum(not c.isspace() for c in text)
+
+
+class Pending:
+    """Which of a client's texts each sentence of the server came from: the texts sent, each
+    with its owner (a Pipecat context, a LiveKit stream) and its :func:`spoken_chars`, consumed
+    in order as the server's sentences (their texts) start, are refused or are cancelled."""
+
+    def __init__(self) -> None:
+        self._texts: list[list[Any]] = []  # [owner, characters not yet in a sentence]
+
+    def sent(self, owner: Any, text: str) -> None:
+        """``owner`` sent ``text`` (``input.text``)."""
+        chars = spoken_chars(text)
+        if chars:
+            self._texts.append([owner, chars])
+
+    def spoken(self, sentence: str) -> Any:
+        """A sentence began (or was refused): its owner (the owner of its first characters), its
+        characters consumed; None when nothing was waiting."""
+        owner = self._texts[0][0] if self._texts else None
+        chars = spoken_chars(sentence)
+        while chars and self._texts:
+            take = min(chars, self._texts[0][1])
+            self._texts[0][1] -= take
+            chars -= take
+            if not self._texts[0][1]:
+                self._texts.pop(0)
+        return owner
+
+    def waiting(self, owner: Any) -> bool:
+        """Whether some text of ``owner`` has not become a sentence yet."""
+        return any(entry[0] == owner for entry in self._texts)
+
+    def clear(self) -> None:
+        """Forget every text (the client cancelled: the server dropped what it buffered)."""
+        self._texts.clear()

@@ -1,0 +1,177 @@
+"""Issue 31 item 3: the Pipecat TTS service and the LiveKit Agents TTS plugin against a live
+``higgs-pack serve`` (a real subprocess on 127.0.0.1 serving the real tiny cpu int4 bundle),
+driven through each framework's own classes: Pipecat's ``run_test`` pipeline harness with its
+frames, LiveKit's ``SynthesizeStream`` and ``AudioEmitter``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from live_server import LiveServer
+
+#: One sentence of about 200 tokens: its frame cap (10 per token) is some 80 s of audio, which the
+#: tiny model, speaking to its cap, takes seconds to generate: long enough to interrupt.
+LONG = "This one sentence goes on and on, " * 24 + "until it ends."
+
+
+@pytest.fixture(scope="module")
+def server(cpu_int4_bundle):
+    with LiveServer(cpu_int4_bundle) as live:
+        yield live
+
+
+def _wait_idle(server, rows: int = 0, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and server.metric("higgs_pack_active_batch") > rows:
+        time.sleep(0.05)
+    assert server.metric("higgs_pack_active_batch") == rows
+
+
+class TestPipecat:
+    pipecat = pytest.importorskip("pipecat", reason="the [pipecat] extra (pipecat-ai) is not installed")
+
+    def _run(self, server, frames, rate=16000, **options):
+        from pipecat.pipeline.task import PipelineParams
+        from pipecat.tests.utils import run_test
+
+        from higgs_pack.serve.integrations.pipecat_tts import HiggsTTSService
+
+        tts = HiggsTTSService(base_url=server.url, sample_rate=rate, options={"seed": 3, **options})
+        down, _ = asyncio.run(run_test(tts, frames_to_send=frames,
+                                       pipeline_params=PipelineParams(audio_out_sample_rate=rate)))
+        return down
+
+    def test_sentences_come_as_audio_frames_at_the_rate_asked_with_their_timings(self, server):
+        from pipecat.frames.frames import (
+            TTSAudioRawFrame,
+            TTSSpeakFrame,
+            TTSStartedFrame,
+            TTSStoppedFrame,
+            TTSTextFrame,
+        )
+        from pipecat.tests.utils import SleepFrame
+
+        down = self._run(server, [TTSSpeakFrame("Hello there. How are you today?"), SleepFrame(sleep=4)])
+        audio = [f for f in down if isinstance(f, TTSAudioRawFrame)]
+        assert audio and {f.sample_rate for f in audio} == {16000} and {f.num_channels for f in audio} == {1}
+        seconds = sum(len(f.audio) for f in audio) / 2 / 16000
+        # two sentences of at least 50 frames (2 s) each and the 0.2 s pause between them
+        assert seconds >= 4.0
+        texts = [f for f in down if isinstance(f, TTSTextFrame)]
+        assert [f.text for f in texts] == ["Hello there.", "How are you today?"]
+        # the second sentence's text is timed where its speech starts: after the first one and the pause
+        assert (texts[1].pts - texts[0].pts) / 1e9 == pytest.approx(2.2, abs=0.5)
+        kinds = [type(f) for f in down]
+        assert kinds.index(TTSStartedFrame) < kinds.index(TTSAudioRawFrame)
+        assert TTSStoppedFrame in kinds[kinds.index(TTSAudioRawFrame):]
+
+    def test_token_mode_streams_tokens_and_the_server_finds_the_sentences(self, server):
+        from pipecat.frames.frames import (
+            LLMFullResponseEndFrame,
+            LLMFullResponseStartFrame,
+            LLMTextFrame,
+            TTSAudioRawFrame,
+            TTSTextFrame,
+        )
+        from pipecat.services.tts_service import TextAggregationMode
+        from pipecat.tests.utils import SleepFrame, run_test
+
+        from higgs_pack.serve.integrations.pipecat_tts import HiggsTTSService
+
+        tts = HiggsTTSService(base_url=server.url, sample_rate=24000, options={"seed": 1},
+                              text_aggregation_mode=TextAggregationMode.TOKEN)
+        tokens = ["One", " sentence", " here.", " And", " the", " rest"]
+        frames = [LLMFullResponseStartFrame(), *(LLMTextFrame(t) for t in tokens), LLMFullResponseEndFrame(),
+                  SleepFrame(sleep=4)]
+        from pipecat.pipeline.task import PipelineParams
+
+        down, _ = asyncio.run(run_test(tts, frames_to_send=frames,
+                                       pipeline_params=PipelineParams(audio_out_sample_rate=24000)))
+        audio = [f for f in down if isinstance(f, TTSAudioRawFrame)]
+        assert audio and {f.sample_rate for f in audio} == {24000}
+        assert sum(len(f.audio) for f in audio) / 2 / 24000 >= 4.0  # two sentences of >= 2 s
+        assert "".join(f.text for f in down if isinstance(f, TTSTextFrame)).replace(" ", "") == \
+            "Onesentencehere.Andtherest"
+
+    def test_an_interruption_stops_the_sentence_on_the_server_and_the_next_turn_speaks(self, server):
+        """The tiny model makes audio far faster than real time: the interruption comes 0.5 s in,
+        while its sentence (a cap of about 2000 frames, 80 s) is still being generated."""
+        from pipecat.frames.frames import InterruptionFrame, TTSAudioRawFrame, TTSSpeakFrame
+        from pipecat.tests.utils import SleepFrame
+
+        frames = [TTSSpeakFrame(LONG), SleepFrame(sleep=0.5), InterruptionFrame(), SleepFrame(sleep=1.0),
+                  TTSSpeakFrame("After the cut."), SleepFrame(sleep=3)]
+        generated = server.metric("higgs_pack_engine_frames_total")
+        down = self._run(server, frames)
+        generated = server.metric("higgs_pack_engine_frames_total") - generated
+        cut = next(i for i, f in enumerate(down) if isinstance(f, InterruptionFrame))
+        before = sum(len(f.audio) for f in down[:cut] if isinstance(f, TTSAudioRawFrame)) / 2 / 16000
+        after = sum(len(f.audio) for f in down[cut:] if isinstance(f, TTSAudioRawFrame)) / 2 / 16000
+        assert before > 0
+        assert generated < 1500  # the long sentence stopped on the server well before its cap
+        assert 2.0 <= after < 10  # then the next turn alone: no audio of the stopped sentence after the cut
+        _wait_idle(server)
+        assert server.metric("higgs_pack_in_flight") == 0  # the pipeline's end closed the session
+
+
+class TestLiveKit:
+    livekit = pytest.importorskip("livekit.agents", reason="the [livekit] extra (livekit-agents) is not installed")
+
+    def test_a_stream_gives_frames_at_the_rate_asked_and_timed_transcripts(self, server):
+        from livekit.agents.types import USERDATA_TIMED_TRANSCRIPT
+
+        from higgs_pack.serve.integrations.livekit_tts import HiggsTTS
+
+        async def run():
+            tts = HiggsTTS(base_url=server.url, sample_rate=16000, seed=3)
+            stream = tts.stream()
+            stream.push_text("Hello there. How are")
+            stream.push_text(" you today?")
+            stream.end_input()
+            events = [event async for event in stream]
+            await stream.aclose()
+            await tts.aclose()
+            return events
+
+        events = asyncio.run(run())
+        frames = [e.frame for e in events]
+        assert {f.sample_rate for f in frames} == {16000} and {f.num_channels for f in frames} == {1}
+        seconds = sum(f.samples_per_channel for f in frames) / 16000
+        assert seconds >= 4.0
+        timed = [t for f in frames for t in f.userdata.get(USERDATA_TIMED_TRANSCRIPT, [])]
+        assert [t.strip() for t in timed] == ["Hello there.", "How are you today?"]
+        assert timed[0].start_time == pytest.approx(0.0, abs=1e-3)
+        assert timed[1].start_time == pytest.approx(timed[0].end_time + 0.2, abs=1e-3)
+        assert timed[1].end_time == pytest.approx(seconds, abs=0.1)
+        assert events[-1].is_final
+
+    def test_closing_a_stream_mid_sentence_cancels_it_and_the_session_goes_on(self, server):
+        from higgs_pack.serve.integrations.livekit_tts import HiggsTTS
+
+        async def run():
+            tts = HiggsTTS(base_url=server.url, seed=2)
+            stream = tts.stream()
+            stream.push_text(LONG + " ")
+            stream.flush()
+            async for _ in stream:  # the first audio
+                break
+            assert server.metric("higgs_pack_active_batch") == 1
+            await stream.aclose()  # what the agent does on barge-in
+            await asyncio.to_thread(_wait_idle, server, 0, 10)
+            assert server.metric("higgs_pack_in_flight") == 1  # the session stays open
+            after = tts.synthesize("After the cut.")
+            frames = [event.frame async for event in after]
+            await after.aclose()
+            await tts.aclose()
+            return frames
+
+        frames = asyncio.run(run())
+        seconds = sum(f.samples_per_channel for f in frames) / 24000
+        assert 2.0 <= seconds < 10  # the new text alone: nothing of the stopped sentence came after it
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and server.metric("higgs_pack_in_flight"):
+            time.sleep(0.05)
+        assert server.metric("higgs_pack_in_flight") == 0

@@ -307,3 +307,47 @@ def test_the_api_docs_render_offline_with_the_speech_body(browser, server, tmp_p
         watched.assert_clean()
     finally:
         page.close()
+
+
+def test_type_while_it_speaks_plays_the_first_sentence_and_cancel_stops_it(page, server):
+    """Issue 31 item 4: the live box sends text over the WebSocket as it is typed; the first
+    finished sentence plays through the page's AudioContext; Cancel stops the sentence being
+    spoken (the server frees its row) and what was scheduled, and typing on speaks again."""
+    page.play(TEXT, seed=1)  # a first request makes the AudioContext (as a person's click would)
+    page.wait_status("^Done\\.$")
+    page.page.type("#live-text", "Hello there. ", delay=20)  # typed, key by key
+    page.page.wait_for_function("higgsDemo.live.firstAudioMs !== null", timeout=60_000)
+    page.page.wait_for_function("higgsDemo.live.sentences.length === 1 && higgsDemo.live.sentences[0].done",
+                                timeout=60_000)
+    first = page.page.evaluate("({s: higgsDemo.live.sentences[0], samples: higgsDemo.live.samples, "
+                               "ms: higgsDemo.live.firstAudioMs})")
+    assert first["s"]["text"] == "Hello there." and first["s"]["start"] == 0
+    assert first["samples"] == round(first["s"]["end"] * RATE) > 0 and first["ms"] > 0
+    assert page.status("#live-status").startswith("Speaking sentence 1: Hello there.")
+    t0 = page.page.evaluate("higgsDemo.context.currentTime")
+    page.page.wait_for_timeout(300)
+    assert page.page.evaluate("higgsDemo.context.currentTime") > t0  # it plays
+    # a long sentence (a cap of about 80 s of audio), cancelled as soon as it speaks
+    long = "This one sentence goes on and on, " * 24 + "until it ends. "
+    page.page.fill("#live-text", "Hello there. " + long)
+    page.page.dispatch_event("#live-text", "input")
+    page.page.wait_for_function("higgsDemo.live.sentences.length === 2 && higgsDemo.live.sources.size > 0",
+                                timeout=60_000)
+    assert server.metric("higgs_pack_active_batch") == 1
+    page.page.click("#live-cancel")
+    page.wait_status("^Cancelled", "#live-status", timeout_s=10)
+    assert page.page.evaluate("higgsDemo.live.sources.size") == 0  # nothing left playing
+    deadline = time.monotonic() + 10
+    while server.metric("higgs_pack_active_batch") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.metric("higgs_pack_active_batch") == 0
+    samples = page.page.evaluate("higgsDemo.live.samples")
+    page.page.wait_for_timeout(500)
+    assert page.page.evaluate("higgsDemo.live.samples") == samples  # no audio of it came after the cancel
+    assert not page.page.evaluate("higgsDemo.live.sentences[1].done")
+    page.page.type("#live-text", "Back again. ", delay=20)
+    page.page.wait_for_function("higgsDemo.live.sentences.length === 3 && higgsDemo.live.sentences[2].done",
+                                timeout=60_000)
+    assert page.page.evaluate("higgsDemo.live.sentences[2].text") == "Back again."
+    assert page.page.evaluate("higgsDemo.live.samples") > samples
+    page.assert_clean()

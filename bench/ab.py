@@ -1,5 +1,5 @@
 """Decoder settings side by side on this machine: ``python -m bench.ab {ort-int4,ort-kv-cache,
-ov-properties}``.  Each variant's ``llm_decoder`` is exported the way a build does, opened bare,
+ov-properties,gemm-peak}``.  Each variant's ``llm_decoder`` is exported the way a build does, opened bare,
 prefilled with one random prompt, then timed in rounds with the variants interleaved (order
 rotated, so load on a shared machine hits all alike) and its hidden states compared with a
 reference's; every row names the CPU, its ISA and the load (rankings change with VNNI and AMX).
@@ -8,7 +8,10 @@ Printed as Markdown (docs/measurements.md), written as JSON with ``--out``.
 * ``ort-int4``: ModelBuilder int4 ``block_size`` x ``accuracy_level`` against the fp32 decoder;
 * ``ort-kv-cache``: float and int8 KV caches, with code agreement and a teacher-forced sequence;
 * ``ov-properties``: OpenVINO CPU compile properties and NNCF INT4 SYM/ASYM x group 64/128, against
-  the fp32 IR (KV settings also against the same IR's f32 cache, ``*_vs_kv_f32``).
+  the fp32 IR (KV settings also against the same IR's f32 cache, ``*_vs_kv_f32``);
+* ``gemm-peak``: no checkpoint: one Qwen3-4B decoder layer's MatMuls (synthetic weights) at prompt
+  row counts per arithmetic (float32, int8, MatMulNBits block x accuracy_level, OpenVINO NNCF int4
+  and its compile properties): positions/s and GOP/s, what a prefill runs (:mod:`bench.gemm`).
 """
 
 from __future__ import annotations
@@ -407,6 +410,38 @@ COMMANDS = {
 }
 
 
+def machine_facts() -> dict[str, Any]:
+    """The CPU named in every report: description, model, ISA flags, logical CPUs."""
+    from higgs_pack.runtime.machine.cpu import cpu_info
+
+    cpu = cpu_info()
+    return {"cpu": cpu.describe(), "model": cpu.model, "isa": cpu.isa, "logical_cpus": cpu.logical_cpus}
+
+
+def gemm_peak(args: argparse.Namespace) -> int:
+    """``gemm-peak``: :func:`bench.gemm.ab_command`, printed and written like the others."""
+    import onnxruntime
+    import openvino
+
+    from bench import gemm
+    from higgs_pack.manifests.errors import InputError
+
+    machine = machine_facts()
+    try:
+        report = gemm.ab_command(args, machine)
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    report.update(command="gemm-peak", onnxruntime=onnxruntime.__version__, openvino=openvino.__version__,
+                  load=loadavg())
+    print(f"{machine['cpu']}, onnxruntime {report['onnxruntime']}, openvino {report['openvino']}, "
+          f"{report['session_options']} session options, {args.rounds} rounds, load {report['load']}\n\n"
+          f"{gemm.ab_table(report)}")
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.ab", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -423,18 +458,22 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument(f"--{option}", default="" if option == "settings" else ",".join(_known()),
                        help=f"comma-separated {option} (default all)")
     sub.choices["ort-kv-cache"].add_argument("--frames", type=int, default=400, help="teacher-forced frames (0: none)")
+    from bench import gemm
+
+    gemm.add_arguments(sub.add_parser("gemm-peak", help="one decoder layer's MatMuls per arithmetic and row count "
+                                                        "(bench/gemm.py; no checkpoint)"))
     args = p.parse_args(argv)
+    if args.command == "gemm-peak":
+        return gemm_peak(args)
     measure, table, runtime, _, (option, known) = COMMANDS[args.command]
     got = [n for n in getattr(args, option).split(",") if n.strip()]
     unknown = sorted(set(got) - set(known()))
     if unknown:
         p.error(f"unknown {option if option == 'settings' else option[:-1] + '(s)'} {unknown}; known: {', '.join(known())}")
     setattr(args, option, got)
-    from higgs_pack.runtime.machine.cpu import cpu_info
     from higgs_pack.targets.build import default_checkpoint
 
-    cpu = cpu_info()
-    machine = {"cpu": cpu.describe(), "model": cpu.model, "isa": cpu.isa, "logical_cpus": cpu.logical_cpus}
+    machine = machine_facts()
     checkpoint = default_checkpoint(args.preset, args.seed)
     folder = Path(args.work or tempfile.mkdtemp(prefix=f"higgs-pack-{args.command}-"))
     folder.mkdir(parents=True, exist_ok=True)

@@ -3,13 +3,16 @@ process (the ``batch`` worker), and ``--fit-run`` (the ``fit`` worker).
 
 Per size, the rounds taking the sizes in turn, each run on a fresh engine: **plain** (B requests
 submitted together, read with ``result()``), **streamed** (each iterated on its own thread),
-**join** (one more request's first audio while B - 1 run) and **bare** (the engine's own batched
+**join** (one more request's first audio while B - 1 run, and the same with a named voice's
+whole prompt prefilled at the join: ``join_voice_*``, with ``join_max_frame_gap_ms``, the running
+rows' longest wait for a frame meanwhile; issue 32) and **bare** (the engine's own batched
 decoder stepped alone as often as the engine stepped).  EOC is suppressed and the repeat guard
 off, so every request runs its frame cap.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -90,8 +93,20 @@ def _engine_run(tts: Any, batch: int, spec: dict[str, Any], marks: list[tuple[fl
     }, engine, codes
 
 
-def _join_run(tts: Any, batch: int, spec: dict[str, Any], marks: list[tuple[float, int]]) -> dict[str, Any]:
-    """First streamed audio of a request joining ``batch - 1`` running ones (alone at batch 1)."""
+def max_gap_ms(marks: list[tuple[float, int]], since: float, until: float) -> float | None:
+    """The longest time between engine steps (``marks``' times) from ``since`` to ``until``, those
+    ends included: what a running row waited for its next frame; None without a step in between."""
+    times = [since] + [t for t, _ in marks if since < t < until] + [until]
+    return max(b - a for a, b in itertools.pairwise(times)) * 1e3 if len(times) > 2 else None
+
+
+def _join_run(tts: Any, batch: int, spec: dict[str, Any], marks: list[tuple[float, int]], voice: Any = None,
+              key: str = "join", gap: str = "join_text_max_frame_gap_ms") -> dict[str, Any]:
+    """First streamed audio of a request joining ``batch - 1`` running ones (alone at batch 1),
+    with ``voice`` (a prepared voice: its whole prompt prefilled at the join) or none:
+    ``<key>_first_audio_ms``, ``<key>_rows`` and, beside running rows, ``gap`` (their longest
+    wait for a frame, ms, from the submission to the joiner's first audio) and OpenVINO's
+    ``<key>_splice_ms``."""
     from higgs_pack.runtime.loop.streaming import FIRST_CHUNK_FRAMES, codec_context_frames
 
     # the running ones outlast the joiner's prefill, first chunk, codec context and delay ramp, twice
@@ -106,15 +121,19 @@ def _join_run(tts: Any, batch: int, spec: dict[str, Any], marks: list[tuple[floa
                 raise RuntimeError(f"batch {batch}: the {batch - 1} running requests did not reach "
                                    f"{JOIN_AFTER_STEPS} steps together")
             time.sleep(0.001)
-        start = len(marks)
-        joiner = engine.submit(spec["text"], **_request(spec, batch - 1, spec["frames"]))
+        start, since = len(marks), time.perf_counter()
+        extra = {"voice": voice} if voice is not None else {}
+        joiner = engine.submit(spec["text"], **_request(spec, batch - 1, spec["frames"]), **extra)
         speech = iter(joiner)
         next(speech)
-        out = {"join_first_audio_ms": speech.first_audio_s * 1e3,
-               "join_rows": max((rows for _, rows in marks[start:]), default=0)}
+        until = time.perf_counter()
+        out = {f"{key}_first_audio_ms": speech.first_audio_s * 1e3,
+               f"{key}_rows": max((rows for _, rows in marks[start:]), default=0)}
+        if batch > 1:
+            out[gap] = max_gap_ms(list(marks), since, until)
         splice_s = getattr(engine.decoder, "last_splice_seconds", None)  # OpenVINO: the joiner's splice
         if splice_s is not None:
-            out["join_splice_ms"] = splice_s * 1e3
+            out[f"{key}_splice_ms"] = splice_s * 1e3
         for handle in [joiner, *running]:
             handle.cancel()
     return out
@@ -137,11 +156,12 @@ def _bare_run(decoder: Any, batch: int, prompt: np.ndarray, step: np.ndarray, st
 
 
 def _one_round(tts: Any, batch: int, spec: dict[str, Any], marks: list[tuple[float, int]],
-               prompt: np.ndarray, step: np.ndarray) -> dict[str, Any]:
+               prompt: np.ndarray, step: np.ndarray, voice: Any = None) -> dict[str, Any]:
     plain, engine, codes = _engine_run(tts, batch, spec, marks, streamed=False)
     bare_ms = _bare_run(engine.decoder, batch, prompt, step, plain["engine_steps"])
     streamed, _, stream_codes = _engine_run(tts, batch, spec, marks, streamed=True)
     run = {**plain, "bare_step_ms": bare_ms, **_join_run(tts, batch, spec, marks),
+           **({} if voice is None else _join_run(tts, batch, spec, marks, voice, "join_voice", "join_max_frame_gap_ms")),
            "stream_aggregate_frames_per_s": streamed["aggregate_frames_per_s"],
            "stream_engine_step_ms": streamed["engine_step_ms"],
            "stream_codes_match": all(np.array_equal(a, b) for a, b in zip(codes, stream_codes, strict=True)),
@@ -149,6 +169,22 @@ def _one_round(tts: Any, batch: int, spec: dict[str, Any], marks: list[tuple[flo
     if run["aggregate_frames_per_s"] and run["stream_aggregate_frames_per_s"]:
         run["stream_over_plain"] = run["stream_aggregate_frames_per_s"] / run["aggregate_frames_per_s"]
     return run
+
+
+def join_voice(tts: Any, spec: dict[str, Any]) -> tuple[Any, int | None]:
+    """The prepared voice of ``spec["voice_clip"]`` (its transcript ``voice_transcript``) that a
+    joining request of the ``join_voice`` run speaks in, and its prompt's positions with the bench
+    text (a 7-second clip: about 219); ``(None, None)`` without a clip or an audio encoder."""
+    from higgs_pack.manifests.errors import InputError
+    from higgs_pack.runtime.loop.generate import build_prompt
+
+    if not spec.get("voice_clip"):
+        return None, None
+    try:
+        voice = tts.prepare_voice(spec["voice_clip"], spec["voice_transcript"], "bench")
+    except InputError:  # a bundle without an audio encoder
+        return None, None
+    return voice, int(build_prompt(tts.pipeline, spec["text"], voice.codes, voice.transcript).shape[1])
 
 
 def measure_batches(spec: dict[str, Any]) -> dict[str, Any]:
@@ -170,6 +206,7 @@ def measure_batches(spec: dict[str, Any]) -> dict[str, Any]:
     pipeline.audio_heads = _HeadsProbe(pipeline.audio_heads, c.eoc, marks)
     codec_context_frames(pipeline)  # measured once, outside the timed runs
     prompt, step = fixed_inputs(pipeline, spec["text"])
+    voice, voice_positions = join_voice(tts, spec)
     sizes = [int(b) for b in spec["batch"]]
     refused: dict[int, str] = {}
     per_position = budget = None
@@ -188,7 +225,7 @@ def measure_batches(spec: dict[str, Any]) -> dict[str, Any]:
     rounds: dict[int, list[dict[str, Any]]] = {b: [] for b in usable}
     for _ in range(max(1, spec.get("repeats", 1))):
         for batch in usable:
-            rounds[batch].append(_one_round(tts, batch, spec, marks, prompt, step))
+            rounds[batch].append(_one_round(tts, batch, spec, marks, prompt, step, voice))
     rows = []
     for batch in sizes:
         if batch in refused:
@@ -200,7 +237,8 @@ def measure_batches(spec: dict[str, Any]) -> dict[str, Any]:
         rows.append({**row, "rounds": rounds[batch]})
     return {"rows": rows, "kv_bytes_per_position": per_position, "kv_budget_bytes": budget,
             "bench_kv_bytes_per_position": kv_bytes_per_position(c, kv_itemsize(pipeline.decoder)),
-            "prompt_length": int(prompt.shape[1]), "loadavg_1m": [before, load_1m()], "peak_rss_mb": peak_rss_mb()}
+            "prompt_length": int(prompt.shape[1]), "join_voice_prompt_length": voice_positions,
+            "loadavg_1m": [before, load_1m()], "peak_rss_mb": peak_rss_mb()}
 
 
 def fill_kv(decoder: Any, length: int, seed: int = 0) -> None:

@@ -307,3 +307,43 @@ def table(report: Mapping[str, Any]) -> str:
         lines.append(f"| {name} | " + " | ".join(cells + ratio) + " |")
     return "\n".join(lines)
 
+
+
+def add_arguments(parser: Any) -> None:
+    """The ``python -m bench.ab gemm-peak`` flags."""
+    parser.add_argument("--variants", default=",".join(AB_VARIANTS),
+                        help="comma-separated: fp32, int8, int4_b<block>_l<level>[_asym], ov_fp32, ov_int8_sym, "
+                             "ov_int4_sym_g<group>[_bf16|_dq0|_dq32]")
+    parser.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=list(AB_ROWS),
+                        help="row counts M (prompt positions)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, the variants interleaved (best kept)")
+    parser.add_argument("--plain-session", action="store_true",
+                        help="ONNX Runtime sessions with plain SessionOptions() (default: the runtime's)")
+    parser.add_argument("--profile", type=int, default=0, metavar="M",
+                        help="also profile the ONNX Runtime variants at M rows (kernel time per op type)")
+    parser.add_argument("--out", type=Path, help="write the JSON report here")
+
+
+def ab_command(args: Any, machine: Mapping[str, Any]) -> dict[str, Any]:
+    """``gemm-peak``: :func:`measure` at Qwen3-4B's layer shapes (:data:`QWEN3_4B`), and with
+    ``--profile`` the kernels per op type of every ONNX Runtime variant."""
+    variants = [v for v in args.variants.split(",") if v.strip()]
+    for name in variants:
+        parse_variant(name)
+    options = None if args.plain_session else {}
+    report = {"dims": QWEN3_4B, "session_options": "plain" if options is None else "runtime", "machine": dict(machine),
+              **measure(QWEN3_4B, variants, args.rows, rounds=args.rounds, session_options=options)}
+    if args.profile:
+        model = float_layer(layer_shapes(QWEN3_4B))
+        report["profile"] = {name: profile_ops(model, name, args.profile, options)
+                             for name in variants if parse_variant(name).runtime == "ort"}
+    return report
+
+
+def ab_table(report: Mapping[str, Any]) -> str:
+    """:func:`table`, then the profile's kernel time per op type."""
+    text = table(report)
+    for name, prof in report.get("profile", {}).items():
+        text += f"\n\n{name} at M={prof['rows']}, kernel us per call: " + ", ".join(
+            f"{op} {us:.0f}" for op, us in prof["kernel_us"].items())
+    return text

@@ -38,6 +38,8 @@ BATCH_COLUMNS = (
     ("bare step ms", "bare_step_ms", "{:.2f}"), ("engine/bare", "engine_over_bare", "{:.3f}x"),
     ("streamed f/s", "stream_aggregate_frames_per_s", "{:.1f}"), ("streamed/plain", "stream_over_plain", "{:.2f}x"),
     ("join 1st audio ms", "join_first_audio_ms", "{:.0f}"), ("join splice ms", "join_splice_ms", "{:.1f}"),
+    ("voice join 1st audio ms", "join_voice_first_audio_ms", "{:.0f}"),
+    ("voice join: longest frame gap ms", "join_max_frame_gap_ms", "{:.0f}"),
     ("KV in use KiB", "max_kv_kib_in_use", "{:.0f}"),
 )
 #: (record key, chart title, scale, dashed line (value, label) or None) of the per-system charts.

@@ -605,6 +605,12 @@ def test_bench_batch_on_tiny_cpu_int4(cpu_int4_bundle, tmp_path):
                    isinstance(v, float))
     assert batch["fit_max_batch"] == (12 * 2**30 - batch["fit_weight_bytes"]) // (2000 * per_position)
     assert len(batch["loadavg_1m"]) == 2 and batch["peak_rss_mb"] > 0
+    if run.DEFAULT_VOICE_CLIP.is_file():  # a named 7-second voice joins: its prompt, the running row's longest wait
+        assert batch["join_voice_prompt_length"] > batch["prompt_length"] + 150
+        one, two = batch["rows"]
+        assert one["join_voice_first_audio_ms"] > 0 and "join_max_frame_gap_ms" not in one
+        assert two["join_voice_rows"] == 2 and two["join_max_frame_gap_ms"] > 0
+        assert two["join_text_max_frame_gap_ms"] > 0
     recorded = {g["goal"]: (g["met"], g["measured"]) for g in goals["goals"]}
     streamed = recorded["[tiny] cpu-int4: streamed aggregate frames/s >= 0.9x plain at every batch"]
     assert streamed[0] is None and streamed[1].startswith("B=1 ") and streamed[1].endswith("judged at full size only")

@@ -7,7 +7,9 @@ the level's requests from as many threads and the server gets them from as many 
 (at one client the two take turns request by request, so both meet the same load); each level
 bounded by its request count and seconds, ``--rounds`` keeping each side's fastest round; then a
 soak reading the server's RSS every 50 answers.  Requests: the cases' texts, seed = index, whole
-WAVs and PCM streams in turn; every answer is checked (:mod:`bench.serve_checks`).
+WAVs and PCM streams in turn; every answer is checked (:mod:`bench.serve_checks`).  With
+``--live-sessions N``, N sessions of the live WebSocket with text arriving like an LLM's
+(:mod:`bench.serve_live`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from bench.serve_checks import (
     check,
     request_pool,
 )
+from bench.serve_live import run_live
 from bench.serve_workers import EngineProcess, ServerProcess, scrape
 from bench.systems import cpu_s, machine, rss_mb
 from higgs_pack.manifests.errors import HiggsPackError, InputError
@@ -74,6 +77,8 @@ class LoadOptions:
     cases: str | None = None
     cache: str | None = None
     rounds: int = 1
+    live_sessions: int = 0
+    live_tokens_per_s: float = 30.0
     quiet: bool = False
 
 
@@ -357,6 +362,10 @@ def run_load(options: LoadOptions) -> dict[str, Any]:
         if engine is not None:
             engine.close()
             engine = None
+        if options.live_sessions > 0:
+            say(f"live: {options.live_sessions} sessions, text at {options.live_tokens_per_s:g} tokens/s")
+            record["live"] = run_live(url, case_texts(cases), options.live_sessions, options.live_tokens_per_s,
+                                      timeout)
         if options.soak_requests > 0:
             say(f"soak: {options.soak_requests} requests at {options.soak_clients} clients")
             start = rss_mb(pid) if pid else None
@@ -393,7 +402,9 @@ def _bundle_for_preset(preset: str, cache: str | None, quiet: bool) -> str:
 HELP = {"preset": "tiny or bench: the bench's cpu int4 bundle of this preset", "url": "load a running server instead",
         "server_pid": "with --url: the server's process id (its RSS)", "pool": "distinct requests",
         "level_seconds": "no request of a level starts after this", "frames": "max_new_tokens of every request",
-        "rounds": "run each level this many times, keep each side's fastest", "soak_requests": "0: no soak"}
+        "rounds": "run each level this many times, keep each side's fastest", "soak_requests": "0: no soak",
+        "live_sessions": "sessions at once on the live WebSocket, text streamed in (0: none)",
+        "live_tokens_per_s": "pieces of text (about 4 characters each) a live session sends per second"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -83,8 +83,11 @@ log = logging.getLogger(__name__)
 
 #: The route.
 ROUTE = "/v1/audio/speech/stream"
-#: Messages (JSON events and audio pieces) waiting for a slow client, at most, per session.
-OUTBOX = 16
+#: Messages (JSON events and audio pieces of at most ``max_chunk_frames``, 4 s) waiting for a slow
+#: client, at most, per session, besides what the socket's buffers hold (measured on Linux loopback:
+#: with a client that stopped reading, the codec stood still after some 2,500 frames, about 4 MB of
+#: audio, most of it in the kernel's send buffer).
+OUTBOX = 4
 #: The client's message types.
 MESSAGES = ("session.config", "input.text", "input.flush", "input.done", "input.cancel")
 #: Fields of the speech body a session cannot take (text comes in ``input.text`` messages and

@@ -4,7 +4,7 @@ Names (all prefixed ``higgs_pack_``): ``requests_total{route,status}``,
 ``request_seconds`` and ``time_to_first_audio_seconds`` histograms, ``real_time_factor``
 (compute seconds per second of audio; below 1 is faster than real time), ``frames_total``,
 ``audio_seconds_total``, ``engine_frames_total`` and ``engine_steps_total`` (the engine's
-own counts, cancelled requests included), ``queue_depth`` (requests waiting for a row), ``active_batch`` (rows
+own counts, cancelled requests included), ``codec_frames_total`` (frames its codec thread decoded), ``queue_depth`` (requests waiting for a row), ``active_batch`` (rows
 busy), ``in_flight`` (requests admitted and not done), ``ready``, and the engine's KV bytes
 where it reports them.
 """
@@ -84,3 +84,5 @@ class _EngineCollector:
         yield CounterMetricFamily("higgs_pack_engine_steps", "Batched decode steps the engine ran", value=stats.steps)
         yield CounterMetricFamily("higgs_pack_engine_step_seconds", "Seconds inside the engine's decode steps",
                                   value=stats.step_seconds)
+        yield CounterMetricFamily("higgs_pack_codec_frames", "Frames the engine's codec thread decoded (each "
+                                  "window's context frames included)", value=self._server.engine.codec.stats.frames)

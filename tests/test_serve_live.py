@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -40,7 +41,7 @@ class Heard:
 
 @pytest.fixture(scope="module")
 def server(cpu_int4_bundle):
-    with LiveServer(cpu_int4_bundle, "--max-input-chars", "400", "--max-batch", "4", "--max-queue", "8") as live:
+    with LiveServer(cpu_int4_bundle, "--max-input-chars", "6000", "--max-batch", "4", "--max-queue", "8") as live:
         live.ws = live.url.replace("http://", "ws://") + "/v1/audio/speech/stream"
         yield live
 
@@ -217,7 +218,7 @@ BAD = [
     ({"type": "input.text", "text": 5}, "text", "invalid_value"),
     ({"type": "input.text", "text": "x", "voice": "y"}, "voice", "unknown_field"),
     ({"type": "input.flush", "now": True}, "now", "unknown_field"),
-    ({"type": "input.text", "text": "x" * 401}, "text", "input_too_long"),
+    ({"type": "input.text", "text": "x" * 6001}, "text", "input_too_long"),
 ]
 
 
@@ -353,3 +354,58 @@ def test_api_key_and_the_session_limit_apply(cpu_int4_bundle):
         heard = asyncio.run(full())
         error = heard.of("error")[0]
         assert error["code"] == "queue_full" and error["status"] == 429 and heard.close_code == 1013
+
+
+def test_a_client_that_does_not_read_holds_the_session_back(server):
+    """Back-pressure: a client that stops reading (a small receive buffer, websockets' own queue of
+    one message) stops the session: the codec decodes no more of its audio and the engine gets
+    no next sentence, while the socket's buffers and the session's bounded queue are full; once it
+    reads again, every sentence comes whole."""
+    long = "This one sentence goes on and on, " * 24 + "until it ends. "  # about 50 s of audio each
+
+    async def run() -> tuple[list[float], Heard]:
+        host, port = server.url.removeprefix("http://").split(":")
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)
+        sock.connect((host, int(port)))
+        async with websockets.connect(server.ws, sock=sock, max_queue=1) as ws:
+            await ws.send(json.dumps({"type": "session.config", "seed": 6}))
+            await ws.send(json.dumps({"type": "input.text", "text": long * 6}))
+            await ws.send(json.dumps({"type": "input.done"}))
+            readings = [server.metric("higgs_pack_codec_frames_total")]
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline and (len(readings) < 4 or len(set(readings[-4:])) > 1):
+                await asyncio.sleep(0.5)  # not reading: until the codec's count stands still for 1.5 s
+                readings.append(server.metric("higgs_pack_codec_frames_total"))
+            heard = await _read(ws, Heard(), timeout=300)
+            return readings, await _read(ws, heard, None, 10)
+
+    before = server.metric("higgs_pack_codec_frames_total")
+    readings, heard = asyncio.run(run())
+    stalled = readings[-1] - before
+    total = server.metric("higgs_pack_codec_frames_total") - before
+    assert len(set(readings[-4:])) == 1, readings
+    assert 0 < stalled < 0.6 * total, (stalled, total)  # it stopped with most of the session still to come
+    _check_sentences(heard, [long.strip()] * 6)
+
+
+def test_the_load_tester_runs_live_sessions_with_text_at_30_tokens_per_s(server, cases_dir):
+    """``python -m bench.serve_load --live-sessions 8``: 8 sessions at once, each text sent in
+    pieces of about 4 characters at 30 per second; the record says, per sentence, how long after
+    its last piece its first audio came, the playback gaps, and finds no lost or reordered audio."""
+    from bench.serve_checks import case_texts
+    from bench.serve_live import pieces, run_live
+
+    texts = case_texts(cases_dir)
+    assert all("".join(pieces(t)) == t for t in texts)
+    record = run_live(server.url, texts, 8, 30.0, 120)
+    assert record["problems"] == [] and record["sessions"] == 8 and record["tokens_per_s"] == 30.0
+    sentences = [s for r in record["session_records"] for s in r["sentences"]]
+    assert len(sentences) == record["sentences"] >= 8
+    assert record["first_audio_after_text_s"]["n"] == len(sentences)
+    assert all(s["first_speech_at_s"] >= s["first_audio_at_s"] > s["last_text_s"] > 0 for s in sentences)
+    # the text of a sentence takes (its characters / 4) / 30 s to arrive: a session lasts at least that
+    longest = max(len(pieces(t)) for t in texts[:8]) / 30.0
+    assert record["seconds"] >= longest
+    assert record["gaps"] == len([g for r in record["session_records"] for g in r["gaps_s"]])
+    assert json.dumps(record)  # it goes into the load test's JSON as it is

@@ -168,12 +168,12 @@ def text_config(checkpoint: Path) -> dict[str, Any]:
 
 
 def open_ort(path: str, config: Mapping[str, Any], max_length: int, *, lean: bool = False) -> Any:
-    """An OrtDecoder on the CPU provider; ``lean``: opened as ``--low-memory`` opens a float decoder
-    (weights read in place and paged out after every step)."""
+    """An OrtDecoder on the CPU provider with the runtime decoder's thread pool; ``lean``: opened as
+    ``--low-memory`` opens a float decoder (weights read in place and paged out after every step)."""
     from higgs_pack.runtime.backends.onnxruntime.runners import OrtDecoder
-    from higgs_pack.runtime.backends.onnxruntime.sessions import create_session
+    from higgs_pack.runtime.backends.onnxruntime.sessions import DECODER_THREAD_POOL, create_session
 
-    session, _ = create_session(Path(path), "cpu", prepacking=not lean)
+    session, _ = create_session(Path(path), "cpu", prepacking=not lean, session_options=dict(DECODER_THREAD_POOL))
     weights = tuple(p for p in Path(path).parent.iterdir() if p.suffix == ".data") if lean else ()
     return OrtDecoder(session, max_length=max_length, kv_heads=config["num_key_value_heads"],
                       head_dim=config["head_dim"], page_out_weights=weights)
@@ -435,7 +435,8 @@ def gemm_peak(args: argparse.Namespace) -> int:
     report.update(command="gemm-peak", onnxruntime=onnxruntime.__version__, openvino=openvino.__version__,
                   load=loadavg())
     print(f"{machine['cpu']}, onnxruntime {report['onnxruntime']}, openvino {report['openvino']}, "
-          f"{report['session_options']} session options, {args.rounds} rounds, load {report['load']}\n\n"
+          f"{report['session_options']} session options, threads {report['threads']}, {args.rounds} rounds, "
+          f"load {report['load']}\n\n"
           f"{gemm.ab_table(report)}")
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")

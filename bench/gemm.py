@@ -143,14 +143,15 @@ def ort_model(model: Any, variant: Variant) -> Any:
 
 def ort_runner(model: Any, session_options: Mapping[str, Any] | None, profile: str | None = None
                ) -> Callable[[np.ndarray], Any]:
-    """An ONNX Runtime CPU session of ``model`` made as the runtime makes one
-    (``runtime.backends.onnxruntime.sessions.session_options_for('cpu', session_options)``;
-    None: plain ``SessionOptions()``), ``profile``: a profile file prefix."""
+    """An ONNX Runtime CPU session of ``model`` made as the runtime makes its decoder's
+    (``session_options_for('cpu', {**DECODER_THREAD_POOL, **session_options})``; None: plain
+    ``SessionOptions()``), ``profile``: a profile file prefix."""
     import onnxruntime as ort
 
-    from higgs_pack.runtime.backends.onnxruntime.sessions import session_options_for
+    from higgs_pack.runtime.backends.onnxruntime.sessions import DECODER_THREAD_POOL, session_options_for
 
-    so = ort.SessionOptions() if session_options is None else session_options_for("cpu", dict(session_options))
+    so = (ort.SessionOptions() if session_options is None else
+          session_options_for("cpu", {**DECODER_THREAD_POOL, **session_options}))
     if profile:
         so.enable_profiling, so.profile_file_prefix = True, profile
     session = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
@@ -159,11 +160,11 @@ def ort_runner(model: Any, session_options: Mapping[str, Any] | None, profile: s
     return run
 
 
-def ov_runner(model: Any, variant: Variant) -> Callable[[np.ndarray], Any]:
+def ov_runner(model: Any, variant: Variant, threads: int | None = None) -> Callable[[np.ndarray], Any]:
     """``model`` read by OpenVINO, NNCF-compressed as ``variant`` says (``int4_sym`` group
     ``block``, or ``int8_sym`` per channel) and compiled for the CPU with the runtime's int4 decoder
     properties (``precision_config`` + ``decoder_compile_properties``, fp32's for ``ov_fp32``) and
-    the variant's own."""
+    the variant's own; ``threads``: ``INFERENCE_NUM_THREADS``."""
     import openvino as ov
 
     from higgs_pack.runtime.backends.openvino.devices import (
@@ -173,7 +174,7 @@ def ov_runner(model: Any, variant: Variant) -> Callable[[np.ndarray], Any]:
 
     precision = "fp32" if variant.kind == "fp32" else "int4"
     props = {**precision_config("CPU", precision), **decoder_compile_properties(precision, stateful=False)["CPU"],
-             **dict(variant.properties)}
+             **dict(variant.properties), **({"INFERENCE_NUM_THREADS": str(threads)} if threads else {})}
     with tempfile.TemporaryDirectory(prefix="higgs-pack-gemm-") as tmp:
         import onnx
 
@@ -193,11 +194,15 @@ def ov_runner(model: Any, variant: Variant) -> Callable[[np.ndarray], Any]:
     return run
 
 
-def runner(model: Any, name: str, session_options: Mapping[str, Any] | None = None) -> Callable[[np.ndarray], Any]:
-    """A callable ``run(x float32 [M, hidden])`` of variant ``name`` of ``model``."""
+def runner(model: Any, name: str, session_options: Mapping[str, Any] | None = None,
+           threads: int | None = None) -> Callable[[np.ndarray], Any]:
+    """A callable ``run(x float32 [M, hidden])`` of variant ``name`` of ``model``; ``threads``: each
+    runtime's thread count (ONNX Runtime ``intra_op_num_threads``, OpenVINO ``INFERENCE_NUM_THREADS``)."""
     variant = parse_variant(name)
     if variant.runtime == "ov":
-        return ov_runner(model, variant)
+        return ov_runner(model, variant, threads)
+    if threads:
+        session_options = {**(session_options or {}), "intra_op_num_threads": threads}
     return ort_runner(ort_model(model, variant), session_options)
 
 
@@ -232,14 +237,14 @@ def rates(seconds: Mapping[int, float], ops: int) -> dict[int, dict[str, float]]
 
 
 def measure(config: Mapping[str, Any], variants: Sequence[str], rows: Sequence[int], *, rounds: int = 3,
-            session_options: Mapping[str, Any] | None = None, min_seconds: float = 0.3, seed: int = 0
-            ) -> dict[str, Any]:
-    """Every variant of the layer of ``config`` at every row count: ``{shapes, ops_per_row,
-    results: {variant: {rows: {ms, positions_per_s, gops}}}, build_s}``."""
+            session_options: Mapping[str, Any] | None = None, min_seconds: float = 0.3, seed: int = 0,
+            threads: int | None = None) -> dict[str, Any]:
+    """Every variant of the layer of ``config`` at every row count (``threads``: as :func:`runner`):
+    ``{shapes, ops_per_row, results: {variant: {rows: {ms, positions_per_s, gops}}}, build_s}``."""
     shapes = layer_shapes(config)
     model = float_layer(shapes, seed)
     t = time.perf_counter()
-    runners = {name: runner(model, name, session_options) for name in variants}
+    runners = {name: runner(model, name, session_options, threads) for name in variants}
     build_s = time.perf_counter() - t
     del model
     timed = time_runners(runners, int(config["hidden_size"]), rows, rounds=rounds, min_seconds=min_seconds, seed=seed)
@@ -319,6 +324,9 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds, the variants interleaved (best kept)")
     parser.add_argument("--plain-session", action="store_true",
                         help="ONNX Runtime sessions with plain SessionOptions() (default: the runtime's)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="threads per runtime (0: its default; 1 reads per-core speed on a loaded machine)")
+    parser.add_argument("--min-seconds", type=float, default=0.3, help="each timing repeats a call this long")
     parser.add_argument("--profile", type=int, default=0, metavar="M",
                         help="also profile the ONNX Runtime variants at M rows (kernel time per op type)")
     parser.add_argument("--out", type=Path, help="write the JSON report here")
@@ -332,7 +340,9 @@ def ab_command(args: Any, machine: Mapping[str, Any]) -> dict[str, Any]:
         parse_variant(name)
     options = None if args.plain_session else {}
     report = {"dims": QWEN3_4B, "session_options": "plain" if options is None else "runtime", "machine": dict(machine),
-              **measure(QWEN3_4B, variants, args.rows, rounds=args.rounds, session_options=options)}
+              "threads": args.threads or "default",
+              **measure(QWEN3_4B, variants, args.rows, rounds=args.rounds, session_options=options,
+                        min_seconds=args.min_seconds, threads=args.threads or None)}
     if args.profile:
         model = float_layer(layer_shapes(QWEN3_4B))
         report["profile"] = {name: profile_ops(model, name, args.profile, options)

@@ -210,3 +210,12 @@ def test_sessions_spin_within_a_run_and_stop_after_it_unless_the_manifest_says_o
     so = session_options_for("cpu", {"session.intra_op.allow_spinning": 0})
     assert so.get_session_config_entry("session.intra_op.allow_spinning") == "0"
     assert so.get_session_config_entry("session.force_spinning_stop") == "1"
+
+
+def test_the_decoder_session_does_not_spin(pipeline):
+    """The loaded decoder's workers do not spin (a prefill's long operators, issue 32: sessions.
+    DECODER_THREAD_POOL); the heads keep the spinning defaults."""
+    decoder = pipeline.decoder.session.get_session_options()
+    assert decoder.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    heads = pipeline.audio_heads.session.get_session_options()
+    assert heads.get_session_config_entry("session.intra_op.allow_spinning") == "1"

@@ -51,7 +51,11 @@ class OnnxRuntimeBackend(Backend):
             SignatureMismatch: a graph's I/O differs from the manifest.
         """
         from higgs_pack.runtime.backends.onnxruntime.runners import OrtDecoder, OrtSubPart
-        from higgs_pack.runtime.backends.onnxruntime.sessions import check_signature, create_session
+        from higgs_pack.runtime.backends.onnxruntime.sessions import (
+            DECODER_THREAD_POOL,
+            check_signature,
+            create_session,
+        )
         from higgs_pack.runtime.loop.pipeline import ModelConstants, step_input_shapes
 
         self.refuse_foreign_options(bundle, options)
@@ -68,7 +72,8 @@ class OnnxRuntimeBackend(Backend):
             session, used = create_session(
                 bundle.file(spec["entry"]), ep,
                 provider_options=m["provider_options"] if ep == m["execution_provider"] else {},
-                session_options=m["session_options"], allow_fallback=options.allow_fallback,
+                session_options={**DECODER_THREAD_POOL, **m["session_options"]} if decoder else m["session_options"],
+                allow_fallback=options.allow_fallback,
                 float16_weights=m["precision"] == "fp16", prepacking=not lean,
             )
             check_signature(session, part, spec)

@@ -73,6 +73,19 @@ THREAD_POOL_DEFAULTS: dict[str, str] = {
     "session.force_spinning_stop": "1",
 }
 
+#: Thread-pool settings of the ``llm_decoder`` session over :data:`THREAD_POOL_DEFAULTS` (a
+#: manifest entry still wins): its workers do not spin.  A prompt prefill runs each operator on
+#: hundreds of rows; a worker spinning at the end of its share takes the core from the thread
+#: still working (or from the codec's session, which the engine runs beside the decoder) as soon
+#: as the machine has other work.  bench preset cpu int4 decoder (``b128_l4``, exported as a
+#: build does), AMD EPYC 2 vCPUs (AVX-512 VNNI), ONNX Runtime 1.32, load average 5-10 from other
+#: jobs, 6-12 interleaved rounds, four runs: prefill of 256 positions 1.28-1.65x and of 64
+#: 1.21-2.43x faster without spinning; the decode step's median round 3.1-7.4 ms against
+#: 6.9-11.5 (best rounds 2.9-3.9 against 2.8-7.5); one thread alone beat two spinning ones
+#: (``python -m bench.ab gemm-peak``, docs/measurements.md).  Earlier, on a quieter machine,
+#: spinning gained about 5% per decode step at full size (above).
+DECODER_THREAD_POOL: dict[str, str] = {"session.intra_op.allow_spinning": "0"}
+
 
 
 #: Device names of OpenVINO (and of people asking for a kind of hardware) that are not

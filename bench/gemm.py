@@ -148,7 +148,10 @@ def ort_runner(model: Any, session_options: Mapping[str, Any] | None, profile: s
     ``SessionOptions()``), ``profile``: a profile file prefix."""
     import onnxruntime as ort
 
-    from higgs_pack.runtime.backends.onnxruntime.sessions import DECODER_THREAD_POOL, session_options_for
+    from higgs_pack.runtime.backends.onnxruntime.sessions import (
+        DECODER_THREAD_POOL,
+        session_options_for,
+    )
 
     so = (ort.SessionOptions() if session_options is None else
           session_options_for("cpu", {**DECODER_THREAD_POOL, **session_options}))

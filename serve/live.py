@@ -36,9 +36,10 @@ sentence's bytes are a playable stream), ``{"type": "audio.done", "sentence_inde
   field; the session goes on (a sentence the engine refuses, say one too long for the context,
   gets one with its ``sentence_text`` and is skipped).
 
-A sentence is complete when its punctuation (``. ! ? ; …``) is followed by whitespace, or at a
-CJK full stop (``。！？；``) or a line break: a ``.`` at the end of what arrived so far may
-still be ``3.5`` or ``e.g.`` and waits for the next piece.
+Sentences end where :class:`~higgs_pack.runtime.loop.sentences.SentenceSplitter` says, the rule
+the long-text planner uses too: punctuation (``. ! ? ; …``) followed by whitespace, a CJK (or
+other script's) full stop once the next character came, or a line break; a ``.`` at the end of
+what arrived so far may still be ``3.5`` and waits for the next piece.
 
 Sessions share the server's engine.  A session holds one of the server's places in flight for
 its whole life (``--max-batch`` + ``--max-queue``; one more is refused with a 429 ``error`` event
@@ -54,7 +55,6 @@ import dataclasses
 import json
 import logging
 import math
-import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -74,6 +74,7 @@ from higgs_pack.runtime.loop.generate import (
     chunk_voice,
     plan_chunks,
 )
+from higgs_pack.runtime.loop.sentences import SentenceSplitter
 from higgs_pack.runtime.request import PreparedVoice, SynthesisRequest, Voice
 from higgs_pack.serve.errors import ApiError, from_input_error
 from higgs_pack.serve.formats import STREAMABLE, StreamEncoder
@@ -97,34 +98,6 @@ NOT_IN_CONFIG = ("input", "stream_format", "stream")
 TRY_AGAIN_LATER = 1013
 #: Close code of a refused API key (RFC 6455 1008 "policy violation").
 POLICY_VIOLATION = 1008
-_CONFIRMED_END = re.compile(r"[.!?;…]+[\"')\]]*\s|[。！？；]+|\n")
-
-
-def complete_text(buffer: str, final: bool = False) -> tuple[list[str], str]:
-    """The sentences of ``buffer`` that are known to be complete, and the rest.
-
-    A sentence ends at ``. ! ? ; …`` (with closing quotes or brackets) followed by whitespace,
-    at a CJK full stop, or at a line break.  (Not
-    :func:`~higgs_pack.runtime.loop.generate.split_sentences`: it cuts after any ``.``, which in
-    text that is still arriving may be ``3.`` of ``3.5``.)
-
-    Args:
-        buffer: the text received and not yet spoken.
-        final: the rest is complete too (``input.flush``, ``input.done``).
-
-    Returns:
-        ``(sentences, rest)``: the complete sentences in order (stripped, none blank), and the
-        text after the last confirmed end ("" when ``final``).
-    """
-    sentences, at = [], 0
-    for match in _CONFIRMED_END.finditer(buffer):
-        sentences.append(buffer[at:match.end()].strip())
-        at = match.end()
-    rest = buffer[at:]
-    if final:
-        sentences.append(rest.strip())
-        rest = ""
-    return [s for s in sentences if s], rest
 
 
 @dataclass
@@ -184,7 +157,7 @@ class Session:
         self.configured = False
         self.text_seen = False
         self.ended = False  # input.done received
-        self.buffer = ""
+        self.text = SentenceSplitter()  # text received, cut where its sentences end
         self.sentences: list[_Sentence | object] = []
         self.wake = anyio.Event()
         self.epoch = 0
@@ -336,14 +309,14 @@ class Session:
         if not isinstance(text, str):
             raise _bad(f"input.text needs \"text\", a string, got {short(text)}", "text",
                        "missing_field" if text is None else "invalid_value")
-        waiting = len(self.buffer) + sum(len(s.text) for s in self.sentences if isinstance(s, _Sentence))
+        waiting = len(self.text.pending) + sum(len(s.text) for s in self.sentences if isinstance(s, _Sentence))
         limit = self.server.config.max_input_chars
         if waiting + len(text) > limit:
             raise _bad(f"the session would hold {waiting + len(text)} characters not yet spoken; the limit is "
                        f"{limit} (--max-input-chars): send the rest once more has been spoken", "text",
                        "input_too_long")
         self.text_seen = True
-        complete, self.buffer = complete_text(self.buffer + text)
+        complete = self.text.feed(text)
         now = time.perf_counter()
         for sentence in complete:
             self.sentences.append(_Sentence(sentence, now))
@@ -353,14 +326,14 @@ class Session:
     def _queue_rest(self) -> None:
         """Speak the buffered text with no sentence end yet (``input.flush``, ``input.done``)."""
         now = time.perf_counter()
-        complete, self.buffer = complete_text(self.buffer, final=True)
+        complete = self.text.flush()
         for sentence in complete:
             self.sentences.append(_Sentence(sentence, now))
         self.wake.set()
 
     async def _cancel(self) -> None:
         self.epoch += 1
-        self.buffer = ""
+        self.text = SentenceSplitter()
         self.sentences = [s for s in self.sentences if s is _DONE]
         stopped = self.speaking
         if self.handle is not None:

@@ -17,8 +17,6 @@ from live_server import LiveServer
 
 websockets = pytest.importorskip("websockets", reason="the websockets client is a dev dependency")
 
-from higgs_pack.serve.live import complete_text  # noqa: E402  (after the skip)
-
 RATE = 24000
 HOP = 960  # samples per frame
 PAUSE = int(0.2 * RATE)  # SENTENCE_PAUSE_S
@@ -104,14 +102,12 @@ def _check_sentences(heard: Heard, texts: list[str], fmt: str = "pcm") -> None:
         at = done["end"]
 
 
-def test_sentence_ends_are_found_in_streamed_text():
-    assert complete_text("Hello there") == ([], "Hello there")
-    assert complete_text("It costs 3.") == ([], "It costs 3.")  # may still be 3.5
-    assert complete_text("It costs 3.5 now. And") == (["It costs 3.5 now."], "And")
-    assert complete_text("One! Two? Three; four") == (["One!", "Two?", "Three;"], "four")
-    assert complete_text('He said "stop." Then') == (['He said "stop."'], "Then")
-    assert complete_text("你好。再见") == (["你好。"], "再见")
-    assert complete_text("a line\nnext") == (["a line"], "next")
+def test_a_number_cut_across_pieces_is_not_a_sentence_end(server):
+    """The session cuts with runtime/loop/sentences.py (its own tests: tests/test_sentences.py):
+    ``3.`` at the end of a piece waits for the next, a title's ``.`` ends nothing."""
+    pieces = ["It costs 3.", "5 dollars. Dr.", " Smith said so", "。Fine"]
+    heard = asyncio.run(_session(server.ws, pieces, {"seed": 3}))
+    _check_sentences(heard, ["It costs 3.5 dollars.", "Dr. Smith said so。", "Fine"])
 
 
 def test_text_in_pieces_is_spoken_sentence_by_sentence(server):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from higgs_pack.runtime.loop.delay import (
 )
 from higgs_pack.runtime.loop.frames import CodeSteps
 from higgs_pack.runtime.loop.pipeline import Pipeline
+from higgs_pack.runtime.loop.sentences import split_sentences
 from higgs_pack.runtime.request import (
     CONTEXT_CHUNKS,
     PreparedVoice,
@@ -435,14 +435,6 @@ def check_voice_codes(pipeline: Pipeline, codes: np.ndarray) -> None:
     if low < 0 or high >= c.codebook_size:
         raise InputError(f"voice codes must lie in 0..{c.codebook_size - 1}, got {low}..{high}; prepare the "
                          "voice with this bundle's codec (tts.prepare_voice)")
-
-
-_SENTENCE_END = re.compile(r"(?<=[.!?;。！？；…])\s*|\n+")
-
-
-def split_sentences(text: str) -> list[str]:
-    """Split text after sentence punctuation (Latin and CJK) and at line breaks."""
-    return [s.strip() for s in _SENTENCE_END.split(text) if s and s.strip()]
 
 
 def frame_cap(n_text_tokens: int, frames_per_token: float = FRAMES_PER_TEXT_TOKEN,

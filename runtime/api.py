@@ -28,6 +28,7 @@ from typing import Any
 from higgs_pack.manifests.errors import InputError
 from higgs_pack.manifests.manifest import MANIFEST_NAME
 from higgs_pack.runtime.backends import backend_of
+from higgs_pack.runtime.loop.dialogue import DialogueRequest
 from higgs_pack.runtime.loop.engine import DEFAULT_MAX_LENGTH, Engine, EngineClosed
 from higgs_pack.runtime.loop.generate import (
     ProgressCallback,
@@ -163,8 +164,8 @@ class TTS:
         """Speak ``text``, optionally in the voice of a reference clip.
 
         Args:
-            text: what to say (long texts are split into sentences and joined with
-                0.2 s of silence), or a ready :class:`~higgs_pack.runtime.request.SynthesisRequest`
+            text: what to say (a long text is cut at sentence ends into chunks spoken as
+                continuous speech with a rolling context), or a ready :class:`~higgs_pack.runtime.request.SynthesisRequest`
                 (then no other options).
             progress: called as ``progress(frames_done, frame_cap)`` after every frame.
             options: the keywords of :meth:`SynthesisRequest.create
@@ -218,6 +219,52 @@ class TTS:
         started = time.perf_counter()
         return stream_plan(self.pipeline, plan_request(self.pipeline, SynthesisRequest.of(text, options)), progress,
                            started)
+
+    def dialogue(self, turns: Iterable[Any] | DialogueRequest, *, voices: dict[str, Any] | None = None,
+                 progress: ProgressCallback | None = None, **options: Any) -> SynthesisResult:
+        """Speak a dialogue: turns of several speakers, each in its speaker's voice, as one audio.
+
+        Each turn is generated with its speaker's voice and that speaker's recent turns as the
+        rolling context (:mod:`~higgs_pack.runtime.loop.dialogue`); the turns join as continuous
+        speech, and the result has one segment per turn (``segments[i].speaker``, exact times).
+
+        Args:
+            turns: ``(speaker, text)`` pairs, :class:`~higgs_pack.runtime.loop.dialogue.Turn`
+                items or ``{"speaker", "text"}`` mappings, in order (at most 1000); or a ready
+                :class:`~higgs_pack.runtime.loop.dialogue.DialogueRequest` (then nothing else).
+            voices: speaker -> a prepared voice (:meth:`prepare_voice`), an ``(audio, transcript)``
+                pair (a file or ``(samples, sample_rate)``, and the clip's exact words), or None;
+                a speaker left out (or None) speaks its first turn in a voice of the model's
+                choosing, which then is its voice.
+            progress: as :meth:`synthesize`.
+            options: as :meth:`synthesize` but the voice's (``seed``, ``temperature``, ``top_k``,
+                ``top_p``, ``max_frames`` per text chunk, ``context_chunks``: the speaker's
+                earlier chunks in each prompt).
+
+        Returns:
+            A :class:`~higgs_pack.runtime.loop.generate.SynthesisResult`.
+
+        Raises:
+            InputError: before anything is generated: an empty turn, a bad speaker name, a voice
+                for nobody, more than 1000 turns (each named by its turn number), a bad option,
+                an unusable clip, a special token or a sentence too long (naming the turn).
+        """
+        return run_plan(self.pipeline, self._dialogue_plan(turns, voices, options), progress)
+
+    def stream_dialogue(self, turns: Iterable[Any] | DialogueRequest, *, voices: dict[str, Any] | None = None,
+                        progress: ProgressCallback | None = None, **options: Any) -> SpeechStream:
+        """:meth:`dialogue` as a stream of audio chunks (as :meth:`stream`; the stream schedule
+        keywords too); each turn's segment comes with the piece that completes its audio
+        (``AudioChunk.segments``)."""
+        started = time.perf_counter()
+        return stream_plan(self.pipeline, self._dialogue_plan(turns, voices, options), progress, started=started)
+
+    def _dialogue_plan(self, turns: Any, voices: dict[str, Any] | None, options: dict[str, Any]):
+        if isinstance(turns, DialogueRequest):
+            if voices is not None or options:
+                raise InputError("a DialogueRequest carries its own voices and options; set them when making it")
+            return turns.plan(self.pipeline)
+        return DialogueRequest.create(turns, voices, **options).plan(self.pipeline)
 
     def prepare_voice(self, ref_audio: Any, ref_text: str, name: str = "") -> PreparedVoice:
         """Encode a reference voice once, for many requests (``voice=`` of :meth:`synthesize`,

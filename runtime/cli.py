@@ -240,7 +240,7 @@ SUBTITLES_OPTION = click.option(
               help="--stream: largest chunk in frames (>= --first-chunk-frames).")
 @click.option("--context-chunks", type=int, default=CONTEXT_CHUNKS, show_default=True,
               help="A long text's rolling context: previous text chunks (text and audio) that open each next "
-                   "chunk's prompt, so the voice carries on (0: each chunk on its own).")
+                   "chunk's prompt, so the voice carries on (0: the voice alone).")
 @click.option("--batch", type=click.IntRange(min=1),
               help="Speak every non-empty line of --text-file into its own wav in the folder -o, this many "
                    "lines decoded together; rerun to resume.")
@@ -581,6 +581,117 @@ def _say_written(note: str, sink, rate: int, where: str, results: list, speech) 
     if sink is not None and sink.clipped:
         click.echo(f"note: {sink.clipped} samples beyond [-1, 1] were clipped in 16-bit output "
                    "(use --float to keep them)", err=True)
+
+
+@main.command()
+@click.argument("bundle")
+@click.argument("script", type=click.Path(path_type=Path, dir_okay=False, exists=True, allow_dash=True))
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Output .wav (24 kHz mono).")
+@click.option("--voice", "voices", multiple=True, metavar="NAME=CLIP:TRANSCRIPT",
+              help="The voice of speaker NAME: a reference clip and its exact words (repeatable). A speaker "
+                   "without one speaks its first turn in a voice of the model's choosing, kept after that.")
+@SUBTITLES_OPTION
+@click.option("--execution-provider", help=f"ONNX Runtime bundles: {', '.join(EXECUTION_PROVIDERS)}.")
+@click.option("--device", help="OpenVINO bundles: CPU, GPU, NPU, AUTO, HETERO:….")
+@click.option("--allow-fallback", is_flag=True, help="Permit another provider/device if the one asked for is missing.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Sampler seed (>= 0).")
+@click.option("--temperature", type=float, help="0 = greedy. Default from the bundle (0.8).")
+@click.option("--top-k", type=int, help="Default from the bundle (50).")
+@click.option("--top-p", type=float, help="Default from the bundle (1.0 = off).")
+@click.option("--max-frames", type=int, help="Frame cap per text chunk (25 frames = 1 s). Default: from text length.")
+@click.option("--context-chunks", type=int, default=CONTEXT_CHUNKS, show_default=True,
+              help="The speaker's earlier text chunks (text and audio) that open each of its next prompts.")
+@click.option("--float", "as_float", is_flag=True, help="Write 32-bit float wav instead of 16-bit PCM.")
+@click.option("--no-progress", is_flag=True, help="No progress bar (there is none when stderr is not a terminal).")
+def dialogue(bundle, script, output, voices, subtitles, execution_provider, device, allow_fallback, seed,
+             temperature, top_k, top_p, max_frames, context_chunks, as_float, no_progress) -> None:
+    """Speak SCRIPT, a dialogue, with BUNDLE into one wav.
+
+    SCRIPT is UTF-8 text with one turn per line, NAME: text ('-' for stdin); blank lines and
+    lines starting with # are skipped.  Each turn is spoken in its speaker's voice, with that
+    speaker's recent turns as context; the turns join as continuous speech.  The whole script
+    and every voice are checked before the bundle loads:
+
+    higgs-pack dialogue BUNDLE script.txt -o talk.wav --subtitles talk.srt --voice ANN=ann.wav:"Words of the clip."
+    """
+    from higgs_pack.runtime.api import load
+    from higgs_pack.runtime.audio import write_wav
+    from higgs_pack.runtime.loop.dialogue import DialogueRequest, parse_script
+    from higgs_pack.runtime.sources.bundle import require_bundle_dir
+
+    require_bundle_dir(Path(bundle), folders_of_bundles=True)
+    _check_output(output, bundle, [script])
+    _check_subtitles(subtitles, output, [script])
+    turns = parse_script(_read_script(script), str(script))
+    chosen = [_voice_flag(v) for v in voices]
+    twice = sorted({name for name, _ in chosen if [n for n, _ in chosen].count(name) > 1})
+    if twice:
+        raise click.BadParameter(f"--voice gives {', '.join(map(repr, twice))} more than once; give each speaker "
+                                 "one voice", param_hint="--voice")
+    request = DialogueRequest.create(turns, dict(chosen), seed=seed, temperature=temperature,
+                                     top_k=top_k, top_p=top_p, max_frames=max_frames, context_chunks=context_chunks)
+    tts = load(bundle, device=device, execution_provider=execution_provider, allow_fallback=allow_fallback)
+    click.echo(f"using {tts.info}", err=True)
+    bar = _progress_bar(no_progress)
+
+    def progress(done: int, total: int) -> None:
+        if bar.total != total:
+            bar.reset(total=total)
+        bar.n = done
+        bar.refresh()
+
+    try:
+        result = tts.dialogue(request, progress=progress)
+    finally:
+        bar.close()
+    written = write_wav(output, result.samples, result.sample_rate, subtype="FLOAT" if as_float else "PCM_16")
+    click.echo(f"wrote {output}: {result.seconds_of_audio:.2f} s at {result.sample_rate} Hz, {len(turns)} turn(s) "
+               f"in {len(result.chunks)} text chunk(s), {len(result.codes)} frames")
+    _write_subtitles(subtitles, result.segments)
+    if result.frame_cap_hit:
+        click.echo(FRAME_CAP_NOTE, err=True)
+    if written.scaled:
+        click.echo(f"note: peak {written.peak:.2f} exceeded 16-bit range; audio was scaled down "
+                   "(use --float to keep it unscaled)", err=True)
+
+
+def _read_script(script: Path) -> str:
+    """The script's text (UTF-8; ``-``: stdin).
+
+    Raises:
+        click.BadParameter: not UTF-8 (a binary file, or another encoding).
+    """
+    data = sys.stdin.buffer.read() if str(script) == "-" else script.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise click.BadParameter(f"{script} is not UTF-8 text ({exc}): a script is UTF-8 text with one turn per "
+                                 "line, NAME: text (is it a binary file?)", param_hint="SCRIPT") from exc
+
+
+def _voice_flag(value: str) -> tuple[str, tuple[Path, str]]:
+    """``--voice NAME=CLIP:TRANSCRIPT`` as ``(NAME, (clip, transcript))``: CLIP is the longest part
+    before a ``:`` that is an existing file (a path may hold ``:`` itself).
+
+    Raises:
+        click.BadParameter: no ``=``, no file, or no transcript (each with the form expected).
+    """
+    name, sep, rest = value.partition("=")
+    if not sep or not name.strip():
+        raise click.BadParameter(f"{value[:80]!r}: write a voice as NAME=clip.wav:\"exact words of the clip\"",
+                                 param_hint="--voice")
+    cuts = [i for i, char in enumerate(rest) if char == ":"]
+    for cut in reversed(cuts):
+        if Path(rest[:cut]).is_file():
+            if not rest[cut + 1:].strip():
+                break
+            return name.strip(), (Path(rest[:cut]), rest[cut + 1:])
+    clip = Path(rest.split(":", 1)[0])
+    if Path(rest).is_file() or (cuts and clip.is_file()):
+        raise click.BadParameter(f"the voice of {name.strip()!r} needs the exact words said in its clip: "
+                                 f"{name.strip()}=clip.wav:\"exact words\"", param_hint="--voice")
+    raise click.BadParameter(f"the voice of {name.strip()!r}: no file {clip} (write NAME=clip.wav:\"exact words\")",
+                             param_hint="--voice")
 
 
 @main.command()

@@ -368,7 +368,8 @@ class SynthesisRequest:
         schedule: the :class:`StreamSchedule` a stream of this request follows.
         context_chunks: a long text's rolling context: how many previous text chunks (their
             text and codes) open each chunk's prompt, after the voice (>= 0; default
-            :data:`CONTEXT_CHUNKS`; 0: chunks packed to the context and generated on their own).
+            :data:`CONTEXT_CHUNKS`; 0: chunks packed to the context, each opening with the voice
+            alone: the clip's, or with none the first chunk's speech).
 
     Raises:
         InputError: one message naming every bad field, its value and what is allowed.

@@ -1,6 +1,6 @@
 """The ASGI app (FastAPI): every route of ``higgs-pack serve`` over one :class:`SpeechServer`.
 
-Routes: ``POST /v1/audio/speech``; ``GET/POST /v1/audio/voices`` and ``DELETE
+Routes: ``POST /v1/audio/speech``; ``POST /v1/audio/dialogue``; ``GET/POST /v1/audio/voices`` and ``DELETE
 /v1/audio/voices/{name}``; ``GET /v1/models``; ``GET /health`` (the process is up), ``GET
 /ready`` (loaded and warmed up; 503 before and while stopping), ``GET /metrics``
 (Prometheus); ``GET /`` (the demo page); ``GET /docs`` (the API docs: Swagger UI from the
@@ -42,6 +42,7 @@ from higgs_pack.serve.metrics import CONTENT_TYPE
 from higgs_pack.serve.server import Answer, SpeechServer
 from higgs_pack.serve.speech import (
     DEFAULT_VOICE,
+    parse_dialogue,
     parse_speech,
     reference_clip,
     short,
@@ -52,7 +53,7 @@ from higgs_pack.serve.voices import name_problem
 log = logging.getLogger(__name__)
 
 #: Routes as the metrics label them (a voice's name is not a label).
-_ROUTES = ("/v1/audio/speech", "/v1/audio/voices", "/v1/models", "/health", "/ready", "/metrics", "/")
+_ROUTES = ("/v1/audio/speech", "/v1/audio/dialogue", "/v1/audio/voices", "/v1/models", "/health", "/ready", "/metrics", "/")
 
 
 def create_app(server: SpeechServer, *, warm_up: bool = True) -> FastAPI:
@@ -339,28 +340,49 @@ def _speech_route(app: FastAPI, server: SpeechServer) -> None:
         # Checking the fields takes microseconds: on a worker thread only when it reads a file or decodes
         # a clip (a ref_audio, or a stored voice in --voices-dir), not a thread round trip for every request.
         job = await anyio.to_thread.run_sync(parse) if _parse_blocks(body, server) else parse()
-        server.admit()
+        return await _answer(server, job, request, t0)
+
+    @app.post("/v1/audio/dialogue", response_class=Response, openapi_extra=schema.json_body(schema.DialogueBody),
+              responses={
+        200: {"description": "The dialogue's audio, as /v1/audio/speech answers (whole, streamed, or JSON with "
+                             "segments)", "content": {**audio, "text/event-stream": {"schema": {"type": "string"}}}},
+        **schema.errors(400, 401, 404, 413, 429, 503)})
+    async def dialogue(request: Request) -> Response:
+        """Speak a dialogue: turns of several speakers, a voice per speaker (DialogueBody)."""
+        _check_key(server, request)
+        t0 = time.perf_counter()
+        body = await _json_body(request, body_limit)
+        job = await anyio.to_thread.run_sync(functools.partial(
+            parse_dialogue, body, models=server.models, voices=server.voices, config=server.config))
+        return await _answer(server, job, request, t0)
+
+
+async def _answer(server: SpeechServer, job: Any, request: Request, t0: float) -> Response:
+    """Run a checked speech or dialogue job and answer it: the whole file (or JSON with its
+    segments), or a stream (``stream_format``)."""
+    server.admit()
+    try:
+        handle = await server.submit(job)
+    except BaseException:
+        server.release()
+        raise
+    answer = Answer()
+    headers = {"x-sample-rate": str(server.tts.sample_rate)}
+    if job.stream_format is None:
         try:
-            handle = await server.submit(job)
-        except BaseException:
-            server.release()
-            raise
-        answer = Answer()
-        headers = {"x-sample-rate": str(server.tts.sample_rate)}
-        if job.stream_format is None:
-            try:
-                data, answer = await server.whole(handle, job, request.receive)
-            finally:
-                _finish(server, t0, answer)
-            return Response(data, media_type=media_type(job.response_format), headers=headers)
-
-        def close() -> None:  # the one cancel of a stream: a no-op once it finished, frees the row when the client left
-            handle.cancel()
+            data, answer = await server.whole(handle, job, request.receive)
+        finally:
             _finish(server, t0, answer)
+        kind = "application/json" if job.segments else media_type(job.response_format)
+        return Response(data, media_type=kind, headers=headers)
 
-        kind = "text/event-stream" if job.stream_format == "sse" else media_type(job.response_format)
-        return _Stream(server.chunks(handle, job, answer), close, media_type=kind,
-                       headers={**headers, "Cache-Control": "no-cache"})
+    def close() -> None:  # the one cancel of a stream: a no-op once it finished, frees the row when the client left
+        handle.cancel()
+        _finish(server, t0, answer)
+
+    kind = "text/event-stream" if job.stream_format == "sse" else media_type(job.response_format)
+    return _Stream(server.chunks(handle, job, answer), close, media_type=kind,
+                   headers={**headers, "Cache-Control": "no-cache"})
 
 
 def _voice_routes(app: FastAPI, server: SpeechServer) -> None:

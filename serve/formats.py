@@ -8,7 +8,11 @@
   one has them (:func:`response_formats`); they come whole, not streamed.
 - ``sse``: ``speech.audio.delta`` events whose base64 ``audio`` decoded and joined are the
   bytes ``stream_format="audio"`` sends, then ``speech.audio.done`` with ``usage``, or
-  ``speech.audio.error`` (OpenAI's event names; ../shared/SERVING.md).
+  ``speech.audio.error`` (OpenAI's event names; ../shared/SERVING.md); between them, right after
+  the delta that completes a sentence's audio, a ``speech.segment`` event with its timings
+  (:func:`segment_json`; an event of ours, which OpenAI's clients pass over).
+- a whole answer with ``segments: true``: a JSON object with the file base64-encoded and the
+  segments (:func:`segments_answer`).
 """
 
 from __future__ import annotations
@@ -104,6 +108,32 @@ def sse_event(event: dict[str, Any]) -> bytes:
 def sse_delta(audio: bytes) -> bytes:
     """A ``speech.audio.delta`` event carrying ``audio`` base64-encoded."""
     return sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(audio).decode("ascii")})
+
+
+def segment_json(segment: Any) -> dict[str, Any]:
+    """A :class:`~higgs_pack.runtime.loop.generate.Segment` as JSON: ``text``, ``start`` and ``end``
+    (seconds from the start of the audio, to the microsecond), ``chunk`` (the text chunk it was
+    generated in), ``exact`` (false: an end estimated inside a chunk) and, in a dialogue,
+    ``speaker``."""
+    out = {"text": segment.text, "start": round(segment.start, 6), "end": round(segment.end, 6),
+           "chunk": segment.chunk, "exact": segment.exact}
+    if segment.speaker is not None:
+        out["speaker"] = segment.speaker
+    return out
+
+
+def sse_segment(segment: Any) -> bytes:
+    """A ``speech.segment`` event: one sentence's (or turn's) timings (:func:`segment_json`), sent once
+    the audio up to its ``end`` has been sent."""
+    return sse_event({"type": "speech.segment", **segment_json(segment)})
+
+
+def segments_answer(audio: bytes, response_format: str, sample_rate: int, segments: list[Any]) -> bytes:
+    """The JSON of a whole answer with timings: ``{"audio": base64 of the file in
+    response_format, "response_format", "sample_rate", "segments": [segment_json, ...]}``."""
+    return json.dumps({"audio": base64.b64encode(audio).decode("ascii"), "response_format": response_format,
+                       "sample_rate": sample_rate, "segments": [segment_json(s) for s in segments]},
+                      separators=(",", ":")).encode()
 
 
 def sse_done(input_tokens: int, output_tokens: int) -> bytes:

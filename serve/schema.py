@@ -60,7 +60,14 @@ class SpeechBody(BaseModel):
                                      "write inline controls in the input instead.")
     stream_format: Literal["audio", "sse"] | None = Field(
         None, description="Left out: the whole file at once. \"audio\": bytes as frames are generated. \"sse\": "
-        "speech.audio.delta events (base64 audio), then speech.audio.done with usage, or speech.audio.error.")
+        "speech.audio.delta events (base64 audio), a speech.segment event (text, start, end in seconds, chunk, "
+        "exact) once a sentence's audio is all sent, then speech.audio.done with usage, or speech.audio.error.")
+    segments: bool | None = Field(None, description="true: the whole answer is JSON, {\"audio\": base64 of the "
+                                  "file in response_format, \"response_format\", \"sample_rate\", \"segments\": "
+                                  "[{\"text\", \"start\", \"end\", \"chunk\", \"exact\"}]}: one per sentence, "
+                                  "in seconds, timed from frame counts (exact: false where a sentence shared its "
+                                  "text chunk and its ends are estimated); no word timings. Not with "
+                                  "stream_format \"audio\" (\"sse\" sends speech.segment events).")
     stream: bool | None = Field(None, description="sglang-omni's switch: true is stream_format \"audio\", false "
                                 "the whole file; given beside a stream_format that disagrees, a 400.")
     ref_audio: str | None = Field(None, description="A reference clip to clone: base64 or a data: URI (a file "
@@ -78,11 +85,53 @@ class SpeechBody(BaseModel):
                                        "left out: from the text's length.")
     context_chunks: int | None = Field(None, ge=0, description="A long input's rolling context: previous text "
                                        "chunks (their text and audio) that open the next chunk's prompt, so the "
-                                       "voice and prosody carry on (default 1; 0: each chunk on its own).")
+                                       "voice and prosody carry on (default 1; 0: the voice alone).")
     initial_chunk_frames: int | None = Field(None, ge=1, description="Frames in the first streamed chunk (fewer: "
                                              "audio sooner).")
     initial_codec_chunk_frames: int | None = Field(None, ge=1, description="sglang-omni's name of "
                                                    "initial_chunk_frames.")
+
+
+class DialogueTurn(BaseModel):
+    """One turn of a dialogue."""
+
+    model_config = ConfigDict(extra="forbid")
+    speaker: str = Field(description="Who says it (1 to 64 characters, no ':').")
+    input: str = Field(description="The words of the turn.")
+
+
+class DialogueBody(BaseModel):
+    """The body of ``POST /v1/audio/dialogue``: turns of several speakers spoken as one audio, each
+    in its speaker's voice with that speaker's recent turns as context; the answer is
+    /v1/audio/speech's (one segment per turn, with its speaker)."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"model": "higgs-audio-v3-tiny", "turns": [{"speaker": "ANN", "input": "Good morning!"},
+                                                   {"speaker": "BEN", "input": "Morning. Coffee?"}],
+         "voices": {"BEN": "narrator"}, "response_format": "wav", "segments": True}]})
+
+    model: str = Field(description="As /v1/audio/speech.")
+    turns: list[DialogueTurn] = Field(min_length=1, max_length=1000, description="The script, in order: at most "
+                                      "1000 turns, their inputs together at most --max-input-chars characters.")
+    voices: dict[str, str | VoiceId | Reference] | None = Field(
+        None, description="Speaker -> a stored voice's name (or {\"id\": name}; \"default\": none), or a clip "
+        "{\"audio\", \"text\"}. A speaker left out speaks its first turn in a voice of the model's choosing, which "
+        "is then its voice.")
+    response_format: Literal["wav", "pcm", "flac", "mp3", "opus"] = Field("wav", description="As /v1/audio/speech.")
+    stream_format: Literal["audio", "sse"] | None = Field(None, description="As /v1/audio/speech; with \"sse\" "
+                                                          "a speech.segment event (with speaker) per turn.")
+    stream: bool | None = Field(None, description="As /v1/audio/speech.")
+    segments: bool | None = Field(None, description="As /v1/audio/speech: true gives JSON with the audio and one "
+                                  "segment per turn (exact times, speaker).")
+    seed: int | None = Field(None, description="As /v1/audio/speech.")
+    temperature: float | None = Field(None, description="As /v1/audio/speech.")
+    top_k: int | None = Field(None, description="As /v1/audio/speech.")
+    top_p: float | None = Field(None, description="As /v1/audio/speech.")
+    max_new_tokens: int | None = Field(None, ge=1, description="Frame cap per text chunk (25 frames per second).")
+    context_chunks: int | None = Field(None, ge=0, description="The speaker's earlier text chunks that open each "
+                                       "of its prompts (default 1).")
+    initial_chunk_frames: int | None = Field(None, ge=1, description="As /v1/audio/speech.")
+    initial_codec_chunk_frames: int | None = Field(None, ge=1, description="As /v1/audio/speech.")
 
 
 class VoiceUpload(BaseModel):
@@ -111,7 +160,7 @@ class ErrorBody(BaseModel):
 
 
 #: The models :func:`add_bodies` puts in the schema.
-MODELS = (SpeechBody, VoiceUpload, ErrorBody)
+MODELS = (SpeechBody, DialogueBody, VoiceUpload, ErrorBody)
 
 
 def _ref(model: type[BaseModel]) -> dict[str, str]:

@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -32,7 +32,15 @@ from higgs_pack.manifests.errors import HiggsPackError, InputError
 from higgs_pack.runtime.loop.engine import EngineHandle, RequestCancelled
 from higgs_pack.serve.config import ServeConfig
 from higgs_pack.serve.errors import ApiError, from_input_error
-from higgs_pack.serve.formats import StreamEncoder, encode_whole, sse_delta, sse_done, sse_error
+from higgs_pack.serve.formats import (
+    StreamEncoder,
+    encode_whole,
+    segments_answer,
+    sse_delta,
+    sse_done,
+    sse_error,
+    sse_segment,
+)
 from higgs_pack.serve.metrics import Metrics
 from higgs_pack.serve.speech import SpeechJob
 from higgs_pack.serve.voices import VoiceStore
@@ -53,6 +61,8 @@ class Answer:
     audio_seconds: float = 0.0
     first_audio_s: float = math.nan
     finished: bool = False
+    segments: list = field(default_factory=list)
+    """The :class:`~higgs_pack.runtime.loop.generate.Segment` items of the speech."""
 
 
 class SpeechServer:
@@ -180,10 +190,16 @@ class SpeechServer:
                 the field at fault, ``max_new_tokens`` for the frame cap); 503 when the engine
                 stopped.
         """
+        request = job.request
+        plan = getattr(request, "plan", None)  # a dialogue: planned here, on the worker thread
+
+        def submit() -> EngineHandle:
+            return self.engine.submit(request if plan is None else plan(self.tts.pipeline))
+
         try:
-            return await anyio.to_thread.run_sync(self.engine.submit, job.request, limiter=self.limiter)
+            return await anyio.to_thread.run_sync(submit, limiter=self.limiter)
         except InputError as exc:
-            raise from_input_error(exc, param="input") from exc
+            raise from_input_error(exc, param="input" if plan is None else "turns") from exc
         except HiggsPackError as exc:
             raise ApiError(503, f"the engine cannot take requests: {exc}", code="engine_stopped") from exc
 
@@ -210,7 +226,10 @@ class SpeechServer:
         if failure is not None:
             raise ApiError(500, f"generation failed: {failure}", code="generation_failed") from failure
         body = encode_whole(result.samples, result.sample_rate, job.response_format)
-        return body, Answer(int(result.codes.shape[0]), len(result.samples) / result.sample_rate)
+        if job.segments:
+            body = segments_answer(body, job.response_format, result.sample_rate, result.segments)
+        return body, Answer(int(result.codes.shape[0]), len(result.samples) / result.sample_rate,
+                            segments=result.segments)
 
     async def chunks(self, handle: EngineHandle, job: SpeechJob, answer: Answer) -> AsyncIterator[bytes]:
         """The bytes of a streamed answer (``stream_format`` "audio" or "sse") as chunks are
@@ -236,6 +255,10 @@ class SpeechServer:
                 if math.isnan(answer.first_audio_s):
                     answer.first_audio_s = time.perf_counter() - started
                 yield sse_delta(data) if sse else data
+                answer.segments += chunk.segments
+                if sse:
+                    for segment in chunk.segments:
+                        yield sse_segment(segment)
             answer.frames = int(sum(r.codes.shape[0] for r in stream.results))
             answer.audio_seconds = stream.samples_out / self.tts.sample_rate
             if sse:

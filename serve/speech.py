@@ -35,7 +35,7 @@ from higgs_pack.serve.formats import STREAMABLE, response_formats
 #: Every field the body may hold.
 FIELDS = ("model", "input", "voice", "response_format", "speed", "instructions", "stream_format", "stream",
           "ref_audio", "ref_text", "references", "seed", "temperature", "top_k", "top_p", "max_new_tokens",
-          "initial_chunk_frames", "initial_codec_chunk_frames", "context_chunks")
+          "initial_chunk_frames", "initial_codec_chunk_frames", "context_chunks", "segments")
 #: The name of the bundle's own voice (no reference clip).
 DEFAULT_VOICE = "default"
 _DATA_URI = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(;[\w-]+=[\w.-]+)*;base64,", re.ASCII)
@@ -52,6 +52,8 @@ class SpeechJob:
         model: the ``model`` asked for.
         voice: the voice's name (``"default"``, a stored voice, or ``"ref_audio"`` for a clip
             in the body).
+        segments: a whole answer is JSON with the audio and its segments
+            (:func:`~higgs_pack.serve.formats.segments_answer`), not the bare file.
     """
 
     request: SynthesisRequest
@@ -59,6 +61,7 @@ class SpeechJob:
     stream_format: str | None
     model: str
     voice: str
+    segments: bool = False
 
 
 def _bad(message: str, param: str | None, code: str = "invalid_value", status: int = 400) -> ApiError:
@@ -103,7 +106,124 @@ def parse_speech(body: Any, *, models: tuple[str, ...], voices: Any, config: Ser
         request = SynthesisRequest.create(text, **keywords)
     except InputError as exc:
         raise from_input_error(exc) from exc
-    return SpeechJob(request, response_format, stream_format, model, voice_name)
+    return SpeechJob(request, response_format, stream_format, model, voice_name, segments_wanted(body, stream_format))
+
+
+def segments_wanted(body: dict, stream_format: str | None) -> bool:
+    """The ``segments`` field: true asks a whole answer for its timings (JSON with the audio base64).
+
+    Raises:
+        ApiError: 400 for a value that is not a boolean, or ``true`` with ``stream_format`` "audio"
+            (raw bytes have no place for timings: "sse" sends them as ``speech.segment`` events).
+    """
+    wanted = body.get("segments")
+    if wanted is None:
+        return False
+    if not isinstance(wanted, bool):
+        raise _bad(f"segments must be true or false, got {_got(wanted)}", "segments")
+    if wanted and stream_format == "audio":
+        raise _bad("segments true needs an answer with room for timings: stream_format \"sse\" sends them as "
+                   "speech.segment events, and the whole answer (no stream_format) as JSON; a stream of "
+                   "audio bytes has none", "segments", "conflicting_fields")
+    return wanted
+
+
+#: Every field the body of ``POST /v1/audio/dialogue`` may hold.
+DIALOGUE_FIELDS = ("model", "turns", "voices", "response_format", "stream_format", "stream", "segments", "seed",
+                   "temperature", "top_k", "top_p", "max_new_tokens", "initial_chunk_frames",
+                   "initial_codec_chunk_frames", "context_chunks")
+
+
+def parse_dialogue(body: Any, *, models: tuple[str, ...], voices: Any, config: ServeConfig) -> SpeechJob:
+    """Check a dialogue body and turn it into a :class:`SpeechJob` whose request is a
+    :class:`~higgs_pack.runtime.loop.dialogue.DialogueRequest`.
+
+    ``turns`` is a list of ``{"speaker", "input"}`` (at most
+    :data:`~higgs_pack.runtime.loop.dialogue.MAX_TURNS`, all inputs together at most
+    ``--max-input-chars``); ``voices`` maps a speaker to a stored voice's name (or ``{"id": name}``;
+    ``"default"``: none), or to a clip ``{"audio", "text"}`` as in ``references``; a speaker left
+    out has no voice of its own (its first turn becomes its voice).  The other fields are
+    ``/v1/audio/speech``'s.
+
+    Raises:
+        ApiError: 400 naming the field (``turns[3].input``, ``voices.ANN``) for every bad value, an
+            unknown field or speaker, or a voice not in the store; 404 for an unknown model; 413 for
+            a clip over the upload limit.
+    """
+    from higgs_pack.runtime.loop.dialogue import MAX_TURNS, DialogueRequest, Turn
+
+    if not isinstance(body, dict):
+        raise _bad(f"the body must be a JSON object, got {plain_type(body)}", None, "invalid_body")
+    unknown = [name for name in body if name not in DIALOGUE_FIELDS]
+    if unknown:
+        raise _bad(unknown_fields(unknown, DIALOGUE_FIELDS), unknown[0][:80], "unknown_field")
+    model = _model(body, models)
+    turns = body.get("turns")
+    if not isinstance(turns, list) or not turns:
+        got = "an empty list" if turns == [] else _got(turns)
+        raise _bad(f"turns must be a list of {{\"speaker\", \"input\"}} objects, one per turn, got {got}", "turns",
+                   "missing_field" if turns is None else "invalid_value")
+    if len(turns) > MAX_TURNS:
+        raise _bad(f"turns holds {len(turns)} turns; at most {MAX_TURNS} are spoken in one dialogue: split it",
+                   "turns", "too_many_turns")
+    checked: list[Turn] = []
+    for index, turn in enumerate(turns):
+        where = f"turns[{index}]"
+        if not isinstance(turn, dict) or set(turn) != {"speaker", "input"}:
+            raise _bad(f"{where} must be an object with exactly speaker and input, got "
+                       f"{short(sorted(turn)) if isinstance(turn, dict) else _got(turn)}", where)
+        for key, meaning in (("speaker", "the name of who says the turn"), ("input", "the words of the turn")):
+            problem = unspeakable(turn[key], f"{where}.{key}")
+            if problem is not None:
+                raise _bad(f"{problem}; {where}.{key} is {meaning}", f"{where}.{key}")
+        checked.append(Turn(turn["speaker"], turn["input"]))
+    total = sum(len(turn.text) for turn in checked)
+    if total > config.max_input_chars:
+        raise _bad(f"the turns' inputs are {total} characters together; the limit is {config.max_input_chars} "
+                   "(--max-input-chars); split the dialogue into several requests", "turns", "input_too_long")
+    response_format, stream_format = _formats(body)
+    chosen = _dialogue_voices(body.get("voices"), {turn.speaker for turn in checked}, voices, config)
+    try:
+        request = DialogueRequest.create(checked, chosen, **_sampling(body))
+    except InputError as exc:
+        raise from_input_error(exc, param="turns") from exc
+    return SpeechJob(request, response_format, stream_format, model, "dialogue",  # type: ignore[arg-type]
+                     segments_wanted(body, stream_format))
+
+
+def _dialogue_voices(given: Any, speakers: set[str], voices: Any, config: ServeConfig) -> dict[str, Any]:
+    """``voices`` of a dialogue body as ``DialogueRequest.create`` takes them (speaker -> a prepared
+    voice, a ``((samples, rate), transcript)`` clip, or None)."""
+    if given is None:
+        return {}
+    if not isinstance(given, dict):
+        raise _bad(f"voices must be an object mapping a speaker to a voice, got {_got(given)}", "voices")
+    out: dict[str, Any] = {}
+    for speaker, voice in given.items():
+        where = f"voices.{speaker[:40]}"
+        if speaker not in speakers:
+            raise _bad(f"voices names {short(speaker)}, who speaks no turn; the speakers are "
+                       f"{', '.join(sorted(map(repr, speakers))[:20])}", where, "unknown_speaker")
+        if isinstance(voice, dict) and set(voice) == {"id"}:
+            voice = voice["id"]
+        if isinstance(voice, str):
+            if voice == DEFAULT_VOICE:
+                out[speaker] = None
+                continue
+            prepared = voices.get(voice)
+            if prepared is None:
+                raise _bad(f"{where}: voice {short(voice)} is not known; use one of "
+                           f"{', '.join([DEFAULT_VOICE, *voices.names()])} (upload one with POST /v1/audio/voices), "
+                           "or give a clip as {\"audio\", \"text\"}", where, "unknown_voice")
+            out[speaker] = prepared
+        elif isinstance(voice, dict) and set(voice) <= {"audio", "audio_path", "text"} and "text" in voice:
+            text = _text(voice["text"], f"{where}.text", "the exact transcript of the clip")
+            clip = voice.get("audio", voice.get("audio_path"))
+            out[speaker] = (reference_clip(clip, config, f"{where}.audio"), text)
+        else:
+            raise _bad(f"{where} must be a stored voice's name, {{\"id\": name}}, or a clip {{\"audio\", \"text\"}}, "
+                       f"got {_got(voice) if not isinstance(voice, dict) else short(sorted(voice))}", where)
+    return out
 
 
 def unknown_fields(unknown: list[str], known: tuple[str, ...], kind: str = "field",

@@ -136,14 +136,42 @@ def test_sse_deltas_join_to_the_audio_stream(server):
                             "response_format": "pcm"}) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
-    assert [e["type"] for e in events[:-1]] == ["speech.audio.delta"] * (len(events) - 1)
-    assert events[-1]["type"] == "speech.audio.done"
-    audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    deltas = [e for e in events if e["type"] == "speech.audio.delta"]
+    assert {e["type"] for e in events[:-1]} == {"speech.audio.delta", "speech.segment"}
+    assert events[-1]["type"] == "speech.audio.done" and events[-2]["type"] == "speech.segment"
+    audio = b"".join(base64.b64decode(e["audio"]) for e in deltas)
     streamed = _speech(server, input=TEXT, seed=4, max_new_tokens=60, response_format="pcm", stream_format="audio")
     assert audio == streamed.content
     usage = events[-1]["usage"]
     assert usage["output_tokens"] == len(audio) // 2 // 960  # frames: 960 samples each
     assert usage["input_tokens"] > 0 and usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+
+
+def test_segments_come_as_sse_events_and_in_a_whole_json_answer(server):
+    """Timings from frame counts: a speech.segment event once a sentence's audio is all sent, and
+    with segments: true a whole answer that is JSON (the file base64 and the same segments)."""
+    text = "The first sentence is here. A second one follows! And the third?"
+    body = {"model": MODEL, "input": text, "seed": 4, "max_new_tokens": 20, "response_format": "pcm"}
+    with httpx.stream("POST", server.url + "/v1/audio/speech", timeout=60,
+                      json={**body, "stream_format": "sse"}) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    sent, timed = 0, []
+    for event in events:
+        if event["type"] == "speech.audio.delta":
+            sent += len(base64.b64decode(event["audio"]))
+        elif event["type"] == "speech.segment":
+            assert event["end"] <= sent / 2 / 24000 + 1e-6  # its audio was sent before it
+            timed.append({k: v for k, v in event.items() if k != "type"})
+    assert [t["text"] for t in timed] == ["The first sentence is here.", "A second one follows!", "And the third?"]
+    assert timed[-1]["end"] == pytest.approx(sent / 2 / 24000)
+    whole = httpx.post(server.url + "/v1/audio/speech", json={**body, "segments": True}, timeout=60)
+    assert whole.status_code == 200 and whole.headers["content-type"] == "application/json"
+    answer = whole.json()
+    assert answer["segments"] == timed and answer["response_format"] == "pcm" and answer["sample_rate"] == 24000
+    assert base64.b64decode(answer["audio"]) == _speech(server, **body).content
+    bad = _speech(server, input=text, segments=True, stream_format="audio", response_format="pcm")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "segments", bad.text
+    assert _speech(server, input=text, segments="yes").json()["error"]["param"] == "segments"
 
 
 def test_cloning_through_extra_body_and_a_stored_voice_agree(server, client, clip, cases_dir):

@@ -529,26 +529,34 @@ def join_results(pipeline: Pipeline, results: list[GenerationResult],
     samples = np.concatenate(kept).astype(np.float32, copy=False) if kept else np.zeros(0, np.float32)
     segments: list[Segment] = []
     if plan is not None:
-        for index, result in enumerate(results):
-            segments += chunk_segments(plan, index, ends[index] - len(result.codes), len(result.codes), hop,
-                                       pipeline.constants.sample_rate)
+        for index in range(len(results)):
+            segments += chunk_segments(plan, index, ends, hop, pipeline.constants.sample_rate)
     return SynthesisResult(samples, pipeline.constants.sample_rate, codes, results, segments)
 
 
-def chunk_segments(plan: SynthesisPlan, index: int, first_frame: int, frames: int, hop: int,
-                   sample_rate: int) -> list[Segment]:
-    """The :class:`Segment` items of text chunk ``index`` of ``plan``, once its frames are known:
-    one per sentence (:func:`split_sentences` of the chunk's text), the chunk's ends exact and the
-    boundaries between its sentences estimated by their characters (see :class:`Segment`).
+def chunk_segments(plan: SynthesisPlan, index: int, ends: list[int], hop: int, sample_rate: int) -> list[Segment]:
+    """The :class:`Segment` items text chunk ``index`` of ``plan`` completes, once its frames are
+    known: one per sentence (:func:`split_sentences` of the chunk's text), the chunk's ends exact and
+    the boundaries between its sentences estimated by their characters (see :class:`Segment`); in a
+    dialogue, the whole turn (exact) when ``index`` is its last chunk, else none.
 
     Args:
         plan: the request's plan.
         index: the text chunk.
-        first_frame: its first frame in the whole audio (the frames of chunks ``0 .. index - 1``).
-        frames: its frames (``len(GenerationResult.codes)``).
+        ends: the frame just after each text chunk ``0 .. index`` (at least) in the whole audio.
         hop: samples per frame (960).
         sample_rate: Hz (24000).
     """
+    first_frame = ends[index - 1] if index else 0
+    frames = ends[index] - first_frame
+    if plan.cast is not None:
+        turn = plan.cast.turns[index]
+        if index + 1 < len(plan.chunks) and plan.cast.turns[index + 1] == turn:
+            return []
+        first = plan.cast.turns.index(turn)
+        start = ends[first - 1] if first else 0
+        return [Segment(plan.cast.texts[turn], start * hop / sample_rate, ends[index] * hop / sample_rate, first,
+                        True, plan.cast.names[plan.cast.speakers[index]])]
     sentences = split_sentences(plan.chunks[index][0]) or [plan.chunks[index][0]]
     weights = np.cumsum([sum(not ch.isspace() for ch in s) or 1 for s in sentences])
     bounds = [first_frame, *(first_frame + round(frames * w / weights[-1]) for w in weights)]
@@ -612,7 +620,7 @@ class SynthesisPlan:
             largest, and audio steps of its cap; at most ``max_length``): KV bytes are this times
             the decoder's bytes per position.
         context_chunks: previous text chunks whose text and codes open a chunk's prompt
-            (:func:`chunk_voice`); 0: every chunk is generated on its own.
+            (:func:`chunk_voice`); 0: the voice alone.
         max_length: the decoder context the chunks were planned for (positions).
         max_prompt_length: the longest prompt the decoder takes, where it has a limit of its own
             (an NPU bundle's static prompt, ``generation.max_prompt_length``), else None.
@@ -627,6 +635,38 @@ class SynthesisPlan:
     context_chunks: int = CONTEXT_CHUNKS
     max_length: int = 0
     max_prompt_length: int | None = None
+    cast: Cast | None = None
+
+    def speaker_of(self, index: int) -> int:
+        """The speaker of text chunk ``index`` (an index into ``cast.names``; 0 outside a dialogue)."""
+        return 0 if self.cast is None else self.cast.speakers[index]
+
+    def voice_of(self, index: int) -> tuple[np.ndarray | None, str | None]:
+        """The voice of text chunk ``index``'s speaker: ``(codes int64 [frames, N], transcript)``, or
+        ``(None, None)`` when the speaker's first chunk is its voice (:func:`chunk_voice`)."""
+        return (self.ref_codes, self.ref_text) if self.cast is None else self.cast.voices[self.speaker_of(index)]
+
+
+@dataclass(frozen=True, eq=False)
+class Cast:
+    """The speakers of a dialogue's :class:`SynthesisPlan` (made by
+    :func:`higgs_pack.runtime.loop.dialogue.plan_dialogue`): each text chunk belongs to one turn,
+    each turn to one speaker, each speaker has its own voice.
+
+    Attributes:
+        names: the speakers' names, in order of their first turn.
+        voices: per speaker ``(codes int64 [frames, N], transcript)``, or ``(None, None)``: the
+            speaker's first chunk becomes its voice.
+        speakers: the speaker (index into ``names``) of each text chunk.
+        turns: the turn (index into ``texts``) of each text chunk; a turn's chunks are consecutive.
+        texts: each turn's text, as spoken.
+    """
+
+    names: tuple[str, ...]
+    voices: tuple[tuple[np.ndarray | None, str | None], ...]
+    speakers: tuple[int, ...]
+    turns: tuple[int, ...]
+    texts: tuple[str, ...]
 
 
 def plan_synthesis(pipeline: Pipeline, text: str, *, options: SamplingOptions | None = None,
@@ -657,7 +697,7 @@ def plan_synthesis(pipeline: Pipeline, text: str, *, options: SamplingOptions | 
         context_chunks: the rolling context (:func:`chunk_voice`): with it (default
             :data:`CONTEXT_CHUNKS`) a long text is cut into chunks of at most
             :data:`CHUNK_WORDS` words; 0 packs each chunk up to the decoder's context and
-            generates it on its own.
+            opens its prompt with the voice alone (the clip's, or the first chunk's).
 
     Raises:
         InputError: as listed above.
@@ -741,12 +781,13 @@ def chunk_voice(pipeline: Pipeline, plan: SynthesisPlan, index: int,
         ``(codes int64 [frames, N], transcript)`` for :func:`build_prompt`, or ``(None, None)``.
     """
     chosen = _context_of(plan, index)
-    if not chosen or (plan.ref_codes is None and not len(results[0].codes)):
-        return plan.ref_codes, plan.ref_text
+    ref_codes, ref_text = plan.voice_of(index)
+    if not chosen or (ref_codes is None and not len(results[chosen[0]].codes)):
+        return ref_codes, ref_text
     text, cap = plan.chunks[index]
     steps = cap + pipeline.constants.num_codebooks - 1
     prompt_limit = plan.max_prompt_length or plan.max_length
-    voice = [] if plan.ref_codes is None else [(plan.ref_codes, plan.ref_text)]
+    voice = [] if ref_codes is None else [(ref_codes, ref_text)]
     while chosen:
         parts = voice + [(results[j].codes, plan.chunks[j][0]) for j in chosen]
         codes = np.concatenate([part_codes for part_codes, _ in parts], axis=0)
@@ -754,19 +795,28 @@ def chunk_voice(pipeline: Pipeline, plan: SynthesisPlan, index: int,
         positions = chunk_positions(pipeline, text, cap, codes, words)
         if positions <= plan.max_length and positions - steps <= prompt_limit:
             return codes, words
-        # The oldest context goes first; a first-chunk voice (chunk 0, with no reference) last.
-        del chosen[1 if plan.ref_codes is None and len(chosen) > 1 else 0]
-    return plan.ref_codes, plan.ref_text
+        # The oldest context goes first; a first-chunk voice (with no reference) last.
+        del chosen[1 if ref_codes is None and len(chosen) > 1 else 0]
+    return ref_codes, ref_text
 
 
 def _context_of(plan: SynthesisPlan, index: int) -> list[int]:
-    """The earlier text chunks whose text and codes follow the request's voice in chunk ``index``'s
-    prompt at most, oldest first: with no reference voice chunk 0 (the voice of the rest) and then
-    the last ``plan.context_chunks`` chunks after it; with one, the last ``plan.context_chunks``."""
-    if plan.context_chunks <= 0 or index == 0:
+    """The earlier text chunks whose text and codes follow the voice in chunk ``index``'s prompt at
+    most, oldest first: when the speaker has no voice of its own, its first chunk (the voice of
+    the rest, whatever ``plan.context_chunks``), then the speaker's last ``plan.context_chunks``
+    chunks after it.  Only the same speaker's chunks: a dialogue's prompt format has no speaker
+    tag, so another speaker's audio there would pull the voice towards that speaker."""
+    speaker, (codes, _) = plan.speaker_of(index), plan.voice_of(index)
+    first = None if codes is not None else (0 if plan.cast is None else plan.cast.speakers.index(speaker))
+    if index == 0 or first == index:
         return []
-    first = 0 if plan.ref_codes is not None else 1
-    return ([] if first == 0 else [0]) + list(range(max(first, index - plan.context_chunks), index))
+    recent: list[int] = []
+    j = index - 1
+    while j >= 0 and j != first and len(recent) < plan.context_chunks:
+        if plan.speaker_of(j) == speaker:
+            recent.append(j)
+        j -= 1
+    return ([] if first is None else [first]) + recent[::-1]
 
 
 def _most_positions(pipeline: Pipeline, plan: SynthesisPlan) -> int:
@@ -775,9 +825,9 @@ def _most_positions(pipeline: Pipeline, plan: SynthesisPlan) -> int:
     cap), and never more than ``plan.max_length`` (:func:`chunk_voice` drops context past it)."""
     most = 0
     for index, (text, cap) in enumerate(plan.chunks):
-        chosen = _context_of(plan, index)
-        frames = (0 if plan.ref_codes is None else plan.ref_codes.shape[0]) + sum(plan.chunks[j][1] for j in chosen)
-        words = ([] if plan.ref_text is None else [plan.ref_text]) + [plan.chunks[j][0] for j in chosen]
+        chosen, (ref_codes, ref_text) = _context_of(plan, index), plan.voice_of(index)
+        frames = (0 if ref_codes is None else ref_codes.shape[0]) + sum(plan.chunks[j][1] for j in chosen)
+        words = ([] if ref_text is None else [ref_text]) + [plan.chunks[j][0] for j in chosen]
         codes = np.zeros((frames, pipeline.constants.num_codebooks), np.int64) if frames else None
         most = max(most, min(plan.max_length, chunk_positions(pipeline, text, cap, codes, " ".join(words) or None)))
     return most

@@ -191,7 +191,7 @@ class SpeechStream(Iterator[AudioChunk]):
                 yield from pieces(codec.push(frame))
             self.results.append(result)
             seams.append((start + len(result.codes)) * hop)
-            found = chunk_segments(plan, index, start, len(result.codes), hop, c.sample_rate)
+            found = chunk_segments(plan, index, [seam // hop for seam in seams], hop, c.sample_rate)
             self.segments += found
             ready.append((seams[-1], found))
             # Frames the loop's stop left unpushed (a stop at the frame cap cuts the delay ramp).

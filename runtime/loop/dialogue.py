@@ -1,0 +1,299 @@
+"""Dialogue: a script of turns, each with a speaker, spoken in one audio with a voice per speaker.
+
+Every front door (``TTS.dialogue`` and ``TTS.stream_dialogue``, ``higgs-pack dialogue``,
+``POST /v1/audio/dialogue``) makes one :class:`DialogueRequest`, checked when made; it is
+planned against a loaded bundle into one :class:`~higgs_pack.runtime.loop.generate.SynthesisPlan`
+(:func:`plan_dialogue`) whose text chunks are the turns' chunks in order and whose
+:class:`~higgs_pack.runtime.loop.generate.Cast` says each chunk's turn and speaker.  That plan
+runs where any plan runs (``run_plan``, ``stream_plan``, the engine), with the same rolling
+context: each chunk's prompt opens with its speaker's voice (a named voice, a clip with its
+transcript, or none: then the speaker's first turn becomes its voice) and the speaker's last
+``context_chunks`` chunks (:func:`~higgs_pack.runtime.loop.generate.chunk_voice`).  The turns join
+as continuous speech (:func:`~higgs_pack.runtime.loop.generate.join_results`) with one exact
+segment per turn.
+
+Why only the speaker's own turns as context: the TTS prompt (MODEL.md) has no speaker tag, so
+another speaker's codes in the reference slot would pull the voice towards that speaker; Higgs'
+own multi-speaker generator tags turns with ``[SPEAKERn]`` in a chat prompt that this model's
+TTS prompt does not have (../shared/SPEECH-AT-LENGTH.md).
+
+Runtime code: no torch, no build tools.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from higgs_pack.manifests.errors import HiggsPackError, InputError, Problem, literal
+from higgs_pack.runtime.loop.generate import (
+    CHUNK_WORDS,
+    Cast,
+    SynthesisPlan,
+    _most_positions,
+    check_text_tokens,
+    check_voice_codes,
+    encode_reference,
+    plan_chunks,
+)
+from higgs_pack.runtime.loop.pipeline import Pipeline
+from higgs_pack.runtime.request import (
+    PreparedVoice,
+    SynthesisRequest,
+    Voice,
+    plain_type,
+    refuse,
+    unspeakable,
+)
+
+#: Most turns in one dialogue: an hour of conversation is some hundreds; a script past this is
+#: refused before anything is generated (split it into several dialogues).
+MAX_TURNS = 1000
+#: Longest speaker name (characters).
+MAX_SPEAKER_CHARS = 64
+_LINE = re.compile(r"^\s*(?P<speaker>[^:]{1,200}?)\s*:\s*(?P<text>.*)$")
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One turn of a dialogue.
+
+    Attributes:
+        speaker: who says it (1 to :data:`MAX_SPEAKER_CHARS` characters, no ``:``).
+        text: what they say (speakable text; inline controls pass as text).
+    """
+
+    speaker: str
+    text: str
+
+
+def turn_problems(turns: Any, where: str = "turn", numbers: list[int] | None = None) -> list[Problem]:
+    """One problem per bad turn (each named ``turn N``; a script's ``line N``, with ``where`` and
+    each turn's line ``numbers``), and one for no turns or more than :data:`MAX_TURNS`; ``[]``
+    when the turns can be spoken."""
+    if not isinstance(turns, (list, tuple)):
+        return [Problem("turns", None, message=f"{{name}} must be a list of turns, got {plain_type(turns)}")]
+    if not turns:
+        return [Problem("turns", None, message="{name} is empty: a dialogue needs at least one turn")]
+    if len(turns) > MAX_TURNS:
+        return [Problem("turns", None, message=f"{{name}} holds {len(turns)} turns; at most {MAX_TURNS} are spoken "
+                                               "in one dialogue: split the script into several")]
+    found: list[Problem] = []
+    for index, turn in enumerate(turns):
+        number = index + 1 if numbers is None else numbers[index]
+        if not isinstance(turn, Turn):
+            found.append(Problem("turns", None, message=f"{where} {number} must be a Turn(speaker, text) or a "
+                                                        f"(speaker, text) pair, got {plain_type(turn)}"))
+            continue
+        found += _speaker_problems(turn.speaker, f"{where} {number}")
+        problem = unspeakable(turn.text, f"the text of {where} {number} ({turn.speaker[:40]!r})")
+        if problem is not None:
+            found.append(Problem("turns", None, message=literal(problem)))
+        if len(found) >= 10:  # enough to fix first; a broken file would list every line
+            found.append(Problem("turns", None, message="(and maybe more: fix these first)"))
+            break
+    return found
+
+
+def _speaker_problems(speaker: Any, where: str) -> list[Problem]:
+    problem = unspeakable(speaker, f"the speaker of {where}")
+    if problem is None and (len(speaker) > MAX_SPEAKER_CHARS or ":" in speaker or "\n" in speaker):
+        problem = (f"the speaker of {where} ({speaker[:40]!r}) must be a name of at most {MAX_SPEAKER_CHARS} "
+                   "characters without ':' or a line break")
+    return [] if problem is None else [Problem("turns", None, message=literal(problem))]
+
+
+def as_turns(turns: Iterable[Any]) -> list[Any]:
+    """``turns`` as :class:`Turn` items where they are ``Turn``, ``(speaker, text)`` pairs or
+    ``{"speaker", "text"}`` mappings; other items are kept as they are for :func:`turn_problems`
+    to name."""
+    out: list[Any] = []
+    for turn in turns:
+        if isinstance(turn, Mapping) and set(turn) == {"speaker", "text"}:
+            turn = Turn(turn["speaker"], turn["text"])
+        elif isinstance(turn, tuple) and len(turn) == 2:
+            turn = Turn(*turn)
+        out.append(turn)
+    return out
+
+
+def parse_script(script: str, source: str = "the script") -> list[Turn]:
+    """The turns of a plain-text script: one turn per line, ``NAME: text``; blank lines and lines
+    starting with ``#`` are skipped.
+
+    Args:
+        script: the script's text (decoded).
+        source: how messages name it (a file path).
+
+    Raises:
+        InputError: NUL characters (a binary file), a line without ``NAME:``, a turn with nothing
+            to say, no turns, more than :data:`MAX_TURNS`: each named by its line number.
+    """
+    if "\x00" in script:
+        raise InputError(f"{source} holds NUL characters: it is a binary file, not a script; a script is UTF-8 "
+                         "text with one turn per line, NAME: text")
+    turns: list[Turn] = []
+    lines: list[int] = []
+    found: list[Problem] = []
+    for number, line in enumerate(script.splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        match = _LINE.match(line)
+        if match is None or not match["speaker"].strip():
+            found.append(Problem("turns", None, message=literal(
+                f"line {number} of {source} has no speaker: write it as NAME: text (got {line.strip()[:60]!r})")))
+        else:
+            turns.append(Turn(match["speaker"].strip(), match["text"].strip()))
+            lines.append(number)
+        if len(found) >= 10:
+            break
+    if len(turns) > MAX_TURNS:
+        found.append(Problem("turns", None, message=literal(
+            f"{source} holds {len(turns)} turns; at most {MAX_TURNS} are spoken in one dialogue: split it")))
+    elif turns and len(found) < 10:
+        found += turn_problems(turns, f"{source} line", lines)  # named by their lines in the file
+    if not turns and not found:
+        found = [Problem("turns", None, message=literal(f"{source} holds no turns: write one per line, NAME: text"))]
+    refuse(found)
+    return turns
+
+
+VoiceChoice = Voice | PreparedVoice | None
+"""A speaker's voice: a clip with its transcript, a prepared (named) voice, or None (its first
+turn becomes its voice)."""
+
+
+@dataclass(frozen=True, eq=False)
+class DialogueRequest:
+    """A dialogue, checked when made: its turns, a voice per speaker, and the sampling, frame cap,
+    stream schedule and rolling context of :class:`~higgs_pack.runtime.request.SynthesisRequest`.
+
+    Attributes:
+        turns: the :class:`Turn` items, in order.
+        voices: speaker -> its :data:`VoiceChoice`; a speaker left out has no voice of its own.
+        options: a request that holds the shared fields (seed, temperature, top_k, top_p,
+            max_frames, schedule, context_chunks); its text is the first turn's.
+
+    Raises:
+        InputError: every bad turn named (``turn N``), a voice for a speaker with no turn (the
+            speakers listed), a voice that is not a clip or a prepared voice.
+    """
+
+    turns: tuple[Turn, ...]
+    voices: Mapping[str, VoiceChoice]
+    options: SynthesisRequest
+
+    @classmethod
+    def create(cls, turns: Iterable[Any], voices: Mapping[str, Any] | None = None,
+               **keywords: Any) -> DialogueRequest:
+        """A dialogue from the keywords of ``TTS.dialogue``.
+
+        Args:
+            turns: :class:`Turn` items, ``(speaker, text)`` pairs or ``{"speaker", "text"}`` mappings.
+            voices: speaker -> a :class:`~higgs_pack.runtime.request.PreparedVoice`, a
+                :class:`~higgs_pack.runtime.request.Voice`, an ``(audio, transcript)`` pair (a file
+                or ``(samples, sample_rate)``, and the clip's exact words), or None.
+            keywords: those of :meth:`SynthesisRequest.create
+                <higgs_pack.runtime.request.SynthesisRequest.create>` but the voice's (``seed``,
+                ``temperature``, ``top_k``, ``top_p``, ``max_frames``, the stream schedule,
+                ``context_chunks``).
+
+        Raises:
+            InputError: as the class says, and every bad keyword.
+        """
+        turns = as_turns(turns) if isinstance(turns, (list, tuple)) else turns
+        refuse(turn_problems(turns))
+        voices = dict(voices or {})
+        speakers = list(dict.fromkeys(turn.speaker for turn in turns))
+        found: list[Problem] = []
+        stray = [name for name in voices if name not in speakers]
+        if stray:
+            found.append(Problem("voices", None, message=literal(
+                f"voices names {', '.join(repr(str(n)[:40]) for n in stray[:5])}, who speak no turn; the speakers "
+                f"are {', '.join(repr(n) for n in speakers[:20])}")))
+        chosen: dict[str, VoiceChoice] = {}
+        for name, voice in voices.items():
+            if isinstance(voice, tuple) and len(voice) == 2 and not isinstance(voice[0], np.ndarray):
+                try:
+                    voice = Voice(*voice)
+                except InputError as exc:
+                    found.append(Problem("voices", None, message=literal(f"the voice of {name!r}: {exc}")))
+                    continue
+            if voice is not None and not isinstance(voice, (Voice, PreparedVoice)):
+                found.append(Problem("voices", None, message=literal(
+                    f"the voice of {str(name)[:40]!r} must be a prepared voice (tts.prepare_voice), a Voice, an "
+                    f"(audio, transcript) pair or None, got {plain_type(voice)}")))
+                continue
+            chosen[name] = voice
+        refuse(found)
+        for key in ("ref_audio", "ref_text", "voice"):
+            if key in keywords:
+                raise InputError(f"a dialogue takes its voices as voices={{speaker: voice}}, not {key}=")
+        options = SynthesisRequest.create(turns[0].text, **keywords)
+        return cls(tuple(turns), chosen, options)
+
+    @property
+    def text(self) -> str:
+        """Every turn's text, one per line (what is spoken, for counting its tokens)."""
+        return "\n".join(turn.text for turn in self.turns)
+
+    def plan(self, pipeline: Pipeline) -> SynthesisPlan:
+        """:func:`plan_dialogue` of this request."""
+        return plan_dialogue(pipeline, self)
+
+
+def plan_dialogue(pipeline: Pipeline, request: DialogueRequest) -> SynthesisPlan:
+    """A dialogue resolved against a loaded bundle: one :class:`~higgs_pack.runtime.loop.generate.SynthesisPlan`
+    of every turn's text chunks, in order, with its :class:`~higgs_pack.runtime.loop.generate.Cast`.
+
+    Each speaker's clip is read and codec-encoded once (a prepared voice's codes checked against
+    the codec); each turn is cut at sentence ends into chunks of at most
+    :data:`~higgs_pack.runtime.loop.generate.CHUNK_WORDS` words that fit the context with its
+    speaker's voice (:func:`~higgs_pack.runtime.loop.generate.plan_chunks`).
+
+    Raises:
+        InputError: a clip that cannot be read or used, a special token in a turn or a
+            transcript, a sentence too long for the context; each names the turn or speaker.
+    """
+    options = request.options
+    sampling = options.sampling_options(pipeline.generation_defaults)
+    c = pipeline.constants
+    names = tuple(dict.fromkeys(turn.speaker for turn in request.turns))
+    voices: list[tuple[np.ndarray | None, str | None]] = []
+    for name in names:
+        voice = request.voices.get(name)
+        try:
+            if isinstance(voice, Voice):
+                check_text_tokens(pipeline, voice.transcript, "ref_text")
+                voices.append((encode_reference(pipeline, voice.prepared(c.sample_rate, c.hop_length)),
+                               voice.transcript))
+            elif isinstance(voice, PreparedVoice):
+                check_voice_codes(pipeline, voice.codes)
+                check_text_tokens(pipeline, voice.transcript, "ref_text")
+                voices.append((voice.codes, voice.transcript))
+            else:
+                voices.append((None, None))
+        except HiggsPackError as exc:
+            raise InputError(f"the voice of {name!r}: {exc}") from exc
+    chunks: list[tuple[str, int]] = []
+    speakers: list[int] = []
+    turns: list[int] = []
+    for number, turn in enumerate(request.turns):
+        speaker = names.index(turn.speaker)
+        try:
+            check_text_tokens(pipeline, turn.text)
+            found = plan_chunks(pipeline, turn.text.strip(), *voices[speaker], options.max_frames, CHUNK_WORDS)
+        except InputError as exc:
+            raise InputError(f"turn {number + 1} ({turn.speaker!r}): {exc}") from exc
+        chunks += found
+        speakers += [speaker] * len(found)
+        turns += [number] * len(found)
+    cast = Cast(names, tuple(voices), tuple(speakers), tuple(turns), tuple(turn.text.strip() for turn in request.turns))
+    plan = SynthesisPlan(sampling, None, None, tuple(chunks), options.schedule, 0, options.context_chunks,
+                         pipeline.decoder.max_length, getattr(pipeline.decoder, "max_prompt_length", None), cast)
+    return dataclasses.replace(plan, positions=_most_positions(pipeline, plan))

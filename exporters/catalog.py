@@ -149,7 +149,7 @@ EXPORTERS: dict[str, ExporterInfo] = {
             "openvino",
             ("fp32", "fp16", "int8", "int4"),
             {**_NNCF_OPTIONS, "engine": str, "static_axes": dict, "chunk_context": (int, str), "pad_mask": bool,
-             "allow_chunks": bool, "device_overrides": dict},
+             "allow_chunks": bool, "device_overrides": dict, "device_override_reason": str},
             tool=("olive-ai", "openvino", "nncf", "torch"),
         ),
     )

@@ -24,8 +24,10 @@ from higgs_pack.manifests.errors import BundleError, ManifestError, UnsupportedF
 MANIFEST_NAME = "manifest.json"
 CHUNK = 1 << 20
 
-#: Version of the manifest format this higgs-pack writes and the newest it reads.
-FORMAT_VERSION = 1
+#: Version of the manifest format this higgs-pack writes and the newest it reads.  2 added the
+#: optional sub-part ``audio_tokenizer_stream`` (the stateful streaming codec); a format-1 bundle
+#: (without it) still reads, and streams with windows of its one-shot codec.
+FORMAT_VERSION = 2
 
 
 

@@ -7,7 +7,8 @@ import enum
 
 
 class SubPart(str, enum.Enum):
-    """The six exported pieces of Higgs-Audio-v3 (names as in MODEL.md)."""
+    """The exported pieces of Higgs-Audio-v3 (names as in MODEL.md): six, and the codec decoder a
+    second time as a stateful stream (:data:`OPTIONAL_SUBPARTS`: bundles built before it lack it)."""
 
     TEXT_EMBED = "text_embed"
     """input_ids int64 [batch, sequence] -> inputs_embeds float [batch, sequence, hidden]."""
@@ -21,6 +22,11 @@ class SubPart(str, enum.Enum):
     """Codec decoder: audio_codes int64 [batch, 8, frames] -> waveform float32 [batch, 1, frames*960]."""
     AUDIO_ENCODER = "audio_encoder"
     """Codec encoder: waveform float32 [batch, 1, samples] -> audio_codes int64 [batch, 8, samples/960]."""
+    AUDIO_TOKENIZER_STREAM = "audio_tokenizer_stream"
+    """Codec decoder, one stream step: audio_codes int64 [batch, 8, frames], start_frame and end_frame
+    int64 [batch], codec_state float32 [batch, S] -> waveform float32 [batch, 1, frames*960] (the
+    one-shot waveform delayed by the manifest's ``delay_samples``), codec_state_out [batch, S]
+    (``exporters/pytorch/stream_codec.py``)."""
 
     def __str__(self) -> str:
         return self.value
@@ -34,10 +40,16 @@ SUBPART_IO: dict[SubPart, tuple[tuple[str, ...], tuple[str, ...]]] = {
     SubPart.AUDIO_HEADS: (("hidden_states",), ("audio_logits",)),
     SubPart.AUDIO_TOKENIZER: (("audio_codes",), ("waveform",)),
     SubPart.AUDIO_ENCODER: (("waveform",), ("audio_codes",)),
+    SubPart.AUDIO_TOKENIZER_STREAM: (("audio_codes", "start_frame", "end_frame", "codec_state"),
+                                     ("waveform", "codec_state_out")),
 }
 
 #: Sub-parts that are always exported at fp32 (int4/fp16 DAC is too lossy, per the seed).
-FP32_ONLY = frozenset({SubPart.AUDIO_TOKENIZER, SubPart.AUDIO_ENCODER})
+FP32_ONLY = frozenset({SubPart.AUDIO_TOKENIZER, SubPart.AUDIO_ENCODER, SubPart.AUDIO_TOKENIZER_STREAM})
+
+#: Sub-parts a bundle may lack: those added after bundles were first built (manifest format 1
+#: has no ``audio_tokenizer_stream``; such bundles stream with windows of the one-shot codec).
+OPTIONAL_SUBPARTS = frozenset({SubPart.AUDIO_TOKENIZER_STREAM})
 
 
 #: Higgs special tokens, by role -> token text.  Ids are resolved by name from the

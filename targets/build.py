@@ -359,7 +359,8 @@ def estimate_space(plan: BuildPlan, ckpt) -> Any:
     audio = math.prod(ckpt.tensor_shape(AUDIO_EMBEDDING))
     codec = sum(math.prod(ckpt.tensor_shape(n)) for n in ckpt.tensor_names() if n.startswith(CODEC_PREFIX))
     params = {SubPart.LLM_DECODER: body, SubPart.TEXT_EMBED: text, SubPart.AUDIO_EMBED: audio,
-              SubPart.AUDIO_HEADS: audio, SubPart.AUDIO_TOKENIZER: codec, SubPart.AUDIO_ENCODER: codec}
+              SubPart.AUDIO_HEADS: audio, SubPart.AUDIO_TOKENIZER: codec, SubPart.AUDIO_ENCODER: codec,
+              SubPart.AUDIO_TOKENIZER_STREAM: codec}
     scratch = (body + text) * itemsize if any(r.exporter.kind == "decoder" for r in plan.rows) else 0
     bundle = 0
     for row in plan.rows:

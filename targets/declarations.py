@@ -35,6 +35,7 @@ def _onnx_recipes(ep: str, *, decoder: dict | None = None, heads: dict | None = 
         SubPart.AUDIO_HEADS: Recipe(OLIVE_ONNX, options=heads) if heads else module,
         SubPart.AUDIO_TOKENIZER: Recipe(OLIVE_ONNX, precision="fp32"),
         SubPart.AUDIO_ENCODER: Recipe(OLIVE_ONNX, precision="fp32"),
+        SubPart.AUDIO_TOKENIZER_STREAM: Recipe(OLIVE_ONNX, precision="fp32"),
     }
 
 
@@ -139,6 +140,14 @@ NPU = Variant(
         # 0.10 code agreement on the tiny model for a 30-frame probe in a 250-frame
         # chunk), so it stays dynamic and runs on the CPU when the bundle runs on the NPU.
         SubPart.AUDIO_ENCODER: {"device_overrides": {"NPU": "CPU"}},
+        # The stateful streaming codec is not made static for the NPU: its state size (S floats a
+        # row) is the codec's, known only once the checkpoint is read, and the NPU variant already
+        # decodes in static 128-frame chunks with a valid_frames mask; it runs on the CPU.
+        SubPart.AUDIO_TOKENIZER_STREAM: {
+            "device_overrides": {"NPU": "CPU"},
+            "device_override_reason": "the stateful streaming codec is not compiled static for the NPU (its "
+                                      "state size is the codec's); it runs on the CPU beside the NPU's static "
+                                      "128-frame window codec"},
     },
     manifest={"device": "NPU", "generation": {"max_prompt_length": NPU_MAX_PROMPT}},
     verify_on="CPU",
@@ -166,6 +175,7 @@ OPENVINO = builtin(
             SubPart.AUDIO_HEADS: Recipe(OLIVE_OPENVINO, options=OPENVINO_HEADS_INT4),
             SubPart.AUDIO_TOKENIZER: Recipe(OLIVE_OPENVINO, precision="fp32"),
             SubPart.AUDIO_ENCODER: Recipe(OLIVE_OPENVINO, precision="fp32"),
+            SubPart.AUDIO_TOKENIZER_STREAM: Recipe(OLIVE_OPENVINO, precision="fp32"),
         },
         extra="openvino",
         runtime_requirements=(OPENVINO_REQUIREMENT,),

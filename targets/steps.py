@@ -66,10 +66,12 @@ def export_modules(checkpoint: str, rows: list[dict[str, Any]], bundle_dir: str,
             start = time.perf_counter()
             module = build_modules(ckpt, [part])[part]
             ckpt.close()
+            if part == SubPart.AUDIO_TOKENIZER_STREAM:
+                module = _measured_stream(module, ckpt.constants)
             inputs, outputs = SUBPART_IO[part]
             try:
                 result = info.load()(
-                    module, example_inputs(part, ckpt.constants), input_names=list(inputs),
+                    module, example_inputs(part, ckpt.constants, module=module), input_names=list(inputs),
                     output_names=list(outputs), dynamic_axes=DYNAMIC_AXES[part], out_dir=bundle,
                     name=part.value, precision=row["precision"], work_dir=Path(work_dir) / part.value,
                     subpart=part.value, bundle_dir=bundle, **row["options"],
@@ -80,10 +82,32 @@ def export_modules(checkpoint: str, rows: list[dict[str, Any]], bundle_dir: str,
                 raise BuildError(f"{info.name} failed on {part.value} ({row['precision']}): {exc}") from exc
             if part == SubPart.AUDIO_TOKENIZER:
                 result = _with_stream_context(result, module, ckpt.constants)
+            if part == SubPart.AUDIO_TOKENIZER_STREAM:
+                from dataclasses import replace
+
+                result = replace(result, options={**result.options, **module.options()})
             del module
             results[part.value] = result.to_dict()
             seconds[part.value] = round(time.perf_counter() - start, 2)
     return {"results": results, "_detail": {"seconds": seconds}}
+
+
+def _measured_stream(module, constants):
+    """The streaming codec with the smallest lookahead inside the codec's parity limit (the fp32
+    export limit, :data:`~higgs_pack.targets.base.EXPORT_REL_L2`), its table of lookaheads measured
+    (:func:`~higgs_pack.exporters.pytorch.stream_codec.measured_stream`).
+
+    Raises:
+        BuildError: not even the exact stream matches one-shot decoding.
+    """
+    from higgs_pack.exporters.pytorch.stream_codec import measured_stream
+    from higgs_pack.targets.base import EXPORT_REL_L2
+
+    try:
+        return measured_stream(module.one_shot, constants.num_codebooks, constants.codebook_size,
+                               constants.hop_length, EXPORT_REL_L2["fp32"])
+    except ValueError as exc:
+        raise BuildError(f"audio_tokenizer_stream: {exc}") from exc
 
 
 def _with_stream_context(result, module, constants):

@@ -130,6 +130,14 @@ def scale_codec_weight(bundle: Path) -> None:
     _save(model, bundle, "audio_tokenizer.onnx")
 
 
+def scale_stream_codec_weight(bundle: Path) -> None:
+    """The streaming codec's first convolution weight x1.01 (its own copy of the codec's weights)."""
+    model = _load(bundle, "audio_tokenizer_stream.onnx")
+    name = "dac.conv1.weight"
+    _set(model, name, numpy_helper.to_array(_initializer(model, name)) * 1.01)
+    _save(model, bundle, "audio_tokenizer_stream.onnx")
+
+
 def scale_text_embedding(bundle: Path) -> None:
     """The text embedding x1.05 (its float table, or its int4 block scales)."""
     model = _load(bundle, "text_embed.onnx")
@@ -153,6 +161,7 @@ MUTATIONS = {
     "transposed projection": (transpose_projection, "parity llm_decoder"),
     "codebook offset": (wrong_codebook_offset, "parity audio_embed"),
     "codec weight x1.01": (scale_codec_weight, "parity audio_tokenizer"),
+    "stream codec weight x1.01": (scale_stream_codec_weight, "parity audio_tokenizer_stream"),
     "text embedding x1.05": (scale_text_embedding, "parity text_embed"),
 }
 #: Mutations that need a float weight to rewrite (int4 packs it).
@@ -168,7 +177,7 @@ def test_correct_bundles_pass(correct_bundle):
     report = verify_bundle(correct_bundle, synthesize_cases=False)
     assert report.ok, report.render()
     parity = [c for c in report.checks if c.name.startswith("parity")]
-    assert len(parity) == 6 and all(c.ok for c in parity)
+    assert len(parity) == 7 and all(c.ok for c in parity)  # the six sub-parts and the streaming codec
 
 
 @pytest.mark.parametrize("mutation", list(MUTATIONS))

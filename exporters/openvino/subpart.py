@@ -162,6 +162,7 @@ def convert_subpart(
     pad_mask: bool = False,
     allow_chunks: bool = True,
     device_overrides: Mapping[str, str] | None = None,
+    device_override_reason: str | None = None,
     symmetric: bool = SUBPART_NNCF.symmetric,
 ) -> ExportResult:
     """Convert one small sub-part (embeddings, audio heads, codec) to OpenVINO IR.
@@ -226,6 +227,7 @@ def convert_subpart(
         device_overrides: Recorded in the manifest: bundle device -> device this
             sub-part is compiled for instead (``{"NPU": "CPU"}`` keeps a dynamic
             sub-part off the NPU).
+        device_override_reason: Recorded in the manifest beside ``device_overrides``: why.
         symmetric: int4 only: NNCF INT4_SYM instead of INT4_ASYM (NPU bundles).
 
     Returns:
@@ -303,7 +305,8 @@ def convert_subpart(
         quantization=quantization,
         inputs=inputs,
         outputs=outputs,
-        options=_manifest_options(xml, engine, precision, input_shapes, static, inputs, outputs, device_overrides),
+        options=_manifest_options(xml, engine, precision, input_shapes, static, inputs, outputs, device_overrides,
+                                  device_override_reason),
     )
 
 
@@ -328,7 +331,8 @@ def _checked_subpart(subpart: SubPart | str, precision: str, engine: str) -> Sub
 
 
 def _manifest_options(xml: Path, engine: str, precision: str, input_shapes: Any, static: StaticPlan | None,
-                      inputs: Any, outputs: Any, device_overrides: Mapping[str, str] | None) -> dict[str, Any]:
+                      inputs: Any, outputs: Any, device_overrides: Mapping[str, str] | None,
+                      device_override_reason: str | None = None) -> dict[str, Any]:
     """The sub-part's manifest ``options``: engine, shapes, weight storage read from the IR, the
     static plan's entries (npu) and device overrides."""
     options: dict[str, Any] = {
@@ -341,4 +345,6 @@ def _manifest_options(xml: Path, engine: str, precision: str, input_shapes: Any,
         options.update(static.manifest_options(inputs, outputs))
     if device_overrides:
         options["device_overrides"] = dict(device_overrides)
+    if device_override_reason:
+        options["device_override_reason"] = device_override_reason
     return options

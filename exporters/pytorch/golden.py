@@ -130,16 +130,26 @@ def capture_golden(ckpt, out_path: Path, *, seed: int = 1234, bundle_dir: Path |
 
 
 def _codec_probes(pipe, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """The codec's golden entries: the decoder on random codes, the encoder on the probe waveform."""
+    """The codec's golden entries: the decoder on random codes, the encoder on the probe waveform,
+    and for the streaming codec (``audio_tokenizer_stream``) longer random codes with their one-shot
+    decode: verification streams them through the bundle's stateful decoder and compares."""
     c = pipe.constants
     audio_codes = rng.integers(0, c.codebook_size, size=(1, c.num_codebooks, 12), dtype=np.int64)
     wave = _probe_waveform(c.sample_rate, c.hop_length, rng)[None, None]
+    stream_codes = rng.integers(0, c.codebook_size, size=(1, c.num_codebooks, STREAM_PROBE_FRAMES), dtype=np.int64)
     return {
         "audio_tokenizer/in/audio_codes": audio_codes,
         "audio_tokenizer/out/waveform": pipe.audio_tokenizer.run({"audio_codes": audio_codes})["waveform"],
         "audio_encoder/in/waveform": wave,
         "audio_encoder/out/audio_codes": pipe.audio_encoder.run({"waveform": wave})["audio_codes"],
+        "audio_tokenizer_stream/in/audio_codes": stream_codes,
+        "audio_tokenizer_stream/out/waveform": pipe.audio_tokenizer.run({"audio_codes": stream_codes})["waveform"],
     }
+
+
+#: Frames of the streaming codec's golden codes: several calls past the lookahead (10 frames at
+#: the published dims) with the call sizes verification uses.
+STREAM_PROBE_FRAMES = 40
 
 
 def _greedy_delayed(pipe, precision: str) -> np.ndarray:

@@ -66,6 +66,14 @@ DYNAMIC_AXES: dict[SubPart, dict[str, dict[int, str]]] = {
         "waveform": {0: "batch", 2: "samples"},
         "audio_codes": {0: "batch", 2: "frames"},
     },
+    SubPart.AUDIO_TOKENIZER_STREAM: {
+        "audio_codes": {0: "batch", 2: "frames"},
+        "start_frame": {0: "batch"},
+        "end_frame": {0: "batch"},
+        "codec_state": {0: "batch"},
+        "waveform": {0: "batch", 2: "samples"},
+        "codec_state_out": {0: "batch"},
+    },
 }
 
 
@@ -293,8 +301,11 @@ def build_modules(
 
     Args:
         ckpt: An opened checkpoint.
-        subparts: Which ones (default: all five; the codec is loaded once for both
-            codec sub-parts).
+        subparts: Which ones (default: all six; the codec is loaded once for the codec
+            sub-parts; ``audio_tokenizer_stream`` is the exact stream,
+            :class:`~higgs_pack.exporters.pytorch.stream_codec.StreamCodecDecoder` with every
+            layer's whole reach: :func:`~higgs_pack.exporters.pytorch.stream_codec.measured_stream`
+            picks the lookahead the build exports).
         keep_dtype: keep the text embedding table in its stored dtype (see
             :class:`TextEmbed`; the oracle's choice, not an export's).
 
@@ -320,21 +331,34 @@ def build_modules(
             codec = codec if codec is not None else codec_model(ckpt)
             cls = CodecDecoder if sp == SubPart.AUDIO_TOKENIZER else CodecEncoder
             out[sp] = cls(codec)
+        elif sp == SubPart.AUDIO_TOKENIZER_STREAM:
+            from higgs_pack.exporters.pytorch.stream_codec import StreamCodecDecoder
+
+            codec = codec if codec is not None else codec_model(ckpt)
+            out[sp] = StreamCodecDecoder(CodecDecoder(codec), hop=c.hop_length)
         else:
             raise ValueError(f"{sp} has no stateless torch module")
     return {sp: m.eval() for sp, m in out.items()}
 
 
 def example_inputs(
-    subpart: SubPart, constants: ModelConstants, length: int = 5
+    subpart: SubPart, constants: ModelConstants, length: int = 5, module: nn.Module | None = None
 ) -> tuple[torch.Tensor, ...]:
     """Deterministic example inputs for export (batch 1, ``length`` tokens/frames).
 
     Returns:
         A 1-tuple with the sub-part's input: ``input_ids`` [1, length],
         ``codes`` [1, length, N], ``hidden_states`` [1, length, H],
-        ``audio_codes`` [1, N, length] or ``waveform`` [1, 1, length * hop].
+        ``audio_codes`` [1, N, length] or ``waveform`` [1, 1, length * hop]; for
+        ``audio_tokenizer_stream`` (``module`` is then the stream module, for its state size)
+        its four inputs (:func:`higgs_pack.exporters.pytorch.stream_codec.example_inputs`).
     """
+    if subpart == SubPart.AUDIO_TOKENIZER_STREAM:
+        from higgs_pack.exporters.pytorch.stream_codec import example_inputs as stream_inputs
+
+        if module is None:
+            raise ValueError("audio_tokenizer_stream's example inputs need its module (module=) for the state size")
+        return stream_inputs(module, constants.num_codebooks, constants.codebook_size, length)
     g = torch.Generator().manual_seed(1234 + length)
     n, v, h = constants.num_codebooks, constants.audio_vocab_size, constants.hidden_size
     if subpart == SubPart.TEXT_EMBED:

@@ -129,6 +129,10 @@ class Pipeline:
             needs for chunked decoding to equal one pass (``stream_context_frames`` in the
             manifest); None until known (then measured on first use, see
             :func:`higgs_pack.runtime.loop.streaming.codec_context_frames`).
+        audio_tokenizer_stream: the stateful streaming codec decoder's runner, None in bundles
+            built before it (manifest format 1): they stream with windows of ``audio_tokenizer``.
+        stream_codec: its lookahead, delay and state size
+            (:class:`~higgs_pack.runtime.loop.stateful_codec.StreamCodecSpec`), None without it.
     """
 
     tokenizer: Any
@@ -142,6 +146,8 @@ class Pipeline:
     description: dict[str, str] = field(default_factory=dict)
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     codec_context_frames: int | None = None
+    audio_tokenizer_stream: SubPartRunner | None = None
+    stream_codec: Any = None
 
 
 def step_input_shapes(part: str, constants: ModelConstants) -> dict[str, tuple[int, ...]] | None:

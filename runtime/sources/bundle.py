@@ -28,6 +28,7 @@ from higgs_pack.manifests.manifest import (
 from higgs_pack.manifests.model import SubPart
 from higgs_pack.runtime.backends import OpenOptions, backend_of
 from higgs_pack.runtime.loop.pipeline import ModelConstants, Pipeline
+from higgs_pack.runtime.loop.stateful_codec import StreamCodecSpec
 from higgs_pack.runtime.sources.file_kinds import check_bundle_files, external_data_entries
 from higgs_pack.runtime.sources.opened import Bundle
 
@@ -259,7 +260,18 @@ def load_pipeline(
         description=parts.where,
         generation_defaults={**gen, "sampling": sampling},
         codec_context_frames=recorded_codec_context(m),
+        audio_tokenizer_stream=runners.get(SubPart.AUDIO_TOKENIZER_STREAM),
+        stream_codec=recorded_stream_codec(m),
     )
+
+
+def recorded_stream_codec(manifest: dict) -> StreamCodecSpec | None:
+    """The streaming codec's lookahead, delay and state size (``subparts.audio_tokenizer_stream.options``),
+    or None for a bundle without it (built before format 2)."""
+    spec = manifest["subparts"].get(SubPart.AUDIO_TOKENIZER_STREAM)
+    if spec is None:
+        return None
+    return StreamCodecSpec.from_options(spec["options"], manifest["constants"]["hop_length"])
 
 
 def recorded_codec_context(manifest: dict) -> int | None:

@@ -60,6 +60,8 @@ def rel_l2(expected: np.ndarray, got: np.ndarray) -> float:
 
 def _run_subpart(pipeline: Pipeline, golden: dict[str, np.ndarray], part: str) -> dict[str, np.ndarray]:
     """The sub-part's outputs on its golden inputs, by golden output name."""
+    if part == SubPart.AUDIO_TOKENIZER_STREAM:
+        return {"waveform": _stream_golden(pipeline, golden[f"{part}/in/audio_codes"])}
     if part == SubPart.LLM_DECODER:
         pipeline.decoder.reset()
         first = pipeline.decoder.forward(golden["llm_decoder/in/inputs_embeds"])
@@ -68,6 +70,25 @@ def _run_subpart(pipeline: Pipeline, golden: dict[str, np.ndarray], part: str) -
     runner = getattr(pipeline, part)
     prefix_in = f"{part}/in/"
     return runner.run({k[len(prefix_in):]: v for k, v in golden.items() if k.startswith(prefix_in)})
+
+
+#: Frames per call when verification streams the golden codes through ``audio_tokenizer_stream``
+#: (after the first call, which takes the lookahead + 1): one frame, then several at once.
+STREAM_CALLS = (1, 1, 3, 7, 2)
+
+
+def _stream_golden(pipeline: Pipeline, codes: np.ndarray) -> np.ndarray:
+    """The streaming codec's audio for golden ``codes`` int64 [1, N, T], streamed with
+    :data:`STREAM_CALLS`: float32 [1, 1, T * hop], to compare with the one-shot decode."""
+    import itertools
+
+    from higgs_pack.runtime.loop.stateful_codec import runner_step, stream_decode
+
+    if pipeline.audio_tokenizer_stream is None or pipeline.stream_codec is None:
+        raise ValueError("the bundle lists audio_tokenizer_stream but the pipeline did not open it")
+    samples = stream_decode(runner_step(pipeline.audio_tokenizer_stream.run), pipeline.stream_codec,
+                            np.asarray(codes[0]).T, itertools.cycle(STREAM_CALLS))
+    return samples.reshape(1, 1, -1)
 
 
 def output_errors(pairs: list[tuple[np.ndarray, np.ndarray]], metric: str) -> dict[str, float | None]:

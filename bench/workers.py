@@ -30,8 +30,8 @@ CONTEXT_ROUNDS = 3
 PREFILL_ROUNDS = 2
 VOICE_ROUNDS = 2
 #: The voice kinds of ``first_audio_ms_by_voice``: no voice, a reference clip encoded per request,
-#: a named (prepared) voice's codes.
-VOICE_KINDS = ("zero_shot", "clip", "named")
+#: a named (prepared) voice's codes with no prefix cache, and with its prefix's KV cached.
+VOICE_KINDS = ("zero_shot", "clip", "named", "named_cached")
 
 
 class _Timed:
@@ -197,13 +197,34 @@ def prefill_rates(decoder: Any, prompt: np.ndarray, lengths: list[int], rounds: 
             "prefill_ms_by_length": {str(n): round(s * 1e3, 1) for n, s in best.items()}}
 
 
+def _prefix_cache(pipeline: Any, bundle: str | None) -> tuple[Any, str | None]:
+    """A fresh voice prefix cache for ``pipeline`` (:mod:`higgs_pack.runtime.loop.prefix_cache`,
+    keyed as ``TTS`` keys one) and None, or None and why there is none."""
+    if bundle is None:
+        return None, "PyTorch: no prefix cache"
+    try:
+        from higgs_pack.runtime.loop.prefix_cache import PrefixCache, bundle_identity, prefix_layout
+    except ImportError:
+        return None, "this runtime has no voice prefix cache"
+    if prefix_layout(pipeline.decoder) is None:
+        return None, getattr(pipeline.decoder, "prefix_refusal", "the decoder does not export its KV cache")
+    from higgs_pack.manifests.manifest import read_manifest
+
+    return PrefixCache(bundle_identity(read_manifest(bundle), pipeline.description.get("llm_decoder", ""))), None
+
+
 def first_audio_by_voice(pipeline: Any, logs: dict[str, list[float]], text: str, frames: int, options: Any,
-                         clip: str | None, transcript: str | None, rounds: int = VOICE_ROUNDS) -> dict[str, Any]:
+                         clip: str | None, transcript: str | None, rounds: int = VOICE_ROUNDS,
+                         bundle: str | None = None) -> dict[str, Any]:
     """First streamed audio (ms from the ``stream`` call) per :data:`VOICE_KINDS`, fastest of
     ``rounds`` (the kinds in turn): ``zero_shot``; ``clip``, the reference ``clip`` (a file) and its
     ``transcript`` read and encoded by the bundle's codec per request; ``named``, its codes encoded
-    once beforehand (a prepared voice, no voice cache).  Also each kind's ``voice_prompt_positions``
-    and prefill ms, and ``first_audio_vs_zero_shot``.  Without a clip, or a pipeline without an
+    once beforehand (a prepared voice) with no prefix cache; ``named_cached``, the same with the
+    voice prefix's KV cache warm (one untimed request first; the ``bundle`` path keys it).  Also
+    each kind's ``voice_prompt_positions`` and ``voice_prefill_ms`` (the positions the decoder
+    prefilled: after a cache hit, the prompt past the prefix), ``first_audio_vs_zero_shot``, the
+    cache's ``voice_cache_stats`` (hits, misses, bytes) and, where
+    ``named_cached`` is missing, ``voice_cache`` (why).  Without a clip, or a pipeline without an
     audio encoder (PyTorch here), only ``zero_shot``."""
     from higgs_pack.runtime.loop.generate import encode_reference
     from higgs_pack.runtime.loop.streaming import stream
@@ -215,18 +236,33 @@ def first_audio_by_voice(pipeline: Any, logs: dict[str, list[float]], text: str,
         samples = Voice(clip, transcript).prepared(c.sample_rate, c.hop_length)
         kinds["clip"] = {"ref_samples": samples, "ref_text": transcript}
         kinds["named"] = {"ref_codes": encode_reference(pipeline, samples), "ref_text": transcript}
+    caches: dict[str, Any] = {kind: None for kind in kinds}
+    cache, why = _prefix_cache(pipeline, bundle) if "named" in kinds else (None, None)
+    if cache is not None:
+        kinds["named_cached"], caches["named_cached"] = kinds["named"], cache
     best: dict[str, float] = {}
     positions: dict[str, int] = {}
     prefill: dict[str, float] = {}
     decoder = pipeline.decoder
+
+    def first(kind: str) -> Any:
+        pipeline.prefix_cache = caches[kind]
+        try:
+            speech = stream(pipeline, text, options=options, max_frames=frames, **kinds[kind])
+            next(speech)
+            speech.close()
+        finally:
+            pipeline.prefix_cache = None
+        return speech
+
+    if cache is not None:
+        first("named_cached")  # untimed: the miss that fills the cache
     for _ in range(max(1, rounds)):
-        for kind, extra in kinds.items():
+        for kind in kinds:
             for log in logs.values():
                 log.clear()
             decoder.positions.clear()
-            speech = stream(pipeline, text, options=options, max_frames=frames, **extra)
-            next(speech)
-            speech.close()
+            speech = first(kind)
             ms = speech.first_audio_s * 1e3
             if ms < best.get(kind, math.inf):
                 best[kind], positions[kind] = ms, decoder.positions[0]
@@ -235,7 +271,9 @@ def first_audio_by_voice(pipeline: Any, logs: dict[str, list[float]], text: str,
     return {"first_audio_ms_by_voice": {k: round(v, 1) for k, v in best.items()},
             "voice_prompt_positions": positions, "voice_prefill_ms": {k: round(v, 1) for k, v in prefill.items()},
             "first_audio_vs_zero_shot": {k: round(v / zero, 3) for k, v in best.items()},
-            "voice_clip": clip if len(kinds) > 1 else None}
+            "voice_clip": clip if len(kinds) > 1 else None,
+            **({"voice_cache_stats": dict(vars(cache.stats))} if cache is not None else
+               {"voice_cache": why} if why else {})}
 
 
 def kv_itemsize(decoder: Any) -> int | None:
@@ -350,7 +388,8 @@ def worker_measure(spec: dict[str, Any]) -> dict[str, Any]:
     out.update(prefill_rates(bare, prompt, list(spec.get("prefill_lengths", PREFILL_LENGTHS)),
                              spec.get("prefill_rounds", PREFILL_ROUNDS)))
     out.update(first_audio_by_voice(pipeline, logs, text, frames, options, spec.get("voice_clip"),
-                                    spec.get("voice_transcript"), spec.get("voice_rounds", VOICE_ROUNDS)))
+                                    spec.get("voice_transcript"), spec.get("voice_rounds", VOICE_ROUNDS),
+                                    spec.get("bundle")))
     itemsize = kv_itemsize(bare)
     return {**out, "kv_itemsize": itemsize, "kv_bytes_per_position": kv_bytes_per_position(c, itemsize),
             "peak_rss_mb": peak_rss_mb(), "loadavg_1m": [before, load_1m()]}

@@ -357,8 +357,12 @@ def test_bench_streams_and_drives_the_bare_decoder(cpu_int4_bundle, tmp_path):
     # first audio of zero-shot, the 7-second clip and the same voice prepared: the voice's prompt is longer
     if run.DEFAULT_VOICE_CLIP.is_file():
         voice, positions = rec["first_audio_ms_by_voice"], rec["voice_prompt_positions"]
-        assert set(voice) == {"zero_shot", "clip", "named"} and rec["first_audio_vs_zero_shot"]["zero_shot"] == 1.0
+        assert set(voice) <= set(workers.VOICE_KINDS) and rec["first_audio_vs_zero_shot"]["zero_shot"] == 1.0
         assert positions["clip"] == positions["named"] > positions["zero_shot"] + 150  # ~175 frames of codes
+        if "named_cached" in voice:  # a warm prefix cache: only the prompt past the voice is prefilled
+            assert positions["named_cached"] < positions["zero_shot"] and rec["voice_cache_stats"]["hits"] >= 2
+        else:
+            assert rec["voice_cache"]
     text = report.render_prefill([rec])
     assert "prefill 256 pos/s" in text and "GEMM peak" in text
 

@@ -168,6 +168,31 @@ def tests(session: nox.Session) -> None:
     session.run(_bin("python"), "-m", "pytest", "-q", *session.posargs, env=env, external=True)
 
 
+#: The tests of the framework integrations (serve/integrations/), run by :func:`integrations`.
+INTEGRATION_TESTS = ["tests/test_serve_integrations.py"]
+
+
+@nox.session(reuse_venv=True, default=False)
+def integrations(session: nox.Session) -> None:
+    """Run the Pipecat and LiveKit tests (args after -- go to pytest) in a venv of their own: the
+    runtime with [cpu,serve,pipecat,livekit] and pytest, no torch and no Ray.  [pipecat] cannot be
+    installed beside [ray] (pyproject.toml: protobuf), and the build venv has [ray], so there those
+    tests skip.  The tiny cpu int4 bundle they serve is built first by the build venv into
+    ``$HIGGS_PACK_CACHE/bundles`` (default .nox/cache) and handed to the tests by
+    ``HIGGS_PACK_TEST_CPU_INT4_BUNDLE`` (tests/conftest.py)."""
+    cache = os.environ.get("HIGGS_PACK_CACHE", str(ROOT / ".nox" / "cache"))
+    build_env(session)
+    bundle = Path(cache) / "bundles" / "higgs-audio-v3-tiny-cpu-int4"
+    session.run(_bin("higgs-pack"), "build", "--target", "cpu", "--precision", "int4", "--out", str(bundle),
+                "--force", env={"HIGGS_PACK_CACHE": cache}, external=True)
+    session.install("-e", f"{ROOT}[cpu,serve,pipecat,livekit]", "pytest>=8", "httpx")  # httpx: tests/live_server.py
+    # the venv is the runtime's, as a user of the integrations has (-I: not the cwd's folders)
+    session.run("python", "-I", "-c", "import importlib.util as u, sys; found = [m for m in ('torch', 'ray') if "
+                "u.find_spec(m)]; sys.exit(f'the integrations venv must hold no {found}' if found else 0)")
+    session.run("python", "-m", "pytest", "-q", *(str(ROOT / t) for t in INTEGRATION_TESTS), *session.posargs,
+                env={"HIGGS_PACK_CACHE": cache, "HIGGS_PACK_TEST_CPU_INT4_BUNDLE": str(bundle)})
+
+
 @nox.session(venv_backend="none")
 def lint(session: nox.Session) -> None:
     """ruff check (the lint rules in pyproject.toml). Formatting is not checked: the tree is not

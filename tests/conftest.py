@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -119,9 +120,17 @@ def cpu_fp32_bundle(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: P
 
 
 @slow_fixture(scope="session")
-def cpu_int4_bundle(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path) -> Path:
-    """A real cpu int4 bundle (the default precision), built once per session (~30 s)."""
-    return _build(tmp_path_factory, tiny_checkpoint, "cpu", "int4")
+def cpu_int4_bundle(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
+    """A real cpu int4 bundle (the default precision), built once per session (~30 s); or the
+    one ``$HIGGS_PACK_TEST_CPU_INT4_BUNDLE`` names, built from the same tiny checkpoint (``nox -s
+    integrations`` builds it with the build venv for its venv, which cannot build)."""
+    prebuilt = os.environ.get("HIGGS_PACK_TEST_CPU_INT4_BUNDLE")
+    if prebuilt:
+        if not (Path(prebuilt) / "manifest.json").is_file():
+            raise FileNotFoundError(f"HIGGS_PACK_TEST_CPU_INT4_BUNDLE={prebuilt} is not a bundle (no manifest.json); "
+                                    "build it with `higgs-pack build --target cpu --precision int4 --out PATH`")
+        return Path(prebuilt)
+    return _build(tmp_path_factory, request.getfixturevalue("tiny_checkpoint"), "cpu", "int4")
 
 
 @slow_fixture(scope="session")

@@ -31,7 +31,7 @@ def _wait_idle(server, rows: int = 0, timeout: float = 20) -> None:
 
 
 class TestPipecat:
-    pipecat = pytest.importorskip("pipecat", reason="the [pipecat] extra (pipecat-ai) is not installed")
+    pipecat = pytest.importorskip("pipecat", reason="the [pipecat] extra (pipecat-ai) is not installed: `nox -s integrations` runs these tests in a venv with it")
 
     def _run(self, server, frames, rate=16000, **options):
         from pipecat.pipeline.task import PipelineParams
@@ -118,7 +118,7 @@ class TestPipecat:
 
 
 class TestLiveKit:
-    livekit = pytest.importorskip("livekit.agents", reason="the [livekit] extra (livekit-agents) is not installed")
+    livekit = pytest.importorskip("livekit.agents", reason="the [livekit] extra (livekit-agents) is not installed: `nox -s integrations` runs these tests in a venv with it")
 
     def test_a_stream_gives_frames_at_the_rate_asked_and_timed_transcripts(self, server):
         from livekit.agents.types import USERDATA_TIMED_TRANSCRIPT

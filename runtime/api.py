@@ -27,9 +27,15 @@ from typing import Any
 
 from higgs_pack.manifests.errors import InputError
 from higgs_pack.manifests.manifest import MANIFEST_NAME
+from higgs_pack.manifests.model import SubPart
 from higgs_pack.runtime.backends import backend_of
 from higgs_pack.runtime.loop.dialogue import DialogueRequest
-from higgs_pack.runtime.loop.engine import DEFAULT_MAX_LENGTH, Engine, EngineClosed
+from higgs_pack.runtime.loop.engine import (
+    DEFAULT_JOIN_GAP_STEPS,
+    DEFAULT_MAX_LENGTH,
+    Engine,
+    EngineClosed,
+)
 from higgs_pack.runtime.loop.generate import (
     ProgressCallback,
     SynthesisResult,
@@ -39,6 +45,7 @@ from higgs_pack.runtime.loop.generate import (
     run_plan,
 )
 from higgs_pack.runtime.loop.pipeline import Pipeline
+from higgs_pack.runtime.loop.prefix_cache import PrefixCache, bundle_identity, prefix_layout
 from higgs_pack.runtime.loop.streaming import SpeechStream, stream_plan
 from higgs_pack.runtime.request import PreparedVoice, SynthesisRequest, Voice
 from higgs_pack.runtime.sources.bundle import Bundle, load_pipeline, open_bundle
@@ -137,6 +144,24 @@ class TTS:
         self.bundle = bundle
         self.info = info
         self._stack = stack or contextlib.ExitStack()
+        if pipeline.prefix_cache is None and prefix_layout(pipeline.decoder) is None:
+            log.info("voice prefix cache off for %s: %s", bundle.name,
+                     getattr(pipeline.decoder, "prefix_refusal", "its decoder does not export its KV cache"))
+        elif pipeline.prefix_cache is None:
+            pipeline.prefix_cache = PrefixCache(
+                bundle_identity(bundle.manifest, pipeline.description.get(SubPart.LLM_DECODER, "")))
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """The KV cache of voice prompt prefixes that :meth:`synthesize`, :meth:`stream` and the
+        engines of this object share (:mod:`~higgs_pack.runtime.loop.prefix_cache`: ``stats``
+        with hits, misses and bytes; ``max_bytes``, default 512 MiB; ``clear()``).  Set it to None
+        to prefill every prompt whole."""
+        return self.pipeline.prefix_cache
+
+    @prefix_cache.setter
+    def prefix_cache(self, cache: PrefixCache | None) -> None:
+        self.pipeline.prefix_cache = cache
 
     @property
     def sample_rate(self) -> int:
@@ -292,7 +317,8 @@ class TTS:
         return PreparedVoice(codes, ref_text, name)
 
     def engine(self, max_batch: int = 4, *, max_length: int | None = None,
-               max_kv_bytes: int | None = None) -> Engine:
+               max_kv_bytes: int | None = None, prefill_chunk: int | str = "auto",
+               join_gap_steps: float = DEFAULT_JOIN_GAP_STEPS) -> Engine:
         """A continuous-batching engine over this bundle: requests submitted from any thread
         join and leave between decoder steps (:mod:`higgs_pack.runtime.loop.engine`).
 
@@ -310,6 +336,9 @@ class TTS:
                 None (default): half the memory available when the engine starts
                 (``MemAvailable`` on Linux), at most all rows full; no limit where the
                 machine does not say (logged) or the cache is in GPU memory.
+            prefill_chunk, join_gap_steps: how a prompt joining running requests is prefilled
+                (in chunks between their steps, so they keep getting frames): see
+                :class:`~higgs_pack.runtime.loop.engine.Engine`.
 
         Returns:
             An :class:`~higgs_pack.runtime.loop.engine.Engine` (``submit(text, **options)``
@@ -328,7 +357,8 @@ class TTS:
         if length > limit:
             raise InputError(f"max_length={length} is more than the decoder's context of {limit} positions")
         decoder = backend_of(self.bundle.manifest).batched_decoder(self.pipeline, int(max_batch), int(length))
-        return Engine(self.pipeline, decoder, max_kv_bytes=max_kv_bytes)
+        return Engine(self.pipeline, decoder, max_kv_bytes=max_kv_bytes, prefill_chunk=prefill_chunk,
+                      join_gap_steps=join_gap_steps)
 
     def synthesize_many(self, texts: Iterable[str | SynthesisRequest], *, max_batch: int = 4,
                         in_order: bool = True, max_length: int | None = None, max_kv_bytes: int | None = None,

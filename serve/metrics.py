@@ -6,7 +6,10 @@ Names (all prefixed ``higgs_pack_``): ``requests_total{route,status}``,
 ``audio_seconds_total``, ``engine_frames_total`` and ``engine_steps_total`` (the engine's
 own counts, cancelled requests included), ``codec_frames_total`` (frames its codec thread decoded), ``queue_depth`` (requests waiting for a row), ``active_batch`` (rows
 busy), ``in_flight`` (requests admitted and not done), ``ready``, and the engine's KV bytes
-where it reports them.
+where it reports them; the voice prefix cache's ``prefix_cache_hits_total``,
+``prefix_cache_misses_total``, ``prefix_cache_bytes`` and ``prefix_cache_entries``; the engine's
+``prefill_positions_total``, ``prefill_seconds_total`` and ``join_max_frame_gap_seconds``
+(longest wait of a running request for its next frame while a prompt joined).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
 
@@ -84,5 +87,23 @@ class _EngineCollector:
         yield CounterMetricFamily("higgs_pack_engine_steps", "Batched decode steps the engine ran", value=stats.steps)
         yield CounterMetricFamily("higgs_pack_engine_step_seconds", "Seconds inside the engine's decode steps",
                                   value=stats.step_seconds)
+        yield CounterMetricFamily("higgs_pack_prefill_positions", "Prompt positions the engine prefilled "
+                                  "(cached voice prefixes not counted)", value=stats.prefill_positions)
+        yield CounterMetricFamily("higgs_pack_prefill_seconds", "Seconds the engine spent prefilling prompts",
+                                  value=stats.prefill_seconds)
+        yield GaugeMetricFamily("higgs_pack_join_max_frame_gap_seconds", "Longest wait of a running request for "
+                                "its next frame while another prompt was prefilled",
+                                value=stats.join_max_frame_gap_ms / 1000)
+        cache = self._server.engine.prefix_cache
+        if cache is not None:
+            cached = cache.stats
+            yield CounterMetricFamily("higgs_pack_prefix_cache_hits", "Voice prompt prefixes served from the KV "
+                                      "cache (memory or a persisted file)", value=cached.hits)
+            yield CounterMetricFamily("higgs_pack_prefix_cache_misses", "Voice prompt prefixes computed (not cached)",
+                                      value=cached.misses)
+            yield GaugeMetricFamily("higgs_pack_prefix_cache_bytes", "KV bytes of voice prefixes held in memory",
+                                    value=cached.bytes)
+            yield GaugeMetricFamily("higgs_pack_prefix_cache_entries", "Voice prefixes held in memory",
+                                    value=cached.entries)
         yield CounterMetricFamily("higgs_pack_codec_frames", "Frames the engine's codec thread decoded (each "
                                   "window's context frames included)", value=self._server.engine.codec.stats.frames)

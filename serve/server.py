@@ -90,6 +90,8 @@ class SpeechServer:
         info = tts.info
         self.models = tuple(dict.fromkeys((info.bundle, info.model, *config.model_names)))
         self.voices = VoiceStore(config.voices_dir, _codec_sha256(tts))
+        if self.engine.prefix_cache is not None:  # named voices' prefix KV persists beside them
+            self.engine.prefix_cache.store = self.voices
         self.in_flight = 0
         self.stopping = False
         self._warm = False

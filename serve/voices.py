@@ -8,6 +8,12 @@ Files are written to a temporary name and renamed, so a crash leaves no half voi
 is the truth: listing reads it again and a name is looked up in it, so servers (or Ray replicas)
 sharing one folder see each other's voices.  A file that is not a usable voice (damaged, or
 made by another codec) is warned about once, and again only when it changes (its mtime or size).
+
+Beside each voice the KV cache of its prompt prefix may persist (issue 30 item 4): the
+engine's :class:`~higgs_pack.runtime.loop.prefix_cache.PrefixCache` asks :meth:`VoiceStore.
+prefix_path` where, and reads, checks (its key and the sha256 of its tensors, in its metadata)
+and writes the file itself: ``<folder>/.prefix-kv/<name>.safetensors`` (a hidden folder, so
+listing voices never sees it).  Replacing or deleting a voice deletes its prefix file.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from higgs_pack.runtime.loop.prefix_cache import voice_digest
 from higgs_pack.runtime.request import PreparedVoice
 
 log = logging.getLogger(__name__)
@@ -33,6 +40,8 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 #: Names that are not voices in the store.
 RESERVED = ("default", "ref_audio")
 SUFFIX = ".safetensors"
+#: The folder, inside the voices folder, of the voices' persisted prompt-prefix KV caches.
+PREFIX_FOLDER = ".prefix-kv"
 
 
 def name_problem(name: Any) -> str | None:
@@ -120,7 +129,22 @@ class VoiceStore:
         if name_problem(name) or (self.codec_sha256 and meta.get("codec_sha256") != self.codec_sha256):
             log.warning("voice file %s was made by another codec or has a bad name; skipped", path)
             return None
+        meta["_digest"] = voice_digest(voice.codes, voice.transcript)
         return voice, meta
+
+    def prefix_path(self, voice: str) -> Path | None:
+        """Where the prompt-prefix KV of the stored voice whose
+        :func:`~higgs_pack.runtime.loop.prefix_cache.voice_digest` is ``voice`` persists (the
+        file may not exist yet); None for a voice not in the store, or a store without a folder."""
+        if self.folder is None:
+            return None
+        with self._lock:
+            name = next((n for n, (_, meta) in self._voices.items() if meta.get("_digest") == voice), None)
+        return None if name is None else self.folder / PREFIX_FOLDER / f"{name}{SUFFIX}"
+
+    def _drop_prefix(self, name: str) -> None:
+        if self.folder is not None:
+            (self.folder / PREFIX_FOLDER / f"{name}{SUFFIX}").unlink(missing_ok=True)
 
     def names(self) -> list[str]:
         """Stored voice names, sorted (the folder is read again first)."""
@@ -168,6 +192,7 @@ class VoiceStore:
         if problem:
             raise ValueError(problem)
         meta = {"transcript": voice.transcript, "created": f"{time.time():.3f}", "codec_sha256": self.codec_sha256}
+        self._drop_prefix(voice.name)  # a replaced voice's prefix is not its successor's
         if self.folder is not None:
             from safetensors.numpy import save_file
 
@@ -181,6 +206,7 @@ class VoiceStore:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
             meta = {**meta, "_version": _version(target) or ""}
+        meta["_digest"] = voice_digest(voice.codes, voice.transcript)
         with self._lock:
             self._voices[voice.name] = (voice, meta)
             self._unusable.pop(voice.name, None)
@@ -192,6 +218,7 @@ class VoiceStore:
             found = self._voices.pop(name, None)
         if found is not None and self.folder is not None:
             (self.folder / f"{name}{SUFFIX}").unlink(missing_ok=True)
+            self._drop_prefix(name)
         return found is not None
 
 

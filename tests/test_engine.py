@@ -402,8 +402,8 @@ class _PoisonedRow:
         self._decoder, self._row, self._after, self._steps = decoder, row, after, 0
         self.max_batch, self.max_length = decoder.max_batch, decoder.max_length
 
-    def prefill(self, row, inputs_embeds):
-        return self._decoder.prefill(row, inputs_embeds)
+    def prefill(self, row, inputs_embeds, start=0, final=True):
+        return self._decoder.prefill(row, inputs_embeds, start, final)
 
     def release(self, row):
         self._decoder.release(row)

@@ -51,14 +51,20 @@ from higgs_pack.runtime.loop.generate import (
     SynthesisPlan,
     SynthesisResult,
     _FiniteChecks,
-    build_prompt,
     check_context,
-    chunk_voice,
+    chunk_prompt,
     join_results,
     plan_request,
 )
 from higgs_pack.runtime.loop.kv_memory import KVBudget, default_kv_budget
 from higgs_pack.runtime.loop.pipeline import Decoder, Pipeline
+from higgs_pack.runtime.loop.prefix_cache import (
+    PrefixCache,
+    Prompt,
+    prefix_layout,
+    restore_prefix,
+    store_prefix,
+)
 from higgs_pack.runtime.loop.streaming import (
     AudioChunk,
     SpeechStream,
@@ -69,7 +75,21 @@ from higgs_pack.runtime.request import SynthesisRequest
 #: positions hold 2.7 minutes of audio at 25 frames per second).
 DEFAULT_MAX_LENGTH = 4096
 
+#: ``join_gap_steps`` default: a running request waits about two of its steps for its next frame
+#: while a prompt joins (issue 32 item 3).
+DEFAULT_JOIN_GAP_STEPS = 2.0
+#: ``prefill_chunk="auto"``: positions of a joining prompt's first chunk, before the costs are
+#: measured, and the fewest positions of a chunk (smaller ones cost mostly call overhead).
+FIRST_PREFILL_CHUNK = 16
+MIN_PREFILL_CHUNK = 8
+#: Weight of the newest sample in the running means of step and prefill costs.
+_COST_WEIGHT = 0.2
+
 log = logging.getLogger(__name__)
+
+
+def _running_mean(mean: float | None, sample: float) -> float:
+    return sample if mean is None else (1 - _COST_WEIGHT) * mean + _COST_WEIGHT * sample
 
 
 class RequestCancelled(HiggsPackError):
@@ -92,8 +112,12 @@ class BatchedDecoder(Protocol):
     max_length: int
     """Most positions one row may hold."""
 
-    def prefill(self, row: int, inputs_embeds: np.ndarray) -> np.ndarray:
-        """Start ``row`` over with a prompt: float32 [1, S, H] -> float32 [1, S, H]."""
+    def prefill(self, row: int, inputs_embeds: np.ndarray, start: int = 0, final: bool = True) -> np.ndarray:
+        """Prefill ``S`` prompt positions of ``row`` from position ``start``: float32 [1, S, H] ->
+        float32 [1, S, H].  ``start=0`` starts the row over; a later chunk continues the row's
+        own positions (an earlier chunk's or a cached prefix's); ``final``: the prompt's last
+        chunk (the row then takes part in :meth:`step`).  One row at a time is prefilled in
+        chunks; the other rows may step meanwhile."""
         ...
 
     def step(self, rows: np.ndarray, inputs_embeds: np.ndarray) -> np.ndarray:
@@ -103,6 +127,10 @@ class BatchedDecoder(Protocol):
     def release(self, row: int) -> None:
         """Forget ``row``'s positions."""
         ...
+
+    # Optional, for the voice prefix cache (:mod:`~higgs_pack.runtime.loop.prefix_cache`):
+    # ``prefix_layout`` (str, or None: no caching), ``read_prefix(row, length)`` -> arrays and
+    # ``write_prefix(row, arrays, length)`` (a prefill with ``start=length`` continues it).
 
 
 class SingleRowDecoder:
@@ -130,9 +158,21 @@ class SingleRowDecoder:
         self.kv_bytes_per_position: int | None = getattr(decoder, "kv_bytes_per_position", None)
         self.kv_device: str = getattr(decoder, "kv_device", "cpu")
 
-    def prefill(self, row: int, inputs_embeds: np.ndarray) -> np.ndarray:
-        self._decoder.reset()
+    def prefill(self, row: int, inputs_embeds: np.ndarray, start: int = 0, final: bool = True) -> np.ndarray:
+        if not start:
+            self._decoder.reset()
         return self._decoder.forward(inputs_embeds)
+
+    @property
+    def prefix_layout(self) -> str | None:
+        """The wrapped decoder's (None when it does not take part in prefix caching)."""
+        return prefix_layout(self._decoder)
+
+    def read_prefix(self, row: int, length: int) -> dict[str, np.ndarray]:
+        return self._decoder.read_prefix(length)
+
+    def write_prefix(self, row: int, arrays: dict[str, np.ndarray], length: int) -> None:
+        self._decoder.write_prefix(arrays, length)
 
     def step(self, rows: np.ndarray, inputs_embeds: np.ndarray) -> np.ndarray:
         return self._decoder.forward(inputs_embeds)
@@ -166,6 +206,7 @@ class EngineHandle:
         """KV bytes this request holds against the engine's budget while on a row (0 before, after)."""
         self.waited_for_kv = False
         """Whether it was held back at least once because its KV did not fit (not for a row)."""
+        self._first_prompt: Prompt | None = None  # text chunk 0's, embedded at submit
 
     @property
     def cancelled(self) -> bool:
@@ -306,6 +347,16 @@ class _Row:
     started: float = 0.0
     first_frame_s: float = math.nan
     decoder_s: float = 0.0
+    prompt: Prompt | None = None
+    """The current text chunk's prompt while it is prefilled (None once the row steps)."""
+    filled: int = 0
+    """Positions of ``prompt`` prefilled (a cached voice prefix's included)."""
+    looked_up: bool = False
+    store_key: str | None = None
+    """The prefix cache key to keep this prompt's voice prefix under once it is prefilled."""
+    last_frame_at: float = 0.0
+    waited_for_join: bool = False
+    """A prefill chunk of another row ran since this row's last frame."""
     results: list[GenerationResult] = field(default_factory=list)
     """Its finished text chunks (their codes are the next chunk's rolling context)."""
 
@@ -323,6 +374,13 @@ class EngineStats:
         kv_waits: requests held back at least once because their KV did not fit the budget
             left (a row was free).
         max_kv_bytes_in_use: most KV bytes reserved by admitted requests at once.
+        prefill_positions: prompt positions prefilled (a cached voice prefix's not counted).
+        prefill_chunks: prefill runs (a prompt prefilled in chunks counts each).
+        prefill_chunk_positions: the chunk size last chosen for a joining prompt (0: none yet).
+        prefix_hits, prefix_misses: this engine's voice prefix cache lookups served / not served
+            (the cache's own ``stats`` count every user of it).
+        join_max_frame_gap_ms: longest time between two frames of a running request while
+            another request's prompt was prefilled in between (ms; 0.0: no such join yet).
     """
 
     steps: int = 0
@@ -332,6 +390,22 @@ class EngineStats:
     max_rows: int = 0
     kv_waits: int = 0
     max_kv_bytes_in_use: int = 0
+    prefill_positions: int = 0
+    prefill_chunks: int = 0
+    prefill_chunk_positions: int = 0
+    prefix_hits: int = 0
+    prefix_misses: int = 0
+    join_max_frame_gap_ms: float = 0.0
+
+    @property
+    def prefill_positions_per_s(self) -> float:
+        """Prompt positions prefilled per second of prefill (nan before any)."""
+        return self.prefill_positions / self.prefill_seconds if self.prefill_seconds > 0 else math.nan
+
+    @property
+    def engine_step_ms(self) -> float:
+        """Mean milliseconds of one batched decode step (nan before any)."""
+        return 1000 * self.step_seconds / self.steps if self.steps else math.nan
 
 
 class Engine:
@@ -348,18 +422,43 @@ class Engine:
             half the memory available now, at most all rows full, when the cache is host memory
             (a cache in GPU memory gets no default limit).  Ignored when the decoder does not
             state its KV bytes per position (then admission is by free rows only).
+        prefill_chunk: how a prompt joining rows that are decoding is prefilled: ``"auto"``
+            (default) in chunks sized at run time from the measured costs of a step and of a
+            prefilled position, so a running request waits about ``join_gap_steps`` of its own
+            steps for its next frame; a whole number >= 2: chunks of that many positions; 0:
+            whole prompts (each running request waits for all of it).  A prompt with no row
+            decoding beside it is prefilled whole.  Chunks never leave a last chunk of one
+            position (merged into the one before).
+        join_gap_steps: ``"auto"``'s target, in steps of the running rows (> 1; default
+            :data:`DEFAULT_JOIN_GAP_STEPS`): each chunk costs about ``join_gap_steps - 1`` steps.
+            A larger target brings the joining request's first frame closer to its prefill
+            alone (it waits one step per chunk: about ``1 + 1 / (join_gap_steps - 1)`` times its
+            prefill alone), a smaller one keeps the running streams smoother.
 
     Attributes:
         max_batch: rows decoded together.
         stats: :class:`EngineStats`.
+        prefix_cache: the pipeline's :class:`~higgs_pack.runtime.loop.prefix_cache.PrefixCache`
+            (voice prefixes' KV, shared with ``synthesize`` / ``stream``), or None.
         codec: the :class:`~higgs_pack.runtime.loop.codec_batch.CodecBatcher` that decodes every
             handle's audio (its ``stats``: runs, windows per run, seconds).
 
     Raises:
-        InputError: ``max_kv_bytes`` is not a whole number >= 1.
+        InputError: ``max_kv_bytes`` is not a whole number >= 1, a bad ``prefill_chunk`` or
+            ``join_gap_steps``.
     """
 
-    def __init__(self, pipeline: Pipeline, decoder: BatchedDecoder, *, max_kv_bytes: int | None = None):
+    def __init__(self, pipeline: Pipeline, decoder: BatchedDecoder, *, max_kv_bytes: int | None = None,
+                 prefill_chunk: int | str = "auto", join_gap_steps: float = DEFAULT_JOIN_GAP_STEPS):
+        if prefill_chunk != "auto" and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, Integral)
+                                        or prefill_chunk < 0 or prefill_chunk == 1):
+            raise InputError(f"prefill_chunk must be 'auto', 0 (whole prompts) or a whole number of positions >= 2, "
+                             f"got {prefill_chunk!r}")
+        if isinstance(join_gap_steps, bool) or not isinstance(join_gap_steps, (int, float)) \
+                or not join_gap_steps > 1 or not math.isfinite(join_gap_steps):
+            raise InputError(f"join_gap_steps must be a number of steps > 1, got {join_gap_steps!r}")
+        self.prefill_chunk = prefill_chunk
+        self.join_gap_steps = float(join_gap_steps)
         if max_kv_bytes is not None and (isinstance(max_kv_bytes, bool) or not isinstance(max_kv_bytes, Integral)
                                          or max_kv_bytes < 1):
             raise InputError(f"max_kv_bytes must be a whole number of bytes >= 1 (or None: from the free memory), "
@@ -375,6 +474,11 @@ class Engine:
         self.decoder = decoder
         self.max_batch = decoder.max_batch
         self.stats = EngineStats()
+        self.prefix_cache: PrefixCache | None = self.pipeline.prefix_cache
+        self._prefix_layout = prefix_layout(decoder)
+        self._prefilling: list[_Row] = []  # rows whose prompt is being prefilled, oldest first
+        self._step_cost: float | None = None  # running means: seconds of a step, of a prefilled position
+        self._position_cost: float | None = None
         self._cond = threading.Condition()
         self._waiting: list[EngineHandle] = []
         self._rows: dict[int, _Row] = {}
@@ -469,6 +573,9 @@ class Engine:
             plan = plan_request(self.pipeline, SynthesisRequest.of(text, keywords))
         self.kv.check_request(plan.positions)
         handle = EngineHandle(self, plan, submitted)
+        # The first text chunk's prompt is embedded here, on the caller's thread (a voice's codes
+        # through audio_embed take milliseconds to tens of them), not between the running rows' steps.
+        handle._first_prompt = chunk_prompt(self.pipeline, plan, 0, [])
         with self._cond:
             self._check_open()
             self._waiting.append(handle)
@@ -496,7 +603,8 @@ class Engine:
                 for handle, row in admitted:
                     self._admit(handle, row)
                 self._drop_cancelled()
-                if self._rows:
+                self._prefill_turn()
+                if any(s.prompt is None for s in self._rows.values()):
                     self._step()
         except BaseException as exc:  # a bug or a broken runtime: every request hears of it
             self._crashed = exc
@@ -538,27 +646,110 @@ class Engine:
         self._start_chunk(state)
 
     def _start_chunk(self, state: _Row) -> None:
-        """Embed the prompt of the row's current text chunk and prefill it on the row; a bad
-        prompt fails this request alone."""
+        """Embed the prompt of the row's current text chunk and queue it for prefill
+        (:meth:`_prefill_turn`); a bad prompt fails this request alone."""
         req, c = state.handle.plan, self.pipeline.constants
-        text, cap = req.chunks[state.chunk]
+        _, cap = req.chunks[state.chunk]
         t0 = time.perf_counter()
         try:
-            embeds = build_prompt(self.pipeline, text, *chunk_voice(self.pipeline, req, state.chunk, state.results))
+            prompt, state.handle._first_prompt = state.handle._first_prompt, None
+            if state.chunk or prompt is None:
+                prompt = chunk_prompt(self.pipeline, req, state.chunk, state.results)
             state.rules = CodeSteps(c, req.options, cap)
-            check_context(embeds.shape[1], state.rules.max_steps, self.decoder.max_length)
-            hidden = self.decoder.prefill(state.row, embeds)
-        except Exception as exc:  # this request's prompt or prefill: it fails alone
+            check_context(prompt.length, state.rules.max_steps, self.decoder.max_length)
+        except Exception as exc:  # this request's prompt: it fails alone
             self._leave(state, exc)
             return
-        finally:
-            self.stats.prefill_seconds += time.perf_counter() - t0
-        state.prompt_length = embeds.shape[1]
+        state.prompt, state.filled, state.looked_up, state.store_key = prompt, 0, False, None
+        state.prompt_length = prompt.length
+        state.first_frame_s = math.nan
+        state.decoder_s = time.perf_counter() - t0
+        self._prefilling.append(state)
+
+    def _prefill_turn(self) -> None:
+        """Prefill between steps: with no row decoding (or ``prefill_chunk=0``) every queued
+        prompt whole; else one chunk of the oldest queued prompt (:meth:`_chunk_size`)."""
+        if not self._prefilling:
+            return
+        decoding = [s for s in self._rows.values() if s.prompt is None]
+        for other in decoding:
+            other.waited_for_join = True
+        if not decoding or self.prefill_chunk == 0:
+            for state in list(self._prefilling):
+                self._fill(state)
+            return
+        self._fill(self._prefilling[0], chunked=True)
+
+    def _chunk_size(self, remaining: int) -> int:
+        """Positions of the next chunk of a prompt joining decoding rows (``remaining`` left):
+        ``prefill_chunk``, or for ``"auto"`` what costs ``join_gap_steps - 1`` steps at the
+        measured means (:data:`FIRST_PREFILL_CHUNK` before both are measured), at least
+        :data:`MIN_PREFILL_CHUNK`; a rest shorter than that minimum (2 for a fixed size) joins
+        the chunk, so no chunk of one position ends a prompt (it takes another kernel path)."""
+        if self.prefill_chunk != "auto":
+            n, least = int(self.prefill_chunk), 2
+        elif self._step_cost is None or self._position_cost is None:
+            n, least = FIRST_PREFILL_CHUNK, MIN_PREFILL_CHUNK
+        else:
+            n = int((self.join_gap_steps - 1) * self._step_cost / max(self._position_cost, 1e-9))
+            n, least = max(n, MIN_PREFILL_CHUNK), MIN_PREFILL_CHUNK
+        if remaining - n < least:
+            n = remaining
+        self.stats.prefill_chunk_positions = n
+        return n
+
+    def _fill(self, state: _Row, chunked: bool = False) -> None:
+        """Prefill the rest of the row's prompt, or its next chunk (:meth:`_chunk_size`), from its cached
+        voice prefix first when the cache holds it; on a miss the prefix is prefilled as a part
+        of its own and kept (as :func:`~higgs_pack.runtime.loop.prefix_cache.cached_prefill`
+        does, so the engine's codes equal ``synthesize``'s); once the prompt is done the row
+        steps.  A failure fails this request alone."""
+        prompt, row = state.prompt, state.row
+        t0 = time.perf_counter()
+        n = 0
+        try:
+            if not state.looked_up:
+                state.looked_up = True
+                state.filled, state.store_key = restore_prefix(
+                    self.prefix_cache, prompt, self._prefix_layout,
+                    lambda arrays, length: self.decoder.write_prefix(row, arrays, length))
+                if state.filled:
+                    self.stats.prefix_hits += 1
+                elif state.store_key is not None:
+                    self.stats.prefix_misses += 1
+            budget = self._chunk_size(prompt.length - state.filled) if chunked else prompt.length - state.filled
+            while budget > 0 and state.filled < prompt.length:
+                start = state.filled
+                end = min(start + budget, prompt.length)
+                if state.store_key is not None:  # the prefix is a part of its own
+                    end = min(end, prompt.prefix_length)
+                hidden = self.decoder.prefill(row, prompt.embeds[:, start:end], start=start,
+                                              final=end == prompt.length)
+                state.filled, budget, n = end, budget - (end - start), n + end - start
+                if state.store_key is not None and end == prompt.prefix_length:
+                    store_prefix(self.prefix_cache, prompt, self._prefix_layout, state.store_key,
+                                 self.decoder.read_prefix(row, prompt.prefix_length))
+                    state.store_key = None
+        except Exception as exc:  # this request's prefill: it fails alone
+            self._prefilling.remove(state)
+            self._leave(state, exc)
+            return
+        end = state.filled
+        dt = time.perf_counter() - t0
+        self.stats.prefill_seconds += dt
+        self.stats.prefill_positions += n
+        self.stats.prefill_chunks += 1
+        self._position_cost = _running_mean(self._position_cost, dt / max(n, 1))
+        state.decoder_s += dt
+        if end < prompt.length:
+            return
+        c = self.pipeline.constants
+        self._prefilling.remove(state)
+        state.prompt = None
         state.checks = _FiniteChecks(self.pipeline, {"hidden": (1, 1, c.hidden_size),
                                                      "logits": (c.num_codebooks, c.audio_vocab_size)})
         state.last = np.array(hidden[:, -1:], dtype=np.float32)
-        state.first_frame_s = math.nan
-        state.decoder_s = time.perf_counter() - t0
+        state.last_frame_at, state.waited_for_join = 0.0, False
 
     def _drop_cancelled(self) -> None:
         for state in [s for s in self._rows.values() if s.handle.cancelled]:
@@ -569,6 +760,8 @@ class Engine:
         if self._rows.get(state.row) is not state:
             return
         del self._rows[state.row]
+        if state in self._prefilling:
+            self._prefilling.remove(state)
         self.decoder.release(state.row)
         self.kv.release(state.handle.kv_reserved)
         state.handle.kv_reserved = 0
@@ -590,7 +783,7 @@ class Engine:
         still going through the audio embedding and the decoder in one run each."""
         t0 = time.perf_counter()
         c = self.pipeline.constants
-        states = [s for s in (self._rows[r] for r in sorted(self._rows)) if self._hidden_ok(s)]
+        states = [s for s in (self._rows[r] for r in sorted(self._rows)) if s.prompt is None and self._hidden_ok(s)]
         if not states:
             return
         try:
@@ -610,7 +803,9 @@ class Engine:
         self.stats.steps += 1
         self.stats.frames += len(states)
         self.stats.max_rows = max(self.stats.max_rows, len(states))
-        self.stats.step_seconds += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.stats.step_seconds += dt
+        self._step_cost = _running_mean(self._step_cost, dt)
 
     def _hidden_ok(self, state: _Row) -> bool:
         try:
@@ -630,8 +825,13 @@ class Engine:
             return None
         rules = state.rules
         codes = rules.draw(logits)  # a row of rules' buffer, never overwritten: safe to hand over
+        now = time.perf_counter()
         if rules.steps == 1:
-            state.first_frame_s = time.perf_counter() - state.started
+            state.first_frame_s = now - state.started
+        elif state.waited_for_join:
+            gap_ms = 1000 * (now - state.last_frame_at)
+            self.stats.join_max_frame_gap_ms = max(self.stats.join_max_frame_gap_ms, gap_ms)
+        state.last_frame_at, state.waited_for_join = now, False
         state.handle._send("codes", state.chunk, codes)
         if not rules.done:
             return codes

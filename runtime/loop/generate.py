@@ -28,6 +28,7 @@ from higgs_pack.runtime.loop.delay import (
 )
 from higgs_pack.runtime.loop.frames import CodeSteps
 from higgs_pack.runtime.loop.pipeline import Pipeline
+from higgs_pack.runtime.loop.prefix_cache import Prompt, cached_prefill, voice_prompt
 from higgs_pack.runtime.loop.sentences import split_sentences
 from higgs_pack.runtime.request import (
     CONTEXT_CHUNKS,
@@ -187,7 +188,19 @@ def build_prompt(
     ref_codes: np.ndarray | None = None,
     ref_text: str | None = None,
 ) -> np.ndarray:
-    """Embed the prompt (MODEL.md "Special tokens and prompts").
+    """Embed the prompt (:func:`prompt_of`'s ``embeds``)."""
+    return prompt_of(pipeline, text, ref_codes, ref_text).embeds
+
+
+def prompt_of(
+    pipeline: Pipeline,
+    text: str,
+    ref_codes: np.ndarray | None = None,
+    ref_text: str | None = None,
+    *,
+    voice_prefix: bool = True,
+) -> Prompt:
+    """Embed the prompt (MODEL.md "Special tokens and prompts"), saying where its voice prefix ends.
 
     Zero-shot: ``<|tts|> <|text|> tok(text) <|audio|>``.  Voice clone:
     ``<|tts|> <|ref_text|> tok(ref_text) <|ref_audio|> [delay-patterned reference
@@ -198,9 +211,13 @@ def build_prompt(
         text: the text to speak (already validated non-empty).
         ref_codes: int64 [frames, N] codec codes of the reference voice, or None.
         ref_text: transcript of the reference audio (required with ``ref_codes``).
+        voice_prefix: whether the part before ``<|text|>`` is the voice alone (so its KV may
+            be cached, :mod:`~higgs_pack.runtime.loop.prefix_cache`); False for a rolling
+            context, whose reference part mixes the voice with earlier chunks.
 
     Returns:
-        float32 [1, positions, H] ``inputs_embeds``.
+        A :class:`~higgs_pack.runtime.loop.prefix_cache.Prompt`: float32 [1, positions, H]
+        ``inputs_embeds`` and, for a voice clone, its prefix's length and digests.
     """
     sp = pipeline.constants.special_tokens
 
@@ -214,15 +231,19 @@ def build_prompt(
     pieces: list[np.ndarray] = []
     if ref_codes is not None:
         refuse(voice_pair_problems(ref_codes, ref_text))
-        pieces.append(embed_ids([sp["tts"], sp["ref_text"], *ids(ref_text), sp["ref_audio"]]))
+        prefix_ids = [sp["tts"], sp["ref_text"], *ids(ref_text), sp["ref_audio"]]
+        pieces.append(embed_ids(prefix_ids))
         c = pipeline.constants
         delayed = apply_delay(ref_codes, c.boc, c.eoc)[None]
         pieces.append(_check_finite("audio_embed", pipeline.audio_embed.run({"codes": delayed})["audio_embeds"],
                                     pipeline))
-        pieces.append(embed_ids([sp["text"], *ids(text), sp["audio"]]))
-    else:
-        pieces.append(embed_ids([sp["tts"], sp["text"], *ids(text), sp["audio"]]))
-    return np.concatenate([p.astype(np.float32) for p in pieces], axis=1)
+        prefix = np.concatenate([p.astype(np.float32) for p in pieces], axis=1)
+        embeds = np.concatenate([prefix, embed_ids([sp["text"], *ids(text), sp["audio"]]).astype(np.float32)], axis=1)
+        if voice_prefix:
+            return voice_prompt(embeds, prefix_ids, prefix, ref_codes, ref_text)
+        return Prompt(embeds)
+    pieces.append(embed_ids([sp["tts"], sp["text"], *ids(text), sp["audio"]]))
+    return Prompt(np.concatenate([p.astype(np.float32) for p in pieces], axis=1))
 
 
 def check_context(prompt_len: int, max_steps: int, max_length: int) -> None:
@@ -241,7 +262,7 @@ def check_context(prompt_len: int, max_steps: int, max_length: int) -> None:
 
 def generate_codes(
     pipeline: Pipeline,
-    prompt_embeds: np.ndarray,
+    prompt_embeds: np.ndarray | Prompt,
     options: SamplingOptions,
     max_frames: int,
     progress: ProgressCallback | None = None,
@@ -260,7 +281,7 @@ def generate_codes(
 
 def generate_steps(
     pipeline: Pipeline,
-    prompt_embeds: np.ndarray,
+    prompt_embeds: np.ndarray | Prompt,
     options: SamplingOptions,
     max_frames: int,
     progress: ProgressCallback | None = None,
@@ -276,7 +297,9 @@ def generate_steps(
 
     Args:
         pipeline: the backend; its decoder is reset first.
-        prompt_embeds: float32 [1, P, H].
+        prompt_embeds: float32 [1, P, H], or a :class:`~higgs_pack.runtime.loop.prefix_cache.Prompt`
+            (:func:`prompt_of`), whose voice prefix comes from ``pipeline.prefix_cache`` when it
+            holds it (:func:`~higgs_pack.runtime.loop.prefix_cache.cached_prefill`).
         options: sampling options (checked when they were made).
         max_frames: frame cap (steps = max_frames + N - 1 at most).
         progress: optional callback, see :data:`ProgressCallback`.
@@ -296,7 +319,8 @@ def generate_steps(
     # frame so a step makes no call beyond the sub-parts and the sampler.
     c = pipeline.constants
     n, vocab, h = c.num_codebooks, c.audio_vocab_size, c.hidden_size
-    prompt_len = prompt_embeds.shape[1]
+    prompt = prompt_embeds if isinstance(prompt_embeds, Prompt) else Prompt(prompt_embeds)
+    prompt_len = prompt.length
     max_steps = max_frames + n - 1
     check_context(prompt_len, max_steps, pipeline.decoder.max_length)
     # Everything a step touches is made here, once per request (issue 9: no per-step
@@ -311,9 +335,8 @@ def generate_steps(
     start = time.perf_counter()
     decoder_s = 0.0
     first_frame_s = math.nan
-    pipeline.decoder.reset()
     t0 = time.perf_counter()
-    hidden = pipeline.decoder.forward(prompt_embeds.astype(np.float32, copy=False))
+    hidden = cached_prefill(pipeline.decoder, prompt, pipeline.prefix_cache)
     decoder_s += time.perf_counter() - t0
     for step in range(max_steps):
         np.copyto(last, hidden[:, -1:])
@@ -752,10 +775,18 @@ def run_plan(pipeline: Pipeline, plan: SynthesisPlan, progress: ProgressCallback
         NumericalError: non-finite or all-zero sub-part output.
     """
     results: list[GenerationResult] = []
-    for index, (chunk_text, cap) in enumerate(plan.chunks):
-        embeds = build_prompt(pipeline, chunk_text, *chunk_voice(pipeline, plan, index, results))
-        results.append(generate_codes(pipeline, embeds, plan.options, cap, progress))
+    for index, (_, cap) in enumerate(plan.chunks):
+        prompt = chunk_prompt(pipeline, plan, index, results)
+        results.append(generate_codes(pipeline, prompt, plan.options, cap, progress))
     return join_results(pipeline, results, plan=plan)
+
+
+def chunk_prompt(pipeline: Pipeline, plan: SynthesisPlan, index: int, results: list[GenerationResult]) -> Prompt:
+    """Text chunk ``index``'s prompt (:func:`prompt_of`) with its voice and rolling context
+    (:func:`chunk_voice`); its voice prefix is cacheable when it is the request's voice alone."""
+    codes, words = chunk_voice(pipeline, plan, index, results)
+    own = codes is not None and codes is plan.ref_codes and words is plan.ref_text
+    return prompt_of(pipeline, plan.chunks[index][0], codes, words, voice_prefix=own)
 
 
 def chunk_voice(pipeline: Pipeline, plan: SynthesisPlan, index: int,

@@ -148,6 +148,9 @@ class Pipeline:
     codec_context_frames: int | None = None
     audio_tokenizer_stream: SubPartRunner | None = None
     stream_codec: Any = None
+    prefix_cache: Any = None
+    """The :class:`~higgs_pack.runtime.loop.prefix_cache.PrefixCache` of voice prefixes' KV that
+    the loop and the engine use (None: every prompt is prefilled whole)."""
 
 
 def step_input_shapes(part: str, constants: ModelConstants) -> dict[str, tuple[int, ...]] | None:

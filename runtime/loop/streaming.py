@@ -25,9 +25,8 @@ from higgs_pack.runtime.loop.generate import (
     ProgressCallback,
     Segment,
     SynthesisPlan,
-    build_prompt,
+    chunk_prompt,
     chunk_segments,
-    chunk_voice,
     codec_context_frames,
     decode_codes,
     generate_steps,
@@ -168,8 +167,7 @@ class SpeechStream(Iterator[AudioChunk]):
             if self._steps is not None:
                 steps = self._steps(index, chunk_text, cap)
             else:
-                voice = chunk_voice(pipeline, plan, index, self.results)
-                steps = generate_steps(pipeline, build_prompt(pipeline, chunk_text, *voice), plan.options, cap,
+                steps = generate_steps(pipeline, chunk_prompt(pipeline, plan, index, self.results), plan.options, cap,
                                        progress)
             start = codec.frames  # this chunk's first frame in the stream
             rows: list[np.ndarray] = []

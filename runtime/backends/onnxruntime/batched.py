@@ -221,32 +221,77 @@ class BatchedOrtDecoder:
         """Positions the busy rows hold now (times :attr:`kv_bytes_per_position`: KV bytes written)."""
         return int(self.lengths.sum())
 
-    def prefill(self, row: int, inputs_embeds: np.ndarray) -> np.ndarray:
-        """Start row ``row`` over with a prompt, at batch 1 on a view of that row's buffers.
+    @property
+    def prefix_layout(self) -> str | None:
+        """The KV layout of voice-prefix entries, the batch-1
+        :class:`~higgs_pack.runtime.backends.onnxruntime.runners.OrtDecoder`'s too (one cache
+        shares them); None for ``OrtValue`` buffers (their copy in is not written)."""
+        return None if self._on_values else f"onnxruntime:past_key_values:{self._kv_type.name}"
+
+    def read_prefix(self, row: int, length: int) -> dict[str, np.ndarray]:
+        """A copy of row ``row``'s first ``length`` positions: ``past_key_values.*`` -> [kv_heads,
+        length, head_dim] in the cache dtype."""
+        if length > self.lengths[row]:
+            raise ValueError(f"row {row} holds {int(self.lengths[row])} positions, not {length}")
+        return {n: self.kv_row(n, row)[:, :length].copy() for n in self._past}
+
+    def write_prefix(self, row: int, arrays: dict[str, np.ndarray], length: int) -> None:
+        """Start row ``row`` over holding ``arrays`` (:meth:`read_prefix`'s) as its first
+        ``length`` positions; a :meth:`prefill` with ``start=length`` continues it.
+
+        Raises:
+            KeyError, ValueError: names or shapes other than this decoder's (nothing changed).
+            InputError: ``length`` exceeds ``max_length``, or the buffers are OrtValues.
+        """
+        from higgs_pack.runtime.loop.prefix_cache import check_prefix_arrays
+
+        if self._on_values:
+            raise InputError("this batched decoder's KV buffers are OrtValues: a cached prefix is not copied in")
+        check_prefix_arrays(arrays, self._past, length)
+        check_decoder_room(length, self.max_length)
+        for n in self._past:
+            self.kv[n][row, :, :length] = arrays[n]
+        self.lengths[row] = length
+
+    def prefill(self, row: int, inputs_embeds: np.ndarray, start: int = 0, final: bool = True) -> np.ndarray:
+        """Prefill ``S`` prompt positions of row ``row`` from position ``start``, at batch 1 on a
+        view of that row's buffers: ``start=0`` starts the row over; a later chunk continues
+        the row's own positions (``start`` = the positions it holds: an earlier chunk's, or a
+        cached prefix's, :meth:`write_prefix`), so a prompt may be prefilled in chunks between
+        steps of the other rows.  On the CPU provider with a float32 cache a prompt prefilled in
+        chunks of two or more positions gives bit-identical KV and hidden states (measured on
+        the tiny fp32 bundle).
 
         Args:
             row: 0 <= row < max_batch.
             inputs_embeds: float32 [1, S, H].
+            start: positions the row holds already (0: start over).
+            final: unused here (the row joins the steps once prefilled; OpenVINO's batched
+                decoder splices it in at its final chunk).
 
         Returns:
             float32 [1, S, H] hidden states (a new array).
 
         Raises:
-            InputError: S exceeds ``max_length``.
+            InputError: ``start + S`` exceeds ``max_length``, or ``start`` is not 0 or the
+                positions the row holds.
         """
         s = inputs_embeds.shape[1]
-        check_decoder_room(s, self.max_length)
-        self.lengths[row] = 0
+        if start and start != self.lengths[row]:
+            raise InputError(f"row {row} holds {int(self.lengths[row])} positions: a prefill continuing it starts "
+                             f"there, not at {start}")
+        check_decoder_room(start + s, self.max_length)
+        self.lengths[row] = start
         binding = self.session.io_binding()
         embeds = np.ascontiguousarray(inputs_embeds, dtype=self._embed_type)
         hidden = np.zeros((1, s, self.hidden_size), dtype=self._hidden_type)
-        mask = np.ones((1, s), dtype=np.int64)
+        mask = np.ones((1, start + s), dtype=np.int64)
         _bind_host(binding, "inputs_embeds", embeds)
         _bind_host(binding, "attention_mask", mask)
         _bind_host(binding, "hidden_states", hidden, output=True)
         self._bind_kv(binding, row, 1)  # the row itself (contiguous), no copy
         self._run(binding)
-        self.lengths[row] = s
+        self.lengths[row] = start + s
         return hidden.astype(np.float32)
 
     def step(self, rows: np.ndarray, inputs_embeds: np.ndarray) -> np.ndarray:
@@ -269,8 +314,9 @@ class BatchedOrtDecoder:
         k = int(rows.max()) + 1
         self._embeds[:k] = 0
         self._embeds[rows] = inputs_embeds
-        lengths = np.zeros(k, dtype=np.int64)  # holes: one scratch position at 0
-        lengths[rows] = self.lengths[rows]
+        # Rows not asked ride along: a hole writes a scratch position at 0, a row whose prompt is
+        # being prefilled in chunks one past its positions (its next chunk writes over it).
+        lengths = self.lengths[:k].copy()
         width = int(lengths.max()) + 1  # > 1: every busy row holds at least its prompt
         mask = self._mask[: k * width].reshape(k, width)
         np.less(self._positions[None, :width], lengths[:, None] + 1, out=mask, casting="unsafe")

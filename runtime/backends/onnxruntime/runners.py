@@ -314,6 +314,51 @@ class OrtDecoder:
         """Where the KV cache lives: ``"cpu"`` (host memory) or ``"cuda"`` (the GPU's)."""
         return self._device if self.shared_kv else "cpu"
 
+    @property
+    def prefix_layout(self) -> str | None:
+        """The KV layout of its voice-prefix entries (:mod:`~higgs_pack.runtime.loop.prefix_cache`):
+        ``onnxruntime:past_key_values:<cache dtype>``, the batched decoder's too; None for shared
+        buffers on a device (their copy in is not written)."""
+        if self.shared_kv and self._device != "cpu":
+            return None
+        return f"onnxruntime:past_key_values:{np.dtype(self._kv_type).name}"
+
+    @property
+    def prefix_refusal(self) -> str:
+        """Why :attr:`prefix_layout` is None ("" when it is not)."""
+        return "" if self.prefix_layout else (
+            f"the KV buffers are in {self._device} memory and copying a cached prefix into them is not written")
+
+    def read_prefix(self, length: int) -> dict[str, np.ndarray]:
+        """A copy of the cache's first ``length`` positions: ``past_key_values.*`` -> [kv_heads,
+        length, head_dim] in the cache dtype."""
+        if length > self._length:
+            raise ValueError(f"the cache holds {self._length} positions, not {length}")
+        if self.shared_kv:
+            return {n: self._kv_host[n][0, :, :length].copy() for n in self._past}
+        return {n: self._cache[n].numpy()[0, :, :length].copy() for n in self._past}
+
+    def write_prefix(self, arrays: dict[str, np.ndarray], length: int) -> None:
+        """Start over holding ``arrays`` (:meth:`read_prefix`'s) as positions 0..length-1; the
+        next :meth:`forward` continues at ``length``.
+
+        Raises:
+            KeyError, ValueError: names or shapes other than this decoder's (nothing changed).
+        """
+        from higgs_pack.runtime.loop.prefix_cache import check_prefix_arrays
+
+        check_prefix_arrays(arrays, self._past, length)
+        check_decoder_room(length, self.max_length)
+        self.reset()
+        if self.shared_kv:
+            self._ensure_capacity(length)
+            for n in self._past:
+                self._kv_host[n][0, :, :length] = arrays[n]
+        else:
+            self._cache = {n: self._ort.OrtValue.ortvalue_from_numpy(
+                np.ascontiguousarray(arrays[n], dtype=self._kv_type)[None]) for n in self._past}
+        self._length = length
+
     def _step_buffers(self, s: int) -> None:
         """(Re)allocate the ``inputs_embeds`` / ``hidden_states`` buffers for ``s`` positions and
         bind them (they stay bound for every step of that length)."""

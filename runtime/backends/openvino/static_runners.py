@@ -129,6 +129,9 @@ class OvStaticKVDecoder:
     """The stateless static decoder (NPU bundles, ``convert_static_decoder``): the KV
     cache lives in fixed-size numpy buffers owned here (a ``Decoder``).
 
+    It takes no part in the voice prefix cache (:mod:`~higgs_pack.runtime.loop.prefix_cache`):
+    :attr:`prefix_refusal` says why.
+
     Each call feeds ``step`` positions (padded), an ``attention_mask`` marking the
     buffer slots in use and the real new rows, ``position_ids`` and every layer's
     buffers; the new keys/values the IR returns are written into the buffers at the
@@ -150,6 +153,11 @@ class OvStaticKVDecoder:
         SignatureMismatch: The IR is stateful, lacks the static decoder's inputs or
             outputs, or has a dynamic shape.
     """
+
+    prefix_layout = None
+    prefix_refusal = ("the NPU variant's decoder feeds its KV cache to a static-shape stateless graph in fixed "
+                      "buffers and computes a prompt in static windows of positions, so a cached prefix is not "
+                      "copied in: each prompt is prefilled whole")
 
     def __init__(self, core: ov.Core, xml_path: str | os.PathLike, device: str,
                  cache_dir: str | os.PathLike | None = None, config: Mapping[str, Any] | None = None, *,

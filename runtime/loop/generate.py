@@ -783,9 +783,11 @@ def run_plan(pipeline: Pipeline, plan: SynthesisPlan, progress: ProgressCallback
 
 def chunk_prompt(pipeline: Pipeline, plan: SynthesisPlan, index: int, results: list[GenerationResult]) -> Prompt:
     """Text chunk ``index``'s prompt (:func:`prompt_of`) with its voice and rolling context
-    (:func:`chunk_voice`); its voice prefix is cacheable when it is the request's voice alone."""
+    (:func:`chunk_voice`); its voice prefix is cacheable when it is the voice alone (the request's,
+    or in a dialogue the chunk's speaker's, :meth:`SynthesisPlan.voice_of`), with no rolling context."""
     codes, words = chunk_voice(pipeline, plan, index, results)
-    own = codes is not None and codes is plan.ref_codes and words is plan.ref_text
+    voice, transcript = plan.voice_of(index)
+    own = codes is not None and codes is voice and words is transcript
     return prompt_of(pipeline, plan.chunks[index][0], codes, words, voice_prefix=own)
 
 

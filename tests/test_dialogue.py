@@ -236,3 +236,11 @@ def test_a_bad_dialogue_body_is_a_400_naming_the_field(server, change, param, wo
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert error["param"] == param and words in error["message"], error
+
+
+def test_the_dialogue_schema_describes_every_field_the_route_takes():
+    from higgs_pack.serve.schema import DialogueBody
+    from higgs_pack.serve.speech import DIALOGUE_FIELDS
+
+    assert set(DialogueBody.model_fields) == set(DIALOGUE_FIELDS)
+    assert all(f.description for f in DialogueBody.model_fields.values())

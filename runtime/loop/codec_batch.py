@@ -48,6 +48,14 @@ convolution computes each row on its own, so row i equals window i decoded alone
 rounding (max abs difference 0.0 measured on the bench bundles' codec, ONNX Runtime CPU and
 OpenVINO CPU; the tests allow :data:`BATCH_ATOL`).
 
+Stream steps: with the stateful streaming codec (``audio_tokenizer_stream``; streams of bundles built
+since manifest format 2) a stream hands over :meth:`CodecBatcher.step` calls instead of windows:
+its next frames, their offset and end and its state row.  Steps with the same frame count share
+one run, their states stacked as rows of ``codec_state`` [k, S] and split back after it (each row
+is its own stream: ``exporters/pytorch/stream_codec.py``); :attr:`CodecBatcher.batch_streams`
+False runs them one per run (``python -m bench.stream_codec`` measures both).  Each frame is then
+decoded once, not once per window plus its context.
+
 Fallbacks: a static-shape codec (the NPU variant: batch 1 in its IR) gets one row per run
 (:attr:`CodecBatcher.batched` False, :attr:`CodecBatcher.reason` says why).  A batched run that
 fails is retried one row per run, so only the windows that fail alone fail (their request gets
@@ -72,6 +80,7 @@ import numpy as np
 from higgs_pack.manifests.errors import HiggsPackError
 from higgs_pack.runtime.loop.generate import _check_finite, decode_codes
 from higgs_pack.runtime.loop.pipeline import Pipeline
+from higgs_pack.runtime.loop.stateful_codec import runner_step
 
 #: Seconds the codec thread waits for one more window after the last one arrived (while some
 #: open stream has none waiting): readers wake a little apart after the engine step that made
@@ -118,20 +127,23 @@ class CodecStats:
 
 class _Job:
     """One window: int64 codes [T, N] of one owner; ``done`` is set with samples or an error,
-    or with ``alone`` (decode it on the waiting thread: the batcher closed)."""
+    or with ``alone`` (decode it on the waiting thread: the batcher closed).  A stream step
+    (``stream``: ``(start_frame, end_frame, state)`` of the stateful codec) sets ``state`` too."""
 
-    __slots__ = ("alone", "codes", "done", "error", "owner", "samples")
+    __slots__ = ("alone", "codes", "done", "error", "owner", "samples", "state", "stream")
 
-    def __init__(self, codes: np.ndarray, owner: Any):
-        self.codes, self.owner = codes, owner
+    def __init__(self, codes: np.ndarray, owner: Any, stream: tuple[int, int, np.ndarray] | None = None):
+        self.codes, self.owner, self.stream = codes, owner, stream
         self.done = threading.Event()
         self.samples: np.ndarray | None = None
+        self.state: np.ndarray | None = None
         self.error: BaseException | None = None
         self.alone = False
 
     @property
-    def key(self) -> tuple[int, ...]:
-        return self.codes.shape
+    def key(self) -> tuple[Any, ...]:
+        """Jobs of one key share a run: windows of one shape; stream steps of one frame count."""
+        return (*self.codes.shape, "stream") if self.stream is not None else self.codes.shape
 
 
 def batch_support(runner: Any) -> tuple[bool, str]:
@@ -173,6 +185,10 @@ class CodecBatcher:
         self.batched, self.reason = batch_support(pipeline.audio_tokenizer)
         if not self.batched:
             log.info("codec batching off: %s", self.reason)
+        stream = pipeline.audio_tokenizer_stream
+        #: Whether stream steps of several requests share a run (:meth:`step`); settable (the bench
+        #: compares both).
+        self.batch_streams = stream is not None and batch_support(stream)[0]
         self.stats = CodecStats()
         self._cond = threading.Condition()
         self._pending: list[_Job] = []
@@ -257,6 +273,32 @@ class CodecBatcher:
                 out.append(job.samples)
         return out
 
+    def step(self, codes: np.ndarray, start: int, end: int, state: np.ndarray, owner: Any = None
+             ) -> tuple[np.ndarray, np.ndarray]:
+        """One call of a stream's stateful codec (``audio_tokenizer_stream``,
+        :data:`~higgs_pack.runtime.loop.stateful_codec.Step`): int64 codes [T, N], its frame offset and
+        end, float32 state [S] -> (float32 samples [T * hop], new state [S]).  Steps of several
+        streams with the same T share one run (their states stacked as rows) while
+        :attr:`batch_streams`; blocks until its run is done.
+
+        Raises:
+            CodecRunError: the codec failed on this step (run alone).
+            NumericalError: its samples are not finite.
+        """
+        job = _Job(np.asarray(codes), owner, (int(start), int(end), np.asarray(state, dtype=np.float32)))
+        with self._cond:
+            alone = self._closed
+            if not alone:
+                self._pending.append(job)
+                self._cond.notify_all()
+        if not alone:
+            job.done.wait()
+            if job.error is not None:
+                raise job.error
+            if not job.alone:
+                return job.samples, job.state
+        return runner_step(self._pipeline.audio_tokenizer_stream.run)(job.codes, *job.stream)
+
     def withdraw(self, owner: Any, error: BaseException) -> int:
         """Drop ``owner``'s windows not yet running; their readers get ``error``.  A run under
         way finishes (its other windows are unaffected).  Returns the windows dropped."""
@@ -319,7 +361,7 @@ class CodecBatcher:
                 if self._pending:  # (a withdraw may have emptied it meanwhile)
                     break
             first = self._pending[0]
-            if not self.batched:
+            if not (self.batch_streams if first.stream is not None else self.batched):
                 take = [first]
             else:
                 most = max(1, self._max_run_frames // first.key[0])
@@ -332,8 +374,17 @@ class CodecBatcher:
         """One run for ``jobs`` (same shape); a failed batched run is retried one row per run."""
         t0 = time.perf_counter()
         codes = np.stack([j.codes.T for j in jobs]).astype(np.int64, copy=False)  # [k, N, T]
+        streaming = jobs[0].stream is not None
         try:
-            waveform = self._pipeline.audio_tokenizer.run({"audio_codes": codes})["waveform"]
+            if streaming:
+                out = self._pipeline.audio_tokenizer_stream.run({
+                    "audio_codes": codes,
+                    "start_frame": np.array([j.stream[0] for j in jobs], dtype=np.int64),
+                    "end_frame": np.array([j.stream[1] for j in jobs], dtype=np.int64),
+                    "codec_state": np.stack([j.stream[2] for j in jobs])})
+                waveform, states = out["waveform"], out["codec_state_out"]
+            else:
+                waveform = self._pipeline.audio_tokenizer.run({"audio_codes": codes})["waveform"]
             if waveform.shape[0] != len(jobs):
                 raise ValueError(f"the codec returned {waveform.shape[0]} rows for a batch of {len(jobs)}")
             error = None
@@ -349,8 +400,9 @@ class CodecBatcher:
         for i, job in enumerate(jobs):
             if error is not None:
                 t, n = job.codes.shape
+                part = "audio_tokenizer_stream" if streaming else "audio_tokenizer"
                 job.error = CodecRunError(
-                    f"the codec (audio_tokenizer on {self._pipeline.description.get('audio_tokenizer', 'its backend')}) "
+                    f"the codec ({part} on {self._pipeline.description.get(part, 'its backend')}) "
                     f"failed on this request's window of {t} frames x {n} codebooks: {error}; codes must be int64 "
                     f"in 0..{self._pipeline.constants.codebook_size - 1}")
                 job.error.__cause__ = error
@@ -358,6 +410,8 @@ class CodecBatcher:
                 try:
                     row = _check_finite("audio_tokenizer", waveform[i], self._pipeline)
                     job.samples = np.array(row.reshape(-1), dtype=np.float32)  # its own copy, not a view of the batch
+                    if streaming:
+                        job.state = np.array(states[i], dtype=np.float32)
                 except HiggsPackError as exc:
                     job.error = exc
             job.done.set()

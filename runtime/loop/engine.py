@@ -289,7 +289,8 @@ class EngineHandle:
         codec = self._engine.codec
         stream = SpeechStream(self._engine.pipeline, self.plan, None, self.submitted,
                               steps=lambda index, _text, _cap: self._chunk_steps(index, None),
-                              decode=lambda codes: self._decode([codes])[0], reading=codec.stream)
+                              decode=lambda codes: self._decode([codes])[0], reading=codec.stream,
+                              codec_step=self._codec_step)
         return stream
 
     def _raise_if_cancelled(self) -> None:
@@ -301,6 +302,10 @@ class EngineHandle:
     def _decode(self, windows: list[np.ndarray]) -> list[np.ndarray]:
         self._raise_if_cancelled()
         return self._engine.codec.decode_many(windows, self)
+
+    def _codec_step(self, codes: np.ndarray, start: int, end: int, state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        self._raise_if_cancelled()
+        return self._engine.codec.step(codes, start, end, state, self)
 
     def _claim(self) -> None:
         if self._read:

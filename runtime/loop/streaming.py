@@ -1,15 +1,20 @@
 """Streaming synthesis: the TTS loop of :mod:`higgs_pack.runtime.loop.generate` with the codec
 decoding frames as they arrive (:func:`stream`, :class:`SpeechStream`, :class:`AudioChunk`).
 
-Windows carry the codec's receptive-field context (:func:`codec_context_frames`,
-:class:`higgs_pack.runtime.loop.chunking.StreamingCodec`), so the joined chunks equal the
-one-shot decode of :func:`~higgs_pack.runtime.loop.generate.synthesize`.
+A bundle with the stateful streaming codec (sub-part ``audio_tokenizer_stream``) decodes each frame
+once, its left context kept as the decoder's state, the first audio coming once the decoder's
+lookahead (and one frame) has arrived (:class:`higgs_pack.runtime.loop.stateful_codec.StatefulCodec`).
+A bundle built before it decodes windows that carry the codec's receptive-field context on both
+sides (:func:`codec_context_frames`, :class:`higgs_pack.runtime.loop.chunking.StreamingCodec`) and
+says so once (:func:`window_codec_notice`).  Either way the joined chunks equal the one-shot decode
+of :func:`~higgs_pack.runtime.loop.generate.synthesize` within the codec's parity limit.
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
+import logging
 import math
 import time
 from collections.abc import Callable, Generator, Iterator
@@ -33,7 +38,26 @@ from higgs_pack.runtime.loop.generate import (
     plan_synthesis,
 )
 from higgs_pack.runtime.loop.pipeline import Pipeline
+from higgs_pack.runtime.loop.stateful_codec import StatefulCodec, Step, runner_step
 from higgs_pack.runtime.request import FIRST_CHUNK_FRAMES, StreamSchedule  # noqa: F401 (the bench reads the default here)
+
+log = logging.getLogger(__name__)
+_NOTICED: set[int] = set()
+
+
+def window_codec_notice(pipeline: Pipeline, context: int) -> str | None:
+    """The one-line notice a bundle without the stateful streaming codec gives when it first streams
+    (logged once per pipeline, at WARNING); None for a bundle that has it."""
+    if pipeline.stream_codec is not None:
+        return None
+    line = (f"this bundle has no stateful streaming codec (built before manifest format 2): streaming "
+            f"decodes windows of the one-shot codec with {context} frames of context each side; rebuild "
+            "the bundle for one decode per frame")
+    if id(pipeline) not in _NOTICED:
+        _NOTICED.add(id(pipeline))
+        log.warning(line)
+    return line
+
 
 StepsSource = Callable[[int, str, int], Generator[np.ndarray, None, GenerationResult]]
 """``steps(text_chunk_index, chunk_text, frame_cap)`` -> the codes of one text chunk (see
@@ -82,8 +106,10 @@ class SpeechStream(Iterator[AudioChunk]):
     yields and return value (the batched engine feeds its rows' codes this way).  ``decode``
     (optional) codec-decodes one window, int64 codes [T, N] -> float32 samples [T * hop],
     instead of :func:`~higgs_pack.runtime.loop.generate.decode_codes` on the iterating thread;
+    ``codec_step`` (optional) is one call of the stateful streaming codec
+    (:data:`~higgs_pack.runtime.loop.stateful_codec.Step`) instead of running its sub-part here;
     ``reading`` (optional) is a context manager held while the stream runs (from its first
-    chunk asked for until it ends or is closed): the engine hands both to its codec thread
+    chunk asked for until it ends or is closed): the engine hands all three to its codec thread
     (:class:`~higgs_pack.runtime.loop.codec_batch.CodecBatcher`).
 
     Attributes:
@@ -93,18 +119,28 @@ class SpeechStream(Iterator[AudioChunk]):
         samples_out: samples yielded so far.
         first_audio_s: seconds from the :func:`stream` call to the first yielded chunk
             (prefill and the first chunk's frames and codec decode included); NaN before.
-        context_frames: codec context used per side of each decoded window (frames).
+        context_frames: codec context used per side of each decoded window (frames); 0 with the
+            stateful streaming codec.
+        lookahead_frames: frames after a frame before its audio is complete: the stateful
+            codec's lookahead, else ``context_frames``.
     """
 
     def __init__(self, pipeline: Pipeline, plan: SynthesisPlan, progress: ProgressCallback | None,
                  started: float, steps: StepsSource | None = None,
                  decode: Callable[[np.ndarray], np.ndarray] | None = None,
-                 reading: Callable[[], AbstractContextManager] | None = None):
+                 reading: Callable[[], AbstractContextManager] | None = None,
+                 codec_step: Step | None = None):
         self.results: list[GenerationResult] = []
         self.segments: list[Segment] = []
         self.samples_out = 0
         self.first_audio_s = math.nan
-        self.context_frames = codec_context_frames(pipeline)
+        spec = pipeline.stream_codec
+        self.context_frames = 0 if spec is not None else codec_context_frames(pipeline)
+        self.lookahead_frames = spec.lookahead_frames if spec is not None else self.context_frames
+        if spec is None:
+            window_codec_notice(pipeline, self.context_frames)
+        else:
+            self._codec_step = codec_step or runner_step(pipeline.audio_tokenizer_stream.run)
         self._started = started
         self._steps = steps
         self._decode = decode or (lambda codes: decode_codes(pipeline, codes))
@@ -142,9 +178,11 @@ class SpeechStream(Iterator[AudioChunk]):
         A decoded core that straddles a seam is yielded as two pieces, one per text chunk."""
         c, schedule = pipeline.constants, plan.schedule
         n, hop = c.num_codebooks, c.hop_length
-        codec = StreamingCodec(self._decode, self.context_frames, hop,
-                               chunk_schedule(schedule.first_chunk_frames, schedule.chunk_growth,
-                                              schedule.max_chunk_frames))
+        sizes = chunk_schedule(schedule.first_chunk_frames, schedule.chunk_growth, schedule.max_chunk_frames)
+        if pipeline.stream_codec is not None:
+            codec = StatefulCodec(self._codec_step, pipeline.stream_codec, sizes)
+        else:
+            codec = StreamingCodec(self._decode, self.context_frames, hop, sizes)
         seams: list[int] = []  # the sample index where each finished text chunk ends
         ready: list[tuple[int, list[Segment]]] = []  # (seam, segments) of chunks whose audio is not all out
         offset = 0

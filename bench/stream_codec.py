@@ -1,0 +1,110 @@
+"""Streamed against plain aggregate frames/s with the stateful streaming codec (issue 31 item 1).
+
+``python -m bench.stream_codec BUNDLE [--batch 1,4] [--frames 100] [--repeats 2]``: on one bundle's
+engine, per batch size, rounds of **plain** (B requests read with ``result()``), **stateful** (each
+streamed on its own thread, the codec steps of the B streams batched in the engine's codec thread),
+**stateful-alone** (the same with one stream step per codec run) and, for comparison, **windows**
+(the same bundle with its streaming codec hidden: the window codec that recomputes its context,
+as bundles built before it stream).  Each mode's aggregate frames/s is the engine's rate over the
+steps with every row busy (``bench.batch``'s measure); ratios to plain are taken within a round
+(same minute, same load), medians over rounds.  EOC is suppressed: every request runs ``--frames``.
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+from bench.batch import _engine_run, _HeadsProbe
+from bench.systems import load_1m, peak_rss_mb
+
+TEXT = "The quick brown fox jumps over the lazy dog, and then it runs far away into the forest."
+MODES = ("plain", "stateful", "stateful-alone", "windows")
+
+
+def _run(tts: Any, batch: int, spec: dict[str, Any], marks: list, mode: str) -> dict[str, Any]:
+    pipeline = tts.pipeline
+    spec_codec = pipeline.stream_codec
+    try:
+        if mode == "windows":
+            pipeline.stream_codec = None
+        if mode == "stateful-alone":
+            original = type(tts).engine
+
+            def engine(self, **kw):
+                e = original(self, **kw)
+                e.codec.batch_streams = False
+                return e
+
+            type(tts).engine = engine
+        try:
+            t0 = time.perf_counter()
+            out, engine, _ = _engine_run(tts, batch, spec, marks, streamed=mode != "plain")
+            out["wall_s"] = time.perf_counter() - t0
+            cs = engine.codec.stats
+            out["codec"] = {"runs": cs.runs, "rows_per_run": cs.windows / cs.runs if cs.runs else None,
+                            "frames": cs.frames, "seconds": round(cs.seconds, 3)}
+        finally:
+            if mode == "stateful-alone":
+                type(tts).engine = original
+    finally:
+        pipeline.stream_codec = spec_codec
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import higgs_pack
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("bundle")
+    parser.add_argument("--batch", default="1,4")
+    parser.add_argument("--frames", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args(argv)
+    tts = higgs_pack.load(args.bundle)
+    pipeline, c = tts.pipeline, tts.pipeline.constants
+    if pipeline.stream_codec is None:
+        print(f"{args.bundle} has no audio_tokenizer_stream (built before manifest format 2)", file=sys.stderr)
+        return 2
+    defaults = dict(pipeline.generation_defaults)
+    defaults["sampling"] = {**defaults.get("sampling", {}), "repeat_guard_frames": 0}
+    pipeline.generation_defaults = defaults
+    marks: list = []
+    pipeline.audio_heads = _HeadsProbe(pipeline.audio_heads, c.eoc, marks)
+    from higgs_pack.runtime.loop.streaming import codec_context_frames
+
+    codec_context_frames(pipeline)  # the window codec's context, outside the timed runs
+    spec = {"text": TEXT, "frames": args.frames, "seed": 1, "temperature": 0.8, "top_k": 50}
+    sizes = [int(b) for b in args.batch.split(",")]
+    before = load_1m()
+    for batch in sizes:  # warm-up
+        for mode in MODES:
+            _run(tts, batch, {**spec, "frames": 20}, marks, mode)
+    rows = []
+    for batch in sizes:
+        rounds = []
+        for _ in range(args.repeats):
+            r = {mode: _run(tts, batch, spec, marks, mode) for mode in MODES}
+            plain = r["plain"]["aggregate_frames_per_s"]
+            for mode in MODES[1:]:
+                rate = r[mode]["aggregate_frames_per_s"]
+                r[mode]["over_plain"] = rate / plain if rate and plain else None
+            rounds.append(r)
+        summary = {mode: {"aggregate_frames_per_s": statistics.median(x[mode]["aggregate_frames_per_s"] or 0
+                                                                      for x in rounds)} for mode in MODES}
+        for mode in MODES[1:]:
+            summary[mode]["over_plain"] = statistics.median(x[mode]["over_plain"] or 0 for x in rounds)
+        rows.append({"batch": batch, "median": summary, "rounds": rounds})
+    print(json.dumps({"bundle": str(args.bundle), "frames": args.frames, "lookahead_frames":
+                      pipeline.stream_codec.lookahead_frames, "window_context_frames": pipeline.codec_context_frames,
+                      "rows": rows, "loadavg_1m": [before, load_1m()], "peak_rss_mb": peak_rss_mb()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

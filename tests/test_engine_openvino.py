@@ -285,6 +285,26 @@ def test_a_batch_1_decoder_that_shares_its_inputs_is_refused(tts):
     assert not old.shares_inputs
 
 
+def test_a_per_step_output_outlives_calls_of_other_shapes(tts):
+    """A sub-part's per-step outputs (``step_inputs`` shapes) stay as they were through calls of
+    other shapes, as the pipeline's runner contract says (the engine embeds a joining prompt on
+    the submitting thread while its own thread reads the last step's embedding); a per-step call
+    may overwrite them.  OpenVINO's infer request wrote a [1, 50, 8] call's output over the
+    [1, 1, 8] call's view once it had run a long one, and a 1-row engine then gave other codes
+    from the frame a voice request was submitted at."""
+    embed = tts.pipeline.audio_embed
+    rng = np.random.default_rng(2)
+    long, step, other = (rng.integers(0, 1024, shape) for shape in ((1, 80, 8), (1, 1, 8), (1, 50, 8)))
+    embed.run({"codes": long})  # the request's output memory now holds 80 positions
+    got = embed.run({"codes": step})["audio_embeds"]
+    kept = got.copy()
+    embed.run({"codes": other})
+    np.testing.assert_array_equal(got, kept)
+    again = embed.run({"codes": other[:, :1]})["audio_embeds"]
+    assert again is got  # the per-step buffer, no allocation per frame
+    np.testing.assert_array_equal(got, embed.run({"codes": other})["audio_embeds"][:, :1])
+
+
 def test_synthesize_after_an_engine_gives_the_codes_of_before(ov_int4_bundle):
     """Issue 30 item 5 (the closing note of 2026-12-03): after an engine ran on an OpenVINO
     bundle, ``synthesize`` on that same object gave other codes from frame 0 (734... instead of

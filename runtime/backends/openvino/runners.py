@@ -150,7 +150,8 @@ class OvSubPart:
             said in :attr:`description`).
         step_inputs: Input name -> shape of the once-per-frame call (see
             :func:`~higgs_pack.runtime.loop.pipeline.step_input_shapes`), whose outputs are
-            returned as views instead of copies; None: always copies.
+            copied into buffers this runner keeps for that call and returned as those buffers
+            (no allocation per frame); None: always new arrays.
 
     Attributes:
         compiled: The ``openvino.CompiledModel``.
@@ -178,6 +179,7 @@ class OvSubPart:
         # One infer request per sub-part: calls from several threads (the engine's readers each
         # decoding their codec chunks, the server encoding voices) take turns on it.
         self._lock = threading.Lock()
+        self._step_outputs: dict[str, np.ndarray] = {}  # output name -> the per-step call's buffer
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run once.
@@ -188,9 +190,9 @@ class OvSubPart:
 
         Returns:
             Output name -> array (float32 or int64).  For the per-step shapes
-            (``step_inputs``): views of the request's output tensors, valid until the next
-            call with those shapes (the loop reads them before; copy to keep them).
-            Otherwise arrays owned by the caller.
+            (``step_inputs``): this runner's buffers for that call, valid until the next call
+            with those shapes (the loop reads them before; copy to keep them).  Otherwise
+            arrays owned by the caller.
 
         Raises:
             ValueError: ``feeds`` lacks an input or has an unknown one.
@@ -200,15 +202,30 @@ class OvSubPart:
                 f"{self.path.name}: feeds {sorted(feeds)} do not match the IR inputs {self.input_names}"
             )
         cast = {k: np.ascontiguousarray(v, dtype=self._inputs[k]) for k, v in feeds.items()}
-        # Inputs are read in place (the call is synchronous); outputs are views of the request's
-        # memory (each keeps its tensor alive; measured with openvino 2026.4: a same-shape call
-        # writes the same memory), copied into arrays the caller owns except for per-step calls.
+        # Inputs are read in place (the call is synchronous; this is the compiled model's only
+        # infer request, see OvStatefulDecoder's share_inputs); outputs are views of the request's
+        # memory, copied before the lock is let go.  A per-step call's outputs go into this
+        # runner's own buffers, not the request's memory: the request writes a call of any shape
+        # into the output memory it holds when that is large enough (measured, openvino 2026.4.1:
+        # the audio_embed view of a [1, 1, 8] call was overwritten by a later [1, 50, 8] call once
+        # the request had run a long one), and the engine embeds a joining prompt on the
+        # submitting thread while its own thread still reads the last step's view.
         steps = self._step_inputs
         keep = steps is not None and all(steps.get(k) == v.shape for k, v in cast.items())
         with self._lock:
             results = self._request.infer(cast, share_inputs=True, share_outputs=True)
-            return {name: _output(results[port] if keep else np.array(results[port], copy=True))
-                    for name, port in zip(self.output_names, self.compiled.outputs, strict=True)}
+            if not keep:
+                return {name: _output(np.array(results[port], copy=True))
+                        for name, port in zip(self.output_names, self.compiled.outputs, strict=True)}
+            out = {}
+            for name, port in zip(self.output_names, self.compiled.outputs, strict=True):
+                value = _output(results[port])
+                buffer = self._step_outputs.get(name)
+                if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+                    buffer = self._step_outputs[name] = np.empty_like(value)
+                np.copyto(buffer, value)
+                out[name] = buffer
+            return out
 
 
 def state_layout(compiled) -> str:

@@ -280,7 +280,7 @@ def test_a_batch_1_decoder_that_shares_its_inputs_is_refused(tts):
     old = tts.pipeline.decoder
     sharing = OvStatefulDecoder(ov.Core(), old.path, "CPU", None, {"PERFORMANCE_HINT": "LATENCY"},
                                 max_length=64, share_inputs=True)
-    with pytest.raises(InputError, match="share_inputs=True.*overwrite its input arrays.*share_inputs=False"):
+    with pytest.raises(InputError, match=r"share_inputs=True.*overwrite its input arrays.*share_inputs=False"):
         OvBatchedDecoder(sharing, max_batch=2, max_length=64, num_layers=2, kv_heads=2, head_dim=16)
     assert not old.shares_inputs
 

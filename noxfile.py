@@ -178,13 +178,14 @@ def integrations(session: nox.Session) -> None:
     runtime with [cpu,serve,pipecat,livekit] and pytest, no torch and no Ray.  [pipecat] cannot be
     installed beside [ray] (pyproject.toml: protobuf), and the build venv has [ray], so there those
     tests skip.  The tiny cpu int4 bundle they serve is built first by the build venv into
-    ``$HIGGS_PACK_CACHE/bundles`` (default .nox/cache) and handed to the tests by
+    ``$HIGGS_PACK_CACHE/bundles`` (default .nox/cache; its name asked from the build) and handed to the tests by
     ``HIGGS_PACK_TEST_CPU_INT4_BUNDLE`` (tests/conftest.py)."""
     cache = os.environ.get("HIGGS_PACK_CACHE", str(ROOT / ".nox" / "cache"))
     build_env(session)
-    bundle = Path(cache) / "bundles" / "higgs-audio-v3-tiny-cpu-int4"
-    session.run(_bin("higgs-pack"), "build", "--target", "cpu", "--precision", "int4", "--out", str(bundle),
-                "--force", env={"HIGGS_PACK_CACHE": cache}, external=True)
+    args = ["--target", "cpu", "--precision", "int4"]
+    bundle = Path(cache) / "bundles" / _bundle(session, _bin("higgs-pack"), "cpu", args[2:]).name
+    session.run(_bin("higgs-pack"), "build", *args, "--out", str(bundle), "--force", env={"HIGGS_PACK_CACHE": cache},
+                external=True)
     session.install("-e", f"{ROOT}[cpu,serve,pipecat,livekit]", "pytest>=8", "httpx")  # httpx: tests/live_server.py
     # the venv is the runtime's, as a user of the integrations has (-I: not the cwd's folders)
     session.run("python", "-I", "-c", "import importlib.util as u, sys; found = [m for m in ('torch', 'ray') if "

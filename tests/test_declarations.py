@@ -43,7 +43,8 @@ def onnx_recipes(ep: str) -> dict[SubPart, Recipe]:
     return {SubPart.LLM_DECODER: Recipe("modelbuilder", options={"execution_provider": ep}),
             SubPart.TEXT_EMBED: module, SubPart.AUDIO_EMBED: module, SubPart.AUDIO_HEADS: module,
             SubPart.AUDIO_TOKENIZER: Recipe("olive-onnx", precision="fp32"),
-            SubPart.AUDIO_ENCODER: Recipe("olive-onnx", precision="fp32")}
+            SubPart.AUDIO_ENCODER: Recipe("olive-onnx", precision="fp32"),
+            SubPart.AUDIO_TOKENIZER_STREAM: Recipe("olive-onnx", precision="fp32")}
 
 
 @pytest.fixture

@@ -199,6 +199,26 @@ class SynthesizeFlags:
 
 
 #: ``--subtitles FILE`` of ``synthesize`` and ``dialogue``.
+def _options(*decorators: Any) -> Any:
+    """One decorator applying click ``decorators`` in the order written (top first)."""
+    def apply(command: Any) -> Any:
+        for decorator in reversed(decorators):
+            command = decorator(command)
+        return command
+
+    return apply
+
+
+#: Where a speaking command runs and how it samples (``synthesize`` and ``dialogue``).
+SPEAKING_OPTIONS = _options(
+    click.option("--execution-provider", help=f"ONNX Runtime bundles: {', '.join(EXECUTION_PROVIDERS)}."),
+    click.option("--device", help="OpenVINO bundles: CPU, GPU, NPU, AUTO, HETERO:…."),
+    click.option("--allow-fallback", is_flag=True, help="Permit another provider/device if the one asked for is missing."),
+    click.option("--seed", type=int, default=0, show_default=True, help="Sampler seed (>= 0)."),
+    click.option("--temperature", type=float, help="0 = greedy. Default from the bundle (0.8)."),
+    click.option("--top-k", type=int, help="Default from the bundle (50)."),
+    click.option("--top-p", type=float, help="Default from the bundle (1.0 = off)."),
+)
 SUBTITLES_OPTION = click.option(
     "--subtitles", type=click.Path(path_type=Path, dir_okay=False),
     help="Also write subtitles, one cue per sentence (per turn in a dialogue), timed from frame counts: "
@@ -215,13 +235,7 @@ SUBTITLES_OPTION = click.option(
 @click.option("--ref-audio", type=click.Path(path_type=Path, dir_okay=False, exists=True),
               help="Reference voice to clone (any sample rate / channels libsndfile reads).")
 @click.option("--ref-text", help="Exact transcript of --ref-audio.")
-@click.option("--execution-provider", help=f"ONNX Runtime bundles: {', '.join(EXECUTION_PROVIDERS)}.")
-@click.option("--device", help="OpenVINO bundles: CPU, GPU, NPU, AUTO, HETERO:….")
-@click.option("--allow-fallback", is_flag=True, help="Permit another provider/device if the one asked for is missing.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Sampler seed (>= 0).")
-@click.option("--temperature", type=float, help="0 = greedy. Default from the bundle (0.8).")
-@click.option("--top-k", type=int, help="Default from the bundle (50).")
-@click.option("--top-p", type=float, help="Default from the bundle (1.0 = off).")
+@SPEAKING_OPTIONS
 @click.option("--max-frames", type=int, help="Frame cap per chunk (25 frames = 1 s). Default: from text length.")
 @click.option("--float", "as_float", is_flag=True, help="Write 32-bit float wav instead of 16-bit PCM.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (there is none when stderr is not a terminal).")
@@ -591,13 +605,7 @@ def _say_written(note: str, sink, rate: int, where: str, results: list, speech) 
               help="The voice of speaker NAME: a reference clip and its exact words (repeatable). A speaker "
                    "without one speaks its first turn in a voice of the model's choosing, kept after that.")
 @SUBTITLES_OPTION
-@click.option("--execution-provider", help=f"ONNX Runtime bundles: {', '.join(EXECUTION_PROVIDERS)}.")
-@click.option("--device", help="OpenVINO bundles: CPU, GPU, NPU, AUTO, HETERO:….")
-@click.option("--allow-fallback", is_flag=True, help="Permit another provider/device if the one asked for is missing.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Sampler seed (>= 0).")
-@click.option("--temperature", type=float, help="0 = greedy. Default from the bundle (0.8).")
-@click.option("--top-k", type=int, help="Default from the bundle (50).")
-@click.option("--top-p", type=float, help="Default from the bundle (1.0 = off).")
+@SPEAKING_OPTIONS
 @click.option("--max-frames", type=int, help="Frame cap per text chunk (25 frames = 1 s). Default: from text length.")
 @click.option("--context-chunks", type=int, default=CONTEXT_CHUNKS, show_default=True,
               help="The speaker's earlier text chunks (text and audio) that open each of its next prompts.")

@@ -93,7 +93,8 @@ def _recipes(**decoder_options) -> dict[SubPart, Recipe]:
     return {SubPart.LLM_DECODER: Recipe("modelbuilder", options={"execution_provider": "cpu", **decoder_options}),
             SubPart.TEXT_EMBED: module, SubPart.AUDIO_EMBED: module, SubPart.AUDIO_HEADS: module,
             SubPart.AUDIO_TOKENIZER: Recipe("olive-onnx", precision="fp32"),
-            SubPart.AUDIO_ENCODER: Recipe("olive-onnx", precision="fp32")}
+            SubPart.AUDIO_ENCODER: Recipe("olive-onnx", precision="fp32"),
+            SubPart.AUDIO_TOKENIZER_STREAM: Recipe("olive-onnx", precision="fp32")}
 
 
 def _target(recipes, **kw) -> Target:

@@ -204,11 +204,13 @@ def test_a_step_needs_prefilled_rows_and_room(tts):
         batched.step(np.array([0]), np.zeros((1, 1, h), np.float32))
 
 
-def run_joining_mid_flight(tts, timeout: float = 60.0, check_engine=None) -> list:
+def run_joining_mid_flight(tts, timeout: float = 60.0, check_engine=None, **engine_options) -> list:
     """Two requests start together, a third joins after 10 steps, a fourth and fifth after 25
     (one of them waits: 3 rows); returns their results once every row is free again.
-    ``check_engine(engine)`` runs before the engine closes.  Shared by every backend's tests."""
-    with tts.engine(max_batch=3) as engine:
+    ``check_engine(engine)`` runs before the engine closes; ``engine_options`` go to
+    ``tts.engine`` (``prefill_chunk=0``: joining prompts prefilled whole).  Shared by every
+    backend's tests."""
+    with tts.engine(max_batch=3, **engine_options) as engine:
         handles = [_submit(engine, tts, 0), _submit(engine, tts, 1)]
         _wait_for(lambda: engine.stats.steps >= 10, "10 steps")
         handles.append(_submit(engine, tts, 2))
@@ -281,15 +283,17 @@ def test_streamed_chunks_join_to_the_result(tts, alone):
         handle.result()
 
 
-def check_cancel_frees_the_row(tts, alone, timeout: float = 60.0) -> None:
+def check_cancel_frees_the_row(tts, alone, timeout: float = 60.0, **engine_options) -> None:
     """Two long requests fill both rows and a short one waits; cancelling the first lets the
     short one in (it finishes with its codes alone) while the second goes on.  Shared by every
-    backend's engine tests."""
-    with tts.engine(max_batch=2) as engine:
+    backend's engine tests (``engine_options`` as :func:`run_joining_mid_flight`'s)."""
+    with tts.engine(max_batch=2, **engine_options) as engine:
         first = engine.submit("A long request that will be cancelled.", seed=7, max_frames=3000)
         second = engine.submit("A long request that goes on.", seed=7, max_frames=400)
         queued = _submit(engine, tts, 2)
-        _wait_for(lambda: engine.stats.steps >= 5, "5 steps")
+        # both long ones on their rows (each submit embeds its prompt first, which can take the
+        # engine's first steps under load)
+        _wait_for(lambda: engine.stats.steps >= 5 and engine.busy_rows == 2, "5 steps of both rows")
         assert engine.waiting == 1 and not queued.done
         first.cancel()
         got = queued.result(timeout=timeout)

@@ -321,7 +321,9 @@ def test_requests_joining_and_leaving_mid_flight_give_their_codes_alone(tts_f32,
     def spliced_five(engine) -> None:
         assert engine.decoder.splices == 5 and engine.decoder.columns == 0
 
-    results = run_joining_mid_flight(tts_f32, timeout=120, check_engine=spliced_five)
+    # Whole prompts: OpenVINO's prefill of a prompt in chunks is not bit-identical to one infer
+    # (kernel blocks differ with the length; tests/test_prefix_cache.py measures the agreement).
+    results = run_joining_mid_flight(tts_f32, timeout=120, check_engine=spliced_five, prefill_chunk=0)
     for got, want in zip(results, alone_f32, strict=True):
         np.testing.assert_array_equal(got.codes, want.codes)
         np.testing.assert_array_equal(got.samples, want.samples)
@@ -372,12 +374,12 @@ def test_u8_codes_batched_versus_alone(tts, capsys):
 def test_cancel_frees_the_row_at_the_next_step(tts_f32, alone_f32):
     """Cancelling a row drops its state row at the next step and a queued request runs with its
     codes alone (the scenario of tests/test_engine.py, on the spliced OpenVINO state)."""
-    check_cancel_frees_the_row(tts_f32, alone_f32, timeout=120)
+    check_cancel_frees_the_row(tts_f32, alone_f32, timeout=120, prefill_chunk=0)  # it joins mid-stream
 
 
 def test_a_row_with_non_finite_output_fails_that_request_alone(tts_f32, alone_f32):
     with Engine(tts_f32.pipeline, _PoisonedRow(_decoder(tts_f32, max_batch=3, max_length=1024), row=1,
-                                                after=5)) as engine:
+                                                after=5), prefill_chunk=0) as engine:  # a late one: whole
         handles = [_submit(engine, tts_f32, i) for i in range(3)]
         with pytest.raises(NumericalError, match="llm_decoder returned non-finite"):
             handles[1].result(timeout=120)

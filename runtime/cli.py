@@ -628,10 +628,11 @@ def dialogue(bundle, script, output, voices, subtitles, execution_provider, devi
     from higgs_pack.runtime.sources.bundle import require_bundle_dir
 
     require_bundle_dir(Path(bundle), folders_of_bundles=True)
-    _check_output(output, bundle, [script])
-    _check_subtitles(subtitles, output, [script])
-    turns = parse_script(_read_script(script), str(script))
     chosen = [_voice_flag(v) for v in voices]
+    inputs = [script, *(clip for _, (clip, _words) in chosen)]  # -o or --subtitles on a clip would overwrite it
+    _check_output(output, bundle, inputs)
+    _check_subtitles(subtitles, output, inputs)
+    turns = parse_script(_read_script(script), str(script))
     twice = sorted({name for name, _ in chosen if [n for n, _ in chosen].count(name) > 1})
     if twice:
         raise click.BadParameter(f"--voice gives {', '.join(map(repr, twice))} more than once; give each speaker "

@@ -150,6 +150,9 @@ def test_the_dialogue_command_writes_audio_and_subtitles(cpu_int4_bundle, cases_
     (lambda p: p.write_text("ANN: Hi.\n"), ["--voice", "ANN=missing.wav:Hi."], "no file missing.wav"),
     (lambda p: p.write_text("ANN: Hi.\n"), ["--subtitles", "{dir}/talk.txt"], "SubRip (.srt) or WebVTT (.vtt)"),
     (lambda p: p.write_text("ANN: hi\n" * 10_000), [], "holds 10000 turns"),
+    # -o or --subtitles on a --voice clip would overwrite the user's recording (H-newuser 1).
+    (lambda p: p.write_text("ANN: Hi.\n"), ["--voice", "ANN={clip}:Words.", "-o", "{clip}"],
+     "is also an input of this command"),
 ])
 def test_the_dialogue_command_refuses_a_bad_script_before_loading(tmp_path, make, extra, message):
     from click.testing import CliRunner
@@ -160,12 +163,13 @@ def test_the_dialogue_command_refuses_a_bad_script_before_loading(tmp_path, make
     sf.write(clip, np.zeros(24000, np.float32), 24000)
     script = tmp_path / "s.txt"
     make(script)
-    args = [a.format(clip=clip, dir=tmp_path) for a in extra]
+    args = [a.format(clip=clip, dir=tmp_path, script=script) for a in extra]
     result = CliRunner().invoke(main, ["dialogue", str(tmp_path / "no-bundle"), str(script), "-o",
                                        str(tmp_path / "o.wav"), *args])
     assert result.exit_code == 2 and message in result.stderr and "no such bundle" not in result.stderr, \
         result.stderr
     assert not (tmp_path / "o.wav").exists()
+    assert sf.info(clip).frames == 24000  # the clip is untouched
 
 
 def test_dialogue_json_round_trip_of_segments():

@@ -155,6 +155,58 @@ def prepare_reference(samples: np.ndarray, rate: int, target_rate: int, hop_leng
     return out
 
 
+def cannot_write(path: str | Path, exc: OSError, option: str = "-o") -> InputError:
+    """The :class:`InputError` of a file that could not be opened or written, naming the cause
+    (``exc.strerror``); a full disk (``errno.ENOSPC``) is said as such.
+
+    Args:
+        path: the file.
+        exc: what the operating system raised.
+        option: how the caller names the path (``-o``, ``--subtitles``, a keyword).
+    """
+    import errno
+
+    if exc.errno == errno.ENOSPC:
+        return InputError(f"cannot write {path} ({option}): out of disk space (ENOSPC: {exc.strerror}); free "
+                          "space on that disk or write elsewhere")
+    return InputError(f"cannot write {path} ({option}): {exc.strerror or exc}; choose a writable path")
+
+
+def check_writable(path: str | Path, option: str = "-o") -> None:
+    """Refuse, before anything is generated, a file that cannot be opened for writing: it is opened
+    for appending (nothing written, an existing file unchanged) and a file this created is removed.
+
+    A full disk shows only when bytes are written (:func:`write_file` says so then).
+
+    Raises:
+        InputError: as :func:`cannot_write` (``/proc/x.wav``: no such file; a read-only folder...).
+    """
+    path = Path(path)
+    existed = path.exists() or path.is_symlink()
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as exc:
+        raise cannot_write(path, exc, option) from exc
+    if not existed:
+        path.unlink(missing_ok=True)
+
+
+def write_file(path: str | Path, data: bytes, option: str = "-o") -> None:
+    """Write ``data`` to ``path`` (replacing it) with Python's own file, whose errors carry the errno
+    that libsndfile's "System error." hides.
+
+    Raises:
+        InputError: as :func:`cannot_write`.
+    """
+    try:
+        with open(path, "wb") as file:
+            file.write(data)
+    except OSError as exc:
+        raise cannot_write(path, exc, option) from exc
+
+
+
 @dataclass(frozen=True)
 class WavWritten:
     """What :func:`write_wav` did.
@@ -202,10 +254,9 @@ def write_wav(path: str | Path, samples: np.ndarray, sample_rate: int, *, subtyp
     if scaled:
         samples = samples * (0.999 / peak)
     path = Path(path)
-    try:
-        sf.write(path, samples, sample_rate, subtype=subtype, format="WAV")
-    except (sf.LibsndfileError, RuntimeError, OSError) as exc:
-        raise InputError(f"cannot write {path}: {exc}; choose a writable path") from exc
+    encoded = io.BytesIO()  # encoded in memory, written by write_file: its errors name their cause
+    sf.write(encoded, samples, sample_rate, subtype=subtype, format="WAV")
+    write_file(path, encoded.getvalue())
     return WavWritten(path, peak, scaled)
 
 
@@ -293,6 +344,7 @@ class AudioSink:
             try:
                 self._file = sf.SoundFile(target, "w", sample_rate, 1, subtype=subtype, format="WAV")
             except (sf.LibsndfileError, RuntimeError, OSError) as exc:
+                check_writable(target)  # names the cause libsndfile calls "System error."
                 raise InputError(f"cannot write {target}: {exc}; choose a writable path with -o") from exc
         else:
             self._stream = target

@@ -132,6 +132,9 @@ def _check_output(output: Path, bundle: str, inputs: list[Path | None], fmt: str
     if bundle_path.is_dir() and (out == bundle_path.resolve() or bundle_path.resolve() in out.parents):
         raise click.BadParameter(f"{output} is inside the bundle {bundle}; write the audio elsewhere",
                                  param_hint="-o")
+    from higgs_pack.runtime.audio import check_writable
+
+    check_writable(output, "-o")  # /proc/x.wav, a read-only folder: refused now, not after generating
 
 
 def _progress_bar(no_progress: bool):
@@ -320,7 +323,7 @@ def synthesize(**flags: Any) -> None:
     finally:
         bar.close()
     written = write_wav(output, result.samples, result.sample_rate, subtype=subtype)
-    _write_subtitles(f.subtitles, result.segments)
+    _write_subtitles(f.subtitles, result.segments, output)
     stops = ", ".join(r.stop_reason for r in result.chunks)
     click.echo(f"wrote {output}: {result.seconds_of_audio:.2f} s at {result.sample_rate} Hz, "
                f"{len(result.codes)} frames in {len(result.chunks)} text chunk(s), stop: {stops}")
@@ -345,12 +348,19 @@ def _check_subtitles(subtitles: Path | None, output: Path, inputs: list[Path | N
                                      "of this command; give the subtitles their own file", param_hint="--subtitles")
 
 
-def _write_subtitles(subtitles: Path | None, segments: list) -> None:
+def _write_subtitles(subtitles: Path | None, segments: list, audio: str | Path | None = None) -> None:
+    """Write ``--subtitles`` after the audio; a failure (the disk filled up meanwhile) is one line
+    and exit 2, saying that the audio already written (``audio``) is kept."""
     if subtitles is None:
         return
     from higgs_pack.runtime.subtitles import write_subtitles
 
-    count = write_subtitles(subtitles, segments)
+    try:
+        count = write_subtitles(subtitles, segments, "--subtitles")
+    except HiggsPackError as exc:
+        kept = f"; the audio in {audio} is written and kept" if audio is not None and str(audio) != "-" else ""
+        click.echo(f"error: {exc}{kept}", err=True)
+        sys.exit(2)
     click.echo(f"wrote {subtitles}: {count} cue(s), timed from frame counts (no word timings)", err=True)
 
 
@@ -571,7 +581,7 @@ def _stream_out(tts, request, output: Path, subtype: str, fmt: str, bar, streami
         bar.close()
     _say_written(note, sink, rate, where, results if not status else [], speech)
     if status != EXIT_BROKEN_PIPE:
-        _write_subtitles(subtitles, segments)  # after a stop: the segments whose audio was written
+        _write_subtitles(subtitles, segments, output)  # after a stop: the segments whose audio was written
     if status in (EXIT_INTERRUPTED, EXIT_TERMINATED) and sink is not None and not to_stdout:
         click.echo(f"{output} is a complete WAV of the audio written before the stop (its RIFF and data sizes "
                    "were set to it)", err=True)
@@ -656,7 +666,7 @@ def dialogue(bundle, script, output, voices, subtitles, execution_provider, devi
     written = write_wav(output, result.samples, result.sample_rate, subtype="FLOAT" if as_float else "PCM_16")
     click.echo(f"wrote {output}: {result.seconds_of_audio:.2f} s at {result.sample_rate} Hz, {len(turns)} turn(s) "
                f"in {len(result.chunks)} text chunk(s), {len(result.codes)} frames")
-    _write_subtitles(subtitles, result.segments)
+    _write_subtitles(subtitles, result.segments, output)
     if result.frame_cap_hit:
         click.echo(FRAME_CAP_NOTE, err=True)
     if written.scaled:

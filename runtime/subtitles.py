@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from higgs_pack.manifests.errors import InputError, install_extra
+from higgs_pack.runtime.audio import check_writable, write_file
 from higgs_pack.runtime.loop.generate import Segment
 
 #: Suffix -> (what it is, the module that writes it).
@@ -38,8 +39,9 @@ def check_subtitles_path(path: str | os.PathLike, option: str = "--subtitles") -
 
     Raises:
         InputError: a suffix other than ``.srt`` or ``.vtt`` (naming both), a folder that does
-            not exist, a directory, or the library of the format missing (with the extra that
-            installs it).
+            not exist, a directory, the library of the format missing (with the extra that
+            installs it), or a file that cannot be opened for writing
+            (:func:`~higgs_pack.runtime.audio.check_writable`).
     """
     path = Path(path)
     suffix = path.suffix.lower()
@@ -54,6 +56,7 @@ def check_subtitles_path(path: str | os.PathLike, option: str = "--subtitles") -
     if importlib.util.find_spec(module) is None:
         raise InputError(f"{option} {path}: writing {kind} needs the {module!r} module; "
                          f"{install_extra('subtitles')}")
+    check_writable(path, option)
     return path
 
 
@@ -91,15 +94,17 @@ def _stamp(seconds: float) -> str:
     return f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d}.{ms % 1000:03d}"
 
 
-def write_subtitles(path: str | os.PathLike, segments: Sequence[Segment]) -> int:
-    """Write ``segments`` as subtitles to ``path`` (format by suffix, UTF-8).
+def write_subtitles(path: str | os.PathLike, segments: Sequence[Segment], option: str = "path") -> int:
+    """Write ``segments`` as subtitles to ``path`` (format by suffix, UTF-8); ``option`` is how
+    messages name ``path`` (the CLI passes ``--subtitles``).
 
     Returns:
         The number of cues written.
 
     Raises:
-        InputError: as :func:`check_subtitles_path`.
+        InputError: as :func:`check_subtitles_path`, or the file could not be written (out of
+            disk space said as such: :func:`~higgs_pack.runtime.audio.cannot_write`).
     """
-    path = check_subtitles_path(path)
-    path.write_text(subtitles_text(segments, path.suffix), encoding="utf-8")
+    path = check_subtitles_path(path, option)
+    write_file(path, subtitles_text(segments, path.suffix).encode("utf-8"), option)
     return len(segments)

@@ -625,6 +625,7 @@ def test_synthesize_writes_subtitles_timed_by_frames(cpu_int4_bundle, tmp_path):
     ("subs.txt", "a subtitles file is SubRip (.srt) or WebVTT (.vtt), chosen by its suffix; got .txt"),
     ("subs", "got no suffix: name it .srt or .vtt"),
     ("missing/subs.srt", "does not exist; create it first"),
+    ("/proc/subs.srt", "cannot write /proc/subs.srt (--subtitles): No such file or directory"),  # not creatable
 ])
 def test_a_bad_subtitles_file_is_refused_before_anything_is_generated(tmp_path, name, message):
     code, err = invoke("synthesize", tmp_path / "no-bundle", "-o", tmp_path / "a.wav", "--text", "Hi.",
@@ -636,3 +637,35 @@ def test_a_bad_subtitles_file_is_refused_before_anything_is_generated(tmp_path, 
     code, err = invoke("synthesize", tmp_path / "no-bundle", "-o", tmp_path / "a.wav", "--text-file", script,
                        "--subtitles", script)
     assert code == 2 and "is also an input of this command" in err, err
+
+
+def test_an_unwritable_output_is_refused_before_the_bundle_loads(tmp_path):
+    """-o that cannot be created (/proc) is refused up front, for synthesize and dialogue, not
+    after the whole generation (H-newuser 3)."""
+    script = tmp_path / "s.txt"
+    script.write_text("ANN: Hi.\n", encoding="utf-8")
+    for command in (["synthesize", tmp_path / "no-bundle", "--text", "Hi."], ["dialogue", tmp_path / "no-bundle", script]):
+        code, err = invoke(*command, "-o", "/proc/x.wav")
+        assert code == 2 and "cannot write /proc/x.wav (-o): No such file or directory" in err, err
+        assert "no such bundle" not in err, err
+
+
+def test_a_full_disk_is_said_as_such_and_the_audio_is_kept(cpu_int4_bundle, tmp_path):
+    """/dev/full (every write fails with ENOSPC): -o and --subtitles say "out of disk space", exit 2,
+    no traceback; a subtitles failure after the audio says the audio is kept (H-newuser 2, 3)."""
+    full = tmp_path / "full.wav"
+    full.symlink_to("/dev/full")
+    out = run("synthesize", cpu_int4_bundle, "--text", "Hi.", "-o", full, "--max-frames", "5", "--no-progress",
+              check=False)
+    assert out.returncode == 2 and "out of disk space (ENOSPC" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "System error" not in out.stderr, out.stderr
+    subs = tmp_path / "full.srt"
+    subs.symlink_to("/dev/full")
+    script = tmp_path / "s.txt"
+    script.write_text("ANN: Hi.\nBEN: Hello.\n", encoding="utf-8")
+    for command in (["synthesize", cpu_int4_bundle, "--text", "Hi."], ["dialogue", cpu_int4_bundle, script]):
+        wav = tmp_path / f"{command[0]}.wav"
+        out = run(*command, "-o", wav, "--subtitles", subs, "--max-frames", "5", "--no-progress", check=False)
+        assert out.returncode == 2 and "cannot write" in out.stderr and "out of disk space" in out.stderr, out.stderr
+        assert f"the audio in {wav} is written and kept" in out.stderr and "Traceback" not in out.stderr
+        assert sf.info(wav).frames > 0

@@ -33,7 +33,9 @@ sentence's bytes are a playable stream), ``{"type": "audio.done", "sentence_inde
   on with the next text;
 - ``{"type": "input.flush"}`` speaks buffered text that has no sentence end yet;
 - a bad message gets ``{"type": "error", "message", "param", "code", "status"}`` naming the
-  field; the session goes on (a sentence the engine refuses, say one too long for the context,
+  field; the session goes on.  A bad ``session.config`` is refused whole, its event naming every
+  bad field (:func:`config_error`); text sent before a valid config is then refused too (never
+  spoken with default settings) (a sentence the engine refuses, say one too long for the context,
   gets one with its ``sentence_text`` and is skipped).
 
 Sentences end where :class:`~higgs_pack.runtime.loop.sentences.SentenceSplitter` says, the rule
@@ -155,6 +157,7 @@ class Session:
         self.job: SpeechJob | None = None
         self.voice: PreparedVoice | None = None
         self.configured = False
+        self.config_refused = False  # a session.config was refused and no valid one came since
         self.text_seen = False
         self.ended = False  # input.done received
         self.text = SentenceSplitter()  # text received, cut where its sentences end
@@ -265,6 +268,10 @@ class Session:
         elif self.ended:
             raise _bad(f"{kind} after input.done: the session is ending; open a new one", "type", "session_ended")
         elif kind == "input.text":
+            if self.config_refused:
+                raise _bad("input.text before a valid session.config: the session.config sent was refused (see its "
+                           "error event); send a corrected session.config, then the text (this text was dropped, "
+                           "not spoken with default settings)", "session.config", "config_refused")
             self._add_text(data.get("text"))
         elif kind == "input.flush":
             self._queue_rest()
@@ -278,13 +285,40 @@ class Session:
         if self.configured or self.text_seen:
             raise _bad("session.config comes once, before any input.text; this one was ignored", "type",
                        "config_too_late")
-        self.job, self.voice = await anyio.to_thread.run_sync(self._parse_config, data, limiter=self.server.limiter)
-        self.configured = True
+        try:
+            self.job, self.voice = await anyio.to_thread.run_sync(self._parse_config, data,
+                                                                  limiter=self.server.limiter)
+        except ApiError:
+            self.config_refused = True  # text now waits for a valid config: no speaking with defaults
+            raise
+        self.configured, self.config_refused = True, False
 
     def _parse_config(self, data: dict[str, Any]) -> tuple[SpeechJob, PreparedVoice | None]:
         """The session's :class:`SpeechJob` (its ``input`` a placeholder) and voice: the HTTP route's
-        checks, a reference clip encoded once here."""
+        checks, a reference clip encoded once here.
+
+        Raises:
+            ApiError: the config refused as a whole, naming every bad field (:func:`config_error`).
+        """
         fields = {k: v for k, v in data.items() if k != "type"}
+        try:
+            job = self._config_job(fields)
+        except ApiError as exc:
+            raise config_error(exc, fields, self._config_job) from exc
+        voice = job.request.voice
+        if isinstance(voice, Voice):
+            try:
+                voice = self.server.tts.prepare_voice(voice.audio, voice.transcript, "ref_audio")
+            except InputError as exc:
+                raise config_error(from_input_error(exc, param="ref_audio"), {}, self._config_job) from exc
+        return job, voice
+
+    def _config_job(self, fields: dict[str, Any]) -> SpeechJob:
+        """``fields`` of a session.config checked by the HTTP route's :func:`parse_speech`.
+
+        Raises:
+            ApiError: the first bad field.
+        """
         for name in NOT_IN_CONFIG:
             if name in fields:
                 raise _bad(f"session.config takes no {name}: text comes in input.text messages and is always "
@@ -296,14 +330,7 @@ class Session:
         body = {"model": self.server.models[0], "response_format": "pcm", **fields, "input": "session",
                 "stream_format": "audio"}
         server = self.server
-        job = parse_speech(body, models=server.models, voices=server.voices, config=server.config)
-        voice = job.request.voice
-        if isinstance(voice, Voice):
-            try:
-                voice = server.tts.prepare_voice(voice.audio, voice.transcript, "ref_audio")
-            except InputError as exc:
-                raise from_input_error(exc, param="ref_audio") from exc
-        return job, voice
+        return parse_speech(body, models=server.models, voices=server.voices, config=server.config)
 
     def _add_text(self, text: Any) -> None:
         if not isinstance(text, str):
@@ -517,6 +544,46 @@ def sentence_voice(pipeline: Any, request: SynthesisRequest, voice: PreparedVoic
     if codes is None:
         return None
     return PreparedVoice(codes, words, "live context")
+
+
+#: session.config fields checked together when each bad field is looked for (one needs the other).
+CONFIG_GROUPS = (("ref_audio", "ref_text"),)
+#: Said of every refused session.config.
+CONFIG_REFUSED = ("session.config refused whole: none of its settings were taken; send a corrected "
+                  "session.config before any input.text (text sent before one is refused, never spoken with "
+                  "default settings)")
+
+
+def config_error(first: ApiError, fields: dict[str, Any], check: Any) -> ApiError:
+    """The error of a refused session.config, naming every bad field, not only the first.
+
+    Each field (``ref_audio`` with ``ref_text``: :data:`CONFIG_GROUPS`) is checked alone with
+    ``check``; a problem only of fields together (``voice`` with ``ref_audio``) is ``first``'s.
+
+    Args:
+        first: what checking the whole config raised.
+        fields: the config's fields (without ``type``).
+        check: ``fields -> SpeechJob``, raising :class:`ApiError` for the first bad field.
+
+    Returns:
+        An ApiError with ``first``'s status and code when one field is bad (``invalid_config``
+        with several), ``param`` the first bad field's, and a message listing each bad field.
+    """
+    grouped = {name for group in CONFIG_GROUPS for name in group}
+    groups = [tuple(n for n in g if n in fields) for g in CONFIG_GROUPS] + [(n,) for n in fields if n not in grouped]
+    errors: list[ApiError] = []
+    for group in filter(None, groups):
+        try:
+            check({name: fields[name] for name in group})
+        except ApiError as exc:
+            errors.append(exc)
+    if first.param not in [e.param for e in errors]:
+        errors.insert(0, first)
+    if len(errors) == 1:
+        return ApiError(first.status, f"{first.message}. {CONFIG_REFUSED}", param=first.param, code=first.code)
+    listed = "; ".join(f"({i}) {e.param}: {e.message}" for i, e in enumerate(errors, 1))
+    return ApiError(max(e.status for e in errors), f"{len(errors)} bad fields: {listed}. {CONFIG_REFUSED}",
+                    param=errors[0].param, code="invalid_config")
 
 
 def error_event(exc: ApiError, text_param: str | None = None) -> dict[str, Any]:

@@ -274,6 +274,34 @@ def test_a_bad_config_is_refused_by_the_http_routes_checks_and_the_session_goes_
     _check_sentences(heard, ["Good after bad."])
 
 
+def test_a_config_with_several_bad_fields_names_each_and_text_waits_for_a_good_one(server):
+    """A refused session.config names every bad field and leaves no setting taken; text sent
+    before a valid config is refused (never spoken in default settings), then a corrected config
+    and the text are spoken (H-newuser 4)."""
+    async def run() -> Heard:
+        async with websockets.connect(server.ws) as ws:
+            await ws.send(json.dumps({"type": "session.config", "voice": "alloy", "temperature": -1,
+                                      "response_format": "mp3", "max_new_tokens": 5}))
+            heard = await _read(ws, Heard(), "error")
+            await ws.send(json.dumps({"type": "input.text", "text": "Not in defaults."}))
+            await _read(ws, heard, "error")
+            await ws.send(json.dumps({"type": "session.config", "max_new_tokens": 5}))
+            await ws.send(json.dumps({"type": "input.text", "text": "Good after bad."}))
+            await ws.send(json.dumps({"type": "input.done"}))
+            await _read(ws, heard)
+            return await _read(ws, heard, None, 10)
+
+    heard = asyncio.run(run())
+    config, text = heard.of("error")
+    assert (config["param"], config["code"], config["status"]) == ("voice", "invalid_config", 400), config
+    for name in ("voice", "temperature", "response_format"):
+        assert f") {name}: " in config["message"], config
+    assert "3 bad fields" in config["message"] and "none of its settings were taken" in config["message"]
+    assert (text["param"], text["code"]) == ("session.config", "config_refused"), text
+    _check_sentences(heard, ["Good after bad."])
+    assert heard.of("audio.done")[0]["frames"] <= 5  # the corrected config's max_new_tokens
+
+
 def test_eight_sessions_at_once_lose_and_reorder_no_audio(server):
     """8 sessions share the engine (4 rows): each gets all its sentences, in order, each sentence's
     audio whole (its frames' samples and the pause, contiguous in the session's timeline), and

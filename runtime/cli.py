@@ -638,6 +638,9 @@ def dialogue(bundle, script, output, voices, subtitles, execution_provider, devi
     from higgs_pack.runtime.sources.bundle import require_bundle_dir
 
     require_bundle_dir(Path(bundle), folders_of_bundles=True)
+    if str(output) == "-":
+        raise click.BadParameter("dialogue writes a .wav file; -o - (stdout) is not supported: give a file name "
+                                 "(-o talk.wav), then play it", param_hint="-o")
     chosen = [_voice_flag(v) for v in voices]
     inputs = [script, *(clip for _, (clip, _words) in chosen)]  # -o or --subtitles on a clip would overwrite it
     _check_output(output, bundle, inputs)

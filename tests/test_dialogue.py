@@ -153,6 +153,7 @@ def test_the_dialogue_command_writes_audio_and_subtitles(cpu_int4_bundle, cases_
     # -o or --subtitles on a --voice clip would overwrite the user's recording (H-newuser 1).
     (lambda p: p.write_text("ANN: Hi.\n"), ["--voice", "ANN={clip}:Words.", "-o", "{clip}"],
      "is also an input of this command"),
+    (lambda p: p.write_text("ANN: Hi.\n"), ["-o", "-"], "-o - (stdout) is not supported"),
 ])
 def test_the_dialogue_command_refuses_a_bad_script_before_loading(tmp_path, make, extra, message):
     from click.testing import CliRunner

@@ -48,12 +48,14 @@ def require_audio_file(path: str | Path) -> Path:
     """``path`` as a :class:`~pathlib.Path`, checked to be an existing file (not read).
 
     Raises:
-        InputError: it does not exist or is not a file (names it and the flag).
+        InputError: it does not exist or is a folder (a problem of ``ref_audio``, naming the path;
+            each front door says how it was given).
     """
     path = Path(path)
+    if path.is_dir():
+        raise clip_error(f"reference audio {path}", " is a folder; give an audio file (wav, flac, ogg)")
     if not path.is_file():
-        raise InputError(f"reference audio {path} does not exist; pass an existing file with --ref-audio / "
-                         "ref_audio=")
+        raise clip_error(f"reference audio {path}", " does not exist; give an existing audio file")
     return path
 
 
@@ -70,7 +72,7 @@ def load_audio(path: str | Path) -> tuple[np.ndarray, int]:
         InputError: missing, unreadable, not audio, or empty.
     """
     path = require_audio_file(path)
-    return _decode(path, f"reference audio {path}", "--ref-audio")
+    return _decode(path, f"reference audio {path}", "")  # a path names itself: no flag (--ref-audio, --voice)
 
 
 def read_audio_bytes(data: bytes, source: str = "reference audio", how: str = "ref_audio") -> tuple[np.ndarray, int]:
@@ -104,8 +106,8 @@ def _decode(file: Path | BinaryIO, source: str, how: str) -> tuple[np.ndarray, i
             data = f.read(frames=cap, dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, ValueError, TypeError) as exc:
         reason = re.sub(r"^Error opening <[^>]*>: ", "", str(exc))  # not the repr of an in-memory file
-        raise clip_error(source, f" is not a readable audio file ({reason}); give a wav, flac or ogg file with "
-                                 f"{how}") from exc
+        raise clip_error(source, f" is not a readable audio file ({reason}); give a wav, flac or ogg file"
+                                 + (f" with {how}" if how else "")) from exc
     if len(data) >= cap:
         raise clip_error(source, f" is longer than {MAX_REFERENCE_S:.0f} s; use a clip of at most "
                                  f"{MAX_REFERENCE_S:.0f} s (3-10 s of speech works best)")

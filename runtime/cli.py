@@ -712,7 +712,8 @@ def _voice_flag(value: str) -> tuple[str, tuple[Path, str]]:
     if Path(rest).is_file() or (cuts and clip.is_file()):
         raise click.BadParameter(f"the voice of {name.strip()!r} needs the exact words said in its clip: "
                                  f"{name.strip()}=clip.wav:\"exact words\"", param_hint="--voice")
-    raise click.BadParameter(f"the voice of {name.strip()!r}: no file {clip} (write NAME=clip.wav:\"exact words\")",
+    what = f"{clip} is a folder, not an audio file" if clip.is_dir() else f"no file {clip}"
+    raise click.BadParameter(f"the voice of {name.strip()!r}: {what} (write NAME=clip.wav:\"exact words\")",
                              param_hint="--voice")
 
 

@@ -59,7 +59,7 @@ class FieldNames:
 
 #: The one table of request fields: each front door renders a problem in its own terms from it.
 FIELDS: dict[str, FieldNames] = {f.keyword: f for f in (
-    FieldNames("text", "--text", "input"),
+    FieldNames("text", "--text or --text-file", "input"),
     FieldNames("ref_audio", "--ref-audio", "ref_audio"),
     FieldNames("ref_text", "--ref-text", "ref_text"),
     FieldNames("voice", None, "voice"),

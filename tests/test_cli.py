@@ -195,7 +195,7 @@ def invoke(*args, input=None):
 
 @pytest.mark.parametrize(("args", "input", "message"), [
     (["--text", "   "], None, "text is only whitespace: there is nothing to speak; set it with "
-                              "--text / text="),
+                              "--text or --text-file / text="),  # the file's flag named too (H-newuser 6)
     (["--text", "-"], "", "text is empty: there is nothing to speak"),
     (["--text", "\x01\x02"], None, "text is only whitespace and control characters: there is nothing to speak"),
     (["--text", "\u200b\x00 "], None, "text is only whitespace and control characters"),

@@ -62,6 +62,10 @@ def test_bad_turns_and_voices_are_named_before_anything_runs():
         DialogueRequest.create(["ANN: Hi."])
     with pytest.raises(InputError, match="top_p"):
         DialogueRequest.create([("ANN", "Hi.")], top_p=2)
+    # A voice's problem names the voice and the path, not synthesize's flag (H-newuser 6).
+    with pytest.raises(InputError, match=r"the voice of 'ANN': reference audio nosuch.wav does not exist") as found:
+        DialogueRequest.create([("ANN", "Hi.")], voices={"ANN": ("nosuch.wav", "x")})
+    assert "--ref-audio" not in str(found.value) and "set it with" not in str(found.value)
 
 
 def test_each_turn_opens_with_its_speakers_voice_and_own_last_turn(oracle):
@@ -108,8 +112,12 @@ def test_tts_dialogue_on_the_cpu_bundle_clones_a_clip_and_streams_the_same(cpu_i
     joined = np.concatenate([p.samples for p in stream])
     assert np.array_equal(stream.codes, whole.codes) and stream.segments == whole.segments
     assert float(np.abs(joined - whole.samples).max()) <= 1e-4
-    with pytest.raises(InputError, match=r"turn 2 \('BEN'\): the text contains the prompt control token"):
+    with pytest.raises(InputError, match=r"turn 2 \('BEN'\): the text contains the prompt control token") as found:
         tts.dialogue([("ANN", "Hi."), ("BEN", "Say <|audio|> now.")])
+    assert "--text" not in str(found.value) and "text=" not in str(found.value)
+    with pytest.raises(InputError, match=r"turn 1 \('ANN'\): one sentence needs") as found:
+        tts.dialogue([("ANN", "word " * 6000)])
+    assert "--text" not in str(found.value) and "text=" not in str(found.value)
 
 
 def test_tts_dialogue_on_the_openvino_bundle(ov_int4_bundle):
@@ -154,6 +162,7 @@ def test_the_dialogue_command_writes_audio_and_subtitles(cpu_int4_bundle, cases_
     (lambda p: p.write_text("ANN: Hi.\n"), ["--voice", "ANN={clip}:Words.", "-o", "{clip}"],
      "is also an input of this command"),
     (lambda p: p.write_text("ANN: Hi.\n"), ["-o", "-"], "-o - (stdout) is not supported"),
+    (lambda p: p.write_text("ANN: Hi.\n"), ["--voice", "ANN={dir}:Words."], "is a folder, not an audio file"),
 ])
 def test_the_dialogue_command_refuses_a_bad_script_before_loading(tmp_path, make, extra, message):
     from click.testing import CliRunner

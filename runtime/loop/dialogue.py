@@ -100,6 +100,13 @@ def turn_problems(turns: Any, where: str = "turn", numbers: list[int] | None = N
     return found
 
 
+def plain(exc: BaseException) -> str:
+    """An error said without the Python keyword / CLI flag that sets its field (a turn's text is
+    a script line or a ``turns`` item, a voice a ``--voice`` or a ``voices`` entry, not
+    ``--text / text=`` or ``--ref-audio / ref_audio=``): the dialogue names where it is instead."""
+    return exc.say(Problem.render) if isinstance(exc, InputError) else str(exc)
+
+
 def _speaker_problems(speaker: Any, where: str) -> list[Problem]:
     problem = unspeakable(speaker, f"the speaker of {where}")
     if problem is None and (len(speaker) > MAX_SPEAKER_CHARS or ":" in speaker or "\n" in speaker):
@@ -222,7 +229,7 @@ class DialogueRequest:
                 try:
                     voice = Voice(*voice)
                 except InputError as exc:
-                    found.append(Problem("voices", None, message=literal(f"the voice of {name!r}: {exc}")))
+                    found.append(Problem("voices", None, message=literal(f"the voice of {name!r}: {plain(exc)}")))
                     continue
             if voice is not None and not isinstance(voice, (Voice, PreparedVoice)):
                 found.append(Problem("voices", None, message=literal(
@@ -279,7 +286,7 @@ def plan_dialogue(pipeline: Pipeline, request: DialogueRequest) -> SynthesisPlan
             else:
                 voices.append((None, None))
         except HiggsPackError as exc:
-            raise InputError(f"the voice of {name!r}: {exc}") from exc
+            raise InputError(f"the voice of {name!r}: {plain(exc)}") from exc
     chunks: list[tuple[str, int]] = []
     speakers: list[int] = []
     turns: list[int] = []
@@ -289,7 +296,7 @@ def plan_dialogue(pipeline: Pipeline, request: DialogueRequest) -> SynthesisPlan
             check_text_tokens(pipeline, turn.text)
             found = plan_chunks(pipeline, turn.text.strip(), *voices[speaker], options.max_frames, CHUNK_WORDS)
         except InputError as exc:
-            raise InputError(f"turn {number + 1} ({turn.speaker!r}): {exc}") from exc
+            raise InputError(f"turn {number + 1} ({turn.speaker!r}): {plain(exc)}") from exc
         chunks += found
         speakers += [speaker] * len(found)
         turns += [number] * len(found)

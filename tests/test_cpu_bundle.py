@@ -143,6 +143,19 @@ def test_long_text_is_split_into_sentences(cpu_int4_bundle):
         assert len(pipe.tokenizer.encode(chunk, add_special_tokens=False).ids) + cap + 10 <= limit
 
 
+def test_text_without_sentence_ends_is_cut_at_word_boundaries(cpu_int4_bundle):
+    """A sentence over the word budget is cut into pieces of that many words, not one chunk of
+    3000 words or a refusal of 6000 (H-newuser 7); every word kept, in order."""
+    pipe = load(cpu_int4_bundle)
+    text = " ".join(f"w{i}" for i in range(450))
+    chunks = plan_chunks(pipe, text, max_frames=50, max_words=200)
+    assert [len(c.split()) for c, _ in chunks] == [200, 200, 50]
+    assert " ".join(c for c, _ in chunks).split() == text.split()
+    chunks = plan_chunks(pipe, "Short one. " + text, max_frames=50, max_words=200)
+    assert [len(c.split()) for c, _ in chunks] == [2, 200, 200, 50]
+    assert plan_chunks(pipe, text, max_frames=50) == [(text, 50)]  # no word budget: whole when it fits
+
+
 def test_planning_a_long_text_tokenizes_each_sentence_once(cpu_int4_bundle, cases_dir):
     """A book-length text is planned in work linear in its length: the tokenizer sees the whole
     text, each sentence (in one batch) and each chunk once; the plan equals packing sentences

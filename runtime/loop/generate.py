@@ -916,6 +916,16 @@ def chunk_positions(pipeline: Pipeline, text: str, cap: int, ref_codes: np.ndarr
     return _token_count(pipeline, text) + _prompt_overhead(pipeline, ref_codes, ref_text) + cap
 
 
+def _word_pieces(sentence: str, max_words: int) -> list[str]:
+    """``sentence`` as it is when it holds at most ``max_words`` whitespace-separated words, else
+    cut at word boundaries into pieces of ``max_words`` words (the last one shorter), joined by
+    single spaces.  Linear in the sentence's length."""
+    words = sentence.split()
+    if len(words) <= max_words:
+        return [sentence]
+    return [" ".join(words[i:i + max_words]) for i in range(0, len(words), max_words)]
+
+
 def plan_chunks(pipeline: Pipeline, text: str, ref_codes: np.ndarray | None = None,
                 ref_text: str | None = None, max_frames: int | None = None,
                 max_words: int | None = None) -> list[tuple[str, int]]:
@@ -925,7 +935,8 @@ def plan_chunks(pipeline: Pipeline, text: str, ref_codes: np.ndarray | None = No
     otherwise sentences are packed greedily into chunks (the reference voice, if any, is
     repeated in each prompt), each closed before it would pass the context or ``max_words``
     words (whitespace-separated; None: no word budget).  A sentence longer than the word
-    budget is a chunk of its own.
+    budget is cut at word boundaries into pieces of ``max_words`` words, packed as sentences are
+    (text without sentence ends is chunked too; without a word budget it stays whole).
 
     Linear in the text: the whole text and each sentence are tokenized once (in one
     batch), a chunk's token count is the sum of its sentences' (each after the first
@@ -953,6 +964,8 @@ def plan_chunks(pipeline: Pipeline, text: str, ref_codes: np.ndarray | None = No
     if positions(whole) <= limit and (max_words is None or len(text.split()) <= max_words):
         return [(text, cap_of(whole))]
     sentences = split_sentences(text)
+    if max_words is not None:  # text without sentence ends (a list, a transcript) is chunked too
+        sentences = [piece for sentence in sentences for piece in _word_pieces(sentence, max_words)]
     encoded = pipeline.tokenizer.encode_batch([*sentences, *(" " + s for s in sentences)], add_special_tokens=False)
     alone = [len(e.ids) for e in encoded[:len(sentences)]]
     joined = [len(e.ids) for e in encoded[len(sentences):]]

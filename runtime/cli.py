@@ -324,7 +324,7 @@ def synthesize(**flags: Any) -> None:
         bar.close()
     written = write_wav(output, result.samples, result.sample_rate, subtype=subtype)
     _write_subtitles(f.subtitles, result.segments, output)
-    stops = ", ".join(r.stop_reason for r in result.chunks)
+    stops = stop_summary(result.chunks)
     click.echo(f"wrote {output}: {result.seconds_of_audio:.2f} s at {result.sample_rate} Hz, "
                f"{len(result.codes)} frames in {len(result.chunks)} text chunk(s), stop: {stops}")
     if result.frame_cap_hit:
@@ -528,6 +528,17 @@ def _how_stopped(exc: KeyboardInterrupt) -> str:
     return "stopped (SIGTERM)" if isinstance(exc, _Terminated) else "interrupted (Ctrl-C)"
 
 
+def stop_summary(results: list) -> str:
+    """Why each text chunk stopped: ``"eos, max_frames"`` for a few chunks; counts for many
+    (``"997 max_frames, 3 eos"``, most first), not a line of a thousand words."""
+    from collections import Counter
+
+    reasons = [r.stop_reason for r in results]
+    if len(reasons) <= 8:
+        return ", ".join(reasons)
+    return ", ".join(f"{n} {reason}" for reason, n in Counter(reasons).most_common())
+
+
 #: Said when some text chunk stopped at its frame cap, not where the model ended the speech.
 FRAME_CAP_NOTE = "note: the frame cap was reached before the model ended the speech (raise it with --max-frames)"
 
@@ -594,7 +605,7 @@ def _say_written(note: str, sink, rate: int, where: str, results: list, speech) 
     seconds = (sink.samples_written if sink is not None else 0) / rate
     details = ""
     if results:
-        stops = ", ".join(r.stop_reason for r in results)
+        stops = stop_summary(results)
         frames = sum(len(r.codes) for r in results)
         details = f", {frames} frames in {len(results)} text chunk(s), stop: {stops}"
         if speech is not None:

@@ -196,7 +196,11 @@ class Session:
                 group.cancel_scope.cancel()
             if self.gone:
                 status = "499"
-                log.info("a live session's client left after %d sentence(s)", self.next_index)
+                if self.server.stopping:  # the server closed it (1012), the client did not leave
+                    log.info("a live session was closed by the server stopping, after %d sentence(s)",
+                             self.next_index)
+                else:
+                    log.info("a live session's client left after %d sentence(s)", self.next_index)
             elif self.ws.application_state == WebSocketState.CONNECTED:
                 await self.ws.close(1000)
         finally:

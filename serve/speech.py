@@ -176,7 +176,7 @@ def parse_dialogue(body: Any, *, models: tuple[str, ...], voices: Any, config: S
             problem = unspeakable(turn[key], f"{where}.{key}")
             if problem is not None:
                 raise _bad(f"{problem}; {where}.{key} is {meaning}", f"{where}.{key}")
-        checked.append(Turn(turn["speaker"], turn["input"]))
+        checked.append(Turn(turn["speaker"].strip(), turn["input"]))  # " ANN " is ANN (as_turns does the same)
     total = sum(len(turn.text) for turn in checked)
     if total > config.max_input_chars:
         raise _bad(f"the turns' inputs are {total} characters together; the limit is {config.max_input_chars} "

@@ -669,3 +669,15 @@ def test_a_full_disk_is_said_as_such_and_the_audio_is_kept(cpu_int4_bundle, tmp_
         assert out.returncode == 2 and "cannot write" in out.stderr and "out of disk space" in out.stderr, out.stderr
         assert f"the audio in {wav} is written and kept" in out.stderr and "Traceback" not in out.stderr
         assert sf.info(wav).frames > 0
+
+
+def test_the_stop_reasons_of_many_chunks_are_counted():
+    """A 1000-chunk text's summary counts its stop reasons, not a list of 1000 (H-newuser 8)."""
+    from types import SimpleNamespace
+
+    from higgs_pack.runtime.cli import stop_summary
+
+    few = [SimpleNamespace(stop_reason=r) for r in ("eos", "max_frames")]
+    assert stop_summary(few) == "eos, max_frames"
+    many = [SimpleNamespace(stop_reason="max_frames")] * 997 + [SimpleNamespace(stop_reason="eos")] * 3
+    assert stop_summary(many) == "997 max_frames, 3 eos"

@@ -62,6 +62,9 @@ def test_bad_turns_and_voices_are_named_before_anything_runs():
         DialogueRequest.create(["ANN: Hi."])
     with pytest.raises(InputError, match="top_p"):
         DialogueRequest.create([("ANN", "Hi.")], top_p=2)
+    # A speaker's name is stripped, as a script line's is (H-newuser 8).
+    request = DialogueRequest.create([(" ANN ", "Hi.")], voices={"ANN": None})
+    assert [t.speaker for t in request.turns] == ["ANN"]
     # A voice's problem names the voice and the path, not synthesize's flag (H-newuser 6).
     with pytest.raises(InputError, match=r"the voice of 'ANN': reference audio nosuch.wav does not exist") as found:
         DialogueRequest.create([("ANN", "Hi.")], voices={"ANN": ("nosuch.wav", "x")})

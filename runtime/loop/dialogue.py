@@ -117,14 +117,16 @@ def _speaker_problems(speaker: Any, where: str) -> list[Problem]:
 
 def as_turns(turns: Iterable[Any]) -> list[Any]:
     """``turns`` as :class:`Turn` items where they are ``Turn``, ``(speaker, text)`` pairs or
-    ``{"speaker", "text"}`` mappings; other items are kept as they are for :func:`turn_problems`
-    to name."""
+    ``{"speaker", "text"}`` mappings, each speaker's name stripped of surrounding whitespace;
+    other items are kept as they are for :func:`turn_problems` to name."""
     out: list[Any] = []
     for turn in turns:
         if isinstance(turn, Mapping) and set(turn) == {"speaker", "text"}:
             turn = Turn(turn["speaker"], turn["text"])
         elif isinstance(turn, tuple) and len(turn) == 2:
             turn = Turn(*turn)
+        if isinstance(turn, Turn) and isinstance(turn.speaker, str) and turn.speaker != turn.speaker.strip():
+            turn = dataclasses.replace(turn, speaker=turn.speaker.strip())  # " ANN " is ANN, as in a script
         out.append(turn)
     return out
 

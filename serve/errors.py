@@ -47,9 +47,13 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 def http_name(field: str | None) -> str | None:
     """A request field's name in the speech body (``max_frames`` -> ``max_new_tokens``; the
-    runtime's one table, :data:`higgs_pack.runtime.request.FIELDS`), else the field itself."""
+    runtime's one table, :data:`higgs_pack.runtime.request.FIELDS`), else the field itself; in a
+    path its last part (``turns[0].text`` -> ``turns[0].input``)."""
     from higgs_pack.runtime.request import FIELDS
 
+    head, dot, last = (field or "").rpartition(".")
+    if dot:  # a path into the body: a dialogue's turns[0].text is turns[0].input
+        return f"{head}.{http_name(last)}"
     names = FIELDS.get(field or "")
     return names.http if names is not None and names.http else field
 

@@ -242,7 +242,8 @@ def test_the_dialogue_route_answers_audio_segments_and_sse(server, cases_dir):
     ({"voices": {"ANN": "nobody"}}, "voices.ANN", "voice 'nobody' is not known"),
     ({"voices": {"CAT": "default"}}, "voices.CAT", "who speaks no turn"),
     ({"voice": "default"}, "voice", "unknown field 'voice' (did you mean 'voices'?)"),
-    ({"turns": [{"speaker": "ANN", "input": "Say <|audio|> now."}]}, "turns", "turn 1 ('ANN')"),
+    ({"turns": [{"speaker": "ANN", "input": "Say <|audio|> now."}]}, "turns[0].input", "turn 1 ('ANN')"),
+    ({"turns": [{"speaker": "A:B", "input": "Hi."}]}, "turns[0].speaker", "without ':'"),  # H-newuser 6
     ({"segments": True, "stream_format": "audio"}, "segments", "segments true needs an answer with room"),
 ])
 def test_a_bad_dialogue_body_is_a_400_naming_the_field(server, change, param, words):

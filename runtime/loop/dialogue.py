@@ -90,10 +90,10 @@ def turn_problems(turns: Any, where: str = "turn", numbers: list[int] | None = N
             found.append(Problem("turns", None, message=f"{where} {number} must be a Turn(speaker, text) or a "
                                                         f"(speaker, text) pair, got {plain_type(turn)}"))
             continue
-        found += _speaker_problems(turn.speaker, f"{where} {number}")
+        found += _speaker_problems(turn.speaker, f"{where} {number}", f"turns[{index}].speaker")
         problem = unspeakable(turn.text, f"the text of {where} {number} ({turn.speaker[:40]!r})")
         if problem is not None:
-            found.append(Problem("turns", None, message=literal(problem)))
+            found.append(Problem(f"turns[{index}].text", None, message=literal(problem)))
         if len(found) >= 10:  # enough to fix first; a broken file would list every line
             found.append(Problem("turns", None, message="(and maybe more: fix these first)"))
             break
@@ -107,12 +107,12 @@ def plain(exc: BaseException) -> str:
     return exc.say(Problem.render) if isinstance(exc, InputError) else str(exc)
 
 
-def _speaker_problems(speaker: Any, where: str) -> list[Problem]:
+def _speaker_problems(speaker: Any, where: str, field: str = "turns") -> list[Problem]:
     problem = unspeakable(speaker, f"the speaker of {where}")
     if problem is None and (len(speaker) > MAX_SPEAKER_CHARS or ":" in speaker or "\n" in speaker):
         problem = (f"the speaker of {where} ({speaker[:40]!r}) must be a name of at most {MAX_SPEAKER_CHARS} "
                    "characters without ':' or a line break")
-    return [] if problem is None else [Problem("turns", None, message=literal(problem))]
+    return [] if problem is None else [Problem(field, None, message=literal(problem))]
 
 
 def as_turns(turns: Iterable[Any]) -> list[Any]:
@@ -288,7 +288,8 @@ def plan_dialogue(pipeline: Pipeline, request: DialogueRequest) -> SynthesisPlan
             else:
                 voices.append((None, None))
         except HiggsPackError as exc:
-            raise InputError(f"the voice of {name!r}: {plain(exc)}") from exc
+            raise InputError(problems=[Problem(f"voices.{name}", None, message=literal(
+                f"the voice of {name!r}: {plain(exc)}"))]) from exc
     chunks: list[tuple[str, int]] = []
     speakers: list[int] = []
     turns: list[int] = []
@@ -298,7 +299,8 @@ def plan_dialogue(pipeline: Pipeline, request: DialogueRequest) -> SynthesisPlan
             check_text_tokens(pipeline, turn.text)
             found = plan_chunks(pipeline, turn.text.strip(), *voices[speaker], options.max_frames, CHUNK_WORDS)
         except InputError as exc:
-            raise InputError(f"turn {number + 1} ({turn.speaker!r}): {plain(exc)}") from exc
+            raise InputError(problems=[Problem(f"turns[{number}].text", None, message=literal(
+                f"turn {number + 1} ({turn.speaker!r}): {plain(exc)}"))]) from exc
         chunks += found
         speakers += [speaker] * len(found)
         turns += [number] * len(found)

@@ -1,0 +1,122 @@
+"""MkDocs hook: the benchmark pages' tables are rendered from benchmark JSON kept in the
+repository (``docs/benchmarks/runs/*.json``, each the ``--out`` file of one ``python -m bench``
+run), never typed by hand.
+
+A page asks for a table with a comment on a line of its own::
+
+    <!-- bench-table full-2026-12-05.json prefill -->
+
+``KIND`` is one of :data:`KINDS`; the table is built by the same functions that print the
+benchmark's text tables and write ``dist/bench.html`` (``bench.report``), so the page, the
+terminal and the HTML report cannot disagree.  A missing file, an unknown kind or a run without
+the figures a kind needs fails the build (``mkdocs build --strict``) naming the page and marker.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+RUNS = ROOT / "docs" / "benchmarks" / "runs"
+MARKER = re.compile(r"^<!--\s*bench-table\s+(\S+)\s+(\S+)\s*-->\s*$", re.MULTILINE)
+
+
+class BenchTableError(Exception):
+    """A marker names a run or kind that cannot be rendered."""
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def _markdown(headers: list[str], rows: list[list[str]], facts: list[str]) -> str:
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+
+    out = [line(headers), "|" + "---|" * len(headers), *(line(r) for r in rows)]
+    return "\n".join(out + ([""] + [f"- {f}" for f in facts] if facts else []))
+
+
+def _systems(records: list[dict[str, Any]]) -> tuple[list[str], list[list[str]], list[str]]:
+    from bench.report import COLUMNS, cell
+
+    measured = [r for r in records if r.get("kind") is None]
+    keep = [c for c in COLUMNS if any(r.get(c[1]) is not None for r in measured)]
+    return [h for h, _, _ in keep], [[cell(r, k, f) for _, k, f in keep] for r in measured], []
+
+
+def _goals(records: list[dict[str, Any]]) -> tuple[list[str], list[list[str]], list[str]]:
+    from bench.records import goal_state
+
+    goals = next((r["goals"] for r in records if r.get("kind") == "goals"), [])
+    return ["goal", "measured", "state"], [[g["goal"], g["measured"], goal_state(g["met"], g["measured"])]
+                                            for g in goals], []
+
+
+def _machine(records: list[dict[str, Any]]) -> tuple[list[str], list[list[str]], list[str]]:
+    from bench.systems import machine_line
+
+    machine = next((r["machine"] for r in records if r.get("machine")), None)
+    return ["recorded on"], [[machine_line(machine)]] if machine else [], []
+
+
+def _builds(records: list[dict[str, Any]]) -> tuple[list[str], list[list[str]], list[str]]:
+    rows = [[b["system"] + (" (reused)" if b.get("cached") else ""), f"{b.get('peak_rss_mb') or 0:.0f}",
+             f"{b.get('build_s') or 0:.0f}", f"{b.get('bundle_mb') or 0:.0f}", str(b.get("verified"))]
+            for b in records if b.get("kind") == "build" and "error" not in b]
+    return ["bundle", "build peak RSS MB", "build s", "bundle MB", "verified"], rows, []
+
+
+def _kinds() -> dict[str, Any]:
+    from bench import report
+
+    return {"systems": _systems, "prefill": report.prefill_table, "batch": report.batch_table,
+            "steps": lambda r: (*report.step_table_rows(r), []), "builds": _builds, "goals": _goals,
+            "machine": _machine}
+
+
+KINDS = ("systems", "prefill", "batch", "steps", "builds", "goals", "machine")
+
+
+def render(name: str, kind: str) -> str:
+    """The markdown table ``kind`` of the run ``docs/benchmarks/runs/name``.
+
+    Raises:
+        BenchTableError: no such run file, not a JSON list of records, an unknown ``kind``, or a
+            run without the figures ``kind`` needs.
+    """
+    path = RUNS / name
+    if not path.is_file():
+        raise BenchTableError(f"no benchmark run {_shown(path)} (runs: "
+                              f"{', '.join(sorted(p.name for p in RUNS.glob('*.json'))) or 'none'})")
+    records = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(records, list):
+        raise BenchTableError(f"{_shown(path)} is not a list of benchmark records")
+    if kind not in KINDS:
+        raise BenchTableError(f"unknown table kind {kind!r} (one of {', '.join(KINDS)})")
+    headers, rows, facts = _kinds()[kind](records)
+    if not rows:
+        raise BenchTableError(f"{_shown(path)} has no figures for a {kind!r} table")
+    return _markdown(headers, rows, facts)
+
+
+def on_page_markdown(markdown: str, page: Any, **_: Any) -> str:
+    """Replace every ``bench-table`` marker of a page by its table (MkDocs event)."""
+    if "bench-table" not in markdown:
+        return markdown
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))  # bench/ is imported from the checkout, as `nox -s bench` does
+
+    def one(match: re.Match[str]) -> str:
+        try:
+            return render(match.group(1), match.group(2))
+        except BenchTableError as exc:
+            from mkdocs.exceptions import PluginError
+
+            raise PluginError(f"{page.file.src_path}: {match.group(0).strip()}: {exc}") from None
+
+    return MARKER.sub(one, markdown)

@@ -1,0 +1,70 @@
+"""The documentation's benchmark tables (docs/hooks/bench_tables.py) render from the runs kept in
+docs/benchmarks/runs/, and a marker that cannot be rendered fails naming the run or kind."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HOOK = ROOT / "docs" / "hooks" / "bench_tables.py"
+
+
+@pytest.fixture(scope="module")
+def hook():
+    spec = importlib.util.spec_from_file_location("bench_tables", HOOK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _markers() -> list[tuple[str, str, str]]:
+    found = []
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        found += [(page.name, *m) for m in re.findall(r"<!--\s*bench-table\s+(\S+)\s+(\S+)\s*-->", page.read_text())]
+    return found
+
+
+def test_every_marker_of_the_docs_renders_from_its_kept_run(hook):
+    markers = _markers()
+    assert markers, "the benchmark results page shows no table from a kept run"
+    for page, run, kind in markers:
+        table = hook.render(run, kind)
+        header, rule, *rows = table.split("\n")
+        assert header.startswith("| ") and rule.startswith("|---"), (page, run, kind)
+        assert rows and rows[0].startswith("| "), (page, run, kind)
+
+
+def test_a_table_shows_the_figures_of_its_run(hook):
+    run = next(p for p in sorted(hook.RUNS.glob("*.json")))
+    records = json.loads(run.read_text())
+    measured = [r for r in records if r.get("kind") is None and r.get("prefill_positions_per_s")]
+    assert measured, f"{run.name} has no prefill figures"
+    table = hook.render(run.name, "prefill")
+    for record in measured:
+        rate = record["prefill_positions_per_s"]["256"]
+        assert f"{rate:.1f}" in table and record["label"] in table
+
+
+def test_bad_markers_name_what_is_wrong(hook, tmp_path, monkeypatch):
+    with pytest.raises(hook.BenchTableError, match=r"no benchmark run .*nothing\.json"):
+        hook.render("nothing.json", "prefill")
+    run = next(p.name for p in sorted(hook.RUNS.glob("*.json")))
+    with pytest.raises(hook.BenchTableError, match="unknown table kind 'speed'"):
+        hook.render(run, "speed")
+    monkeypatch.setattr(hook, "RUNS", tmp_path)
+    (tmp_path / "empty.json").write_text(json.dumps([{"kind": "goals", "goals": []}]))
+    with pytest.raises(hook.BenchTableError, match="no figures for a 'prefill' table"):
+        hook.render("empty.json", "prefill")
+    (tmp_path / "object.json").write_text("{}")
+    with pytest.raises(hook.BenchTableError, match="not a list of benchmark records"):
+        hook.render("object.json", "systems")
+
+
+def test_cells_with_a_bar_do_not_break_the_table(hook):
+    text = hook._markdown(["a", "b"], [["x|y", "2"]], ["fact"])
+    assert "x\\|y" in text and text.endswith("- fact")

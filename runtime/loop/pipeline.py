@@ -146,11 +146,11 @@ class Pipeline:
     description: dict[str, str] = field(default_factory=dict)
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     codec_context_frames: int | None = None
-    audio_tokenizer_stream: SubPartRunner | None = None
-    stream_codec: Any = None
     prefix_cache: Any = None
     """The :class:`~higgs_pack.runtime.loop.prefix_cache.PrefixCache` of voice prefixes' KV that
     the loop and the engine use (None: every prompt is prefilled whole)."""
+    audio_tokenizer_stream: SubPartRunner | None = None
+    stream_codec: Any = None
 
 
 def step_input_shapes(part: str, constants: ModelConstants) -> dict[str, tuple[int, ...]] | None:

@@ -1,5 +1,6 @@
 """The higgs-pack command line, run as a user runs it (subprocess of the console script)."""
 
+import itertools
 import os
 import re
 import subprocess
@@ -610,7 +611,7 @@ def test_synthesize_writes_subtitles_timed_by_frames(cpu_int4_bundle, tmp_path):
     assert "wrote" in out.stderr and "3 cue(s)" in out.stderr, out.stderr
     cues = list(srt.parse(subs.read_text(encoding="utf-8")))
     assert [c.content for c in cues] == ["The first sentence is here.", "A second one follows!", "And the third?"]
-    assert cues[0].start.total_seconds() == 0 and all(a.end == b.start for a, b in zip(cues, cues[1:]))
+    assert cues[0].start.total_seconds() == 0 and all(a.end == b.start for a, b in itertools.pairwise(cues))
     assert cues[-1].end.total_seconds() == pytest.approx(sf.info(wav).frames / 24000, abs=1e-3)
     vtt = tmp_path / "b.vtt"
     run("synthesize", cpu_int4_bundle, "--text", text, "-o", tmp_path / "b.wav", "--subtitles", vtt,

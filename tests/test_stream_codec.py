@@ -17,7 +17,11 @@ import pytest
 import torch
 
 from higgs_pack.exporters.pytorch.modules import build_modules
-from higgs_pack.exporters.pytorch.stream_codec import StreamCodecDecoder, measured_stream, torch_runner
+from higgs_pack.exporters.pytorch.stream_codec import (
+    StreamCodecDecoder,
+    measured_stream,
+    torch_runner,
+)
 from higgs_pack.manifests.manifest import FORMAT_VERSION, file_entry, read_manifest, write_manifest
 from higgs_pack.manifests.model import SubPart
 from higgs_pack.runtime.loop.stateful_codec import (
@@ -176,7 +180,7 @@ def test_the_engine_batches_the_stream_steps_of_its_requests(cpu_fp32_bundle):
                                      max_chunk_frames=3) for t in texts]
             streams = [iter(h) for h in handles]
             pieces: list[list[np.ndarray]] = [[], []]
-            readers = [threading.Thread(target=lambda i=i: pieces[i].extend(c.samples for c in streams[i]))
+            readers = [threading.Thread(target=lambda i=i, pieces=pieces, streams=streams: pieces[i].extend(c.samples for c in streams[i]))
                        for i in range(2)]  # two clients, each reading its own stream
             for r in readers:
                 r.start()

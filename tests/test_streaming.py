@@ -8,6 +8,7 @@ same ``check_stream`` fixture from conftest.py) on the bundles that module build
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import signal
 import subprocess
@@ -205,7 +206,7 @@ def test_cpu_stream_across_sentences_is_continuous_speech(cpu_pipeline, check_st
     assert [s.text for s in one.segments] == ["The first sentence is here.", "A second one follows!",
                                               "And the third?"]
     assert one.segments[0].start == 0 and one.segments[-1].end == len(joined) / rate
-    assert all(a.end == b.start for a, b in zip(one.segments, one.segments[1:]))
+    assert all(a.end == b.start for a, b in itertools.pairwise(one.segments))
     for segment in one.segments:
         result = speech.results[segment.chunk]
         spoken = [s for s in one.segments if s.chunk == segment.chunk]

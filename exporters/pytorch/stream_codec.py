@@ -55,7 +55,6 @@ from torch import nn
 from higgs_pack.runtime.loop.stateful_codec import OPEN_END
 
 
-
 @dataclass(frozen=True)
 class _Conv:
     """A centred Conv1d in the plan: its reach ``p`` each side, the delay ``a`` it is given,
@@ -105,7 +104,7 @@ class StreamCodecDecoder(nn.Module):
         strides = [int(b.conv_t1.stride[0]) for b in dac.block]
         if math.prod(strides) != self.hop:
             raise ValueError(f"the codec's upsampling strides {strides} do not multiply to the hop {self.hop}")
-        for b, s in zip(dac.block, strides):
+        for b, s in zip(dac.block, strides, strict=True):
             t = b.conv_t1
             if int(t.kernel_size[0]) != 2 * s or int(t.padding[0]) != math.ceil(s / 2) or int(t.dilation[0]) != 1:
                 raise ValueError(f"ConvTranspose1d {t} is not DAC's (kernel 2s, padding ceil(s/2))")
@@ -114,7 +113,7 @@ class StreamCodecDecoder(nn.Module):
         rate = 1
         convs.append(_Conv(self._reach(dac.conv1), self.hop))
         self._t_delays = []  # each ConvTranspose1d's delay, samples at its output rate
-        for b, s in zip(dac.block, strides):
+        for b, s in zip(dac.block, strides, strict=True):
             rate *= s
             self._t_delays.append(math.ceil(s / 2))
             for unit in (b.res_unit1, b.res_unit2, b.res_unit3):
@@ -147,7 +146,7 @@ class StreamCodecDecoder(nn.Module):
             lengths.append(1)
             lengths += [c.p + c.a for c in self.convs[1 + 3 * i: 4 + 3 * i]]
         lengths.append(self.convs[-1].p + self.convs[-1].a)
-        self.layout = tuple(zip(channels, lengths))
+        self.layout = tuple(zip(channels, lengths, strict=True))
         self.state_size = sum(c * n for c, n in self.layout)
 
     @staticmethod
@@ -160,7 +159,7 @@ class StreamCodecDecoder(nn.Module):
     def _t_samples(self) -> int:
         """Output samples of delay the transposed convolutions add (exact, always)."""
         total, scale = 0, self.hop
-        for s, t in zip(self.strides, self._t_delays):
+        for s, t in zip(self.strides, self._t_delays, strict=True):
             scale //= s
             total += t * scale
         return total
@@ -215,7 +214,7 @@ class StreamCodecDecoder(nn.Module):
         rate, delay = 1, self.convs[0].a
         x = self._mask(x, start_frame, end_frame, rate, delay)
         k = 1
-        for i, (block, s) in enumerate(zip(dac.block, self.strides)):
+        for i, (block, s) in enumerate(zip(dac.block, self.strides, strict=True)):
             prev = caches[k]
             full = torch.cat([prev, _snake(x, block.snake1.alpha)], dim=-1)
             out_caches.append(full[..., full.shape[-1] - 1:])

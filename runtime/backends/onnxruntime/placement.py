@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from higgs_pack.runtime.backends.onnxruntime.runners import OrtDecoder, OrtSubPart
-from higgs_pack.runtime.loop.stateful_codec import first_call_feeds
 from higgs_pack.runtime.backends.onnxruntime.sessions import create_session
+from higgs_pack.runtime.loop.stateful_codec import first_call_feeds
 
 
 @dataclass(frozen=True)

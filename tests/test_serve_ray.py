@@ -221,8 +221,11 @@ def test_two_replicas_answer_every_request_whole_and_streamed_through_the_proxy(
             assert answer["type"].startswith("text/event-stream")
             lines = b"".join(answer["pieces"]).decode().splitlines()
             events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
-            assert [e["type"] for e in events] == ["speech.audio.delta"] * (len(events) - 1) + ["speech.audio.done"]
-            audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+            # one sentence: its speech.segment event follows the delta that completes its audio (issue 30 item 2)
+            assert [e["type"] for e in events] == (["speech.audio.delta"] * (len(events) - 2)
+                                                   + ["speech.segment", "speech.audio.done"])
+            assert events[-2]["text"] == TEXT and events[-2]["end"] == pytest.approx(want.size / 24000)
+            audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-2])
             assert len(audio) == 2 * want.size and events[-1]["usage"]["output_tokens"] == want.size // 960
         elif fields.get("stream_format") == "audio":
             if answer["type"] == "audio/wav":

@@ -69,12 +69,14 @@ def _batched(tts, max_batch: int = 4, max_length: int = 512, **kwargs) -> Batche
                              kv_heads=c.num_key_value_heads, head_dim=c.head_dim, **kwargs)
 
 
-def run_eight_concurrent(tts, engine=None, timeout: float = 120.0) -> list:
+def run_eight_concurrent(tts, engine=None, timeout: float = 120.0, **engine_options) -> list:
     """:data:`EIGHT` submitted at once from eight threads to an engine of eight rows
-    (``tts.engine(max_batch=8)`` unless ``engine`` is given); every request ends with its frames
-    and the batch held all eight rows at once.  Returns the results in :data:`EIGHT`'s order.
-    Shared by every backend's tests (issue 19: eight concurrent requests per bundle)."""
-    engine = tts.engine(max_batch=8) if engine is None else engine
+    (``tts.engine(max_batch=8, **engine_options)`` unless ``engine`` is given; the threads' submits
+    can land after the engine's first step, so a prompt may join mid-flight: ``prefill_chunk=0``
+    prefills it whole); every request ends with its frames and the batch held all eight rows at
+    once.  Returns the results in :data:`EIGHT`'s order.  Shared by every backend's tests
+    (issue 19: eight concurrent requests per bundle)."""
+    engine = tts.engine(max_batch=8, **engine_options) if engine is None else engine
     handles: list = [None] * len(EIGHT)
     go = threading.Barrier(len(EIGHT))
 
@@ -259,6 +261,22 @@ def test_requests_beyond_max_batch_wait_then_run(tts, alone):
         assert engine.busy_rows == 0 and engine.stats.max_rows == 2
         results = [h.result(timeout=60) for h in handles]
     for got, want in zip(results, alone, strict=True):
+        np.testing.assert_array_equal(got.codes, want.codes)
+
+
+def test_submit_together_queues_all_or_none(tts, alone):
+    """``submit_together``: the requests wait in one queue turn (all rows busy from the first
+    step) and give their codes alone; a request without text, or a bad one, queues none."""
+    with tts.engine(max_batch=3) as engine:
+        with pytest.raises(InputError, match="request 1 has no 'text'"):
+            engine.submit_together([{"text": "Hello.", "seed": 1}, {"seed": 2}])
+        with pytest.raises(InputError):
+            engine.submit_together([{"text": "Hello.", "seed": 1}, {"text": "Hi.", "temperature": -1.0}])
+        assert engine.waiting == 0 and engine.busy_rows == 0 and engine.stats.steps == 0
+        handles = engine.submit_together([{"text": t, "seed": s, "max_frames": c} for t, s, c in REQUESTS[:3]])
+        assert all(h.wait(60) for h in handles) and engine.stats.max_rows == 3
+        results = [h.result(timeout=60) for h in handles]
+    for got, want in zip(results, alone[:3], strict=True):
         np.testing.assert_array_equal(got.codes, want.codes)
 
 

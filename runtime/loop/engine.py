@@ -36,7 +36,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from numbers import Integral
 from typing import Any, Protocol
@@ -568,6 +568,42 @@ class Engine:
                 special token in the text, a sentence too long, or a request whose KV cache is
                 larger than the engine's whole KV budget (both sizes named; here, at once).
         """
+        handle = self._prepare(text, keywords)
+        with self._cond:
+            self._check_open()
+            self._waiting.append(handle)
+            self._cond.notify_all()
+        return handle
+
+    def submit_together(self, requests: Sequence[dict[str, Any]]) -> list[EngineHandle]:
+        """Queue several requests at once: each is prepared (planned, its first prompt embedded)
+        on the caller's thread, then all join the waiting queue under one lock, so the engine's
+        thread admits them in one turn where rows are free (:meth:`submit` one by one lets the
+        first start stepping alone while the next is still being planned).
+
+        Args:
+            requests: per request, the keywords of :meth:`submit` with ``text`` among them.
+
+        Returns:
+            One :class:`EngineHandle` per request, in order.
+
+        Raises:
+            EngineClosed, InputError: as :meth:`submit`; a bad request queues none of them.
+        """
+        handles = []
+        for index, keywords in enumerate(requests):
+            keywords = dict(keywords)
+            if "text" not in keywords:
+                raise InputError(f"submit_together: request {index} has no 'text'; give each request its text")
+            handles.append(self._prepare(keywords.pop("text"), keywords))
+        with self._cond:
+            self._check_open()
+            self._waiting.extend(handles)
+            self._cond.notify_all()
+        return handles
+
+    def _prepare(self, text: str | SynthesisRequest | SynthesisPlan, keywords: dict[str, Any]) -> EngineHandle:
+        """A handle for :meth:`submit`'s arguments, not queued yet (errors as :meth:`submit`)."""
         submitted = time.perf_counter()
         self._check_open()
         if isinstance(text, SynthesisPlan):
@@ -581,10 +617,6 @@ class Engine:
         # The first text chunk's prompt is embedded here, on the caller's thread (a voice's codes
         # through audio_embed take milliseconds to tens of them), not between the running rows' steps.
         handle._first_prompt = chunk_prompt(self.pipeline, plan, 0, [])
-        with self._cond:
-            self._check_open()
-            self._waiting.append(handle)
-            self._cond.notify_all()
         return handle
 
     def _check_open(self) -> None:

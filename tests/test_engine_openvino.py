@@ -339,7 +339,9 @@ def test_eight_concurrent_requests(ov_int4_bundle, capsys):
         with _load(ov_int4_bundle, f32) as fresh:
             single = [fresh.synthesize(text, seed=seed, max_frames=cap) for text, seed, cap in EIGHT]
         with _load(ov_int4_bundle, f32) as loaded:
-            batched = run_eight_concurrent(loaded, timeout=240)
+            # whole prompts: a submit that lands after the first step joins mid-flight, and a chunked
+            # prefill is not bit-identical to a whole one on OpenVINO's CPU plugin (e2a9c2d)
+            batched = run_eight_concurrent(loaded, timeout=240, prefill_chunk=0)
         if f32:
             for got, want in zip(batched, single, strict=True):
                 np.testing.assert_array_equal(got.codes, want.codes)

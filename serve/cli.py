@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import ipaddress
 import logging
+import signal
 import socket
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,12 @@ def serve(source, host, port, device, max_batch, max_queue, api_key, voices_dir,
     grace = int(grace_seconds + 0.999)  # uvicorn takes whole seconds
 
     class Uvicorn(uvicorn.Server):
+        stopped_by: int | None = None  # the first signal that stopped the server
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            self.stopped_by = self.stopped_by or sig
+            super().handle_exit(sig, frame)
+
         async def shutdown(self, sockets: Any = None) -> None:
             server.stopping = True  # from the signal on: /ready and a new request answer 503 (stopping)
             await super().shutdown(sockets)
@@ -151,6 +158,11 @@ def serve(source, host, port, device, max_batch, max_queue, api_key, voices_dir,
         uv.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn raises the SIGINT it stopped on again once it shut down cleanly
         raise SystemExit(INTERRUPTED) from None
+    if uv.stopped_by == signal.SIGINT:
+        # uvicorn's raise again is ignored where SIGINT came ignored from the parent (a background job of
+        # a non-interactive shell: Python then installs no KeyboardInterrupt handler), and it returned: exit
+        # 130 all the same, as a Ctrl-C stopped it
+        raise SystemExit(INTERRUPTED)
 
 
 def _loopback(host: str) -> bool:

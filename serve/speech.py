@@ -68,6 +68,20 @@ def _bad(message: str, param: str | None, code: str = "invalid_value", status: i
     return ApiError(status, message, param=param, code=code)
 
 
+def _check_body(body: Any, fields: Any) -> None:
+    """A request body is a JSON object naming only ``fields``.
+
+    Raises:
+        ApiError: 400 ``invalid_body`` for another JSON type, ``unknown_field`` (with a close match)
+            for a name not in ``fields``.
+    """
+    if not isinstance(body, dict):
+        raise _bad(f"the body must be a JSON object, got {plain_type(body)}", None, "invalid_body")
+    unknown = [name for name in body if name not in fields]
+    if unknown:
+        raise _bad(unknown_fields(unknown, fields), unknown[0][:80], "unknown_field")
+
+
 def parse_speech(body: Any, *, models: tuple[str, ...], voices: Any, config: ServeConfig) -> SpeechJob:
     """Check a speech body and turn it into a :class:`SpeechJob`.
 
@@ -84,11 +98,7 @@ def parse_speech(body: Any, *, models: tuple[str, ...], voices: Any, config: Ser
             ``stream_format`` that disagree; 404 for an unknown model; 413 for a ``ref_audio``
             over the upload limit.
     """
-    if not isinstance(body, dict):
-        raise _bad(f"the body must be a JSON object, got {plain_type(body)}", None, "invalid_body")
-    unknown = [name for name in body if name not in FIELDS]
-    if unknown:
-        raise _bad(unknown_fields(unknown, FIELDS), unknown[0][:80], "unknown_field")
+    _check_body(body, FIELDS)
     model = _model(body, models)
     text = _input(body, config)
     response_format, stream_format = _formats(body)
@@ -152,11 +162,7 @@ def parse_dialogue(body: Any, *, models: tuple[str, ...], voices: Any, config: S
     """
     from higgs_pack.runtime.loop.dialogue import MAX_TURNS, DialogueRequest, Turn
 
-    if not isinstance(body, dict):
-        raise _bad(f"the body must be a JSON object, got {plain_type(body)}", None, "invalid_body")
-    unknown = [name for name in body if name not in DIALOGUE_FIELDS]
-    if unknown:
-        raise _bad(unknown_fields(unknown, DIALOGUE_FIELDS), unknown[0][:80], "unknown_field")
+    _check_body(body, DIALOGUE_FIELDS)
     model = _model(body, models)
     turns = body.get("turns")
     if not isinstance(turns, list) or not turns:

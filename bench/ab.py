@@ -1,5 +1,5 @@
 """Decoder settings side by side on this machine: ``python -m bench.ab {ort-int4,ort-kv-cache,
-ov-properties,gemm-peak}``.  Each variant's ``llm_decoder`` is exported the way a build does, opened bare,
+ov-properties,gemm-peak,rolling-context}``.  Each variant's ``llm_decoder`` is exported the way a build does, opened bare,
 prefilled with one random prompt, then timed in rounds with the variants interleaved (order
 rotated, so load on a shared machine hits all alike) and its hidden states compared with a
 reference's; every row names the CPU, its ISA and the load (rankings change with VNNI and AMX).
@@ -11,7 +11,9 @@ Printed as Markdown (docs/measurements.md), written as JSON with ``--out``.
   the fp32 IR (KV settings also against the same IR's f32 cache, ``*_vs_kv_f32``);
 * ``gemm-peak``: no checkpoint: one Qwen3-4B decoder layer's MatMuls (synthetic weights) at prompt
   row counts per arithmetic (float32, int8, MatMulNBits block x accuracy_level, OpenVINO NNCF int4
-  and its compile properties): positions/s and GOP/s, what a prefill runs (:mod:`bench.gemm`).
+  and its compile properties): positions/s and GOP/s, what a prefill runs (:mod:`bench.gemm`);
+* ``rolling-context BUNDLE``: a built bundle, a long text per rolling context size K and kept
+  frames: each chunk's prefill against its generation (:mod:`bench.rolling`).
 """
 
 from __future__ import annotations
@@ -463,9 +465,15 @@ def main(argv: list[str] | None = None) -> int:
 
     gemm.add_arguments(sub.add_parser("gemm-peak", help="one decoder layer's MatMuls per arithmetic and row count "
                                                         "(bench/gemm.py; no checkpoint)"))
+    from bench import rolling
+
+    rolling.add_arguments(sub.add_parser("rolling-context", help="a long text's rolling context per chunk: prefill "
+                                                                 "against generation per K (bench/rolling.py)"))
     args = p.parse_args(argv)
     if args.command == "gemm-peak":
         return gemm_peak(args)
+    if args.command == "rolling-context":
+        return rolling.command(args)
     measure, table, runtime, _, (option, known) = COMMANDS[args.command]
     got = [n for n in getattr(args, option).split(",") if n.strip()]
     unknown = sorted(set(got) - set(known()))

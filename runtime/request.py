@@ -72,6 +72,7 @@ FIELDS: dict[str, FieldNames] = {f.keyword: f for f in (
     FieldNames("chunk_growth", "--chunk-growth", None),
     FieldNames("max_chunk_frames", "--max-chunk-frames", None),
     FieldNames("context_chunks", "--context-chunks", "context_chunks"),
+    FieldNames("context_frames", None, None),
 )}
 
 Audio = str | os.PathLike | tuple[np.ndarray, int]
@@ -370,6 +371,8 @@ class SynthesisRequest:
             text and codes) open each chunk's prompt, after the voice (>= 0; default
             :data:`CONTEXT_CHUNKS`; 0: chunks packed to the context, each opening with the voice
             alone: the clip's, or with none the first chunk's speech).
+        context_frames: most frames of each context chunk kept in a prompt (its end, cut at a
+            word; >= 1), or None: whole chunks.
 
     Raises:
         InputError: one message naming every bad field, its value and what is allowed.
@@ -384,9 +387,10 @@ class SynthesisRequest:
     max_frames: int | None = None
     schedule: StreamSchedule = field(default_factory=StreamSchedule)
     context_chunks: int = CONTEXT_CHUNKS
+    context_frames: int | None = None
 
     def __post_init__(self) -> None:
-        refuse(request_problems(self.text, self._chosen(), self.max_frames, self.context_chunks))
+        refuse(request_problems(self.text, self._chosen(), self.max_frames, self.context_chunks, self.context_frames))
 
     def _chosen(self) -> dict[str, Any]:
         """The sampling fields this request sets (the seed always; the others unless None)."""
@@ -409,6 +413,7 @@ class SynthesisRequest:
         chunk_growth: float = CHUNK_GROWTH,
         max_chunk_frames: int = MAX_CHUNK_FRAMES,
         context_chunks: int = CONTEXT_CHUNKS,
+        context_frames: int | None = None,
         **unknown: Any,
     ) -> SynthesisRequest:
         """A request from the keywords of ``TTS.synthesize`` / ``TTS.stream`` (the CLI's flags).
@@ -426,6 +431,8 @@ class SynthesisRequest:
             first_chunk_frames, chunk_growth, max_chunk_frames: the :class:`StreamSchedule`.
             context_chunks: previous text chunks kept as context of a long text's next one
                 (>= 0, default 1).
+            context_frames: most frames of each such chunk kept (its end, cut at a word;
+                >= 1), or None: whole chunks.
 
         Raises:
             InputError: every bad field at once (field, value, what is allowed, flag/keyword), or
@@ -444,12 +451,13 @@ class SynthesisRequest:
             found = voice_problems(ref_audio, ref_text)
         refuse(found
                 + schedule_problems(first_chunk_frames, chunk_growth, max_chunk_frames)
-                + request_problems(text, _chosen(seed, temperature, top_k, top_p), max_frames, context_chunks))
+                + request_problems(text, _chosen(seed, temperature, top_k, top_p), max_frames, context_chunks,
+                                   context_frames))
         if voice is None and ref_audio is not None:
             voice = Voice(ref_audio, ref_text)  # type: ignore[arg-type]
         return cls(text, voice,
                    seed, temperature, top_k, top_p, max_frames,
-                   StreamSchedule(first_chunk_frames, chunk_growth, max_chunk_frames), context_chunks)
+                   StreamSchedule(first_chunk_frames, chunk_growth, max_chunk_frames), context_chunks, context_frames)
 
     @classmethod
     def of(cls, text: str | SynthesisRequest, keywords: dict[str, Any]) -> SynthesisRequest:
@@ -496,13 +504,15 @@ def _refuse_unknown(keywords: dict[str, Any]) -> None:
 
 
 def request_problems(text: Any, sampling: dict[str, Any], max_frames: Any,
-                     context_chunks: Any = CONTEXT_CHUNKS) -> list[Problem]:
+                     context_chunks: Any = CONTEXT_CHUNKS, context_frames: Any = None) -> list[Problem]:
     """One problem per bad field of the text, the chosen sampling fields, the frame cap and the
     rolling context; ``[]`` when usable.  The sampling rules are
     :func:`~higgs_pack.runtime.loop.delay.sampling_problems`."""
     found = text_problems(text)
     found += sampling_problems(sampling)
     found += _whole_at_least("context_chunks", context_chunks, 0, "previous text chunks")
+    if context_frames is not None:
+        found += _whole_at_least("context_frames", context_frames, 1, "frames of each context chunk, 25 per second")
     if max_frames is not None:
         found += _whole_at_least("max_frames", max_frames, 1, "frames, 25 per second")
     return found

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from higgs_pack.runtime.loop.delay import SamplingOptions
-from higgs_pack.runtime.loop.generate import build_prompt, generate_codes
+from higgs_pack.runtime.loop.generate import build_prompt, generate_codes, prompt_of
 
 BOC, EOC, N = 1024, 1025, 8
 
@@ -193,23 +193,37 @@ def test_a_long_text_is_chunked_by_words_and_each_chunk_opens_with_the_voice_and
     assert first.prompt_length == build_prompt(oracle, texts[0]).shape[1]  # zero-shot: a voice of its own
     # No reference voice: the first chunk is the voice of the rest, then the last chunk before.
     assert second.prompt_length == build_prompt(oracle, texts[1], first.codes, texts[0]).shape[1]
-    context = np.concatenate([first.codes, second.codes])
-    assert third.prompt_length == build_prompt(oracle, texts[2], context, f"{texts[0]} {texts[1]}").shape[1]
+    third_prompt = prompt_of(oracle, texts[2], first.codes, texts[0], context=[(second.codes, texts[1])])
+    assert third.prompt_length == third_prompt.length
     for chunk in result.chunks:  # the KV a request reserves covers its largest chunk with its context
         assert chunk.prompt_length + 12 + N - 1 <= plan.positions <= plan.max_length
 
 
 def test_a_reference_voice_leads_the_context_and_zero_context_keeps_chunks_apart(oracle):
-    from higgs_pack.runtime.loop.generate import chunk_voice, plan_synthesis, run_plan
+    from higgs_pack.runtime.loop.generate import (
+        chunk_context,
+        chunk_voice,
+        plan_synthesis,
+        run_plan,
+    )
 
     voice = np.random.default_rng(0).integers(0, 1024, size=(20, N))
     plan = plan_synthesis(oracle, STORY, options=SamplingOptions(seed=3), ref_codes=voice, ref_text="A voice.",
                           max_frames=12, context_chunks=1)
     result = run_plan(oracle, plan)
     texts = [chunk for chunk, _ in plan.chunks]
-    codes, words = chunk_voice(oracle, plan, 2, result.chunks)
-    assert np.array_equal(codes, np.concatenate([voice, result.chunks[1].codes])) and words == f"A voice. {texts[1]}"
-    assert result.chunks[2].prompt_length == build_prompt(oracle, texts[2], codes, words).shape[1]
+    codes, words, context = chunk_context(oracle, plan, 2, result.chunks)
+    assert codes is voice and words == "A voice." and len(context) == 1
+    assert np.array_equal(context[0][0], result.chunks[1].codes) and context[0][1] == texts[1]
+    prompt = prompt_of(oracle, texts[2], codes, words, context=context)
+    assert result.chunks[2].prompt_length == prompt.length
+    # The voice's pair opens the prompt whatever follows: its prefix (and cache key) is the voice's alone.
+    alone = prompt_of(oracle, texts[2], voice, "A voice.")
+    assert (prompt.prefix_length, prompt.voice, prompt.material) == (alone.prefix_length, alone.voice, alone.material)
+    np.testing.assert_array_equal(prompt.embeds[:, :prompt.prefix_length], alone.embeds[:, :alone.prefix_length])
+    # One voice for a caller that can pass one only (a live session): the pairs joined.
+    joined, joined_words = chunk_voice(oracle, plan, 2, result.chunks)
+    assert np.array_equal(joined, np.concatenate([voice, result.chunks[1].codes])) and joined_words == f"A voice. {texts[1]}"
     apart = plan_synthesis(oracle, STORY, options=SamplingOptions(seed=3), max_frames=12, context_chunks=0)
     assert len(apart.chunks) == 1  # packed up to the context, as before the rolling context
     alone = run_plan(oracle, apart)
@@ -236,12 +250,16 @@ def test_the_rolling_context_respects_a_decoders_own_prompt_limit(oracle):
     a context that fits the window but not the prompt is dropped, not sent."""
     from dataclasses import replace as with_fields
 
-    from higgs_pack.runtime.loop.generate import chunk_voice, plan_synthesis, run_plan
+    from higgs_pack.runtime.loop.generate import chunk_context, plan_synthesis, run_plan
 
     plan = plan_synthesis(oracle, STORY, options=SamplingOptions(seed=3), max_frames=12)
     results = run_plan(oracle, plan).chunks
-    codes, words = chunk_voice(oracle, plan, 1, results)
-    prompt = build_prompt(oracle, plan.chunks[1][0], codes, words).shape[1]
-    assert codes is not None
-    assert np.array_equal(chunk_voice(oracle, with_fields(plan, max_prompt_length=prompt), 1, results)[0], codes)
-    assert chunk_voice(oracle, with_fields(plan, max_prompt_length=prompt - 1), 1, results) == (None, None)
+    codes, words, context = chunk_context(oracle, plan, 2, results)
+    prompt = prompt_of(oracle, plan.chunks[2][0], codes, words, context=context).length
+    assert codes is not None and len(context) == 1
+    assert chunk_context(oracle, with_fields(plan, max_prompt_length=prompt), 2, results)[2] == context
+    # One position short: the context chunk goes first, the first-chunk voice stays
+    shorter = chunk_context(oracle, with_fields(plan, max_prompt_length=prompt - 1), 2, results)
+    assert shorter[0] is codes and shorter[2] == []
+    alone = prompt_of(oracle, plan.chunks[2][0], codes, words).length
+    assert chunk_context(oracle, with_fields(plan, max_prompt_length=alone - 1), 2, results) == (None, None, [])

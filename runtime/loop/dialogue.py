@@ -8,7 +8,7 @@ planned against a loaded bundle into one :class:`~higgs_pack.runtime.loop.genera
 runs where any plan runs (``run_plan``, ``stream_plan``, the engine), with the same rolling
 context: each chunk's prompt opens with its speaker's voice (a named voice, a clip with its
 transcript, or none: then the speaker's first turn becomes its voice) and the speaker's last
-``context_chunks`` chunks (:func:`~higgs_pack.runtime.loop.generate.chunk_voice`).  The turns join
+``context_chunks`` chunks (:func:`~higgs_pack.runtime.loop.generate.chunk_context`).  The turns join
 as continuous speech (:func:`~higgs_pack.runtime.loop.generate.join_results`) with one exact
 segment per turn.
 
@@ -306,5 +306,6 @@ def plan_dialogue(pipeline: Pipeline, request: DialogueRequest) -> SynthesisPlan
         turns += [number] * len(found)
     cast = Cast(names, tuple(voices), tuple(speakers), tuple(turns), tuple(turn.text.strip() for turn in request.turns))
     plan = SynthesisPlan(sampling, None, None, tuple(chunks), options.schedule, 0, options.context_chunks,
-                         pipeline.decoder.max_length, getattr(pipeline.decoder, "max_prompt_length", None), cast)
+                         pipeline.decoder.max_length, getattr(pipeline.decoder, "max_prompt_length", None), cast,
+                         options.context_frames)
     return dataclasses.replace(plan, positions=_most_positions(pipeline, plan))

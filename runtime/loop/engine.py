@@ -356,6 +356,10 @@ class _Row:
     """The current text chunk's prompt while it is prefilled (None once the row steps)."""
     filled: int = 0
     """Positions of ``prompt`` prefilled (a cached voice prefix's included)."""
+    restored: int = 0
+    """Positions of ``prompt`` restored from the voice prefix cache."""
+    prefill_s: float = 0.0
+    """Seconds spent prefilling ``prompt`` (its restore included)."""
     looked_up: bool = False
     store_key: str | None = None
     """The prefix cache key to keep this prompt's voice prefix under once it is prefilled."""
@@ -698,6 +702,7 @@ class Engine:
             self._leave(state, exc)
             return
         state.prompt, state.filled, state.looked_up, state.store_key = prompt, 0, False, None
+        state.restored, state.prefill_s = 0, 0.0
         state.prompt_length = prompt.length
         state.first_frame_s = math.nan
         state.decoder_s = time.perf_counter() - t0
@@ -750,6 +755,7 @@ class Engine:
                 state.filled, state.store_key = restore_prefix(
                     self.prefix_cache, prompt, self._prefix_layout,
                     lambda arrays, length: self.decoder.write_prefix(row, arrays, length))
+                state.restored = state.filled
                 if state.filled:
                     self.stats.prefix_hits += 1
                 elif state.store_key is not None:
@@ -778,6 +784,7 @@ class Engine:
         self.stats.prefill_chunks += 1
         self._position_cost = _running_mean(self._position_cost, dt / max(n, 1))
         state.decoder_s += dt
+        state.prefill_s += dt
         if end < prompt.length:
             return
         c = self.pipeline.constants
@@ -881,7 +888,8 @@ class Engine:
         delayed = rules.delayed
         result = GenerationResult(delayed=delayed, codes=rules.codes(delayed), stop_reason=rules.stop_reason,
                                   prompt_length=state.prompt_length, first_frame_s=state.first_frame_s,
-                                  seconds=time.perf_counter() - state.started, decoder_seconds=state.decoder_s)
+                                  seconds=time.perf_counter() - state.started, decoder_seconds=state.decoder_s,
+                                  prefilled=state.prompt_length - state.restored, prefill_s=state.prefill_s)
         state.handle._send("end", state.chunk, result)
         state.results.append(result)
         if state.chunk + 1 < len(state.handle.plan.chunks) and not state.handle.cancelled:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,7 +28,7 @@ from higgs_pack.runtime.loop.delay import (
 )
 from higgs_pack.runtime.loop.frames import CodeSteps
 from higgs_pack.runtime.loop.pipeline import Pipeline
-from higgs_pack.runtime.loop.prefix_cache import Prompt, cached_prefill, voice_prompt
+from higgs_pack.runtime.loop.prefix_cache import Prompt, prefill_prompt, voice_prompt
 from higgs_pack.runtime.loop.sentences import split_sentences
 from higgs_pack.runtime.request import (
     CONTEXT_CHUNKS,
@@ -63,6 +63,10 @@ class GenerationResult:
         first_frame_s: seconds from the start until the first frame was sampled.
         seconds: seconds spent in the loop (prefill included, codec excluded).
         decoder_seconds: of which inside ``decoder.forward``.
+        prefilled: prompt positions the decoder computed (``prompt_length`` less a voice prefix
+            restored from the prefix cache); -1 where not recorded.
+        prefill_s: seconds of the prompt's prefill (a cached prefix's restore included); NaN
+            where not recorded.
     """
 
     delayed: np.ndarray
@@ -72,6 +76,8 @@ class GenerationResult:
     first_frame_s: float
     seconds: float
     decoder_seconds: float
+    prefilled: int = -1
+    prefill_s: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -199,21 +205,28 @@ def prompt_of(
     ref_text: str | None = None,
     *,
     voice_prefix: bool = True,
+    context: Sequence[tuple[np.ndarray, str]] = (),
 ) -> Prompt:
     """Embed the prompt (MODEL.md "Special tokens and prompts"), saying where its voice prefix ends.
 
     Zero-shot: ``<|tts|> <|text|> tok(text) <|audio|>``.  Voice clone:
     ``<|tts|> <|ref_text|> tok(ref_text) <|ref_audio|> [delay-patterned reference
-    codes] <|text|> tok(text) <|audio|>``.
+    codes] <|text|> tok(text) <|audio|>``.  A rolling context (:func:`chunk_context`) adds one more
+    ``<|ref_text|> tok(chunk text) <|ref_audio|> [its delay-patterned codes]`` pair per earlier
+    chunk after the voice's and before ``<|text|>``, as Higgs' own long-form generator gives the
+    reference and each buffered chunk one (text, audio) pair of its own
+    (../shared/SPEECH-AT-LENGTH.md): the voice's pair stays the prompt's first positions, so its
+    cached KV serves every chunk.
 
     Args:
         pipeline: the backend.
         text: the text to speak (already validated non-empty).
         ref_codes: int64 [frames, N] codec codes of the reference voice, or None.
         ref_text: transcript of the reference audio (required with ``ref_codes``).
-        voice_prefix: whether the part before ``<|text|>`` is the voice alone (so its KV may
-            be cached, :mod:`~higgs_pack.runtime.loop.prefix_cache`); False for a rolling
-            context, whose reference part mixes the voice with earlier chunks.
+        voice_prefix: whether the voice's pair is a voice of its own (so its KV may be cached,
+            :mod:`~higgs_pack.runtime.loop.prefix_cache`); False: never cache it.
+        context: earlier chunks' ``(codes int64 [frames >= 1, N], text)``, oldest first (needs
+            ``ref_codes``: with no voice of its own a rolling context's first chunk is the voice).
 
     Returns:
         A :class:`~higgs_pack.runtime.loop.prefix_cache.Prompt`: float32 [1, positions, H]
@@ -228,20 +241,28 @@ def prompt_of(
         arr = np.asarray([seq], dtype=np.int64)
         return _check_finite("text_embed", pipeline.text_embed.run({"input_ids": arr})["inputs_embeds"], pipeline)
 
+    c = pipeline.constants
+
+    def embed_codes(codes: np.ndarray) -> np.ndarray:
+        delayed = apply_delay(codes, c.boc, c.eoc)[None]
+        return _check_finite("audio_embed", pipeline.audio_embed.run({"codes": delayed})["audio_embeds"], pipeline)
+
     pieces: list[np.ndarray] = []
     if ref_codes is not None:
         refuse(voice_pair_problems(ref_codes, ref_text))
         prefix_ids = [sp["tts"], sp["ref_text"], *ids(ref_text), sp["ref_audio"]]
-        pieces.append(embed_ids(prefix_ids))
-        c = pipeline.constants
-        delayed = apply_delay(ref_codes, c.boc, c.eoc)[None]
-        pieces.append(_check_finite("audio_embed", pipeline.audio_embed.run({"codes": delayed})["audio_embeds"],
-                                    pipeline))
-        prefix = np.concatenate([p.astype(np.float32) for p in pieces], axis=1)
-        embeds = np.concatenate([prefix, embed_ids([sp["text"], *ids(text), sp["audio"]]).astype(np.float32)], axis=1)
+        prefix = np.concatenate([embed_ids(prefix_ids).astype(np.float32),
+                                 embed_codes(ref_codes).astype(np.float32)], axis=1)
+        pieces = [prefix]
+        for codes, words in context:
+            pieces += [embed_ids([sp["ref_text"], *ids(words), sp["ref_audio"]]), embed_codes(codes)]
+        pieces.append(embed_ids([sp["text"], *ids(text), sp["audio"]]))
+        embeds = np.concatenate([p.astype(np.float32, copy=False) for p in pieces], axis=1)
         if voice_prefix:
             return voice_prompt(embeds, prefix_ids, prefix, ref_codes, ref_text)
         return Prompt(embeds)
+    if context:
+        raise ValueError("a rolling context needs a voice (ref_codes) before it")
     pieces.append(embed_ids([sp["tts"], sp["text"], *ids(text), sp["audio"]]))
     return Prompt(np.concatenate([p.astype(np.float32) for p in pieces], axis=1))
 
@@ -299,7 +320,7 @@ def generate_steps(
         pipeline: the backend; its decoder is reset first.
         prompt_embeds: float32 [1, P, H], or a :class:`~higgs_pack.runtime.loop.prefix_cache.Prompt`
             (:func:`prompt_of`), whose voice prefix comes from ``pipeline.prefix_cache`` when it
-            holds it (:func:`~higgs_pack.runtime.loop.prefix_cache.cached_prefill`).
+            holds it (:func:`~higgs_pack.runtime.loop.prefix_cache.prefill_prompt`).
         options: sampling options (checked when they were made).
         max_frames: frame cap (steps = max_frames + N - 1 at most).
         progress: optional callback, see :data:`ProgressCallback`.
@@ -336,8 +357,9 @@ def generate_steps(
     decoder_s = 0.0
     first_frame_s = math.nan
     t0 = time.perf_counter()
-    hidden = cached_prefill(pipeline.decoder, prompt, pipeline.prefix_cache)
-    decoder_s += time.perf_counter() - t0
+    hidden, restored = prefill_prompt(pipeline.decoder, prompt, pipeline.prefix_cache)
+    prefill_s = time.perf_counter() - t0
+    decoder_s += prefill_s
     for step in range(max_steps):
         np.copyto(last, hidden[:, -1:])
         checks.hidden(last, step)
@@ -367,6 +389,8 @@ def generate_steps(
         first_frame_s=first_frame_s,
         seconds=time.perf_counter() - start,
         decoder_seconds=decoder_s,
+        prefilled=prompt_len - restored,
+        prefill_s=prefill_s,
     )
 
 
@@ -642,11 +666,14 @@ class SynthesisPlan:
         positions: most decoder positions one chunk holds (prompt, rolling context at its
             largest, and audio steps of its cap; at most ``max_length``): KV bytes are this times
             the decoder's bytes per position.
-        context_chunks: previous text chunks whose text and codes open a chunk's prompt
-            (:func:`chunk_voice`); 0: the voice alone.
+        context_chunks: previous text chunks whose text and codes follow the voice in a chunk's
+            prompt (:func:`chunk_context`); 0: the voice alone.
         max_length: the decoder context the chunks were planned for (positions).
         max_prompt_length: the longest prompt the decoder takes, where it has a limit of its own
             (an NPU bundle's static prompt, ``generation.max_prompt_length``), else None.
+        cast: the speakers of a dialogue, else None.
+        context_frames: most frames of each context chunk kept in a prompt (its end, cut at a
+            word, :func:`context_tail`); None: whole chunks.
     """
 
     options: SamplingOptions
@@ -659,6 +686,7 @@ class SynthesisPlan:
     max_length: int = 0
     max_prompt_length: int | None = None
     cast: Cast | None = None
+    context_frames: int | None = None
 
     def speaker_of(self, index: int) -> int:
         """The speaker of text chunk ``index`` (an index into ``cast.names``; 0 outside a dialogue)."""
@@ -696,7 +724,7 @@ def plan_synthesis(pipeline: Pipeline, text: str, *, options: SamplingOptions | 
                    ref_samples: np.ndarray | None = None, ref_codes: np.ndarray | None = None,
                    ref_text: str | None = None, max_frames: int | None = None,
                    schedule: StreamSchedule | None = None, checked: bool = False,
-                   context_chunks: int = CONTEXT_CHUNKS) -> SynthesisPlan:
+                   context_chunks: int = CONTEXT_CHUNKS, context_frames: int | None = None) -> SynthesisPlan:
     """Check what only the bundle can judge and plan the request: a :class:`SynthesisPlan`.
 
     Everything the loop can refuse is refused here, before a frame is generated or a byte
@@ -717,7 +745,8 @@ def plan_synthesis(pipeline: Pipeline, text: str, *, options: SamplingOptions | 
         schedule: stream chunk sizes (default :class:`~higgs_pack.runtime.request.StreamSchedule`).
         checked: the text and voice pairing were checked already (a
             :class:`~higgs_pack.runtime.request.SynthesisRequest` checks them when made).
-        context_chunks: the rolling context (:func:`chunk_voice`): with it (default
+        context_frames: most frames of each context chunk kept (:attr:`SynthesisPlan.context_frames`).
+        context_chunks: the rolling context (:func:`chunk_context`): with it (default
             :data:`CONTEXT_CHUNKS`) a long text is cut into chunks of at most
             :data:`CHUNK_WORDS` words; 0 packs each chunk up to the decoder's context and
             opens its prompt with the voice alone (the clip's, or the first chunk's).
@@ -741,7 +770,8 @@ def plan_synthesis(pipeline: Pipeline, text: str, *, options: SamplingOptions | 
     chunks = tuple(plan_chunks(pipeline, text.strip(), ref_codes, ref_text, max_frames,
                                max_words=CHUNK_WORDS if context_chunks else None))
     plan = SynthesisPlan(options, ref_codes, ref_text, chunks, schedule or StreamSchedule(), 0, context_chunks,
-                         pipeline.decoder.max_length, getattr(pipeline.decoder, "max_prompt_length", None))
+                         pipeline.decoder.max_length, getattr(pipeline.decoder, "max_prompt_length", None),
+                         context_frames=context_frames)
     return dataclasses.replace(plan, positions=_most_positions(pipeline, plan))
 
 
@@ -764,7 +794,7 @@ def plan_request(pipeline: Pipeline, request: SynthesisRequest) -> SynthesisPlan
         ref_codes=voice.codes if isinstance(voice, PreparedVoice) else None,
         ref_text=voice.transcript if voice is not None else None,
         max_frames=request.max_frames, schedule=request.schedule, checked=True,
-        context_chunks=request.context_chunks)
+        context_chunks=request.context_chunks, context_frames=request.context_frames)
 
 
 def run_plan(pipeline: Pipeline, plan: SynthesisPlan, progress: ProgressCallback | None = None) -> SynthesisResult:
@@ -783,26 +813,31 @@ def run_plan(pipeline: Pipeline, plan: SynthesisPlan, progress: ProgressCallback
 
 def chunk_prompt(pipeline: Pipeline, plan: SynthesisPlan, index: int, results: list[GenerationResult]) -> Prompt:
     """Text chunk ``index``'s prompt (:func:`prompt_of`) with its voice and rolling context
-    (:func:`chunk_voice`); its voice prefix is cacheable when it is the voice alone (the request's,
-    or in a dialogue the chunk's speaker's, :meth:`SynthesisPlan.voice_of`), with no rolling context."""
-    codes, words = chunk_voice(pipeline, plan, index, results)
-    voice, transcript = plan.voice_of(index)
-    own = codes is not None and codes is voice and words is transcript
-    return prompt_of(pipeline, plan.chunks[index][0], codes, words, voice_prefix=own)
+    (:func:`chunk_context`).  The voice's pair opens it whatever the context, so its voice
+    prefix is cached once and restored for every later chunk (the request's voice, a dialogue
+    speaker's, or with none the first chunk's own speech)."""
+    codes, words, context = chunk_context(pipeline, plan, index, results)
+    return prompt_of(pipeline, plan.chunks[index][0], codes, words, context=context)
 
 
-def chunk_voice(pipeline: Pipeline, plan: SynthesisPlan, index: int,
-                results: list[GenerationResult]) -> tuple[np.ndarray | None, str | None]:
+Context = list[tuple[np.ndarray, str]]
+"""A rolling context: earlier chunks' ``(codes int64 [frames, N], text)``, oldest first."""
+
+
+def chunk_context(pipeline: Pipeline, plan: SynthesisPlan, index: int,
+                  results: list[GenerationResult]) -> tuple[np.ndarray | None, str | None, Context]:
     """The voice and rolling context that open text chunk ``index``'s prompt.
 
-    The voice is the request's (a reference clip's codes and transcript); with none, the
-    first chunk's own codes and text become the voice of every later chunk.  After it come
-    the last ``plan.context_chunks`` chunks before ``index`` (text and codes, oldest first),
-    as Higgs' own long-form generation keeps its ``generation_chunk_buffer_size`` chunks
-    (../shared/SPEECH-AT-LENGTH.md); the oldest are left out while the prompt and the chunk's
-    cap would not fit ``plan.max_length`` (or the prompt alone ``plan.max_prompt_length``), and
-    a first-chunk voice that cannot fit is left out too.  The same function serves
-    :func:`run_plan`, streaming and the engine, so each gives the same codes for the same seed.
+    The voice is the request's (a reference clip's codes and transcript; in a dialogue the
+    chunk's speaker's, :meth:`SynthesisPlan.voice_of`); with none, the first chunk's own codes
+    and text (whole) become the voice of every later chunk.  After it come the last
+    ``plan.context_chunks`` chunks before ``index`` (text and codes, oldest first; each cut to its
+    last ``plan.context_frames`` frames, :func:`context_tail`), as Higgs' own long-form
+    generation keeps its ``generation_chunk_buffer_size`` chunks (../shared/SPEECH-AT-LENGTH.md);
+    the oldest are left out while the prompt and the chunk's cap would not fit
+    ``plan.max_length`` (or the prompt alone ``plan.max_prompt_length``), and a first-chunk voice
+    that cannot fit is left out too.  The same function serves :func:`run_plan`, streaming and
+    the engine, so each gives the same codes for the same seed.
 
     Args:
         pipeline: the backend (its tokenizer and constants).
@@ -811,26 +846,79 @@ def chunk_voice(pipeline: Pipeline, plan: SynthesisPlan, index: int,
         results: the :class:`GenerationResult` of chunks ``0 .. index - 1``.
 
     Returns:
-        ``(codes int64 [frames, N], transcript)`` for :func:`build_prompt`, or ``(None, None)``.
+        ``(voice codes int64 [frames, N], voice transcript, context)`` for :func:`prompt_of`, or
+        ``(None, None, [])`` (zero-shot).
     """
     chosen = _context_of(plan, index)
     ref_codes, ref_text = plan.voice_of(index)
-    if not chosen or (ref_codes is None and not len(results[chosen[0]].codes)):
-        return ref_codes, ref_text
+    parts = [(results[j].codes, plan.chunks[j][0]) for j in chosen]
+    if ref_codes is None and parts:  # the speaker's first chunk is its voice (whole)
+        (ref_codes, ref_text), parts = parts[0], parts[1:]
+        if not len(ref_codes):
+            return None, None, []
+    parts = [context_tail(pipeline, codes, words, plan.context_frames) for codes, words in parts if len(codes)]
+    if not parts and ref_codes is plan.voice_of(index)[0]:
+        return ref_codes, ref_text, []
     text, cap = plan.chunks[index]
     steps = cap + pipeline.constants.num_codebooks - 1
     prompt_limit = plan.max_prompt_length or plan.max_length
-    voice = [] if ref_codes is None else [(ref_codes, ref_text)]
-    while chosen:
-        parts = voice + [(results[j].codes, plan.chunks[j][0]) for j in chosen]
-        codes = np.concatenate([part_codes for part_codes, _ in parts], axis=0)
-        words = " ".join(part_text for _, part_text in parts)
-        positions = chunk_positions(pipeline, text, cap, codes, words)
+    while ref_codes is not None:
+        positions = chunk_positions(pipeline, text, cap, ref_codes, ref_text, parts)
         if positions <= plan.max_length and positions - steps <= prompt_limit:
-            return codes, words
-        # The oldest context goes first; a first-chunk voice (with no reference) last.
-        del chosen[1 if ref_codes is None and len(chosen) > 1 else 0]
-    return ref_codes, ref_text
+            return ref_codes, ref_text, parts
+        if parts:  # the oldest context goes first; a first-chunk voice (with no reference) last
+            del parts[0]
+        else:
+            ref_codes, ref_text = plan.voice_of(index)
+            if ref_codes is None:
+                break
+            return ref_codes, ref_text, []
+    return None, None, []
+
+
+def chunk_voice(pipeline: Pipeline, plan: SynthesisPlan, index: int,
+                results: list[GenerationResult]) -> tuple[np.ndarray | None, str | None]:
+    """:func:`chunk_context` joined into one voice: the codes of the voice and its context
+    concatenated (int64 [frames, N]) and their texts joined by spaces, or ``(None, None)``.  For a
+    caller that can pass one voice only (a live session's sentence, serve/live.py); such a prompt
+    does not have the voice alone as its prefix."""
+    codes, words, context = chunk_context(pipeline, plan, index, results)
+    if codes is None or not context:
+        return codes, words
+    return (np.concatenate([codes, *(part for part, _ in context)], axis=0),
+            " ".join([words or "", *(part for _, part in context)]))
+
+
+def context_tail(pipeline: Pipeline, codes: np.ndarray, text: str, frames: int | None) -> tuple[np.ndarray, str]:
+    """An earlier chunk's ``(codes, text)`` cut to about its last ``frames`` frames, at a word
+    boundary, for a rolling context (None: whole).
+
+    Where in the codes a word starts is estimated as :class:`Segment` estimates sentence
+    boundaries: the chunk's frames divided in proportion to its words' characters (whitespace not
+    counted), to a whole frame.  The kept words are the longest run ending the chunk whose
+    estimated frames fit ``frames``, starting at a sentence start when one of those words does
+    (a pause, where an estimate's error falls in silence); the codes kept start at the first kept
+    word's estimated frame.  At least the last word is kept.
+
+    Args:
+        pipeline: unused today (kept for a tokenizer-aware cut).
+        codes: int64 [F, N], the chunk's codes.
+        text: the chunk's text.
+        frames: most frames to keep (>= 1), or None.
+
+    Returns:
+        ``(codes int64 [<= max(frames, last word's frames), N], text)``.
+    """
+    del pipeline
+    words = text.split()
+    if frames is None or len(codes) <= frames or len(words) < 2:
+        return codes, text
+    weights = np.cumsum([0] + [len(w) for w in words])
+    starts = [round(len(codes) * w / weights[-1]) for w in weights[:-1]]
+    fits = [i for i, start in enumerate(starts) if len(codes) - start <= frames] or [len(words) - 1]
+    sentence_starts = {0} | {i + 1 for i, w in enumerate(words[:-1]) if w[-1] in ".!?;:"}
+    first = next((i for i in fits if i in sentence_starts), fits[0])
+    return codes[starts[first]:], " ".join(words[first:])
 
 
 def _context_of(plan: SynthesisPlan, index: int) -> list[int]:
@@ -854,15 +942,25 @@ def _context_of(plan: SynthesisPlan, index: int) -> list[int]:
 
 def _most_positions(pipeline: Pipeline, plan: SynthesisPlan) -> int:
     """Most decoder positions a chunk of ``plan`` can hold: its prompt and cap, with the rolling
-    context of :func:`chunk_voice` at its largest (every chunk of :func:`_context_of` at its frame
-    cap), and never more than ``plan.max_length`` (:func:`chunk_voice` drops context past it)."""
+    context of :func:`chunk_context` at its largest (every chunk of :func:`_context_of` at its frame
+    cap, or ``plan.context_frames`` of it, with its whole text and a token to spare for a cut), and
+    never more than ``plan.max_length`` (:func:`chunk_context` drops context past it)."""
+    n = pipeline.constants.num_codebooks
     most = 0
     for index, (text, cap) in enumerate(plan.chunks):
         chosen, (ref_codes, ref_text) = _context_of(plan, index), plan.voice_of(index)
-        frames = (0 if ref_codes is None else ref_codes.shape[0]) + sum(plan.chunks[j][1] for j in chosen)
-        words = ([] if ref_text is None else [ref_text]) + [plan.chunks[j][0] for j in chosen]
-        codes = np.zeros((frames, pipeline.constants.num_codebooks), np.int64) if frames else None
-        most = max(most, min(plan.max_length, chunk_positions(pipeline, text, cap, codes, " ".join(words) or None)))
+        if ref_codes is None and chosen:  # the first chunk is the voice, whole
+            first, chosen = chosen[0], chosen[1:]
+            ref_codes, ref_text = np.zeros((plan.chunks[first][1], n), np.int64), plan.chunks[first][0]
+        extra = 0
+        for j in chosen:
+            words, frames = plan.chunks[j]
+            if plan.context_frames is not None and frames > plan.context_frames:  # context_tail's most
+                split = words.split()
+                last = frames * len(split[-1]) // sum(len(w) for w in split) + 1
+                frames, extra = min(frames, max(plan.context_frames, last)), extra + 1  # + 1: a token to spare
+            extra += _token_count(pipeline, words) + 2 + frames + n - 1
+        most = max(most, min(plan.max_length, chunk_positions(pipeline, text, cap, ref_codes, ref_text) + extra))
     return most
 
 
@@ -876,14 +974,16 @@ def _token_count(pipeline: Pipeline, text: str) -> int:
     return len(pipeline.tokenizer.encode(text, add_special_tokens=False).ids)
 
 
-def _prompt_overhead(pipeline: Pipeline, ref_codes: np.ndarray | None, ref_text: str | None) -> int:
+def _prompt_overhead(pipeline: Pipeline, ref_codes: np.ndarray | None, ref_text: str | None,
+                     context: Context = ()) -> int:
     """Positions of a chunk's prompt besides its text tokens, plus the delay ramp of its frames
-    (``N - 1``): ``<|tts|> <|text|> … <|audio|>`` and, with a voice, ``<|ref_text|> ref_text
-    <|ref_audio|>`` and the delayed reference codes (:func:`build_prompt`'s layout)."""
+    (``N - 1``): ``<|tts|> <|text|> … <|audio|>`` and, with a voice and each context chunk,
+    ``<|ref_text|> text <|ref_audio|>`` and its delayed codes (:func:`prompt_of`'s layout)."""
     n = pipeline.constants.num_codebooks
     fixed = 3 + n - 1
-    if ref_codes is not None:
-        fixed += _token_count(pipeline, ref_text or "") + 2 + ref_codes.shape[0] + n - 1
+    pairs = ([] if ref_codes is None else [(ref_codes, ref_text or "")]) + list(context)
+    for codes, words in pairs:
+        fixed += _token_count(pipeline, words) + 2 + codes.shape[0] + n - 1
     return fixed
 
 
@@ -899,7 +999,7 @@ def _too_long(needed: int, limit: int, sentence: str, max_frames: int | None) ->
 
 
 def chunk_positions(pipeline: Pipeline, text: str, cap: int, ref_codes: np.ndarray | None = None,
-                    ref_text: str | None = None) -> int:
+                    ref_text: str | None = None, context: Context = ()) -> int:
     """Most positions one text chunk holds in the decoder: its prompt (exactly the length
     :func:`build_prompt` gives) plus the audio steps of its frame cap (``cap + N - 1``
     with the delay pattern's ramp; :func:`check_context` bounds the same sum).
@@ -909,11 +1009,12 @@ def chunk_positions(pipeline: Pipeline, text: str, cap: int, ref_codes: np.ndarr
         text: the chunk's text.
         cap: its frame cap (frames at 25 per second).
         ref_codes: int64 [frames, N] reference codes with ``ref_text`` (its transcript), or None.
+        context: a rolling context after the voice (:func:`chunk_context`).
 
     Returns:
         Positions (>= 1): KV bytes are this times the decoder's bytes per position.
     """
-    return _token_count(pipeline, text) + _prompt_overhead(pipeline, ref_codes, ref_text) + cap
+    return _token_count(pipeline, text) + _prompt_overhead(pipeline, ref_codes, ref_text, context) + cap
 
 
 def _word_pieces(sentence: str, max_words: int) -> list[str]:

@@ -122,9 +122,9 @@ class Prompt:
 
     Attributes:
         embeds: float32 [1, S, H] ``inputs_embeds`` of the whole prompt.
-        prefix_length: positions before ``<|text|>`` that depend on the voice alone (0: none
-            that may be cached: a zero-shot prompt, or a rolling context whose voice is mixed
-            with earlier chunks).
+        prefix_length: the first positions, which depend on the voice alone (its
+            ``<|tts|> <|ref_text|> transcript <|ref_audio|> codes``; a rolling context's earlier
+            chunks come after them); 0: none that may be cached (a zero-shot prompt).
         voice: :func:`voice_digest` of the voice ("" with no cacheable prefix).
         material: sha256 of the exact prefix: its token ids and its ``inputs_embeds``.
     """
@@ -414,6 +414,11 @@ def store_prefix(cache: PrefixCache, prompt: Prompt, layout: str, key: str, arra
 
 
 def cached_prefill(decoder: Any, prompt: Prompt, cache: PrefixCache | None) -> np.ndarray:
+    """:func:`prefill_prompt`'s hidden states alone."""
+    return prefill_prompt(decoder, prompt, cache)[0]
+
+
+def prefill_prompt(decoder: Any, prompt: Prompt, cache: PrefixCache | None) -> tuple[np.ndarray, int]:
     """Start a batch-1 :class:`~higgs_pack.runtime.loop.pipeline.Decoder` over with ``prompt``,
     from its cached voice prefix when there is one.
 
@@ -425,19 +430,20 @@ def cached_prefill(decoder: Any, prompt: Prompt, cache: PrefixCache | None) -> n
     cacheable prefix or a decoder that takes part, the whole prompt is prefilled at once.
 
     Returns:
-        float32 [1, S', H] hidden states of the positions prefilled (the last one is the
-        prompt's last: all the loop reads).
+        ``(hidden, restored)``: float32 [1, S', H] hidden states of the positions prefilled (the
+        last one is the prompt's last: all the loop reads), and the positions restored from the
+        cache (P on a hit, else 0; the decoder computed ``S - restored``).
     """
     layout = prefix_layout(decoder)
     restored, key = restore_prefix(cache, prompt, layout, lambda arrays, length: decoder.write_prefix(arrays, length))
     if restored:
-        return decoder.forward(prompt.embeds[:, restored:])
+        return decoder.forward(prompt.embeds[:, restored:]), restored
     decoder.reset()
     if key is None:
-        return decoder.forward(prompt.embeds)
+        return decoder.forward(prompt.embeds), 0
     decoder.forward(prompt.embeds[:, :prompt.prefix_length])
     store_prefix(cache, prompt, layout, key, decoder.read_prefix(prompt.prefix_length))
-    return decoder.forward(prompt.embeds[:, prompt.prefix_length:])
+    return decoder.forward(prompt.embeds[:, prompt.prefix_length:]), 0
 
 
 def check_prefix_arrays(arrays: dict[str, np.ndarray], names: list[str], length: int) -> None:

@@ -219,3 +219,20 @@ def test_the_decoder_session_does_not_spin(pipeline):
     assert decoder.get_session_config_entry("session.intra_op.allow_spinning") == "0"
     heads = pipeline.audio_heads.session.get_session_options()
     assert heads.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+
+
+def test_the_streaming_codec_session_leaves_the_decoder_cores(pipeline, monkeypatch):
+    """The streaming codec (it runs beside the decoder) gets half the CPUs this process may use,
+    at least one (sessions.stream_codec_thread_pool); the one-shot codec keeps ONNX Runtime's
+    default (0: one worker per core)."""
+    import os
+
+    from higgs_pack.runtime.backends.onnxruntime.sessions import stream_codec_thread_pool
+
+    cpus = len(os.sched_getaffinity(0))
+    stream = pipeline.audio_tokenizer_stream.session.get_session_options()
+    assert stream.intra_op_num_threads == max(1, cpus // 2)
+    assert pipeline.audio_tokenizer.session.get_session_options().intra_op_num_threads == 0
+    for seen, threads in ((1, 1), (2, 1), (3, 1), (16, 8)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=seen: set(range(n)))
+        assert stream_codec_thread_pool() == {"intra_op_num_threads": threads}

@@ -55,6 +55,7 @@ class OnnxRuntimeBackend(Backend):
             DECODER_THREAD_POOL,
             check_signature,
             create_session,
+            stream_codec_thread_pool,
         )
         from higgs_pack.runtime.loop.pipeline import ModelConstants, step_input_shapes
 
@@ -69,10 +70,13 @@ class OnnxRuntimeBackend(Backend):
         for part, spec in m["subparts"].items():
             decoder = part == SubPart.LLM_DECODER
             lean = options.low_memory and decoder and ep == cpu and m["precision"] in FLOAT_DECODER_PRECISIONS
+            # the decoder's and (on the CPU) the streaming codec's thread pools: sessions.py says why
+            own = DECODER_THREAD_POOL if decoder else (
+                stream_codec_thread_pool() if part == SubPart.AUDIO_TOKENIZER_STREAM and ep == cpu else {})
             session, used = create_session(
                 bundle.file(spec["entry"]), ep,
                 provider_options=m["provider_options"] if ep == m["execution_provider"] else {},
-                session_options={**DECODER_THREAD_POOL, **m["session_options"]} if decoder else m["session_options"],
+                session_options={**own, **m["session_options"]},
                 allow_fallback=options.allow_fallback,
                 float16_weights=m["precision"] == "fp16", prepacking=not lean,
             )

@@ -7,9 +7,12 @@ the file and what to do.
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
 import re
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -224,44 +227,6 @@ class WavWritten:
     scaled: bool
 
 
-def write_wav(path: str | Path, samples: np.ndarray, sample_rate: int, *, subtype: str = "PCM_16") -> WavWritten:
-    """Write mono audio without silent wrapping or clipping.
-
-    16-bit PCM cannot hold samples beyond [-1, 1]: such audio is scaled down to a
-    0.999 peak and the result says so (``scaled``); ``subtype="FLOAT"`` keeps it as is.
-
-    Args:
-        path: output ``.wav`` path (parent directories must exist).
-        samples: float32 [samples] (mono; a [samples, 1] or [1, samples] array is taken too).
-        sample_rate: Hz, a whole number > 0.
-        subtype: ``"PCM_16"`` or ``"FLOAT"``.
-
-    Raises:
-        InputError: bad subtype, several channels, a bad sample rate, non-finite samples, or an
-            unwritable path.
-    """
-    if subtype not in ("PCM_16", "FLOAT"):
-        raise InputError(f"unknown wav format {subtype!r}; use PCM_16 (16-bit) or FLOAT")
-    shape = np.shape(samples)
-    if len(shape) > 2 or (len(shape) == 2 and min(shape) != 1):
-        raise InputError(f"write_wav writes mono audio, float32 [samples]; got an array of shape {list(shape)}: "
-                         "mix the channels down first (samples.mean(axis=1))")
-    if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, np.integer)) or sample_rate <= 0:
-        raise InputError(f"sample_rate must be a whole number of Hz > 0, got {sample_rate!r}")
-    samples = np.asarray(samples, dtype=np.float32).reshape(-1)
-    if not np.isfinite(samples).all():
-        raise InputError("refusing to write audio with NaN/inf samples")
-    peak = float(np.abs(samples).max()) if samples.size else 0.0
-    scaled = subtype == "PCM_16" and peak > 1.0
-    if scaled:
-        samples = samples * (0.999 / peak)
-    path = Path(path)
-    encoded = io.BytesIO()  # encoded in memory, written by write_file: its errors name their cause
-    sf.write(encoded, samples, sample_rate, subtype=subtype, format="WAV")
-    write_file(path, encoded.getvalue())
-    return WavWritten(path, peak, scaled)
-
-
 #: Sample formats a stream may carry: soundfile subtype -> (numpy dtype, WAV format tag).
 STREAM_SUBTYPES = {"PCM_16": ("<i2", 1), "FLOAT": ("<f4", 3)}
 #: RIFF and data chunk sizes of a WAV whose length is unknown when its header is written
@@ -303,6 +268,215 @@ def pcm_samples(samples: np.ndarray, subtype: str = "PCM_16") -> np.ndarray:
     if subtype == "PCM_16":
         return np.clip(np.round(samples * 32768.0), -32768, 32767).astype(dtype)
     return samples.astype(dtype)
+
+
+#: Samples converted or checked at once when a whole array or a temporary file is written
+#: (2**20 float32 = 4 MiB): what :func:`write_wav` and :class:`WavFileWriter` hold beyond a piece.
+WRITE_BLOCK_SAMPLES = 1 << 20
+#: Name prefix of the hidden file a :class:`WavFileWriter` writes beside its output.
+PARTIAL_WAV_PREFIX = ".partial-"
+
+
+def _blocks(samples: np.ndarray) -> Iterator[np.ndarray]:
+    """Views of float32 [n] ``samples`` of at most :data:`WRITE_BLOCK_SAMPLES` each (no copies)."""
+    for start in range(0, len(samples), WRITE_BLOCK_SAMPLES):
+        yield samples[start:start + WRITE_BLOCK_SAMPLES]
+
+
+class WavFileWriter:
+    """Writes a mono ``.wav`` file piece by piece, so that no more than one piece is held, and
+    puts it in place only when it is complete.
+
+    The audio goes to a hidden file beside the output (``.partial-<pid>-<name>``, made as any
+    file is, umask applied); :meth:`finish` renames it over the output (a reader sees the old
+    file or the new one, never half of one) and :meth:`discard` (or leaving a ``with`` block by
+    an exception, Ctrl-C included) removes it, so an interrupted or failed run leaves no file
+    that looks complete.  An output that exists and is not a regular file (a device such as
+    ``/dev/null``) cannot be renamed over: it is written in place.  A symbolic link keeps
+    pointing where it did; the file it names is replaced.
+
+    16-bit PCM cannot hold samples beyond [-1, 1]: such audio is scaled down to a 0.999 peak
+    (``WavWritten.scaled`` says so; ``subtype="FLOAT"`` keeps it as is).  When the peak is not
+    known up front (``peak=None``, audio that is still being generated) 16-bit output is first
+    written as float32 to the hidden file and converted, scaled if need be, block by block by
+    :meth:`finish` (:data:`WRITE_BLOCK_SAMPLES` at a time; a second hidden file, then renamed):
+    the output is then the same as :func:`write_wav` of the whole audio would have written.
+
+    Args:
+        path: the output ``.wav`` (its folder must exist).
+        sample_rate: Hz, a whole number > 0.
+        subtype: ``"PCM_16"`` or ``"FLOAT"``.
+        peak: the largest absolute sample of all the audio that will be written, when known
+            (then 16-bit samples are scaled while written); None: unknown.
+        option: how the caller names ``path`` in errors (``-o``, a keyword).
+
+    Attributes:
+        samples_written: samples written so far.
+        peak: largest absolute sample written so far (before any scaling).
+
+    Raises:
+        InputError: bad subtype or sample rate, an unwritable folder, a full disk (said as such).
+    """
+
+    def __init__(self, path: str | Path, sample_rate: int, *, subtype: str = "PCM_16", peak: float | None = None,
+                 option: str = "-o"):
+        if subtype not in STREAM_SUBTYPES:
+            raise InputError(f"unknown wav format {subtype!r}; use PCM_16 (16-bit) or FLOAT")
+        if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, np.integer)) or sample_rate <= 0:
+            raise InputError(f"sample_rate must be a whole number of Hz > 0, got {sample_rate!r}")
+        self.path, self.sample_rate, self.subtype, self.option = Path(path), int(sample_rate), subtype, option
+        self.samples_written = 0
+        self.peak = 0.0 if peak is None else float(peak)
+        self._deferred = subtype == "PCM_16" and peak is None  # float32 first, converted by finish()
+        self._scale = 0.999 / peak if subtype == "PCM_16" and peak is not None and peak > 1.0 else None
+        target = self.path.resolve()
+        in_place = target.exists() and not target.is_file()
+        self._target = target
+        self._partial: Path | None = None if in_place else target.parent / f"{PARTIAL_WAV_PREFIX}{os.getpid()}-{target.name}"
+        self._file: sf.SoundFile | None = self._open(self._partial or target, "FLOAT" if self._deferred else subtype)
+
+    def _open(self, where: Path, subtype: str) -> sf.SoundFile:
+        try:
+            return sf.SoundFile(where, "w", self.sample_rate, 1, subtype=subtype, format="WAV")
+        except (sf.LibsndfileError, RuntimeError, OSError) as exc:
+            if where is not self._target:
+                Path(where).unlink(missing_ok=True)
+            raise self._failed(where, exc) from exc
+
+    def _failed(self, where: Path, exc: Exception) -> InputError:
+        """The error of a failed open or write.  libsndfile reports any failure of the operating
+        system as "System error."; appending one byte to ``where`` (the hidden file, removed
+        after, or a device written in place) with Python's own file finds its errno."""
+        if isinstance(exc, OSError):
+            return cannot_write(self.path, exc, self.option)
+        try:
+            with open(where, "ab") as probe:
+                probe.write(b"\0")
+        except OSError as found:
+            return cannot_write(self.path, found, self.option)
+        return InputError(f"cannot write {self.path} ({self.option}): {exc}; choose a writable path")
+
+    def write(self, samples: np.ndarray) -> None:
+        """Append float32 [n] mono samples (nominally in [-1, 1]; a [n, 1] array is taken too).
+
+        Raises:
+            InputError: non-finite samples, or a failed write (the hidden file is removed).
+        """
+        samples = np.asarray(samples, dtype=np.float32).reshape(-1)
+        if self._file is None:
+            raise InputError(f"{self.path} is already finished or discarded; open a new WavFileWriter")
+        for block in _blocks(samples):
+            if not np.isfinite(block).all():
+                self.discard()
+                raise InputError("refusing to write audio with NaN/inf samples")
+            if block.size:
+                self.peak = max(self.peak, float(np.abs(block).max()))
+            try:
+                self._file.write(block if self._scale is None else block * self._scale)
+            except (sf.LibsndfileError, RuntimeError, OSError) as exc:
+                error = self._failed(self._partial or self._target, exc)
+                self.discard()
+                raise error from exc
+            self.samples_written += len(block)
+
+    def finish(self) -> WavWritten:
+        """Complete the file (its header's sizes), convert deferred 16-bit audio (scaled to a
+        0.999 peak when it went beyond [-1, 1]) and rename it over the output.
+
+        Raises:
+            InputError: a failed write (a full disk); nothing is left behind.
+        """
+        if self._file is None:
+            raise InputError(f"{self.path} is already finished or discarded; open a new WavFileWriter")
+        scaled = self._scale is not None
+        try:
+            self._file.close()
+            self._file = None
+            if self._deferred:
+                scaled = self.peak > 1.0
+                self._convert(0.999 / self.peak if scaled else None)
+            if self._partial is not None:
+                os.replace(self._partial, self._target)
+                self._partial = None
+        except (sf.LibsndfileError, RuntimeError, OSError) as exc:
+            error = self._failed(self._partial or self._target, exc)
+            self.discard()
+            raise error from exc
+        except BaseException:
+            self.discard()
+            raise
+        return WavWritten(self.path, self.peak, scaled)
+
+    def _convert(self, scale: float | None) -> None:
+        """Rewrite the float32 hidden file as 16-bit PCM, block by block (a second hidden file)."""
+        floats = self._partial
+        pcm = floats.with_name(floats.name + ".pcm")
+        self._partial = pcm
+        try:
+            with sf.SoundFile(floats) as source, sf.SoundFile(pcm, "w", self.sample_rate, 1, subtype="PCM_16",
+                                                              format="WAV") as out:
+                for block in source.blocks(WRITE_BLOCK_SAMPLES, dtype="float32"):
+                    out.write(block if scale is None else block * scale)
+        finally:
+            floats.unlink(missing_ok=True)
+
+    def discard(self) -> None:
+        """Stop and remove the hidden file; the output is left as it was (idempotent).  A device
+        written in place keeps what was written."""
+        if self._file is not None:
+            with contextlib.suppress(Exception):
+                self._file.close()
+            self._file = None
+        if self._partial is not None:
+            self._partial.unlink(missing_ok=True)
+            self._partial = None
+
+    def __enter__(self) -> WavFileWriter:
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        """Leaving by an exception (Ctrl-C too) discards the file; otherwise nothing (call
+        :meth:`finish` inside the block)."""
+        if kind is not None:
+            self.discard()
+
+
+def write_wav(path: str | Path, samples: np.ndarray, sample_rate: int, *, subtype: str = "PCM_16") -> WavWritten:
+    """Write mono audio without silent wrapping or clipping.
+
+    16-bit PCM cannot hold samples beyond [-1, 1]: such audio is scaled down to a 0.999 peak
+    and the result says so (``scaled``); ``subtype="FLOAT"`` keeps it as is.  Written by a
+    :class:`WavFileWriter` in blocks (no whole copy of the audio is made: a scaled or converted
+    block at a time) to a hidden file renamed over ``path`` when complete.
+
+    Args:
+        path: output ``.wav`` path (parent directories must exist).
+        samples: float32 [samples] (mono; a [samples, 1] or [1, samples] array is taken too).
+        sample_rate: Hz, a whole number > 0.
+        subtype: ``"PCM_16"`` or ``"FLOAT"``.
+
+    Raises:
+        InputError: bad subtype, several channels, a bad sample rate, non-finite samples, or an
+            unwritable path (a full disk said as such).
+    """
+    if subtype not in ("PCM_16", "FLOAT"):
+        raise InputError(f"unknown wav format {subtype!r}; use PCM_16 (16-bit) or FLOAT")
+    shape = np.shape(samples)
+    if len(shape) > 2 or (len(shape) == 2 and min(shape) != 1):
+        raise InputError(f"write_wav writes mono audio, float32 [samples]; got an array of shape {list(shape)}: "
+                         "mix the channels down first (samples.mean(axis=1))")
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, np.integer)) or sample_rate <= 0:
+        raise InputError(f"sample_rate must be a whole number of Hz > 0, got {sample_rate!r}")
+    samples = np.asarray(samples, dtype=np.float32).reshape(-1)  # a view of float32 audio, not a copy
+    peak = 0.0
+    for block in _blocks(samples):
+        if not np.isfinite(block).all():
+            raise InputError("refusing to write audio with NaN/inf samples")
+        if block.size:
+            peak = max(peak, float(np.abs(block).max()))
+    with WavFileWriter(path, sample_rate, subtype=subtype, peak=peak) as writer:
+        writer.write(samples)
+        return writer.finish()
 
 
 class AudioSink:

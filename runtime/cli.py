@@ -283,7 +283,6 @@ def synthesize(**flags: Any) -> None:
     higgs-pack synthesize BUNDLE --text-file lines.txt --batch 8 -o outdir/
     """
     from higgs_pack.runtime.api import load
-    from higgs_pack.runtime.audio import write_wav
     from higgs_pack.runtime.request import SynthesisRequest
     from higgs_pack.runtime.sources.bundle import require_bundle_dir
 
@@ -299,9 +298,10 @@ def synthesize(**flags: Any) -> None:
         return
     _check_output(output, f.bundle, [f.text_file, f.ref_audio], f.fmt)
     _check_subtitles(f.subtitles, output, [f.text_file, f.ref_audio])
-    request = SynthesisRequest.create(
-        _read_text(f.text, f.text_file), **f.voice(), **f.sampling(), first_chunk_frames=f.first_chunk_frames,
-        chunk_growth=f.chunk_growth, max_chunk_frames=f.max_chunk_frames)
+    to_file = not f.streaming and str(output) != "-"  # written piece by piece all the same (FILE_SCHEDULE)
+    schedule = FILE_SCHEDULE if to_file else {"first_chunk_frames": f.first_chunk_frames,
+                                              "chunk_growth": f.chunk_growth, "max_chunk_frames": f.max_chunk_frames}
+    request = SynthesisRequest.create(_read_text(f.text, f.text_file), **f.voice(), **f.sampling(), **schedule)
     tts = load(f.bundle, **f.load_keywords())
     click.echo(f"using {tts.info}", err=True)
     for name, why in tts.info.not_chosen.items():
@@ -318,16 +318,63 @@ def synthesize(**flags: Any) -> None:
     if f.streaming or str(output) == "-":
         _stream_out(tts, request, output, subtype, f.fmt, bar, f.streaming, progress, f.subtitles)
         return
+    written, samples, results, segments = _write_out(tts.stream(request, progress=progress), tts.sample_rate,
+                                                     output, subtype, bar)
+    _write_subtitles(f.subtitles, segments, output)
+    frames = sum(len(r.codes) for r in results)
+    click.echo(f"wrote {output}: {samples / tts.sample_rate:.2f} s at {tts.sample_rate} Hz, "
+               f"{frames} frames in {len(results)} text chunk(s), stop: {stop_summary(results)}")
+    _say_notes(results, written)
+
+
+#: The chunk schedule of audio written to a file without --stream: even pieces of the stream's
+#: largest chunk (4 s), so that no more than a piece of audio is held (:func:`_write_out`).
+FILE_SCHEDULE = {"first_chunk_frames": MAX_CHUNK_FRAMES, "chunk_growth": 1.0, "max_chunk_frames": MAX_CHUNK_FRAMES}
+
+
+def _write_out(speech, rate: int, output: Path, subtype: str, bar):
+    """Write a stream's audio to the .wav ``output`` piece by piece, put in place when complete.
+
+    Memory stays that of one piece whatever the length (``tts.synthesize`` would hold the whole
+    audio, its join and its encoding).  The pieces go to a hidden file beside ``output``
+    (:class:`~higgs_pack.runtime.audio.WavFileWriter`), renamed over it at the end: Ctrl-C (exit
+    130), SIGTERM (exit 143) or an error removes it and leaves ``output`` as it was, so no file
+    claims to be a whole speech that is not (``--stream`` keeps what was written instead).
+
+    Args:
+        speech: a :class:`~higgs_pack.runtime.loop.streaming.SpeechStream`.
+        rate: its sample rate, Hz.
+        output: the .wav path.
+        subtype: ``"PCM_16"`` (scaled to a 0.999 peak if it goes beyond [-1, 1]) or ``"FLOAT"``.
+        bar: the progress bar, closed at the end.
+
+    Returns:
+        ``(written, samples, results, segments)``: the :class:`~higgs_pack.runtime.audio.WavWritten`,
+        the samples written, each text chunk's result, every segment.
+    """
+    from higgs_pack.runtime.audio import WavFileWriter
+
+    segments: list = []
     try:
-        result = tts.synthesize(request, progress=progress)
-    finally:
+        with _sigterm_as_interrupt(), WavFileWriter(output, rate, subtype=subtype) as writer:
+            for chunk in speech:
+                writer.write(chunk.samples)
+                segments += chunk.segments
+            written = writer.finish()
+    except KeyboardInterrupt as exc:
         bar.close()
-    written = write_wav(output, result.samples, result.sample_rate, subtype=subtype)
-    _write_subtitles(f.subtitles, result.segments, output)
-    stops = stop_summary(result.chunks)
-    click.echo(f"wrote {output}: {result.seconds_of_audio:.2f} s at {result.sample_rate} Hz, "
-               f"{len(result.codes)} frames in {len(result.chunks)} text chunk(s), stop: {stops}")
-    if result.frame_cap_hit:
+        click.echo(f"{_how_stopped(exc)}: nothing written to {output}; the audio generated so far was not kept "
+                   "(--stream writes a file that keeps it)", err=True)
+        sys.exit(EXIT_TERMINATED if isinstance(exc, _Terminated) else EXIT_INTERRUPTED)
+    finally:
+        speech.close()
+        bar.close()
+    return written, writer.samples_written, speech.results, segments
+
+
+def _say_notes(results: list, written) -> None:
+    """The notes after a file is written: the frame cap reached, audio scaled into 16 bits."""
+    if any(r.stop_reason == "max_frames" for r in results):
         click.echo(FRAME_CAP_NOTE, err=True)
     if written.scaled:
         click.echo(f"note: peak {written.peak:.2f} exceeded 16-bit range; audio was scaled down "
@@ -644,7 +691,6 @@ def dialogue(bundle, script, output, voices, subtitles, execution_provider, devi
     higgs-pack dialogue BUNDLE script.txt -o talk.wav --subtitles talk.srt --voice ANN=ann.wav:"Words of the clip."
     """
     from higgs_pack.runtime.api import load
-    from higgs_pack.runtime.audio import write_wav
     from higgs_pack.runtime.loop.dialogue import DialogueRequest, parse_script
     from higgs_pack.runtime.sources.bundle import require_bundle_dir
 
@@ -661,8 +707,9 @@ def dialogue(bundle, script, output, voices, subtitles, execution_provider, devi
     if twice:
         raise click.BadParameter(f"--voice gives {', '.join(map(repr, twice))} more than once; give each speaker "
                                  "one voice", param_hint="--voice")
-    request = DialogueRequest.create(turns, dict(chosen), seed=seed, temperature=temperature,
-                                     top_k=top_k, top_p=top_p, max_frames=max_frames, context_chunks=context_chunks)
+    request = DialogueRequest.create(turns, dict(chosen), seed=seed, temperature=temperature, top_k=top_k,
+                                     top_p=top_p, max_frames=max_frames, context_chunks=context_chunks,
+                                     **FILE_SCHEDULE)
     tts = load(bundle, device=device, execution_provider=execution_provider, allow_fallback=allow_fallback)
     click.echo(f"using {tts.info}", err=True)
     bar = _progress_bar(no_progress)
@@ -673,19 +720,12 @@ def dialogue(bundle, script, output, voices, subtitles, execution_provider, devi
         bar.n = done
         bar.refresh()
 
-    try:
-        result = tts.dialogue(request, progress=progress)
-    finally:
-        bar.close()
-    written = write_wav(output, result.samples, result.sample_rate, subtype="FLOAT" if as_float else "PCM_16")
-    click.echo(f"wrote {output}: {result.seconds_of_audio:.2f} s at {result.sample_rate} Hz, {len(turns)} turn(s) "
-               f"in {len(result.chunks)} text chunk(s), {len(result.codes)} frames")
-    _write_subtitles(subtitles, result.segments, output)
-    if result.frame_cap_hit:
-        click.echo(FRAME_CAP_NOTE, err=True)
-    if written.scaled:
-        click.echo(f"note: peak {written.peak:.2f} exceeded 16-bit range; audio was scaled down "
-                   "(use --float to keep it unscaled)", err=True)
+    written, samples, results, segments = _write_out(tts.stream_dialogue(request, progress=progress),
+                                                     tts.sample_rate, output, "FLOAT" if as_float else "PCM_16", bar)
+    click.echo(f"wrote {output}: {samples / tts.sample_rate:.2f} s at {tts.sample_rate} Hz, {len(turns)} "
+               f"turn(s) in {len(results)} text chunk(s), {sum(len(r.codes) for r in results)} frames")
+    _write_subtitles(subtitles, segments, output)
+    _say_notes(results, written)
 
 
 def _read_script(script: Path) -> str:

@@ -74,7 +74,7 @@ def test_bad_turns_and_voices_are_named_before_anything_runs():
 def test_each_turn_opens_with_its_speakers_voice_and_own_last_turn(oracle):
     """ANN has no voice: her first turn is zero-shot and then her voice; BEN has a prepared voice;
     a turn's context is its own speaker's turns only; one exact segment per turn, back to back."""
-    from higgs_pack.runtime.loop.generate import build_prompt, run_plan
+    from higgs_pack.runtime.loop.generate import build_prompt, prompt_of, run_plan
     from higgs_pack.runtime.loop.streaming import stream_plan
 
     ben = PreparedVoice(np.random.default_rng(0).integers(0, 1024, size=(20, N)), "Ben's voice.")
@@ -86,10 +86,9 @@ def test_each_turn_opens_with_its_speakers_voice_and_own_last_turn(oracle):
     assert r[0].prompt_length == build_prompt(oracle, t[0]).shape[1]
     assert r[1].prompt_length == build_prompt(oracle, t[1], ben.codes, ben.transcript).shape[1]
     assert r[2].prompt_length == build_prompt(oracle, t[2], r[0].codes, t[0]).shape[1]  # not BEN's audio
-    ann = np.concatenate([r[0].codes, r[2].codes])
-    assert r[3].prompt_length == build_prompt(oracle, t[3], ann, f"{t[0]} {t[2]}").shape[1]
-    bens = np.concatenate([ben.codes, r[1].codes])
-    assert r[4].prompt_length == build_prompt(oracle, t[4], bens, f"{ben.transcript} {t[1]}").shape[1]
+    # The speaker's voice pair first (ANN's first turn), then her last turn as a pair of its own.
+    assert r[3].prompt_length == prompt_of(oracle, t[3], r[0].codes, t[0], context=[(r[2].codes, t[2])]).length
+    assert r[4].prompt_length == prompt_of(oracle, t[4], ben.codes, ben.transcript, context=[(r[1].codes, t[1])]).length
     segments = result.segments
     assert [(s.speaker, s.text, s.exact) for s in segments] == [(who, text, True) for who, text in turns]
     assert segments[0].start == 0 and segments[-1].end == len(result.samples) / result.sample_rate

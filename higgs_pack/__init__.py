@@ -34,6 +34,7 @@ _EXPORTS = {
     "SynthesisResult": "higgs_pack.runtime.loop.generate",
     "SynthesisRequest": "higgs_pack.runtime.request",
     "write_wav": "higgs_pack.runtime.audio",
+    "WavFileWriter": "higgs_pack.runtime.audio",
     "HiggsPackError": "higgs_pack.manifests.errors",
     "BundleError": "higgs_pack.manifests.errors",
     "ManifestError": "higgs_pack.manifests.errors",

@@ -206,6 +206,10 @@ class TTS:
             :class:`~higgs_pack.runtime.loop.generate.SynthesisResult`: ``samples`` float32
             [samples] mono, nominally in [-1, 1]; ``sample_rate`` in Hz (24000);
             ``codes`` int64 [frames, 8] codec codes; ``chunks`` per-chunk details.
+            The whole audio is held: 96 KB per second (an hour of speech is 346 MB of samples,
+            more while they are joined).  For a long text use :meth:`stream` and write or play
+            each chunk as it comes (:class:`~higgs_pack.runtime.audio.WavFileWriter` writes them
+            to a file, as ``higgs-pack synthesize -o out.wav`` does, holding one chunk at a time).
 
         Raises:
             InputError: empty text, a special token of the tokenizer in the text, a bad or

@@ -271,7 +271,10 @@ def synthesize(**flags: Any) -> None:
     is said), or hf://ORG/REPO[@REVISION].
 
     The whole request (text, voice, sampling, frame cap, stream schedule) is checked
-    before the bundle is loaded or anything is written.  With --stream the audio is
+    before the bundle is loaded or anything is written.  Without --stream a .wav is
+    written a few seconds at a time (memory stays that of one piece, whatever the text's
+    length) to a hidden file beside it, which takes its name only when complete: after
+    Ctrl-C or an error there is no new file.  With --stream the audio is
     written while it is generated (a .wav file's header is completed at the end, also
     after Ctrl-C); `-o -` writes to stdout for a player:
     higgs-pack synthesize BUNDLE --stream -t "…" -o - | aplay

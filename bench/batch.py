@@ -8,6 +8,15 @@ whole prompt prefilled at the join: ``join_voice_*``, with ``join_max_frame_gap_
 rows' longest wait for a frame meanwhile; issue 32) and **bare** (the engine's own batched
 decoder stepped alone as often as the engine stepped).  EOC is suppressed and the repeat guard
 off, so every request runs its frame cap.
+
+Two rates per run: ``aggregate_frames_per_s`` (``stream_aggregate_frames_per_s``) is the engine's
+generation rate over the steps with every row busy; a plain run decodes no audio in them (its codec
+runs after the last step), a streamed one decodes while generating, so on a small CPU the streamed
+run's codec takes cores from its own steps and ``stream_over_plain`` charges the codec to streaming
+only.  ``delivered_frames_per_s`` (``stream_delivered_frames_per_s``) is frames of audio in the
+callers' hands per wall second from submission to the last request's audio, the codec included for
+both (plain: generate, then decode the B requests together; streamed: overlapped);
+``stream_delivered_over_plain`` is their ratio within a round.
 """
 
 from __future__ import annotations
@@ -78,7 +87,11 @@ def _engine_run(tts: Any, batch: int, spec: dict[str, Any], marks: list[tuple[fl
             for handle in handles:
                 handle.wait()
             t_end = time.perf_counter()
-            codes = [handle.result().codes for handle in handles]  # the codec, after the timed part
+            # the codec, after the generation's timed part; read together, as a server's B callers
+            # would (their decodes batch in the engine's codec thread)
+            with ThreadPoolExecutor(batch) as pool:
+                codes = [r.codes for r in pool.map(lambda handle: handle.result(), handles)]
+        t_audio = time.perf_counter()  # every request's audio decoded (streamed: the last chunk read)
         kv_in_use = engine.stats.max_kv_bytes_in_use
     s = engine.stats  # the thread has stopped: final figures
     for i, c in enumerate(codes):
@@ -89,6 +102,9 @@ def _engine_run(tts: Any, batch: int, spec: dict[str, Any], marks: list[tuple[fl
         "aggregate_frames_per_s": rate, "engine_step_ms": s.step_seconds / s.steps * 1e3, "engine_steps": s.steps,
         "full_batch_steps": full_steps, "joined_together": bool(marks) and marks[0][1] == batch,
         "wall_frames_per_s": s.frames / (t_end - t0), "prefill_ms": s.prefill_seconds / batch * 1e3,
+        # frames of audio the callers hold per wall second from submission, the codec included for
+        # both runs (plain: generate, then decode; streamed: decoded while generating)
+        "delivered_frames_per_s": batch * frames / (t_audio - t0),
         # None where the engine cannot say its KV bytes per position
         "max_kv_bytes_in_use": int(kv_in_use) if engine.kv_bytes_per_position is not None else None,
     }, engine, codes
@@ -164,6 +180,8 @@ def _one_round(tts: Any, batch: int, spec: dict[str, Any], marks: list[tuple[flo
     run = {**plain, "bare_step_ms": bare_ms, **_join_run(tts, batch, spec, marks),
            **({} if voice is None else _join_run(tts, batch, spec, marks, voice, "join_voice", "join_max_frame_gap_ms")),
            "stream_aggregate_frames_per_s": streamed["aggregate_frames_per_s"],
+           "stream_delivered_frames_per_s": streamed["delivered_frames_per_s"],
+           "stream_delivered_over_plain": streamed["delivered_frames_per_s"] / plain["delivered_frames_per_s"],
            "stream_engine_step_ms": streamed["engine_step_ms"],
            "stream_codes_match": all(np.array_equal(a, b) for a, b in zip(codes, stream_codes, strict=True)),
            "engine_over_bare": plain["engine_step_ms"] / bare_ms}

@@ -37,6 +37,8 @@ BATCH_COLUMNS = (
     ("step ms", "engine_step_ms", "{:.2f}"), ("step vs B=1", "step_vs_batch1", "{:.2f}x"),
     ("bare step ms", "bare_step_ms", "{:.2f}"), ("engine/bare", "engine_over_bare", "{:.3f}x"),
     ("streamed f/s", "stream_aggregate_frames_per_s", "{:.1f}"), ("streamed/plain", "stream_over_plain", "{:.2f}x"),
+    ("delivered f/s (codec incl.)", "delivered_frames_per_s", "{:.1f}"),
+    ("streamed/plain delivered", "stream_delivered_over_plain", "{:.2f}x"),
     ("join 1st audio ms", "join_first_audio_ms", "{:.0f}"), ("join splice ms", "join_splice_ms", "{:.1f}"),
     ("voice join 1st audio ms", "join_voice_first_audio_ms", "{:.0f}"),
     ("voice join: longest frame gap ms", "join_max_frame_gap_ms", "{:.0f}"),

@@ -586,6 +586,7 @@ BATCH_ROW_TYPES = {
     "bare_step_ms": float, "engine_over_bare": float, "stream_aggregate_frames_per_s": float,
     "stream_over_plain": float, "stream_engine_step_ms": float, "join_first_audio_ms": float,
     "max_kv_bytes_in_use": int, "wall_frames_per_s": float, "prefill_ms": float, "rounds": list,
+    "delivered_frames_per_s": float, "stream_delivered_frames_per_s": float, "stream_delivered_over_plain": float,
 }
 
 
@@ -613,6 +614,10 @@ def test_bench_batch_on_tiny_cpu_int4(cpu_int4_bundle, tmp_path):
         assert row["stream_over_plain"] == pytest.approx(
             row["stream_aggregate_frames_per_s"] / row["aggregate_frames_per_s"])
         assert row["max_kv_bytes_in_use"] == b * positions * per_position
+        for one_round in row["rounds"]:  # codec included: delivered after the run's generation
+            assert one_round["stream_delivered_over_plain"] == pytest.approx(
+                one_round["stream_delivered_frames_per_s"] / one_round["delivered_frames_per_s"])
+            assert one_round["delivered_frames_per_s"] < one_round["wall_frames_per_s"]
         assert all(v > 0 and math.isfinite(v) for k, v in row.items() if k in BATCH_ROW_TYPES and
                    isinstance(v, float))
     assert batch["fit_max_batch"] == (12 * 2**30 - batch["fit_weight_bytes"]) // (2000 * per_position)

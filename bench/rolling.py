@@ -11,10 +11,11 @@ generation ms (the loop after the prefill), frames, and the share prefill / (pre
 generation); per run the totals and the measured ms per prefilled position and per frame, which
 give the share of any other chunk size.  Printed as Markdown, written as JSON with ``--out``.
 
-The text is cut into chunks of at most ``--words`` words (sentence-aligned, as a long text is cut
-into chunks of 200), each capped at ``--max-frames``: the defaults (the cases' four English
-sentences, one chunk each, at most 150 frames) keep a full-size cpu int4 run of K = 0..3 with two
-kept-frames choices to about 6 minutes (about 14 frames/s decode, 50 prefilled positions/s).
+The text (said ``--repeat`` times over) is cut into chunks of at most ``--words`` words
+(sentence-aligned, as a long text is cut into chunks of 200), each capped at ``--max-frames``:
+the defaults (the cases' two English sentences said twice: four chunks of one sentence, at most
+150 frames each) keep a full-size cpu int4 run of K = 0..3 with two kept-frames choices (seven
+runs, 28 chunks) to about 6 minutes (about 14 frames/s decode, 50 prefilled positions/s).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ CASES = Path(__file__).resolve().parents[2] / "shared" / "cases"
 DEFAULT_CLIP = CASES / "ref_en_16k.wav"
 DEFAULT_TEXT = CASES / "text_en_basic.txt"
 DEFAULT_WORDS = 12
+#: The cases' English text is two sentences: said twice it makes four chunks, enough for K = 3.
+DEFAULT_REPEAT = 2
 DEFAULT_MAX_FRAMES = 150
 HEADERS = ["K", "keep", "chunk", "prompt", "prefilled", "prefill ms", "gen ms", "frames", "share"]
 
@@ -46,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", default="0,1,2,3", help="comma-separated context_chunks values")
     parser.add_argument("--keep-frames", default="all,50",
                         help="comma-separated context_frames values (all: whole chunks)")
+    parser.add_argument("--repeat", type=int, default=DEFAULT_REPEAT, help="the text said this many times over")
     parser.add_argument("--words", type=int, default=DEFAULT_WORDS, help="most words per text chunk")
     parser.add_argument("--max-frames", type=int, default=DEFAULT_MAX_FRAMES, help="frame cap per text chunk")
     parser.add_argument("--seed", type=int, default=0)
@@ -93,7 +97,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     transcript = args.voice_clip.with_suffix(".txt")
     if not args.voice_clip.is_file() or not transcript.is_file():
         raise InputError(f"--voice-clip {args.voice_clip}: needs the clip and its transcript {transcript.name} beside it")
-    text = args.text_file.read_text(encoding="utf-8").strip()
+    if args.repeat < 1 or args.words < 1 or args.max_frames < 1:
+        raise InputError(f"--repeat {args.repeat}, --words {args.words}, --max-frames {args.max_frames}: each must be >= 1")
+    text = " ".join([args.text_file.read_text(encoding="utf-8").strip()] * args.repeat)
     with higgs_pack.load(args.bundle) as tts:
         pipeline = tts.pipeline
         voice = tts.prepare_voice(args.voice_clip, transcript.read_text(encoding="utf-8").strip(), "bench")

@@ -153,7 +153,7 @@ def test_the_rolling_context_measurement_on_the_tiny_bundle(cpu_fp32_bundle, cas
     text.write_text("The first short chunk is here. And a second one follows it. Then a third one ends it.")
     out = tmp_path / "rolling.json"
     main(["rolling-context", str(cpu_fp32_bundle), "--text-file", str(text), "--k", "0,1",
-          "--keep-frames", "all,5", "--words", "6", "--max-frames", "10", "--out", str(out)])
+          "--keep-frames", "all,5", "--words", "6", "--repeat", "1", "--max-frames", "10", "--out", str(out)])
     record = json.loads(out.read_text())
     runs = record["runs"]
     assert [(r["k"], r["keep_frames"]) for r in runs] == [(0, None), (1, None), (1, 5)]  # K = 0 keeps nothing: once
@@ -169,5 +169,5 @@ def test_the_rolling_context_measurement_on_the_tiny_bundle(cpu_fp32_bundle, cas
     k0, k1, cut = (run["chunks"] for run in runs)
     assert k1[2]["prompt_positions"] > cut[2]["prompt_positions"] > k0[2]["prompt_positions"]  # context, cut
     assert record["voice_prefix"]["positions"] == k0[2]["prompt_positions"] - k0[2]["prefilled"]
-    for bad in (["--k", "1,x"], ["--keep-frames", "0"], ["--voice-clip", str(tmp_path / "none.wav")]):
+    for bad in (["--k", "1,x"], ["--keep-frames", "0"], ["--repeat", "0"], ["--voice-clip", str(tmp_path / "none.wav")]):
         assert main(["rolling-context", str(cpu_fp32_bundle), "--text-file", str(text), *bad]) == 2

@@ -26,7 +26,9 @@ The codec session keeps the bundle's thread settings (``session_options`` of the
 default ONNX Runtime's one intra-op worker per core, spinning only within a run,
 :data:`~higgs_pack.runtime.backends.onnxruntime.sessions.THREAD_POOL_DEFAULTS`); while a codec run
 and a decoder step overlap they share the cores, as they did before, but never more than one
-codec run does.
+codec run does.  The streaming codec's session (``audio_tokenizer_stream``, which runs only beside
+the decoder) gets half the CPUs on the CPU provider
+(:func:`~higgs_pack.runtime.backends.onnxruntime.sessions.stream_codec_thread_pool`).
 
 What batching cannot do on a small CPU: the codec's work per frame exceeds the decoder's.  On
 the bench bundles (AMD EPYC, 2 vCPUs, load 10-13) the codec takes 13-20 ms per window frame

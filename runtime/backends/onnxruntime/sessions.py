@@ -95,12 +95,15 @@ def stream_codec_thread_pool() -> dict[str, Any]:
     The streaming codec runs only beside the decoder: the engine's codec thread steps it while
     the engine thread steps the decoder, and with ONNX Runtime's default (one worker per core)
     each run put a worker on every core the decoder's step was using.  Bench preset cpu int4
-    (real codec dims), 100 frames, AMD EPYC 2 vCPUs, ONNX Runtime 1.32, load average 3-7 from
-    other jobs, medians of 3 interleaved rounds (``bench.stream_codec``): audio delivered per wall
-    second with the codec, streamed over plain, 0.71-0.77x -> 0.92-0.97x at batch 1 and 0.77-0.83x
-    -> 0.92-1.32x at batch 4; first audio unchanged (the codec alone: 6.3 -> 4.0 ms per frame
-    one-shot with 1 worker instead of 2 at that load).  The one-shot ``audio_tokenizer`` keeps the
-    default: it also decodes a whole utterance alone, where every core helps.
+    (real codec dims), 100 frames, AMD EPYC 2 vCPUs, ONNX Runtime 1.32, load average 3-8 from
+    other jobs, four runs of 3 interleaved rounds each (medians of per-round ratios): audio
+    delivered per wall second, codec included (``bench.batch``'s ``delivered_frames_per_s``),
+    streamed over plain 0.68-0.77x -> 0.95-1.27x at batch 1 and 0.73-0.83x -> 0.92-1.32x at
+    batch 4; the engine's aggregate rate while streaming over plain's 0.20-0.50x -> 0.26-0.60x
+    (batch 1), 0.20-0.31x -> 0.39-0.59x (batch 4); the slowest stream's first audio no later
+    (batch 4: 710-1253 ms -> 515-1285 ms).  The codec alone at load 2: 6.8 -> 4.0 ms per frame
+    (4 rows of 20 frames, 2 workers -> 1).  The one-shot ``audio_tokenizer`` keeps the default:
+    it also decodes a whole utterance with nothing beside it, where every core helps.
     """
     import os
 

@@ -31,7 +31,7 @@ from higgs_pack.manifests.errors import InputError, Problem, literal, unknown_ch
 from higgs_pack.runtime.loop.delay import SamplingOptions, bundle_sampling, sampling_problems
 
 #: Previous text chunks of a long text whose text and codes open the next chunk's prompt (the
-#: rolling context, :func:`higgs_pack.runtime.loop.generate.chunk_voice`; Higgs' own long-form
+#: rolling context, :func:`higgs_pack.runtime.loop.generate.chunk_context`; Higgs' own long-form
 #: generation calls it ``generation_chunk_buffer_size``).  Not yet measured at full size (issue 30
 #: asks for the prefill cost of each K): 1 carries the voice and prosody of the chunk just spoken.
 CONTEXT_CHUNKS = 1

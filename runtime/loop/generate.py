@@ -694,7 +694,7 @@ class SynthesisPlan:
 
     def voice_of(self, index: int) -> tuple[np.ndarray | None, str | None]:
         """The voice of text chunk ``index``'s speaker: ``(codes int64 [frames, N], transcript)``, or
-        ``(None, None)`` when the speaker's first chunk is its voice (:func:`chunk_voice`)."""
+        ``(None, None)`` when the speaker's first chunk is its voice (:func:`chunk_context`)."""
         return (self.ref_codes, self.ref_text) if self.cast is None else self.cast.voices[self.speaker_of(index)]
 
 

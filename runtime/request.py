@@ -373,6 +373,14 @@ class SynthesisRequest:
             alone: the clip's, or with none the first chunk's speech).
         context_frames: most frames of each context chunk kept in a prompt (its end, cut at a
             word; >= 1), or None: whole chunks.
+        context: earlier speech that follows the voice in the first text chunk's prompt, oldest
+            first, each a :class:`PreparedVoice` (its codes and what it says): a live session's
+            previous sentences (serve/live.py).  Each becomes one ``<|ref_text|> text
+            <|ref_audio|> codes`` pair after the voice's, as a long text's earlier chunks do
+            (:func:`higgs_pack.runtime.loop.generate.chunk_context`), so the voice stays the
+            prompt's prefix and its KV is restored from the prefix cache.  Needs ``voice``; the
+            last ``context_chunks`` are used (fewer where the decoder's context is short).
+            Not a keyword of :meth:`create` (set the field).
 
     Raises:
         InputError: one message naming every bad field, its value and what is allowed.
@@ -388,9 +396,11 @@ class SynthesisRequest:
     schedule: StreamSchedule = field(default_factory=StreamSchedule)
     context_chunks: int = CONTEXT_CHUNKS
     context_frames: int | None = None
+    context: tuple[PreparedVoice, ...] = ()
 
     def __post_init__(self) -> None:
-        refuse(request_problems(self.text, self._chosen(), self.max_frames, self.context_chunks, self.context_frames))
+        refuse(request_problems(self.text, self._chosen(), self.max_frames, self.context_chunks, self.context_frames)
+               + context_problems(self.context, self.voice))
 
     def _chosen(self) -> dict[str, Any]:
         """The sampling fields this request sets (the seed always; the others unless None)."""
@@ -501,6 +511,20 @@ def _refuse_unknown(keywords: dict[str, Any]) -> None:
     name = next(iter(keywords))
     raise InputError(problems=[Problem(name, None, message=literal(unknown_choice(
         "synthesis option", name, known, "the keywords of SynthesisRequest.create")))])
+
+
+def context_problems(context: Any, voice: Any) -> list[Problem]:
+    """The problem of a request's ``context`` (:attr:`SynthesisRequest.context`): not a tuple of
+    :class:`PreparedVoice`, or given without a voice; ``[]`` when usable."""
+    if not isinstance(context, tuple) or not all(isinstance(part, PreparedVoice) for part in context):
+        kinds = ", ".join(sorted({plain_type(part) for part in context})) if isinstance(context, (tuple, list)) \
+            else plain_type(context)
+        return [Problem("context", None, message="{name} must be a tuple of PreparedVoice (earlier speech's codes "
+                                                 f"and text), got {kinds}")]
+    if context and voice is None:
+        return [Problem("context", None, message="{name} follows the voice in the prompt and needs one: give voice= "
+                                                 "(with none, make the oldest speech the voice)")]
+    return []
 
 
 def request_problems(text: Any, sampling: dict[str, Any], max_frames: Any,

@@ -20,9 +20,11 @@ sentence's bytes are a playable stream), ``{"type": "audio.done", "sentence_inde
 "total_sentences"}``, then closes the socket (code 1000).  Beyond vllm-omni:
 
 - each sentence is generated with the rolling context of a long text
-  (:func:`~higgs_pack.runtime.loop.generate.chunk_voice`): its prompt opens with the session's
-  voice (with none, the first sentence's own speech is the voice of the rest) and the previous
-  ``context_chunks`` sentences' text and codes, so voice and prosody carry across sentences;
+  (:func:`~higgs_pack.runtime.loop.generate.chunk_context`): its prompt opens with the session's
+  voice (with none, the first sentence's own speech is the voice of the rest), then the previous
+  ``context_chunks`` sentences' text and codes as pairs of their own, so voice and prosody carry
+  across sentences and the voice stays the prompt's prefix: every sentence after the first
+  restores the voice's KV from the prefix cache and prefills only the context and its own text;
 - ``audio.done``'s ``start`` and ``end`` are the sentence's speech in the session's audio
   (seconds; the audio before ``start`` in a sentence's frames is the
   :data:`~higgs_pack.runtime.loop.generate.SENTENCE_PAUSE_S` pause that separates it from the
@@ -73,7 +75,7 @@ from higgs_pack.runtime.loop.generate import (
     SENTENCE_PAUSE_S,
     GenerationResult,
     SynthesisPlan,
-    chunk_voice,
+    chunk_context,
     plan_chunks,
 )
 from higgs_pack.runtime.loop.sentences import SentenceSplitter
@@ -454,9 +456,9 @@ class Session:
             self.job, self.voice = await anyio.to_thread.run_sync(self._parse_config, {}, limiter=self.server.limiter)
         base = self.job.request
         seed = None if base.seed is None else base.seed + index
-        voice = sentence_voice(self.server.engine.pipeline, base, self.voice, self.spoken, text)
+        voice, context = sentence_context(self.server.engine.pipeline, base, self.voice, self.spoken, text)
         try:
-            request = dataclasses.replace(base, text=text, voice=voice, seed=seed)
+            request = dataclasses.replace(base, text=text, voice=voice, context=context, seed=seed)
         except InputError as exc:
             raise from_input_error(exc, param="text") from exc
         return dataclasses.replace(self.job, request=request)
@@ -516,38 +518,45 @@ class Session:
         return kind != "session.done"
 
 
-def sentence_voice(pipeline: Any, request: SynthesisRequest, voice: PreparedVoice | None, spoken: list[_Spoken],
-                   text: str) -> PreparedVoice | None:
-    """The voice that opens a live sentence's prompt: the session's ``voice`` and the rolling
-    context of the sentences ``spoken`` before it, chosen by
-    :func:`~higgs_pack.runtime.loop.generate.chunk_voice` as for a long text's chunks (the
-    sentences are the chunks: context past the decoder's length is dropped, oldest first).
+def sentence_context(pipeline: Any, request: SynthesisRequest, voice: PreparedVoice | None,
+                     spoken: list[_Spoken], text: str) -> tuple[PreparedVoice | None, tuple[PreparedVoice, ...]]:
+    """The voice and rolling context that open a live sentence's prompt: the session's ``voice``
+    and the sentences ``spoken`` before it, chosen by
+    :func:`~higgs_pack.runtime.loop.generate.chunk_context` as for a long text's chunks (the
+    sentences are the chunks: context past the decoder's length is dropped, oldest first; each
+    cut to ``context_frames``).  They go into the sentence's request apart
+    (:attr:`~higgs_pack.runtime.request.SynthesisRequest.context`), so its prompt opens with the
+    voice alone and the voice's KV comes from the prefix cache after the first sentence.
 
     Args:
         pipeline: the engine's pipeline (its decoder's length).
-        request: the session's request (frame cap, ``context_chunks``).
+        request: the session's request (frame cap, ``context_chunks``, ``context_frames``).
         voice: the session's voice, or None (the bundle's own; the first sentence then becomes
-            the voice).
+            the voice: a PreparedVoice of its codes and text, the same for every later
+            sentence, so its prefix is cached too).
         spoken: the sentences kept as context (:meth:`Session._remember`), oldest first.
         text: the sentence about to be spoken.
 
     Returns:
-        A :class:`~higgs_pack.runtime.request.PreparedVoice` of the voice's and the context's
-        codes (int64 [frames, N]) and transcripts joined, or ``voice`` itself when there is no
-        context.
+        ``(voice, context)``: the voice (``voice`` itself, the first sentence's, or None) and the
+        context sentences as :class:`~higgs_pack.runtime.request.PreparedVoice` (codes int64
+        [frames, N] and text), oldest first; ``(voice, ())`` when there is none.
     """
     if not spoken or request.context_chunks == 0:
-        return voice
+        return voice, ()
     cap = max(c for _, c in plan_chunks(pipeline, text.strip(), None, None, request.max_frames))
     decoder = pipeline.decoder
     plan = SynthesisPlan(request.sampling_options(pipeline.generation_defaults),
                          None if voice is None else voice.codes, None if voice is None else voice.transcript,
                          (*((s.text, s.cap) for s in spoken), (text, cap)), request.schedule, 0,
-                         request.context_chunks, decoder.max_length, getattr(decoder, "max_prompt_length", None))
-    codes, words = chunk_voice(pipeline, plan, len(spoken), [s.result for s in spoken])
+                         request.context_chunks, decoder.max_length, getattr(decoder, "max_prompt_length", None),
+                         context_frames=request.context_frames)
+    codes, words, context = chunk_context(pipeline, plan, len(spoken), [s.result for s in spoken])
     if codes is None:
-        return None
-    return PreparedVoice(codes, words, "live context")
+        return None, ()
+    if voice is None or codes is not voice.codes:  # the first sentence's speech (its cache key is its codes and text)
+        voice = PreparedVoice(codes, words or "", "live first sentence")
+    return voice, tuple(PreparedVoice(part, said, "live context") for part, said in context)
 
 
 #: session.config fields checked together when each bad field is looked for (one needs the other).

@@ -202,7 +202,6 @@ def test_a_long_text_is_chunked_by_words_and_each_chunk_opens_with_the_voice_and
 def test_a_reference_voice_leads_the_context_and_zero_context_keeps_chunks_apart(oracle):
     from higgs_pack.runtime.loop.generate import (
         chunk_context,
-        chunk_voice,
         plan_synthesis,
         run_plan,
     )
@@ -221,9 +220,6 @@ def test_a_reference_voice_leads_the_context_and_zero_context_keeps_chunks_apart
     alone = prompt_of(oracle, texts[2], voice, "A voice.")
     assert (prompt.prefix_length, prompt.voice, prompt.material) == (alone.prefix_length, alone.voice, alone.material)
     np.testing.assert_array_equal(prompt.embeds[:, :prompt.prefix_length], alone.embeds[:, :alone.prefix_length])
-    # One voice for a caller that can pass one only (a live session): the pairs joined.
-    joined, joined_words = chunk_voice(oracle, plan, 2, result.chunks)
-    assert np.array_equal(joined, np.concatenate([voice, result.chunks[1].codes])) and joined_words == f"A voice. {texts[1]}"
     apart = plan_synthesis(oracle, STORY, options=SamplingOptions(seed=3), max_frames=12, context_chunks=0)
     assert len(apart.chunks) == 1  # packed up to the context, as before the rolling context
     alone = run_plan(oracle, apart)

@@ -146,6 +146,39 @@ def test_context_frames_keeps_the_end_of_each_context_chunk_cut_at_a_word(tts, v
             SynthesisRequest.create("Hi.", context_frames=bad)
 
 
+def test_a_requests_earlier_speech_is_a_rolling_context_after_the_voice(tts, voice):
+    """SynthesisRequest.context (a live session's previous sentences, serve/live.py): the request's
+    first chunk gets the prompt a long text's later chunk gets with the same context, its voice
+    restored from the prefix cache; refused without a voice or when not PreparedVoices."""
+    from higgs_pack.runtime.loop.generate import chunk_prompt
+
+    result = tts.synthesize(STORY, voice=voice, seed=4, max_frames=12, context_chunks=2)
+    long_plan = plan_request(tts.pipeline, SynthesisRequest(STORY, voice, 4, max_frames=12, context_chunks=2))
+    texts = [text for text, _ in long_plan.chunks]
+    earlier = tuple(PreparedVoice(result.chunks[j].codes, texts[j], "earlier") for j in (0, 1))
+    request = SynthesisRequest(texts[2], voice, 4, max_frames=12, context_chunks=2, context=earlier)
+    plan = plan_request(tts.pipeline, request)
+    assert plan.context and len(plan.chunks) == 1
+    got, want = chunk_prompt(tts.pipeline, plan, 0, []), chunk_prompt(tts.pipeline, long_plan, 2, result.chunks)
+    assert (got.length, got.prefix_length) == (want.length, want.prefix_length)
+    np.testing.assert_array_equal(got.embeds, want.embeds)
+    assert plan.positions >= got.length + 12 + 7
+    # context_chunks bounds it: the last one only.
+    one = plan_request(tts.pipeline, SynthesisRequest(texts[2], voice, 4, max_frames=12, context_chunks=1,
+                                                      context=earlier))
+    assert chunk_prompt(tts.pipeline, one, 0, []).length == result.chunks[2].prompt_length - len(earlier[0].codes) \
+        - len(tts.pipeline.tokenizer.encode(texts[0], add_special_tokens=False).ids) - 2 - 7
+    cache = _fresh(tts)
+    tts.synthesize(request)  # a miss: the voice prefix computed and kept
+    spoken = tts.synthesize(request)
+    assert (cache.stats.misses, cache.stats.hits) == (1, 1)
+    assert spoken.chunks[0].prefilled == got.length - got.prefix_length
+    with pytest.raises(InputError, match=r"context .*needs one"):
+        SynthesisRequest("Hi.", None, context=earlier)
+    with pytest.raises(InputError, match="tuple of PreparedVoice"):
+        SynthesisRequest("Hi.", voice, context=((result.chunks[0].codes, texts[0]),))
+
+
 def test_the_rolling_context_measurement_on_the_tiny_bundle(cpu_fp32_bundle, cases_dir, tmp_path):
     from bench.ab import main
 

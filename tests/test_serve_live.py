@@ -12,6 +12,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 
+import httpx
 import pytest
 from live_server import LiveServer
 
@@ -138,6 +139,30 @@ def test_sentences_carry_the_rolling_context(server):
     assert bytes(with_context.audio[0]) == bytes(alone.audio[0])
     assert bytes(with_context.audio[1]) != bytes(alone.audio[1])
     assert bytes(with_context.audio[1]) == bytes(again.audio[1])  # a seeded session repeats
+
+
+def test_later_sentences_restore_the_voice_from_the_prefix_cache(server, cases_dir):
+    """A sentence's request carries the voice and the previous sentences apart (the long text's
+    layout, SynthesisRequest.context), so its prompt opens with the voice alone: with a named
+    voice the first sentence computes the voice's prefix (a miss) and the second and third
+    restore it (two hits) while still hearing the sentence before.  With no voice the first
+    sentence's speech is the voice of the rest: the second computes it, the third restores it."""
+    transcript = (cases_dir / "ref_en_16k.txt").read_text().strip()
+    made = httpx.post(server.url + "/v1/audio/voices", timeout=60, data={"name": "live-prefix", "transcript": transcript},
+                      files={"audio": ("ref.wav", (cases_dir / "ref_en_16k.wav").read_bytes(), "audio/wav")})
+    assert made.status_code == 201, made.text
+    texts = ["The first sentence sets the scene.", "The second one follows it.", "And a third one ends it."]
+
+    def counts() -> tuple[float, float]:
+        return server.metric("higgs_pack_prefix_cache_hits_total"), server.metric("higgs_pack_prefix_cache_misses_total")
+
+    for config, (hits, misses) in (({"voice": "live-prefix", "seed": 4}, (2, 1)), ({"seed": 4}, (1, 1))):
+        before = counts()
+        heard = asyncio.run(_session(server.ws, [" ".join(texts)], config))
+        _check_sentences(heard, texts)
+        assert all(done["frames"] > 0 for done in heard.of("audio.done"))
+        after = counts()
+        assert (after[0] - before[0], after[1] - before[1]) == (hits, misses), config
 
 
 def test_flush_speaks_text_with_no_sentence_end(server):

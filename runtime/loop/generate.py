@@ -674,6 +674,10 @@ class SynthesisPlan:
         cast: the speakers of a dialogue, else None.
         context_frames: most frames of each context chunk kept in a prompt (its end, cut at a
             word, :func:`context_tail`); None: whole chunks.
+        context: earlier speech before the first text chunk, ``(codes int64 [frames, N], text)``
+            oldest first (a live session's previous sentences,
+            :attr:`~higgs_pack.runtime.request.SynthesisRequest.context`): rolling context of the
+            first chunks, as if they were chunks before chunk 0 (:func:`chunk_context`).
     """
 
     options: SamplingOptions
@@ -687,6 +691,7 @@ class SynthesisPlan:
     max_prompt_length: int | None = None
     cast: Cast | None = None
     context_frames: int | None = None
+    context: tuple[tuple[np.ndarray, str], ...] = ()
 
     def speaker_of(self, index: int) -> int:
         """The speaker of text chunk ``index`` (an index into ``cast.names``; 0 outside a dialogue)."""
@@ -724,7 +729,8 @@ def plan_synthesis(pipeline: Pipeline, text: str, *, options: SamplingOptions | 
                    ref_samples: np.ndarray | None = None, ref_codes: np.ndarray | None = None,
                    ref_text: str | None = None, max_frames: int | None = None,
                    schedule: StreamSchedule | None = None, checked: bool = False,
-                   context_chunks: int = CONTEXT_CHUNKS, context_frames: int | None = None) -> SynthesisPlan:
+                   context_chunks: int = CONTEXT_CHUNKS, context_frames: int | None = None,
+                   context: Context = ()) -> SynthesisPlan:
     """Check what only the bundle can judge and plan the request: a :class:`SynthesisPlan`.
 
     Everything the loop can refuse is refused here, before a frame is generated or a byte
@@ -746,6 +752,8 @@ def plan_synthesis(pipeline: Pipeline, text: str, *, options: SamplingOptions | 
         checked: the text and voice pairing were checked already (a
             :class:`~higgs_pack.runtime.request.SynthesisRequest` checks them when made).
         context_frames: most frames of each context chunk kept (:attr:`SynthesisPlan.context_frames`).
+        context: earlier speech after the voice, ``(codes int64 [frames, N], text)`` oldest first
+            (:attr:`SynthesisPlan.context`); needs a voice.
         context_chunks: the rolling context (:func:`chunk_context`): with it (default
             :data:`CONTEXT_CHUNKS`) a long text is cut into chunks of at most
             :data:`CHUNK_WORDS` words; 0 packs each chunk up to the decoder's context and
@@ -759,8 +767,14 @@ def plan_synthesis(pipeline: Pipeline, text: str, *, options: SamplingOptions | 
     if not checked:
         voice = ref_samples if ref_codes is None else ref_codes
         refuse(text_problems(text) or voice_pair_problems(voice, ref_text))
+    if context and ref_samples is None and ref_codes is None:
+        raise InputError("a rolling context (earlier speech) follows the voice in the prompt and needs one; "
+                         "give a voice (with none, make the oldest speech the voice)")
     if ref_codes is not None:
         check_voice_codes(pipeline, ref_codes)
+    for codes, words in context:
+        check_voice_codes(pipeline, codes)
+        check_text_tokens(pipeline, words, "context")
     options = bundle_sampling(pipeline.generation_defaults) if options is None else options
     check_text_tokens(pipeline, text)
     if ref_text is not None:
@@ -771,7 +785,7 @@ def plan_synthesis(pipeline: Pipeline, text: str, *, options: SamplingOptions | 
                                max_words=CHUNK_WORDS if context_chunks else None))
     plan = SynthesisPlan(options, ref_codes, ref_text, chunks, schedule or StreamSchedule(), 0, context_chunks,
                          pipeline.decoder.max_length, getattr(pipeline.decoder, "max_prompt_length", None),
-                         context_frames=context_frames)
+                         context_frames=context_frames, context=tuple(context))
     return dataclasses.replace(plan, positions=_most_positions(pipeline, plan))
 
 
@@ -794,7 +808,8 @@ def plan_request(pipeline: Pipeline, request: SynthesisRequest) -> SynthesisPlan
         ref_codes=voice.codes if isinstance(voice, PreparedVoice) else None,
         ref_text=voice.transcript if voice is not None else None,
         max_frames=request.max_frames, schedule=request.schedule, checked=True,
-        context_chunks=request.context_chunks, context_frames=request.context_frames)
+        context_chunks=request.context_chunks, context_frames=request.context_frames,
+        context=[(part.codes, part.transcript) for part in request.context])
 
 
 def run_plan(pipeline: Pipeline, plan: SynthesisPlan, progress: ProgressCallback | None = None) -> SynthesisResult:
@@ -831,7 +846,8 @@ def chunk_context(pipeline: Pipeline, plan: SynthesisPlan, index: int,
     The voice is the request's (a reference clip's codes and transcript; in a dialogue the
     chunk's speaker's, :meth:`SynthesisPlan.voice_of`); with none, the first chunk's own codes
     and text (whole) become the voice of every later chunk.  After it come the last
-    ``plan.context_chunks`` chunks before ``index`` (text and codes, oldest first; each cut to its
+    ``plan.context_chunks`` chunks before ``index`` (text and codes, oldest first, the plan's
+    earlier speech :attr:`SynthesisPlan.context` counted as chunks before chunk 0; each cut to its
     last ``plan.context_frames`` frames, :func:`context_tail`), as Higgs' own long-form
     generation keeps its ``generation_chunk_buffer_size`` chunks (../shared/SPEECH-AT-LENGTH.md);
     the oldest are left out while the prompt and the chunk's cap would not fit
@@ -851,7 +867,7 @@ def chunk_context(pipeline: Pipeline, plan: SynthesisPlan, index: int,
     """
     chosen = _context_of(plan, index)
     ref_codes, ref_text = plan.voice_of(index)
-    parts = [(results[j].codes, plan.chunks[j][0]) for j in chosen]
+    parts = _earlier(plan, len(chosen)) + [(results[j].codes, plan.chunks[j][0]) for j in chosen]
     if ref_codes is None and parts:  # the speaker's first chunk is its voice (whole)
         (ref_codes, ref_text), parts = parts[0], parts[1:]
         if not len(ref_codes):
@@ -874,19 +890,6 @@ def chunk_context(pipeline: Pipeline, plan: SynthesisPlan, index: int,
                 break
             return ref_codes, ref_text, []
     return None, None, []
-
-
-def chunk_voice(pipeline: Pipeline, plan: SynthesisPlan, index: int,
-                results: list[GenerationResult]) -> tuple[np.ndarray | None, str | None]:
-    """:func:`chunk_context` joined into one voice: the codes of the voice and its context
-    concatenated (int64 [frames, N]) and their texts joined by spaces, or ``(None, None)``.  For a
-    caller that can pass one voice only (a live session's sentence, serve/live.py); such a prompt
-    does not have the voice alone as its prefix."""
-    codes, words, context = chunk_context(pipeline, plan, index, results)
-    if codes is None or not context:
-        return codes, words
-    return (np.concatenate([codes, *(part for part, _ in context)], axis=0),
-            " ".join([words or "", *(part for _, part in context)]))
 
 
 def context_tail(pipeline: Pipeline, codes: np.ndarray, text: str, frames: int | None) -> tuple[np.ndarray, str]:
@@ -940,21 +943,28 @@ def _context_of(plan: SynthesisPlan, index: int) -> list[int]:
     return ([] if first is None else [first]) + recent[::-1]
 
 
+def _earlier(plan: SynthesisPlan, taken: int) -> Context:
+    """The plan's earlier speech (:attr:`SynthesisPlan.context`) that a chunk's prompt holds
+    besides ``taken`` earlier chunks of the plan: the last ``plan.context_chunks - taken`` of it."""
+    room = plan.context_chunks - taken
+    return list(plan.context[-room:]) if room > 0 and plan.cast is None else []
+
+
 def _most_positions(pipeline: Pipeline, plan: SynthesisPlan) -> int:
     """Most decoder positions a chunk of ``plan`` can hold: its prompt and cap, with the rolling
     context of :func:`chunk_context` at its largest (every chunk of :func:`_context_of` at its frame
-    cap, or ``plan.context_frames`` of it, with its whole text and a token to spare for a cut), and
+    cap, and the plan's earlier speech at its length, or ``plan.context_frames`` of each, with its whole text and a token to spare for a cut), and
     never more than ``plan.max_length`` (:func:`chunk_context` drops context past it)."""
     n = pipeline.constants.num_codebooks
     most = 0
     for index, (text, cap) in enumerate(plan.chunks):
         chosen, (ref_codes, ref_text) = _context_of(plan, index), plan.voice_of(index)
+        earlier = [(words, len(codes)) for codes, words in _earlier(plan, len(chosen))]
         if ref_codes is None and chosen:  # the first chunk is the voice, whole
             first, chosen = chosen[0], chosen[1:]
             ref_codes, ref_text = np.zeros((plan.chunks[first][1], n), np.int64), plan.chunks[first][0]
         extra = 0
-        for j in chosen:
-            words, frames = plan.chunks[j]
+        for words, frames in earlier + [plan.chunks[j] for j in chosen]:
             if plan.context_frames is not None and frames > plan.context_frames:  # context_tail's most
                 split = words.split()
                 last = frames * len(split[-1]) // sum(len(w) for w in split) + 1

@@ -179,12 +179,14 @@ class SynthesizeFlags:
     max_chunk_frames: int
     batch: int | None
     context_chunks: int
+    context_frames: int | None
     subtitles: Path | None
 
     def sampling(self) -> dict[str, Any]:
         """The request's sampling keywords, frame cap and rolling context (``SynthesisRequest.create``'s)."""
         return {"seed": self.seed, "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
-                "max_frames": self.max_frames, "context_chunks": self.context_chunks}
+                "max_frames": self.max_frames, "context_chunks": self.context_chunks,
+                "context_frames": self.context_frames}
 
     def voice(self) -> dict[str, Any]:
         """The reference clip and its transcript (``SynthesisRequest.create``'s keywords)."""
@@ -258,6 +260,9 @@ SUBTITLES_OPTION = click.option(
 @click.option("--context-chunks", type=int, default=CONTEXT_CHUNKS, show_default=True,
               help="A long text's rolling context: previous text chunks (text and audio) that open each next "
                    "chunk's prompt, so the voice carries on (0: the voice alone).")
+@click.option("--context-frames", type=int, default=None,
+              help="Most frames of each context chunk kept in a prompt (its end, cut at a word; 25 frames = 1 s). "
+                   "Default: whole chunks.")
 @click.option("--batch", type=click.IntRange(min=1),
               help="Speak every non-empty line of --text-file into its own wav in the folder -o, this many "
                    "lines decoded together; rerun to resume.")
@@ -680,10 +685,12 @@ def _say_written(note: str, sink, rate: int, where: str, results: list, speech) 
 @click.option("--max-frames", type=int, help="Frame cap per text chunk (25 frames = 1 s). Default: from text length.")
 @click.option("--context-chunks", type=int, default=CONTEXT_CHUNKS, show_default=True,
               help="The speaker's earlier text chunks (text and audio) that open each of its next prompts.")
+@click.option("--context-frames", type=int, default=None,
+              help="Most frames of each such chunk kept (its end, cut at a word; 25 frames = 1 s). Default: whole.")
 @click.option("--float", "as_float", is_flag=True, help="Write 32-bit float wav instead of 16-bit PCM.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (there is none when stderr is not a terminal).")
 def dialogue(bundle, script, output, voices, subtitles, execution_provider, device, allow_fallback, seed,
-             temperature, top_k, top_p, max_frames, context_chunks, as_float, no_progress) -> None:
+             temperature, top_k, top_p, max_frames, context_chunks, context_frames, as_float, no_progress) -> None:
     """Speak SCRIPT, a dialogue, with BUNDLE into one wav.
 
     SCRIPT is UTF-8 text with one turn per line, NAME: text ('-' for stdin); blank lines and
@@ -712,6 +719,7 @@ def dialogue(bundle, script, output, voices, subtitles, execution_provider, devi
                                  "one voice", param_hint="--voice")
     request = DialogueRequest.create(turns, dict(chosen), seed=seed, temperature=temperature, top_k=top_k,
                                      top_p=top_p, max_frames=max_frames, context_chunks=context_chunks,
+                                     context_frames=context_frames,
                                      **FILE_SCHEDULE)
     tts = load(bundle, device=device, execution_provider=execution_provider, allow_fallback=allow_fallback)
     click.echo(f"using {tts.info}", err=True)

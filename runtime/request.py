@@ -72,7 +72,7 @@ FIELDS: dict[str, FieldNames] = {f.keyword: f for f in (
     FieldNames("chunk_growth", "--chunk-growth", None),
     FieldNames("max_chunk_frames", "--max-chunk-frames", None),
     FieldNames("context_chunks", "--context-chunks", "context_chunks"),
-    FieldNames("context_frames", None, None),
+    FieldNames("context_frames", "--context-frames", "context_frames"),
 )}
 
 Audio = str | os.PathLike | tuple[np.ndarray, int]

@@ -7,7 +7,7 @@ text messages:
 - ``{"type": "session.config", ...}`` (optional, first): ``voice``, ``response_format``
   (``pcm``, the default, or ``wav``) and the sampling fields of ``POST /v1/audio/speech``
   (``seed``, ``temperature``, ``top_k``, ``top_p``, ``max_new_tokens``, ``ref_audio`` with
-  ``ref_text``, ``references``, ``context_chunks``, ``initial_chunk_frames``), checked by the
+  ``ref_text``, ``references``, ``context_chunks``, ``context_frames``, ``initial_chunk_frames``), checked by the
   HTTP route's own :func:`~higgs_pack.serve.speech.parse_speech`;
 - ``{"type": "input.text", "text": ...}`` pieces (an LLM's tokens, or whole sentences);
 - ``{"type": "input.done"}``: speak what is left and end the session.

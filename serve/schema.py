@@ -86,6 +86,9 @@ class SpeechBody(BaseModel):
     context_chunks: int | None = Field(None, ge=0, description="A long input's rolling context: previous text "
                                        "chunks (their text and audio) that open the next chunk's prompt, so the "
                                        "voice and prosody carry on (default 1; 0: the voice alone).")
+    context_frames: int | None = Field(None, ge=1, description="Most frames of each context chunk kept in a "
+                                       "prompt (its end, cut at a word; 25 frames per second); left out: whole "
+                                       "chunks.")
     initial_chunk_frames: int | None = Field(None, ge=1, description="Frames in the first streamed chunk (fewer: "
                                              "audio sooner).")
     initial_codec_chunk_frames: int | None = Field(None, ge=1, description="sglang-omni's name of "
@@ -130,6 +133,7 @@ class DialogueBody(BaseModel):
     max_new_tokens: int | None = Field(None, ge=1, description="Frame cap per text chunk (25 frames per second).")
     context_chunks: int | None = Field(None, ge=0, description="The speaker's earlier text chunks that open each "
                                        "of its prompts (default 1).")
+    context_frames: int | None = Field(None, ge=1, description="As /v1/audio/speech.")
     initial_chunk_frames: int | None = Field(None, ge=1, description="As /v1/audio/speech.")
     initial_codec_chunk_frames: int | None = Field(None, ge=1, description="As /v1/audio/speech.")
 

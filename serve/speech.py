@@ -35,7 +35,7 @@ from higgs_pack.serve.formats import STREAMABLE, response_formats
 #: Every field the body may hold.
 FIELDS = ("model", "input", "voice", "response_format", "speed", "instructions", "stream_format", "stream",
           "ref_audio", "ref_text", "references", "seed", "temperature", "top_k", "top_p", "max_new_tokens",
-          "initial_chunk_frames", "initial_codec_chunk_frames", "context_chunks", "segments")
+          "initial_chunk_frames", "initial_codec_chunk_frames", "context_chunks", "context_frames", "segments")
 #: The name of the bundle's own voice (no reference clip).
 DEFAULT_VOICE = "default"
 _DATA_URI = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(;[\w-]+=[\w.-]+)*;base64,", re.ASCII)
@@ -141,7 +141,7 @@ def segments_wanted(body: dict, stream_format: str | None) -> bool:
 #: Every field the body of ``POST /v1/audio/dialogue`` may hold.
 DIALOGUE_FIELDS = ("model", "turns", "voices", "response_format", "stream_format", "stream", "segments", "seed",
                    "temperature", "top_k", "top_p", "max_new_tokens", "initial_chunk_frames",
-                   "initial_codec_chunk_frames", "context_chunks")
+                   "initial_codec_chunk_frames", "context_chunks", "context_frames")
 
 
 def parse_dialogue(body: Any, *, models: tuple[str, ...], voices: Any, config: ServeConfig) -> SpeechJob:
@@ -479,7 +479,7 @@ def _base64(value: str, config: ServeConfig, param: str) -> bytes:
 def _sampling(body: dict) -> dict[str, Any]:
     """The request keywords of the sampling and stream fields (their range checked by the request)."""
     keywords: dict[str, Any] = {}
-    for name in ("seed", "temperature", "top_k", "top_p", "context_chunks"):
+    for name in ("seed", "temperature", "top_k", "top_p", "context_chunks", "context_frames"):
         if body.get(name) is not None:
             keywords[name] = body[name]
     if "seed" in body and body["seed"] is None:

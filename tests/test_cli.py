@@ -212,6 +212,8 @@ def invoke(*args, input=None):
     (["--text", "Hi.", "--top-p", "0"], None, r"top_p must be in (0, 1], got 0.0; set it with --top-p / top_p="),
     (["--text", "Hi.", "--seed", "-1"], None, "seed must be >= 0"),
     (["--text", "Hi.", "--max-frames", "0"], None, "max_frames must be >= 1 (frames, 25 per second), got 0"),
+    (["--text", "Hi.", "--context-frames", "0"], None, "context_frames must be >= 1 (frames of each context chunk, "
+                                                       "25 per second), got 0; set it with --context-frames"),
     (["--text", "Hi.", "--temperature", "inf"], None, "temperature must be a finite number >= 0 (0 = greedy), got inf"),
     (["--text", "Hi.", "--stream", "--first-chunk-frames", "50", "--max-chunk-frames", "5"], None,
      "max_chunk_frames must be >= first_chunk_frames (50), got 5"),

@@ -164,6 +164,7 @@ def test_the_dialogue_command_writes_audio_and_subtitles(cpu_int4_bundle, cases_
     (lambda p: p.write_text("ANN: Hi.\n"), ["--voice", "ANN={clip}:Words.", "-o", "{clip}"],
      "is also an input of this command"),
     (lambda p: p.write_text("ANN: Hi.\n"), ["-o", "-"], "-o - (stdout) is not supported"),
+    (lambda p: p.write_text("ANN: Hi.\n"), ["--context-frames", "0"], "context_frames must be >= 1"),
     (lambda p: p.write_text("ANN: Hi.\n"), ["--voice", "ANN={dir}:Words."], "is a folder, not an audio file"),
 ])
 def test_the_dialogue_command_refuses_a_bad_script_before_loading(tmp_path, make, extra, message):

@@ -146,7 +146,8 @@ def test_later_sentences_restore_the_voice_from_the_prefix_cache(server, cases_d
     layout, SynthesisRequest.context), so its prompt opens with the voice alone: with a named
     voice the first sentence computes the voice's prefix (a miss) and the second and third
     restore it (two hits) while still hearing the sentence before.  With no voice the first
-    sentence's speech is the voice of the rest: the second computes it, the third restores it."""
+    sentence's speech is the voice of the rest: the second computes it, the third restores it.
+    Once cached, a later session's every sentence restores it (context_frames cutting the context)."""
     transcript = (cases_dir / "ref_en_16k.txt").read_text().strip()
     made = httpx.post(server.url + "/v1/audio/voices", timeout=60, data={"name": "live-prefix", "transcript": transcript},
                       files={"audio": ("ref.wav", (cases_dir / "ref_en_16k.wav").read_bytes(), "audio/wav")})
@@ -156,7 +157,8 @@ def test_later_sentences_restore_the_voice_from_the_prefix_cache(server, cases_d
     def counts() -> tuple[float, float]:
         return server.metric("higgs_pack_prefix_cache_hits_total"), server.metric("higgs_pack_prefix_cache_misses_total")
 
-    for config, (hits, misses) in (({"voice": "live-prefix", "seed": 4}, (2, 1)), ({"seed": 4}, (1, 1))):
+    for config, (hits, misses) in (({"voice": "live-prefix", "seed": 4}, (2, 1)), ({"seed": 4}, (1, 1)),
+                                   ({"voice": "live-prefix", "seed": 4, "context_frames": 5}, (3, 0))):
         before = counts()
         heard = asyncio.run(_session(server.ws, [" ".join(texts)], config))
         _check_sentences(heard, texts)
@@ -278,6 +280,7 @@ def test_bad_messages_get_an_error_naming_the_field_and_the_session_goes_on(serv
     ({"sede": 1}, "sede", "unknown_field"),
     ({"input": "hello"}, "input", "unknown_field"),
     ({"temperature": -1}, "temperature", "invalid_value"),
+    ({"context_frames": 0}, "context_frames", "invalid_value"),
     ({"model": "gpt-4o-mini-tts"}, "model", "model_not_found"),
 ])
 def test_a_bad_config_is_refused_by_the_http_routes_checks_and_the_session_goes_on(server, config, param, code):

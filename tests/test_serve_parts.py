@@ -111,6 +111,25 @@ def test_a_speech_body_becomes_one_request():
     assert job.request.voice is voice and job.voice == "anna"
 
 
+def test_context_frames_is_a_field_of_the_speech_and_dialogue_bodies():
+    """context_frames (most frames of each context chunk kept) reaches the request from both
+    bodies (and so a live session's session.config, parsed as a speech body), and a bad one is
+    refused naming the body's field."""
+    from higgs_pack.serve.speech import parse_dialogue
+
+    assert _parse(context_frames=50).request.context_frames == 50 and _parse().request.context_frames is None
+    turns = {"model": MODELS[1], "turns": [{"speaker": "ANN", "input": "Hi."}], "context_frames": 30}
+    dialogue = parse_dialogue(turns, models=MODELS, voices=_Voices(), config=ServeConfig())
+    assert dialogue.request.options.context_frames == 30
+    for bad in (0, 2.5, "9"):
+        with pytest.raises(ApiError, match="context_frames must be") as err:
+            _parse(context_frames=bad)
+        assert err.value.status == 400 and err.value.param == "context_frames"
+        with pytest.raises(ApiError, match="context_frames must be") as err:
+            parse_dialogue({**turns, "context_frames": bad}, models=MODELS, voices=_Voices(), config=ServeConfig())
+        assert err.value.param == "context_frames"
+
+
 def test_ref_audio_is_decoded_and_bounded(tmp_path):
     wave = (0.3 * np.sin(np.arange(16000) / 8)).astype(np.float32)
     data = io.BytesIO()

@@ -105,10 +105,9 @@ def stream_codec_thread_pool() -> dict[str, Any]:
     (4 rows of 20 frames, 2 workers -> 1).  The one-shot ``audio_tokenizer`` keeps the default:
     it also decodes a whole utterance with nothing beside it, where every core helps.
     """
-    import os
+    from higgs_pack.runtime.machine.cpu import stream_codec_threads
 
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return {"intra_op_num_threads": max(1, cpus // 2)}
+    return {"intra_op_num_threads": stream_codec_threads()}
 
 
 

@@ -19,7 +19,7 @@ from bench import llama_cpp
 from bench.gemm import PREFILL_LENGTHS
 from bench.records import base_record
 from bench.systems import STEP_KIND, WorkerError, load_1m, ov_cache_dir, peak_rss_mb, spawn
-from bench.workers import CONTEXT_STEPS, PREFILL_ROUNDS, fixed_inputs, kv_itemsize
+from bench.workers import CONTEXT_STEPS, PREFILL_ROUNDS, fixed_inputs, kv_itemsize, prefill_rates
 
 
 def default_threads() -> int:
@@ -66,7 +66,9 @@ def time_steps(*, prefill: Callable[[int, int], Any], step: Callable[[range, boo
 
 def measure_our_steps(spec: dict[str, Any]) -> dict[str, Any]:
     """The ``our_steps`` worker: a bundle's batched decoder fed the bench prompt (repeated to ``L``)
-    and the BOC frame; a batch the backend refuses is a row with ``refused``."""
+    and the BOC frame; a batch the backend refuses is a row with ``refused``.  With
+    ``prefill_lengths``, also the bundle's own decoder's prefill rates (``bench.workers.
+    prefill_rates``), so that a steps-only run puts ours beside llama.cpp's prompt processing."""
     import numpy as np
 
     import higgs_pack
@@ -93,7 +95,10 @@ def measure_our_steps(spec: dict[str, Any]) -> dict[str, Any]:
         step=lambda rs, _out: decoder.step(np.arange(len(rs)), np.repeat(embed, len(rs), axis=0)),
         batches=usable, contexts=contexts, steps=steps) if usable else []
     rows += [{"batch": b, "context": n, "refused": why} for b, why in refused.items() for n in contexts]
-    return {"rows": rows, "kv_itemsize": kv_itemsize(tts.pipeline.decoder), "load_s": round(load_s, 3),
+    lengths = list(spec.get("prefill_lengths", ()))
+    prefill = prefill_rates(tts.pipeline.decoder, prompt[None], lengths,
+                            int(spec.get("prefill_rounds", PREFILL_ROUNDS))) if lengths else {}
+    return {"rows": rows, **prefill, "kv_itemsize": kv_itemsize(tts.pipeline.decoder), "load_s": round(load_s, 3),
             "loadavg": [before, load_1m()], "peak_rss_mb": peak_rss_mb()}
 
 
@@ -189,7 +194,8 @@ def run_step_comparison(llama: list[Any], ours: list[tuple[Any, Path, dict[str, 
                         ) -> list[dict[str, Any]]:
     """Convert (or reuse) the GGUFs of the llama.cpp systems, then time ours (``(spec, bundle,
     manifest)``) and theirs in turns; one ``decoder_step`` record each (a failure: ``error``), with
-    llama.cpp's own prompt processing at ``prefill_lengths`` and ``extra`` (the run's GEMM peak)."""
+    each system's prefill (llama.cpp's own prompt processing) at ``prefill_lengths`` and ``extra``
+    (the run's GEMM peak)."""
     from higgs_pack.manifests.errors import HiggsPackError
 
     threads = threads or default_threads()

@@ -256,3 +256,16 @@ def test_fastest_prefill_keeps_each_lengths_best_round():
     assert decoder_steps.fastest_prefill(runs) == {"prefill_positions_per_s": {"64": 100.0, "256": 64.0},
                                                    "prefill_ms_by_length": {"64": 640.0, "256": 4000.0}}
     assert decoder_steps.fastest_prefill([{"rows": []}]) == {}
+
+
+@pytest.mark.slow
+def test_our_steps_give_the_bundle_prefill_beside_llama_cpp(cpu_int4_bundle):
+    """A steps-only run times our decoder's prefill too (the same lengths as llama.cpp's prompt
+    processing), so both prefill rates come from one run; none without ``prefill_lengths``."""
+    spec = {"bundle": str(cpu_int4_bundle), "batches": [1], "contexts": [8], "steps": 2,
+            "text": "Hello there.", "prefill_rounds": 1}
+    got = decoder_steps.measure_our_steps({**spec, "prefill_lengths": [8, 32]})
+    assert [(r["batch"], r["context"]) for r in got["rows"]] == [(1, 8)]
+    assert set(got["prefill_positions_per_s"]) == {"8", "32"}
+    assert all(v > 0 for v in got["prefill_positions_per_s"].values())
+    assert "prefill_positions_per_s" not in decoder_steps.measure_our_steps(spec)

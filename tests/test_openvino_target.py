@@ -90,21 +90,6 @@ def test_int4_subparts_compute_in_f32_on_the_cpu(ov_bundles):
             assert "uint8" in str(parts["llm_decoder"].compiled.get_property("KV_CACHE_PRECISION"))
 
 
-def test_the_streaming_codec_leaves_the_decoder_cores(ov_bundles):
-    """The streaming codec runs beside the decoder's infers: on the CPU plugin it is compiled with
-    half the usable CPUs (at least 1), as the ONNX Runtime backend's session is; the decoder and
-    the one-shot codec keep the plugin's own thread count."""
-    from higgs_pack.runtime.machine.cpu import stream_codec_threads, usable_cpus
-
-    parts = open_openvino_parts(open_bundle(ov_bundles["int4"]), device="CPU", cache_dir=False).runners
-    threads = {p: int(parts[p].compiled.get_property("INFERENCE_NUM_THREADS"))
-               for p in ("audio_tokenizer_stream", "audio_tokenizer", "llm_decoder")}
-    assert threads["audio_tokenizer_stream"] == stream_codec_threads() == max(1, usable_cpus() // 2)
-    if usable_cpus() > 1:
-        assert threads["audio_tokenizer"] > threads["audio_tokenizer_stream"], threads
-        assert threads["llm_decoder"] > threads["audio_tokenizer_stream"], threads
-
-
 def test_the_npu_variant_takes_batch_1_and_the_int4_bundle_batches_on_the_cpu(ov_bundles):
     """engine(max_batch > 1): the npu variant's static decoder is refused, naming its batch and
     the bundle that batches, and the server then serves it one request at a time saying so; the

@@ -27,20 +27,6 @@ ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx
              "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16")
 
 
-def usable_cpus() -> int:
-    """Logical CPUs this process may run on (``os.sched_getaffinity``, else ``os.cpu_count()``), >= 1."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def stream_codec_threads() -> int:
-    """Threads for the streaming codec (``audio_tokenizer_stream``) on a CPU, for every backend:
-    half of :func:`usable_cpus`, at least 1.  It runs only beside the decoder (the engine's codec
-    thread steps it while the engine thread steps the decoder); with one worker per core each codec
-    run put a worker on every core the decoder's step was using.  Measured on ONNX Runtime
-    (sessions.stream_codec_thread_pool gives the figures)."""
-    return max(1, usable_cpus() // 2)
-
-
 def cpu_isa(flags: Sequence[str]) -> dict[str, Any]:
     """The ISA entry of a record from a CPU's feature flags.
 

@@ -76,26 +76,13 @@ def open_openvino_parts(bundle: Any, *, device: str | None = None, allow_fallbac
         extra = dict(m["provider_options"].get(device_base(part_device), {}))
         recorded = dict((options.get("compile_properties") or {}).get(device_base(part_device), {}))
         stateful = bool(options.get("stateful", part == SubPart.LLM_DECODER))
-        config = {**precision_config(part_device, spec["precision"], stateful=stateful),
-                  **stream_codec_config(part, part_device), **recorded, **extra}
+        config = {**precision_config(part_device, spec["precision"], stateful=stateful), **recorded, **extra}
         runner = _runner(core, bundle, part, spec, part_device, cache, config, constants,
                          allow_fallback=allow_fallback)
         check_signature(runner, part, spec)
         pinned = f" (pinned by the manifest instead of {chosen})" if part_device != chosen else ""
         opened.add(part, runner, f"OpenVINO {runner.description}{pinned}")
     return opened
-
-
-def stream_codec_config(part: str, device: str) -> dict[str, Any]:
-    """``INFERENCE_NUM_THREADS`` for the streaming codec on the CPU plugin (what the ONNX Runtime
-    backend gives its session: :func:`~higgs_pack.runtime.machine.cpu.stream_codec_threads`,
-    half the usable CPUs): it runs beside the decoder's infers, not alone.  Nothing for other
-    sub-parts or devices; the manifest's compile properties and provider options still win."""
-    if part != SubPart.AUDIO_TOKENIZER_STREAM or device_base(device) != "CPU":
-        return {}
-    from higgs_pack.runtime.machine.cpu import stream_codec_threads
-
-    return {"INFERENCE_NUM_THREADS": stream_codec_threads()}
 
 
 def _model_cache(manifest: dict, cache_dir: str | os.PathLike | Literal[False] | None) -> Path | None:

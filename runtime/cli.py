@@ -25,6 +25,7 @@ from higgs_pack.runtime.exit_status import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, E
 from higgs_pack.runtime.request import (
     CHUNK_GROWTH,
     CONTEXT_CHUNKS,
+    CONTEXT_FRAMES,
     FIRST_CHUNK_FRAMES,
     MAX_CHUNK_FRAMES,
 )
@@ -260,9 +261,8 @@ SUBTITLES_OPTION = click.option(
 @click.option("--context-chunks", type=int, default=CONTEXT_CHUNKS, show_default=True,
               help="A long text's rolling context: previous text chunks (text and audio) that open each next "
                    "chunk's prompt, so the voice carries on (0: the voice alone).")
-@click.option("--context-frames", type=int, default=None,
-              help="Most frames of each context chunk kept in a prompt (its end, cut at a word; 25 frames = 1 s). "
-                   "Default: whole chunks.")
+@click.option("--context-frames", type=int, default=CONTEXT_FRAMES, show_default=True,
+              help="Most frames of each context chunk kept in a prompt (its end, cut at a word; 25 frames = 1 s).")
 @click.option("--batch", type=click.IntRange(min=1),
               help="Speak every non-empty line of --text-file into its own wav in the folder -o, this many "
                    "lines decoded together; rerun to resume.")
@@ -685,8 +685,8 @@ def _say_written(note: str, sink, rate: int, where: str, results: list, speech) 
 @click.option("--max-frames", type=int, help="Frame cap per text chunk (25 frames = 1 s). Default: from text length.")
 @click.option("--context-chunks", type=int, default=CONTEXT_CHUNKS, show_default=True,
               help="The speaker's earlier text chunks (text and audio) that open each of its next prompts.")
-@click.option("--context-frames", type=int, default=None,
-              help="Most frames of each such chunk kept (its end, cut at a word; 25 frames = 1 s). Default: whole.")
+@click.option("--context-frames", type=int, default=CONTEXT_FRAMES, show_default=True,
+              help="Most frames of each such chunk kept (its end, cut at a word; 25 frames = 1 s).")
 @click.option("--float", "as_float", is_flag=True, help="Write 32-bit float wav instead of 16-bit PCM.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (there is none when stderr is not a terminal).")
 def dialogue(bundle, script, output, voices, subtitles, execution_provider, device, allow_fallback, seed,

@@ -32,9 +32,18 @@ from higgs_pack.runtime.loop.delay import SamplingOptions, bundle_sampling, samp
 
 #: Previous text chunks of a long text whose text and codes open the next chunk's prompt (the
 #: rolling context, :func:`higgs_pack.runtime.loop.generate.chunk_context`; Higgs' own long-form
-#: generation calls it ``generation_chunk_buffer_size``).  Not yet measured at full size (issue 30
-#: asks for the prefill cost of each K): 1 carries the voice and prosody of the chunk just spoken.
+#: generation calls it ``generation_chunk_buffer_size``): 1 carries the voice and prosody of the
+#: chunk just spoken; each more chunk adds its kept frames and text to every prompt's prefill.
 CONTEXT_CHUNKS = 1
+
+#: Most frames (25 per second) of each context chunk kept in a prompt: its last 10 s, cut at a
+#: word.  Chosen from the rolling-context table at full size (``python -m bench.ab rolling-context``,
+#: cpu int4, AMD EPYC 2 vCPUs, 2026-12-05; docs/benchmarks/runs/rolling-context-full-2026-12-05.json):
+#: 9.3-9.8 ms per prefilled position and 49-52 ms per frame, so a 200-word chunk (about 1,850
+#: frames) prefills about 19% of its generation time with the whole previous chunk as context and
+#: about 5% with its last 250 frames (8% with 500); one-sentence chunks measured 18.2% whole, 8.2%
+#: at 50 frames.  The voice's own prefix comes from the prefix cache and is not counted.
+CONTEXT_FRAMES = 250
 
 #: Default streaming schedule (frames at 25 fps): 0.4 s first, doubling up to 4 s.
 FIRST_CHUNK_FRAMES = 10
@@ -372,7 +381,7 @@ class SynthesisRequest:
             :data:`CONTEXT_CHUNKS`; 0: chunks packed to the context, each opening with the voice
             alone: the clip's, or with none the first chunk's speech).
         context_frames: most frames of each context chunk kept in a prompt (its end, cut at a
-            word; >= 1), or None: whole chunks.
+            word; >= 1; default :data:`CONTEXT_FRAMES`), or None: whole chunks.
         context: earlier speech that follows the voice in the first text chunk's prompt, oldest
             first, each a :class:`PreparedVoice` (its codes and what it says): a live session's
             previous sentences (serve/live.py).  Each becomes one ``<|ref_text|> text
@@ -395,7 +404,7 @@ class SynthesisRequest:
     max_frames: int | None = None
     schedule: StreamSchedule = field(default_factory=StreamSchedule)
     context_chunks: int = CONTEXT_CHUNKS
-    context_frames: int | None = None
+    context_frames: int | None = CONTEXT_FRAMES
     context: tuple[PreparedVoice, ...] = ()
 
     def __post_init__(self) -> None:
@@ -423,7 +432,7 @@ class SynthesisRequest:
         chunk_growth: float = CHUNK_GROWTH,
         max_chunk_frames: int = MAX_CHUNK_FRAMES,
         context_chunks: int = CONTEXT_CHUNKS,
-        context_frames: int | None = None,
+        context_frames: int | None = CONTEXT_FRAMES,
         **unknown: Any,
     ) -> SynthesisRequest:
         """A request from the keywords of ``TTS.synthesize`` / ``TTS.stream`` (the CLI's flags).
@@ -442,7 +451,7 @@ class SynthesisRequest:
             context_chunks: previous text chunks kept as context of a long text's next one
                 (>= 0, default 1).
             context_frames: most frames of each such chunk kept (its end, cut at a word;
-                >= 1), or None: whole chunks.
+                >= 1; default :data:`CONTEXT_FRAMES`, 10 s), or None: whole chunks.
 
         Raises:
             InputError: every bad field at once (field, value, what is allowed, flag/keyword), or

@@ -87,8 +87,8 @@ class SpeechBody(BaseModel):
                                        "chunks (their text and audio) that open the next chunk's prompt, so the "
                                        "voice and prosody carry on (default 1; 0: the voice alone).")
     context_frames: int | None = Field(None, ge=1, description="Most frames of each context chunk kept in a "
-                                       "prompt (its end, cut at a word; 25 frames per second); left out: whole "
-                                       "chunks.")
+                                       "prompt (its end, cut at a word; 25 frames per second); left out: 250 "
+                                       "(10 s).")
     initial_chunk_frames: int | None = Field(None, ge=1, description="Frames in the first streamed chunk (fewer: "
                                              "audio sooner).")
     initial_codec_chunk_frames: int | None = Field(None, ge=1, description="sglang-omni's name of "

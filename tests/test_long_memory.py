@@ -117,8 +117,9 @@ def _peak_rss_mb(command: list[str]) -> tuple[float, str]:
 
 @linux_only
 def test_a_long_text_to_a_file_is_held_a_piece_at_a_time(cpu_int4_bundle, cases_dir, tmp_path):
-    """synthesize -o out.wav (no --stream) of a text 4x longer: 4x the audio (~3 against ~13
-    minutes on the tiny bundle), the same peak RSS within 60 MB.  Holding the whole audio (its
+    """synthesize -o out.wav (no --stream) of a text 4x longer: well over twice the audio (~3
+    against ~8-13 minutes on the tiny bundle, whose random weights end each chunk at a random
+    frame), the same peak RSS within 60 MB.  Holding the whole audio (its
     samples, their join and the WAV encoded in memory, ~280 KB per second of audio) grew it by
     ~170 MB here."""
     sentence = (cases_dir / "text_en_basic.txt").read_text(encoding="utf-8").strip()
@@ -131,7 +132,7 @@ def test_a_long_text_to_a_file_is_held_a_piece_at_a_time(cpu_int4_bundle, cases_
                                str(out), "--subtitles", str(tmp_path / f"t{copies}.srt"), "--no-progress"])
         found[copies] = (rss, sf.info(out).duration)
     (short_rss, short_s), (long_rss, long_s) = found[40], found[160]
-    assert long_s > 3 * short_s > 120, found
+    assert long_s > 2 * short_s > 120, found
     assert long_rss - short_rss < 60, f"peak RSS grew with the length: {found}"
     cues = (tmp_path / "t160.srt").read_text(encoding="utf-8").strip().split("\n\n")
     assert len(cues) == 2 * 160  # two sentences per copy, every one timed

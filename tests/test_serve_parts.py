@@ -14,7 +14,7 @@ import soundfile as sf
 pytest.importorskip("fastapi", reason="the [serve] extra (FastAPI) is not installed")
 
 from higgs_pack.manifests.errors import InputError
-from higgs_pack.runtime.request import PreparedVoice
+from higgs_pack.runtime.request import CONTEXT_FRAMES, PreparedVoice
 from higgs_pack.serve.config import ServeConfig
 from higgs_pack.serve.errors import ApiError
 from higgs_pack.serve.formats import StreamEncoder, encode_whole, response_formats
@@ -117,7 +117,7 @@ def test_context_frames_is_a_field_of_the_speech_and_dialogue_bodies():
     refused naming the body's field."""
     from higgs_pack.serve.speech import parse_dialogue
 
-    assert _parse(context_frames=50).request.context_frames == 50 and _parse().request.context_frames is None
+    assert _parse(context_frames=50).request.context_frames == 50 and _parse().request.context_frames == CONTEXT_FRAMES
     turns = {"model": MODELS[1], "turns": [{"speaker": "ANN", "input": "Hi."}], "context_frames": 30}
     dialogue = parse_dialogue(turns, models=MODELS, voices=_Voices(), config=ServeConfig())
     assert dialogue.request.options.context_frames == 30

@@ -412,6 +412,22 @@ COMMANDS = {
 }
 
 
+def report_table(report: Mapping[str, Any]) -> str:
+    """The Markdown tables of any ``python -m bench.ab`` report (its ``--out`` JSON), by its
+    ``command``: what the tool printed when it ran (the docs' ``ab`` tables, docs/hooks).
+
+    Raises:
+        KeyError: a report without a known ``command``.
+    """
+    from bench import gemm, rolling
+
+    command = report["command"]
+    tables = {"gemm-peak": gemm.ab_table, "rolling-context": rolling.table,
+              **{name: entry[1] for name, entry in COMMANDS.items()}}
+    if command not in tables:
+        raise KeyError(f"unknown bench.ab command {command!r} (one of {', '.join(tables)})")
+    return tables[command](report)
+
 def machine_facts() -> dict[str, Any]:
     """The CPU named in every report: description, model, ISA flags, logical CPUs."""
     from higgs_pack.runtime.machine.cpu import cpu_info

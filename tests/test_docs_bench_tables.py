@@ -34,8 +34,9 @@ def test_every_marker_of_the_docs_renders_from_its_kept_run(hook):
     assert markers, "the benchmark results page shows no table from a kept run"
     for page, run, kind in markers:
         table = hook.render(run, kind)
-        header, rule, *rows = table.split("\n")
-        assert header.startswith("| ") and rule.startswith("|---"), (page, run, kind)
+        lines = table.split("\n")  # an A/B tool's tables may open with a line of facts
+        header, rule, *rows = lines[next(i for i, line in enumerate(lines) if line.startswith("| ")):]
+        assert header.startswith("| ") and rule.replace(" ", "").startswith("|---"), (page, run, kind)
         assert rows and rows[0].startswith("| "), (page, run, kind)
 
 
@@ -48,6 +49,18 @@ def test_a_table_shows_the_figures_of_its_run(hook):
     for record in measured:
         rate = record["prefill_positions_per_s"]["256"]
         assert f"{rate:.1f}" in table and record["label"] in table
+
+
+def test_an_ab_report_renders_as_its_tool_printed_it(hook):
+    """The rolling-context report kept from the full-size run: each K's prefill share as
+    bench/rolling.py prints it."""
+    from bench import rolling
+
+    report = json.loads((hook.RUNS / "rolling-context-full-2026-12-05.json").read_text())
+    table = hook.render("rolling-context-full-2026-12-05.json", "ab")
+    assert table == rolling.table(report)
+    for run in report["runs"]:
+        assert f"| {run['k']} | {run['keep_frames'] or 'all'} | {100 * run['later_prefill_share']:.1f}% |" in table
 
 
 def test_bad_markers_name_what_is_wrong(hook, tmp_path, monkeypatch):
@@ -63,6 +76,11 @@ def test_bad_markers_name_what_is_wrong(hook, tmp_path, monkeypatch):
     (tmp_path / "object.json").write_text("{}")
     with pytest.raises(hook.BenchTableError, match="not a list of benchmark records"):
         hook.render("object.json", "systems")
+    with pytest.raises(hook.BenchTableError, match=r"not a python -m bench\.ab report"):
+        hook.render("empty.json", "ab")
+    (tmp_path / "other.json").write_text(json.dumps({"command": "ort-fp8"}))
+    with pytest.raises(hook.BenchTableError, match=r"unknown bench\.ab command 'ort-fp8'"):
+        hook.render("other.json", "ab")
 
 
 def test_cells_with_a_bar_do_not_break_the_table(hook):

@@ -8,7 +8,9 @@ A page asks for a table with a comment on a line of its own::
 
 ``KIND`` is one of :data:`KINDS`; the table is built by the same functions that print the
 benchmark's text tables and write ``dist/bench.html`` (``bench.report``), so the page, the
-terminal and the HTML report cannot disagree.  A missing file, an unknown kind or a run without
+terminal and the HTML report cannot disagree.  The kind ``ab`` renders the ``--out`` report of a
+``python -m bench.ab`` tool (a JSON object with its ``command``) as that tool printed it
+(``bench.ab.report_table``).  A missing file, an unknown kind or a run without
 the figures a kind needs fails the build (``mkdocs build --strict``) naming the page and marker.
 """
 
@@ -79,7 +81,7 @@ def _kinds() -> dict[str, Any]:
             "machine": _machine}
 
 
-KINDS = ("systems", "prefill", "batch", "steps", "builds", "goals", "machine")
+KINDS = ("systems", "prefill", "batch", "steps", "builds", "goals", "machine", "ab")
 
 
 def render(name: str, kind: str) -> str:
@@ -94,10 +96,19 @@ def render(name: str, kind: str) -> str:
         raise BenchTableError(f"no benchmark run {_shown(path)} (runs: "
                               f"{', '.join(sorted(p.name for p in RUNS.glob('*.json'))) or 'none'})")
     records = json.loads(path.read_text(encoding="utf-8"))
-    if not isinstance(records, list):
-        raise BenchTableError(f"{_shown(path)} is not a list of benchmark records")
     if kind not in KINDS:
         raise BenchTableError(f"unknown table kind {kind!r} (one of {', '.join(KINDS)})")
+    if kind == "ab":
+        from bench.ab import report_table
+
+        if not isinstance(records, dict) or "command" not in records:
+            raise BenchTableError(f"{_shown(path)} is not a python -m bench.ab report (a JSON object with its command)")
+        try:
+            return report_table(records)
+        except KeyError as exc:
+            raise BenchTableError(f"{_shown(path)}: {exc.args[0]}") from None
+    if not isinstance(records, list):
+        raise BenchTableError(f"{_shown(path)} is not a list of benchmark records")
     headers, rows, facts = _kinds()[kind](records)
     if not rows:
         raise BenchTableError(f"{_shown(path)} has no figures for a {kind!r} table")

@@ -56,7 +56,7 @@ class HiggsTTS(tts.TTS):
         sample_rate: Hz of the audio frames this plugin gives LiveKit (the server speaks at
             24000; other rates are resampled).
         options: other ``session.config`` fields (``seed``, ``temperature``, ``top_k``,
-            ``top_p``, ``max_new_tokens``, ``context_chunks``, ``initial_chunk_frames``).
+            ``top_p``, ``max_new_tokens``, ``context_chunks``, ``context_frames``, ``initial_chunk_frames``).
     """
 
     def __init__(self, *, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None,

@@ -68,7 +68,7 @@ class HiggsTTSService(WebsocketTTSService):
         sample_rate: Hz of the audio frames (None: the pipeline's output rate); the server's
             24 kHz is resampled.
         options: other ``session.config`` fields (``seed``, ``temperature``, ``top_k``,
-            ``top_p``, ``max_new_tokens``, ``context_chunks``, ``initial_chunk_frames``).
+            ``top_p``, ``max_new_tokens``, ``context_chunks``, ``context_frames``, ``initial_chunk_frames``).
         settings: Pipecat's runtime-updatable settings (a new ``voice`` reconnects).
         kwargs: :class:`~pipecat.services.tts_service.TTSService`'s (``text_aggregation_mode``, ...).
     """

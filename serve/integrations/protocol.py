@@ -35,7 +35,7 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
 def config_message(voice: str = "default", **fields: Any) -> str:
     """``session.config`` with ``response_format`` pcm, ``voice`` and the speech body's
     sampling ``fields`` (``seed``, ``temperature``, ``top_k``, ``top_p``, ``max_new_tokens``,
-    ``context_chunks``, ``initial_chunk_frames``; None values left out)."""
+    ``context_chunks``, ``context_frames``, ``initial_chunk_frames``; None values left out)."""
     body = {"type": "session.config", "voice": voice, "response_format": "pcm"}
     body.update({k: v for k, v in fields.items() if v is not None})
     return json.dumps(body)

@@ -385,6 +385,8 @@ async def _answer(server: SpeechServer, job: Any, request: Request, t0: float) -
                    headers={**headers, "Cache-Control": "no-cache"})
 
 
+# Over 80 lines because it registers the three voice routes (list, upload, delete), each short, as
+# FastAPI closures over the server, where a reader of the API finds them together.
 def _voice_routes(app: FastAPI, server: SpeechServer) -> None:
     config = server.config
 

@@ -1,4 +1,4 @@
-"""Live sessions in the serve load test (``python -m bench.serve_load --live-sessions N``): text
+"""Live sessions in the serve load test (``python -m bench.serve_load --live-sessions 1,8``): text
 arriving like an LLM's over ``/v1/audio/speech/stream`` (docs/serving/live.md).
 
 Each session sends one text in pieces of about :data:`TOKEN_CHARS` characters (OpenAI's rule of
@@ -131,6 +131,7 @@ def run_live(url: str, texts: Sequence[str], sessions: int, tokens_per_s: float,
              if s.get("first_audio_after_text_s") is not None]
     return {"sessions": sessions, "tokens_per_s": tokens_per_s, "token_chars": TOKEN_CHARS,
             "seconds": time.perf_counter() - t0, "sentences": sum(len(r["sentences"]) for r in records),
+            "audio_s": sum(r["audio_s"] for r in records),
             "first_audio_after_text_s": _spread(after),
             "server_first_audio_s": _spread([s["first_audio_s"] for r in records for s in r["sentences"]
                                              if s.get("first_audio_s") is not None]),

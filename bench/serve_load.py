@@ -8,8 +8,8 @@ the level's requests from as many threads and the server gets them from as many 
 bounded by its request count and seconds, ``--rounds`` keeping each side's fastest round; then a
 soak reading the server's RSS every 50 answers.  Requests: the cases' texts, seed = index, whole
 WAVs and PCM streams in turn; every answer is checked (:mod:`bench.serve_checks`).  With
-``--live-sessions N``, N sessions of the live WebSocket with text arriving like an LLM's
-(:mod:`bench.serve_live`).
+``--live-sessions 1,8``, that many sessions of the live WebSocket at once (a run per count) with
+text arriving like an LLM's (:mod:`bench.serve_live`).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class LoadOptions:
     cases: str | None = None
     cache: str | None = None
     rounds: int = 1
-    live_sessions: int = 0
+    live_sessions: tuple[int, ...] = ()
     live_tokens_per_s: float = 30.0
     quiet: bool = False
 
@@ -362,10 +362,10 @@ def run_load(options: LoadOptions) -> dict[str, Any]:
         if engine is not None:
             engine.close()
             engine = None
-        if options.live_sessions > 0:
-            say(f"live: {options.live_sessions} sessions, text at {options.live_tokens_per_s:g} tokens/s")
-            record["live"] = run_live(url, case_texts(cases), options.live_sessions, options.live_tokens_per_s,
-                                      timeout)
+        for sessions in options.live_sessions:
+            say(f"live: {sessions} sessions, text at {options.live_tokens_per_s:g} tokens/s")
+            record.setdefault("live", []).append(run_live(url, case_texts(cases), sessions,
+                                                          options.live_tokens_per_s, timeout))
         if options.soak_requests > 0:
             say(f"soak: {options.soak_requests} requests at {options.soak_clients} clients")
             start = rss_mb(pid) if pid else None
@@ -403,7 +403,6 @@ HELP = {"preset": "tiny or bench: the bench's cpu int4 bundle of this preset", "
         "server_pid": "with --url: the server's process id (its RSS)", "pool": "distinct requests",
         "level_seconds": "no request of a level starts after this", "frames": "max_new_tokens of every request",
         "rounds": "run each level this many times, keep each side's fastest", "soak_requests": "0: no soak",
-        "live_sessions": "sessions at once on the live WebSocket, text streamed in (0: none)",
         "live_tokens_per_s": "pieces of text (about 4 characters each) a live session sends per second"}
 
 
@@ -415,6 +414,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=HELP.get(f.name))
     p.add_argument("--clients", default=",".join(map(str, DEFAULT_CLIENTS)), help="concurrency levels")
     p.add_argument("--requests", type=int, help="requests per level, at most (default: by preset and level)")
+    p.add_argument("--live-sessions", default="", help="live WebSocket sessions at once, text streamed in: a run "
+                                                       "per comma-separated count (e.g. 1,8; default none)")
     p.add_argument("--no-engine", dest="engine", action="store_false", help="skip the in-process engine figures")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--out", default="dist/serve-bench.json", help="JSON runs (same label and preset replaced), .html")
@@ -426,6 +427,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.clients or min(args.clients) < 1:
         p.error("--clients must be comma-separated whole numbers >= 1")
     args.requests = dict.fromkeys(args.clients, args.requests) if args.requests else None
+    try:
+        args.live_sessions = tuple(int(c) for c in args.live_sessions.split(",") if c.strip())
+    except ValueError:
+        args.live_sessions = (0,)
+    if any(n < 1 for n in args.live_sessions):
+        p.error("--live-sessions must be comma-separated whole numbers >= 1")
     if args.preset not in DEFAULT_REQUESTS:
         p.error(f"--preset must be one of {', '.join(DEFAULT_REQUESTS)}")
     options = LoadOptions(**{f.name: getattr(args, f.name) for f in fields(LoadOptions)})

@@ -24,6 +24,8 @@ GOAL_FIRST_AUDIO_MARGIN_MS = 50.0
 #: At this concurrency, frames/s at least this share of the engine's in-process figure.
 GOAL_THROUGHPUT_CLIENTS = 16
 GOAL_THROUGHPUT_RATIO = 0.9
+#: Live sessions at once whose audio must come whole and in order (issue 31 item 2).
+GOAL_LIVE_SESSIONS = 8
 
 
 def _level(record: dict[str, Any], clients: int) -> dict[str, Any] | None:
@@ -35,9 +37,51 @@ def _p50(figures: dict[str, Any] | None, key: str) -> float | None:
     return None if value is None or (isinstance(value, float) and math.isnan(value)) else value
 
 
+def _live_run(record: dict[str, Any], sessions: int) -> dict[str, Any] | None:
+    return next((r for r in record.get("live") or [] if r["sessions"] == sessions), None)
+
+
+def live_checks(record: dict[str, Any]) -> list[Goal]:
+    """The live WebSocket's goals (issue 31 item 2), with text arriving like an LLM's: at one
+    session a sentence's first speech after its last piece within the in-process stream's first
+    audio (its prefill and the streaming ramp, the engine's figure at 1 client in the same run)
+    plus one piece (the sentence end is known at the next one) and the HTTP goal's margin; playback
+    with no gap; at :data:`GOAL_LIVE_SESSIONS` sessions no audio lost or reordered.  None where the
+    run has no such live run or engine figures."""
+    tag, checks = f"[{record.get('preset')}] {record.get('label')}", []
+    one = _live_run(record, 1)
+    rate = (one or {}).get("tokens_per_s", 30.0)
+    goal = (f"{tag}: live, 1 session, text at {rate:g} tokens/s: a sentence's first speech after its last piece <= "
+            f"the in-process stream's first audio + one piece + {GOAL_FIRST_AUDIO_MARGIN_MS:g} ms (p50)")
+    engine = _p50((_level(record, 1) or {}).get("engine"), "first_audio_ms")
+    after = (one or {}).get("first_audio_after_text_s")
+    if one is None or engine is None or not after:
+        checks.append((goal, None, "no 1-session live run" if one is None else "no engine figures or no sentence"))
+    else:
+        piece, server = 1000 / rate, _p50(one, "server_first_audio_s")
+        checks.append((goal, 1000 * after["p50"] <= engine + piece + GOAL_FIRST_AUDIO_MARGIN_MS,
+                       f"{1000 * after['p50']:.0f} ms (max {1000 * after['max']:.0f}, {after['n']} sentences) vs "
+                       f"{engine:.0f} + {piece:.0f} ms; the server's own first audio p50 "
+                       f"{_f(None if server is None else 1000 * server)} ms"))
+    goal = f"{tag}: live, 1 session: consecutive sentences play with no gap"
+    if one is None:
+        checks.append((goal, None, "no 1-session live run"))
+    else:
+        checks.append((goal, one["gaps"] == 0, f"{one['gaps']} gaps (longest {one['max_gap_s']:.2f} s); "
+                       f"{one.get('audio_s', 0):.1f} s of audio in {one['seconds']:.1f} s"))
+    goal = f"{tag}: live, {GOAL_LIVE_SESSIONS} sessions at once: no audio lost or reordered"
+    many = _live_run(record, GOAL_LIVE_SESSIONS)
+    if many is None:
+        checks.append((goal, None, f"no {GOAL_LIVE_SESSIONS}-session live run"))
+    else:
+        checks.append((goal, not many["problems"], f"{many['sentences']} sentences, "
+                       f"{len(many['problems'])} problems" + "".join(f"; {p}" for p in many["problems"][:2])))
+    return checks
+
+
 def goal_checks(record: dict[str, Any]) -> list[Goal]:
-    """The four goals as ``(goal, met, measured)``, ``met`` None where the run lacks the level,
-    the soak or the engine figures."""
+    """The load test's goals as ``(goal, met, measured)``, ``met`` None where the run lacks the
+    level, the soak or the engine figures; the live goals (:func:`live_checks`) where it has live runs."""
     tag = f"[{record.get('preset')}] {record.get('label')}"
     goal = f"{tag}: {GOAL_CLEAN_CLIENTS} clients: no lost, truncated or malformed answer; 429 only queue_full " \
            "while the queue is full"
@@ -84,7 +128,7 @@ def goal_checks(record: dict[str, Any]) -> list[Goal]:
                     f"{level['server_cpu_s']:.1f}"
         checks.append((goal, ratio >= GOAL_THROUGHPUT_RATIO, f"{level['frames_per_s']:.1f} vs {engine_fps:.1f} "
                        f"frames/s ({ratio:.2f}x) at max_batch {record['server']['max_batch']}{more}"))
-    return checks
+    return checks + (live_checks(record) if record.get("live") else [])
 
 
 def _f(value: Any, spec: str = ".0f") -> str:
@@ -146,8 +190,19 @@ def render(record: dict[str, Any]) -> str:
     lines = [served, table(machine, *_level_table(record))]
     lines += [f"  {lv['clients']} clients, job {p['job']}: {p['category']}: {p['detail']}"
               for lv in record.get("levels", []) for p in lv.get("problems", [])[:3]]
-    lines += [soak] * bool(soak) + [f"goal {g}: {m} -> {goal_state(met)}" for g, met, m in goal_checks(record)]
+    lines += [soak] * bool(soak) + [_live_line(run) for run in record.get("live") or []]
+    lines += [f"goal {g}: {m} -> {goal_state(met)}" for g, met, m in goal_checks(record)]
     return "\n".join(lines)
+
+
+def _live_line(run: dict[str, Any]) -> str:
+    """One live run in a line: sessions, sentences, first speech after the text, gaps, problems."""
+    after, server = run.get("first_audio_after_text_s") or {}, run.get("server_first_audio_s") or {}
+    return (f"live: {run['sessions']} sessions, text at {run['tokens_per_s']:g} tokens/s: {run['sentences']} "
+            f"sentences, {run.get('audio_s', 0):.1f} s of audio in {run['seconds']:.1f} s; first speech after a "
+            f"sentence's last piece p50/p90/max {'/'.join(_f(after.get(k), '.2f') for k in ('p50', 'p90', 'max'))} s "
+            f"(the server's own p50 {_f(server.get('p50'), '.2f')} s); {run['gaps']} gaps; "
+            f"{len(run['problems'])} problems")
 
 
 def write_run(record: dict[str, Any], out: Path) -> None:

@@ -111,7 +111,8 @@ def test_a_tiny_load_run_writes_its_figures_and_goals(cpu_int4_bundle, cases_dir
     meets 429 queue_full, every other answer is complete audio of its reference."""
     options = serve_load.LoadOptions(bundle=str(cpu_int4_bundle), clients=(1, 3), requests={1: 3, 3: 6},
                                      level_seconds=60, frames=12, pool=8, soak_requests=6, soak_clients=2,
-                                     max_batch=1, max_queue=0, cases=str(cases_dir), request_timeout=120, quiet=True)
+                                     max_batch=1, max_queue=0, cases=str(cases_dir), request_timeout=120, quiet=True,
+                                     live_sessions=(1,))
     record = serve_load.run_load(options)
     assert record["server"]["capacity"] == 1 and record["server"]["started_here"]
     assert record["server_exit"] is not None and record["reference"]["requests"] == 8
@@ -133,8 +134,12 @@ def test_a_tiny_load_run_writes_its_figures_and_goals(cpu_int4_bundle, cases_dir
 
     record["goals"] = [{"goal": g, "met": m, "measured": x} for g, m, x in serve_report.goal_checks(record)]
     states = [g["met"] for g in record["goals"]]
-    assert len(states) == 4 and states[0] is None and states[1] is None  # no 64-client level, a short soak
+    assert len(states) == 7 and states[0] is None and states[1] is None  # no 64-client level, a short soak
     assert states[2] is not None and "1 client" in record["goals"][2]["goal"]
+    (live,) = record["live"]
+    assert live["sessions"] == 1 and live["problems"] == [] and live["sentences"] >= 2
+    assert "live, 1 session" in record["goals"][4]["goal"] and states[4] is not None and states[5] is not None
+    assert states[6] is None and "no 8-session live run" in record["goals"][6]["measured"]
     out = tmp_path / "serve-bench.json"
     serve_report.write_run(record, out)
     serve_report.write_run({**record, "label": "other"}, out)
@@ -144,7 +149,29 @@ def test_a_tiny_load_run_writes_its_figures_and_goals(cpu_int4_bundle, cases_dir
     page = serve_report.write_html(out).read_text()
     assert page.count("<img") >= 3 and "not measured" in page and "<th>clients</th>" in page
     text = serve_report.render(record)
-    assert "1st audio ms p50/95/99" in text and "goal [tiny]" in text
+    assert "1st audio ms p50/95/99" in text and "goal [tiny]" in text and "live: 1 sessions" in text
+
+
+def _live_record(after_p50: float, gaps: int, problems: list[str], sessions: int = 1) -> dict:
+    spread = {"n": 4, "p50": after_p50, "p90": after_p50, "max": after_p50}
+    return {"sessions": sessions, "tokens_per_s": 30.0, "seconds": 10.0, "sentences": 4, "audio_s": 8.0,
+            "first_audio_after_text_s": spread, "server_first_audio_s": spread, "gaps": gaps,
+            "max_gap_s": 0.3 * gaps, "problems": problems}
+
+
+def test_the_live_goals_are_met_missed_and_not_measured():
+    """The live checks against the in-process first audio of 400 ms: one piece at 30 tokens/s is
+    33 ms and the margin 50 ms, so 0.48 s is within and 0.49 s is not; a gap or a problem misses."""
+    level = {"clients": 1, "engine": {"first_audio_ms": {"p50": 400.0}}}
+    good = {"preset": "tiny", "label": "x", "levels": [level],
+            "live": [_live_record(0.48, 0, []), _live_record(0.9, 3, [], sessions=8)]}
+    assert [met for _, met, _ in serve_report.live_checks(good)] == [True, True, True]
+    bad = {**good, "live": [_live_record(0.49, 1, []), _live_record(0.5, 0, ["sentence 2: 0 bytes"], sessions=8)]}
+    (_, slow, measured), (_, gap, _), (_, lost, said) = serve_report.live_checks(bad)
+    assert (slow, gap, lost) == (False, False, False)
+    assert "490 ms" in measured and "sentence 2: 0 bytes" in said
+    missing = serve_report.live_checks({**good, "levels": [], "live": [_live_record(0.4, 0, [], sessions=8)]})
+    assert [met for _, met, _ in missing] == [None, None, True]
 
 
 def test_a_level_keeps_each_sides_fastest_round_and_counts_every_answer():

@@ -1,5 +1,5 @@
 """Decoder settings side by side on this machine: ``python -m bench.ab {ort-int4,ort-kv-cache,
-ov-properties,gemm-peak,rolling-context}``.  Each variant's ``llm_decoder`` is exported the way a build does, opened bare,
+ov-properties,gemm-peak,rolling-context,long-text}``.  Each variant's ``llm_decoder`` is exported the way a build does, opened bare,
 prefilled with one random prompt, then timed in rounds with the variants interleaved (order
 rotated, so load on a shared machine hits all alike) and its hidden states compared with a
 reference's; every row names the CPU, its ISA and the load (rankings change with VNNI and AMX).
@@ -13,7 +13,9 @@ Printed as Markdown (docs/measurements.md), written as JSON with ``--out``.
   row counts per arithmetic (float32, int8, MatMulNBits block x accuracy_level, OpenVINO NNCF int4
   and its compile properties): positions/s and GOP/s, what a prefill runs (:mod:`bench.gemm`);
 * ``rolling-context BUNDLE``: a built bundle, a long text per rolling context size K and kept
-  frames: each chunk's prefill against its generation (:mod:`bench.rolling`).
+  frames: each chunk's prefill against its generation (:mod:`bench.rolling`);
+* ``long-text BUNDLE``: ``higgs-pack synthesize`` of a text said N times over, a process per
+  length: audio minutes and peak RSS (:mod:`bench.long_text`).
 """
 
 from __future__ import annotations
@@ -419,10 +421,10 @@ def report_table(report: Mapping[str, Any]) -> str:
     Raises:
         KeyError: a report without a known ``command``.
     """
-    from bench import gemm, rolling
+    from bench import gemm, long_text, rolling
 
     command = report["command"]
-    tables = {"gemm-peak": gemm.ab_table, "rolling-context": rolling.table,
+    tables = {"gemm-peak": gemm.ab_table, "rolling-context": rolling.table, "long-text": long_text.table,
               **{name: entry[1] for name, entry in COMMANDS.items()}}
     if command not in tables:
         raise KeyError(f"unknown bench.ab command {command!r} (one of {', '.join(tables)})")
@@ -485,7 +487,13 @@ def main(argv: list[str] | None = None) -> int:
 
     rolling.add_arguments(sub.add_parser("rolling-context", help="a long text's rolling context per chunk: prefill "
                                                                  "against generation per K (bench/rolling.py)"))
+    from bench import long_text
+
+    long_text.add_arguments(sub.add_parser("long-text", help="peak RSS of higgs-pack synthesize over long texts "
+                                                           "(bench/long_text.py)"))
     args = p.parse_args(argv)
+    if args.command == "long-text":
+        return long_text.command(args)
     if args.command == "gemm-peak":
         return gemm_peak(args)
     if args.command == "rolling-context":

@@ -4,7 +4,11 @@ arriving like an LLM's over ``/v1/audio/speech/stream`` (docs/serving/live.md).
 Each session sends one text in pieces of about :data:`TOKEN_CHARS` characters (OpenAI's rule of
 thumb for an English token) at ``tokens_per_s``, then ``input.done``, and reads everything back.
 Per sentence it records when its last piece was sent and when its first speech came (after
-the pause that opens every sentence but the first, a message of its own), and the server's
+the pause that opens every sentence but the first, a message of its own), how long after it was
+ready (its last piece sent and the sentence before it done: a session speaks its sentences one
+after the other, each with the one before as context, so a sentence whose text came while the one
+before was still being generated waits for it, and a player needs it only once that one has
+played), and the server's
 ``first_audio_s`` (from when the server knew the sentence was complete: the piece after its
 last one, or ``input.done``); per session, playback as a player would do it (start at the
 first audio, then play without pause): the gap before each sentence whose audio came after the
@@ -45,6 +49,7 @@ async def one_session(url: str, text: str, seed: int, tokens_per_s: float, timeo
     audio: dict[int, int] = {}
     arrived: dict[int, float] = {}  # a sentence's first binary message (after the first: its pause)
     speech: dict[int, float] = {}  # its first message of speech (the pause is a message of its own)
+    done: dict[int, float] = {}  # its audio.done
     problems: list[str] = []
     t0 = time.perf_counter()
     async with websockets.connect(url, max_size=None, open_timeout=timeout) as ws:
@@ -78,15 +83,16 @@ async def one_session(url: str, text: str, seed: int, tokens_per_s: float, timeo
                 sentences.append({"index": current, "text": event["sentence_text"]})
             elif event["type"] == "audio.done":
                 sentences[-1].update({k: event[k] for k in ("frames", "start", "end", "first_audio_s")})
+                done[event["sentence_index"]] = now
             elif event["type"] == "error":
                 problems.append(f"error event: {event.get('message')}")
         await sender
-    return _session_record(text, sentences, sent_at, audio, arrived, speech, problems)
+    return _session_record(text, sentences, sent_at, audio, arrived, speech, done, problems)
 
 
 def _session_record(text: str, sentences: list[dict[str, Any]], sent_at: list[tuple[int, float]],
                     audio: dict[int, int], arrived: dict[int, float], speech: dict[int, float],
-                    problems: list[str]) -> dict[str, Any]:
+                    done: dict[int, float], problems: list[str]) -> dict[str, Any]:
     at, played_until, gaps = 0, None, []
     position = 0.0
     for s in sentences:
@@ -98,6 +104,8 @@ def _session_record(text: str, sentences: list[dict[str, Any]], sent_at: list[tu
         s["last_text_s"] = last
         s["first_audio_at_s"], s["first_speech_at_s"] = arrived.get(i), speech.get(i)
         s["first_audio_after_text_s"] = (speech[i] - last) if last is not None and i in speech else None
+        ready = None if last is None else max(last, done.get(i - 1, 0.0))
+        s["first_audio_after_ready_s"] = (speech[i] - ready) if ready is not None and i in speech else None
         pause = PAUSE_S if i else 0.0
         want = 2 * (round(pause * RATE) + s.get("frames", 0) * FRAME_SAMPLES)
         if audio.get(i, 0) != want:
@@ -127,12 +135,12 @@ def run_live(url: str, texts: Sequence[str], sessions: int, tokens_per_s: float,
 
     t0 = time.perf_counter()
     records = asyncio.run(all_sessions())
-    after = [s["first_audio_after_text_s"] for r in records for s in r["sentences"]
-             if s.get("first_audio_after_text_s") is not None]
+    after, ready = ([s[key] for r in records for s in r["sentences"] if s.get(key) is not None]
+                    for key in ("first_audio_after_text_s", "first_audio_after_ready_s"))
     return {"sessions": sessions, "tokens_per_s": tokens_per_s, "token_chars": TOKEN_CHARS,
             "seconds": time.perf_counter() - t0, "sentences": sum(len(r["sentences"]) for r in records),
             "audio_s": sum(r["audio_s"] for r in records),
-            "first_audio_after_text_s": _spread(after),
+            "first_audio_after_text_s": _spread(after), "first_audio_after_ready_s": _spread(ready),
             "server_first_audio_s": _spread([s["first_audio_s"] for r in records for s in r["sentences"]
                                              if s.get("first_audio_s") is not None]),
             "gaps": sum(len(r["gaps_s"]) for r in records),

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from bench.long_text import peak_rss_of
 from higgs_pack.manifests.errors import InputError
 from higgs_pack.runtime.audio import PARTIAL_WAV_PREFIX, WavFileWriter, write_wav
 
@@ -104,17 +105,6 @@ def test_a_full_disk_is_named_and_nothing_is_left(tmp_path):
     assert full.is_symlink() and [p.name for p in tmp_path.iterdir()] == ["full.wav"]
 
 
-def _peak_rss_mb(command: list[str]) -> tuple[float, str]:
-    """Run ``command``; its own peak resident set (os.wait4's rusage, KiB on Linux) in MB, and stderr."""
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    stderr = proc.stderr.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    assert proc.returncode == 0, stderr
-    return usage.ru_maxrss / 1024, stderr
-
-
 @linux_only
 def test_a_long_text_to_a_file_is_held_a_piece_at_a_time(cpu_int4_bundle, cases_dir, tmp_path):
     """synthesize -o out.wav (no --stream) of a text 4x longer: well over twice the audio (~3
@@ -128,7 +118,7 @@ def test_a_long_text_to_a_file_is_held_a_piece_at_a_time(cpu_int4_bundle, cases_
         text = tmp_path / f"t{copies}.txt"
         text.write_text(" ".join([sentence] * copies), encoding="utf-8")
         out = tmp_path / f"t{copies}.wav"
-        rss, _ = _peak_rss_mb([*HIGGS, "synthesize", str(cpu_int4_bundle), "--text-file", str(text), "-o",
+        rss, _ = peak_rss_of([*HIGGS, "synthesize", str(cpu_int4_bundle), "--text-file", str(text), "-o",
                                str(out), "--subtitles", str(tmp_path / f"t{copies}.srt"), "--no-progress"])
         found[copies] = (rss, sf.info(out).duration)
     (short_rss, short_s), (long_rss, long_s) = found[40], found[160]
@@ -160,3 +150,27 @@ def test_ctrl_c_while_writing_a_file_leaves_the_old_file_and_no_half_written_one
     assert proc.returncode == 130, stderr
     assert f"interrupted (Ctrl-C): nothing written to {out}" in stderr and "Traceback" not in stderr, stderr
     assert out.read_bytes() == b"the old file" and [p.name for p in tmp_path.iterdir()] == ["out.wav"]
+
+
+@linux_only
+def test_the_long_text_benchmark_records_peak_rss_per_length(cpu_int4_bundle, tmp_path):
+    """``python -m bench.ab long-text``: a row per length with its words, audio minutes and peak
+    RSS, kept as JSON that the docs render as the tool printed it; a bad --copies is refused."""
+    import json
+    from pathlib import Path
+
+    from bench import ab
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "long.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.ab", "long-text", str(cpu_int4_bundle), "--copies", "1,2",
+                           "--out", str(out)], cwd=root, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    one, two = report["runs"]
+    assert (one["copies"], two["copies"]) == (1, 2) and two["words"] == 2 * one["words"] > 0
+    assert two["audio_min"] > one["audio_min"] > 0 and one["peak_rss_mb"] > 50
+    assert ab.report_table(report) in proc.stdout and f"| 2 | {two['words']} |" in proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "bench.ab", "long-text", str(cpu_int4_bundle), "--copies", "0,x"],
+                         cwd=root, capture_output=True, text=True)
+    assert bad.returncode == 2 and "--copies must be comma-separated whole numbers >= 1, got '0,x'" in bad.stderr

@@ -457,7 +457,9 @@ def test_the_load_tester_runs_live_sessions_with_text_at_30_tokens_per_s(server,
     assert record["problems"] == [] and record["sessions"] == 8 and record["tokens_per_s"] == 30.0
     sentences = [s for r in record["session_records"] for s in r["sentences"]]
     assert len(sentences) == record["sentences"] >= 8
-    assert record["first_audio_after_text_s"]["n"] == len(sentences)
+    assert record["first_audio_after_text_s"]["n"] == record["first_audio_after_ready_s"]["n"] == len(sentences)
+    # ready: its last piece sent and the sentence before it done, so never sooner than the last piece
+    assert all(0 < s["first_audio_after_ready_s"] <= s["first_audio_after_text_s"] for s in sentences)
     assert all(s["first_speech_at_s"] >= s["first_audio_at_s"] > s["last_text_s"] > 0 for s in sentences)
     # the text of a sentence takes (its characters / 4) / 30 s to arrive: a session lasts at least that
     longest = max(len(pieces(t)) for t in texts[:8]) / 30.0

@@ -155,7 +155,8 @@ def test_a_tiny_load_run_writes_its_figures_and_goals(cpu_int4_bundle, cases_dir
 def _live_record(after_p50: float, gaps: int, problems: list[str], sessions: int = 1) -> dict:
     spread = {"n": 4, "p50": after_p50, "p90": after_p50, "max": after_p50}
     return {"sessions": sessions, "tokens_per_s": 30.0, "seconds": 10.0, "sentences": 4, "audio_s": 8.0,
-            "first_audio_after_text_s": spread, "server_first_audio_s": spread, "gaps": gaps,
+            "first_audio_after_text_s": spread, "first_audio_after_ready_s": spread, "server_first_audio_s": spread,
+            "gaps": gaps,
             "max_gap_s": 0.3 * gaps, "problems": problems}
 
 

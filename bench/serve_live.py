@@ -82,7 +82,8 @@ async def one_session(url: str, text: str, seed: int, tokens_per_s: float, timeo
                     problems.append(f"sentence {current} started after {len(sentences)} sentences")
                 sentences.append({"index": current, "text": event["sentence_text"]})
             elif event["type"] == "audio.done":
-                sentences[-1].update({k: event[k] for k in ("frames", "start", "end", "first_audio_s")})
+                sentences[-1].update({k: event.get(k) for k in ("frames", "start", "end", "first_audio_s",
+                                                                 "prefill_s", "prefilled")})
                 done[event["sentence_index"]] = now
             elif event["type"] == "error":
                 problems.append(f"error event: {event.get('message')}")
@@ -106,6 +107,10 @@ def _session_record(text: str, sentences: list[dict[str, Any]], sent_at: list[tu
         s["first_audio_after_text_s"] = (speech[i] - last) if last is not None and i in speech else None
         ready = None if last is None else max(last, done.get(i - 1, 0.0))
         s["first_audio_after_ready_s"] = (speech[i] - ready) if ready is not None and i in speech else None
+        # beyond its own prompt's prefill (the server's prefill_s: rolling context and text), which the goal allows
+        s["first_audio_after_ready_less_prefill_s"] = (None if s["first_audio_after_ready_s"] is None
+                                                       or s.get("prefill_s") is None
+                                                       else s["first_audio_after_ready_s"] - s["prefill_s"])
         pause = PAUSE_S if i else 0.0
         want = 2 * (round(pause * RATE) + s.get("frames", 0) * FRAME_SAMPLES)
         if audio.get(i, 0) != want:
@@ -124,31 +129,38 @@ def _session_record(text: str, sentences: list[dict[str, Any]], sent_at: list[tu
     return {"sentences": sentences, "gaps_s": gaps, "problems": problems, "audio_s": position}
 
 
-def run_live(url: str, texts: Sequence[str], sessions: int, tokens_per_s: float, timeout: float) -> dict[str, Any]:
-    """``sessions`` concurrent sessions (text ``i mod len(texts)``, seed ``i``) against the server
-    at ``url`` (``http://host:port``); their records and a summary for the load test's JSON."""
+def run_live(url: str, texts: Sequence[str], sessions: int, tokens_per_s: float, timeout: float,
+             first: int = 0) -> dict[str, Any]:
+    """``sessions`` concurrent sessions (session ``i``: text ``(first + i) mod len(texts)``, seed
+    ``first + i``) against the server at ``url`` (``http://host:port``); their records and a
+    summary for the load test's JSON."""
     ws_url = "ws" + url.rstrip("/")[4:] + "/v1/audio/speech/stream"
 
     async def all_sessions() -> list[dict[str, Any]]:
         return await asyncio.gather(*(one_session(ws_url, texts[i % len(texts)], i, tokens_per_s, timeout)
-                                      for i in range(sessions)))
+                                      for i in range(first, first + sessions)))
 
     t0 = time.perf_counter()
     records = asyncio.run(all_sessions())
-    after, ready = ([s[key] for r in records for s in r["sentences"] if s.get(key) is not None]
-                    for key in ("first_audio_after_text_s", "first_audio_after_ready_s"))
+    after, ready, beyond = ([s[key] for r in records for s in r["sentences"] if s.get(key) is not None]
+                            for key in ("first_audio_after_text_s", "first_audio_after_ready_s",
+                                        "first_audio_after_ready_less_prefill_s"))
     return {"sessions": sessions, "tokens_per_s": tokens_per_s, "token_chars": TOKEN_CHARS,
             "seconds": time.perf_counter() - t0, "sentences": sum(len(r["sentences"]) for r in records),
             "audio_s": sum(r["audio_s"] for r in records),
-            "first_audio_after_text_s": _spread(after), "first_audio_after_ready_s": _spread(ready),
-            "server_first_audio_s": _spread([s["first_audio_s"] for r in records for s in r["sentences"]
+            "first_audio_after_text_s": spread(after), "first_audio_after_ready_s": spread(ready),
+            "first_audio_after_ready_less_prefill_s": spread(beyond),
+            "prefill_s": spread([s["prefill_s"] for r in records for s in r["sentences"]
+                                  if s.get("prefill_s") is not None]),
+            "server_first_audio_s": spread([s["first_audio_s"] for r in records for s in r["sentences"]
                                              if s.get("first_audio_s") is not None]),
             "gaps": sum(len(r["gaps_s"]) for r in records),
             "max_gap_s": max((g for r in records for g in r["gaps_s"]), default=0.0),
             "problems": [p for r in records for p in r["problems"]], "session_records": records}
 
 
-def _spread(values: Sequence[float]) -> dict[str, float] | None:
+def spread(values: Sequence[float]) -> dict[str, float] | None:
+    """``n``, ``p50``, ``p90`` and ``max`` of ``values`` (None for none)."""
     if not values:
         return None
     ordered = sorted(values)

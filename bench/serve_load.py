@@ -362,10 +362,10 @@ def run_load(options: LoadOptions) -> dict[str, Any]:
         if engine is not None:
             engine.close()
             engine = None
-        for sessions in options.live_sessions:
+        for n, sessions in enumerate(options.live_sessions):  # each run starts at another text and seed
             say(f"live: {sessions} sessions, text at {options.live_tokens_per_s:g} tokens/s")
             record.setdefault("live", []).append(run_live(url, case_texts(cases), sessions,
-                                                          options.live_tokens_per_s, timeout))
+                                                          options.live_tokens_per_s, timeout, first=n))
         if options.soak_requests > 0:
             say(f"soak: {options.soak_requests} requests at {options.soak_clients} clients")
             start = rss_mb(pid) if pid else None
@@ -415,7 +415,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--clients", default=",".join(map(str, DEFAULT_CLIENTS)), help="concurrency levels")
     p.add_argument("--requests", type=int, help="requests per level, at most (default: by preset and level)")
     p.add_argument("--live-sessions", default="", help="live WebSocket sessions at once, text streamed in: a run "
-                                                       "per comma-separated count (e.g. 1,8; default none)")
+                                                       "per comma-separated count, each from the next text (e.g. "
+                                                       "1,1,1,8: three single sessions, then eight; default none)")
     p.add_argument("--no-engine", dest="engine", action="store_false", help="skip the in-process engine figures")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--out", default="dist/serve-bench.json", help="JSON runs (same label and preset replaced), .html")

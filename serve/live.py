@@ -16,7 +16,7 @@ The server answers per sentence ``{"type": "audio.start", "sentence_index", "sen
 "format", "sample_rate"}``, binary messages of audio (16-bit little-endian mono PCM at 24 kHz; with
 ``wav`` each sentence's first binary message opens with a WAV header of open length, so each
 sentence's bytes are a playable stream), ``{"type": "audio.done", "sentence_index", "start",
-"end", "frames", "first_audio_s"}``, and at the end ``{"type": "session.done",
+"end", "frames", "first_audio_s", "prefill_s", "prefilled"}``, and at the end ``{"type": "session.done",
 "total_sentences"}``, then closes the socket (code 1000).  Beyond vllm-omni:
 
 - each sentence is generated with the rolling context of a long text
@@ -445,8 +445,11 @@ class Session:
         m.audio_seconds.inc(seconds)
         if seconds > 0:
             m.real_time_factor.observe((time.perf_counter() - t0) / seconds)
+        prefill = sum(r.prefill_s for r in results if not math.isnan(r.prefill_s))
         await self._put(_Item(epoch, {"type": "audio.done", "sentence_index": index, "frames": frames,
-                                      "first_audio_s": None if math.isnan(first) else round(first, 4)}))
+                                      "first_audio_s": None if math.isnan(first) else round(first, 4),
+                                      "prefill_s": round(prefill, 4),
+                                      "prefilled": int(sum(max(r.prefilled, 0) for r in results))}))
 
     async def _sentence_job(self, text: str, index: int) -> SpeechJob:
         """The engine request of sentence ``index``: the session's options, its seed plus

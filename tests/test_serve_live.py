@@ -162,7 +162,8 @@ def test_later_sentences_restore_the_voice_from_the_prefix_cache(server, cases_d
         before = counts()
         heard = asyncio.run(_session(server.ws, [" ".join(texts)], config))
         _check_sentences(heard, texts)
-        assert all(done["frames"] > 0 for done in heard.of("audio.done"))
+        assert all(done["frames"] > 0 and done["prefill_s"] > 0 and done["prefilled"] > 0
+                   for done in heard.of("audio.done"))
         after = counts()
         assert (after[0] - before[0], after[1] - before[1]) == (hits, misses), config
 

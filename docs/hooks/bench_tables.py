@@ -59,6 +59,16 @@ def _goals(records: list[dict[str, Any]]) -> tuple[list[str], list[list[str]], l
                                             for g in goals], []
 
 
+def _serve_goals(records: list[dict[str, Any]]) -> tuple[list[str], list[list[str]], list[str]]:
+    """The goals of load-test runs (``dist/serve-bench.json``: a record per label and preset)."""
+    from bench import serve_report
+    from bench.records import goal_state
+
+    runs = [r for r in records if "levels" in r and "server" in r]
+    return ["goal", "measured", "state"], [[g, m, goal_state(met, m)] for r in runs
+                                            for g, met, m in serve_report.goal_checks(r)], []
+
+
 def _machine(records: list[dict[str, Any]]) -> tuple[list[str], list[list[str]], list[str]]:
     from bench.systems import machine_line
 
@@ -78,10 +88,10 @@ def _kinds() -> dict[str, Any]:
 
     return {"systems": _systems, "prefill": report.prefill_table, "batch": report.batch_table,
             "steps": lambda r: (*report.step_table_rows(r), []), "builds": _builds, "goals": _goals,
-            "machine": _machine}
+            "machine": _machine, "serve-goals": _serve_goals}
 
 
-KINDS = ("systems", "prefill", "batch", "steps", "builds", "goals", "machine", "ab")
+KINDS = ("systems", "prefill", "batch", "steps", "builds", "goals", "machine", "serve-goals", "ab")
 
 
 def render(name: str, kind: str) -> str:

@@ -33,7 +33,7 @@ from higgs_pack.runtime.request import (
 COMMAND_GROUP = "higgs_pack.commands"
 
 
-class _MissingExtra(click.ClickException):
+class MissingExtra(click.ClickException):
     """A command whose extra is not installed: exit 2, as every other error of the environment."""
 
     exit_code = 2
@@ -60,7 +60,7 @@ class _Group(click.Group):
         except ImportError as exc:
             extra = ep.extras[0] if ep.extras else "build"  # `name = "module:command [extra]"`
             what = "the build tools" if extra == "build" else f"the [{extra}] extra"
-            raise _MissingExtra(
+            raise MissingExtra(
                 f"`higgs-pack {name}` needs {what}, which is not installed ({exc}); " + install_extra(extra)
             ) from exc
 

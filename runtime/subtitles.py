@@ -64,8 +64,34 @@ def _cue_text(segment: Segment) -> str:
     return segment.text if segment.speaker is None else f"{segment.speaker}: {segment.text}"
 
 
+def cues(segments: Sequence[Segment]) -> list[tuple[float, float, str]]:
+    """``(start, end, text)`` of each cue: a segment each, except that a segment with no time
+    (its end not after its start at millisecond resolution: a text chunk that ended after fewer
+    frames than it has sentences gives some of its sentences none) is joined to the next cue, or
+    to the one before when it is last, so its words are shown rather than dropped (SubRip's
+    composer drops a cue that ends where it starts)."""
+    out: list[list] = []
+    waiting: list[tuple[float, str]] = []  # segments with no time, for the next cue
+    for s in segments:
+        text = _cue_text(s)
+        if round(s.end * 1000) <= round(s.start * 1000):
+            waiting.append((s.start, text))
+            continue
+        if waiting:
+            out.append([min(waiting[0][0], s.start), s.end, " ".join([*(t for _, t in waiting), text])])
+            waiting = []
+        else:
+            out.append([s.start, s.end, text])
+    if waiting and out:
+        out[-1][2] = " ".join([out[-1][2], *(t for _, t in waiting)])
+    elif waiting:  # nothing has time: one cue of the words, as long as a millisecond
+        out.append([waiting[0][0], waiting[0][0] + 0.001, " ".join(t for _, t in waiting)])
+    return [(start, end, text) for start, end, text in out]
+
+
 def subtitles_text(segments: Sequence[Segment], suffix: str) -> str:
-    """The subtitles of ``segments`` as text in the format of ``suffix`` (``.srt`` or ``.vtt``).
+    """The subtitles of ``segments`` as text in the format of ``suffix`` (``.srt`` or ``.vtt``),
+    one cue per :func:`cues` item.
 
     Raises:
         InputError: another suffix.
@@ -74,16 +100,15 @@ def subtitles_text(segments: Sequence[Segment], suffix: str) -> str:
     if suffix == ".srt":
         import srt
 
-        return srt.compose([srt.Subtitle(i + 1, datetime.timedelta(seconds=s.start),
-                                         datetime.timedelta(seconds=s.end), _cue_text(s))
-                            for i, s in enumerate(segments)])
+        return srt.compose([srt.Subtitle(i + 1, datetime.timedelta(seconds=start), datetime.timedelta(seconds=end),
+                                         text) for i, (start, end, text) in enumerate(cues(segments))])
     if suffix == ".vtt":
         import webvtt
 
         vtt = webvtt.WebVTT()
-        for s in segments:
+        for start, end, text in cues(segments):
             # WebVTT cue text is markup: "<|emotion:...|>" or "-->" must be escaped (&lt; &gt; &amp;).
-            vtt.captions.append(webvtt.Caption(_stamp(s.start), _stamp(s.end), html.escape(_cue_text(s), False)))
+            vtt.captions.append(webvtt.Caption(_stamp(start), _stamp(end), html.escape(text, False)))
         return vtt.content
     raise InputError(f"subtitles are .srt or .vtt, got {suffix or 'no suffix'}")
 
@@ -99,7 +124,7 @@ def write_subtitles(path: str | os.PathLike, segments: Sequence[Segment], option
     messages name ``path`` (the CLI passes ``--subtitles``).
 
     Returns:
-        The number of cues written.
+        The number of cues written (:func:`cues`: a segment with no time shares the next cue).
 
     Raises:
         InputError: as :func:`check_subtitles_path`, or the file could not be written (out of
@@ -107,4 +132,4 @@ def write_subtitles(path: str | os.PathLike, segments: Sequence[Segment], option
     """
     path = check_subtitles_path(path, option)
     write_file(path, subtitles_text(segments, path.suffix).encode("utf-8"), option)
-    return len(segments)
+    return len(cues(segments))

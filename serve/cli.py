@@ -104,9 +104,16 @@ def serve(source, host, port, device, max_batch, max_queue, api_key, voices_dir,
           max_input_chars, max_upload_mb, max_ref_seconds, grace_seconds, model_names, log_level) -> None:
     """Serve SOURCE (a bundle, an installed name, a model slug, hf://...) over the OpenAI speech API:
     POST /v1/audio/speech, voices, models, /health, /ready, /metrics, and a demo page at /."""
-    import uvicorn
+    try:
+        import uvicorn
 
-    from higgs_pack.serve.app import CutOffLog, create_app
+        from higgs_pack.serve.app import CutOffLog, create_app
+    except ImportError as exc:  # the command is registered by the runtime; its web stack is the extra's
+        from higgs_pack.manifests.errors import install_extra
+        from higgs_pack.runtime.cli import MissingExtra
+
+        raise MissingExtra(f"`higgs-pack serve` needs the [serve] extra, which is not installed ({exc}); "
+                           + install_extra("serve")) from exc
     from higgs_pack.serve.config import ServeConfig
     from higgs_pack.serve.server import SpeechServer
 

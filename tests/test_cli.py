@@ -624,6 +624,30 @@ def test_synthesize_writes_subtitles_timed_by_frames(cpu_int4_bundle, tmp_path):
     assert int(h) * 3600 + int(m) * 60 + float(s) == pytest.approx(cues[-1].end.total_seconds(), abs=2e-3)
 
 
+def test_a_sentence_without_time_shares_the_next_cue_in_both_formats(tmp_path):
+    """Four sentences in a chunk of 2 frames: two get no time.  Their words join the next cue (the
+    last one's the cue before it), in SubRip as in WebVTT, and the count said is the count written
+    (SubRip's composer dropped such cues, and the CLI said 4 where 2 were written)."""
+    import srt
+    import webvtt
+
+    from higgs_pack.runtime.loop.generate import Segment
+    from higgs_pack.runtime.subtitles import write_subtitles
+
+    segments = [Segment("One.", 0.0, 0.0, 0, False), Segment("Two.", 0.0, 0.04, 0, False),
+                Segment("Three.", 0.04, 0.04, 0, False), Segment("Four.", 0.04, 0.08, 0, False),
+                Segment("Five.", 0.08, 0.08, 0, False)]
+    srt_file, vtt_file = tmp_path / "s.srt", tmp_path / "s.vtt"
+    assert write_subtitles(srt_file, segments) == write_subtitles(vtt_file, segments) == 2
+    parsed = list(srt.parse(srt_file.read_text(encoding="utf-8")))
+    assert [c.content for c in parsed] == ["One. Two.", "Three. Four. Five."]
+    assert [(c.start.total_seconds(), c.end.total_seconds()) for c in parsed] == [(0.0, 0.04), (0.04, 0.08)]
+    assert [c.text for c in webvtt.read(str(vtt_file))] == [c.content for c in parsed]
+    # nothing with time at all: one cue with every word
+    assert write_subtitles(srt_file, segments[:1] + segments[2:3]) == 1
+    assert [c.content for c in srt.parse(srt_file.read_text(encoding="utf-8"))] == ["One. Three."]
+
+
 @pytest.mark.parametrize(("name", "message"), [
     ("subs.txt", "a subtitles file is SubRip (.srt) or WebVTT (.vtt), chosen by its suffix; got .txt"),
     ("subs", "got no suffix: name it .srt or .vtt"),
@@ -684,3 +708,15 @@ def test_the_stop_reasons_of_many_chunks_are_counted():
     assert stop_summary(few) == "eos, max_frames"
     many = [SimpleNamespace(stop_reason="max_frames")] * 997 + [SimpleNamespace(stop_reason="eos")] * 3
     assert stop_summary(many) == "997 max_frames, 3 eos"
+
+
+def test_serve_without_its_extra_names_the_extra(tmp_path):
+    """``higgs-pack serve`` in an environment without uvicorn (a runtime installed with [cpu] only):
+    exit 2 naming the [serve] extra, no traceback.  uvicorn is hidden from the child process."""
+    code = ("import runpy, sys; sys.modules['uvicorn'] = None; "
+            "sys.argv = ['higgs-pack', 'serve', 'nowhere', '--port', '0']; "
+            "runpy.run_module('higgs_pack.runtime.cli', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "`higgs-pack serve` needs the [serve] extra" in proc.stderr and "pip install '.[serve]'" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -69,6 +69,16 @@ def test_bad_turns_and_voices_are_named_before_anything_runs():
     with pytest.raises(InputError, match=r"the voice of 'ANN': reference audio nosuch.wav does not exist") as found:
         DialogueRequest.create([("ANN", "Hi.")], voices={"ANN": ("nosuch.wav", "x")})
     assert "--ref-audio" not in str(found.value) and "set it with" not in str(found.value)
+    # A speaker that is not text and voices that are not a mapping are named, not a TypeError
+    # (a new user's findings, 2026-12-05).
+    for speaker in (None, 5):
+        with pytest.raises(InputError, match="the speaker of turn 1"):
+            DialogueRequest.create([(speaker, "Hi.")])
+    with pytest.raises(InputError, match="the speaker of turn 1"):
+        DialogueRequest.create([{"speaker": None, "text": "Hi."}])
+    for voices in (["ANN"], "ANN"):
+        with pytest.raises(InputError, match="voices must be a mapping of speaker name to voice"):
+            DialogueRequest.create([("ANN", "Hi.")], voices=voices)
 
 
 def test_each_turn_opens_with_its_speakers_voice_and_own_last_turn(oracle):

@@ -91,7 +91,8 @@ def turn_problems(turns: Any, where: str = "turn", numbers: list[int] | None = N
                                                         f"(speaker, text) pair, got {plain_type(turn)}"))
             continue
         found += _speaker_problems(turn.speaker, f"{where} {number}", f"turns[{index}].speaker")
-        problem = unspeakable(turn.text, f"the text of {where} {number} ({turn.speaker[:40]!r})")
+        name = turn.speaker[:40] if isinstance(turn.speaker, str) else turn.speaker
+        problem = unspeakable(turn.text, f"the text of {where} {number} ({name!r})")
         if problem is not None:
             found.append(Problem(f"turns[{index}].text", None, message=literal(problem)))
         if len(found) >= 10:  # enough to fix first; a broken file would list every line
@@ -217,6 +218,10 @@ class DialogueRequest:
         """
         turns = as_turns(turns) if isinstance(turns, (list, tuple)) else turns
         refuse(turn_problems(turns))
+        if voices is not None and not isinstance(voices, Mapping):
+            raise InputError(problems=[Problem("voices", None, message=literal(
+                f"voices must be a mapping of speaker name to voice (a prepared voice, a (clip, transcript) "
+                f"pair or None), got {plain_type(voices)}"))])
         voices = dict(voices or {})
         speakers = list(dict.fromkeys(turn.speaker for turn in turns))
         found: list[Problem] = []

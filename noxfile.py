@@ -3,7 +3,7 @@
 Thin by design: every session calls the ``higgs-pack`` CLI, a module of the
 package or the benchmark (``bench/``, a folder of this checkout, not of the wheel: run from
 here with ``python -m bench``); the logic lives there.  Build-side sessions share one virtualenv
-(``.nox/build-env``: torch, ModelBuilder, Olive, OpenVINO… about 5 GB) that is
+(``.nox/build-env``: torch, ModelBuilder, Olive, OpenVINO… about 6 GB) that is
 created once and reused while pyproject.toml is unchanged.  verify-<target>
 sessions use a runtime-only venv (no torch) per target, as a bundle user has.
 """

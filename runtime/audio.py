@@ -360,9 +360,10 @@ class WavFileWriter:
         """Append float32 [n] mono samples (nominally in [-1, 1]; a [n, 1] array is taken too).
 
         Raises:
-            InputError: non-finite samples, or a failed write (the hidden file is removed).
+            InputError: several channels (:func:`mono`), non-finite samples, or a failed write
+                (the hidden file is removed).
         """
-        samples = np.asarray(samples, dtype=np.float32).reshape(-1)
+        samples = mono(samples, "WavFileWriter")
         if self._file is None:
             raise InputError(f"{self.path} is already finished or discarded; open a new WavFileWriter")
         for block in _blocks(samples):
@@ -441,6 +442,19 @@ class WavFileWriter:
             self.discard()
 
 
+def mono(samples: np.ndarray, who: str) -> np.ndarray:
+    """``samples`` as float32 [n] (a view where it can be): mono audio, [n] or [n, 1] or [1, n].
+
+    Raises:
+        InputError: more than one channel, or more than two axes (``who`` names the writer).
+    """
+    shape = np.shape(samples)
+    if len(shape) > 2 or (len(shape) == 2 and min(shape) != 1):
+        raise InputError(f"{who} writes mono audio, float32 [samples]; got an array of shape {list(shape)}: "
+                         "mix the channels down first (samples.mean(axis=1))")
+    return np.asarray(samples, dtype=np.float32).reshape(-1)
+
+
 def write_wav(path: str | Path, samples: np.ndarray, sample_rate: int, *, subtype: str = "PCM_16") -> WavWritten:
     """Write mono audio without silent wrapping or clipping.
 
@@ -461,13 +475,9 @@ def write_wav(path: str | Path, samples: np.ndarray, sample_rate: int, *, subtyp
     """
     if subtype not in ("PCM_16", "FLOAT"):
         raise InputError(f"unknown wav format {subtype!r}; use PCM_16 (16-bit) or FLOAT")
-    shape = np.shape(samples)
-    if len(shape) > 2 or (len(shape) == 2 and min(shape) != 1):
-        raise InputError(f"write_wav writes mono audio, float32 [samples]; got an array of shape {list(shape)}: "
-                         "mix the channels down first (samples.mean(axis=1))")
+    samples = mono(samples, "write_wav")  # a view of float32 audio, not a copy
     if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, np.integer)) or sample_rate <= 0:
         raise InputError(f"sample_rate must be a whole number of Hz > 0, got {sample_rate!r}")
-    samples = np.asarray(samples, dtype=np.float32).reshape(-1)  # a view of float32 audio, not a copy
     peak = 0.0
     for block in _blocks(samples):
         if not np.isfinite(block).all():
@@ -535,7 +545,7 @@ class AudioSink:
             InputError: non-finite samples.
             BrokenPipeError: the reader of a stream went away.
         """
-        samples = np.asarray(samples, dtype=np.float32).reshape(-1)
+        samples = mono(samples, type(self).__name__)
         if not np.isfinite(samples).all():
             raise InputError("refusing to write audio with NaN/inf samples")
         if self.subtype == "PCM_16":

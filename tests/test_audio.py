@@ -135,3 +135,20 @@ def test_write_wav_refuses_what_it_would_write_wrong(tmp_path, samples, rate, me
         write_wav(tmp_path / "x.wav", samples, rate)
     assert not (tmp_path / "x.wav").exists()
     assert sf.info(write_wav(tmp_path / "m.wav", np.zeros((4800, 1), np.float32), SR).path).frames == 4800
+
+
+def test_the_piece_writers_refuse_several_channels(tmp_path):
+    """WavFileWriter and AudioSink took a [n, 2] array as 2n mono samples (a new user's finding):
+    they refuse it as write_wav does, and [n, 1] stays mono."""
+    from higgs_pack.runtime.audio import AudioSink, WavFileWriter
+
+    with WavFileWriter(tmp_path / "w.wav", SR) as writer:
+        with pytest.raises(InputError, match=r"WavFileWriter writes mono audio.*shape \[10, 2\]"):
+            writer.write(np.zeros((10, 2), np.float32))
+        writer.write(np.zeros((10, 1), np.float32))
+        writer.finish()
+    assert sf.info(tmp_path / "w.wav").frames == 10
+    sink = AudioSink(str(tmp_path / "s.wav"), SR)
+    with pytest.raises(InputError, match=r"AudioSink writes mono audio"):
+        sink.write(np.zeros((10, 2), np.float32))
+    sink.close()

@@ -122,7 +122,7 @@ def _whole_at_least(name: str, value: Any, minimum: int, meaning: str) -> list[P
     return []
 
 
-def unspeakable(value: Any, what: str) -> str | None:
+def unspeakable(value: Any, what: str, why: str = "there is nothing to speak") -> str | None:
     """Why the text field ``what`` cannot be used, or None: the one text check of every front door.
 
     Every text a user gives (the words to speak, a transcript, a voice name, a script line) goes
@@ -131,6 +131,8 @@ def unspeakable(value: Any, what: str) -> str | None:
     Args:
         value: the field's value.
         what: its name in messages (``"text"``, ``"ref_text"``, ``"voice name"``).
+        why: what an empty value means, after a colon (the words to speak: nothing to speak; a
+            name or a transcript says its own; ``""``: nothing, the caller says what the field is).
 
     Returns:
         None when ``value`` is a string with at least one character that is neither whitespace
@@ -152,7 +154,7 @@ def unspeakable(value: Any, what: str) -> str | None:
     if not any(not char.isspace() and unicodedata.category(char) not in ("Cc", "Cf") for char in value):
         kind = "empty" if not value else ("only whitespace" if value.isspace() else
                                             "only whitespace and control characters")
-        return f"{what} is {kind}: there is nothing to speak"
+        return f"{what} is {kind}" + (f": {why}" if why else "")
     return None
 
 
@@ -176,10 +178,11 @@ def plain_type(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-def _unspeakable_problems(field: str, value: Any, fix: str = "") -> list[Problem]:
+def _unspeakable_problems(field: str, value: Any, fix: str = "", why: str = "there is nothing to speak"
+                          ) -> list[Problem]:
     """:func:`unspeakable` of ``value`` as the problem of ``field`` (each front door names the field
     in its own terms), else ``[]``."""
-    problem = unspeakable(value, "\0")
+    problem = unspeakable(value, "\0", why)
     return [] if problem is None else [Problem(field, value, message=literal(problem).replace("\0", "{name}"),
                                                 fix=fix)]
 
@@ -198,7 +201,8 @@ def voice_pair_problems(audio: Any, transcript: Any) -> list[Problem]:
     if audio is None and transcript is None:
         return []
     if audio is not None and transcript is not None:
-        return _unspeakable_problems("ref_text", transcript, "give the exact transcript of the reference audio")
+        return _unspeakable_problems("ref_text", transcript, "give the exact transcript of the reference audio",
+                                     why="a transcript holds the words the clip says")
     return [Problem(None, None, message=(
         "voice cloning needs both ref_audio= and ref_text= (--ref-audio with --ref-text): the reference "
         "clip and its exact transcript; give both, or neither for the bundle's own voice"))]

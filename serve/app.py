@@ -423,7 +423,7 @@ def _voice_routes(app: FastAPI, server: SpeechServer) -> None:
                            param=unknown[0][:80], code="unknown_field")
         name, transcript = form.get("name"), form.get("transcript", form.get("ref_text"))
         upload = form.get("audio", form.get("file"))
-        problem = name_problem(None) if name is None else unspeakable(name, "name") or name_problem(name)
+        problem = name_problem(None) if name is None else unspeakable(name, "name", "a voice is stored under a name") or name_problem(name)
         if problem:
             raise ApiError(400, problem, param="name", code="invalid_name")
         if server.voices.get(name) is not None:
@@ -435,7 +435,7 @@ def _voice_routes(app: FastAPI, server: SpeechServer) -> None:
         if transcript is None:
             raise ApiError(400, "the upload needs 'transcript': the exact words said in the clip",
                            param="transcript", code="missing_field")
-        problem = unspeakable(transcript, "transcript")
+        problem = unspeakable(transcript, "transcript", "a transcript holds the words the clip says")
         if problem:
             raise ApiError(400, f"{problem}; transcript is the exact words said in the clip", param="transcript",
                            code="invalid_value")

@@ -178,8 +178,9 @@ def parse_dialogue(body: Any, *, models: tuple[str, ...], voices: Any, config: S
         if not isinstance(turn, dict) or set(turn) != {"speaker", "input"}:
             raise _bad(f"{where} must be an object with exactly speaker and input, got "
                        f"{short(sorted(turn)) if isinstance(turn, dict) else _got(turn)}", where)
-        for key, meaning in (("speaker", "the name of who says the turn"), ("input", "the words of the turn")):
-            problem = unspeakable(turn[key], f"{where}.{key}")
+        for key, meaning, why in (("speaker", "the name of who says the turn", ""),
+                                  ("input", "the words of the turn", "there is nothing to speak")):
+            problem = unspeakable(turn[key], f"{where}.{key}", why)
             if problem is not None:
                 raise _bad(f"{problem}; {where}.{key} is {meaning}", f"{where}.{key}")
         checked.append(Turn(turn["speaker"].strip(), turn["input"]))  # " ANN " is ANN (as_turns does the same)
@@ -256,13 +257,13 @@ def _got(value: Any) -> str:
     return short(value) if isinstance(value, str) else plain_type(value)
 
 
-def _text(value: Any, param: str, meaning: str) -> str:
+def _text(value: Any, param: str, meaning: str, why: str = "") -> str:
     """``value`` when it is speakable text (:func:`~higgs_pack.runtime.request.unspeakable`).
 
     Raises:
         ApiError: 400 naming ``param`` and what it should hold (``meaning``).
     """
-    problem = unspeakable(value, param)
+    problem = unspeakable(value, param, why)
     if problem is not None:
         raise _bad(f"{problem}; {param} is {meaning}", param.split("[", 1)[0])
     return value
@@ -282,7 +283,7 @@ def _input(body: dict, config: ServeConfig) -> str:
     text = body.get("input")
     if text is None:
         raise _bad("input is required: the words to speak, as a string", "input", "missing_field")
-    _text(text, "input", "the words to speak")
+    _text(text, "input", "the words to speak", "there is nothing to speak")
     if len(text) > config.max_input_chars:
         raise _bad(f"input is {len(text)} characters; the limit is {config.max_input_chars} (--max-input-chars); "
                    "split the text into several requests", "input", "input_too_long")
@@ -484,9 +485,8 @@ def _sampling(body: dict) -> dict[str, Any]:
             keywords[name] = body[name]
     if "seed" in body and body["seed"] is None:
         keywords["seed"] = None
-    frames = body.get("max_new_tokens")
-    if frames is not None:
-        keywords["max_frames"] = _whole(frames, "max_new_tokens", "frames (25 per second) per sentence")
+    if body.get("max_new_tokens") is not None:  # checked by the request with the other fields, all at once
+        keywords["max_frames"] = body["max_new_tokens"]
     first = body.get("initial_chunk_frames")
     alias = body.get("initial_codec_chunk_frames")
     if first is not None and alias is not None:

@@ -35,6 +35,8 @@ def test_readme_and_docs_python_examples_run(cpu_int4_bundle, tmp_path):
     (tmp_path / "dist").mkdir()
     (tmp_path / "dist" / "higgs-audio-v3-tiny-cpu-int4").symlink_to(cpu_int4_bundle, target_is_directory=True)
     write_voice_clip(tmp_path / "voice.wav")
+    # the reader's own long text, which the long-text example reads
+    (tmp_path / "chapter.txt").write_text("It was a quiet night. The rain had stopped. Nobody spoke.", encoding="utf-8")
     # The blocks run in order in one namespace, as a reader would paste them, in a fresh
     # interpreter whose cwd is the folder they name.
     script = "\n".join(blocks) + textwrap.dedent("""
@@ -50,7 +52,7 @@ def test_readme_and_docs_python_examples_run(cpu_int4_bundle, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "INFO higgs-audio-v3-tiny-cpu-int4: target cpu precision int4" in out.stdout
     assert "CPUExecutionProvider" in out.stdout
-    assert (tmp_path / "out.wav").stat().st_size > 44
+    assert (tmp_path / "out.wav").stat().st_size > 44 and (tmp_path / "book.wav").stat().st_size > 44
 
 
 def test_import_higgs_pack_is_cheap_and_lazy():
@@ -189,7 +191,7 @@ def test_requests_are_checked_without_a_bundle(tmp_path):
         SynthesisRequest.create(b"Hi.")
     with pytest.raises(InputError, match=f"reference audio {tmp_path / 'none.wav'} does not exist"):
         SynthesisRequest.create("Hi.", ref_audio=tmp_path / "none.wav", ref_text="Hello.")
-    with pytest.raises(InputError, match="ref_text is only whitespace: there is nothing to speak"):
+    with pytest.raises(InputError, match="ref_text is only whitespace: a transcript holds the words the clip says"):
         Voice((np.zeros(24000, np.float32), 24000), "  ")
     with pytest.raises(InputError, match=r"ref_text must be text \(a string\), got a number \(5\)"):
         Voice((np.zeros(24000, np.float32), 24000), 5)

@@ -204,7 +204,7 @@ def invoke(*args, input=None):
     (["--text", "\udced\udca0\udc80 bad \udcff"], None,
      "text is not valid Unicode: character 1 is a lone surrogate (U+DCED"),
     (["--text", "Hi.", "--ref-audio", "{ref}", "--ref-text", "\x07"], None,
-     "ref_text is only whitespace and control characters: there is nothing to speak; give the exact transcript"),
+     "ref_text is only whitespace and control characters: a transcript holds the words the clip says; give the exact transcript"),
     (["--text", "Hi.", "--first-chunk-frames", "2"], None,
      "--first-chunk-frames shapes the chunks of --stream, and --stream is not given: add --stream, or drop it"),
     (["--text", "Hi.", "--chunk-growth", "3", "--max-chunk-frames", "5"], None,

@@ -109,7 +109,7 @@ def plain(exc: BaseException) -> str:
 
 
 def _speaker_problems(speaker: Any, where: str, field: str = "turns") -> list[Problem]:
-    problem = unspeakable(speaker, f"the speaker of {where}")
+    problem = unspeakable(speaker, f"the speaker of {where}", "a speaker is named by a word or more")
     if problem is None and (len(speaker) > MAX_SPEAKER_CHARS or ":" in speaker or "\n" in speaker):
         problem = (f"the speaker of {where} ({speaker[:40]!r}) must be a name of at most {MAX_SPEAKER_CHARS} "
                    "characters without ':' or a line break")

@@ -43,11 +43,12 @@ from higgs_pack.runtime.loop.generate import (
     encode_reference,
     plan_request,
     run_plan,
+    voice_room_problems,
 )
 from higgs_pack.runtime.loop.pipeline import Pipeline
 from higgs_pack.runtime.loop.prefix_cache import PrefixCache, bundle_identity, prefix_layout
 from higgs_pack.runtime.loop.streaming import SpeechStream, stream_plan
-from higgs_pack.runtime.request import PreparedVoice, SynthesisRequest, Voice
+from higgs_pack.runtime.request import PreparedVoice, SynthesisRequest, Voice, refuse
 from higgs_pack.runtime.sources.bundle import Bundle, load_pipeline, open_bundle
 
 log = logging.getLogger(__name__)
@@ -312,12 +313,14 @@ class TTS:
 
         Raises:
             InputError: an unusable clip or transcript (the same messages as ``ref_audio=``),
-                or a bundle without an audio encoder.
+                a voice whose prompt leaves no room for text in the decoder's context, or a
+                bundle without an audio encoder.
         """
         voice = Voice(ref_audio, ref_text)
         c = self.pipeline.constants
         check_text_tokens(self.pipeline, ref_text, "ref_text")
         codes = encode_reference(self.pipeline, voice.prepared(c.sample_rate, c.hop_length))
+        refuse(voice_room_problems(self.pipeline, codes, ref_text))
         return PreparedVoice(codes, ref_text, name)
 
     def engine(self, max_batch: int = 4, *, max_length: int | None = None,

@@ -720,3 +720,14 @@ def test_serve_without_its_extra_names_the_extra(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "`higgs-pack serve` needs the [serve] extra" in proc.stderr and "pip install '.[serve]'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_transcript_that_fills_the_context_is_named_as_such(cpu_int4_bundle, cases_dir, tmp_path):
+    """--ref-text of 5,000 words: the voice is said to leave no room, naming --ref-text (it was
+    reported as a sentence of the text to split with punctuation)."""
+    out = run("synthesize", cpu_int4_bundle, "--text", "Hi.", "--ref-audio", cases_dir / "ref_en_16k.wav",
+              "--ref-text", " ".join(["word"] * 5000), "-o", tmp_path / "a.wav", check=False)
+    assert out.returncode == 2, out.stderr
+    assert "the voice takes" in out.stderr and "--ref-text" in out.stderr and "split it" not in out.stderr
+    assert not (tmp_path / "a.wav").exists()
+

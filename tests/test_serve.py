@@ -287,7 +287,11 @@ def test_voice_uploads_check_their_name_and_transcript_as_text(server, clip):
                                ({"name": "\x01", "transcript": transcript}, "name",
                                 "name is only whitespace and control characters"),
                                ({"nmae": "ok", "transcript": transcript}, "nmae",
-                                "unknown part 'nmae' (did you mean 'name'?)")):
+                                "unknown part 'nmae' (did you mean 'name'?)"),
+                               # a transcript that fills the context is refused at upload, naming it, not
+                               # on every later request as a sentence of the input (a new user's finding)
+                               ({"name": "long", "transcript": " ".join(["word"] * 5000)}, "transcript",
+                                "the voice takes")):
         bad = httpx.post(server.url + "/v1/audio/voices", files={"audio": ("r.wav", audio, "audio/wav")}, data=data,
                          timeout=60)
         assert bad.status_code == 400, bad.text

@@ -997,6 +997,24 @@ def _prompt_overhead(pipeline: Pipeline, ref_codes: np.ndarray | None, ref_text:
     return fixed
 
 
+def voice_room_problems(pipeline: Pipeline, ref_codes: np.ndarray, ref_text: str) -> list[Problem]:
+    """The problem of a voice whose prompt (transcript and clip codes) leaves no room in the
+    decoder's context for even a one-word sentence and its shortest frame cap, else ``[]``:
+    said of the voice, not of the text (a new user's finding: a 5,000-word transcript was
+    reported as a sentence of the text to split)."""
+    gen = pipeline.generation_defaults
+    fixed = _prompt_overhead(pipeline, ref_codes, ref_text)
+    limit = pipeline.decoder.max_length
+    least = fixed + 1 + frame_cap(1, gen.get("frames_per_text_token", FRAMES_PER_TEXT_TOKEN),
+                                  gen.get("min_max_frames", MIN_MAX_FRAMES))
+    if least <= limit:
+        return []
+    return [Problem("ref_text", None, message=literal(
+        f"the voice takes {fixed} positions of the decoder's context of {limit} (its transcript, "
+        f"{_token_count(pipeline, ref_text)} tokens, and its clip, {ref_codes.shape[0]} frames), leaving no room "
+        f"for a sentence ({least} needed for one word): use a shorter clip with its transcript"))]
+
+
 def _too_long(needed: int, limit: int, sentence: str, max_frames: int | None) -> Problem:
     """The problem of one sentence whose prompt and frames do not fit the context: the frame cap's
     when the request set one (lowering it is a fix), else the text's."""
@@ -1064,6 +1082,8 @@ def plan_chunks(pipeline: Pipeline, text: str, ref_codes: np.ndarray | None = No
     fpt = gen.get("frames_per_text_token", FRAMES_PER_TEXT_TOKEN)
     floor = gen.get("min_max_frames", MIN_MAX_FRAMES)
     fixed = _prompt_overhead(pipeline, ref_codes, ref_text)
+    if ref_codes is not None:
+        refuse(voice_room_problems(pipeline, ref_codes, ref_text or ""))
 
     def cap_of(tokens: int) -> int:
         return max_frames if max_frames is not None else frame_cap(tokens, fpt, floor)

@@ -78,13 +78,16 @@ def load_audio(path: str | Path) -> tuple[np.ndarray, int]:
     return _decode(path, f"reference audio {path}", "")  # a path names itself: no flag (--ref-audio, --voice)
 
 
-def read_audio_bytes(data: bytes, source: str = "reference audio", how: str = "ref_audio") -> tuple[np.ndarray, int]:
+def read_audio_bytes(data: bytes, source: str = "reference audio", how: str = "ref_audio", *,
+                     max_seconds: float = MAX_REFERENCE_S, limit: str = "") -> tuple[np.ndarray, int]:
     """:func:`load_audio` for a file's bytes (an upload, a base64 field).
 
     Args:
         data: the bytes of a wav/flac/ogg/mp3 file.
         source: what the bytes are, for messages.
         how: the field or flag the user gave them with, for messages.
+        max_seconds: the longest clip taken (a server's own limit, at most
+            :data:`MAX_REFERENCE_S`); ``limit`` says where it comes from in the message.
 
     Returns:
         ``(samples, sample_rate)``: float32 [samples] in [-1, 1] (channels averaged), Hz.
@@ -92,28 +95,29 @@ def read_audio_bytes(data: bytes, source: str = "reference audio", how: str = "r
     Raises:
         InputError: not audio libsndfile reads, or empty.
     """
-    return _decode(io.BytesIO(data), source, how)
+    return _decode(io.BytesIO(data), source, how, min(max_seconds, MAX_REFERENCE_S), limit)
 
 
-def _decode(file: Path | BinaryIO, source: str, how: str) -> tuple[np.ndarray, int]:
+def _decode(file: Path | BinaryIO, source: str, how: str, max_seconds: float = MAX_REFERENCE_S,
+            limit: str = "") -> tuple[np.ndarray, int]:
     """Decode at most :data:`MAX_REFERENCE_S` of audio: a file whose header says it is longer is
     refused before its samples are decoded, and one that does not say is read only that far, so a
     small compressed file of hours (1.1 MB of FLAC holding 4 hours decoded to 4.3 GB before) costs
     no more than a reference clip."""
     try:
         with sf.SoundFile(file) as f:
-            rate, cap = int(f.samplerate), int(MAX_REFERENCE_S * f.samplerate) + 1
+            rate, cap = int(f.samplerate), int(max_seconds * f.samplerate) + 1
             if f.frames > cap:
                 raise clip_error(source, f" is {f.frames / rate:.1f} s long; use a clip of at most "
-                                         f"{MAX_REFERENCE_S:.0f} s (3-10 s of speech works best)")
+                                         f"{max_seconds:g} s{limit} (3-10 s of speech works best)")
             data = f.read(frames=cap, dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, ValueError, TypeError) as exc:
         reason = re.sub(r"^Error opening <[^>]*>: ", "", str(exc))  # not the repr of an in-memory file
         raise clip_error(source, f" is not a readable audio file ({reason}); give a wav, flac or ogg file"
                                  + (f" with {how}" if how else "")) from exc
     if len(data) >= cap:
-        raise clip_error(source, f" is longer than {MAX_REFERENCE_S:.0f} s; use a clip of at most "
-                                 f"{MAX_REFERENCE_S:.0f} s (3-10 s of speech works best)")
+        raise clip_error(source, f" is longer than {max_seconds:g} s; use a clip of at most "
+                                 f"{max_seconds:g} s{limit} (3-10 s of speech works best)")
     if data.size == 0:
         raise clip_error(source, " holds no samples; give a recording of speech")
     return data.mean(axis=1).astype(np.float32), int(rate)

@@ -405,7 +405,8 @@ def reference_clip(ref_audio: Any, config: ServeConfig, param: str = "ref_audio"
 
 def _decoded(data: bytes, source: str, config: ServeConfig, param: str) -> tuple[Any, int]:
     try:
-        samples, rate = read_audio_bytes(data, source, param)
+        samples, rate = read_audio_bytes(data, source, param, max_seconds=config.max_ref_seconds,
+                                         limit=" (--max-ref-seconds)")
     except InputError as exc:
         raise _bad(str(exc), param) from exc
     seconds = len(samples) / rate

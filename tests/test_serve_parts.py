@@ -141,6 +141,12 @@ def test_ref_audio_is_decoded_and_bounded(tmp_path):
     with pytest.raises(ApiError, match=r"at most 0\.5 s \(--max-ref-seconds\)") as err:
         _parse(ServeConfig(max_ref_seconds=0.5), ref_audio=clip, ref_text="words")
     assert err.value.status == 400 and err.value.param == "ref_audio"
+    # a clip past the reader's own 60 s is refused with the server's limit too, not a second one
+    two_minutes = io.BytesIO()
+    sf.write(two_minutes, np.zeros(16000 * 120, np.float32), 16000, format="WAV")
+    with pytest.raises(ApiError, match=r"is 120\.0 s long; use a clip of at most 30 s \(--max-ref-seconds\)"):
+        _parse(ServeConfig(max_ref_seconds=30), ref_audio=base64.b64encode(two_minutes.getvalue()).decode(),
+               ref_text="words")
     with pytest.raises(ApiError, match="--max-upload-mb") as err:
         _parse(ServeConfig(max_upload_bytes=2048), ref_audio=clip, ref_text="words")
     assert err.value.status == 413

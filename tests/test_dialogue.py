@@ -127,6 +127,9 @@ def test_tts_dialogue_on_the_cpu_bundle_clones_a_clip_and_streams_the_same(cpu_i
     with pytest.raises(InputError, match=r"turn 2 \('BEN'\): the text contains the prompt control token") as found:
         tts.dialogue([("ANN", "Hi."), ("BEN", "Say <|audio|> now.")])
     assert "--text" not in str(found.value) and "text=" not in str(found.value)
+    with pytest.raises(InputError) as found:  # every bad turn at once, not the first alone
+        tts.dialogue([("ANN", "Hi <|audio|>."), ("BEN", "Fine."), ("BEN", "Oh <|tts|> no.")])
+    assert [p.field for p in found.value.problems] == ["turns[0].text", "turns[2].text"], found.value.problems
     with pytest.raises(InputError, match=r"turn 1 \('ANN'\): one sentence needs") as found:
         tts.dialogue([("ANN", "x" * 60000)])  # one word: no place to cut it
     assert "--text" not in str(found.value) and "text=" not in str(found.value)

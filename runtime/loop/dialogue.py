@@ -298,17 +298,23 @@ def plan_dialogue(pipeline: Pipeline, request: DialogueRequest) -> SynthesisPlan
     chunks: list[tuple[str, int]] = []
     speakers: list[int] = []
     turns: list[int] = []
+    bad: list[Problem] = []  # every turn's problem at once (up to 10), as the script's are
     for number, turn in enumerate(request.turns):
         speaker = names.index(turn.speaker)
         try:
             check_text_tokens(pipeline, turn.text)
             found = plan_chunks(pipeline, turn.text.strip(), *voices[speaker], options.max_frames, CHUNK_WORDS)
         except InputError as exc:
-            raise InputError(problems=[Problem(f"turns[{number}].text", None, message=literal(
-                f"turn {number + 1} ({turn.speaker!r}): {plain(exc)}"))]) from exc
+            bad.append(Problem(f"turns[{number}].text", None, message=literal(
+                f"turn {number + 1} ({turn.speaker!r}): {plain(exc)}")))
+            if len(bad) >= 10:
+                bad.append(Problem("turns", None, message="(and maybe more: fix these first)"))
+                break
+            continue
         chunks += found
         speakers += [speaker] * len(found)
         turns += [number] * len(found)
+    refuse(bad)
     cast = Cast(names, tuple(voices), tuple(speakers), tuple(turns), tuple(turn.text.strip() for turn in request.turns))
     plan = SynthesisPlan(sampling, None, None, tuple(chunks), options.schedule, 0, options.context_chunks,
                          pipeline.decoder.max_length, getattr(pipeline.decoder, "max_prompt_length", None), cast,

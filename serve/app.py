@@ -31,6 +31,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 
 from higgs_pack.manifests.errors import HiggsPackError, InputError, disk_full, disk_full_message
 from higgs_pack.runtime.request import unspeakable
@@ -109,8 +110,15 @@ def _handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         path = short(request.url.path)[1:-1]
-        allowed = (exc.headers or {}).get("Allow", "")
+        headers = exc.headers
         if exc.status_code == 405:
+            # Starlette's Allow names the first route of the path only (GET of /v1/audio/voices, not
+            # its POST): every route of the path says what it answers
+            methods = sorted({m for route in request.app.router.routes
+                              if route.matches(request.scope)[0] != Match.NONE
+                              for m in (getattr(route, "methods", None) or ())})
+            allowed = ", ".join(methods) or (exc.headers or {}).get("Allow", "")
+            headers = {**(exc.headers or {}), "Allow": allowed}
             message = (f"{request.method} is not allowed on {path}: it answers {allowed.replace(', ', ' and ')}; "
                        "see /docs for the routes")
             code = "method_not_allowed"
@@ -119,7 +127,7 @@ def _handlers(app: FastAPI) -> None:
         else:
             message, code = short(str(exc.detail))[1:-1], None
         return JSONResponse(error_body(exc.status_code, message, code=code), status_code=exc.status_code,
-                            headers=exc.headers)
+                            headers=headers)
 
     @app.exception_handler(ClientDisconnect)
     async def client_left(request: Request, exc: ClientDisconnect) -> Response:

@@ -699,6 +699,9 @@ def test_http_rough_edges_get_clear_openai_errors(server, clip):
     error = wrong.json()["error"]
     assert "GET is not allowed on /v1/audio/speech: it answers POST" in error["message"], error
     assert error["code"] == "method_not_allowed" and error["type"] == "invalid_request_error"
+    put = httpx.put(url + "/v1/audio/voices", timeout=30)  # two routes on the path: both named
+    assert put.status_code == 405 and put.headers["allow"] == "GET, POST", put.headers
+    assert "it answers GET and POST" in put.json()["error"]["message"]
     head = httpx.head(url + "/health", timeout=30)
     assert head.status_code == 200 and head.content == b""
     gz = httpx.post(url + "/v1/audio/speech", content=b"\x1f\x8b...", timeout=30,

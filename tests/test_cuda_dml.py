@@ -222,6 +222,22 @@ def test_allowed_fallback_from_dml_is_recorded(dml_fp16):
     assert pipe.description["llm_decoder"] == f"CPUExecutionProvider (fallback from {DML})"
 
 
+def test_a_fallback_is_said_once_not_once_per_sub_part(cpu_int4_bundle, caplog):
+    """Loading a cpu bundle on the CUDA provider with fallback allowed: one warning for the
+    bundle, not one per sub-part's session (7 before; a new user's finding)."""
+    import logging
+
+    from higgs_pack.runtime.backends.onnxruntime import sessions
+
+    if "CUDAExecutionProvider" in _available():
+        pytest.skip("this machine has a CUDA GPU; there is no fallback to show")
+    sessions._FALLBACKS_SAID.discard("CUDAExecutionProvider")
+    with caplog.at_level(logging.WARNING, logger="higgs_pack"):
+        load(cpu_int4_bundle, execution_provider="cuda", allow_fallback=True)
+    said = [r for r in caplog.records if "falling back" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]
+
+
 # ----------------------------------------------------------------------------- guards
 
 

@@ -87,6 +87,10 @@ THREAD_POOL_DEFAULTS: dict[str, str] = {
 DECODER_THREAD_POOL: dict[str, str] = {"session.intra_op.allow_spinning": "0"}
 
 
+
+#: Execution providers whose fallback to the CPU this process has already said.
+_FALLBACKS_SAID: set[str] = set()
+
 def stream_codec_thread_pool() -> dict[str, Any]:
     """Session options of the ``audio_tokenizer_stream`` session on the CPU provider (a manifest
     entry still wins): ``intra_op_num_threads`` = half the logical CPUs this process may run on
@@ -226,7 +230,9 @@ def create_session(path: Path, ep: str, *, provider_options: dict[str, Any] | No
                 f"(execution_provider={CPU_PROVIDER.name!r})"
             )
         cpu = CPU_PROVIDER.ort_provider
-        log.warning("%s is not available; falling back to %s as asked", wanted, cpu)
+        if wanted not in _FALLBACKS_SAID:  # once, not once per sub-part's session
+            _FALLBACKS_SAID.add(wanted)
+            log.warning("%s is not available; falling back to %s as asked", wanted, cpu)
         providers = [cpu]
         wanted = cpu
         note = f"{cpu} (fallback from {row.ort_provider})"

@@ -292,9 +292,9 @@ class WavFileWriter:
     puts it in place only when it is complete.
 
     The audio goes to a hidden file beside the output (``.partial-<pid>-<name>``, made as any
-    file is, umask applied); :meth:`finish` renames it over the output (a reader sees the old
-    file or the new one, never half of one) and :meth:`discard` (or leaving a ``with`` block by
-    an exception, Ctrl-C included) removes it, so an interrupted or failed run leaves no file
+    file is, umask applied); :meth:`finish` (or leaving a ``with`` block normally) renames it over
+    the output (a reader sees the old file or the new one, never half of one) and :meth:`discard`
+    (or leaving a ``with`` block by an exception, Ctrl-C included) removes it, so an interrupted or failed run leaves no file
     that looks complete.  An output that exists and is not a regular file (a device such as
     ``/dev/null``) cannot be renamed over: it is written in place.  A symbolic link keeps
     pointing where it did; the file it names is replaced.
@@ -440,10 +440,17 @@ class WavFileWriter:
         return self
 
     def __exit__(self, kind, value, traceback) -> None:
-        """Leaving by an exception (Ctrl-C too) discards the file; otherwise nothing (call
-        :meth:`finish` inside the block)."""
+        """Leaving by an exception (Ctrl-C too) discards the file; leaving normally finishes it
+        when :meth:`finish` was not called in the block (it left a hidden partial file behind
+        and no output before: a new user's finding).
+
+        Raises:
+            InputError: as :meth:`finish`.
+        """
         if kind is not None:
             self.discard()
+        elif self._file is not None:
+            self.finish()
 
 
 def mono(samples: np.ndarray, who: str) -> np.ndarray:

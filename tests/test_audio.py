@@ -152,3 +152,18 @@ def test_the_piece_writers_refuse_several_channels(tmp_path):
     with pytest.raises(InputError, match=r"AudioSink writes mono audio"):
         sink.write(np.zeros((10, 2), np.float32))
     sink.close()
+
+
+def test_leaving_a_writers_block_normally_finishes_the_file(tmp_path):
+    """A ``with WavFileWriter`` block left without finish() puts the file in place (it left a
+    hidden .partial- file and no output); left by an exception it leaves nothing."""
+    from higgs_pack.runtime.audio import WavFileWriter
+
+    with WavFileWriter(tmp_path / "done.wav", SR) as writer:
+        writer.write(np.zeros(480, np.float32))
+    assert sf.info(tmp_path / "done.wav").frames == 480
+    with pytest.raises(RuntimeError), WavFileWriter(tmp_path / "failed.wav", SR) as writer:
+        writer.write(np.zeros(480, np.float32))
+        raise RuntimeError("generation failed")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["done.wav"]
+

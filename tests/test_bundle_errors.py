@@ -403,3 +403,13 @@ def test_a_load_parses_each_graph_and_the_tokenizer_once(cpu_int4_bundle, monkey
     load(cpu_int4_bundle)
     graphs = [spec["entry"] for spec in read_manifest(cpu_int4_bundle)["subparts"].values()]
     assert sorted(parses) == sorted([Path(g).name for g in graphs] + ["tokenizer.json"]), parses
+
+
+def test_an_option_of_the_other_backend_is_named(ov_int4_bundle):
+    """An OpenVINO bundle loaded with execution_provider= says it is an OpenVINO bundle and which
+    option chooses where it runs (the message said 'a OpenVINO bundle')."""
+    from higgs_pack.manifests.errors import ExecutionProviderUnavailable
+
+    with pytest.raises(ExecutionProviderUnavailable, match=r"is an OpenVINO bundle; choose where it runs with "
+                                                           r"--device \(device=\), not --execution-provider"):
+        load(ov_int4_bundle, execution_provider="cpu")

@@ -164,7 +164,8 @@ class Backend:
             if other != self.placement and getattr(options, other) is not None:
                 flag = "--" + other.replace("_", "-")
                 raise ExecutionProviderUnavailable(
-                    f"{bundle.name} is a {self.label} bundle; choose where it runs with "
+                    f"{bundle.name} is {'an' if self.label[:1] in 'AEIOU' else 'a'} {self.label} bundle; choose where "
+                    f"it runs with "
                     f"--{self.placement.replace('_', '-')} ({self.placement}=), not {flag} ({other}=)"
                 )
 

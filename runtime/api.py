@@ -48,7 +48,7 @@ from higgs_pack.runtime.loop.generate import (
 from higgs_pack.runtime.loop.pipeline import Pipeline
 from higgs_pack.runtime.loop.prefix_cache import PrefixCache, bundle_identity, prefix_layout
 from higgs_pack.runtime.loop.streaming import SpeechStream, stream_plan
-from higgs_pack.runtime.request import PreparedVoice, SynthesisRequest, Voice, refuse
+from higgs_pack.runtime.request import PreparedVoice, SynthesisRequest, Voice, plain_type, refuse
 from higgs_pack.runtime.sources.bundle import Bundle, load_pipeline, open_bundle
 
 log = logging.getLogger(__name__)
@@ -617,7 +617,11 @@ def load(
         ExecutionProviderUnavailable: the provider/device is missing (without
             ``allow_fallback``) or ``device`` is not a name the bundle's backend knows.
         SignatureMismatch: a graph's inputs/outputs differ from the manifest.
+        InputError: ``source`` is not a path or a name (None, a number, an empty string).
     """
+    if not isinstance(source, (str, os.PathLike)) or not os.fspath(source):
+        raise InputError(f"load() takes a bundle folder, an archive, an installed bundle's name, a model slug or "
+                         f"hf://ORG/REPO; got {plain_type(source) if not isinstance(source, str) else 'an empty string'}")
     resolved = resolve(source, bundle_dirs=tuple(bundle_dirs), variant=variant)
     for note in resolved.notes:
         log.warning("%s", note)

@@ -218,3 +218,15 @@ def test_stream_equals_synthesize(cpu_fp32_bundle):
     assert joined.shape == whole.samples.shape and np.allclose(joined, whole.samples, atol=1e-4)
     with pytest.raises(higgs_pack.InputError, match="both ref_audio= and ref_text="):
         tts.stream("Hi.", ref_text="Hello.")
+
+
+@pytest.mark.parametrize(("source", "words"), [(None, "got nothing (null/None)"), (5, "got a number (5)"), ("", "an empty string")])
+def test_load_names_a_source_that_is_not_a_path_or_a_name(source, words):
+    """load(None), load(5) and load("") raised TypeError from os.fspath, or said '. is not a
+    bundle' (a new user's findings)."""
+    import higgs_pack
+
+    with pytest.raises(higgs_pack.InputError, match="load\\(\\) takes a bundle folder") as found:
+        higgs_pack.load(source)
+    assert words in str(found.value)
+

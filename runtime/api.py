@@ -566,6 +566,17 @@ def resolve(source: str | os.PathLike, *, bundle_dirs: tuple[str | os.PathLike, 
     return Resolved(find_bundle(text), "installed bundle")  # raises, naming what is installed
 
 
+def _check_source(source: Any) -> None:
+    """Refuse a ``load`` source that is not a path or a name.
+
+    Raises:
+        InputError: None, a number, an empty string (a new user's findings).
+    """
+    if not isinstance(source, (str, os.PathLike)) or not os.fspath(source):
+        raise InputError(f"load() takes a bundle folder, an archive, an installed bundle's name, a model slug or "
+                         f"hf://ORG/REPO; got {plain_type(source) if not isinstance(source, str) else 'an empty string'}")
+
+
 def load(
     source: str | os.PathLike,
     device: str | None = AUTO,
@@ -619,9 +630,7 @@ def load(
         SignatureMismatch: a graph's inputs/outputs differ from the manifest.
         InputError: ``source`` is not a path or a name (None, a number, an empty string).
     """
-    if not isinstance(source, (str, os.PathLike)) or not os.fspath(source):
-        raise InputError(f"load() takes a bundle folder, an archive, an installed bundle's name, a model slug or "
-                         f"hf://ORG/REPO; got {plain_type(source) if not isinstance(source, str) else 'an empty string'}")
+    _check_source(source)
     resolved = resolve(source, bundle_dirs=tuple(bundle_dirs), variant=variant)
     for note in resolved.notes:
         log.warning("%s", note)

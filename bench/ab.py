@@ -151,11 +151,13 @@ def each_context(args: argparse.Namespace, machine: Mapping[str, Any], hidden: i
     return out
 
 
-def markdown(headers: list[str], rows: list[list[Any]]) -> str:
+def markdown(headers: list[str], rows: list[list[Any]], facts: list[str] = ()) -> str:
+    """A Markdown table (None as ``-``, a ``|`` in a cell escaped), then ``facts`` as a list."""
     def line(cells: list[Any]) -> str:
-        return "| " + " | ".join("-" if c is None else str(c) for c in cells) + " |"
+        return "| " + " | ".join("-" if c is None else str(c).replace("|", "\\|") for c in cells) + " |"
 
-    return "\n".join([line(headers), line(["---"] * len(headers)), *map(line, rows)])
+    table = [line(headers), line(["---"] * len(headers)), *map(line, rows)]
+    return "\n".join(table + ([""] + [f"- {f}" for f in facts] if facts else []))
 
 
 def timing_cells(row: Mapping[str, Any], weights_mb: float) -> list[Any]:

@@ -35,14 +35,6 @@ def _shown(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
-def _markdown(headers: list[str], rows: list[list[str]], facts: list[str]) -> str:
-    def line(cells: list[str]) -> str:
-        return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
-
-    out = [line(headers), "|" + "---|" * len(headers), *(line(r) for r in rows)]
-    return "\n".join(out + ([""] + [f"- {f}" for f in facts] if facts else []))
-
-
 def _systems(records: list[dict[str, Any]]) -> tuple[list[str], list[list[str]], list[str]]:
     from bench.report import COLUMNS, cell
 
@@ -122,7 +114,9 @@ def render(name: str, kind: str) -> str:
     headers, rows, facts = _kinds()[kind](records)
     if not rows:
         raise BenchTableError(f"{_shown(path)} has no figures for a {kind!r} table")
-    return _markdown(headers, rows, facts)
+    from bench.ab import markdown
+
+    return markdown(headers, rows, facts)
 
 
 def on_page_markdown(markdown: str, page: Any, **_: Any) -> str:

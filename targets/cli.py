@@ -12,14 +12,17 @@ _BUILD_MODULES = ("torch", "transformers", "safetensors", "onnxruntime_genai", "
 
 
 def _require_build_tools() -> None:
-    """Stop with the install line when the build extra is missing (a runtime-only install)."""
+    """Stop with exit status 2 and the install line when the build extra is missing (a
+    runtime-only install), as every other missing part of the environment does."""
     import importlib.util
+
+    from higgs_pack.manifests.errors import install_extra
+    from higgs_pack.runtime.cli import MissingExtra
 
     missing = [m for m in _BUILD_MODULES if importlib.util.find_spec(m) is None]
     if missing:
-        raise click.ClickException(
-            f"building needs the build tools ({', '.join(missing)} missing): install them with "
-            "`pip install '/path/to/higgs-pack[build]'` from a clone, or use `nox -s build-<target>`")
+        raise MissingExtra(f"building needs the build tools ({', '.join(missing)} missing): "
+                           f"{install_extra('build')}, or use `nox -s build-<target>`")
 
 
 @click.command()

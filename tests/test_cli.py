@@ -722,6 +722,19 @@ def test_serve_without_its_extra_names_the_extra(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_build_without_the_build_tools_names_the_extra():
+    """``higgs-pack build`` where torch is missing (a runtime-only install): exit 2, as every other
+    missing part of the environment, with the install line (it exited 1).  torch is hidden from the
+    child process."""
+    code = ("import runpy, sys; sys.modules['torch'] = None; "
+            "sys.argv = ['higgs-pack', 'build', '--target', 'cpu']; "
+            "runpy.run_module('higgs_pack.runtime.cli', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "building needs the build tools (torch missing)" in proc.stderr and "pip install '.[build]'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_a_transcript_that_fills_the_context_is_named_as_such(cpu_int4_bundle, cases_dir, tmp_path):
     """--ref-text of 5,000 words: the voice is said to leave no room, naming --ref-text (it was
     reported as a sentence of the text to split with punctuation)."""

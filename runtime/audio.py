@@ -12,6 +12,7 @@ import io
 import os
 import re
 import struct
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -240,21 +241,24 @@ UNKNOWN_SIZE = 0xFFFFFFFF
 PIPE_PIECE_BYTES = 65536
 
 
-def streaming_wav_header(sample_rate: int, subtype: str = "PCM_16") -> bytes:
-    """The 44-byte header of a mono WAV of unknown length (RIFF/data sizes ``0xFFFFFFFF``).
+def streaming_wav_header(sample_rate: int, subtype: str = "PCM_16", samples: int | None = None) -> bytes:
+    """The 44-byte header of a mono WAV written front to back, never sought in (a pipe).
 
-    Used for WAV on a pipe, where the header cannot be rewritten at the end; aplay, sox,
+    With ``samples`` None its length is unknown (RIFF/data sizes ``0xFFFFFFFF``): aplay, sox,
     ffmpeg and soundfile read such a stream to its end.
 
     Args:
         sample_rate: Hz.
         subtype: ``"PCM_16"`` (16-bit integer) or ``"FLOAT"`` (32-bit IEEE float).
+        samples: how many samples follow, when known.
     """
     dtype, tag = STREAM_SUBTYPES[subtype]
     width = np.dtype(dtype).itemsize
     fmt = struct.pack("<HHIIHH", tag, 1, sample_rate, sample_rate * width, width, 8 * width)
-    return (b"RIFF" + struct.pack("<I", UNKNOWN_SIZE) + b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt
-            + b"data" + struct.pack("<I", UNKNOWN_SIZE))
+    data = UNKNOWN_SIZE if samples is None else samples * width
+    riff = UNKNOWN_SIZE if samples is None else 4 + 8 + len(fmt) + 8 + data
+    return (b"RIFF" + struct.pack("<I", riff) + b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt
+            + b"data" + struct.pack("<I", data))
 
 
 def pcm_samples(samples: np.ndarray, subtype: str = "PCM_16") -> np.ndarray:
@@ -296,8 +300,10 @@ class WavFileWriter:
     the output (a reader sees the old file or the new one, never half of one) and :meth:`discard`
     (or leaving a ``with`` block by an exception, Ctrl-C included) removes it, so an interrupted or failed run leaves no file
     that looks complete.  An output that exists and is not a regular file (a device such as
-    ``/dev/null``) cannot be renamed over: it is written in place.  A symbolic link keeps
-    pointing where it did; the file it names is replaced.
+    ``/dev/null``, a named pipe) can be neither renamed over nor sought in: the audio waits in a
+    hidden file in the system's temporary folder and :meth:`finish` writes it into the output
+    front to back, its header's sizes known.  A symbolic link keeps pointing where it did; the
+    file it names is replaced.
 
     16-bit PCM cannot hold samples beyond [-1, 1]: such audio is scaled down to a 0.999 peak
     (``WavWritten.scaled`` says so; ``subtype="FLOAT"`` keeps it as is).  When the peak is not
@@ -334,10 +340,14 @@ class WavFileWriter:
         self._deferred = subtype == "PCM_16" and peak is None  # float32 first, converted by finish()
         self._scale = 0.999 / peak if subtype == "PCM_16" and peak is not None and peak > 1.0 else None
         target = self.path.resolve()
-        in_place = target.exists() and not target.is_file()
-        self._target = target
-        self._partial: Path | None = None if in_place else target.parent / f"{PARTIAL_WAV_PREFIX}{os.getpid()}-{target.name}"
-        self._file: sf.SoundFile | None = self._open(self._partial or target, "FLOAT" if self._deferred else subtype)
+        self._target, self._in_place = target, target.exists() and not target.is_file()
+        if self._in_place:
+            fd, name = tempfile.mkstemp(prefix=PARTIAL_WAV_PREFIX, suffix=f"-{target.name}.wav")
+            os.close(fd)
+            self._partial, self._deferred, self._scale = Path(name), True, None
+        else:
+            self._partial = target.parent / f"{PARTIAL_WAV_PREFIX}{os.getpid()}-{target.name}"
+        self._file: sf.SoundFile | None = self._open(self._partial, "FLOAT" if self._deferred else subtype)
 
     def _open(self, where: Path, subtype: str) -> sf.SoundFile:
         try:
@@ -398,7 +408,7 @@ class WavFileWriter:
             self._file.close()
             self._file = None
             if self._deferred:
-                scaled = self.peak > 1.0
+                scaled = self.subtype == "PCM_16" and self.peak > 1.0
                 self._convert(0.999 / self.peak if scaled else None)
             if self._partial is not None:
                 os.replace(self._partial, self._target)
@@ -413,8 +423,19 @@ class WavFileWriter:
         return WavWritten(self.path, self.peak, scaled)
 
     def _convert(self, scale: float | None) -> None:
-        """Rewrite the float32 hidden file as 16-bit PCM, block by block (a second hidden file)."""
+        """Rewrite the float32 hidden file as 16-bit PCM, block by block (a second hidden file),
+        or into a device or pipe written in place (then in its subtype, its header first)."""
         floats = self._partial
+        if self._in_place:
+            self._partial = None
+            try:
+                with sf.SoundFile(floats) as source, open(self._target, "wb") as out:
+                    out.write(streaming_wav_header(self.sample_rate, self.subtype, source.frames))
+                    for block in source.blocks(WRITE_BLOCK_SAMPLES, dtype="float32"):
+                        out.write(pcm_samples(block if scale is None else block * scale, self.subtype).tobytes())
+            finally:
+                floats.unlink(missing_ok=True)
+            return
         pcm = floats.with_name(floats.name + ".pcm")
         self._partial = pcm
         try:
@@ -535,6 +556,9 @@ class AudioSink:
         self._dtype = STREAM_SUBTYPES[subtype][0]
         self._file: sf.SoundFile | None = None
         self._stream: BinaryIO | None = None
+        self._owned: BinaryIO | None = None
+        if isinstance(target, (str, Path)) and Path(target).exists() and not Path(target).is_file():
+            target = self._owned = open(target, "wb")  # noqa: SIM115 (closed by close()): a device or a named pipe, written as a stream
         if isinstance(target, (str, Path)):
             if container != "wav":
                 raise InputError("raw PCM goes to stdout (-o -); a file output is a .wav")
@@ -581,10 +605,14 @@ class AudioSink:
 
     def close(self) -> None:
         """Finalise a file's header: libsndfile sets its RIFF and data sizes to the samples
-        written (idempotent; until then they say 0).  A stream is left open for its owner."""
+        written (idempotent; until then they say 0).  A stream is left open for its owner; a device
+        or named pipe opened by path is closed."""
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._owned is not None:
+            self._owned.close()
+            self._owned = None
 
     def __enter__(self) -> AudioSink:
         return self

@@ -108,7 +108,8 @@ def _read_text(text: str | None, text_file: Path | None) -> str:
 def _check_output(output: Path, bundle: str, inputs: list[Path | None], fmt: str = "wav") -> None:
     """Refuse an -o that would overwrite an input, land inside the bundle, or is not a .wav.
 
-    ``-`` (stdout) must not be a terminal; ``--format raw`` only goes to stdout.
+    ``-`` (stdout) must not be a terminal; ``--format raw`` only goes to stdout.  A device or a
+    named pipe that exists (``/dev/null``) is taken as it is named.
     """
     if str(output) == "-":
         if sys.stdout.isatty():
@@ -119,6 +120,8 @@ def _check_output(output: Path, bundle: str, inputs: list[Path | None], fmt: str
         raise click.BadParameter("--format raw writes to stdout: use -o - (or --format wav for a file)",
                                  param_hint="--format")
     out = output.resolve()
+    if out.is_char_device() or out.is_fifo():
+        return  # /dev/null or a named pipe: the WAV goes into it in place, whatever its name
     if output.suffix.lower() != ".wav":
         raise click.BadParameter(f"{output}: the output is a WAV file; give it a .wav name", param_hint="-o")
     if not out.parent.is_dir():

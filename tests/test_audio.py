@@ -1,5 +1,7 @@
 """Reference-audio preparation and wav writing on real audio from shared/cases."""
 
+import io
+
 import numpy as np
 import pytest
 import soundfile as sf
@@ -167,3 +169,40 @@ def test_leaving_a_writers_block_normally_finishes_the_file(tmp_path):
         raise RuntimeError("generation failed")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["done.wav"]
 
+
+
+@pytest.mark.parametrize("subtype", ["PCM_16", "FLOAT"])
+def test_the_piece_writers_write_into_a_named_pipe_front_to_back(tmp_path, subtype):
+    """A named pipe (or a device) as the output: it can be neither renamed over nor sought in.
+    WavFileWriter keeps the audio in a temporary file and writes it with its sizes known (loud
+    16-bit audio still scaled); AudioSink streams it with a header of unknown length."""
+    import os
+    import tempfile
+    import threading
+
+    from higgs_pack.runtime.audio import UNKNOWN_SIZE, AudioSink, WavFileWriter
+
+    fifo = tmp_path / "out.wav"
+    os.mkfifo(fifo)
+    loud = np.linspace(-2.0, 2.0, 24000, dtype=np.float32)
+    for make in (lambda: WavFileWriter(fifo, 24000, subtype=subtype), lambda: AudioSink(fifo, 24000, subtype=subtype)):
+        got: dict = {}
+        reader = threading.Thread(target=lambda got=got: got.setdefault("bytes", fifo.read_bytes()))
+        reader.start()
+        before = set(os.listdir(tempfile.gettempdir()))
+        with make() as writer:
+            writer.write(loud[:10000])
+            writer.write(loud[10000:])
+        reader.join(30)
+        data, rate = sf.read(io.BytesIO(got["bytes"]), dtype="float32")
+        assert rate == 24000 and len(data) == 24000 and fifo.is_fifo()
+        sizes = int.from_bytes(got["bytes"][40:44], "little")
+        if isinstance(writer, WavFileWriter):
+            assert sizes == len(got["bytes"]) - 44
+            assert abs(data).max() <= (1.0 if subtype == "PCM_16" else 2.0) and data[-1] > 0.99
+        else:
+            assert sizes == UNKNOWN_SIZE
+        assert set(os.listdir(tempfile.gettempdir())) - before == set()  # no temporary file left
+    with WavFileWriter(os.devnull, 24000) as writer:
+        writer.write(loud)
+    assert writer.samples_written == 24000

@@ -1,5 +1,6 @@
 """The higgs-pack command line, run as a user runs it (subprocess of the console script)."""
 
+import io
 import itertools
 import os
 import re
@@ -164,6 +165,24 @@ def test_output_that_would_overwrite_an_input_is_refused(cpu_int4_bundle, cases_
     assert out.returncode == 2 and "inside the bundle" in out.stderr
     out = run("synthesize", cpu_int4_bundle, "--text", "Hi.", "-o", tmp_path / "nodir" / "x.wav", check=False)
     assert out.returncode == 2 and "does not exist; create it first" in out.stderr
+
+
+def test_output_to_a_device_or_a_named_pipe_is_written_in_place(cpu_int4_bundle, tmp_path):
+    """``-o /dev/null`` (throwing the audio away, timing a run) and ``-o`` a named pipe are taken
+    whatever their names (it was refused: "give it a .wav name"); the pipe's reader gets the WAV."""
+    import threading
+
+    out = run("synthesize", cpu_int4_bundle, "--text", "Hi.", "--max-frames", "20", "--no-progress", "-o", os.devnull)
+    assert "wrote" in out.stdout
+    fifo = tmp_path / "audio"
+    os.mkfifo(fifo)
+    got = {}
+    reader = threading.Thread(target=lambda: got.setdefault("bytes", fifo.read_bytes()))
+    reader.start()
+    run("synthesize", cpu_int4_bundle, "--text", "Hi.", "--max-frames", "20", "--no-progress", "-o", fifo)
+    reader.join(60)
+    data, rate = sf.read(io.BytesIO(got["bytes"]))
+    assert rate == 24000 and data.size > 0 and fifo.is_fifo()
 
 
 def test_unreadable_text_and_bad_numbers_are_usage_errors(cpu_int4_bundle, tmp_path):

@@ -273,6 +273,9 @@ def _model(body: dict, models: tuple[str, ...]) -> str:
     model = body.get("model")
     if model is None:
         raise _bad(f"model is required; this server serves {', '.join(models)}", "model", "missing_field")
+    if not isinstance(model, str) or not model.strip():
+        raise _bad(f"model must be a model name, got {_got(model)}; this server serves {', '.join(models)}",
+                   "model")
     if model not in models:
         raise ApiError(404, f"model {short(model)} is not served here; this server serves {', '.join(models)}",
                        param="model", code="model_not_found")

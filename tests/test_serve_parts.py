@@ -256,6 +256,18 @@ def test_every_text_field_goes_through_the_one_text_check(fields, param, words):
     assert "--text" not in err.value.message  # the server's terms, not the CLI's
 
 
+@pytest.mark.parametrize(("model", "got"), [("", "''"), ("  ", "'  '"), (5, "a number (5)"), ([], "a list")])
+def test_an_empty_or_non_text_model_is_a_bad_field_not_an_unknown_model(model, got):
+    """``"model": ""`` is a 400 naming the field (it was a 404 'not served here', as a real name)."""
+    with pytest.raises(ApiError) as err:
+        _parse(model=model)
+    assert err.value.status == 400 and err.value.param == "model" and err.value.code == "invalid_value"
+    assert f"got {got}" in err.value.message and MODELS[0] in err.value.message, err.value.message
+    with pytest.raises(ApiError) as err:
+        _parse(model="gpt-4o-mini-tts")
+    assert err.value.status == 404 and err.value.code == "model_not_found"
+
+
 def test_text_with_some_words_and_controls_passes_the_check():
     assert _parse(input="Hello.\n\tAgain.").request.text == "Hello.\n\tAgain."
     with pytest.raises(ApiError, match="input is required") as err:

@@ -274,8 +274,21 @@ def _duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return seen
 
 
+def _check_json_type(request: Request) -> None:
+    """Refuse a body whose ``Content-Type`` is not JSON (``application/json`` or ``*/*+json``; none
+    given is read as JSON).  A ``text/plain`` or form body is what a web page of any origin may
+    POST to this server without the browser asking first (a CORS "simple request"), so reading
+    it as JSON would let any page create or delete voices; FastAPI refuses it for the same reason."""
+    kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if kind and kind != "application/json" and not (kind.startswith("application/") and kind.endswith("+json")):
+        raise ApiError(415, f"Content-Type {short(kind)} is not JSON: send the body as application/json "
+                       "(curl: -H 'Content-Type: application/json', or --json)", param="Content-Type",
+                       code="unsupported_media_type")
+
+
 async def _json_body(request: Request, limit: int) -> Any:
     _check_encoding(request)
+    _check_json_type(request)
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > limit:
         raise ApiError(413, f"the body is {size[:20]} bytes; the limit is {limit} (--max-upload-mb)", code="too_large")

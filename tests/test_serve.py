@@ -710,6 +710,16 @@ def test_http_rough_edges_get_clear_openai_errors(server, clip):
     assert gz.status_code == 415, gz.text
     error = gz.json()["error"]
     assert error["param"] == "Content-Encoding" and "Content-Encoding 'gzip' is not supported" in error["message"]
+    body = json.dumps({"model": "nobody", "input": "Hi."}).encode()
+    for kind in ("text/plain", "application/x-www-form-urlencoded"):  # what any web page may POST unasked
+        plain = httpx.post(url + "/v1/audio/speech", content=body, headers={"content-type": kind}, timeout=30)
+        assert plain.status_code == 415, plain.text
+        error = plain.json()["error"]
+        assert error["code"] == "unsupported_media_type" and "send the body as application/json" in error["message"]
+    for kind in ("application/json; charset=utf-8", "application/merge+json", None):  # read: the model is unknown
+        headers = {} if kind is None else {"content-type": kind}
+        read = httpx.post(url + "/v1/audio/speech", content=body, headers=headers, timeout=30)
+        assert read.status_code == 404 and read.json()["error"]["code"] == "model_not_found", (kind, read.text)
     audio, transcript = clip
     two = httpx.post(url + "/v1/audio/voices", files=[("audio", ("a.wav", audio, "audio/wav")),
                                                       ("audio", ("b.wav", audio, "audio/wav"))],

@@ -133,6 +133,10 @@ def test_tts_dialogue_on_the_cpu_bundle_clones_a_clip_and_streams_the_same(cpu_i
     with pytest.raises(InputError, match=r"turn 1 \('ANN'\): one sentence needs") as found:
         tts.dialogue([("ANN", "x" * 60000)])  # one word: no place to cut it
     assert "--text" not in str(found.value) and "text=" not in str(found.value)
+    script = parse_script("# a talk\nANN: Hi.\n\nBEN: Say <|audio|> now.\n", "talk.txt")
+    with pytest.raises(InputError, match=r"line 4 of talk.txt \('BEN'\): the text contains"):
+        tts.dialogue(script)  # a script's turn is named by its line, as the script's own problems are
+    assert script == [Turn("ANN", "Hi."), Turn("BEN", "Say <|audio|> now.")]  # where is not part of a turn's value
 
 
 def test_tts_dialogue_on_the_openvino_bundle(ov_int4_bundle):

@@ -66,10 +66,13 @@ class Turn:
     Attributes:
         speaker: who says it (1 to :data:`MAX_SPEAKER_CHARS` characters, no ``:``).
         text: what they say (speakable text; inline controls pass as text).
+        where: how errors name it when it came from a script (``line 4 of talk.txt``); None:
+            ``turn N``.  Not part of its value.
     """
 
     speaker: str
     text: str
+    where: str | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 def turn_problems(turns: Any, where: str = "turn", numbers: list[int] | None = None) -> list[Problem]:
@@ -158,7 +161,7 @@ def parse_script(script: str, source: str = "the script") -> list[Turn]:
             found.append(Problem("turns", None, message=literal(
                 f"line {number} of {source} has no speaker: write it as NAME: text (got {line.strip()[:60]!r})")))
         else:
-            turns.append(Turn(match["speaker"].strip(), match["text"].strip()))
+            turns.append(Turn(match["speaker"].strip(), match["text"].strip(), f"line {number} of {source}"))
             lines.append(number)
         if len(found) >= 10:
             break
@@ -306,7 +309,7 @@ def plan_dialogue(pipeline: Pipeline, request: DialogueRequest) -> SynthesisPlan
             found = plan_chunks(pipeline, turn.text.strip(), *voices[speaker], options.max_frames, CHUNK_WORDS)
         except InputError as exc:
             bad.append(Problem(f"turns[{number}].text", None, message=literal(
-                f"turn {number + 1} ({turn.speaker!r}): {plain(exc)}")))
+                f"{turn.where or f'turn {number + 1}'} ({turn.speaker!r}): {plain(exc)}")))
             if len(bad) >= 10:
                 bad.append(Problem("turns", None, message="(and maybe more: fix these first)"))
                 break

@@ -165,24 +165,25 @@ def prepare_reference(samples: np.ndarray, rate: int, target_rate: int, hop_leng
     return out
 
 
-def cannot_write(path: str | Path, exc: OSError, option: str = "-o") -> InputError:
+def cannot_write(path: str | Path, exc: OSError, option: str | None = None) -> InputError:
     """The :class:`InputError` of a file that could not be opened or written, naming the cause
     (``exc.strerror``); a full disk (``errno.ENOSPC``) is said as such.
 
     Args:
         path: the file.
         exc: what the operating system raised.
-        option: how the caller names the path (``-o``, ``--subtitles``, a keyword).
+        option: how the caller names the path (``-o``, ``--subtitles``, a keyword); None: the path alone.
     """
     import errno
 
+    named = f"{path} ({option})" if option else str(path)
     if exc.errno == errno.ENOSPC:
-        return InputError(f"cannot write {path} ({option}): out of disk space (ENOSPC: {exc.strerror}); free "
+        return InputError(f"cannot write {named}: out of disk space (ENOSPC: {exc.strerror}); free "
                           "space on that disk or write elsewhere")
-    return InputError(f"cannot write {path} ({option}): {exc.strerror or exc}; choose a writable path")
+    return InputError(f"cannot write {named}: {exc.strerror or exc}; choose a writable path")
 
 
-def check_writable(path: str | Path, option: str = "-o") -> None:
+def check_writable(path: str | Path, option: str | None = None) -> None:
     """Refuse, before anything is generated, a file that cannot be opened for writing: it is opened
     for appending (nothing written, an existing file unchanged) and a file this created is removed.
 
@@ -202,7 +203,7 @@ def check_writable(path: str | Path, option: str = "-o") -> None:
         path.unlink(missing_ok=True)
 
 
-def write_file(path: str | Path, data: bytes, option: str = "-o") -> None:
+def write_file(path: str | Path, data: bytes, option: str | None = None) -> None:
     """Write ``data`` to ``path`` (replacing it) with Python's own file, whose errors carry the errno
     that libsndfile's "System error." hides.
 
@@ -318,7 +319,7 @@ class WavFileWriter:
         subtype: ``"PCM_16"`` or ``"FLOAT"``.
         peak: the largest absolute sample of all the audio that will be written, when known
             (then 16-bit samples are scaled while written); None: unknown.
-        option: how the caller names ``path`` in errors (``-o``, a keyword).
+        option: how the caller names ``path`` in errors (``-o``); None: the path alone.
 
     Attributes:
         samples_written: samples written so far.
@@ -329,7 +330,7 @@ class WavFileWriter:
     """
 
     def __init__(self, path: str | Path, sample_rate: int, *, subtype: str = "PCM_16", peak: float | None = None,
-                 option: str = "-o"):
+                 option: str | None = None):
         if subtype not in STREAM_SUBTYPES:
             raise InputError(f"unknown wav format {subtype!r}; use PCM_16 (16-bit) or FLOAT")
         if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, np.integer)) or sample_rate <= 0:
@@ -368,7 +369,8 @@ class WavFileWriter:
                 probe.write(b"\0")
         except OSError as found:
             return cannot_write(self.path, found, self.option)
-        return InputError(f"cannot write {self.path} ({self.option}): {exc}; choose a writable path")
+        return InputError(f"cannot write {self.path}{f' ({self.option})' if self.option else ''}: {exc}; "
+                          "choose a writable path")
 
     def write(self, samples: np.ndarray) -> None:
         """Append float32 [n] mono samples (nominally in [-1, 1]; a [n, 1] array is taken too).
@@ -566,7 +568,7 @@ class AudioSink:
                 self._file = sf.SoundFile(target, "w", sample_rate, 1, subtype=subtype, format="WAV")
             except (sf.LibsndfileError, RuntimeError, OSError) as exc:
                 check_writable(target)  # names the cause libsndfile calls "System error."
-                raise InputError(f"cannot write {target}: {exc}; choose a writable path with -o") from exc
+                raise InputError(f"cannot write {target}: {exc}; choose a writable path") from exc
         else:
             self._stream = target
             if container == "wav":

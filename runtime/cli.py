@@ -367,7 +367,7 @@ def _write_out(speech, rate: int, output: Path, subtype: str, bar):
 
     segments: list = []
     try:
-        with _sigterm_as_interrupt(), WavFileWriter(output, rate, subtype=subtype) as writer:
+        with _sigterm_as_interrupt(), WavFileWriter(output, rate, subtype=subtype, option="-o") as writer:
             for chunk in speech:
                 writer.write(chunk.samples)
                 segments += chunk.segments

@@ -206,3 +206,17 @@ def test_the_piece_writers_write_into_a_named_pipe_front_to_back(tmp_path, subty
     with WavFileWriter(os.devnull, 24000) as writer:
         writer.write(loud)
     assert writer.samples_written == 24000
+
+
+def test_the_python_writers_errors_name_the_path_not_a_cli_flag(tmp_path):
+    """write_wav and WavFileWriter, called from Python, name the file alone (they named the CLI's
+    ``-o``, which a Python caller never gave); the CLI still names its flag."""
+    from higgs_pack.runtime.audio import WavFileWriter
+
+    samples = np.zeros(100, dtype=np.float32)
+    for write in (lambda: write_wav("/proc/x.wav", samples, 24000), lambda: WavFileWriter("/proc/x.wav", 24000)):
+        with pytest.raises(InputError, match=r"cannot write /proc/x.wav: ") as err:
+            write()
+        assert "-o" not in str(err.value)
+    with pytest.raises(InputError, match=r"cannot write /proc/x.wav \(-o\): "):
+        WavFileWriter("/proc/x.wav", 24000, option="-o")

@@ -773,6 +773,9 @@ def _voice_flag(value: str) -> tuple[str, tuple[Path, str]]:
             if not rest[cut + 1:].strip():
                 break
             return name.strip(), (Path(rest[:cut]), rest[cut + 1:])
+    if not rest.split(":", 1)[0].strip():
+        raise click.BadParameter(f"the voice of {name.strip()!r} names no clip: write {name.strip()}=clip.wav:"
+                                 "\"exact words\"", param_hint="--voice")
     clip = Path(rest.split(":", 1)[0])
     if Path(rest).is_file() or (cuts and clip.is_file()):
         raise click.BadParameter(f"the voice of {name.strip()!r} needs the exact words said in its clip: "

@@ -183,6 +183,7 @@ def test_the_dialogue_command_writes_audio_and_subtitles(cpu_int4_bundle, cases_
     (lambda p: p.write_text("ANN: Hi.\n"), ["-o", "-"], "-o - (stdout) is not supported"),
     (lambda p: p.write_text("ANN: Hi.\n"), ["--context-frames", "0"], "context_frames must be >= 1"),
     (lambda p: p.write_text("ANN: Hi.\n"), ["--voice", "ANN={dir}:Words."], "is a folder, not an audio file"),
+    (lambda p: p.write_text("ANN: Hi.\n"), ["--voice", "ANN=:Words."], "the voice of 'ANN' names no clip"),
 ])
 def test_the_dialogue_command_refuses_a_bad_script_before_loading(tmp_path, make, extra, message):
     from click.testing import CliRunner

@@ -75,7 +75,8 @@ class Problem:
         allowed: what the field takes ("in (0, 1]", "a whole number >= 1 (frames, 25 per second)").
         fix: what to do besides setting the field ("" when setting it is the fix).
         message: the whole sentence, for problems that are not "FIELD must be ALLOWED, got
-            VALUE"; ``{name}`` in it stands for the field's name in the front door's terms.
+            VALUE"; ``{name}`` in it stands for the field's name in the front door's terms
+            (``str(problem)`` fills it in with the Python keyword).
     """
 
     field: str | None
@@ -106,6 +107,10 @@ class Problem:
         if how:
             text += f"; set it with {how}"
         return text
+
+    def __str__(self) -> str:
+        """The sentence in the Python API's terms (``print(problem)``); the fields stay data."""
+        return self.render()
 
 
 class InputError(HiggsPackError):

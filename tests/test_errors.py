@@ -69,3 +69,21 @@ def test_a_hub_download_that_fills_the_disk_says_so(monkeypatch, tmp_path: Path)
     with pytest.raises(HubError, match=rf"out of disk space in {tmp_path} \(\d+\.\d GiB free\) while downloading "
                                        r"org/bundles@main; free space there or point HF_HUB_CACHE"):
         _download(HubRef("org/bundles"), None, None, tmp_path, None)
+
+
+def test_a_problem_prints_as_its_sentence_in_the_python_terms():
+    """``print(problem)`` of a real InputError's problems: sentences with the keyword filled in,
+    never the ``{name}`` template its message field keeps for the other front doors."""
+    from higgs_pack.manifests.errors import InputError
+    from higgs_pack.runtime.request import SynthesisRequest
+
+    try:
+        SynthesisRequest("Hi.", top_p=5, context_frames=0)
+    except InputError as exc:
+        problems = exc.problems
+    else:
+        raise AssertionError("a top_p of 5 and a context_frames of 0 were taken")
+    said = [str(p) for p in problems]
+    assert [p.field for p in problems] == ["top_p", "context_frames"], said
+    assert all("{name}" not in s and s == p.render() for s, p in zip(said, problems, strict=True)), said
+    assert said[0].startswith("top_p must be") and "got 5" in said[0], said

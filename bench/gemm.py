@@ -120,7 +120,9 @@ def parse_variant(name: str) -> Variant:
 
 
 def ort_model(model: Any, variant: Variant) -> Any:
-    """``model`` (:func:`float_layer`) in ``variant``'s ONNX Runtime arithmetic."""
+    """``model`` (:func:`float_layer`) in ``variant``'s ONNX Runtime arithmetic, as a new model:
+    ``model`` is left as it was (ONNX Runtime's ``MatMulNBitsQuantizer`` rewrites the model it is
+    given, so each variant quantizes a copy)."""
     if variant.kind == "fp32":
         return model
     if variant.kind == "int8":
@@ -135,7 +137,11 @@ def ort_model(model: Any, variant: Variant) -> Any:
             return onnx.load(str(dst))
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    quantizer = MatMulNBitsQuantizer(model, bits=4, block_size=variant.block, is_symmetric=variant.symmetric,
+    import onnx
+
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    quantizer = MatMulNBitsQuantizer(copy, bits=4, block_size=variant.block, is_symmetric=variant.symmetric,
                                      accuracy_level=variant.level)
     quantizer.process()
     return quantizer.model.model

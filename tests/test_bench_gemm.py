@@ -58,6 +58,22 @@ def test_every_arithmetic_runs_and_agrees_with_float():
     assert "| int4_b32_l4 |" in gemm.table(report) and "M=16 vs fp32" in gemm.table(report)
 
 
+def test_each_variant_quantizes_the_float_layer_not_the_one_before():
+    """ONNX Runtime's MatMulNBitsQuantizer rewrites the model it is given: every int4 variant after
+    the first, and OpenVINO's, were timing the first int4 variant's graph.  Each now gets its own."""
+    model = gemm.float_layer(gemm.layer_shapes(TINY))
+    before = model.SerializeToString()
+    for name in ("int4_b32_l4", "int4_b64_l1_asym", "ov_fp32"):
+        gemm.runner(model, name, {})
+    assert model.SerializeToString() == before
+    attributes = {}
+    for name in ("int4_b32_l4", "int4_b64_l1_asym"):
+        (node, *_) = [n for n in gemm.ort_model(model, gemm.parse_variant(name)).graph.node if n.op_type == "MatMulNBits"]
+        attributes[name] = {a.name: a.i for a in node.attribute if a.name in ("block_size", "accuracy_level")}
+    assert attributes == {"int4_b32_l4": {"block_size": 32, "accuracy_level": 4},
+                          "int4_b64_l1_asym": {"block_size": 64, "accuracy_level": 1}}, attributes
+
+
 def test_gemm_peak_and_profile():
     peak = gemm.gemm_peak(TINY, rows=[16], rounds=1)
     assert set(peak["gemm_peak_gops"]) == {"float32", "int8"} and min(peak["gemm_peak_gops"].values()) > 0

@@ -729,28 +729,19 @@ def test_the_stop_reasons_of_many_chunks_are_counted():
     assert stop_summary(many) == "997 max_frames, 3 eos"
 
 
-def test_serve_without_its_extra_names_the_extra(tmp_path):
-    """``higgs-pack serve`` in an environment without uvicorn (a runtime installed with [cpu] only):
-    exit 2 naming the [serve] extra, no traceback.  uvicorn is hidden from the child process."""
-    code = ("import runpy, sys; sys.modules['uvicorn'] = None; "
-            "sys.argv = ['higgs-pack', 'serve', 'nowhere', '--port', '0']; "
+@pytest.mark.parametrize(("hidden", "argv", "said", "install"), [
+    ("uvicorn", ["serve", "nowhere", "--port", "0"], "`higgs-pack serve` needs the [serve] extra", "[serve]"),
+    ("torch", ["build", "--target", "cpu"], "building needs the build tools (torch missing)", "[build]"),
+])
+def test_a_command_without_its_extra_names_the_extra(hidden, argv, said, install):
+    """``higgs-pack serve`` without uvicorn (a runtime installed with [cpu] only) and ``higgs-pack
+    build`` without torch: exit 2, as every other missing part of the environment (build exited 1),
+    with the install line and no traceback.  The module is hidden from the child process."""
+    code = (f"import runpy, sys; sys.modules[{hidden!r}] = None; sys.argv = ['higgs-pack', *{argv!r}]; "
             "runpy.run_module('higgs_pack.runtime.cli', run_name='__main__')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
-    assert "`higgs-pack serve` needs the [serve] extra" in proc.stderr and "pip install '.[serve]'" in proc.stderr
-    assert "Traceback" not in proc.stderr
-
-
-def test_build_without_the_build_tools_names_the_extra():
-    """``higgs-pack build`` where torch is missing (a runtime-only install): exit 2, as every other
-    missing part of the environment, with the install line (it exited 1).  torch is hidden from the
-    child process."""
-    code = ("import runpy, sys; sys.modules['torch'] = None; "
-            "sys.argv = ['higgs-pack', 'build', '--target', 'cpu']; "
-            "runpy.run_module('higgs_pack.runtime.cli', run_name='__main__')")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    assert "building needs the build tools (torch missing)" in proc.stderr and "pip install '.[build]'" in proc.stderr
+    assert said in proc.stderr and f"pip install '.{install}'" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

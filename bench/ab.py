@@ -1,21 +1,15 @@
 """Decoder settings side by side on this machine: ``python -m bench.ab {ort-int4,ort-kv-cache,
-ov-properties,gemm-peak,rolling-context,long-text}``.  Each variant's ``llm_decoder`` is exported the way a build does, opened bare,
-prefilled with one random prompt, then timed in rounds with the variants interleaved (order
-rotated, so load on a shared machine hits all alike) and its hidden states compared with a
-reference's; every row names the CPU, its ISA and the load (rankings change with VNNI and AMX).
-Printed as Markdown (docs/measurements.md), written as JSON with ``--out``.
+ov-properties,gemm-peak,rolling-context,long-text}``.  Each variant's ``llm_decoder`` is exported
+as a build does, opened bare, prefilled with one random prompt, timed in rounds with the variants
+interleaved (order rotated) and its hidden states compared with a reference's; every row names
+the CPU, its ISA and the load.  Printed as Markdown (docs/measurements.md), JSON with ``--out``.
 
 * ``ort-int4``: ModelBuilder int4 ``block_size`` x ``accuracy_level`` against the fp32 decoder;
 * ``ort-kv-cache``: float and int8 KV caches, with code agreement and a teacher-forced sequence;
 * ``ov-properties``: OpenVINO CPU compile properties and NNCF INT4 SYM/ASYM x group 64/128, against
   the fp32 IR (KV settings also against the same IR's f32 cache, ``*_vs_kv_f32``);
-* ``gemm-peak``: no checkpoint: one Qwen3-4B decoder layer's MatMuls (synthetic weights) at prompt
-  row counts per arithmetic (float32, int8, MatMulNBits block x accuracy_level, OpenVINO NNCF int4
-  and its compile properties): positions/s and GOP/s, what a prefill runs (:mod:`bench.gemm`);
-* ``rolling-context BUNDLE``: a built bundle, a long text per rolling context size K and kept
-  frames: each chunk's prefill against its generation (:mod:`bench.rolling`);
-* ``long-text BUNDLE``: ``higgs-pack synthesize`` of a text said N times over, a process per
-  length: audio minutes and peak RSS (:mod:`bench.long_text`).
+* ``gemm-peak``, ``rolling-context BUNDLE``, ``long-text BUNDLE``: :mod:`bench.gemm`,
+  :mod:`bench.rolling`, :mod:`bench.long_text`.
 """
 
 from __future__ import annotations
@@ -34,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.systems import loadavg, peak_rss_mb
+from bench import gemm, long_text, rolling
+from bench.systems import loadavg, machine_facts, markdown, peak_rss_mb, print_report
 from higgs_pack.manifests.model import SubPart
 
 #: The variant every other one's hidden states are compared with: the target's fp32 decoder.
@@ -149,15 +144,6 @@ def each_context(args: argparse.Namespace, machine: Mapping[str, Any], hidden: i
                     for n, t in timed.items()})
         del decoders
     return out
-
-
-def markdown(headers: list[str], rows: list[list[Any]], facts: list[str] = ()) -> str:
-    """A Markdown table (None as ``-``, a ``|`` in a cell escaped), then ``facts`` as a list."""
-    def line(cells: list[Any]) -> str:
-        return "| " + " | ".join("-" if c is None else str(c).replace("|", "\\|") for c in cells) + " |"
-
-    table = [line(headers), line(["---"] * len(headers)), *map(line, rows)]
-    return "\n".join(table + ([""] + [f"- {f}" for f in facts] if facts else []))
 
 
 def timing_cells(row: Mapping[str, Any], weights_mb: float) -> list[Any]:
@@ -407,6 +393,8 @@ def ov_properties_table(report: dict[str, Any]) -> str:
     return markdown(["setting", "weights", *TIMING_HEADERS, "vs kv_f32: cosine / rel_l2"], rows)
 
 
+#: The tools of their own modules (``add_arguments``, ``command``, ``table``, ``HELP``).
+TOOLS = {"gemm-peak": gemm, "rolling-context": rolling, "long-text": long_text}
 #: sub-command -> (measure, table, the runtime whose version is recorded, default contexts, option lists).
 COMMANDS = {
     "ort-int4": (ort_int4, ort_int4_table, "onnxruntime", (64, 900), ("variants", lambda: ORT_INT4_VARIANTS)),
@@ -423,46 +411,10 @@ def report_table(report: Mapping[str, Any]) -> str:
     Raises:
         KeyError: a report without a known ``command``.
     """
-    from bench import gemm, long_text, rolling
-
-    command = report["command"]
-    tables = {"gemm-peak": gemm.ab_table, "rolling-context": rolling.table, "long-text": long_text.table,
-              **{name: entry[1] for name, entry in COMMANDS.items()}}
-    if command not in tables:
-        raise KeyError(f"unknown bench.ab command {command!r} (one of {', '.join(tables)})")
-    return tables[command](report)
-
-def machine_facts() -> dict[str, Any]:
-    """The CPU named in every report: description, model, ISA flags, logical CPUs."""
-    from higgs_pack.runtime.machine.cpu import cpu_info
-
-    cpu = cpu_info()
-    return {"cpu": cpu.describe(), "model": cpu.model, "isa": cpu.isa, "logical_cpus": cpu.logical_cpus}
-
-
-def gemm_peak(args: argparse.Namespace) -> int:
-    """``gemm-peak``: :func:`bench.gemm.ab_command`, printed and written like the others."""
-    import onnxruntime
-    import openvino
-
-    from bench import gemm
-    from higgs_pack.manifests.errors import InputError
-
-    machine = machine_facts()
-    try:
-        report = gemm.ab_command(args, machine)
-    except InputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    report.update(command="gemm-peak", onnxruntime=onnxruntime.__version__, openvino=openvino.__version__,
-                  load=loadavg())
-    print(f"{machine['cpu']}, onnxruntime {report['onnxruntime']}, openvino {report['openvino']}, "
-          f"{report['session_options']} session options, threads {report['threads']}, {args.rounds} rounds, "
-          f"load {report['load']}\n\n"
-          f"{gemm.ab_table(report)}")
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
-    return 0
+    tables = {**{name: entry[1] for name, entry in COMMANDS.items()}, **{n: t.table for n, t in TOOLS.items()}}
+    if report["command"] not in tables:
+        raise KeyError(f"unknown bench.ab command {report['command']!r} (one of {', '.join(tables)})")
+    return tables[report["command"]](report)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -481,25 +433,11 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument(f"--{option}", default="" if option == "settings" else ",".join(_known()),
                        help=f"comma-separated {option} (default all)")
     sub.choices["ort-kv-cache"].add_argument("--frames", type=int, default=400, help="teacher-forced frames (0: none)")
-    from bench import gemm
-
-    gemm.add_arguments(sub.add_parser("gemm-peak", help="one decoder layer's MatMuls per arithmetic and row count "
-                                                        "(bench/gemm.py; no checkpoint)"))
-    from bench import rolling
-
-    rolling.add_arguments(sub.add_parser("rolling-context", help="a long text's rolling context per chunk: prefill "
-                                                                 "against generation per K (bench/rolling.py)"))
-    from bench import long_text
-
-    long_text.add_arguments(sub.add_parser("long-text", help="peak RSS of higgs-pack synthesize over long texts "
-                                                           "(bench/long_text.py)"))
+    for name, tool in TOOLS.items():
+        tool.add_arguments(sub.add_parser(name, help=tool.HELP))
     args = p.parse_args(argv)
-    if args.command == "long-text":
-        return long_text.command(args)
-    if args.command == "gemm-peak":
-        return gemm_peak(args)
-    if args.command == "rolling-context":
-        return rolling.command(args)
+    if args.command in TOOLS:
+        return TOOLS[args.command].command(args)
     measure, table, runtime, _, (option, known) = COMMANDS[args.command]
     got = [n for n in getattr(args, option).split(",") if n.strip()]
     unknown = sorted(set(got) - set(known()))
@@ -519,11 +457,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(folder, ignore_errors=True)
     report = {"command": args.command, "machine": machine, runtime: __import__(runtime).__version__,
               "preset": args.preset, "steps": args.steps, "repeats": args.repeats, **report}
-    print(f"{machine['cpu']}, {runtime} {report[runtime]}, preset {args.preset}, "
-          f"{args.steps} steps x {args.repeats} rounds\n\n{table(report)}")
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
-    return 0
+    return print_report(report, f"{machine['cpu']}, {runtime} {report[runtime]}, preset {args.preset}, "
+                        f"{args.steps} steps x {args.repeats} rounds", table(report), args.out)
 
 
 if __name__ == "__main__":

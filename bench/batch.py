@@ -1,22 +1,14 @@
 """``--batch``: one bundle's engine (``tts.engine(max_batch=B)``) at several batch sizes in one
-process (the ``batch`` worker), and ``--fit-run`` (the ``fit`` worker).
+process (the ``batch`` worker), and ``--fit-run`` (the ``fit`` worker); docs/benchmarks/index.md.
 
-Per size, the rounds taking the sizes in turn, each run on a fresh engine: **plain** (B requests
-submitted together, read with ``result()``), **streamed** (each iterated on its own thread),
-**join** (one more request's first audio while B - 1 run, and the same with a named voice's
-whole prompt prefilled at the join: ``join_voice_*``, with ``join_max_frame_gap_ms``, the running
-rows' longest wait for a frame meanwhile; issue 32) and **bare** (the engine's own batched
-decoder stepped alone as often as the engine stepped).  EOC is suppressed and the repeat guard
-off, so every request runs its frame cap.
-
-Two rates per run: ``aggregate_frames_per_s`` (``stream_aggregate_frames_per_s``) is the engine's
-generation rate over the steps with every row busy; a plain run decodes no audio in them (its codec
-runs after the last step), a streamed one decodes while generating, so on a small CPU the streamed
-run's codec takes cores from its own steps and ``stream_over_plain`` charges the codec to streaming
-only.  ``delivered_frames_per_s`` (``stream_delivered_frames_per_s``) is frames of audio in the
-callers' hands per wall second from submission to the last request's audio, the codec included for
-both (plain: generate, then decode the B requests together; streamed: overlapped);
-``stream_delivered_over_plain`` is their ratio within a round.
+Per size, in rounds over the sizes, each run on a fresh engine: **plain** (B requests submitted
+together, read with ``result()``), **streamed** (each on its own thread), **join** (one more
+request's first audio while B - 1 run; ``join_voice_*`` with a named voice, and the running rows'
+longest wait for a frame meanwhile) and **bare** (the engine's batched decoder stepped alone as
+often).  EOC suppressed, repeat guard off: every request runs its frame cap.
+``aggregate_frames_per_s`` counts the steps with every row busy (a plain run decodes its audio
+after them: ``stream_over_plain`` charges the codec to streaming only);
+``delivered_frames_per_s`` is audio in the callers' hands per wall second, codec included for both.
 """
 
 from __future__ import annotations
@@ -50,6 +42,20 @@ class _HeadsProbe:
         return self.no_eoc(self.inner.run(feeds))
 
 
+def probe(tts: Any) -> list[tuple[float, int]]:
+    """Ready ``tts`` for engine runs: repeat guard off, EOC suppressed and the audio heads marking
+    ``(time, rows)`` once per engine step into the returned list, the codec context measured."""
+    from higgs_pack.runtime.loop.streaming import codec_context_frames
+
+    pipeline, marks = tts.pipeline, []
+    defaults = dict(pipeline.generation_defaults)
+    defaults["sampling"] = {**defaults.get("sampling", {}), "repeat_guard_frames": 0}
+    pipeline.generation_defaults = defaults
+    pipeline.audio_heads = _HeadsProbe(pipeline.audio_heads, pipeline.constants.eoc, marks)
+    codec_context_frames(pipeline)  # measured once, outside the timed runs
+    return marks
+
+
 def full_batch_rate(marks: list[tuple[float, int]], batch: int) -> tuple[float | None, int]:
     """``(frames/s over the steps with all rows busy, how many)``; None under two such steps."""
     full = [t for t, rows in marks if rows == batch]
@@ -63,7 +69,7 @@ def _request(spec: dict[str, Any], index: int, frames: int) -> dict[str, Any]:
             "top_p": 1.0, "max_frames": frames}
 
 
-def _engine_run(tts: Any, batch: int, spec: dict[str, Any], marks: list[tuple[float, int]], *,
+def engine_run(tts: Any, batch: int, spec: dict[str, Any], marks: list[tuple[float, int]], *,
                 streamed: bool) -> tuple[dict[str, Any], Any, list[np.ndarray]]:
     """One plain or streamed run of ``batch`` requests on a fresh engine: its figures, the closed
     engine and each request's codes."""
@@ -174,9 +180,9 @@ def _bare_run(decoder: Any, batch: int, prompt: np.ndarray, step: np.ndarray, st
 
 def _one_round(tts: Any, batch: int, spec: dict[str, Any], marks: list[tuple[float, int]],
                prompt: np.ndarray, step: np.ndarray, voice: Any = None) -> dict[str, Any]:
-    plain, engine, codes = _engine_run(tts, batch, spec, marks, streamed=False)
+    plain, engine, codes = engine_run(tts, batch, spec, marks, streamed=False)
     bare_ms = _bare_run(engine.decoder, batch, prompt, step, plain["engine_steps"])
-    streamed, _, stream_codes = _engine_run(tts, batch, spec, marks, streamed=True)
+    streamed, _, stream_codes = engine_run(tts, batch, spec, marks, streamed=True)
     run = {**plain, "bare_step_ms": bare_ms, **_join_run(tts, batch, spec, marks),
            **({} if voice is None else _join_run(tts, batch, spec, marks, voice, "join_voice", "join_max_frame_gap_ms")),
            "stream_aggregate_frames_per_s": streamed["aggregate_frames_per_s"],
@@ -213,17 +219,11 @@ def measure_batches(spec: dict[str, Any]) -> dict[str, Any]:
     ``prompt_length``, ``loadavg_1m`` (before, after), ``peak_rss_mb``."""
     import higgs_pack
     from higgs_pack.manifests.errors import InputError
-    from higgs_pack.runtime.loop.streaming import codec_context_frames
 
     before = load_1m()
     tts = higgs_pack.load(spec["bundle"], spec.get("device") or "auto", cache_dir=spec.get("ov_cache"))
     pipeline, c = tts.pipeline, tts.pipeline.constants
-    defaults = dict(pipeline.generation_defaults)
-    defaults["sampling"] = {**defaults.get("sampling", {}), "repeat_guard_frames": 0}
-    pipeline.generation_defaults = defaults
-    marks: list[tuple[float, int]] = []
-    pipeline.audio_heads = _HeadsProbe(pipeline.audio_heads, c.eoc, marks)
-    codec_context_frames(pipeline)  # measured once, outside the timed runs
+    marks = probe(tts)
     prompt, step = fixed_inputs(pipeline, spec["text"])
     voice, voice_positions = join_voice(tts, spec)
     sizes = [int(b) for b in spec["batch"]]
@@ -239,8 +239,8 @@ def measure_batches(spec: dict[str, Any]) -> dict[str, Any]:
     usable = [b for b in dict.fromkeys(sizes) if b not in refused]
     for batch in usable:  # warm-up: new shapes, the codec's chunks
         for _ in range(spec.get("warmup", 1)):
-            _engine_run(tts, batch, spec, marks, streamed=False)
-            _engine_run(tts, batch, spec, marks, streamed=True)
+            engine_run(tts, batch, spec, marks, streamed=False)
+            engine_run(tts, batch, spec, marks, streamed=True)
     rounds: dict[int, list[dict[str, Any]]] = {b: [] for b in usable}
     for _ in range(max(1, spec.get("repeats", 1))):
         for batch in usable:

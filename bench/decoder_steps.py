@@ -1,9 +1,9 @@
 """The bare decoder step beside llama.cpp's (issue 19): ``B`` rows stepped together after a
-prefill of ``L`` positions each, our bundles' engine decoders and llama.cpp GGUFs alike
-(:func:`time_steps`), every system in its own process, in turns over the rounds (order rotated),
-each (B, L) keeping its fastest round.  Records: ``"kind": "decoder_step"`` with ``rows`` of
-``{batch, context, step_ms, step_ms_rounds}`` (llama.cpp also ``step_ms_no_output`` and ``over``:
-its step over each of ours)."""
+prefill of ``L`` positions each (:func:`time_steps`), our engine decoders and llama.cpp GGUFs
+alike, each system in its own process, in turns over the rounds, each (B, L) keeping its fastest.
+Records: ``"kind": "decoder_step"`` with ``rows`` of ``{batch, context, step_ms, step_ms_rounds}``
+(llama.cpp also ``step_ms_no_output`` and ``over``: its step over each of ours).
+"""
 
 from __future__ import annotations
 
@@ -19,7 +19,14 @@ from bench import llama_cpp
 from bench.gemm import PREFILL_LENGTHS
 from bench.records import base_record
 from bench.systems import STEP_KIND, WorkerError, load_1m, ov_cache_dir, peak_rss_mb, spawn
-from bench.workers import CONTEXT_STEPS, PREFILL_ROUNDS, fixed_inputs, kv_itemsize, prefill_rates
+from bench.workers import (
+    CONTEXT_STEPS,
+    PREFILL_ROUNDS,
+    fastest_prefills,
+    fixed_inputs,
+    kv_itemsize,
+    prefill_rates,
+)
 
 
 def default_threads() -> int:
@@ -120,26 +127,15 @@ def measure_llama_steps(spec: dict[str, Any]) -> dict[str, Any]:
         rows = time_steps(prefill=lambda row, length: dec.prefill(row, ids[:length]),
                           step=lambda rows, out: dec.step(list(rows), ids[:len(rows)], logits=out),
                           batches=batches, contexts=contexts, steps=steps, no_output=True)
-        prefill = llama_prefill_rates(dec, ids, lengths, int(spec.get("prefill_rounds", PREFILL_ROUNDS)))
+        # llama.cpp's own prompt processing (llama_decode in batches of 512, logits of the last
+        # position only, as llama-bench's pp) into sequence 0, emptied first
+        prefill = fastest_prefills(lambda n: lambda: dec.prefill(0, ids[:n]), lengths,
+                                   int(spec.get("prefill_rounds", PREFILL_ROUNDS)))
         dims = dec.dims()
     finally:
         dec.close()
     return {"rows": rows, "dims": dims, **prefill, "system_info": llama_cpp.system_info(), "threads": int(spec["threads"]),
             "load_s": round(load_s, 3), "loadavg": [before, load_1m()], "peak_rss_mb": peak_rss_mb()}
-
-
-def llama_prefill_rates(dec: Any, ids: list[int], lengths: Sequence[int], rounds: int) -> dict[str, Any]:
-    """llama.cpp's own prompt processing (``llama_decode`` of the prompt in batches of 512, logits
-    of the last position only, as ``llama-bench``'s pp): ``prefill_positions_per_s`` ``{"L": L /
-    s}``, the fastest of ``rounds`` with the lengths in turn, into sequence 0 emptied first."""
-    best: dict[int, float] = {}
-    for _ in range(max(1, rounds)):
-        for length in lengths:
-            t = time.perf_counter()
-            dec.prefill(0, ids[:length])
-            best[length] = min(best.get(length, float("inf")), time.perf_counter() - t)
-    return {"prefill_positions_per_s": {str(n): round(n / s, 2) for n, s in best.items()},
-            "prefill_ms_by_length": {str(n): round(s * 1e3, 1) for n, s in best.items()}}
 
 
 def merge_rounds(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,27 +1,18 @@
 """GEMM peaks and the int4 MatMul paths of a prefill, on one decoder layer's MatMuls (issue 32).
 
-A prompt prefill runs every decoder MatMul with ``M`` rows (one per position): compute-bound,
-unlike the one-row decode step.  This module builds one Qwen3 layer's seven projections (q, k,
-v, o, gate, up, down; ``K x N`` from the checkpoint's ``text_config``) as a synthetic ONNX graph
-with random float32 weights, in the arithmetic a bundle uses:
-
-* ``fp32``: float MatMul (MLAS SGEMM);
-* ``int8``: ``onnxruntime.quantization.quantize_dynamic`` (per-channel int8 weights, activations
-  quantized per run: ``DynamicQuantizeMatMul``, MLAS's u8s8 GEMM, VNNI where the CPU has it);
-* ``int4_b<block>_l<level>[_asym]``: ``MatMulNBitsQuantizer`` (round to nearest) as a cpu int4
-  bundle's decoder, ``accuracy_level`` 0-4 (4: int8 compute, activations quantized per block);
-* ``ov_*``: the same graph through OpenVINO (``fp32``; NNCF ``int8_sym`` / ``int4_sym_g<G>``),
-  compiled with the CPU properties named in the variant.
-
-and times it at ``M`` rows, the variants interleaved round by round (best of the rounds: other
-work on a shared machine only slows a run).  ``GOP/s`` counts ``2 K N`` operations per row and
-projection, so a figure reads against the cores' peak (float32 FMA: 2 x SIMD lanes x FMA units
-per core per cycle).  ``gemm_peak_gops`` (the bench's once-per-machine record) is the best
-``fp32`` and ``int8`` figure over the row counts.
+One Qwen3 layer's seven projections (q, k, v, o, gate, up, down; ``K x N`` from a
+``text_config``) as a synthetic ONNX graph with random float32 weights, in a bundle's arithmetic:
+``fp32`` (MLAS SGEMM); ``int8`` (``quantize_dynamic``: per-channel weights,
+``DynamicQuantizeMatMul``); ``int4_b<block>_l<level>[_asym]`` (``MatMulNBitsQuantizer``, as a cpu
+int4 decoder); ``ov_*`` (OpenVINO: ``fp32``, NNCF ``int8_sym`` / ``int4_sym_g<G>``, with the CPU
+properties the variant names).  Timed at ``M`` rows, the variants interleaved, best of the rounds;
+GOP/s counts ``2 K N`` operations per row and projection.  ``gemm_peak_gops`` (the bench's record)
+is the best ``fp32`` and ``int8`` figure over the row counts.
 """
 
 from __future__ import annotations
 
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -308,7 +299,8 @@ def profile_ops(model: Any, name: str, rows: int, session_options: Mapping[str, 
 
 
 def table(report: Mapping[str, Any]) -> str:
-    """Markdown: a row per variant, per row count ``positions/s (GOP/s)`` and its ratio to fp32."""
+    """Markdown: a row per variant, per row count ``positions/s (GOP/s)`` and its ratio to fp32; then
+    the ``profile``'s kernel time per op type."""
     res = report["results"]
     rows = sorted({m for r in res.values() for m in r})
     ref = res.get("fp32", {})
@@ -319,8 +311,14 @@ def table(report: Mapping[str, Any]) -> str:
         ratio = [f"{by[m]['positions_per_s'] / ref[m]['positions_per_s']:.2f}x" if m in by and m in ref else "-"
                  for m in rows]
         lines.append(f"| {name} | " + " | ".join(cells + ratio) + " |")
-    return "\n".join(lines)
+    text = "\n".join(lines)
+    for name, prof in report.get("profile", {}).items():
+        text += f"\n\n{name} at M={prof['rows']}, kernel us per call: " + ", ".join(
+            f"{op} {us:.0f}" for op, us in prof["kernel_us"].items())
+    return text
 
+
+HELP = "one decoder layer's MatMuls per arithmetic and row count (bench/gemm.py; no checkpoint)"
 
 
 def add_arguments(parser: Any) -> None:
@@ -341,28 +339,34 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--out", type=Path, help="write the JSON report here")
 
 
-def ab_command(args: Any, machine: Mapping[str, Any]) -> dict[str, Any]:
-    """``gemm-peak``: :func:`measure` at Qwen3-4B's layer shapes (:data:`QWEN3_4B`), and with
-    ``--profile`` the kernels per op type of every ONNX Runtime variant."""
-    variants = [v for v in args.variants.split(",") if v.strip()]
-    for name in variants:
-        parse_variant(name)
+def command(args: Any) -> int:
+    """``gemm-peak``: :func:`measure` at Qwen3-4B's layer shapes (:data:`QWEN3_4B`) and with
+    ``--profile`` the kernels per op type of every ONNX Runtime variant, printed and written; 2 on a
+    bad variant."""
+    import onnxruntime
+    import openvino
+
+    from bench.systems import loadavg, machine_facts, print_report
+    from higgs_pack.manifests.errors import InputError
+
+    machine, variants = machine_facts(), [v for v in args.variants.split(",") if v.strip()]
     options = None if args.plain_session else {}
-    report = {"dims": QWEN3_4B, "session_options": "plain" if options is None else "runtime", "machine": dict(machine),
-              "threads": args.threads or "default",
-              **measure(QWEN3_4B, variants, args.rows, rounds=args.rounds, session_options=options,
-                        min_seconds=args.min_seconds, threads=args.threads or None)}
-    if args.profile:
-        model = float_layer(layer_shapes(QWEN3_4B))
-        report["profile"] = {name: profile_ops(model, name, args.profile, options)
-                             for name in variants if parse_variant(name).runtime == "ort"}
-    return report
-
-
-def ab_table(report: Mapping[str, Any]) -> str:
-    """:func:`table`, then the profile's kernel time per op type."""
-    text = table(report)
-    for name, prof in report.get("profile", {}).items():
-        text += f"\n\n{name} at M={prof['rows']}, kernel us per call: " + ", ".join(
-            f"{op} {us:.0f}" for op, us in prof["kernel_us"].items())
-    return text
+    try:
+        for name in variants:
+            parse_variant(name)
+        report = {"dims": QWEN3_4B, "session_options": "plain" if options is None else "runtime",
+                  "machine": dict(machine), "threads": args.threads or "default",
+                  **measure(QWEN3_4B, variants, args.rows, rounds=args.rounds, session_options=options,
+                            min_seconds=args.min_seconds, threads=args.threads or None)}
+        if args.profile:
+            model = float_layer(layer_shapes(QWEN3_4B))
+            report["profile"] = {name: profile_ops(model, name, args.profile, options)
+                                 for name in variants if parse_variant(name).runtime == "ort"}
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    report.update(command="gemm-peak", onnxruntime=onnxruntime.__version__, openvino=openvino.__version__,
+                  load=loadavg())
+    return print_report(report, f"{machine['cpu']}, onnxruntime {report['onnxruntime']}, openvino "
+                        f"{report['openvino']}, {report['session_options']} session options, threads "
+                        f"{report['threads']}, {args.rounds} rounds, load {report['load']}", table(report), args.out)

@@ -1,12 +1,8 @@
 """llama.cpp as a bench peer (issue 19, ``[llamacpp]`` extra): the checkpoint's Qwen3 decoder as
-GGUFs at llama.cpp's own 4-bit types (:func:`ensure_ggufs`: the Qwen3 HF view, llama.cpp's own
-``convert_hf_to_gguf.py`` from the installed version's sdist, ``llama_model_quantize``, each in a
-child process) and :class:`LlamaDecoder`, stepped the way we step ours.
-
-llama.cpp's Qwen3 graph ends in the text head (``output.weight`` or the tied embedding, Q6_K),
-run on every row that asks for logits; ours ends at the hidden states.  So rows are timed with
-logits (``step_ms``) and without (``step_ms_no_output``: no head, and the last layer's
-feed-forward skipped too, a lower bound); ``head_bytes`` is recorded beside ``decoder_bytes``.
+GGUFs (:func:`ensure_ggufs`: llama.cpp's own converter from the installed version's sdist, then
+``llama_model_quantize``, each in a child process) and :class:`LlamaDecoder`, stepped as we step
+ours.  Its graph ends in the text head, run on every row asking for logits: rows are timed with
+(``step_ms``) and without (``step_ms_no_output``, a lower bound); docs/benchmarks/index.md.
 """
 
 from __future__ import annotations

@@ -3,21 +3,15 @@ BUNDLE [--copies 40,160] [--text-file F]``.
 
 For each count N of ``--copies``, the text (the cases' English by default) said N times over is
 spoken by ``higgs-pack synthesize BUNDLE --text-file T -o out.wav --subtitles out.srt`` in a
-process of its own, as a user runs it; per run: the text's words and KB, the audio's minutes
-(read back from the file), wall seconds, and the process's peak resident set (``os.wait4``'s
-``ru_maxrss``, KiB on Linux).  Memory bounded by one chunk shows as the same peak RSS for every
-length; holding the whole audio would add about 96 KB per second of it (float32 at 24 kHz) and
-more for its join and the encoded WAV.  Printed as Markdown, written as JSON with ``--out``.
-
-The tiny bundle's random weights end each chunk at a random frame, so its audio per word is not
-speech's: raise ``--copies`` until the longest run holds the length asked for (an hour: about
-1,300 copies of the cases' English on the tiny bundle; ten minutes at the bench preset).
+process of its own; per run: words, text KB, audio minutes (read back from the file), wall seconds
+and the process's peak RSS (``os.wait4``).  Memory bounded by one chunk shows as the same peak for
+every length.  The tiny bundle's random weights end chunks early: raise ``--copies`` until the
+longest run holds the length wanted.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -27,7 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.rolling import DEFAULT_TEXT
+from bench.systems import machine_facts, markdown, print_report
 
+HELP = "peak RSS of higgs-pack synthesize over long texts (bench/long_text.py)"
 HEADERS = ["copies", "words", "text KB", "audio min", "wall s", "peak RSS MB"]
 
 
@@ -81,16 +77,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def table(report: dict[str, Any]) -> str:
     """The runs as a Markdown table, a row per length."""
-    from bench.ab import markdown
-
     return markdown(HEADERS, [[r["copies"], r["words"], r["text_kb"], r["audio_min"], r["wall_s"], r["peak_rss_mb"]]
                               for r in report["runs"]])
 
 
 def command(args: argparse.Namespace) -> int:
     """``long-text``: measure, print, write ``--out``; 2 with the message on a bad input or a failed run."""
-    from bench.ab import machine_facts
-
     given = args.copies
     try:
         args.copies = [int(c) for c in given.split(",") if c.strip()]
@@ -109,7 +101,4 @@ def command(args: argparse.Namespace) -> int:
         return 2
     machine = machine_facts()
     report = {"command": "long-text", "machine": machine, **report}
-    print(f"{machine['cpu']}, {args.bundle}\n\n{table(report)}")
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
-    return 0
+    return print_report(report, f"{machine['cpu']}, {args.bundle}", table(report), args.out)

@@ -1,33 +1,26 @@
 """What a long text's rolling context costs per chunk (issue 30 item 1): ``python -m bench.ab
 rolling-context BUNDLE [--text-file F] [--k 0,1,2,3] [--keep-frames all,50]``.
 
-For each ``K`` (``context_chunks``) and each kept-frames choice (``context_frames``; ``all``: whole
-chunks; K = 0 runs once), one multi-chunk text is generated in a voice (the cases' 7-second clip
-and its transcript by default) on the loaded bundle, chunk by chunk as ``run_plan`` does (no codec:
-only the decoder loop is timed).  The voice's prefix KV is computed once before the runs (its
-prefill reported apart), so every chunk restores it from the prefix cache and prefills only its
-rolling context and its own text.  Per chunk: prompt positions, positions prefilled, prefill ms,
-generation ms (the loop after the prefill), frames, and the share prefill / (prefill +
-generation); per run the totals and the measured ms per prefilled position and per frame, which
-give the share of any other chunk size.  Printed as Markdown, written as JSON with ``--out``.
-
-The text (said ``--repeat`` times over) is cut into chunks of at most ``--words`` words
-(sentence-aligned, as a long text is cut into chunks of 200), each capped at ``--max-frames``:
-the defaults (the cases' two English sentences said twice: four chunks of one sentence, at most
-150 frames each) keep a full-size cpu int4 run of K = 0..3 with two kept-frames choices (seven
-runs, 28 chunks) to about 6 minutes (about 14 frames/s decode, 50 prefilled positions/s).
+For each ``K`` (``context_chunks``) and kept-frames choice (``context_frames``; ``all``: whole
+chunks; K = 0 once), one multi-chunk text in a voice (the cases' 7-second clip by default) is
+generated chunk by chunk as ``run_plan`` does, without the codec.  The voice's prefix KV is
+computed once first, so every chunk restores it and prefills only its rolling context and text.
+Per chunk: prompt positions, positions prefilled, prefill and generation ms, frames, and the
+prefill share; per run the totals and ms per prefilled position and per frame.  The defaults (the
+cases' two English sentences said twice: four chunks, 150 frames each at most) keep a full-size
+cpu int4 run of K = 0..3 to about 6 minutes.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.systems import loadavg
+from bench.systems import loadavg, machine_facts, markdown, print_report
 
 #: The cases folder beside the repository (a reference clip with its .txt transcript, texts).
 CASES = Path(__file__).resolve().parents[2] / "shared" / "cases"
@@ -37,6 +30,7 @@ DEFAULT_WORDS = 12
 #: The cases' English text is two sentences: said twice it makes four chunks, enough for K = 3.
 DEFAULT_REPEAT = 2
 DEFAULT_MAX_FRAMES = 150
+HELP = "a long text's rolling context per chunk: prefill against generation per K (bench/rolling.py)"
 HEADERS = ["K", "keep", "chunk", "prompt", "prefilled", "prefill ms", "gen ms", "frames", "share"]
 
 
@@ -149,8 +143,6 @@ def _totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def table(report: dict[str, Any]) -> str:
     """The runs as a Markdown table, a row per chunk, then a row per run's totals."""
-    from bench.ab import markdown
-
     rows = [[run["k"], run["keep_frames"] or "all", row["chunk"], row["prompt_positions"], row["prefilled"],
              row["prefill_ms"], row["generation_ms"], row["frames"], f"{100 * row['prefill_share']:.1f}%"]
             for run in report["runs"] for row in run["chunks"]]
@@ -164,9 +156,6 @@ def table(report: dict[str, Any]) -> str:
 
 def command(args: argparse.Namespace) -> int:
     """``rolling-context``: measure, print, write ``--out``; 2 with the message on a bad input."""
-    import sys
-
-    from bench.ab import machine_facts
     from higgs_pack.manifests.errors import InputError
 
     machine = machine_facts()
@@ -178,8 +167,6 @@ def command(args: argparse.Namespace) -> int:
         return 2
     report = {"command": "rolling-context", "machine": machine, "seconds": round(time.perf_counter() - started, 1),
               **report}
-    print(f"{machine['cpu']}, {report['backend']} {report['precision']} ({report['decoder']}), chunks of "
-          f"{report['chunk_words']} words, cap {report['max_frames']} frames\n\n{table(report)}")
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
-    return 0
+    return print_report(report, f"{machine['cpu']}, {report['backend']} {report['precision']} ({report['decoder']}), "
+                        f"chunks of {report['chunk_words']} words, cap {report['max_frames']} frames", table(report),
+                        args.out)

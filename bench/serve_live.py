@@ -1,19 +1,12 @@
-"""Live sessions in the serve load test (``python -m bench.serve_load --live-sessions 1,8``): text
-arriving like an LLM's over ``/v1/audio/speech/stream`` (docs/serving/live.md).
+"""Live sessions in the serve load test (``--live-sessions 1,8``): text arriving like an LLM's over
+``/v1/audio/speech/stream`` (docs/serving/live.md, docs/benchmarks/serve-load.md).
 
-Each session sends one text in pieces of about :data:`TOKEN_CHARS` characters (OpenAI's rule of
-thumb for an English token) at ``tokens_per_s``, then ``input.done``, and reads everything back.
-Per sentence it records when its last piece was sent and when its first speech came (after
-the pause that opens every sentence but the first, a message of its own), how long after it was
-ready (its last piece sent and the sentence before it done: a session speaks its sentences one
-after the other, each with the one before as context, so a sentence whose text came while the one
-before was still being generated waits for it, and a player needs it only once that one has
-played), and the server's
-``first_audio_s`` (from when the server knew the sentence was complete: the piece after its
-last one, or ``input.done``); per session, playback as a player would do it (start at the
-first audio, then play without pause): the gap before each sentence whose audio came after the
-audio before it had played out; and whether any audio was lost or reordered (each sentence's
-bytes against its ``frames``, indices contiguous, ``start``/``end`` contiguous with the pause).
+Each session sends one text in pieces of :data:`TOKEN_CHARS` characters at ``tokens_per_s``, then
+``input.done``, and reads everything back.  Per sentence (seconds since the session opened): when
+its last piece was sent, its first audio and first speech (after the pause that opens every
+sentence but the first), that speech after it was ready (its last piece sent and the sentence
+before it done) and the server's ``first_audio_s``; per session the playback gaps of a player
+starting at the first audio, and any audio lost or reordered.
 """
 
 from __future__ import annotations

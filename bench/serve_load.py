@@ -2,14 +2,11 @@
 live server on 127.0.0.1, beside the same requests through the engine in its own process.
 
 The server (started here, or ``--url``) and the engine process at the server's batch; the engine
-runs every request of the pool alone (the references); then per level of clients the engine runs
-the level's requests from as many threads and the server gets them from as many asyncio clients
-(at one client the two take turns request by request, so both meet the same load); each level
-bounded by its request count and seconds, ``--rounds`` keeping each side's fastest round; then a
-soak reading the server's RSS every 50 answers.  Requests: the cases' texts, seed = index, whole
-WAVs and PCM streams in turn; every answer is checked (:mod:`bench.serve_checks`).  With
-``--live-sessions 1,8``, that many sessions of the live WebSocket at once (a run per count) with
-text arriving like an LLM's (:mod:`bench.serve_live`).
+runs every request of the pool alone (the references); then per level of clients the engine and
+the server get the level's requests (at one client in turn, request by request), each level
+bounded by its request count and seconds, ``--rounds`` keeping each side's fastest; then a soak
+reading the server's RSS every 50 answers.  Every answer is checked (:mod:`bench.serve_checks`);
+``--live-sessions``: the live WebSocket (:mod:`bench.serve_live`).  docs/benchmarks/serve-load.md.
 """
 
 from __future__ import annotations
@@ -329,36 +326,8 @@ def run_load(options: LoadOptions) -> dict[str, Any]:
             expected = {r["job"]: Expected(r["samples"], r["sha256"]) for r in rows}
             record["reference"] = {"requests": len(rows), "samples": [r["samples"] for r in rows],
                                    "frames_at_cap": sum(r["samples"] == options.frames * FRAME_SAMPLES for r in rows)}
-
-        def engine_level(jobs: list[Job], clients: int, seconds: float) -> dict[str, Any]:
-            return engine.ask({"task": "level", "jobs": jobs, "clients": clients, "seconds": seconds,
-                               "expected": expected}, timeout=seconds + timeout + 60)
-
-        record["levels"] = []
-        for clients in options.clients:
-            jobs = [pool[i % len(pool)] for i in range(counts.get(clients, max(24, 8 * clients)))]
-            rounds = []
-            for round_ in range(max(1, options.rounds)):
-                say(f"{clients} clients: {len(jobs)} requests" + (f" (round {round_ + 1})" if options.rounds > 1 else ""))
-                one: dict[str, Any] = {}
-                turns: list[dict[str, Any]] = []
-                if engine is not None and clients > 1:
-                    one["engine"] = summarize_engine(engine_level(jobs, clients, options.level_seconds))
-                before = (lambda job, t=turns: t.append(engine_level([job], 1, timeout))) if engine and clients == 1 else None
-                one["http"] = _http_level(url, pid, clients, capacity, expected, lambda jobs=jobs, c=clients, b=before:
-                                          asyncio.run(run_clients(url, model, jobs, c, options.level_seconds,
-                                                                  timeout=timeout, before=b)))
-                if turns:  # one client: the engine and the server in turn, request by request
-                    one["engine"] = summarize_engine({
-                        "rows": [row for t in turns for row in t["rows"]], "seconds": sum(t["seconds"] for t in turns),
-                        "cpu_s": sum(t.get("cpu_s") or 0.0 for t in turns),
-                        "stats": {k: sum(t["stats"][k] for t in turns) for k in turns[0]["stats"]}})
-                rounds.append(one)
-            level = keep_fastest(clients, len(jobs), rounds)
-            record["levels"].append(level)
-            say(f"  {clients:>3} clients: {level['frames_per_s']:.1f} frames/s (engine "
-                f"{(level.get('engine') or {}).get('frames_per_s', math.nan):.1f}); "
-                + ", ".join(f"{k} {v}" for k, v in level["checks"].items() if v))
+        record["levels"] = [_level(url, model, pid, capacity, clients, pool, counts, engine, expected, options, say)
+                            for clients in options.clients]
         if engine is not None:
             engine.close()
             engine = None
@@ -368,15 +337,7 @@ def run_load(options: LoadOptions) -> dict[str, Any]:
                                                           options.live_tokens_per_s, timeout, first=n))
         if options.soak_requests > 0:
             say(f"soak: {options.soak_requests} requests at {options.soak_clients} clients")
-            start = rss_mb(pid) if pid else None
-            run = asyncio.run(run_clients(url, model, [pool[i % len(pool)] for i in range(options.soak_requests)],
-                                          options.soak_clients, options.soak_seconds, timeout=timeout, pid=pid,
-                                          read_every=SOAK_READ_EVERY))
-            end = rss_mb(pid) if pid else None
-            record["soak"] = {"clients": options.soak_clients, **summarize_http(run, [
-                check(o, expected.get(o.job.index), capacity) for o in run.observed]),
-                "rss_start_mb": start, "rss_end_mb": end, "rss_growth": (end - start) / start if start and end else None,
-                "rss_readings": [[n, mb] for n, mb in [(0, start), *run.rss_mb, (len(run.observed), end)]]}
+            record["soak"] = _soak(url, model, pid, capacity, pool, expected, options)
         record["rss_end_mb"] = rss_mb(pid) if pid else None
         record["machine_after"] = {k: v for k, v in _machine().items() if k in ("loadavg", "uptime")}
     finally:
@@ -386,6 +347,55 @@ def run_load(options: LoadOptions) -> dict[str, Any]:
             record["server_exit"] = server.stop()
             record["server_log_tail"] = [line.rstrip() for line in server.log[-20:]]
     return record
+
+
+def _level(url: str, model: str, pid: int | None, capacity: int, clients: int, pool: list[Job],
+           counts: dict[int, int], engine: EngineProcess | None, expected: dict[int, Expected],
+           options: LoadOptions, say: Callable[[str], None]) -> dict[str, Any]:
+    """One level of ``clients``: its rounds (the engine's figures beside the server's, at one client
+    in turn request by request), kept by :func:`keep_fastest`."""
+    timeout = options.request_timeout
+
+    def engine_level(jobs: list[Job], clients: int, seconds: float) -> dict[str, Any]:
+        return engine.ask({"task": "level", "jobs": jobs, "clients": clients, "seconds": seconds,
+                           "expected": expected}, timeout=seconds + timeout + 60)
+
+    jobs = [pool[i % len(pool)] for i in range(counts.get(clients, max(24, 8 * clients)))]
+    rounds = []
+    for round_ in range(max(1, options.rounds)):
+        say(f"{clients} clients: {len(jobs)} requests" + (f" (round {round_ + 1})" if options.rounds > 1 else ""))
+        one: dict[str, Any] = {}
+        turns: list[dict[str, Any]] = []
+        if engine is not None and clients > 1:
+            one["engine"] = summarize_engine(engine_level(jobs, clients, options.level_seconds))
+        before = (lambda job, t=turns: t.append(engine_level([job], 1, timeout))) if engine and clients == 1 else None
+        one["http"] = _http_level(url, pid, clients, capacity, expected, lambda b=before: asyncio.run(
+            run_clients(url, model, jobs, clients, options.level_seconds, timeout=timeout, before=b)))
+        if turns:  # one client: the engine and the server in turn, request by request
+            one["engine"] = summarize_engine({
+                "rows": [row for t in turns for row in t["rows"]], "seconds": sum(t["seconds"] for t in turns),
+                "cpu_s": sum(t.get("cpu_s") or 0.0 for t in turns),
+                "stats": {k: sum(t["stats"][k] for t in turns) for k in turns[0]["stats"]}})
+        rounds.append(one)
+    level = keep_fastest(clients, len(jobs), rounds)
+    say(f"  {clients:>3} clients: {level['frames_per_s']:.1f} frames/s (engine "
+        f"{(level.get('engine') or {}).get('frames_per_s', math.nan):.1f}); "
+        + ", ".join(f"{k} {v}" for k, v in level["checks"].items() if v))
+    return level
+
+
+def _soak(url: str, model: str, pid: int | None, capacity: int, pool: list[Job], expected: dict[int, Expected],
+          options: LoadOptions) -> dict[str, Any]:
+    """The soak: its figures and the server's RSS every :data:`SOAK_READ_EVERY` answers."""
+    start = rss_mb(pid) if pid else None
+    run = asyncio.run(run_clients(url, model, [pool[i % len(pool)] for i in range(options.soak_requests)],
+                                  options.soak_clients, options.soak_seconds, timeout=options.request_timeout,
+                                  pid=pid, read_every=SOAK_READ_EVERY))
+    end = rss_mb(pid) if pid else None
+    return {"clients": options.soak_clients, **summarize_http(run, [
+        check(o, expected.get(o.job.index), capacity) for o in run.observed]),
+        "rss_start_mb": start, "rss_end_mb": end, "rss_growth": (end - start) / start if start and end else None,
+        "rss_readings": [[n, mb] for n, mb in [(0, start), *run.rss_mb, (len(run.observed), end)]]}
 
 
 def _bundle_for_preset(preset: str, cache: str | None, quiet: bool) -> str:
@@ -421,19 +431,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--out", default="dist/serve-bench.json", help="JSON runs (same label and preset replaced), .html")
     args = p.parse_args(argv)
-    try:
-        args.clients = tuple(int(c) for c in args.clients.split(",") if c.strip())
-    except ValueError:
-        args.clients = ()
-    if not args.clients or min(args.clients) < 1:
-        p.error("--clients must be comma-separated whole numbers >= 1")
+    for flag, least in (("clients", 1), ("live_sessions", 0)):  # the counts it needs at least
+        try:
+            counts = tuple(int(c) for c in getattr(args, flag).split(",") if c.strip())
+        except ValueError:
+            counts = (0,)
+        if len(counts) < least or min(counts, default=1) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be comma-separated whole numbers >= 1")
+        setattr(args, flag, counts)
     args.requests = dict.fromkeys(args.clients, args.requests) if args.requests else None
-    try:
-        args.live_sessions = tuple(int(c) for c in args.live_sessions.split(",") if c.strip())
-    except ValueError:
-        args.live_sessions = (0,)
-    if any(n < 1 for n in args.live_sessions):
-        p.error("--live-sessions must be comma-separated whole numbers >= 1")
     if args.preset not in DEFAULT_REQUESTS:
         p.error(f"--preset must be one of {', '.join(DEFAULT_REQUESTS)}")
     options = LoadOptions(**{f.name: getattr(args, f.name) for f in fields(LoadOptions)})

@@ -54,15 +54,10 @@ def _live_run(record: dict[str, Any], sessions: int) -> dict[str, Any] | None:
 
 
 def live_checks(record: dict[str, Any]) -> list[Goal]:
-    """The live WebSocket's goals (issue 31 item 2: "at most its prefill + the streaming
-    first-audio budget after its last token"), with text arriving like an LLM's: at one session
-    a sentence's first speech after it was ready (its last piece sent and the sentence before it
-    done), less its own prompt's prefill (the server's ``prefill_s``: rolling context and text),
-    within the in-process stream's first audio (the streaming ramp and codec, and a short
-    prompt's prefill: the engine's figure at 1 client in the same run) plus one piece (the
-    sentence end is known at the next one) and the HTTP goal's margin; playback
-    with no gap; at :data:`GOAL_LIVE_SESSIONS` sessions no audio lost or reordered.  None where the
-    run has no such live run or engine figures."""
+    """The live WebSocket's goals (issue 31 item 2), text arriving like an LLM's: at one session a
+    sentence's first speech after it was ready, less its own prefill (the server's ``prefill_s``),
+    within the engine's in-process first audio at 1 client + one piece + the HTTP margin; no playback
+    gap; at :data:`GOAL_LIVE_SESSIONS` sessions no audio lost or reordered.  ``met`` None without."""
     tag, checks = f"[{record.get('preset')}] {record.get('label')}", []
     one = _live_run(record, 1)
     rate = (one or {}).get("tokens_per_s", 30.0)

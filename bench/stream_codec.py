@@ -1,18 +1,10 @@
 """Streamed against plain aggregate frames/s with the stateful streaming codec (issue 31 item 1).
 
-``python -m bench.stream_codec BUNDLE [--batch 1,4] [--frames 100] [--repeats 2]``: on one bundle's
-engine, per batch size, rounds of **plain** (B requests read with ``result()``), **stateful** (each
-streamed on its own thread, the codec steps of the B streams batched in the engine's codec thread),
-**stateful-alone** (the same with one stream step per codec run) and, for comparison, **windows**
-(the same bundle with its streaming codec hidden: the window codec that recomputes its context,
-as bundles built before it stream).  Each mode's aggregate frames/s is the engine's rate over the
-steps with every row busy (``bench.batch``'s measure); ratios to plain are taken within a round
-(same minute, same load), medians over rounds: ``over_plain``.  That rate charges the codec to
-streaming only (a plain run decodes after its last step); ``delivered_over_plain`` is the ratio of
-audio in the callers' hands per wall second, codec included for both (``bench.batch``'s
-``delivered_frames_per_s``: plain generates then decodes, streamed overlaps).
-EOC is suppressed: every request runs ``--frames``.
-Prints one JSON object.
+``python -m bench.stream_codec BUNDLE [--batch 1,4] [--frames 100] [--repeats 2]``: per batch
+size, rounds of **plain**, **stateful** (each request streamed on its own thread, the B streams'
+codec steps batched), **stateful-alone** (one stream step per codec run) and **windows** (the
+streaming codec hidden: the window codec).  Rates as ``bench.batch``'s; ratios to plain within a
+round, medians over rounds (``over_plain``, ``delivered_over_plain``).  Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -24,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from bench.batch import _engine_run, _HeadsProbe
+from bench.batch import engine_run, probe
 from bench.systems import load_1m, peak_rss_mb
 
 TEXT = "The quick brown fox jumps over the lazy dog, and then it runs far away into the forest."
@@ -32,32 +24,27 @@ MODES = ("plain", "stateful", "stateful-alone", "windows")
 
 
 def _run(tts: Any, batch: int, spec: dict[str, Any], marks: list, mode: str) -> dict[str, Any]:
-    pipeline = tts.pipeline
-    spec_codec = pipeline.stream_codec
+    """One :data:`MODES` run of ``batch`` requests: ``engine_run``'s figures, ``wall_s`` and the codec's."""
+    pipeline, stream_codec, engine_of = tts.pipeline, tts.pipeline.stream_codec, tts.engine
+    if mode == "windows":
+        pipeline.stream_codec = None
+    if mode == "stateful-alone":  # one stream step per codec run
+        def alone(**kw: Any) -> Any:
+            engine = engine_of(**kw)
+            engine.codec.batch_streams = False
+            return engine
+
+        tts.engine = alone
     try:
-        if mode == "windows":
-            pipeline.stream_codec = None
-        if mode == "stateful-alone":
-            original = type(tts).engine
-
-            def engine(self, **kw):
-                e = original(self, **kw)
-                e.codec.batch_streams = False
-                return e
-
-            type(tts).engine = engine
-        try:
-            t0 = time.perf_counter()
-            out, engine, _ = _engine_run(tts, batch, spec, marks, streamed=mode != "plain")
-            out["wall_s"] = time.perf_counter() - t0
-            cs = engine.codec.stats
-            out["codec"] = {"runs": cs.runs, "rows_per_run": cs.windows / cs.runs if cs.runs else None,
-                            "frames": cs.frames, "seconds": round(cs.seconds, 3)}
-        finally:
-            if mode == "stateful-alone":
-                type(tts).engine = original
+        t0 = time.perf_counter()
+        out, engine, _ = engine_run(tts, batch, spec, marks, streamed=mode != "plain")
+        out["wall_s"] = time.perf_counter() - t0
+        cs = engine.codec.stats
+        out["codec"] = {"runs": cs.runs, "rows_per_run": cs.windows / cs.runs if cs.runs else None,
+                        "frames": cs.frames, "seconds": round(cs.seconds, 3)}
     finally:
-        pipeline.stream_codec = spec_codec
+        pipeline.stream_codec = stream_codec
+        vars(tts).pop("engine", None)
     return out
 
 
@@ -71,18 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args(argv)
     tts = higgs_pack.load(args.bundle)
-    pipeline, c = tts.pipeline, tts.pipeline.constants
+    pipeline = tts.pipeline
     if pipeline.stream_codec is None:
         print(f"{args.bundle} has no audio_tokenizer_stream (built before manifest format 2)", file=sys.stderr)
         return 2
-    defaults = dict(pipeline.generation_defaults)
-    defaults["sampling"] = {**defaults.get("sampling", {}), "repeat_guard_frames": 0}
-    pipeline.generation_defaults = defaults
-    marks: list = []
-    pipeline.audio_heads = _HeadsProbe(pipeline.audio_heads, c.eoc, marks)
-    from higgs_pack.runtime.loop.streaming import codec_context_frames
-
-    codec_context_frames(pipeline)  # the window codec's context, outside the timed runs
+    marks = probe(tts)
     spec = {"text": TEXT, "frames": args.frames, "seed": 1, "temperature": 0.8, "top_k": 50}
     sizes = [int(b) for b in args.batch.split(",")]
     before = load_1m()
@@ -101,11 +81,9 @@ def main(argv: list[str] | None = None) -> int:
                 r[mode]["delivered_over_plain"] = (r[mode]["delivered_frames_per_s"]
                                                    / r["plain"]["delivered_frames_per_s"])
             rounds.append(r)
+        keys = ("aggregate_frames_per_s", "delivered_frames_per_s", "over_plain", "delivered_over_plain")
         summary = {mode: {key: statistics.median(x[mode][key] or 0 for x in rounds)
-                          for key in ("aggregate_frames_per_s", "delivered_frames_per_s")} for mode in MODES}
-        for mode in MODES[1:]:
-            for key in ("over_plain", "delivered_over_plain"):
-                summary[mode][key] = statistics.median(x[mode][key] or 0 for x in rounds)
+                          for key in keys[:2 if mode == "plain" else 4]} for mode in MODES}
         rows.append({"batch": batch, "median": summary, "rounds": rounds})
     print(json.dumps({"bundle": str(args.bundle), "frames": args.frames, "lookahead_frames":
                       pipeline.stream_codec.lookahead_frames, "window_context_frames": pipeline.codec_context_frames,

@@ -11,6 +11,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -184,6 +185,31 @@ def table(title: str, headers: list[str], rows: list[list[str]]) -> str:
     widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
     return "\n".join([title, *("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True))
                                for r in [headers, *rows])]).lstrip("\n")
+
+
+def markdown(headers: list[str], rows: list[list[Any]], facts: Sequence[str] = ()) -> str:
+    """A Markdown table (None as ``-``, a ``|`` in a cell escaped), then ``facts`` as a list."""
+    def line(cells: list[Any]) -> str:
+        return "| " + " | ".join("-" if c is None else str(c).replace("|", "\\|") for c in cells) + " |"
+
+    table = [line(headers), line(["---"] * len(headers)), *map(line, rows)]
+    return "\n".join(table + ([""] + [f"- {f}" for f in facts] if facts else []))
+
+
+def machine_facts() -> dict[str, Any]:
+    """The CPU named in every ``python -m bench.ab`` report: description, model, ISA flags, logical CPUs."""
+    from higgs_pack.runtime.machine.cpu import cpu_info
+
+    cpu = cpu_info()
+    return {"cpu": cpu.describe(), "model": cpu.model, "isa": cpu.isa, "logical_cpus": cpu.logical_cpus}
+
+
+def print_report(report: dict[str, Any], head: str, text: str, out: Path | None) -> int:
+    """An A/B tool's end: ``head`` and its table printed, the report written to ``out`` as JSON; 0."""
+    print(f"{head}\n\n{text}")
+    if out:
+        out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    return 0
 
 
 def child_env(**extra: str) -> dict[str, str]:

@@ -10,7 +10,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -177,24 +177,34 @@ def context_steps(decoder: Any, prompt: np.ndarray, step: np.ndarray, contexts: 
     return {f"step_ms_ctx{n}": statistics.median(times[n]) * 1e3 for n in lengths}
 
 
-def prefill_rates(decoder: Any, prompt: np.ndarray, lengths: list[int], rounds: int = PREFILL_ROUNDS
-                  ) -> dict[str, Any]:
-    """``prefill_positions_per_s``: ``{"L": L / s}`` for a prefill of ``L`` positions (``prompt``'s
-    rows [1, P, H] repeated) into an empty KV cache, the fastest of ``rounds`` (the lengths in
-    turn each round; the first round also meets each shape once); lengths the decoder cannot hold
-    are left out.  ``prefill_ms_by_length`` holds the same as ms."""
-    lengths = [n for n in lengths if n + 1 <= decoder.max_length]
+def fastest_prefills(ready: Callable[[int], Callable[[], Any]], lengths: Sequence[int], rounds: int
+                     ) -> dict[str, Any]:
+    """``prefill_positions_per_s`` ``{"L": L / s}`` and ``prefill_ms_by_length`` (ms) of the call
+    ``ready(L)`` returns (its set-up untimed), fastest of ``rounds`` with the lengths in turn."""
     best: dict[int, float] = {}
     for _ in range(max(1, rounds)):
         for length in lengths:
-            decoder.reset()
-            x = np.resize(prompt[0], (length, prompt.shape[-1]))[None].astype(np.float32)
+            call = ready(length)
             t = time.perf_counter()
-            decoder.forward(x)
+            call()
             best[length] = min(best.get(length, math.inf), time.perf_counter() - t)
-    decoder.reset()
     return {"prefill_positions_per_s": {str(n): round(n / s, 2) for n, s in best.items()},
             "prefill_ms_by_length": {str(n): round(s * 1e3, 1) for n, s in best.items()}}
+
+
+def prefill_rates(decoder: Any, prompt: np.ndarray, lengths: list[int], rounds: int = PREFILL_ROUNDS
+                  ) -> dict[str, Any]:
+    """:func:`fastest_prefills` of ``decoder`` for prefills of ``prompt``'s rows [1, P, H] repeated to
+    each length into an empty KV cache (the first round also meets each shape once); lengths the
+    decoder cannot hold are left out."""
+    def ready(length: int) -> Callable[[], Any]:
+        decoder.reset()
+        x = np.resize(prompt[0], (length, prompt.shape[-1]))[None].astype(np.float32)
+        return lambda: decoder.forward(x)
+
+    out = fastest_prefills(ready, [n for n in lengths if n + 1 <= decoder.max_length], rounds)
+    decoder.reset()
+    return out
 
 
 def _prefix_cache(pipeline: Any, bundle: str | None) -> tuple[Any, str | None]:

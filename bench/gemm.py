@@ -302,7 +302,7 @@ def table(report: Mapping[str, Any]) -> str:
     """Markdown: a row per variant, per row count ``positions/s (GOP/s)`` and its ratio to fp32; then
     the ``profile``'s kernel time per op type."""
     res = report["results"]
-    rows = sorted({m for r in res.values() for m in r})
+    rows = sorted({m for r in res.values() for m in r}, key=int)  # int keys, or str ones read back from JSON
     ref = res.get("fp32", {})
     lines = ["| variant | " + " | ".join(f"M={m} pos/s (GOP/s)" for m in rows) + " | " +
              " | ".join(f"M={m} vs fp32" for m in rows) + " |", "|---" * (1 + 2 * len(rows)) + "|"]

@@ -56,6 +56,11 @@ def test_every_arithmetic_runs_and_agrees_with_float():
     assert row["positions_per_s"] > 0
     assert row["gops"] == pytest.approx(row["positions_per_s"] * report["ops_per_row"] / 1e9, rel=0.05)
     assert "| int4_b32_l4 |" in gemm.table(report) and "M=16 vs fp32" in gemm.table(report)
+    import json
+
+    kept = json.loads(json.dumps({**report, "results": {"fp32": {m: report["results"]["fp32"][1] for m in (1, 16, 256)}}}))
+    head = gemm.table(kept).splitlines()[0]  # read back from JSON, the row counts are strings: still in order
+    assert head.index("M=1 ") < head.index("M=16 ") < head.index("M=256 "), head
 
 
 def test_each_variant_quantizes_the_float_layer_not_the_one_before():

@@ -114,7 +114,7 @@ def render(name: str, kind: str) -> str:
     headers, rows, facts = _kinds()[kind](records)
     if not rows:
         raise BenchTableError(f"{_shown(path)} has no figures for a {kind!r} table")
-    from bench.ab import markdown
+    from bench.systems import markdown
 
     return markdown(headers, rows, facts)
 

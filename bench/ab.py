@@ -197,7 +197,7 @@ def ort_int4(args: argparse.Namespace, folder: Path, checkpoint: Path, machine: 
 def ort_int4_table(report: dict[str, Any]) -> str:
     rows = [[r["variant"], r["block_size"], r["accuracy_level"],
              *timing_cells(r, report["weights"][r["variant"]]["weights_mb"])] for r in report["results"]]
-    return f"default {report['default']}\n" + markdown(["variant", "block", "level", *TIMING_HEADERS], rows)
+    return f"default {report['default']}\n\n" + markdown(["variant", "block", "level", *TIMING_HEADERS], rows)
 
 
 class Recording:

@@ -126,9 +126,8 @@ def ort_model(model: Any, variant: Variant) -> Any:
             onnx.save_model(model, str(src))
             quantize_dynamic(src, dst, weight_type=QuantType.QInt8, per_channel=True)
             return onnx.load(str(dst))
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
     import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     copy = onnx.ModelProto()
     copy.CopyFrom(model)

@@ -88,3 +88,13 @@ def test_cells_with_a_bar_do_not_break_the_table():
 
     text = markdown(["a", "b"], [["x|y", None]], ["fact"])
     assert "| x\\|y | - |" in text and text.endswith("- fact")
+
+
+def test_a_marker_keeps_the_blank_lines_around_it(hook):
+    """The table replaces the marker's line only: the blank line after it stays, so the text that
+    follows is a paragraph of its own (it ran into the table's last line), and a line of facts
+    before an A/B table is apart from it, so Markdown still sees a table."""
+    page = "Before.\n\n<!-- bench-table ab-ort-int4-bench-2026-12-05.json ab -->\n\nAfter.\n"
+    out = hook.on_page_markdown(page, None)
+    assert out.startswith("Before.\n\ndefault ") and out.endswith(" |\n\nAfter.\n"), out[-200:]
+    assert "\n\n| variant |" in out

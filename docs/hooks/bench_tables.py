@@ -24,7 +24,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNS = ROOT / "docs" / "benchmarks" / "runs"
-MARKER = re.compile(r"^<!--\s*bench-table\s+(\S+)\s+(\S+)\s*-->\s*$", re.MULTILINE)
+MARKER = re.compile(r"^<!--[ \t]*bench-table[ \t]+(\S+)[ \t]+(\S+)[ \t]*-->[ \t]*$", re.MULTILINE)
 
 
 class BenchTableError(Exception):

@@ -275,10 +275,11 @@ def _duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _check_json_type(request: Request) -> None:
-    """Refuse a body whose ``Content-Type`` is not JSON (``application/json`` or ``*/*+json``; none
+    """Refuse a body whose ``Content-Type`` is not JSON (``application/json`` or ``application/*+json``; none
     given is read as JSON).  A ``text/plain`` or form body is what a web page of any origin may
     POST to this server without the browser asking first (a CORS "simple request"), so reading
-    it as JSON would let any page create or delete voices; FastAPI refuses it for the same reason."""
+    it as JSON would let any page a user opens run speech on this server (its cores, its queue);
+    FastAPI refuses it for the same reason."""
     kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if kind and kind != "application/json" and not (kind.startswith("application/") and kind.endswith("+json")):
         raise ApiError(415, f"Content-Type {short(kind)} is not JSON: send the body as application/json "

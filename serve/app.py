@@ -83,6 +83,7 @@ def create_app(server: SpeechServer, *, warm_up: bool = True) -> FastAPI:
     app.state.server = server
     _handlers(app)
     app.add_middleware(_CountRequests, metrics=server.metrics)
+    app.add_middleware(_SameOrigin, allow_origins=server.config.allow_origins)
     _routes(app, server)
     schema.add_bodies(app)
     return app
@@ -153,6 +154,48 @@ def _handlers(app: FastAPI) -> None:
 #: What a request cut off at shutdown is told (a 503, or an SSE stream's last event).
 CUT_OFF = ("the server is shutting down: this request was still running when its grace period "
            "(--grace-seconds) ended, and was stopped; send it again (to another replica)")
+
+
+class _SameOrigin:
+    """Pure ASGI middleware refusing what a web page of another origin asks of this server: a
+    request that changes or spends something (any method but GET, HEAD and OPTIONS) and the live
+    WebSocket's handshake, when the browser's ``Origin`` header names neither this server (its
+    ``Host``) nor one of ``ServeConfig.allow_origins``.
+
+    Why: a page the user opens anywhere may POST a form (a voice upload) or a ``text/plain`` body
+    to a server on the user's machine without the browser asking first (a CORS "simple request"),
+    and may open a WebSocket to it and read what it says (WebSockets are not under CORS): without
+    this check any site could speak in the user's stored voices and take the audio.  Clients
+    that are not browsers (curl, the ``openai`` client, Pipecat, LiveKit) send no ``Origin`` and
+    are not affected.  A refused request is a 403 (code ``cross_origin``); a refused WebSocket is
+    closed before it is accepted (the client sees HTTP 403)."""
+
+    def __init__(self, app: Any, allow_origins: tuple[str, ...] = ()):
+        self.app, self.allow = app, frozenset(o.lower() for o in allow_origins)
+
+    def _refused(self, scope) -> str | None:
+        """The page's origin when it may not ask this of the server, else None."""
+        if scope["type"] == "http" and scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return None
+        headers = dict(scope.get("headers") or ())
+        origin = headers.get(b"origin", b"").decode("latin-1").strip().lower()
+        if not origin or "*" in self.allow or origin in self.allow:
+            return None
+        host = headers.get(b"host", b"").decode("latin-1").strip().lower()
+        return None if host and origin.split("://", 1)[-1] == host else origin
+
+    async def __call__(self, scope, receive, send) -> None:
+        origin = self._refused(scope) if scope["type"] in ("http", "websocket") else None
+        if origin is None:
+            await self.app(scope, receive, send)
+            return
+        log.info("refused %s %s from a page of origin %s", scope.get("method", "WebSocket"), scope["path"], origin[:80])
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        message = (f"a web page of origin {short(origin)} may not call this server; start it with "
+                   "--allow-origin ORIGIN to let that page's scripts use it")
+        await JSONResponse(error_body(403, message, code="cross_origin"), status_code=403)(scope, receive, send)
 
 
 class _CountRequests:

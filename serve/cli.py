@@ -97,11 +97,15 @@ def bind(host: str, port: int) -> socket.socket:
               help="On SIGTERM or Ctrl-C, seconds the requests in flight have to finish; those still running "
               "then are cut off (a 503 where no audio was sent yet).")
 @click.option("--model-name", "model_names", multiple=True, help="Another name `model` may take (repeatable).")
+@click.option("--allow-origin", "allow_origins", multiple=True, metavar="ORIGIN",
+              help="A web page origin (http://localhost:3000, or *) whose scripts may call this server besides "
+              "its own pages (repeatable); requests from other pages are refused with 403.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               help="How much the server logs (debug adds a line per request).")
 def serve(source, host, port, device, max_batch, max_queue, api_key, voices_dir, allow_local_media, max_kv_mb,
-          max_input_chars, max_upload_mb, max_ref_seconds, grace_seconds, model_names, log_level) -> None:
+          max_input_chars, max_upload_mb, max_ref_seconds, grace_seconds, model_names, allow_origins,
+          log_level) -> None:
     """Serve SOURCE (a bundle, an installed name, a model slug, hf://...) over the OpenAI speech API:
     POST /v1/audio/speech, voices, models, /health, /ready, /metrics, and a demo page at /."""
     try:
@@ -122,7 +126,8 @@ def serve(source, host, port, device, max_batch, max_queue, api_key, voices_dir,
         config = ServeConfig(max_batch=max_batch, max_queue=max_queue, api_key=api_key, voices_dir=voices_dir,
                              allow_local_media=allow_local_media, max_input_chars=max_input_chars,
                              max_upload_bytes=int(max_upload_mb * 2**20), max_ref_seconds=max_ref_seconds,
-                             max_kv_bytes=int(max_kv_mb * 2**20) if max_kv_mb else None, grace_seconds=grace_seconds, model_names=tuple(model_names))
+                             max_kv_bytes=int(max_kv_mb * 2**20) if max_kv_mb else None, grace_seconds=grace_seconds, model_names=tuple(model_names),
+                             allow_origins=tuple(allow_origins))
     except InputError as exc:
         raise click.UsageError(str(exc)) from exc
     if not _loopback(host) and api_key is None:

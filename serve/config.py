@@ -21,6 +21,21 @@ MAX_QUEUE = 16
 GRACE_SECONDS = 30.0
 
 
+def origin_problem(origin: str) -> str:
+    """What is wrong with a web page origin as ``--allow-origin`` takes it, or ``""``: ``*`` or
+    ``scheme://host[:port]`` as a browser sends it in its ``Origin`` header (RFC 6454: no path,
+    no trailing slash)."""
+    from urllib.parse import urlsplit
+
+    if origin == "*":
+        return ""
+    parts = urlsplit(origin) if isinstance(origin, str) else None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.netloc or \
+            origin != f"{parts.scheme}://{parts.netloc}":
+        return "an origin is scheme://host[:port] as the browser's Origin header says it (http://localhost:3000), or *"
+    return ""
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     """How ``higgs-pack serve`` runs: the engine's size and every limit it enforces.
@@ -40,6 +55,9 @@ class ServeConfig:
             default, from free memory; see :func:`higgs_pack.runtime.loop.kv_memory.default_kv_budget`).
         grace_seconds: on SIGTERM, how long requests in flight may take to finish.
         model_names: extra names ``model`` may take (the bundle's name and model slug always work).
+        allow_origins: web page origins (``scheme://host[:port]``, or ``*`` for any) that may call
+            this server from a browser besides its own pages (the demo page); a request from any
+            other page is refused (see ``serve.app._SameOrigin``).
 
     Raises:
         InputError: a limit out of range, a folder that is not one, or a ``voices_dir`` whose
@@ -57,6 +75,7 @@ class ServeConfig:
     max_kv_bytes: int | None = None
     grace_seconds: float = GRACE_SECONDS
     model_names: tuple[str, ...] = ()
+    allow_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         problems = []
@@ -74,6 +93,9 @@ class ServeConfig:
         if any(not isinstance(name, str) or not name.strip() for name in self.model_names):
             problems.append("a --model-name is blank; give each extra model name as a non-empty word, or leave "
                             "--model-name out")
+        for origin in self.allow_origins:
+            if origin_problem(origin):
+                problems.append(f"--allow-origin {origin!r}: {origin_problem(origin)}")
         if self.api_key is not None and not self.api_key.strip():
             problems.append("api_key is blank; give a key, or leave --api-key out to serve without one")
         media = self.allow_local_media

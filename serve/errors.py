@@ -11,7 +11,7 @@ from typing import Any
 from higgs_pack.manifests.errors import HiggsPackError, InputError
 
 #: HTTP status -> OpenAI's error ``type``.
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 409: "invalid_request_error",
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error", 409: "invalid_request_error",
                405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
                429: "rate_limit_error", 499: "request_cancelled", 500: "server_error", 503: "server_unavailable"}
 

@@ -295,6 +295,7 @@ ARGS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "max_ref_seconds": (_number, "longest reference clip, seconds"),
     "grace_seconds": (_number, "time the requests in flight have to finish when a replica stops"),
     "model_names": (_names, "more names model may take, comma-separated"),
+    "allow_origins": (_names, "web page origins whose scripts may call the server, comma-separated (or *)"),
     "num_replicas": (_replicas, "a fixed number of replicas, or auto (default 1)"),
     "min_replicas": (_whole, "autoscaling: fewest replicas"),
     "max_replicas": (_whole, "autoscaling: most replicas"),
@@ -303,7 +304,7 @@ ARGS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "max_queued_requests": (_whole, "requests Ray queues for the deployment before answering 503 (default: no limit)"),
 }
 _SERVER_ARGS = ("max_batch", "max_queue", "api_key", "voices_dir", "allow_local_media", "max_input_chars",
-                "max_ref_seconds", "grace_seconds", "model_names")
+                "max_ref_seconds", "grace_seconds", "model_names", "allow_origins")
 _AUTOSCALING_ARGS = ("min_replicas", "max_replicas", "target_ongoing_requests")
 
 

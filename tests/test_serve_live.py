@@ -467,3 +467,31 @@ def test_the_load_tester_runs_live_sessions_with_text_at_30_tokens_per_s(server,
     assert record["seconds"] >= longest
     assert record["gaps"] == len([g for r in record["session_records"] for g in r["gaps_s"]])
     assert json.dumps(record)  # it goes into the load test's JSON as it is
+
+
+def test_a_page_of_another_origin_may_not_speak_through_the_server(server):
+    """A browser names the page's origin: a request that spends or changes something, and the live
+    WebSocket (which CORS does not cover), from a page that is not this server's own is refused;
+    a client with no Origin (this one, curl, openai) and the server's own pages are not."""
+    own = server.url
+    body = {"model": "nobody", "input": "Hi."}
+    evil = httpx.post(server.url + "/v1/audio/speech", json=body, headers={"Origin": "https://evil.example"}, timeout=30)
+    assert evil.status_code == 403, evil.text
+    error = evil.json()["error"]
+    assert error["code"] == "cross_origin" and error["type"] == "permission_error" and "--allow-origin" in error["message"]
+    for headers in ({"Origin": own}, {}):  # read: the model is unknown
+        read = httpx.post(server.url + "/v1/audio/speech", json=body, headers=headers, timeout=30)
+        assert read.status_code == 404, (headers, read.text)
+    assert httpx.get(server.url + "/v1/models", headers={"Origin": "https://evil.example"}, timeout=30).status_code == 200
+
+    async def run() -> None:
+        from websockets.exceptions import InvalidStatus
+
+        with pytest.raises(InvalidStatus) as refused:
+            async with websockets.connect(server.ws, origin="https://evil.example"):
+                pass
+        assert refused.value.response.status_code == 403
+        async with websockets.connect(server.ws, origin=own) as ws:  # the demo page's own origin
+            await ws.send(json.dumps({"type": "session.config", "seed": 1}))
+
+    asyncio.run(run())

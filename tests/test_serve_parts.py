@@ -442,3 +442,40 @@ def test_a_body_with_several_bad_fields_names_them_all():
     for field in ("seed", "temperature", "top_k", "top_p", "max_new_tokens"):
         assert f"- {field} must be" in message, (field, message)
 
+
+
+def test_the_origin_check_lets_the_allowed_pages_through():
+    """``--allow-origin``: the origins named (or every one with ``*``) may call the server from a
+    browser; a malformed one is refused when the server is configured."""
+    import asyncio
+
+    from higgs_pack.serve.app import _SameOrigin
+
+    async def ok(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    def status(allow, origin, method="POST", host="127.0.0.1:8000"):
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        headers = [(b"host", host.encode()), *([(b"origin", origin.encode())] if origin else [])]
+        scope = {"type": "http", "method": method, "path": "/v1/audio/speech", "headers": headers}
+        asyncio.run(_SameOrigin(ok, allow)(scope, None, send))
+        return sent[0]["status"]
+
+    assert status((), "http://localhost:3000") == 403
+    assert status(("http://localhost:3000",), "http://localhost:3000") == 200
+    assert status(("http://localhost:3000",), "http://LOCALHOST:3000") == 200
+    assert status(("http://localhost:3000",), "http://localhost:3001") == 403
+    assert status(("*",), "https://anywhere.example") == 200
+    assert status((), "http://127.0.0.1:8000") == 200  # the server's own page
+    assert status((), "null") == 403  # a sandboxed frame or a file:// page
+    assert status((), "http://localhost:3000", method="GET") == 200
+    assert status((), None) == 200
+    for bad in ("localhost:3000", "http://localhost:3000/", "http://localhost:3000/app", "ftp://x", ""):
+        with pytest.raises(InputError, match="--allow-origin"):
+            ServeConfig(allow_origins=(bad,))
+    assert ServeConfig(allow_origins=("*", "https://app.example:8443")).allow_origins[1] == "https://app.example:8443"

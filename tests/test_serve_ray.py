@@ -48,9 +48,9 @@ START_TIMEOUT_S = 150.0
 def test_build_app_sizes_each_replica_from_its_engine():
     source, config, keywords = ray_app.parse_args(
         {"source": "dist/b", "max_batch": "2", "max_queue": "4", "min_replicas": "1", "max_replicas": "3",
-         "num_cpus": "0.5", "model_names": "tts-1, tts-1-hd"})
+         "num_cpus": "0.5", "model_names": "tts-1, tts-1-hd", "allow_origins": "http://localhost:3000"})
     assert source == "dist/b" and config.max_batch == 2 and config.max_queue == 4
-    assert config.model_names == ("tts-1", "tts-1-hd")
+    assert config.model_names == ("tts-1", "tts-1-hd") and config.allow_origins == ("http://localhost:3000",)
     options = ray_app.deployment_options(config, **{k: v for k, v in keywords.items() if k != "device"})
     assert options["max_ongoing_requests"] == 6  # the server's capacity: 2 rows + 4 waiting
     scaling = options["autoscaling_config"]

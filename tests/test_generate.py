@@ -230,15 +230,31 @@ def test_a_sentence_too_long_names_the_frame_cap_only_where_lowering_it_helps(or
     from higgs_pack.manifests.errors import InputError
     from higgs_pack.runtime.loop.generate import plan_synthesis
 
-    endless = " ".join(["word"] * 5000)  # no punctuation: one sentence, longer than the context alone
+    endless = "x" * 60000  # one word with no space or comma: nowhere to cut it, longer than the context
     with pytest.raises(InputError) as caught:
         plan_synthesis(oracle, endless, max_frames=2, context_chunks=0)
-    assert "split it with punctuation" in str(caught.value) and "lower" not in str(caught.value)
+    assert "no space or comma to cut it at" in str(caught.value) and "lower" not in str(caught.value)
     assert caught.value.problems[0].field == "text"
-    fits_without_frames = " ".join(["word"] * 3000)
-    with pytest.raises(InputError, match="or lower max_frames") as caught:
-        plan_synthesis(oracle, fits_without_frames, max_frames=3000, context_chunks=0)
+    with pytest.raises(InputError, match="or lower max_frames") as caught:  # no piece leaves room for the frames
+        plan_synthesis(oracle, " ".join(["word"] * 300), max_frames=oracle.decoder.max_length - 4, context_chunks=0)
     assert caught.value.problems[0].field == "max_frames"
+
+
+@pytest.mark.parametrize("text", ["word, " * 1500, ", ".join(str(i) for i in range(1, 1200)),
+                                  "\u4e2d\u6587\u5b57\uff0c" * 1500],
+                         ids=["commas", "numbers", "cjk-commas"])
+def test_text_of_clauses_without_a_full_stop_is_cut_until_it_fits(oracle, text):
+    """A list or a paragraph of commas with no sentence end (a new user's report: 'one sentence needs
+    4410 positions' for 250 items): its pieces are halved at spaces, or after clause marks in text
+    without spaces (CJK), until each chunk's prompt and frames fit the context; nothing is lost."""
+    from higgs_pack.runtime.loop.generate import chunk_positions, plan_synthesis
+
+    plan = plan_synthesis(oracle, text, options=None, context_chunks=0)
+    assert len(plan.chunks) > 1
+    for chunk, cap in plan.chunks:
+        assert chunk_positions(oracle, chunk, cap) <= oracle.decoder.max_length
+    squeeze = (lambda t: "".join(t.split())) if " " not in text.strip() else (lambda t: " ".join(t.split()))
+    assert squeeze(" ".join(c for c, _ in plan.chunks)) == squeeze(text)
 
 
 def test_the_rolling_context_respects_a_decoders_own_prompt_limit(oracle):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
@@ -1019,7 +1020,8 @@ def _too_long(needed: int, limit: int, sentence: str, max_frames: int | None) ->
     """The problem of one sentence whose prompt and frames do not fit the context: the frame cap's
     when the request set one (lowering it is a fix), else the text's."""
     what = (f"one sentence needs {needed} positions (its prompt and audio frames), more than the decoder's "
-            f"context of {limit} (the sentence starts {sentence[:60]!r}): split it with punctuation")
+            f"context of {limit} (the sentence starts {sentence[:60]!r}), and has no space or comma to cut it "
+            "at: split it with spaces or punctuation")
     what = literal(what)
     if max_frames is None or needed - max_frames > limit - 1:  # a frame cap of 1 would not fit it either
         return Problem("text", None, message=what)
@@ -1055,6 +1057,41 @@ def _word_pieces(sentence: str, max_words: int) -> list[str]:
     return [" ".join(words[i:i + max_words]) for i in range(0, len(words), max_words)]
 
 
+#: Clause marks a piece with no space in it may be cut after (CJK text has no spaces between words).
+_CLAUSE_MARK = re.compile(r"[,;:\uff0c\u3001\uff1b\uff1a]")
+
+
+def _halves(piece: str) -> list[str]:
+    """``piece`` cut in two near its middle: at a space, else after a clause mark (``,`` ``;``
+    ``:`` and the CJK ``，`` ``、`` ``；`` ``：``), else not at all (``[piece]``)."""
+    words = piece.split()
+    if len(words) > 1:
+        return [" ".join(words[:len(words) // 2]), " ".join(words[len(words) // 2:])]
+    cuts = [m.end() for m in _CLAUSE_MARK.finditer(piece) if m.end() < len(piece)]
+    if not cuts:
+        return [piece]
+    middle = min(cuts, key=lambda cut: abs(2 * cut - len(piece)))
+    return [piece[:middle], piece[middle:]]
+
+
+def _cut_to_fit(pipeline: Pipeline, sentences: list[str], tokens: list[int], fits: Callable[[int], bool]) -> list[str]:
+    """``sentences`` in order, each whose ``tokens`` do not ``fits`` halved (:func:`_halves`) until
+    its pieces do or cannot be cut (those are refused by the caller).  A sentence of commas and
+    no full stop, or a list, is cut this way; the 200-word pieces alone could still overflow a
+    small context."""
+    out: list[str] = []
+    todo = list(zip(sentences, tokens, strict=True))[::-1]
+    while todo:
+        sentence, count = todo.pop()
+        parts = [sentence] if fits(count) else _halves(sentence)
+        if len(parts) == 1:
+            out.append(sentence)
+            continue
+        counts = [len(e.ids) for e in pipeline.tokenizer.encode_batch(parts, add_special_tokens=False)]
+        todo += list(zip(parts, counts, strict=True))[::-1]
+    return out
+
+
 def plan_chunks(pipeline: Pipeline, text: str, ref_codes: np.ndarray | None = None,
                 ref_text: str | None = None, max_frames: int | None = None,
                 max_words: int | None = None) -> list[tuple[str, int]]:
@@ -1065,7 +1102,8 @@ def plan_chunks(pipeline: Pipeline, text: str, ref_codes: np.ndarray | None = No
     repeated in each prompt), each closed before it would pass the context or ``max_words``
     words (whitespace-separated; None: no word budget).  A sentence longer than the word
     budget is cut at word boundaries into pieces of ``max_words`` words, packed as sentences are
-    (text without sentence ends is chunked too; without a word budget it stays whole).
+    (text without sentence ends is chunked too; without a word budget it stays whole); a piece
+    that still does not fit the context is halved at a space or a clause mark until it does.
 
     Linear in the text: the whole text and each sentence are tokenized once (in one
     batch), a chunk's token count is the sum of its sentences' (each after the first
@@ -1075,7 +1113,7 @@ def plan_chunks(pipeline: Pipeline, text: str, ref_codes: np.ndarray | None = No
     took 78.6 s for a 313 KB text, issue 30.)
 
     Raises:
-        InputError: a single sentence does not fit.
+        InputError: a piece with no space or clause mark to cut at does not fit.
     """
     gen = pipeline.generation_defaults
     limit = pipeline.decoder.max_length
@@ -1100,6 +1138,11 @@ def plan_chunks(pipeline: Pipeline, text: str, ref_codes: np.ndarray | None = No
     encoded = pipeline.tokenizer.encode_batch([*sentences, *(" " + s for s in sentences)], add_special_tokens=False)
     alone = [len(e.ids) for e in encoded[:len(sentences)]]
     joined = [len(e.ids) for e in encoded[len(sentences):]]
+    if positions(1) <= limit and any(positions(tokens) > limit for tokens in alone):  # (no room for a word: refused)
+        sentences = _cut_to_fit(pipeline, sentences, alone, lambda tokens: positions(tokens) <= limit)
+        encoded = pipeline.tokenizer.encode_batch([*sentences, *(" " + s for s in sentences)], add_special_tokens=False)
+        alone = [len(e.ids) for e in encoded[:len(sentences)]]
+        joined = [len(e.ids) for e in encoded[len(sentences):]]
     for sentence, tokens in zip(sentences, alone, strict=True):
         if positions(tokens) > limit:
             refuse([_too_long(positions(tokens), limit, sentence, max_frames)])

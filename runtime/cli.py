@@ -388,8 +388,12 @@ def _say_notes(results: list, written) -> None:
     if any(r.stop_reason == "max_frames" for r in results):
         click.echo(FRAME_CAP_NOTE, err=True)
     if written.scaled:
-        click.echo(f"note: peak {written.peak:.2f} exceeded 16-bit range; audio was scaled down "
-                   "(use --float to keep it unscaled)", err=True)
+        _say_scaled(written.peak)
+
+
+def _say_scaled(peak: float) -> None:
+    click.echo(f"note: peak {peak:.2f} exceeded 16-bit range; audio was scaled down "
+               "(use --float to keep it unscaled)", err=True)
 
 
 def _check_subtitles(subtitles: Path | None, output: Path, inputs: list[Path | None]) -> None:
@@ -619,14 +623,16 @@ def _stream_out(tts, request, output: Path, subtype: str, fmt: str, bar, streami
     rate = tts.sample_rate
     speech = tts.stream(request, progress=progress) if streaming else None
     sink, results, segments = None, [], []
-    status, note = 0, ""
+    status, note, scaled, peak = 0, "", False, 0.0
     try:
         with _sigterm_as_interrupt():
             if speech is None:
                 result = tts.synthesize(request, progress=progress)
                 results, segments = result.chunks, result.segments
                 sink = AudioSink(sys.stdout.buffer, rate, subtype=subtype, container=fmt)
-                sink.write(result.samples)
+                peak = float(abs(result.samples).max(initial=0.0))
+                scaled = subtype == "PCM_16" and peak > 1.0  # the whole audio is known: scaled as a file is
+                sink.write(result.samples * (0.999 / peak) if scaled else result.samples)
             else:
                 sink = AudioSink(sys.stdout.buffer if to_stdout else output, rate, subtype=subtype, container=fmt)
                 for chunk in speech:
@@ -649,6 +655,8 @@ def _stream_out(tts, request, output: Path, subtype: str, fmt: str, bar, streami
             sink.close()
         bar.close()
     _say_written(note, sink, rate, where, results if not status else [], speech)
+    if scaled:
+        _say_scaled(peak)
     if status != EXIT_BROKEN_PIPE:
         _write_subtitles(subtitles, segments, output)  # after a stop: the segments whose audio was written
     if status in (EXIT_INTERRUPTED, EXIT_TERMINATED) and sink is not None and not to_stdout:

@@ -220,3 +220,17 @@ def test_the_python_writers_errors_name_the_path_not_a_cli_flag(tmp_path):
         assert "-o" not in str(err.value)
     with pytest.raises(InputError, match=r"cannot write /proc/x.wav \(-o\): "):
         WavFileWriter("/proc/x.wav", 24000, option="-o")
+
+
+def test_a_stream_holds_the_samples_a_file_holds():
+    """pcm_samples (stdout, raw PCM, the server's streams) gives exactly the int16 that libsndfile
+    writes into a file for the same floats: a stream and a file of one audio are the same
+    samples (they were 1 apart in half of them: x * 32768 rounded, where libsndfile floors)."""
+    from higgs_pack.runtime.audio import pcm_samples
+
+    x = (np.random.default_rng(0).standard_normal(100_000) * 0.3).astype(np.float32)
+    x = np.concatenate([x, np.float32([1.0, -1.0, 0.99999, -0.99999, 0.0, 1.5, -1.5])])
+    out = io.BytesIO()
+    sf.write(out, np.clip(x, -1, 1), 24000, subtype="PCM_16", format="WAV")
+    out.seek(0)
+    np.testing.assert_array_equal(pcm_samples(x), sf.read(out, dtype="int16")[0])

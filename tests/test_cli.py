@@ -185,6 +185,20 @@ def test_output_to_a_device_or_a_named_pipe_is_written_in_place(cpu_int4_bundle,
     assert rate == 24000 and data.size > 0 and fifo.is_fifo()
 
 
+def test_whole_audio_to_stdout_is_scaled_as_a_file_is(cpu_int4_bundle, tmp_path):
+    """``-o -`` without --stream has the whole audio before writing: audio beyond full scale is
+    scaled down as in a file, never clipped (it was clipped; only a 16-bit --stream must clip)."""
+    args = ("synthesize", cpu_int4_bundle, "--text", "Played as it is made.", "--no-progress")
+    piped = subprocess.run([*HIGGS, *map(str, args), "-o", "-"], capture_output=True, timeout=600)
+    assert piped.returncode == 0, piped.stderr
+    filed = run(*args, "-o", tmp_path / "a.wav")
+    assert "audio was scaled down" in filed.stderr  # this text's audio goes beyond full scale
+    assert b"audio was scaled down" in piped.stderr and b"clipped" not in piped.stderr, piped.stderr
+    streamed, _ = sf.read(io.BytesIO(piped.stdout), dtype="int16")
+    written, _ = sf.read(tmp_path / "a.wav", dtype="int16")
+    np.testing.assert_array_equal(streamed, written)
+
+
 def test_unreadable_text_and_bad_numbers_are_usage_errors(cpu_int4_bundle, tmp_path):
     latin = tmp_path / "latin.txt"
     latin.write_bytes("caf\xe9".encode("latin-1"))

@@ -491,13 +491,23 @@ def _voice_routes(app: FastAPI, server: SpeechServer) -> None:
             raise ApiError(400, unknown_fields(unknown, parts, "part", "one of these multipart parts (a voice "
                                                "upload takes audio, transcript and name)"),
                            param=unknown[0][:80], code="unknown_field")
+        given = [k for k, _ in form.multi_items()]
+        twice = sorted({k for k in given if given.count(k) > 1} | {"/".join(pair) for pair in
+                                                                    (("transcript", "ref_text"), ("audio", "file"))
+                                                                    if set(pair) <= set(given)})
+        if twice:  # which one counts would be a guess, and a wrong transcript is a wrong voice
+            raise ApiError(400, f"the upload gives {', '.join(twice)} more than once; give each part once "
+                           "(transcript or ref_text, audio or file)", param=twice[0].split("/")[0],
+                           code="duplicate_field")
         name, transcript = form.get("name"), form.get("transcript", form.get("ref_text"))
         upload = form.get("audio", form.get("file"))
         problem = name_problem(None) if name is None else unspeakable(name, "name", "a voice is stored under a name") or name_problem(name)
         if problem:
             raise ApiError(400, problem, param="name", code="invalid_name")
-        if server.voices.get(name) is not None:
-            raise ApiError(409, f"voice {name!r} exists; DELETE /v1/audio/voices/{name} first to replace it",
+        same = next((n for n in server.voices.names() if n.lower() == name.lower()), None)
+        if same is not None or server.voices.get(name) is not None:  # Narrator and narrator: one file on Windows
+            raise ApiError(409, f"voice {same or name!r} exists (names differ by more than case); DELETE "
+                           f"/v1/audio/voices/{same or name} first to replace it",
                            param="name", code="voice_exists")
         if upload is None or isinstance(upload, str):
             raise ApiError(400, "the upload needs an audio file part (multipart field 'audio')", param="audio",

@@ -51,7 +51,7 @@ def name_problem(name: Any) -> str | None:
     if not NAME_PATTERN.match(name) or ".." in name:
         return (f"voice name {name[:80]!r} is not allowed: use 1 to 64 letters, digits, '_', '-' or '.', starting "
                 "with a letter or digit, without '..' or path separators")
-    if name in RESERVED:
+    if name.lower() in RESERVED:  # Default is default: stored voices' names differ by more than case
         return f"voice name {name!r} is reserved ({', '.join(RESERVED)}); choose another"
     return None
 

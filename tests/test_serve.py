@@ -362,7 +362,20 @@ def test_limits_name_the_limit(server, clip, tmp_path):
     assert httpx.post(server.url + "/v1/audio/voices", timeout=60, **once).status_code == 201
     again = httpx.post(server.url + "/v1/audio/voices", timeout=60, **once)
     assert again.status_code == 409 and again.json()["error"]["code"] == "voice_exists"
+    cased = httpx.post(server.url + "/v1/audio/voices", timeout=60, files=once["files"],
+                       data={"name": "Twice", "transcript": clip[1]})  # one file on a case-blind disk
+    assert cased.status_code == 409 and "voice 'twice' exists" in cased.json()["error"]["message"], cased.text
+    default = httpx.post(server.url + "/v1/audio/voices", timeout=60, files=once["files"],
+                         data={"name": "Default", "transcript": clip[1]})
+    assert default.status_code == 400 and "is reserved" in default.json()["error"]["message"], default.text
     assert httpx.delete(server.url + "/v1/audio/voices/twice").status_code == 200
+    for data in ({"name": ["a1", "a2"], "transcript": clip[1]},
+                 {"name": "b1", "transcript": clip[1], "ref_text": "other words"}):
+        double = httpx.post(server.url + "/v1/audio/voices", timeout=60, files=once["files"], data=data)
+        assert double.status_code == 400 and double.json()["error"]["code"] == "duplicate_field", double.text
+        assert "more than once" in double.json()["error"]["message"]
+    names = [v["name"] for v in httpx.get(server.url + "/v1/audio/voices", timeout=30).json()["voices"]]
+    assert not {"a1", "a2", "b1", "Twice", "Default"} & set(names), names
     deep = "[" * 100_000 + "]" * 100_000
     nested = httpx.post(server.url + "/v1/audio/speech", content=f'{{"model": "{MODEL}", "input": "hi", "voice": {deep}}}',
                         headers={"content-type": "application/json"}, timeout=60)

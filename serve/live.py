@@ -142,6 +142,14 @@ def live_route(app: FastAPI, server: Any) -> None:
     async def speech_stream(websocket: WebSocket) -> None:
         await Session(server, websocket).run()
 
+    @app.get(ROUTE, include_in_schema=False)
+    async def speech_stream_without_upgrade() -> None:
+        """A plain GET (a browser's address bar, curl): 426 saying the route is a WebSocket (it
+        was a 404 'no route', though the route exists)."""
+        raise ApiError(426, f"{ROUTE} is a WebSocket: connect with ws:// (or wss://) and an Upgrade: websocket "
+                       "request; docs/serving/live.md describes its messages", code="upgrade_required",
+                       headers={"Upgrade": "websocket", "Connection": "Upgrade"})
+
 
 class Session:
     """One WebSocket session (see the module docstring): three tasks, the client's messages

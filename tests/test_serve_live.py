@@ -495,3 +495,11 @@ def test_a_page_of_another_origin_may_not_speak_through_the_server(server):
             await ws.send(json.dumps({"type": "session.config", "seed": 1}))
 
     asyncio.run(run())
+
+
+def test_a_plain_get_of_the_live_route_says_it_is_a_websocket(server):
+    """The route exists: a plain GET (a browser's address bar, curl) is a 426 naming the upgrade,
+    not a 404 'no route'."""
+    plain = httpx.get(server.ws.replace("ws://", "http://"), timeout=30)
+    assert plain.status_code == 426 and plain.headers["upgrade"] == "websocket", plain.text
+    assert plain.json()["error"]["code"] == "upgrade_required" and "is a WebSocket" in plain.json()["error"]["message"]

@@ -272,9 +272,11 @@ def run_batch(tts: Any, lines: list[Line], requests: list[Any], manifest: BatchM
         for index, result in tts.synthesize_many(requests, max_batch=max_batch, in_order=False):
             line = lines[index]
             if isinstance(result, Exception):
-                manifest.errors[line.number] = {"line": line.number, "text": line.text, "error": str(result)}
+                # a line's text is not set with --text: its problems said without how to set them
+                error = result.say(Problem.render) if isinstance(result, InputError) else str(result)
+                manifest.errors[line.number] = {"line": line.number, "text": line.text, "error": error}
                 failed += 1
-                say(f"line {line.number} failed: {result}", True)
+                say(f"line {line.number} failed: {error}", True)
             else:
                 name = file_name(line.number, manifest.line_count)
                 holder: dict[str, Any] = {}

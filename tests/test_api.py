@@ -171,6 +171,11 @@ def test_a_request_carries_its_options_and_python_keywords_make_the_same_one(cpu
         tts.stream("Hi.", first_chunk_frames=50, max_chunk_frames=5)
     with pytest.raises(higgs_pack.InputError, match=r"special token\(s\) <\|endoftext\|>"):
         tts.synthesize("Hi <|endoftext|>.")
+    with pytest.raises(higgs_pack.InputError) as both:  # both fields at once, each named (a new user's finding)
+        tts.synthesize("Hi <|endoftext|>.", ref_audio=write_voice_clip(tmp_path / "voice.wav"), ref_text="<|audio|> words")
+    assert [p.field for p in both.value.problems] == ["text", "ref_text"], both.value.problems
+    assert "ref_text contains the prompt control token(s) <|audio|>" in str(both.value)
+    assert "set it with --ref-text / ref_text=" in str(both.value)
 
 
 def test_requests_are_checked_without_a_bundle(tmp_path):

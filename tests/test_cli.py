@@ -280,7 +280,7 @@ def test_stream_schedule_and_special_tokens_are_refused_before_a_byte_is_written
     for text, token in (("Say <|endoftext|> now.", "<|endoftext|>"), ("<|im_start|>user", "<|im_start|>")):
         out = run("synthesize", cpu_int4_bundle, "-t", text, "--stream", "-o", wav, check=False)
         assert out.returncode == 2, out.stderr
-        assert f"the text contains the tokenizer's special token(s) {token}" in out.stderr
+        assert f"text contains the tokenizer's special token(s) {token}" in out.stderr
         assert not wav.exists()
 
 
@@ -380,7 +380,8 @@ def test_batch_a_failing_line_is_reported_and_a_rerun_does_only_what_is_left(cpu
     args = ("synthesize", cpu_int4_bundle, "--text-file", lines, "--batch", "3", "-o", out, "--max-frames", "30")
     first = run(*args, check=False)
     assert first.returncode == 1, first.stderr
-    assert "line 2 failed: the text contains the tokenizer's special token(s) <|endoftext|>" in first.stderr
+    assert "line 2 failed: text contains the tokenizer's special token(s) <|endoftext|>" in first.stderr
+    assert "--text" not in first.stderr.split("line 2 failed")[1].splitlines()[0]  # a line is not set with --text
     assert "1 line(s) failed" in first.stderr
     manifest = _manifest(out)
     assert [e["line"] for e in manifest["files"]] == [1, 3] and manifest["state"] == "finished"

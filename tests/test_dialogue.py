@@ -124,7 +124,7 @@ def test_tts_dialogue_on_the_cpu_bundle_clones_a_clip_and_streams_the_same(cpu_i
     joined = np.concatenate([p.samples for p in stream])
     assert np.array_equal(stream.codes, whole.codes) and stream.segments == whole.segments
     assert float(np.abs(joined - whole.samples).max()) <= 1e-4
-    with pytest.raises(InputError, match=r"turn 2 \('BEN'\): the text contains the prompt control token") as found:
+    with pytest.raises(InputError, match=r"turn 2 \('BEN'\): text contains the prompt control token") as found:
         tts.dialogue([("ANN", "Hi."), ("BEN", "Say <|audio|> now.")])
     assert "--text" not in str(found.value) and "text=" not in str(found.value)
     with pytest.raises(InputError) as found:  # every bad turn at once, not the first alone
@@ -134,7 +134,7 @@ def test_tts_dialogue_on_the_cpu_bundle_clones_a_clip_and_streams_the_same(cpu_i
         tts.dialogue([("ANN", "x" * 60000)])  # one word: no place to cut it
     assert "--text" not in str(found.value) and "text=" not in str(found.value)
     script = parse_script("# a talk\nANN: Hi.\n\nBEN: Say <|audio|> now.\n", "talk.txt")
-    with pytest.raises(InputError, match=r"line 4 of talk.txt \('BEN'\): the text contains"):
+    with pytest.raises(InputError, match=r"line 4 of talk.txt \('BEN'\): text contains"):
         tts.dialogue(script)  # a script's turn is named by its line, as the script's own problems are
     assert script == [Turn("ANN", "Hi."), Turn("BEN", "Say <|audio|> now.")]  # where is not part of a turn's value
 

@@ -164,29 +164,37 @@ def check_text_tokens(pipeline: Pipeline, text: str, field: str = "text") -> lis
         pipeline: the backend (its tokenizer and special-token ids).
         text: text to speak, or a reference transcript.
         field: the request field ``text`` came from (``"text"``, ``"ref_text"``), for the
-            :class:`~higgs_pack.manifests.errors.Problem` of the error.
+            :class:`~higgs_pack.manifests.errors.Problem` of the error (each front door names
+            the field in its own terms).
 
     Returns:
         The token ids of ``text`` (no special tokens added).
 
     Raises:
-        InputError: names the special tokens found.
+        InputError: names the field and the special tokens found.
     """
+    ids, problems = _special_tokens(pipeline, text, field)
+    refuse(problems)
+    return ids
+
+
+def _special_tokens(pipeline: Pipeline, text: str, field: str) -> tuple[list[int], list[Problem]]:
+    """``text``'s token ids and the problem of its special tokens (``[]`` when it has none)."""
     tok = pipeline.tokenizer
     prompt = set(pipeline.constants.special_tokens.values())
     special = {i for i, added in tok.get_added_tokens_decoder().items() if added.special} | prompt
     out = tok.encode(text, add_special_tokens=False).ids
     found = [i for i in dict.fromkeys(out) if i in special]
     if not found:
-        return out
+        return out, []
     names = ", ".join(tok.id_to_token(i) for i in found)
     if all(i in prompt for i in found):
-        why = "the prompt control token(s) {names}, which the model reserves for its prompt format"
+        why = f"the prompt control token(s) {names}, which the model reserves for its prompt format"
     else:
-        why = "the tokenizer's special token(s) {names}, which would reach the model as control ids, not words"
-    message = (f"the text contains {why.format(names=names)}; remove them (inline controls such as "
-               "<|emotion:amusement|> are read as text unless the tokenizer has them)")
-    raise InputError(message, [Problem(field, None, message=literal(message))])
+        why = f"the tokenizer's special token(s) {names}, which would reach the model as control ids, not words"
+    message = literal(f"{why}; remove them (inline controls such as <|emotion:amusement|> are read as text "
+                      "unless the tokenizer has them)")
+    return out, [Problem(field, None, message="{name} contains " + message)]
 
 
 def build_prompt(
@@ -777,9 +785,8 @@ def plan_synthesis(pipeline: Pipeline, text: str, *, options: SamplingOptions | 
         check_voice_codes(pipeline, codes)
         check_text_tokens(pipeline, words, "context")
     options = bundle_sampling(pipeline.generation_defaults) if options is None else options
-    check_text_tokens(pipeline, text)
-    if ref_text is not None:
-        check_text_tokens(pipeline, ref_text, "ref_text")
+    refuse(_special_tokens(pipeline, text, "text")[1]  # both fields' problems at once
+           + (_special_tokens(pipeline, ref_text, "ref_text")[1] if ref_text is not None else []))
     if ref_samples is not None:
         ref_codes = encode_reference(pipeline, ref_samples)
     chunks = tuple(plan_chunks(pipeline, text.strip(), ref_codes, ref_text, max_frames,

@@ -25,7 +25,7 @@ from numbers import Integral
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.manifests.errors import InputError, unknown_choice
+from higgs_pack.manifests.errors import InputError, Problem, literal, unknown_choice
 from higgs_pack.runtime.audio import read_audio_bytes
 from higgs_pack.runtime.request import SynthesisRequest, plain_type, unspeakable
 from higgs_pack.serve.config import ServeConfig
@@ -173,17 +173,26 @@ def parse_dialogue(body: Any, *, models: tuple[str, ...], voices: Any, config: S
         raise _bad(f"turns holds {len(turns)} turns; at most {MAX_TURNS} are spoken in one dialogue: split it",
                    "turns", "too_many_turns")
     checked: list[Turn] = []
+    bad: list[Problem] = []  # every bad turn at once (up to 10), as a speech body's fields are
     for index, turn in enumerate(turns):
         where = f"turns[{index}]"
         if not isinstance(turn, dict) or set(turn) != {"speaker", "input"}:
-            raise _bad(f"{where} must be an object with exactly speaker and input, got "
-                       f"{short(sorted(turn)) if isinstance(turn, dict) else _got(turn)}", where)
-        for key, meaning, why in (("speaker", "the name of who says the turn", ""),
-                                  ("input", "the words of the turn", "there is nothing to speak")):
-            problem = unspeakable(turn[key], f"{where}.{key}", why)
-            if problem is not None:
-                raise _bad(f"{problem}; {where}.{key} is {meaning}", f"{where}.{key}")
-        checked.append(Turn(turn["speaker"].strip(), turn["input"]))  # " ANN " is ANN (as_turns does the same)
+            bad.append(Problem(where, None, message=literal(
+                f"{where} must be an object with exactly speaker and input, got "
+                f"{short(sorted(turn)) if isinstance(turn, dict) else _got(turn)}")))
+        else:
+            for key, meaning, why in (("speaker", "the name of who says the turn", ""),
+                                      ("input", "the words of the turn", "there is nothing to speak")):
+                problem = unspeakable(turn[key], f"{where}.{key}", why)
+                if problem is not None:
+                    bad.append(Problem(f"{where}.{key}", None, message=literal(f"{problem}; {where}.{key} is {meaning}")))
+            if not bad:
+                checked.append(Turn(turn["speaker"].strip(), turn["input"]))  # " ANN " is ANN (as_turns does too)
+        if len(bad) >= 10:
+            bad.append(Problem("turns", None, message="(and maybe more: fix these first)"))
+            break
+    if bad:
+        raise from_input_error(InputError(problems=bad))
     total = sum(len(turn.text) for turn in checked)
     if total > config.max_input_chars:
         raise _bad(f"the turns' inputs are {total} characters together; the limit is {config.max_input_chars} "

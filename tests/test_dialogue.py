@@ -267,6 +267,9 @@ def test_the_dialogue_route_answers_audio_segments_and_sse(server, cases_dir):
     ({"turns": [{"speaker": "ANN", "input": "Say <|audio|> now."}]}, "turns[0].input", "turn 1 ('ANN')"),
     ({"turns": [{"speaker": "A:B", "input": "Hi."}]}, "turns[0].speaker", "without ':'"),  # H-newuser 6
     ({"segments": True, "stream_format": "audio"}, "segments", "segments true needs an answer with room"),
+    # every bad turn at once, as a speech body's fields (a new user's finding: only the first was said)
+    ({"turns": [{"speaker": "ANN", "input": ""}, {"speaker": 5, "input": "Hi."}, {"input": "Hi."}, "Hi."]},
+     "turns[0].input", "4 problems with the request"),
 ])
 def test_a_bad_dialogue_body_is_a_400_naming_the_field(server, change, param, words):
     import httpx

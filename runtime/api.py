@@ -25,7 +25,7 @@ from numbers import Integral
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.manifests.errors import InputError
+from higgs_pack.manifests.errors import InputError, Problem
 from higgs_pack.manifests.manifest import MANIFEST_NAME
 from higgs_pack.manifests.model import SubPart
 from higgs_pack.runtime.backends import backend_of
@@ -214,11 +214,16 @@ class TTS:
 
         Raises:
             InputError: empty text, a special token of the tokenizer in the text, a bad or
-                unknown option (every bad one named at once), ``ref_audio`` without
-                ``ref_text`` (or the reverse), an unusable clip, or a sentence too long for
-                the decoder's context.
+                unknown option (every bad one named at once), a stream's chunk option
+                (``first_chunk_frames``...), ``ref_audio`` without ``ref_text`` (or the reverse),
+                an unusable clip, or a sentence too long for the decoder's context.
             NumericalError: a sub-part returned NaN/inf (run ``higgs-pack verify``).
         """
+        shaping = [name for name in ("first_chunk_frames", "chunk_growth", "max_chunk_frames") if name in options]
+        if shaping:  # never taken silently: the whole audio is returned at once
+            problems = [Problem(name, options[name], message="{name} shapes the chunks of a stream; whole audio "
+                                "has none: give it to tts.stream()") for name in shaping]
+            raise InputError("; ".join(map(str, problems)), problems)
         return run_plan(self.pipeline, plan_request(self.pipeline, SynthesisRequest.of(text, options)), progress)
 
     def stream(self, text: str | SynthesisRequest, *, progress: ProgressCallback | None = None,
@@ -511,6 +516,7 @@ def resolve(source: str | os.PathLike, *, bundle_dirs: tuple[str | os.PathLike, 
     Raises:
         BundleError: nothing of that name (the message lists what was looked for),
             or a slug with no bundle that runs here (the message says why for each).
+        InputError: a ``variant`` for a source that is not a hub reference.
         HubError: a hub reference that cannot be fetched.
         PackagingError: an archive that is damaged or unsafe.
     """
@@ -522,6 +528,9 @@ def resolve(source: str | os.PathLike, *, bundle_dirs: tuple[str | os.PathLike, 
         got = pull(text, variant=variant)
         return Resolved(got.path, f"hub {got.repo_id}@{got.commit[:12]}, {got.files_checked} files verified; "
                                   f"{got.reason}", got.device, verified=True)
+    if variant is not None:  # never taken silently: only a hub repository of several bundles has folders to pick
+        raise InputError(f"variant {variant!r} (--variant) picks the folder of a hub repository holding several "
+                         f"bundles (hf://ORG/REPO); {text[:80]!r} is not one: drop it")
     path = Path(text)
     if path.is_file():
         from higgs_pack.runtime.sources.archive import extracted_archive

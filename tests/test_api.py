@@ -171,6 +171,11 @@ def test_a_request_carries_its_options_and_python_keywords_make_the_same_one(cpu
         tts.stream("Hi.", first_chunk_frames=50, max_chunk_frames=5)
     with pytest.raises(higgs_pack.InputError, match=r"special token\(s\) <\|endoftext\|>"):
         tts.synthesize("Hi <|endoftext|>.")
+    with pytest.raises(higgs_pack.InputError, match="first_chunk_frames shapes the chunks of a stream") as found:
+        tts.synthesize("Hi.", first_chunk_frames=10)  # it was taken and did nothing (a new user's finding)
+    assert "set it with" not in str(found.value) and found.value.problems[0].field == "first_chunk_frames"
+    with pytest.raises(higgs_pack.InputError, match=r"variant 'foo' \(--variant\) picks the folder of a hub"):
+        higgs_pack.load(cpu_fp32_bundle, variant="foo")  # it was taken and did nothing for a bundle folder
     with pytest.raises(higgs_pack.InputError) as both:  # both fields at once, each named (a new user's finding)
         tts.synthesize("Hi <|endoftext|>.", ref_audio=write_voice_clip(tmp_path / "voice.wav"), ref_text="<|audio|> words")
     assert [p.field for p in both.value.problems] == ["text", "ref_text"], both.value.problems

@@ -331,7 +331,8 @@ class WavFileWriter:
         peak: largest absolute sample written so far (before any scaling).
 
     Raises:
-        InputError: bad subtype or sample rate, an unwritable folder, a full disk (said as such).
+        InputError: bad subtype or sample rate, a path not named .wav (a device or a named pipe
+            is taken as named), an unwritable folder, a full disk (said as such).
     """
 
     def __init__(self, path: str | Path, sample_rate: int, *, subtype: str = "PCM_16", peak: float | None = None,
@@ -347,6 +348,8 @@ class WavFileWriter:
         self._scale = 0.999 / peak if subtype == "PCM_16" and peak is not None and peak > 1.0 else None
         target = self.path.resolve()
         self._target, self._in_place = target, target.exists() and not target.is_file()
+        if not self._in_place and target.suffix.lower() != ".wav":  # WAV bytes in x.mp3 would mislead players
+            raise InputError(f"{self.path}{f' ({option})' if option else ''} is written as WAV: give it a .wav name")
         if self._in_place:
             fd, name = tempfile.mkstemp(prefix=PARTIAL_WAV_PREFIX, suffix=f"-{target.name}.wav")
             os.close(fd)
@@ -485,8 +488,13 @@ def mono(samples: np.ndarray, who: str) -> np.ndarray:
     """``samples`` as float32 [n] (a view where it can be): mono audio, [n] or [n, 1] or [1, n].
 
     Raises:
-        InputError: more than one channel, or more than two axes (``who`` names the writer).
+        InputError: samples that are not floats (int16 PCM), more than one channel, or more than
+            two axes (``who`` names the writer).
     """
+    kind = np.asarray(samples).dtype
+    if kind.kind != "f":  # int16 PCM read as floats would be scaled from a peak of thousands
+        raise InputError(f"{who} writes float samples, nominally in [-1, 1]; got {kind} samples: convert them "
+                         "first (int16 PCM: samples / 32768)")
     shape = np.shape(samples)
     if len(shape) > 2 or (len(shape) == 2 and min(shape) != 1):
         raise InputError(f"{who} writes mono audio, float32 [samples]; got an array of shape {list(shape)}: "

@@ -234,3 +234,14 @@ def test_a_stream_holds_the_samples_a_file_holds():
     sf.write(out, np.clip(x, -1, 1), 24000, subtype="PCM_16", format="WAV")
     out.seek(0)
     np.testing.assert_array_equal(pcm_samples(x), sf.read(out, dtype="int16")[0])
+
+
+def test_write_wav_refuses_a_name_or_samples_it_would_write_wrong(tmp_path):
+    """WAV bytes in ``x.mp3`` (players read the name), and int16 samples taken as floats (scaled
+    from a peak of thousands): both were written without a word (a new user's findings)."""
+    with pytest.raises(InputError, match=r"x.mp3 is written as WAV: give it a .wav name"):
+        write_wav(tmp_path / "x.mp3", np.zeros(100, np.float32), 24000)
+    with pytest.raises(InputError, match=r"got int16 samples: convert them first \(int16 PCM: samples / 32768\)"):
+        write_wav(tmp_path / "x.wav", np.full(100, 1000, np.int16), 24000)
+    assert not list(tmp_path.iterdir())
+    assert write_wav(tmp_path / "X.WAV", np.zeros(100, np.float64), 24000).peak == 0.0

@@ -57,7 +57,8 @@ class FieldNames:
     Attributes:
         keyword: the Python keyword (``TTS.synthesize``, ``SynthesisRequest.create``), also
             the field's name in :class:`~higgs_pack.manifests.errors.Problem`.
-        flag: the CLI option of ``higgs-pack synthesize``, or None when the CLI has none.
+        flag: the CLI option of ``higgs-pack synthesize`` (``--voice``: of ``higgs-pack dialogue``), or
+            None when the CLI has none.
         http: the field of the server's speech body (``POST /v1/audio/speech``), or None.
     """
 
@@ -82,6 +83,7 @@ FIELDS: dict[str, FieldNames] = {f.keyword: f for f in (
     FieldNames("max_chunk_frames", "--max-chunk-frames", None),
     FieldNames("context_chunks", "--context-chunks", "context_chunks"),
     FieldNames("context_frames", "--context-frames", "context_frames"),
+    FieldNames("voices", "--voice", "voices"),  # a dialogue's (higgs-pack dialogue, POST /v1/audio/dialogue)
 )}
 
 Audio = str | os.PathLike | tuple[np.ndarray, int]

@@ -220,18 +220,18 @@ class DialogueRequest:
             InputError: as the class says, and every bad keyword.
         """
         turns = as_turns(turns) if isinstance(turns, (list, tuple)) else turns
-        refuse(turn_problems(turns))
+        found: list[Problem] = turn_problems(turns)  # every problem of the dialogue at once
         if voices is not None and not isinstance(voices, Mapping):
-            raise InputError(problems=[Problem("voices", None, message=literal(
+            raise InputError(problems=[*found, Problem("voices", None, message=literal(
                 f"voices must be a mapping of speaker name to voice (a prepared voice, a (clip, transcript) "
                 f"pair or None), got {plain_type(voices)}"))])
         voices = dict(voices or {})
-        speakers = list(dict.fromkeys(turn.speaker for turn in turns))
-        found: list[Problem] = []
-        stray = [name for name in voices if name not in speakers]
+        speakers = list(dict.fromkeys(turn.speaker for turn in turns if isinstance(turn, Turn))) if not found else []
+        stray = [name for name in voices if name not in speakers] if not found else []
         if stray:
-            found.append(Problem("voices", None, message=literal(
-                f"voices names {', '.join(repr(str(n)[:40]) for n in stray[:5])}, who speak no turn; the speakers "
+            who = "who speaks" if len(stray) == 1 else "who speak"
+            found.append(Problem("voices", None, message="{name} names " + literal(
+                f"{', '.join(repr(str(n)[:40]) for n in stray[:5])}, {who} no turn; the speakers "
                 f"are {', '.join(repr(n) for n in speakers[:20])}")))
         chosen: dict[str, VoiceChoice] = {}
         for name, voice in voices.items():
@@ -247,11 +247,14 @@ class DialogueRequest:
                     f"(audio, transcript) pair or None, got {plain_type(voice)}")))
                 continue
             chosen[name] = voice
-        refuse(found)
         for key in ("ref_audio", "ref_text", "voice"):
             if key in keywords:
                 raise InputError(f"a dialogue takes its voices as voices={{speaker: voice}}, not {key}=")
-        options = SynthesisRequest.create(turns[0].text, **keywords)
+        try:
+            options = SynthesisRequest.create(turns[0].text if speakers else "Hi.", **keywords)  # (turns: above)
+        except InputError as exc:
+            found += exc.problems
+        refuse(found)
         return cls(tuple(turns), chosen, options)
 
     @property

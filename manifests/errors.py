@@ -160,7 +160,9 @@ def unknown_choice(kind: str, value: str, known: Iterable[str], fix: str) -> str
         fix: The flag or keyword that sets the value, for example ``"--target / target="``.
     """
     known = sorted(known)
-    close = difflib.get_close_matches(value, known, n=1)
+    lower = {k.lower(): k for k in known}
+    close = ([lower[value.lower()]] if isinstance(value, str) and value.lower() in lower  # CPU: cpu
+             else difflib.get_close_matches(value, known, n=1))
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return f"unknown {kind} {value!r}{hint}; known: {', '.join(known)}. Set it with {fix}."
 

@@ -83,6 +83,9 @@ def read_manifest(bundle: Path) -> dict[str, Any]:
     """
     bundle = Path(bundle)
     path = bundle / MANIFEST_NAME
+    if bundle.is_file():
+        raise BundleError(f"{bundle}: a file, not a bundle directory (an archive is unpacked by load and the "
+                          "commands that run a bundle; extract it to inspect it)")
     if not bundle.is_dir():
         raise BundleError(f"{bundle}: not a bundle directory (no such directory)")
     if not path.is_file():

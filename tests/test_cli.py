@@ -556,6 +556,8 @@ def test_a_folder_that_is_not_a_bundle_is_named_as_such_first(tmp_path):
     assert "inside the bundle" not in err
     code, err = invoke("inspect", tmp_path)
     assert code == 2 and f"{tmp_path} is not a bundle (manifest.json is missing)" in err, err
+    code, err = invoke("inspect", tmp_path / "notes.txt")  # it said "no such directory" of a file that is there
+    assert code == 2 and "notes.txt: a file, not a bundle directory" in err, err
 
 
 def test_a_batch_line_that_cannot_be_spoken_is_named(tmp_path):

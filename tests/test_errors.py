@@ -87,3 +87,13 @@ def test_a_problem_prints_as_its_sentence_in_the_python_terms():
     assert [p.field for p in problems] == ["top_p", "context_frames"], said
     assert all("{name}" not in s and s == p.render() for s, p in zip(said, problems, strict=True)), said
     assert said[0].startswith("top_p must be") and "got 5" in said[0], said
+
+
+def test_an_unknown_choice_that_differs_by_case_is_named():
+    """``--execution-provider CPU``: "did you mean 'cpu'?" (difflib finds no close match for a
+    word that differs only by case)."""
+    from higgs_pack.manifests.errors import unknown_choice
+
+    said = unknown_choice("execution provider", "CPU", ["cpu", "cuda", "dml"], "--execution-provider")
+    assert "unknown execution provider 'CPU' (did you mean 'cpu'?)" in said
+    assert "did you mean 'cuda'" in unknown_choice("execution provider", "cudaa", ["cpu", "cuda"], "x")

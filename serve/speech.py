@@ -490,8 +490,16 @@ def _base64(value: str, config: ServeConfig, param: str) -> bytes:
                    "data:audio/wav;base64,...", param) from exc
 
 
+#: Fields that hold whole numbers: JSON has one kind of number, so ``7.0`` is 7 there (RFC 8259 section 6).
+WHOLE_FIELDS = ("seed", "top_k", "context_chunks", "context_frames", "max_new_tokens", "initial_chunk_frames",
+                "initial_codec_chunk_frames")
+
+
 def _sampling(body: dict) -> dict[str, Any]:
-    """The request keywords of the sampling and stream fields (their range checked by the request)."""
+    """The request keywords of the sampling and stream fields (their range checked by the request);
+    a whole-number field given as an integral float (``7.0``, as some JSON encoders write 7) is
+    that whole number."""
+    body = {k: int(v) if k in WHOLE_FIELDS and isinstance(v, float) and v.is_integer() else v for k, v in body.items()}
     keywords: dict[str, Any] = {}
     for name in ("seed", "temperature", "top_k", "top_p", "context_chunks", "context_frames"):
         if body.get(name) is not None:

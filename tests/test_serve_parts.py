@@ -268,6 +268,16 @@ def test_an_empty_or_non_text_model_is_a_bad_field_not_an_unknown_model(model, g
     assert err.value.status == 404 and err.value.code == "model_not_found"
 
 
+def test_a_whole_number_written_as_a_float_is_that_number():
+    """JSON has one kind of number: ``"seed": 7.0`` (as some encoders write 7) is seed 7, where
+    1.5 is still refused (it was a 400 'must be a whole number')."""
+    r = _parse(seed=7.0, top_k=20.0, max_new_tokens=50.0, initial_chunk_frames=5.0).request
+    assert (r.seed, r.top_k, r.max_frames, r.schedule.first_chunk_frames) == (7, 20, 50, 5)
+    assert all(type(v) is int for v in (r.seed, r.top_k, r.max_frames, r.schedule.first_chunk_frames))
+    with pytest.raises(ApiError, match="seed must be a whole number"):
+        _parse(seed=1.5)
+
+
 def test_text_with_some_words_and_controls_passes_the_check():
     assert _parse(input="Hello.\n\tAgain.").request.text == "Hello.\n\tAgain."
     with pytest.raises(ApiError, match="input is required") as err:

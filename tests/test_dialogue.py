@@ -65,6 +65,10 @@ def test_bad_turns_and_voices_are_named_before_anything_runs():
         DialogueRequest.create([("ANN", "Hi.")], voices={"CAT": None}, temperature=-1)
     with pytest.raises(InputError, match="turn 1 must be a Turn"):
         DialogueRequest.create(["ANN: Hi."])
+    with pytest.raises(InputError, match=r"turn 1 must be .* got 1 item \(\('ANN',\)\)"):  # it said "a list"
+        DialogueRequest.create([("ANN",)])
+    with pytest.raises(InputError, match=r"got a mapping with \['speaker'\] \(it needs exactly speaker and text\)"):
+        DialogueRequest.create([{"speaker": "ANN"}])
     with pytest.raises(InputError, match="top_p"):
         DialogueRequest.create([("ANN", "Hi.")], top_p=2)
     # A speaker's name is stripped, as a script line's is (H-newuser 8).

@@ -90,8 +90,14 @@ def turn_problems(turns: Any, where: str = "turn", numbers: list[int] | None = N
     for index, turn in enumerate(turns):
         number = index + 1 if numbers is None else numbers[index]
         if not isinstance(turn, Turn):
-            found.append(Problem("turns", None, message=f"{where} {number} must be a Turn(speaker, text) or a "
-                                                        f"(speaker, text) pair, got {plain_type(turn)}"))
+            if isinstance(turn, (list, tuple)):
+                got = f"{len(turn)} item{'s' * (len(turn) != 1)} ({repr(turn)[:60]})"
+            elif isinstance(turn, Mapping):
+                got = f"a mapping with {sorted(map(str, turn))[:5]} (it needs exactly speaker and text)"
+            else:
+                got = plain_type(turn)
+            found.append(Problem("turns", None, message=literal(f"{where} {number} must be a Turn(speaker, text) or "
+                                                                f"a (speaker, text) pair, got {got}")))
             continue
         found += _speaker_problems(turn.speaker, f"{where} {number}", f"turns[{index}].speaker")
         name = turn.speaker[:40] if isinstance(turn.speaker, str) else turn.speaker

@@ -123,7 +123,9 @@ def _check_output(output: Path, bundle: str, inputs: list[Path | None], fmt: str
     if out.is_char_device() or out.is_fifo():
         return  # /dev/null or a named pipe: the WAV goes into it in place, whatever its name
     if output.suffix.lower() != ".wav":
-        raise click.BadParameter(f"{output}: the output is a WAV file; give it a .wav name", param_hint="-o")
+        bare = output.name.lower() == ".wav"  # a name that is only the suffix: Path sees a hidden file, no suffix
+        raise click.BadParameter(f"{output}: the output is a WAV file; give it a "
+                                 f"{'name before .wav (out.wav)' if bare else '.wav name'}", param_hint="-o")
     if not out.parent.is_dir():
         raise click.BadParameter(f"{output}: folder {out.parent} does not exist; create it first", param_hint="-o")
     if out.is_dir():

@@ -156,6 +156,8 @@ def test_output_that_would_overwrite_an_input_is_refused(cpu_int4_bundle, cases_
     assert text.read_text() == "Hello."
     out = run("synthesize", cpu_int4_bundle, "--text", "Hi.", "-o", tmp_path / "t.txt", check=False)
     assert out.returncode == 2 and "give it a .wav name" in out.stderr
+    out = run("synthesize", cpu_int4_bundle, "--text", "Hi.", "-o", tmp_path / ".wav", check=False)
+    assert out.returncode == 2 and "give it a name before .wav (out.wav)" in out.stderr
     wav = tmp_path / "ref.wav"
     wav.write_bytes((cases_dir / "ref_en_16k.wav").read_bytes())
     out = run("synthesize", cpu_int4_bundle, "--text", "Hi.", "--ref-audio", wav, "--ref-text", "Hi.",

@@ -38,6 +38,7 @@ from higgs_pack.runtime.request import unspeakable
 from higgs_pack.serve import schema
 from higgs_pack.serve.errors import ApiError, error_body, from_input_error, upload_error
 from higgs_pack.serve.formats import FORMATS, media_type, response_formats, sse_error
+from higgs_pack.serve.live import ROUTE as LIVE_ROUTE
 from higgs_pack.serve.live import live_route
 from higgs_pack.serve.metrics import CONTENT_TYPE
 from higgs_pack.serve.server import Answer, SpeechServer
@@ -84,6 +85,7 @@ def create_app(server: SpeechServer, *, warm_up: bool = True) -> FastAPI:
     _handlers(app)
     app.add_middleware(_CountRequests, metrics=server.metrics)
     app.add_middleware(_SameOrigin, allow_origins=server.config.allow_origins)
+    app.router.default = _websocket_not_found(app.router.default)
     _routes(app, server)
     schema.add_bodies(app)
     return app
@@ -167,8 +169,7 @@ class _SameOrigin:
     and may open a WebSocket to it and read what it says (WebSockets are not under CORS): without
     this check any site could speak in the user's stored voices and take the audio.  Clients
     that are not browsers (curl, the ``openai`` client, Pipecat, LiveKit) send no ``Origin`` and
-    are not affected.  A refused request is a 403 (code ``cross_origin``); a refused WebSocket is
-    closed before it is accepted (the client sees HTTP 403)."""
+    are not affected.  A refused request or WebSocket handshake is a 403 (code ``cross_origin``)."""
 
     def __init__(self, app: Any, allow_origins: tuple[str, ...] = ()):
         self.app, self.allow = app, frozenset(o.lower() for o in allow_origins)
@@ -190,12 +191,34 @@ class _SameOrigin:
             await self.app(scope, receive, send)
             return
         log.info("refused %s %s from a page of origin %s", scope.get("method", "WebSocket"), scope["path"], origin[:80])
-        if scope["type"] == "websocket":
-            await send({"type": "websocket.close", "code": 1008})
-            return
         message = (f"a web page of origin {short(origin)} may not call this server; start it with "
                    "--allow-origin ORIGIN to let that page's scripts use it")
-        await JSONResponse(error_body(403, message, code="cross_origin"), status_code=403)(scope, receive, send)
+        await _refuse(scope, receive, send, 403, message, "cross_origin")
+
+
+async def _refuse(scope, receive, send, status: int, message: str, code: str) -> None:
+    """Answer an HTTP request, or a WebSocket's handshake, with an error in OpenAI's shape.  A
+    WebSocket gets it as the handshake's HTTP answer where the server has ASGI's denial-response
+    extension (uvicorn does), else it is closed before it is accepted (code 1008; the client sees
+    a 403)."""
+    if scope["type"] == "websocket" and "websocket.http.response" not in scope.get("extensions", {}):
+        await send({"type": "websocket.close", "code": 1008})
+        return
+    await JSONResponse(error_body(status, message, code=code), status_code=status)(scope, receive, send)
+
+
+def _websocket_not_found(default: Any) -> Any:
+    """The router's answer for a path no route takes: a WebSocket to an unknown path is a 404
+    naming the live route (Starlette closes it, which a client sees as a 403, the answer of a
+    refused origin or key); an HTTP request goes to ``default`` (the 404 handler)."""
+    async def not_found(scope, receive, send) -> None:
+        if scope["type"] != "websocket":
+            await default(scope, receive, send)
+            return
+        await _refuse(scope, receive, send, 404, f"no WebSocket route {short(scope['path'])[1:-1]}; the live "
+                      f"speech WebSocket is {LIVE_ROUTE}", "not_found")
+
+    return not_found
 
 
 class _CountRequests:

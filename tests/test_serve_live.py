@@ -491,6 +491,13 @@ def test_a_page_of_another_origin_may_not_speak_through_the_server(server):
             async with websockets.connect(server.ws, origin="https://evil.example"):
                 pass
         assert refused.value.response.status_code == 403
+        assert json.loads(refused.value.response.body)["error"]["code"] == "cross_origin"
+        with pytest.raises(InvalidStatus) as unknown:  # a path with no WebSocket: 404, not Starlette's 403
+            async with websockets.connect(server.ws + "z"):
+                pass
+        assert unknown.value.response.status_code == 404
+        assert "the live speech WebSocket is /v1/audio/speech/stream" in json.loads(unknown.value.response.body)[
+            "error"]["message"]
         async with websockets.connect(server.ws, origin=own) as ws:  # the demo page's own origin
             await ws.send(json.dumps({"type": "session.config", "seed": 1}))
 

@@ -297,6 +297,14 @@ def _blocks(samples: np.ndarray) -> Iterator[np.ndarray]:
         yield samples[start:start + WRITE_BLOCK_SAMPLES]
 
 
+def written_in_place(path: str | Path) -> bool:
+    """Whether ``path`` is an output that exists and is neither a regular file nor a folder: a
+    device (``/dev/null``) or a named pipe, which can be neither renamed over nor sought in, so
+    its WAV is written into it front to back, whatever its name."""
+    target = Path(path)
+    return target.exists() and not target.is_file() and not target.is_dir()
+
+
 class WavFileWriter:
     """Writes a mono ``.wav`` file piece by piece, so that no more than one piece is held, and
     puts it in place only when it is complete.
@@ -347,7 +355,7 @@ class WavFileWriter:
         self._deferred = subtype == "PCM_16" and peak is None  # float32 first, converted by finish()
         self._scale = 0.999 / peak if subtype == "PCM_16" and peak is not None and peak > 1.0 else None
         target = self.path.resolve()
-        self._target, self._in_place = target, target.exists() and not target.is_file()
+        self._target, self._in_place = target, written_in_place(target)
         if not self._in_place and target.suffix.lower() != ".wav":  # WAV bytes in x.mp3 would mislead players
             raise InputError(f"{self.path}{f' ({option})' if option else ''} is written as WAV: give it a .wav name")
         if self._in_place:
@@ -572,7 +580,7 @@ class AudioSink:
         self._file: sf.SoundFile | None = None
         self._stream: BinaryIO | None = None
         self._owned: BinaryIO | None = None
-        if isinstance(target, (str, Path)) and Path(target).exists() and not Path(target).is_file():
+        if isinstance(target, (str, Path)) and written_in_place(target):
             target = self._owned = open(target, "wb")  # noqa: SIM115 (closed by close()): a device or a named pipe, written as a stream
         if isinstance(target, (str, Path)):
             if container != "wav":

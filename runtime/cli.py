@@ -119,8 +119,10 @@ def _check_output(output: Path, bundle: str, inputs: list[Path | None], fmt: str
     if fmt == "raw":
         raise click.BadParameter("--format raw writes to stdout: use -o - (or --format wav for a file)",
                                  param_hint="--format")
+    from higgs_pack.runtime.audio import written_in_place
+
     out = output.resolve()
-    if out.is_char_device() or out.is_fifo():
+    if written_in_place(out):
         return  # /dev/null or a named pipe: the WAV goes into it in place, whatever its name
     if output.suffix.lower() != ".wav":
         bare = output.name.lower() == ".wav"  # a name that is only the suffix: Path sees a hidden file, no suffix

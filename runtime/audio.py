@@ -284,6 +284,8 @@ def pcm_samples(samples: np.ndarray, subtype: str = "PCM_16") -> np.ndarray:
     return samples.astype(dtype)
 
 
+#: The peak 16-bit audio beyond [-1, 1] is scaled down to (a file, or whole audio to stdout).
+PCM16_PEAK = 0.999
 #: Samples converted or checked at once when a whole array or a temporary file is written
 #: (2**20 float32 = 4 MiB): what :func:`write_wav` and :class:`WavFileWriter` hold beyond a piece.
 WRITE_BLOCK_SAMPLES = 1 << 20
@@ -353,7 +355,7 @@ class WavFileWriter:
         self.samples_written = 0
         self.peak = 0.0 if peak is None else float(peak)
         self._deferred = subtype == "PCM_16" and peak is None  # float32 first, converted by finish()
-        self._scale = 0.999 / peak if subtype == "PCM_16" and peak is not None and peak > 1.0 else None
+        self._scale = PCM16_PEAK / peak if subtype == "PCM_16" and peak is not None and peak > 1.0 else None
         target = self.path.resolve()
         self._target, self._in_place = target, written_in_place(target)
         if not self._in_place and target.suffix.lower() != ".wav":  # WAV bytes in x.mp3 would mislead players
@@ -427,7 +429,7 @@ class WavFileWriter:
             self._file = None
             if self._deferred:
                 scaled = self.subtype == "PCM_16" and self.peak > 1.0
-                self._convert(0.999 / self.peak if scaled else None)
+                self._convert(PCM16_PEAK / self.peak if scaled else None)
             if self._partial is not None:
                 os.replace(self._partial, self._target)
                 self._partial = None

@@ -620,7 +620,7 @@ def _stream_out(tts, request, output: Path, subtype: str, fmt: str, bar, streami
     """
     import os
 
-    from higgs_pack.runtime.audio import AudioSink
+    from higgs_pack.runtime.audio import PCM16_PEAK, AudioSink
 
     to_stdout = str(output) == "-"
     where = "stdout" if to_stdout else str(output)
@@ -636,7 +636,7 @@ def _stream_out(tts, request, output: Path, subtype: str, fmt: str, bar, streami
                 sink = AudioSink(sys.stdout.buffer, rate, subtype=subtype, container=fmt)
                 peak = float(abs(result.samples).max(initial=0.0))
                 scaled = subtype == "PCM_16" and peak > 1.0  # the whole audio is known: scaled as a file is
-                sink.write(result.samples * (0.999 / peak) if scaled else result.samples)
+                sink.write(result.samples * (PCM16_PEAK / peak) if scaled else result.samples)
             else:
                 sink = AudioSink(sys.stdout.buffer if to_stdout else output, rate, subtype=subtype, container=fmt)
                 for chunk in speech:

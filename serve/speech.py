@@ -160,7 +160,13 @@ def parse_dialogue(body: Any, *, models: tuple[str, ...], voices: Any, config: S
             unknown field or speaker, or a voice not in the store; 404 for an unknown model; 413 for
             a clip over the upload limit.
     """
-    from higgs_pack.runtime.loop.dialogue import MAX_TURNS, DialogueRequest, Turn
+    from higgs_pack.runtime.loop.dialogue import (
+        MAX_TURNS,
+        MORE_PROBLEMS,
+        TURN_PROBLEMS_SAID,
+        DialogueRequest,
+        Turn,
+    )
 
     _check_body(body, DIALOGUE_FIELDS)
     model = _model(body, models)
@@ -173,7 +179,7 @@ def parse_dialogue(body: Any, *, models: tuple[str, ...], voices: Any, config: S
         raise _bad(f"turns holds {len(turns)} turns; at most {MAX_TURNS} are spoken in one dialogue: split it",
                    "turns", "too_many_turns")
     checked: list[Turn] = []
-    bad: list[Problem] = []  # every bad turn at once (up to 10), as a speech body's fields are
+    bad: list[Problem] = []  # every bad turn at once (up to TURN_PROBLEMS_SAID), as a speech body's fields are
     for index, turn in enumerate(turns):
         where = f"turns[{index}]"
         if not isinstance(turn, dict) or set(turn) != {"speaker", "input"}:
@@ -188,8 +194,8 @@ def parse_dialogue(body: Any, *, models: tuple[str, ...], voices: Any, config: S
                     bad.append(Problem(f"{where}.{key}", None, message=literal(f"{problem}; {where}.{key} is {meaning}")))
             if not bad:
                 checked.append(Turn(turn["speaker"].strip(), turn["input"]))  # " ANN " is ANN (as_turns does too)
-        if len(bad) >= 10:
-            bad.append(Problem("turns", None, message="(and maybe more: fix these first)"))
+        if len(bad) >= TURN_PROBLEMS_SAID:
+            bad.append(MORE_PROBLEMS)
             break
     if bad:
         raise from_input_error(InputError(problems=bad))

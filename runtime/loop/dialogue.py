@@ -54,6 +54,10 @@ from higgs_pack.runtime.request import (
 #: Most turns in one dialogue: an hour of conversation is some hundreds; a script past this is
 #: refused before anything is generated (split it into several dialogues).
 MAX_TURNS = 1000
+#: Most problems of a dialogue's turns said at once (enough to fix first: a broken file would list
+#: every line); past it :data:`MORE_PROBLEMS` says there may be more.
+TURN_PROBLEMS_SAID = 10
+MORE_PROBLEMS = Problem("turns", None, message="(and maybe more: fix these first)")
 #: Longest speaker name (characters).
 MAX_SPEAKER_CHARS = 64
 _LINE = re.compile(r"^\s*(?P<speaker>[^:]{1,200}?)\s*:\s*(?P<text>.*)$")
@@ -104,8 +108,8 @@ def turn_problems(turns: Any, where: str = "turn", numbers: list[int] | None = N
         problem = unspeakable(turn.text, f"the text of {where} {number} ({name!r})")
         if problem is not None:
             found.append(Problem(f"turns[{index}].text", None, message=literal(problem)))
-        if len(found) >= 10:  # enough to fix first; a broken file would list every line
-            found.append(Problem("turns", None, message="(and maybe more: fix these first)"))
+        if len(found) >= TURN_PROBLEMS_SAID:
+            found.append(MORE_PROBLEMS)
             break
     return found
 
@@ -169,12 +173,12 @@ def parse_script(script: str, source: str = "the script") -> list[Turn]:
         else:
             turns.append(Turn(match["speaker"].strip(), match["text"].strip(), f"line {number} of {source}"))
             lines.append(number)
-        if len(found) >= 10:
+        if len(found) >= TURN_PROBLEMS_SAID:
             break
     if len(turns) > MAX_TURNS:
         found.append(Problem("turns", None, message=literal(
             f"{source} holds {len(turns)} turns; at most {MAX_TURNS} are spoken in one dialogue: split it")))
-    elif turns and len(found) < 10:
+    elif turns and len(found) < TURN_PROBLEMS_SAID:
         found += turn_problems(turns, f"{source} line", lines)  # named by their lines in the file
     if not turns and not found:
         found = [Problem("turns", None, message=literal(f"{source} holds no turns: write one per line, NAME: text"))]
@@ -232,8 +236,8 @@ class DialogueRequest:
                 f"voices must be a mapping of speaker name to voice (a prepared voice, a (clip, transcript) "
                 f"pair or None), got {plain_type(voices)}"))])
         voices = dict(voices or {})
-        speakers = list(dict.fromkeys(turn.speaker for turn in turns if isinstance(turn, Turn))) if not found else []
-        stray = [name for name in voices if name not in speakers] if not found else []
+        speakers = [] if found else list(dict.fromkeys(turn.speaker for turn in turns))  # (bad turns: no speakers)
+        stray = [name for name in voices if name not in speakers] if speakers else []
         if stray:
             who = "who speaks" if len(stray) == 1 else "who speak"
             found.append(Problem("voices", None, message="{name} names " + literal(
@@ -319,8 +323,8 @@ def plan_dialogue(pipeline: Pipeline, request: DialogueRequest) -> SynthesisPlan
         except InputError as exc:
             bad.append(Problem(f"turns[{number}].text", None, message=literal(
                 f"{turn.where or f'turn {number + 1}'} ({turn.speaker!r}): {plain(exc)}")))
-            if len(bad) >= 10:
-                bad.append(Problem("turns", None, message="(and maybe more: fix these first)"))
+            if len(bad) >= TURN_PROBLEMS_SAID:
+                bad.append(MORE_PROBLEMS)
                 break
             continue
         chunks += found

@@ -146,6 +146,14 @@ def test_installed_layout_has_no_bare_top_level_packages(tmp_path):
     assert tops == {"higgs_pack", f"higgs_pack-{version('higgs-pack')}.dist-info"}, tops
     for sub in ("runtime", "targets", "exporters", "manifests"):
         assert f"higgs_pack/{sub}/__init__.py" in names
+    # every module and data file of the mapped folders is in the wheel: a sub-package cannot be left
+    # out (serve/integrations/ was, when the package list was kept by hand)
+    roots = {"higgs_pack": "higgs_pack", "targets": "higgs_pack/targets", "exporters": "higgs_pack/exporters",
+             "runtime": "higgs_pack/runtime", "manifests": "higgs_pack/manifests", "serve": "higgs_pack/serve"}
+    wanted = {roots[rel.split("/")[0]] + rel[len(rel.split("/")[0]):] for rel in tracked.stdout.splitlines()
+              if rel.split("/")[0] in roots and rel.endswith((".py", ".json", ".html"))}
+    assert "higgs_pack/serve/integrations/pipecat_tts.py" in wanted
+    assert wanted <= set(names), sorted(wanted - set(names))
 
 
 def test_output_that_would_overwrite_an_input_is_refused(cpu_int4_bundle, cases_dir, tmp_path):

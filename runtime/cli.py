@@ -29,6 +29,7 @@ from higgs_pack.runtime.request import (
     FIRST_CHUNK_FRAMES,
     MAX_CHUNK_FRAMES,
 )
+from higgs_pack.runtime.text import decode
 
 COMMAND_GROUP = "higgs_pack.commands"
 
@@ -87,21 +88,22 @@ def main(verbose: int) -> None:
 
 
 def _read_text(text: str | None, text_file: Path | None) -> str:
-    """The words to speak: ``--text``, ``--text-file``, or stdin (``--text -``, ``--text-file -`` or neither)."""
+    """The words to speak: ``--text``, ``--text-file``, or stdin (``--text -``, ``--text-file -`` or neither),
+    as the one text rule reads bytes (:func:`higgs_pack.runtime.text.decode`: UTF-8, a leading BOM dropped).
+
+    Raises:
+        click.UsageError: both given, or no text and a terminal on stdin.
+        InputError: the file or stdin is not UTF-8 (the byte named).
+    """
     if text is not None and text_file is not None:
         raise click.UsageError("give the text once: --text or --text-file, not both")
     from_stdin = text == "-" or str(text_file) == "-" or (text is None and text_file is None)
-    try:
-        if from_stdin:
-            if sys.stdin is None or sys.stdin.isatty():
-                raise click.UsageError("no text: pass --text \"…\", --text-file FILE, or pipe text on stdin")
-            return sys.stdin.buffer.read().decode("utf-8")
-        if text_file is not None:
-            return text_file.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        where = "stdin" if from_stdin else str(text_file)
-        raise click.BadParameter(f"{where} is not UTF-8 text ({exc}); save it as UTF-8",
-                                 param_hint="stdin" if from_stdin else "--text-file") from exc
+    if from_stdin:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise click.UsageError("no text: pass --text \"…\", --text-file FILE, or pipe text on stdin")
+        return decode(sys.stdin.buffer.read(), "standard input")
+    if text_file is not None:
+        return decode(text_file.read_bytes(), f"--text-file {text_file}")
     return text
 
 
@@ -727,7 +729,7 @@ def dialogue(bundle, script, output, voices, subtitles, execution_provider, devi
     inputs = [script, *(clip for _, (clip, _words) in chosen)]  # -o or --subtitles on a clip would overwrite it
     _check_output(output, bundle, inputs)
     _check_subtitles(subtitles, output, inputs)
-    turns = parse_script(_read_script(script), str(script))
+    turns = parse_script(_read_script(script), _source_name(script))
     twice = sorted({name for name, _ in chosen if [n for n, _ in chosen].count(name) > 1})
     if twice:
         raise click.BadParameter(f"--voice gives {', '.join(map(repr, twice))} more than once; give each speaker "
@@ -755,17 +757,20 @@ def dialogue(bundle, script, output, voices, subtitles, execution_provider, devi
 
 
 def _read_script(script: Path) -> str:
-    """The script's text (UTF-8; ``-``: stdin).
+    """The script's text (``-``: stdin), as the one text rule reads bytes
+    (:func:`higgs_pack.runtime.text.decode`: UTF-8, a leading BOM dropped).
 
     Raises:
-        click.BadParameter: not UTF-8 (a binary file, or another encoding).
+        InputError: not UTF-8 (a binary file, or another encoding), the byte named.
     """
     data = sys.stdin.buffer.read() if str(script) == "-" else script.read_bytes()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise click.BadParameter(f"{script} is not UTF-8 text ({exc}): a script is UTF-8 text with one turn per "
-                                 "line, NAME: text (is it a binary file?)", param_hint="SCRIPT") from exc
+    return decode(data, _source_name(script), fix="a script is UTF-8 text with one turn per line, NAME: text "
+                  "(is it a binary file?)")
+
+
+def _source_name(path: Path) -> str:
+    """How messages name a file argument: ``standard input`` for ``-``."""
+    return "standard input" if str(path) == "-" else str(path)
 
 
 def _voice_flag(value: str) -> tuple[str, tuple[Path, str]]:

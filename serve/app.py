@@ -34,7 +34,6 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
 from higgs_pack.manifests.errors import HiggsPackError, InputError, disk_full, disk_full_message
-from higgs_pack.runtime.request import unspeakable
 from higgs_pack.serve import schema
 from higgs_pack.serve.errors import ApiError, error_body, from_input_error, upload_error
 from higgs_pack.serve.formats import FORMATS, media_type, response_formats, sse_error
@@ -48,9 +47,8 @@ from higgs_pack.serve.speech import (
     parse_speech,
     reference_clip,
     short,
-    unknown_fields,
 )
-from higgs_pack.serve.voices import name_problem
+from higgs_pack.serve.upload import read_upload
 
 log = logging.getLogger(__name__)
 
@@ -500,57 +498,18 @@ def _voice_routes(app: FastAPI, server: SpeechServer) -> None:
             raise ApiError(413, f"the upload is {size[:20]} bytes; the limit is {config.max_upload_bytes} "
                            "(--max-upload-mb)", param="audio", code="too_large")
         _check_encoding(request)
-        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-            raise ApiError(400, "a voice upload is multipart/form-data with the parts audio (the clip), "
-                           "transcript and name", param="audio", code="invalid_body")
-        try:
-            form = await request.form(max_files=1, max_fields=8, max_part_size=config.max_upload_bytes + 1)
-        except StarletteHTTPException as exc:  # the multipart parser's limits: more than one file, too many parts
-            raise ApiError(400, f"{exc.detail} A voice upload is one audio file part with transcript and name "
-                           "parts", param="audio", code="invalid_body") from exc
-        parts = ("name", "transcript", "ref_text", "audio", "file")
-        unknown = [k for k in form if k not in parts]
-        if unknown:
-            raise ApiError(400, unknown_fields(unknown, parts, "part", "one of these multipart parts (a voice "
-                                               "upload takes audio, transcript and name)"),
-                           param=unknown[0][:80], code="unknown_field")
-        given = [k for k, _ in form.multi_items()]
-        twice = sorted({k for k in given if given.count(k) > 1} | {"/".join(pair) for pair in
-                                                                    (("transcript", "ref_text"), ("audio", "file"))
-                                                                    if set(pair) <= set(given)})
-        if twice:  # which one counts would be a guess, and a wrong transcript is a wrong voice
-            raise ApiError(400, f"the upload gives {', '.join(twice)} more than once; give each part once "
-                           "(transcript or ref_text, audio or file)", param=twice[0].split("/")[0],
-                           code="duplicate_field")
-        name, transcript = form.get("name"), form.get("transcript", form.get("ref_text"))
-        upload = form.get("audio", form.get("file"))
-        problem = name_problem(None) if name is None else unspeakable(name, "name", "a voice is stored under a name") or name_problem(name)
-        if problem:
-            raise ApiError(400, problem, param="name", code="invalid_name")
+        upload = await read_upload(request, config.max_upload_bytes)
+        name = upload.name
         same = next((n for n in server.voices.names() if n.lower() == name.lower()), None)
         if same is not None or server.voices.get(name) is not None:  # Narrator and narrator: one file on Windows
             raise ApiError(409, f"voice {same or name!r} exists (names differ by more than case); DELETE "
                            f"/v1/audio/voices/{same or name} first to replace it",
                            param="name", code="voice_exists")
-        if upload is None or isinstance(upload, str):
-            raise ApiError(400, "the upload needs an audio file part (multipart field 'audio')", param="audio",
-                           code="missing_field")
-        if transcript is None:
-            raise ApiError(400, "the upload needs 'transcript': the exact words said in the clip",
-                           param="transcript", code="missing_field")
-        problem = unspeakable(transcript, "transcript", "a transcript holds the words the clip says")
-        if problem:
-            raise ApiError(400, f"{problem}; transcript is the exact words said in the clip", param="transcript",
-                           code="invalid_value")
-        data = await upload.read(config.max_upload_bytes + 1)
-        if len(data) > config.max_upload_bytes:
-            raise ApiError(413, f"the audio file is over the limit of {config.max_upload_bytes} bytes "
-                           "(--max-upload-mb)", param="audio", code="too_large")
-        clip = reference_clip(data, config, "audio")
+        clip = reference_clip(upload.audio, config, "audio")
 
         def encode() -> dict[str, Any]:
             try:
-                voice = server.tts.prepare_voice(clip, transcript.strip(), name)
+                voice = server.tts.prepare_voice(clip, upload.transcript, name)
             except InputError as exc:
                 raise upload_error(exc) from exc
             try:

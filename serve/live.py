@@ -70,6 +70,7 @@ from fastapi import FastAPI, WebSocket
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from higgs_pack.manifests.errors import HiggsPackError, InputError
+from higgs_pack.runtime import text as text_rule
 from higgs_pack.runtime.loop.engine import EngineHandle, RequestCancelled
 from higgs_pack.runtime.loop.generate import (
     SENTENCE_PAUSE_S,
@@ -350,6 +351,9 @@ class Session:
         if not isinstance(text, str):
             raise _bad(f"input.text needs \"text\", a string, got {short(text)}", "text",
                        "missing_field" if text is None else "invalid_value")
+        if (problem := text_rule.character_problem(text, "text")) is not None:  # the one text rule
+            raise _bad(problem, "text", "invalid_value")
+        text = text_rule.clean(text)
         waiting = len(self.text.pending) + sum(len(s.text) for s in self.sentences if isinstance(s, _Sentence))
         limit = self.server.config.max_input_chars
         if waiting + len(text) > limit:

@@ -28,6 +28,7 @@ from typing import Any
 from higgs_pack.manifests.errors import InputError, Problem, literal, unknown_choice
 from higgs_pack.runtime.audio import read_audio_bytes
 from higgs_pack.runtime.request import SynthesisRequest, plain_type, unspeakable
+from higgs_pack.runtime.text import clean
 from higgs_pack.serve.config import ServeConfig
 from higgs_pack.serve.errors import ApiError, from_input_error
 from higgs_pack.serve.formats import STREAMABLE, response_formats
@@ -193,7 +194,7 @@ def parse_dialogue(body: Any, *, models: tuple[str, ...], voices: Any, config: S
                 if problem is not None:
                     bad.append(Problem(f"{where}.{key}", None, message=literal(f"{problem}; {where}.{key} is {meaning}")))
             if not bad:
-                checked.append(Turn(turn["speaker"].strip(), turn["input"]))  # " ANN " is ANN (as_turns does too)
+                checked.append(Turn(clean(turn["speaker"]).strip(), clean(turn["input"])))  # " ANN " is ANN, as as_turns
         if len(bad) >= TURN_PROBLEMS_SAID:
             bad.append(MORE_PROBLEMS)
             break
@@ -273,7 +274,8 @@ def _got(value: Any) -> str:
 
 
 def _text(value: Any, param: str, meaning: str, why: str = "") -> str:
-    """``value`` when it is speakable text (:func:`~higgs_pack.runtime.request.unspeakable`).
+    """``value`` under the one text rule (:mod:`higgs_pack.runtime.text`) when it is speakable text
+    (:func:`~higgs_pack.runtime.request.unspeakable`): a leading BOM dropped, CR LF and CR as LF.
 
     Raises:
         ApiError: 400 naming ``param`` and what it should hold (``meaning``).
@@ -281,7 +283,7 @@ def _text(value: Any, param: str, meaning: str, why: str = "") -> str:
     problem = unspeakable(value, param, why)
     if problem is not None:
         raise _bad(f"{problem}; {param} is {meaning}", param.split("[", 1)[0])
-    return value
+    return clean(value)
 
 
 def _model(body: dict, models: tuple[str, ...]) -> str:
@@ -301,7 +303,7 @@ def _input(body: dict, config: ServeConfig) -> str:
     text = body.get("input")
     if text is None:
         raise _bad("input is required: the words to speak, as a string", "input", "missing_field")
-    _text(text, "input", "the words to speak", "there is nothing to speak")
+    text = _text(text, "input", "the words to speak", "there is nothing to speak")
     if len(text) > config.max_input_chars:
         raise _bad(f"input is {len(text)} characters; the limit is {config.max_input_chars} (--max-input-chars); "
                    "split the text into several requests", "input", "input_too_long")
@@ -348,7 +350,7 @@ def _voice(body: dict, voices: Any, config: ServeConfig) -> tuple[str, dict[str,
         voice = voice["id"]
     if not isinstance(voice, str):
         raise _bad(f"voice must be a voice name or {{\"id\": name}}, got {_got(voice)}", "voice")
-    _text(voice, "voice", f"a voice name ({DEFAULT_VOICE!r}, or one GET /v1/audio/voices lists)")
+    voice = _text(voice, "voice", f"a voice name ({DEFAULT_VOICE!r}, or one GET /v1/audio/voices lists)")
     ref_audio, ref_text = body.get("ref_audio"), body.get("ref_text")
     text_param = "ref_text"
     if body.get("references") is not None:

@@ -50,6 +50,8 @@ from higgs_pack.runtime.request import (
     refuse,
     unspeakable,
 )
+from higgs_pack.runtime.text import clean
+from higgs_pack.runtime.text import lines as text_lines
 
 #: Most turns in one dialogue: an hour of conversation is some hundreds; a script past this is
 #: refused before anything is generated (split it into several dialogues).
@@ -139,8 +141,10 @@ def as_turns(turns: Iterable[Any]) -> list[Any]:
             turn = Turn(turn["speaker"], turn["text"])
         elif isinstance(turn, tuple) and len(turn) == 2:
             turn = Turn(*turn)
-        if isinstance(turn, Turn) and isinstance(turn.speaker, str) and turn.speaker != turn.speaker.strip():
-            turn = dataclasses.replace(turn, speaker=turn.speaker.strip())  # " ANN " is ANN, as in a script
+        if isinstance(turn, Turn):  # the one text rule (runtime/text.py); " ANN " is ANN, as in a script
+            speaker = clean(turn.speaker)
+            turn = dataclasses.replace(turn, speaker=speaker.strip() if isinstance(speaker, str) else speaker,
+                                       text=clean(turn.text))
         out.append(turn)
     return out
 
@@ -154,16 +158,13 @@ def parse_script(script: str, source: str = "the script") -> list[Turn]:
         source: how messages name it (a file path).
 
     Raises:
-        InputError: NUL characters (a binary file), a line without ``NAME:``, a turn with nothing
+        InputError: a line without ``NAME:``, a control character (:func:`~higgs_pack.runtime.text.problem`), a turn with nothing
             to say, no turns, more than :data:`MAX_TURNS`: each named by its line number.
     """
-    if "\x00" in script:
-        raise InputError(f"{source} holds NUL characters: it is a binary file, not a script; a script is UTF-8 "
-                         "text with one turn per line, NAME: text")
     turns: list[Turn] = []
     lines: list[int] = []
     found: list[Problem] = []
-    for number, line in enumerate(script.splitlines(), 1):
+    for number, line in enumerate(text_lines(script), 1):  # LF, CR LF, CR: the one line rule (runtime/text.py)
         if not line.strip() or line.lstrip().startswith("#"):
             continue
         match = _LINE.match(line)

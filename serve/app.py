@@ -283,7 +283,9 @@ class CutOffLog(logging.Filter):
     one clean line: uvicorn's "Cancel N running task(s), timeout graceful shutdown exceeded"
     becomes a warning naming the requests cut off (what, from whom, how long they ran), and its
     "Exception in ASGI application" traceback of each of them (the cancellation uvicorn itself
-    sent) is dropped.  Other records pass unchanged.
+    sent) is dropped.  A client's WebSocket text frame that is not UTF-8 (uvicorn logs the
+    UnicodeDecodeError with its traceback, then closes with 1007) is one INFO line.  Other records
+    pass unchanged.
 
     Args:
         grace_seconds: the ``--grace-seconds`` the line quotes.
@@ -304,6 +306,12 @@ class CutOffLog(logging.Filter):
             self.cutting = True
             return True
         exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, UnicodeDecodeError):  # uvicorn's WebSocket protocol decoding a client's text frame
+            record.msg, record.args, record.exc_info, record.exc_text = (
+                "a WebSocket client sent a text frame that is not UTF-8 (%s); closed it with 1007", (exc.reason,),
+                None, None)
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            return True
         return not (self.cutting and isinstance(exc, asyncio.CancelledError)
                     and record.msg.startswith("Exception in ASGI application"))
 

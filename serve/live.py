@@ -103,6 +103,8 @@ NOT_IN_CONFIG = ("input", "stream_format", "stream")
 TRY_AGAIN_LATER = 1013
 #: Close code of a refused API key (RFC 6455 1008 "policy violation").
 POLICY_VIOLATION = 1008
+#: Close code of a text frame that is not UTF-8 (RFC 6455 1007 "invalid frame payload data"; uvicorn sends it).
+INVALID_PAYLOAD = 1007
 
 
 @dataclass
@@ -170,6 +172,7 @@ class Session:
         self.configured = False
         self.config_refused = False  # a session.config was refused and no valid one came since
         self.text_seen = False
+        self.not_utf8 = False  # the session ended on a text frame that is not UTF-8 (closed 1007)
         self.ended = False  # input.done received
         self.text = SentenceSplitter()  # text received, cut where its sentences end
         self.sentences: list[_Sentence | object] = []
@@ -205,7 +208,11 @@ class Session:
                 group.start_soon(self._speak)
                 await self._send()
                 group.cancel_scope.cancel()
-            if self.gone:
+            if self.gone and self.not_utf8:
+                status = "400"
+                log.info("a live session sent a text frame that is not UTF-8 after %d sentence(s); closed with 1007",
+                         self.next_index)
+            elif self.gone:
                 status = "499"
                 if self.server.stopping:  # the server closed it (1012), the client did not leave
                     log.info("a live session was closed by the server stopping, after %d sentence(s)",
@@ -243,6 +250,7 @@ class Session:
             except (WebSocketDisconnect, OSError):
                 message = {"type": "websocket.disconnect"}
             if message["type"] == "websocket.disconnect":
+                self.not_utf8 = message.get("code") == INVALID_PAYLOAD  # the server closed it: not the client leaving
                 self._leave(scope)
                 return
             try:

@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -199,7 +200,14 @@ def test_websocket_text_follows_the_rule_and_a_frame_that_is_not_utf8_is_closed_
                 return events, closed.rcvd.code if closed.rcvd else None
         return events, None
 
+    labels = 'route="/v1/audio/speech/stream",status="{}"'
+    before = {status: server.metric("higgs_pack_requests_total", labels.format(status)) for status in ("400", "499")}
     events, code = asyncio.run(session())
+    time.sleep(0.5)
+    after = {status: server.metric("higgs_pack_requests_total", labels.format(status)) for status in ("400", "499")}
+    assert after == {"400": before["400"] + 1, "499": before["499"]}  # refused, not a client that left
+    log = "".join(server.log)
+    assert "text frame that is not UTF-8" in log and "Traceback" not in log
     errors = [e for e in events if e["type"] == "error"]
     assert [e["param"] for e in errors] == ["text", "text"], errors
     assert "NUL" in errors[0]["message"] and errors[1]["message"].startswith("text is not valid Unicode")

@@ -258,7 +258,7 @@ SUBTITLES_OPTION = click.option(
               help="For a model slug: also choose among the bundles in this folder (repeatable).")
 @click.option("--variant", help="For a hub repository holding several bundles: the folder to use.")
 @click.option("--stream", "streaming", is_flag=True,
-              help="Write audio while it is generated (first chunk after ~0.4 s of frames).")
+              help="Write audio while it is generated (first chunk: --first-chunk-frames of audio).")
 @click.option("--format", "fmt", type=click.Choice(["wav", "raw"]), default="wav", show_default=True,
               help="With -o -: a WAV stream, or raw little-endian PCM (s16le; f32le with --float), mono 24 kHz.")
 @click.option("--first-chunk-frames", type=int, default=FIRST_CHUNK_FRAMES, show_default=True,

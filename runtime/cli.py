@@ -20,6 +20,7 @@ from typing import Any
 import click
 
 from higgs_pack.manifests.errors import HiggsPackError, install_extra
+from higgs_pack.manifests.model import NAME_WIDTH
 from higgs_pack.manifests.providers import EXECUTION_PROVIDERS
 from higgs_pack.runtime.exit_status import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_TERMINATED
 from higgs_pack.runtime.request import (
@@ -349,7 +350,7 @@ def synthesize(**flags: Any) -> None:
 FILE_SCHEDULE = {"first_chunk_frames": MAX_CHUNK_FRAMES, "chunk_growth": 1.0, "max_chunk_frames": MAX_CHUNK_FRAMES}
 
 
-def _write_out(speech, rate: int, output: Path, subtype: str, bar):
+def _write_out(speech, rate: int, output: Path, subtype: str, bar, keep_hint: str = "--stream writes a file that keeps it"):
     """Write a stream's audio to the .wav ``output`` piece by piece, put in place when complete.
 
     Memory stays that of one piece whatever the length (``tts.synthesize`` would hold the whole
@@ -364,6 +365,8 @@ def _write_out(speech, rate: int, output: Path, subtype: str, bar):
         output: the .wav path.
         subtype: ``"PCM_16"`` (scaled to a 0.999 peak if it goes beyond [-1, 1]) or ``"FLOAT"``.
         bar: the progress bar, closed at the end.
+        keep_hint: how this command keeps what was generated when stopped, said after Ctrl-C
+            (``""``: it has no way).
 
     Returns:
         ``(written, samples, results, segments)``: the :class:`~higgs_pack.runtime.audio.WavWritten`,
@@ -380,8 +383,8 @@ def _write_out(speech, rate: int, output: Path, subtype: str, bar):
             written = writer.finish()
     except KeyboardInterrupt as exc:
         bar.close()
-        click.echo(f"{_how_stopped(exc)}: nothing written to {output}; the audio generated so far was not kept "
-                   "(--stream writes a file that keeps it)", err=True)
+        click.echo(f"{_how_stopped(exc)}: nothing written to {output}; the audio generated so far was not kept"
+                   + (f" ({keep_hint})" if keep_hint else ""), err=True)
         sys.exit(EXIT_TERMINATED if isinstance(exc, _Terminated) else EXIT_INTERRUPTED)
     finally:
         speech.close()
@@ -729,7 +732,7 @@ def dialogue(bundle, script, output, voices, subtitles, execution_provider, devi
     inputs = [script, *(clip for _, (clip, _words) in chosen)]  # -o or --subtitles on a clip would overwrite it
     _check_output(output, bundle, inputs)
     _check_subtitles(subtitles, output, inputs)
-    turns = parse_script(_read_script(script), _source_name(script))
+    turns = parse_script(_read_script(script), _source_name(script), voices=[name for name, _ in chosen])
     twice = sorted({name for name, _ in chosen if [n for n, _ in chosen].count(name) > 1})
     if twice:
         raise click.BadParameter(f"--voice gives {', '.join(map(repr, twice))} more than once; give each speaker "
@@ -749,7 +752,7 @@ def dialogue(bundle, script, output, voices, subtitles, execution_provider, devi
         bar.refresh()
 
     written, samples, results, segments = _write_out(tts.stream_dialogue(request, progress=progress),
-                                                     tts.sample_rate, output, "FLOAT" if as_float else "PCM_16", bar)
+                                                     tts.sample_rate, output, "FLOAT" if as_float else "PCM_16", bar, keep_hint="")
     click.echo(f"wrote {output}: {samples / tts.sample_rate:.2f} s at {tts.sample_rate} Hz, {len(turns)} "
                f"turn(s) in {len(results)} text chunk(s), {sum(len(r.codes) for r in results)} frames")
     _write_subtitles(subtitles, segments, output)
@@ -825,7 +828,7 @@ def inspect(bundle, as_json):
     for part, spec in m["subparts"].items():
         part_size = sum(f["size"] for f in m["files"] if f["path"] in spec["files"])
         passes = "+".join(spec["passes"]) or "-"
-        click.echo(f"  {part:<16} {spec['format']:<8} {spec['precision']:<5} {part_size / 1e6:8.2f} MB  "
+        click.echo(f"  {part:<{NAME_WIDTH}} {spec['format']:<8} {spec['precision']:<5} {part_size / 1e6:8.2f} MB  "
                    f"{spec['exporter']}: {passes}")
     ins = ", ".join(f"{t['name']}{t['shape']}" for t in m["subparts"]["llm_decoder"]["inputs"][:3])
     click.echo(f"  decoder in {ins}, …")

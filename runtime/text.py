@@ -108,8 +108,9 @@ def character_problem(value: str, what: str) -> str | None:
                 f"(U+{ord(bad.group()):04X}; bytes that are not UTF-8 arrive as these); send UTF-8 text")
     if (bad := _CONTROL.search(value)) is not None:
         char = bad.group()
-        name = unicodedata.name(char, "") or _CONTROL_NAMES.get(char, "a control character")
-        return (f"{what} holds a control character at character {bad.start() + 1} (U+{ord(char):04X}, {name}): "
+        name = unicodedata.name(char, "") or _CONTROL_NAMES.get(char, "")
+        return (f"{what} holds a control character at character {bad.start() + 1} (U+{ord(char):04X}"
+                f"{', ' + name if name else ''}): "
                 "text may hold tab and line breaks, no other control character; remove it")
     return None
 

@@ -48,7 +48,7 @@ from higgs_pack.serve.speech import (
     reference_clip,
     short,
 )
-from higgs_pack.serve.upload import read_upload
+from higgs_pack.serve.upload import Upload, read_upload
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +81,9 @@ def create_app(server: SpeechServer, *, warm_up: bool = True) -> FastAPI:
                          redoc_url=None, swagger_ui_parameters={"validatorUrl": None})
     app.state.server = server
     _handlers(app)
+    # the last added is the outermost: a request the origin check refuses is counted too
+    app.add_middleware(_SameOrigin, allow_origins=server.config.allow_origins, metrics=server.metrics)
     app.add_middleware(_CountRequests, metrics=server.metrics)
-    app.add_middleware(_SameOrigin, allow_origins=server.config.allow_origins)
     app.router.default = _websocket_not_found(app.router.default)
     _routes(app, server)
     schema.add_bodies(app)
@@ -169,8 +170,8 @@ class _SameOrigin:
     that are not browsers (curl, the ``openai`` client, Pipecat, LiveKit) send no ``Origin`` and
     are not affected.  A refused request or WebSocket handshake is a 403 (code ``cross_origin``)."""
 
-    def __init__(self, app: Any, allow_origins: tuple[str, ...] = ()):
-        self.app, self.allow = app, frozenset(o.lower() for o in allow_origins)
+    def __init__(self, app: Any, allow_origins: tuple[str, ...] = (), metrics: Any = None):
+        self.app, self.allow, self.metrics = app, frozenset(o.lower() for o in allow_origins), metrics
 
     def _refused(self, scope) -> str | None:
         """The page's origin when it may not ask this of the server, else None."""
@@ -189,6 +190,8 @@ class _SameOrigin:
             await self.app(scope, receive, send)
             return
         log.info("refused %s %s from a page of origin %s", scope.get("method", "WebSocket"), scope["path"], origin[:80])
+        if scope["type"] == "websocket" and self.metrics is not None:  # HTTP answers are counted by _CountRequests
+            self.metrics.requests.labels(LIVE_ROUTE if scope["path"] == LIVE_ROUTE else "other", "403").inc()
         message = (f"a web page of origin {short(origin)} may not call this server; start it with "
                    "--allow-origin ORIGIN to let that page's scripts use it")
         await _refuse(scope, receive, send, 403, message, "cross_origin")
@@ -359,7 +362,12 @@ def _check_json_type(request: Request) -> None:
                        code="unsupported_media_type")
 
 
-async def _json_body(request: Request, limit: int) -> Any:
+#: Bodies up to this many bytes are parsed on the event loop (microseconds); larger ones (a base64
+#: ref_audio: up to ~21 MB) off it, in the server's parse limiter.
+JSON_ON_LOOP_BYTES = 64 * 1024
+
+
+async def _json_body(request: Request, limit: int, server: SpeechServer) -> Any:
     _check_encoding(request)
     _check_json_type(request)
     size = request.headers.get("content-length")
@@ -371,7 +379,8 @@ async def _json_body(request: Request, limit: int) -> Any:
         if len(data) > limit:
             raise ApiError(413, f"the body is over the limit of {limit} bytes (--max-upload-mb)", code="too_large")
     try:
-        return json.loads(data, object_pairs_hook=_duplicate_keys)
+        parse = functools.partial(json.loads, data, object_pairs_hook=_duplicate_keys)
+        return parse() if len(data) <= JSON_ON_LOOP_BYTES else await server.off_loop(parse)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the body is not JSON ({exc}); send a JSON object with model, input and voice",
                        code="invalid_json") from exc
@@ -433,12 +442,13 @@ def _speech_route(app: FastAPI, server: SpeechServer) -> None:
         """Speak ``input``; every field is described by the body's schema (SpeechBody)."""
         _check_key(server, request)
         t0 = time.perf_counter()
-        body = await _json_body(request, body_limit)
-        parse = functools.partial(parse_speech, body, models=server.models, voices=server.voices,
-                                  config=server.config)
-        # Checking the fields takes microseconds: on a worker thread only when it reads a file or decodes
-        # a clip (a ref_audio, or a stored voice in --voices-dir), not a thread round trip for every request.
-        job = await anyio.to_thread.run_sync(parse) if _parse_blocks(body, server) else parse()
+        async with _admitted(server):  # admission first: a flood gets its 429s before any body is decoded
+            body = await _json_body(request, body_limit, server)
+            parse = functools.partial(parse_speech, body, models=server.models, voices=server.voices,
+                                      config=server.config)
+            # Checking the fields takes microseconds: off the event loop only when it reads a file or decodes
+            # a clip (a ref_audio, or a stored voice in --voices-dir), not a thread round trip for every request.
+            job = await server.off_loop(parse) if _parse_blocks(body, server) else parse()
         return await _answer(server, job, request, t0)
 
     @app.post("/v1/audio/dialogue", response_class=Response, openapi_extra=schema.json_body(schema.DialogueBody),
@@ -450,22 +460,34 @@ def _speech_route(app: FastAPI, server: SpeechServer) -> None:
         """Speak a dialogue: turns of several speakers, a voice per speaker (DialogueBody)."""
         _check_key(server, request)
         t0 = time.perf_counter()
-        body = await _json_body(request, body_limit)
-        job = await anyio.to_thread.run_sync(functools.partial(
-            parse_dialogue, body, models=server.models, voices=server.voices, config=server.config))
+        async with _admitted(server):
+            body = await _json_body(request, body_limit, server)
+            job = await server.off_loop(functools.partial(
+                parse_dialogue, body, models=server.models, voices=server.voices, config=server.config))
         return await _answer(server, job, request, t0)
 
 
-async def _answer(server: SpeechServer, job: Any, request: Request, t0: float) -> Response:
-    """Run a checked speech or dialogue job and answer it: the whole file (or JSON with its
-    segments), or a stream (``stream_format``)."""
+@asynccontextmanager
+async def _admitted(server: SpeechServer) -> Any:
+    """Admit a request (:meth:`SpeechServer.admit`: a 429 or 503 at once) for the reading and checking
+    of its body; its place is given back when they fail (:func:`_answer` keeps it for a good one)."""
     server.admit()
+    try:
+        yield
+    except BaseException:
+        server.release()
+        raise
+
+
+async def _answer(server: SpeechServer, job: Any, request: Request, t0: float) -> Response:
+    """Run a checked, admitted speech or dialogue job and answer it: the whole file (or JSON with
+    its segments), or a stream (``stream_format``); its place is given back when it ends."""
     try:
         handle = await server.submit(job)
     except BaseException:
         server.release()
         raise
-    answer = Answer()
+    answer = Answer(route=request.scope["path"])
     headers = {"x-sample-rate": str(server.tts.sample_rate)}
     if job.stream_format is None:
         try:
@@ -508,30 +530,37 @@ def _voice_routes(app: FastAPI, server: SpeechServer) -> None:
         _check_encoding(request)
         upload = await read_upload(request, config.max_upload_bytes)
         name = upload.name
+        # claimed on the event loop, between no two awaits: a second upload of the name (or of a name that
+        # differs by case: Narrator and narrator are one file on Windows) cannot pass while this one runs
+        if name.lower() in server.uploading:
+            raise ApiError(409, f"voice {name!r} is being uploaded by another request; wait for it, then DELETE "
+                           f"/v1/audio/voices/{name} to replace it", param="name", code="voice_exists")
+        server.uploading.add(name.lower())
+        try:
+            return JSONResponse(await server.off_loop(functools.partial(keep, upload)), status_code=201)
+        finally:
+            server.uploading.discard(name.lower())
+
+    def keep(upload: Upload) -> dict[str, Any]:
+        """Check the name is free, decode and encode the clip, keep the voice (a worker thread)."""
+        name = upload.name
         same = next((n for n in server.voices.names() if n.lower() == name.lower()), None)
-        if same is not None or server.voices.get(name) is not None:  # Narrator and narrator: one file on Windows
-            raise ApiError(409, f"voice {same or name!r} exists (names differ by more than case); DELETE "
-                           f"/v1/audio/voices/{same or name} first to replace it",
-                           param="name", code="voice_exists")
+        if same is not None:
+            raise ApiError(409, f"voice {same!r} exists (names differ by more than case); DELETE "
+                           f"/v1/audio/voices/{same} first to replace it", param="name", code="voice_exists")
         clip = reference_clip(upload.audio, config, "audio")
-
-        def encode() -> dict[str, Any]:
-            try:
-                voice = server.tts.prepare_voice(clip, upload.transcript, name)
-            except InputError as exc:
-                raise upload_error(exc) from exc
-            try:
-                return server.voices.add(voice)
-            except OSError as exc:
-                if disk_full(exc):
-                    raise ApiError(507, disk_full_message(config.voices_dir, f"keeping voice {name!r}",
-                                                          "free space there or choose another --voices-dir"),
-                                   code="out_of_disk") from exc
-                raise ApiError(500, f"cannot keep voice {name!r} in {config.voices_dir}: {exc}",
-                               code="storage") from exc
-
-        about = await anyio.to_thread.run_sync(encode, limiter=server.limiter)
-        return JSONResponse(about, status_code=201)
+        try:
+            voice = server.tts.prepare_voice(clip, upload.transcript, name)
+        except InputError as exc:
+            raise upload_error(exc) from exc
+        try:
+            return server.voices.add(voice)
+        except OSError as exc:
+            if disk_full(exc):
+                raise ApiError(507, disk_full_message(config.voices_dir, f"keeping voice {name!r}",
+                                                      "free space there or choose another --voices-dir"),
+                               code="out_of_disk") from exc
+            raise ApiError(500, f"cannot keep voice {name!r} in {config.voices_dir}: {exc}", code="storage") from exc
 
     @app.delete("/v1/audio/voices/{name}", responses=schema.errors(401, 404))
     async def delete_voice(name: str, request: Request) -> dict[str, Any]:
@@ -597,7 +626,7 @@ def _finish(server: SpeechServer, t0: float, answer: Answer) -> None:
     seconds = time.perf_counter() - t0
     server.release(seconds)
     m = server.metrics
-    m.request_seconds.labels("/v1/audio/speech").observe(seconds)
+    m.request_seconds.labels(answer.route).observe(seconds)
     if answer.frames:
         m.frames.inc(answer.frames)
         m.audio_seconds.inc(answer.audio_seconds)

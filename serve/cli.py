@@ -83,6 +83,10 @@ def bind(host: str, port: int) -> socket.socket:
               "(or set HIGGS_PACK_API_KEY).")
 @click.option("--voices-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Keep uploaded voices here; its parent folder must exist (default: in memory, lost at exit).")
+@click.option("--prefix-key-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="The secret that signs the voices' cached prompt prefixes, kept outside --voices-dir (made on "
+              "first start with mode 0600; default: $XDG_STATE_HOME/higgs-pack/voice-prefix.key). Servers "
+              "sharing a voices folder give the same file.")
 @click.option("--allow-local-media", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="ref_audio may name a file under this folder (default: never).")
 @click.option("--max-kv-mb", type=click.FloatRange(min=1), help="KV cache budget of the requests in the batch, "
@@ -103,7 +107,8 @@ def bind(host: str, port: int) -> socket.socket:
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               help="How much the server logs (debug adds a line per request).")
-def serve(source, host, port, device, max_batch, max_queue, api_key, voices_dir, allow_local_media, max_kv_mb,
+def serve(source, host, port, device, max_batch, max_queue, api_key, voices_dir, prefix_key_file, allow_local_media,
+          max_kv_mb,
           max_input_chars, max_upload_mb, max_ref_seconds, grace_seconds, model_names, allow_origins,
           log_level) -> None:
     """Serve SOURCE (a bundle, an installed name, a model slug, hf://...) over the OpenAI speech API:
@@ -127,7 +132,7 @@ def serve(source, host, port, device, max_batch, max_queue, api_key, voices_dir,
                              allow_local_media=allow_local_media, max_input_chars=max_input_chars,
                              max_upload_bytes=int(max_upload_mb * 2**20), max_ref_seconds=max_ref_seconds,
                              max_kv_bytes=int(max_kv_mb * 2**20) if max_kv_mb else None, grace_seconds=grace_seconds, model_names=tuple(model_names),
-                             allow_origins=tuple(allow_origins))
+                             allow_origins=tuple(allow_origins), prefix_key_file=prefix_key_file)
     except InputError as exc:
         raise click.UsageError(str(exc)) from exc
     if not _loopback(host) and api_key is None:

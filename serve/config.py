@@ -55,6 +55,9 @@ class ServeConfig:
             default, from free memory; see :func:`higgs_pack.runtime.loop.kv_memory.default_kv_budget`).
         grace_seconds: on SIGTERM, how long requests in flight may take to finish.
         model_names: extra names ``model`` may take (the bundle's name and model slug always work).
+        prefix_key_file: the secret that signs the voices' persisted prompt-prefix KV files (made with
+            mode 0600 on first start; None: ``$XDG_STATE_HOME/higgs-pack/voice-prefix.key``); must be
+            outside ``voices_dir``; servers sharing a voices folder share this file too.
         allow_origins: web page origins (``scheme://host[:port]``, or ``*`` for any) that may call
             this server from a browser besides its own pages (the demo page); a request from any
             other page is refused (see ``serve.app._SameOrigin``).
@@ -76,6 +79,7 @@ class ServeConfig:
     grace_seconds: float = GRACE_SECONDS
     model_names: tuple[str, ...] = ()
     allow_origins: tuple[str, ...] = ()
+    prefix_key_file: Path | None = None
 
     def __post_init__(self) -> None:
         problems = []

@@ -479,12 +479,16 @@ class Session:
             self.job, self.voice = await anyio.to_thread.run_sync(self._parse_config, {}, limiter=self.server.limiter)
         base = self.job.request
         seed = None if base.seed is None else base.seed + index
-        voice, context = sentence_context(self.server.engine.pipeline, base, self.voice, self.spoken, text)
-        try:
-            request = dataclasses.replace(base, text=text, voice=voice, context=context, seed=seed)
+        spoken = list(self.spoken)
+
+        def request() -> SynthesisRequest:  # plans and tokenizes: off the event loop
+            voice, context = sentence_context(self.server.engine.pipeline, base, self.voice, spoken, text)
+            return dataclasses.replace(base, text=text, voice=voice, context=context, seed=seed)
+
+        try:  # a sentence the planner refuses (say, one word too long for the context) is this sentence's error
+            return dataclasses.replace(self.job, request=await self.server.off_loop(request))
         except InputError as exc:
             raise from_input_error(exc, param="text") from exc
-        return dataclasses.replace(self.job, request=request)
 
     def _remember(self, text: str, handle: EngineHandle, results: list[GenerationResult]) -> None:
         """Keep a spoken sentence as context: the first one (the voice of the rest when the

@@ -289,6 +289,8 @@ ARGS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "max_queue": (_whole, "requests waiting per replica beyond the batch"),
     "api_key": (_text, "require Authorization: Bearer KEY (or set HIGGS_PACK_API_KEY on the replicas)"),
     "voices_dir": (_folder, "where voices are kept (a folder every replica reads at start)"),
+    "prefix_key_file": (_folder, "the secret signing the voices' cached prefixes, outside voices_dir: the same file "
+                        "on every replica (a mounted secret)"),
     "allow_local_media": (_folder, "ref_audio may name a file under this folder"),
     "max_input_chars": (_whole, "longest input"),
     "max_upload_mb": (_number, "largest voice upload or ref_audio, MiB"),
@@ -303,7 +305,7 @@ ARGS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "num_cpus": (_number, f"CPUs Ray reserves per replica (default {NUM_CPUS:g})"),
     "max_queued_requests": (_whole, "requests Ray queues for the deployment before answering 503 (default: no limit)"),
 }
-_SERVER_ARGS = ("max_batch", "max_queue", "api_key", "voices_dir", "allow_local_media", "max_input_chars",
+_SERVER_ARGS = ("max_batch", "max_queue", "api_key", "voices_dir", "prefix_key_file", "allow_local_media", "max_input_chars",
                 "max_ref_seconds", "grace_seconds", "model_names", "allow_origins")
 _AUTOSCALING_ARGS = ("min_replicas", "max_replicas", "target_ongoing_requests")
 

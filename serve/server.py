@@ -16,6 +16,7 @@ checked :class:`~higgs_pack.serve.speech.SpeechJob` into the bytes of an answer:
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -43,7 +44,7 @@ from higgs_pack.serve.formats import (
 )
 from higgs_pack.serve.metrics import Metrics
 from higgs_pack.serve.speech import SpeechJob
-from higgs_pack.serve.voices import VoiceStore
+from higgs_pack.serve.voices import VoiceStore, default_prefix_key_file, load_prefix_key
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ class Answer:
     finished: bool = False
     segments: list = field(default_factory=list)
     """The :class:`~higgs_pack.runtime.loop.generate.Segment` items of the speech."""
+    route: str = "/v1/audio/speech"
+    """The route it answered (its request time is recorded under it)."""
 
 
 class SpeechServer:
@@ -89,7 +92,7 @@ class SpeechServer:
         self.engine, self.batching_note = _make_engine(tts, config.max_batch, config.max_kv_bytes)
         info = tts.info
         self.models = tuple(dict.fromkeys((info.bundle, info.model, *config.model_names)))
-        self.voices = VoiceStore(config.voices_dir, _codec_sha256(tts))
+        self.voices = VoiceStore(config.voices_dir, _codec_sha256(tts), _prefix_key(config))
         if self.engine.prefix_cache is not None:  # named voices' prefix KV persists beside them
             self.engine.prefix_cache.store = self.voices
         self.in_flight = 0
@@ -98,6 +101,10 @@ class SpeechServer:
         self._lock = threading.Lock()
         self._mean_seconds = 2.0  # running mean of seconds in flight (queue wait included), for Retry-After
         self.limiter = anyio.CapacityLimiter(self.capacity + 4)
+        # CPU work a request brings (a big JSON body, a clip to decode, a whole answer to encode, a
+        # sentence to tokenize) runs here, off the event loop, at most one per core at a time
+        self.parse_limiter = anyio.CapacityLimiter(max(2, os.cpu_count() or 2))
+        self.uploading: set[str] = set()  # voice names (lower case) being uploaded now
         self.metrics = Metrics(self)
 
     @classmethod
@@ -152,6 +159,10 @@ class SpeechServer:
                 "batching": self.batching_note or "continuous batching",
                 "kv_bytes_per_position": self.engine.kv_bytes_per_position,
                 "kv_budget_bytes": self.engine.kv_budget_bytes}
+
+    async def off_loop(self, work: Any) -> Any:
+        """``work()`` on a worker thread of the parse limiter (CPU work off the event loop)."""
+        return await anyio.to_thread.run_sync(work, limiter=self.parse_limiter)
 
     # admission
     def admit(self) -> None:
@@ -227,9 +238,13 @@ class SpeechServer:
             raise ApiError(499, "the client closed the request", code="cancelled") from failure
         if failure is not None:
             raise ApiError(500, f"generation failed: {failure}", code="generation_failed") from failure
-        body = encode_whole(result.samples, result.sample_rate, job.response_format)
-        if job.segments:
-            body = segments_answer(body, job.response_format, result.sample_rate, result.segments)
+        def encode() -> bytes:
+            body = encode_whole(result.samples, result.sample_rate, job.response_format)
+            if job.segments:
+                body = segments_answer(body, job.response_format, result.sample_rate, result.segments)
+            return body
+
+        body = await self.off_loop(encode)
         return body, Answer(int(result.codes.shape[0]), len(result.samples) / result.sample_rate,
                             segments=result.segments)
 
@@ -247,12 +262,16 @@ class SpeechServer:
             if head and not sse:
                 yield head
             pending = head if sse else b""
+
+            def step() -> tuple[Any, bytes]:  # the next chunk and its encoding, both off the event loop
+                chunk = next(stream, None)
+                return chunk, b"" if chunk is None else encoder.chunk(chunk.samples)
+
             while True:
-                chunk = await anyio.to_thread.run_sync(next, stream, None, abandon_on_cancel=True,
-                                                       limiter=self.limiter)
+                chunk, encoded = await anyio.to_thread.run_sync(step, abandon_on_cancel=True, limiter=self.limiter)
                 if chunk is None:
                     break
-                data = pending + encoder.chunk(chunk.samples)
+                data = pending + encoded
                 pending = b""
                 if math.isnan(answer.first_audio_s):
                     answer.first_audio_s = time.perf_counter() - started
@@ -264,7 +283,9 @@ class SpeechServer:
             answer.frames = int(sum(r.codes.shape[0] for r in stream.results))
             answer.audio_seconds = stream.samples_out / self.tts.sample_rate
             if sse:
-                tokens = len(self.tts.pipeline.tokenizer.encode(job.request.text, add_special_tokens=False).ids)
+                encode = functools.partial(self.tts.pipeline.tokenizer.encode, job.request.text,
+                                           add_special_tokens=False)
+                tokens = len((await self.off_loop(encode)).ids)
                 yield sse_done(tokens, answer.frames)
         except HiggsPackError as exc:
             log.warning("stream failed after it started: %s", exc)
@@ -304,3 +325,21 @@ def _codec_sha256(tts: Any) -> str:
         if record.get("path") == entry:
             return record["sha256"]
     return ""
+
+
+def _prefix_key(config: ServeConfig) -> bytes:
+    """The secret that signs the voices' persisted prefixes (``--prefix-key-file``, made on first
+    start); none without ``--voices-dir`` (nothing persists).
+
+    Raises:
+        InputError: the key file is inside the voices folder, or does not hold a key.
+        HiggsPackError: it cannot be read or made (the path and the reason named).
+    """
+    if config.voices_dir is None:
+        return b""
+    path = config.prefix_key_file or default_prefix_key_file()
+    try:
+        return load_prefix_key(path, config.voices_dir)
+    except OSError as exc:
+        raise HiggsPackError(f"cannot read or make the voice prefix key {path} ({exc.strerror or exc}); give a "
+                             "file this server may read and create with --prefix-key-file") from exc

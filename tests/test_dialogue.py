@@ -38,7 +38,7 @@ def test_a_script_is_one_turn_per_line():
     ("ANN: Hello.\nno speaker on this line\n", "line 2 of s.txt has no speaker: write it as NAME: text"),
     ("ANN: Hello.\nBEN:   \n", "the text of s.txt line 2 ('BEN') is empty: there is nothing to speak"),
     ("ANN: Hello.\n: Who?\n", "line 2 of s.txt has no speaker"),
-    ("ANN: a\x00b", "s.txt holds NUL characters: it is a binary file"),
+    ("ANN: a\x00b", "the text of s.txt line 1 ('ANN') holds a control character at character 2 (U+0000, NUL)"),
     ("\n# only a comment\n", "s.txt holds no turns"),
     ("ANN: hi\n" * 10_000, f"s.txt holds 10000 turns; at most {MAX_TURNS}"),
     ("A" * 65 + ": hi", "must be a name of at most 64 characters"),
@@ -182,6 +182,10 @@ def test_the_dialogue_command_writes_audio_and_subtitles(cpu_int4_bundle, cases_
     (lambda p: p.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe"), [], "is not UTF-8 text"),
     (lambda p: p.write_text("ANN: Hi.\nnobody\n"), [], "line 2 of"),
     (lambda p: p.write_text("ANN: Hi.\n"), ["--voice", "CAT={clip}:Words."], "voices names 'CAT', who speaks no turn"),
+    # the script's problems and a stray voice at once (issue 37 item 6)
+    (lambda p: p.write_text("ANN: Hi.\nnobody\n"), ["--voice", "CAT={clip}:Words."],
+     "2 problems with the request:\n  - line 2 of {script} has no speaker: write it as NAME: text (got 'nobody')\n"
+     "  - voices names 'CAT', who speaks no turn"),
     (lambda p: p.write_text("ANN: Hi.\n"), ["--voice", "ANN={clip}"], "needs the exact words said in its clip"),
     (lambda p: p.write_text("ANN: Hi.\n"), ["--voice", "ANN=missing.wav:Hi."], "no file missing.wav"),
     (lambda p: p.write_text("ANN: Hi.\n"), ["--subtitles", "{dir}/talk.txt"], "SubRip (.srt) or WebVTT (.vtt)"),
@@ -206,6 +210,7 @@ def test_the_dialogue_command_refuses_a_bad_script_before_loading(tmp_path, make
     args = [a.format(clip=clip, dir=tmp_path, script=script) for a in extra]
     result = CliRunner().invoke(main, ["dialogue", str(tmp_path / "no-bundle"), str(script), "-o",
                                        str(tmp_path / "o.wav"), *args])
+    message = message.format(script=script)
     assert result.exit_code == 2 and message in result.stderr and "no such bundle" not in result.stderr, \
         result.stderr
     assert not (tmp_path / "o.wav").exists()

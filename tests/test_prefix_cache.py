@@ -138,12 +138,51 @@ def test_the_cache_is_bounded_in_bytes(tts, voice):
     _fresh(tts)
 
 
-def _store_with(tmp_path, voice):
+def _store_with(tmp_path, voice, signing_key=b"k" * 32):
     from higgs_pack.serve.voices import VoiceStore
 
-    store = VoiceStore(tmp_path / "voices")
+    store = VoiceStore(tmp_path / "voices", signing_key=signing_key)
     store.add(PreparedVoice(voice.codes, voice.transcript, "alice"))
     return store, tmp_path / "voices" / ".prefix-kv" / "alice.safetensors"
+
+
+def test_a_forged_prefix_file_is_refused_and_recomputed(tts, voice, tmp_path, caplog):
+    """Issue 37 item 4: voice B's tensors written under voice A's key, with their sha256 recomputed
+    the way the code does, are refused (the HMAC needs the server's secret), and A is spoken as A."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    from higgs_pack.runtime.loop.prefix_cache import META_LENGTH, META_SHA256, PrefixEntry
+
+    store, path = _store_with(tmp_path, voice)
+    store.add(PreparedVoice(voice.codes[::-1].copy(), "Another voice entirely.", "bob"))
+    text, seed, cap = TEXTS[0]
+    want = {name: _without_cache(tts, store.get(name), [TEXTS[0]])[0].codes for name in ("alice", "bob")}
+    cache = _fresh(tts)
+    cache.store = store
+    for name in ("alice", "bob"):
+        np.testing.assert_array_equal(tts.synthesize(text, voice=store.get(name), seed=seed, max_frames=cap).codes,
+                                      want[name])
+    assert cache.stats.disk_writes == 2
+    with safe_open(str(path), "np") as f:
+        meta_a = dict(f.metadata())
+    with safe_open(str(path.with_name("bob.safetensors")), "np") as f:
+        arrays_b = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    forged = PrefixEntry(meta_a["prefix_key"], next(iter(arrays_b.values())).shape[1], arrays_b)
+    save_file(arrays_b, str(path), metadata={**meta_a, META_LENGTH: str(forged.length),
+                                             META_SHA256: forged.tensors_sha256()})
+    cache = _fresh(tts)  # a restart: nothing in memory
+    cache.store = store
+    with caplog.at_level(logging.WARNING, "higgs_pack.runtime.loop.prefix_cache"):
+        got = tts.synthesize(text, voice=store.get("alice"), seed=seed, max_frames=cap)
+    np.testing.assert_array_equal(got.codes, want["alice"])  # A's own prefix, computed again
+    assert cache.stats.refused == 1 and cache.stats.disk_loads == 0 and "signature does not match" in caplog.text
+    other, _ = _store_with(tmp_path, voice, signing_key=b"x" * 32)  # a server with another key: refused too
+    cache = _fresh(tts)
+    cache.store = other
+    tts.synthesize(text, voice=other.get("bob"), seed=seed, max_frames=cap)
+    assert cache.stats.refused == 1 and cache.stats.disk_loads == 0
+    _fresh(tts)
 
 
 def test_a_named_voice_prefix_persists_and_a_bad_file_is_refused(tts, voice, tmp_path, caplog):

@@ -230,13 +230,13 @@ def _clip_b64(seconds: float = 1.0) -> str:
 UNSPEAKABLE = [
     ({"input": "\ud800"}, "input", "input is not valid Unicode: character 1 is a lone surrogate (U+D800"),
     ({"input": "ok \udcff"}, "input", "character 4 is a lone surrogate (U+DCFF"),
-    ({"input": "\u0000"}, "input", "input is only whitespace and control characters: there is nothing to speak"),
-    ({"input": "\x01\x02 \t"}, "input", "only whitespace and control characters"),
+    ({"input": "\u0000"}, "input", "input holds a control character"),
+    ({"input": "\x01\x02 \t"}, "input", "holds a control character at character 1 (U+0001)"),
     ({"input": "   "}, "input", "input is only whitespace: there is nothing to speak"),
     ({"input": 5}, "input", "input must be text (a string), got a number (5)"),
     ({"voice": "\ud800"}, "voice", "voice is not valid Unicode"),
-    ({"voice": {"id": "\x00"}}, "voice", "voice is only whitespace and control characters"),
-    ({"ref_audio": "CLIP", "ref_text": "\x00\x1f"}, "ref_text", "ref_text is only whitespace and control characters"),
+    ({"voice": {"id": "\x00"}}, "voice", "voice holds a control character"),
+    ({"ref_audio": "CLIP", "ref_text": "\x00\x1f"}, "ref_text", "ref_text holds a control character"),
     ({"ref_audio": "CLIP", "ref_text": "\ud83d"}, "ref_text", "ref_text is not valid Unicode"),
     ({"ref_audio": "CLIP", "ref_text": ""}, "ref_text", "ref_text is empty"),
     ({"references": [{"audio": "CLIP", "text": "\udfff"}]}, "references", "references[0].text is not valid Unicode"),
@@ -489,3 +489,22 @@ def test_the_origin_check_lets_the_allowed_pages_through():
         with pytest.raises(InputError, match="--allow-origin"):
             ServeConfig(allow_origins=(bad,))
     assert ServeConfig(allow_origins=("*", "https://app.example:8443")).allow_origins[1] == "https://app.example:8443"
+
+
+def test_the_prefix_key_is_made_once_with_mode_0600_outside_the_voices_folder(tmp_path, monkeypatch):
+    """Issue 37 item 4: the secret that signs persisted prefixes."""
+    import stat
+
+    from higgs_pack.serve.voices import default_prefix_key_file, load_prefix_key
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    path = default_prefix_key_file()
+    assert path == tmp_path / "state" / "higgs-pack" / "voice-prefix.key"
+    key = load_prefix_key(path, tmp_path / "voices")
+    assert len(key) == 32 and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert load_prefix_key(path, tmp_path / "voices") == key  # kept: a restart signs with the same key
+    with pytest.raises(InputError, match="is inside --voices-dir"):
+        load_prefix_key(tmp_path / "voices" / "k.key", tmp_path / "voices")
+    (tmp_path / "bad.key").write_text("not a key")
+    with pytest.raises(InputError, match="does not hold a key"):
+        load_prefix_key(tmp_path / "bad.key", None)

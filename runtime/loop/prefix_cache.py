@@ -19,10 +19,13 @@ vllm-project/vllm-omni#7822): an entry's key is the sha256 of everything that ch
 
 :class:`PrefixCache` holds entries in memory as a least-recently-used map bounded in bytes,
 and, given a store (the server's voice store, :mod:`higgs_pack.serve.voices`), persists the
-entry of a named voice beside it as a safetensors file whose metadata holds the key and the
-sha256 of the tensors.  A persisted entry that cannot be read, whose tensors do not hash to
-its recorded sha256, or whose key differs (another bundle, backend, device, precision, KV
-type or voice) is refused with a logged warning and recomputed (then written again).
+entry of a named voice beside it as a safetensors file whose metadata holds the key, the
+sha256 of the tensors and an HMAC-SHA256 of both with the store's secret ``signing_key``.  A
+persisted entry that cannot be read, whose tensors do not hash to its recorded sha256, whose
+key differs (another bundle, backend, device, precision, KV type or voice), or whose HMAC does
+not verify (anyone who can write the folder can write a file and its sha256, e.g. another
+voice's KV under this voice's key: only the holder of the secret can sign) is refused with a
+logged warning and recomputed (then written again).
 
 A decoder takes part when it states ``prefix_layout`` (a string; None: it cannot) and has
 ``read_prefix`` / ``write_prefix`` (the batch-1 decoders; the batched ones take a row too):
@@ -49,6 +52,7 @@ or written).
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -72,6 +76,10 @@ DEFAULT_PREFIX_CACHE_BYTES = 512 * 2**20
 
 #: Metadata keys of a persisted entry (safetensors ``__metadata__``: str -> str).
 META_KEY, META_LENGTH, META_SHA256, META_IDENTITY = "prefix_key", "prefix_length", "tensors_sha256", "identity"
+#: Metadata key of a persisted entry's HMAC-SHA256 (hex) over its key, length and tensors' sha256,
+#: with the store's ``signing_key``: the sha256 alone is written by whoever writes the file, so it
+#: tells damage, not a forgery (another voice's tensors under this voice's key).
+META_HMAC = "hmac_sha256"
 
 
 def _sha256(*parts: bytes | str) -> str:
@@ -189,6 +197,12 @@ class PrefixStore(Protocol):
     def prefix_path(self, voice: str) -> Path | None:
         """The file of the persisted prefix of the named voice whose :func:`voice_digest` is
         ``voice`` (it may not exist yet), or None: not a named voice, not persisted."""
+        ...
+
+    @property
+    def signing_key(self) -> bytes:
+        """The secret persisted entries are signed with (:data:`META_HMAC`), kept where the files'
+        writers cannot read it (the server: ``--prefix-key-file``, outside the voices folder)."""
         ...
 
 
@@ -336,10 +350,21 @@ class PrefixCache:
         if not arrays or any(a.ndim != 3 or a.shape[1] != entry.length for a in arrays.values()):
             self._refuse(path, f"its tensors are not [kv_heads, {entry.length}, head_dim]")
             return None
-        if entry.tensors_sha256() != meta.get(META_SHA256):
+        digest = entry.tensors_sha256()
+        if digest != meta.get(META_SHA256):
             self._refuse(path, "its tensors do not match the sha256 recorded with them (damaged)")
             return None
+        if not hmac.compare_digest(self._signature(entry, digest), str(meta.get(META_HMAC, ""))):
+            self._refuse(path, "its signature does not match this server's prefix key (written by a server with "
+                               "another --prefix-key-file, or forged)")
+            return None
         return entry
+
+    def _signature(self, entry: PrefixEntry, digest: str) -> str:
+        """HMAC-SHA256 (hex) of an entry's key, length and tensors' sha256 with the store's signing key."""
+        assert self.store is not None
+        message = f"{entry.key}\n{entry.length}\n{digest}".encode()
+        return hmac.new(self.store.signing_key, message, hashlib.sha256).hexdigest()
 
     def _refuse(self, path: Path, why: str) -> None:
         log.warning("voice prefix cache file %s refused: %s; the prefix is computed again", path, why)
@@ -350,8 +375,9 @@ class PrefixCache:
         path = self._path(voice)
         if path is None:
             return
-        meta = {META_KEY: entry.key, META_LENGTH: str(entry.length), META_SHA256: entry.tensors_sha256(),
-                META_IDENTITY: self._facts(layout)}
+        digest = entry.tensors_sha256()
+        meta = {META_KEY: entry.key, META_LENGTH: str(entry.length), META_SHA256: digest,
+                META_HMAC: self._signature(entry, digest), META_IDENTITY: self._facts(layout)}
         try:
             from safetensors.numpy import save_file
 

@@ -43,6 +43,7 @@ from higgs_pack.serve.formats import (
 )
 from higgs_pack.serve.metrics import Metrics
 from higgs_pack.serve.speech import SpeechJob
+from higgs_pack.serve.tempo import TimeStretch, at_speed, retimed
 from higgs_pack.serve.voices import VoiceStore
 
 log = logging.getLogger(__name__)
@@ -227,6 +228,7 @@ class SpeechServer:
             raise ApiError(499, "the client closed the request", code="cancelled") from failure
         if failure is not None:
             raise ApiError(500, f"generation failed: {failure}", code="generation_failed") from failure
+        result = at_speed(result, job.speed)
         body = encode_whole(result.samples, result.sample_rate, job.response_format)
         if job.segments:
             body = segments_answer(body, job.response_format, result.sample_rate, result.segments)
@@ -239,30 +241,43 @@ class SpeechServer:
         ``_Stream`` does, also when the client left before the first byte and this generator
         never started), so a dropped stream frees its row."""
         sse = job.stream_format == "sse"
-        encoder = StreamEncoder(job.response_format, self.tts.sample_rate)
+        rate = self.tts.sample_rate
+        encoder, tempo = StreamEncoder(job.response_format, rate), TimeStretch(job.speed, rate)
+        held: list[Any] = []  # segments (at speed) whose audio is not all in the encoder yet
         stream = iter(handle)
         started = time.perf_counter()
+
+        def send(data: bytes, final: bool = False) -> list[bytes]:
+            """``data`` as the stream carries it, then the segments whose audio is now all in the
+            encoder (a stretch holds some back; ``final``: all of them), as SSE events."""
+            if math.isnan(answer.first_audio_s) and data:
+                answer.first_audio_s = time.perf_counter() - started
+            count = len(held) if final else sum(round(s.end * rate) <= tempo.samples_out for s in held)
+            done, held[:] = held[:count], held[count:]
+            answer.segments += done
+            if not sse:
+                return [data] if data else []
+            return ([sse_delta(data)] if data else []) + [sse_segment(s) for s in done]
+
         try:
-            head = encoder.start()
-            if head and not sse:
-                yield head
-            pending = head if sse else b""
+            pending = encoder.start()
+            if pending and not sse:
+                yield pending
+                pending = b""
             while True:
                 chunk = await anyio.to_thread.run_sync(next, stream, None, abandon_on_cancel=True,
                                                        limiter=self.limiter)
                 if chunk is None:
                     break
-                data = pending + encoder.chunk(chunk.samples)
+                held.extend(retimed(chunk, job.speed).segments)
+                for data in send(pending + encoder.chunk(tempo.push(chunk.samples))):
+                    yield data
                 pending = b""
-                if math.isnan(answer.first_audio_s):
-                    answer.first_audio_s = time.perf_counter() - started
-                yield sse_delta(data) if sse else data
-                answer.segments += chunk.segments
-                if sse:
-                    for segment in chunk.segments:
-                        yield sse_segment(segment)
+            last = encoder.chunk(tempo.finish()) + encoder.finish()
+            for data in send(pending + last, final=True):
+                yield data
             answer.frames = int(sum(r.codes.shape[0] for r in stream.results))
-            answer.audio_seconds = stream.samples_out / self.tts.sample_rate
+            answer.audio_seconds = tempo.samples_out / rate
             if sse:
                 tokens = len(self.tts.pipeline.tokenizer.encode(job.request.text, add_special_tokens=False).ids)
                 yield sse_done(tokens, answer.frames)

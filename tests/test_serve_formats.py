@@ -262,3 +262,22 @@ def test_speed_in_an_sse_stream_times_each_sentence_at_speed(server):
 
 def base64_audio(answer: dict) -> bytes:
     return base64.b64decode(answer["audio"])
+
+
+def test_the_docs_mp3_example_streams_a_playable_file_at_speed(server, tmp_path):
+    """The serving page's second Python example (the client's default format, speed 1.25), run as a
+    reader pastes it against this server (with the first example's client): an mp3 that FFmpeg decodes."""
+    import subprocess
+    import sys
+
+    from test_api import doc_text, python_blocks
+
+    block = python_blocks(doc_text("docs/serving/index.md"))[1]
+    assert "speed=1.25" in block and "response_format" not in block
+    script = python_blocks(doc_text("docs/serving/index.md"))[0].split("with client")[0] + block
+    out = subprocess.run([sys.executable, "-c", script.replace("http://127.0.0.1:8000", server.url)], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    data = (tmp_path / "hello.mp3").read_bytes()
+    audio, rate = decoded(data, "mp3")
+    assert data[:3] == b"ID3" and rate == RATE and audio.size > 960 * 5

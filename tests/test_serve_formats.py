@@ -281,3 +281,15 @@ def test_the_docs_mp3_example_streams_a_playable_file_at_speed(server, tmp_path)
     data = (tmp_path / "hello.mp3").read_bytes()
     audio, rate = decoded(data, "mp3")
     assert data[:3] == b"ID3" and rate == RATE and audio.size > 960 * 5
+
+
+def test_the_formats_bench_measures_every_format_and_speed(cases_dir):
+    from bench.formats import SPEEDS, measure, speech
+
+    samples = speech(cases_dir / "ref_en_16k.wav", 3.0)
+    assert samples.dtype == np.float32 and samples.size == 3 * RATE
+    run = measure(samples, repeats=1)
+    assert set(run["formats"]) == set(FORMATS) and set(run["atempo_ms_per_s"]) == {str(s) for s in SPEEDS}
+    assert run["formats"]["pcm"]["kbit_per_s"] == 384.0  # 24000 * 16 bits
+    assert 40 < run["formats"]["mp3"]["kbit_per_s"] < 90 and run["formats"]["flac"]["kbit_per_s"] < 384
+    assert all(v["streamed_ms_per_s"] >= 0 for v in run["formats"].values()) and run["machine"]["cpu"]

@@ -127,6 +127,8 @@ class DialogueBody(BaseModel):
         "{\"audio\", \"text\"}. A speaker left out speaks its first turn in a voice of the model's choosing, which "
         "is then its voice.")
     response_format: ResponseFormat = Field(DEFAULT_FORMAT, description="As /v1/audio/speech.")
+    speed: float = Field(1.0, ge=SPEED_RANGE[0], le=SPEED_RANGE[1], description="As /v1/audio/speech: the tempo, "
+                         "the pitch kept; each turn's segment timings scaled to match.")
     stream_format: Literal["audio", "sse"] | None = Field(None, description="As /v1/audio/speech; with \"sse\" "
                                                           "a speech.segment event (with speaker) per turn.")
     stream: bool | None = Field(None, description="As /v1/audio/speech.")

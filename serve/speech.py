@@ -156,8 +156,8 @@ def segments_wanted(body: dict, stream_format: str | None) -> bool:
 
 
 #: Every field the body of ``POST /v1/audio/dialogue`` may hold.
-DIALOGUE_FIELDS = ("model", "turns", "voices", "response_format", "stream_format", "stream", "segments", "seed",
-                   "temperature", "top_k", "top_p", "max_new_tokens", "initial_chunk_frames",
+DIALOGUE_FIELDS = ("model", "turns", "voices", "response_format", "speed", "stream_format", "stream", "segments",
+                   "seed", "temperature", "top_k", "top_p", "max_new_tokens", "initial_chunk_frames",
                    "initial_codec_chunk_frames", "context_chunks", "context_frames")
 
 
@@ -227,7 +227,7 @@ def parse_dialogue(body: Any, *, models: tuple[str, ...], voices: Any, config: S
     except InputError as exc:
         raise from_input_error(exc, param="turns") from exc
     return SpeechJob(request, response_format, stream_format, model, "dialogue",  # type: ignore[arg-type]
-                     segments_wanted(body, stream_format))
+                     segments_wanted(body, stream_format), _speed(body.get("speed")))
 
 
 def _dialogue_voices(given: Any, speakers: set[str], voices: Any, config: ServeConfig) -> dict[str, Any]:

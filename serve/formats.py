@@ -15,7 +15,7 @@ streamed as it is generated in a form that players play while it arrives:
   are encoded by FFmpeg through PyAV, frame by frame (:class:`StreamEncoder`).  A whole answer
   is the same encoder fed the whole audio at once, so it holds the stream's very bytes, except
   that a whole FLAC's header gets its length and MD5 (a stream's says "length unknown", which
-  FFmpeg and browsers read to the end but libsndfile refuses).  An mp3 carries no Xing/LAME
+  FFmpeg reads to the end but libsndfile refuses).  An mp3 carries no Xing/LAME
   header (a stream cannot write one), so decoders keep LAME's delay (1105 samples) and its
   padding to a whole frame; an AAC keeps its 1024 samples of priming.
 - ``sse``: ``speech.audio.delta`` events whose base64 ``audio`` decoded and joined are the

@@ -1,9 +1,10 @@
-"""What each response format and each ``speed`` costs the server: CPU per second of audio.
+"""What each response format and each ``speed`` costs: CPU per second of audio, bits, first audio.
 
-``python -m bench.formats [--clip WAV] [--seconds 60] [--out run.json]`` streams real speech (the cases' reference
-clip, resampled to 24 kHz and repeated to ``--seconds``) through each format's
+``python -m bench.formats [--clip WAV] [--seconds 60] [--out run.json]`` streams real speech (the
+cases' reference clip, resampled to 24 kHz and repeated to ``--seconds``) through each format's
 :class:`~higgs_pack.serve.formats.StreamEncoder` in 0.4 s pieces (10 codec frames, as a stream
-sends them), through :func:`~higgs_pack.serve.formats.encode_whole`, and through
+sends them; and in 10 ms pieces until what was sent decodes), through
+:func:`~higgs_pack.serve.formats.encode_whole`, and through
 :class:`~higgs_pack.serve.tempo.TimeStretch` at several speeds, all in one run, and prints JSON:
 CPU milliseconds per audio second (process time, the least of ``--repeats``) and the bit rate on
 the wire, with the CPU that measured them.  Kept in docs/benchmarks/runs/, a run is rendered in the
@@ -13,6 +14,7 @@ docs by the ``formats`` and ``atempo`` tables (:func:`formats_table`, :func:`ate
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import time
 from collections.abc import Callable
@@ -51,6 +53,33 @@ def cpu_ms_per_s(work: Callable[[], Any], seconds: float, repeats: int) -> float
     return round(best / seconds * 1000, 3)
 
 
+def first_audio_ms(samples: np.ndarray, response_format: str, step_ms: int = 10) -> float:
+    """Milliseconds of audio a stream must be fed, in ``step_ms`` pieces, before the bytes it sent
+    decode (FFmpeg, through PyAV) to at least one sample: the encoder's lookahead and frame, and the
+    muxer's header, as a player sees them.
+
+    Raises:
+        ValueError: no decodable audio from all of ``samples``.
+    """
+    import av
+
+    encoder, step = StreamEncoder(response_format, RATE), RATE * step_ms // 1000
+    sent = encoder.start()
+    for end in range(step, samples.size + 1, step):
+        sent += encoder.chunk(samples[end - step:end])
+        if response_format == "pcm":
+            if sent:
+                return end * 1000 / RATE
+            continue
+        try:
+            with av.open(io.BytesIO(sent)) as container:
+                if any(frame.samples for frame in container.decode(audio=0)):
+                    return end * 1000 / RATE
+        except av.FFmpegError:  # not yet a readable header
+            continue
+    raise ValueError(f"{response_format}: no decodable audio from {samples.size} samples")
+
+
 def measure(samples: np.ndarray, repeats: int = 3) -> dict[str, Any]:
     """Per format (streamed, whole, kbit/s of the whole file) and per speed (the stretch alone)."""
     seconds = samples.size / RATE
@@ -71,7 +100,8 @@ def measure(samples: np.ndarray, repeats: int = 3) -> dict[str, Any]:
 
     formats = {fmt: {"streamed_ms_per_s": cpu_ms_per_s(partial(streamed, fmt), seconds, repeats),
                      "whole_ms_per_s": cpu_ms_per_s(partial(encode_whole, samples, RATE, fmt), seconds, repeats),
-                     "kbit_per_s": round(len(encode_whole(samples, RATE, fmt)) * 8 / seconds / 1000, 1)}
+                     "kbit_per_s": round(len(encode_whole(samples, RATE, fmt)) * 8 / seconds / 1000, 1),
+                     "first_audio_ms": first_audio_ms(samples[:RATE], fmt)}
                for fmt in FORMATS}
     speeds = {str(speed): cpu_ms_per_s(partial(stretched, speed), seconds, repeats) for speed in SPEEDS}
     return {"machine": machine_facts(), "audio_seconds": seconds, "piece_seconds": PIECE_S, "repeats": repeats,
@@ -85,10 +115,12 @@ def _facts(run: dict[str, Any]) -> list[str]:
 
 
 def formats_table(run: dict[str, Any]) -> tuple[list[str], list[list[str]], list[str]]:
-    """(headers, rows, facts) of a run's formats: CPU ms per audio second streamed and whole, kbit/s."""
-    rows = [[f"`{fmt}`", f"{f['streamed_ms_per_s']:.2f}", f"{f['whole_ms_per_s']:.2f}", f"{f['kbit_per_s']:.1f}"]
-            for fmt, f in run["formats"].items()]
-    return ["response_format", "CPU ms per audio s, streamed", "whole", "kbit/s sent"], rows, _facts(run)
+    """(headers, rows, facts) of a run's formats: CPU ms per audio second streamed and whole, kbit/s,
+    and the audio fed in 10 ms pieces before the stream decodes (:func:`first_audio_ms`)."""
+    rows = [[f"`{fmt}`", f"{f['streamed_ms_per_s']:.2f}", f"{f['whole_ms_per_s']:.2f}", f"{f['kbit_per_s']:.1f}",
+             f"{f['first_audio_ms']:.0f}"] for fmt, f in run["formats"].items()]
+    return (["response_format", "CPU ms per audio s, streamed", "whole", "kbit/s sent", "ms in before audio decodes"],
+            rows, _facts(run))
 
 
 def atempo_table(run: dict[str, Any]) -> tuple[list[str], list[list[str]], list[str]]:

@@ -293,3 +293,5 @@ def test_the_formats_bench_measures_every_format_and_speed(cases_dir):
     assert run["formats"]["pcm"]["kbit_per_s"] == 384.0  # 24000 * 16 bits
     assert 40 < run["formats"]["mp3"]["kbit_per_s"] < 90 and run["formats"]["flac"]["kbit_per_s"] < 384
     assert all(v["streamed_ms_per_s"] >= 0 for v in run["formats"].values()) and run["machine"]["cpu"]
+    assert run["formats"]["pcm"]["first_audio_ms"] == 10.0  # the first 10 ms piece is sent as it is
+    assert run["formats"]["mp3"]["first_audio_ms"] >= 24.0  # at least one 576-sample frame and LAME's lookahead

@@ -36,7 +36,7 @@ from starlette.routing import Match
 from higgs_pack.manifests.errors import HiggsPackError, InputError, disk_full, disk_full_message
 from higgs_pack.serve import schema
 from higgs_pack.serve.errors import ApiError, error_body, from_input_error, upload_error
-from higgs_pack.serve.formats import FORMATS, media_type, response_formats, sse_error
+from higgs_pack.serve.formats import FORMATS, media_type, sse_error
 from higgs_pack.serve.live import ROUTE as LIVE_ROUTE
 from higgs_pack.serve.live import live_route
 from higgs_pack.serve.metrics import CONTENT_TYPE
@@ -431,7 +431,7 @@ def _service_routes(app: FastAPI, server: SpeechServer) -> None:
 
 def _speech_route(app: FastAPI, server: SpeechServer) -> None:
     body_limit = server.config.max_upload_bytes * 4 // 3 + 65536
-    audio = {kind: {"schema": {"type": "string", "format": "binary"}} for kind, _, _ in FORMATS.values()}
+    audio = {media_type(name): {"schema": {"type": "string", "format": "binary"}} for name in FORMATS}
 
     @app.post("/v1/audio/speech", response_class=Response, openapi_extra=schema.json_body(schema.SpeechBody),
               responses={
@@ -516,7 +516,7 @@ def _voice_routes(app: FastAPI, server: SpeechServer) -> None:
         _check_key(server, request)
         own = {"name": DEFAULT_VOICE, "transcript": None, "seconds": 0.0, "frames": 0, "created": 0.0}
         return {"voices": [own, *(server.voices.describe(n) for n in server.voices.names())],
-                "response_formats": list(response_formats())}
+                "response_formats": list(FORMATS)}
 
     @app.post("/v1/audio/voices", status_code=201, openapi_extra=schema.form_body(schema.VoiceUpload),
               responses=schema.errors(400, 401, 409, 413, 507))

@@ -82,7 +82,7 @@ from higgs_pack.runtime.loop.generate import (
 from higgs_pack.runtime.loop.sentences import SentenceSplitter
 from higgs_pack.runtime.request import PreparedVoice, SynthesisRequest, Voice
 from higgs_pack.serve.errors import ApiError, from_input_error
-from higgs_pack.serve.formats import STREAMABLE, StreamEncoder
+from higgs_pack.serve.formats import PCM_FORMATS, StreamEncoder
 from higgs_pack.serve.speech import SpeechJob, parse_speech, short
 
 log = logging.getLogger(__name__)
@@ -347,9 +347,13 @@ class Session:
                 raise _bad(f"session.config takes no {name}: text comes in input.text messages and is always "
                            "streamed", name, "unknown_field")
         fmt = fields.get("response_format")
-        if fmt is not None and fmt not in STREAMABLE:
-            raise _bad(f"response_format {short(fmt)} cannot be streamed; a live session carries "
-                       f"{' or '.join(STREAMABLE)}", "response_format", "unsupported_value")
+        if fmt is not None and fmt not in PCM_FORMATS:
+            raise _bad(f"response_format {short(fmt)} is not carried by a live session: its binary messages are "
+                       f"{' or '.join(PCM_FORMATS)}", "response_format", "unsupported_value")
+        if fields.get("speed") not in (None, 1, 1.0) or isinstance(fields.get("speed"), bool):
+            raise _bad(f"session.config takes no speed other than 1.0 (got {short(fields['speed'])}): a live session "
+                       "sends each sentence as it is generated; POST /v1/audio/speech takes speed", "speed",
+                       "unsupported_value")
         body = {"model": self.server.models[0], "response_format": "pcm", **fields, "input": "session",
                 "stream_format": "audio"}
         server = self.server

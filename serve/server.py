@@ -44,6 +44,7 @@ from higgs_pack.serve.formats import (
 )
 from higgs_pack.serve.metrics import Metrics
 from higgs_pack.serve.speech import SpeechJob
+from higgs_pack.serve.tempo import TimeStretch, at_speed, retimed
 from higgs_pack.serve.voices import VoiceStore, default_prefix_key_file, load_prefix_key
 
 log = logging.getLogger(__name__)
@@ -238,13 +239,7 @@ class SpeechServer:
             raise ApiError(499, "the client closed the request", code="cancelled") from failure
         if failure is not None:
             raise ApiError(500, f"generation failed: {failure}", code="generation_failed") from failure
-        def encode() -> bytes:
-            body = encode_whole(result.samples, result.sample_rate, job.response_format)
-            if job.segments:
-                body = segments_answer(body, job.response_format, result.sample_rate, result.segments)
-            return body
-
-        body = await self.off_loop(encode)
+        result, body = await self.off_loop(functools.partial(_whole_file, result, job))
         return body, Answer(int(result.codes.shape[0]), len(result.samples) / result.sample_rate,
                             segments=result.segments)
 
@@ -254,34 +249,48 @@ class SpeechServer:
         ``_Stream`` does, also when the client left before the first byte and this generator
         never started), so a dropped stream frees its row."""
         sse = job.stream_format == "sse"
-        encoder = StreamEncoder(job.response_format, self.tts.sample_rate)
+        rate = self.tts.sample_rate
+        encoder, tempo = StreamEncoder(job.response_format, rate), TimeStretch(job.speed, rate)
+        held: list[Any] = []  # segments (at speed) whose audio is not all in the encoder yet
         stream = iter(handle)
         started = time.perf_counter()
+
+        def send(data: bytes, final: bool = False) -> list[bytes]:
+            """``data`` as the stream carries it, then the segments whose audio is now all in the
+            encoder (a stretch holds some back; ``final``: all of them), as SSE events."""
+            if math.isnan(answer.first_audio_s) and data:
+                answer.first_audio_s = time.perf_counter() - started
+            count = len(held) if final else sum(round(s.end * rate) <= tempo.samples_out for s in held)
+            done, held[:] = held[:count], held[count:]
+            answer.segments += done
+            if not sse:
+                return [data] if data else []
+            return ([sse_delta(data)] if data else []) + [sse_segment(s) for s in done]
+
+        def step() -> tuple[Any, bytes]:
+            """The next piece and its bytes, stretched and encoded on the worker thread, off the event
+            loop (mp3 costs about 11 ms of CPU per second of audio); at the end, None and the rest."""
+            chunk = next(stream, None)
+            if chunk is None:
+                return None, encoder.chunk(tempo.finish()) + encoder.finish()
+            return chunk, encoder.chunk(tempo.push(chunk.samples))
+
         try:
-            head = encoder.start()
-            if head and not sse:
-                yield head
-            pending = head if sse else b""
-
-            def step() -> tuple[Any, bytes]:  # the next chunk and its encoding, both off the event loop
-                chunk = next(stream, None)
-                return chunk, b"" if chunk is None else encoder.chunk(chunk.samples)
-
+            pending = encoder.start()
+            if pending and not sse:
+                yield pending
+                pending = b""
             while True:
-                chunk, encoded = await anyio.to_thread.run_sync(step, abandon_on_cancel=True, limiter=self.limiter)
+                chunk, data = await anyio.to_thread.run_sync(step, abandon_on_cancel=True, limiter=self.limiter)
+                if chunk is not None:
+                    held.extend(retimed(chunk, job.speed).segments)
+                for out in send(pending + data, final=chunk is None):
+                    yield out
+                pending = b""
                 if chunk is None:
                     break
-                data = pending + encoded
-                pending = b""
-                if math.isnan(answer.first_audio_s):
-                    answer.first_audio_s = time.perf_counter() - started
-                yield sse_delta(data) if sse else data
-                answer.segments += chunk.segments
-                if sse:
-                    for segment in chunk.segments:
-                        yield sse_segment(segment)
             answer.frames = int(sum(r.codes.shape[0] for r in stream.results))
-            answer.audio_seconds = stream.samples_out / self.tts.sample_rate
+            answer.audio_seconds = tempo.samples_out / rate
             if sse:
                 encode = functools.partial(self.tts.pipeline.tokenizer.encode, job.request.text,
                                            add_special_tokens=False)
@@ -292,6 +301,16 @@ class SpeechServer:
             if not sse:
                 raise  # the connection is cut: a truncated stream, never a wrong one
             yield sse_error(f"generation failed: {exc}", "generation_failed")
+
+
+def _whole_file(result: Any, job: SpeechJob) -> tuple[Any, bytes]:
+    """``result`` at ``job.speed`` and its answer's bytes: the file in ``job.response_format``, or the
+    JSON with it and the segments (run on a worker thread: an hour of mp3 is about 40 s of CPU)."""
+    result = at_speed(result, job.speed)
+    body = encode_whole(result.samples, result.sample_rate, job.response_format)
+    if job.segments:
+        body = segments_answer(body, job.response_format, result.sample_rate, result.segments)
+    return result, body
 
 
 async def _cancel_on_disconnect(receive: Any, handle: EngineHandle, scope: anyio.CancelScope) -> None:

@@ -268,6 +268,13 @@ def test_the_dialogue_route_answers_audio_segments_and_sse(server, cases_dir):
     streamed = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
     assert len(streamed) == len(pcm)
     assert np.abs(np.frombuffer(streamed, "<i2").astype(int) - np.frombuffer(pcm, "<i2")).max() <= 1
+    # speed: the dialogue's audio and each turn's times, 1.5 times shorter, whole and streamed
+    fast = httpx.post(url, json={**body, "segments": True, "speed": 1.5}, timeout=120).json()
+    assert len(base64.b64decode(fast["audio"])) == round(len(pcm) / 2 / 1.5) * 2
+    assert [s["end"] for s in fast["segments"]] == pytest.approx([s["end"] / 1.5 for s in answer["segments"]])
+    assert [s["speaker"] for s in fast["segments"]] == ["ANN", "BEN", "ANN"]
+    with httpx.stream("POST", url, json={**body, "speed": 1.5, "stream_format": "audio"}, timeout=120) as response:
+        assert len(b"".join(response.iter_bytes())) == len(base64.b64decode(fast["audio"]))
 
 
 @pytest.mark.parametrize(("change", "param", "words"), [
@@ -281,6 +288,7 @@ def test_the_dialogue_route_answers_audio_segments_and_sse(server, cases_dir):
     ({"turns": [{"speaker": "ANN", "input": "Say <|audio|> now."}]}, "turns[0].input", "turn 1 ('ANN')"),
     ({"turns": [{"speaker": "A:B", "input": "Hi."}]}, "turns[0].speaker", "without ':'"),  # H-newuser 6
     ({"segments": True, "stream_format": "audio"}, "segments", "segments true needs an answer with room"),
+    ({"speed": 8}, "speed", "speed must be a number from 0.25 to 4.0"),
     # every bad turn at once, as a speech body's fields (a new user's finding: only the first was said)
     ({"turns": [{"speaker": "ANN", "input": ""}, {"speaker": 5, "input": "Hi."}, {"input": "Hi."}, "Hi."]},
      "turns[0].input", "4 problems with the request"),

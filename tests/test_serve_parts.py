@@ -17,7 +17,7 @@ from higgs_pack.manifests.errors import InputError
 from higgs_pack.runtime.request import CONTEXT_FRAMES, PreparedVoice
 from higgs_pack.serve.config import ServeConfig
 from higgs_pack.serve.errors import ApiError
-from higgs_pack.serve.formats import StreamEncoder, encode_whole, response_formats
+from higgs_pack.serve.formats import FORMATS, StreamEncoder, encode_whole
 from higgs_pack.serve.speech import parse_speech
 from higgs_pack.serve.voices import VoiceStore, name_problem
 
@@ -182,7 +182,7 @@ def test_whole_files_hold_the_samples_the_stream_carries():
     assert rate == 24000 and read.tobytes() == pcm
     assert np.frombuffer(pcm, "<i2").min() == -32768 and np.frombuffer(pcm, "<i2").max() == 32767
     assert StreamEncoder("pcm", 24000).start() == b""
-    assert {"wav", "pcm", "flac"} <= set(response_formats())
+    assert list(FORMATS) == ["mp3", "opus", "aac", "flac", "wav", "pcm"]  # OpenAI's six, in its order
 
 
 def test_config_limits_are_checked(tmp_path):
@@ -305,7 +305,7 @@ def test_stream_and_stream_format_that_agree_or_are_null_are_taken():
     assert _parse(stream=False).stream_format is None
     assert _parse(stream=None, stream_format="sse").stream_format == "sse"
     assert _parse(stream_format=None).stream_format is None
-    assert _parse(response_format=None, voice=None, speed=None).response_format == "wav"
+    assert _parse(response_format=None, voice=None, speed=None).response_format == "mp3"  # OpenAI's default
 
 
 def test_an_unknown_field_gets_a_close_match():
@@ -325,9 +325,12 @@ def test_an_unknown_field_gets_a_close_match():
     ({"stream": "yes"}, "stream must be true or false, got 'yes'"),
     ({"stream": 1}, "got a number (1)"),
     ({"response_format": 3}, "response_format a number (3) is not supported"),
-    ({"speed": "fast"}, "speed must be 1.0, got 'fast'"),
-    ({"speed": True}, "speed must be 1.0, got a boolean (true)"),
-    ({"speed": 1.5}, "speed must be 1.0, got a number (1.5): only 1.0 is supported"),
+    ({"speed": "fast"}, "speed must be a number from 0.25 to 4.0 (1.0: as generated; 2.0: twice as fast, the "
+                        "same pitch), got 'fast'"),
+    ({"speed": True}, "speed must be a number from 0.25 to 4.0 (1.0: as generated; 2.0: twice as fast, the "
+                      "same pitch), got a boolean (true)"),
+    ({"speed": 0.1}, "got a number (0.1)"),
+    ({"speed": 5}, "got a number (5)"),
     ({"references": 3}, "got a number (3)"),
     ({"references": [3]}, "got a list holding a number (3)"),
     ({"references": [{}, {}]}, "got a list of 2"),

@@ -414,3 +414,28 @@ def test_the_server_persists_a_named_voice_prefix_and_exports_its_metrics(cpu_fp
             server.close()
     assert (tmp_path / "voices" / ".prefix-kv" / "alice.safetensors").is_file()
     np.testing.assert_array_equal(codes[0], codes[1])
+
+
+def test_the_engine_persists_a_cold_voice_in_the_background_and_reads_it_before_the_join(tts, voice, tmp_path):
+    """Issue 37 item 7: the prefix file of a voice's first use is written by the cache's writer thread
+    (it was hashed, signed and written between the running rows' steps), and a persisted prefix is
+    read on the submitting thread, so the engine's own lookup is a memory hit."""
+    store, path = _store_with(tmp_path, voice)
+    text, seed, cap = TEXTS[0]
+    want = _without_cache(tts, store.get("alice"), [TEXTS[0]])[0].codes
+    cache = _fresh(tts)
+    cache.store = store
+    with tts.engine(max_batch=2) as engine:
+        got = engine.submit(text, voice=store.get("alice"), seed=seed, max_frames=cap).result(timeout=120)
+        writer = cache._writer
+    np.testing.assert_array_equal(got.codes, want)
+    assert writer is not None and writer.name == "prefix-cache-writer"  # written off the engine's thread
+    assert path.is_file() and cache.stats.disk_writes == 1  # close() waited for it
+    cache = _fresh(tts)  # a restart
+    cache.store = store
+    with tts.engine(max_batch=2) as engine:
+        handle = engine.submit(text, voice=store.get("alice"), seed=seed, max_frames=cap)
+        assert cache.stats.disk_loads == 1 and cache.stats.entries == 1  # read at submit, before any step
+        np.testing.assert_array_equal(handle.result(timeout=120).codes, want)
+        assert engine.stats.prefix_hits == 1 and cache.stats.hits == 1  # the engine's lookup: from memory
+    _fresh(tts)

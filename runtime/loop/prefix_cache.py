@@ -56,8 +56,10 @@ import hmac
 import json
 import logging
 import os
+import queue
 import tempfile
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -256,6 +258,8 @@ class PrefixCache:
             raise InputError(f"prefix cache max_bytes must be a whole number of bytes >= 0, got {self.max_bytes!r}")
         self._entries: OrderedDict[str, PrefixEntry] = OrderedDict()
         self._lock = threading.Lock()
+        self._queue: queue.Queue[tuple[PrefixEntry, str, str]] = queue.Queue()  # entries to persist (put)
+        self._writer: threading.Thread | None = None
 
     def key(self, prompt: Prompt, layout: str) -> str:
         """The key of ``prompt``'s voice prefix on a decoder of ``layout`` (its ``prefix_layout``)."""
@@ -286,11 +290,56 @@ class PrefixCache:
             self._keep(entry)
         return entry
 
-    def put(self, entry: PrefixEntry, voice: str, layout: str) -> None:
-        """Keep a computed entry (in memory within the bound; persisted for a named voice)."""
+    def prefetch(self, key: str, voice: str, layout: str) -> None:
+        """Bring a persisted entry into memory ahead of its use, on the caller's thread (the engine's
+        submit), so the engine's own lookup is a memory hit: reading and checking a full-size
+        prefix file (about 63 MB) between the running rows' steps stalled them.  Counts a disk
+        load, not a hit; nothing when it is in memory, not persisted, or refused."""
+        with self._lock:
+            if key in self._entries:
+                return
+        entry = self._read(key, voice, layout)
+        if entry is not None:
+            with self._lock:
+                self.stats.disk_loads += 1
+                self._keep(entry)
+
+    def put(self, entry: PrefixEntry, voice: str, layout: str, background: bool = False) -> None:
+        """Keep a computed entry (in memory within the bound; persisted for a named voice).
+
+        Args:
+            background: persist it on the cache's writer thread (the engine: hashing, signing and
+                writing a full-size prefix held the running rows for tenths of a second); the
+                memory entry serves at once.  :meth:`flush` waits for the writes.
+        """
         with self._lock:
             self._keep(entry)
-        self._write(entry, voice, layout)
+        if not background or self._path(voice) is None:
+            self._write(entry, voice, layout)
+            return
+        with self._lock:
+            if self._writer is None or not self._writer.is_alive():
+                self._writer = threading.Thread(target=self._write_queued, name="prefix-cache-writer", daemon=True)
+                self._writer.start()
+            self._queue.put((entry, voice, layout))
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every entry :meth:`put` in the background is persisted (or ``timeout`` s)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._queue.all_tasks_done:
+            while self._queue.unfinished_tasks:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return
+                self._queue.all_tasks_done.wait(left)
+
+    def _write_queued(self) -> None:
+        while True:
+            entry, voice, layout = self._queue.get()
+            try:
+                self._write(entry, voice, layout)
+            finally:
+                self._queue.task_done()
 
     def discard(self, key: str) -> None:
         """Forget ``key``'s entry (in memory; a decoder refused it)."""
@@ -433,10 +482,19 @@ def restore_prefix(cache: PrefixCache | None, prompt: Prompt, layout: str | None
     return entry.length, None
 
 
-def store_prefix(cache: PrefixCache, prompt: Prompt, layout: str, key: str, arrays: dict[str, np.ndarray]) -> None:
+def store_prefix(cache: PrefixCache, prompt: Prompt, layout: str, key: str, arrays: dict[str, np.ndarray],
+                 background: bool = False) -> None:
     """Keep the KV of ``prompt``'s voice prefix (``arrays``, the decoder's ``read_prefix`` of its
-    ``prompt.prefix_length`` positions) under ``key`` (:func:`restore_prefix`'s)."""
-    cache.put(PrefixEntry(key, prompt.prefix_length, arrays), prompt.voice, layout)
+    ``prompt.prefix_length`` positions) under ``key`` (:func:`restore_prefix`'s); ``background``:
+    persisted on the cache's writer thread (:meth:`PrefixCache.put`)."""
+    cache.put(PrefixEntry(key, prompt.prefix_length, arrays), prompt.voice, layout, background=background)
+
+
+def prefetch_prefix(cache: PrefixCache | None, prompt: Prompt, layout: str | None) -> None:
+    """Read ``prompt``'s persisted voice prefix into memory ahead of its prefill
+    (:meth:`PrefixCache.prefetch`); nothing without a cache, a cacheable prefix or a layout."""
+    if cache is not None and layout is not None and 0 < prompt.prefix_length < prompt.length:
+        cache.prefetch(cache.key(prompt, layout), prompt.voice, layout)
 
 
 def cached_prefill(decoder: Any, prompt: Prompt, cache: PrefixCache | None) -> np.ndarray:

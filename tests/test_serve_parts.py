@@ -188,7 +188,7 @@ def test_whole_files_hold_the_samples_the_stream_carries():
 def test_config_limits_are_checked(tmp_path):
     with pytest.raises(InputError, match="max_queue must be a whole number >= 0"):
         ServeConfig(max_queue=-1)
-    with pytest.raises(InputError, match="max_ref_seconds must be a number of seconds > 0"):
+    with pytest.raises(InputError, match=r"max_ref_seconds must be a number >= 0\.5, got 0"):
         ServeConfig(max_ref_seconds=0)
     with pytest.raises(InputError, match="api_key is blank"):
         ServeConfig(api_key=" ")
@@ -511,3 +511,51 @@ def test_the_prefix_key_is_made_once_with_mode_0600_outside_the_voices_folder(tm
     (tmp_path / "bad.key").write_text("not a key")
     with pytest.raises(InputError, match="does not hold a key"):
         load_prefix_key(tmp_path / "bad.key", None)
+
+
+def test_each_server_setting_is_declared_once_and_every_door_has_it(monkeypatch, tmp_path):
+    """Issue 38 item 2: ``higgs-pack serve``'s options, their environment variables and Ray Serve's
+    ``build_app`` arguments are made from ServeConfig's one declaration of each setting: a field
+    there is at every door with its default and its least value, and each door gives the same config."""
+    import dataclasses
+
+    from click.testing import CliRunner
+
+    from higgs_pack.serve.cli import ENV_PREFIX, serve
+    from higgs_pack.serve.config import settings
+    from higgs_pack.serve.ray_app import ARGS, parse_args
+    from higgs_pack.serve.server import SpeechServer
+
+    options = {p.opts[0]: p for p in serve.params if p.opts[0].startswith("--")}
+    defaults = ServeConfig()
+    for name, setting in settings().items():
+        option = options[setting.flag]
+        key = setting.name if setting.unit != 1 else name
+        assert key in ARGS and setting.flag in ARGS[key][1]
+        default = getattr(defaults, name)
+        if default not in (None, ()):
+            assert option.default == default / setting.unit if setting.unit != 1 else option.default == default
+        if setting.minimum is not None:
+            assert option.type.min == setting.minimum
+    assert set(settings()) == {f.name for f in dataclasses.fields(ServeConfig)}
+    # one config three ways: the command line, the environment, Ray's arguments
+    given = {"--max-batch": "2", "--max-queue": "3", "--max-kv-mb": "64", "--max-upload-mb": "2",
+             "--model-name": "a", "--allow-origin": "http://localhost:3000", "--voices-dir": str(tmp_path / "v")}
+    captured = []
+
+    def opened(cls, source, config, device=None):  # the config the command made, then stop before loading
+        captured.append(config)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(SpeechServer, "open", classmethod(opened))
+    argv = [x for flag, value in given.items() for x in (flag, value)]
+    assert CliRunner().invoke(serve, ["bundle", "--port", "0", *argv]).exit_code == 0
+    env = {f"{ENV_PREFIX}_{flag[2:].replace('-', '_').upper()}": value for flag, value in given.items()}
+    assert CliRunner().invoke(serve, ["bundle", "--port", "0"], env=env).exit_code == 0
+    monkeypatch.undo()
+    _, from_ray, _ = parse_args({"source": "bundle", "max_batch": 2, "max_queue": 3, "max_kv_mb": 64, "max_upload_mb": 2,
+                                 "model_names": "a", "allow_origins": "http://localhost:3000",
+                                 "voices_dir": str(tmp_path / "v")})
+    assert len(captured) == 2 and captured[0] == captured[1] == from_ray
+    assert from_ray.max_kv_bytes == 64 * 2**20 and from_ray.model_names == ("a",)
+

@@ -56,8 +56,6 @@ from higgs_pack.runtime.machine.mapped_pages import paging_out
 # DECODER_INPUTS / DECODER_OUTPUT of higgs_pack.runtime.backends.openvino.runners.
 
 
-# Over 80 lines because of its docstring and optimum-intel's steps in order (load in the stored dtype,
-# strip the head, export stateful, compress with NNCF while paging out, save): one tool, read whole.
 class ExpectedWrapperFallback(logging.Filter):
     """OpenVINO's PyTorch frontend logs ``ERROR ... Failed to build model wrapper.`` on every
     decoder build that succeeds.  What happens (``openvino/frontend/pytorch/utils.py``,
@@ -86,6 +84,8 @@ class ExpectedWrapperFallback(logging.Filter):
         return True
 
 
+# Over 80 lines because of its docstring and optimum-intel's steps in order (load in the stored dtype,
+# strip the head, export stateful, compress with NNCF while paging out, save): one tool, read whole.
 def convert_llm_decoder(
     hf_dir: str | Path,
     out_dir: str | Path,

@@ -246,7 +246,7 @@ def test_stream_stops_when_closed(cpu_pipeline):
                     schedule=StreamSchedule(first_chunk_frames=2))
     first = next(speech)
     speech.close()
-    assert len(first.samples) == cpu_pipeline.constants.hop_length  # the stateful codec's first frame
+    assert len(first.samples) == 2 * cpu_pipeline.constants.hop_length  # the first chunk: the 2 frames asked for
     assert not speech.results  # generation ended mid-utterance
     with pytest.raises(StopIteration):
         next(speech)

@@ -14,8 +14,8 @@ text messages:
 
 The server answers per sentence ``{"type": "audio.start", "sentence_index", "sentence_text",
 "format", "sample_rate"}``, binary messages of audio (16-bit little-endian mono PCM at 24 kHz; with
-``wav`` each sentence's first binary message opens with a WAV header of open length, so each
-sentence's bytes are a playable stream), ``{"type": "audio.done", "sentence_index", "start",
+``wav`` a binary message of its own, a WAV header of open length, comes before each sentence's
+audio, so each sentence's bytes are a playable stream), ``{"type": "audio.done", "sentence_index", "start",
 "end", "frames", "first_audio_s", "prefill_s", "prefilled"}``, and at the end ``{"type": "session.done",
 "total_sentences"}``, then closes the socket (code 1000).  Beyond vllm-omni:
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
 import json
 import logging
 import threading
@@ -320,14 +319,7 @@ class CutOffLog(logging.Filter):
 
 
 def _check_key(server: SpeechServer, request: Request) -> None:
-    key = server.config.api_key
-    if key is None:
-        return
-    given = request.headers.get("authorization", "")
-    scheme, _, token = given.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise ApiError(401, "missing or wrong API key: send Authorization: Bearer <key> (the --api-key the "
-                       "server was started with)", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    server.check_key(request.headers.get("authorization", ""))
 
 
 def _check_encoding(request: Request) -> None:

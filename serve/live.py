@@ -230,16 +230,7 @@ class Session:
             self.server.metrics.request_seconds.labels(ROUTE).observe(seconds)
 
     def _check_key(self) -> None:
-        key = self.server.config.api_key
-        if key is None:
-            return
-        import hmac
-
-        scheme, _, token = self.ws.headers.get("authorization", "").partition(" ")
-        token = token.strip() if scheme.lower() == "bearer" else self.ws.query_params.get("api_key", "")
-        if not hmac.compare_digest(token.encode(), key.encode()):
-            raise ApiError(401, "missing or wrong API key: send Authorization: Bearer <key> (or, from a browser, "
-                           "?api_key=<key>), the --api-key the server was started with", code="invalid_api_key")
+        self.server.check_key(self.ws.headers.get("authorization", ""), self.ws.query_params.get("api_key", ""))
 
     # the client's messages
     async def _receive(self, scope: anyio.CancelScope) -> None:

@@ -54,7 +54,6 @@ that replica's memory.
 from __future__ import annotations
 
 import asyncio
-import difflib
 import logging
 import os
 from collections.abc import Callable
@@ -62,7 +61,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.manifests.errors import InputError, install_extra
+from higgs_pack.manifests.errors import InputError, did_you_mean, install_extra
 
 try:
     from ray import serve
@@ -321,8 +320,7 @@ def parse_args(args: dict[str, Any]) -> tuple[str, ServeConfig, dict[str, Any]]:
     """
     unknown = sorted(set(args) - set(ARGS))
     if unknown:
-        hints = [f"{k!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k, ARGS, 1)) else repr(k)
-                 for k in unknown]
+        hints = [f"{k!r}{did_you_mean(k, ARGS)}" for k in unknown]
         raise InputError(f"unknown build_app argument(s) {', '.join(hints)}; known: {', '.join(ARGS)}")
     if "source" not in args:
         raise InputError("build_app needs source=BUNDLE (a folder, an installed name, a model slug or hf://...)")

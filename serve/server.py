@@ -17,6 +17,7 @@ checked :class:`~higgs_pack.serve.speech.SpeechJob` into the bytes of an answer:
 from __future__ import annotations
 
 import functools
+import hmac
 import logging
 import math
 import os
@@ -160,6 +161,28 @@ class SpeechServer:
                 "batching": self.batching_note or "continuous batching",
                 "kv_bytes_per_position": self.engine.kv_bytes_per_position,
                 "kv_budget_bytes": self.engine.kv_budget_bytes}
+
+    def check_key(self, authorization: str, query_key: str | None = None) -> None:
+        """The one API-key check of every route (HTTP and the live WebSocket).
+
+        Args:
+            authorization: the ``Authorization`` header (``Bearer KEY``), or ``""``.
+            query_key: the ``api_key`` query parameter where the route takes one (a browser's
+                WebSocket cannot set headers), or None where it does not.
+
+        Raises:
+            ApiError: 401 ``invalid_api_key`` (with ``WWW-Authenticate: Bearer``) when the server has
+                a key and neither gives it (compared in constant time).
+        """
+        key = self.config.api_key
+        if key is None:
+            return
+        scheme, _, token = authorization.partition(" ")
+        token = token.strip() if scheme.lower() == "bearer" else (query_key or "")
+        if not hmac.compare_digest(token.encode(), key.encode()):
+            browser = " (or, from a browser, ?api_key=<key>)" if query_key is not None else ""
+            raise ApiError(401, f"missing or wrong API key: send Authorization: Bearer <key>{browser}, the --api-key "
+                           "the server was started with", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     async def off_loop(self, work: Any) -> Any:
         """``work()`` on a worker thread of the parse limiter (CPU work off the event loop)."""

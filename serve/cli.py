@@ -6,6 +6,11 @@ once; the line ``serving http://HOST:PORT`` is printed when it is bound (``--por
 free port).  SIGTERM or Ctrl-C stops accepting, lets the requests in flight finish for
 ``--grace-seconds``, then exits: after SIGTERM by that signal (143 in a shell), after Ctrl-C
 (SIGINT) with status 130, as the other commands do; Ctrl-C while the bundle loads exits 130 too.
+
+Every option may be set from the environment instead, under the name click derives from the option
+(``auto_envvar_prefix``): ``--max-batch`` is ``HIGGS_PACK_SERVE_MAX_BATCH``, ``--voices-dir``
+``HIGGS_PACK_SERVE_VOICES_DIR``, a repeatable option takes its values separated by spaces; an option on
+the command line wins.  ``--api-key`` keeps its own name, ``HIGGS_PACK_API_KEY``.
 """
 
 from __future__ import annotations
@@ -68,7 +73,11 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-@click.command()
+#: The prefix of the environment variables that set serve's options (HIGGS_PACK_SERVE_<OPTION>).
+ENV_PREFIX = "HIGGS_PACK_SERVE"
+
+
+@click.command(context_settings={"auto_envvar_prefix": ENV_PREFIX})
 @click.argument("source")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on (0.0.0.0 for every interface: set --api-key then).")
@@ -96,18 +105,21 @@ def bind(host: str, port: int) -> socket.socket:
 @click.option("--grace-seconds", default=GRACE_SECONDS, show_default=True, type=click.FloatRange(min=0.1),
               help="On SIGTERM or Ctrl-C, seconds the requests in flight have to finish; those still running "
               "then are cut off (a 503 where no audio was sent yet).")
-@click.option("--model-name", "model_names", multiple=True, help="Another name `model` may take (repeatable).")
-@click.option("--allow-origin", "allow_origins", multiple=True, metavar="ORIGIN",
+@click.option("--model-name", multiple=True, help="Another name `model` may take (repeatable).")
+@click.option("--allow-origin", multiple=True, metavar="ORIGIN",
               help="A web page origin (http://localhost:3000, or *) whose scripts may call this server besides "
               "its own pages (repeatable); requests from other pages are refused with 403.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               help="How much the server logs (debug adds a line per request).")
 def serve(source, host, port, device, max_batch, max_queue, api_key, voices_dir, allow_local_media, max_kv_mb,
-          max_input_chars, max_upload_mb, max_ref_seconds, grace_seconds, model_names, allow_origins,
+          max_input_chars, max_upload_mb, max_ref_seconds, grace_seconds, model_name, allow_origin,
           log_level) -> None:
     """Serve SOURCE (a bundle, an installed name, a model slug, hf://...) over the OpenAI speech API:
-    POST /v1/audio/speech, voices, models, /health, /ready, /metrics, and a demo page at /."""
+    POST /v1/audio/speech, voices, models, /health, /ready, /metrics, and a demo page at /.
+
+    Each option may be set from the environment: HIGGS_PACK_SERVE_ and the option's name in capitals
+    (--max-batch: HIGGS_PACK_SERVE_MAX_BATCH); the command line wins."""
     try:
         import uvicorn
 
@@ -126,8 +138,8 @@ def serve(source, host, port, device, max_batch, max_queue, api_key, voices_dir,
         config = ServeConfig(max_batch=max_batch, max_queue=max_queue, api_key=api_key, voices_dir=voices_dir,
                              allow_local_media=allow_local_media, max_input_chars=max_input_chars,
                              max_upload_bytes=int(max_upload_mb * 2**20), max_ref_seconds=max_ref_seconds,
-                             max_kv_bytes=int(max_kv_mb * 2**20) if max_kv_mb else None, grace_seconds=grace_seconds, model_names=tuple(model_names),
-                             allow_origins=tuple(allow_origins))
+                             max_kv_bytes=int(max_kv_mb * 2**20) if max_kv_mb else None, grace_seconds=grace_seconds, model_names=tuple(model_name),
+                             allow_origins=tuple(allow_origin))
     except InputError as exc:
         raise click.UsageError(str(exc)) from exc
     if not _loopback(host) and api_key is None:

@@ -106,6 +106,12 @@ def test_the_build_context_holds_the_wheels_it_names(cpu_int4_bundle, runtime_wh
         image.write_image_context(cpu_int4_bundle, out_dir=tmp_path, runtime=runtime_wheel)
     with pytest.raises(PackagingError, match="neither a higgs-pack wheel"):
         image.write_image_context(cpu_int4_bundle, out_dir=tmp_path, runtime=tmp_path, force=True)
+    assert f'"/wheels/{runtime_wheel.name}[serve]"' in text
+    ray = image.write_image_context(cpu_int4_bundle, out_dir=tmp_path / "ray", runtime=runtime_wheel, extras=("ray",))
+    assert f'"/wheels/{runtime_wheel.name}[serve,ray]"' in (ray.path / "Containerfile").read_text()
+    with pytest.raises(PackagingError, match="--extra build: an image takes the server's extras only"):
+        image.write_image_context(cpu_int4_bundle, out_dir=tmp_path, runtime=runtime_wheel, extras=("build",),
+                                  force=True)
 
 
 # ----------------------------------------------------------------------------- the images, with podman

@@ -57,6 +57,9 @@ VOICES = "/voices"
 PORT = 8000
 #: The unprivileged user the server runs as.
 USER, UID = "higgs", 10001
+#: higgs-pack's extras an image may add beside the bundle's runtime (pyproject.toml): the server, Ray
+#: Serve (for KubeRay) and subtitles; never one that brings torch or build tools.
+SERVER_EXTRAS = ("serve", "ray", "subtitles")
 #: Label namespace of the bundle's facts (beside the standard org.opencontainers.image.* keys).
 LABEL_PREFIX = "io.github.higgs-pack.bundle"
 
@@ -161,7 +164,7 @@ RUN set -eu; \\
 RUN --mount=type=bind,source=wheels/runtime,target=/wheels --mount=type=secret,id=$secret \\
     set -eu; [ ! -s /run/secrets/$secret ] || export PIP_CERT=/run/secrets/$secret; \\
     echo "$runtime_sha256  /wheels/$runtime_wheel" | sha256sum -c --quiet; \\
-    /opt/higgs-pack/bin/pip install "/wheels/$runtime_wheel[serve]"
+    /opt/higgs-pack/bin/pip install "/wheels/$runtime_wheel[$extras]"
 RUN --mount=type=bind,source=wheels,target=/wheels --mount=type=secret,id=$secret \\
     set -eu; [ ! -s /run/secrets/$secret ] || export PIP_CERT=/run/secrets/$secret; \\
     echo "$bundle_sha256  /wheels/bundle/$bundle_wheel" | sha256sum -c --quiet; \\
@@ -196,7 +199,7 @@ RUN Invoke-WebRequest https://www.python.org/ftp/python/$python/python-$python-a
     C:\\Python\\python.exe -m venv C:\\higgs-pack; `
     New-Item -ItemType Directory C:\\voices | Out-Null
 COPY wheels C:/wheels
-RUN C:\\higgs-pack\\Scripts\\pip.exe install --no-cache-dir "C:\\wheels\\runtime\\$runtime_wheel[serve]" "C:\\wheels\\bundle\\$bundle_wheel"; `
+RUN C:\\higgs-pack\\Scripts\\pip.exe install --no-cache-dir "C:\\wheels\\runtime\\$runtime_wheel[$extras]" "C:\\wheels\\bundle\\$bundle_wheel"; `
     Remove-Item -Recurse C:\\wheels
 ENV $env
 VOLUME C:/voices
@@ -209,7 +212,8 @@ ENTRYPOINT ["C:\\\\higgs-pack\\\\Scripts\\\\higgs-pack.exe", "serve", "$name"]
 
 
 def write_image_context(bundle: str | Path, *, out_dir: str | Path = "dist", base: str | None = None,
-                        runtime: str | Path | None = None, force: bool = False) -> ImageContext:
+                        runtime: str | Path | None = None, extras: tuple[str, ...] = ("serve",),
+                        force: bool = False) -> ImageContext:
     """Write the build context of a bundle's image into ``<out_dir>/image/<bundle-name>/``.
 
     Args:
@@ -218,6 +222,8 @@ def write_image_context(bundle: str | Path, *, out_dir: str | Path = "dist", bas
         base: the default of the ``BASE_IMAGE`` build argument (None: :func:`base_image`).
         runtime: higgs-pack itself: a ``.whl``, or a checkout built into one with ``pip wheel``
             (None: the checkout this higgs-pack runs from).
+        extras: higgs-pack's extras installed beside the bundle's: ``serve`` (the server), or ``ray``
+            (the server and Ray Serve, for KubeRay); ``serve`` is always among them.
         force: replace an existing context folder.
 
     Raises:
@@ -234,6 +240,10 @@ def write_image_context(bundle: str | Path, *, out_dir: str | Path = "dist", bas
     except HiggsPackError as exc:
         raise PackagingError(f"cannot package {bundle} as an image: {exc}") from exc
     target = _target_of(manifest, path)
+    unknown = sorted(set(extras) - set(SERVER_EXTRAS))
+    if unknown:
+        raise PackagingError(f"--extra {', '.join(unknown)}: an image takes the server's extras only "
+                             f"({', '.join(SERVER_EXTRAS)}); the bundle's wheel brings its runtime's")
     context = Path(out_dir).resolve() / "image" / manifest["name"]
     if context.exists():
         if not force:
@@ -255,7 +265,7 @@ def write_image_context(bundle: str | Path, *, out_dir: str | Path = "dist", bas
     text = Template(template).substitute(
         version=version, name=manifest["name"], target=manifest["target"], precision=manifest["precision"],
         tag=tag, base=base or base_image(target), extra=target.extra, uid=UID, user=USER, voices=VOICES,
-        port=PORT, python=WINDOWS_PYTHON, secret=PIP_CERT_SECRET, port_env=next(k for k, v in env.items() if v == str(PORT)),
+        port=PORT, python=WINDOWS_PYTHON, secret=PIP_CERT_SECRET, extras=",".join(dict.fromkeys(("serve", *extras))), port_env=next(k for k, v in env.items() if v == str(PORT)),
         runtime_wheel=runtime_wheel.name, runtime_sha256=_sha256(runtime_wheel),
         bundle_wheel=bundle_wheel.name, bundle_sha256=_sha256(bundle_wheel),
         env=" ".join(f"{k}={_quoted(v)}" for k, v in env.items()),

@@ -31,6 +31,7 @@ from higgs_pack.targets.packaging import image
 
 openai = pytest.importorskip("openai", reason="the official openai client is a dev dependency")
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "higgs-audio-v3-tiny"
 #: Largest image accepted, bytes (the sizes measured are in docs/bundle/images.md).
 MAX_IMAGE_BYTES = {"cpu": 540 * 2**20, "openvino": 640 * 2**20}
@@ -83,6 +84,29 @@ def test_image_options_are_refused_without_format_image(tmp_path):
 
     done = CliRunner().invoke(main, ["package", str(tmp_path), "--format", "wheel", "--tag", "x:1"])
     assert done.exit_code == 2 and "--tag" in done.output and "--format image" in done.output
+
+
+def test_the_kubernetes_example_fits_the_image():
+    """serve/kubernetes.example.yaml names the image's port, user and voices folder, settings that
+    ``higgs-pack serve`` has, and routes the server answers."""
+    import yaml
+
+    from higgs_pack.serve.app import _ROUTES
+
+    docs = {d["kind"]: d for d in yaml.safe_load_all((REPO_ROOT / "serve" / "kubernetes.example.yaml").read_text())}
+    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["ports"][0]["containerPort"] == image.PORT and pod["securityContext"]["runAsUser"] == image.UID
+    assert container["volumeMounts"][0]["mountPath"] == image.VOICES
+    options = ("max_batch", "max_queue", "grace_seconds", "api_key")
+    assert {e["name"] for e in container["env"]} == set(image.serve_settings(**dict.fromkeys(options, "1")))
+    assert grace_of(container) < pod["terminationGracePeriodSeconds"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["path"] in _ROUTES
+
+
+def grace_of(container: dict) -> float:
+    return float(next(e["value"] for e in container["env"] if e["name"] == "HIGGS_PACK_SERVE_GRACE_SECONDS"))
 
 
 @pytest.fixture(scope="session")

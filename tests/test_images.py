@@ -138,6 +138,25 @@ def test_the_build_context_holds_the_wheels_it_names(cpu_int4_bundle, runtime_wh
                                   force=True)
 
 
+def test_gpu_targets_get_their_base_and_windows_targets_a_windows_containerfile(cpu_int4_bundle, runtime_wheel):
+    """cuda builds on NVIDIA's CUDA image; dml and winml get a Windows Containerfile (PowerShell, the
+    wheels copied in, Windows paths), filled in from the same facts as the Linux one."""
+    from higgs_pack.targets.registry import targets
+
+    known = targets()
+    assert image.base_image(known["cuda"]) == image.CUDA_BASE and image.base_image(known["cpu"]) == image.LINUX_BASE
+    manifest = json.loads((cpu_int4_bundle / "manifest.json").read_text())
+    found = image.labels(manifest, "0" * 64, "0.1.0")
+    for name in ("dml", "winml"):
+        assert image.base_image(known[name]) == image.WINDOWS_BASE
+        text = image.containerfile(manifest, known[name], base=image.WINDOWS_BASE, extras=(), tag="x:1", labels=found,
+                                   runtime_wheel=runtime_wheel, bundle_wheel=runtime_wheel)
+        assert text.startswith("# escape=`\n") and "--mount" not in text and "COPY wheels C:/wheels" in text
+        assert 'HIGGS_PACK_SERVE_VOICES_DIR="C:/voices"' in text and "USER ContainerUser" in text
+        assert f'io.github.higgs-pack.bundle.content-sha256="{"0" * 64}" `\n' in text
+        assert text.rstrip().endswith('"serve", "higgs-audio-v3-tiny-cpu-int4"]')
+
+
 # ----------------------------------------------------------------------------- the images, with podman
 
 def _podman(*args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:

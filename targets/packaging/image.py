@@ -197,11 +197,13 @@ RUN Invoke-WebRequest https://www.python.org/ftp/python/$python/python-$python-a
     Start-Process python.exe -Wait -ArgumentList '/quiet', 'InstallAllUsers=1', 'Include_test=0', 'TargetDir=C:\\Python'; `
     Remove-Item python.exe; `
     C:\\Python\\python.exe -m venv C:\\higgs-pack; `
-    New-Item -ItemType Directory C:\\voices | Out-Null
+    New-Item -ItemType Directory C:\\voices | Out-Null; `
+    icacls C:\\voices /grant 'BUILTIN\\Users:(OI)(CI)M' | Out-Null
 COPY wheels C:/wheels
 RUN C:\\higgs-pack\\Scripts\\pip.exe install --no-cache-dir "C:\\wheels\\runtime\\$runtime_wheel[$extras]" "C:\\wheels\\bundle\\$bundle_wheel"; `
     Remove-Item -Recurse C:\\wheels
 ENV $env
+USER ContainerUser
 VOLUME C:/voices
 EXPOSE $port
 $labels
@@ -255,24 +257,32 @@ def write_image_context(bundle: str | Path, *, out_dir: str | Path = "dist", bas
     runtime_wheel = _runtime_wheel(runtime, context / "wheels" / "runtime")
     version = wheel_version(manifest)
     tag = f"{manifest['name']}:{version}"
-    windows = _windows(target)
     found = labels(manifest, _sha256(path / MANIFEST_NAME), version)
-    voices = "C:\\voices" if windows else VOICES
-    env = serve_settings(host="0.0.0.0", port=PORT, voices_dir=voices)
-    template = WINDOWS_CONTAINERFILE if windows else LINUX_CONTAINERFILE
+    text = containerfile(manifest, target, base=base or base_image(target), extras=extras, tag=tag, labels=found,
+                         runtime_wheel=runtime_wheel, bundle_wheel=bundle_wheel)
+    (context / "Containerfile").write_text(text, encoding="utf-8")
+    log.info("wrote the build context %s (image %s)", context, tag)
+    return ImageContext(context, tag, _windows(target), found)
+
+
+def containerfile(manifest: dict[str, Any], target: Any, *, base: str, extras: tuple[str, ...], tag: str,
+                  labels: dict[str, str], runtime_wheel: Path, bundle_wheel: Path) -> str:
+    """The Containerfile of a bundle's image: :data:`WINDOWS_CONTAINERFILE` for a Windows-only
+    target, else :data:`LINUX_CONTAINERFILE`, filled in (the wheels' names and sha256, the labels,
+    the server's settings)."""
     from string import Template
 
-    text = Template(template).substitute(
-        version=version, name=manifest["name"], target=manifest["target"], precision=manifest["precision"],
-        tag=tag, base=base or base_image(target), extra=target.extra, uid=UID, user=USER, voices=VOICES,
-        port=PORT, python=WINDOWS_PYTHON, secret=PIP_CERT_SECRET, extras=",".join(dict.fromkeys(("serve", *extras))), port_env=next(k for k, v in env.items() if v == str(PORT)),
+    windows = _windows(target)
+    env = serve_settings(host="0.0.0.0", port=PORT, voices_dir="C:/voices" if windows else VOICES)
+    return Template(WINDOWS_CONTAINERFILE if windows else LINUX_CONTAINERFILE).substitute(
+        version=labels["org.opencontainers.image.version"], name=manifest["name"], target=manifest["target"],
+        precision=manifest["precision"], tag=tag, base=base, extra=target.extra, uid=UID, user=USER,
+        voices=VOICES, port=PORT, python=WINDOWS_PYTHON, secret=PIP_CERT_SECRET,
+        extras=",".join(dict.fromkeys(("serve", *extras))), port_env=next(k for k, v in env.items() if v == str(PORT)),
         runtime_wheel=runtime_wheel.name, runtime_sha256=_sha256(runtime_wheel),
         bundle_wheel=bundle_wheel.name, bundle_sha256=_sha256(bundle_wheel),
         env=" ".join(f"{k}={_quoted(v)}" for k, v in env.items()),
-        labels="LABEL " + f" {'`' if windows else chr(92)}\n      ".join(f"{k}={_quoted(v)}" for k, v in found.items()))
-    (context / "Containerfile").write_text(text, encoding="utf-8")
-    log.info("wrote the build context %s (image %s)", context, tag)
-    return ImageContext(context, tag, windows, found)
+        labels="LABEL " + f" {'`' if windows else chr(92)}\n      ".join(f"{k}={_quoted(v)}" for k, v in labels.items()))
 
 
 def _quoted(value: str) -> str:

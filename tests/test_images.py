@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 from click.testing import CliRunner
+from conftest import slow_fixture
 
 from higgs_pack.manifests.errors import PackagingError
 from higgs_pack.targets.packaging import image
@@ -109,7 +110,7 @@ def grace_of(container: dict) -> float:
     return float(next(e["value"] for e in container["env"] if e["name"] == "HIGGS_PACK_SERVE_GRACE_SECONDS"))
 
 
-@pytest.fixture(scope="session")
+@slow_fixture(scope="session")
 def runtime_wheel(tmp_path_factory) -> Path:
     """higgs-pack's wheel built once from this checkout."""
     return image._runtime_wheel(None, tmp_path_factory.mktemp("runtime-wheel"))
@@ -166,7 +167,7 @@ def _podman(*args: str, check: bool = True, timeout: float = 600) -> subprocess.
     return done
 
 
-@pytest.fixture(scope="module")
+@slow_fixture(scope="module")
 def podman() -> str:
     """podman's path; the test skips without it (fails under HIGGS_PACK_REQUIRE_IMAGES=1)."""
     found = shutil.which("podman")
@@ -177,7 +178,7 @@ def podman() -> str:
     return found
 
 
-@pytest.fixture(scope="module")
+@slow_fixture(scope="module")
 def base(podman):
     """The base image: made here with mmdebstrap where it is installed (no registry needed), else the
     default (pulled)."""
@@ -195,7 +196,7 @@ def base(podman):
 BUNDLES = {"cpu": "cpu_int4_bundle", "openvino": "ov_int4_bundle"}
 
 
-@pytest.fixture(scope="module")
+@slow_fixture(scope="module")
 def images(podman, base, runtime_wheel, tmp_path_factory, request):
     """``images[target]``: (tag, ImageContext) of the target's image, built on first use; all removed after."""
     made: dict[str, tuple[str, image.ImageContext]] = {}

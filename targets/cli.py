@@ -93,7 +93,7 @@ def make_tiny_checkpoint(out, preset, seed):
 @click.option("--extra", "extras", multiple=True, default=("serve",), show_default=True, help="image: higgs-pack's "
               "extras installed beside the bundle's (repeatable): serve, or ray for Ray Serve on KubeRay.")
 @click.option("--tag", metavar="NAME:TAG", help="image: the image's name (default: <bundle-name>:<version>).")
-@click.option("--pip-cert", envvar="PIP_CERT", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+@click.option("--pip-cert", envvar="PIP_CERT", type=click.Path(path_type=Path),  # checked by an image's build only
               help="image: a CA bundle pip trusts during the build, mounted read-only as a build secret, never kept in "
               "the image (default: $PIP_CERT).")
 @click.option("--no-build", is_flag=True, help="image: write the build context only (for docker build elsewhere).")

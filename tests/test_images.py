@@ -81,10 +81,14 @@ def test_build_command_refuses_what_cannot_build(tmp_path):
 
 
 def test_image_options_are_refused_without_format_image(tmp_path):
+    """An image's options without --format image are a usage error; $PIP_CERT (read as --pip-cert)
+    naming no file matters to an image's build alone."""
     from higgs_pack.runtime.cli import main
 
     done = CliRunner().invoke(main, ["package", str(tmp_path), "--format", "wheel", "--tag", "x:1"])
     assert done.exit_code == 2 and "--tag" in done.output and "--format image" in done.output
+    other = CliRunner().invoke(main, ["package", str(tmp_path), "--format", "zip"], env={"PIP_CERT": "/no/such.crt"})
+    assert other.exit_code == 2 and "pip-cert" not in other.output and "is not a bundle" in other.output
 
 
 def test_the_kubernetes_example_fits_the_image():

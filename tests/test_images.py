@@ -11,6 +11,7 @@ other settings points ``CONTAINERS_CONF`` at them (.ci/containers.conf).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -356,9 +357,13 @@ def _drain_on_sigterm(box: Container) -> None:
         chunks = response.iter_bytes()
         received += next(chunks)
         _podman("kill", "--signal", "TERM", box.name)
+        at_signal = len(received)
+        with contextlib.suppress(httpx.TransportError):  # from the signal on nothing new is taken: the
+            assert httpx.get(box.url + "/ready", timeout=10).status_code == 503  # socket is closed, or 503
         for chunk in chunks:
             received += chunk
     assert len(received) == expected, f"the stream was cut: {len(received)} of {expected} bytes"
+    assert len(received) > at_signal, "the answer was over before SIGTERM came: nothing was drained"
     status = int(_podman("wait", box.name, timeout=120).stdout.strip())
     # 143: it ended by the signal, as `higgs-pack serve` does; 0 where it is the container's process 1,
     # which the kernel does not let a signal of its own end (without --init)

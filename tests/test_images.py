@@ -235,9 +235,13 @@ class Container:
         self.volume = f"{self.name}-voices"
         env_args = [a for pair in (("-e", e) for e in env) for a in pair]
         start = time.monotonic()
-        _podman("run", "-d", "--name", self.name, "-p", "127.0.0.1::8000", "-v", f"{self.volume}:/voices",
-                "--stop-timeout", "60", *env_args, tag)
-        self.wait_ready()
+        try:
+            _podman("run", "-d", "--name", self.name, "-p", "127.0.0.1::8000", "-v", f"{self.volume}:/voices",
+                    "--stop-timeout", "60", *env_args, tag)
+            self.wait_ready()
+        except BaseException:
+            self.remove()  # a container that did not start leaves its volume (podman made it first)
+            raise
         print(f"{tag}: ready {time.monotonic() - start:.1f} s after podman run")
 
     def wait_ready(self, timeout: float = 120.0) -> None:

@@ -120,20 +120,21 @@ def serve_settings(**values: str | int) -> dict[str, str]:
 def labels(manifest: dict[str, Any], content_sha256: str, version: str) -> dict[str, str]:
     """The image's labels: the OCI annotation keys (github.com/opencontainers/image-spec,
     annotations.md) and the bundle's facts under :data:`LABEL_PREFIX`.  ``content-sha256`` is the
-    sha256 of the bundle's ``manifest.json``, which lists every file's sha256."""
+    sha256 of the bundle's ``manifest.json``, which lists every file's sha256.  The model's licence is
+    a label of ours: ``org.opencontainers.image.licenses`` takes an SPDX expression, which it is not."""
     m = manifest
     return {
         "org.opencontainers.image.title": m["name"],
         "org.opencontainers.image.description": f"higgs-pack serve: {m['model']['id']} for {m['target']}, "
                                                 f"{m['precision']}, over the OpenAI speech API",
         "org.opencontainers.image.version": version,
-        "org.opencontainers.image.licenses": m["model"]["license"],
         f"{LABEL_PREFIX}.name": m["name"],
         f"{LABEL_PREFIX}.target": m["target"],
         f"{LABEL_PREFIX}.precision": m["precision"],
         f"{LABEL_PREFIX}.backend": m["backend"],
         f"{LABEL_PREFIX}.content-sha256": content_sha256,
         f"{LABEL_PREFIX}.checkpoint-sha256": m["model"]["checkpoint_sha256"],
+        f"{LABEL_PREFIX}.model-license": m["model"]["license"],
     }
 
 

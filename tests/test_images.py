@@ -11,7 +11,6 @@ other settings points ``CONTAINERS_CONF`` at them (.ci/containers.conf).
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
@@ -362,8 +361,7 @@ def _drain_on_sigterm(box: Container) -> None:
         received += next(chunks)
         _podman("kill", "--signal", "TERM", box.name)
         at_signal = len(received)
-        with contextlib.suppress(httpx.TransportError):  # from the signal on nothing new is taken: the
-            assert httpx.get(box.url + "/ready", timeout=10).status_code == 503  # socket is closed, or 503
+        _wait_taking_nothing_new(box)
         for chunk in chunks:
             received += chunk
     assert len(received) == expected, f"the stream was cut: {len(received)} of {expected} bytes"
@@ -373,6 +371,20 @@ def _drain_on_sigterm(box: Container) -> None:
     # which the kernel does not let a signal of its own end (without --init)
     assert status in (0, 143), f"exit status {status} after SIGTERM:\n{box.logs()}"
     assert "Finished server process" in box.logs()
+
+
+def _wait_taking_nothing_new(box: Container, timeout: float = 5.0) -> None:
+    """Within ``timeout`` s of SIGTERM (podman kill returns before the server has handled it), /ready
+    answers 503 or its socket is closed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(box.url + "/ready", timeout=timeout).status_code == 503:
+                return
+        except httpx.TransportError:
+            return
+        assert time.monotonic() < deadline, f"/ready still answers 200 {timeout} s after SIGTERM"
+        time.sleep(0.05)
 
 
 def _the_voice_and_its_prefix_are_still_there(box: Container) -> None:

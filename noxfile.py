@@ -1,4 +1,4 @@
-"""nox sessions: build-/verify-/package-<target>, tests, lint, docs, bench, serve-bench.
+"""nox sessions: build-/verify-/package-/image-<target>, tests, lint, docs, bench, serve-bench.
 
 Thin by design: every session calls the ``higgs-pack`` CLI, a module of the
 package or the benchmark (``bench/``, a folder of this checkout, not of the wheel: run from
@@ -139,6 +139,29 @@ for _target in TARGETS:
         session.run(_bin("python"), "-m", "higgs_pack.targets.packaging.install_check", "--target", target,
                     "--bundle", str(bundle), "--dist", str(ROOT / "dist"), "--higgs-pack-src", str(ROOT),
                     *(["--cases", str(CASES)] if CASES.is_dir() else []), external=True)
+
+
+    @nox.session(name=f"image-{_target}", venv_backend="none", default=False, tags=["image"])
+    def _image(session: nox.Session, target: str = _target) -> None:
+        """Build the bundle if missing and package it as a container image of the speech server
+        (`higgs-pack package --format image`: dist/image/<bundle>/ and the image; args after -- go
+        to it).  HIGGS_PACK_LOCAL_BASE=1 makes the base image here with mmdebstrap, for machines that
+        reach no registry (targets/packaging/local_base.py).  A Windows target's context is written
+        alone off Windows (docker on Windows builds it)."""
+        build_env(session)
+        bundle = _bundle(session, _bin("higgs-pack"), target)
+        if not (bundle / "manifest.json").is_file():
+            session.run(_bin("higgs-pack"), "build", "--target", target, external=True)
+        args = list(session.posargs)
+        gpu = TARGETS[target]["gpu"]
+        if gpu and gpu["probe"].startswith("platform:") and gpu["probe"] != f"platform:{sys.platform}":
+            args.append("--no-build")
+        elif os.environ.get("HIGGS_PACK_LOCAL_BASE") == "1" and "--base-image" not in args:
+            cache = os.environ.get("HIGGS_PACK_CACHE", str(ROOT / ".nox" / "cache"))
+            base = session.run(_bin("python"), "-m", "higgs_pack.targets.packaging.local_base", "--cache", cache,
+                               silent=True, external=True)
+            args += ["--base-image", str(base).strip().splitlines()[-1]]
+        session.run(_bin("higgs-pack"), "package", str(bundle), "--format", "image", "--force", *args, external=True)
 
 
 for _row in SESSIONS["provider_sessions"]:

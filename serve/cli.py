@@ -6,6 +6,11 @@ once; the line ``serving http://HOST:PORT`` is printed when it is bound (``--por
 free port).  SIGTERM or Ctrl-C stops accepting, lets the requests in flight finish for
 ``--grace-seconds``, then exits: after SIGTERM by that signal (143 in a shell), after Ctrl-C
 (SIGINT) with status 130, as the other commands do; Ctrl-C while the bundle loads exits 130 too.
+
+Every option may be set from the environment instead, under the name click derives from the option
+(``auto_envvar_prefix``): ``--max-batch`` is ``HIGGS_PACK_SERVE_MAX_BATCH``, ``--voices-dir``
+``HIGGS_PACK_SERVE_VOICES_DIR``, a repeatable option takes its values separated by spaces; an option on
+the command line wins.  ``--api-key`` keeps its own name, ``HIGGS_PACK_API_KEY``.
 """
 
 from __future__ import annotations
@@ -101,7 +106,10 @@ def config_options(command: Any) -> Any:
               help="How much the server logs (debug adds a line per request).")
 def serve(source: str, host: str, port: int, device: str | None, log_level: str, **given: Any) -> None:
     """Serve SOURCE (a bundle, an installed name, a model slug, hf://...) over the OpenAI speech API:
-    POST /v1/audio/speech, voices, models, /health, /ready, /metrics, and a demo page at /."""
+    POST /v1/audio/speech, voices, models, /health, /ready, /metrics, and a demo page at /.
+
+    Each option may be set from the environment: HIGGS_PACK_SERVE_ and the option's name in capitals
+    (--max-batch: HIGGS_PACK_SERVE_MAX_BATCH); the command line wins."""
     try:
         import uvicorn
 

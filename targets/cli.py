@@ -80,13 +80,38 @@ def make_tiny_checkpoint(out, preset, seed):
 
 @click.command()
 @click.argument("bundle", type=click.Path(path_type=Path, file_okay=False))
-@click.option("--format", "fmt", type=click.Choice(["wheel", "archive", "zip", "hub", "all"]), default="all",
+@click.option("--format", "fmt", type=click.Choice(["wheel", "archive", "zip", "hub", "all", "image"]), default="all",
               show_default=True, help="wheel, archive (.tar.gz), zip, hub (a folder for huggingface-cli upload, "
-              "with a model card), or all (wheel + .tar.gz).")
+              "with a model card), all (wheel + .tar.gz), or image (a container image of the speech server "
+              "and the bundle, with its build context in OUT_DIR/image/<bundle>/).")
 @click.option("--out-dir", "-o", type=click.Path(path_type=Path, file_okay=False), default=Path("dist"), show_default=True)
 @click.option("--force", is_flag=True, help="Overwrite existing output files.")
-def package(bundle, fmt, out_dir, force):
-    """Package BUNDLE as a per-hardware wheel and/or an archive."""
+@click.option("--base-image", metavar="IMAGE", help="image: the base image (default: the official slim Python "
+              "image; NVIDIA's CUDA image for cuda; Windows Server for dml and winml).")
+@click.option("--runtime", type=click.Path(exists=True, path_type=Path), help="image: higgs-pack itself, a "
+              "higgs_pack-*.whl or a checkout built into one (default: the checkout this higgs-pack runs from).")
+@click.option("--extra", "extras", multiple=True, default=("serve",), show_default=True, help="image: higgs-pack's "
+              "extras installed beside the bundle's (repeatable): serve, or ray for Ray Serve on KubeRay.")
+@click.option("--tag", metavar="NAME:TAG", help="image: the image's name (default: <bundle-name>:<version>).")
+@click.option("--pip-cert", envvar="PIP_CERT", type=click.Path(path_type=Path),  # checked by an image's build only
+              help="image: a CA bundle pip trusts during the build, mounted read-only as a build secret, never kept in "
+              "the image (default: $PIP_CERT).")
+@click.option("--no-build", is_flag=True, help="image: write the build context only (for docker build elsewhere).")
+def package(bundle, fmt, out_dir, force, base_image, runtime, extras, tag, pip_cert, no_build):
+    """Package BUNDLE as a per-hardware wheel, an archive, or a container image."""
+    if fmt == "image":
+        from higgs_pack.targets.packaging.image import build_image, write_image_context
+
+        context = write_image_context(bundle, out_dir=out_dir, base=base_image, runtime=runtime, extras=extras,
+                                      force=force)
+        click.echo(str(context.path))
+        if not no_build:
+            click.echo(build_image(context, tag=tag, pip_cert=pip_cert))
+        return
+    given = [name for name, value in (("--base-image", base_image), ("--runtime", runtime), ("--tag", tag),
+                                      ("--extra", extras != ("serve",)), ("--no-build", no_build)) if value]
+    if given:
+        raise click.UsageError(f"{', '.join(given)} shape(s) an image; use with --format image, or leave out")
     from higgs_pack.targets.packaging import package_bundle
 
     for path in package_bundle(bundle, formats=fmt, out_dir=out_dir, force=force):

@@ -48,16 +48,16 @@ class OpenVINOBackend(Backend):
 
         Raises:
             InputError: ``max_batch > 1`` on the NPU variant (its static decoder takes batch 1).
-            SignatureMismatch: the decoder IR is not one OpenVINO's PagedAttention pass matches.
+            SignatureMismatch, ExecutionProviderUnavailable: as
+                :func:`~higgs_pack.runtime.backends.openvino.paged.compile_paged`.
         """
         from higgs_pack.runtime.backends.openvino.runners import OvStatefulDecoder
 
         decoder = pipeline.decoder
         if max_batch > 1 and isinstance(decoder, OvStatefulDecoder):
-            from higgs_pack.runtime.backends.openvino.paged import OvPagedDecoder, paged_model
+            from higgs_pack.runtime.backends.openvino.paged import OvPagedDecoder, compile_paged
 
-            model = paged_model(decoder.core, decoder.path, pipeline.constants.num_layers)
-            compiled = decoder.core.compile_model(model, decoder.device, decoder.config)
+            compiled = compile_paged(decoder, pipeline.constants.num_layers)
             return OvPagedDecoder(compiled, max_batch=max_batch, max_length=max_length, device=decoder.device)
         if max_batch > 1:
             raise InputError(

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import openvino as ov
 
-from higgs_pack.manifests.errors import InputError, SignatureMismatch
+from higgs_pack.manifests.errors import ExecutionProviderUnavailable, InputError, SignatureMismatch
 from higgs_pack.runtime.loop.kv_blocks import BlockPool, blocks_for
 from higgs_pack.runtime.loop.pipeline import check_decoder_room
 
@@ -59,7 +59,12 @@ def paged_model(core: ov.Core, xml_path, num_layers: int) -> ov.Model:
     from openvino._offline_transformations import paged_attention_transformation
 
     model = core.read_model(str(xml_path))
-    paged_attention_transformation(model)
+    try:
+        paged_attention_transformation(model)
+    except RuntimeError as exc:  # e.g. "Model is supposed to be stateful"
+        raise SignatureMismatch(f"{xml_path}: OpenVINO's SDPAToPagedAttention refused the decoder IR "
+                                f"({str(exc).strip().splitlines()[-1]}); rebuild the bundle with "
+                                "`higgs-pack build --target openvino`") from exc
     attentions = sum(op.get_type_name() == "PagedAttentionExtension" for op in model.get_ops())
     names = {p.get_any_name() for p in model.inputs}
     missing = [n for n in PAGED_INPUTS if n not in names]
@@ -69,6 +74,29 @@ def paged_model(core: ov.Core, xml_path, num_layers: int) -> ov.Model:
             f"{num_layers} layers (inputs missing: {missing}); the paged engine cannot run this decoder: use "
             "engine(max_batch=1) (the CLI's --batch 1), or rebuild the bundle with `higgs-pack build --target openvino`")
     return model
+
+
+def compile_paged(decoder, num_layers: int):
+    """The paged form (:func:`paged_model`) of a stateful decoder
+    (:class:`~higgs_pack.runtime.backends.openvino.runners.OvStatefulDecoder`) compiled on its
+    device with its compile properties (its ``KV_CACHE_PRECISION`` is the blocks' type).
+
+    Raises:
+        SignatureMismatch: as :func:`paged_model`.
+        ExecutionProviderUnavailable: the device's PagedAttention refuses these properties (the
+            CPU plugin's computes an f32 cache with f32 inference only: with bf16 inference it
+            takes a bf16 or u8 cache), naming both.
+    """
+    model = paged_model(decoder.core, decoder.path, num_layers)
+    try:
+        return decoder.core.compile_model(model, decoder.device, decoder.config)
+    except RuntimeError as exc:
+        kv, hint = (decoder.config.get(k, "the device's default") for k in ("KV_CACHE_PRECISION",
+                                                                            "INFERENCE_PRECISION_HINT"))
+        raise ExecutionProviderUnavailable(
+            f"OpenVINO {decoder.device} cannot compile the paged decoder with KV_CACHE_PRECISION={kv} and "
+            f"INFERENCE_PRECISION_HINT={hint} ({str(exc).strip().splitlines()[-1]}); compile the decoder with a "
+            "cache type its inference precision takes (f32 with f32; bf16 or u8 with bf16)") from exc
 
 
 @dataclass

@@ -164,3 +164,75 @@ def test_a_voice_prefix_is_shared_blocks(ov_int4_bundle):
     for row in (1, 2):
         decoder.release(row)
     assert decoder.pool.in_use == 0
+
+
+@pytest.fixture(scope="module")
+def tts_exact(ov_int4_bundle):
+    """The bundle with its decoder compiled as :func:`exact_config` says (the paged engine's
+    rows then give their codes alone bit for bit)."""
+    config = exact_config()
+    with higgs_pack.load(ov_int4_bundle, "cpu", cache_dir=False) as loaded:
+        old = loaded.pipeline.decoder
+        loaded.pipeline.decoder = OvStatefulDecoder(ov.Core(), old.path, "CPU", None, config, max_length=old.max_length)
+        yield loaded
+
+
+REQUESTS = [("Hello there.", 0, 40), ("A somewhat longer sentence to say, with more words in it.", 1, 50),
+            ("Short one.", 2, 30)]
+
+
+def _alone(tts, text, seed, cap, **extra):
+    with tts.engine(max_batch=2) as engine:
+        return engine.submit(text, seed=seed, max_frames=cap, **extra).result(timeout=120).codes
+
+
+def test_admission_counts_blocks_and_a_request_waits_never_fails(tts_exact):
+    """A KV budget of the blocks two requests need: the third waits for a row's blocks (admitted
+    by whole blocks, its peak), every request ends with its codes alone, and the pool never
+    grows past the budget."""
+    alone = [_alone(tts_exact, *r) for r in REQUESTS]
+    with tts_exact.engine(max_batch=3) as probe:
+        block_bytes, per_block = probe.decoder.block_bytes, probe.decoder.block_size
+        need = [probe.kv.request_bytes(probe.submit(t, seed=s, max_frames=c).plan.positions) for t, s, c in REQUESTS]
+    assert all(n % block_bytes == 0 for n in need), "a request counts whole blocks"
+    budget = max(need[0] + need[1], need[1] + need[2], need[0] + need[2])
+    with tts_exact.engine(max_batch=3, max_kv_bytes=budget) as engine:
+        assert engine.decoder.max_blocks == -(-budget // block_bytes) and per_block == 32
+        handles = [engine.submit(t, seed=s, max_frames=c) for t, s, c in REQUESTS]
+        codes = [h.result(timeout=120).codes for h in handles]
+        assert engine.stats.kv_waits == 1 and engine.stats.max_rows == 2
+        assert engine.decoder.pool.capacity <= engine.decoder.max_blocks
+        assert engine.kv_blocks_in_use == 0 and engine.kv_bytes_in_use == 0
+    for got, want in zip(codes, alone, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_rows_of_one_voice_name_its_prefix_blocks_once(tts_exact, cases_dir):
+    """Three requests of one prepared voice at once: the first computes the voice prefix and
+    keeps it; the two that restore it name its full blocks (shared, not copied), the blocks in
+    use are one prefix plus three tails, and each request gives its codes alone."""
+    clip, transcript = cases_dir / "ref_en_16k.wav", (cases_dir / "ref_en_16k.txt").read_text().strip()
+    voice = tts_exact.prepare_voice(clip, transcript, "clip")
+    texts = [("The voice reads this line.", 3, 30), ("Another line, same voice.", 4, 30), ("A third.", 5, 30)]
+    tts_exact.pipeline.prefix_cache.clear()
+    alone = [_alone(tts_exact, t, s, c, voice=voice) for t, s, c in texts]
+    tts_exact.pipeline.prefix_cache.clear()
+    seen = []
+    with tts_exact.engine(max_batch=3, prefill_chunk=0) as engine:
+        first = engine.submit(texts[0][0], seed=texts[0][1], max_frames=texts[0][2], voice=voice)
+        while engine.stats.steps < 2:  # the first has computed and kept the prefix
+            pass
+        others = [engine.submit(t, seed=s, max_frames=c, voice=voice) for t, s, c in texts[1:]]
+        while not all(h.done for h in [first, *others]):
+            seen.append((engine.prefix_blocks_shared or 0, engine.kv_blocks_in_use or 0, engine.busy_rows))
+        codes = [h.result(timeout=120).codes for h in [first, *others]]
+        assert engine.stats.prefix_hits == 2 and engine.stats.prefix_misses == 1
+        decoder = engine.decoder
+    prefix = max(s for s, _, _ in seen)
+    assert prefix >= 1, "the restoring rows named the prefix's blocks"
+    # three rows at once: one prefix (full blocks) + each row's own partial block and tail blocks
+    three = [blocks for shared, blocks, rows in seen if rows == 3 and shared == prefix]
+    assert three and min(three) < 3 * (prefix + 1), (prefix, min(three))
+    assert decoder.pool.in_use == 0
+    for got, want in zip(codes, alone, strict=True):
+        np.testing.assert_array_equal(got, want)

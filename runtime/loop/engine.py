@@ -478,7 +478,10 @@ class Engine:
                         "(requests are admitted by free rows only)", max_kv_bytes)
         if max_kv_bytes is None and getattr(decoder, "kv_device", "cpu") == "cpu":
             max_kv_bytes = default_kv_budget(per_position, decoder.max_batch, decoder.max_length)
-        self.kv = KVBudget(per_position, None if per_position is None else max_kv_bytes)
+        self.kv = KVBudget(per_position, None if per_position is None else max_kv_bytes,
+                           block_size=getattr(decoder, "block_size", None), block_bytes=getattr(decoder, "block_bytes", None))
+        if self.kv.limited and self.kv.block_bytes and hasattr(decoder, "max_blocks"):
+            decoder.max_blocks = -(-self.kv.budget_bytes // self.kv.block_bytes)  # its pool never grows past it
         self.pipeline = replace(pipeline, decoder=decoder)  # plans chunks for this decoder's length
         self.decoder = decoder
         self.max_batch = decoder.max_batch
@@ -540,6 +543,18 @@ class Engine:
     def kv_bytes_in_use(self) -> int:
         """KV bytes reserved now by the admitted requests (each its peak until it leaves)."""
         return self.kv.in_use_bytes
+
+    @property
+    def kv_blocks_in_use(self) -> int | None:
+        """KV blocks some row names now in a paged decoder's pool (a shared one once); None
+        for a decoder without blocks."""
+        pool = getattr(self.decoder, "pool", None)
+        return None if pool is None else pool.in_use
+
+    @property
+    def prefix_blocks_shared(self) -> int | None:
+        """Voice prefix blocks that several rows name now (paged decoder; None without blocks)."""
+        return getattr(self.decoder, "shared_prefix_blocks", None)
 
     @property
     def crashed(self) -> BaseException | None:

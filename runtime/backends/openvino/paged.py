@@ -117,8 +117,9 @@ class OvPagedDecoder:
         compiled: the paged model (:func:`paged_model`) compiled for its device.
         max_batch: rows (requests decoded together), >= 1.
         max_length: most positions one row may hold.
-        initial_blocks: blocks the pool starts with (it grows by doubling when a row needs more;
-            the engine's KV budget bounds what the admitted rows may reach).
+        initial_blocks: blocks the pool is made with at the first forward (default: every row's
+            first 256 positions, at most :attr:`max_blocks`); it grows by doubling when a row needs
+            more.
 
     Attributes:
         block_size: positions per block (the device's cache layout).
@@ -126,6 +127,9 @@ class OvPagedDecoder:
         kv_bytes_per_position: ``ceil(block_bytes / block_size)`` (the engine's KV budget unit).
         kv_device: ``"cpu"`` on the CPU device (host memory), else the device.
         pool: the :class:`~higgs_pack.runtime.loop.kv_blocks.BlockPool`.
+        max_blocks: the most blocks its doubling grows the pool to (a row that needs more still
+            gets them); the engine sets it from its KV budget, which admits requests by the
+            blocks their positions need, so a running row always gets its next block.
         tables: row -> its block table (list of block ids).
         lengths: int64 [max_batch] positions each row holds (0: free).
         forwards, packed_forwards: forwards run, and those that carried a prefill chunk beside
@@ -161,8 +165,9 @@ class OvPagedDecoder:
         self.block_bytes = sum(int(np.prod(s)) * t.size for t, s in self._layout.values())
         self.kv_bytes_per_position = -(-self.block_bytes // self.block_size)
         self.pool = BlockPool(self.block_size)
+        self.max_blocks: int | None = None
         self._caches: dict[str, ov.Tensor] = {}
-        self._grow(initial_blocks or self.max_batch * blocks_for(min(self.max_length, 256), self.block_size))
+        self._initial_blocks = initial_blocks or self.max_batch * blocks_for(min(self.max_length, 256), self.block_size)
         self.tables: dict[int, list[int]] = {}
         self.lengths = np.zeros(self.max_batch, dtype=np.int64)
         self._shared: dict[int, _Shared] = {}
@@ -171,7 +176,8 @@ class OvPagedDecoder:
     # the pool
     def _grow(self, blocks: int) -> None:
         """Make the pool hold at least ``blocks`` blocks (doubling), copying the cache tensors."""
-        capacity = max(int(blocks), 2 * self.pool.capacity)
+        ahead = max(2 * self.pool.capacity, self._initial_blocks)
+        capacity = max(int(blocks), min(ahead, self.max_blocks or ahead))
         for name, (kind, shape) in self._layout.items():
             tensor = ov.Tensor(kind, [capacity, *shape])
             old = self._caches.get(name)

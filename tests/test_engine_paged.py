@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import slow_fixture
 
 ov = pytest.importorskip("openvino", reason="the paged engine tests need the openvino package ([openvino] extra)",
                          exc_type=ImportError)
@@ -166,7 +167,7 @@ def test_a_voice_prefix_is_shared_blocks(ov_int4_bundle):
     assert decoder.pool.in_use == 0
 
 
-@pytest.fixture(scope="module")
+@slow_fixture(scope="module")
 def tts_exact(ov_int4_bundle):
     """The bundle with its decoder compiled as :func:`exact_config` says (the paged engine's
     rows then give their codes alone bit for bit)."""
@@ -236,3 +237,33 @@ def test_rows_of_one_voice_name_its_prefix_blocks_once(tts_exact, cases_dir):
     assert decoder.pool.in_use == 0
     for got, want in zip(codes, alone, strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+class _Store:
+    """A voices folder: every voice's prefix persists in ``root`` (the server's store names them)."""
+
+    def __init__(self, root):
+        self.root = root
+
+    def prefix_path(self, voice: str):
+        return self.root / f"{voice[:16]}.prefix.safetensors"
+
+
+def test_a_persisted_voice_prefix_restores_into_blocks(tts_exact, cases_dir, tmp_path):
+    """The paged engine's prefix entry (raw u8/bf16 blocks) persisted as safetensors, read back
+    by a fresh cache (memory empty) and restored into blocks: the request gives its codes alone."""
+    from higgs_pack.runtime.loop.prefix_cache import PrefixCache
+
+    voice = tts_exact.prepare_voice(cases_dir / "ref_en_16k.wav", (cases_dir / "ref_en_16k.txt").read_text().strip(),
+                                    "clip")
+    kept = tts_exact.pipeline.prefix_cache
+    try:
+        want = _alone(tts_exact, "Read back from the voices folder.", 6, 30, voice=voice)
+        for round_ in range(2):
+            cache = tts_exact.pipeline.prefix_cache = PrefixCache(kept.identity, store=_Store(tmp_path))
+            got = _alone(tts_exact, "Read back from the voices folder.", 6, 30, voice=voice)
+            np.testing.assert_array_equal(got, want)
+            assert (cache.stats.disk_writes, cache.stats.disk_loads) == ((1, 0) if round_ == 0 else (0, 1))
+        assert len(list(tmp_path.glob("*.prefix.safetensors"))) == 1
+    finally:
+        tts_exact.pipeline.prefix_cache = kept

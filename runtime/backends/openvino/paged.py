@@ -265,12 +265,14 @@ class OvPagedDecoder:
         self._check_row(row)
         check_decoder_room(length, self.max_length)
         n = blocks_for(length, self.block_size)
-        if sorted(arrays) != sorted(self._caches):
-            raise KeyError(f"prefix arrays {sorted(arrays)[:2]}... are not the paged cache {sorted(self._caches)[:2]}...")
+        if sorted(arrays) != sorted(self._layout):
+            raise KeyError(f"prefix arrays {sorted(arrays)[:2]}... are not the paged cache {sorted(self._layout)[:2]}...")
         for name, a in arrays.items():
-            if list(a.shape) != [n, *self._layout[name][1]] or a.dtype != self._caches[name].data.dtype:
+            kind, shape = self._layout[name]
+            dtype = np.dtype(kind.to_dtype())  # bf16 as float16: its bits, never computed with here
+            if list(a.shape) != [n, *shape] or a.dtype != dtype:
                 raise ValueError(f"prefix array {name} is {a.dtype}{list(a.shape)}, not the {n} blocks of "
-                                 f"{self._caches[name].data.dtype}{self._layout[name][1]} that {length} positions take")
+                                 f"{dtype}{shape} that {length} positions take")
         self.release(row)
         full = length // self.block_size
         shared = self._shared.get(id(arrays))

@@ -128,6 +128,9 @@ class BatchedDecoder(Protocol):
         """Forget ``row``'s positions."""
         ...
 
+    # Optional, for one forward per step (issue 39): ``packs_prefill = True`` and
+    # ``step(rows, inputs_embeds, prefill=(row, chunk [1, S, H], start))`` -> ``(hidden, chunk hidden)``:
+    # a joining row's prompt chunk rides in the decode rows' forward (the engine plans it, _ride).
     # Optional, for the voice prefix cache (:mod:`~higgs_pack.runtime.loop.prefix_cache`):
     # ``prefix_layout`` (str, or None: no caching), ``read_prefix(row, length)`` -> arrays and
     # ``write_prefix(row, arrays, length)`` (a prefill with ``start=length`` continues it).
@@ -435,8 +438,9 @@ class Engine:
             (default) in chunks sized at run time from the measured costs of a step and of a
             prefilled position, so a running request waits about ``join_gap_steps`` of its own
             steps for its next frame; a whole number >= 2: chunks of that many positions; 0:
-            whole prompts (each running request waits for all of it).  A prompt with no row
-            decoding beside it is prefilled whole.  Chunks never leave a last chunk of one
+            whole prompts (each running request waits for all of it).  On a decoder that packs
+            prefill (``packs_prefill``: OpenVINO's paged one) each chunk rides in the running rows'
+            step, one forward for both.  A prompt with no row decoding beside it is prefilled whole.  Chunks never leave a last chunk of one
             position (merged into the one before).
         join_gap_steps: ``"auto"``'s target, in steps of the running rows (> 1; default
             :data:`DEFAULT_JOIN_GAP_STEPS`): each chunk costs about ``join_gap_steps - 1`` steps.

@@ -99,6 +99,7 @@ def engine_run(tts: Any, batch: int, spec: dict[str, Any], marks: list[tuple[flo
                 codes = [r.codes for r in pool.map(lambda handle: handle.result(), handles)]
         t_audio = time.perf_counter()  # every request's audio decoded (streamed: the last chunk read)
         kv_in_use = engine.stats.max_kv_bytes_in_use
+        pool = getattr(engine.decoder, "pool", None)  # a paged decoder's block pool
     s = engine.stats  # the thread has stopped: final figures
     for i, c in enumerate(codes):
         if c.shape[0] != frames:
@@ -113,6 +114,9 @@ def engine_run(tts: Any, batch: int, spec: dict[str, Any], marks: list[tuple[flo
         "delivered_frames_per_s": batch * frames / (t_audio - t0),
         # None where the engine cannot say its KV bytes per position
         "max_kv_bytes_in_use": int(kv_in_use) if engine.kv_bytes_per_position is not None else None,
+        # the paged decoder's blocks at most in use (KV bytes really held: a shared block once)
+        "kv_blocks_peak": None if pool is None else pool.peak_in_use,
+        "kv_block_bytes": getattr(engine.decoder, "block_bytes", None),
     }, engine, codes
 
 
@@ -154,6 +158,9 @@ def _join_run(tts: Any, batch: int, spec: dict[str, Any], marks: list[tuple[floa
                f"{key}_rows": max((rows for _, rows in marks[start:]), default=0)}
         if batch > 1:
             out[gap] = max_gap_ms(list(marks), since, until)
+        if engine.kv_blocks_in_use is not None:  # paged: blocks held at the joiner's first audio
+            out[f"{key}_kv_blocks_in_use"] = engine.kv_blocks_in_use
+            out[f"{key}_prefix_blocks_shared"] = engine.prefix_blocks_shared
         splice_s = getattr(engine.decoder, "last_splice_seconds", None)  # OpenVINO: the joiner's splice
         if splice_s is not None:
             out[f"{key}_splice_ms"] = splice_s * 1e3
@@ -212,6 +219,19 @@ def join_voice(tts: Any, spec: dict[str, Any]) -> tuple[Any, int | None]:
     return voice, int(build_prompt(tts.pipeline, spec["text"], voice.codes, voice.transcript).shape[1])
 
 
+def use_stateful_engine() -> None:
+    """Make the openvino backend's engines of ``max_batch > 1`` run the spliced stateful decoder
+    (``OpenVINOBackend.stateful_batched_decoder``) instead of the paged one, in this process (a
+    bench worker) only: the former engine measured side by side with the paged one."""
+    from higgs_pack.runtime.backends import get_backend
+
+    backend = get_backend("openvino")
+    paged = type(backend).batched_decoder
+    backend.batched_decoder = lambda pipeline, max_batch, max_length: (
+        paged(backend, pipeline, max_batch, max_length) if max_batch == 1
+        else backend.stateful_batched_decoder(pipeline, max_batch, max_length))
+
+
 def measure_batches(spec: dict[str, Any]) -> dict[str, Any]:
     """The ``batch`` worker: ``rows`` (per size of ``spec["batch"]``: ``refused`` with the engine's
     reason, or the medians over the rounds and ``rounds``), the engine's ``kv_bytes_per_position``
@@ -222,6 +242,8 @@ def measure_batches(spec: dict[str, Any]) -> dict[str, Any]:
 
     before = load_1m()
     tts = higgs_pack.load(spec["bundle"], spec.get("device") or "auto", cache_dir=spec.get("ov_cache"))
+    if spec.get("ov_engine") == "stateful":  # the spliced stateful decoder, for side-by-side runs
+        use_stateful_engine()
     pipeline, c = tts.pipeline, tts.pipeline.constants
     marks = probe(tts)
     prompt, step = fixed_inputs(pipeline, spec["text"])

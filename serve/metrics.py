@@ -62,6 +62,11 @@ class Metrics:
         r.register(_EngineCollector(server))
         Gauge("higgs_pack_kv_bytes", "KV cache bytes reserved by the admitted requests", registry=r).set_function(
             lambda: server.engine.kv_bytes_in_use)
+        Gauge("higgs_pack_kv_blocks_in_use", "KV blocks the requests name now in the paged decoder's pool (a "
+              "shared voice prefix block once; 0: a decoder without blocks)", registry=r).set_function(
+            lambda: server.engine.kv_blocks_in_use or 0)
+        Gauge("higgs_pack_kv_prefix_blocks_shared", "Voice prefix KV blocks that several requests name now (paged "
+              "decoder)", registry=r).set_function(lambda: server.engine.prefix_blocks_shared or 0)
         Gauge("higgs_pack_kv_budget_bytes", "Most KV bytes the admitted requests may reach (0: no limit)",
               registry=r).set_function(lambda: server.engine.kv_budget_bytes or 0)
 
@@ -91,6 +96,8 @@ class _EngineCollector:
                                   "(cached voice prefixes not counted)", value=stats.prefill_positions)
         yield CounterMetricFamily("higgs_pack_prefill_seconds", "Seconds the engine spent prefilling prompts",
                                   value=stats.prefill_seconds)
+        yield GaugeMetricFamily("higgs_pack_engine_step_mean_seconds", "Mean seconds of one batched decode step "
+                                "(0 before any)", value=0.0 if not stats.steps else stats.engine_step_ms / 1000)
         yield GaugeMetricFamily("higgs_pack_join_max_frame_gap_seconds", "Longest wait of a running request for "
                                 "its next frame while another prompt was prefilled",
                                 value=stats.join_max_frame_gap_ms / 1000)

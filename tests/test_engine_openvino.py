@@ -48,6 +48,22 @@ from higgs_pack.runtime.loop.engine import Engine, SingleRowDecoder  # noqa: E40
 U8_TOLERANCE = 0.03
 
 
+@pytest.fixture(scope="module", autouse=True)
+def stateful_engine():
+    """This module tests the spliced stateful decoder, which ``tts.engine`` no longer picks (the
+    paged one, tests/test_engine_paged.py): the backend's batched decoder is the stateful one here."""
+    backend = type(get_backend("openvino"))
+
+    def stateful(self, pipeline, max_batch, max_length):
+        if max_batch == 1:
+            return SingleRowDecoder(pipeline.decoder, max_length)
+        return self.stateful_batched_decoder(pipeline, max_batch, max_length)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(backend, "batched_decoder", stateful)
+        yield
+
+
 @pytest.fixture(scope="module")
 def tts(ov_int4_bundle):
     """The bundle as built: int4 weights, the CPU plugin's u8 KV cache."""
@@ -79,7 +95,7 @@ def alone_f32(tts_f32):
 
 
 def _decoder(tts, max_batch: int = 4, max_length: int = 512) -> OvBatchedDecoder:
-    decoder = get_backend("openvino").batched_decoder(tts.pipeline, max_batch, max_length)
+    decoder = get_backend("openvino").stateful_batched_decoder(tts.pipeline, max_batch, max_length)
     assert isinstance(decoder, OvBatchedDecoder)
     return decoder
 

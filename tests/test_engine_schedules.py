@@ -20,9 +20,10 @@ same-length windows of several readers in one run: OpenVINO's CPU convolutions t
 row up to ~5e-7 apart from the window decoded alone; ONNX Runtime's are exact here).
 
 Bundles whose batched rows are bit-identical to their runs alone: the cpu fp32 bundle on ONNX
-Runtime, and the openvino int4 bundle with its decoder compiled with an f32 KV cache (as in
-``tests/test_engine_openvino.py``); on OpenVINO the engines prefill whole prompts (see
-:func:`test_random_schedules_on_openvino`).  Each schedule's events wait on ``engine.stats.steps``
+Runtime, and the openvino int4 bundle on the paged engine with a bf16 KV cache (bf16 inference;
+``tests/test_engine_paged.py``), against each request alone on the paged engine (its attention
+kernel is not the stateful decoder's; one row runs the stateful decoder, against ``synthesize``).
+Each schedule's events wait on ``engine.stats.steps``
 (or on an idle engine), so the exact interleaving varies from run to run; the property holds
 for any interleaving.
 """
@@ -188,16 +189,19 @@ def _read(handle, stream: bool, outcome: dict) -> None:
         outcome["end"] = exc
 
 
-def run_schedule(tts, schedule: Schedule, alone: Alone, timeout: float = 120.0, whole_prompts: bool = False
-                 ) -> list[dict]:
+def run_schedule(tts, schedule: Schedule, alone: Alone, timeout: float = 120.0, whole_prompts: bool = False,
+                 prefix_cache: bool = True) -> list[dict]:
     """Play ``schedule`` on ``tts.engine(max_batch=..., prefill_chunk=...)`` (``whole_prompts``:
-    ``prefill_chunk=0`` whatever the schedule says): each event waits until the engine has taken
+    ``prefill_chunk=0`` whatever the schedule says; ``prefix_cache=False``: the engine keeps no
+    voice prefix, so every prompt is prefilled whole): each event waits until the engine has taken
     its step (or has nothing left to do).  Returns each entry's outcome (``end``: "done",
     "cancelled" or the exception; ``codes``; ``samples`` or ``chunks``)."""
     outcomes: list[dict] = [{} for _ in schedule.entries]
     threads, handles = [], {}
     chunk = 0 if whole_prompts else schedule.prefill_chunk
     with tts.engine(max_batch=schedule.max_batch, prefill_chunk=chunk) as engine:
+        if not prefix_cache:
+            engine.prefix_cache = None
         for step, _, kind, i in schedule.events():
             _wait_for(lambda s=step: engine.stats.steps >= s or (engine.busy_rows == 0 and engine.waiting == 0),
                       f"engine step {step}", timeout)
@@ -218,11 +222,11 @@ def run_schedule(tts, schedule: Schedule, alone: Alone, timeout: float = 120.0, 
     return outcomes
 
 
-def check_schedule(tts, alone: Alone, seed: int, whole_prompts: bool = False) -> None:
+def check_schedule(tts, alone: Alone, seed: int, whole_prompts: bool = False, prefix_cache: bool = True) -> None:
     """:func:`run_schedule` of :func:`make_schedule` ``(seed)``, then every outcome against the
     runs alone (computed after the engine closed, on the same object)."""
     schedule = make_schedule(seed)
-    outcomes = run_schedule(tts, schedule, alone, whole_prompts=whole_prompts)
+    outcomes = run_schedule(tts, schedule, alone, whole_prompts=whole_prompts, prefix_cache=prefix_cache)
     finished = 0
     for i, (entry, outcome) in enumerate(zip(schedule.entries, outcomes, strict=True)):
         where = f"schedule {seed} ({schedule.max_batch} rows), entry {i}: {entry}, {POOL[entry.spec]}"
@@ -283,12 +287,20 @@ def ort_tts(cpu_fp32_bundle):
 
 @slow_fixture(scope="module")
 def ov_tts(ov_int4_bundle):
-    """The openvino int4 bundle with its decoder compiled with an f32 KV cache."""
+    """The openvino int4 bundle with its decoder compiled with a bf16 KV cache (bf16 inference,
+    this CPU's default): the paged engine's packed rows are then bit-identical to rows alone
+    (tests/test_engine_paged.py; skipped where the CPU infers in f32)."""
     pytest.importorskip("openvino", reason="the OpenVINO schedules need the openvino package ([openvino] extra)",
                         exc_type=ImportError)
-    from test_engine_openvino import _load
+    import openvino as ov
+    from test_engine_paged import exact_config
 
-    with _load(ov_int4_bundle, f32=True) as loaded:
+    from higgs_pack.runtime.backends.openvino.runners import OvStatefulDecoder
+
+    config = exact_config()
+    with higgs_pack.load(ov_int4_bundle, "cpu", cache_dir=False) as loaded:
+        old = loaded.pipeline.decoder
+        loaded.pipeline.decoder = OvStatefulDecoder(ov.Core(), old.path, "CPU", None, config, max_length=old.max_length)
         yield loaded
 
 
@@ -297,9 +309,28 @@ def ort_alone(ort_tts, cases_dir):
     return Alone(ort_tts, cases_dir)
 
 
+class EngineAlone(Alone):
+    """Each pool request run alone on an engine of two rows of its own: the paged decoder's
+    attention kernel is not the stateful decoder's (hidden states ~5e-7 apart in f32), so a
+    request's codes alone on the paged engine are the ones its runs beside others must give."""
+
+    def __call__(self, index: int, stream: bool):
+        key = (index, stream)
+        if key not in self._results:
+            spec, outcome = POOL[index], {}
+            with self.tts.engine(max_batch=2) as engine:
+                _read(engine.submit(spec.text, **self.keywords(spec)), stream, outcome)
+            assert outcome["end"] == "done", outcome["end"]
+            self._results[key] = (outcome["codes"], outcome["chunks"] if stream else outcome["samples"])
+        return self._results[key]
+
+
 @pytest.fixture(scope="module")
 def ov_alone(ov_tts, cases_dir):
-    return Alone(ov_tts, cases_dir)
+    """Runs alone for one row (``synthesize``: the bundle's stateful decoder) and for several
+    (:class:`EngineAlone`: the paged decoder), by ``max_batch``."""
+    alone, paged = Alone(ov_tts, cases_dir), EngineAlone(ov_tts, cases_dir)
+    return lambda max_batch: alone if max_batch == 1 else paged
 
 
 @pytest.mark.parametrize("seed", range(SCHEDULES))
@@ -307,14 +338,17 @@ def test_random_schedules_on_onnxruntime(ort_tts, ort_alone, seed):
     check_schedule(ort_tts, ort_alone, seed)
 
 
+@pytest.mark.parametrize("prefix_cache", [True, False], ids=["voice-prefix-blocks", "no-prefix-cache"])
 @pytest.mark.parametrize("seed", range(SCHEDULES))
-def test_random_schedules_on_openvino(ov_tts, ov_alone, seed):
-    """Whole prompts only (``prefill_chunk=0``): OpenVINO's CPU plugin computes a prompt prefilled
-    in several infers with other kernel blocks than in one (max |hidden| apart, 208 positions in 2
-    to 13 infers: 7.8e-5 to 1.1e-4 at the plugin's default bf16 inference on an AVX512-BF16 CPU
-    with int4 weights' dynamic quantization; 1.2e-7 with f32 inference and none), so a request
-    prefilled in chunks beside decoding rows is not bound to its codes alone there."""
-    check_schedule(ov_tts, ov_alone, seed, whole_prompts=True)
+def test_random_schedules_on_openvino(ov_tts, ov_alone, seed, prefix_cache):
+    """The paged engine (issue 39): prompts prefilled in chunks riding in the decode rows'
+    forwards, voice prefixes restored as shared blocks (or no prefix cache at all), every
+    request giving exactly its codes alone."""
+    max_batch = make_schedule(seed).max_batch
+    if max_batch == 1 and not prefix_cache:
+        pytest.skip("one row runs the stateful decoder, whose prompt prefilled whole is not bit-identical to the "
+                    "prefix-then-rest of synthesize with its prefix cache")
+    check_schedule(ov_tts, ov_alone(max_batch), seed, prefix_cache=prefix_cache)
 
 
 def test_next_text_chunk_beside_a_decoding_row_on_onnxruntime(ort_tts, ort_alone):
@@ -322,4 +356,4 @@ def test_next_text_chunk_beside_a_decoding_row_on_onnxruntime(ort_tts, ort_alone
 
 
 def test_next_text_chunk_beside_a_decoding_row_on_openvino(ov_tts, ov_alone):
-    check_next_text_chunk_beside_a_decoding_row(ov_tts, ov_alone)
+    check_next_text_chunk_beside_a_decoding_row(ov_tts, ov_alone(2))

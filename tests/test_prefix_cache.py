@@ -352,9 +352,14 @@ def test_openvino_cache_hits_equal_misses_and_agreement_without_it(ov_tts, ov_vo
               f"first differing frame with vs without the cache: {firsts} of {[len(b.codes) for b in base]}")
 
 
-def test_openvino_engine_with_cached_prefixes_gives_codes_alone(ov_tts, ov_voice, capsys):
-    """Whole prompts (prefill_chunk=0): each request equals its run alone with the cache.  In
+def test_openvino_engine_with_cached_prefixes_gives_codes_alone(ov_tts, ov_voice, capsys, monkeypatch):
+    """The spliced stateful engine (the paged one: tests/test_engine_paged.py and the schedules):
+    whole prompts (prefill_chunk=0): each request equals its run alone with the cache.  In
     chunks, OpenVINO's prefill of other lengths is not bit-identical: agreement printed."""
+    from higgs_pack.runtime.backends import get_backend
+
+    backend = get_backend("openvino")
+    monkeypatch.setattr(backend, "batched_decoder", backend.stateful_batched_decoder)
     _fresh(ov_tts)
     results, stats, alone = run_joins(ov_tts, ov_voice, prefill_chunk=0)
     for got, want in zip(results, alone, strict=True):

@@ -631,7 +631,9 @@ def test_an_openvino_bundle_is_served_batched(ov_int4_bundle):
     with LiveServer(ov_int4_bundle) as live:
         ready = httpx.get(live.url + "/ready").json()
         assert ready["backend"] == "openvino" and ready["max_batch"] == 4
-        assert ready["batching"] == "continuous batching" and ready["kv_bytes_per_position"] == 192
+        # the paged decoder's u8 blocks (issue 39): 2 layers x (key 2 heads x (32 + 8) x 16 + value
+        # 2 x 32 x (16 + 8)) bytes per 32 positions = 176 a position
+        assert ready["batching"] == "continuous batching" and ready["kv_bytes_per_position"] == 176
         answers: list[httpx.Response] = []
         threads = [threading.Thread(target=lambda s=s: answers.append(_speech(
             live, input=TEXT, seed=s, max_new_tokens=40, response_format="pcm",
@@ -644,6 +646,9 @@ def test_an_openvino_bundle_is_served_batched(ov_int4_bundle):
         alone = {s: _speech(live, input=TEXT, seed=s, max_new_tokens=40, response_format="pcm").content
                  for s in range(4)}
         assert sorted(len(a.content) for a in answers) == sorted(len(v) for v in alone.values())
+        assert live.metric("higgs_pack_kv_blocks_in_use") == 0  # every request has left its blocks
+        metrics = httpx.get(live.url + "/metrics").text
+        assert "higgs_pack_kv_prefix_blocks_shared" in metrics and "higgs_pack_engine_step_mean_seconds" in metrics
         client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
         with client.audio.speech.with_streaming_response.create(model=MODEL, voice="default", input=TEXT,
                                                                  response_format="wav", stream_format="audio") as response:

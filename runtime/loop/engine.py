@@ -129,6 +129,9 @@ class BatchedDecoder(Protocol):
         """Forget ``row``'s positions."""
         ...
 
+    # Optional, for one forward per step (issue 39): ``packs_prefill = True`` and
+    # ``step(rows, inputs_embeds, prefill=(row, chunk [1, S, H], start))`` -> ``(hidden, chunk hidden)``:
+    # a joining row's prompt chunk rides in the decode rows' forward (the engine plans it, _ride).
     # Optional, for the voice prefix cache (:mod:`~higgs_pack.runtime.loop.prefix_cache`):
     # ``prefix_layout`` (str, or None: no caching), ``read_prefix(row, length)`` -> arrays and
     # ``write_prefix(row, arrays, length)`` (a prefill with ``start=length`` continues it).
@@ -436,8 +439,9 @@ class Engine:
             (default) in chunks sized at run time from the measured costs of a step and of a
             prefilled position, so a running request waits about ``join_gap_steps`` of its own
             steps for its next frame; a whole number >= 2: chunks of that many positions; 0:
-            whole prompts (each running request waits for all of it).  A prompt with no row
-            decoding beside it is prefilled whole.  Chunks never leave a last chunk of one
+            whole prompts (each running request waits for all of it).  On a decoder that packs
+            prefill (``packs_prefill``: OpenVINO's paged one) each chunk rides in the running rows'
+            step, one forward for both.  A prompt with no row decoding beside it is prefilled whole.  Chunks never leave a last chunk of one
             position (merged into the one before).
         join_gap_steps: ``"auto"``'s target, in steps of the running rows (> 1; default
             :data:`DEFAULT_JOIN_GAP_STEPS`): each chunk costs about ``join_gap_steps - 1`` steps.
@@ -479,7 +483,10 @@ class Engine:
                         "(requests are admitted by free rows only)", max_kv_bytes)
         if max_kv_bytes is None and getattr(decoder, "kv_device", "cpu") == "cpu":
             max_kv_bytes = default_kv_budget(per_position, decoder.max_batch, decoder.max_length)
-        self.kv = KVBudget(per_position, None if per_position is None else max_kv_bytes)
+        self.kv = KVBudget(per_position, None if per_position is None else max_kv_bytes,
+                           block_size=getattr(decoder, "block_size", None), block_bytes=getattr(decoder, "block_bytes", None))
+        if self.kv.limited and self.kv.block_bytes and hasattr(decoder, "max_blocks"):
+            decoder.max_blocks = -(-self.kv.budget_bytes // self.kv.block_bytes)  # its pool never grows past it
         self.pipeline = replace(pipeline, decoder=decoder)  # plans chunks for this decoder's length
         self.decoder = decoder
         self.max_batch = decoder.max_batch
@@ -487,6 +494,8 @@ class Engine:
         self.prefix_cache: PrefixCache | None = self.pipeline.prefix_cache
         self._prefix_layout = prefix_layout(decoder)
         self._prefilling: list[_Row] = []  # rows whose prompt is being prefilled, oldest first
+        self._riding: tuple[_Row, int, int] | None = None  # (row, start, end) of the next step's chunk
+        self._forward_cost: float | None = None  # running mean: seconds of a decoder step alone
         self._step_cost: float | None = None  # running means: seconds of a step, of a prefilled position
         self._position_cost: float | None = None
         self._cond = threading.Condition()
@@ -542,6 +551,18 @@ class Engine:
     def kv_bytes_in_use(self) -> int:
         """KV bytes reserved now by the admitted requests (each its peak until it leaves)."""
         return self.kv.in_use_bytes
+
+    @property
+    def kv_blocks_in_use(self) -> int | None:
+        """KV blocks some row names now in a paged decoder's pool (a shared one once); None
+        for a decoder without blocks."""
+        pool = getattr(self.decoder, "pool", None)
+        return None if pool is None else pool.in_use
+
+    @property
+    def prefix_blocks_shared(self) -> int | None:
+        """Voice prefix blocks that several rows name now (paged decoder; None without blocks)."""
+        return getattr(self.decoder, "shared_prefix_blocks", None)
 
     @property
     def crashed(self) -> BaseException | None:
@@ -653,6 +674,7 @@ class Engine:
                 self._prefill_turn()
                 if any(s.prompt is None for s in self._rows.values()):
                     self._step()
+                self._riding = None  # a chunk no step took (its rows all ended): planned again next turn
         except BaseException as exc:  # a bug or a broken runtime: every request hears of it
             self._crashed = exc
             self._fail_all(exc)
@@ -726,7 +748,10 @@ class Engine:
             for state in list(self._prefilling):
                 self._fill(state)
             return
-        self._fill(self._prefilling[0], chunked=True)
+        if getattr(self.decoder, "packs_prefill", False):
+            self._ride(self._prefilling[0])
+        else:
+            self._fill(self._prefilling[0], chunked=True)
 
     def _chunk_size(self, remaining: int) -> int:
         """Positions of the next chunk of a prompt joining decoding rows (``remaining`` left):
@@ -754,44 +779,66 @@ class Engine:
         steps.  A failure fails this request alone."""
         prompt, row = state.prompt, state.row
         t0 = time.perf_counter()
-        n = 0
+        n, hidden = 0, None
         try:
-            if not state.looked_up:
-                state.looked_up = True
-                state.filled, state.store_key = restore_prefix(
-                    self.prefix_cache, prompt, self._prefix_layout,
-                    lambda arrays, length: self.decoder.write_prefix(row, arrays, length))
-                state.restored = state.filled
-                if state.filled:
-                    self.stats.prefix_hits += 1
-                elif state.store_key is not None:
-                    self.stats.prefix_misses += 1
+            self._restore(state)
             budget = self._chunk_size(prompt.length - state.filled) if chunked else prompt.length - state.filled
             while budget > 0 and state.filled < prompt.length:
-                start = state.filled
-                end = min(start + budget, prompt.length)
-                if state.store_key is not None:  # the prefix is a part of its own
-                    end = min(end, prompt.prefix_length)
+                start, end = self._part(state, budget)
                 hidden = self.decoder.prefill(row, prompt.embeds[:, start:end], start=start,
                                               final=end == prompt.length)
-                state.filled, budget, n = end, budget - (end - start), n + end - start
-                if state.store_key is not None and end == prompt.prefix_length:
-                    store_prefix(self.prefix_cache, prompt, self._prefix_layout, state.store_key,
-                                 self.decoder.read_prefix(row, prompt.prefix_length), background=True)
-                    state.store_key = None
+                self._part_done(state, end)
+                budget, n = budget - (end - start), n + end - start
         except Exception as exc:  # this request's prefill: it fails alone
             self._prefilling.remove(state)
             self._leave(state, exc)
             return
-        end = state.filled
-        dt = time.perf_counter() - t0
+        self._filled(state, n, time.perf_counter() - t0, hidden)
+
+    def _restore(self, state: _Row) -> None:
+        """Look the row's voice prefix up once and restore it into the row on a hit."""
+        if state.looked_up:
+            return
+        state.looked_up = True
+        state.filled, state.store_key = restore_prefix(
+            self.prefix_cache, state.prompt, self._prefix_layout,
+            lambda arrays, length: self.decoder.write_prefix(state.row, arrays, length))
+        state.restored = state.filled
+        if state.filled:
+            self.stats.prefix_hits += 1
+        elif state.store_key is not None:
+            self.stats.prefix_misses += 1
+
+    @staticmethod
+    def _part(state: _Row, budget: int) -> tuple[int, int]:
+        """The next positions ``(start, end)`` of the row's prompt to prefill, at most ``budget``;
+        a voice prefix still to be kept is a part of its own."""
+        start = state.filled
+        end = min(start + budget, state.prompt.length)
+        if state.store_key is not None:
+            end = min(end, state.prompt.prefix_length)
+        return start, end
+
+    def _part_done(self, state: _Row, end: int) -> None:
+        """The row's prompt is prefilled up to ``end``: keep its voice prefix once it holds it."""
+        state.filled = end
+        prompt = state.prompt
+        if state.store_key is not None and end == prompt.prefix_length:
+            store_prefix(self.prefix_cache, prompt, self._prefix_layout, state.store_key,
+                         self.decoder.read_prefix(state.row, prompt.prefix_length), background=True)
+            state.store_key = None
+
+    def _filled(self, state: _Row, n: int, dt: float, hidden: np.ndarray | None) -> None:
+        """Count ``n`` positions prefilled in ``dt`` s; once the prompt is done the row steps
+        from ``hidden``'s last position."""
+        prompt = state.prompt
         self.stats.prefill_seconds += dt
         self.stats.prefill_positions += n
         self.stats.prefill_chunks += 1
         self._position_cost = _running_mean(self._position_cost, dt / max(n, 1))
         state.decoder_s += dt
         state.prefill_s += dt
-        if end < prompt.length:
+        if state.filled < prompt.length:
             return
         c = self.pipeline.constants
         self._prefilling.remove(state)
@@ -800,6 +847,20 @@ class Engine:
                                                      "logits": (c.num_codebooks, c.audio_vocab_size)})
         state.last = np.array(hidden[:, -1:], dtype=np.float32)
         state.last_frame_at, state.waited_for_join = 0.0, False
+
+    def _ride(self, state: _Row) -> None:
+        """Plan the row's next prompt chunk to ride in the next step's decoder forward (a decoder
+        with ``packs_prefill``: prefill and decode share one forward, issue 39)."""
+        try:
+            self._restore(state)
+        except Exception as exc:  # this request's restore: it fails alone
+            self._prefilling.remove(state)
+            self._leave(state, exc)
+            return
+        if state.filled < state.prompt.length:
+            self._riding = (state, *self._part(state, self._chunk_size(state.prompt.length - state.filled)))
+        else:  # the cached prefix was the whole prompt but its last position: never here (prefix < prompt)
+            self._fill(state, chunked=True)
 
     def _drop_cancelled(self) -> None:
         for state in [s for s in self._rows.values() if s.handle.cancelled]:
@@ -843,6 +904,7 @@ class Engine:
             for state in states:
                 self._leave(state, exc)
             return
+        rode = self._riding is not None
         going = []
         for i, state in enumerate(states):
             codes = self._draw(state, logits[i, -1].reshape(c.num_codebooks, c.audio_vocab_size))
@@ -855,7 +917,8 @@ class Engine:
         self.stats.max_rows = max(self.stats.max_rows, len(states))
         dt = time.perf_counter() - t0
         self.stats.step_seconds += dt
-        self._step_cost = _running_mean(self._step_cost, dt)
+        if not rode:  # a step's own cost, without a prompt chunk riding in its forward
+            self._step_cost = _running_mean(self._step_cost, dt)
 
     def _hidden_ok(self, state: _Row) -> bool:
         try:
@@ -906,8 +969,12 @@ class Engine:
             self._leave(state)
 
     def _feed_back(self, going: list[tuple[_Row, np.ndarray]]) -> None:
-        """The going rows' codes -> audio embedding (one run) -> decoder step (one run)."""
+        """The going rows' codes -> audio embedding (one run) -> decoder step (one run, with the
+        riding prompt chunk when one is planned: :meth:`_ride`)."""
         states = [s for s, _ in going]
+        riding, self._riding = self._riding, None
+        if riding is not None and self._rows.get(riding[0].row) is not riding[0]:
+            riding = None  # it left meanwhile
         try:
             codes = np.stack([codes for _, codes in going])[:, None, :]
             embeds = self.pipeline.audio_embed.run({"codes": codes})["audio_embeds"]
@@ -918,16 +985,37 @@ class Engine:
                     ok.append(i)
                 except HiggsPackError as exc:
                     self._leave(state, exc)
-            if not ok:
+            if not ok and riding is None:
                 return
             states = [states[i] for i in ok]
+            rows = np.array([s.row for s in states], dtype=np.int64)
             t0 = time.perf_counter()
-            hidden = self.decoder.step(np.array([s.row for s in states]), embeds[ok])
+            if riding is None:
+                hidden = self.decoder.step(rows, embeds[ok])
+            else:
+                chunk, start, end = riding
+                hidden, chunk_hidden = self.decoder.step(
+                    rows, embeds[ok], prefill=(chunk.row, chunk.prompt.embeds[:, start:end], start))
             dt = time.perf_counter() - t0
         except Exception as exc:  # the batch's run failed: every row in it fails
-            for state in states:
+            for state in states + ([riding[0]] if riding else []):
                 self._leave(state, exc)
             return
         for i, state in enumerate(states):
             np.copyto(state.last, hidden[i:i + 1])
             state.decoder_s += dt
+        if riding is None:
+            self._forward_cost = _running_mean(self._forward_cost, dt)
+        else:
+            self._rode(riding, chunk_hidden, max(dt - (self._forward_cost or 0.0), 0.0))
+
+    def _rode(self, riding: tuple[_Row, int, int], hidden: np.ndarray, dt: float) -> None:
+        """The riding chunk's bookkeeping after its forward (``dt``: its share of the time)."""
+        state, start, end = riding
+        try:
+            self._part_done(state, end)
+        except Exception as exc:  # keeping its prefix failed: it fails alone
+            self._prefilling.remove(state)
+            self._leave(state, exc)
+            return
+        self._filled(state, end - start, dt, hidden)

@@ -101,6 +101,8 @@ class KVBudget:
     Attributes:
         bytes_per_position: KV bytes of one position of one row, or None when the decoder
             cannot say (then admission is by free rows only).
+        block_size, block_bytes: a paged decoder's block (both or neither): a request's bytes
+            are then those of the blocks its positions need.
         budget_bytes: most bytes the admitted requests may reach together, or None (no limit).
         in_use_bytes: bytes reserved by the requests admitted now (each its peak, from its
             admission until it leaves).
@@ -109,6 +111,10 @@ class KVBudget:
     bytes_per_position: int | None
     budget_bytes: int | None
     in_use_bytes: int = 0
+    block_size: int | None = None
+    """Positions per KV block of a paged decoder (None: a row's cache grows by position)."""
+    block_bytes: int | None = None
+    """Bytes of one such block: a request then counts whole blocks (issue 39 item 3)."""
 
     @property
     def limited(self) -> bool:
@@ -117,7 +123,11 @@ class KVBudget:
 
     def request_bytes(self, positions: int) -> int | None:
         """KV bytes of a request reaching ``positions`` positions on its row (None: unknown)."""
-        return None if self.bytes_per_position is None else positions * self.bytes_per_position
+        if self.bytes_per_position is None:
+            return None
+        if self.block_size and self.block_bytes:  # the blocks its positions need
+            return -(-positions // self.block_size) * self.block_bytes
+        return positions * self.bytes_per_position
 
     def check_request(self, positions: int) -> None:
         """Refuse a request whose own KV is larger than the whole budget (it could never start).

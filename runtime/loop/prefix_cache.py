@@ -173,8 +173,9 @@ class PrefixEntry:
         key: the sha256 key (:meth:`PrefixCache.key`).
         length: P, positions held.
         arrays: name -> the decoder's KV of those positions: ``past_key_values.*`` [kv_heads, P,
-            head_dim] in the cache dtype (ONNX Runtime), or state variable -> float32 [kv_heads,
-            P, head_dim] (OpenVINO).
+            head_dim] in the cache dtype (ONNX Runtime), state variable -> float32 [kv_heads,
+            P, head_dim] (OpenVINO's stateful decoder), or ``key_cache.N`` / ``value_cache.N`` ->
+            the raw blocks [ceil(P / block_size), ...] holding them (OpenVINO's paged decoder).
     """
 
     key: str
@@ -396,9 +397,12 @@ class PrefixCache:
         except (KeyError, ValueError):
             self._refuse(path, "its prefix length is missing or not a number")
             return None
-        if not arrays or any(a.ndim != 3 or a.shape[1] != entry.length for a in arrays.values()):
-            self._refuse(path, f"its tensors are not [kv_heads, {entry.length}, head_dim]")
+        if not arrays:
+            self._refuse(path, "it holds no tensors")
             return None
+        # Their shapes are the layout's (positions [kv_heads, P, head_dim], or a paged decoder's
+        # blocks [n, ...]): the decoder's write_prefix checks them, and a refusal there discards
+        # the entry and computes it again (restore_prefix).
         digest = entry.tensors_sha256()
         if digest != meta.get(META_SHA256):
             self._refuse(path, "its tensors do not match the sha256 recorded with them (damaged)")

@@ -41,35 +41,49 @@ class OpenVINOBackend(Backend):
     batching_refusal = "the NPU variant's static shapes take batch 1: its decoder is compiled for one row"
 
     def batched_decoder(self, pipeline, max_batch: int, max_length: int):
-        """An :class:`~higgs_pack.runtime.backends.openvino.batched.OvBatchedDecoder` on the
-        stateful decoder compiled for the CPU device; ``max_batch=1`` anywhere.
-
-        GPU is refused for ``max_batch > 1`` because the state splice was measured on the CPU
-        plugin only (no Intel GPU here); the NPU variant (static shapes) takes batch 1.
+        """For ``max_batch > 1`` an :class:`~higgs_pack.runtime.backends.openvino.paged.OvPagedDecoder`
+        on the stateful decoder IR turned to PagedAttention at load, compiled on the decoder's
+        own device with its own properties (CPU and GPU alike: the device picks the cache
+        layout); ``max_batch=1`` the bundle's batch-1 decoder.
 
         Raises:
-            InputError: ``max_batch > 1`` on the NPU variant or on a device other than CPU.
+            InputError: ``max_batch > 1`` on the NPU variant (its static decoder takes batch 1).
+            SignatureMismatch, ExecutionProviderUnavailable: as
+                :func:`~higgs_pack.runtime.backends.openvino.paged.compile_paged`.
         """
         from higgs_pack.runtime.backends.openvino.runners import OvStatefulDecoder
 
         decoder = pipeline.decoder
         if max_batch > 1 and isinstance(decoder, OvStatefulDecoder):
-            if decoder.device.split(".")[0] != "CPU":
-                raise InputError(
-                    f"OpenVINO batches requests on the CPU device only; this decoder runs on {decoder.device} "
-                    "(splicing a request into the stateful KV cache is measured on the CPU plugin only): "
-                    "use engine(max_batch=1) (the CLI's --batch 1), or load the bundle with device='CPU'")
-            from higgs_pack.runtime.backends.openvino.batched import OvBatchedDecoder
+            from higgs_pack.runtime.backends.openvino.paged import OvPagedDecoder, compile_paged
 
-            c = pipeline.constants
-            return OvBatchedDecoder(decoder, max_batch=max_batch, max_length=max_length,
-                                    num_layers=c.num_layers, kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
+            compiled = compile_paged(decoder, pipeline.constants.num_layers)
+            return OvPagedDecoder(compiled, max_batch=max_batch, max_length=max_length, device=decoder.device)
         if max_batch > 1:
             raise InputError(
                 f"this OpenVINO bundle's decoder cannot batch requests ({self.batching_refusal}); use "
                 "engine(max_batch=1) (the CLI's --batch 1), or the openvino bundle without --npu (it batches "
                 "on the CPU device)")
         return super().batched_decoder(pipeline, max_batch, max_length)
+
+    def stateful_batched_decoder(self, pipeline, max_batch: int, max_length: int):
+        """The former engine's decoder, kept for side-by-side measurement (``bench``): an
+        :class:`~higgs_pack.runtime.backends.openvino.batched.OvBatchedDecoder` (rows spliced into
+        one stateful KV state through the state API) on the CPU device.
+
+        Raises:
+            InputError: the decoder is not the stateful IR on the CPU device.
+        """
+        from higgs_pack.runtime.backends.openvino.batched import OvBatchedDecoder
+        from higgs_pack.runtime.backends.openvino.runners import OvStatefulDecoder
+
+        decoder = pipeline.decoder
+        if not isinstance(decoder, OvStatefulDecoder) or decoder.device.split(".")[0] != "CPU":
+            raise InputError("the stateful batched decoder splices requests into the stateful KV cache on the CPU "
+                             "device only; load the openvino bundle (not --npu) with device='CPU'")
+        c = pipeline.constants
+        return OvBatchedDecoder(decoder, max_batch=max_batch, max_length=max_length,
+                                num_layers=c.num_layers, kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
 
     def open(self, bundle: Bundle, options: OpenOptions) -> OpenedParts:
         """Compile every IR on the device asked for (default: the manifest's); see

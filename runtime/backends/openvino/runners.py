@@ -311,6 +311,8 @@ class OvStatefulDecoder:
 
     Attributes:
         compiled, device, description: As :class:`OvSubPart`.
+        core, config: the ``openvino.Core`` and compile properties as given (the paged
+            decoder compiles its form of this IR with them).
         page_out: What the paging-out did on the first forward (``None`` before it, or
             when ``page_out_weights`` is off).
         max_length: As given.
@@ -329,6 +331,7 @@ class OvStatefulDecoder:
                  max_length: int, allow_fallback: bool = False, share_inputs: bool = False,
                  share_outputs: bool = True, page_out_weights: bool = False):
         self.path = Path(xml_path)
+        self.core, self.config = core, dict(config or {})
         self._page_out_weights = bool(page_out_weights)
         self.page_out: PageOutResult | None = None
         self.max_length = int(max_length)

@@ -1,0 +1,142 @@
+"""``python -m bench.paged_ab BUNDLE``: an openvino bundle's paged engine beside the spliced stateful
+one (issue 39), in one run, and the paged engine's u8 KV cache against an f32 one.
+
+**engines**: the ``batch`` worker (:func:`bench.batch.measure_batches`: plain, streamed, join and
+voice-join runs per batch size) in fresh processes, the paged and the stateful engine in turn for
+``--rounds`` rounds, so both see the same machine load; each size's medians and their ratios
+(paged / stateful) are in ``compare``.  **u8 parity** (``--parity``): the decoder's hidden states
+over a bench prompt and ``--parity-steps`` steps, paged with the bundle's own cache (u8 on the CPU)
+against paged with an f32 cache (f32 inference both), and the same for the stateful decoder, as
+relative L2 distances (the measure of ``python -m bench.ab ov-properties``).
+
+The JSON (``--out``) keeps the machine (CPU model and ISA), OpenVINO's version and every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.run import BENCH_TEXT, DEFAULT_VOICE_CLIP, voice_job
+from bench.systems import machine, spawn
+
+#: Figures compared paged / stateful per batch size (lower is better for the times).
+COMPARED = ("aggregate_frames_per_s", "engine_step_ms", "bare_step_ms", "join_first_audio_ms",
+            "join_voice_first_audio_ms", "join_max_frame_gap_ms", "join_text_max_frame_gap_ms", "max_kv_bytes_in_use")
+
+
+def _rows(result: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    return {row["batch"]: row for row in result.get("rows", []) if "refused" not in row}
+
+
+def compare(paged: dict[str, Any], stateful: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per batch size both engines ran: each of :data:`COMPARED` for both and paged / stateful, and
+    the voice join's gap in steps of the running rows (its ms over the engine's step ms)."""
+    out = []
+    a, b = _rows(paged), _rows(stateful)
+    for batch in sorted(set(a) & set(b)):
+        row: dict[str, Any] = {"batch": batch}
+        for key in COMPARED:
+            x, y = a[batch].get(key), b[batch].get(key)
+            row[key] = {"paged": x, "stateful": y, "ratio": x / y if x and y else None}
+        for name, engine in (("paged", a[batch]), ("stateful", b[batch])):
+            gap, step = engine.get("join_max_frame_gap_ms"), engine.get("engine_step_ms")
+            row.setdefault("join_voice_gap_steps", {})[name] = gap / step if gap and step else None
+        out.append(row)
+    one = {name: rows.get(1, {}).get("aggregate_frames_per_s") for name, rows in (("paged", a), ("stateful", b))}
+    for row in out:
+        row["frames_per_s_over_batch1"] = {name: (row["aggregate_frames_per_s"][name] / one[name]
+                                                  if one[name] and row["aggregate_frames_per_s"][name] else None)
+                                           for name in ("paged", "stateful")}
+    return out
+
+
+def measure_engines(job: dict[str, Any], rounds: int, cache: Path, timeout: float | None) -> dict[str, Any]:
+    """``rounds`` rounds of the ``batch`` worker, paged then stateful, in fresh processes."""
+    runs: dict[str, list[dict[str, Any]]] = {"paged": [], "stateful": []}
+    for _ in range(rounds):
+        for engine in runs:
+            runs[engine].append(spawn("batch", {**job, "ov_engine": engine}, cache=cache, timeout=timeout))
+    return runs
+
+
+def _relative_l2(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def u8_parity(bundle: str, text: str, steps: int) -> dict[str, Any]:
+    """Hidden states of the bench prompt and ``steps`` steps (fixed inputs, :func:`bench.workers.
+    fixed_inputs`) with the bundle's own KV cache against an f32 one, paged and stateful."""
+    import openvino as ov
+
+    import higgs_pack
+    from bench.workers import fixed_inputs
+    from higgs_pack.runtime.backends.openvino.paged import OvPagedDecoder, compile_paged
+    from higgs_pack.runtime.backends.openvino.runners import OvStatefulDecoder
+
+    tts = higgs_pack.load(bundle, "cpu", cache_dir=False)
+    own = tts.pipeline.decoder
+    prompt, step = fixed_inputs(tts.pipeline, text)
+    f32 = {**own.config, "KV_CACHE_PRECISION": "f32", "INFERENCE_PRECISION_HINT": "f32"}
+    out: dict[str, Any] = {"own_config": own.config, "steps": steps, "prompt_length": int(prompt.shape[1])}
+    for name, make in (("stateful", lambda config: OvStatefulDecoder(ov.Core(), own.path, "CPU", None, config,
+                                                                     max_length=own.max_length)),
+                       ("paged", lambda config: OvPagedDecoder(
+                           compile_paged(OvStatefulDecoder(ov.Core(), own.path, "CPU", None, config,
+                                                           max_length=own.max_length), tts.pipeline.constants.num_layers),
+                           max_batch=1, max_length=own.max_length, device="CPU"))):
+        hidden = {}
+        for label, config in (("own", own.config), ("f32", f32)):
+            decoder = make(config)
+            if name == "paged":
+                states = [decoder.prefill(0, prompt)[0, -1]] + [decoder.step(np.array([0]), step)[0, 0]
+                                                                 for _ in range(steps)]
+            else:
+                states = [decoder.forward(prompt)[0, -1]] + [decoder.forward(step)[0, -1] for _ in range(steps)]
+            hidden[label] = np.stack(states)
+        distance = [_relative_l2(a, b) for a, b in zip(hidden["own"], hidden["f32"], strict=True)]
+        out[name] = {"rel_l2_prompt": distance[0], "rel_l2_steps_max": max(distance[1:]),
+                     "rel_l2_steps_mean": float(np.mean(distance[1:]))}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.paged_ab", description=__doc__.split("\n\n")[0])
+    parser.add_argument("bundle", help="an openvino bundle folder")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of both engines in turn (default 2)")
+    parser.add_argument("--frames", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=1, help="runs per size inside one worker (default 1)")
+    parser.add_argument("--voice-clip", default=str(DEFAULT_VOICE_CLIP) if DEFAULT_VOICE_CLIP.is_file() else "")
+    parser.add_argument("--parity-steps", type=int, default=0, help="also measure u8 parity over this many steps")
+    parser.add_argument("--cache", default=None, help="HIGGS_PACK_CACHE of the workers (default: a temporary one)")
+    parser.add_argument("--timeout", type=float, default=None)
+    parser.add_argument("--out", default="dist/paged-ab.json")
+    options = parser.parse_args(argv)
+    import openvino as ov
+
+    job = {"bundle": str(Path(options.bundle).resolve()), "device": "CPU", "batch": options.batch, "ov_cache": None,
+           "frames": options.frames, "seed": 0, "temperature": 0.8, "top_k": 50, "text": BENCH_TEXT, "warmup": 1,
+           "repeats": options.repeats, **voice_job(options.voice_clip)}
+    cache = Path(options.cache or Path(options.out).with_suffix(".cache"))
+    record: dict[str, Any] = {"machine": machine(), "openvino": ov.__version__, "job": {**job, "text": job["text"][:60]},
+                              "rounds": options.rounds}
+    runs = measure_engines(job, options.rounds, cache, options.timeout)
+    record["runs"] = runs
+    record["compare"] = [compare(p, s) for p, s in zip(runs["paged"], runs["stateful"], strict=True)]
+    if options.parity_steps:
+        record["u8_parity"] = u8_parity(job["bundle"], BENCH_TEXT, options.parity_steps)
+    Path(options.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(options.out).write_text(json.dumps(record, indent=1, default=str))
+    for row in record["compare"][-1]:
+        print(json.dumps(row), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""bench/paged_ab.py: the paged and stateful engines' figures compared per batch size, and the u8
+KV parity measurement on the real tiny openvino bundle."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.paged_ab import compare, u8_parity
+
+
+def _result(rows):
+    return {"rows": rows}
+
+
+def test_compare_gives_both_figures_their_ratio_and_the_gap_in_steps():
+    paged = _result([{"batch": 1, "aggregate_frames_per_s": 10.0, "engine_step_ms": 100.0},
+                     {"batch": 4, "aggregate_frames_per_s": 30.0, "engine_step_ms": 130.0,
+                      "join_max_frame_gap_ms": 195.0}])
+    stateful = _result([{"batch": 1, "aggregate_frames_per_s": 10.0, "engine_step_ms": 100.0},
+                        {"batch": 4, "aggregate_frames_per_s": 24.0, "engine_step_ms": 160.0,
+                         "join_max_frame_gap_ms": 1760.0},
+                        {"batch": 8, "refused": "no"}])
+    rows = compare(paged, stateful)
+    assert [r["batch"] for r in rows] == [1, 4], "only sizes both ran"
+    four = rows[1]
+    assert four["aggregate_frames_per_s"] == {"paged": 30.0, "stateful": 24.0, "ratio": 1.25}
+    assert four["join_voice_gap_steps"] == {"paged": 1.5, "stateful": 11.0}
+    assert four["frames_per_s_over_batch1"] == {"paged": 3.0, "stateful": 2.4}
+    assert four["join_first_audio_ms"] == {"paged": None, "stateful": None, "ratio": None}, "missing: None"
+    assert compare(_result([]), stateful) == []
+
+
+def test_u8_parity_on_the_tiny_bundle(ov_int4_bundle):
+    """The tiny bundle's own cache is u8: both decoders are a measurable distance from f32, and
+    the figures are finite and small (a broken cache would be ~1)."""
+    pytest.importorskip("openvino")
+    out = u8_parity(str(ov_int4_bundle), "Hello there, a short prompt.", 4)
+    assert out["own_config"]["KV_CACHE_PRECISION"] == "u8" and out["steps"] == 4
+    for name in ("paged", "stateful"):
+        figures = out[name]
+        assert 0 < figures["rel_l2_steps_max"] < 0.2, (name, figures)
+        assert 0 <= figures["rel_l2_prompt"] < 0.2

@@ -102,3 +102,10 @@ def words_prefix(text: str, count: int) -> str:
     ends = [m.end() for m in _WORD.finditer(text)]
     start = len(text) - len(text.lstrip())
     return text[start:ends[min(count, len(ends)) - 1]] if ends else ""
+
+
+def words_json(words: Sequence[Word], offset: float = 0.0) -> list[dict]:
+    """``words`` as JSON objects ``{"text", "start", "end", "exact"}``, their times in seconds
+    plus ``offset`` (where their audio begins in a longer one), to the microsecond."""
+    return [{"text": w.text, "start": round(offset + w.start, 6), "end": round(offset + w.end, 6), "exact": w.exact}
+            for w in words]

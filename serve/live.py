@@ -8,7 +8,8 @@ text messages:
   (``pcm``, the default, or ``wav``) and the sampling fields of ``POST /v1/audio/speech``
   (``seed``, ``temperature``, ``top_k``, ``top_p``, ``max_new_tokens``, ``ref_audio`` with
   ``ref_text``, ``references``, ``context_chunks``, ``context_frames``, ``initial_chunk_frames``), checked by the
-  HTTP route's own :func:`~higgs_pack.serve.speech.parse_speech`;
+  HTTP route's own :func:`~higgs_pack.serve.speech.parse_speech`, and the live route's own
+  ``split_granularity`` (``sentence`` or ``clause``) and ``first_commit_words`` (:func:`live_options`);
 - ``{"type": "input.text", "text": ...}`` pieces (an LLM's tokens, or whole sentences);
 - ``{"type": "input.done"}``: speak what is left and end the session.
 
@@ -43,7 +44,11 @@ sentence's bytes are a playable stream), ``{"type": "audio.done", "sentence_inde
   spoken with default settings) (a sentence the engine refuses, say one too long for the context,
   gets one with its ``sentence_text`` and is skipped).
 
-Sentences end where :class:`~higgs_pack.runtime.loop.sentences.SentenceSplitter` says, the rule
+Text is committed to speech where :class:`~higgs_pack.runtime.loop.sentences.TextCommits` says
+(each committed part is a "sentence" of the protocol: its own ``audio.start`` and ``audio.done``):
+with ``split_granularity`` ``clause`` at clause ends too, and a response's first
+``first_commit_words`` words alone.  Sentences end where
+:class:`~higgs_pack.runtime.loop.sentences.SentenceSplitter` says, the rule
 the long-text planner uses too: punctuation (``. ! ? ; …``) followed by whitespace, a CJK (or
 other script's) full stop once the next character came, or a line break; a ``.`` at the end of
 what arrived so far may still be ``3.5`` and waits for the next piece.
@@ -81,7 +86,7 @@ from higgs_pack.runtime.loop.generate import (
     chunk_context,
     plan_chunks,
 )
-from higgs_pack.runtime.loop.sentences import SentenceSplitter
+from higgs_pack.runtime.loop.sentences import GRANULARITIES, TextCommits
 from higgs_pack.runtime.loop.words import Word, heard_words, word_timings, words_json, words_prefix
 from higgs_pack.runtime.request import PreparedVoice, SynthesisRequest, Voice
 from higgs_pack.serve.errors import ApiError, from_input_error
@@ -111,6 +116,9 @@ PLAYED_KEPT = 8
 #: cut off before its end was generated, until the session has spoken a sentence to measure its own
 #: rate: about 150 words a minute (a common conversational rate) of 5 characters with punctuation.
 SPEECH_CHARS_PER_S = 12.5
+#: session.config's fields of the live route alone, with their defaults: how text is committed to
+#: speech (:class:`~higgs_pack.runtime.loop.sentences.TextCommits`; docs/serving/live.md).
+LIVE_FIELDS = {"split_granularity": "sentence", "first_commit_words": 0}
 #: Close code of a session refused for load (RFC 6455 1013 "try again later").
 TRY_AGAIN_LATER = 1013
 #: Close code of a refused API key (RFC 6455 1008 "policy violation").
@@ -211,7 +219,7 @@ class Session:
         self.config_refused = False  # a session.config was refused and no valid one came since
         self.text_seen = False
         self.ended = False  # input.done received
-        self.text = SentenceSplitter()  # text received, cut where its sentences end
+        self.text = TextCommits(**live_options({}))  # text received, cut where it is committed to speech
         self.sentences: list[_Sentence | object] = []
         self.wake = anyio.Event()
         self.epoch = 0
@@ -347,6 +355,7 @@ class Session:
             self.config_refused = True  # text now waits for a valid config: no speaking with defaults
             raise
         self.configured, self.config_refused = True, False
+        self.text = TextCommits(**live_options(data))
 
     def _parse_config(self, data: dict[str, Any]) -> tuple[SpeechJob, PreparedVoice | None]:
         """The session's :class:`SpeechJob` (its ``input`` a placeholder) and voice: the HTTP route's
@@ -378,6 +387,8 @@ class Session:
             if name in fields:
                 raise _bad(f"session.config takes no {name}: text comes in input.text messages and is always "
                            "streamed", name, "unknown_field")
+        live_options(fields)
+        fields = {k: v for k, v in fields.items() if k not in LIVE_FIELDS}
         fmt = fields.get("response_format")
         if fmt is not None and fmt not in STREAMABLE:
             raise _bad(f"response_format {short(fmt)} cannot be streamed; a live session carries "
@@ -431,7 +442,7 @@ class Session:
                        "sentence_index", "invalid_value")
         record = self._played_record(index) if played_ms is not None else None
         self.epoch += 1
-        self.text = SentenceSplitter()
+        self.text.restart()
         self.sentences = [s for s in self.sentences if s is _DONE]
         event = {"type": "audio.cancelled", "sentence_index": self.speaking}
         if self.handle is not None:
@@ -730,6 +741,24 @@ def config_error(first: ApiError, fields: dict[str, Any], check: Any) -> ApiErro
     listed = "; ".join(f"({i}) {e.param}: {e.message}" for i, e in enumerate(errors, 1))
     return ApiError(max(e.status for e in errors), f"{len(errors)} bad fields: {listed}. {CONFIG_REFUSED}",
                     param=errors[0].param, code="invalid_config")
+
+
+def live_options(fields: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`~higgs_pack.runtime.loop.sentences.TextCommits` options of a session.config's
+    ``split_granularity`` and ``first_commit_words`` (:data:`LIVE_FIELDS` gives the defaults).
+
+    Raises:
+        ApiError: 400 naming the bad field.
+    """
+    granularity = fields.get("split_granularity", LIVE_FIELDS["split_granularity"])
+    words = fields.get("first_commit_words", LIVE_FIELDS["first_commit_words"])
+    if granularity not in GRANULARITIES:
+        raise _bad(f"split_granularity is one of {', '.join(GRANULARITIES)} (text committed to speech at sentence "
+                   f"ends, or at clause ends too); got {short(granularity)}", "split_granularity", "invalid_value")
+    if not isinstance(words, int) or isinstance(words, bool) or not 0 <= words <= 50:
+        raise _bad(f"first_commit_words is the most words of a response's first commit, 0 to 50 (0: none); got "
+                   f"{short(words)}", "first_commit_words", "invalid_value")
+    return {"granularity": granularity, "first_words": words}
 
 
 def error_event(exc: ApiError, text_param: str | None = None) -> dict[str, Any]:

@@ -10,13 +10,14 @@ import itertools
 import json
 
 import pytest
+from conftest import slow_fixture
 from live_server import LiveServer
 from test_serve_live import HOP, LONG, RATE, Heard, _check_sentences, _read, _session
 
 websockets = pytest.importorskip("websockets", reason="the websockets client is a dev dependency")
 
 
-@pytest.fixture(scope="module")
+@slow_fixture(scope="module")
 def server(cpu_int4_bundle):
     with LiveServer(cpu_int4_bundle, "--max-batch", "2", "--max-queue", "4") as live:
         live.ws = live.url.replace("http://", "ws://") + "/v1/audio/speech/stream"
@@ -132,3 +133,28 @@ def test_a_bad_barge_in_is_an_error_naming_the_field_and_cancels_nothing(server)
                                             "played_ms": 0, "heard_text": "", "heard_words": 0}]
     _check_sentences(heard, ["Still here."])
     assert len(heard.audio[0]) == 2 * heard.of("audio.done")[0]["frames"] * HOP
+
+
+def test_clause_granularity_and_a_first_commit_speak_sooner_and_lose_no_word(server):
+    """split_granularity clause with first_commit_words 3: the first words alone, then clauses
+    of three words or more, then sentences; every word spoken once, in order."""
+    text = "Right, so here is the plan for today, step by step, and then a rest. Fine"
+    pieces = [text[i:i + 5] for i in range(0, len(text), 5)]
+    heard = asyncio.run(_session(server.ws, pieces, {"seed": 3, "split_granularity": "clause",
+                                                     "first_commit_words": 3}))
+    parts = ["Right, so here", "is the plan for today,", "step by step,", "and then a rest.", "Fine"]
+    _check_sentences(heard, parts)
+    assert [w["text"] for d in heard.of("audio.done") for w in d["words"]] == text.split()
+
+
+@pytest.mark.parametrize(("config", "param"), [({"split_granularity": "word"}, "split_granularity"),
+                                               ({"first_commit_words": -2}, "first_commit_words"),
+                                               ({"first_commit_words": 2.5, "seed": -1}, "first_commit_words")])
+def test_a_bad_commit_rule_is_refused_with_the_config(server, config, param):
+    async def run() -> Heard:
+        async with websockets.connect(server.ws) as ws:
+            await ws.send(json.dumps({"type": "session.config", **config}))
+            return await _read(ws, Heard(), "error")
+
+    (error,) = asyncio.run(run()).of("error")
+    assert error["param"] == param and param in error["message"] and error["status"] == 400

@@ -128,7 +128,7 @@ def _commits(text: str, size: int, **options) -> list[list[str]]:
 
     commits = TextCommits(**options)
     out = [commits.feed(text[i:i + size]) for i in range(0, len(text), size)]
-    return out + [commits.flush()]
+    return [*out, commits.flush()]
 
 
 @pytest.mark.parametrize("size", [1, 4, 1000])

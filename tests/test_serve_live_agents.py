@@ -158,3 +158,30 @@ def test_a_bad_commit_rule_is_refused_with_the_config(server, config, param):
 
     (error,) = asyncio.run(run()).of("error")
     assert error["param"] == param and param in error["message"] and error["status"] == 400
+
+
+def test_the_client_side_maps_a_players_position_to_the_sentence_and_its_played_ms():
+    """protocol.Reader (the plugins' client side): sentence starts in the session's audio, what a
+    player at a position has played of which sentence, and the input.cancel that says so."""
+    from higgs_pack.serve.integrations.protocol import Reader, cancel_message
+
+    reader = Reader()
+    assert reader.played(1.0) is None and reader.played_now() is None
+    assert json.loads(cancel_message(None)) == {"type": "input.cancel"}
+    reader.read(json.dumps({"type": "audio.start", "sentence_index": 0, "sentence_text": "Hi there."}))
+    reader.read(bytes(2 * RATE))  # 1 s of sentence 0
+    done = reader.read(json.dumps({"type": "audio.done", "sentence_index": 0, "start": 0.0, "end": 1.0,
+                                   "words": [{"text": "Hi", "start": 0.0, "end": 0.3, "exact": False},
+                                             {"text": "there.", "start": 0.3, "end": 1.0, "exact": False}]}))
+    assert done.words == (("Hi", 0.0, 0.3), ("there.", 0.3, 1.0))
+    reader.read(json.dumps({"type": "audio.start", "sentence_index": 1, "sentence_text": "More."}))
+    reader.read(bytes(2 * RATE // 2))  # 0.5 s of sentence 1 (its pause and speech)
+    assert reader.played(0.4) == (0, pytest.approx(400))
+    assert reader.played(1.3) == (1, pytest.approx(300))
+    assert reader.played(9.0) == (1, pytest.approx(500))  # no further than the audio read
+    assert reader.played_now() is not None  # the clock started at the first audio
+    assert json.loads(cancel_message((1, 300.04))) == {"type": "input.cancel", "sentence_index": 1, "played_ms": 300.0}
+    reader.cancelling()
+    cancelled = reader.read(json.dumps({"type": "audio.cancelled", "sentence_index": 1, "end": 1.5,
+                                        "heard_text": "More", "heard_words": 1, "played_ms": 300}))
+    assert (cancelled.kind, cancelled.heard, reader.received) == ("cancelled", "More", 1.5)

@@ -220,8 +220,8 @@ def test_dialogue_json_round_trip_of_segments():
     assert json.loads(json.dumps(segment_json(Segment("Hi.", 0.0, 0.48, 0, True, "ANN")))) == {
         "text": "Hi.", "start": 0.0, "end": 0.48, "chunk": 0, "exact": True, "words": [], "speaker": "ANN"}
     timed = Segment("Hi there.", 1.0, 1.9, 0, True, "ANN", word_timings("Hi there.", 1.0, 1.9))
-    assert segment_json(timed)["words"] == [{"text": "Hi", "start": 1.0, "end": 1.2, "exact": False},
-                                            {"text": "there.", "start": 1.2, "end": 1.9, "exact": False}]
+    assert segment_json(timed)["words"] == [{"text": "Hi", "start": 1.0, "end": 1.225, "exact": False},
+                                            {"text": "there.", "start": 1.225, "end": 1.9, "exact": False}]
 
 
 # ------------------------------------------------ POST /v1/audio/dialogue on a live server

@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import statistics
 import sys
 import time
@@ -128,27 +129,28 @@ def session_record(text: str, parts: list[str], sent: list[tuple[int, float]],
 
 
 def run_level(url: str, pid: int, texts: Sequence[list[str]], rate: float, rule: str, sessions: int,
-              timeout: float) -> dict[str, Any]:
+              timeout: float, repeats: int = 1) -> dict[str, Any]:
     """``sessions`` sessions at once (session ``i``: text ``i mod len(texts)``, seed ``i``) under
-    commit ``rule`` at ``rate``; their records, p50/p90 and the server's core-seconds per audio-second."""
+    commit ``rule`` at ``rate``, ``repeats`` times one after another (their sessions pooled, seeds
+    going on); their records, p50/p90 and the server's core-seconds per audio-second."""
     import psutil
 
     ws_url = "ws" + url.rstrip("/")[4:] + "/v1/audio/speech/stream"
     server = psutil.Process(pid)
     before = sum(server.cpu_times()[:2])
 
-    async def all_sessions() -> list[dict[str, Any]]:
+    async def all_sessions(first: int) -> list[dict[str, Any]]:
         return await asyncio.gather(*(agent_session(ws_url, texts[i % len(texts)], rate, RULES[rule], i, timeout)
-                                      for i in range(sessions)))
+                                      for i in range(first, first + sessions)))
 
-    records = asyncio.run(all_sessions())
+    records = [r for k in range(repeats) for r in asyncio.run(all_sessions(k * sessions))]
     core_s = sum(server.cpu_times()[:2]) - before
     audio_s = sum(r["audio_s"] for r in records)
 
     def over(key: str) -> dict[str, float] | None:
         return spread([r[key] for r in records if r[key] is not None])
 
-    return {"rule": rule, **RULES[rule], "tokens_per_s": rate, "sessions": sessions,
+    return {"rule": rule, **RULES[rule], "tokens_per_s": rate, "sessions": sessions, "repeats": repeats,
             "first_token_to_speech_s": over("first_token_to_speech_s"), "first_commit_text_s": over("first_commit_text_s"),
             "server_added_s": over("server_added_s"),
             "sentence_gap_s": spread([g for r in records for g in r["sentence_gaps_s"]]),
@@ -203,7 +205,9 @@ def agent_table(record: dict[str, Any]) -> tuple[list[str], list[list[str]], lis
     facts = [f"floor of the first commit {f['text']!r}: prefill {f['prefill_s'] * 1000:.0f} ms + "
              f"{f['lookahead_frames'] + 1} steps x {f['step_s'] * 1000:.1f} ms + codec call "
              f"{f['codec_call_s'] * 1000:.0f} ms = **{f['floor_s'] * 1000:.0f} ms**" for f in record["floors"].values()]
-    facts += [f"preset {record['preset']}, bundle {record['model']}; machine: {record['machine_line']}"]
+    facts += [f"preset {record['preset']}, bundle {record['model']}, {record.get('repeats', 1)} run(s) of each level "
+              f"pooled; load average {record['loadavg'][0]:.1f} at the start, {record['loadavg_end'][0]:.1f} at the end; "
+              f"{record['machine_line']}"]
     return (["rule", "tokens/s", "sessions", "first token to speech ms p50 / p90", "first commit's text ms",
              "server adds ms", "server adds / floor p50", "later part gaps ms", "underruns", "core-s per audio-s"], rows, facts)
 
@@ -221,6 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rules", default=",".join(RULES))
     p.add_argument("--rates", default=",".join(f"{r:g}" for r in RATES))
     p.add_argument("--sessions", default="1,3", help="sessions at once, per level")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each level, one after another, pooled")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--out", default="dist/agent-bench.json")
     args = p.parse_args(argv)
@@ -229,18 +234,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokenizer = Path(bundle) / "tokenizer.json"
     pieces = [token_pieces(t, tokenizer) for t in texts]
     record: dict[str, Any] = {"kind": "agent-bench", "preset": args.preset, "model": Path(bundle).name,
-                              "machine": machine(), "texts": texts, "levels": []}
+                              "machine": machine(), "loadavg": os.getloadavg(), "texts": texts, "repeats": args.repeats,
+                              "levels": []}
     record["machine_line"] = machine_line(record["machine"])
     with ServerProcess(bundle, ["--max-batch", "4", "--max-queue", "8"]) as server:
         record["server_pid"] = server.pid
         for rule in args.rules.split(","):
             for rate in (float(r) for r in args.rates.split(",")):
                 for sessions in (int(n) for n in args.sessions.split(",")):
-                    level = run_level(server.url, server.pid, pieces, rate, rule, sessions, args.timeout)
+                    level = run_level(server.url, server.pid, pieces, rate, rule, sessions, args.timeout, args.repeats)
                     record["levels"].append(level)
                     print(json.dumps({k: v for k, v in level.items() if k != "session_records"}), file=sys.stderr)
     firsts = sorted({r["parts"][0] for lv in record["levels"] for r in lv["session_records"] if r["parts"]})
     record["floors"] = measure_floors(bundle, firsts or texts[:1])
+    record["loadavg_end"] = os.getloadavg()
     for level in record["levels"]:  # the goal's ratio: what the server adds over its first commit's floor
         ratios = [r["server_added_s"] / record["floors"][r["parts"][0]]["floor_s"] for r in level["session_records"]
                   if r["server_added_s"] is not None and r["parts"]]

@@ -36,7 +36,7 @@ sentence's bytes are a playable stream), ``{"type": "audio.done", "sentence_inde
   "sentence_index", "end"}`` (``end``: the session's audio sent so far, seconds); the session goes
   on with the next text.  With ``played_ms`` (and optionally ``sentence_index``: the audio the
   client played of a sentence) it also answers ``played_ms``, ``heard_text`` and ``heard_words``
-  and keeps only the heard words and their frames as the rolling context (:meth:`Session._heard`);
+  and keeps only the heard words and their frames as the rolling context (:func:`~higgs_pack.serve.barge_in.heard_part`);
 - ``{"type": "input.flush"}`` speaks buffered text that has no sentence end yet;
 - a bad message gets ``{"type": "error", "message", "param", "code", "status"}`` naming the
   field; the session goes on.  A bad ``session.config`` is refused whole, its event naming every
@@ -87,11 +87,11 @@ from higgs_pack.runtime.loop.generate import (
     plan_chunks,
 )
 from higgs_pack.runtime.loop.sentences import GRANULARITIES, TextCommits
-from higgs_pack.runtime.loop.words import Word, heard_words, word_timings, words_json, words_prefix
+from higgs_pack.runtime.loop.words import words_json
 from higgs_pack.runtime.request import PreparedVoice, SynthesisRequest, Voice
+from higgs_pack.serve.barge_in import PLAYED_KEPT, Played, cancel_fields, heard_part, played_record
 from higgs_pack.serve.errors import ApiError, from_input_error
 from higgs_pack.serve.formats import STREAMABLE, StreamEncoder
-from higgs_pack.serve.integrations.protocol import spoken_chars
 from higgs_pack.serve.speech import SpeechJob, parse_speech, short
 
 log = logging.getLogger(__name__)
@@ -110,12 +110,6 @@ MESSAGES = ("session.config", "input.text", "input.flush", "input.done", "input.
 NOT_IN_CONFIG = ("input", "stream_format", "stream")
 #: Fields each client message takes besides ``type`` (``session.config``'s are the speech body's).
 FIELDS = {"input.text": ("text",), "input.flush": (), "input.done": (), "input.cancel": ("played_ms", "sentence_index")}
-#: Sentences whose audio went out that a barge-in's ``sentence_index`` may name (the last ones).
-PLAYED_KEPT = 8
-#: Characters (whitespace not counted) per second of speech, for the word timings of a sentence
-#: cut off before its end was generated, until the session has spoken a sentence to measure its own
-#: rate: about 150 words a minute (a common conversational rate) of 5 characters with punctuation.
-SPEECH_CHARS_PER_S = 12.5
 #: session.config's fields of the live route alone, with their defaults: how text is committed to
 #: speech (:class:`~higgs_pack.runtime.loop.sentences.TextCommits`; docs/serving/live.md).
 LIVE_FIELDS = {"split_granularity": "sentence", "first_commit_words": 0}
@@ -137,31 +131,6 @@ class _Spoken:
 
 
 @dataclass
-class _Played:
-    """A sentence whose audio went out (from its ``audio.start``): what a barge-in's
-    ``played_ms`` is measured against.
-
-    Attributes:
-        index: the sentence's index.
-        text: its text.
-        first: session samples sent before its first audio (its pause included).
-        speech: session samples before its speech (after the pause); None before its speech.
-        stream: its :class:`~higgs_pack.runtime.loop.streaming.SpeechStream` (codes pushed so far).
-        cap: its frame cap.
-        words: its word timings, seconds from its speech's start (from ``audio.done``); None
-            while it is still being generated.
-    """
-
-    index: int
-    text: str
-    first: int
-    stream: Any
-    cap: int
-    speech: int | None = None
-    words: tuple[Word, ...] | None = None
-
-
-@dataclass
 class _Sentence:
     text: str
     complete_at: float  # perf_counter when its last text arrived (or the flush / done)
@@ -180,7 +149,7 @@ class _Item:
     samples: int = 0  # samples of session audio in ``audio`` (a WAV header has none)
     speech: bool = False  # the sentence's speech (not its leading pause)
     keep: bool = False  # sent even after a cancel (audio.start, errors, audio.cancelled)
-    played: _Played | None = None  # with audio.start: the sentence's record
+    played: Played | None = None  # with audio.start: the sentence's record
 
 
 def live_route(app: FastAPI, server: Any) -> None:
@@ -231,7 +200,7 @@ class Session:
         self.started = time.perf_counter()
         self.gone = False
         self.speech_start: float | None = None  # where the sentence being sent began speaking (seconds)
-        self.played: list[_Played] = []  # the last PLAYED_KEPT sentences whose audio went out, oldest first
+        self.played: list[Played] = []  # the last PLAYED_KEPT sentences whose audio went out, oldest first
         self.send_out, self.outbox = anyio.create_memory_object_stream[_Item](OUTBOX)
 
     async def run(self) -> None:
@@ -426,84 +395,29 @@ class Session:
 
     async def _cancel(self, data: dict[str, Any]) -> None:
         """``input.cancel``: stop the sentence being spoken, drop the text not yet spoken; with
-        ``played_ms``, answer what was heard and keep only that as context (:meth:`_heard`).
+        ``played_ms``, answer what was heard and keep only that as context (:func:`heard_part`).
 
         Raises:
             ApiError: a bad ``played_ms`` or ``sentence_index`` (nothing is cancelled then).
         """
-        played_ms, index = data.get("played_ms"), data.get("sentence_index")
-        if played_ms is not None and not (isinstance(played_ms, (int, float)) and not isinstance(played_ms, bool)
-                                          and math.isfinite(played_ms) and played_ms >= 0):
-            raise _bad(f"played_ms is the milliseconds of the sentence's audio the client played, a number >= 0; "
-                       f"got {short(played_ms)}", "played_ms", "invalid_value")
-        if index is not None and (played_ms is None or not isinstance(index, int) or isinstance(index, bool)):
-            raise _bad(f"sentence_index names the sentence played_ms is of (an audio.start's sentence_index, with "
-                       f"played_ms); got {short(index)}{'' if played_ms is not None else ' without played_ms'}",
-                       "sentence_index", "invalid_value")
-        record = self._played_record(index) if played_ms is not None else None
-        self.epoch += 1
+        played_ms, index = cancel_fields(data)
+        record, self.epoch = played_record(self.played, index) if played_ms is not None else None, self.epoch + 1
         self.text.restart()
         self.sentences = [s for s in self.sentences if s is _DONE]
         event = {"type": "audio.cancelled", "sentence_index": self.speaking}
         if self.handle is not None:
             self.handle.cancel()
-        if played_ms is not None:
-            event.update(self._heard(record, played_ms))
+        if played_ms is not None:  # the context: the sentences before the one played, then what was heard of it
+            frame_s = self.server.engine.pipeline.constants.hop_length / self.rate
+            count, text, codes = heard_part(record, played_ms, self.played, self.rate, frame_s)
+            event.update({"played_ms": played_ms, "heard_text": text, "heard_words": count})
+            if record is not None:
+                event["sentence_index"] = record.index
+                self.spoken = [s for s in self.spoken if s.index < record.index]
+            if codes is not None:
+                self._keep(_Spoken(record.index, text, record.cap, GenerationResult(codes[:0], codes, "cancelled", 0,
+                                                                                   math.nan, 0.0, 0.0)))
         await self._put(_Item(self.epoch, event, keep=True))
-
-    def _played_record(self, index: int | None) -> _Played | None:
-        """The sentence a barge-in's ``played_ms`` is of: ``index``'s, or the last whose audio
-        went out (None when none did).
-
-        Raises:
-            ApiError: ``index`` names no sentence of the last :data:`PLAYED_KEPT` whose audio went out.
-        """
-        if index is None:
-            return self.played[-1] if self.played else None
-        found = [p for p in self.played if p.index == index]
-        if not found:
-            known = ", ".join(str(p.index) for p in self.played) or "none yet"
-            raise _bad(f"sentence_index {index} is not a sentence whose audio was sent (of the last {PLAYED_KEPT}: "
-                       f"{known}); give an audio.start's sentence_index", "sentence_index", "invalid_value")
-        return found[0]
-
-    def _heard(self, record: _Played | None, played_ms: float) -> dict[str, Any]:
-        """What the listener heard of ``record``'s sentence in ``played_ms`` of its audio (from its
-        first byte, its pause included): the words ended by then (:func:`heard_words`; a
-        sentence still being generated has its words estimated at the session's speaking rate),
-        kept as the rolling context in place of that sentence and all after it.
-
-        Returns:
-            ``audio.cancelled``'s fields: ``sentence_index`` (the sentence played), ``played_ms``,
-            ``heard_text`` (its text up to the last word heard) and ``heard_words`` (their count).
-        """
-        if record is None:
-            return {"played_ms": played_ms, "heard_text": "", "heard_words": 0}
-        heard: list[Word] = []
-        if record.speech is not None:
-            speech_s = played_ms / 1000 - (record.speech - record.first) / self.rate
-            heard = heard_words(record.words or self._estimated_words(record), speech_s)
-        text = words_prefix(record.text, len(heard))
-        self.spoken = [s for s in self.spoken if s.index < record.index]
-        fps = self.rate / self.server.engine.pipeline.constants.hop_length
-        pushed = list(record.stream.pushed)[:round(heard[-1].end * fps)] if heard else []
-        if pushed:
-            codes = np.stack(pushed)
-            self._keep(_Spoken(record.index, text, record.cap, GenerationResult(
-                np.zeros((0, codes.shape[1]), np.int64), codes, "cancelled", 0, math.nan, 0.0, 0.0)))
-        return {"sentence_index": record.index, "played_ms": played_ms, "heard_text": text,
-                "heard_words": len(heard)}
-
-    def _estimated_words(self, record: _Played) -> tuple[Word, ...]:
-        """Word timings of a sentence cut off before its end was generated: its length estimated
-        from the session's own speaking rate (characters per second of its finished sentences,
-        else :data:`SPEECH_CHARS_PER_S`), at least the audio made so far."""
-        done = [p for p in self.played if p.words]
-        chars = sum(spoken_chars(p.text) for p in done)
-        seconds = sum(p.words[-1].end for p in done)
-        rate = chars / seconds if chars and seconds > 0 else SPEECH_CHARS_PER_S
-        made = len(record.stream.pushed) * self.server.engine.pipeline.constants.hop_length / self.rate
-        return word_timings(record.text, 0.0, max(spoken_chars(record.text) / rate, made))
 
     # speaking
     async def _speak(self) -> None:
@@ -535,7 +449,7 @@ class Session:
         self.next_index += 1
         fmt = job.response_format
         stream = iter(handle)
-        record = _Played(index, sentence.text, 0, stream, max(c for _, c in handle.plan.chunks))
+        record = Played(index, sentence.text, 0, stream, max(c for _, c in handle.plan.chunks))
         await self._put(_Item(epoch, {"type": "audio.start", "sentence_index": index, "sentence_text": sentence.text,
                                       "format": fmt, "sample_rate": self.rate}, keep=True, played=record))
         encoder = StreamEncoder(fmt, self.rate)
@@ -573,7 +487,9 @@ class Session:
         frames = int(sum(r.codes.shape[0] for r in results))
         seconds = stream.samples_out / self.rate
         record.words = tuple(word for segment in stream.segments for word in segment.words)
-        self._remember(index, sentence.text, record.cap, results)
+        if results:  # kept whole as context
+            codes = np.concatenate([r.codes for r in results], axis=0)
+            self._keep(_Spoken(index, sentence.text, record.cap, dataclasses.replace(results[0], codes=codes)))
         m = self.server.metrics
         m.frames.inc(frames)
         m.audio_seconds.inc(seconds)
@@ -600,12 +516,6 @@ class Session:
         except InputError as exc:
             raise from_input_error(exc, param="text") from exc
         return dataclasses.replace(self.job, request=request)
-
-    def _remember(self, index: int, text: str, cap: int, results: list[GenerationResult]) -> None:
-        """Keep sentence ``index``, spoken whole, as context (:meth:`_keep`)."""
-        if results:
-            codes = np.concatenate([r.codes for r in results], axis=0)
-            self._keep(_Spoken(index, text, cap, dataclasses.replace(results[0], codes=codes)))
 
     def _keep(self, spoken: _Spoken) -> None:
         """Keep a sentence (or the part of it heard) as context: the first one (the voice of the
@@ -642,8 +552,7 @@ class Session:
         if event is None:
             if item.speech and self.speech_start is None:
                 self.speech_start = self.samples_sent / self.rate
-                if self.played:
-                    self.played[-1].speech = self.samples_sent
+                self.played[-1].speech = self.samples_sent  # its audio.start went out before it
             await self.ws.send_bytes(item.audio)
             self.samples_sent += item.samples
             return True
@@ -678,7 +587,7 @@ def sentence_context(pipeline: Any, request: SynthesisRequest, voice: PreparedVo
         voice: the session's voice, or None (the bundle's own; the first sentence then becomes
             the voice: a PreparedVoice of its codes and text, the same for every later
             sentence, so its prefix is cached too).
-        spoken: the sentences kept as context (:meth:`Session._remember`), oldest first.
+        spoken: the sentences kept as context (:meth:`Session._keep`), oldest first.
         text: the sentence about to be spoken.
 
     Returns:

@@ -186,11 +186,20 @@ def integrations(session: nox.Session) -> None:
     bundle = Path(cache) / "bundles" / _bundle(session, _bin("higgs-pack"), "cpu", args[2:]).name
     session.run(_bin("higgs-pack"), "build", *args, "--out", str(bundle), "--force", env={"HIGGS_PACK_CACHE": cache},
                 external=True)
-    session.install("-e", f"{ROOT}[cpu,serve,pipecat,livekit]", "pytest>=8", "httpx")  # httpx: tests/live_server.py
-    # the venv is the runtime's, as a user of the integrations has (-I: not the cwd's folders)
+    # the built wheel, not an editable install: the tests see what a user gets (a sub-package missing
+    # from the wheel fails here; an editable install hid it)
+    session.install("--force-reinstall", "--no-deps", str(ROOT))
+    session.install(f"{ROOT}[cpu,serve,pipecat,livekit]", "pytest>=8", "httpx")  # httpx: tests/live_server.py
+    # the venv is the runtime's, as a user of the integrations has (-I: not the cwd's folders), and every
+    # module of the server (ray_app needs [ray], which this venv must not have) imports from the wheel
     session.run("python", "-I", "-c", "import importlib.util as u, sys; found = [m for m in ('torch', 'ray') if "
                 "u.find_spec(m)]; sys.exit(f'the integrations venv must hold no {found}' if found else 0)")
-    session.run("python", "-m", "pytest", "-q", *(str(ROOT / t) for t in INTEGRATION_TESTS), *session.posargs,
+    session.run("python", "-I", "-c", "import importlib, pkgutil, higgs_pack.serve as s; "
+                "assert 'site-packages' in s.__file__, s.__file__; "
+                "[importlib.import_module(m.name) for m in pkgutil.walk_packages(s.__path__, 'higgs_pack.serve.') "
+                "if m.name != 'higgs_pack.serve.ray_app']")
+    # pytest's own script (not `python -m`, which puts the checkout's higgs_pack/ folder first on sys.path)
+    session.run("pytest", "-q", *(str(ROOT / t) for t in INTEGRATION_TESTS), *session.posargs,
                 env={"HIGGS_PACK_CACHE": cache, "HIGGS_PACK_TEST_CPU_INT4_BUNDLE": str(bundle)})
 
 

@@ -39,6 +39,7 @@ from bench.serve_checks import (
     request_pool,
 )
 from bench.serve_live import run_live
+from bench.serve_stall import run_stall
 from bench.serve_workers import EngineProcess, ServerProcess, scrape
 from bench.systems import cpu_s, machine, rss_mb
 from higgs_pack.manifests.errors import HiggsPackError, InputError
@@ -76,6 +77,7 @@ class LoadOptions:
     rounds: int = 1
     live_sessions: tuple[int, ...] = ()
     live_tokens_per_s: float = 30.0
+    stall: int = 0
     quiet: bool = False
 
 
@@ -335,6 +337,9 @@ def run_load(options: LoadOptions) -> dict[str, Any]:
             say(f"live: {sessions} sessions, text at {options.live_tokens_per_s:g} tokens/s")
             record.setdefault("live", []).append(run_live(url, case_texts(cases), sessions,
                                                           options.live_tokens_per_s, timeout, first=n))
+        if options.stall > 0:
+            say(f"stall: /health while {options.stall} cloning requests and a voice upload run")
+            record["stall"] = run_stall(url, model, options.stall, timeout=timeout)
         if options.soak_requests > 0:
             say(f"soak: {options.soak_requests} requests at {options.soak_clients} clients")
             record["soak"] = _soak(url, model, pid, capacity, pool, expected, options)
@@ -413,7 +418,9 @@ HELP = {"preset": "tiny or bench: the bench's cpu int4 bundle of this preset", "
         "server_pid": "with --url: the server's process id (its RSS)", "pool": "distinct requests",
         "level_seconds": "no request of a level starts after this", "frames": "max_new_tokens of every request",
         "rounds": "run each level this many times, keep each side's fastest", "soak_requests": "0: no soak",
-        "live_tokens_per_s": "pieces of text (about 4 characters each) a live session sends per second"}
+        "live_tokens_per_s": "pieces of text (about 4 characters each) a live session sends per second",
+        "stall": "cloning requests (10-s clips) sent with a voice upload while /health is timed: how long the "
+                 "event loop is held (bench/serve_stall.py; 0: none)"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

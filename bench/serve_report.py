@@ -202,8 +202,19 @@ def render(record: dict[str, Any]) -> str:
     lines += [f"  {lv['clients']} clients, job {p['job']}: {p['category']}: {p['detail']}"
               for lv in record.get("levels", []) for p in lv.get("problems", [])[:3]]
     lines += [soak] * bool(soak) + [_live_line(run) for run in record.get("live") or []]
+    lines += [_stall_line(record["stall"])] if record.get("stall") else []
     lines += [f"goal {g}: {m} -> {goal_state(met)}" for g, met, m in goal_checks(record)]
     return "\n".join(lines)
+
+
+def _stall_line(stall: dict[str, Any]) -> str:
+    """The event loop's stall (bench/serve_stall.py) in a line: /health latency idle and busy."""
+    def said(phase: dict[str, Any] | None) -> str:
+        return "not measured" if not phase else (f"p50 {phase['p50_ms']:.1f} ms, p99 {phase['p99_ms']:.1f} ms, "
+                                                  f"max {phase['max_ms']:.1f} ms ({phase['n']} probes)")
+    statuses = ", ".join(f"{n} x {code}" for code, n in sorted(stall["statuses"].items()))
+    return (f"stall: /health idle {said(stall['idle'])}; while {stall['clones']} cloning requests "
+            f"({stall['clip_seconds']:g}-s clips) and a voice upload ran {said(stall['busy'])}; answers {statuses}")
 
 
 def _live_line(run: dict[str, Any]) -> str:

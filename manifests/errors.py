@@ -160,11 +160,19 @@ def unknown_choice(kind: str, value: str, known: Iterable[str], fix: str) -> str
         fix: The flag or keyword that sets the value, for example ``"--target / target="``.
     """
     known = sorted(known)
+    return f"unknown {kind} {value!r}{did_you_mean(value, known)}; known: {', '.join(known)}. Set it with {fix}."
+
+
+def did_you_mean(value: Any, known: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` naming the known name closest to ``value`` (one that differs only by
+    case first: ``CPU`` is ``cpu``; else :func:`difflib.get_close_matches`), or ``""``: the one
+    "did you mean" of every message."""
+    known = list(known)
     lower = {k.lower(): k for k in known}
-    close = ([lower[value.lower()]] if isinstance(value, str) and value.lower() in lower  # CPU: cpu
-             else difflib.get_close_matches(value, known, n=1))
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"unknown {kind} {value!r}{hint}; known: {', '.join(known)}. Set it with {fix}."
+    if not isinstance(value, str):
+        return ""
+    close = [lower[value.lower()]] if value.lower() in lower else difflib.get_close_matches(value, known, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def install_extra(extra: str) -> str:

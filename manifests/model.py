@@ -32,6 +32,10 @@ class SubPart(str, enum.Enum):
         return self.value
 
 
+#: Characters of the longest sub-part name: the width of the name column in tables (inspect, --plan).
+NAME_WIDTH = max(len(part.value) for part in SubPart)
+
+
 #: Input and output tensor names of each sub-part except the decoder, whose
 #: names depend on the exporter (ModelBuilder or optimum-intel).
 SUBPART_IO: dict[SubPart, tuple[tuple[str, ...], tuple[str, ...]]] = {

@@ -73,8 +73,11 @@ def read_lines(text: str, base_seed: int | None) -> tuple[list[Line], int]:
             every such line named.
     """
     from higgs_pack.runtime.request import refuse, unspeakable
+    from higgs_pack.runtime.text import lines as text_lines
 
-    raw = text.splitlines()
+    raw = text_lines(text)  # LF, CR LF, CR: the one line rule (runtime/text.py)
+    if raw and raw[-1] == "":
+        raw.pop()  # the line feed that ends the last line ends no line of its own
     lines = [Line(n, s.strip(), None if base_seed is None else base_seed + n - 1)
              for n, s in enumerate(raw, start=1) if s.strip()]
     if not lines:

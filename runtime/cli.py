@@ -20,6 +20,7 @@ from typing import Any
 import click
 
 from higgs_pack.manifests.errors import HiggsPackError, install_extra
+from higgs_pack.manifests.model import NAME_WIDTH
 from higgs_pack.manifests.providers import EXECUTION_PROVIDERS
 from higgs_pack.runtime.exit_status import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_TERMINATED
 from higgs_pack.runtime.request import (
@@ -29,6 +30,7 @@ from higgs_pack.runtime.request import (
     FIRST_CHUNK_FRAMES,
     MAX_CHUNK_FRAMES,
 )
+from higgs_pack.runtime.text import decode
 
 COMMAND_GROUP = "higgs_pack.commands"
 
@@ -87,21 +89,22 @@ def main(verbose: int) -> None:
 
 
 def _read_text(text: str | None, text_file: Path | None) -> str:
-    """The words to speak: ``--text``, ``--text-file``, or stdin (``--text -``, ``--text-file -`` or neither)."""
+    """The words to speak: ``--text``, ``--text-file``, or stdin (``--text -``, ``--text-file -`` or neither),
+    as the one text rule reads bytes (:func:`higgs_pack.runtime.text.decode`: UTF-8, a leading BOM dropped).
+
+    Raises:
+        click.UsageError: both given, or no text and a terminal on stdin.
+        InputError: the file or stdin is not UTF-8 (the byte named).
+    """
     if text is not None and text_file is not None:
         raise click.UsageError("give the text once: --text or --text-file, not both")
     from_stdin = text == "-" or str(text_file) == "-" or (text is None and text_file is None)
-    try:
-        if from_stdin:
-            if sys.stdin is None or sys.stdin.isatty():
-                raise click.UsageError("no text: pass --text \"…\", --text-file FILE, or pipe text on stdin")
-            return sys.stdin.buffer.read().decode("utf-8")
-        if text_file is not None:
-            return text_file.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        where = "stdin" if from_stdin else str(text_file)
-        raise click.BadParameter(f"{where} is not UTF-8 text ({exc}); save it as UTF-8",
-                                 param_hint="stdin" if from_stdin else "--text-file") from exc
+    if from_stdin:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise click.UsageError("no text: pass --text \"…\", --text-file FILE, or pipe text on stdin")
+        return decode(sys.stdin.buffer.read(), "standard input")
+    if text_file is not None:
+        return decode(text_file.read_bytes(), f"--text-file {text_file}")
     return text
 
 
@@ -256,7 +259,7 @@ SUBTITLES_OPTION = click.option(
               help="For a model slug: also choose among the bundles in this folder (repeatable).")
 @click.option("--variant", help="For a hub repository holding several bundles: the folder to use.")
 @click.option("--stream", "streaming", is_flag=True,
-              help="Write audio while it is generated (first chunk after ~0.4 s of frames).")
+              help="Write audio while it is generated (first chunk: --first-chunk-frames of audio).")
 @click.option("--format", "fmt", type=click.Choice(["wav", "raw"]), default="wav", show_default=True,
               help="With -o -: a WAV stream, or raw little-endian PCM (s16le; f32le with --float), mono 24 kHz.")
 @click.option("--first-chunk-frames", type=int, default=FIRST_CHUNK_FRAMES, show_default=True,
@@ -347,7 +350,7 @@ def synthesize(**flags: Any) -> None:
 FILE_SCHEDULE = {"first_chunk_frames": MAX_CHUNK_FRAMES, "chunk_growth": 1.0, "max_chunk_frames": MAX_CHUNK_FRAMES}
 
 
-def _write_out(speech, rate: int, output: Path, subtype: str, bar):
+def _write_out(speech, rate: int, output: Path, subtype: str, bar, keep_hint: str = "--stream writes a file that keeps it"):
     """Write a stream's audio to the .wav ``output`` piece by piece, put in place when complete.
 
     Memory stays that of one piece whatever the length (``tts.synthesize`` would hold the whole
@@ -362,6 +365,8 @@ def _write_out(speech, rate: int, output: Path, subtype: str, bar):
         output: the .wav path.
         subtype: ``"PCM_16"`` (scaled to a 0.999 peak if it goes beyond [-1, 1]) or ``"FLOAT"``.
         bar: the progress bar, closed at the end.
+        keep_hint: how this command keeps what was generated when stopped, said after Ctrl-C
+            (``""``: it has no way).
 
     Returns:
         ``(written, samples, results, segments)``: the :class:`~higgs_pack.runtime.audio.WavWritten`,
@@ -378,8 +383,8 @@ def _write_out(speech, rate: int, output: Path, subtype: str, bar):
             written = writer.finish()
     except KeyboardInterrupt as exc:
         bar.close()
-        click.echo(f"{_how_stopped(exc)}: nothing written to {output}; the audio generated so far was not kept "
-                   "(--stream writes a file that keeps it)", err=True)
+        click.echo(f"{_how_stopped(exc)}: nothing written to {output}; the audio generated so far was not kept"
+                   + (f" ({keep_hint})" if keep_hint else ""), err=True)
         sys.exit(EXIT_TERMINATED if isinstance(exc, _Terminated) else EXIT_INTERRUPTED)
     finally:
         speech.close()
@@ -727,7 +732,7 @@ def dialogue(bundle, script, output, voices, subtitles, execution_provider, devi
     inputs = [script, *(clip for _, (clip, _words) in chosen)]  # -o or --subtitles on a clip would overwrite it
     _check_output(output, bundle, inputs)
     _check_subtitles(subtitles, output, inputs)
-    turns = parse_script(_read_script(script), str(script))
+    turns = parse_script(_read_script(script), _source_name(script), voices=[name for name, _ in chosen])
     twice = sorted({name for name, _ in chosen if [n for n, _ in chosen].count(name) > 1})
     if twice:
         raise click.BadParameter(f"--voice gives {', '.join(map(repr, twice))} more than once; give each speaker "
@@ -747,7 +752,7 @@ def dialogue(bundle, script, output, voices, subtitles, execution_provider, devi
         bar.refresh()
 
     written, samples, results, segments = _write_out(tts.stream_dialogue(request, progress=progress),
-                                                     tts.sample_rate, output, "FLOAT" if as_float else "PCM_16", bar)
+                                                     tts.sample_rate, output, "FLOAT" if as_float else "PCM_16", bar, keep_hint="")
     click.echo(f"wrote {output}: {samples / tts.sample_rate:.2f} s at {tts.sample_rate} Hz, {len(turns)} "
                f"turn(s) in {len(results)} text chunk(s), {sum(len(r.codes) for r in results)} frames")
     _write_subtitles(subtitles, segments, output)
@@ -755,17 +760,20 @@ def dialogue(bundle, script, output, voices, subtitles, execution_provider, devi
 
 
 def _read_script(script: Path) -> str:
-    """The script's text (UTF-8; ``-``: stdin).
+    """The script's text (``-``: stdin), as the one text rule reads bytes
+    (:func:`higgs_pack.runtime.text.decode`: UTF-8, a leading BOM dropped).
 
     Raises:
-        click.BadParameter: not UTF-8 (a binary file, or another encoding).
+        InputError: not UTF-8 (a binary file, or another encoding), the byte named.
     """
     data = sys.stdin.buffer.read() if str(script) == "-" else script.read_bytes()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise click.BadParameter(f"{script} is not UTF-8 text ({exc}): a script is UTF-8 text with one turn per "
-                                 "line, NAME: text (is it a binary file?)", param_hint="SCRIPT") from exc
+    return decode(data, _source_name(script), fix="a script is UTF-8 text with one turn per line, NAME: text "
+                  "(is it a binary file?)")
+
+
+def _source_name(path: Path) -> str:
+    """How messages name a file argument: ``standard input`` for ``-``."""
+    return "standard input" if str(path) == "-" else str(path)
 
 
 def _voice_flag(value: str) -> tuple[str, tuple[Path, str]]:
@@ -820,7 +828,7 @@ def inspect(bundle, as_json):
     for part, spec in m["subparts"].items():
         part_size = sum(f["size"] for f in m["files"] if f["path"] in spec["files"])
         passes = "+".join(spec["passes"]) or "-"
-        click.echo(f"  {part:<16} {spec['format']:<8} {spec['precision']:<5} {part_size / 1e6:8.2f} MB  "
+        click.echo(f"  {part:<{NAME_WIDTH}} {spec['format']:<8} {spec['precision']:<5} {part_size / 1e6:8.2f} MB  "
                    f"{spec['exporter']}: {passes}")
     ins = ", ".join(f"{t['name']}{t['shape']}" for t in m["subparts"]["llm_decoder"]["inputs"][:3])
     click.echo(f"  decoder in {ins}, …")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 import os
-import unicodedata
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 from typing import Any
@@ -29,6 +28,8 @@ import numpy as np
 
 from higgs_pack.manifests.errors import InputError, Problem, literal, unknown_choice
 from higgs_pack.runtime.loop.delay import SamplingOptions, bundle_sampling, sampling_problems
+from higgs_pack.runtime.text import clean, plain_type
+from higgs_pack.runtime.text import problem as unspeakable  # the one text check of every front door
 
 #: Previous text chunks of a long text whose text and codes open the next chunk's prompt (the
 #: rolling context, :func:`higgs_pack.runtime.loop.generate.chunk_context`; Higgs' own long-form
@@ -124,62 +125,6 @@ def _whole_at_least(name: str, value: Any, minimum: int, meaning: str) -> list[P
     return []
 
 
-def unspeakable(value: Any, what: str, why: str = "there is nothing to speak") -> str | None:
-    """Why the text field ``what`` cannot be used, or None: the one text check of every front door.
-
-    Every text a user gives (the words to speak, a transcript, a voice name, a script line) goes
-    through this: the CLI, the Python API and the server each add how to set the field.
-
-    Args:
-        value: the field's value.
-        what: its name in messages (``"text"``, ``"ref_text"``, ``"voice name"``).
-        why: what an empty value means, after a colon (the words to speak: nothing to speak; a
-            name or a transcript says its own; ``""``: nothing, the caller says what the field is).
-
-    Returns:
-        None when ``value`` is a string with at least one character that is neither whitespace
-        nor a control or format character; else what is wrong with it:
-
-        - not a string (the type named in plain words);
-        - not valid Unicode: a lone surrogate (U+D800-U+DFFF), which is what bytes that are
-          not UTF-8 become in a command-line argument (Python's ``surrogateescape``) or a JSON
-          ``"\\ud800"`` escape; the tokenizer cannot encode it;
-        - empty, or only whitespace and control characters (Unicode categories Cc and Cf, such
-          as U+0000-U+001F): there is nothing to speak.
-    """
-    if not isinstance(value, str):
-        return f"{what} must be text (a string), got {plain_type(value)}"
-    for index, char in enumerate(value):
-        if "\ud800" <= char <= "\udfff":
-            return (f"{what} is not valid Unicode: character {index + 1} is a lone surrogate "
-                    f"(U+{ord(char):04X}; bytes that are not UTF-8 arrive as these); send UTF-8 text")
-    if not any(not char.isspace() and unicodedata.category(char) not in ("Cc", "Cf") for char in value):
-        kind = "empty" if not value else ("only whitespace" if value.isspace() else
-                                            "only whitespace and control characters")
-        return f"{what} is {kind}" + (f": {why}" if why else "")
-    return None
-
-
-def plain_type(value: Any) -> str:
-    """The JSON-ish name of ``value``'s type for messages (``null``, a number, a list...), not Python's."""
-    if value is None:
-        return "nothing (null/None)"
-    if isinstance(value, bool):
-        return f"a boolean ({str(value).lower()})"
-    if isinstance(value, (int, float)):
-        return f"a number ({value!r})"
-    if isinstance(value, (list, tuple)):
-        return "a list"
-    if isinstance(value, dict):
-        return "an object"
-    if isinstance(value, bytes):
-        return "bytes"
-    if isinstance(value, str):
-        shown = repr(value)
-        return f"text ({shown if len(shown) <= 40 else shown[:37] + '...'})"
-    return f"a {type(value).__name__}"
-
-
 def _unspeakable_problems(field: str, value: Any, fix: str = "", why: str = "there is nothing to speak"
                           ) -> list[Problem]:
     """:func:`unspeakable` of ``value`` as the problem of ``field`` (each front door names the field
@@ -226,6 +171,7 @@ class Voice:
     transcript: str
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "transcript", clean(self.transcript))  # the one text rule (runtime/text.py)
         refuse(voice_problems(self.audio, self.transcript))
 
     def prepared(self, sample_rate: int, hop_length: int) -> np.ndarray:
@@ -273,6 +219,7 @@ class PreparedVoice:
     name: str = ""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "transcript", clean(self.transcript))  # the one text rule (runtime/text.py)
         codes = np.asarray(self.codes)
         found = voice_pair_problems(codes, self.transcript)
         if codes.ndim != 2 or codes.shape[0] < 1 or not np.issubdtype(codes.dtype, np.integer):
@@ -414,6 +361,7 @@ class SynthesisRequest:
     context: tuple[PreparedVoice, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "text", clean(self.text))  # the one text rule (runtime/text.py)
         refuse(request_problems(self.text, self._chosen(), self.max_frames, self.context_chunks, self.context_frames)
                + context_problems(self.context, self.voice))
 

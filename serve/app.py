@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
 import json
 import logging
 import threading
@@ -34,10 +33,9 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
 from higgs_pack.manifests.errors import HiggsPackError, InputError, disk_full, disk_full_message
-from higgs_pack.runtime.request import unspeakable
 from higgs_pack.serve import schema
 from higgs_pack.serve.errors import ApiError, error_body, from_input_error, upload_error
-from higgs_pack.serve.formats import FORMATS, media_type, response_formats, sse_error
+from higgs_pack.serve.formats import FORMATS, media_type, sse_error
 from higgs_pack.serve.live import ROUTE as LIVE_ROUTE
 from higgs_pack.serve.live import live_route
 from higgs_pack.serve.metrics import CONTENT_TYPE
@@ -48,9 +46,8 @@ from higgs_pack.serve.speech import (
     parse_speech,
     reference_clip,
     short,
-    unknown_fields,
 )
-from higgs_pack.serve.voices import name_problem
+from higgs_pack.serve.upload import Upload, read_upload
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +80,9 @@ def create_app(server: SpeechServer, *, warm_up: bool = True) -> FastAPI:
                          redoc_url=None, swagger_ui_parameters={"validatorUrl": None})
     app.state.server = server
     _handlers(app)
+    # the last added is the outermost: a request the origin check refuses is counted too
+    app.add_middleware(_SameOrigin, allow_origins=server.config.allow_origins, metrics=server.metrics)
     app.add_middleware(_CountRequests, metrics=server.metrics)
-    app.add_middleware(_SameOrigin, allow_origins=server.config.allow_origins)
     app.router.default = _websocket_not_found(app.router.default)
     _routes(app, server)
     schema.add_bodies(app)
@@ -171,8 +169,8 @@ class _SameOrigin:
     that are not browsers (curl, the ``openai`` client, Pipecat, LiveKit) send no ``Origin`` and
     are not affected.  A refused request or WebSocket handshake is a 403 (code ``cross_origin``)."""
 
-    def __init__(self, app: Any, allow_origins: tuple[str, ...] = ()):
-        self.app, self.allow = app, frozenset(o.lower() for o in allow_origins)
+    def __init__(self, app: Any, allow_origins: tuple[str, ...] = (), metrics: Any = None):
+        self.app, self.allow, self.metrics = app, frozenset(o.lower() for o in allow_origins), metrics
 
     def _refused(self, scope) -> str | None:
         """The page's origin when it may not ask this of the server, else None."""
@@ -191,6 +189,8 @@ class _SameOrigin:
             await self.app(scope, receive, send)
             return
         log.info("refused %s %s from a page of origin %s", scope.get("method", "WebSocket"), scope["path"], origin[:80])
+        if scope["type"] == "websocket" and self.metrics is not None:  # HTTP answers are counted by _CountRequests
+            self.metrics.requests.labels(LIVE_ROUTE if scope["path"] == LIVE_ROUTE else "other", "403").inc()
         message = (f"a web page of origin {short(origin)} may not call this server; start it with "
                    "--allow-origin ORIGIN to let that page's scripts use it")
         await _refuse(scope, receive, send, 403, message, "cross_origin")
@@ -285,7 +285,9 @@ class CutOffLog(logging.Filter):
     one clean line: uvicorn's "Cancel N running task(s), timeout graceful shutdown exceeded"
     becomes a warning naming the requests cut off (what, from whom, how long they ran), and its
     "Exception in ASGI application" traceback of each of them (the cancellation uvicorn itself
-    sent) is dropped.  Other records pass unchanged.
+    sent) is dropped.  A client's WebSocket text frame that is not UTF-8 (uvicorn logs the
+    UnicodeDecodeError with its traceback, then closes with 1007) is one INFO line.  Other records
+    pass unchanged.
 
     Args:
         grace_seconds: the ``--grace-seconds`` the line quotes.
@@ -306,19 +308,18 @@ class CutOffLog(logging.Filter):
             self.cutting = True
             return True
         exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, UnicodeDecodeError):  # uvicorn's WebSocket protocol decoding a client's text frame
+            record.msg, record.args, record.exc_info, record.exc_text = (
+                "a WebSocket client sent a text frame that is not UTF-8 (%s); closed it with 1007", (exc.reason,),
+                None, None)
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            return True
         return not (self.cutting and isinstance(exc, asyncio.CancelledError)
                     and record.msg.startswith("Exception in ASGI application"))
 
 
 def _check_key(server: SpeechServer, request: Request) -> None:
-    key = server.config.api_key
-    if key is None:
-        return
-    given = request.headers.get("authorization", "")
-    scheme, _, token = given.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise ApiError(401, "missing or wrong API key: send Authorization: Bearer <key> (the --api-key the "
-                       "server was started with)", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    server.check_key(request.headers.get("authorization", ""))
 
 
 def _check_encoding(request: Request) -> None:
@@ -353,7 +354,12 @@ def _check_json_type(request: Request) -> None:
                        code="unsupported_media_type")
 
 
-async def _json_body(request: Request, limit: int) -> Any:
+#: Bodies up to this many bytes are parsed on the event loop (microseconds); larger ones (a base64
+#: ref_audio: up to ~21 MB) off it, in the server's parse limiter.
+JSON_ON_LOOP_BYTES = 64 * 1024
+
+
+async def _json_body(request: Request, limit: int, server: SpeechServer) -> Any:
     _check_encoding(request)
     _check_json_type(request)
     size = request.headers.get("content-length")
@@ -365,7 +371,8 @@ async def _json_body(request: Request, limit: int) -> Any:
         if len(data) > limit:
             raise ApiError(413, f"the body is over the limit of {limit} bytes (--max-upload-mb)", code="too_large")
     try:
-        return json.loads(data, object_pairs_hook=_duplicate_keys)
+        parse = functools.partial(json.loads, data, object_pairs_hook=_duplicate_keys)
+        return parse() if len(data) <= JSON_ON_LOOP_BYTES else await server.off_loop(parse)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the body is not JSON ({exc}); send a JSON object with model, input and voice",
                        code="invalid_json") from exc
@@ -416,7 +423,7 @@ def _service_routes(app: FastAPI, server: SpeechServer) -> None:
 
 def _speech_route(app: FastAPI, server: SpeechServer) -> None:
     body_limit = server.config.max_upload_bytes * 4 // 3 + 65536
-    audio = {kind: {"schema": {"type": "string", "format": "binary"}} for kind, _, _ in FORMATS.values()}
+    audio = {media_type(name): {"schema": {"type": "string", "format": "binary"}} for name in FORMATS}
 
     @app.post("/v1/audio/speech", response_class=Response, openapi_extra=schema.json_body(schema.SpeechBody),
               responses={
@@ -427,12 +434,13 @@ def _speech_route(app: FastAPI, server: SpeechServer) -> None:
         """Speak ``input``; every field is described by the body's schema (SpeechBody)."""
         _check_key(server, request)
         t0 = time.perf_counter()
-        body = await _json_body(request, body_limit)
-        parse = functools.partial(parse_speech, body, models=server.models, voices=server.voices,
-                                  config=server.config)
-        # Checking the fields takes microseconds: on a worker thread only when it reads a file or decodes
-        # a clip (a ref_audio, or a stored voice in --voices-dir), not a thread round trip for every request.
-        job = await anyio.to_thread.run_sync(parse) if _parse_blocks(body, server) else parse()
+        async with _admitted(server):  # admission first: a flood gets its 429s before any body is decoded
+            body = await _json_body(request, body_limit, server)
+            parse = functools.partial(parse_speech, body, models=server.models, voices=server.voices,
+                                      config=server.config)
+            # Checking the fields takes microseconds: off the event loop only when it reads a file or decodes
+            # a clip (a ref_audio, or a stored voice in --voices-dir), not a thread round trip for every request.
+            job = await server.off_loop(parse) if _parse_blocks(body, server) else parse()
         return await _answer(server, job, request, t0)
 
     @app.post("/v1/audio/dialogue", response_class=Response, openapi_extra=schema.json_body(schema.DialogueBody),
@@ -444,22 +452,34 @@ def _speech_route(app: FastAPI, server: SpeechServer) -> None:
         """Speak a dialogue: turns of several speakers, a voice per speaker (DialogueBody)."""
         _check_key(server, request)
         t0 = time.perf_counter()
-        body = await _json_body(request, body_limit)
-        job = await anyio.to_thread.run_sync(functools.partial(
-            parse_dialogue, body, models=server.models, voices=server.voices, config=server.config))
+        async with _admitted(server):
+            body = await _json_body(request, body_limit, server)
+            job = await server.off_loop(functools.partial(
+                parse_dialogue, body, models=server.models, voices=server.voices, config=server.config))
         return await _answer(server, job, request, t0)
 
 
-async def _answer(server: SpeechServer, job: Any, request: Request, t0: float) -> Response:
-    """Run a checked speech or dialogue job and answer it: the whole file (or JSON with its
-    segments), or a stream (``stream_format``)."""
+@asynccontextmanager
+async def _admitted(server: SpeechServer) -> Any:
+    """Admit a request (:meth:`SpeechServer.admit`: a 429 or 503 at once) for the reading and checking
+    of its body; its place is given back when they fail (:func:`_answer` keeps it for a good one)."""
     server.admit()
+    try:
+        yield
+    except BaseException:
+        server.release()
+        raise
+
+
+async def _answer(server: SpeechServer, job: Any, request: Request, t0: float) -> Response:
+    """Run a checked, admitted speech or dialogue job and answer it: the whole file (or JSON with
+    its segments), or a stream (``stream_format``); its place is given back when it ends."""
     try:
         handle = await server.submit(job)
     except BaseException:
         server.release()
         raise
-    answer = Answer()
+    answer = Answer(route=request.scope["path"])
     headers = {"x-sample-rate": str(server.tts.sample_rate)}
     if job.stream_format is None:
         try:
@@ -488,7 +508,7 @@ def _voice_routes(app: FastAPI, server: SpeechServer) -> None:
         _check_key(server, request)
         own = {"name": DEFAULT_VOICE, "transcript": None, "seconds": 0.0, "frames": 0, "created": 0.0}
         return {"voices": [own, *(server.voices.describe(n) for n in server.voices.names())],
-                "response_formats": list(response_formats())}
+                "response_formats": list(FORMATS)}
 
     @app.post("/v1/audio/voices", status_code=201, openapi_extra=schema.form_body(schema.VoiceUpload),
               responses=schema.errors(400, 401, 409, 413, 507))
@@ -500,71 +520,39 @@ def _voice_routes(app: FastAPI, server: SpeechServer) -> None:
             raise ApiError(413, f"the upload is {size[:20]} bytes; the limit is {config.max_upload_bytes} "
                            "(--max-upload-mb)", param="audio", code="too_large")
         _check_encoding(request)
-        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-            raise ApiError(400, "a voice upload is multipart/form-data with the parts audio (the clip), "
-                           "transcript and name", param="audio", code="invalid_body")
+        upload = await read_upload(request, config.max_upload_bytes)
+        name = upload.name
+        # claimed on the event loop, between no two awaits: a second upload of the name (or of a name that
+        # differs by case: Narrator and narrator are one file on Windows) cannot pass while this one runs
+        if name.lower() in server.uploading:
+            raise ApiError(409, f"voice {name!r} is being uploaded by another request; wait for it, then DELETE "
+                           f"/v1/audio/voices/{name} to replace it", param="name", code="voice_exists")
+        server.uploading.add(name.lower())
         try:
-            form = await request.form(max_files=1, max_fields=8, max_part_size=config.max_upload_bytes + 1)
-        except StarletteHTTPException as exc:  # the multipart parser's limits: more than one file, too many parts
-            raise ApiError(400, f"{exc.detail} A voice upload is one audio file part with transcript and name "
-                           "parts", param="audio", code="invalid_body") from exc
-        parts = ("name", "transcript", "ref_text", "audio", "file")
-        unknown = [k for k in form if k not in parts]
-        if unknown:
-            raise ApiError(400, unknown_fields(unknown, parts, "part", "one of these multipart parts (a voice "
-                                               "upload takes audio, transcript and name)"),
-                           param=unknown[0][:80], code="unknown_field")
-        given = [k for k, _ in form.multi_items()]
-        twice = sorted({k for k in given if given.count(k) > 1} | {"/".join(pair) for pair in
-                                                                    (("transcript", "ref_text"), ("audio", "file"))
-                                                                    if set(pair) <= set(given)})
-        if twice:  # which one counts would be a guess, and a wrong transcript is a wrong voice
-            raise ApiError(400, f"the upload gives {', '.join(twice)} more than once; give each part once "
-                           "(transcript or ref_text, audio or file)", param=twice[0].split("/")[0],
-                           code="duplicate_field")
-        name, transcript = form.get("name"), form.get("transcript", form.get("ref_text"))
-        upload = form.get("audio", form.get("file"))
-        problem = name_problem(None) if name is None else unspeakable(name, "name", "a voice is stored under a name") or name_problem(name)
-        if problem:
-            raise ApiError(400, problem, param="name", code="invalid_name")
+            return JSONResponse(await server.off_loop(functools.partial(keep, upload)), status_code=201)
+        finally:
+            server.uploading.discard(name.lower())
+
+    def keep(upload: Upload) -> dict[str, Any]:
+        """Check the name is free, decode and encode the clip, keep the voice (a worker thread)."""
+        name = upload.name
         same = next((n for n in server.voices.names() if n.lower() == name.lower()), None)
-        if same is not None or server.voices.get(name) is not None:  # Narrator and narrator: one file on Windows
-            raise ApiError(409, f"voice {same or name!r} exists (names differ by more than case); DELETE "
-                           f"/v1/audio/voices/{same or name} first to replace it",
-                           param="name", code="voice_exists")
-        if upload is None or isinstance(upload, str):
-            raise ApiError(400, "the upload needs an audio file part (multipart field 'audio')", param="audio",
-                           code="missing_field")
-        if transcript is None:
-            raise ApiError(400, "the upload needs 'transcript': the exact words said in the clip",
-                           param="transcript", code="missing_field")
-        problem = unspeakable(transcript, "transcript", "a transcript holds the words the clip says")
-        if problem:
-            raise ApiError(400, f"{problem}; transcript is the exact words said in the clip", param="transcript",
-                           code="invalid_value")
-        data = await upload.read(config.max_upload_bytes + 1)
-        if len(data) > config.max_upload_bytes:
-            raise ApiError(413, f"the audio file is over the limit of {config.max_upload_bytes} bytes "
-                           "(--max-upload-mb)", param="audio", code="too_large")
-        clip = reference_clip(data, config, "audio")
-
-        def encode() -> dict[str, Any]:
-            try:
-                voice = server.tts.prepare_voice(clip, transcript.strip(), name)
-            except InputError as exc:
-                raise upload_error(exc) from exc
-            try:
-                return server.voices.add(voice)
-            except OSError as exc:
-                if disk_full(exc):
-                    raise ApiError(507, disk_full_message(config.voices_dir, f"keeping voice {name!r}",
-                                                          "free space there or choose another --voices-dir"),
-                                   code="out_of_disk") from exc
-                raise ApiError(500, f"cannot keep voice {name!r} in {config.voices_dir}: {exc}",
-                               code="storage") from exc
-
-        about = await anyio.to_thread.run_sync(encode, limiter=server.limiter)
-        return JSONResponse(about, status_code=201)
+        if same is not None:
+            raise ApiError(409, f"voice {same!r} exists (names differ by more than case); DELETE "
+                           f"/v1/audio/voices/{same} first to replace it", param="name", code="voice_exists")
+        clip = reference_clip(upload.audio, config, "audio")
+        try:
+            voice = server.tts.prepare_voice(clip, upload.transcript, name)
+        except InputError as exc:
+            raise upload_error(exc) from exc
+        try:
+            return server.voices.add(voice)
+        except OSError as exc:
+            if disk_full(exc):
+                raise ApiError(507, disk_full_message(config.voices_dir, f"keeping voice {name!r}",
+                                                      "free space there or choose another --voices-dir"),
+                               code="out_of_disk") from exc
+            raise ApiError(500, f"cannot keep voice {name!r} in {config.voices_dir}: {exc}", code="storage") from exc
 
     @app.delete("/v1/audio/voices/{name}", responses=schema.errors(401, 404))
     async def delete_voice(name: str, request: Request) -> dict[str, Any]:
@@ -630,7 +618,7 @@ def _finish(server: SpeechServer, t0: float, answer: Answer) -> None:
     seconds = time.perf_counter() - t0
     server.release(seconds)
     m = server.metrics
-    m.request_seconds.labels("/v1/audio/speech").observe(seconds)
+    m.request_seconds.labels(answer.route).observe(seconds)
     if answer.frames:
         m.frames.inc(answer.frames)
         m.audio_seconds.inc(answer.audio_seconds)

@@ -21,13 +21,7 @@ from typing import Any
 import click
 
 from higgs_pack.manifests.errors import InputError
-from higgs_pack.serve.config import (
-    GRACE_SECONDS,
-    MAX_INPUT_CHARS,
-    MAX_QUEUE,
-    MAX_REF_SECONDS,
-    MAX_UPLOAD_BYTES,
-)
+from higgs_pack.serve.config import ServeConfig, settings
 
 log = logging.getLogger(__name__)
 
@@ -68,44 +62,44 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-@click.command()
+#: The prefix of the environment variables that set serve's options (``HIGGS_PACK_SERVE_<OPTION>``).
+ENV_PREFIX = "HIGGS_PACK_SERVE"
+
+
+def config_options(command: Any) -> Any:
+    """``command`` with one click option per :class:`~higgs_pack.serve.config.ServeConfig` setting,
+    made from its declaration (:class:`~higgs_pack.serve.config.Setting`): flag, help, kind, least
+    value, unit, default (shown in the option's unit), environment variable."""
+    kinds = {"whole": int, "number": float, "text": str, "texts": str,
+             "folder": click.Path(file_okay=False, path_type=Path), "file": click.Path(dir_okay=False, path_type=Path)}
+    defaults = ServeConfig()
+    for name, setting in reversed(settings().items()):  # decorators apply bottom-up: keep the declared order
+        kind = kinds[setting.kind]
+        if setting.minimum is not None:
+            low = setting.minimum
+            kind = click.IntRange(min=int(low)) if setting.kind == "whole" else click.FloatRange(min=low)
+        default = getattr(defaults, name)
+        default = None if default is None or default == () else \
+            default / setting.unit if setting.unit != 1 else default
+        command = click.option(setting.flag, setting.name, type=kind,
+                               default=default, show_default=default is not None, help=setting.help,
+                               multiple=setting.kind == "texts", envvar=setting.envvar, metavar=setting.metavar,
+                               )(command)
+    return command
+
+
+@click.command(context_settings={"auto_envvar_prefix": ENV_PREFIX})
 @click.argument("source")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on (0.0.0.0 for every interface: set --api-key then).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535),
               help="TCP port (0: a free one, printed).")
 @click.option("--device", help="Where to run: OpenVINO CPU/GPU/NPU/AUTO, or an execution provider (as `load`).")
-@click.option("--max-batch", type=click.IntRange(min=1),
-              help="Requests decoded together (default: 4 where the backend batches, else 1).")
-@click.option("--max-queue", default=MAX_QUEUE, show_default=True, type=click.IntRange(min=0),
-              help="Requests waiting beyond the batch; one more is answered 429.")
-@click.option("--api-key", envvar="HIGGS_PACK_API_KEY", help="Require Authorization: Bearer KEY on /v1/* "
-              "(or set HIGGS_PACK_API_KEY).")
-@click.option("--voices-dir", type=click.Path(file_okay=False, path_type=Path),
-              help="Keep uploaded voices here; its parent folder must exist (default: in memory, lost at exit).")
-@click.option("--allow-local-media", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="ref_audio may name a file under this folder (default: never).")
-@click.option("--max-kv-mb", type=click.FloatRange(min=1), help="KV cache budget of the requests in the batch, "
-              "MiB (default: half the memory available at start); a request that does not fit waits.")
-@click.option("--max-input-chars", default=MAX_INPUT_CHARS, show_default=True, type=click.IntRange(min=1),
-              help="Longest `input` of a speech request, characters; a longer one is answered 400.")
-@click.option("--max-upload-mb", default=MAX_UPLOAD_BYTES / 2**20, show_default=True,
-              type=click.FloatRange(min=0.01), help="Largest voice upload or ref_audio, MiB.")
-@click.option("--max-ref-seconds", default=MAX_REF_SECONDS, show_default=True, type=click.FloatRange(min=0.5),
-              help="Longest reference clip (ref_audio, or a voice upload), seconds; a longer one is answered 400.")
-@click.option("--grace-seconds", default=GRACE_SECONDS, show_default=True, type=click.FloatRange(min=0.1),
-              help="On SIGTERM or Ctrl-C, seconds the requests in flight have to finish; those still running "
-              "then are cut off (a 503 where no audio was sent yet).")
-@click.option("--model-name", "model_names", multiple=True, help="Another name `model` may take (repeatable).")
-@click.option("--allow-origin", "allow_origins", multiple=True, metavar="ORIGIN",
-              help="A web page origin (http://localhost:3000, or *) whose scripts may call this server besides "
-              "its own pages (repeatable); requests from other pages are refused with 403.")
+@config_options
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               help="How much the server logs (debug adds a line per request).")
-def serve(source, host, port, device, max_batch, max_queue, api_key, voices_dir, allow_local_media, max_kv_mb,
-          max_input_chars, max_upload_mb, max_ref_seconds, grace_seconds, model_names, allow_origins,
-          log_level) -> None:
+def serve(source: str, host: str, port: int, device: str | None, log_level: str, **given: Any) -> None:
     """Serve SOURCE (a bundle, an installed name, a model slug, hf://...) over the OpenAI speech API:
     POST /v1/audio/speech, voices, models, /health, /ready, /metrics, and a demo page at /."""
     try:
@@ -123,14 +117,10 @@ def serve(source, host, port, device, max_batch, max_queue, api_key, voices_dir,
 
     logging.getLogger("higgs_pack").setLevel(log_level.upper())
     try:
-        config = ServeConfig(max_batch=max_batch, max_queue=max_queue, api_key=api_key, voices_dir=voices_dir,
-                             allow_local_media=allow_local_media, max_input_chars=max_input_chars,
-                             max_upload_bytes=int(max_upload_mb * 2**20), max_ref_seconds=max_ref_seconds,
-                             max_kv_bytes=int(max_kv_mb * 2**20) if max_kv_mb else None, grace_seconds=grace_seconds, model_names=tuple(model_names),
-                             allow_origins=tuple(allow_origins))
+        config = ServeConfig.given(given)
     except InputError as exc:
         raise click.UsageError(str(exc)) from exc
-    if not _loopback(host) and api_key is None:
+    if not _loopback(host) and config.api_key is None:
         click.echo(f"warning: listening on {host} without --api-key: anyone who reaches this port can use it",
                    err=True)
     sock = bind(host, port)
@@ -150,7 +140,7 @@ def serve(source, host, port, device, max_batch, max_queue, api_key, voices_dir,
     click.echo(f"serving http://{url_host}:{shown[1]} (model {server.models[0]}, max_batch "
                f"{server.engine.max_batch}, max_queue {config.max_queue}); /ready answers 200 once warmed up",
                err=True)
-    grace = int(grace_seconds + 0.999)  # uvicorn takes whole seconds
+    grace = int(config.grace_seconds + 0.999)  # uvicorn takes whole seconds
 
     class Uvicorn(uvicorn.Server):
         stopped_by: int | None = None  # the first signal that stopped the server

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from higgs_pack.manifests.errors import InputError
 
@@ -37,8 +39,55 @@ def origin_problem(origin: str) -> str:
 
 
 @dataclass(frozen=True)
+class Setting:
+    """How one :class:`ServeConfig` field is set from outside Python: the one declaration that
+    ``higgs-pack serve``'s option (:func:`higgs_pack.serve.cli.serve`), its environment variable and
+    Ray Serve's ``build_app`` argument (:mod:`higgs_pack.serve.ray_app`) are made from.
+
+    Attributes:
+        flag: the command-line option (``--max-kv-mb``); its environment variable is
+            ``HIGGS_PACK_SERVE_`` and the flag's name in capitals (``HIGGS_PACK_SERVE_MAX_KV_MB``),
+            unless ``envvar`` names another.
+        help: what the option does, for ``--help`` and the Ray argument's description.
+        kind: what a value is: ``"whole"``, ``"number"``, ``"text"``, ``"folder"``, ``"file"`` or
+            ``"texts"`` (repeatable; comma-separated for Ray).
+        minimum: the least value a number takes, in the option's unit (checked by the option, and by
+            :class:`ServeConfig` in the field's: ``minimum * unit`` bytes, rounded up, for a size).
+        unit: bytes per unit of a size given in MiB (``2**20``; the field holds bytes), else 1.
+        envvar: an environment variable of its own (``HIGGS_PACK_API_KEY``), or None.
+        metavar: the option's metavar in ``--help``, or None.
+    """
+
+    flag: str
+    help: str
+    kind: str
+    minimum: float | None = None
+    unit: int = 1
+    envvar: str | None = None
+    metavar: str | None = None
+
+    @property
+    def name(self) -> str:
+        """The option's name as a Python identifier (``max_kv_mb``, ``model_name``): the command's
+        parameter, and the Ray key of a value given in another unit than the field's."""
+        return self.flag.removeprefix("--").replace("-", "_")
+
+
+def _setting(default: Any, flag: str, help: str, kind: str, **more: Any) -> Any:
+    """A :class:`ServeConfig` field with its :class:`Setting` (dataclass field metadata)."""
+    return field(default=default, metadata={"setting": Setting(flag, help, kind, **more)})
+
+
+def settings() -> dict[str, Setting]:
+    """Every :class:`ServeConfig` field's :class:`Setting`, by field name, in the order declared."""
+    return {f.name: f.metadata["setting"] for f in fields(ServeConfig)}
+
+
+@dataclass(frozen=True)
 class ServeConfig:
-    """How ``higgs-pack serve`` runs: the engine's size and every limit it enforces.
+    """How ``higgs-pack serve`` runs: the engine's size and every limit it enforces.  Each field is
+    declared once, with how it is set from the command line, the environment and Ray Serve
+    (:class:`Setting`); those doors are made from it.
 
     Attributes:
         max_batch: rows the engine decodes together (None: the most the bundle's backend
@@ -47,12 +96,15 @@ class ServeConfig:
         api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <api_key>``.
         voices_dir: where uploaded voices are kept (None: in memory only, lost at exit); created
             when missing, but only that last folder: its parent must exist.
+        prefix_key_file: the secret that signs the voices' persisted prompt-prefix KV files (made with
+            mode 0600 on first start; None: ``$XDG_STATE_HOME/higgs-pack/voice-prefix.key``); must be
+            outside ``voices_dir``; servers sharing a voices folder share this file too.
         allow_local_media: ``ref_audio`` may name a file under this folder (None: never).
+        max_kv_bytes: KV cache budget of the engine's admitted requests (None: the engine's
+            default, from free memory; see :func:`higgs_pack.runtime.loop.kv_memory.default_kv_budget`).
         max_input_chars: longest ``input``.
         max_upload_bytes: largest voice upload or decoded ``ref_audio``.
         max_ref_seconds: longest reference clip.
-        max_kv_bytes: KV cache budget of the engine's admitted requests (None: the engine's
-            default, from free memory; see :func:`higgs_pack.runtime.loop.kv_memory.default_kv_budget`).
         grace_seconds: on SIGTERM, how long requests in flight may take to finish.
         model_names: extra names ``model`` may take (the bundle's name and model slug always work).
         allow_origins: web page origins (``scheme://host[:port]``, or ``*`` for any) that may call
@@ -64,32 +116,71 @@ class ServeConfig:
             parent folder does not exist ("folder X does not exist; create it first").
     """
 
-    max_batch: int | None = None
-    max_queue: int = MAX_QUEUE
-    api_key: str | None = None
-    voices_dir: Path | None = None
-    allow_local_media: Path | None = None
-    max_input_chars: int = MAX_INPUT_CHARS
-    max_upload_bytes: int = MAX_UPLOAD_BYTES
-    max_ref_seconds: float = MAX_REF_SECONDS
-    max_kv_bytes: int | None = None
-    grace_seconds: float = GRACE_SECONDS
-    model_names: tuple[str, ...] = ()
-    allow_origins: tuple[str, ...] = ()
+    max_batch: int | None = _setting(None, "--max-batch", "Requests decoded together (default: 4 where the "
+                                     "backend batches, else 1).", "whole", minimum=1)
+    max_queue: int = _setting(MAX_QUEUE, "--max-queue", "Requests waiting beyond the batch; one more is answered "
+                              "429.", "whole", minimum=0)
+    api_key: str | None = _setting(None, "--api-key", "Require Authorization: Bearer KEY on /v1/* (or set "
+                                   "HIGGS_PACK_API_KEY).", "text", envvar="HIGGS_PACK_API_KEY")
+    voices_dir: Path | None = _setting(None, "--voices-dir", "Keep uploaded voices here; its parent folder must "  # noqa: RUF009 (a field())
+                                       "exist (default: in memory, lost at exit).", "folder")
+    prefix_key_file: Path | None = _setting(  # noqa: RUF009 (a field())
+        None, "--prefix-key-file", "The secret that signs the voices' cached prompt prefixes, kept outside "
+        "--voices-dir (made on first start with mode 0600; default: $XDG_STATE_HOME/higgs-pack/voice-prefix.key). "
+        "Servers sharing a voices folder give the same file.", "file")
+    allow_local_media: Path | None = _setting(None, "--allow-local-media", "ref_audio may name a file under this "  # noqa: RUF009 (a field())
+                                              "folder (default: never).", "folder")
+    max_kv_bytes: int | None = _setting(None, "--max-kv-mb", "KV cache budget of the requests in the batch, MiB "
+                                        "(default: half the memory available at start); a request that does not "
+                                        "fit waits.", "number", minimum=1, unit=2**20)
+    max_input_chars: int = _setting(MAX_INPUT_CHARS, "--max-input-chars", "Longest `input` of a speech request, "
+                                    "characters; a longer one is answered 400.", "whole", minimum=1)
+    max_upload_bytes: int = _setting(MAX_UPLOAD_BYTES, "--max-upload-mb", "Largest voice upload or ref_audio, MiB.",
+                                     "number", minimum=0.001, unit=2**20)
+    max_ref_seconds: float = _setting(MAX_REF_SECONDS, "--max-ref-seconds", "Longest reference clip (ref_audio, or "
+                                      "a voice upload), seconds; a longer one is answered 400.", "number",
+                                      minimum=0.5)
+    grace_seconds: float = _setting(GRACE_SECONDS, "--grace-seconds", "On SIGTERM or Ctrl-C, seconds the requests "
+                                    "in flight have to finish; those still running then are cut off (a 503 where "
+                                    "no audio was sent yet).", "number", minimum=0.1)
+    model_names: tuple[str, ...] = _setting((), "--model-name", "Another name `model` may take (repeatable).",
+                                            "texts")
+    allow_origins: tuple[str, ...] = _setting(
+        (), "--allow-origin", "A web page origin (http://localhost:3000, or *) whose scripts may call this server "
+        "besides its own pages (repeatable); requests from other pages are refused with 403.", "texts",
+        metavar="ORIGIN")
+
+    @classmethod
+    def given(cls, values: dict[str, Any]) -> ServeConfig:
+        """A config from values as the command line and Ray take them: keyed by the field's name
+        (``model_names``) or the option's (``model_name``; a size in MiB only by the option's:
+        ``max_kv_mb``); None or absent: the default.
+
+        Raises:
+            InputError: as the class.
+        """
+        out: dict[str, Any] = {}
+        for name, setting in settings().items():
+            value = values.get(setting.name) if setting.unit != 1 else values.get(name, values.get(setting.name))
+            if value is None or (setting.kind == "texts" and not value):
+                continue
+            out[name] = int(value * setting.unit) if setting.unit != 1 else \
+                tuple(value) if setting.kind == "texts" else value
+        return cls(**out)
 
     def __post_init__(self) -> None:
         problems = []
-        for name, low in (("max_batch", 1), ("max_queue", 0), ("max_input_chars", 1), ("max_upload_bytes", 1024),
-                          ("max_kv_bytes", 1)):
+        for name, setting in settings().items():  # the numbers' kinds and least values, as declared
             value = getattr(self, name)
-            if value is None and name in ("max_batch", "max_kv_bytes"):
+            if setting.minimum is None or value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                problems.append(f"{name} must be a whole number >= {low}, got {value!r}")
-        for name in ("max_ref_seconds", "grace_seconds"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-                problems.append(f"{name} must be a number of seconds > 0, got {value!r}")
+            whole = setting.kind == "whole" or setting.unit != 1  # a size is held in whole bytes
+            low = setting.minimum if setting.unit == 1 else math.ceil(setting.minimum * setting.unit)
+            if whole and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                problems.append(f"{name} must be a whole number >= {low:g}, got {value!r}")
+            elif not whole and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                or not low <= value < float("inf")):
+                problems.append(f"{name} must be a number >= {low:g}, got {value!r}")
         if any(not isinstance(name, str) or not name.strip() for name in self.model_names):
             problems.append("a --model-name is blank; give each extra model name as a non-empty word, or leave "
                             "--model-name out")

@@ -1,11 +1,23 @@
-"""What an answer carries: whole files in each response format, and the streamed forms.
+"""What an answer carries: a file in each response format, whole or streamed, and the SSE events.
+
+The formats are OpenAI's six (openai-python ``types/audio/speech_create_params.py``:
+``response_format`` "mp3", "opus", "aac", "flac", "wav" or "pcm"; OpenAI's OpenAPI document,
+``CreateSpeechRequest``: default "mp3"), each
+encoded from the same 16-bit samples (:func:`~higgs_pack.runtime.audio.pcm_samples`), and each
+streamed as it is generated in a form that players play while it arrives:
 
 - ``pcm`` is raw 24 kHz 16-bit signed little-endian mono, as OpenAI defines it.
 - ``wav`` whole is a 16-bit PCM WAV of exact length; streamed, one header with open
   (``0xFFFFFFFF``) sizes then the samples: what players accept (Kokoro-FastAPI#94, #57),
   not a header per chunk.
-- ``flac``, ``mp3`` and ``opus`` (Ogg Opus) are written by libsndfile where the installed
-  one has them (:func:`response_formats`); they come whole, not streamed.
+- ``mp3`` (MPEG-2 Layer III frames by LAME, an ID3v2 tag first), ``opus`` (Opus in Ogg pages,
+  one 20 ms packet per page), ``aac`` (AAC-LC in ADTS frames) and ``flac`` (a native FLAC stream)
+  are encoded by FFmpeg through PyAV, frame by frame (:class:`StreamEncoder`).  A whole answer
+  is the same encoder fed the whole audio at once, so it holds the stream's very bytes, except
+  that a whole FLAC's header gets its length and MD5 (a stream's says "length unknown", which
+  FFmpeg reads to the end but libsndfile refuses).  An mp3 carries no Xing/LAME
+  header (a stream cannot write one), so decoders keep LAME's delay (1105 samples) and its
+  padding to a whole frame; an AAC keeps its 1024 samples of priming.
 - ``sse``: ``speech.audio.delta`` events whose base64 ``audio`` decoded and joined are the
   bytes ``stream_format="audio"`` sends, then ``speech.audio.done`` with ``usage``, or
   ``speech.audio.error`` (OpenAI's event names; ../shared/SERVING.md); between them, right after
@@ -18,87 +30,171 @@
 from __future__ import annotations
 
 import base64
-import functools
 import io
 import json
+from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
-import soundfile as sf
 
 from higgs_pack.runtime.audio import pcm_samples, streaming_wav_header
 from higgs_pack.runtime.loop.words import words_json
 
-#: Response format -> (media type, libsndfile format, subtype); pcm has no container.
-FORMATS: dict[str, tuple[str, str | None, str | None]] = {
-    "wav": ("audio/wav", "WAV", "PCM_16"),
-    "pcm": ("audio/pcm", None, None),
-    "flac": ("audio/flac", "FLAC", "PCM_16"),
-    "mp3": ("audio/mpeg", "MP3", "MPEG_LAYER_III"),
-    "opus": ("audio/ogg", "OGG", "OPUS"),
+
+@dataclass(frozen=True)
+class Format:
+    """One response format.
+
+    Attributes:
+        media_type: its Content-Type.
+        container: FFmpeg's muxer for it (``ffmpeg -muxers``); None: bytes written here (pcm, wav).
+        codec: FFmpeg's encoder (``ffmpeg -encoders``); None for pcm and wav.
+        bit_rate: bits per second of a lossy codec; None: lossless.
+        options: the muxer's options (FFmpeg's names and string values).
+    """
+
+    media_type: str
+    container: str | None = None
+    codec: str | None = None
+    bit_rate: int | None = None
+    options: dict[str, str] = field(default_factory=dict)
+
+
+#: Response format -> how it is written, in OpenAI's order.  Bit rates are ours for 24 kHz mono
+#: speech; ``write_xing`` 0: no Xing/LAME header, which only a file sought back into can fill in
+#: (a whole mp3 is the stream's bytes); ``page_duration`` (microseconds): an Ogg page per 20 ms
+#: Opus packet, not per second (FFmpeg's default), so a stream is not held back a second.
+FORMATS: dict[str, Format] = {
+    "mp3": Format("audio/mpeg", "mp3", "libmp3lame", 64_000, {"write_xing": "0"}),
+    "opus": Format("audio/ogg", "ogg", "libopus", 32_000, {"page_duration": "20000"}),
+    "aac": Format("audio/aac", "adts", "aac", 64_000),
+    "flac": Format("audio/flac", "flac", "flac"),
+    "wav": Format("audio/wav"),
+    "pcm": Format("audio/pcm"),
 }
-#: Formats a stream carries (bytes as they are generated).
-STREAMABLE = ("pcm", "wav")
-
-
-@functools.cache
-def response_formats() -> tuple[str, ...]:
-    """The formats this process can write: every one of :data:`FORMATS` whose libsndfile
-    format and subtype the installed libsndfile has (mp3 needs libsndfile >= 1.1)."""
-    return tuple(name for name, (_, fmt, subtype) in FORMATS.items()
-                 if fmt is None or sf.check_format(fmt, subtype))
+#: The format of a request that names none: OpenAI's default.
+DEFAULT_FORMAT = "mp3"
+#: Formats whose bytes are the 16-bit samples themselves (after a WAV header): what a live
+#: session's binary messages carry.
+PCM_FORMATS = ("pcm", "wav")
 
 
 def media_type(response_format: str) -> str:
     """The Content-Type of ``response_format``."""
-    return FORMATS[response_format][0]
+    return FORMATS[response_format].media_type
 
 
 def encode_whole(samples: np.ndarray, sample_rate: int, response_format: str) -> bytes:
     """A whole file of float32 [n] mono samples (clipped to [-1, 1], as a stream clips them).
 
+    The same encoder as a stream's (:class:`StreamEncoder`), fed everything at once; a WAV's header
+    has its sizes.
+
     Args:
         samples: float32 [n], nominally in [-1, 1].
         sample_rate: Hz (24000).
-        response_format: one of :func:`response_formats`.
+        response_format: a key of :data:`FORMATS`.
     """
-    samples = np.clip(np.asarray(samples, dtype=np.float32).reshape(-1), -1.0, 1.0)
-    pcm = pcm_samples(samples)
-    if response_format == "pcm":
-        return pcm.tobytes()
-    _, fmt, subtype = FORMATS[response_format]
-    out = io.BytesIO()
-    # 16-bit containers get the very samples pcm and the stream carry (int16 is written as is;
-    # libsndfile would scale floats by 32767, not 32768); lossy codecs take the floats.
-    sf.write(out, pcm if subtype == "PCM_16" else samples, sample_rate, format=fmt, subtype=subtype)
-    return out.getvalue()
+    encoder = StreamEncoder(response_format, sample_rate, whole=True)
+    head = encoder.start()
+    body = encoder.chunk(samples) + encoder.finish()
+    if response_format == "wav":  # the header with its sizes, not the stream's open ones
+        head = streaming_wav_header(sample_rate, samples=encoder.samples_in)
+    return head + body
+
+
+class _Pipe:
+    """A write-only file for PyAV: what the muxer wrote since the last :meth:`take`.  It has no
+    ``seek``, so the muxer writes front to back, as into a pipe."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def write(self, data: Any) -> int:
+        self.parts.append(bytes(data))
+        return len(data)
+
+    def take(self) -> bytes:
+        out, self.parts = b"".join(self.parts), []
+        return out
 
 
 class StreamEncoder:
-    """Bytes of a streamed answer, chunk by chunk: :meth:`start` once, then :meth:`chunk`.
+    """Bytes of an answer, chunk by chunk: :meth:`start` once, :meth:`chunk` per piece of audio,
+    :meth:`finish` once.  Joined, they are a whole file of ``response_format``.
+
+    pcm and wav are written here; the others by FFmpeg's encoder and muxer through PyAV
+    (:data:`FORMATS`), each packet handed on as soon as the encoder makes it (a lossy encoder
+    holds back a frame or two of lookahead until :meth:`finish`).
 
     Args:
-        response_format: ``"pcm"`` or ``"wav"``.
+        response_format: a key of :data:`FORMATS`.
         sample_rate: Hz.
+        whole: the file is written at once, into memory that can be sought back into (a FLAC
+            header then gets its length and MD5); False: as a stream, front to back.
+
+    Raises:
+        ValueError: an unknown ``response_format``.
     """
 
-    def __init__(self, response_format: str, sample_rate: int):
-        if response_format not in STREAMABLE:
-            raise ValueError(f"{response_format} is not streamable; use one of {STREAMABLE}")
+    def __init__(self, response_format: str, sample_rate: int, *, whole: bool = False):
+        if response_format not in FORMATS:
+            raise ValueError(f"response_format must be one of {', '.join(FORMATS)}, got {response_format!r}")
         self.response_format, self.sample_rate = response_format, sample_rate
-        self.bytes_sent = 0
+        self.bytes_sent = self.samples_in = 0
+        spec = FORMATS[response_format]
+        self._container = self._stream = None
+        if spec.container is not None:
+            import av
+
+            self._out: Any = io.BytesIO() if whole else _Pipe()
+            # flush_packets: each packet leaves the muxer's buffer at once; bitexact: no random Ogg
+            # serial number or encoder tag, so the same audio gives the same bytes.
+            self._container = av.open(self._out, "w", format=spec.container,
+                                      options={"flush_packets": "1", "fflags": "+bitexact", **spec.options})
+            self._stream = self._container.add_stream(spec.codec, rate=sample_rate, layout="mono")
+            if spec.bit_rate is not None:
+                self._stream.bit_rate = spec.bit_rate
 
     def start(self) -> bytes:
-        """The bytes before any audio: a WAV header of open length, or nothing for pcm."""
+        """The bytes before any audio: a WAV header of open length, or nothing (a muxer's header
+        comes with the first audio)."""
         head = streaming_wav_header(self.sample_rate) if self.response_format == "wav" else b""
         self.bytes_sent += len(head)
         return head
 
     def chunk(self, samples: np.ndarray) -> bytes:
-        """16-bit little-endian PCM of float32 [n] samples (clipped to [-1, 1])."""
-        data = pcm_samples(np.clip(np.asarray(samples, dtype=np.float32).reshape(-1), -1.0, 1.0)).tobytes()
+        """The bytes of float32 [n] samples (clipped to [-1, 1]): 16-bit little-endian PCM for pcm
+        and wav; else the packets the encoder made of them (maybe none yet)."""
+        pcm = pcm_samples(np.clip(np.asarray(samples, dtype=np.float32).reshape(-1), -1.0, 1.0))
+        if self._container is None:
+            data = pcm.tobytes()
+        else:
+            import av
+
+            frame = av.AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout="mono")
+            frame.sample_rate, frame.time_base, frame.pts = self.sample_rate, Fraction(1, self.sample_rate), self.samples_in
+            data = self._encode(frame) if pcm.size else b""
+        self.samples_in += pcm.size
         self.bytes_sent += len(data)
         return data
+
+    def finish(self) -> bytes:
+        """The last bytes: the encoder's held frames and the muxer's trailer (nothing for pcm and wav)."""
+        if self._container is None:
+            return b""
+        data = self._encode(None)
+        self._container.close()
+        self._container = None
+        data += self._out.getvalue() if isinstance(self._out, io.BytesIO) else self._out.take()
+        self.bytes_sent += len(data)
+        return data
+
+    def _encode(self, frame: Any) -> bytes:
+        for packet in self._stream.encode(frame):
+            self._container.mux(packet)
+        return self._out.take() if isinstance(self._out, _Pipe) else b""
 
 
 def sse_event(event: dict[str, Any]) -> bytes:

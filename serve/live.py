@@ -15,8 +15,8 @@ text messages:
 
 The server answers per sentence ``{"type": "audio.start", "sentence_index", "sentence_text",
 "format", "sample_rate"}``, binary messages of audio (16-bit little-endian mono PCM at 24 kHz; with
-``wav`` each sentence's first binary message opens with a WAV header of open length, so each
-sentence's bytes are a playable stream), ``{"type": "audio.done", "sentence_index", "start",
+``wav`` a binary message of its own, a WAV header of open length, comes before each sentence's
+audio, so each sentence's bytes are a playable stream), ``{"type": "audio.done", "sentence_index", "start",
 "end", "frames", "first_audio_s", "prefill_s", "prefilled", "words"}`` (``words``: each word's
 ``text``, ``start``, ``end`` and ``exact``, estimated: :mod:`~higgs_pack.runtime.loop.words`), and at the end ``{"type": "session.done",
 "total_sentences"}``, then closes the socket (code 1000).  Beyond vllm-omni:
@@ -78,6 +78,7 @@ from fastapi import FastAPI, WebSocket
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from higgs_pack.manifests.errors import HiggsPackError, InputError
+from higgs_pack.runtime import text as text_rule
 from higgs_pack.runtime.loop.engine import EngineHandle, RequestCancelled
 from higgs_pack.runtime.loop.generate import (
     SENTENCE_PAUSE_S,
@@ -91,7 +92,7 @@ from higgs_pack.runtime.loop.words import words_json
 from higgs_pack.runtime.request import PreparedVoice, SynthesisRequest, Voice
 from higgs_pack.serve.barge_in import PLAYED_KEPT, Played, cancel_fields, heard_part, played_record
 from higgs_pack.serve.errors import ApiError, from_input_error
-from higgs_pack.serve.formats import STREAMABLE, StreamEncoder
+from higgs_pack.serve.formats import PCM_FORMATS, StreamEncoder
 from higgs_pack.serve.speech import SpeechJob, parse_speech, short
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,8 @@ LIVE_FIELDS = {"split_granularity": "sentence", "first_commit_words": 0}
 TRY_AGAIN_LATER = 1013
 #: Close code of a refused API key (RFC 6455 1008 "policy violation").
 POLICY_VIOLATION = 1008
+#: Close code of a text frame that is not UTF-8 (RFC 6455 1007 "invalid frame payload data"; uvicorn sends it).
+INVALID_PAYLOAD = 1007
 
 
 @dataclass
@@ -187,6 +190,7 @@ class Session:
         self.configured = False
         self.config_refused = False  # a session.config was refused and no valid one came since
         self.text_seen = False
+        self.not_utf8 = False  # the session ended on a text frame that is not UTF-8 (closed 1007)
         self.ended = False  # input.done received
         self.text = TextCommits(**live_options({}))  # text received, cut where it is committed to speech
         self.sentences: list[_Sentence | object] = []
@@ -209,7 +213,7 @@ class Session:
         status = "101"
         await self.ws.accept()
         try:
-            self._check_key()
+            self.server.check_key(self.ws.headers.get("authorization", ""), self.ws.query_params.get("api_key", ""))
             self.server.admit()
         except ApiError as exc:
             status = str(exc.status)
@@ -223,7 +227,11 @@ class Session:
                 group.start_soon(self._speak)
                 await self._send()
                 group.cancel_scope.cancel()
-            if self.gone:
+            if self.gone and self.not_utf8:
+                status = "400"
+                log.info("a live session sent a text frame that is not UTF-8 after %d sentence(s); closed with 1007",
+                         self.next_index)
+            elif self.gone:
                 status = "499"
                 if self.server.stopping:  # the server closed it (1012), the client did not leave
                     log.info("a live session was closed by the server stopping, after %d sentence(s)",
@@ -240,18 +248,6 @@ class Session:
             self.server.metrics.requests.labels(ROUTE, status).inc()
             self.server.metrics.request_seconds.labels(ROUTE).observe(seconds)
 
-    def _check_key(self) -> None:
-        key = self.server.config.api_key
-        if key is None:
-            return
-        import hmac
-
-        scheme, _, token = self.ws.headers.get("authorization", "").partition(" ")
-        token = token.strip() if scheme.lower() == "bearer" else self.ws.query_params.get("api_key", "")
-        if not hmac.compare_digest(token.encode(), key.encode()):
-            raise ApiError(401, "missing or wrong API key: send Authorization: Bearer <key> (or, from a browser, "
-                           "?api_key=<key>), the --api-key the server was started with", code="invalid_api_key")
-
     # the client's messages
     async def _receive(self, scope: anyio.CancelScope) -> None:
         """Read the client's messages until it leaves (then stop the session's tasks)."""
@@ -261,6 +257,7 @@ class Session:
             except (WebSocketDisconnect, OSError):
                 message = {"type": "websocket.disconnect"}
             if message["type"] == "websocket.disconnect":
+                self.not_utf8 = message.get("code") == INVALID_PAYLOAD  # the server closed it: not the client leaving
                 self._leave(scope)
                 return
             try:
@@ -359,9 +356,13 @@ class Session:
         live_options(fields)
         fields = {k: v for k, v in fields.items() if k not in LIVE_FIELDS}
         fmt = fields.get("response_format")
-        if fmt is not None and fmt not in STREAMABLE:
-            raise _bad(f"response_format {short(fmt)} cannot be streamed; a live session carries "
-                       f"{' or '.join(STREAMABLE)}", "response_format", "unsupported_value")
+        if fmt is not None and fmt not in PCM_FORMATS:
+            raise _bad(f"response_format {short(fmt)} is not carried by a live session: its binary messages are "
+                       f"{' or '.join(PCM_FORMATS)}", "response_format", "unsupported_value")
+        if fields.get("speed") not in (None, 1, 1.0) or isinstance(fields.get("speed"), bool):
+            raise _bad(f"session.config takes no speed other than 1.0 (got {short(fields['speed'])}): a live session "
+                       "sends each sentence as it is generated; POST /v1/audio/speech takes speed", "speed",
+                       "unsupported_value")
         body = {"model": self.server.models[0], "response_format": "pcm", **fields, "input": "session",
                 "stream_format": "audio"}
         server = self.server
@@ -371,6 +372,9 @@ class Session:
         if not isinstance(text, str):
             raise _bad(f"input.text needs \"text\", a string, got {short(text)}", "text",
                        "missing_field" if text is None else "invalid_value")
+        if (problem := text_rule.character_problem(text, "text")) is not None:  # the one text rule
+            raise _bad(problem, "text", "invalid_value")
+        text = text_rule.clean(text)
         waiting = len(self.text.pending) + sum(len(s.text) for s in self.sentences if isinstance(s, _Sentence))
         limit = self.server.config.max_input_chars
         if waiting + len(text) > limit:
@@ -394,12 +398,9 @@ class Session:
         self.wake.set()
 
     async def _cancel(self, data: dict[str, Any]) -> None:
-        """``input.cancel``: stop the sentence being spoken, drop the text not yet spoken; with
-        ``played_ms``, answer what was heard and keep only that as context (:func:`heard_part`).
-
-        Raises:
-            ApiError: a bad ``played_ms`` or ``sentence_index`` (nothing is cancelled then).
-        """
+        """``input.cancel``: stop the sentence being spoken, drop the text not yet spoken; with ``played_ms``,
+        answer what was heard and keep only that as context (:func:`heard_part`).  Raises ApiError for a bad
+        ``played_ms`` or ``sentence_index`` (:func:`cancel_fields`, :func:`played_record`; nothing is cancelled)."""
         played_ms, index = cancel_fields(data)
         record, self.epoch = played_record(self.played, index) if played_ms is not None else None, self.epoch + 1
         self.text.restart()
@@ -409,14 +410,13 @@ class Session:
             self.handle.cancel()
         if played_ms is not None:  # the context: the sentences before the one played, then what was heard of it
             frame_s = self.server.engine.pipeline.constants.hop_length / self.rate
-            count, text, codes = heard_part(record, played_ms, self.played, self.rate, frame_s)
+            count, text, result = heard_part(record, played_ms, self.played, self.rate, frame_s)
             event.update({"played_ms": played_ms, "heard_text": text, "heard_words": count})
             if record is not None:
                 event["sentence_index"] = record.index
                 self.spoken = [s for s in self.spoken if s.index < record.index]
-            if codes is not None:
-                self._keep(_Spoken(record.index, text, record.cap, GenerationResult(codes[:0], codes, "cancelled", 0,
-                                                                                   math.nan, 0.0, 0.0)))
+            if result is not None:
+                self._keep(_Spoken(record.index, text, record.cap, result))
         await self._put(_Item(self.epoch, event, keep=True))
 
     # speaking
@@ -447,8 +447,7 @@ class Session:
             return
         self.handle, self.speaking = handle, index
         self.next_index += 1
-        fmt = job.response_format
-        stream = iter(handle)
+        fmt, stream = job.response_format, iter(handle)
         record = Played(index, sentence.text, 0, stream, max(c for _, c in handle.plan.chunks))
         await self._put(_Item(epoch, {"type": "audio.start", "sentence_index": index, "sentence_text": sentence.text,
                                       "format": fmt, "sample_rate": self.rate}, keep=True, played=record))
@@ -488,8 +487,8 @@ class Session:
         seconds = stream.samples_out / self.rate
         record.words = tuple(word for segment in stream.segments for word in segment.words)
         if results:  # kept whole as context
-            codes = np.concatenate([r.codes for r in results], axis=0)
-            self._keep(_Spoken(index, sentence.text, record.cap, dataclasses.replace(results[0], codes=codes)))
+            self._keep(_Spoken(index, sentence.text, record.cap, dataclasses.replace(
+                results[0], codes=np.concatenate([r.codes for r in results], axis=0))))
         m = self.server.metrics
         m.frames.inc(frames)
         m.audio_seconds.inc(seconds)
@@ -510,12 +509,16 @@ class Session:
             self.job, self.voice = await anyio.to_thread.run_sync(self._parse_config, {}, limiter=self.server.limiter)
         base = self.job.request
         seed = None if base.seed is None else base.seed + index
-        voice, context = sentence_context(self.server.engine.pipeline, base, self.voice, self.spoken, text)
-        try:
-            request = dataclasses.replace(base, text=text, voice=voice, context=context, seed=seed)
+        spoken = list(self.spoken)
+
+        def request() -> SynthesisRequest:  # plans and tokenizes: off the event loop
+            voice, context = sentence_context(self.server.engine.pipeline, base, self.voice, spoken, text)
+            return dataclasses.replace(base, text=text, voice=voice, context=context, seed=seed)
+
+        try:  # a sentence the planner refuses (say, one word too long for the context) is this sentence's error
+            return dataclasses.replace(self.job, request=await self.server.off_loop(request))
         except InputError as exc:
             raise from_input_error(exc, param="text") from exc
-        return dataclasses.replace(self.job, request=request)
 
     def _keep(self, spoken: _Spoken) -> None:
         """Keep a sentence (or the part of it heard) as context: the first one (the voice of the

@@ -54,7 +54,6 @@ that replica's memory.
 from __future__ import annotations
 
 import asyncio
-import difflib
 import logging
 import os
 from collections.abc import Callable
@@ -62,7 +61,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.manifests.errors import InputError, install_extra
+from higgs_pack.manifests.errors import InputError, did_you_mean, install_extra
 
 try:
     from ray import serve
@@ -72,7 +71,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(f"higgs_pack.serve.ray_app needs Ray Serve ({exc}); " + install_extra("ray")) from exc
 
 from higgs_pack.serve.app import create_app
-from higgs_pack.serve.config import ServeConfig
+from higgs_pack.serve.config import ServeConfig, settings
 from higgs_pack.serve.server import DEFAULT_MAX_BATCH, SpeechServer
 
 #: Ray Serve's logger: a replica writes it to its own log file (``logs/serve/replica_*.log``).
@@ -280,22 +279,28 @@ def _replicas(value: Any) -> int | str:
     return "auto" if value == "auto" else _whole(value)
 
 
+#: How each kind of server setting (:class:`~higgs_pack.serve.config.Setting`) is read from a config file.
+_PARSERS: dict[str, Callable[[Any], Any]] = {"whole": _whole, "number": _number, "text": _text, "folder": _folder,
+                                             "file": _folder, "texts": _names}
+
+
+def _server_args() -> dict[str, tuple[Callable[[Any], Any], str]]:
+    """The server's arguments, made from :class:`~higgs_pack.serve.config.ServeConfig`'s one declaration of
+    each setting: its field name (a size in MiB: the option's name, ``max_kv_mb``), its kind, its help."""
+    out = {}
+    for name, setting in settings().items():
+        key = setting.name if setting.unit != 1 else name
+        out[key] = (_PARSERS[setting.kind], f"as higgs-pack serve {setting.flag}: {setting.help.rstrip('.')}"
+                    + ("; comma-separated" if setting.kind == "texts" else ""))
+    return out
+
+
 #: :func:`build_app`'s arguments: name -> (parser, what it is).  The server's are those of
-#: ``higgs-pack serve``; the rest size the deployment.
+#: ``higgs-pack serve`` (:func:`_server_args`); the rest size the deployment.
 ARGS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "source": (_text, "the bundle: a folder, an installed name, a model slug or hf://ORG/REPO (required)"),
     "device": (_text, "as higgs-pack serve --device"),
-    "max_batch": (_whole, "requests decoded together per replica"),
-    "max_queue": (_whole, "requests waiting per replica beyond the batch"),
-    "api_key": (_text, "require Authorization: Bearer KEY (or set HIGGS_PACK_API_KEY on the replicas)"),
-    "voices_dir": (_folder, "where voices are kept (a folder every replica reads at start)"),
-    "allow_local_media": (_folder, "ref_audio may name a file under this folder"),
-    "max_input_chars": (_whole, "longest input"),
-    "max_upload_mb": (_number, "largest voice upload or ref_audio, MiB"),
-    "max_ref_seconds": (_number, "longest reference clip, seconds"),
-    "grace_seconds": (_number, "time the requests in flight have to finish when a replica stops"),
-    "model_names": (_names, "more names model may take, comma-separated"),
-    "allow_origins": (_names, "web page origins whose scripts may call the server, comma-separated (or *)"),
+    **_server_args(),
     "num_replicas": (_replicas, "a fixed number of replicas, or auto (default 1)"),
     "min_replicas": (_whole, "autoscaling: fewest replicas"),
     "max_replicas": (_whole, "autoscaling: most replicas"),
@@ -303,8 +308,6 @@ ARGS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "num_cpus": (_number, f"CPUs Ray reserves per replica (default {NUM_CPUS:g})"),
     "max_queued_requests": (_whole, "requests Ray queues for the deployment before answering 503 (default: no limit)"),
 }
-_SERVER_ARGS = ("max_batch", "max_queue", "api_key", "voices_dir", "allow_local_media", "max_input_chars",
-                "max_ref_seconds", "grace_seconds", "model_names", "allow_origins")
 _AUTOSCALING_ARGS = ("min_replicas", "max_replicas", "target_ongoing_requests")
 
 
@@ -317,8 +320,7 @@ def parse_args(args: dict[str, Any]) -> tuple[str, ServeConfig, dict[str, Any]]:
     """
     unknown = sorted(set(args) - set(ARGS))
     if unknown:
-        hints = [f"{k!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k, ARGS, 1)) else repr(k)
-                 for k in unknown]
+        hints = [f"{k!r}{did_you_mean(k, ARGS)}" for k in unknown]
         raise InputError(f"unknown build_app argument(s) {', '.join(hints)}; known: {', '.join(ARGS)}")
     if "source" not in args:
         raise InputError("build_app needs source=BUNDLE (a folder, an installed name, a model slug or hf://...)")
@@ -331,14 +333,12 @@ def parse_args(args: dict[str, Any]) -> tuple[str, ServeConfig, dict[str, Any]]:
             problems.append(f"{key}={value!r} is not {exc} ({about})")
     if problems:
         raise InputError("; ".join(problems))
-    server = {k: values[k] for k in _SERVER_ARGS if k in values}
-    if "max_upload_mb" in values:
-        server["max_upload_bytes"] = int(values["max_upload_mb"] * 2**20)
+    server = ServeConfig.given(values)
     scaling = {k: values[k] for k in _AUTOSCALING_ARGS if k in values}
     keywords = {k: values[k] for k in ("device", "num_replicas", "num_cpus", "max_queued_requests") if k in values}
     if scaling:
         keywords["autoscaling_config"] = scaling
-    return values["source"], ServeConfig(**server), keywords
+    return values["source"], server, keywords
 
 
 def build_app(args: dict[str, Any]) -> Application:

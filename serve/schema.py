@@ -15,6 +15,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from higgs_pack.serve.config import MAX_INPUT_CHARS, MAX_REF_SECONDS
+from higgs_pack.serve.formats import DEFAULT_FORMAT, FORMATS
+from higgs_pack.serve.tempo import SPEED_RANGE
+
+#: The ``response_format`` values, as the schema lists them.
+ResponseFormat = Literal[tuple(FORMATS)]  # type: ignore[valid-type]
 
 
 class VoiceId(BaseModel):
@@ -40,7 +45,7 @@ class SpeechBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
         {"model": "higgs-audio-v3-tiny", "input": "Hello from the server.", "voice": "default",
-         "response_format": "wav"},
+         "response_format": "mp3", "speed": 1.25},
         {"model": "higgs-audio-v3-tiny", "input": "Raw PCM as it is made.", "response_format": "pcm",
          "stream_format": "audio", "seed": 7}]})
 
@@ -51,11 +56,12 @@ class SpeechBody(BaseModel):
                        "controls such as <|emotion:amusement|> are read as text.")
     voice: str | VoiceId = Field("default", description="\"default\" (the bundle's own voice), a stored voice's "
                                  "name (GET /v1/audio/voices), or {\"id\": name}.")
-    response_format: Literal["wav", "pcm", "flac", "mp3", "opus"] = Field(
-        "wav", description="pcm is raw 24 kHz 16-bit little-endian mono; mp3 and opus where the installed "
-        "libsndfile writes them (GET /v1/audio/voices lists the formats). A stream carries pcm or wav.")
-    speed: float = Field(1.0, description="Only 1.0 (changing the speed without changing the pitch is not "
-                         "implemented).")
+    response_format: ResponseFormat = Field(
+        DEFAULT_FORMAT, description="OpenAI's six, mp3 by default as OpenAI's; each streams as it is generated: mp3 frames, "
+        "Opus in Ogg, AAC in ADTS, a FLAC stream, a WAV of open length, pcm (raw 24 kHz 16-bit little-endian "
+        "mono).")
+    speed: float = Field(1.0, ge=SPEED_RANGE[0], le=SPEED_RANGE[1], description="The tempo, 0.25 to 4.0 (2.0: twice as fast), the "
+                         "pitch kept (FFmpeg's atempo); segment timings are scaled to match.")
     instructions: str | None = Field(None, description="Refused: the model's prompt has no instruction slot; "
                                      "write inline controls in the input instead.")
     stream_format: Literal["audio", "sse"] | None = Field(
@@ -120,7 +126,9 @@ class DialogueBody(BaseModel):
         None, description="Speaker -> a stored voice's name (or {\"id\": name}; \"default\": none), or a clip "
         "{\"audio\", \"text\"}. A speaker left out speaks its first turn in a voice of the model's choosing, which "
         "is then its voice.")
-    response_format: Literal["wav", "pcm", "flac", "mp3", "opus"] = Field("wav", description="As /v1/audio/speech.")
+    response_format: ResponseFormat = Field(DEFAULT_FORMAT, description="As /v1/audio/speech.")
+    speed: float = Field(1.0, ge=SPEED_RANGE[0], le=SPEED_RANGE[1], description="As /v1/audio/speech: the tempo, "
+                         "the pitch kept; each turn's segment timings scaled to match.")
     stream_format: Literal["audio", "sse"] | None = Field(None, description="As /v1/audio/speech; with \"sse\" "
                                                           "a speech.segment event (with speaker) per turn.")
     stream: bool | None = Field(None, description="As /v1/audio/speech.")

@@ -16,6 +16,8 @@ checked :class:`~higgs_pack.serve.speech.SpeechJob` into the bytes of an answer:
 
 from __future__ import annotations
 
+import functools
+import hmac
 import logging
 import math
 import os
@@ -43,7 +45,8 @@ from higgs_pack.serve.formats import (
 )
 from higgs_pack.serve.metrics import Metrics
 from higgs_pack.serve.speech import SpeechJob
-from higgs_pack.serve.voices import VoiceStore
+from higgs_pack.serve.tempo import TimeStretch, at_speed, retimed
+from higgs_pack.serve.voices import VoiceStore, default_prefix_key_file, load_prefix_key
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,8 @@ class Answer:
     finished: bool = False
     segments: list = field(default_factory=list)
     """The :class:`~higgs_pack.runtime.loop.generate.Segment` items of the speech."""
+    route: str = "/v1/audio/speech"
+    """The route it answered (its request time is recorded under it)."""
 
 
 class SpeechServer:
@@ -89,7 +94,7 @@ class SpeechServer:
         self.engine, self.batching_note = _make_engine(tts, config.max_batch, config.max_kv_bytes)
         info = tts.info
         self.models = tuple(dict.fromkeys((info.bundle, info.model, *config.model_names)))
-        self.voices = VoiceStore(config.voices_dir, _codec_sha256(tts))
+        self.voices = VoiceStore(config.voices_dir, _codec_sha256(tts), _prefix_key(config))
         if self.engine.prefix_cache is not None:  # named voices' prefix KV persists beside them
             self.engine.prefix_cache.store = self.voices
         self.in_flight = 0
@@ -98,6 +103,10 @@ class SpeechServer:
         self._lock = threading.Lock()
         self._mean_seconds = 2.0  # running mean of seconds in flight (queue wait included), for Retry-After
         self.limiter = anyio.CapacityLimiter(self.capacity + 4)
+        # CPU work a request brings (a big JSON body, a clip to decode, a whole answer to encode, a
+        # sentence to tokenize) runs here, off the event loop, at most one per core at a time
+        self.parse_limiter = anyio.CapacityLimiter(max(2, os.cpu_count() or 2))
+        self.uploading: set[str] = set()  # voice names (lower case) being uploaded now
         self.metrics = Metrics(self)
 
     @classmethod
@@ -152,6 +161,32 @@ class SpeechServer:
                 "batching": self.batching_note or "continuous batching",
                 "kv_bytes_per_position": self.engine.kv_bytes_per_position,
                 "kv_budget_bytes": self.engine.kv_budget_bytes}
+
+    def check_key(self, authorization: str, query_key: str | None = None) -> None:
+        """The one API-key check of every route (HTTP and the live WebSocket).
+
+        Args:
+            authorization: the ``Authorization`` header (``Bearer KEY``), or ``""``.
+            query_key: the ``api_key`` query parameter where the route takes one (a browser's
+                WebSocket cannot set headers), or None where it does not.
+
+        Raises:
+            ApiError: 401 ``invalid_api_key`` (with ``WWW-Authenticate: Bearer``) when the server has
+                a key and neither gives it (compared in constant time).
+        """
+        key = self.config.api_key
+        if key is None:
+            return
+        scheme, _, token = authorization.partition(" ")
+        token = token.strip() if scheme.lower() == "bearer" else (query_key or "")
+        if not hmac.compare_digest(token.encode(), key.encode()):
+            browser = " (or, from a browser, ?api_key=<key>)" if query_key is not None else ""
+            raise ApiError(401, f"missing or wrong API key: send Authorization: Bearer <key>{browser}, the --api-key "
+                           "the server was started with", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    async def off_loop(self, work: Any) -> Any:
+        """``work()`` on a worker thread of the parse limiter (CPU work off the event loop)."""
+        return await anyio.to_thread.run_sync(work, limiter=self.parse_limiter)
 
     # admission
     def admit(self) -> None:
@@ -227,9 +262,7 @@ class SpeechServer:
             raise ApiError(499, "the client closed the request", code="cancelled") from failure
         if failure is not None:
             raise ApiError(500, f"generation failed: {failure}", code="generation_failed") from failure
-        body = encode_whole(result.samples, result.sample_rate, job.response_format)
-        if job.segments:
-            body = segments_answer(body, job.response_format, result.sample_rate, result.segments)
+        result, body = await self.off_loop(functools.partial(_whole_file, result, job))
         return body, Answer(int(result.codes.shape[0]), len(result.samples) / result.sample_rate,
                             segments=result.segments)
 
@@ -239,38 +272,68 @@ class SpeechServer:
         ``_Stream`` does, also when the client left before the first byte and this generator
         never started), so a dropped stream frees its row."""
         sse = job.stream_format == "sse"
-        encoder = StreamEncoder(job.response_format, self.tts.sample_rate)
+        rate = self.tts.sample_rate
+        encoder, tempo = StreamEncoder(job.response_format, rate), TimeStretch(job.speed, rate)
+        held: list[Any] = []  # segments (at speed) whose audio is not all in the encoder yet
         stream = iter(handle)
         started = time.perf_counter()
+
+        def send(data: bytes, final: bool = False) -> list[bytes]:
+            """``data`` as the stream carries it, then the segments whose audio is now all in the
+            encoder (a stretch holds some back; ``final``: all of them), as SSE events."""
+            if math.isnan(answer.first_audio_s) and data:
+                answer.first_audio_s = time.perf_counter() - started
+            count = len(held) if final else sum(round(s.end * rate) <= tempo.samples_out for s in held)
+            done, held[:] = held[:count], held[count:]
+            answer.segments += done
+            if not sse:
+                return [data] if data else []
+            return ([sse_delta(data)] if data else []) + [sse_segment(s) for s in done]
+
+        def step() -> tuple[Any, bytes]:
+            """The next piece and its bytes, stretched and encoded on the worker thread, off the event
+            loop (mp3 costs about 11 ms of CPU per second of audio); at the end, None and the rest."""
+            chunk = next(stream, None)
+            if chunk is None:
+                return None, encoder.chunk(tempo.finish()) + encoder.finish()
+            return chunk, encoder.chunk(tempo.push(chunk.samples))
+
         try:
-            head = encoder.start()
-            if head and not sse:
-                yield head
-            pending = head if sse else b""
+            pending = encoder.start()
+            if pending and not sse:
+                yield pending
+                pending = b""
             while True:
-                chunk = await anyio.to_thread.run_sync(next, stream, None, abandon_on_cancel=True,
-                                                       limiter=self.limiter)
+                chunk, data = await anyio.to_thread.run_sync(step, abandon_on_cancel=True, limiter=self.limiter)
+                if chunk is not None:
+                    held.extend(retimed(chunk, job.speed).segments)
+                for out in send(pending + data, final=chunk is None):
+                    yield out
+                pending = b""
                 if chunk is None:
                     break
-                data = pending + encoder.chunk(chunk.samples)
-                pending = b""
-                if math.isnan(answer.first_audio_s):
-                    answer.first_audio_s = time.perf_counter() - started
-                yield sse_delta(data) if sse else data
-                answer.segments += chunk.segments
-                if sse:
-                    for segment in chunk.segments:
-                        yield sse_segment(segment)
             answer.frames = int(sum(r.codes.shape[0] for r in stream.results))
-            answer.audio_seconds = stream.samples_out / self.tts.sample_rate
+            answer.audio_seconds = tempo.samples_out / rate
             if sse:
-                tokens = len(self.tts.pipeline.tokenizer.encode(job.request.text, add_special_tokens=False).ids)
+                encode = functools.partial(self.tts.pipeline.tokenizer.encode, job.request.text,
+                                           add_special_tokens=False)
+                tokens = len((await self.off_loop(encode)).ids)
                 yield sse_done(tokens, answer.frames)
         except HiggsPackError as exc:
             log.warning("stream failed after it started: %s", exc)
             if not sse:
                 raise  # the connection is cut: a truncated stream, never a wrong one
             yield sse_error(f"generation failed: {exc}", "generation_failed")
+
+
+def _whole_file(result: Any, job: SpeechJob) -> tuple[Any, bytes]:
+    """``result`` at ``job.speed`` and its answer's bytes: the file in ``job.response_format``, or the
+    JSON with it and the segments (run on a worker thread: an hour of mp3 is about 40 s of CPU)."""
+    result = at_speed(result, job.speed)
+    body = encode_whole(result.samples, result.sample_rate, job.response_format)
+    if job.segments:
+        body = segments_answer(body, job.response_format, result.sample_rate, result.segments)
+    return result, body
 
 
 async def _cancel_on_disconnect(receive: Any, handle: EngineHandle, scope: anyio.CancelScope) -> None:
@@ -304,3 +367,21 @@ def _codec_sha256(tts: Any) -> str:
         if record.get("path") == entry:
             return record["sha256"]
     return ""
+
+
+def _prefix_key(config: ServeConfig) -> bytes:
+    """The secret that signs the voices' persisted prefixes (``--prefix-key-file``, made on first
+    start); none without ``--voices-dir`` (nothing persists).
+
+    Raises:
+        InputError: the key file is inside the voices folder, or does not hold a key.
+        HiggsPackError: it cannot be read or made (the path and the reason named).
+    """
+    if config.voices_dir is None:
+        return b""
+    path = config.prefix_key_file or default_prefix_key_file()
+    try:
+        return load_prefix_key(path, config.voices_dir)
+    except OSError as exc:
+        raise HiggsPackError(f"cannot read or make the voice prefix key {path} ({exc.strerror or exc}); give a "
+                             "file this server may read and create with --prefix-key-file") from exc

@@ -28,9 +28,11 @@ from typing import Any
 from higgs_pack.manifests.errors import InputError, Problem, literal, unknown_choice
 from higgs_pack.runtime.audio import read_audio_bytes
 from higgs_pack.runtime.request import SynthesisRequest, plain_type, unspeakable
+from higgs_pack.runtime.text import clean
 from higgs_pack.serve.config import ServeConfig
 from higgs_pack.serve.errors import ApiError, from_input_error
-from higgs_pack.serve.formats import STREAMABLE, response_formats
+from higgs_pack.serve.formats import DEFAULT_FORMAT, FORMATS
+from higgs_pack.serve.tempo import SPEED_RANGE
 
 #: Every field the body may hold.
 FIELDS = ("model", "input", "voice", "response_format", "speed", "instructions", "stream_format", "stream",
@@ -47,13 +49,15 @@ class SpeechJob:
 
     Attributes:
         request: what the engine runs.
-        response_format: ``wav``, ``pcm``, ``flac``, ``mp3`` or ``opus``.
+        response_format: a key of :data:`~higgs_pack.serve.formats.FORMATS` (``mp3`` when left out).
         stream_format: None (the whole file at once), ``"audio"`` (bytes as generated) or ``"sse"``.
         model: the ``model`` asked for.
         voice: the voice's name (``"default"``, a stored voice, or ``"ref_audio"`` for a clip
             in the body).
         segments: a whole answer is JSON with the audio and its segments
             (:func:`~higgs_pack.serve.formats.segments_answer`), not the bare file.
+        speed: the audio's tempo, 0.25 to 4.0 (2.0: half as long, the same pitch;
+            :mod:`~higgs_pack.serve.tempo`).
     """
 
     request: SynthesisRequest
@@ -62,6 +66,7 @@ class SpeechJob:
     model: str
     voice: str
     segments: bool = False
+    speed: float = 1.0
 
 
 def _bad(message: str, param: str | None, code: str = "invalid_value", status: int = 400) -> ApiError:
@@ -102,10 +107,7 @@ def parse_speech(body: Any, *, models: tuple[str, ...], voices: Any, config: Ser
     model = _model(body, models)
     text = _input(body, config)
     response_format, stream_format = _formats(body)
-    speed = body.get("speed")
-    if speed is not None and (speed != 1.0 or isinstance(speed, bool)):
-        raise _bad(f"speed must be 1.0, got {_got(speed)}: only 1.0 is supported (changing the speed without "
-                   "changing the pitch is not implemented); leave speed out", "speed", "unsupported_value")
+    speed = _speed(body.get("speed"))
     if body.get("instructions"):
         raise _bad("instructions are not supported by this bundle: its prompt format has no instruction slot "
                    "(the tokenizer has no instruction control token); write inline controls such as "
@@ -116,7 +118,23 @@ def parse_speech(body: Any, *, models: tuple[str, ...], voices: Any, config: Ser
         request = SynthesisRequest.create(text, **keywords)
     except InputError as exc:
         raise from_input_error(exc) from exc
-    return SpeechJob(request, response_format, stream_format, model, voice_name, segments_wanted(body, stream_format))
+    return SpeechJob(request, response_format, stream_format, model, voice_name, segments_wanted(body, stream_format),
+                     speed)
+
+
+def _speed(speed: Any) -> float:
+    """The ``speed`` field: a number from 0.25 to 4.0 (OpenAI's range); left out or null, 1.0.
+
+    Raises:
+        ApiError: 400 naming ``speed`` for anything else (a string such as "fast", a boolean, 5).
+    """
+    if speed is None:
+        return 1.0
+    low, high = SPEED_RANGE
+    if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not low <= speed <= high:
+        raise _bad(f"speed must be a number from {low} to {high} (1.0: as generated; 2.0: twice as fast, the same "
+                   f"pitch), got {_got(speed)}", "speed", "invalid_value")
+    return float(speed)
 
 
 def segments_wanted(body: dict, stream_format: str | None) -> bool:
@@ -139,8 +157,8 @@ def segments_wanted(body: dict, stream_format: str | None) -> bool:
 
 
 #: Every field the body of ``POST /v1/audio/dialogue`` may hold.
-DIALOGUE_FIELDS = ("model", "turns", "voices", "response_format", "stream_format", "stream", "segments", "seed",
-                   "temperature", "top_k", "top_p", "max_new_tokens", "initial_chunk_frames",
+DIALOGUE_FIELDS = ("model", "turns", "voices", "response_format", "speed", "stream_format", "stream", "segments",
+                   "seed", "temperature", "top_k", "top_p", "max_new_tokens", "initial_chunk_frames",
                    "initial_codec_chunk_frames", "context_chunks", "context_frames")
 
 
@@ -193,7 +211,7 @@ def parse_dialogue(body: Any, *, models: tuple[str, ...], voices: Any, config: S
                 if problem is not None:
                     bad.append(Problem(f"{where}.{key}", None, message=literal(f"{problem}; {where}.{key} is {meaning}")))
             if not bad:
-                checked.append(Turn(turn["speaker"].strip(), turn["input"]))  # " ANN " is ANN (as_turns does too)
+                checked.append(Turn(clean(turn["speaker"]).strip(), clean(turn["input"])))  # " ANN " is ANN, as as_turns
         if len(bad) >= TURN_PROBLEMS_SAID:
             bad.append(MORE_PROBLEMS)
             break
@@ -210,7 +228,7 @@ def parse_dialogue(body: Any, *, models: tuple[str, ...], voices: Any, config: S
     except InputError as exc:
         raise from_input_error(exc, param="turns") from exc
     return SpeechJob(request, response_format, stream_format, model, "dialogue",  # type: ignore[arg-type]
-                     segments_wanted(body, stream_format))
+                     segments_wanted(body, stream_format), _speed(body.get("speed")))
 
 
 def _dialogue_voices(given: Any, speakers: set[str], voices: Any, config: ServeConfig) -> dict[str, Any]:
@@ -273,7 +291,8 @@ def _got(value: Any) -> str:
 
 
 def _text(value: Any, param: str, meaning: str, why: str = "") -> str:
-    """``value`` when it is speakable text (:func:`~higgs_pack.runtime.request.unspeakable`).
+    """``value`` under the one text rule (:mod:`higgs_pack.runtime.text`) when it is speakable text
+    (:func:`~higgs_pack.runtime.request.unspeakable`): a leading BOM dropped, CR LF and CR as LF.
 
     Raises:
         ApiError: 400 naming ``param`` and what it should hold (``meaning``).
@@ -281,7 +300,7 @@ def _text(value: Any, param: str, meaning: str, why: str = "") -> str:
     problem = unspeakable(value, param, why)
     if problem is not None:
         raise _bad(f"{problem}; {param} is {meaning}", param.split("[", 1)[0])
-    return value
+    return clean(value)
 
 
 def _model(body: dict, models: tuple[str, ...]) -> str:
@@ -301,7 +320,7 @@ def _input(body: dict, config: ServeConfig) -> str:
     text = body.get("input")
     if text is None:
         raise _bad("input is required: the words to speak, as a string", "input", "missing_field")
-    _text(text, "input", "the words to speak", "there is nothing to speak")
+    text = _text(text, "input", "the words to speak", "there is nothing to speak")
     if len(text) > config.max_input_chars:
         raise _bad(f"input is {len(text)} characters; the limit is {config.max_input_chars} (--max-input-chars); "
                    "split the text into several requests", "input", "input_too_long")
@@ -309,12 +328,11 @@ def _input(body: dict, config: ServeConfig) -> str:
 
 
 def _formats(body: dict) -> tuple[str, str | None]:
-    formats = response_formats()
     response_format = body.get("response_format")
-    response_format = "wav" if response_format is None else response_format
-    if not isinstance(response_format, str) or response_format not in formats:
-        raise _bad(f"response_format {_got(response_format)} is not supported; use one of {', '.join(formats)} "
-                   "(the formats this server's libsndfile writes)", "response_format", "unsupported_value")
+    response_format = DEFAULT_FORMAT if response_format is None else response_format
+    if not isinstance(response_format, str) or response_format not in FORMATS:
+        raise _bad(f"response_format {_got(response_format)} is not supported; use one of {', '.join(FORMATS)}",
+                   "response_format", "unsupported_value")
     stream_format = body.get("stream_format")
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
@@ -331,10 +349,6 @@ def _formats(body: dict) -> tuple[str, str | None]:
                    "only stream", "stream", "conflicting_fields")
     if stream_format is None and stream:
         stream_format = "audio"
-    if stream_format is not None and response_format not in STREAMABLE:
-        raise _bad(f"response_format {response_format!r} cannot be streamed; a stream carries "
-                   f"{' or '.join(STREAMABLE)} (leave stream_format out for a whole {response_format} file)",
-                   "response_format", "unsupported_value")
     return response_format, stream_format
 
 
@@ -348,7 +362,7 @@ def _voice(body: dict, voices: Any, config: ServeConfig) -> tuple[str, dict[str,
         voice = voice["id"]
     if not isinstance(voice, str):
         raise _bad(f"voice must be a voice name or {{\"id\": name}}, got {_got(voice)}", "voice")
-    _text(voice, "voice", f"a voice name ({DEFAULT_VOICE!r}, or one GET /v1/audio/voices lists)")
+    voice = _text(voice, "voice", f"a voice name ({DEFAULT_VOICE!r}, or one GET /v1/audio/voices lists)")
     ref_audio, ref_text = body.get("ref_audio"), body.get("ref_text")
     text_param = "ref_text"
     if body.get("references") is not None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import secrets
 import tempfile
 import threading
 import time
@@ -56,6 +57,46 @@ def name_problem(name: Any) -> str | None:
     return None
 
 
+def default_prefix_key_file() -> Path:
+    """Where the server keeps the secret that signs persisted voice prefixes when
+    ``--prefix-key-file`` is not given: ``$XDG_STATE_HOME/higgs-pack/voice-prefix.key`` (the XDG
+    Base Directory spec's default ``~/.local/state``), outside any voices folder."""
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "higgs-pack" / "voice-prefix.key"
+
+
+def load_prefix_key(path: Path, voices_dir: Path | None) -> bytes:
+    """The secret in ``path`` (64 hex digits), made on first use: 32 random bytes
+    (:func:`secrets.token_hex`), in a file created with mode 0600 (its folder with 0700 when made).
+
+    Raises:
+        InputError: ``path`` is inside ``voices_dir`` (whoever writes the voices could read the key and
+            sign a forgery), or holds something other than 64 hex digits.
+        OSError: it cannot be read or created (said by the caller with the path).
+    """
+    from higgs_pack.manifests.errors import InputError
+
+    path = Path(path)
+    if voices_dir is not None and path.absolute().resolve().is_relative_to(Path(voices_dir).absolute().resolve()):
+        raise InputError(f"--prefix-key-file {path} is inside --voices-dir {voices_dir}: whoever can write the voices "
+                         "could read it and sign a forged prefix; keep it outside the voices folder")
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # another server made it meanwhile: read theirs
+            pass
+        else:
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32) + "\n")
+            log.info("made the voice prefix signing key %s (mode 0600)", path)
+    text = path.read_text(encoding="ascii", errors="replace").strip()
+    if not re.fullmatch(r"[0-9a-f]{64}", text):
+        raise InputError(f"--prefix-key-file {path} does not hold a key (64 hex digits); remove it to have one made, "
+                         "or give the file every server sharing the voices folder uses")
+    return bytes.fromhex(text)
+
+
 class VoiceStore:
     """Voices by name, in memory and (with a folder) on disk.
 
@@ -63,14 +104,18 @@ class VoiceStore:
         folder: where voices are kept (created if missing, not its parents), or None: in memory only.
         codec_sha256: sha256 of the bundle's codec (its ``audio_tokenizer`` file); voices
             encoded by another codec in the folder are skipped, with a logged line.
+        signing_key: the secret persisted voice prefixes are signed with
+            (:data:`~higgs_pack.runtime.loop.prefix_cache.META_HMAC`; :func:`load_prefix_key`);
+            a store with a folder needs one.
 
     Raises:
         OSError: the folder cannot be created (its parent folder is missing, say).
     """
 
-    def __init__(self, folder: str | os.PathLike | None, codec_sha256: str = ""):
+    def __init__(self, folder: str | os.PathLike | None, codec_sha256: str = "", signing_key: bytes = b""):
         self.folder = Path(folder) if folder is not None else None
         self.codec_sha256 = codec_sha256
+        self.signing_key = signing_key
         self._voices: dict[str, tuple[PreparedVoice, dict[str, str]]] = {}
         self._unusable: dict[str, str] = {}  # name -> version of a file found unusable (warned about once)
         self._lock = threading.Lock()
@@ -136,7 +181,7 @@ class VoiceStore:
         """Where the prompt-prefix KV of the stored voice whose
         :func:`~higgs_pack.runtime.loop.prefix_cache.voice_digest` is ``voice`` persists (the
         file may not exist yet); None for a voice not in the store, or a store without a folder."""
-        if self.folder is None:
+        if self.folder is None or not self.signing_key:
             return None
         with self._lock:
             name = next((n for n, (_, meta) in self._voices.items() if meta.get("_digest") == voice), None)

@@ -14,7 +14,7 @@ from typing import Any
 
 from higgs_pack.exporters.catalog import ExporterInfo, get_exporter
 from higgs_pack.manifests.errors import BuildPlanError
-from higgs_pack.manifests.model import SubPart
+from higgs_pack.manifests.model import NAME_WIDTH, SubPart
 from higgs_pack.targets.base import Target, Variant
 from higgs_pack.targets.registry import get_target
 
@@ -66,14 +66,14 @@ class BuildPlan:
         if self.variant_spec is not None and self.variant_spec.description:
             lines[0] += f" ({self.variant_spec.description})"
         for row in self.rows:
-            lines.append(f"  {row.subpart.value:<16} {row.precision:<5} {row.exporter.name:<17} "
+            lines.append(f"  {row.subpart.value:<{NAME_WIDTH}} {row.precision:<5} {row.exporter.name:<17} "
                          f"{' -> '.join(row.passes)}")
             if row.quantization:
-                lines.append(f"  {'':<16} {'':<5} quantization: "
+                lines.append(f"  {'':<{NAME_WIDTH}} {'':<5} quantization: "
                              + ", ".join(f"{k}={v}" for k, v in row.quantization.items()))
             if row.variant_options:
                 opts = ", ".join(f"{k}={v}" for k, v in row.variant_options.items())
-                lines.append(f"  {'':<16} {'':<5} {self.variant}: {opts}")
+                lines.append(f"  {'':<{NAME_WIDTH}} {'':<5} {self.variant}: {opts}")
         return "\n".join(lines)
 
 

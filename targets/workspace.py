@@ -181,5 +181,10 @@ def check_space(need: SpaceNeed, scratch_root: Path, bundle_parent: Path) -> str
                 f"{folder}, which has {free / gib:.1f} GiB free. Free space there, or put the scratch "
                 f"on another disk with --work-dir DIR (or ${WORK_DIR_ENV}) and the bundle with --out."
             )
-    return (f"disk: scratch ~{need.scratch / gib:.1f} GiB in {scratch_at}, bundle ~{need.bundle / gib:.1f} GiB "
-            f"in {bundle_at}")
+    return (f"disk: room checked for scratch up to {_size(need.scratch)} in {scratch_at} and a bundle up to "
+            f"{_size(need.bundle)} in {bundle_at} (upper bounds, with a margin)")
+
+
+def _size(count: int) -> str:
+    """Bytes as a person reads them: MiB below a GiB (``280 MiB``), else GiB (``1.3 GiB``)."""
+    return f"{count / 2**20:.0f} MiB" if count < 2**30 else f"{count / 2**30:.1f} GiB"

@@ -11,7 +11,8 @@ import pytest
 #: Repository root (the folder holding pyproject.toml).
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # the benchmark (bench/) is a folder of the checkout, not of the wheel
-    sys.path.insert(0, str(REPO_ROOT))
+    # last: an installed (non-editable) higgs_pack must not be shadowed by the checkout's higgs_pack/ folder
+    sys.path.append(str(REPO_ROOT))
 
 #: Seconds of setup above which a fixture must be a :func:`slow_fixture` (builds of the tiny
 #: bundles take 10-60 s on 2 cores; the tiny checkpoint and everything else a few at most).

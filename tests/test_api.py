@@ -24,8 +24,8 @@ def doc_text(page: str) -> str:
     return (REPO_ROOT / page).read_text(encoding="utf-8")
 
 
-#: The pages whose Python examples run in order, as one reader's session (the server's example
-#: is in docs/serving/index.md; tests/test_serve.py runs it).
+#: The pages whose Python examples run in order, as one reader's session (the server's examples
+#: are in docs/serving/index.md; tests/test_serve.py and tests/test_serve_formats.py run them).
 USING_PAGES = ("README.md", "docs/using/python.md", "docs/using/engine.md")
 
 

@@ -50,8 +50,10 @@ def test_space_estimate_larger_than_the_disk_is_refused_before_work(tmp_path):
     needed = (free + (51 << 30)) / 2**30
     assert f"{needed:.1f} GiB" in message and "GiB free" in message and "--work-dir" in message
     # What fits is described, not refused.
-    line = check_space(SpaceNeed(scratch=1 << 20, bundle=1 << 20), scratch_root, tmp_path / "out")
-    assert line.startswith("disk: scratch ~0.0 GiB in ")
+    line = check_space(SpaceNeed(scratch=3 << 30, bundle=280 << 20), scratch_root, tmp_path / "out")
+    # sizes in the unit that reads (a tiny bundle's bound was "~0.3 GiB" for 24 MB; issue 37 item 6)
+    assert line.startswith("disk: room checked for scratch up to 3.0 GiB in ")
+    assert "a bundle up to 280 MiB in " in line and line.endswith("(upper bounds, with a margin)")
 
 
 def test_scratch_of_a_killed_build_is_removed_by_the_next(tmp_path, tiny_checkpoint):

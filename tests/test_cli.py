@@ -76,6 +76,11 @@ def test_inspect_and_verify(cpu_int4_bundle, cases_dir, tmp_path):
     out = run("inspect", cpu_int4_bundle)
     assert "higgs-audio-v3-tiny-cpu-int4" in out.stdout and "llm_decoder" in out.stdout
     assert "OnnxBlockWiseRtnQuantization" in out.stdout
+    # every sub-part's row has its columns where the others have theirs (audio_tokenizer_stream's did not)
+    rows = [line for line in out.stdout.splitlines() if line.split()[:1] and line.split()[0] in
+            {"text_embed", "llm_decoder", "audio_embed", "audio_heads", "audio_tokenizer", "audio_encoder",
+             "audio_tokenizer_stream"}]
+    assert len(rows) == 7 and len({row.index(" onnx ") for row in rows}) == 1, rows
     report = tmp_path / "report.json"
     out = run("verify", cpu_int4_bundle, "--report", report)
     assert "result: PASS" in out.stdout and report.is_file()
@@ -94,6 +99,9 @@ def test_verify_fails_on_a_damaged_bundle(bundle_copy):
 def test_build_plan_and_unknown_target():
     out = run("build", "--target", "cpu", "--plan")
     assert "llm_decoder" in out.stdout and "modelbuilder" in out.stdout
+    rows = [line for line in out.stdout.splitlines() if line.startswith("  ") and line.split()[0].startswith(
+        ("text_", "llm_", "audio_"))]
+    assert len(rows) == 7 and len({row.index(" fp32 " if " fp32 " in row else " int4 ") for row in rows}) == 1, rows
     out = run("build", "--target", "gpu", check=False)
     assert out.returncode == 2 and "unknown target 'gpu'" in out.stderr
     out = run("build", "--target", "cpu", "--precision", "fp16", check=False)
@@ -146,6 +154,14 @@ def test_installed_layout_has_no_bare_top_level_packages(tmp_path):
     assert tops == {"higgs_pack", f"higgs_pack-{version('higgs-pack')}.dist-info"}, tops
     for sub in ("runtime", "targets", "exporters", "manifests"):
         assert f"higgs_pack/{sub}/__init__.py" in names
+    # every module and data file of the mapped folders is in the wheel: a sub-package cannot be left
+    # out (serve/integrations/ was, when the package list was kept by hand)
+    roots = {"higgs_pack": "higgs_pack", "targets": "higgs_pack/targets", "exporters": "higgs_pack/exporters",
+             "runtime": "higgs_pack/runtime", "manifests": "higgs_pack/manifests", "serve": "higgs_pack/serve"}
+    wanted = {roots[rel.split("/")[0]] + rel[len(rel.split("/")[0]):] for rel in tracked.stdout.splitlines()
+              if rel.split("/")[0] in roots and rel.endswith((".py", ".json", ".html"))}
+    assert "higgs_pack/serve/integrations/pipecat_tts.py" in wanted
+    assert wanted <= set(names), sorted(wanted - set(names))
 
 
 def test_output_that_would_overwrite_an_input_is_refused(cpu_int4_bundle, cases_dir, tmp_path):
@@ -233,13 +249,13 @@ def invoke(*args, input=None):
     (["--text", "   "], None, "text is only whitespace: there is nothing to speak; set it with "
                               "--text or --text-file / text="),  # the file's flag named too (H-newuser 6)
     (["--text", "-"], "", "text is empty: there is nothing to speak"),
-    (["--text", "\x01\x02"], None, "text is only whitespace and control characters: there is nothing to speak"),
-    (["--text", "\u200b\x00 "], None, "text is only whitespace and control characters"),
+    (["--text", "\x01\x02"], None, "text holds a control character"),
+    (["--text", "\u200b\x00 "], None, "text holds a control character"),
     # Bytes that are not UTF-8 reach Python's argv as lone surrogates (surrogateescape).
     (["--text", "\udced\udca0\udc80 bad \udcff"], None,
      "text is not valid Unicode: character 1 is a lone surrogate (U+DCED"),
     (["--text", "Hi.", "--ref-audio", "{ref}", "--ref-text", "\x07"], None,
-     "ref_text is only whitespace and control characters: a transcript holds the words the clip says; give the exact transcript"),
+     "ref_text holds a control character"),
     (["--text", "Hi.", "--first-chunk-frames", "2"], None,
      "--first-chunk-frames shapes the chunks of --stream, and --stream is not given: add --stream, or drop it"),
     (["--text", "Hi.", "--chunk-growth", "3", "--max-chunk-frames", "5"], None,
@@ -567,7 +583,7 @@ def test_a_batch_line_that_cannot_be_spoken_is_named(tmp_path):
     code, err = invoke("synthesize", tmp_path / "no-bundle", "--text-file", tmp_path / "lines.txt", "--batch", "2",
                        "-o", tmp_path / "out")
     assert code == 2 and "2 problems with the request:" in err, err
-    assert "line 2 is only whitespace and control characters" in err and "line 4 is only" in err
+    assert "line 2 holds a control character" in err and "line 4 holds a control character at character 1 (U+0000, NUL)" in err
     assert not (tmp_path / "out").exists()
 
 
@@ -773,3 +789,27 @@ def test_a_transcript_that_fills_the_context_is_named_as_such(cpu_int4_bundle, c
     assert "the voice takes" in out.stderr and "--ref-text" in out.stderr and "split it" not in out.stderr
     assert not (tmp_path / "a.wav").exists()
 
+
+
+def test_a_dialogue_stopped_by_ctrl_c_suggests_nothing_it_does_not_have(cpu_int4_bundle, tmp_path):
+    """Issue 37 item 6: the Ctrl-C message of ``dialogue`` suggested --stream, which it does not have."""
+    import signal
+    import time
+
+    wav = tmp_path / "talk.wav"
+    script = "".join(f"{'ANN' if i % 2 else 'BEN'}: This is turn number {i} of a long talk.\n" for i in range(30))
+    proc = subprocess.Popen([*HIGGS, "dialogue", str(cpu_int4_bundle), "-", "-o", str(wav), "--max-frames", "400",
+                             "--no-progress"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"}, preexec_fn=_as_at_a_terminal)
+    proc.stdin.write(script)
+    proc.stdin.close()
+    deadline = time.monotonic() + 240
+    while not any(p.stat().st_size > 44 + 2 * 24000 for p in tmp_path.glob(".*")):  # a second in the hidden file
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no audio within 240 s"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert f"interrupted (Ctrl-C): nothing written to {wav}; the audio generated so far was not kept\n" in stderr
+    assert "--stream" not in stderr and "Traceback" not in stderr and not wav.exists()

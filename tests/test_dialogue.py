@@ -38,7 +38,7 @@ def test_a_script_is_one_turn_per_line():
     ("ANN: Hello.\nno speaker on this line\n", "line 2 of s.txt has no speaker: write it as NAME: text"),
     ("ANN: Hello.\nBEN:   \n", "the text of s.txt line 2 ('BEN') is empty: there is nothing to speak"),
     ("ANN: Hello.\n: Who?\n", "line 2 of s.txt has no speaker"),
-    ("ANN: a\x00b", "s.txt holds NUL characters: it is a binary file"),
+    ("ANN: a\x00b", "the text of s.txt line 1 ('ANN') holds a control character at character 2 (U+0000, NUL)"),
     ("\n# only a comment\n", "s.txt holds no turns"),
     ("ANN: hi\n" * 10_000, f"s.txt holds 10000 turns; at most {MAX_TURNS}"),
     ("A" * 65 + ": hi", "must be a name of at most 64 characters"),
@@ -182,6 +182,10 @@ def test_the_dialogue_command_writes_audio_and_subtitles(cpu_int4_bundle, cases_
     (lambda p: p.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe"), [], "is not UTF-8 text"),
     (lambda p: p.write_text("ANN: Hi.\nnobody\n"), [], "line 2 of"),
     (lambda p: p.write_text("ANN: Hi.\n"), ["--voice", "CAT={clip}:Words."], "voices names 'CAT', who speaks no turn"),
+    # the script's problems and a stray voice at once (issue 37 item 6)
+    (lambda p: p.write_text("ANN: Hi.\nnobody\n"), ["--voice", "CAT={clip}:Words."],
+     "2 problems with the request:\n  - line 2 of {script} has no speaker: write it as NAME: text (got 'nobody')\n"
+     "  - voices names 'CAT', who speaks no turn"),
     (lambda p: p.write_text("ANN: Hi.\n"), ["--voice", "ANN={clip}"], "needs the exact words said in its clip"),
     (lambda p: p.write_text("ANN: Hi.\n"), ["--voice", "ANN=missing.wav:Hi."], "no file missing.wav"),
     (lambda p: p.write_text("ANN: Hi.\n"), ["--subtitles", "{dir}/talk.txt"], "SubRip (.srt) or WebVTT (.vtt)"),
@@ -206,6 +210,7 @@ def test_the_dialogue_command_refuses_a_bad_script_before_loading(tmp_path, make
     args = [a.format(clip=clip, dir=tmp_path, script=script) for a in extra]
     result = CliRunner().invoke(main, ["dialogue", str(tmp_path / "no-bundle"), str(script), "-o",
                                        str(tmp_path / "o.wav"), *args])
+    message = message.format(script=script)
     assert result.exit_code == 2 and message in result.stderr and "no such bundle" not in result.stderr, \
         result.stderr
     assert not (tmp_path / "o.wav").exists()
@@ -267,6 +272,13 @@ def test_the_dialogue_route_answers_audio_segments_and_sse(server, cases_dir):
     streamed = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
     assert len(streamed) == len(pcm)
     assert np.abs(np.frombuffer(streamed, "<i2").astype(int) - np.frombuffer(pcm, "<i2")).max() <= 1
+    # speed: the dialogue's audio and each turn's times, 1.5 times shorter, whole and streamed
+    fast = httpx.post(url, json={**body, "segments": True, "speed": 1.5}, timeout=120).json()
+    assert len(base64.b64decode(fast["audio"])) == round(len(pcm) / 2 / 1.5) * 2
+    assert [s["end"] for s in fast["segments"]] == pytest.approx([s["end"] / 1.5 for s in answer["segments"]])
+    assert [s["speaker"] for s in fast["segments"]] == ["ANN", "BEN", "ANN"]
+    with httpx.stream("POST", url, json={**body, "speed": 1.5, "stream_format": "audio"}, timeout=120) as response:
+        assert len(b"".join(response.iter_bytes())) == len(base64.b64decode(fast["audio"]))
 
 
 @pytest.mark.parametrize(("change", "param", "words"), [
@@ -280,6 +292,7 @@ def test_the_dialogue_route_answers_audio_segments_and_sse(server, cases_dir):
     ({"turns": [{"speaker": "ANN", "input": "Say <|audio|> now."}]}, "turns[0].input", "turn 1 ('ANN')"),
     ({"turns": [{"speaker": "A:B", "input": "Hi."}]}, "turns[0].speaker", "without ':'"),  # H-newuser 6
     ({"segments": True, "stream_format": "audio"}, "segments", "segments true needs an answer with room"),
+    ({"speed": 8}, "speed", "speed must be a number from 0.25 to 4.0"),
     # every bad turn at once, as a speech body's fields (a new user's finding: only the first was said)
     ({"turns": [{"speaker": "ANN", "input": ""}, {"speaker": 5, "input": "Hi."}, {"input": "Hi."}, "Hi."]},
      "turns[0].input", "4 problems with the request"),

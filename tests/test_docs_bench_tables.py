@@ -78,6 +78,8 @@ def test_bad_markers_name_what_is_wrong(hook, tmp_path, monkeypatch):
         hook.render("object.json", "systems")
     with pytest.raises(hook.BenchTableError, match=r"not a python -m bench\.ab report"):
         hook.render("empty.json", "ab")
+    with pytest.raises(hook.BenchTableError, match=r"not a python -m bench\.formats run"):
+        hook.render("empty.json", "atempo")
     (tmp_path / "other.json").write_text(json.dumps({"command": "ort-fp8"}))
     with pytest.raises(hook.BenchTableError, match=r"unknown bench\.ab command 'ort-fp8'"):
         hook.render("other.json", "ab")
@@ -98,3 +100,12 @@ def test_a_marker_keeps_the_blank_lines_around_it(hook):
     out = hook.on_page_markdown(page, None)
     assert out.startswith("Before.\n\ndefault ") and out.endswith(" |\n\nAfter.\n"), out[-200:]
     assert "\n\n| variant |" in out
+
+
+def test_the_formats_tables_show_the_figures_of_their_run(hook):
+    run = json.loads((hook.RUNS / "formats-2026-12-06.json").read_text())
+    table = hook.render("formats-2026-12-06.json", "formats")
+    mp3 = run["formats"]["mp3"]
+    assert f"| `mp3` | {mp3['streamed_ms_per_s']:.2f} | {mp3['whole_ms_per_s']:.2f} | {mp3['kbit_per_s']:.1f} |" in table
+    assert run["machine"]["cpu"] in table
+    assert f"| 4.0 | {run['atempo_ms_per_s']['4.0']:.2f} |" in hook.render("formats-2026-12-06.json", "atempo")

@@ -235,9 +235,16 @@ def test_a_sentence_too_long_names_the_frame_cap_only_where_lowering_it_helps(or
         plan_synthesis(oracle, endless, max_frames=2, context_chunks=0)
     assert "no space or comma to cut it at" in str(caught.value) and "lower" not in str(caught.value)
     assert caught.value.problems[0].field == "text"
-    with pytest.raises(InputError, match="or lower max_frames") as caught:  # no piece leaves room for the frames
-        plan_synthesis(oracle, " ".join(["word"] * 300), max_frames=oracle.decoder.max_length - 4, context_chunks=0)
+    limit = oracle.decoder.max_length
+    largest = limit - 10 - 1  # the prompt's 3 + N - 1 positions (N = 8 codebooks) and one text token
+    with pytest.raises(InputError, match="or lower max_frames") as caught:  # a word of many tokens: no room
+        plan_synthesis(oracle, "supercalifragilistic" * 3, max_frames=largest, context_chunks=0)
     assert caught.value.problems[0].field == "max_frames"
+    # a cap no text fits beside (issue 37: "hi" with --max-frames 5000 was told to split the sentence)
+    with pytest.raises(InputError, match=f"^max_frames is at most {largest} for this bundle .*, got {limit}; ") as caught:
+        plan_synthesis(oracle, "hi", max_frames=limit, context_chunks=0)
+    assert caught.value.problems[0].field == "max_frames"
+    assert plan_synthesis(oracle, "hi", max_frames=largest, context_chunks=0).chunks[0][1] == largest
 
 
 @pytest.mark.parametrize("text", ["word, " * 1500, ", ".join(str(i) for i in range(1, 1200)),

@@ -170,3 +170,24 @@ def test_package_hub_folder_is_a_pullable_repository(tmp_path, cpu_fp32_bundle, 
     assert out.stdout.strip().endswith(cpu_int4_bundle.name)
     with pytest.raises(Exception, match="already exists"):
         package_bundle(cpu_int4_bundle, formats="hub", out_dir=tmp_path / "dist")
+
+
+def test_a_hub_that_cannot_be_reached_is_said_once_without_naming_an_unset_offline_mode(tmp_path):
+    """Issue 37 item 6: without a network, ``pull`` said the cache miss twice and told the user to
+    unset HF_HUB_OFFLINE, which was not set.  The hub here is a closed port on this machine."""
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on: the connection is refused at once
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "cache"), "HF_HOME": str(tmp_path / "hf-home"),
+           "HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_HUB_ETAG_TIMEOUT": "5", "HF_HUB_DOWNLOAD_TIMEOUT": "5"}
+    for key in ("HF_HUB_OFFLINE", "HF_TOKEN"):
+        env.pop(key, None)
+    out = subprocess.run([sys.executable, "-m", "higgs_pack.runtime.cli", "pull", "my-org/x@v1.0"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 2, out.stderr
+    assert "my-org/x@v1.0: not in the Hugging Face cache" in out.stderr
+    assert "the hub could not be reached (no network?); connect to download it (higgs-pack pull my-org/x@v1.0)" \
+        in out.stderr
+    assert "HF_HUB_OFFLINE" not in out.stderr and "not in the local cache" not in out.stderr

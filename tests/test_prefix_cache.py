@@ -138,12 +138,51 @@ def test_the_cache_is_bounded_in_bytes(tts, voice):
     _fresh(tts)
 
 
-def _store_with(tmp_path, voice):
+def _store_with(tmp_path, voice, signing_key=b"k" * 32):
     from higgs_pack.serve.voices import VoiceStore
 
-    store = VoiceStore(tmp_path / "voices")
+    store = VoiceStore(tmp_path / "voices", signing_key=signing_key)
     store.add(PreparedVoice(voice.codes, voice.transcript, "alice"))
     return store, tmp_path / "voices" / ".prefix-kv" / "alice.safetensors"
+
+
+def test_a_forged_prefix_file_is_refused_and_recomputed(tts, voice, tmp_path, caplog):
+    """Issue 37 item 4: voice B's tensors written under voice A's key, with their sha256 recomputed
+    the way the code does, are refused (the HMAC needs the server's secret), and A is spoken as A."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    from higgs_pack.runtime.loop.prefix_cache import META_LENGTH, META_SHA256, PrefixEntry
+
+    store, path = _store_with(tmp_path, voice)
+    store.add(PreparedVoice(voice.codes[::-1].copy(), "Another voice entirely.", "bob"))
+    text, seed, cap = TEXTS[0]
+    want = {name: _without_cache(tts, store.get(name), [TEXTS[0]])[0].codes for name in ("alice", "bob")}
+    cache = _fresh(tts)
+    cache.store = store
+    for name in ("alice", "bob"):
+        np.testing.assert_array_equal(tts.synthesize(text, voice=store.get(name), seed=seed, max_frames=cap).codes,
+                                      want[name])
+    assert cache.stats.disk_writes == 2
+    with safe_open(str(path), "np") as f:
+        meta_a = dict(f.metadata())
+    with safe_open(str(path.with_name("bob.safetensors")), "np") as f:
+        arrays_b = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    forged = PrefixEntry(meta_a["prefix_key"], next(iter(arrays_b.values())).shape[1], arrays_b)
+    save_file(arrays_b, str(path), metadata={**meta_a, META_LENGTH: str(forged.length),
+                                             META_SHA256: forged.tensors_sha256()})
+    cache = _fresh(tts)  # a restart: nothing in memory
+    cache.store = store
+    with caplog.at_level(logging.WARNING, "higgs_pack.runtime.loop.prefix_cache"):
+        got = tts.synthesize(text, voice=store.get("alice"), seed=seed, max_frames=cap)
+    np.testing.assert_array_equal(got.codes, want["alice"])  # A's own prefix, computed again
+    assert cache.stats.refused == 1 and cache.stats.disk_loads == 0 and "signature does not match" in caplog.text
+    other, _ = _store_with(tmp_path, voice, signing_key=b"x" * 32)  # a server with another key: refused too
+    cache = _fresh(tts)
+    cache.store = other
+    tts.synthesize(text, voice=other.get("bob"), seed=seed, max_frames=cap)
+    assert cache.stats.refused == 1 and cache.stats.disk_loads == 0
+    _fresh(tts)
 
 
 def test_a_named_voice_prefix_persists_and_a_bad_file_is_refused(tts, voice, tmp_path, caplog):
@@ -375,3 +414,28 @@ def test_the_server_persists_a_named_voice_prefix_and_exports_its_metrics(cpu_fp
             server.close()
     assert (tmp_path / "voices" / ".prefix-kv" / "alice.safetensors").is_file()
     np.testing.assert_array_equal(codes[0], codes[1])
+
+
+def test_the_engine_persists_a_cold_voice_in_the_background_and_reads_it_before_the_join(tts, voice, tmp_path):
+    """Issue 37 item 7: the prefix file of a voice's first use is written by the cache's writer thread
+    (it was hashed, signed and written between the running rows' steps), and a persisted prefix is
+    read on the submitting thread, so the engine's own lookup is a memory hit."""
+    store, path = _store_with(tmp_path, voice)
+    text, seed, cap = TEXTS[0]
+    want = _without_cache(tts, store.get("alice"), [TEXTS[0]])[0].codes
+    cache = _fresh(tts)
+    cache.store = store
+    with tts.engine(max_batch=2) as engine:
+        got = engine.submit(text, voice=store.get("alice"), seed=seed, max_frames=cap).result(timeout=120)
+        writer = cache._writer
+    np.testing.assert_array_equal(got.codes, want)
+    assert writer is not None and writer.name == "prefix-cache-writer"  # written off the engine's thread
+    assert path.is_file() and cache.stats.disk_writes == 1  # close() waited for it
+    cache = _fresh(tts)  # a restart
+    cache.store = store
+    with tts.engine(max_batch=2) as engine:
+        handle = engine.submit(text, voice=store.get("alice"), seed=seed, max_frames=cap)
+        assert cache.stats.disk_loads == 1 and cache.stats.entries == 1  # read at submit, before any step
+        np.testing.assert_array_equal(handle.result(timeout=120).codes, want)
+        assert engine.stats.prefix_hits == 1 and cache.stats.hits == 1  # the engine's lookup: from memory
+    _fresh(tts)

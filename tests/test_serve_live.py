@@ -277,6 +277,7 @@ def test_bad_messages_get_an_error_naming_the_field_and_the_session_goes_on(serv
 
 @pytest.mark.parametrize(("config", "param", "code"), [
     ({"response_format": "flac"}, "response_format", "unsupported_value"),
+    ({"speed": 2.0}, "speed", "unsupported_value"),
     ({"voice": "nobody"}, "voice", "unknown_voice"),
     ({"sede": 1}, "sede", "unknown_field"),
     ({"input": "hello"}, "input", "unknown_field"),
@@ -510,3 +511,17 @@ def test_a_plain_get_of_the_live_route_says_it_is_a_websocket(server):
     plain = httpx.get(server.ws.replace("ws://", "http://"), timeout=30)
     assert plain.status_code == 426 and plain.headers["upgrade"] == "websocket", plain.text
     assert plain.json()["error"]["code"] == "upgrade_required" and "is a WebSocket" in plain.json()["error"]["message"]
+
+
+def test_a_later_sentence_the_planner_refuses_is_its_own_error_and_the_session_goes_on(server):
+    """Issue 37 item 5: the second sentence's context is planned by the planner, whose InputError ended
+    the whole session (only ApiError was caught); now that sentence gets an error event and the next
+    one is spoken."""
+    endless = "x" * 3000  # one word of 375 tokens: more positions than the tiny decoder's 4096, nowhere to cut
+    heard = asyncio.run(_session(server.ws, ["Hello there. ", endless + ". ", "Goodbye now."],
+                                 {"max_new_tokens": 12, "seed": 1}))
+    errors = heard.of("error")
+    assert len(errors) == 1 and errors[0]["param"] == "text" and errors[0]["sentence_text"] == endless + "."
+    assert "positions" in errors[0]["message"]
+    assert [e["sentence_text"] for e in heard.of("audio.start")] == ["Hello there.", "Goodbye now."]
+    assert heard.of("session.done") and heard.close_code == 1000

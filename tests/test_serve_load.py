@@ -112,7 +112,7 @@ def test_a_tiny_load_run_writes_its_figures_and_goals(cpu_int4_bundle, cases_dir
     options = serve_load.LoadOptions(bundle=str(cpu_int4_bundle), clients=(1, 3), requests={1: 3, 3: 6},
                                      level_seconds=60, frames=12, pool=8, soak_requests=6, soak_clients=2,
                                      max_batch=1, max_queue=0, cases=str(cases_dir), request_timeout=120, quiet=True,
-                                     live_sessions=(1,))
+                                     live_sessions=(1,), stall=3)
     record = serve_load.run_load(options)
     assert record["server"]["capacity"] == 1 and record["server"]["started_here"]
     assert record["server_exit"] is not None and record["reference"]["requests"] == 8
@@ -131,6 +131,9 @@ def test_a_tiny_load_run_writes_its_figures_and_goals(cpu_int4_bundle, cases_dir
     assert [a["category"] for a in answers] == ["ok"] * 3 and answers[1]["stream"] and answers[1]["first_audio_ms"]
     assert three["checks"]["rejected"] >= 1 and three["by_status"].get("429") == three["checks"]["rejected"]
     assert record["soak"]["requests"] == 6 and record["soak"]["rss_growth"] is not None
+    stall = record["stall"]  # one place: 3 cloning requests, one admitted, two refused before any decoding
+    assert stall["statuses"].get("429") == 2 and stall["statuses"].get("200") == 1 and stall["statuses"]["201"] == 1
+    assert stall["idle"]["n"] > 0 and stall["busy"]["n"] > 0 and stall["busy"]["max_ms"] >= stall["busy"]["p50_ms"]
 
     record["goals"] = [{"goal": g, "met": m, "measured": x} for g, m, x in serve_report.goal_checks(record)]
     states = [g["met"] for g in record["goals"]]
@@ -150,6 +153,7 @@ def test_a_tiny_load_run_writes_its_figures_and_goals(cpu_int4_bundle, cases_dir
     assert page.count("<img") >= 3 and "not measured" in page and "<th>clients</th>" in page
     text = serve_report.render(record)
     assert "1st audio ms p50/95/99" in text and "goal [tiny]" in text and "live: 1 sessions" in text
+    assert "stall: /health idle p50" in text and "while 3 cloning requests" in text
 
 
 def _live_record(after_p50: float, gaps: int, problems: list[str], sessions: int = 1) -> dict:

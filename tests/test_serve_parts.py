@@ -17,7 +17,7 @@ from higgs_pack.manifests.errors import InputError
 from higgs_pack.runtime.request import CONTEXT_FRAMES, PreparedVoice
 from higgs_pack.serve.config import ServeConfig
 from higgs_pack.serve.errors import ApiError
-from higgs_pack.serve.formats import StreamEncoder, encode_whole, response_formats
+from higgs_pack.serve.formats import FORMATS, StreamEncoder, encode_whole
 from higgs_pack.serve.speech import parse_speech
 from higgs_pack.serve.voices import VoiceStore, name_problem
 
@@ -182,13 +182,13 @@ def test_whole_files_hold_the_samples_the_stream_carries():
     assert rate == 24000 and read.tobytes() == pcm
     assert np.frombuffer(pcm, "<i2").min() == -32768 and np.frombuffer(pcm, "<i2").max() == 32767
     assert StreamEncoder("pcm", 24000).start() == b""
-    assert {"wav", "pcm", "flac"} <= set(response_formats())
+    assert list(FORMATS) == ["mp3", "opus", "aac", "flac", "wav", "pcm"]  # OpenAI's six, in its order
 
 
 def test_config_limits_are_checked(tmp_path):
     with pytest.raises(InputError, match="max_queue must be a whole number >= 0"):
         ServeConfig(max_queue=-1)
-    with pytest.raises(InputError, match="max_ref_seconds must be a number of seconds > 0"):
+    with pytest.raises(InputError, match=r"max_ref_seconds must be a number >= 0\.5, got 0"):
         ServeConfig(max_ref_seconds=0)
     with pytest.raises(InputError, match="api_key is blank"):
         ServeConfig(api_key=" ")
@@ -230,13 +230,13 @@ def _clip_b64(seconds: float = 1.0) -> str:
 UNSPEAKABLE = [
     ({"input": "\ud800"}, "input", "input is not valid Unicode: character 1 is a lone surrogate (U+D800"),
     ({"input": "ok \udcff"}, "input", "character 4 is a lone surrogate (U+DCFF"),
-    ({"input": "\u0000"}, "input", "input is only whitespace and control characters: there is nothing to speak"),
-    ({"input": "\x01\x02 \t"}, "input", "only whitespace and control characters"),
+    ({"input": "\u0000"}, "input", "input holds a control character"),
+    ({"input": "\x01\x02 \t"}, "input", "holds a control character at character 1 (U+0001)"),
     ({"input": "   "}, "input", "input is only whitespace: there is nothing to speak"),
     ({"input": 5}, "input", "input must be text (a string), got a number (5)"),
     ({"voice": "\ud800"}, "voice", "voice is not valid Unicode"),
-    ({"voice": {"id": "\x00"}}, "voice", "voice is only whitespace and control characters"),
-    ({"ref_audio": "CLIP", "ref_text": "\x00\x1f"}, "ref_text", "ref_text is only whitespace and control characters"),
+    ({"voice": {"id": "\x00"}}, "voice", "voice holds a control character"),
+    ({"ref_audio": "CLIP", "ref_text": "\x00\x1f"}, "ref_text", "ref_text holds a control character"),
     ({"ref_audio": "CLIP", "ref_text": "\ud83d"}, "ref_text", "ref_text is not valid Unicode"),
     ({"ref_audio": "CLIP", "ref_text": ""}, "ref_text", "ref_text is empty"),
     ({"references": [{"audio": "CLIP", "text": "\udfff"}]}, "references", "references[0].text is not valid Unicode"),
@@ -305,7 +305,7 @@ def test_stream_and_stream_format_that_agree_or_are_null_are_taken():
     assert _parse(stream=False).stream_format is None
     assert _parse(stream=None, stream_format="sse").stream_format == "sse"
     assert _parse(stream_format=None).stream_format is None
-    assert _parse(response_format=None, voice=None, speed=None).response_format == "wav"
+    assert _parse(response_format=None, voice=None, speed=None).response_format == "mp3"  # OpenAI's default
 
 
 def test_an_unknown_field_gets_a_close_match():
@@ -325,9 +325,12 @@ def test_an_unknown_field_gets_a_close_match():
     ({"stream": "yes"}, "stream must be true or false, got 'yes'"),
     ({"stream": 1}, "got a number (1)"),
     ({"response_format": 3}, "response_format a number (3) is not supported"),
-    ({"speed": "fast"}, "speed must be 1.0, got 'fast'"),
-    ({"speed": True}, "speed must be 1.0, got a boolean (true)"),
-    ({"speed": 1.5}, "speed must be 1.0, got a number (1.5): only 1.0 is supported"),
+    ({"speed": "fast"}, "speed must be a number from 0.25 to 4.0 (1.0: as generated; 2.0: twice as fast, the "
+                        "same pitch), got 'fast'"),
+    ({"speed": True}, "speed must be a number from 0.25 to 4.0 (1.0: as generated; 2.0: twice as fast, the "
+                      "same pitch), got a boolean (true)"),
+    ({"speed": 0.1}, "got a number (0.1)"),
+    ({"speed": 5}, "got a number (5)"),
     ({"references": 3}, "got a number (3)"),
     ({"references": [3]}, "got a list holding a number (3)"),
     ({"references": [{}, {}]}, "got a list of 2"),
@@ -489,3 +492,70 @@ def test_the_origin_check_lets_the_allowed_pages_through():
         with pytest.raises(InputError, match="--allow-origin"):
             ServeConfig(allow_origins=(bad,))
     assert ServeConfig(allow_origins=("*", "https://app.example:8443")).allow_origins[1] == "https://app.example:8443"
+
+
+def test_the_prefix_key_is_made_once_with_mode_0600_outside_the_voices_folder(tmp_path, monkeypatch):
+    """Issue 37 item 4: the secret that signs persisted prefixes."""
+    import stat
+
+    from higgs_pack.serve.voices import default_prefix_key_file, load_prefix_key
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    path = default_prefix_key_file()
+    assert path == tmp_path / "state" / "higgs-pack" / "voice-prefix.key"
+    key = load_prefix_key(path, tmp_path / "voices")
+    assert len(key) == 32 and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert load_prefix_key(path, tmp_path / "voices") == key  # kept: a restart signs with the same key
+    with pytest.raises(InputError, match="is inside --voices-dir"):
+        load_prefix_key(tmp_path / "voices" / "k.key", tmp_path / "voices")
+    (tmp_path / "bad.key").write_text("not a key")
+    with pytest.raises(InputError, match="does not hold a key"):
+        load_prefix_key(tmp_path / "bad.key", None)
+
+
+def test_each_server_setting_is_declared_once_and_every_door_has_it(monkeypatch, tmp_path):
+    """Issue 38 item 2: ``higgs-pack serve``'s options, their environment variables and Ray Serve's
+    ``build_app`` arguments are made from ServeConfig's one declaration of each setting: a field
+    there is at every door with its default and its least value, and each door gives the same config."""
+    import dataclasses
+
+    from click.testing import CliRunner
+
+    from higgs_pack.serve.cli import ENV_PREFIX, serve
+    from higgs_pack.serve.config import settings
+    from higgs_pack.serve.ray_app import ARGS, parse_args
+    from higgs_pack.serve.server import SpeechServer
+
+    options = {p.opts[0]: p for p in serve.params if p.opts[0].startswith("--")}
+    defaults = ServeConfig()
+    for name, setting in settings().items():
+        option = options[setting.flag]
+        key = setting.name if setting.unit != 1 else name
+        assert key in ARGS and setting.flag in ARGS[key][1]
+        default = getattr(defaults, name)
+        if default not in (None, ()):
+            assert option.default == default / setting.unit if setting.unit != 1 else option.default == default
+        if setting.minimum is not None:
+            assert option.type.min == setting.minimum
+    assert set(settings()) == {f.name for f in dataclasses.fields(ServeConfig)}
+    # one config three ways: the command line, the environment, Ray's arguments
+    given = {"--max-batch": "2", "--max-queue": "3", "--max-kv-mb": "64", "--max-upload-mb": "2",
+             "--model-name": "a", "--allow-origin": "http://localhost:3000", "--voices-dir": str(tmp_path / "v")}
+    captured = []
+
+    def opened(cls, source, config, device=None):  # the config the command made, then stop before loading
+        captured.append(config)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(SpeechServer, "open", classmethod(opened))
+    argv = [x for flag, value in given.items() for x in (flag, value)]
+    assert CliRunner().invoke(serve, ["bundle", "--port", "0", *argv]).exit_code == 0
+    env = {f"{ENV_PREFIX}_{flag[2:].replace('-', '_').upper()}": value for flag, value in given.items()}
+    assert CliRunner().invoke(serve, ["bundle", "--port", "0"], env=env).exit_code == 0
+    monkeypatch.undo()
+    _, from_ray, _ = parse_args({"source": "bundle", "max_batch": 2, "max_queue": 3, "max_kv_mb": 64, "max_upload_mb": 2,
+                                 "model_names": "a", "allow_origins": "http://localhost:3000",
+                                 "voices_dir": str(tmp_path / "v")})
+    assert len(captured) == 2 and captured[0] == captured[1] == from_ray
+    assert from_ray.max_kv_bytes == 64 * 2**20 and from_ray.model_names == ("a",)
+

@@ -68,7 +68,8 @@ def test_build_app_sizes_each_replica_from_its_engine():
     ({"max_batch": 2}, "needs source=BUNDLE"),
     ({"source": "b", "num_replica": 2}, "'num_replica' (did you mean 'num_replicas'?)"),
     ({"source": "b", "max_batch": "four", "max_upload_mb": "big"},
-     "max_batch='four' is not a whole number (requests decoded together per replica); max_upload_mb='big' is not a number"),
+     "max_batch='four' is not a whole number (as higgs-pack serve --max-batch: Requests decoded together"),
+    ({"source": "b", "max_kv_mb": "x"}, "max_kv_mb='x' is not a number (as higgs-pack serve --max-kv-mb"),  # Ray had none
     ({"source": "b", "max_batch": "0"}, "max_batch must be a whole number >= 1"),
     ({"source": "b", "num_replicas": "2", "max_replicas": "3"}, "not both"),
     ({"source": "b", "min_replicas": "4", "max_replicas": "3"}, "must be greater than or equal to min_replicas"),

@@ -69,15 +69,34 @@ def test_the_published_layout_needs_ten_frames(stream_module):
     assert spec.first_frames == 11 and spec.pad_frames == 10  # first audio 1 frame past the lookahead
 
 
-def test_a_stream_codec_first_returns_audio_one_frame_past_its_lookahead(stream_module):
+def test_a_stream_codec_first_returns_its_first_chunk_once_the_lookahead_past_it_arrived(stream_module):
+    """The first call returns the schedule's first size of audio (issue 37: it returned one frame
+    whatever first_chunk_frames said), made once that many frames and the lookahead have arrived."""
     spec = StreamCodecSpec.from_options(stream_module.options(), 960)
-    codec = StatefulCodec(runner_step(torch_runner(stream_module)), spec, itertools.repeat(2))
-    out = [codec.push(frame) for frame in random_codes(14)]
-    assert all(o is None for o in out[:10]) and out[10] is not None
-    assert len(out[10]) == 960  # one call for the first 11 frames: the first frame's audio (142 samples wait)
-    assert out[11] is None and len(out[12]) == 2 * 960 and out[13] is None and codec.calls == 2  # then 2 a call
+    codec = StatefulCodec(runner_step(torch_runner(stream_module)), spec, itertools.chain([3], itertools.repeat(2)))
+    out = [codec.push(frame) for frame in random_codes(17)]
+    assert all(o is None for o in out[:12]) and out[12] is not None
+    assert len(out[12]) == 3 * 960  # one call for the first 13 frames: 3 frames of audio, 10 of lookahead
+    assert out[13] is None and len(out[14]) == 2 * 960 and out[15] is None and len(out[16]) == 2 * 960
+    assert codec.calls == 3  # then 2 a call
+    single = StatefulCodec(runner_step(torch_runner(stream_module)), spec, itertools.repeat(1))
+    first = [single.push(frame) for frame in random_codes(11)]
+    assert first[:10] == [None] * 10 and len(first[10]) == 960  # the earliest audio: 1 frame past the lookahead
     with pytest.raises(ValueError, match="do not start with the frames streamed"):
-        codec.finish(random_codes(14, seed=1))
+        codec.finish(random_codes(17, seed=1))
+
+
+def test_a_stream_yields_the_chunk_sizes_its_caller_asked_for(cpu_fp32_bundle):
+    import higgs_pack
+
+    tts = higgs_pack.load(cpu_fp32_bundle)
+    assert tts.pipeline.stream_codec is not None
+    for first, growth, largest, want in ((25, 1.0, 25, [1.0, 1.0]), (5, 2.0, 20, [0.2, 0.4, 0.8, 0.8])):
+        stream = tts.stream("Chunks of the size asked for.", seed=3, max_frames=80, first_chunk_frames=first,
+                            chunk_growth=growth, max_chunk_frames=largest)
+        seconds = [round(len(chunk.samples) / tts.sample_rate, 3) for chunk in stream]
+        # the last piece is the rest, at the end of the frames: up to a chunk and the lookahead (10 frames)
+        assert seconds[:-1] == want and seconds[-1] <= (largest + 10) / 25, seconds
 
 
 def test_rows_of_one_run_are_separate_streams(stream_module):

@@ -159,12 +159,11 @@ def test_cpu_stream_equals_one_shot(cpu_pipeline, check_stream):
     speech, chunks, one = check_stream(cpu_pipeline, "Streaming speech starts early.", max_frames=150)
     hop = cpu_pipeline.constants.hop_length
     frames = len(one.codes)
-    spec = cpu_pipeline.stream_codec  # the stateful codec: its first call once the lookahead + 1 frame is in
+    spec = cpu_pipeline.stream_codec  # the stateful codec: its first call once the first chunk + lookahead are in
     assert spec is not None and speech.context_frames == 0 and speech.lookahead_frames == spec.lookahead_frames
     assert frames > spec.first_frames + 30, "too short to see the chunk schedule"
-    assert len(chunks[0].samples) == hop  # one frame, as soon as the decoder's lookahead allows
-    assert len(chunks[1].samples) == 10 * hop  # then the schedule: 10 frames (0.4 s)
-    assert len(chunks[2].samples) == 20 * hop  # then growing
+    assert len(chunks[0].samples) == 10 * hop  # the schedule's first chunk: 10 frames (0.4 s; issue 37)
+    assert len(chunks[1].samples) == 20 * hop  # then growing
     assert speech.first_audio_s > 0
 
 
@@ -172,7 +171,7 @@ def test_cpu_stream_chunk_sizes_are_configurable(cpu_pipeline, check_stream):
     _, chunks, _ = check_stream(cpu_pipeline, "Small chunks.", max_frames=80, first_chunk_frames=3,
                                 chunk_growth=1.0, max_chunk_frames=3, seed=1)
     hop = cpu_pipeline.constants.hop_length
-    assert len(chunks) > 3 and all(len(c.samples) == 3 * hop for c in chunks[1:-1])  # after the first call
+    assert len(chunks) > 3 and all(len(c.samples) == 3 * hop for c in chunks[:-1])  # the first one too
 
 
 def test_cpu_stream_across_sentences_is_continuous_speech(cpu_pipeline, check_stream):
@@ -254,7 +253,7 @@ def test_stream_stops_when_closed(cpu_pipeline):
                     schedule=StreamSchedule(first_chunk_frames=2))
     first = next(speech)
     speech.close()
-    assert len(first.samples) == cpu_pipeline.constants.hop_length  # the stateful codec's first frame
+    assert len(first.samples) == 2 * cpu_pipeline.constants.hop_length  # the first chunk: the 2 frames asked for
     assert not speech.results  # generation ended mid-utterance
     with pytest.raises(StopIteration):
         next(speech)

@@ -84,7 +84,10 @@ def _kinds() -> dict[str, Any]:
             "machine": _machine, "serve-goals": _serve_goals}
 
 
-KINDS = ("systems", "prefill", "batch", "steps", "builds", "goals", "machine", "serve-goals", "ab", "agent")
+KINDS = ("systems", "prefill", "batch", "steps", "builds", "goals", "machine", "serve-goals", "ab", "formats", "atempo",
+         "agent")
+#: Kinds of a ``python -m bench.formats --out`` run (a JSON object with ``formats``).
+FORMAT_KINDS = ("formats", "atempo")
 
 
 def render(name: str, kind: str) -> str:
@@ -110,20 +113,25 @@ def render(name: str, kind: str) -> str:
             return report_table(records)
         except KeyError as exc:
             raise BenchTableError(f"{_shown(path)}: {exc.args[0]}") from None
+    from bench.systems import markdown
+
     if kind == "agent":
         from bench.serve_agent import agent_table
-        from bench.systems import markdown
 
         if not isinstance(records, dict) or records.get("kind") != "agent-bench":
             raise BenchTableError(f"{_shown(path)} is not a python -m bench.serve_agent run (kind agent-bench)")
         return markdown(*agent_table(records))
+    if kind in FORMAT_KINDS:
+        from bench import formats
+
+        if not isinstance(records, dict) or "formats" not in records:
+            raise BenchTableError(f"{_shown(path)} is not a python -m bench.formats run (a JSON object with formats)")
+        return markdown(*getattr(formats, f"{kind}_table")(records))
     if not isinstance(records, list):
         raise BenchTableError(f"{_shown(path)} is not a list of benchmark records")
     headers, rows, facts = _kinds()[kind](records)
     if not rows:
         raise BenchTableError(f"{_shown(path)} has no figures for a {kind!r} table")
-    from bench.systems import markdown
-
     return markdown(headers, rows, facts)
 
 

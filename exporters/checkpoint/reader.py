@@ -37,7 +37,6 @@ checks from the reads they guard would scatter one class's invariants over modul
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 import re
@@ -62,7 +61,13 @@ from higgs_pack.exporters.checkpoint.layout import (
     llm_tensor_shapes,
 )
 from higgs_pack.exporters.checkpoint.safetensors_writer import ST_DTYPES
-from higgs_pack.manifests.errors import CheckpointError, disk_full, disk_full_message, first_line
+from higgs_pack.manifests.errors import (
+    CheckpointError,
+    did_you_mean,
+    disk_full,
+    disk_full_message,
+    first_line,
+)
 from higgs_pack.manifests.model import SPECIAL_TOKENS
 from higgs_pack.runtime.loop.pipeline import ModelConstants
 
@@ -384,9 +389,7 @@ class HiggsCheckpoint:
 
     def _require(self, name: str) -> None:
         if name not in self._name_to_file:
-            close = difflib.get_close_matches(name, self._name_to_file, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise CheckpointError(f"{self.root}: no tensor {name!r}{hint}.")
+            raise CheckpointError(f"{self.root}: no tensor {name!r}{did_you_mean(name, self._name_to_file)}.")
 
     def tensor(self, name: str) -> torch.Tensor:
         """Read one tensor, in its stored dtype (bf16 in the real checkpoint).

@@ -50,6 +50,8 @@ from higgs_pack.runtime.request import (
     refuse,
     unspeakable,
 )
+from higgs_pack.runtime.text import clean
+from higgs_pack.runtime.text import lines as text_lines
 
 #: Most turns in one dialogue: an hour of conversation is some hundreds; a script past this is
 #: refused before anything is generated (split it into several dialogues).
@@ -139,31 +141,44 @@ def as_turns(turns: Iterable[Any]) -> list[Any]:
             turn = Turn(turn["speaker"], turn["text"])
         elif isinstance(turn, tuple) and len(turn) == 2:
             turn = Turn(*turn)
-        if isinstance(turn, Turn) and isinstance(turn.speaker, str) and turn.speaker != turn.speaker.strip():
-            turn = dataclasses.replace(turn, speaker=turn.speaker.strip())  # " ANN " is ANN, as in a script
+        if isinstance(turn, Turn):  # the one text rule (runtime/text.py); " ANN " is ANN, as in a script
+            speaker = clean(turn.speaker)
+            turn = dataclasses.replace(turn, speaker=speaker.strip() if isinstance(speaker, str) else speaker,
+                                       text=clean(turn.text))
         out.append(turn)
     return out
 
 
-def parse_script(script: str, source: str = "the script") -> list[Turn]:
+def stray_voices(voices: Iterable[Any], speakers: list[str]) -> list[Problem]:
+    """The problem of voices given for names that speak no turn (``[]`` with no speakers: the turns'
+    own problems are said instead)."""
+    stray = [name for name in voices if name not in speakers] if speakers else []
+    if not stray:
+        return []
+    who = "who speaks" if len(stray) == 1 else "who speak"
+    return [Problem("voices", None, message="{name} names " + literal(
+        f"{', '.join(repr(str(n)[:40]) for n in stray[:5])}, {who} no turn; the speakers "
+        f"are {', '.join(repr(n) for n in speakers[:20])}"))]
+
+
+def parse_script(script: str, source: str = "the script", voices: Iterable[str] = ()) -> list[Turn]:
     """The turns of a plain-text script: one turn per line, ``NAME: text``; blank lines and lines
     starting with ``#`` are skipped.
 
     Args:
         script: the script's text (decoded).
         source: how messages name it (a file path).
+        voices: the speakers a voice is given for (``--voice``): one named by no line of the script
+            is said with the script's own problems, all at once.
 
     Raises:
-        InputError: NUL characters (a binary file), a line without ``NAME:``, a turn with nothing
+        InputError: a line without ``NAME:``, a control character (:func:`~higgs_pack.runtime.text.problem`), a turn with nothing
             to say, no turns, more than :data:`MAX_TURNS`: each named by its line number.
     """
-    if "\x00" in script:
-        raise InputError(f"{source} holds NUL characters: it is a binary file, not a script; a script is UTF-8 "
-                         "text with one turn per line, NAME: text")
     turns: list[Turn] = []
     lines: list[int] = []
     found: list[Problem] = []
-    for number, line in enumerate(script.splitlines(), 1):
+    for number, line in enumerate(text_lines(script), 1):  # LF, CR LF, CR: the one line rule (runtime/text.py)
         if not line.strip() or line.lstrip().startswith("#"):
             continue
         match = _LINE.match(line)
@@ -180,6 +195,8 @@ def parse_script(script: str, source: str = "the script") -> list[Turn]:
             f"{source} holds {len(turns)} turns; at most {MAX_TURNS} are spoken in one dialogue: split it")))
     elif turns and len(found) < TURN_PROBLEMS_SAID:
         found += turn_problems(turns, f"{source} line", lines)  # named by their lines in the file
+    if found:  # said beside the script's problems (DialogueRequest.create says it of a good script)
+        found += stray_voices(voices, list(dict.fromkeys(turn.speaker for turn in turns)))
     if not turns and not found:
         found = [Problem("turns", None, message=literal(f"{source} holds no turns: write one per line, NAME: text"))]
     refuse(found)
@@ -237,12 +254,7 @@ class DialogueRequest:
                 f"pair or None), got {plain_type(voices)}"))])
         voices = dict(voices or {})
         speakers = [] if found else list(dict.fromkeys(turn.speaker for turn in turns))  # (bad turns: no speakers)
-        stray = [name for name in voices if name not in speakers] if speakers else []
-        if stray:
-            who = "who speaks" if len(stray) == 1 else "who speak"
-            found.append(Problem("voices", None, message="{name} names " + literal(
-                f"{', '.join(repr(str(n)[:40]) for n in stray[:5])}, {who} no turn; the speakers "
-                f"are {', '.join(repr(n) for n in speakers[:20])}")))
+        found += stray_voices(voices, speakers)
         chosen: dict[str, VoiceChoice] = {}
         for name, voice in voices.items():
             if isinstance(voice, tuple) and len(voice) == 2 and not isinstance(voice[0], np.ndarray):

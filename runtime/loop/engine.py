@@ -61,6 +61,7 @@ from higgs_pack.runtime.loop.pipeline import Decoder, Pipeline
 from higgs_pack.runtime.loop.prefix_cache import (
     PrefixCache,
     Prompt,
+    prefetch_prefix,
     prefix_layout,
     restore_prefix,
     store_prefix,
@@ -506,13 +507,16 @@ class Engine:
     def close(self, timeout: float | None = None) -> None:
         """Stop the thread after its current step; unfinished requests get :class:`EngineClosed`.
         The codec thread stops after its current run; finished requests stay readable (their
-        windows are then decoded on the reading thread)."""
+        windows are then decoded on the reading thread); voice prefixes still being persisted
+        are written (each at most ``timeout`` seconds)."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
         self.codec.close(timeout)
+        if self.prefix_cache is not None:  # voice prefixes being persisted are written before it returns
+            self.prefix_cache.flush(timeout)
 
     @property
     def alive(self) -> bool:
@@ -621,6 +625,8 @@ class Engine:
         # The first text chunk's prompt is embedded here, on the caller's thread (a voice's codes
         # through audio_embed take milliseconds to tens of them), not between the running rows' steps.
         handle._first_prompt = chunk_prompt(self.pipeline, plan, 0, [])
+        # Its voice's persisted prefix is read from disk here too (a full-size file is about 63 MB).
+        prefetch_prefix(self.prefix_cache, handle._first_prompt, self._prefix_layout)
         return handle
 
     def _check_open(self) -> None:
@@ -771,7 +777,7 @@ class Engine:
                 state.filled, budget, n = end, budget - (end - start), n + end - start
                 if state.store_key is not None and end == prompt.prefix_length:
                     store_prefix(self.prefix_cache, prompt, self._prefix_layout, state.store_key,
-                                 self.decoder.read_prefix(row, prompt.prefix_length))
+                                 self.decoder.read_prefix(row, prompt.prefix_length), background=True)
                     state.store_key = None
         except Exception as exc:  # this request's prefill: it fails alone
             self._prefilling.remove(state)

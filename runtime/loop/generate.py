@@ -1049,6 +1049,18 @@ def _too_long(needed: int, limit: int, sentence: str, max_frames: int | None) ->
     return Problem("max_frames", max_frames, message=what + ", or lower {name}")
 
 
+def _cap_too_large(max_frames: int | None, limit: int, fixed: int, voice: bool) -> list[Problem]:
+    """The problem of a frame cap that no text fits beside, else ``[]``: the largest the bundle takes
+    is its decoder's context less the prompt (with the voice, when there is one) and one text token."""
+    largest = limit - fixed - 1
+    if max_frames is None or max_frames <= largest:
+        return []
+    return [Problem("max_frames", max_frames, message="{name}" + literal(
+        f" is at most {largest} for this bundle{' with this voice' if voice else ''} ({largest / 25:.0f} s: its "
+        f"decoder's context holds {limit} positions, the prompt takes {fixed} and the text at least one), got "
+        f"{max_frames}; a longer text is spoken in several chunks, each with its own cap"))]
+
+
 def chunk_positions(pipeline: Pipeline, text: str, cap: int, ref_codes: np.ndarray | None = None,
                     ref_text: str | None = None, context: Context = ()) -> int:
     """Most positions one text chunk holds in the decoder: its prompt (exactly the length
@@ -1134,15 +1146,16 @@ def plan_chunks(pipeline: Pipeline, text: str, ref_codes: np.ndarray | None = No
     took 78.6 s for a 313 KB text, issue 30.)
 
     Raises:
-        InputError: a piece with no space or clause mark to cut at does not fit.
+        InputError: ``max_frames`` past the largest cap the context takes beside the prompt (the
+            largest named), or a piece with no space or clause mark to cut at does not fit.
     """
     gen = pipeline.generation_defaults
     limit = pipeline.decoder.max_length
     fpt = gen.get("frames_per_text_token", FRAMES_PER_TEXT_TOKEN)
     floor = gen.get("min_max_frames", MIN_MAX_FRAMES)
     fixed = _prompt_overhead(pipeline, ref_codes, ref_text)
-    if ref_codes is not None:
-        refuse(voice_room_problems(pipeline, ref_codes, ref_text or ""))
+    refuse(([] if ref_codes is None else voice_room_problems(pipeline, ref_codes, ref_text or ""))
+           or _cap_too_large(max_frames, limit, fixed, ref_codes is not None))
 
     def cap_of(tokens: int) -> int:
         return max_frames if max_frames is not None else frame_cap(tokens, fpt, floor)

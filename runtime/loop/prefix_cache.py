@@ -19,10 +19,13 @@ vllm-project/vllm-omni#7822): an entry's key is the sha256 of everything that ch
 
 :class:`PrefixCache` holds entries in memory as a least-recently-used map bounded in bytes,
 and, given a store (the server's voice store, :mod:`higgs_pack.serve.voices`), persists the
-entry of a named voice beside it as a safetensors file whose metadata holds the key and the
-sha256 of the tensors.  A persisted entry that cannot be read, whose tensors do not hash to
-its recorded sha256, or whose key differs (another bundle, backend, device, precision, KV
-type or voice) is refused with a logged warning and recomputed (then written again).
+entry of a named voice beside it as a safetensors file whose metadata holds the key, the
+sha256 of the tensors and an HMAC-SHA256 of both with the store's secret ``signing_key``.  A
+persisted entry that cannot be read, whose tensors do not hash to its recorded sha256, whose
+key differs (another bundle, backend, device, precision, KV type or voice), or whose HMAC does
+not verify (anyone who can write the folder can write a file and its sha256, e.g. another
+voice's KV under this voice's key: only the holder of the secret can sign) is refused with a
+logged warning and recomputed (then written again).
 
 A decoder takes part when it states ``prefix_layout`` (a string; None: it cannot) and has
 ``read_prefix`` / ``write_prefix`` (the batch-1 decoders; the batched ones take a row too):
@@ -49,11 +52,14 @@ or written).
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import os
+import queue
 import tempfile
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +78,10 @@ DEFAULT_PREFIX_CACHE_BYTES = 512 * 2**20
 
 #: Metadata keys of a persisted entry (safetensors ``__metadata__``: str -> str).
 META_KEY, META_LENGTH, META_SHA256, META_IDENTITY = "prefix_key", "prefix_length", "tensors_sha256", "identity"
+#: Metadata key of a persisted entry's HMAC-SHA256 (hex) over its key, length and tensors' sha256,
+#: with the store's ``signing_key``: the sha256 alone is written by whoever writes the file, so it
+#: tells damage, not a forgery (another voice's tensors under this voice's key).
+META_HMAC = "hmac_sha256"
 
 
 def _sha256(*parts: bytes | str) -> str:
@@ -191,6 +201,12 @@ class PrefixStore(Protocol):
         ``voice`` (it may not exist yet), or None: not a named voice, not persisted."""
         ...
 
+    @property
+    def signing_key(self) -> bytes:
+        """The secret persisted entries are signed with (:data:`META_HMAC`), kept where the files'
+        writers cannot read it (the server: ``--prefix-key-file``, outside the voices folder)."""
+        ...
+
 
 @dataclass
 class PrefixCacheStats:
@@ -242,6 +258,8 @@ class PrefixCache:
             raise InputError(f"prefix cache max_bytes must be a whole number of bytes >= 0, got {self.max_bytes!r}")
         self._entries: OrderedDict[str, PrefixEntry] = OrderedDict()
         self._lock = threading.Lock()
+        self._queue: queue.Queue[tuple[PrefixEntry, str, str]] = queue.Queue()  # entries to persist (put)
+        self._writer: threading.Thread | None = None
 
     def key(self, prompt: Prompt, layout: str) -> str:
         """The key of ``prompt``'s voice prefix on a decoder of ``layout`` (its ``prefix_layout``)."""
@@ -272,11 +290,56 @@ class PrefixCache:
             self._keep(entry)
         return entry
 
-    def put(self, entry: PrefixEntry, voice: str, layout: str) -> None:
-        """Keep a computed entry (in memory within the bound; persisted for a named voice)."""
+    def prefetch(self, key: str, voice: str, layout: str) -> None:
+        """Bring a persisted entry into memory ahead of its use, on the caller's thread (the engine's
+        submit), so the engine's own lookup is a memory hit: reading and checking a full-size
+        prefix file (about 63 MB) between the running rows' steps stalled them.  Counts a disk
+        load, not a hit; nothing when it is in memory, not persisted, or refused."""
+        with self._lock:
+            if key in self._entries:
+                return
+        entry = self._read(key, voice, layout)
+        if entry is not None:
+            with self._lock:
+                self.stats.disk_loads += 1
+                self._keep(entry)
+
+    def put(self, entry: PrefixEntry, voice: str, layout: str, background: bool = False) -> None:
+        """Keep a computed entry (in memory within the bound; persisted for a named voice).
+
+        Args:
+            background: persist it on the cache's writer thread (the engine: hashing, signing and
+                writing a full-size prefix held the running rows for tenths of a second); the
+                memory entry serves at once.  :meth:`flush` waits for the writes.
+        """
         with self._lock:
             self._keep(entry)
-        self._write(entry, voice, layout)
+        if not background or self._path(voice) is None:
+            self._write(entry, voice, layout)
+            return
+        with self._lock:
+            if self._writer is None or not self._writer.is_alive():
+                self._writer = threading.Thread(target=self._write_queued, name="prefix-cache-writer", daemon=True)
+                self._writer.start()
+            self._queue.put((entry, voice, layout))
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every entry :meth:`put` in the background is persisted (or ``timeout`` s)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._queue.all_tasks_done:
+            while self._queue.unfinished_tasks:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return
+                self._queue.all_tasks_done.wait(left)
+
+    def _write_queued(self) -> None:
+        while True:
+            entry, voice, layout = self._queue.get()
+            try:
+                self._write(entry, voice, layout)
+            finally:
+                self._queue.task_done()
 
     def discard(self, key: str) -> None:
         """Forget ``key``'s entry (in memory; a decoder refused it)."""
@@ -336,10 +399,21 @@ class PrefixCache:
         if not arrays or any(a.ndim != 3 or a.shape[1] != entry.length for a in arrays.values()):
             self._refuse(path, f"its tensors are not [kv_heads, {entry.length}, head_dim]")
             return None
-        if entry.tensors_sha256() != meta.get(META_SHA256):
+        digest = entry.tensors_sha256()
+        if digest != meta.get(META_SHA256):
             self._refuse(path, "its tensors do not match the sha256 recorded with them (damaged)")
             return None
+        if not hmac.compare_digest(self._signature(entry, digest), str(meta.get(META_HMAC, ""))):
+            self._refuse(path, "its signature does not match this server's prefix key (written by a server with "
+                               "another --prefix-key-file, or forged)")
+            return None
         return entry
+
+    def _signature(self, entry: PrefixEntry, digest: str) -> str:
+        """HMAC-SHA256 (hex) of an entry's key, length and tensors' sha256 with the store's signing key."""
+        assert self.store is not None
+        message = f"{entry.key}\n{entry.length}\n{digest}".encode()
+        return hmac.new(self.store.signing_key, message, hashlib.sha256).hexdigest()
 
     def _refuse(self, path: Path, why: str) -> None:
         log.warning("voice prefix cache file %s refused: %s; the prefix is computed again", path, why)
@@ -350,8 +424,9 @@ class PrefixCache:
         path = self._path(voice)
         if path is None:
             return
-        meta = {META_KEY: entry.key, META_LENGTH: str(entry.length), META_SHA256: entry.tensors_sha256(),
-                META_IDENTITY: self._facts(layout)}
+        digest = entry.tensors_sha256()
+        meta = {META_KEY: entry.key, META_LENGTH: str(entry.length), META_SHA256: digest,
+                META_HMAC: self._signature(entry, digest), META_IDENTITY: self._facts(layout)}
         try:
             from safetensors.numpy import save_file
 
@@ -407,10 +482,19 @@ def restore_prefix(cache: PrefixCache | None, prompt: Prompt, layout: str | None
     return entry.length, None
 
 
-def store_prefix(cache: PrefixCache, prompt: Prompt, layout: str, key: str, arrays: dict[str, np.ndarray]) -> None:
+def store_prefix(cache: PrefixCache, prompt: Prompt, layout: str, key: str, arrays: dict[str, np.ndarray],
+                 background: bool = False) -> None:
     """Keep the KV of ``prompt``'s voice prefix (``arrays``, the decoder's ``read_prefix`` of its
-    ``prompt.prefix_length`` positions) under ``key`` (:func:`restore_prefix`'s)."""
-    cache.put(PrefixEntry(key, prompt.prefix_length, arrays), prompt.voice, layout)
+    ``prompt.prefix_length`` positions) under ``key`` (:func:`restore_prefix`'s); ``background``:
+    persisted on the cache's writer thread (:meth:`PrefixCache.put`)."""
+    cache.put(PrefixEntry(key, prompt.prefix_length, arrays), prompt.voice, layout, background=background)
+
+
+def prefetch_prefix(cache: PrefixCache | None, prompt: Prompt, layout: str | None) -> None:
+    """Read ``prompt``'s persisted voice prefix into memory ahead of its prefill
+    (:meth:`PrefixCache.prefetch`); nothing without a cache, a cacheable prefix or a layout."""
+    if cache is not None and layout is not None and 0 < prompt.prefix_length < prompt.length:
+        cache.prefetch(cache.key(prompt, layout), prompt.voice, layout)
 
 
 def cached_prefill(decoder: Any, prompt: Prompt, cache: PrefixCache | None) -> np.ndarray:

@@ -89,15 +89,17 @@ class StatefulCodec:
     """Decodes one stream's frames as they arrive, each frame once (same interface as
     :class:`~higgs_pack.runtime.loop.chunking.StreamingCodec`).
 
-    The first call is made once :attr:`StreamCodecSpec.first_frames` frames (lookahead + 1 at most)
-    have arrived and returns the first frame's audio; later calls take the next scheduled number of
-    frames and return as many frames of audio (a remainder of the delay short of a frame waits for
-    the next call, so every piece but the last is whole frames).
+    The first call is made once the schedule's first size of frames, plus the decoder's lookahead
+    (:attr:`StreamCodecSpec.first_frames` - 1), have arrived, and returns that many frames of audio
+    (``first_chunk_frames`` means the same with either codec: the audio of the first chunk, not the
+    frames fed); later calls take the next scheduled number of frames and return as many frames of
+    audio (a remainder of the delay short of a frame waits for the next call, so every piece but the
+    last is whole frames).
 
     Args:
         step: one decoder call (:func:`runner_step`, or the engine's batched one).
         spec: the decoder's lookahead, delay and state size.
-        schedule: frames per call after the first (:func:`~higgs_pack.runtime.loop.chunking.chunk_schedule`).
+        schedule: frames of audio per call (:func:`~higgs_pack.runtime.loop.chunking.chunk_schedule`).
 
     Attributes:
         fed: frames given to the decoder so far.
@@ -108,7 +110,7 @@ class StatefulCodec:
         self._step, self.spec, self._schedule = step, spec, schedule
         self._state = np.zeros(spec.state_size, dtype=np.float32)
         self._codes: list[np.ndarray] = []
-        self._next = spec.first_frames
+        self._next = spec.first_frames - 1 + max(1, int(next(schedule)))
         self.fed = 0
         self.calls = 0
         self._skip = spec.delay_samples  # delayed samples still to drop

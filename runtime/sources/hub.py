@@ -122,12 +122,13 @@ def _download(ref: HubRef, revision: str | None, patterns: list[str] | None, cac
                                       cache_dir=cache_dir, token=token))
     except LocalEntryNotFoundError as exc:
         cache = cache_dir or constants.HF_HUB_CACHE
-        why = ("HF_HUB_OFFLINE=1 is set, so only the local cache is read" if _offline() else
-               "the hub could not be reached (no network?) and it is not in the local cache")
-        raise HubError(
-            f"{at}: not in the Hugging Face cache ({cache}) and {why}. Connect and unset HF_HUB_OFFLINE to "
-            f"download it (higgs-pack pull {ref.repo_id}), point HF_HUB_CACHE at a cache that holds it, or {local}"
-        ) from exc
+        if _offline():
+            why, fix = "HF_HUB_OFFLINE=1 is set, so only the local cache is read", "unset HF_HUB_OFFLINE to download it"
+        else:
+            why, fix = "the hub could not be reached (no network?)", "connect to download it"
+        raise HubError(f"{at}: not in the Hugging Face cache ({cache}), and {why}; {fix} (higgs-pack pull "
+                       f"{ref.repo_id}{'@' + revision if revision else ''}), point HF_HUB_CACHE at a cache that "
+                       f"holds it, or {local}") from exc
     except GatedRepoError as exc:
         raise HubError(f"{ref.repo_id}: gated repository; accept its terms on the hub and set HF_TOKEN "
                        f"(or run `hf auth login`), or {local}") from exc

@@ -1,0 +1,136 @@
+"""A voice upload's multipart body read into its parts (``POST /v1/audio/voices``): the clip's bytes,
+its transcript and the voice's name, each checked, before anything is decoded as audio.
+
+Text parts follow the one text rule of every front door (:mod:`higgs_pack.runtime.text`): UTF-8 or
+refused naming the part (Starlette's parser decodes a part that is not UTF-8 as Latin-1, which
+would store ``The quick \\xff fox`` as ``The quick ÿ fox``: a wrong transcript is a wrong voice),
+a leading byte-order mark dropped, no control characters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from starlette.datastructures import FormData
+from starlette.formparsers import MultiPartException, MultiPartParser
+from starlette.requests import Request
+
+from higgs_pack.manifests.errors import InputError
+from higgs_pack.runtime import text as text_rule
+from higgs_pack.serve.errors import ApiError
+from higgs_pack.serve.speech import unknown_fields
+from higgs_pack.serve.voices import name_problem
+
+#: The parts a voice upload takes (``ref_text`` and ``file`` are other names of transcript and audio).
+PARTS = ("name", "transcript", "ref_text", "audio", "file")
+
+
+class _StrictParts(MultiPartParser):
+    """Starlette's multipart parser, but a text part that is not UTF-8 is kept as its bytes (Starlette
+    would decode it as Latin-1), so :func:`_text_part` refuses it naming the part."""
+
+    def on_part_end(self) -> None:
+        part = self._current_part
+        if part.file is None:
+            try:
+                bytes(part.data).decode("utf-8")
+            except UnicodeDecodeError:
+                self.items.append((part.field_name, bytes(part.data)))  # type: ignore[arg-type]
+                return
+        super().on_part_end()
+
+
+@dataclass(frozen=True)
+class Upload:
+    """A voice upload's checked parts.
+
+    Attributes:
+        name: the voice's name (checked by :func:`~higgs_pack.serve.voices.name_problem`).
+        transcript: the exact words said in the clip (:func:`~higgs_pack.runtime.text.clean`-ed).
+        audio: the clip file's bytes (at most ``max_bytes``), not yet decoded.
+    """
+
+    name: str
+    transcript: str
+    audio: bytes
+
+
+async def read_upload(request: Request, max_bytes: int) -> Upload:
+    """The upload's parts, each checked in order: the body's kind, unknown or repeated parts, the name,
+    the audio part, the transcript, the clip's size.
+
+    Args:
+        request: the ``multipart/form-data`` request.
+        max_bytes: the largest clip file (``--max-upload-mb``).
+
+    Raises:
+        ApiError: 400 (not multipart, a parser limit, an unknown or repeated part, a bad or missing
+            name, audio or transcript, a text part that is not UTF-8), 413 (the clip is too large).
+    """
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise ApiError(400, "a voice upload is multipart/form-data with the parts audio (the clip), "
+                       "transcript and name", param="audio", code="invalid_body")
+    try:
+        form = await _StrictParts(request.headers, request.stream(), max_files=1, max_fields=8,
+                                  max_part_size=max_bytes + 1).parse()
+    except MultiPartException as exc:  # the parser's limits: more than one file, too many parts
+        raise ApiError(400, f"{exc.message} A voice upload is one audio file part with transcript and name "
+                       "parts", param="audio", code="invalid_body") from exc
+    _check_parts(form)
+    name = _text_part(form, "name", "name", "a voice is stored under a name", code="invalid_name")
+    if (problem := name_problem(name)) is not None:
+        raise ApiError(400, problem, param="name", code="invalid_name")
+    upload = form.get("audio", form.get("file"))
+    if upload is None or isinstance(upload, (str, bytes)):
+        raise ApiError(400, "the upload needs an audio file part (multipart field 'audio')", param="audio",
+                       code="missing_field")
+    key = "transcript" if "transcript" in form else "ref_text"
+    transcript = _text_part(form, key, "transcript", "a transcript holds the words the clip says",
+                            fix="; transcript is the exact words said in the clip")
+    data = await upload.read(max_bytes + 1)
+    await form.close()
+    if len(data) > max_bytes:
+        raise ApiError(413, f"the audio file is over the limit of {max_bytes} bytes (--max-upload-mb)",
+                       param="audio", code="too_large")
+    return Upload(name, transcript.strip(), data)
+
+
+def _check_parts(form: FormData) -> None:
+    """Refuse parts a voice upload does not take, and a part given twice (which one counts would
+    be a guess, and a wrong transcript is a wrong voice)."""
+    unknown = [k for k in form if k not in PARTS]
+    if unknown:
+        raise ApiError(400, unknown_fields(unknown, PARTS, "part", "one of these multipart parts (a voice "
+                                           "upload takes audio, transcript and name)"),
+                       param=unknown[0][:80], code="unknown_field")
+    given = [k for k, _ in form.multi_items()]
+    twice = sorted({k for k in given if given.count(k) > 1} | {"/".join(pair) for pair in
+                                                                (("transcript", "ref_text"), ("audio", "file"))
+                                                                if set(pair) <= set(given)})
+    if twice:
+        raise ApiError(400, f"the upload gives {', '.join(twice)} more than once; give each part once "
+                       "(transcript or ref_text, audio or file)", param=twice[0].split("/")[0],
+                       code="duplicate_field")
+
+
+def _text_part(form: FormData, key: str, param: str, why: str, code: str = "invalid_value", fix: str = "") -> str:
+    """The text part ``key`` under the one text rule, named ``param`` in errors.
+
+    Raises:
+        ApiError: 400 ``missing_field`` (absent), ``code`` (not UTF-8, a control character, blank).
+    """
+    value = form.get(key)
+    if value is None:
+        if param == "name":
+            raise ApiError(400, name_problem(None) or "", param=param, code=code)
+        raise ApiError(400, f"the upload needs '{param}': the exact words said in the clip", param=param,
+                       code="missing_field")
+    if isinstance(value, bytes):
+        try:
+            value = text_rule.decode(value, f"the {param} part", fix="send it as UTF-8 text")
+        except InputError as exc:
+            raise ApiError(400, str(exc), param=param, code=code) from None
+    problem = text_rule.problem(value, param, why)
+    if problem is not None:
+        raise ApiError(400, problem + fix, param=param, code=code)
+    return text_rule.clean(value)

@@ -1,0 +1,215 @@
+"""Issue 37 item 2: one text is one text at every door (runtime/text.py).
+
+A leading byte-order mark is dropped; lines end at LF, CR LF and CR only (U+2028 and U+2029 are
+text inside a line); control characters other than tab and line feed are refused naming the field;
+bytes that are not UTF-8 are refused naming the field.  The rule is tested on its own, then walked
+through every door: the Python API, a dialogue's turns and script, ``--batch`` lines, the CLI's
+``--text``, ``--text-file``, stdin and script, the server's JSON fields, a voice upload's multipart
+parts and the live WebSocket's ``input.text``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from live_server import LiveServer
+
+from higgs_pack.manifests.errors import InputError
+from higgs_pack.runtime import text as text_rule
+from higgs_pack.runtime.batch import read_lines
+from higgs_pack.runtime.loop.dialogue import as_turns, parse_script
+from higgs_pack.runtime.request import SynthesisRequest, Voice
+
+HIGGS = [sys.executable, "-m", "higgs_pack.runtime.cli"]
+BOM = "\ufeff"
+#: Characters no text may hold, with the name the message gives them.
+REFUSED = [("\x00", "NUL"), ("\x01", "U+0001"), ("\x1b", "ESCAPE"), ("\x7f", "DELETE"), ("\x85", "NEXT LINE"),
+           ("\x9f", "U+009F"), ("\x0b", "VERTICAL TAB"), ("\x0c", "FORM FEED")]
+
+
+# the rule itself
+def test_clean_drops_a_leading_bom_and_makes_every_line_end_lf():
+    assert text_rule.clean(BOM + "a\r\nb\rc\nd") == "a\nb\nc\nd"
+    assert text_rule.clean("a" + BOM + "b") == "a" + BOM + "b"  # only a leading one is a byte-order mark
+    assert text_rule.clean(7) == 7  # not text: left for the check to name
+    assert text_rule.lines("A: x\u2028y\u2029z\r\nB: w") == ["A: x\u2028y\u2029z", "B: w"]
+
+
+@pytest.mark.parametrize(("char", "name"), REFUSED)
+def test_control_characters_are_refused_naming_the_field_and_the_character(char, name):
+    problem = text_rule.problem(f"Hello{char} there.", "input")
+    assert problem is not None and problem.startswith("input holds a control character at character 6")
+    assert name in problem
+
+
+@pytest.mark.parametrize("value", ["tab\tinside.", "two\nlines.", "crlf\r\nlines.", BOM + "bom.", "a\u2028b.",
+                                   "emoji \U0001f469\u200d\U0001f4bb."])
+def test_tab_line_breaks_and_format_characters_are_text(value):
+    assert text_rule.problem(value, "input") is None
+
+
+def test_decode_refuses_bytes_that_are_not_utf8_naming_where_and_the_byte():
+    assert text_rule.decode(b"\xef\xbb\xbfHi\r\n", "x") == "Hi\n"
+    with pytest.raises(InputError, match=r"^the transcript part is not UTF-8 text \(byte 11 is 0xFF"):
+        text_rule.decode(b"The quick \xff fox", "the transcript part")
+
+
+# the Python doors
+def test_a_request_holds_the_cleaned_text_and_refuses_nul_naming_its_field(cases_dir):
+    request = SynthesisRequest.create(BOM + "Hello\r\nthere.")
+    assert request.text == "Hello\nthere."
+    with pytest.raises(InputError, match=r"^text holds a control character .*NUL.*set it with --text or --text-file"):
+        SynthesisRequest.create("Hello\x00 there.")
+    with pytest.raises(InputError, match=r"^ref_text holds a control character .*NUL.*--ref-text / ref_text="):
+        SynthesisRequest.create("Hi.", ref_audio=cases_dir / "ref_en_16k.wav", ref_text="Exact\x00 words.")
+    assert Voice(cases_dir / "ref_en_16k.wav", BOM + "Her words.\r\n").transcript == "Her words.\n"
+
+
+def test_a_script_and_turns_read_a_bom_line_separators_and_nul_one_way():
+    turns = parse_script(BOM + "ANN: Hello\u2028there.\r\nBEN: Hi.\rANN: Bye.\n", "talk.txt")
+    assert [(t.speaker, t.text) for t in turns] == [("ANN", "Hello\u2028there."), ("BEN", "Hi."), ("ANN", "Bye.")]
+    with pytest.raises(InputError, match=r"line 2 \('BEN'\) holds a control character at character 3 .*NUL"):
+        parse_script("ANN: Hello.\nBEN: Hi\x00 there.\n", "talk.txt")
+    (turn,) = as_turns([(BOM + "ANN", "Hello\r\nthere.")])
+    assert (turn.speaker, turn.text) == ("ANN", "Hello\nthere.")
+
+
+def test_batch_lines_end_at_lf_crlf_and_cr_only():
+    lines, count = read_lines("one\u2028still one.\r\ntwo.\rthree.\n", None)
+    assert [line.text for line in lines] == ["one\u2028still one.", "two.", "three."] and count == 3
+    with pytest.raises(InputError, match=r"line 2 holds a control character .*ESCAPE"):
+        read_lines("fine.\nnot \x1b fine.\n", None)
+
+
+# the command line
+def _run(*args, input=None):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([*HIGGS, *map(str, args)], capture_output=True, input=input, env=env)
+
+
+def test_cli_text_files_stdin_and_scripts_drop_a_bom_and_refuse_other_bytes(cpu_int4_bundle, tmp_path):
+    pytest.importorskip("srt", reason="--subtitles needs the [subtitles] extra")
+    notes = tmp_path / "notes.txt"
+    notes.write_bytes(b"\xef\xbb\xbfHello there.\r\nA second line.\r\n")  # Windows Notepad's UTF-8
+    out = _run("synthesize", cpu_int4_bundle, "--text-file", notes, "-o", tmp_path / "a.wav", "--no-progress",
+               "--max-frames", "10", "--subtitles", tmp_path / "a.srt")
+    assert out.returncode == 0, out.stderr.decode()
+    subtitles = (tmp_path / "a.srt").read_text(encoding="utf-8")
+    assert BOM not in subtitles and "Hello there." in subtitles
+    out = _run("synthesize", cpu_int4_bundle, "-o", tmp_path / "b.wav", "--no-progress", "--max-frames", "10",
+               input=b"\xef\xbb\xbfFrom standard input.\n")
+    assert out.returncode == 0, out.stderr.decode()
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("Caf\xe9 au lait.".encode("latin-1"))
+    out = _run("synthesize", cpu_int4_bundle, "--text-file", latin, "-o", tmp_path / "c.wav", "--no-progress")
+    assert out.returncode == 2 and f"--text-file {latin} is not UTF-8 text (byte 4 is 0xE9" in out.stderr.decode()
+    assert not (tmp_path / "c.wav").exists()
+    out = _run("synthesize", cpu_int4_bundle, "--text", "Hello\x1b there.", "-o", tmp_path / "d.wav")
+    assert out.returncode == 2 and "text holds a control character" in out.stderr.decode()
+    out = _run("dialogue", cpu_int4_bundle, "-", "-o", tmp_path / "e.wav", "--max-frames", "10",
+               input=b"\xef\xbb\xbfANN: Hello.\nBEN: Hi there.\n")
+    assert out.returncode == 0, out.stderr.decode()
+    out = _run("dialogue", cpu_int4_bundle, "-", "-o", tmp_path / "f.wav", input=b"Hello.\n")
+    assert out.returncode == 2 and "line 1 of standard input has no speaker" in out.stderr.decode()
+
+
+# the server
+@pytest.fixture(scope="module")
+def server(cpu_int4_bundle):
+    with LiveServer(cpu_int4_bundle, "--max-input-chars", "2000") as live:
+        live.ws = live.url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+        yield live
+
+
+def _post(server, route, body):
+    return httpx.post(server.url + route, json={"model": "higgs-audio-v3-tiny", **body}, timeout=120)
+
+
+@pytest.mark.parametrize(("route", "body", "param"), [
+    ("/v1/audio/speech", {"input": "Hello\u0000 there."}, "input"),
+    ("/v1/audio/speech", {"input": "Hi.", "voice": "default\u0085"}, "voice"),
+    ("/v1/audio/dialogue", {"turns": [{"speaker": "ANN", "input": "Hi\u0000."}]}, "turns[0].input"),
+    ("/v1/audio/dialogue", {"turns": [{"speaker": "A\u001bNN", "input": "Hi."}]}, "turns[0].speaker"),
+])
+def test_http_fields_refuse_control_characters_naming_the_field(server, route, body, param):
+    answer = _post(server, route, body)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == param and "holds a control character" in error["message"]
+
+
+def test_http_text_is_cleaned_as_at_every_other_door(server):
+    assert _post(server, "/v1/audio/speech", {"input": BOM + "Hello\r\nthere.", "max_new_tokens": 10}
+                 ).status_code == 200
+    answer = _post(server, "/v1/audio/dialogue", {"turns": [{"speaker": BOM + "ANN", "input": "Hello\u2028there."}],
+                                                  "max_new_tokens": 10, "stream_format": "sse"})
+    assert answer.status_code == 200, answer.text
+    events = [json.loads(line[6:]) for line in answer.text.splitlines() if line.startswith("data: {")]
+    segments = [e for e in events if e["type"] == "speech.segment"]
+    assert [(e["speaker"], e["text"]) for e in segments] == [("ANN", "Hello\u2028there.")], segments
+
+
+@pytest.mark.parametrize(("part", "value"), [("transcript", b"The quick \xff fox."), ("name", b"caf\xe9")])
+def test_a_voice_upload_refuses_a_part_that_is_not_utf8_naming_the_part(server, cases_dir, part, value):
+    parts = {"name": b"fine", "transcript": b"Exact words."}
+    parts[part] = value
+    answer = httpx.post(server.url + "/v1/audio/voices", timeout=60, data=None,
+                        files={"audio": ("r.wav", (cases_dir / "ref_en_16k.wav").read_bytes(), "audio/wav"),
+                               **{k: (None, v) for k, v in parts.items()}})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == part and f"the {part} part is not UTF-8 text" in error["message"]
+    assert httpx.get(server.url + "/v1/audio/voices").json()["voices"][1:] == []  # nothing stored
+
+
+def test_a_voice_upload_transcript_with_nul_is_refused(server, cases_dir):
+    answer = httpx.post(server.url + "/v1/audio/voices", timeout=60,
+                        files={"audio": ("r.wav", (cases_dir / "ref_en_16k.wav").read_bytes(), "audio/wav"),
+                               "name": (None, b"fine"), "transcript": (None, b"Exact\x00 words.")})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "transcript"
+
+
+def test_websocket_text_follows_the_rule_and_a_frame_that_is_not_utf8_is_closed_1007(server):
+    websockets = pytest.importorskip("websockets", reason="the websockets client is a dev dependency")
+
+    async def session() -> tuple[list[dict], int | None]:
+        events = []
+        async with websockets.connect(server.ws) as ws:
+            for piece in ["Hello\x00", "bad \ud800 piece", BOM + "Hi there.\r\n"]:
+                await ws.send(json.dumps({"type": "input.text", "text": piece}))
+            await ws.send(json.dumps({"type": "input.done"}))
+            while True:
+                message = await asyncio.wait_for(ws.recv(), 120)
+                if isinstance(message, str):
+                    events.append(json.loads(message))
+                    if events[-1]["type"] == "session.done":
+                        break
+        async with websockets.connect(server.ws) as ws:
+            # a text frame whose payload is not UTF-8: the protocol's 1007 (RFC 6455 section 8.1)
+            await ws.send(b"\xff\xfe", text=True)
+            try:
+                await asyncio.wait_for(ws.recv(), 30)
+            except websockets.ConnectionClosed as closed:
+                return events, closed.rcvd.code if closed.rcvd else None
+        return events, None
+
+    labels = 'route="/v1/audio/speech/stream",status="{}"'
+    before = {status: server.metric("higgs_pack_requests_total", labels.format(status)) for status in ("400", "499")}
+    events, code = asyncio.run(session())
+    time.sleep(0.5)
+    after = {status: server.metric("higgs_pack_requests_total", labels.format(status)) for status in ("400", "499")}
+    assert after == {"400": before["400"] + 1, "499": before["499"]}  # refused, not a client that left
+    log = "".join(server.log)
+    assert "text frame that is not UTF-8" in log and "Traceback" not in log
+    errors = [e for e in events if e["type"] == "error"]
+    assert [e["param"] for e in errors] == ["text", "text"], errors
+    assert "NUL" in errors[0]["message"] and errors[1]["message"].startswith("text is not valid Unicode")
+    assert [e["sentence_text"] for e in events if e["type"] == "audio.start"] == ["Hi there."]
+    assert code == 1007

@@ -258,6 +258,19 @@ def bench(session: nox.Session) -> None:
                 *session.posargs, env=env, external=True)
 
 
+@nox.session(name="agent-bench", venv_backend="none", default=False)
+def agent_bench(session: nox.Session) -> None:
+    """The agent benchmark (bench/serve_agent.py): live sessions fed an LLM's tokens at 20 and 40
+    per second under each commit rule, first-token-to-speech beside this machine's floor (the bench
+    preset's cpu int4 bundle; -- --preset tiny, --bundle PATH); writes dist/agent-bench.json."""
+    build_env(session)
+    env = {"HIGGS_PACK_CACHE": os.environ.get("HIGGS_PACK_CACHE", str(ROOT / ".nox" / "cache")),
+           "PYTHONPATH": str(ROOT)}  # bench/ is imported from the checkout
+    cases = ["--cases", str(CASES)] if CASES.is_dir() else []
+    session.run(_bin("python"), "-m", "bench.serve_agent", "--out", str(ROOT / "dist" / "agent-bench.json"),
+                *cases, *session.posargs, env=env, external=True)
+
+
 @nox.session(name="serve-bench", venv_backend="none", default=False)
 def serve_bench(session: nox.Session) -> None:
     """Load-test `higgs-pack serve` on 127.0.0.1 at 1, 4, 16 and 64 clients beside the engine in its

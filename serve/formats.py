@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from higgs_pack.runtime.audio import pcm_samples, streaming_wav_header
+from higgs_pack.runtime.loop.words import words_json
 
 
 @dataclass(frozen=True)
@@ -209,10 +210,10 @@ def sse_delta(audio: bytes) -> bytes:
 def segment_json(segment: Any) -> dict[str, Any]:
     """A :class:`~higgs_pack.runtime.loop.generate.Segment` as JSON: ``text``, ``start`` and ``end``
     (seconds from the start of the audio, to the microsecond), ``chunk`` (the text chunk it was
-    generated in), ``exact`` (false: an end estimated inside a chunk) and, in a dialogue,
-    ``speaker``."""
+    generated in), ``exact`` (false: an end estimated inside a chunk), ``words`` (its estimated
+    word timings: :func:`~higgs_pack.runtime.loop.words.words_json`) and, in a dialogue, ``speaker``."""
     out = {"text": segment.text, "start": round(segment.start, 6), "end": round(segment.end, 6),
-           "chunk": segment.chunk, "exact": segment.exact}
+           "chunk": segment.chunk, "exact": segment.exact, "words": words_json(segment.words)}
     if segment.speaker is not None:
         out["speaker"] = segment.speaker
     return out

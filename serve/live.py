@@ -8,7 +8,8 @@ text messages:
   (``pcm``, the default, or ``wav``) and the sampling fields of ``POST /v1/audio/speech``
   (``seed``, ``temperature``, ``top_k``, ``top_p``, ``max_new_tokens``, ``ref_audio`` with
   ``ref_text``, ``references``, ``context_chunks``, ``context_frames``, ``initial_chunk_frames``), checked by the
-  HTTP route's own :func:`~higgs_pack.serve.speech.parse_speech`;
+  HTTP route's own :func:`~higgs_pack.serve.speech.parse_speech`, and the live route's own
+  ``split_granularity`` (``sentence`` or ``clause``) and ``first_commit_words`` (:func:`live_options`);
 - ``{"type": "input.text", "text": ...}`` pieces (an LLM's tokens, or whole sentences);
 - ``{"type": "input.done"}``: speak what is left and end the session.
 
@@ -16,7 +17,8 @@ The server answers per sentence ``{"type": "audio.start", "sentence_index", "sen
 "format", "sample_rate"}``, binary messages of audio (16-bit little-endian mono PCM at 24 kHz; with
 ``wav`` a binary message of its own, a WAV header of open length, comes before each sentence's
 audio, so each sentence's bytes are a playable stream), ``{"type": "audio.done", "sentence_index", "start",
-"end", "frames", "first_audio_s", "prefill_s", "prefilled"}``, and at the end ``{"type": "session.done",
+"end", "frames", "first_audio_s", "prefill_s", "prefilled", "words"}`` (``words``: each word's
+``text``, ``start``, ``end`` and ``exact``, estimated: :mod:`~higgs_pack.runtime.loop.words`), and at the end ``{"type": "session.done",
 "total_sentences"}``, then closes the socket (code 1000).  Beyond vllm-omni:
 
 - each sentence is generated with the rolling context of a long text
@@ -32,7 +34,9 @@ audio, so each sentence's bytes are a playable stream), ``{"type": "audio.done",
 - ``{"type": "input.cancel"}`` stops the sentence being spoken (its row leaves the engine), drops
   its audio not yet sent and all buffered text, and answers ``{"type": "audio.cancelled",
   "sentence_index", "end"}`` (``end``: the session's audio sent so far, seconds); the session goes
-  on with the next text;
+  on with the next text.  With ``played_ms`` (and optionally ``sentence_index``: the audio the
+  client played of a sentence) it also answers ``played_ms``, ``heard_text`` and ``heard_words``
+  and keeps only the heard words and their frames as the rolling context (:func:`~higgs_pack.serve.barge_in.heard_part`);
 - ``{"type": "input.flush"}`` speaks buffered text that has no sentence end yet;
 - a bad message gets ``{"type": "error", "message", "param", "code", "status"}`` naming the
   field; the session goes on.  A bad ``session.config`` is refused whole, its event naming every
@@ -40,7 +44,11 @@ audio, so each sentence's bytes are a playable stream), ``{"type": "audio.done",
   spoken with default settings) (a sentence the engine refuses, say one too long for the context,
   gets one with its ``sentence_text`` and is skipped).
 
-Sentences end where :class:`~higgs_pack.runtime.loop.sentences.SentenceSplitter` says, the rule
+Text is committed to speech where :class:`~higgs_pack.runtime.loop.sentences.TextCommits` says
+(each committed part is a "sentence" of the protocol: its own ``audio.start`` and ``audio.done``):
+with ``split_granularity`` ``clause`` at clause ends too, and a response's first
+``first_commit_words`` words alone.  Sentences end where
+:class:`~higgs_pack.runtime.loop.sentences.SentenceSplitter` says, the rule
 the long-text planner uses too: punctuation (``. ! ? ; …``) followed by whitespace, a CJK (or
 other script's) full stop once the next character came, or a line break; a ``.`` at the end of
 what arrived so far may still be ``3.5`` and waits for the next piece.
@@ -79,8 +87,10 @@ from higgs_pack.runtime.loop.generate import (
     chunk_context,
     plan_chunks,
 )
-from higgs_pack.runtime.loop.sentences import SentenceSplitter
+from higgs_pack.runtime.loop.sentences import GRANULARITIES, TextCommits
+from higgs_pack.runtime.loop.words import words_json
 from higgs_pack.runtime.request import PreparedVoice, SynthesisRequest, Voice
+from higgs_pack.serve.barge_in import PLAYED_KEPT, Played, cancel_fields, heard_part, played_record
 from higgs_pack.serve.errors import ApiError, from_input_error
 from higgs_pack.serve.formats import PCM_FORMATS, StreamEncoder
 from higgs_pack.serve.speech import SpeechJob, parse_speech, short
@@ -99,6 +109,11 @@ MESSAGES = ("session.config", "input.text", "input.flush", "input.done", "input.
 #: Fields of the speech body a session cannot take (text comes in ``input.text`` messages and
 #: is always streamed).
 NOT_IN_CONFIG = ("input", "stream_format", "stream")
+#: Fields each client message takes besides ``type`` (``session.config``'s are the speech body's).
+FIELDS = {"input.text": ("text",), "input.flush": (), "input.done": (), "input.cancel": ("played_ms", "sentence_index")}
+#: session.config's fields of the live route alone, with their defaults: how text is committed to
+#: speech (:class:`~higgs_pack.runtime.loop.sentences.TextCommits`; docs/serving/live.md).
+LIVE_FIELDS = {"split_granularity": "sentence", "first_commit_words": 0}
 #: Close code of a session refused for load (RFC 6455 1013 "try again later").
 TRY_AGAIN_LATER = 1013
 #: Close code of a refused API key (RFC 6455 1008 "policy violation").
@@ -109,8 +124,10 @@ INVALID_PAYLOAD = 1007
 
 @dataclass
 class _Spoken:
-    """A finished sentence kept as rolling context: its text, frame cap and codes."""
+    """A sentence kept as rolling context: its index, text, frame cap and codes (all of it, or
+    the part its listener heard before a barge-in)."""
 
+    index: int
     text: str
     cap: int
     result: GenerationResult
@@ -135,6 +152,7 @@ class _Item:
     samples: int = 0  # samples of session audio in ``audio`` (a WAV header has none)
     speech: bool = False  # the sentence's speech (not its leading pause)
     keep: bool = False  # sent even after a cancel (audio.start, errors, audio.cancelled)
+    played: Played | None = None  # with audio.start: the sentence's record
 
 
 def live_route(app: FastAPI, server: Any) -> None:
@@ -174,7 +192,7 @@ class Session:
         self.text_seen = False
         self.not_utf8 = False  # the session ended on a text frame that is not UTF-8 (closed 1007)
         self.ended = False  # input.done received
-        self.text = SentenceSplitter()  # text received, cut where its sentences end
+        self.text = TextCommits(**live_options({}))  # text received, cut where it is committed to speech
         self.sentences: list[_Sentence | object] = []
         self.wake = anyio.Event()
         self.epoch = 0
@@ -186,6 +204,7 @@ class Session:
         self.started = time.perf_counter()
         self.gone = False
         self.speech_start: float | None = None  # where the sentence being sent began speaking (seconds)
+        self.played: list[Played] = []  # the last PLAYED_KEPT sentences whose audio went out, oldest first
         self.send_out, self.outbox = anyio.create_memory_object_stream[_Item](OUTBOX)
 
     async def run(self) -> None:
@@ -194,7 +213,7 @@ class Session:
         status = "101"
         await self.ws.accept()
         try:
-            self._check_key()
+            self.server.check_key(self.ws.headers.get("authorization", ""), self.ws.query_params.get("api_key", ""))
             self.server.admit()
         except ApiError as exc:
             status = str(exc.status)
@@ -228,9 +247,6 @@ class Session:
             self.server.release(None)
             self.server.metrics.requests.labels(ROUTE, status).inc()
             self.server.metrics.request_seconds.labels(ROUTE).observe(seconds)
-
-    def _check_key(self) -> None:
-        self.server.check_key(self.ws.headers.get("authorization", ""), self.ws.query_params.get("api_key", ""))
 
     # the client's messages
     async def _receive(self, scope: anyio.CancelScope) -> None:
@@ -271,14 +287,13 @@ class Session:
         if kind not in MESSAGES:
             raise _bad(f"type {short(kind)} is not a message of this protocol; use one of {', '.join(MESSAGES)}",
                        "type", "unknown_type")
-        extra = sorted(set(data) - {"type", "text"}) if kind == "input.text" else \
-            [] if kind == "session.config" else sorted(set(data) - {"type"})
+        extra = [] if kind == "session.config" else sorted(set(data) - {"type", *FIELDS[kind]})
         if extra:
             raise _bad(f"{kind} takes no {', '.join(map(repr, extra[:5]))}", extra[0][:80], "unknown_field")
         if kind == "session.config":
             await self._configure(data)
         elif kind == "input.cancel":
-            await self._cancel()
+            await self._cancel(data)
         elif self.ended:
             raise _bad(f"{kind} after input.done: the session is ending; open a new one", "type", "session_ended")
         elif kind == "input.text":
@@ -306,6 +321,7 @@ class Session:
             self.config_refused = True  # text now waits for a valid config: no speaking with defaults
             raise
         self.configured, self.config_refused = True, False
+        self.text = TextCommits(**live_options(data))
 
     def _parse_config(self, data: dict[str, Any]) -> tuple[SpeechJob, PreparedVoice | None]:
         """The session's :class:`SpeechJob` (its ``input`` a placeholder) and voice: the HTTP route's
@@ -337,6 +353,8 @@ class Session:
             if name in fields:
                 raise _bad(f"session.config takes no {name}: text comes in input.text messages and is always "
                            "streamed", name, "unknown_field")
+        live_options(fields)
+        fields = {k: v for k, v in fields.items() if k not in LIVE_FIELDS}
         fmt = fields.get("response_format")
         if fmt is not None and fmt not in PCM_FORMATS:
             raise _bad(f"response_format {short(fmt)} is not carried by a live session: its binary messages are "
@@ -379,14 +397,27 @@ class Session:
             self.sentences.append(_Sentence(sentence, now))
         self.wake.set()
 
-    async def _cancel(self) -> None:
-        self.epoch += 1
-        self.text = SentenceSplitter()
+    async def _cancel(self, data: dict[str, Any]) -> None:
+        """``input.cancel``: stop the sentence being spoken, drop the text not yet spoken; with ``played_ms``,
+        answer what was heard and keep only that as context (:func:`heard_part`).  Raises ApiError for a bad
+        ``played_ms`` or ``sentence_index`` (:func:`cancel_fields`, :func:`played_record`; nothing is cancelled)."""
+        played_ms, index = cancel_fields(data)
+        record, self.epoch = played_record(self.played, index) if played_ms is not None else None, self.epoch + 1
+        self.text.restart()
         self.sentences = [s for s in self.sentences if s is _DONE]
-        stopped = self.speaking
+        event = {"type": "audio.cancelled", "sentence_index": self.speaking}
         if self.handle is not None:
             self.handle.cancel()
-        await self._put(_Item(self.epoch, {"type": "audio.cancelled", "sentence_index": stopped}, keep=True))
+        if played_ms is not None:  # the context: the sentences before the one played, then what was heard of it
+            frame_s = self.server.engine.pipeline.constants.hop_length / self.rate
+            count, text, result = heard_part(record, played_ms, self.played, self.rate, frame_s)
+            event.update({"played_ms": played_ms, "heard_text": text, "heard_words": count})
+            if record is not None:
+                event["sentence_index"] = record.index
+                self.spoken = [s for s in self.spoken if s.index < record.index]
+            if result is not None:
+                self._keep(_Spoken(record.index, text, record.cap, result))
+        await self._put(_Item(self.epoch, event, keep=True))
 
     # speaking
     async def _speak(self) -> None:
@@ -416,9 +447,10 @@ class Session:
             return
         self.handle, self.speaking = handle, index
         self.next_index += 1
-        fmt = job.response_format
+        fmt, stream = job.response_format, iter(handle)
+        record = Played(index, sentence.text, 0, stream, max(c for _, c in handle.plan.chunks))
         await self._put(_Item(epoch, {"type": "audio.start", "sentence_index": index, "sentence_text": sentence.text,
-                                      "format": fmt, "sample_rate": self.rate}, keep=True))
+                                      "format": fmt, "sample_rate": self.rate}, keep=True, played=record))
         encoder = StreamEncoder(fmt, self.rate)
         head = encoder.start()
         if head:
@@ -426,7 +458,6 @@ class Session:
         if index and self.samples_sent:
             pause = np.zeros(int(SENTENCE_PAUSE_S * self.rate), np.float32)
             await self._put(_Item(epoch, audio=encoder.chunk(pause), samples=len(pause)))
-        stream = iter(handle)
         first = math.nan
         t0 = time.perf_counter()
         try:
@@ -454,7 +485,10 @@ class Session:
         results = stream.results
         frames = int(sum(r.codes.shape[0] for r in results))
         seconds = stream.samples_out / self.rate
-        self._remember(sentence.text, handle, results)
+        record.words = tuple(word for segment in stream.segments for word in segment.words)
+        if results:  # kept whole as context
+            self._keep(_Spoken(index, sentence.text, record.cap, dataclasses.replace(
+                results[0], codes=np.concatenate([r.codes for r in results], axis=0))))
         m = self.server.metrics
         m.frames.inc(frames)
         m.audio_seconds.inc(seconds)
@@ -464,7 +498,8 @@ class Session:
         await self._put(_Item(epoch, {"type": "audio.done", "sentence_index": index, "frames": frames,
                                       "first_audio_s": None if math.isnan(first) else round(first, 4),
                                       "prefill_s": round(prefill, 4),
-                                      "prefilled": int(sum(max(r.prefilled, 0) for r in results))}))
+                                      "prefilled": int(sum(max(r.prefilled, 0) for r in results)),
+                                      "words": record.words}))
 
     async def _sentence_job(self, text: str, index: int) -> SpeechJob:
         """The engine request of sentence ``index``: the session's options, its seed plus
@@ -485,14 +520,10 @@ class Session:
         except InputError as exc:
             raise from_input_error(exc, param="text") from exc
 
-    def _remember(self, text: str, handle: EngineHandle, results: list[GenerationResult]) -> None:
-        """Keep a spoken sentence as context: the first one (the voice of the rest when the
-        session has none) and the last ``context_chunks``, no more."""
-        if not results:
-            return
-        codes = np.concatenate([r.codes for r in results], axis=0)
-        cap = max(c for _, c in handle.plan.chunks)
-        self.spoken.append(_Spoken(text, cap, dataclasses.replace(results[0], codes=codes)))
+    def _keep(self, spoken: _Spoken) -> None:
+        """Keep a sentence (or the part of it heard) as context: the first one (the voice of the
+        rest when the session has none) and the last ``context_chunks``, no more."""
+        self.spoken.append(spoken)
         keep = self.job.request.context_chunks
         first = self.spoken[:1] if self.voice is None else []
         recent = self.spoken[len(first):][-keep:] if keep else []
@@ -524,6 +555,7 @@ class Session:
         if event is None:
             if item.speech and self.speech_start is None:
                 self.speech_start = self.samples_sent / self.rate
+                self.played[-1].speech = self.samples_sent  # its audio.start went out before it
             await self.ws.send_bytes(item.audio)
             self.samples_sent += item.samples
             return True
@@ -531,9 +563,11 @@ class Session:
         now = round(self.samples_sent / self.rate, 4)
         if kind == "audio.start":
             self.speech_start = None
+            item.played.first = self.samples_sent
+            self.played = [*self.played[1 - PLAYED_KEPT:], item.played]
         elif kind == "audio.done":
             start = now if self.speech_start is None else round(self.speech_start, 4)
-            event = {**event, "start": start, "end": now}
+            event = {**event, "start": start, "end": now, "words": words_json(event["words"], start)}
         elif kind == "audio.cancelled":
             event = {**event, "end": now}
         await self.ws.send_text(json.dumps(event))
@@ -556,7 +590,7 @@ def sentence_context(pipeline: Any, request: SynthesisRequest, voice: PreparedVo
         voice: the session's voice, or None (the bundle's own; the first sentence then becomes
             the voice: a PreparedVoice of its codes and text, the same for every later
             sentence, so its prefix is cached too).
-        spoken: the sentences kept as context (:meth:`Session._remember`), oldest first.
+        spoken: the sentences kept as context (:meth:`Session._keep`), oldest first.
         text: the sentence about to be spoken.
 
     Returns:
@@ -619,6 +653,24 @@ def config_error(first: ApiError, fields: dict[str, Any], check: Any) -> ApiErro
     listed = "; ".join(f"({i}) {e.param}: {e.message}" for i, e in enumerate(errors, 1))
     return ApiError(max(e.status for e in errors), f"{len(errors)} bad fields: {listed}. {CONFIG_REFUSED}",
                     param=errors[0].param, code="invalid_config")
+
+
+def live_options(fields: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`~higgs_pack.runtime.loop.sentences.TextCommits` options of a session.config's
+    ``split_granularity`` and ``first_commit_words`` (:data:`LIVE_FIELDS` gives the defaults).
+
+    Raises:
+        ApiError: 400 naming the bad field.
+    """
+    granularity = fields.get("split_granularity", LIVE_FIELDS["split_granularity"])
+    words = fields.get("first_commit_words", LIVE_FIELDS["first_commit_words"])
+    if granularity not in GRANULARITIES:
+        raise _bad(f"split_granularity is one of {', '.join(GRANULARITIES)} (text committed to speech at sentence "
+                   f"ends, or at clause ends too); got {short(granularity)}", "split_granularity", "invalid_value")
+    if not isinstance(words, int) or isinstance(words, bool) or not 0 <= words <= 50:
+        raise _bad(f"first_commit_words is the most words of a response's first commit, 0 to 50 (0: none); got "
+                   f"{short(words)}", "first_commit_words", "invalid_value")
+    return {"granularity": granularity, "first_words": words}
 
 
 def error_event(exc: ApiError, text_param: str | None = None) -> dict[str, Any]:

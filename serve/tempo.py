@@ -157,7 +157,8 @@ def scale_spans(spans: Any, speed: float) -> list[Span]:
     """Timed spans at ``speed``: each a copy with ``start`` and ``end`` (seconds) divided by ``speed``.
 
     Takes any dataclass with ``start`` and ``end`` fields: a sentence's
-    :class:`~higgs_pack.runtime.loop.generate.Segment`, or a word's timing.
+    :class:`~higgs_pack.runtime.loop.generate.Segment` (its ``words`` scaled too), or a word's
+    :class:`~higgs_pack.runtime.loop.words.Word`.
 
     Raises:
         TypeError: an item that is not a dataclass with ``start`` and ``end``.
@@ -166,7 +167,8 @@ def scale_spans(spans: Any, speed: float) -> list[Span]:
     for span in spans:
         if not (dataclasses.is_dataclass(span) and hasattr(span, "start") and hasattr(span, "end")):
             raise TypeError(f"a timed span is a dataclass with start and end, got {type(span).__name__}")
-        out.append(dataclasses.replace(span, start=span.start / speed, end=span.end / speed))
+        words = {"words": tuple(scale_spans(span.words, speed))} if getattr(span, "words", None) else {}
+        out.append(dataclasses.replace(span, start=span.start / speed, end=span.end / speed, **words))
     return out
 
 
@@ -176,8 +178,9 @@ def retimed(item: Any, speed: float) -> Any:
     sequence (a list stays a list, a tuple a tuple); ``item`` itself at speed 1."""
     if speed == 1.0:
         return item
+    fields = {f.name for f in dataclasses.fields(item)}  # SynthesisResult.words: a property (its segments' words)
     changes = {name: type(getattr(item, name))(scale_spans(getattr(item, name), speed))
-               for name in TIMED_FIELDS if hasattr(item, name)}
+               for name in TIMED_FIELDS if name in fields}
     return dataclasses.replace(item, **changes)
 
 

@@ -219,10 +219,14 @@ def test_the_dialogue_command_refuses_a_bad_script_before_loading(tmp_path, make
 
 def test_dialogue_json_round_trip_of_segments():
     from higgs_pack.runtime.loop.generate import Segment
+    from higgs_pack.runtime.loop.words import word_timings
     from higgs_pack.serve.formats import segment_json
 
     assert json.loads(json.dumps(segment_json(Segment("Hi.", 0.0, 0.48, 0, True, "ANN")))) == {
-        "text": "Hi.", "start": 0.0, "end": 0.48, "chunk": 0, "exact": True, "speaker": "ANN"}
+        "text": "Hi.", "start": 0.0, "end": 0.48, "chunk": 0, "exact": True, "words": [], "speaker": "ANN"}
+    timed = Segment("Hi there.", 1.0, 1.9, 0, True, "ANN", word_timings("Hi there.", 1.0, 1.9))
+    assert segment_json(timed)["words"] == [{"text": "Hi", "start": 1.0, "end": 1.225, "exact": False},
+                                            {"text": "there.", "start": 1.225, "end": 1.9, "exact": False}]
 
 
 # ------------------------------------------------ POST /v1/audio/dialogue on a live server

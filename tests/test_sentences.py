@@ -116,3 +116,58 @@ def test_a_megabyte_is_split_in_linear_time(cases_dir):
     assert ratio < 10, ratio  # 4 MB over 1 MB: about 4 measured; quadratic work would be 16
     endless = "word " * 200_000  # no sentence end: one sentence, no rescans
     assert seconds(endless, None) < 5 and split_sentences(endless) == [endless.strip()]
+
+
+# ------------------------------------------------ committing text that arrives in pieces (issue 41 item 2)
+
+PROSE = "Well, I think that the weather today, all things considered, is fine. It costs 1,000 dollars: a lot. Bye"
+
+
+def _commits(text: str, size: int, **options) -> list[list[str]]:
+    from higgs_pack.runtime.loop.sentences import TextCommits
+
+    commits = TextCommits(**options)
+    out = [commits.feed(text[i:i + size]) for i in range(0, len(text), size)]
+    return [*out, commits.flush()]
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_commits_at_sentences_clauses_and_first_words_lose_nothing(size):
+    from higgs_pack.runtime.loop.sentences import split_sentences
+
+    sentence = [p for ps in _commits(PROSE, size) for p in ps]
+    assert sentence == split_sentences(PROSE)
+    clause = [p for ps in _commits(PROSE, size, granularity="clause") for p in ps]
+    # "Well," is under MIN_CLAUSE_WORDS and joins its clause; 1,000 is no clause end
+    assert clause == ["Well, I think that the weather today,", "all things considered,", "is fine.",
+                      "It costs 1,000 dollars:", "a lot.", "Bye"]
+    first = [p for ps in _commits(PROSE, size, granularity="clause", first_words=4) for p in ps]
+    assert first == ["Well, I think that", "the weather today,", *clause[1:]]
+    assert " ".join(first).split() == PROSE.split()
+    # the first words alone are committed as soon as the fourth word is known whole (a space after it)
+    if size == 1:
+        pieces = _commits(PROSE, 1, first_words=4)
+        assert pieces[len("Well, I think that ") - 1] == ["Well, I think that"]
+        assert [p for ps in pieces for p in ps] == ["Well, I think that", "the weather today, all things considered, "
+                                                    "is fine.", "It costs 1,000 dollars: a lot.", "Bye"]
+
+
+def test_commits_cut_cjk_clauses_and_restart_after_a_barge_in():
+    from higgs_pack.runtime.loop.sentences import TextCommits
+
+    commits = TextCommits("clause")
+    assert commits.feed("你好，我是一个测试。今天天气很好，") == ["你好，我是一个测试。", "今天天气很好，"]
+    assert commits.feed("不是") == [] and commits.pending == "不是"
+    commits = TextCommits("sentence", first_words=2)
+    assert commits.feed("One two three") == ["One two"]
+    assert commits.feed(" four five six") == [] and commits.pending.strip() == "three four five six"
+    commits.restart()
+    assert commits.pending == "" and commits.feed("Seven eight nine") == ["Seven eight"]
+
+
+@pytest.mark.parametrize("options", [{"granularity": "word"}, {"first_words": -1}])
+def test_commits_refuse_a_bad_rule(options):
+    from higgs_pack.runtime.loop.sentences import TextCommits
+
+    with pytest.raises(ValueError, match="granularity is one of"):
+        TextCommits(**options)

@@ -164,6 +164,9 @@ def test_segments_come_as_sse_events_and_in_a_whole_json_answer(server):
             timed.append({k: v for k, v in event.items() if k != "type"})
     assert [t["text"] for t in timed] == ["The first sentence is here.", "A second one follows!", "And the third?"]
     assert timed[-1]["end"] == pytest.approx(sent / 2 / 24000)
+    for t in timed:  # each sentence's words, estimated within it, back to back (issue 41 item 3)
+        assert [w["text"] for w in t["words"]] == t["text"].split() and not any(w["exact"] for w in t["words"])
+        assert t["words"][0]["start"] == t["start"] and t["words"][-1]["end"] == pytest.approx(t["end"], abs=1e-6)
     whole = httpx.post(server.url + "/v1/audio/speech", json={**body, "segments": True}, timeout=60)
     assert whole.status_code == 200 and whole.headers["content-type"] == "application/json"
     answer = whole.json()

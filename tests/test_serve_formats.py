@@ -169,6 +169,13 @@ def test_timings_are_scaled_with_the_audio_segments_and_words_alike():
     fast = at_speed(result, 2.0)
     assert fast.samples.size == samples.size // 2 and fast.segments[-1].end * RATE == fast.samples.size
     assert result.segments[-1].end == 2.0 and at_speed(result, 1.0) is result  # the original is left as it was
+    # the runtime's own word timings (Segment.words; SynthesisResult.words is a property of them) scale too
+    from higgs_pack.runtime.loop.words import word_timings
+
+    timed = [Segment("One two.", 0.0, 1.2, 0, True, words=word_timings("One two.", 0.0, 1.2))]
+    fast = at_speed(SynthesisResult(samples, RATE, np.zeros((50, 8), np.int64), segments=timed), 2.0)
+    assert [(w.text, w.start, w.end) for w in fast.words] == [("One", 0.0, pytest.approx(0.6 * 3 / 7)),
+                                                                ("two.", pytest.approx(0.6 * 3 / 7), 0.6)]
 
 
 # The server: a live `higgs-pack serve` of the tiny cpu int4 bundle on 127.0.0.1 (tests/live_server.py).

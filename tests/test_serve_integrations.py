@@ -63,9 +63,11 @@ class TestPipecat:
         # two sentences of at least 50 frames (2 s) each and the 0.2 s pause between them
         assert seconds >= 4.0
         texts = [f for f in down if isinstance(f, TTSTextFrame)]
-        assert [f.text for f in texts] == ["Hello there.", "How are you today?"]
-        # the second sentence's text is timed where its speech starts: after the first one and the pause
-        assert (texts[1].pts - texts[0].pts) / 1e9 == pytest.approx(2.2, abs=0.5)
+        # word by word (supports_word_timestamps), each at its estimated time in the turn's audio
+        assert [f.text for f in texts] == ["Hello", "there.", "How", "are", "you", "today?"]
+        assert [f.pts for f in texts] == sorted(f.pts for f in texts)
+        # the second sentence's first word is timed where its speech starts: after the first one and the pause
+        assert (texts[2].pts - texts[0].pts) / 1e9 == pytest.approx(2.2, abs=0.5)
         kinds = [type(f) for f in down]
         assert kinds.index(TTSStartedFrame) < kinds.index(TTSAudioRawFrame)
         assert TTSStoppedFrame in kinds[kinds.index(TTSAudioRawFrame):]
@@ -97,6 +99,24 @@ class TestPipecat:
         assert sum(len(f.audio) for f in audio) / 2 / 24000 >= 4.0  # two sentences of >= 2 s
         assert "".join(f.text for f in down if isinstance(f, TTSTextFrame)).replace(" ", "") == \
             "Onesentencehere.Andtherest"
+
+    def test_each_word_frame_is_timed_at_its_word_in_the_audio(self, server):
+        """Pipecat's output transport plays audio and TTSTextFrames by their pts and drops what an
+        interruption cuts off, so the assistant's context keeps the words played: each word's pts
+        is its (estimated) start in the turn's audio, back to back over the sentence's speech."""
+        from pipecat.frames.frames import TTSAudioRawFrame, TTSSpeakFrame, TTSTextFrame
+        from pipecat.tests.utils import SleepFrame
+
+        text = "One two three four five six seven eight nine ten eleven twelve."
+        down = self._run(server, [TTSSpeakFrame(text), SleepFrame(sleep=2.0)], max_new_tokens=150)
+        words = [f for f in down if isinstance(f, TTSTextFrame)]
+        seconds = sum(len(f.audio) for f in down if isinstance(f, TTSAudioRawFrame)) / 2 / 16000
+        assert [f.text for f in words] == text.split()
+        times = [(f.pts - words[0].pts) / 1e9 for f in words]
+        assert times == sorted(times) and 0 < times[-1] < seconds
+        # by characters: "twelve." (7 of 52) starts 45/52 of the way through the speech (the resampler
+        # holds back a few ms of the end)
+        assert times[-1] == pytest.approx(seconds * 45 / 52, abs=0.1)
 
     def test_an_interruption_stops_the_sentence_on_the_server_and_the_next_turn_speaks(self, server):
         """The tiny model makes audio far faster than real time: the interruption comes 0.5 s in,
@@ -146,10 +166,12 @@ class TestLiveKit:
         seconds = sum(f.samples_per_channel for f in frames) / 16000
         assert seconds >= 4.0
         timed = [t for f in frames for t in f.userdata.get(USERDATA_TIMED_TRANSCRIPT, [])]
-        assert [t.strip() for t in timed] == ["Hello there.", "How are you today?"]
+        # a TimedString per word (aligned_transcript), back to back within a sentence
+        assert [t.strip() for t in timed] == ["Hello", "there.", "How", "are", "you", "today?"]
         assert timed[0].start_time == pytest.approx(0.0, abs=1e-3)
-        assert timed[1].start_time == pytest.approx(timed[0].end_time + 0.2, abs=1e-3)
-        assert timed[1].end_time == pytest.approx(seconds, abs=0.1)
+        assert timed[1].start_time == pytest.approx(timed[0].end_time, abs=1e-3)
+        assert timed[2].start_time == pytest.approx(timed[1].end_time + 0.2, abs=1e-3)  # the pause
+        assert timed[-1].end_time == pytest.approx(seconds, abs=0.1)
         assert events[-1].is_final
 
     def test_closing_a_stream_mid_sentence_cancels_it_and_the_session_goes_on(self, server):

@@ -216,6 +216,13 @@ def test_cpu_stream_across_sentences_is_continuous_speech(cpu_pipeline, check_st
     assert [s for _, s in carried] == one.segments
     for end, segment in carried:
         assert end == round(max(s.end for s in one.segments if s.chunk == segment.chunk) * rate)
+    # Words: each sentence's words share out its span (estimates), back to back, the text's words in order.
+    assert np.array_equal(speech.pushed_codes, one.codes)  # every frame went to the codec, in order
+    assert [w.text for w in one.words] == text.split() and speech.segments[0].words == one.segments[0].words
+    for segment in one.segments:
+        assert segment.words[0].start == segment.start and segment.words[-1].end == segment.end
+        assert all(a.end == b.start and a.start < a.end for a, b in itertools.pairwise(segment.words))
+        assert not any(w.exact for w in segment.words)
 
 
 def test_stream_refuses_bad_requests_before_generating(cpu_pipeline):

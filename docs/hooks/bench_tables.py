@@ -10,7 +10,8 @@ A page asks for a table with a comment on a line of its own::
 benchmark's text tables and write ``dist/bench.html`` (``bench.report``), so the page, the
 terminal and the HTML report cannot disagree.  The kind ``ab`` renders the ``--out`` report of a
 ``python -m bench.ab`` tool (a JSON object with its ``command``) as that tool printed it
-(``bench.ab.report_table``).  A missing file, an unknown kind or a run without
+(``bench.ab.report_table``), and ``agent`` the ``--out`` of ``python -m bench.serve_agent`` (a JSON
+object of kind ``agent-bench``: ``bench.serve_agent.agent_table``).  A missing file, an unknown kind or a run without
 the figures a kind needs fails the build (``mkdocs build --strict``) naming the page and marker.
 """
 
@@ -83,7 +84,8 @@ def _kinds() -> dict[str, Any]:
             "machine": _machine, "serve-goals": _serve_goals}
 
 
-KINDS = ("systems", "prefill", "batch", "steps", "builds", "goals", "machine", "serve-goals", "ab", "formats", "atempo")
+KINDS = ("systems", "prefill", "batch", "steps", "builds", "goals", "machine", "serve-goals", "ab", "formats", "atempo",
+         "agent")
 #: Kinds of a ``python -m bench.formats --out`` run (a JSON object with ``formats``).
 FORMAT_KINDS = ("formats", "atempo")
 
@@ -113,6 +115,12 @@ def render(name: str, kind: str) -> str:
             raise BenchTableError(f"{_shown(path)}: {exc.args[0]}") from None
     from bench.systems import markdown
 
+    if kind == "agent":
+        from bench.serve_agent import agent_table
+
+        if not isinstance(records, dict) or records.get("kind") != "agent-bench":
+            raise BenchTableError(f"{_shown(path)} is not a python -m bench.serve_agent run (kind agent-bench)")
+        return markdown(*agent_table(records))
     if kind in FORMAT_KINDS:
         from bench import formats
 

@@ -31,6 +31,7 @@ from higgs_pack.runtime.loop.frames import CodeSteps
 from higgs_pack.runtime.loop.pipeline import Pipeline
 from higgs_pack.runtime.loop.prefix_cache import Prompt, prefill_prompt, voice_prompt
 from higgs_pack.runtime.loop.sentences import split_sentences
+from higgs_pack.runtime.loop.words import Word, proportional_bounds, word_timings
 from higgs_pack.runtime.request import (
     CONTEXT_CHUNKS,
     PreparedVoice,
@@ -90,8 +91,8 @@ class Segment:
     whole text chunk (a one-sentence chunk, a dialogue turn).  Sentences that share one chunk
     share one generation, whose frames say nothing of where one sentence ends: their inner
     boundaries are estimated by dividing the chunk's frames in proportion to the sentences'
-    characters (whitespace not counted), to a whole frame, and marked ``exact=False``.  There
-    are no word timings.
+    characters (whitespace not counted), to a whole frame, and marked ``exact=False``.  Its
+    words' timings are estimated the same way within its span (:mod:`~higgs_pack.runtime.loop.words`).
 
     Attributes:
         text: the sentence (or turn) as spoken.
@@ -103,6 +104,9 @@ class Segment:
         exact: both ends are frame-exact (the segment is a whole chunk or turn); False: one or
             both ends are the estimate above.
         speaker: the speaker of a dialogue turn; None outside a dialogue.
+        words: its :class:`~higgs_pack.runtime.loop.words.Word` items, in order, within
+            ``[start, end]`` (estimates: :func:`~higgs_pack.runtime.loop.words.word_timings`; a
+            turn of several chunks: each chunk's words within that chunk's exact span).
     """
 
     text: str
@@ -111,6 +115,7 @@ class Segment:
     chunk: int
     exact: bool
     speaker: str | None = None
+    words: tuple[Word, ...] = ()
 
 
 @dataclass
@@ -124,6 +129,7 @@ class SynthesisResult:
         chunks: per-chunk :class:`GenerationResult` (one unless the text was split).
         segments: one :class:`Segment` per sentence (per turn in a dialogue), in order (empty
             when the result was joined without its plan).
+        words: every segment's :attr:`Segment.words`, in order (estimated word timings).
         frame_cap_hit: True when some chunk stopped at its frame cap, not at EOC.
     """
 
@@ -132,6 +138,10 @@ class SynthesisResult:
     codes: np.ndarray
     chunks: list[GenerationResult] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
+
+    @property
+    def words(self) -> list[Word]:
+        return [word for segment in self.segments for word in segment.words]
 
     @property
     def frame_cap_hit(self) -> bool:
@@ -605,19 +615,23 @@ def chunk_segments(plan: SynthesisPlan, index: int, ends: list[int], hop: int, s
     """
     first_frame = ends[index - 1] if index else 0
     frames = ends[index] - first_frame
+    seconds = hop / sample_rate  # of one frame
     if plan.cast is not None:
         turn = plan.cast.turns[index]
         if index + 1 < len(plan.chunks) and plan.cast.turns[index + 1] == turn:
             return []
         first = plan.cast.turns.index(turn)
         start = ends[first - 1] if first else 0
-        return [Segment(plan.cast.texts[turn], start * hop / sample_rate, ends[index] * hop / sample_rate, first,
-                        True, plan.cast.names[plan.cast.speakers[index]])]
+        words = tuple(word for j in range(first, index + 1)
+                      for word in word_timings(plan.chunks[j][0], (ends[j - 1] if j else 0) * seconds, ends[j] * seconds))
+        return [Segment(plan.cast.texts[turn], start * seconds, ends[index] * seconds, first,
+                        True, plan.cast.names[plan.cast.speakers[index]], words)]
     sentences = split_sentences(plan.chunks[index][0]) or [plan.chunks[index][0]]
-    weights = np.cumsum([sum(not ch.isspace() for ch in s) or 1 for s in sentences])
-    bounds = [first_frame, *(first_frame + round(frames * w / weights[-1]) for w in weights)]
-    return [Segment(sentence, bounds[i] * hop / sample_rate, bounds[i + 1] * hop / sample_rate, index,
-                    len(sentences) == 1) for i, sentence in enumerate(sentences)]
+    bounds = [first_frame + round(b) for b in proportional_bounds([sum(not ch.isspace() for ch in s)
+                                                                   for s in sentences], 0, frames)]
+    return [Segment(sentence, bounds[i] * seconds, bounds[i + 1] * seconds, index, len(sentences) == 1,
+                    words=word_timings(sentence, bounds[i] * seconds, bounds[i + 1] * seconds))
+            for i, sentence in enumerate(sentences)]
 
 
 def codec_context_frames(pipeline: Pipeline) -> int:

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import re
 
+from higgs_pack.runtime.loop.words import split_words
+
 #: Latin-style sentence punctuation: an end only when whitespace (or a CJK character) follows.
 LATIN_STOPS = ".!?;…"
 #: Full stops of scripts that never use them inside numbers, addresses or short forms.
@@ -116,3 +118,108 @@ def split_sentences(text: str) -> list[str]:
     """
     splitter = SentenceSplitter()
     return splitter.feed(text) + splitter.flush()
+
+
+#: How text that arrives in pieces is committed to speech (``split_granularity``): at sentence
+#: ends, or also at clause ends (vllm-omni's ``split_granularity`` has the same two, and ``none``).
+GRANULARITIES = ("sentence", "clause")
+#: Clause marks: an end of a clause when whitespace follows (Latin) or at once (CJK full width and
+#: the ideographic comma).  ``;`` already ends a sentence.
+LATIN_CLAUSE_MARKS = ",:"
+CJK_CLAUSE_MARKS = "，、：；"
+#: Fewest words (:func:`~higgs_pack.runtime.loop.words.split_words`) of a clause committed on its
+#: own: a shorter one ("Well,", "Yes, ") waits and joins the next.
+MIN_CLAUSE_WORDS = 3
+_CLAUSE_END = re.compile(rf"[{LATIN_CLAUSE_MARKS}][{re.escape(CLOSERS)}]*(?=\s)|[{CJK_CLAUSE_MARKS}]")
+_WORD_END = re.compile(r"\S(?=\s)")
+
+
+class TextCommits:
+    """Cut text that arrives in pieces into the parts spoken one after another: the sentences of
+    :class:`SentenceSplitter`, cut also at clause ends with ``granularity`` ``"clause"`` (a clause
+    mark, :data:`LATIN_CLAUSE_MARKS` then whitespace or one of :data:`CJK_CLAUSE_MARKS`, once the
+    clause has :data:`MIN_CLAUSE_WORDS` words), and, first of all, the ``first_words`` first
+    words of a response alone when they come before any other cut (so its speech starts sooner;
+    0: no such rule).  :meth:`restart` makes the next words a response's first again (a barge-in).
+
+    Args:
+        granularity: one of :data:`GRANULARITIES`.
+        first_words: the first commit's most words (>= 0).
+
+    Raises:
+        ValueError: a granularity not in :data:`GRANULARITIES` or a negative ``first_words``.
+    """
+
+    def __init__(self, granularity: str = "sentence", first_words: int = 0):
+        if granularity not in GRANULARITIES or first_words < 0:
+            raise ValueError(f"granularity is one of {GRANULARITIES} (got {granularity!r}) and first_words >= 0 "
+                             f"(got {first_words})")
+        self.granularity, self.first_words = granularity, first_words
+        self.sentences = SentenceSplitter()
+        self._taken = 0  # characters of sentences.pending already committed
+        self._first = True
+
+    @property
+    def pending(self) -> str:
+        """Text received and not yet committed."""
+        return self.sentences.pending[self._taken:]
+
+    def restart(self) -> None:
+        """Drop the text not committed; the next words are a response's first."""
+        self.sentences, self._taken, self._first = SentenceSplitter(), 0, True
+
+    def feed(self, text: str) -> list[str]:
+        """Add ``text``; return the parts it completed, in order (stripped, none blank)."""
+        before = self.sentences.pending[:self._taken].lstrip()
+        parts, sentences = [], self.sentences.feed(text)
+        for i, sentence in enumerate(sentences):
+            rest = sentence[len(before):].strip() if i == 0 and before else sentence
+            parts += self._cut(rest + " ", final=True) if rest else []
+        if sentences:
+            self._taken = 0
+        parts += self._cut(self.pending, final=False)
+        return parts
+
+    def flush(self) -> list[str]:
+        """The text not committed as one last part (``[]`` when blank)."""
+        rest = self.pending.strip()
+        self.sentences.flush()
+        self._taken = 0
+        return [rest] if rest else []
+
+    def _cut(self, text: str, final: bool) -> list[str]:
+        """The parts at the front of ``text`` that may be committed now (the whole of a complete
+        sentence's when ``final``), advancing past them in the pending text when not ``final``."""
+        parts, at = [], 0
+        while True:
+            end = self._next_end(text, at)
+            if end is None:
+                break
+            part = text[at:end].strip()
+            if part:
+                parts.append(part)
+                self._first = False
+            at = end
+        if final:
+            rest = text[at:].strip()
+            if rest:
+                parts.append(rest)
+                self._first = False
+        else:
+            self._taken += at
+        return parts
+
+    def _next_end(self, text: str, at: int) -> int | None:
+        """Where the next part that starts at ``at`` ends: the first words' cut, else a clause end
+        after :data:`MIN_CLAUSE_WORDS` words (clause mode); None when none has arrived yet."""
+        ends = []
+        if self._first and self.first_words:
+            words = list(_WORD_END.finditer(text, at))
+            if len(words) >= self.first_words:
+                ends.append(words[self.first_words - 1].end())
+        if self.granularity == "clause":
+            for match in _CLAUSE_END.finditer(text, at):
+                if len(split_words(text[at:match.end()])) >= MIN_CLAUSE_WORDS:
+                    ends.append(match.end())
+                    break
+        return min(ends) if ends else None

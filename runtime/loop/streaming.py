@@ -117,6 +117,9 @@ class SpeechStream(Iterator[AudioChunk]):
         segments: the :class:`~higgs_pack.runtime.loop.generate.Segment` items of those chunks
             (as :attr:`~higgs_pack.runtime.loop.generate.SynthesisResult.segments`).
         samples_out: samples yielded so far.
+        pushed: the frames handed to the codec so far (int64 [N] each, every text chunk's in
+            order, an unfinished chunk's too): the codes of the audio made or being made
+            (:attr:`pushed_codes`; a live session keeps the part its listener heard).
         first_audio_s: seconds from the :func:`stream` call to the first yielded chunk
             (prefill and the first chunk's frames and codec decode included); NaN before.
         context_frames: codec context used per side of each decoded window (frames); 0 with the
@@ -133,6 +136,7 @@ class SpeechStream(Iterator[AudioChunk]):
         self.results: list[GenerationResult] = []
         self.segments: list[Segment] = []
         self.samples_out = 0
+        self.pushed: list[np.ndarray] = []
         self.first_audio_s = math.nan
         spec = pipeline.stream_codec
         self.context_frames = 0 if spec is not None else codec_context_frames(pipeline)
@@ -157,6 +161,11 @@ class SpeechStream(Iterator[AudioChunk]):
     def close(self) -> None:
         """Stop generating (idempotent)."""
         self._gen.close()
+
+    @property
+    def pushed_codes(self) -> np.ndarray:
+        """int64 [frames, N] of :attr:`pushed` (``[0, 0]`` before the first)."""
+        return np.stack(self.pushed) if self.pushed else np.zeros((0, 0), dtype=np.int64)
 
     @property
     def codes(self) -> np.ndarray:
@@ -224,6 +233,7 @@ class SpeechStream(Iterator[AudioChunk]):
                 if (frame >= c.codebook_size).any():
                     live = False  # the EOC ramp: no further real frames (undo_delay drops them)
                     continue
+                self.pushed.append(frame)
                 yield from pieces(codec.push(frame))
             self.results.append(result)
             seams.append((start + len(result.codes)) * hop)
@@ -232,6 +242,7 @@ class SpeechStream(Iterator[AudioChunk]):
             ready.append((seams[-1], found))
             # Frames the loop's stop left unpushed (a stop at the frame cap cuts the delay ramp).
             for frame in result.codes[codec.frames - start:]:
+                self.pushed.append(frame)
                 yield from pieces(codec.push(frame))
         if self.results:
             yield from pieces(codec.finish(self.codes))

@@ -10,12 +10,13 @@ the way LiveKit's streaming TTS plugins do (``livekit.agents.tts.TTS`` with
 - a stream's text goes out as it is pushed (``input.text``), its ``flush()`` and end as
   ``input.flush``; its audio comes back as the server's sentences end, resampled to the
   ``sample_rate`` asked for (LiveKit's own ``rtc.AudioResampler``);
-- each sentence's text is a ``TimedString`` with its ``start_time``/``end_time`` in the
-  segment's audio (``aligned_transcript``), so the agent's transcript stops where speech was
-  interrupted;
-- a stream closed before its end (the agent interrupted) sends ``input.cancel``: the sentence
-  being spoken stops on the server and its row leaves the engine, and the session stays open
-  for the next turn.
+- each word is a ``TimedString`` with its ``start_time``/``end_time`` in the segment's audio
+  (``aligned_transcript``; the server's estimates, docs/serving/live.md), so the agent's
+  transcript stops at the word where speech was interrupted;
+- a stream closed before its end (the agent interrupted) sends ``input.cancel`` with
+  ``played_ms`` (:meth:`~higgs_pack.serve.integrations.protocol.Reader.played_now`): the
+  sentence being spoken stops on the server, its row leaves the engine, the server keeps only
+  the words heard as context, and the session stays open for the next turn.
 """
 
 from __future__ import annotations
@@ -31,13 +32,13 @@ from livekit.agents._exceptions import APIConnectionError, APIStatusError
 from livekit.agents.types import DEFAULT_API_CONNECT_OPTIONS, APIConnectOptions, TimedString
 
 from higgs_pack.serve.integrations.protocol import (
-    CANCEL,
     FLUSH,
     SERVER_RATE,
     Event,
     Pending,
     Reader,
     auth_headers,
+    cancel_message,
     config_message,
     stream_url,
     text_message,
@@ -127,9 +128,10 @@ class HiggsStream(tts.SynthesizeStream):
                 raise APIConnectionError(f"higgs-pack serve closed the session: {exc}") from exc
             finally:
                 if not finished and higgs._ws is not None:  # interrupted: stop the sentence, keep the session
+                    played = higgs._reader.played_now()
                     higgs._reader.cancelling()
                     try:
-                        await asyncio.shield(ws.send(CANCEL))
+                        await asyncio.shield(ws.send(cancel_message(played)))
                     except (websockets.ConnectionClosed, asyncio.CancelledError):
                         higgs._ws = None
         output_emitter.end_segment()
@@ -140,6 +142,7 @@ class HiggsStream(tts.SynthesizeStream):
         pending = Pending()
         ended = asyncio.Event()
         origin = reader.position  # where this stream's audio begins in the session's audio
+        reader.new_turn()
         rate = self._higgs.sample_rate
         resampler = rtc.AudioResampler(SERVER_RATE, rate, num_channels=1) if rate != SERVER_RATE else None
 
@@ -184,8 +187,8 @@ class HiggsStream(tts.SynthesizeStream):
             self._speaking = True
         elif event.kind == "done":
             self._speaking = False
-            emitter.push_timed_transcript(TimedString(event.text + " ", start_time=event.start - origin,
-                                                      end_time=event.end - origin))
+            for word, start, end in event.words or ((event.text, event.start, event.end),):
+                emitter.push_timed_transcript(TimedString(word + " ", start_time=start - origin, end_time=end - origin))
         elif event.kind == "error":
             if event.param in ("text", None) and event.text:  # one sentence refused; the rest go on
                 pending.spoken(event.text)

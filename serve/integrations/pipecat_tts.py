@@ -12,10 +12,13 @@ context; source: pipecat-ai 1.14 ``pipecat/services/tts_service.py`` and its Gra
   ends, the turn's end flushing the rest (``flush_audio``);
 - audio comes back at 24 kHz and is resampled to the pipeline's output rate (Pipecat's own
   stream resampler);
-- each sentence's text is passed as a word timestamp at the sentence's start in the turn's
-  audio (``add_word_timestamps``), so Pipecat's context keeps only what was spoken;
-- an interruption (``on_audio_context_interrupted``) sends ``input.cancel``: the sentence being
-  spoken stops on the server, its row leaves the engine, and the session stays open.
+- each word is passed with its time in the turn's audio (``supports_word_timestamps``,
+  ``add_word_timestamps``; the server's estimates, docs/serving/live.md), so Pipecat's context
+  keeps only the words spoken before an interruption;
+- an interruption (``on_audio_context_interrupted``) sends ``input.cancel`` with ``played_ms``
+  (:meth:`~higgs_pack.serve.integrations.protocol.Reader.played_now`): the sentence being
+  spoken stops on the server, its row leaves the engine, the server keeps only the words heard
+  as context, and the session stays open.
 """
 
 from __future__ import annotations
@@ -40,13 +43,13 @@ from pipecat.services.tts_service import WebsocketTTSService
 from websockets.protocol import State
 
 from higgs_pack.serve.integrations.protocol import (
-    CANCEL,
     FLUSH,
     SERVER_RATE,
     Event,
     Pending,
     Reader,
     auth_headers,
+    cancel_message,
     config_message,
     stream_url,
     text_message,
@@ -83,7 +86,8 @@ class HiggsTTSService(WebsocketTTSService):
         if settings is not None:
             defaults.apply_update(settings)
         super().__init__(push_stop_frames=True, push_start_frame=True, push_text_frames=False,
-                         pause_frame_processing=True, sample_rate=sample_rate, settings=defaults, **kwargs)
+                         pause_frame_processing=True, sample_rate=sample_rate, settings=defaults,
+                         supports_word_timestamps=True, **kwargs)
         self._url, self._headers, self._options = stream_url(base_url), auth_headers(api_key), dict(options or {})
         self._receive_task = None
         self._reader, self._pending = Reader(), Pending()
@@ -191,13 +195,15 @@ class HiggsTTSService(WebsocketTTSService):
 
     async def on_audio_context_interrupted(self, context_id: str) -> None:
         """Barge-in: stop the sentence on the server (``input.cancel``), forget the text sent."""
+        played = self._reader.played_now()
         self._reader.cancelling()
+        self._reader.new_turn()
         self._pending.clear()
         self._current = None
         self._ending.discard(context_id)
         self._origins.pop(context_id, None)
         if self._websocket and self._websocket.state is State.OPEN:
-            await self._websocket.send(CANCEL)
+            await self._websocket.send(cancel_message(played))
         await self.stop_all_metrics()
         await super().on_audio_context_interrupted(context_id)
 
@@ -216,8 +222,9 @@ class HiggsTTSService(WebsocketTTSService):
     async def _on(self, event: Event) -> None:
         if event.kind == "start":
             self._current = self._pending.spoken(event.text)
-            if self._current is not None:
-                self._origins.setdefault(self._current, self._reader.position)
+            if self._current is not None and self._current not in self._origins:
+                self._origins[self._current] = self._reader.position
+                self._reader.new_turn()
         elif event.kind == "audio":
             context_id = self._current
             if context_id and self.audio_context_available(context_id):
@@ -227,8 +234,9 @@ class HiggsTTSService(WebsocketTTSService):
         elif event.kind == "done":
             context_id, self._current = self._current, None
             if context_id and self.audio_context_available(context_id):
-                start = event.start - self._origins.get(context_id, event.start)
-                await self.add_word_timestamps([(event.text, start)], context_id)
+                origin = self._origins.get(context_id, event.start)
+                words = [(word, start - origin) for word, start, _ in event.words] or [(event.text, event.start - origin)]
+                await self.add_word_timestamps(words, context_id)
                 await self._finish_if_spoken(context_id)
         elif event.kind == "error":
             context_id = self._pending.spoken(event.text) if event.text else None

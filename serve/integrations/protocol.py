@@ -9,6 +9,7 @@ the standard library, so the frameworks' processes need no server dependencies.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,15 @@ DONE = json.dumps({"type": "input.done"})
 CANCEL = json.dumps({"type": "input.cancel"})
 
 
+def cancel_message(played: tuple[int, float] | None = None) -> str:
+    """``input.cancel``; with ``played`` (a sentence's index and the milliseconds of its audio the
+    client played: :meth:`Reader.played`) also ``sentence_index`` and ``played_ms``, so the
+    server answers the text heard and keeps only that as context."""
+    if played is None:
+        return CANCEL
+    return json.dumps({"type": "input.cancel", "sentence_index": played[0], "played_ms": round(played[1], 1)})
+
+
 @dataclass(frozen=True)
 class Event:
     """One thing the server said, read by :class:`Reader`.
@@ -65,6 +75,9 @@ class Event:
         end: seconds where it ends (done, cancelled: the audio sent so far).
         param: the field an error names.
         message: an error's message.
+        words: ``(word, start, end)`` of each word (done; seconds in the session's audio,
+            estimated by the server), in order.
+        heard: the text the listener heard of the sentence cut off (cancelled, with played_ms).
     """
 
     kind: str
@@ -75,6 +88,8 @@ class Event:
     end: float = 0.0
     param: str | None = None
     message: str = ""
+    words: tuple[tuple[str, float, float], ...] = ()
+    heard: str = ""
 
 
 class Reader:
@@ -91,22 +106,52 @@ class Reader:
         self.position = 0.0
         """Seconds of the session's audio the server has sent, as of its last ``audio.done`` or
         ``audio.cancelled`` (where the next sentence's audio begins)."""
+        self.received = 0.0
+        """Seconds of the session's audio read so far (that :meth:`read` dropped included)."""
         self._texts: dict[int, str] = {}
+        self._starts: list[tuple[int, float]] = []  # (sentence, session seconds of its first audio), recent
+        self._playing: tuple[float, float] | None = None  # (monotonic time, session seconds) of a turn's first audio
 
     def cancelling(self) -> None:
         """The client sent ``input.cancel``."""
         self.dropping = True
 
+    def new_turn(self) -> None:
+        """A turn begins: its first audio starts the player's clock (:meth:`played_now`)."""
+        self._playing = None
+
+    def played_now(self) -> tuple[int, float] | None:
+        """:meth:`played` at the position of a player that started playing the turn's first audio
+        when it was read and plays in real time (at most what was read): what a barge-in now
+        interrupted, as near as a client that does not see its player can tell."""
+        if self._playing is None:
+            return None
+        since, position = self._playing
+        return self.played(position + time.monotonic() - since)
+
+    def played(self, played_s: float) -> tuple[int, float] | None:
+        """The sentence playing at ``played_s`` seconds of the session's audio (a player's
+        position) and the milliseconds of it played (from its first audio, its pause included),
+        for :func:`cancel_message`; None before any sentence's audio."""
+        found = [(index, start) for index, start in self._starts if start <= played_s + 1e-9]
+        if not found:
+            return None
+        index, start = found[-1]
+        return index, max(0.0, min(played_s, self.received) - start) * 1000
+
     def read(self, message: str | bytes) -> Event | None:
         """The event of one message, or None for one to ignore (stale audio, unknown events)."""
         if isinstance(message, (bytes, bytearray)):
+            if self._playing is None and not self.dropping:
+                self._playing = (time.monotonic(), self.received)
+            self.received += len(message) / 2 / SERVER_RATE
             return None if self.dropping else Event("audio", audio=bytes(message))
         data = json.loads(message)
         kind = data.get("type")
         if kind == "audio.cancelled":
             self.dropping = False
-            self.position = data.get("end", self.position)
-            return Event("cancelled", data.get("sentence_index"), end=self.position)
+            self.position = self.received = data.get("end", self.position)
+            return Event("cancelled", data.get("sentence_index"), end=self.position, heard=data.get("heard_text", ""))
         if kind == "error":
             return Event("error", text=data.get("sentence_text", ""), param=data.get("param"),
                          message=data.get("message", ""))
@@ -117,10 +162,12 @@ class Reader:
         index = data.get("sentence_index")
         if kind == "audio.start":
             self._texts[index] = data.get("sentence_text", "")
+            self._starts = [*self._starts[-7:], (index, self.received)]
             return Event("start", index, self._texts[index])
         if kind == "audio.done":
             self.position = data["end"]
-            return Event("done", index, self._texts.pop(index, ""), start=data["start"], end=data["end"])
+            words = tuple((w["text"], w["start"], w["end"]) for w in data.get("words", ()))
+            return Event("done", index, self._texts.pop(index, ""), start=data["start"], end=data["end"], words=words)
         return None
 
 

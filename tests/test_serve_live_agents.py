@@ -1,0 +1,187 @@
+"""Issue 41 items 3 and 4 on the live route: ``audio.done`` carries each sentence's word timings,
+and a barge-in (``input.cancel`` with ``played_ms``) is answered with the text heard, which alone
+stays as the rolling context.  A real ``higgs-pack serve`` of the tiny cpu int4 bundle on
+127.0.0.1, driven by the ``websockets`` client."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+
+import pytest
+from conftest import slow_fixture
+from live_server import LiveServer
+from test_serve_live import HOP, LONG, RATE, Heard, _check_sentences, _read, _session
+
+websockets = pytest.importorskip("websockets", reason="the websockets client is a dev dependency")
+
+
+@slow_fixture(scope="module")
+def server(cpu_int4_bundle):
+    with LiveServer(cpu_int4_bundle, "--max-batch", "2", "--max-queue", "4") as live:
+        live.ws = live.url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+        yield live
+
+
+def test_audio_done_carries_each_words_estimated_times(server):
+    texts = ["Hello there, this is a test.", "And another one here!"]
+    heard = asyncio.run(_session(server.ws, [" ".join(texts)], {"seed": 3}))
+    _check_sentences(heard, texts)
+    for text, done in zip(texts, heard.of("audio.done"), strict=True):
+        words = done["words"]
+        assert [w["text"] for w in words] == text.split()
+        assert words[0]["start"] == done["start"] and words[-1]["end"] == pytest.approx(done["end"], abs=1e-3)
+        assert all(a["end"] == b["start"] for a, b in itertools.pairwise(words))
+        assert not any(w["exact"] for w in words)
+
+
+async def _speak_then_cancel(url: str, text: str, cancel: dict | None, after: str) -> Heard:
+    """Speak ``text`` (sentence 0) whole, then (with ``cancel``) barge in with it, then ``after``."""
+    async with websockets.connect(url) as ws:
+        await ws.send(json.dumps({"type": "session.config", "seed": 4}))
+        await ws.send(json.dumps({"type": "input.text", "text": text + " "}))
+        heard = await _read(ws, Heard(), "audio.done")
+        if cancel is not None:
+            await ws.send(json.dumps({"type": "input.cancel", **cancel}))
+            await _read(ws, heard, "audio.cancelled")
+        await ws.send(json.dumps({"type": "input.text", "text": after}))
+        await ws.send(json.dumps({"type": "input.done"}))
+        await _read(ws, heard)
+        return await _read(ws, heard, None, 10)
+
+
+def test_a_barge_in_answers_what_was_heard_and_only_that_stays_as_context(server):
+    """Sentence 0 spoken whole, the client played it up to just after its third word: the answer
+    names those words; the next sentence's prompt holds the heard frames and words as its voice (no
+    voice was set, so the first sentence is the voice), so it prefills fewer positions than after
+    the whole sentence, by at least the frames not heard."""
+    text = "Alpha bravo charlie delta echo foxtrot golf hotel."
+    whole = asyncio.run(_speak_then_cancel(server.ws, text, None, "Whole context here."))
+    done = whole.of("audio.done")[0]
+    third = done["words"][2]["end"] - done["start"]  # seconds into sentence 0's speech (it has no pause)
+    cut = asyncio.run(_speak_then_cancel(server.ws, text, {"played_ms": third * 1000 + 1, "sentence_index": 0},
+                                         "Whole context here."))
+    assert cut.of("audio.done")[0]["words"] == done["words"]  # same seed, same sentence 0
+    cancelled = cut.of("audio.cancelled")
+    assert cancelled == [{"type": "audio.cancelled", "sentence_index": 0, "end": done["end"],
+                          "played_ms": pytest.approx(third * 1000 + 1), "heard_text": "Alpha bravo charlie",
+                          "heard_words": 3}]
+    after_whole, after_cut = whole.of("audio.done")[1], cut.of("audio.done")[1]
+    assert after_cut["sentence_index"] == 1
+    not_heard = done["frames"] - round(third * RATE / HOP)
+    assert not_heard > 0 and after_whole["prefilled"] - after_cut["prefilled"] >= not_heard
+
+
+def test_a_barge_in_mid_sentence_estimates_the_words_heard(server):
+    """Cut off while still being generated (its length unknown), the words heard are estimated at
+    the session's speaking rate: a prefix of the sentence; the session goes on."""
+    async def run() -> Heard:
+        async with websockets.connect(server.ws) as ws:
+            await ws.send(json.dumps({"type": "session.config", "max_new_tokens": 2000, "seed": 2}))
+            await ws.send(json.dumps({"type": "input.text", "text": LONG + " Dropped."}))
+            heard = await _read(ws, Heard(), "audio.start")
+            while not heard.audio.get(0):
+                message = await asyncio.wait_for(ws.recv(), 60)
+                if isinstance(message, bytes):
+                    heard.audio.setdefault(0, bytearray()).extend(message)
+            await ws.send(json.dumps({"type": "input.cancel", "played_ms": 2500}))
+            await _read(ws, heard, "audio.cancelled")
+            await ws.send(json.dumps({"type": "input.text", "text": "After the cancel."}))
+            await ws.send(json.dumps({"type": "input.done"}))
+            await _read(ws, heard)
+            return await _read(ws, heard, None, 10)
+
+    heard = asyncio.run(run())
+    (cancelled,) = heard.of("audio.cancelled")
+    assert cancelled["sentence_index"] == 0 and cancelled["played_ms"] == 2500
+    assert 1 <= cancelled["heard_words"] < len(LONG.split())
+    assert LONG.startswith(cancelled["heard_text"]) and len(cancelled["heard_text"].split()) == cancelled["heard_words"]
+    assert [e["sentence_text"] for e in heard.of("audio.start")] == [LONG, "After the cancel."]
+    assert heard.of("session.done")[0]["total_sentences"] == 2
+
+
+BAD_CANCELS = [
+    ({"played_ms": -1}, "played_ms"),
+    ({"played_ms": "500"}, "played_ms"),
+    ({"played_ms": True}, "played_ms"),
+    ({"sentence_index": 0}, "sentence_index"),
+    ({"played_ms": 10, "sentence_index": 7}, "sentence_index"),
+    ({"played_ms": 10, "heard": 1}, "heard"),
+]
+
+
+def test_a_bad_barge_in_is_an_error_naming_the_field_and_cancels_nothing(server):
+    async def run() -> Heard:
+        async with websockets.connect(server.ws) as ws:
+            for cancel, _ in BAD_CANCELS:
+                await ws.send(json.dumps({"type": "input.cancel", **cancel}))
+            heard = Heard()
+            for _ in BAD_CANCELS:
+                await _read(ws, heard, "error")
+            await ws.send(json.dumps({"type": "input.cancel", "played_ms": 0}))  # nothing played yet: heard nothing
+            await _read(ws, heard, "audio.cancelled")
+            await ws.send(json.dumps({"type": "input.text", "text": "Still here."}))
+            await ws.send(json.dumps({"type": "input.done"}))
+            await _read(ws, heard)
+            return await _read(ws, heard, None, 10)
+
+    heard = asyncio.run(run())
+    assert [(e["param"], e["status"]) for e in heard.of("error")] == [(p, 400) for _, p in BAD_CANCELS]
+    assert "sentence_index 7 is not a sentence whose audio was sent" in heard.of("error")[4]["message"]
+    assert heard.of("audio.cancelled") == [{"type": "audio.cancelled", "sentence_index": None, "end": 0.0,
+                                            "played_ms": 0, "heard_text": "", "heard_words": 0}]
+    _check_sentences(heard, ["Still here."])
+    assert len(heard.audio[0]) == 2 * heard.of("audio.done")[0]["frames"] * HOP
+
+
+def test_clause_granularity_and_a_first_commit_speak_sooner_and_lose_no_word(server):
+    """split_granularity clause with first_commit_words 3: the first words alone, then clauses
+    of three words or more, then sentences; every word spoken once, in order."""
+    text = "Right, so here is the plan for today, step by step, and then a rest. Fine"
+    pieces = [text[i:i + 5] for i in range(0, len(text), 5)]
+    heard = asyncio.run(_session(server.ws, pieces, {"seed": 3, "split_granularity": "clause",
+                                                     "first_commit_words": 3}))
+    parts = ["Right, so here", "is the plan for today,", "step by step,", "and then a rest.", "Fine"]
+    _check_sentences(heard, parts)
+    assert [w["text"] for d in heard.of("audio.done") for w in d["words"]] == text.split()
+
+
+@pytest.mark.parametrize(("config", "param"), [({"split_granularity": "word"}, "split_granularity"),
+                                               ({"first_commit_words": -2}, "first_commit_words"),
+                                               ({"first_commit_words": 2.5, "seed": -1}, "first_commit_words")])
+def test_a_bad_commit_rule_is_refused_with_the_config(server, config, param):
+    async def run() -> Heard:
+        async with websockets.connect(server.ws) as ws:
+            await ws.send(json.dumps({"type": "session.config", **config}))
+            return await _read(ws, Heard(), "error")
+
+    (error,) = asyncio.run(run()).of("error")
+    assert error["param"] == param and param in error["message"] and error["status"] == 400
+
+
+def test_the_client_side_maps_a_players_position_to_the_sentence_and_its_played_ms():
+    """protocol.Reader (the plugins' client side): sentence starts in the session's audio, what a
+    player at a position has played of which sentence, and the input.cancel that says so."""
+    from higgs_pack.serve.integrations.protocol import Reader, cancel_message
+
+    reader = Reader()
+    assert reader.played(1.0) is None and reader.played_now() is None
+    assert json.loads(cancel_message(None)) == {"type": "input.cancel"}
+    reader.read(json.dumps({"type": "audio.start", "sentence_index": 0, "sentence_text": "Hi there."}))
+    reader.read(bytes(2 * RATE))  # 1 s of sentence 0
+    done = reader.read(json.dumps({"type": "audio.done", "sentence_index": 0, "start": 0.0, "end": 1.0,
+                                   "words": [{"text": "Hi", "start": 0.0, "end": 0.3, "exact": False},
+                                             {"text": "there.", "start": 0.3, "end": 1.0, "exact": False}]}))
+    assert done.words == (("Hi", 0.0, 0.3), ("there.", 0.3, 1.0))
+    reader.read(json.dumps({"type": "audio.start", "sentence_index": 1, "sentence_text": "More."}))
+    reader.read(bytes(2 * RATE // 2))  # 0.5 s of sentence 1 (its pause and speech)
+    assert reader.played(0.4) == (0, pytest.approx(400))
+    assert reader.played(1.3) == (1, pytest.approx(300))
+    assert reader.played(9.0) == (1, pytest.approx(500))  # no further than the audio read
+    assert reader.played_now() is not None  # the clock started at the first audio
+    assert json.loads(cancel_message((1, 300.04))) == {"type": "input.cancel", "sentence_index": 1, "played_ms": 300.0}
+    reader.cancelling()
+    cancelled = reader.read(json.dumps({"type": "audio.cancelled", "sentence_index": 1, "end": 1.5,
+                                        "heard_text": "More", "heard_words": 1, "played_ms": 300}))
+    assert (cancelled.kind, cancelled.heard, reader.received) == ("cancelled", "More", 1.5)

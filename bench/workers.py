@@ -140,6 +140,7 @@ def _stream_run(pipeline: Any, logs: dict[str, list[float]], text: str, frames: 
     return {
         "first_audio_ms": speech.first_audio_s * 1e3, "stream_chunk_frames": FIRST_CHUNK_FRAMES,
         "stream_context_frames": int(speech.context_frames), "first_audio_steps": steps,
+        "stream_lookahead_frames": int(speech.lookahead_frames or 0),
         "first_chunk_codec_ms": codec * 1e3, "first_audio_prompt_embed_ms": embed * 1e3,
         "first_audio_prefill_ms": prefill * 1e3, "first_audio_steps_ms": span * 1e3,
         "stream_frames_per_s": (len(marks) - 1) / (marks[-1] - marks[0]),

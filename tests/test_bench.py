@@ -46,8 +46,9 @@ def check_record(record: dict) -> None:
     assert set(record["step_ms"]) == {"decoder", "heads", "embed", "other"}
     assert sum(record["step_ms"].values()) == pytest.approx(1e3 / record["frames_per_s"], rel=0.25)
     assert record["audio_s"] == pytest.approx(record["frames"] / 25)
-    # streaming: the same codes; first audio after the prefill, once the first chunk and its
-    # right context (plus the 7-step delay ramp) exist
+    # streaming: the same codes; first audio after the prefill, once the first chunk and its right
+    # context (the stateful codec's lookahead, or the window codec's context) plus the 7-step delay
+    # ramp exist
     from higgs_pack.runtime.loop.streaming import FIRST_CHUNK_FRAMES
 
     assert record["stream_codes_match"] is True
@@ -55,7 +56,7 @@ def check_record(record: dict) -> None:
     # Each first audio includes a prefill, but the two figures are medians of separate runs: on a
     # loaded machine the first-audio median fell below the prefill median (57.6 vs 65.7 ms).
     assert record["first_audio_ms"] > 0 and record["prefill_ms"] > 0
-    ready = FIRST_CHUNK_FRAMES + max(record["stream_context_frames"], 1) + 7
+    ready = FIRST_CHUNK_FRAMES + record["stream_lookahead_frames"] + 7
     assert record["first_audio_steps"] == min(ready, record["steps"])
     assert record["first_audio_budget_ms"] == pytest.approx(bench_records.first_audio_budget(record))
     # the budget's parts are disjoint pieces of the streamed run's first-audio interval

@@ -269,8 +269,9 @@ def test_engine_joins_mid_stream_give_codes_alone(tts, voice, prefill_chunk):
     for got, want in zip(results, alone, strict=True):
         np.testing.assert_array_equal(got.codes, want.codes)
     assert stats.prefix_misses == 1 and stats.prefix_hits == 1 and cache.stats.entries == 1
-    if prefill_chunk == 3:
-        assert stats.prefill_chunks > 8 and stats.prefill_chunk_positions >= 3
+    if prefill_chunk == 3:  # a joiner was prefilled in several chunks of 3 (how many joined while rows were
+        # decoding depends on thread timing: 13 chunks on a quiet machine, 7 under load)
+        assert stats.prefill_chunks >= 3 and stats.prefill_chunk_positions >= 3
     assert stats.join_max_frame_gap_ms > 0 and stats.prefill_positions > 0
     assert stats.prefill_positions_per_s > 0 and stats.engine_step_ms > 0
 

@@ -240,7 +240,10 @@ def test_rows_of_one_voice_name_its_prefix_blocks_once(tts_exact, cases_dir):
 
 
 class _Store:
-    """A voices folder: every voice's prefix persists in ``root`` (the server's store names them)."""
+    """A voices folder: every voice's prefix persists in ``root`` (the server's store names them),
+    signed with a key of its own (the PrefixStore protocol's signing_key)."""
+
+    signing_key = b"k" * 32
 
     def __init__(self, root):
         self.root = root

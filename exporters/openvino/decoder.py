@@ -155,7 +155,9 @@ def convert_llm_decoder(
             bundle_dir=bundle_dir, name=name,
         )
     import torch
-    logging.getLogger(ExpectedWrapperFallback.LOGGER).addFilter(ExpectedWrapperFallback())
+    frontend = logging.getLogger(ExpectedWrapperFallback.LOGGER)
+    if not any(isinstance(f, ExpectedWrapperFallback) for f in frontend.filters):  # once a process
+        frontend.addFilter(ExpectedWrapperFallback())
     from optimum.exporters.openvino.convert import export_models
     from optimum.exporters.openvino.model_configs import get_vlm_text_generation_config
     from transformers import AutoModelForCausalLM

@@ -63,6 +63,7 @@ header, or an ``api_key`` query parameter for browsers (which cannot set WebSock
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -239,7 +240,8 @@ class Session:
                 else:
                     log.info("a live session's client left after %d sentence(s)", self.next_index)
             elif self.ws.application_state == WebSocketState.CONNECTED:
-                await self.ws.close(1000)
+                with contextlib.suppress(WebSocketDisconnect, OSError):  # a client that closed first, once
+                    await self.ws.close(1000)  # it had session.done, is done too (not a traceback in the log)
         finally:
             if self.handle is not None:
                 self.handle.cancel()  # frees its row (a no-op when it finished)

@@ -34,8 +34,9 @@ openai = pytest.importorskip("openai", reason="the official openai client is a d
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "higgs-audio-v3-tiny"
-#: Largest image accepted, bytes (the sizes measured are in docs/bundle/images.md).
-MAX_IMAGE_BYTES = {"cpu": 540 * 2**20, "openvino": 640 * 2**20}
+#: Largest image accepted, bytes (the sizes measured are in docs/bundle/images.md): the measured size
+#: and some 5% (PyAV, FFmpeg's encoders for OpenAI's streamed formats, is about 100 MiB of it).
+MAX_IMAGE_BYTES = {"cpu": 650 * 2**20, "openvino": 720 * 2**20}
 #: What each image's runtime imports.
 RUNTIME_MODULE = {"cpu": "onnxruntime", "openvino": "openvino"}
 

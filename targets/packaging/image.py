@@ -24,7 +24,6 @@ voices folder that way, and a user overrides any of them with ``-e``.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -36,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from higgs_pack.manifests.errors import HiggsPackError, PackagingError
-from higgs_pack.manifests.manifest import MANIFEST_NAME, read_manifest
+from higgs_pack.manifests.manifest import MANIFEST_NAME, read_manifest, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +263,7 @@ def write_image_context(bundle: str | Path, *, out_dir: str | Path = "dist", bas
     runtime_wheel = _runtime_wheel(runtime, context / "wheels" / "runtime")
     version = wheel_version(manifest)
     tag = f"{manifest['name']}:{version}"
-    found = labels(manifest, _sha256(path / MANIFEST_NAME), version)
+    found = labels(manifest, sha256_file(path / MANIFEST_NAME), version)
     text = containerfile(manifest, target, base=base or base_image(target), extras=extras, tag=tag, labels=found,
                          runtime_wheel=runtime_wheel, bundle_wheel=bundle_wheel)
     (context / "Containerfile").write_text(text, encoding="utf-8")
@@ -287,8 +286,8 @@ def containerfile(manifest: dict[str, Any], target: Any, *, base: str, extras: t
         precision=manifest["precision"], tag=tag, base=base, extra=target.extra, uid=UID, user=USER,
         voices=VOICES, state=STATE, port=PORT, python=WINDOWS_PYTHON, secret=PIP_CERT_SECRET,
         extras=",".join(dict.fromkeys(("serve", *extras))), port_env=next(k for k, v in env.items() if v == str(PORT)),
-        runtime_wheel=runtime_wheel.name, runtime_sha256=_sha256(runtime_wheel),
-        bundle_wheel=bundle_wheel.name, bundle_sha256=_sha256(bundle_wheel),
+        runtime_wheel=runtime_wheel.name, runtime_sha256=sha256_file(runtime_wheel),
+        bundle_wheel=bundle_wheel.name, bundle_sha256=sha256_file(bundle_wheel),
         env=" ".join(f"{k}={_quoted(v)}" for k, v in env.items()),
         labels="LABEL " + f" {'`' if windows else chr(92)}\n      ".join(f"{k}={_quoted(v)}" for k, v in labels.items()))
 
@@ -298,14 +297,6 @@ def _quoted(value: str) -> str:
     import json
 
     return json.dumps(value)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _runtime_wheel(runtime: str | Path | None, dest: Path) -> Path:

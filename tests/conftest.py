@@ -216,3 +216,16 @@ def skip_unless_reclaimable(path: Path) -> None:
     """MADV_PAGEOUT cannot reclaim tmpfs pages on a machine without swap: say so instead of failing."""
     if filesystem_type(path) in ("tmpfs", "ramfs"):
         pytest.skip(f"{path} is on {filesystem_type(path)}: its pages live in memory, nothing to page out")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _state_home(tmp_path_factory: pytest.TempPathFactory):
+    """The servers the tests start make their voice prefix signing key under ``$XDG_STATE_HOME``
+    (serve/voices.py): a folder of the run's, not the user's ``~/.local/state``."""
+    before = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state-home"))
+    yield
+    if before is None:
+        del os.environ["XDG_STATE_HOME"]
+    else:
+        os.environ["XDG_STATE_HOME"] = before

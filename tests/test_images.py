@@ -266,7 +266,7 @@ class Container:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
     def remove(self) -> None:
-        _podman("rm", "--force", "--time", "0", self.name, check=False)
+        _podman("rm", "--force", "--volumes", "--time", "0", self.name, check=False)  # and its anonymous /state volume
         _podman("volume", "rm", "--force", self.volume, check=False)
 
 

@@ -28,6 +28,7 @@ from click.testing import CliRunner
 from conftest import slow_fixture
 
 from higgs_pack.manifests.errors import PackagingError
+from higgs_pack.manifests.manifest import sha256_file
 from higgs_pack.targets.packaging import image
 
 openai = pytest.importorskip("openai", reason="the official openai client is a dev dependency")
@@ -126,12 +127,12 @@ def test_the_build_context_holds_the_wheels_it_names(cpu_int4_bundle, runtime_wh
     context = image.write_image_context(cpu_int4_bundle, out_dir=tmp_path, runtime=runtime_wheel)
     text = (context.path / "Containerfile").read_text()
     bundle_wheel = next((context.path / "wheels" / "bundle").glob("*.whl"))
-    assert f"{image._sha256(bundle_wheel)}  /wheels/bundle/{bundle_wheel.name}" in text
-    assert f"{image._sha256(runtime_wheel)}  /wheels/{runtime_wheel.name}" in text
+    assert f"{sha256_file(bundle_wheel)}  /wheels/bundle/{bundle_wheel.name}" in text
+    assert f"{sha256_file(runtime_wheel)}  /wheels/{runtime_wheel.name}" in text
     assert f"ARG BASE_IMAGE={image.LINUX_BASE}\n" in text and "COPY" not in text  # mounted, not copied
     assert 'ENTRYPOINT ["higgs-pack", "serve", "higgs-audio-v3-tiny-cpu-int4"]' in text
     assert 'HIGGS_PACK_SERVE_HOST="0.0.0.0"' in text and 'HIGGS_PACK_SERVE_VOICES_DIR="/voices"' in text
-    assert context.labels[f"{image.LABEL_PREFIX}.content-sha256"] == image._sha256(cpu_int4_bundle / "manifest.json")
+    assert context.labels[f"{image.LABEL_PREFIX}.content-sha256"] == sha256_file(cpu_int4_bundle / "manifest.json")
     assert context.tag == "higgs-audio-v3-tiny-cpu-int4:" + context.labels["org.opencontainers.image.version"]
     with pytest.raises(PackagingError, match="already exists; pass --force"):
         image.write_image_context(cpu_int4_bundle, out_dir=tmp_path, runtime=runtime_wheel)

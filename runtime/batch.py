@@ -22,7 +22,6 @@ Runtime code: no torch.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from higgs_pack.manifests.errors import InputError, Problem, literal
+from higgs_pack.manifests.manifest import sha256_file
 
 #: The manifest of a batch folder.
 MANIFEST = "batch-manifest.json"
@@ -92,15 +92,6 @@ def read_lines(text: str, base_seed: int | None) -> tuple[list[Line], int]:
 def file_name(number: int, line_count: int) -> str:
     """``'0007.wav'``: the line number zero-padded to the width of ``line_count``."""
     return f"{number:0{len(str(line_count))}d}.wav"
-
-
-def sha256_of(path: Path) -> str:
-    """Hex sha256 of a file (read in 1 MiB pieces)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
@@ -196,7 +187,7 @@ def finished_lines(previous: dict[str, Any] | None, settings: dict[str, Any], li
         path = folder / str(entry.get("file", ""))
         if line is None or entry.get("text") != line.text or entry.get("seed") != line.seed:
             continue
-        if path.parent == folder and path.is_file() and sha256_of(path) == entry.get("sha256"):
+        if path.parent == folder and path.is_file() and sha256_file(path) == entry.get("sha256"):
             keep[line.number] = entry
     return keep
 
@@ -286,7 +277,7 @@ def run_batch(tts: Any, lines: list[Line], requests: list[Any], manifest: BatchM
 
                 def write(tmp: Path, result=result, holder=holder) -> None:
                     holder["written"] = write_wav(tmp, result.samples, result.sample_rate, subtype=subtype)
-                    holder["sha256"] = sha256_of(tmp)
+                    holder["sha256"] = sha256_file(tmp)
 
                 _atomic_write(folder / name, write)
                 manifest.errors.pop(line.number, None)
@@ -332,6 +323,6 @@ def batch_settings(bundle_name: str, request: Any, base_seed: int | None, subtyp
     return {
         "bundle": bundle_name, "temperature": request.temperature, "top_k": request.top_k,
         "top_p": request.top_p, "max_frames": request.max_frames, "base_seed": base_seed, "format": subtype,
-        "ref_audio_sha256": sha256_of(ref_audio) if ref_audio is not None else None,
+        "ref_audio_sha256": sha256_file(ref_audio) if ref_audio is not None else None,
         "ref_text": getattr(request.voice, "transcript", None),
     }

@@ -64,6 +64,24 @@ def literal(sentence: str) -> str:
     return sentence.replace("{", "{{").replace("}", "}}")
 
 
+#: Every :attr:`Problem.code`: what kind of thing is wrong, for programs (the server's error ``code``).
+CODES = (
+    "invalid_value",       # a field holds a value it does not take
+    "missing_field",       # a field that is needed was not given
+    "unknown_field",       # a field (or part) that does not exist
+    "duplicate_field",     # a field given more than once
+    "conflicting_fields",  # two fields whose values disagree
+    "unknown_value",       # a name that is not one of the known choices (a voice, a format)
+    "unsupported_value",   # a value the bundle or this machine cannot do (a length, an option of its decoder)
+    "input_too_long",      # text or audio over its limit
+    "invalid_body",        # the request as a whole is not the shape it must be
+    "invalid_json",        # the body is not JSON
+    "invalid_name",        # a name (of a voice) that cannot be kept
+    "builtin_voice",       # the bundle's own voice, which cannot be deleted
+    "invalid_barge_in",    # a barge-in names audio that was not sent
+)
+
+
 @dataclass(frozen=True)
 class Problem:
     """One thing wrong with a request, as data: each front door says it in its own terms.
@@ -77,6 +95,8 @@ class Problem:
         message: the whole sentence, for problems that are not "FIELD must be ALLOWED, got
             VALUE"; ``{name}`` in it stands for the field's name in the front door's terms
             (``str(problem)`` fills it in with the Python keyword).
+        code: a stable machine-readable name of the kind of problem, one of :data:`CODES`
+            (the server's error ``code``; default ``invalid_value``).
     """
 
     field: str | None
@@ -84,6 +104,18 @@ class Problem:
     allowed: str = ""
     fix: str = ""
     message: str = ""
+    code: str = "invalid_value"
+
+    def __post_init__(self) -> None:
+        if self.code not in CODES:
+            raise ValueError(f"Problem code {self.code!r} is not one of {', '.join(CODES)}")
+
+    @classmethod
+    def said(cls, sentence: str, field: str | None = None, value: Any = None,
+             code: str = "invalid_value") -> Problem:
+        """A problem said as one whole sentence, shown as it is (:func:`literal`: braces in it are
+        not fields), of ``field`` (None: the request as a whole)."""
+        return cls(field, value, message=literal(sentence), code=code)
 
     def shown(self) -> str:
         """The value as messages show it: numbers as written, other values as repr, cut to 80 characters."""
@@ -116,11 +148,15 @@ class Problem:
 class InputError(HiggsPackError):
     """Bad user input: empty text, text too long, unreadable or unusable audio.
 
+    Built from problems: ``InputError.of(Problem(...), ...)`` (:meth:`of`), or
+    ``InputError(problems=[...])``; a plain ``message`` with no problems is the old form (one
+    problem of the request as a whole, ``invalid_value``), kept for modules not yet converted
+    (tests/test_errors_model.py names them).
+
     Args:
         message: the whole message; when None, made from ``problems`` in the Python API's and
             the CLI's terms (one line, or "N problems with the request:" and one line each).
-        problems: every bad field of the request, as data (:class:`Problem`); a plain message
-            is one problem of the request as a whole.
+        problems: every bad field of the request, as data (:class:`Problem`).
         render: how to say one problem for ``message`` (default :meth:`Problem.render`).
 
     Attributes:
@@ -132,6 +168,19 @@ class InputError(HiggsPackError):
                  render: Any = None):
         self.problems = tuple(problems) or (Problem(None, message=literal(message or "")),)
         super().__init__(self.say(render or Problem.render) if message is None else message)
+
+    @classmethod
+    def of(cls, *problems: Problem, render: Any = None) -> InputError:
+        """The error of ``problems`` (at least one), its message each said with ``render``
+        (default :meth:`Problem.render`: the Python API's terms)."""
+        if not problems:
+            raise ValueError("InputError.of needs at least one Problem")
+        return cls(problems=problems, render=render)
+
+    @property
+    def code(self) -> str:
+        """The first problem's :attr:`Problem.code`: the error's kind, for programs."""
+        return self.problems[0].code
 
     def say(self, render: Any) -> str:
         """Every problem said with ``render`` (a :class:`Problem` -> one line): the one line, or

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from higgs_pack.manifests.errors import HiggsPackError, InputError
+from higgs_pack.manifests.errors import HiggsPackError, InputError, Problem
 
 #: HTTP status -> OpenAI's error ``type``.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error", 409: "invalid_request_error",
@@ -58,18 +58,30 @@ def http_name(field: str | None) -> str | None:
     return names.http if names is not None and names.http else field
 
 
-def from_input_error(exc: InputError, status: int = 400, code: str = "invalid_value",
+def from_input_error(exc: InputError, status: int = 400, code: str | None = None,
                      param: str | None = None) -> ApiError:
-    """An :class:`~higgs_pack.manifests.errors.InputError` said in this server's terms: each of its
-    problems with the field's HTTP name (no CLI flag or Python keyword), every one at once, and
-    the first named field as ``param`` (or ``param`` when none is named).
+    """The HTTP door: an :class:`~higgs_pack.manifests.errors.InputError` said in this server's
+    terms: each of its problems with the field's HTTP name (no CLI flag or Python keyword), every
+    one at once, the first named field as ``param`` (or ``param`` when none is named) and the
+    first problem's :attr:`~higgs_pack.manifests.errors.Problem.code` as ``code`` (or ``code``
+    when given).  The WebSocket door's ``error`` event is this answer's fields with its status.
 
     Returns:
         The :class:`ApiError` to raise (``status`` 400 unless given).
     """
-    message = exc.say(lambda problem: problem.render(name=http_name(problem.field)))
-    named = next((http_name(problem.field) for problem in exc.problems if problem.field), None)
-    return ApiError(status, message, param=named or param, code=code)
+    return _said(exc, http_name, status, code, param)
+
+
+def refused(*problems: Problem, param: str | None = None, status: int = 400) -> ApiError:
+    """The HTTP door's answer to ``problems`` of a request that this server found itself (a body,
+    an upload, a barge-in): :func:`from_input_error` of them, ``param`` where none names a field."""
+    return from_input_error(InputError.of(*problems), status=status, param=param)
+
+
+def _said(exc: InputError, name: Any, status: int, code: str | None, param: str | None) -> ApiError:
+    message = exc.say(lambda problem: problem.render(name=name(problem.field)))
+    named = next((name(problem.field) for problem in exc.problems if problem.field), None)
+    return ApiError(status, message, param=named or param, code=code or exc.code)
 
 
 #: A voice upload's parts by the request fields the runtime names: the clip is ``audio``, its
@@ -80,6 +92,4 @@ UPLOAD_PARTS = {"ref_audio": "audio", "ref_text": "transcript", "text": "transcr
 def upload_error(exc: InputError) -> ApiError:
     """What encoding a voice upload refused, in the upload's terms: a problem of the clip names
     ``audio``, one of the transcript ``transcript`` (:data:`UPLOAD_PARTS`); ``audio`` when none is named."""
-    message = exc.say(lambda problem: problem.render(name=UPLOAD_PARTS.get(problem.field, problem.field)))
-    named = next((UPLOAD_PARTS.get(p.field, p.field) for p in exc.problems if p.field), None)
-    return ApiError(400, message, param=named or "audio", code="invalid_value")
+    return _said(exc, lambda field: UPLOAD_PARTS.get(field, field), 400, None, "audio")

@@ -97,3 +97,26 @@ def test_an_unknown_choice_that_differs_by_case_is_named():
     said = unknown_choice("execution provider", "CPU", ["cpu", "cuda", "dml"], "--execution-provider")
     assert "unknown execution provider 'CPU' (did you mean 'cpu'?)" in said
     assert "did you mean 'cuda'" in unknown_choice("execution provider", "cudaa", ["cpu", "cuda"], "x")
+
+
+def test_an_input_error_is_its_problems_and_each_door_says_their_code():
+    """``InputError.of(Problem(...))``: the Python and CLI line is the problems' sentence, the HTTP
+    answer names the field by its HTTP name and carries the problem's code (it was
+    ``invalid_value`` for every problem)."""
+    from higgs_pack.manifests.errors import InputError, Problem
+    from higgs_pack.serve.errors import from_input_error, refused
+
+    exc = InputError.of(Problem("max_frames", None, message="{name} is missing: give it", code="missing_field"),
+                        Problem.said("odd {braces} kept", code="conflicting_fields"))
+    assert exc.code == "missing_field" and [p.code for p in exc.problems] == ["missing_field", "conflicting_fields"]
+    assert str(exc) == "2 problems with the request:\n  - max_frames is missing: give it\n  - odd {braces} kept"
+    answer = from_input_error(exc)
+    assert (answer.status, answer.param, answer.code) == (400, "max_new_tokens", "missing_field")
+    assert answer.message.splitlines()[1] == "  - max_new_tokens is missing: give it", answer.message
+    body = refused(Problem.said("the body is bad", code="invalid_body"), param="audio").body()["error"]
+    assert (body["param"], body["code"], body["message"]) == ("audio", "invalid_body", "the body is bad")
+    assert from_input_error(InputError("a plain message")).code == "invalid_value"
+    with pytest.raises(ValueError, match="not one of"):
+        Problem(None, code="bad_code")
+    with pytest.raises(ValueError, match="at least one"):
+        InputError.of()

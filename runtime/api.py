@@ -297,7 +297,7 @@ class TTS:
     def _dialogue_plan(self, turns: Any, voices: dict[str, Any] | None, options: dict[str, Any]):
         if isinstance(turns, DialogueRequest):
             if voices is not None or options:
-                raise InputError("a DialogueRequest carries its own voices and options; set them when making it")
+                raise InputError.of(Problem.said("a DialogueRequest carries its own voices and options; set them when making it", code="conflicting_fields"))
             return turns.plan(self.pipeline)
         return DialogueRequest.create(turns, voices, **options).plan(self.pipeline)
 
@@ -363,11 +363,11 @@ class TTS:
         """
         for name, value in (("max_batch", max_batch), ("max_length", max_length), ("max_kv_bytes", max_kv_bytes)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, Integral) or value < 1):
-                raise InputError(f"{name} must be a whole number >= 1, got {value!r}")
+                raise InputError.of(Problem.said(f"{name} must be a whole number >= 1, got {value!r}"))
         limit = self.pipeline.decoder.max_length
         length = min(limit, DEFAULT_MAX_LENGTH) if max_length is None else max_length
         if length > limit:
-            raise InputError(f"max_length={length} is more than the decoder's context of {limit} positions")
+            raise InputError.of(Problem.said(f"max_length={length} is more than the decoder's context of {limit} positions"))
         decoder = backend_of(self.bundle.manifest).batched_decoder(self.pipeline, int(max_batch), int(length))
         return Engine(self.pipeline, decoder, max_kv_bytes=max_kv_bytes, prefill_chunk=prefill_chunk,
                       join_gap_steps=join_gap_steps)
@@ -413,8 +413,8 @@ class TTS:
             EngineClosed, or the error that stopped the engine: while iterating.
         """
         if isinstance(texts, (str, bytes)):
-            raise InputError("synthesize_many takes a list (or any iterable) of texts, got one string; use "
-                             "tts.synthesize(text) for one text, or synthesize_many([text])")
+            raise InputError.of(Problem.said("synthesize_many takes a list (or any iterable) of texts, got one string; use "
+                                             "tts.synthesize(text) for one text, or synthesize_many([text])"))
         template = SynthesisRequest.of("-", options)  # every option checked now, before any text
         if isinstance(template.voice, Voice):  # the clip is read and encoded once, for every text
             template = dataclasses.replace(template, voice=self.prepare_voice(template.voice.audio,
@@ -424,7 +424,7 @@ class TTS:
         for name, value in (("max_batch", max_batch), *engine_kwargs.items()):
             if (value is not None or name == "max_batch") and (
                     isinstance(value, bool) or not isinstance(value, Integral) or value < 1):
-                raise InputError(f"{name} must be a whole number >= 1, got {value!r}")
+                raise InputError.of(Problem.said(f"{name} must be a whole number >= 1, got {value!r}"))
 
         def request_of(index: int, item: str | SynthesisRequest) -> SynthesisRequest:
             if isinstance(item, SynthesisRequest):
@@ -529,8 +529,8 @@ def resolve(source: str | os.PathLike, *, bundle_dirs: tuple[str | os.PathLike, 
         return Resolved(got.path, f"hub {got.repo_id}@{got.commit[:12]}, {got.files_checked} files verified; "
                                   f"{got.reason}", got.device, verified=True)
     if variant is not None:  # never taken silently: only a hub repository of several bundles has folders to pick
-        raise InputError(f"variant {variant!r} (--variant) picks the folder of a hub repository holding several "
-                         f"bundles (hf://ORG/REPO); {text[:80]!r} is not one: drop it")
+        raise InputError.of(Problem.said(f"variant {variant!r} (--variant) picks the folder of a hub repository holding several "
+                                         f"bundles (hf://ORG/REPO); {text[:80]!r} is not one: drop it"))
     path = Path(text)
     if path.is_file():
         from higgs_pack.runtime.sources.archive import extracted_archive
@@ -582,8 +582,8 @@ def _check_source(source: Any) -> None:
         InputError: None, a number, an empty string (a new user's findings).
     """
     if not isinstance(source, (str, os.PathLike)) or not os.fspath(source):
-        raise InputError(f"load() takes a bundle folder, an archive, an installed bundle's name, a model slug or "
-                         f"hf://ORG/REPO; got {plain_type(source) if not isinstance(source, str) else 'an empty string'}")
+        raise InputError.of(Problem.said(f"load() takes a bundle folder, an archive, an installed bundle's name, a model slug or "
+                                         f"hf://ORG/REPO; got {plain_type(source) if not isinstance(source, str) else 'an empty string'}"))
 
 
 def load(

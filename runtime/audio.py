@@ -178,9 +178,9 @@ def cannot_write(path: str | Path, exc: OSError, option: str | None = None) -> I
 
     named = f"{path} ({option})" if option else str(path)
     if exc.errno == errno.ENOSPC:
-        return InputError(f"cannot write {named}: out of disk space (ENOSPC: {exc.strerror}); free "
-                          "space on that disk or write elsewhere")
-    return InputError(f"cannot write {named}: {exc.strerror or exc}; choose a writable path")
+        return InputError.of(Problem.said(f"cannot write {named}: out of disk space (ENOSPC: {exc.strerror}); free "
+                                          "space on that disk or write elsewhere"))
+    return InputError.of(Problem.said(f"cannot write {named}: {exc.strerror or exc}; choose a writable path"))
 
 
 def check_writable(path: str | Path, option: str | None = None) -> None:
@@ -348,9 +348,9 @@ class WavFileWriter:
     def __init__(self, path: str | Path, sample_rate: int, *, subtype: str = "PCM_16", peak: float | None = None,
                  option: str | None = None):
         if subtype not in STREAM_SUBTYPES:
-            raise InputError(f"unknown wav format {subtype!r}; use PCM_16 (16-bit) or FLOAT")
+            raise InputError.of(Problem.said(f"unknown wav format {subtype!r}; use PCM_16 (16-bit) or FLOAT", code="unknown_value"))
         if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, np.integer)) or sample_rate <= 0:
-            raise InputError(f"sample_rate must be a whole number of Hz > 0, got {sample_rate!r}")
+            raise InputError.of(Problem.said(f"sample_rate must be a whole number of Hz > 0, got {sample_rate!r}"))
         self.path, self.sample_rate, self.subtype, self.option = Path(path), int(sample_rate), subtype, option
         self.samples_written = 0
         self.peak = 0.0 if peak is None else float(peak)
@@ -359,7 +359,7 @@ class WavFileWriter:
         target = self.path.resolve()
         self._target, self._in_place = target, written_in_place(target)
         if not self._in_place and target.suffix.lower() != ".wav":  # WAV bytes in x.mp3 would mislead players
-            raise InputError(f"{self.path}{f' ({option})' if option else ''} is written as WAV: give it a .wav name")
+            raise InputError.of(Problem.said(f"{self.path}{f' ({option})' if option else ''} is written as WAV: give it a .wav name"))
         if self._in_place:
             fd, name = tempfile.mkstemp(prefix=PARTIAL_WAV_PREFIX, suffix=f"-{target.name}.wav")
             os.close(fd)
@@ -387,8 +387,8 @@ class WavFileWriter:
                 probe.write(b"\0")
         except OSError as found:
             return cannot_write(self.path, found, self.option)
-        return InputError(f"cannot write {self.path}{f' ({self.option})' if self.option else ''}: {exc}; "
-                          "choose a writable path")
+        return InputError.of(Problem.said(f"cannot write {self.path}{f' ({self.option})' if self.option else ''}: {exc}; "
+                                          "choose a writable path"))
 
     def write(self, samples: np.ndarray) -> None:
         """Append float32 [n] mono samples (nominally in [-1, 1]; a [n, 1] array is taken too).
@@ -399,11 +399,11 @@ class WavFileWriter:
         """
         samples = mono(samples, "WavFileWriter")
         if self._file is None:
-            raise InputError(f"{self.path} is already finished or discarded; open a new WavFileWriter")
+            raise InputError.of(Problem.said(f"{self.path} is already finished or discarded; open a new WavFileWriter"))
         for block in _blocks(samples):
             if not np.isfinite(block).all():
                 self.discard()
-                raise InputError("refusing to write audio with NaN/inf samples")
+                raise InputError.of(Problem.said("refusing to write audio with NaN/inf samples"))
             if block.size:
                 self.peak = max(self.peak, float(np.abs(block).max()))
             try:
@@ -422,7 +422,7 @@ class WavFileWriter:
             InputError: a failed write (a full disk); nothing is left behind.
         """
         if self._file is None:
-            raise InputError(f"{self.path} is already finished or discarded; open a new WavFileWriter")
+            raise InputError.of(Problem.said(f"{self.path} is already finished or discarded; open a new WavFileWriter"))
         scaled = self._scale is not None
         try:
             self._file.close()
@@ -503,12 +503,12 @@ def mono(samples: np.ndarray, who: str) -> np.ndarray:
     """
     kind = np.asarray(samples).dtype
     if kind.kind != "f":  # int16 PCM read as floats would be scaled from a peak of thousands
-        raise InputError(f"{who} writes float samples, nominally in [-1, 1]; got {kind} samples: convert them "
-                         "first (int16 PCM: samples / 32768)")
+        raise InputError.of(Problem.said(f"{who} writes float samples, nominally in [-1, 1]; got {kind} samples: convert them "
+                                         "first (int16 PCM: samples / 32768)"))
     shape = np.shape(samples)
     if len(shape) > 2 or (len(shape) == 2 and min(shape) != 1):
-        raise InputError(f"{who} writes mono audio, float32 [samples]; got an array of shape {list(shape)}: "
-                         "mix the channels down first (samples.mean(axis=1))")
+        raise InputError.of(Problem.said(f"{who} writes mono audio, float32 [samples]; got an array of shape {list(shape)}: "
+                                         "mix the channels down first (samples.mean(axis=1))"))
     return np.asarray(samples, dtype=np.float32).reshape(-1)
 
 
@@ -531,14 +531,14 @@ def write_wav(path: str | Path, samples: np.ndarray, sample_rate: int, *, subtyp
             unwritable path (a full disk said as such).
     """
     if subtype not in ("PCM_16", "FLOAT"):
-        raise InputError(f"unknown wav format {subtype!r}; use PCM_16 (16-bit) or FLOAT")
+        raise InputError.of(Problem.said(f"unknown wav format {subtype!r}; use PCM_16 (16-bit) or FLOAT", code="unknown_value"))
     samples = mono(samples, "write_wav")  # a view of float32 audio, not a copy
     if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, np.integer)) or sample_rate <= 0:
-        raise InputError(f"sample_rate must be a whole number of Hz > 0, got {sample_rate!r}")
+        raise InputError.of(Problem.said(f"sample_rate must be a whole number of Hz > 0, got {sample_rate!r}"))
     peak = 0.0
     for block in _blocks(samples):
         if not np.isfinite(block).all():
-            raise InputError("refusing to write audio with NaN/inf samples")
+            raise InputError.of(Problem.said("refusing to write audio with NaN/inf samples"))
         if block.size:
             peak = max(peak, float(np.abs(block).max()))
     with WavFileWriter(path, sample_rate, subtype=subtype, peak=peak) as writer:
@@ -573,9 +573,9 @@ class AudioSink:
     def __init__(self, target: str | Path | BinaryIO, sample_rate: int, *, subtype: str = "PCM_16",
                  container: str = "wav"):
         if subtype not in STREAM_SUBTYPES:
-            raise InputError(f"unknown sample format {subtype!r}; use PCM_16 (16-bit) or FLOAT")
+            raise InputError.of(Problem.said(f"unknown sample format {subtype!r}; use PCM_16 (16-bit) or FLOAT", code="unknown_value"))
         if container not in ("wav", "raw"):
-            raise InputError(f"unknown output format {container!r}; use wav or raw (--format)")
+            raise InputError.of(Problem.said(f"unknown output format {container!r}; use wav or raw (--format)", code="unknown_value"))
         self.sample_rate, self.subtype = sample_rate, subtype
         self.samples_written = self.clipped = 0
         self._dtype = STREAM_SUBTYPES[subtype][0]
@@ -586,12 +586,12 @@ class AudioSink:
             target = self._owned = open(target, "wb")  # noqa: SIM115 (closed by close()): a device or a named pipe, written as a stream
         if isinstance(target, (str, Path)):
             if container != "wav":
-                raise InputError("raw PCM goes to stdout (-o -); a file output is a .wav")
+                raise InputError.of(Problem.said("raw PCM goes to stdout (-o -); a file output is a .wav"))
             try:
                 self._file = sf.SoundFile(target, "w", sample_rate, 1, subtype=subtype, format="WAV")
             except (sf.LibsndfileError, RuntimeError, OSError) as exc:
                 check_writable(target)  # names the cause libsndfile calls "System error."
-                raise InputError(f"cannot write {target}: {exc}; choose a writable path") from exc
+                raise InputError.of(Problem.said(f"cannot write {target}: {exc}; choose a writable path")) from exc
         else:
             self._stream = target
             if container == "wav":
@@ -607,7 +607,7 @@ class AudioSink:
         """
         samples = mono(samples, type(self).__name__)
         if not np.isfinite(samples).all():
-            raise InputError("refusing to write audio with NaN/inf samples")
+            raise InputError.of(Problem.said("refusing to write audio with NaN/inf samples"))
         if self.subtype == "PCM_16":
             over = np.abs(samples) > 1.0
             if over.any():

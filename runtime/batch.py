@@ -81,8 +81,8 @@ def read_lines(text: str, base_seed: int | None) -> tuple[list[Line], int]:
     lines = [Line(n, s.strip(), None if base_seed is None else base_seed + n - 1)
              for n, s in enumerate(raw, start=1) if s.strip()]
     if not lines:
-        raise InputError(f"the text file has no non-empty line ({len(raw)} lines); --batch speaks one wav per "
-                         "non-empty line")
+        raise InputError.of(Problem.said(f"the text file has no non-empty line ({len(raw)} lines); --batch speaks one wav per "
+                                         "non-empty line"))
     refuse([Problem(None, line.text, message=literal(problem),
                     fix="fix or remove that line of --text-file") for line in lines
             if (problem := unspeakable(line.text, f"line {line.number}")) is not None])
@@ -157,10 +157,10 @@ class BatchManifest:
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise InputError(f"{path} cannot be read as JSON ({exc}); move it away to start this folder over, "
-                             "or choose another -o") from exc
+            raise InputError.of(Problem.said(f"{path} cannot be read as JSON ({exc}); move it away to start this folder over, "
+                                             "or choose another -o")) from exc
         if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
-            raise InputError(f"{path} is not a {MANIFEST_FORMAT} manifest; choose another -o")
+            raise InputError.of(Problem.said(f"{path} is not a {MANIFEST_FORMAT} manifest; choose another -o"))
         return data
 
 
@@ -178,8 +178,8 @@ def finished_lines(previous: dict[str, Any] | None, settings: dict[str, Any], li
     changed = sorted(k for k in set(before) | set(settings) if before.get(k) != settings.get(k))
     if changed:
         diffs = "; ".join(f"{k}: {before.get(k)!r} there, {settings.get(k)!r} now" for k in changed)
-        raise InputError(f"{folder / MANIFEST} was written with other settings ({diffs}); rerun with the same "
-                         "options to resume, choose another -o, or delete that manifest to start the folder over")
+        raise InputError.of(Problem.said(f"{folder / MANIFEST} was written with other settings ({diffs}); rerun with the same "
+                                         "options to resume, choose another -o, or delete that manifest to start the folder over"))
     now = {line.number: line for line in lines}
     keep = {}
     for entry in previous.get("files", []):
@@ -214,8 +214,8 @@ def refuse_strangers(folder: Path, names: list[str], previous: dict[str, Any] | 
         found.insert(0, MANIFEST)
     if found:
         shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
-        raise InputError(f"{folder} already holds {shown}, which no earlier run of this batch wrote (the batch "
-                         "manifest does not list them); move them away or choose another -o")
+        raise InputError.of(Problem.said(f"{folder} already holds {shown}, which no earlier run of this batch wrote (the batch "
+                                         "manifest does not list them); move them away or choose another -o"))
 
 
 @dataclass

@@ -19,7 +19,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from higgs_pack.manifests.errors import InputError, install_extra
+from higgs_pack.manifests.errors import InputError, Problem, install_extra
 from higgs_pack.runtime.audio import check_writable, write_file
 from higgs_pack.runtime.loop.generate import Segment
 
@@ -46,16 +46,16 @@ def check_subtitles_path(path: str | os.PathLike, option: str = "--subtitles") -
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in FORMATS:
-        raise InputError(f"{option} {path}: a subtitles file is SubRip (.srt) or WebVTT (.vtt), chosen by its "
-                         f"suffix; got {suffix or 'no suffix'}: name it .srt or .vtt")
+        raise InputError.of(Problem.said(f"{option} {path}: a subtitles file is SubRip (.srt) or WebVTT (.vtt), chosen by its "
+                                         f"suffix; got {suffix or 'no suffix'}: name it .srt or .vtt"))
     if path.is_dir():
-        raise InputError(f"{option} {path} is a directory; give a file name ending in {suffix}")
+        raise InputError.of(Problem.said(f"{option} {path} is a directory; give a file name ending in {suffix}"))
     if not path.resolve().parent.is_dir():
-        raise InputError(f"{option} {path}: folder {path.resolve().parent} does not exist; create it first")
+        raise InputError.of(Problem.said(f"{option} {path}: folder {path.resolve().parent} does not exist; create it first"))
     kind, module = FORMATS[suffix]
     if importlib.util.find_spec(module) is None:
-        raise InputError(f"{option} {path}: writing {kind} needs the {module!r} module; "
-                         f"{install_extra('subtitles')}")
+        raise InputError.of(Problem.said(f"{option} {path}: writing {kind} needs the {module!r} module; "
+                                         f"{install_extra('subtitles')}"))
     check_writable(path, option)
     return path
 
@@ -110,7 +110,7 @@ def subtitles_text(segments: Sequence[Segment], suffix: str) -> str:
             # WebVTT cue text is markup: "<|emotion:...|>" or "-->" must be escaped (&lt; &gt; &amp;).
             vtt.captions.append(webvtt.Caption(_stamp(start), _stamp(end), html.escape(text, False)))
         return vtt.content
-    raise InputError(f"subtitles are .srt or .vtt, got {suffix or 'no suffix'}")
+    raise InputError.of(Problem.said(f"subtitles are .srt or .vtt, got {suffix or 'no suffix'}"))
 
 
 def _stamp(seconds: float) -> str:

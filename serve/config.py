@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.manifests.errors import InputError
+from higgs_pack.manifests.errors import InputError, Problem
 
 #: Longest ``input`` by default (characters): about 8,000 English words, some 45 minutes of speech,
 #: spoken in chunks with a rolling context.  OpenAI's own limit is 4,096 (openai-python
@@ -200,4 +200,4 @@ class ServeConfig:
             problems.append(f"--voices-dir {voices}: folder {voices.absolute().parent} does not exist; create it "
                             "first (the server creates only the voices folder itself)")
         if problems:
-            raise InputError("; ".join(problems))
+            raise InputError.of(Problem.said("; ".join(problems)))

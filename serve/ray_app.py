@@ -61,7 +61,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.manifests.errors import InputError, did_you_mean, install_extra
+from higgs_pack.manifests.errors import InputError, Problem, did_you_mean, install_extra
 
 try:
     from ray import serve
@@ -179,14 +179,14 @@ def _autoscaling(config: ServeConfig, given: AutoscalingConfig | dict[str, Any])
     elif isinstance(given, dict):
         values = dict(given)
     else:
-        raise InputError(f"autoscaling_config must be a dict or ray.serve.config.AutoscalingConfig, got "
-                         f"{type(given).__name__}")
+        raise InputError.of(Problem.said(f"autoscaling_config must be a dict or ray.serve.config.AutoscalingConfig, got "
+                                         f"{type(given).__name__}"))
     values.setdefault("target_ongoing_requests", target_ongoing_requests(config.max_batch or DEFAULT_MAX_BATCH))
     try:
         return AutoscalingConfig(**values)
     except ValueError as exc:  # pydantic's ValidationError is one
         why = "; ".join(e["msg"] for e in exc.errors()) if hasattr(exc, "errors") else str(exc)
-        raise InputError(f"autoscaling_config {values} is not valid: {why}") from exc
+        raise InputError.of(Problem.said(f"autoscaling_config {values} is not valid: {why}")) from exc
 
 
 def deployment_options(config: ServeConfig | None = None, *, num_replicas: int | str | None = None,
@@ -199,8 +199,8 @@ def deployment_options(config: ServeConfig | None = None, *, num_replicas: int |
     """
     config = config if config is not None else ServeConfig()
     if num_replicas is not None and autoscaling_config is not None:
-        raise InputError("give num_replicas (a fixed count) or autoscaling (min_replicas, max_replicas, "
-                         "target_ongoing_requests), not both")
+        raise InputError.of(Problem.said("give num_replicas (a fixed count) or autoscaling (min_replicas, max_replicas, "
+                                         "target_ongoing_requests), not both", code="conflicting_fields"))
     scaling: dict[str, Any] = {}  # neither: Ray's default of 1, which a config file's deployments: may override
     if autoscaling_config is not None:
         scaling["autoscaling_config"] = _autoscaling(config, autoscaling_config)
@@ -321,9 +321,9 @@ def parse_args(args: dict[str, Any]) -> tuple[str, ServeConfig, dict[str, Any]]:
     unknown = sorted(set(args) - set(ARGS))
     if unknown:
         hints = [f"{k!r}{did_you_mean(k, ARGS)}" for k in unknown]
-        raise InputError(f"unknown build_app argument(s) {', '.join(hints)}; known: {', '.join(ARGS)}")
+        raise InputError.of(Problem.said(f"unknown build_app argument(s) {', '.join(hints)}; known: {', '.join(ARGS)}", code="unknown_field"))
     if "source" not in args:
-        raise InputError("build_app needs source=BUNDLE (a folder, an installed name, a model slug or hf://...)")
+        raise InputError.of(Problem.said("build_app needs source=BUNDLE (a folder, an installed name, a model slug or hf://...)", code="missing_field"))
     values, problems = {}, []
     for key, value in args.items():
         parse, about = ARGS[key]
@@ -332,7 +332,7 @@ def parse_args(args: dict[str, Any]) -> tuple[str, ServeConfig, dict[str, Any]]:
         except ValueError as exc:
             problems.append(f"{key}={value!r} is not {exc} ({about})")
     if problems:
-        raise InputError("; ".join(problems))
+        raise InputError.of(Problem.said("; ".join(problems)))
     server = ServeConfig.given(values)
     scaling = {k: values[k] for k in _AUTOSCALING_ARGS if k in values}
     keywords = {k: values[k] for k in ("device", "num_replicas", "num_cpus", "max_queued_requests") if k in values}

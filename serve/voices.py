@@ -74,12 +74,12 @@ def load_prefix_key(path: Path, voices_dir: Path | None) -> bytes:
             sign a forgery), or holds something other than 64 hex digits.
         OSError: it cannot be read or created (said by the caller with the path).
     """
-    from higgs_pack.manifests.errors import InputError
+    from higgs_pack.manifests.errors import InputError, Problem
 
     path = Path(path)
     if voices_dir is not None and path.absolute().resolve().is_relative_to(Path(voices_dir).absolute().resolve()):
-        raise InputError(f"--prefix-key-file {path} is inside --voices-dir {voices_dir}: whoever can write the voices "
-                         "could read it and sign a forged prefix; keep it outside the voices folder")
+        raise InputError.of(Problem.said(f"--prefix-key-file {path} is inside --voices-dir {voices_dir}: whoever can write the voices "
+                                         "could read it and sign a forged prefix; keep it outside the voices folder"))
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         try:
@@ -92,8 +92,8 @@ def load_prefix_key(path: Path, voices_dir: Path | None) -> bytes:
             log.info("made the voice prefix signing key %s (mode 0600)", path)
     text = path.read_text(encoding="ascii", errors="replace").strip()
     if not re.fullmatch(r"[0-9a-f]{64}", text):
-        raise InputError(f"--prefix-key-file {path} does not hold a key (64 hex digits); remove it to have one made, "
-                         "or give the file every server sharing the voices folder uses")
+        raise InputError.of(Problem.said(f"--prefix-key-file {path} does not hold a key (64 hex digits); remove it to have one made, "
+                                         "or give the file every server sharing the voices folder uses"))
     return bytes.fromhex(text)
 
 

@@ -120,3 +120,37 @@ def test_an_input_error_is_its_problems_and_each_door_says_their_code():
         Problem(None, code="bad_code")
     with pytest.raises(ValueError, match="at least one"):
         InputError.of()
+
+
+#: Modules that still build an InputError from a plain message (being rewritten beside this change;
+#: each leaves this list when it builds its errors from problems).  bench/ is outside the package.
+PLAIN_MESSAGE_MODULES = frozenset({
+    "runtime/request.py", "runtime/loop/delay.py", "runtime/loop/generate.py", "runtime/loop/engine.py",
+    "runtime/loop/codec_batch.py", "runtime/loop/prefix_cache.py", "runtime/loop/kv_memory.py",
+    "runtime/loop/kv_blocks.py", "serve/schema.py", "serve/speech.py", "serve/live.py", "runtime/cli.py",
+    "serve/integrations/protocol.py",
+})
+
+
+def _plain_input_errors(path) -> list[int]:
+    """Lines of ``path`` that build an InputError with no problems (``InputError("...")``)."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "InputError"
+                and not any(k.arg == "problems" for k in node.keywords) and len(node.args) < 2):
+            found.append(node.lineno)
+    return found
+
+
+def test_every_input_error_is_built_from_problems():
+    """``InputError.of(Problem(...))`` (or ``problems=``), so every door has each problem's field
+    and code as data; a plain message is one problem of nothing with the code ``invalid_value``."""
+    root = Path(__file__).resolve().parents[1]
+    plain = [f"{path.relative_to(root).as_posix()}:{line}"
+             for room in ("targets", "exporters", "serve", "runtime", "manifests", "higgs_pack")
+             for path in sorted((root / room).rglob("*.py"))
+             if path.relative_to(root).as_posix() not in PLAIN_MESSAGE_MODULES
+             for line in _plain_input_errors(path)]
+    assert not plain, f"InputError built from a plain message (use InputError.of(Problem.said(...))): {plain}"

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from higgs_pack.manifests.errors import InputError
+from higgs_pack.manifests.errors import InputError, Problem
 from higgs_pack.manifests.model import SubPart
 
 if TYPE_CHECKING:
@@ -272,9 +272,9 @@ class CodecEncoder(nn.Module):
 
     def forward(self, waveform: torch.Tensor) -> torch.Tensor:
         if not torch.jit.is_tracing() and waveform.shape[-1] % self.hop:
-            raise InputError(
-                f"codec encoder input has {waveform.shape[-1]} samples, not a multiple of "
-                f"{self.hop}; pad the 24 kHz waveform with silence to whole frames."
+            raise InputError.of(
+                Problem.said(f"codec encoder input has {waveform.shape[-1]} samples, not a multiple of "
+                             f"{self.hop}; pad the 24 kHz waveform with silence to whole frames.")
             )
         semantic_in = F.pad(self.resample(waveform[:, 0, :]), (160, 160))
         hidden = self._hubert_hidden_states(semantic_in)

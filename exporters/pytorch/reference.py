@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from higgs_pack.exporters.pytorch.modules import build_modules
-from higgs_pack.manifests.errors import InputError
+from higgs_pack.manifests.errors import InputError, Problem
 from higgs_pack.manifests.model import SUBPART_IO, SubPart
 from higgs_pack.runtime.loop.pipeline import Pipeline
 
@@ -35,7 +35,7 @@ def _to_torch(name: str, value: Any) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
     if np.issubdtype(array.dtype, np.floating):
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
-    raise InputError(f"input {name!r} has dtype {array.dtype}; expected integers or floats")
+    raise InputError.of(Problem.said(f"input {name!r} has dtype {array.dtype}; expected integers or floats"))
 
 
 def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -70,8 +70,8 @@ class TorchRunner:
         """Run once; keys are the names of ``SUBPART_IO``."""
         missing = [n for n in self.input_names if n not in feeds]
         if missing:
-            raise InputError(
-                f"missing input {missing[0]!r}; this sub-part takes {list(self.input_names)}"
+            raise InputError.of(
+                Problem.said(f"missing input {missing[0]!r}; this sub-part takes {list(self.input_names)}", code="missing_field")
             )
         args = [_to_torch(n, feeds[n]) for n in self.input_names]
         with torch.no_grad():
@@ -106,8 +106,8 @@ class _Upcast:
             owner, _, leaf = path.rpartition(".")
             sub = module.get_submodule(owner)
             if tuple(sub._parameters[leaf].shape) != tuple(array.shape):
-                raise InputError(f"layer {self.index} {path}: read-back weight has shape {list(array.shape)}, "
-                                 f"expected {list(sub._parameters[leaf].shape)}")
+                raise InputError.of(Problem.said(f"layer {self.index} {path}: read-back weight has shape {list(array.shape)}, "
+                                                 f"expected {list(sub._parameters[leaf].shape)}"))
             self._swap(sub, leaf, torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)))
         for sub in module.modules():
             for name, param in list(sub._parameters.items()):
@@ -194,13 +194,13 @@ class TorchDecoder:
         """float32 [1, S, H] -> float32 [1, S, H] (final-norm hidden states)."""
         x = _to_torch("inputs_embeds", inputs_embeds)
         if x.ndim != 3 or x.shape[0] != 1 or x.shape[2] != self.hidden_size or x.shape[1] < 1:
-            raise InputError(
-                f"decoder input has shape {list(x.shape)}; expected [1, S, {self.hidden_size}]"
+            raise InputError.of(
+                Problem.said(f"decoder input has shape {list(x.shape)}; expected [1, S, {self.hidden_size}]")
             )
         if self._length + x.shape[1] > self.max_length:
-            raise InputError(
-                f"the request needs {self._length + x.shape[1]} positions, more than the "
-                f"decoder's {self.max_length}; shorten the text or lower max_frames."
+            raise InputError.of(
+                Problem.said(f"the request needs {self._length + x.shape[1]} positions, more than the "
+                             f"decoder's {self.max_length}; shorten the text or lower max_frames.", code="input_too_long")
             )
         with torch.no_grad():
             out = self.model(inputs_embeds=x, past_key_values=self._cache, use_cache=True)

@@ -23,7 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from higgs_pack.manifests.errors import ExecutionProviderUnavailable, InputError, ManifestError
+from higgs_pack.manifests.errors import (
+    ExecutionProviderUnavailable,
+    InputError,
+    ManifestError,
+    Problem,
+)
 from higgs_pack.manifests.model import SubPart
 from higgs_pack.manifests.providers import ChoiceRung
 
@@ -181,9 +186,9 @@ class Backend:
 
         if max_batch == 1:
             return SingleRowDecoder(pipeline.decoder, max_length)
-        raise InputError(
-            f"{self.label} bundles do not decode several requests per step yet ({self.batching_refusal}); "
-            "use engine(max_batch=1) (the CLI's --batch 1), or a cpu ONNX Runtime bundle for batching")
+        raise InputError.of(
+            Problem.said(f"{self.label} bundles do not decode several requests per step yet ({self.batching_refusal}); "
+                         "use engine(max_batch=1) (the CLI's --batch 1), or a cpu ONNX Runtime bundle for batching", code="unsupported_value"))
 
     #: Why :meth:`batched_decoder` refuses ``max_batch > 1`` (for its message).
     batching_refusal: ClassVar[str] = "no batched decoder is written for this backend"

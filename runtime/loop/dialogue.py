@@ -271,7 +271,7 @@ class DialogueRequest:
             chosen[name] = voice
         for key in ("ref_audio", "ref_text", "voice"):
             if key in keywords:
-                raise InputError(f"a dialogue takes its voices as voices={{speaker: voice}}, not {key}=")
+                raise InputError.of(Problem.said(f"a dialogue takes its voices as voices={{speaker: voice}}, not {key}=", code="unknown_field"))
         try:
             options = SynthesisRequest.create(turns[0].text if speakers else "Hi.", **keywords)  # (turns: above)
         except InputError as exc:

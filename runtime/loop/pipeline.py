@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from higgs_pack.manifests.errors import InputError, SignatureMismatch
+from higgs_pack.manifests.errors import InputError, Problem, SignatureMismatch
 from higgs_pack.manifests.model import SubPart
 
 
@@ -207,7 +207,7 @@ def check_decoder_room(total: int, max_length: int) -> None:
         InputError: naming both numbers and what to shorten.
     """
     if total > max_length:
-        raise InputError(
-            f"the decoder would hold {total} positions, more than max_length={max_length}; "
-            "shorten the text or lower max_frames="
+        raise InputError.of(
+            Problem.said(f"the decoder would hold {total} positions, more than max_length={max_length}; "
+                         "shorten the text or lower max_frames=", code="input_too_long")
         )

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from higgs_pack.manifests.errors import HiggsPackError, InputError
+from higgs_pack.manifests.errors import HiggsPackError, InputError, Problem
 from higgs_pack.manifests.manifest import read_manifest
 from higgs_pack.manifests.providers import CPU_PROVIDER, EXECUTION_PROVIDERS
 from higgs_pack.runtime.backends import get_backend
@@ -362,10 +362,10 @@ def require_cases(cases: Path) -> None:
     """
     cases = Path(cases)
     if not cases.is_dir():
-        raise InputError(f"--cases {cases}: no such folder; give the project's shared/cases folder")
+        raise InputError.of(Problem.said(f"--cases {cases}: no such folder; give the project's shared/cases folder"))
     if not any((cases / name).is_file() for name in CASE_FILES):
-        raise InputError(f"--cases {cases} holds no verification cases (none of {', '.join(CASE_FILES)}); "
-                         "give the folder that holds them (the project's shared/cases), or leave --cases out")
+        raise InputError.of(Problem.said(f"--cases {cases} holds no verification cases (none of {', '.join(CASE_FILES)}); "
+                                         "give the folder that holds them (the project's shared/cases), or leave --cases out"))
 
 
 def _check_cases(pipeline: Pipeline, cases: Path, report: VerifyReport) -> None:

@@ -11,7 +11,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from higgs_pack.manifests.errors import ExecutionProviderUnavailable, InputError, install_extra
+from higgs_pack.manifests.errors import (
+    ExecutionProviderUnavailable,
+    InputError,
+    Problem,
+    install_extra,
+)
 from higgs_pack.manifests.model import SubPart
 from higgs_pack.manifests.providers import CPU_PROVIDER, CPU_RUNG, EXECUTION_PROVIDERS
 from higgs_pack.runtime.backends import Backend, OpenedParts, OpenOptions, register
@@ -115,12 +120,12 @@ class OnnxRuntimeBackend(Backend):
             return BatchedOrtDecoder(decoder.session, max_batch=max_batch, max_length=max_length,
                                      kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
         if max_batch > 1:
-            raise InputError(
-                f"ONNX Runtime batches requests with a GroupQueryAttention decoder on the CPU or CUDA execution "
-                f"provider, which shares one KV buffer per layer between past and present; this decoder runs on "
-                f"{provider} and copies its cache every step (a graph with position_ids, as ModelBuilder writes "
-                "for dml and fp32 cuda bundles): use engine(max_batch=1) (the CLI's --batch 1), or a cpu bundle "
-                "or a cuda fp16/int4 one")
+            raise InputError.of(
+                Problem.said(f"ONNX Runtime batches requests with a GroupQueryAttention decoder on the CPU or CUDA execution "
+                             f"provider, which shares one KV buffer per layer between past and present; this decoder runs on "
+                             f"{provider} and copies its cache every step (a graph with position_ids, as ModelBuilder writes "
+                             "for dml and fp32 cuda bundles): use engine(max_batch=1) (the CLI's --batch 1), or a cpu bundle "
+                             "or a cuda fp16/int4 one", code="unsupported_value"))
         return super().batched_decoder(pipeline, max_batch, max_length)
 
     def structure_checks(self):

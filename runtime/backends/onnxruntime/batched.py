@@ -36,7 +36,7 @@ import mmap
 
 import numpy as np
 
-from higgs_pack.manifests.errors import InputError, SignatureMismatch
+from higgs_pack.manifests.errors import InputError, Problem, SignatureMismatch
 from higgs_pack.runtime.backends.onnxruntime.distributions import import_ort
 from higgs_pack.runtime.backends.onnxruntime.failures import _raise_unsupported
 from higgs_pack.runtime.backends.onnxruntime.runners import (
@@ -101,11 +101,11 @@ class BatchedOrtDecoder:
         provider = (session.get_providers() or ["CPUExecutionProvider"])[0]
         device = shared_kv_device(provider)
         if device is None:
-            raise InputError(
-                f"the batched decoder binds one KV buffer per layer as past and present, which {provider} "
-                "does not share; use max_batch=1 there, or a cpu or cuda bundle")
+            raise InputError.of(
+                Problem.said(f"the batched decoder binds one KV buffer per layer as past and present, which {provider} "
+                             "does not share; use max_batch=1 there, or a cpu or cuda bundle", code="unsupported_value"))
         if max_batch < 1 or max_length < 2:
-            raise InputError(f"max_batch must be >= 1 and max_length >= 2, got {max_batch} and {max_length}")
+            raise InputError.of(Problem.said(f"max_batch must be >= 1 and max_length >= 2, got {max_batch} and {max_length}"))
         inputs = {i.name: i for i in session.get_inputs()}
         hidden = inputs.get("inputs_embeds")
         if hidden is None or "position_ids" in inputs or not isinstance(hidden.shape[-1], int):
@@ -246,7 +246,7 @@ class BatchedOrtDecoder:
         from higgs_pack.runtime.loop.prefix_cache import check_prefix_arrays
 
         if self._on_values:
-            raise InputError("this batched decoder's KV buffers are OrtValues: a cached prefix is not copied in")
+            raise InputError.of(Problem.said("this batched decoder's KV buffers are OrtValues: a cached prefix is not copied in"))
         check_prefix_arrays(arrays, self._past, length)
         check_decoder_room(length, self.max_length)
         for n in self._past:
@@ -278,8 +278,8 @@ class BatchedOrtDecoder:
         """
         s = inputs_embeds.shape[1]
         if start and start != self.lengths[row]:
-            raise InputError(f"row {row} holds {int(self.lengths[row])} positions: a prefill continuing it starts "
-                             f"there, not at {start}")
+            raise InputError.of(Problem.said(f"row {row} holds {int(self.lengths[row])} positions: a prefill continuing it starts "
+                                             f"there, not at {start}"))
         check_decoder_room(start + s, self.max_length)
         self.lengths[row] = start
         binding = self.session.io_binding()
@@ -309,7 +309,7 @@ class BatchedOrtDecoder:
         """
         rows = np.asarray(rows, dtype=np.int64)
         if (self.lengths[rows] < 1).any():
-            raise InputError(f"rows {rows[self.lengths[rows] < 1].tolist()} were not prefilled; call prefill first")
+            raise InputError.of(Problem.said(f"rows {rows[self.lengths[rows] < 1].tolist()} were not prefilled; call prefill first"))
         check_decoder_room(int(self.lengths[rows].max()) + 1, self.max_length)
         k = int(rows.max()) + 1
         self._embeds[:k] = 0

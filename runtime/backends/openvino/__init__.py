@@ -12,7 +12,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from higgs_pack.manifests.errors import ExecutionProviderUnavailable, InputError, install_extra
+from higgs_pack.manifests.errors import (
+    ExecutionProviderUnavailable,
+    InputError,
+    Problem,
+    install_extra,
+)
 from higgs_pack.manifests.providers import CPU_RUNG, OPENVINO_REQUIREMENT, ChoiceRung
 from higgs_pack.runtime.backends import Backend, OpenedParts, OpenOptions, register
 
@@ -60,10 +65,10 @@ class OpenVINOBackend(Backend):
             compiled = compile_paged(decoder, pipeline.constants.num_layers)
             return OvPagedDecoder(compiled, max_batch=max_batch, max_length=max_length, device=decoder.device)
         if max_batch > 1:
-            raise InputError(
-                f"this OpenVINO bundle's decoder cannot batch requests ({self.batching_refusal}); use "
-                "engine(max_batch=1) (the CLI's --batch 1), or the openvino bundle without --npu (it batches "
-                "on the CPU device)")
+            raise InputError.of(
+                Problem.said(f"this OpenVINO bundle's decoder cannot batch requests ({self.batching_refusal}); use "
+                             "engine(max_batch=1) (the CLI's --batch 1), or the openvino bundle without --npu (it batches "
+                             "on the CPU device)", code="unsupported_value"))
         return super().batched_decoder(pipeline, max_batch, max_length)
 
     def stateful_batched_decoder(self, pipeline, max_batch: int, max_length: int):
@@ -79,8 +84,8 @@ class OpenVINOBackend(Backend):
 
         decoder = pipeline.decoder
         if not isinstance(decoder, OvStatefulDecoder) or decoder.device.split(".")[0] != "CPU":
-            raise InputError("the stateful batched decoder splices requests into the stateful KV cache on the CPU "
-                             "device only; load the openvino bundle (not --npu) with device='CPU'")
+            raise InputError.of(Problem.said("the stateful batched decoder splices requests into the stateful KV cache on the CPU "
+                                             "device only; load the openvino bundle (not --npu) with device='CPU'", code="unsupported_value"))
         c = pipeline.constants
         return OvBatchedDecoder(decoder, max_batch=max_batch, max_length=max_length,
                                 num_layers=c.num_layers, kv_heads=c.num_key_value_heads, head_dim=c.head_dim)

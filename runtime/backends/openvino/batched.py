@@ -34,7 +34,7 @@ import time
 import numpy as np
 import openvino as ov
 
-from higgs_pack.manifests.errors import InputError
+from higgs_pack.manifests.errors import InputError, Problem
 from higgs_pack.runtime.backends.openvino.runners import read_state, state_layout, write_state
 from higgs_pack.runtime.loop.pipeline import check_decoder_room
 
@@ -125,13 +125,13 @@ class OvBatchedDecoder:
     def __init__(self, decoder, *, max_batch: int, max_length: int, num_layers: int, kv_heads: int,
                  head_dim: int):
         if max_batch < 1 or max_length < 2:
-            raise InputError(f"max_batch must be >= 1 and max_length >= 2, got {max_batch} and {max_length}")
+            raise InputError.of(Problem.said(f"max_batch must be >= 1 and max_length >= 2, got {max_batch} and {max_length}"))
         if getattr(decoder, "shares_inputs", False):
             # Its input memory would stay bound to the graph this class's requests run on, and
             # their infers would write into it (OvStatefulDecoder's share_inputs says what broke).
-            raise InputError(
-                f"{decoder.path.name}: the batch-1 decoder was made with share_inputs=True, so the batched "
-                "decoder's infers would overwrite its input arrays; make it with share_inputs=False to batch")
+            raise InputError.of(
+                Problem.said(f"{decoder.path.name}: the batch-1 decoder was made with share_inputs=True, so the batched "
+                             "decoder's infers would overwrite its input arrays; make it with share_inputs=False to batch"))
         self.max_batch, self.max_length = int(max_batch), int(max_length)
         self.compiled = decoder.compiled
         self.kv_bytes_per_position, self.kv_count = cache_bytes_per_position(
@@ -204,7 +204,7 @@ class OvBatchedDecoder:
 
     def _check_row(self, row: int) -> None:
         if not 0 <= row < self.max_batch:
-            raise InputError(f"row {row} is outside 0..{self.max_batch - 1}")
+            raise InputError.of(Problem.said(f"row {row} is outside 0..{self.max_batch - 1}"))
 
     def prefill(self, row: int, inputs_embeds: np.ndarray, start: int = 0, final: bool = True) -> np.ndarray:
         """Prefill ``S`` prompt positions of row ``row`` on the solo request from position
@@ -233,8 +233,8 @@ class OvBatchedDecoder:
         self._check_row(row)
         s = inputs_embeds.shape[1]
         if start and self._pending != (row, start):
-            raise InputError(f"a prefill continuing row {row} at position {start} must follow that row's own "
-                             f"earlier chunk or cached prefix (the solo request holds {self._pending})")
+            raise InputError.of(Problem.said(f"a prefill continuing row {row} at position {start} must follow that row's own "
+                                             f"earlier chunk or cached prefix (the solo request holds {self._pending})"))
         check_decoder_room(start + s, self.max_length)
         self.lengths[row] = 0
         if not start:
@@ -294,7 +294,7 @@ class OvBatchedDecoder:
         """
         rows = np.asarray(rows, dtype=np.int64)
         if (self.lengths[rows] < 1).any():
-            raise InputError(f"rows {rows[self.lengths[rows] < 1].tolist()} were not prefilled; call prefill first")
+            raise InputError.of(Problem.said(f"rows {rows[self.lengths[rows] < 1].tolist()} were not prefilled; call prefill first"))
         check_decoder_room(int(self.lengths[rows].max()) + 1, self.max_length)
         keep = [i for i, r in enumerate(self._order) if self.lengths[r] > 0]
         order = [self._order[i] for i in keep]

@@ -39,7 +39,12 @@ from dataclasses import dataclass
 import numpy as np
 import openvino as ov
 
-from higgs_pack.manifests.errors import ExecutionProviderUnavailable, InputError, SignatureMismatch
+from higgs_pack.manifests.errors import (
+    ExecutionProviderUnavailable,
+    InputError,
+    Problem,
+    SignatureMismatch,
+)
 from higgs_pack.runtime.loop.kv_blocks import BlockPool, blocks_for
 from higgs_pack.runtime.loop.pipeline import check_decoder_room
 
@@ -145,7 +150,7 @@ class OvPagedDecoder:
 
     def __init__(self, compiled, *, max_batch: int, max_length: int, device: str, initial_blocks: int | None = None):
         if max_batch < 1 or max_length < 2:
-            raise InputError(f"max_batch must be >= 1 and max_length >= 2, got {max_batch} and {max_length}")
+            raise InputError.of(Problem.said(f"max_batch must be >= 1 and max_length >= 2, got {max_batch} and {max_length}"))
         self.max_batch, self.max_length, self.device = int(max_batch), int(max_length), device
         self.kv_device = "cpu" if device.split(".")[0] == "CPU" else device
         self.compiled = compiled
@@ -224,7 +229,7 @@ class OvPagedDecoder:
 
     def _check_row(self, row: int) -> None:
         if not 0 <= row < self.max_batch:
-            raise InputError(f"row {row} is outside 0..{self.max_batch - 1}")
+            raise InputError.of(Problem.said(f"row {row} is outside 0..{self.max_batch - 1}"))
 
     # voice prefixes as blocks
     @property
@@ -315,8 +320,8 @@ class OvPagedDecoder:
         if start == 0:
             self.release(row)
         elif start != self.lengths[row]:
-            raise InputError(f"a prefill continuing row {row} at position {start} must start where the row ends "
-                             f"({int(self.lengths[row])} positions)")
+            raise InputError.of(Problem.said(f"a prefill continuing row {row} at position {start} must start where the row ends "
+                                             f"({int(self.lengths[row])} positions)"))
         return self.forward([(row, inputs_embeds[0])])[0][None]
 
     def step(self, rows: np.ndarray, inputs_embeds: np.ndarray, prefill: tuple[int, np.ndarray, int] | None = None):
@@ -337,7 +342,7 @@ class OvPagedDecoder:
         """
         rows = [int(r) for r in rows]
         if any(self.lengths[r] < 1 for r in rows):
-            raise InputError(f"rows {[r for r in rows if self.lengths[r] < 1]} were not prefilled; call prefill first")
+            raise InputError.of(Problem.said(f"rows {[r for r in rows if self.lengths[r] < 1]} were not prefilled; call prefill first"))
         parts = [(r, inputs_embeds[i]) for i, r in enumerate(rows)]
         if prefill is None:
             return np.stack(self.forward(parts))
@@ -346,8 +351,8 @@ class OvPagedDecoder:
         if start == 0:
             self.release(row)
         elif start != self.lengths[row]:
-            raise InputError(f"the prefill chunk of row {row} at {start} must start where the row ends "
-                             f"({int(self.lengths[row])} positions)")
+            raise InputError.of(Problem.said(f"the prefill chunk of row {row} at {start} must start where the row ends "
+                                             f"({int(self.lengths[row])} positions)"))
         out = self.forward([*parts, (row, embeds[0])])
         self.packed_forwards += bool(rows)
         return (np.stack(out[:-1]) if rows else np.zeros((0, 1, self.hidden_size), np.float32)), out[-1][None]

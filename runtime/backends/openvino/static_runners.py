@@ -16,6 +16,7 @@ import openvino as ov
 
 from higgs_pack.manifests.errors import (
     InputError,
+    Problem,
     SignatureMismatch,
 )
 from higgs_pack.runtime.backends.openvino.runners import (
@@ -93,16 +94,16 @@ class OvStaticSubPart(OvSubPart):
         wrong = [i for i in range(len(self.in_shape)) if i != self._axis and
                  (x.ndim != len(self.in_shape) or x.shape[i] != self.in_shape[i])]
         if x.ndim != len(self.in_shape) or wrong:
-            raise InputError(
-                f"{self.subpart}: {self._in} has shape {list(x.shape)}; this static-shape (NPU) bundle takes "
-                f"{self.in_shape}, where only axis {self._axis} may differ (padded or chunked)"
+            raise InputError.of(
+                Problem.said(f"{self.subpart}: {self._in} has shape {list(x.shape)}; this static-shape (NPU) bundle takes "
+                             f"{self.in_shape}, where only axis {self._axis} may differ (padded or chunked)")
             )
         n = int(x.shape[self._axis])
         if n > self.chunk and not self._split:
-            raise InputError(
-                f"{self.subpart}: {self._in} has {n} positions, more than the static length {self.chunk} this "
-                "NPU bundle was built with (generation.max_prompt_length); shorten the text or the reference "
-                "audio, or use the openvino bundle built without --npu"
+            raise InputError.of(
+                Problem.said(f"{self.subpart}: {self._in} has {n} positions, more than the static length {self.chunk} this "
+                             "NPU bundle was built with (generation.max_prompt_length); shorten the text or the reference "
+                             "audio, or use the openvino bundle built without --npu", code="input_too_long")
             )
         if n == 0:
             raise ValueError(f"{self.subpart}: {self._in} is empty along axis {self._axis}")
@@ -119,8 +120,8 @@ class OvStaticSubPart(OvSubPart):
             y = super().run(run_feeds)[self._out]
             a, b = (keep_start - start) * self.out_chunk, (keep_end - start) * self.out_chunk
             if a % self.chunk or b % self.chunk:
-                raise InputError(f"{self.subpart}: {n} positions do not map to whole output positions "
-                                 f"({self.chunk} in -> {self.out_chunk} out)")
+                raise InputError.of(Problem.said(f"{self.subpart}: {n} positions do not map to whole output positions "
+                                                 f"({self.chunk} in -> {self.out_chunk} out)"))
             pieces.append(_take(y, self._out_axis, a // self.chunk, b // self.chunk))
         return {self._out: pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=self._out_axis)}
 
@@ -221,15 +222,15 @@ class OvStaticKVDecoder:
             raise ValueError(f"inputs_embeds must be [1, S, {self.hidden}] with S >= 1, got {embeds.shape}")
         s = embeds.shape[1]
         if self.length == 0 and s > self.max_prompt_length:
-            raise InputError(
-                f"the prompt has {s} positions, more than this NPU bundle's static prompt length "
-                f"{self.max_prompt_length} (generation.max_prompt_length; KV window {self.max_length}): shorten "
-                "the text or the reference audio, or use the openvino bundle built without --npu"
+            raise InputError.of(
+                Problem.said(f"the prompt has {s} positions, more than this NPU bundle's static prompt length "
+                             f"{self.max_prompt_length} (generation.max_prompt_length; KV window {self.max_length}): shorten "
+                             "the text or the reference audio, or use the openvino bundle built without --npu", code="input_too_long")
             )
         if self.length + s > self.max_length:
-            raise InputError(
-                f"the decoder would hold {self.length + s} positions, more than this NPU bundle's static KV "
-                f"window of {self.max_length}; shorten the text or lower max_frames="
+            raise InputError.of(
+                Problem.said(f"the decoder would hold {self.length + s} positions, more than this NPU bundle's static KV "
+                             f"window of {self.max_length}; shorten the text or lower max_frames=", code="input_too_long")
             )
         kv, step = self.max_length, self.step
         out = np.empty((1, s, self.hidden), dtype=np.float32)

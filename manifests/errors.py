@@ -78,6 +78,7 @@ CODES = (
     "invalid_json",        # the body is not JSON
     "invalid_name",        # a name (of a voice) that cannot be kept
     "builtin_voice",       # the bundle's own voice, which cannot be deleted
+    "voice_exists",        # a voice's name that is taken
     "invalid_barge_in",    # a barge-in names audio that was not sent
 )
 

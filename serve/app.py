@@ -32,9 +32,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
-from higgs_pack.manifests.errors import HiggsPackError, InputError, disk_full, disk_full_message
+from higgs_pack.manifests.errors import (
+    HiggsPackError,
+    InputError,
+    Problem,
+    disk_full,
+    disk_full_message,
+)
 from higgs_pack.serve import schema
-from higgs_pack.serve.errors import ApiError, error_body, from_input_error, upload_error
+from higgs_pack.serve.errors import ApiError, error_body, from_input_error, refused, upload_error
 from higgs_pack.serve.formats import FORMATS, media_type, sse_error
 from higgs_pack.serve.live import ROUTE as LIVE_ROUTE
 from higgs_pack.serve.live import live_route
@@ -141,8 +147,8 @@ def _handlers(app: FastAPI) -> None:
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         param = str(first.get("loc", ["", ""])[-1]) or None
-        return JSONResponse(error_body(400, f"{param}: {first.get('msg', 'invalid request')}", param),
-                            status_code=400)
+        answer = refused(Problem.said(f"{param}: {first.get('msg', 'invalid request')}"), param=param)
+        return JSONResponse(answer.body(), status_code=answer.status)
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, exc: Exception) -> JSONResponse:
@@ -335,8 +341,8 @@ def _duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     seen: dict[str, Any] = {}
     for key, value in pairs:
         if key in seen:
-            raise ApiError(400, f"the JSON body gives {short(key)} twice; give each field once", param=key[:80],
-                           code="duplicate_field")
+            raise refused(Problem.said(f"the JSON body gives {short(key)} twice; give each field once",
+                                       code="duplicate_field"), param=key[:80])
         seen[key] = value
     return seen
 
@@ -374,11 +380,11 @@ async def _json_body(request: Request, limit: int, server: SpeechServer) -> Any:
         parse = functools.partial(json.loads, data, object_pairs_hook=_duplicate_keys)
         return parse() if len(data) <= JSON_ON_LOOP_BYTES else await server.off_loop(parse)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the body is not JSON ({exc}); send a JSON object with model, input and voice",
-                       code="invalid_json") from exc
+        raise refused(Problem.said(f"the body is not JSON ({exc}); send a JSON object with model, input and voice",
+                                   code="invalid_json")) from exc
     except RecursionError as exc:
-        raise ApiError(400, "the body nests JSON arrays or objects too deeply to read; send a flat JSON object "
-                       "with model, input and voice", code="invalid_json") from exc
+        raise refused(Problem.said("the body nests JSON arrays or objects too deeply to read; send a flat JSON "
+                                   "object with model, input and voice", code="invalid_json")) from exc
 
 
 def _routes(app: FastAPI, server: SpeechServer) -> None:
@@ -525,8 +531,9 @@ def _voice_routes(app: FastAPI, server: SpeechServer) -> None:
         # claimed on the event loop, between no two awaits: a second upload of the name (or of a name that
         # differs by case: Narrator and narrator are one file on Windows) cannot pass while this one runs
         if name.lower() in server.uploading:
-            raise ApiError(409, f"voice {name!r} is being uploaded by another request; wait for it, then DELETE "
-                           f"/v1/audio/voices/{name} to replace it", param="name", code="voice_exists")
+            raise refused(Problem.said(f"voice {name!r} is being uploaded by another request; wait for it, then "
+                                       f"DELETE /v1/audio/voices/{name} to replace it", "name", name,
+                                       code="voice_exists"), status=409)
         server.uploading.add(name.lower())
         try:
             return JSONResponse(await server.off_loop(functools.partial(keep, upload)), status_code=201)
@@ -538,8 +545,9 @@ def _voice_routes(app: FastAPI, server: SpeechServer) -> None:
         name = upload.name
         same = next((n for n in server.voices.names() if n.lower() == name.lower()), None)
         if same is not None:
-            raise ApiError(409, f"voice {same!r} exists (names differ by more than case); DELETE "
-                           f"/v1/audio/voices/{same} first to replace it", param="name", code="voice_exists")
+            raise refused(Problem.said(f"voice {same!r} exists (names differ by more than case); DELETE "
+                                       f"/v1/audio/voices/{same} first to replace it", "name", name,
+                                       code="voice_exists"), status=409)
         clip = reference_clip(upload.audio, config, "audio")
         try:
             voice = server.tts.prepare_voice(clip, upload.transcript, name)
@@ -559,8 +567,8 @@ def _voice_routes(app: FastAPI, server: SpeechServer) -> None:
         """Forget a stored voice (and its file in --voices-dir)."""
         _check_key(server, request)
         if name == DEFAULT_VOICE:
-            raise ApiError(400, f"voice {DEFAULT_VOICE!r} is the bundle's built-in voice: it cannot be deleted (only "
-                           "uploaded voices can)", param="name", code="builtin_voice")
+            raise refused(Problem.said(f"voice {DEFAULT_VOICE!r} is the bundle's built-in voice: it cannot be deleted "
+                                       "(only uploaded voices can)", "name", name, code="builtin_voice"))
         if not server.voices.delete(name):
             raise ApiError(404, f"voice {short(name)} is not known; GET /v1/audio/voices lists them", param="name",
                            code="unknown_voice")

@@ -11,9 +11,10 @@ from typing import Any
 
 import numpy as np
 
+from higgs_pack.manifests.errors import Problem
 from higgs_pack.runtime.loop.generate import GenerationResult
 from higgs_pack.runtime.loop.words import Word, heard_words, word_timings, words_prefix
-from higgs_pack.serve.errors import ApiError
+from higgs_pack.serve.errors import refused
 from higgs_pack.serve.integrations.protocol import spoken_chars
 from higgs_pack.serve.speech import short
 
@@ -62,8 +63,9 @@ def played_record(played: list[Played], index: int | None) -> Played | None:
     found = [p for p in played if p.index == index]
     if not found:
         known = ", ".join(str(p.index) for p in played) or "none yet"
-        raise _bad(f"sentence_index {index} is not a sentence whose audio was sent (of the last {PLAYED_KEPT}: "
-                   f"{known}); give an audio.start's sentence_index", "sentence_index", "invalid_value")
+        raise refused(Problem.said(f"sentence_index {index} is not a sentence whose audio was sent (of the last "
+                                   f"{PLAYED_KEPT}: {known}); give an audio.start's sentence_index", "sentence_index",
+                                   index))
     return found[0]
 
 
@@ -76,12 +78,13 @@ def cancel_fields(data: dict[str, Any]) -> tuple[float | None, int | None]:
     played_ms, index = data.get("played_ms"), data.get("sentence_index")
     if played_ms is not None and not (isinstance(played_ms, (int, float)) and not isinstance(played_ms, bool)
                                       and math.isfinite(played_ms) and played_ms >= 0):
-        raise _bad(f"played_ms is the milliseconds of the sentence's audio the client played, a number >= 0; "
-                   f"got {short(played_ms)}", "played_ms", "invalid_value")
+        raise refused(Problem.said(f"played_ms is the milliseconds of the sentence's audio the client played, a "
+                                   f"number >= 0; got {short(played_ms)}", "played_ms", played_ms))
     if index is not None and (played_ms is None or not isinstance(index, int) or isinstance(index, bool)):
-        raise _bad(f"sentence_index names the sentence played_ms is of (an audio.start's sentence_index, with "
-                   f"played_ms); got {short(index)}{'' if played_ms is not None else ' without played_ms'}",
-                   "sentence_index", "invalid_value")
+        raise refused(Problem.said(f"sentence_index names the sentence played_ms is of (an audio.start's "
+                                   f"sentence_index, with played_ms); got {short(index)}"
+                                   f"{'' if played_ms is not None else ' without played_ms'}", "sentence_index",
+                                   index))
     return played_ms, index
 
 
@@ -126,6 +129,3 @@ def heard_part(record: Played | None, played_ms: float, played: list[Played], ra
     return len(heard), words_prefix(record.text, len(heard)), GenerationResult(codes[:0], codes, "cancelled", 0,
                                                                                math.nan, 0.0, 0.0)
 
-
-def _bad(message: str, param: str, code: str) -> ApiError:
-    return ApiError(400, message, param=param, code=code)

@@ -19,6 +19,11 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 class ApiError(HiggsPackError):
     """An answer that is an error: its status, what was wrong and what is allowed.
 
+    A request's problems are not written here: they are :class:`Problem` objects, answered by
+    :func:`from_input_error` (an :class:`InputError`) or :func:`refused` (problems this server
+    found itself), which make the ApiError; one is written by hand for what is transport (401,
+    403, 404, 405, 413, 415, 429, 503) or a failure of the server (499, 500, 507).
+
     Args:
         status: HTTP status (400 bad field, 401 bad key, 404 unknown model or voice, 413 over a
             size limit, 429 queue full, 503 not ready or stopping).

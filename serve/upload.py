@@ -15,9 +15,9 @@ from starlette.datastructures import FormData
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 
-from higgs_pack.manifests.errors import InputError
+from higgs_pack.manifests.errors import InputError, Problem
 from higgs_pack.runtime import text as text_rule
-from higgs_pack.serve.errors import ApiError
+from higgs_pack.serve.errors import ApiError, refused
 from higgs_pack.serve.speech import unknown_fields
 from higgs_pack.serve.voices import name_problem
 
@@ -68,22 +68,22 @@ async def read_upload(request: Request, max_bytes: int) -> Upload:
             name, audio or transcript, a text part that is not UTF-8), 413 (the clip is too large).
     """
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-        raise ApiError(400, "a voice upload is multipart/form-data with the parts audio (the clip), "
-                       "transcript and name", param="audio", code="invalid_body")
+        raise refused(Problem.said("a voice upload is multipart/form-data with the parts audio (the clip), "
+                                   "transcript and name", code="invalid_body"), param="audio")
     try:
         form = await _StrictParts(request.headers, request.stream(), max_files=1, max_fields=8,
                                   max_part_size=max_bytes + 1).parse()
     except MultiPartException as exc:  # the parser's limits: more than one file, too many parts
-        raise ApiError(400, f"{exc.message} A voice upload is one audio file part with transcript and name "
-                       "parts", param="audio", code="invalid_body") from exc
+        raise refused(Problem.said(f"{exc.message} A voice upload is one audio file part with transcript and "
+                                   "name parts", code="invalid_body"), param="audio") from exc
     _check_parts(form)
     name = _text_part(form, "name", "name", "a voice is stored under a name", code="invalid_name")
     if (problem := name_problem(name)) is not None:
-        raise ApiError(400, problem, param="name", code="invalid_name")
+        raise refused(Problem.said(problem, "name", name, code="invalid_name"))
     upload = form.get("audio", form.get("file"))
     if upload is None or isinstance(upload, (str, bytes)):
-        raise ApiError(400, "the upload needs an audio file part (multipart field 'audio')", param="audio",
-                       code="missing_field")
+        raise refused(Problem.said("the upload needs an audio file part (multipart field 'audio')", "audio",
+                                   code="missing_field"))
     key = "transcript" if "transcript" in form else "ref_text"
     transcript = _text_part(form, key, "transcript", "a transcript holds the words the clip says",
                             fix="; transcript is the exact words said in the clip")
@@ -100,17 +100,17 @@ def _check_parts(form: FormData) -> None:
     be a guess, and a wrong transcript is a wrong voice)."""
     unknown = [k for k in form if k not in PARTS]
     if unknown:
-        raise ApiError(400, unknown_fields(unknown, PARTS, "part", "one of these multipart parts (a voice "
-                                           "upload takes audio, transcript and name)"),
-                       param=unknown[0][:80], code="unknown_field")
+        raise refused(Problem.said(unknown_fields(unknown, PARTS, "part", "one of these multipart parts (a voice "
+                                                  "upload takes audio, transcript and name)"), code="unknown_field"),
+                      param=unknown[0][:80])
     given = [k for k, _ in form.multi_items()]
     twice = sorted({k for k in given if given.count(k) > 1} | {"/".join(pair) for pair in
                                                                 (("transcript", "ref_text"), ("audio", "file"))
                                                                 if set(pair) <= set(given)})
     if twice:
-        raise ApiError(400, f"the upload gives {', '.join(twice)} more than once; give each part once "
-                       "(transcript or ref_text, audio or file)", param=twice[0].split("/")[0],
-                       code="duplicate_field")
+        raise refused(Problem.said(f"the upload gives {', '.join(twice)} more than once; give each part once "
+                                   "(transcript or ref_text, audio or file)", code="duplicate_field"),
+                      param=twice[0].split("/")[0])
 
 
 def _text_part(form: FormData, key: str, param: str, why: str, code: str = "invalid_value", fix: str = "") -> str:
@@ -122,15 +122,15 @@ def _text_part(form: FormData, key: str, param: str, why: str, code: str = "inva
     value = form.get(key)
     if value is None:
         if param == "name":
-            raise ApiError(400, name_problem(None) or "", param=param, code=code)
-        raise ApiError(400, f"the upload needs '{param}': the exact words said in the clip", param=param,
-                       code="missing_field")
+            raise refused(Problem.said(name_problem(None) or "", param, code="missing_field"))
+        raise refused(Problem.said(f"the upload needs '{param}': the exact words said in the clip", param,
+                                   code="missing_field"))
     if isinstance(value, bytes):
         try:
             value = text_rule.decode(value, f"the {param} part", fix="send it as UTF-8 text")
         except InputError as exc:
-            raise ApiError(400, str(exc), param=param, code=code) from None
+            raise refused(Problem.said(str(exc), param, code=code)) from None
     problem = text_rule.problem(value, param, why)
     if problem is not None:
-        raise ApiError(400, problem + fix, param=param, code=code)
+        raise refused(Problem.said(problem + fix, param, value, code=code))
     return text_rule.clean(value)

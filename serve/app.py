@@ -286,12 +286,21 @@ class _CountRequests:
 IN_FLIGHT: dict[object, tuple[str, float]] = {}
 
 
+#: uvicorn's log templates CutOffLog reads (uvicorn has no exception or event for them: it logs):
+#: ``Server.shutdown``'s when the graceful timeout is over (it then cancels the requests' tasks),
+#: and each protocol's ``run_asgi`` when an application raised (here: that cancellation).  A
+#: record's ``msg`` is the template, never the message filled in; tests/test_errors.py runs a real
+#: uvicorn past its timeout to check both.
+UVICORN_GRACE_OVER = "Cancel %s running task(s), timeout graceful shutdown exceeded"
+UVICORN_APP_RAISED = "Exception in ASGI application"
+
+
 class CutOffLog(logging.Filter):
-    """A filter for uvicorn's ``uvicorn.error`` logger that makes a stop past the grace period
-    one clean line: uvicorn's "Cancel N running task(s), timeout graceful shutdown exceeded"
-    becomes a warning naming the requests cut off (what, from whom, how long they ran), and its
-    "Exception in ASGI application" traceback of each of them (the cancellation uvicorn itself
-    sent) is dropped.  A client's WebSocket text frame that is not UTF-8 (uvicorn logs the
+    """The one adapter of uvicorn's log: a filter for its ``uvicorn.error`` logger that makes a
+    stop past the grace period one clean line: uvicorn's "Cancel N running task(s), timeout
+    graceful shutdown exceeded" (:data:`UVICORN_GRACE_OVER`) becomes a warning naming the
+    requests cut off (what, from whom, how long they ran), and its "Exception in ASGI
+    application" traceback of each of them (the cancellation uvicorn itself sent) is dropped.  A client's WebSocket text frame that is not UTF-8 (uvicorn logs the
     UnicodeDecodeError with its traceback, then closes with 1007) is one INFO line.  Other records
     pass unchanged.
 
@@ -305,7 +314,7 @@ class CutOffLog(logging.Filter):
         self.cutting = False
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg.startswith("Cancel %s running task(s), timeout graceful shutdown exceeded"):
+        if record.msg == UVICORN_GRACE_OVER:
             now = time.monotonic()
             named = [f"{what} ({now - since:.1f} s in)" for what, since in list(IN_FLIGHT.values())]
             record.msg, record.args = ("grace period of %g s over: cutting off %d request(s) still in flight: %s",
@@ -321,7 +330,7 @@ class CutOffLog(logging.Filter):
             record.levelno, record.levelname = logging.INFO, "INFO"
             return True
         return not (self.cutting and isinstance(exc, asyncio.CancelledError)
-                    and record.msg.startswith("Exception in ASGI application"))
+                    and str(record.msg).startswith(UVICORN_APP_RAISED))
 
 
 def _check_key(server: SpeechServer, request: Request) -> None:

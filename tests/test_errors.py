@@ -154,3 +154,131 @@ def test_every_input_error_is_built_from_problems():
              if path.relative_to(root).as_posix() not in PLAIN_MESSAGE_MODULES
              for line in _plain_input_errors(path)]
     assert not plain, f"InputError built from a plain message (use InputError.of(Problem.said(...))): {plain}"
+
+
+def _ort_error(model_graph, feeds=None) -> Exception:
+    """The error ONNX Runtime itself raises making (and, with ``feeds``, running) a CPU session of
+    a one-node graph."""
+    import onnxruntime as ort
+    from onnx import helper
+
+    model = helper.make_model(model_graph, opset_imports=[helper.make_opsetid("", 21),
+                                                          helper.make_opsetid("com.microsoft", 1)])
+    try:
+        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        session.run(None, feeds or {})
+    except Exception as exc:
+        return exc
+    raise AssertionError("ONNX Runtime took the graph")
+
+
+def test_onnx_runtimes_real_errors_are_told_apart_by_type():
+    """A node with no CPU kernel (Erf of float64) is ONNX Runtime's NotImplemented: the provider
+    cannot run it.  GroupQueryAttention's q_norm_weight on the CPU is its generic InvalidArgument
+    with the kernel's refusal: cannot run.  A wrong input shape is InvalidArgument too: a real
+    failure.  A Python error whose text says "not supported" is not ONNX Runtime's."""
+    import numpy as np
+    from onnx import TensorProto, helper
+
+    from higgs_pack.runtime.backends.onnxruntime.failures import provider_cannot_run
+
+    info = helper.make_tensor_value_info
+    erf = helper.make_graph([helper.make_node("Erf", ["x"], ["y"])], "g", [info("x", TensorProto.DOUBLE, [2])],
+                            [info("y", TensorProto.DOUBLE, [2])])
+    exc = _ort_error(erf)
+    assert type(exc).__name__ == "NotImplemented", exc
+    assert provider_cannot_run(exc) == "Could not find an implementation for Erf(13) node with name ''"
+
+    h, d = 2, 8
+    names = ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length",
+             *[""] * 7, "q_norm_weight", "k_norm_weight"]
+    shapes = {"query": [1, 1, h * d], "key": [1, 1, h * d], "value": [1, 1, h * d], "past_key": [1, h, 0, d],
+              "past_value": [1, h, 0, d], "q_norm_weight": [d], "k_norm_weight": [d]}
+    gqa = helper.make_graph(
+        [helper.make_node("GroupQueryAttention", names, ["out", "present_key", "present_value"],
+                          domain="com.microsoft", num_heads=h, kv_num_heads=h)], "g",
+        [*(info(n, TensorProto.FLOAT, s) for n, s in shapes.items()), info("seqlens_k", TensorProto.INT32, [1]),
+         info("total_sequence_length", TensorProto.INT32, [])],
+        [info(n, TensorProto.FLOAT, None) for n in ("out", "present_key", "present_value")])
+    feeds = {n: np.ones(s, np.float32) for n, s in shapes.items()}
+    exc = _ort_error(gqa, {**feeds, "seqlens_k": np.array([0], np.int32),
+                           "total_sequence_length": np.array(1, np.int32)})
+    assert type(exc).__name__ == "InvalidArgument", exc
+    said = provider_cannot_run(exc)
+    assert said is not None and said.startswith("GroupQueryAttention node '': GroupQueryAttention (CPU): q_norm"), said
+
+    add = helper.make_graph([helper.make_node("Add", ["a", "b"], ["c"])], "g",
+                            [info("a", TensorProto.FLOAT, [2]), info("b", TensorProto.FLOAT, [2])],
+                            [info("c", TensorProto.FLOAT, [2])])
+    exc = _ort_error(add, {"a": np.ones(3, np.float32), "b": np.ones(3, np.float32)})
+    assert type(exc).__name__ == "InvalidArgument" and provider_cannot_run(exc) is None, exc
+    assert provider_cannot_run(ValueError("this is not supported")) is None
+
+
+def test_onnx_runtimes_real_allocation_errors_are_told_apart():
+    """Memory running out is ONNX Runtime's MemoryError (a 4 TiB CPU buffer); asking the CPU-only
+    package for a CUDA buffer ("Can't allocate memory on the CUDA device") and a size that overflows
+    are RuntimeErrors that are not out of memory (the old "memory"/"alloc" substring took the first)."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from higgs_pack.runtime.backends.onnxruntime.failures import out_of_memory
+
+    def error(shape: list[int], device: str) -> Exception:
+        try:
+            ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, device, 0)
+        except Exception as exc:
+            return exc
+        raise AssertionError(f"a {shape} buffer on {device} was made")
+
+    assert out_of_memory(error([2**40], "cpu"))
+    assert not out_of_memory(error([2**33, 2**33], "cpu"))
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        wrong_package = error([4], "cuda")
+        assert "allocate memory" in str(wrong_package) and not out_of_memory(wrong_package)
+
+
+def test_cut_off_log_reads_a_real_uvicorn_past_its_graceful_timeout():
+    """uvicorn (no exception or event for it: it logs) stopped with a request in flight past its
+    timeout: its "Cancel N running task(s)" record becomes our one warning and its traceback of
+    the cancelled request is dropped (serve.app.UVICORN_GRACE_OVER, UVICORN_APP_RAISED)."""
+    import asyncio
+    import logging
+    import socket
+    import threading
+    import time
+
+    uvicorn = pytest.importorskip("uvicorn")
+    from higgs_pack.serve.app import CutOffLog
+
+    async def app(scope, receive, send):
+        await asyncio.sleep(30)
+
+    heard: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = heard.append
+    logger = logging.getLogger("uvicorn.error")
+    cut_off = CutOffLog(0)
+    logger.addFilter(cut_off)
+    logger.addHandler(handler)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_config=None, timeout_graceful_shutdown=0))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]})
+    try:
+        thread.start()
+        while not server.started:
+            time.sleep(0.01)
+        client = socket.create_connection(sock.getsockname())
+        client.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        while not server.server_state.tasks:
+            time.sleep(0.01)
+        server.should_exit = True
+        thread.join(10)
+        client.close()
+    finally:
+        logger.removeFilter(cut_off)
+        logger.removeHandler(handler)
+    said = [(r.levelname, r.getMessage()) for r in heard]
+    assert ("WARNING", "grace period of 0 s over: cutting off 0 request(s) still in flight: none") in said, said
+    assert not any("Exception in ASGI application" in m or "Cancel" in m for _, m in said), said

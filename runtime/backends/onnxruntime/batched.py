@@ -38,7 +38,7 @@ import numpy as np
 
 from higgs_pack.manifests.errors import InputError, Problem, SignatureMismatch
 from higgs_pack.runtime.backends.onnxruntime.distributions import import_ort
-from higgs_pack.runtime.backends.onnxruntime.failures import _raise_unsupported
+from higgs_pack.runtime.backends.onnxruntime.failures import _raise_unsupported, out_of_memory
 from higgs_pack.runtime.backends.onnxruntime.runners import (
     _bind_host,
     kv_cache_dtype,
@@ -175,7 +175,7 @@ class BatchedOrtDecoder:
             value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), self._kv_type.type, self.kv_device,
                                                               self._device_id)
         except Exception as exc:  # onnxruntime's own error types
-            if "memory" in str(exc).lower() or "alloc" in str(exc).lower():
+            if out_of_memory(exc):
                 raise MemoryError(
                     f"out of {self.kv_device} memory for the batched KV cache: {self.max_batch} rows x "
                     f"{self.max_length} positions x {self.kv_bytes_per_position} B = {mib(total)} in all; "

@@ -282,3 +282,21 @@ def test_cut_off_log_reads_a_real_uvicorn_past_its_graceful_timeout():
     said = [(r.levelname, r.getMessage()) for r in heard]
     assert ("WARNING", "grace period of 0 s over: cutting off 0 request(s) still in flight: none") in said, said
     assert not any("Exception in ASGI application" in m or "Cancel" in m for _, m in said), said
+
+
+def test_openvinos_real_damaged_weights_error_is_a_bundle_error(tmp_path: Path):
+    """OpenVINO raises a plain RuntimeError for a .bin that does not fit its IR (a truncated one
+    here, compiled for real): compile_ir says the bundle is damaged, not that the device failed."""
+    np = pytest.importorskip("numpy")
+    ov = pytest.importorskip("openvino")
+    import openvino.opset13 as ops
+
+    from higgs_pack.runtime.backends.openvino.runners import compile_ir
+
+    x = ops.parameter([1, 64], np.float32, name="x")
+    model = ov.Model([ops.matmul(x, ops.constant(np.ones((64, 64), np.float32)), False, False)], [x], "tiny")
+    ov.save_model(model, tmp_path / "tiny.xml", compress_to_fp16=False)
+    weights = tmp_path / "tiny.bin"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(BundleError, match=r"cannot read tiny.xml with its weights tiny.bin \(Incorrect weights"):
+        compile_ir(ov.Core(), tmp_path / "tiny.xml", "CPU")

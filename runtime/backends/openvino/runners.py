@@ -36,8 +36,10 @@ DECODER_INPUTS: tuple[str, ...] = ("inputs_embeds", "attention_mask", "position_
 DECODER_OUTPUT = "hidden_states"
 
 
-#: What OpenVINO says when an IR's weights file does not fit its XML (measured: a
-#: truncated .bin gives "Incorrect weights in bin file!").
+#: What OpenVINO says when an IR's weights file does not fit its XML, in a plain RuntimeError (it
+#: has no type for it: its own GeneralFailure and the like are not raised here).  Measured with
+#: OpenVINO 2026.4: a truncated .bin gives "Check 'is_valid_weights_range(...)' failed ...
+#: Incorrect weights in bin file!" (tests/test_errors.py compiles such an IR).
 _DAMAGED_IR = re.compile(r"weights in bin file|bin file is|Incorrect weights", re.IGNORECASE)
 
 

@@ -156,9 +156,9 @@ def test_every_input_error_is_built_from_problems():
     assert not plain, f"InputError built from a plain message (use InputError.of(Problem.said(...))): {plain}"
 
 
-def _ort_error(model_graph, feeds=None) -> Exception:
-    """The error ONNX Runtime itself raises making (and, with ``feeds``, running) a CPU session of
-    a one-node graph."""
+def _ort_error(model_graph, feeds=None, bound: bool = False) -> Exception:
+    """The error ONNX Runtime itself raises making (and, with ``feeds``, running: with an IOBinding
+    when ``bound``) a CPU session of a one-node graph."""
     import onnxruntime as ort
     from onnx import helper
 
@@ -166,7 +166,15 @@ def _ort_error(model_graph, feeds=None) -> Exception:
                                                           helper.make_opsetid("com.microsoft", 1)])
     try:
         session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-        session.run(None, feeds or {})
+        if bound:
+            binding = session.io_binding()
+            for name, value in (feeds or {}).items():
+                binding.bind_cpu_input(name, value)
+            for out in session.get_outputs():
+                binding.bind_output(out.name, "cpu")
+            session.run_with_iobinding(binding)
+        else:
+            session.run(None, feeds or {})
     except Exception as exc:
         return exc
     raise AssertionError("ONNX Runtime took the graph")
@@ -201,11 +209,13 @@ def test_onnx_runtimes_real_errors_are_told_apart_by_type():
          info("total_sequence_length", TensorProto.INT32, [])],
         [info(n, TensorProto.FLOAT, None) for n in ("out", "present_key", "present_value")])
     feeds = {n: np.ones(s, np.float32) for n, s in shapes.items()}
-    exc = _ort_error(gqa, {**feeds, "seqlens_k": np.array([0], np.int32),
-                           "total_sequence_length": np.array(1, np.int32)})
+    feeds = {**feeds, "seqlens_k": np.array([0], np.int32), "total_sequence_length": np.array(1, np.int32)}
+    exc = _ort_error(gqa, feeds)
     assert type(exc).__name__ == "InvalidArgument", exc
     said = provider_cannot_run(exc)
     assert said is not None and said.startswith("GroupQueryAttention node '': GroupQueryAttention (CPU): q_norm"), said
+    exc = _ort_error(gqa, feeds, bound=True)  # the runners' IOBinding: a plain RuntimeError, no status
+    assert type(exc) is RuntimeError and "q_norm_weight" in (provider_cannot_run(exc) or ""), exc
 
     add = helper.make_graph([helper.make_node("Add", ["a", "b"], ["c"])], "g",
                             [info("a", TensorProto.FLOAT, [2]), info("b", TensorProto.FLOAT, [2])],

@@ -16,7 +16,8 @@ from higgs_pack.manifests.errors import (
 ORT_ERRORS = "onnxruntime.capi.onnxruntime_pybind11_state"
 
 #: What a kernel says when it refuses one of its inputs on this provider, under ONNX Runtime's
-#: generic statuses (``InvalidArgument``, ``Fail``: the types of every bad input too).  Measured
+#: generic statuses (``InvalidArgument``, ``Fail``: the types of every bad input too; a run with
+#: an IOBinding loses the status: a plain ``RuntimeError`` "Error in execution: ...").  Measured
 #: with onnxruntime 1.32 on the CPU provider, as ``InvalidArgument``: "GroupQueryAttention (CPU):
 #: q_norm_weight / k_norm_weight inputs are not supported ... implemented only on the CUDA and
 #: WebGPU EPs" (cuda fp16/int4 ModelBuilder decoders).  A node with no kernel at all ("Could not
@@ -28,9 +29,10 @@ def provider_cannot_run(exc: BaseException) -> str | None:
     """ONNX Runtime's own reason when a provider cannot execute a graph, else None.
 
     An ONNX Runtime ``NotImplemented`` (no kernel for a node) counts; its generic
-    ``InvalidArgument``, ``Fail``, ``RuntimeException`` and ``EPFail`` count only with a kernel's
-    refusal of its provider (:data:`_REFUSED_ON_PROVIDER`); any other error (a shape mismatch, a
-    damaged file, an error that is not ONNX Runtime's) is a real failure and returns None.
+    ``InvalidArgument``, ``Fail``, ``RuntimeException`` and ``EPFail``, and the ``RuntimeError`` of
+    a run with an IOBinding, count only with a kernel's refusal of its provider
+    (:data:`_REFUSED_ON_PROVIDER`); any other error (a shape mismatch, a damaged file, an error
+    ONNX Runtime is not loaded to raise) is a real failure and returns None.
 
     Returns:
         The first line of the message, without ONNX Runtime's status prefix.
@@ -41,7 +43,7 @@ def provider_cannot_run(exc: BaseException) -> str | None:
     if errors is None:
         return None
     text = str(exc)
-    generic = (errors.InvalidArgument, errors.Fail, errors.RuntimeException, errors.EPFail)
+    generic = (errors.InvalidArgument, errors.Fail, errors.RuntimeException, errors.EPFail, RuntimeError)
     if not (isinstance(exc, errors.NotImplemented)
             or (isinstance(exc, generic) and _REFUSED_ON_PROVIDER.search(text))):
         return None

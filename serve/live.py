@@ -90,6 +90,7 @@ from higgs_pack.runtime.loop.generate import (
 )
 from higgs_pack.runtime.loop.sentences import GRANULARITIES, TextCommits
 from higgs_pack.runtime.loop.words import words_json
+from higgs_pack.runtime.options import FIELDS
 from higgs_pack.runtime.request import PreparedVoice, SynthesisRequest, Voice
 from higgs_pack.serve.barge_in import PLAYED_KEPT, Played, cancel_fields, heard_part, played_record
 from higgs_pack.serve.errors import ApiError, from_input_error
@@ -107,9 +108,10 @@ ROUTE = "/v1/audio/speech/stream"
 OUTBOX = 4
 #: The client's message types.
 MESSAGES = ("session.config", "input.text", "input.flush", "input.done", "input.cancel")
-#: Fields of the speech body a session cannot take (text comes in ``input.text`` messages and
-#: is always streamed).
-NOT_IN_CONFIG = ("input", "stream_format", "stream")
+#: Fields of the speech body a session cannot take: the request fields declared not live (text comes
+#: in ``input.text`` messages: :class:`~higgs_pack.runtime.options.Door`), and the stream switches
+#: (a session always streams).
+NOT_IN_CONFIG = (*(door.http for door in FIELDS.values() if door.http and not door.live), "stream_format", "stream")
 #: Fields each client message takes besides ``type`` (``session.config``'s are the speech body's).
 FIELDS = {"input.text": ("text",), "input.flush": (), "input.done": (), "input.cancel": ("played_ms", "sentence_index")}
 #: session.config's fields of the live route alone, with their defaults: how text is committed to

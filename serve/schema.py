@@ -1,6 +1,8 @@
 """The request bodies as the API docs (``/docs``, ``/openapi.json``) show them.
 
-These pydantic models only describe: the routes read their bodies themselves and check every
+The sampling, frame and context fields of the speech and dialogue bodies are not declared here:
+they come from the request's one declaration (:class:`~higgs_pack.runtime.options.RequestFields`),
+with its defaults, limits and descriptions.  These pydantic models only describe: the routes read their bodies themselves and check every
 field with their own messages (:func:`~higgs_pack.serve.speech.parse_speech`, the voice
 upload in :mod:`~higgs_pack.serve.app`), which name the field, what was wrong and what is
 allowed, and refuse an unknown field with a close match.  :func:`add_bodies` puts the models in
@@ -12,8 +14,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
+from higgs_pack.runtime.options import http_fields
 from higgs_pack.serve.config import MAX_INPUT_CHARS, MAX_REF_SECONDS
 from higgs_pack.serve.formats import DEFAULT_FORMAT, FORMATS
 from higgs_pack.serve.tempo import SPEED_RANGE
@@ -39,9 +42,11 @@ class Reference(BaseModel):
     text: str = Field(description="The exact words said in the clip.")
 
 
-class SpeechBody(BaseModel):
+class _SpeechBody(BaseModel):
     """The body of ``POST /v1/audio/speech``: OpenAI's fields and the extensions of vllm-omni
-    and sglang-omni.  A field sent as null counts as left out (``seed``: null is a random seed)."""
+    and sglang-omni.  A field sent as null counts as left out (``seed``: null is a random seed).
+    The sampling, frame and context fields are the request's own declaration
+    (:class:`~higgs_pack.runtime.options.RequestFields`), added by their HTTP names."""
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
         {"model": "higgs-audio-v3-tiny", "input": "Hello from the server.", "voice": "default",
@@ -82,23 +87,10 @@ class SpeechBody(BaseModel):
     ref_text: str | None = Field(None, description="The exact transcript of ref_audio.")
     references: list[Reference] | None = Field(None, min_length=1, max_length=1, description="Boson's form of "
                                                "ref_audio with ref_text: exactly one entry.")
-    seed: int | None = Field(None, description="Sampling seed: the same seed gives the same audio.")
-    temperature: float | None = Field(None, description="Sampling temperature (the bundle's default when left "
-                                      "out).")
-    top_k: int | None = Field(None, description="Sample among the k most likely codes.")
-    top_p: float | None = Field(None, description="Sample within this cumulative probability.")
-    max_new_tokens: int | None = Field(None, ge=1, description="Frame cap per sentence (25 frames per second); "
-                                       "left out: from the text's length.")
-    context_chunks: int | None = Field(None, ge=0, description="A long input's rolling context: previous text "
-                                       "chunks (their text and audio) that open the next chunk's prompt, so the "
-                                       "voice and prosody carry on (default 1; 0: the voice alone).")
-    context_frames: int | None = Field(None, ge=1, description="Most frames of each context chunk kept in a "
-                                       "prompt (its end, cut at a word; 25 frames per second); left out: 250 "
-                                       "(10 s).")
-    initial_chunk_frames: int | None = Field(None, ge=1, description="Frames in the first streamed chunk (fewer: "
-                                             "audio sooner).")
-    initial_codec_chunk_frames: int | None = Field(None, ge=1, description="sglang-omni's name of "
-                                                   "initial_chunk_frames.")
+
+
+SpeechBody = create_model("SpeechBody", __base__=_SpeechBody, __doc__=_SpeechBody.__doc__, __module__=__name__,
+                        **http_fields())  # type: ignore[call-overload]
 
 
 class DialogueTurn(BaseModel):
@@ -109,7 +101,7 @@ class DialogueTurn(BaseModel):
     input: str = Field(description="The words of the turn.")
 
 
-class DialogueBody(BaseModel):
+class _DialogueBody(BaseModel):
     """The body of ``POST /v1/audio/dialogue``: turns of several speakers spoken as one audio, each
     in its speaker's voice with that speaker's recent turns as context; the answer is
     /v1/audio/speech's (one segment per turn, with its speaker)."""
@@ -134,16 +126,10 @@ class DialogueBody(BaseModel):
     stream: bool | None = Field(None, description="As /v1/audio/speech.")
     segments: bool | None = Field(None, description="As /v1/audio/speech: true gives JSON with the audio and one "
                                   "segment per turn (exact times, speaker).")
-    seed: int | None = Field(None, description="As /v1/audio/speech.")
-    temperature: float | None = Field(None, description="As /v1/audio/speech.")
-    top_k: int | None = Field(None, description="As /v1/audio/speech.")
-    top_p: float | None = Field(None, description="As /v1/audio/speech.")
-    max_new_tokens: int | None = Field(None, ge=1, description="Frame cap per text chunk (25 frames per second).")
-    context_chunks: int | None = Field(None, ge=0, description="The speaker's earlier text chunks that open each "
-                                       "of its prompts (default 1).")
-    context_frames: int | None = Field(None, ge=1, description="As /v1/audio/speech.")
-    initial_chunk_frames: int | None = Field(None, ge=1, description="As /v1/audio/speech.")
-    initial_codec_chunk_frames: int | None = Field(None, ge=1, description="As /v1/audio/speech.")
+
+
+DialogueBody = create_model("DialogueBody", __base__=_DialogueBody, __doc__=_DialogueBody.__doc__,
+                          __module__=__name__, **http_fields(dialogue=True))  # type: ignore[call-overload]
 
 
 class VoiceUpload(BaseModel):

@@ -16,7 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from higgs_pack.runtime.options import http_fields
+from higgs_pack.runtime.loop.sentences import GRANULARITIES
+from higgs_pack.runtime.options import FIELDS, http_fields
 from higgs_pack.serve.config import MAX_INPUT_CHARS, MAX_REF_SECONDS
 from higgs_pack.serve.formats import DEFAULT_FORMAT, FORMATS
 from higgs_pack.serve.tempo import SPEED_RANGE
@@ -130,6 +131,34 @@ class _DialogueBody(BaseModel):
 
 DialogueBody = create_model("DialogueBody", __base__=_DialogueBody, __doc__=_DialogueBody.__doc__,
                           __module__=__name__, **http_fields(dialogue=True))  # type: ignore[call-overload]
+
+
+#: The most words a live response's first commit may hold (``first_commit_words``).
+FIRST_COMMIT_WORDS_MAX = 50
+
+
+class SessionFields(BaseModel):
+    """The fields a live session's ``session.config`` takes besides the speech body's
+    (``/v1/audio/speech/stream``, docs/serving/live.md): how text is committed to speech
+    (:class:`~higgs_pack.runtime.loop.sentences.TextCommits`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    split_granularity: Literal[GRANULARITIES] = Field(  # type: ignore[valid-type]
+        "sentence", description="Text is committed to speech at sentence ends, or at clause ends too.")
+    first_commit_words: int = Field(0, ge=0, le=FIRST_COMMIT_WORDS_MAX, description="The most words of a response's first commit "
+                                    "(0: none): the first words are spoken before their sentence ends.")
+
+
+#: Fields of the speech body a session cannot take: the request fields declared not live (text comes
+#: in ``input.text`` messages: :class:`~higgs_pack.runtime.options.Door`), and the stream switches
+#: (a session always streams).
+NOT_IN_CONFIG = (*(door.http for door in FIELDS.values() if door.http and not door.live), "stream_format", "stream")
+
+
+def config_fields() -> tuple[str, ...]:
+    """Every field a ``session.config`` takes besides ``type``: the speech body's, less
+    :data:`NOT_IN_CONFIG`, and :class:`SessionFields`'s."""
+    return (*(name for name in SpeechBody.model_fields if name not in NOT_IN_CONFIG), *SessionFields.model_fields)
 
 
 class VoiceUpload(BaseModel):

@@ -24,7 +24,7 @@ from higgs_pack.runtime.options import FIELDS, RequestFields, allowed, door_of, 
 from higgs_pack.runtime.request import SynthesisRequest
 from higgs_pack.serve.config import ServeConfig
 from higgs_pack.serve.errors import ApiError
-from higgs_pack.serve.live import NOT_IN_CONFIG
+from higgs_pack.serve.schema import NOT_IN_CONFIG, SessionFields, config_fields
 from higgs_pack.serve.schema import DialogueBody, SpeechBody
 from higgs_pack.serve.speech import parse_speech
 
@@ -169,3 +169,11 @@ def test_a_number_type_refusal_names_the_kind():
     assert [(p.field, p.allowed) for p in options.value_problems({"top_k": 2.5, "temperature": "hot",
                                                                    "seed": True})] == [
         ("seed", "a whole number"), ("temperature", "a number"), ("top_k", "a whole number")]
+
+
+def test_a_session_config_takes_the_speech_body_less_the_stream_switches_and_the_session_fields():
+    fields = config_fields()
+    assert "input" not in fields and "stream" not in fields and "stream_format" not in fields
+    assert {"seed", "context_frames", "initial_chunk_frames"} <= set(fields)
+    assert set(SessionFields.model_fields) <= set(fields)
+    assert SessionFields().split_granularity == "sentence" and SessionFields().first_commit_words == 0

@@ -239,7 +239,7 @@ SUBTITLES_OPTION = click.option(
               help="Read the text from a file ('-' for stdin).")
 @click.option("-o", "--output", type=click.Path(path_type=Path, allow_dash=True), required=True,
               help="Output .wav (24 kHz mono), or - for stdout; with --batch a folder.")
-@click.option("--ref-audio", type=click.Path(path_type=Path, dir_okay=False, exists=True),
+@click.option("--ref-audio", type=click.Path(path_type=Path),  # checked by the request (one rule)
               help="Reference voice to clone (any sample rate / channels libsndfile reads).")
 @click.option("--ref-text", help="Exact transcript of --ref-audio.")
 @SPEAKING_OPTIONS

@@ -177,3 +177,12 @@ def test_a_session_config_takes_the_speech_body_less_the_stream_switches_and_the
     assert {"seed", "context_frames", "initial_chunk_frames"} <= set(fields)
     assert set(SessionFields.model_fields) <= set(fields)
     assert SessionFields().split_granularity == "sentence" and SessionFields().first_commit_words == 0
+
+
+def test_a_missing_reference_clip_is_refused_by_the_request_with_the_flag(tmp_path):
+    result = CliRunner().invoke(main, ["synthesize", str(tmp_path / "no-bundle"), "--text", "Hi.", "-o",
+                                       str(tmp_path / "out.wav"), "--ref-audio", str(tmp_path / "missing.wav"),
+                                       "--ref-text", "Hi."])
+    assert result.exit_code == 2, result.output
+    assert "missing.wav does not exist" in result.output and "--ref-audio" in result.output
+    assert not (tmp_path / "out.wav").exists()

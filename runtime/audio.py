@@ -114,7 +114,7 @@ def _decode(file: Path | BinaryIO, source: str, how: str, max_seconds: float = M
             data = f.read(frames=cap, dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, ValueError, TypeError) as exc:
         reason = re.sub(r"^Error opening <[^>]*>: ", "", str(exc))  # not the repr of an in-memory file
-        raise clip_error(source, f" is not a readable audio file ({reason}); give a wav, flac or ogg file"
+        raise clip_error(source, f" is not a readable audio file ({reason}); give a file libsndfile reads: wav, flac, ogg (Vorbis or Opus) or mp3"
                                  + (f" with {how}" if how else "")) from exc
     if len(data) >= cap:
         raise clip_error(source, f" is longer than {max_seconds:g} s; use a clip of at most "

@@ -23,13 +23,7 @@ from higgs_pack.manifests.errors import HiggsPackError, install_extra
 from higgs_pack.manifests.model import NAME_WIDTH
 from higgs_pack.manifests.providers import EXECUTION_PROVIDERS
 from higgs_pack.runtime.exit_status import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_TERMINATED
-from higgs_pack.runtime.request import (
-    CHUNK_GROWTH,
-    CONTEXT_CHUNKS,
-    CONTEXT_FRAMES,
-    FIRST_CHUNK_FRAMES,
-    MAX_CHUNK_FRAMES,
-)
+from higgs_pack.runtime.options import MAX_CHUNK_FRAMES, click_options
 from higgs_pack.runtime.text import decode
 
 COMMAND_GROUP = "higgs_pack.commands"
@@ -230,10 +224,7 @@ SPEAKING_OPTIONS = _options(
     click.option("--execution-provider", help=f"ONNX Runtime bundles: {', '.join(EXECUTION_PROVIDERS)}."),
     click.option("--device", help="OpenVINO bundles: CPU, GPU, NPU, AUTO, HETERO:…."),
     click.option("--allow-fallback", is_flag=True, help="Permit another provider/device if the one asked for is missing."),
-    click.option("--seed", type=int, default=0, show_default=True, help="Sampler seed (>= 0)."),
-    click.option("--temperature", type=float, help="0 = greedy. Default from the bundle (0.8)."),
-    click.option("--top-k", type=int, help="Default from the bundle (50)."),
-    click.option("--top-p", type=float, help="Default from the bundle (1.0 = off)."),
+    click_options("seed", "temperature", "top_k", "top_p"),  # from the request's one declaration (runtime/options.py)
 )
 SUBTITLES_OPTION = click.option(
     "--subtitles", type=click.Path(path_type=Path, dir_okay=False),
@@ -248,11 +239,11 @@ SUBTITLES_OPTION = click.option(
               help="Read the text from a file ('-' for stdin).")
 @click.option("-o", "--output", type=click.Path(path_type=Path, allow_dash=True), required=True,
               help="Output .wav (24 kHz mono), or - for stdout; with --batch a folder.")
-@click.option("--ref-audio", type=click.Path(path_type=Path, dir_okay=False, exists=True),
+@click.option("--ref-audio", type=click.Path(path_type=Path),  # checked by the request (one rule)
               help="Reference voice to clone (any sample rate / channels libsndfile reads).")
 @click.option("--ref-text", help="Exact transcript of --ref-audio.")
 @SPEAKING_OPTIONS
-@click.option("--max-frames", type=int, help="Frame cap per chunk (25 frames = 1 s). Default: from text length.")
+@click_options("max_frames")
 @click.option("--float", "as_float", is_flag=True, help="Write 32-bit float wav instead of 16-bit PCM.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (there is none when stderr is not a terminal).")
 @click.option("--bundles", "bundle_dirs", multiple=True, type=click.Path(path_type=Path, file_okay=False, exists=True),
@@ -262,17 +253,7 @@ SUBTITLES_OPTION = click.option(
               help="Write audio while it is generated (first chunk: --first-chunk-frames of audio).")
 @click.option("--format", "fmt", type=click.Choice(["wav", "raw"]), default="wav", show_default=True,
               help="With -o -: a WAV stream, or raw little-endian PCM (s16le; f32le with --float), mono 24 kHz.")
-@click.option("--first-chunk-frames", type=int, default=FIRST_CHUNK_FRAMES, show_default=True,
-              help="--stream: frames in the first chunk (25 frames = 1 s).")
-@click.option("--chunk-growth", type=float, default=CHUNK_GROWTH, show_default=True,
-              help="--stream: each chunk is this many times the previous one (>= 1).")
-@click.option("--max-chunk-frames", type=int, default=MAX_CHUNK_FRAMES, show_default=True,
-              help="--stream: largest chunk in frames (>= --first-chunk-frames).")
-@click.option("--context-chunks", type=int, default=CONTEXT_CHUNKS, show_default=True,
-              help="A long text's rolling context: previous text chunks (text and audio) that open each next "
-                   "chunk's prompt, so the voice carries on (0: the voice alone).")
-@click.option("--context-frames", type=int, default=CONTEXT_FRAMES, show_default=True,
-              help="Most frames of each context chunk kept in a prompt (its end, cut at a word; 25 frames = 1 s).")
+@click_options("first_chunk_frames", "chunk_growth", "max_chunk_frames", "context_chunks", "context_frames")
 @click.option("--batch", type=click.IntRange(min=1),
               help="Speak every non-empty line of --text-file into its own wav in the folder -o, this many "
                    "lines decoded together; rerun to resume.")
@@ -702,11 +683,7 @@ def _say_written(note: str, sink, rate: int, where: str, results: list, speech) 
                    "without one speaks its first turn in a voice of the model's choosing, kept after that.")
 @SUBTITLES_OPTION
 @SPEAKING_OPTIONS
-@click.option("--max-frames", type=int, help="Frame cap per text chunk (25 frames = 1 s). Default: from text length.")
-@click.option("--context-chunks", type=int, default=CONTEXT_CHUNKS, show_default=True,
-              help="The speaker's earlier text chunks (text and audio) that open each of its next prompts.")
-@click.option("--context-frames", type=int, default=CONTEXT_FRAMES, show_default=True,
-              help="Most frames of each such chunk kept (its end, cut at a word; 25 frames = 1 s).")
+@click_options("max_frames", "context_chunks", "context_frames")
 @click.option("--float", "as_float", is_flag=True, help="Write 32-bit float wav instead of 16-bit PCM.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (there is none when stderr is not a terminal).")
 def dialogue(bundle, script, output, voices, subtitles, execution_provider, device, allow_fallback, seed,

@@ -18,86 +18,31 @@ Runtime code: no torch, no build tools.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
-from numbers import Integral, Real
+from numbers import Integral
 from typing import Any
 
 import numpy as np
 
 from higgs_pack.manifests.errors import InputError, Problem, literal, unknown_choice
-from higgs_pack.runtime.loop.delay import SamplingOptions, bundle_sampling, sampling_problems
+from higgs_pack.runtime.loop.delay import SamplingOptions, bundle_sampling
+from higgs_pack.runtime.options import (
+    CHUNK_GROWTH,
+    CONTEXT_CHUNKS,
+    CONTEXT_FRAMES,
+    FIELDS,
+    FIRST_CHUNK_FRAMES,
+    MAX_CHUNK_FRAMES,
+    how_set,
+    value_problems,
+)
 from higgs_pack.runtime.text import clean, plain_type
 from higgs_pack.runtime.text import problem as unspeakable  # the one text check of every front door
-
-#: Previous text chunks of a long text whose text and codes open the next chunk's prompt (the
-#: rolling context, :func:`higgs_pack.runtime.loop.generate.chunk_context`; Higgs' own long-form
-#: generation calls it ``generation_chunk_buffer_size``): 1 carries the voice and prosody of the
-#: chunk just spoken; each more chunk adds its kept frames and text to every prompt's prefill.
-CONTEXT_CHUNKS = 1
-
-#: Most frames (25 per second) of each context chunk kept in a prompt: its last 10 s, cut at a
-#: word.  Chosen from the rolling-context table at full size (``python -m bench.ab rolling-context``,
-#: cpu int4, AMD EPYC 2 vCPUs, 2026-12-05; docs/benchmarks/runs/rolling-context-full-2026-12-05.json):
-#: 9.3-9.8 ms per prefilled position and 49-52 ms per frame, so a 200-word chunk (about 1,850
-#: frames) prefills about 19% of its generation time with the whole previous chunk as context and
-#: about 5% with its last 250 frames (8% with 500); one-sentence chunks measured 18.2% whole, 8.2%
-#: at 50 frames.  The voice's own prefix comes from the prefix cache and is not counted.
-CONTEXT_FRAMES = 250
-
-#: Default streaming schedule (frames at 25 fps): 0.4 s first, doubling up to 4 s.
-FIRST_CHUNK_FRAMES = 10
-CHUNK_GROWTH = 2.0
-MAX_CHUNK_FRAMES = 100
-
-@dataclass(frozen=True)
-class FieldNames:
-    """How each front door names one request field.
-
-    Attributes:
-        keyword: the Python keyword (``TTS.synthesize``, ``SynthesisRequest.create``), also
-            the field's name in :class:`~higgs_pack.manifests.errors.Problem`.
-        flag: the CLI option of ``higgs-pack synthesize`` (``--voice``: of ``higgs-pack dialogue``), or
-            None when the CLI has none.
-        http: the field of the server's speech body (``POST /v1/audio/speech``), or None.
-    """
-
-    keyword: str
-    flag: str | None
-    http: str | None
-
-
-#: The one table of request fields: each front door renders a problem in its own terms from it.
-FIELDS: dict[str, FieldNames] = {f.keyword: f for f in (
-    FieldNames("text", "--text or --text-file", "input"),
-    FieldNames("ref_audio", "--ref-audio", "ref_audio"),
-    FieldNames("ref_text", "--ref-text", "ref_text"),
-    FieldNames("voice", None, "voice"),
-    FieldNames("seed", "--seed", "seed"),
-    FieldNames("temperature", "--temperature", "temperature"),
-    FieldNames("top_k", "--top-k", "top_k"),
-    FieldNames("top_p", "--top-p", "top_p"),
-    FieldNames("max_frames", "--max-frames", "max_new_tokens"),
-    FieldNames("first_chunk_frames", "--first-chunk-frames", "initial_chunk_frames"),
-    FieldNames("chunk_growth", "--chunk-growth", None),
-    FieldNames("max_chunk_frames", "--max-chunk-frames", None),
-    FieldNames("context_chunks", "--context-chunks", "context_chunks"),
-    FieldNames("context_frames", "--context-frames", "context_frames"),
-    FieldNames("voices", "--voice", "voices"),  # a dialogue's (higgs-pack dialogue, POST /v1/audio/dialogue)
-)}
 
 Audio = str | os.PathLike | tuple[np.ndarray, int]
 """A reference clip: a file libsndfile reads, or ``(samples, sample_rate)`` (float32 [samples]
 or [samples, channels] in [-1, 1], Hz)."""
-
-
-def how_set(field: str | None) -> str | None:
-    """How the Python API and the CLI set ``field``: ``"--top-p / top_p="`` (None for no field)."""
-    names = FIELDS.get(field or "")
-    if names is None:
-        return None
-    return f"{names.flag} / {names.keyword}=" if names.flag else f"{names.keyword}="
 
 
 def say(problem: Problem) -> str:
@@ -114,15 +59,6 @@ def refuse(problems: list[Problem]) -> None:
 
 def _is_whole(value: Any) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool)
-
-
-def _whole_at_least(name: str, value: Any, minimum: int, meaning: str) -> list[Problem]:
-    """``[]`` when ``value`` is a whole number >= ``minimum``, else the one problem of ``name``."""
-    if not _is_whole(value):
-        return [Problem(name, value, f"a whole number of {meaning}")]
-    if value < minimum:
-        return [Problem(name, value, f">= {minimum} ({meaning})")]
-    return []
 
 
 def _unspeakable_problems(field: str, value: Any, fix: str = "", why: str = "there is nothing to speak"
@@ -297,15 +233,15 @@ class StreamSchedule:
 
 
 def schedule_problems(first_chunk_frames: Any, chunk_growth: Any, max_chunk_frames: Any) -> list[Problem]:
-    """One problem per bad field of a :class:`StreamSchedule`; ``[]`` when usable."""
-    first = _whole_at_least("first_chunk_frames", first_chunk_frames, 1, "frames, 25 per second")
-    largest = _whole_at_least("max_chunk_frames", max_chunk_frames, 1, "frames, 25 per second")
-    found = first + largest
-    if not first and not largest and max_chunk_frames < first_chunk_frames:
+    """One problem per bad field of a :class:`StreamSchedule` (the declared limits,
+    :func:`~higgs_pack.runtime.options.value_problems`, then the largest chunk against the first);
+    ``[]`` when usable."""
+    found = value_problems({"first_chunk_frames": first_chunk_frames, "chunk_growth": chunk_growth,
+                            "max_chunk_frames": max_chunk_frames})
+    if not {p.field for p in found} & {"first_chunk_frames", "max_chunk_frames"} \
+            and max_chunk_frames < first_chunk_frames:
         found.append(Problem("max_chunk_frames", max_chunk_frames, f">= first_chunk_frames ({first_chunk_frames})",
                              fix=f"first_chunk_frames is set with {how_set('first_chunk_frames')}"))
-    if isinstance(chunk_growth, bool) or not isinstance(chunk_growth, Real) or not 1 <= chunk_growth < math.inf:
-        found.append(Problem("chunk_growth", chunk_growth, "a finite number >= 1 (1 = equal chunks)"))
     return found
 
 
@@ -493,13 +429,8 @@ def context_problems(context: Any, voice: Any) -> list[Problem]:
 def request_problems(text: Any, sampling: dict[str, Any], max_frames: Any,
                      context_chunks: Any = CONTEXT_CHUNKS, context_frames: Any = None) -> list[Problem]:
     """One problem per bad field of the text, the chosen sampling fields, the frame cap and the
-    rolling context; ``[]`` when usable.  The sampling rules are
-    :func:`~higgs_pack.runtime.loop.delay.sampling_problems`."""
-    found = text_problems(text)
-    found += sampling_problems(sampling)
-    found += _whole_at_least("context_chunks", context_chunks, 0, "previous text chunks")
-    if context_frames is not None:
-        found += _whole_at_least("context_frames", context_frames, 1, "frames of each context chunk, 25 per second")
-    if max_frames is not None:
-        found += _whole_at_least("max_frames", max_frames, 1, "frames, 25 per second")
-    return found
+    rolling context; ``[]`` when usable.  The values are judged by their declaration
+    (:func:`~higgs_pack.runtime.options.value_problems`); ``None`` leaves the frame cap and
+    ``context_frames`` unset."""
+    values = {**sampling, "context_chunks": context_chunks, "max_frames": max_frames, "context_frames": context_frames}
+    return text_problems(text) + value_problems({k: v for k, v in values.items() if v is not None})

@@ -54,7 +54,7 @@ def http_name(field: str | None) -> str | None:
     """A request field's name in the speech body (``max_frames`` -> ``max_new_tokens``; the
     runtime's one table, :data:`higgs_pack.runtime.request.FIELDS`), else the field itself; in a
     path its last part (``turns[0].text`` -> ``turns[0].input``)."""
-    from higgs_pack.runtime.request import FIELDS
+    from higgs_pack.runtime.options import FIELDS
 
     head, dot, last = (field or "").rpartition(".")
     if dot:  # a path into the body: a dialogue's turns[0].text is turns[0].input

@@ -94,6 +94,7 @@ from higgs_pack.runtime.request import PreparedVoice, SynthesisRequest, Voice
 from higgs_pack.serve.barge_in import PLAYED_KEPT, Played, cancel_fields, heard_part, played_record
 from higgs_pack.serve.errors import ApiError, from_input_error
 from higgs_pack.serve.formats import PCM_FORMATS, StreamEncoder
+from higgs_pack.serve.schema import FIRST_COMMIT_WORDS_MAX, NOT_IN_CONFIG, SessionFields
 from higgs_pack.serve.speech import SpeechJob, parse_speech, short
 
 log = logging.getLogger(__name__)
@@ -107,14 +108,8 @@ ROUTE = "/v1/audio/speech/stream"
 OUTBOX = 4
 #: The client's message types.
 MESSAGES = ("session.config", "input.text", "input.flush", "input.done", "input.cancel")
-#: Fields of the speech body a session cannot take (text comes in ``input.text`` messages and
-#: is always streamed).
-NOT_IN_CONFIG = ("input", "stream_format", "stream")
 #: Fields each client message takes besides ``type`` (``session.config``'s are the speech body's).
 FIELDS = {"input.text": ("text",), "input.flush": (), "input.done": (), "input.cancel": ("played_ms", "sentence_index")}
-#: session.config's fields of the live route alone, with their defaults: how text is committed to
-#: speech (:class:`~higgs_pack.runtime.loop.sentences.TextCommits`; docs/serving/live.md).
-LIVE_FIELDS = {"split_granularity": "sentence", "first_commit_words": 0}
 #: Close code of a session refused for load (RFC 6455 1013 "try again later").
 TRY_AGAIN_LATER = 1013
 #: Close code of a refused API key (RFC 6455 1008 "policy violation").
@@ -356,7 +351,7 @@ class Session:
                 raise _bad(f"session.config takes no {name}: text comes in input.text messages and is always "
                            "streamed", name, "unknown_field")
         live_options(fields)
-        fields = {k: v for k, v in fields.items() if k not in LIVE_FIELDS}
+        fields = {k: v for k, v in fields.items() if k not in SessionFields.model_fields}
         fmt = fields.get("response_format")
         if fmt is not None and fmt not in PCM_FORMATS:
             raise _bad(f"response_format {short(fmt)} is not carried by a live session: its binary messages are "
@@ -659,18 +654,21 @@ def config_error(first: ApiError, fields: dict[str, Any], check: Any) -> ApiErro
 
 def live_options(fields: dict[str, Any]) -> dict[str, Any]:
     """The :class:`~higgs_pack.runtime.loop.sentences.TextCommits` options of a session.config's
-    ``split_granularity`` and ``first_commit_words`` (:data:`LIVE_FIELDS` gives the defaults).
+    ``split_granularity`` and ``first_commit_words`` (declared, with their defaults, by
+    :class:`~higgs_pack.serve.schema.SessionFields`).
 
     Raises:
         ApiError: 400 naming the bad field.
     """
-    granularity = fields.get("split_granularity", LIVE_FIELDS["split_granularity"])
-    words = fields.get("first_commit_words", LIVE_FIELDS["first_commit_words"])
+    defaults = SessionFields.model_fields
+    granularity = fields.get("split_granularity", defaults["split_granularity"].default)
+    words = fields.get("first_commit_words", defaults["first_commit_words"].default)
     if granularity not in GRANULARITIES:
         raise _bad(f"split_granularity is one of {', '.join(GRANULARITIES)} (text committed to speech at sentence "
                    f"ends, or at clause ends too); got {short(granularity)}", "split_granularity", "invalid_value")
-    if not isinstance(words, int) or isinstance(words, bool) or not 0 <= words <= 50:
-        raise _bad(f"first_commit_words is the most words of a response's first commit, 0 to 50 (0: none); got "
+    if not isinstance(words, int) or isinstance(words, bool) or not 0 <= words <= FIRST_COMMIT_WORDS_MAX:
+        raise _bad(f"first_commit_words is the most words of a response's first commit, 0 to {FIRST_COMMIT_WORDS_MAX} "
+                   f"(0: none); got "
                    f"{short(words)}", "first_commit_words", "invalid_value")
     return {"granularity": granularity, "first_words": words}
 

@@ -1,6 +1,8 @@
 """The request bodies as the API docs (``/docs``, ``/openapi.json``) show them.
 
-These pydantic models only describe: the routes read their bodies themselves and check every
+The sampling, frame and context fields of the speech and dialogue bodies are not declared here:
+they come from the request's one declaration (:class:`~higgs_pack.runtime.options.RequestFields`),
+with its defaults, limits and descriptions.  These pydantic models only describe: the routes read their bodies themselves and check every
 field with their own messages (:func:`~higgs_pack.serve.speech.parse_speech`, the voice
 upload in :mod:`~higgs_pack.serve.app`), which name the field, what was wrong and what is
 allowed, and refuse an unknown field with a close match.  :func:`add_bodies` puts the models in
@@ -12,8 +14,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
+from higgs_pack.runtime.loop.sentences import GRANULARITIES
+from higgs_pack.runtime.options import FIELDS, http_fields
 from higgs_pack.serve.config import MAX_INPUT_CHARS, MAX_REF_SECONDS
 from higgs_pack.serve.formats import DEFAULT_FORMAT, FORMATS
 from higgs_pack.serve.tempo import SPEED_RANGE
@@ -39,9 +43,11 @@ class Reference(BaseModel):
     text: str = Field(description="The exact words said in the clip.")
 
 
-class SpeechBody(BaseModel):
+class _SpeechBody(BaseModel):
     """The body of ``POST /v1/audio/speech``: OpenAI's fields and the extensions of vllm-omni
-    and sglang-omni.  A field sent as null counts as left out (``seed``: null is a random seed)."""
+    and sglang-omni.  A field sent as null counts as left out (``seed``: null is a random seed).
+    The sampling, frame and context fields are the request's own declaration
+    (:class:`~higgs_pack.runtime.options.RequestFields`), added by their HTTP names."""
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
         {"model": "higgs-audio-v3-tiny", "input": "Hello from the server.", "voice": "default",
@@ -82,23 +88,10 @@ class SpeechBody(BaseModel):
     ref_text: str | None = Field(None, description="The exact transcript of ref_audio.")
     references: list[Reference] | None = Field(None, min_length=1, max_length=1, description="Boson's form of "
                                                "ref_audio with ref_text: exactly one entry.")
-    seed: int | None = Field(None, description="Sampling seed: the same seed gives the same audio.")
-    temperature: float | None = Field(None, description="Sampling temperature (the bundle's default when left "
-                                      "out).")
-    top_k: int | None = Field(None, description="Sample among the k most likely codes.")
-    top_p: float | None = Field(None, description="Sample within this cumulative probability.")
-    max_new_tokens: int | None = Field(None, ge=1, description="Frame cap per sentence (25 frames per second); "
-                                       "left out: from the text's length.")
-    context_chunks: int | None = Field(None, ge=0, description="A long input's rolling context: previous text "
-                                       "chunks (their text and audio) that open the next chunk's prompt, so the "
-                                       "voice and prosody carry on (default 1; 0: the voice alone).")
-    context_frames: int | None = Field(None, ge=1, description="Most frames of each context chunk kept in a "
-                                       "prompt (its end, cut at a word; 25 frames per second); left out: 250 "
-                                       "(10 s).")
-    initial_chunk_frames: int | None = Field(None, ge=1, description="Frames in the first streamed chunk (fewer: "
-                                             "audio sooner).")
-    initial_codec_chunk_frames: int | None = Field(None, ge=1, description="sglang-omni's name of "
-                                                   "initial_chunk_frames.")
+
+
+SpeechBody = create_model("SpeechBody", __base__=_SpeechBody, __doc__=_SpeechBody.__doc__, __module__=__name__,
+                        **http_fields())  # type: ignore[call-overload]
 
 
 class DialogueTurn(BaseModel):
@@ -109,7 +102,7 @@ class DialogueTurn(BaseModel):
     input: str = Field(description="The words of the turn.")
 
 
-class DialogueBody(BaseModel):
+class _DialogueBody(BaseModel):
     """The body of ``POST /v1/audio/dialogue``: turns of several speakers spoken as one audio, each
     in its speaker's voice with that speaker's recent turns as context; the answer is
     /v1/audio/speech's (one segment per turn, with its speaker)."""
@@ -134,16 +127,38 @@ class DialogueBody(BaseModel):
     stream: bool | None = Field(None, description="As /v1/audio/speech.")
     segments: bool | None = Field(None, description="As /v1/audio/speech: true gives JSON with the audio and one "
                                   "segment per turn (exact times, speaker).")
-    seed: int | None = Field(None, description="As /v1/audio/speech.")
-    temperature: float | None = Field(None, description="As /v1/audio/speech.")
-    top_k: int | None = Field(None, description="As /v1/audio/speech.")
-    top_p: float | None = Field(None, description="As /v1/audio/speech.")
-    max_new_tokens: int | None = Field(None, ge=1, description="Frame cap per text chunk (25 frames per second).")
-    context_chunks: int | None = Field(None, ge=0, description="The speaker's earlier text chunks that open each "
-                                       "of its prompts (default 1).")
-    context_frames: int | None = Field(None, ge=1, description="As /v1/audio/speech.")
-    initial_chunk_frames: int | None = Field(None, ge=1, description="As /v1/audio/speech.")
-    initial_codec_chunk_frames: int | None = Field(None, ge=1, description="As /v1/audio/speech.")
+
+
+DialogueBody = create_model("DialogueBody", __base__=_DialogueBody, __doc__=_DialogueBody.__doc__,
+                          __module__=__name__, **http_fields(dialogue=True))  # type: ignore[call-overload]
+
+
+#: The most words a live response's first commit may hold (``first_commit_words``).
+FIRST_COMMIT_WORDS_MAX = 50
+
+
+class SessionFields(BaseModel):
+    """The fields a live session's ``session.config`` takes besides the speech body's
+    (``/v1/audio/speech/stream``, docs/serving/live.md): how text is committed to speech
+    (:class:`~higgs_pack.runtime.loop.sentences.TextCommits`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    split_granularity: Literal[GRANULARITIES] = Field(  # type: ignore[valid-type]
+        "sentence", description="Text is committed to speech at sentence ends, or at clause ends too.")
+    first_commit_words: int = Field(0, ge=0, le=FIRST_COMMIT_WORDS_MAX, description="The most words of a response's first commit "
+                                    "(0: none): the first words are spoken before their sentence ends.")
+
+
+#: Fields of the speech body a session cannot take: the request fields declared not live (text comes
+#: in ``input.text`` messages: :class:`~higgs_pack.runtime.options.Door`), and the stream switches
+#: (a session always streams).
+NOT_IN_CONFIG = (*(door.http for door in FIELDS.values() if door.http and not door.live), "stream_format", "stream")
+
+
+def config_fields() -> tuple[str, ...]:
+    """Every field a ``session.config`` takes besides ``type``: the speech body's, less
+    :data:`NOT_IN_CONFIG`, and :class:`SessionFields`'s."""
+    return (*(name for name in SpeechBody.model_fields if name not in NOT_IN_CONFIG), *SessionFields.model_fields)
 
 
 class VoiceUpload(BaseModel):

@@ -21,23 +21,22 @@ import base64
 import binascii
 import re
 from dataclasses import dataclass
-from numbers import Integral
 from pathlib import Path
 from typing import Any
 
 from higgs_pack.manifests.errors import InputError, Problem, literal, unknown_choice
 from higgs_pack.runtime.audio import read_audio_bytes
+from higgs_pack.runtime.options import MAX_CHUNK_FRAMES, http_keywords, is_whole
 from higgs_pack.runtime.request import SynthesisRequest, plain_type, unspeakable
 from higgs_pack.runtime.text import clean
 from higgs_pack.serve.config import ServeConfig
 from higgs_pack.serve.errors import ApiError, from_input_error
 from higgs_pack.serve.formats import DEFAULT_FORMAT, FORMATS
+from higgs_pack.serve.schema import DialogueBody, SpeechBody
 from higgs_pack.serve.tempo import SPEED_RANGE
 
-#: Every field the body may hold.
-FIELDS = ("model", "input", "voice", "response_format", "speed", "instructions", "stream_format", "stream",
-          "ref_audio", "ref_text", "references", "seed", "temperature", "top_k", "top_p", "max_new_tokens",
-          "initial_chunk_frames", "initial_codec_chunk_frames", "context_chunks", "context_frames", "segments")
+#: Every field the body may hold (its model's, :class:`~higgs_pack.serve.schema.SpeechBody`).
+FIELDS = tuple(SpeechBody.model_fields)
 #: The name of the bundle's own voice (no reference clip).
 DEFAULT_VOICE = "default"
 _DATA_URI = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(;[\w-]+=[\w.-]+)*;base64,", re.ASCII)
@@ -156,10 +155,8 @@ def segments_wanted(body: dict, stream_format: str | None) -> bool:
     return wanted
 
 
-#: Every field the body of ``POST /v1/audio/dialogue`` may hold.
-DIALOGUE_FIELDS = ("model", "turns", "voices", "response_format", "speed", "stream_format", "stream", "segments",
-                   "seed", "temperature", "top_k", "top_p", "max_new_tokens", "initial_chunk_frames",
-                   "initial_codec_chunk_frames", "context_chunks", "context_frames")
+#: Every field the body of ``POST /v1/audio/dialogue`` may hold (:class:`~higgs_pack.serve.schema.DialogueBody`).
+DIALOGUE_FIELDS = tuple(DialogueBody.model_fields)
 
 
 def parse_dialogue(body: Any, *, models: tuple[str, ...], voices: Any, config: ServeConfig) -> SpeechJob:
@@ -510,37 +507,36 @@ def _base64(value: str, config: ServeConfig, param: str) -> bytes:
                    "data:audio/wav;base64,...", param) from exc
 
 
+#: HTTP name -> the request keyword it sets, for the body's valued fields (the request's one declaration).
+KEYWORDS = http_keywords()
 #: Fields that hold whole numbers: JSON has one kind of number, so ``7.0`` is 7 there (RFC 8259 section 6).
-WHOLE_FIELDS = ("seed", "top_k", "context_chunks", "context_frames", "max_new_tokens", "initial_chunk_frames",
-                "initial_codec_chunk_frames")
+WHOLE_FIELDS = tuple(http for http, keyword in KEYWORDS.items() if is_whole(keyword))
 
 
 def _sampling(body: dict) -> dict[str, Any]:
-    """The request keywords of the sampling and stream fields (their range checked by the request);
-    a whole-number field given as an integral float (``7.0``, as some JSON encoders write 7) is
-    that whole number."""
+    """The request keywords of the body's valued fields (sampling, frame cap, first chunk, rolling
+    context), each judged by the request against its declaration; null is left out, except
+    ``seed`` (null: a fresh seed).  A whole-number field given as an integral float (``7.0``, as
+    some JSON encoders write 7) is that whole number.  A first chunk larger than the default
+    largest chunk raises the largest to match.
+
+    Raises:
+        ApiError: 400 for ``initial_chunk_frames`` beside ``initial_codec_chunk_frames`` (one field, two names).
+    """
     body = {k: int(v) if k in WHOLE_FIELDS and isinstance(v, float) and v.is_integer() else v for k, v in body.items()}
+    given: dict[str, str] = {}
     keywords: dict[str, Any] = {}
-    for name in ("seed", "temperature", "top_k", "top_p", "context_chunks", "context_frames"):
-        if body.get(name) is not None:
-            keywords[name] = body[name]
+    for http, keyword in KEYWORDS.items():
+        if body.get(http) is None:
+            continue
+        if keyword in given:
+            raise _bad(f"give {given[keyword]} or {http}, not both (two names of one field)", http,
+                       "conflicting_fields")
+        given[keyword] = http
+        keywords[keyword] = body[http]
     if "seed" in body and body["seed"] is None:
         keywords["seed"] = None
-    if body.get("max_new_tokens") is not None:  # checked by the request with the other fields, all at once
-        keywords["max_frames"] = body["max_new_tokens"]
-    first = body.get("initial_chunk_frames")
-    alias = body.get("initial_codec_chunk_frames")
-    if first is not None and alias is not None:
-        raise _bad("give initial_chunk_frames or initial_codec_chunk_frames, not both", "initial_codec_chunk_frames")
-    name = "initial_chunk_frames" if first is not None else "initial_codec_chunk_frames"
-    first = first if first is not None else alias
-    if first is not None:
-        keywords["first_chunk_frames"] = _whole(first, name, "frames (25 per second) in the first streamed chunk")
-        keywords["max_chunk_frames"] = max(first, 100)
+    first = keywords.get("first_chunk_frames")
+    if isinstance(first, int) and not isinstance(first, bool):
+        keywords["max_chunk_frames"] = max(first, MAX_CHUNK_FRAMES)
     return keywords
-
-
-def _whole(value: Any, name: str, meaning: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
-        raise _bad(f"{name} must be a whole number >= 1 of {meaning}, got {_got(value)}", name)
-    return int(value)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from numbers import Integral, Real
+from numbers import Integral
 from typing import Any
 
 import numpy as np
@@ -93,28 +93,20 @@ class SamplingOptions:
 def sampling_problems(values: Mapping[str, Any]) -> list[Problem]:
     """One problem per bad :class:`SamplingOptions` field of ``values`` (its name, the value given and
     what is allowed), in field order; ``[]`` when all are valid.  Fields ``values`` leaves out are
-    not judged.  The one place the sampling rules live: a :class:`SamplingOptions` is checked
-    once, when it is made, and a request collects these with its other problems."""
-    whole = ("seed", "top_k", "repeat_guard_frames")
-    rules = {
-        "seed": (lambda v: v is None or v >= 0, ">= 0 (numpy's PCG64 seeds are non-negative) or None"),
-        "temperature": (lambda v: 0 <= v < float("inf"), "a finite number >= 0 (0 = greedy)"),
-        "top_k": (lambda v: v >= 0, ">= 0 (0 = off)"),
-        "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
-        "repeat_guard_frames": (lambda v: v >= 0, ">= 0"),
-    }
-    found = []
-    for name, (ok, allowed) in rules.items():
-        if name not in values:
-            continue
-        value = values[name]
-        if name in whole and not (value is None and name == "seed") and (
-                isinstance(value, bool) or not isinstance(value, Integral)):
-            found.append(Problem(name, value, "a whole number"))
-        elif name not in whole and (isinstance(value, bool) or not isinstance(value, Real)):
-            found.append(Problem(name, value, "a number"))
-        elif not ok(value):
-            found.append(Problem(name, value, allowed))
+    not judged.  The seed and the three sampling knobs are judged by the request's one declaration
+    (:func:`~higgs_pack.runtime.options.value_problems`: a bundle's defaults and a caller's choices
+    by the same limits); ``repeat_guard_frames`` is the bundle's alone."""
+    from higgs_pack.runtime.options import is_whole, value_problems
+
+    found = value_problems({k: v for k, v in values.items() if k != "repeat_guard_frames"})
+    found += [Problem(name, None, "a whole number" if is_whole(name) else "a number")  # None is a request's
+              for name in ("temperature", "top_k", "top_p") if name in values and values[name] is None]  # "unset"
+    if "repeat_guard_frames" in values:
+        guard = values["repeat_guard_frames"]
+        if isinstance(guard, bool) or not isinstance(guard, Integral):
+            found.append(Problem("repeat_guard_frames", guard, "a whole number"))
+        elif guard < 0:
+            found.append(Problem("repeat_guard_frames", guard, ">= 0"))
     return found
 
 

@@ -88,8 +88,8 @@ def default_kv_budget(bytes_per_position: int | None, rows: int, max_length: int
         return None
     full = bytes_per_position * rows * max_length
     budget = min(int(available * fraction), full)
-    log.info("engine KV budget %s: %.0f%% of %s available (%s), at most %s for %d rows x %d positions",
-             mib(budget), fraction * 100, mib(available), source, mib(full), rows, max_length)
+    log.info("engine KV budget %s: what %d rows x %d positions need (%s), at most %.0f%% of the %s available (%s)",
+             mib(budget), rows, max_length, mib(full), fraction * 100, mib(available), source)
     return budget
 
 

@@ -11,7 +11,7 @@ import difflib
 import errno
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,13 +118,18 @@ class Problem:
         not fields), of ``field`` (None: the request as a whole)."""
         return cls(field, value, message=literal(sentence), code=code)
 
-    def shown(self) -> str:
-        """The value as messages show it: numbers as written, other values as repr, cut to 80 characters."""
-        text = str(self.value) if isinstance(self.value, (int, float)) and not isinstance(self.value, bool) \
-            else repr(self.value)
+    def shown(self, show: Callable[[Any], str] | None = None) -> str:
+        """The value as messages show it: ``show(value)`` when given (a door's own words: JSON's at
+        the server), else numbers as written and other values as repr; cut to 80 characters."""
+        if show is not None:
+            text = show(self.value)
+        else:
+            text = str(self.value) if isinstance(self.value, (int, float)) and not isinstance(self.value, bool) \
+                else repr(self.value)
         return text if len(text) <= 80 else text[:77] + "..."
 
-    def render(self, name: str | None = None, how: str | None = None) -> str:
+    def render(self, name: str | None = None, how: str | None = None,
+               show: Callable[[Any], str] | None = None) -> str:
         """The problem as one sentence.
 
         Args:
@@ -132,9 +137,10 @@ class Problem:
                 for ``max_frames``); default the Python keyword.
             how: how the caller's user sets the field (``"--top-p / top_p="``), appended as
                 "; set it with HOW"; None: not appended (an HTTP error names the field in ``param``).
+            show: how the door writes a value (:meth:`shown`).
         """
         name = name or self.field or "request"
-        text = self.message.format(name=name) if self.message else f"{name} must be {self.allowed}, got {self.shown()}"
+        text = self.message.format(name=name) if self.message else f"{name} must be {self.allowed}, got {self.shown(show)}"
         if self.fix:
             text += f"; {self.fix}"
         if how:

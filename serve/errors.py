@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from higgs_pack.manifests.errors import HiggsPackError, InputError, Problem
+from higgs_pack.runtime.text import plain_type
 
 #: HTTP status -> OpenAI's error ``type``.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error", 409: "invalid_request_error",
@@ -83,8 +84,18 @@ def refused(*problems: Problem, param: str | None = None, status: int = 400) -> 
     return from_input_error(InputError.of(*problems), status=status, param=param)
 
 
+def json_words(value: Any) -> str:
+    """A value as a JSON body's sender wrote it: ``true``, ``null``, ``7``, ``2.5``, a string
+    quoted; a list or an object by its kind (never a Python type name or repr)."""
+    if value is None or isinstance(value, bool):
+        return "null" if value is None else str(value).lower()
+    if isinstance(value, (int, float, str)):
+        return repr(value) if isinstance(value, str) else str(value)
+    return plain_type(value)
+
+
 def _said(exc: InputError, name: Any, status: int, code: str | None, param: str | None) -> ApiError:
-    message = exc.say(lambda problem: problem.render(name=name(problem.field)))
+    message = exc.say(lambda problem: problem.render(name=name(problem.field), show=json_words))
     named = next((name(problem.field) for problem in exc.problems if problem.field), None)
     return ApiError(status, message, param=named or param, code=code or exc.code)
 

@@ -24,8 +24,13 @@ from higgs_pack.runtime.options import FIELDS, RequestFields, allowed, door_of, 
 from higgs_pack.runtime.request import SynthesisRequest
 from higgs_pack.serve.config import ServeConfig
 from higgs_pack.serve.errors import ApiError
-from higgs_pack.serve.schema import NOT_IN_CONFIG, SessionFields, config_fields
-from higgs_pack.serve.schema import DialogueBody, SpeechBody
+from higgs_pack.serve.schema import (
+    NOT_IN_CONFIG,
+    DialogueBody,
+    SessionFields,
+    SpeechBody,
+    config_fields,
+)
 from higgs_pack.serve.speech import parse_speech
 
 VALUED = [name for name, info in RequestFields.model_fields.items() if not door_of(info).shaped]

@@ -324,7 +324,9 @@ def test_the_api_docs_need_no_network_and_describe_every_body(server):
     assert body["required"] == ["model", "input"] and body["additionalProperties"] is False
     assert {"seed", "stream", "stream_format", "ref_audio", "references", "max_new_tokens"} <= set(body["properties"])
     assert all(field.get("description") for field in body["properties"].values())
-    from higgs_pack.runtime.options import http_fields  # the request's one declaration: true defaults and limits
+    from higgs_pack.runtime.options import (
+        http_fields,  # the request's one declaration: true defaults and limits
+    )
 
     for name, (_kind, declared) in http_fields().items():
         assert body["properties"][name].get("default") == declared.default, name

@@ -337,7 +337,8 @@ def test_an_unknown_field_gets_a_close_match():
     ({"ref_audio": 5, "ref_text": "hi"}, "ref_audio must be a base64 string or a data: URI, got a number (5)"),
     ({"ref_audio": {"a": 1}, "ref_text": "hi"}, "got an object"),
     ({"max_new_tokens": "5"}, "max_new_tokens must be a whole number, got '5'"),
-    ({"initial_chunk_frames": 2.5}, "got a number (2.5)"),
+    ({"initial_chunk_frames": 2.5}, "initial_chunk_frames must be a whole number, got 2.5"),
+    ({"seed": True}, "seed must be a whole number, got true"),
 ])
 def test_messages_name_json_types_not_python_ones(body, words):
     with pytest.raises(ApiError) as err:

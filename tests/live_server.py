@@ -1,5 +1,5 @@
 """A real ``higgs-pack serve`` process on 127.0.0.1 for the tests: the load test's own starter
-(:class:`~bench.serve_workers.ServerProcess`: a free port, the printed
+(:class:`~bench.serving.workers.ServerProcess`: a free port, the printed
 address, ready when ``/ready`` answers 200, bounded in time, stopped by its process id), with
 the tests' settings and a reader of one ``/metrics`` sample."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.serve_workers import ServerProcess
+from bench.serving.workers import ServerProcess
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 #: Longest wait for a server to bind and warm up, seconds.

@@ -1,4 +1,4 @@
-"""The agent benchmark (bench/serve_agent.py, issue 41 item 1): text cut as an LLM emits it, the
+"""The agent benchmark (bench/serving/agent.py, issue 41 item 1): text cut as an LLM emits it, the
 figures of a session from what was sent and received, and its table in the docs."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.serve_agent import RATE, agent_table, session_record, token_pieces
+from bench.serving.agent import RATE, agent_table, session_record, token_pieces
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,5 +54,5 @@ def test_the_kept_run_renders_and_a_wrong_file_is_refused(tmp_path, monkeypatch)
     assert "| sentence |" in hook.render(runs[-1].name, "agent")
     monkeypatch.setattr(hook, "RUNS", tmp_path)
     (tmp_path / "x.json").write_text(json.dumps([{"kind": "serve-bench"}]))
-    with pytest.raises(hook.BenchTableError, match=r"not a python -m bench\.serve_agent run"):
+    with pytest.raises(hook.BenchTableError, match=r"not a python -m bench\.serving\.agent run"):
         hook.render("x.json", "agent")

@@ -53,8 +53,8 @@ def test_a_table_shows_the_figures_of_its_run(hook):
 
 def test_an_ab_report_renders_as_its_tool_printed_it(hook):
     """The rolling-context report kept from the full-size run: each K's prefill share as
-    bench/rolling.py prints it."""
-    from bench import rolling
+    bench/ab/rolling.py prints it."""
+    from bench.ab import rolling
 
     report = json.loads((hook.RUNS / "rolling-context-full-2026-12-05.json").read_text())
     table = hook.render("rolling-context-full-2026-12-05.json", "ab")
@@ -78,7 +78,7 @@ def test_bad_markers_name_what_is_wrong(hook, tmp_path, monkeypatch):
         hook.render("object.json", "systems")
     with pytest.raises(hook.BenchTableError, match=r"not a python -m bench\.ab report"):
         hook.render("empty.json", "ab")
-    with pytest.raises(hook.BenchTableError, match=r"not a python -m bench\.formats run"):
+    with pytest.raises(hook.BenchTableError, match=r"not a python -m bench\.serving\.formats run"):
         hook.render("empty.json", "atempo")
     (tmp_path / "other.json").write_text(json.dumps({"command": "ort-fp8"}))
     with pytest.raises(hook.BenchTableError, match=r"unknown bench\.ab command 'ort-fp8'"):
@@ -86,7 +86,7 @@ def test_bad_markers_name_what_is_wrong(hook, tmp_path, monkeypatch):
 
 
 def test_cells_with_a_bar_do_not_break_the_table():
-    from bench.systems import markdown
+    from bench.common.systems import markdown
 
     text = markdown(["a", "b"], [["x|y", None]], ["fact"])
     assert "| x\\|y | - |" in text and text.endswith("- fact")

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from bench.long_text import peak_rss_of
+from bench.ab.long_text import peak_rss_of
 from higgs_pack.manifests.errors import InputError
 from higgs_pack.runtime.audio import PARTIAL_WAV_PREFIX, WavFileWriter, write_wav
 
@@ -159,7 +159,7 @@ def test_the_long_text_benchmark_records_peak_rss_per_length(cpu_int4_bundle, tm
     import json
     from pathlib import Path
 
-    from bench import ab
+    from bench.ab import settings
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "long.json"
@@ -170,7 +170,7 @@ def test_the_long_text_benchmark_records_peak_rss_per_length(cpu_int4_bundle, tm
     one, two = report["runs"]
     assert (one["copies"], two["copies"]) == (1, 2) and two["words"] == 2 * one["words"] > 0
     assert two["audio_min"] > one["audio_min"] > 0 and one["peak_rss_mb"] > 50
-    assert ab.report_table(report) in proc.stdout and f"| 2 | {two['words']} |" in proc.stdout
+    assert settings.report_table(report) in proc.stdout and f"| 2 | {two['words']} |" in proc.stdout
     bad = subprocess.run([sys.executable, "-m", "bench.ab", "long-text", str(cpu_int4_bundle), "--copies", "0,x"],
                          cwd=root, capture_output=True, text=True)
     assert bad.returncode == 2 and "--copies must be comma-separated whole numbers >= 1, got '0,x'" in bad.stderr

@@ -7,11 +7,11 @@ A page asks for a table with a comment on a line of its own::
     <!-- bench-table full-2026-12-05.json prefill -->
 
 ``KIND`` is one of :data:`KINDS`; the table is built by the same functions that print the
-benchmark's text tables and write ``dist/bench.html`` (``bench.report``), so the page, the
+benchmark's text tables and write ``dist/bench.html`` (``bench.decoder.report``), so the page, the
 terminal and the HTML report cannot disagree.  The kind ``ab`` renders the ``--out`` report of a
 ``python -m bench.ab`` tool (a JSON object with its ``command``) as that tool printed it
-(``bench.ab.report_table``), and ``agent`` the ``--out`` of ``python -m bench.serve_agent`` (a JSON
-object of kind ``agent-bench``: ``bench.serve_agent.agent_table``).  A missing file, an unknown kind or a run without
+(``bench.ab.report_table``), and ``agent`` the ``--out`` of ``python -m bench.serving.agent`` (a JSON
+object of kind ``agent-bench``: ``bench.serving.agent.agent_table``).  A missing file, an unknown kind or a run without
 the figures a kind needs fails the build (``mkdocs build --strict``) naming the page and marker.
 """
 
@@ -37,7 +37,7 @@ def _shown(path: Path) -> str:
 
 
 def _systems(records: list[dict[str, Any]]) -> tuple[list[str], list[list[str]], list[str]]:
-    from bench.report import COLUMNS, cell
+    from bench.decoder.report import COLUMNS, cell
 
     measured = [r for r in records if r.get("kind") is None]
     keep = [c for c in COLUMNS if any(r.get(c[1]) is not None for r in measured)]
@@ -45,7 +45,7 @@ def _systems(records: list[dict[str, Any]]) -> tuple[list[str], list[list[str]],
 
 
 def _goals(records: list[dict[str, Any]]) -> tuple[list[str], list[list[str]], list[str]]:
-    from bench.records import goal_state
+    from bench.common.report import goal_state
 
     goals = next((r["goals"] for r in records if r.get("kind") == "goals"), [])
     return ["goal", "measured", "state"], [[g["goal"], g["measured"], goal_state(g["met"], g["measured"])]
@@ -54,8 +54,8 @@ def _goals(records: list[dict[str, Any]]) -> tuple[list[str], list[list[str]], l
 
 def _serve_goals(records: list[dict[str, Any]]) -> tuple[list[str], list[list[str]], list[str]]:
     """The goals of load-test runs (``dist/serve-bench.json``: a record per label and preset)."""
-    from bench import serve_report
-    from bench.records import goal_state
+    from bench.common.report import goal_state
+    from bench.serving import report as serve_report
 
     runs = [r for r in records if "levels" in r and "server" in r]
     return ["goal", "measured", "state"], [[g, m, goal_state(met, m)] for r in runs
@@ -63,7 +63,7 @@ def _serve_goals(records: list[dict[str, Any]]) -> tuple[list[str], list[list[st
 
 
 def _machine(records: list[dict[str, Any]]) -> tuple[list[str], list[list[str]], list[str]]:
-    from bench.systems import machine_line
+    from bench.common.systems import machine_line
 
     machine = next((r["machine"] for r in records if r.get("machine")), None)
     return ["recorded on"], [[machine_line(machine)]] if machine else [], []
@@ -77,7 +77,7 @@ def _builds(records: list[dict[str, Any]]) -> tuple[list[str], list[list[str]], 
 
 
 def _kinds() -> dict[str, Any]:
-    from bench import report
+    from bench.decoder import report
 
     return {"systems": _systems, "prefill": report.prefill_table, "batch": report.batch_table,
             "steps": lambda r: (*report.step_table_rows(r), []), "builds": _builds, "goals": _goals,
@@ -86,7 +86,7 @@ def _kinds() -> dict[str, Any]:
 
 KINDS = ("systems", "prefill", "batch", "steps", "builds", "goals", "machine", "serve-goals", "ab", "formats", "atempo",
          "agent")
-#: Kinds of a ``python -m bench.formats --out`` run (a JSON object with ``formats``).
+#: Kinds of a ``python -m bench.serving.formats --out`` run (a JSON object with ``formats``).
 FORMAT_KINDS = ("formats", "atempo")
 
 
@@ -105,7 +105,7 @@ def render(name: str, kind: str) -> str:
     if kind not in KINDS:
         raise BenchTableError(f"unknown table kind {kind!r} (one of {', '.join(KINDS)})")
     if kind == "ab":
-        from bench.ab import report_table
+        from bench.ab.settings import report_table
 
         if not isinstance(records, dict) or "command" not in records:
             raise BenchTableError(f"{_shown(path)} is not a python -m bench.ab report (a JSON object with its command)")
@@ -113,19 +113,19 @@ def render(name: str, kind: str) -> str:
             return report_table(records)
         except KeyError as exc:
             raise BenchTableError(f"{_shown(path)}: {exc.args[0]}") from None
-    from bench.systems import markdown
+    from bench.common.systems import markdown
 
     if kind == "agent":
-        from bench.serve_agent import agent_table
+        from bench.serving.agent import agent_table
 
         if not isinstance(records, dict) or records.get("kind") != "agent-bench":
-            raise BenchTableError(f"{_shown(path)} is not a python -m bench.serve_agent run (kind agent-bench)")
+            raise BenchTableError(f"{_shown(path)} is not a python -m bench.serving.agent run (kind agent-bench)")
         return markdown(*agent_table(records))
     if kind in FORMAT_KINDS:
-        from bench import formats
+        from bench.serving import formats
 
         if not isinstance(records, dict) or "formats" not in records:
-            raise BenchTableError(f"{_shown(path)} is not a python -m bench.formats run (a JSON object with formats)")
+            raise BenchTableError(f"{_shown(path)} is not a python -m bench.serving.formats run (a JSON object with formats)")
         return markdown(*getattr(formats, f"{kind}_table")(records))
     if not isinstance(records, list):
         raise BenchTableError(f"{_shown(path)} is not a list of benchmark records")

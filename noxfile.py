@@ -239,8 +239,9 @@ def docs(session: nox.Session) -> None:
     """Build the documentation site (mkdocs-material, mkdocs.yml) into dist/site/ with
     `mkdocs build --strict`: a broken link or anchor, or a page left out of the nav, fails it.
     Its own venv holds the [docs] extra (read from pyproject.toml) and higgs-pack without extras (no
-    torch, no runtime backend): docs/hooks/bench_tables.py renders the benchmark pages' tables from
-    the runs kept in docs/benchmarks/runs/ with the benchmark's own table code (bench.decoder.report)."""
+    torch, no runtime backend): docs/hooks/bench_tables.py takes the benchmark pages' tables from
+    docs/benchmarks/tables.json (kept JSON; `python -m bench.tables --write` renders it from the runs
+    kept in docs/benchmarks/runs/ with the benchmark's own table code)."""
     extras = nox.project.load_toml(ROOT / "pyproject.toml")["project"]["optional-dependencies"]
     session.install(*extras["docs"], "-e", str(ROOT))
     session.run("mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"), *session.posargs,

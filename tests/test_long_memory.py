@@ -17,13 +17,23 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from bench.ab.long_text import peak_rss_of
 from higgs_pack.manifests.errors import InputError
 from higgs_pack.runtime.audio import PARTIAL_WAV_PREFIX, WavFileWriter, write_wav
 
 HIGGS = [sys.executable, "-m", "higgs_pack.runtime.cli"]
 SR = 24000
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss in KiB and /dev/full: Linux")
+
+
+def _peak_rss_mb(command: list[str]) -> float:
+    """The peak resident set of ``command``'s own process, MB (``ru_maxrss`` of its ``wait4``: KiB
+    on Linux); AssertionError with its stderr when it fails."""
+    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    errors = child.stderr.read()
+    _, status, usage = os.wait4(child.pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, errors[-2000:]
+    return usage.ru_maxrss / 1024
 
 
 def _one_shot(samples: np.ndarray, subtype: str) -> bytes:
@@ -118,8 +128,8 @@ def test_a_long_text_to_a_file_is_held_a_piece_at_a_time(cpu_int4_bundle, cases_
         text = tmp_path / f"t{copies}.txt"
         text.write_text(" ".join([sentence] * copies), encoding="utf-8")
         out = tmp_path / f"t{copies}.wav"
-        rss, _ = peak_rss_of([*HIGGS, "synthesize", str(cpu_int4_bundle), "--text-file", str(text), "-o",
-                               str(out), "--subtitles", str(tmp_path / f"t{copies}.srt"), "--no-progress"])
+        rss = _peak_rss_mb([*HIGGS, "synthesize", str(cpu_int4_bundle), "--text-file", str(text), "-o",
+                            str(out), "--subtitles", str(tmp_path / f"t{copies}.srt"), "--no-progress"])
         found[copies] = (rss, sf.info(out).duration)
     (short_rss, short_s), (long_rss, long_s) = found[40], found[160]
     assert long_s > 2 * short_s > 120, found

@@ -8,6 +8,7 @@ starts its servers with :class:`bench.serving.workers.ServerProcess`."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -51,14 +52,17 @@ class LiveServer:
         if not listening.wait(START_TIMEOUT_S) or not self.url:
             self._fail("start")
         give_up = time.monotonic() + START_TIMEOUT_S
-        while self.process.poll() is None and time.monotonic() < give_up:
-            try:
-                if httpx.get(self.url + "/ready", timeout=10).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
+        while not self._ready():
+            if self.process.poll() is not None or time.monotonic() > give_up:
+                self._fail("get ready")
             time.sleep(0.2)
-        self._fail("get ready")
+
+    def _ready(self) -> bool:
+        """Whether ``/ready`` answers 200 now."""
+        try:
+            return httpx.get(self.url + "/ready", timeout=10).status_code == 200
+        except httpx.TransportError:
+            return False
 
     def _follow(self, listening: threading.Event) -> None:
         """Keep every line of the server's output; set ``listening`` once it prints its address."""
@@ -85,13 +89,12 @@ class LiveServer:
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM, SIGKILL after ``timeout`` seconds; its exit status."""
         self._deadline.cancel()
-        if self.process.poll() is None:
-            self.signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.signal(signal.SIGKILL)
-                self.process.wait(10)
+        for sig, grace in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
+            if self.process.poll() is not None:
+                break
+            self.signal(sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(grace)
         return self.process.returncode
 
     def __enter__(self) -> LiveServer:

@@ -1,5 +1,6 @@
 """Benchmark records: identifying fields, the roofline, ratios, the goals they are judged against
-(README, Benchmark), the ``--batch`` memory fit and the JSON file."""
+(README, Benchmark), the ``--batch`` memory fit and the records' JSON file (goal states and the
+file written whole: :mod:`bench.common.report`)."""
 
 from __future__ import annotations
 

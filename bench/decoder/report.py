@@ -1,6 +1,6 @@
 """The benchmark's tables, each built once and printed as text or written into ``dist/bench.html``
 (matplotlib figures as inline PNGs in the runtime's page; without matplotlib, the ``report``
-extra, no page), and the pieces the load test's page shares."""
+extra, no page); the HTML pieces every page shares are in :mod:`bench.common.report`."""
 
 from __future__ import annotations
 

@@ -239,8 +239,9 @@ def docs(session: nox.Session) -> None:
     """Build the documentation site (mkdocs-material, mkdocs.yml) into dist/site/ with
     `mkdocs build --strict`: a broken link or anchor, or a page left out of the nav, fails it.
     Its own venv holds the [docs] extra (read from pyproject.toml) and higgs-pack without extras (no
-    torch, no runtime backend): docs/hooks/bench_tables.py renders the benchmark pages' tables from
-    the runs kept in docs/benchmarks/runs/ with the benchmark's own table code (bench.report)."""
+    torch, no runtime backend): docs/hooks/bench_tables.py takes the benchmark pages' tables from
+    docs/benchmarks/tables.json (kept JSON; `python -m bench.tables --write` renders it from the runs
+    kept in docs/benchmarks/runs/ with the benchmark's own table code)."""
     extras = nox.project.load_toml(ROOT / "pyproject.toml")["project"]["optional-dependencies"]
     session.install(*extras["docs"], "-e", str(ROOT))
     session.run("mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"), *session.posargs,
@@ -260,14 +261,14 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(name="agent-bench", venv_backend="none", default=False)
 def agent_bench(session: nox.Session) -> None:
-    """The agent benchmark (bench/serve_agent.py): live sessions fed an LLM's tokens at 20 and 40
+    """The agent benchmark (bench/serving/agent.py): live sessions fed an LLM's tokens at 20 and 40
     per second under each commit rule, first-token-to-speech beside this machine's floor (the bench
     preset's cpu int4 bundle; -- --preset tiny, --bundle PATH); writes dist/agent-bench.json."""
     build_env(session)
     env = {"HIGGS_PACK_CACHE": os.environ.get("HIGGS_PACK_CACHE", str(ROOT / ".nox" / "cache")),
            "PYTHONPATH": str(ROOT)}  # bench/ is imported from the checkout
     cases = ["--cases", str(CASES)] if CASES.is_dir() else []
-    session.run(_bin("python"), "-m", "bench.serve_agent", "--out", str(ROOT / "dist" / "agent-bench.json"),
+    session.run(_bin("python"), "-m", "bench.serving.agent", "--out", str(ROOT / "dist" / "agent-bench.json"),
                 *cases, *session.posargs, env=env, external=True)
 
 
@@ -280,5 +281,5 @@ def serve_bench(session: nox.Session) -> None:
     env = {"HIGGS_PACK_CACHE": os.environ.get("HIGGS_PACK_CACHE", str(ROOT / ".nox" / "cache")),
            "PYTHONPATH": str(ROOT)}  # bench/ is imported from the checkout
     cases = ["--cases", str(CASES)] if CASES.is_dir() else []
-    session.run(_bin("python"), "-m", "bench.serve_load", "--out",
+    session.run(_bin("python"), "-m", "bench.serving.load", "--out",
                 str(ROOT / "dist" / "serve-bench.json"), *cases, *session.posargs, env=env, external=True)

@@ -1,7 +1,7 @@
-"""``python -m bench``: :func:`bench.run.main`."""
+"""``python -m bench``: :func:`bench.decoder.run.main`."""
 
 import sys
 
-from bench.run import main
+from bench.decoder.run import main
 
 sys.exit(main())

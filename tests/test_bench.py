@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from bench import records as bench_records
-from bench import report, run, systems, workers
+from bench.common import systems
+from bench.common.report import goal_state
+from bench.decoder import records as bench_records
+from bench.decoder import report, run, workers
 from higgs_pack.manifests.errors import BuildPlanError
 
 #: Keys every measured record carries, with their types.
@@ -222,7 +224,7 @@ def test_goal_checks_met_missed_and_not_measured():
     assert goals["[bench] cpu-int4: loop within 1.1x of its bare decoder"][0] is None
     assert goals["[full] cpu int4 decoder weight bytes <= openvino int4's"][0] is None
     assert all(met is None for met, _ in goals.values())
-    assert bench_records.goal_state(None) == "not measured" and bench_records.goal_state(False) == "MISSED"
+    assert goal_state(None) == "not measured" and goal_state(False) == "MISSED"
 
 
 def test_roofline_cache_resident_and_kv_bytes():
@@ -535,7 +537,7 @@ def test_batch_goals_judged_at_full_size_and_missed_when_a_figure_misses():
     bench_goals = _goals([_batched("cpu-int4", "cpu", "bench", rows)])
     missed = bench_goals["[bench] cpu-int4: aggregate frames/s at batch 8 >= 5x batch 1"]
     assert missed[0] is None and missed[1] == "45 / 10 = 4.50x: would be missed; judged at full size only"
-    assert bench_records.goal_state(*missed) == "not judged" and bench_records.goal_state(None, "no --batch record") == "not measured"
+    assert goal_state(*missed) == "not judged" and goal_state(None, "no --batch record") == "not measured"
     assert not any(g.startswith("[full]") and "batch" in g for g in bench_goals)  # only the presets run
     printed = _batched("cpu-int4", "cpu", "bench", rows)
     printed.update(first_audio_steps=28, stream_chunk_frames=10, stream_context_frames=11, stream_frames_per_s=28.0)
@@ -574,7 +576,7 @@ def test_batch_memory_fit_table_and_html(tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "bench.json"
     bench_records.write_records(records, out)
-    from bench.report import write_html
+    from bench.decoder.report import write_html
 
     page = write_html(out).read_text()
     section = page[page.index("Many requests at once (--batch)"):]
@@ -679,7 +681,7 @@ def test_bench_fit_run_on_tiny_cpu_int4(cpu_int4_bundle, tmp_path):
 
 
 def test_fill_kv_refuses_what_it_cannot_fill():
-    from bench.batch import fill_kv
+    from bench.decoder.batch import fill_kv
 
     with pytest.raises(ValueError, match="keeps no host KV buffers"):
         fill_kv(object(), 10)

@@ -1,4 +1,4 @@
-"""The agent benchmark (bench/serve_agent.py, issue 41 item 1): text cut as an LLM emits it, the
+"""The agent benchmark (bench/serving/agent.py, issue 41 item 1): text cut as an LLM emits it, the
 figures of a session from what was sent and received, and its table in the docs."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.serve_agent import RATE, agent_table, session_record, token_pieces
+from bench.serving.agent import RATE, agent_table, session_record, token_pieces
+from bench.tables import TableError, render
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,7 +42,7 @@ def test_a_session_record_finds_the_first_commit_gaps_and_underruns():
     assert record["audio_s"] == pytest.approx(2.0)
     nothing = session_record(text, [], sent, [], ["an error"])
     assert nothing["first_token_to_speech_s"] is None and nothing["server_added_s"] is None
-def test_the_kept_run_renders_and_a_wrong_file_is_refused(tmp_path, monkeypatch):
+def test_the_kept_run_renders_and_a_wrong_file_is_refused(tmp_path):
     spec = importlib.util.spec_from_file_location("bench_tables", ROOT / "docs" / "hooks" / "bench_tables.py")
     hook = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hook)
@@ -52,7 +53,6 @@ def test_the_kept_run_renders_and_a_wrong_file_is_refused(tmp_path, monkeypatch)
     assert len(rows) == len(record["levels"]) and all(len(r) == len(headers) for r in rows)
     assert any("floor of the first commit" in f for f in facts) and "machine" in facts[-1]
     assert "| sentence |" in hook.render(runs[-1].name, "agent")
-    monkeypatch.setattr(hook, "RUNS", tmp_path)
     (tmp_path / "x.json").write_text(json.dumps([{"kind": "serve-bench"}]))
-    with pytest.raises(hook.BenchTableError, match=r"not a python -m bench\.serve_agent run"):
-        hook.render("x.json", "agent")
+    with pytest.raises(TableError, match=r"not a python -m bench\.serving\.agent run"):
+        render(tmp_path / "x.json", "agent")

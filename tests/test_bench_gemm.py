@@ -1,11 +1,11 @@
-"""The GEMM micro-benchmark (``bench.gemm``, ``python -m bench.ab gemm-peak``): one decoder
+"""The GEMM micro-benchmark (``bench.decoder.gemm``, ``python -m bench.ab gemm-peak``): one decoder
 layer's MatMuls built, quantized and timed for real at the tiny checkpoint's shapes."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import gemm
+from bench.decoder import gemm
 from higgs_pack.manifests.errors import InputError
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -1,11 +1,11 @@
-"""bench/paged_ab.py: the paged and stateful engines' figures compared per batch size, and the u8
+"""bench/ab/paged.py: the paged and stateful engines' figures compared per batch size, and the u8
 KV parity measurement on the real tiny openvino bundle."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.paged_ab import compare, u8_parity
+from bench.ab.paged import compare, u8_parity
 
 
 def _result(rows):

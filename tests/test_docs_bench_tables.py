@@ -53,8 +53,8 @@ def test_a_table_shows_the_figures_of_its_run(hook):
 
 def test_an_ab_report_renders_as_its_tool_printed_it(hook):
     """The rolling-context report kept from the full-size run: each K's prefill share as
-    bench/rolling.py prints it."""
-    from bench import rolling
+    bench/ab/rolling.py prints it."""
+    from bench.ab import rolling
 
     report = json.loads((hook.RUNS / "rolling-context-full-2026-12-05.json").read_text())
     table = hook.render("rolling-context-full-2026-12-05.json", "ab")
@@ -69,24 +69,55 @@ def test_bad_markers_name_what_is_wrong(hook, tmp_path, monkeypatch):
     run = next(p.name for p in sorted(hook.RUNS.glob("*.json")))
     with pytest.raises(hook.BenchTableError, match="unknown table kind 'speed'"):
         hook.render(run, "speed")
-    monkeypatch.setattr(hook, "RUNS", tmp_path)
+    with pytest.raises(hook.BenchTableError, match=rf"no 'agent' table of {run} in .*python -m bench\.tables --write"):
+        hook.render(run, "agent")
+
+
+def test_runs_that_cannot_be_rendered_name_what_is_wrong(tmp_path):
+    from bench.tables import TableError, render, render_all
+
     (tmp_path / "empty.json").write_text(json.dumps([{"kind": "goals", "goals": []}]))
-    with pytest.raises(hook.BenchTableError, match="no figures for a 'prefill' table"):
-        hook.render("empty.json", "prefill")
+    with pytest.raises(TableError, match="no figures for a 'prefill' table"):
+        render(tmp_path / "empty.json", "prefill")
     (tmp_path / "object.json").write_text("{}")
-    with pytest.raises(hook.BenchTableError, match="not a list of benchmark records"):
-        hook.render("object.json", "systems")
-    with pytest.raises(hook.BenchTableError, match=r"not a python -m bench\.ab report"):
-        hook.render("empty.json", "ab")
-    with pytest.raises(hook.BenchTableError, match=r"not a python -m bench\.formats run"):
-        hook.render("empty.json", "atempo")
+    with pytest.raises(TableError, match="not a list of benchmark records"):
+        render(tmp_path / "object.json", "systems")
+    with pytest.raises(TableError, match=r"not a python -m bench\.ab report"):
+        render(tmp_path / "empty.json", "ab")
+    with pytest.raises(TableError, match=r"not a python -m bench\.serving\.formats run"):
+        render(tmp_path / "empty.json", "atempo")
     (tmp_path / "other.json").write_text(json.dumps({"command": "ort-fp8"}))
-    with pytest.raises(hook.BenchTableError, match=r"unknown bench\.ab command 'ort-fp8'"):
-        hook.render("other.json", "ab")
+    with pytest.raises(TableError, match=r"unknown bench\.ab command 'ort-fp8'"):
+        render(tmp_path / "other.json", "ab")
+    with pytest.raises(TableError, match="unknown table kind 'speed'"):
+        render(tmp_path / "empty.json", "speed")
+    # a page's marker that cannot be rendered is named with its page
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "page.md").write_text("Text.\n\n<!-- bench-table empty.json prefill -->\n")
+    with pytest.raises(TableError, match=r"page\.md: <!-- bench-table empty\.json prefill -->: .*no figures"):
+        render_all(tmp_path, tmp_path / "docs")
+
+
+def test_the_hook_reads_kept_json_only_and_its_tables_are_current(hook):
+    """The hook imports nothing of the benchmark (the docs' venv has no bench/ on its path):
+    docs/benchmarks/tables.json holds every marker's table, as the benchmark's own table code
+    renders it from the kept run now (``python -m bench.tables --write`` refreshes it)."""
+    import ast
+
+    from bench import tables
+
+    imported = {alias.name.split(".")[0] for node in ast.walk(ast.parse(HOOK.read_text()))
+                if isinstance(node, ast.Import | ast.ImportFrom)
+                for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])}
+    assert imported <= {"__future__", "json", "re", "pathlib", "typing", "mkdocs"}, imported
+    assert hook.MARKER.pattern == tables.MARKER.pattern
+    kept = json.loads(hook.TABLES.read_text(encoding="utf-8"))
+    assert kept == tables.render_all(), "docs/benchmarks/tables.json is stale: python -m bench.tables --write"
+    assert {(run, kind) for _, run, kind in _markers(hook)} == {(run, k) for run, t in kept["tables"].items() for k in t}
 
 
 def test_cells_with_a_bar_do_not_break_the_table():
-    from bench.systems import markdown
+    from bench.common.systems import markdown
 
     text = markdown(["a", "b"], [["x|y", None]], ["fact"])
     assert "| x\\|y | - |" in text and text.endswith("- fact")

@@ -284,7 +284,7 @@ def test_every_room_is_checked():
         ("manifests", "import os\nfrom higgs_pack.runtime import bundle\n", "2: manifests imports runtime"),
         ("exporters", "from higgs_pack import targets\n", "1: exporters imports targets"),
         ("exporters", "import higgs_pack.targets.declarations as d\n", "1: exporters imports targets"),
-        ("targets", "def f():\n    from bench.run import run_bench\n", "2: targets imports bench"),
+        ("targets", "def f():\n    from bench.decoder.run import run_bench\n", "2: targets imports bench"),
         ("runtime", "import bench.html\n", "1: runtime imports bench"),
         ("higgs_pack", "from bench import records\n", "1: higgs_pack imports bench"),
     ],
@@ -299,7 +299,7 @@ def test_allowed_directions_pass(tmp_path):
     for room, source in (("targets", "from higgs_pack.exporters import catalog\n"),
                          ("exporters", "from higgs_pack.runtime.loop.generate import synthesize\n"),
                          ("runtime", "from higgs_pack.manifests.errors import BundleError\n"),
-                         ("bench", "from higgs_pack.targets.build import build\nimport bench.records\n")):
+                         ("bench", "from higgs_pack.targets.build import build\nimport bench.decoder.records\n")):
         (tmp_path / room).mkdir()
         (tmp_path / room / "ok.py").write_text(source)
     assert violations(tmp_path) == []

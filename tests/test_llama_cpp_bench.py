@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 from conftest import slow_fixture
 
-from bench import decoder_steps, llama_cpp, report, run, systems
-from bench import records as bench_records
+from bench.common import systems
+from bench.decoder import llama_cpp, report, run
+from bench.decoder import records as bench_records
+from bench.decoder import steps as decoder_steps
 from higgs_pack.manifests.errors import BuildError, InputError
 
 needs_llama = pytest.mark.skipif(llama_cpp.llama_cpp_missing() is not None,

@@ -17,13 +17,23 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from bench.long_text import peak_rss_of
 from higgs_pack.manifests.errors import InputError
 from higgs_pack.runtime.audio import PARTIAL_WAV_PREFIX, WavFileWriter, write_wav
 
 HIGGS = [sys.executable, "-m", "higgs_pack.runtime.cli"]
 SR = 24000
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss in KiB and /dev/full: Linux")
+
+
+def _peak_rss_mb(command: list[str]) -> float:
+    """The peak resident set of ``command``'s own process, MB (``ru_maxrss`` of its ``wait4``: KiB
+    on Linux); AssertionError with its stderr when it fails."""
+    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    errors = child.stderr.read()
+    _, status, usage = os.wait4(child.pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, errors[-2000:]
+    return usage.ru_maxrss / 1024
 
 
 def _one_shot(samples: np.ndarray, subtype: str) -> bytes:
@@ -118,8 +128,8 @@ def test_a_long_text_to_a_file_is_held_a_piece_at_a_time(cpu_int4_bundle, cases_
         text = tmp_path / f"t{copies}.txt"
         text.write_text(" ".join([sentence] * copies), encoding="utf-8")
         out = tmp_path / f"t{copies}.wav"
-        rss, _ = peak_rss_of([*HIGGS, "synthesize", str(cpu_int4_bundle), "--text-file", str(text), "-o",
-                               str(out), "--subtitles", str(tmp_path / f"t{copies}.srt"), "--no-progress"])
+        rss = _peak_rss_mb([*HIGGS, "synthesize", str(cpu_int4_bundle), "--text-file", str(text), "-o",
+                            str(out), "--subtitles", str(tmp_path / f"t{copies}.srt"), "--no-progress"])
         found[copies] = (rss, sf.info(out).duration)
     (short_rss, short_s), (long_rss, long_s) = found[40], found[160]
     assert long_s > 2 * short_s > 120, found
@@ -159,7 +169,7 @@ def test_the_long_text_benchmark_records_peak_rss_per_length(cpu_int4_bundle, tm
     import json
     from pathlib import Path
 
-    from bench import ab
+    from bench.ab import settings
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "long.json"
@@ -170,7 +180,7 @@ def test_the_long_text_benchmark_records_peak_rss_per_length(cpu_int4_bundle, tm
     one, two = report["runs"]
     assert (one["copies"], two["copies"]) == (1, 2) and two["words"] == 2 * one["words"] > 0
     assert two["audio_min"] > one["audio_min"] > 0 and one["peak_rss_mb"] > 50
-    assert ab.report_table(report) in proc.stdout and f"| 2 | {two['words']} |" in proc.stdout
+    assert settings.report_table(report) in proc.stdout and f"| 2 | {two['words']} |" in proc.stdout
     bad = subprocess.run([sys.executable, "-m", "bench.ab", "long-text", str(cpu_int4_bundle), "--copies", "0,x"],
                          cwd=root, capture_output=True, text=True)
     assert bad.returncode == 2 and "--copies must be comma-separated whole numbers >= 1, got '0,x'" in bad.stderr

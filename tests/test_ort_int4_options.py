@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import ab
+from bench.ab import settings
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +22,7 @@ def test_measures_each_option_set_against_fp32(tmp_path, capsys):
     scratch = set(Path(tempfile.gettempdir()).glob("higgs-pack-ort-int4-*"))
     out = tmp_path / "ort.json"
     asked = ["b32_l4", "b128_l1"]
-    assert ab.main(["ort-int4", "--preset", "tiny", "--variants", ",".join(asked), "--contexts", "8", "12",
+    assert settings.main(["ort-int4", "--preset", "tiny", "--variants", ",".join(asked), "--contexts", "8", "12",
                      "--steps", "2", "--repeats", "2", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert [(r["variant"], r["context"]) for r in report["results"]] == [
@@ -38,11 +38,11 @@ def test_measures_each_option_set_against_fp32(tmp_path, capsys):
     # Each decoder was built as asked (the exporter reads these back from the MatMulNBits nodes).
     for name in asked:
         q = report["weights"][name]["quantization"]
-        options = ab.ORT_INT4_VARIANTS[name]["extra_options"]
+        options = settings.ORT_INT4_VARIANTS[name]["extra_options"]
         assert (q["block_size"], q["accuracy_level"]) == (options["block_size"], options["accuracy_level"])
         assert q["quantized_ops"]["MatMulNBits"] > 0 and report["weights"][name]["weights_mb"] > 0
     assert report["weights"]["fp32"]["quantization"] == {}
-    assert report["default"] == ab.default_int4_variant() == "b128_l4"  # targets/declarations.CPU_DECODER_INT4
+    assert report["default"] == settings.default_int4_variant() == "b128_l4"  # targets/declarations.CPU_DECODER_INT4
     printed = capsys.readouterr().out
     assert report["machine"]["cpu"] in printed and all(n in printed for n in asked)
     assert set(Path(tempfile.gettempdir()).glob("higgs-pack-ort-int4-*")) <= scratch  # decoders removed
@@ -50,6 +50,6 @@ def test_measures_each_option_set_against_fp32(tmp_path, capsys):
 
 def test_unknown_variant_is_refused_before_any_export(capsys):
     with pytest.raises(SystemExit) as exc:
-        ab.main(["ort-int4", "--preset", "tiny", "--variants", "b32_l4,b48_l4"])
+        settings.main(["ort-int4", "--preset", "tiny", "--variants", "b32_l4,b48_l4"])
     assert exc.value.code == 2
     assert "unknown variant(s) ['b48_l4']" in capsys.readouterr().err

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import ab
+from bench.ab import settings
 
 pytestmark = pytest.mark.slow
 
@@ -20,10 +20,10 @@ pytestmark = pytest.mark.slow
 def test_measures_and_reports_every_setting(tmp_path, capsys):
     scratch = set(Path(tempfile.gettempdir()).glob("higgs-pack-ov-properties-*"))
     out = tmp_path / "ov.json"
-    assert ab.main(["ov-properties", "--preset", "tiny", "--contexts", "8", "--steps", "2", "--repeats", "2",
+    assert settings.main(["ov-properties", "--preset", "tiny", "--contexts", "8", "--steps", "2", "--repeats", "2",
                      "--out", str(out)]) == 0
     report = json.loads(out.read_text())
-    names = [s.name for s in ab.ov_settings()]
+    names = [s.name for s in settings.ov_settings()]
     assert [r["setting"] for r in report["results"]] == names
     assert {"kv_u4", "kv_key_u8_value_u4", "kv_f16", "kv_f32", "hint_throughput", "infer_bf16", "share_off", "int4_asym_g128", "fp32"} <= set(names)
     for row in report["results"]:
@@ -42,7 +42,7 @@ def test_measures_and_reports_every_setting(tmp_path, capsys):
     assert {"KEY_CACHE_PRECISION", "VALUE_CACHE_PRECISION"} <= set(rows["default"]["compiled"])
     # Every weight variant was built as asked (NNCF's own record of what it did).
     weights = report["weights"]
-    for name, options in ab.OV_WEIGHT_VARIANTS.items():
+    for name, options in settings.OV_WEIGHT_VARIANTS.items():
         q = weights[name]["quantization"]
         assert q["mode"] == ("int4_sym" if options["symmetric"] else "int4_asym")
         assert q["group_size"] == options["group_size"] and weights[name]["weights_mb"] > 0
@@ -54,9 +54,9 @@ def test_measures_and_reports_every_setting(tmp_path, capsys):
 
 def test_settings_filter_keeps_the_references_and_refuses_unknown_names(tmp_path, capsys):
     out = tmp_path / "ov.json"
-    assert ab.main(["ov-properties", "--preset", "tiny", "--contexts", "8", "--steps", "1", "--repeats", "1",
+    assert settings.main(["ov-properties", "--preset", "tiny", "--contexts", "8", "--steps", "1", "--repeats", "1",
                      "--settings", "kv_u4", "--out", str(out)]) == 0
     assert [r["setting"] for r in json.loads(out.read_text())["results"]] == ["default", "kv_u4", "kv_f32", "fp32"]
     with pytest.raises(SystemExit):
-        ab.main(["ov-properties", "--preset", "tiny", "--settings", "kv_u3"])
+        settings.main(["ov-properties", "--preset", "tiny", "--settings", "kv_u3"])
     assert "unknown settings ['kv_u3']" in capsys.readouterr().err

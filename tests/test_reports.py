@@ -104,8 +104,8 @@ def test_report_without_matplotlib_names_the_extra(tmp_path):
 def test_bench_html_from_records(tmp_path):
     import json
 
-    from bench import records as bench_records
-    from bench import report
+    from bench.decoder import records as bench_records
+    from bench.decoder import report
 
     records = [
         {"label": "pytorch", "system": "pytorch", "precision": "fp32", "preset": "bench", "frames_per_s": 10.0,

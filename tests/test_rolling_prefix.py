@@ -180,7 +180,7 @@ def test_a_requests_earlier_speech_is_a_rolling_context_after_the_voice(tts, voi
 
 
 def test_the_rolling_context_measurement_on_the_tiny_bundle(cpu_fp32_bundle, cases_dir, tmp_path):
-    from bench.ab import main
+    from bench.ab.settings import main
 
     text = tmp_path / "story.txt"
     text.write_text("The first short chunk is here. And a second one follows it. Then a third one ends it.")

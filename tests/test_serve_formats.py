@@ -291,7 +291,7 @@ def test_the_docs_mp3_example_streams_a_playable_file_at_speed(server, tmp_path)
 
 
 def test_the_formats_bench_measures_every_format_and_speed(cases_dir):
-    from bench.formats import SPEEDS, measure, speech
+    from bench.serving.formats import SPEEDS, measure, speech
 
     samples = speech(cases_dir / "ref_en_16k.wav", 3.0)
     assert samples.dtype == np.float32 and samples.size == 3 * RATE

@@ -447,11 +447,11 @@ def test_a_client_that_does_not_read_holds_the_session_back(server):
 
 
 def test_the_load_tester_runs_live_sessions_with_text_at_30_tokens_per_s(server, cases_dir):
-    """``python -m bench.serve_load --live-sessions 8``: 8 sessions at once, each text sent in
+    """``python -m bench.serving.load --live-sessions 8``: 8 sessions at once, each text sent in
     pieces of about 4 characters at 30 per second; the record says, per sentence, how long after
     its last piece its first audio came, the playback gaps, and finds no lost or reordered audio."""
-    from bench.serve_checks import case_texts
-    from bench.serve_live import pieces, run_live
+    from bench.serving.checks import case_texts
+    from bench.serving.live import pieces, run_live
 
     texts = case_texts(cases_dir)
     assert all("".join(pieces(t)) == t for t in texts)

@@ -17,8 +17,10 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from bench import serve_checks, serve_load, serve_report
-from bench.serve_checks import Expected, Job, Observed, check
+from bench.serving import checks as serve_checks
+from bench.serving import load as serve_load
+from bench.serving import report as serve_report
+from bench.serving.checks import Expected, Job, Observed, check
 
 SAMPLES = 12 * serve_checks.FRAME_SAMPLES
 

@@ -55,7 +55,7 @@ since manifest format 2) a stream hands over :meth:`CodecBatcher.step` calls ins
 its next frames, their offset and end and its state row.  Steps with the same frame count share
 one run, their states stacked as rows of ``codec_state`` [k, S] and split back after it (each row
 is its own stream: ``exporters/pytorch/stream_codec.py``); :attr:`CodecBatcher.batch_streams`
-False runs them one per run (``python -m bench.stream_codec`` measures both).  Each frame is then
+False runs them one per run (``python -m bench.decoder.stream_codec`` measures both).  Each frame is then
 decoded once, not once per window plus its context.
 
 Fallbacks: a static-shape codec (the NPU variant: batch 1 in its IR) gets one row per run

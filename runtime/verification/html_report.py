@@ -1,5 +1,5 @@
 """Self-contained HTML reports: ``higgs-pack verify --report report.html`` (and the benchmark's
-pages, written by ``bench/report.py`` of the checkout with :func:`page` and :func:`figure_png`).
+pages, written by ``bench/decoder/report.py`` of the checkout with :func:`page` and :func:`figure_png`).
 
 One file, nothing fetched: every plot is a matplotlib figure embedded as a base64
 PNG, every audio clip a base64 16-bit WAV in an ``<audio>`` element, the style

@@ -101,7 +101,7 @@ def stream_codec_thread_pool() -> dict[str, Any]:
     each run put a worker on every core the decoder's step was using.  Bench preset cpu int4
     (real codec dims), 100 frames, AMD EPYC 2 vCPUs, ONNX Runtime 1.32, load average 3-8 from
     other jobs, four runs of 3 interleaved rounds each (medians of per-round ratios): audio
-    delivered per wall second, codec included (``bench.batch``'s ``delivered_frames_per_s``),
+    delivered per wall second, codec included (``bench.decoder.batch``'s ``delivered_frames_per_s``),
     streamed over plain 0.68-0.77x -> 0.95-1.27x at batch 1 and 0.73-0.83x -> 0.92-1.32x at
     batch 4; the engine's aggregate rate while streaming over plain's 0.20-0.50x -> 0.26-0.60x
     (batch 1), 0.20-0.31x -> 0.39-0.59x (batch 4); the slowest stream's first audio no later

@@ -1,4 +1,4 @@
-"""The agent benchmark (issue 41 item 1): ``python -m bench.serve_agent``.
+"""The agent benchmark (issue 41 item 1): ``python -m bench.serving.agent``.
 
 A voice agent is judged by the time from its LLM's first token to the first audio the user
 hears (Picovoice's open TTS latency benchmark streams picoLLM's tokens into each engine and
@@ -14,7 +14,7 @@ records
   audio byte (what the server adds once it has the text it needs);
 - ``sentence_gaps_s``: for each later part, how long a player that started at the first audio
   and played in real time waited for its first audio (0 when it was there in time);
-- ``underruns``: gaps of more than :data:`~bench.serve_live.GAP_S` in that playback after the
+- ``underruns``: gaps of more than :data:`~bench.serving.live.GAP_S` in that playback after the
   first audio, and ``underrun_s`` their total;
 - ``audio_s``: seconds of audio made.
 
@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.serve_live import GAP_S, spread
+from bench.serving.live import GAP_S, spread
 
 #: The commit rules compared (session.config fields; docs/serving/live.md).
 RULES = {
@@ -213,12 +213,12 @@ def agent_table(record: dict[str, Any]) -> tuple[list[str], list[list[str]], lis
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from bench.serve_checks import case_texts
-    from bench.serve_load import _bundle_for_preset
-    from bench.serve_workers import ServerProcess
-    from bench.systems import machine, machine_line
+    from bench.common.systems import machine, machine_line
+    from bench.serving.checks import case_texts
+    from bench.serving.load import _bundle_for_preset
+    from bench.serving.workers import ServerProcess
 
-    p = argparse.ArgumentParser(prog="python -m bench.serve_agent", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.serving.agent", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="bench", choices=("tiny", "bench", "full"))
     p.add_argument("--bundle", help="a bundle (default: the bench's cpu int4 bundle of --preset)")
     p.add_argument("--cases", default="../shared/cases")

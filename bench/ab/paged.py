@@ -1,7 +1,7 @@
-"""``python -m bench.paged_ab BUNDLE``: an openvino bundle's paged engine beside the spliced stateful
+"""``python -m bench.ab.paged BUNDLE``: an openvino bundle's paged engine beside the spliced stateful
 one (issue 39), in one run, and the paged engine's u8 KV cache against an f32 one.
 
-**engines**: the ``batch`` worker (:func:`bench.batch.measure_batches`: plain, streamed, join and
+**engines**: the ``batch`` worker (:func:`bench.decoder.batch.measure_batches`: plain, streamed, join and
 voice-join runs per batch size) in fresh processes, the paged and the stateful engine in turn for
 ``--rounds`` rounds, so both see the same machine load; each size's medians and their ratios
 (paged / stateful) are in ``compare``.  **u8 parity** (``--parity``): the decoder's hidden states
@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.run import BENCH_TEXT, DEFAULT_VOICE_CLIP, voice_job
-from bench.systems import machine, spawn
+from bench.common.systems import machine, spawn
+from bench.decoder.run import BENCH_TEXT, DEFAULT_VOICE_CLIP, voice_job
 
 #: Figures compared paged / stateful per batch size (lower is better for the times).
 COMPARED = ("aggregate_frames_per_s", "engine_step_ms", "bare_step_ms", "join_first_audio_ms",
@@ -70,12 +70,12 @@ def _relative_l2(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def u8_parity(bundle: str, text: str, steps: int) -> dict[str, Any]:
-    """Hidden states of the bench prompt and ``steps`` steps (fixed inputs, :func:`bench.workers.
+    """Hidden states of the bench prompt and ``steps`` steps (fixed inputs, :func:`bench.decoder.workers.
     fixed_inputs`) with the bundle's own KV cache against an f32 one, paged and stateful."""
     import openvino as ov
 
     import higgs_pack
-    from bench.workers import fixed_inputs
+    from bench.decoder.workers import fixed_inputs
     from higgs_pack.runtime.backends.openvino.paged import OvPagedDecoder, compile_paged
     from higgs_pack.runtime.backends.openvino.runners import OvStatefulDecoder
 
@@ -106,7 +106,7 @@ def u8_parity(bundle: str, text: str, steps: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.paged_ab", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.ab.paged", description=__doc__.split("\n\n")[0])
     parser.add_argument("bundle", help="an openvino bundle folder")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--rounds", type=int, default=2, help="rounds of both engines in turn (default 2)")

@@ -20,17 +20,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.systems import loadavg, machine_facts, markdown, print_report
+from bench.common.systems import loadavg, machine_facts, markdown, print_report
 
 #: The cases folder beside the repository (a reference clip with its .txt transcript, texts).
-CASES = Path(__file__).resolve().parents[2] / "shared" / "cases"
+CASES = Path(__file__).resolve().parents[3] / "shared" / "cases"
 DEFAULT_CLIP = CASES / "ref_en_16k.wav"
 DEFAULT_TEXT = CASES / "text_en_basic.txt"
 DEFAULT_WORDS = 12
 #: The cases' English text is two sentences: said twice it makes four chunks, enough for K = 3.
 DEFAULT_REPEAT = 2
 DEFAULT_MAX_FRAMES = 150
-HELP = "a long text's rolling context per chunk: prefill against generation per K (bench/rolling.py)"
+HELP = "a long text's rolling context per chunk: prefill against generation per K (bench/ab/rolling.py)"
 HEADERS = ["K", "keep", "chunk", "prompt", "prefilled", "prefill ms", "gen ms", "frames", "share"]
 
 

@@ -1,23 +1,22 @@
 """The benchmark's tables, each built once and printed as text or written into ``dist/bench.html``
 (matplotlib figures as inline PNGs in the runtime's page; without matplotlib, the ``report``
-extra, no page), and the pieces the load test's page shares."""
+extra, no page); the HTML pieces every page shares are in :mod:`bench.common.report`."""
 
 from __future__ import annotations
 
-import html
 import json
 import math
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bench.records import BUILD_MEMORY_BUDGET_MB, Goal, batch_rows, goal_checks, goal_state
-from bench.records import GOAL_LOOP_OVER_DECODER as LOOP
-from bench.records import GOAL_OUTSIDE_DECODER as OUTSIDE
-from bench.systems import PRESETS, STEP_KIND, machine_line, table
-from higgs_pack.runtime.verification.html_report import figure_png, page, require_matplotlib
+from bench.common.report import axes, esc, facts_list, goal_state, goals_table, html_table, img
+from bench.common.systems import PRESETS, STEP_KIND, machine_line, table
+from bench.decoder.records import BUILD_MEMORY_BUDGET_MB, batch_rows, goal_checks
+from bench.decoder.records import GOAL_LOOP_OVER_DECODER as LOOP
+from bench.decoder.records import GOAL_OUTSIDE_DECODER as OUTSIDE
+from higgs_pack.runtime.verification.html_report import page, require_matplotlib
 
 #: (header, record key, format) of the per-system table.
 COLUMNS = (
@@ -282,42 +281,6 @@ def render_steps(records: list[dict[str, Any]]) -> str:
     headers, rows = step_table_rows(mine)
     text = table(_title("decoder step (ms), ours beside llama.cpp", mine), headers, rows) if rows else ""
     return "\n".join([text, *step_facts(mine)]).strip("\n")
-
-
-# ----------------------------------------------------------------------------- HTML
-
-
-def esc(text: Any) -> str:
-    return html.escape(str(text))
-
-
-def img(fig: Any, alt: str) -> str:
-    """A matplotlib figure as an inline PNG (the figure is closed)."""
-    return f'<img src="{figure_png(fig)}" alt="{esc(alt)}">'
-
-
-def html_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    body = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in rows)
-    return "<table><tr>" + "".join(f"<th>{esc(h)}</th>" for h in headers) + f"</tr>{body}</table>"
-
-
-def facts_list(lines: Sequence[str]) -> str:
-    return '<ul class="explain">' + "".join(f"<li>{esc(line)}</li>" for line in lines) + "</ul>"
-
-
-def goals_table(goals: Sequence[Goal]) -> str:
-    """The goals met, missed, not measured or not judged, first on a page."""
-    css = {"met": "ok", "MISSED": "FAIL"}
-    rows = "".join(f"<tr><td class=\"{css.get(goal_state(met, m), 'skipped')}\">{goal_state(met, m)}</td>"
-                   f"<td>{esc(goal)}</td><td>{esc(m)}</td></tr>" for goal, met, m in goals)
-    return f"<h2>Goals</h2><table><tr><th>result</th><th>goal</th><th>measured</th></tr>{rows}</table>"
-
-
-def axes(plt: Any, size: tuple[float, float], title: str, xlabel: str = "", ylabel: str = "") -> tuple[Any, Any]:
-    fig, ax = plt.subplots(figsize=size)
-    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
-    ax.grid(alpha=0.25)
-    return fig, ax
 
 
 def preset_section(preset: str, rows: list[dict[str, Any]]) -> str:

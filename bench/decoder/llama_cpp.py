@@ -21,7 +21,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from bench.systems import LLAMA_CPP, QUANTS, child_env, parse_quant
+from bench.common.systems import LLAMA_CPP, QUANTS, child_env, parse_quant
 from higgs_pack.manifests.errors import BuildError, InputError
 
 #: Why the llama.cpp systems and tests do not run without the extra.
@@ -191,7 +191,7 @@ def ensure_ggufs(checkpoint: Path, cache: Path, quants: list[str], *, threads: i
         target = out / f"{checkpoint.name}-{quant}.gguf"
         log(f"llama.cpp: quantizing to {quant}: {target}")
         log_file = out / f"quantize-{quant}.log"
-        run = run_tool([sys.executable, "-m", "bench.llama_cpp", str(float_gguf), str(target), quant, str(threads)],
+        run = run_tool([sys.executable, "-m", "bench.decoder.llama_cpp", str(float_gguf), str(target), quant, str(threads)],
                        log_file, env=child_env())
         if run.returncode != 0 or not target.is_file():
             raise BuildError(f"llama_model_quantize ({quant}) exited {run.returncode} (log: {log_file})")

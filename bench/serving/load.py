@@ -5,8 +5,8 @@ The server (started here, or ``--url``) and the engine process at the server's b
 runs every request of the pool alone (the references); then per level of clients the engine and
 the server get the level's requests (at one client in turn, request by request), each level
 bounded by its request count and seconds, ``--rounds`` keeping each side's fastest; then a soak
-reading the server's RSS every 50 answers.  Every answer is checked (:mod:`bench.serve_checks`);
-``--live-sessions``: the live WebSocket (:mod:`bench.serve_live`).  docs/benchmarks/serve-load.md.
+reading the server's RSS every 50 answers.  Every answer is checked (:mod:`bench.serving.checks`);
+``--live-sessions``: the live WebSocket (:mod:`bench.serving.live`).  docs/benchmarks/serve-load.md.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from bench import serve_report
-from bench.serve_checks import (
+from bench.common.systems import cpu_s, machine, rss_mb
+from bench.serving import report as serve_report
+from bench.serving.checks import (
     ANSWER_COLUMNS,
     CATEGORIES,
     FRAME_SAMPLES,
@@ -38,10 +39,9 @@ from bench.serve_checks import (
     check,
     request_pool,
 )
-from bench.serve_live import run_live
-from bench.serve_stall import run_stall
-from bench.serve_workers import EngineProcess, ServerProcess, scrape
-from bench.systems import cpu_s, machine, rss_mb
+from bench.serving.live import run_live
+from bench.serving.stall import run_stall
+from bench.serving.workers import EngineProcess, ServerProcess, scrape
 from higgs_pack.manifests.errors import HiggsPackError, InputError
 
 DEFAULT_CLIENTS = (1, 4, 16, 64)
@@ -283,12 +283,12 @@ def _machine() -> dict[str, Any]:
 
 
 def run_load(options: LoadOptions) -> dict[str, Any]:
-    """One load test; its record for :func:`bench.serve_report.write_run`.  RuntimeError when the
+    """One load test; its record for :func:`bench.serving.report.write_run`.  RuntimeError when the
     server or the engine does not start; InputError without a bundle, URL or texts."""
     if not options.bundle and not options.url:
         raise InputError("give a bundle (--bundle, --preset) or a running server (--url)")
     say = (lambda m: None) if options.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
-    cases = Path(options.cases or os.environ.get("HIGGS_PACK_CASES") or Path(__file__).resolve().parents[2]
+    cases = Path(options.cases or os.environ.get("HIGGS_PACK_CASES") or Path(__file__).resolve().parents[3]
                  / "shared" / "cases")
     pool = request_pool(case_texts(cases), options.pool, options.frames)
     counts = {**DEFAULT_REQUESTS.get(options.preset, {}), **(options.requests or {})}
@@ -405,8 +405,8 @@ def _soak(url: str, model: str, pid: int | None, capacity: int, pool: list[Job],
 
 def _bundle_for_preset(preset: str, cache: str | None, quiet: bool) -> str:
     """The bench's cpu int4 bundle of ``preset`` (built once into the bench cache and reused)."""
-    from bench.run import BenchOptions, bundle_for, cache_dir, checkpoint_for
-    from bench.systems import parse_system
+    from bench.common.systems import parse_system
+    from bench.decoder.run import BenchOptions, bundle_for, cache_dir, checkpoint_for
 
     options = BenchOptions(preset=preset, cache=cache, quiet=quiet)
     checkpoint, _ = checkpoint_for(options, cache_dir(options))
@@ -420,11 +420,11 @@ HELP = {"preset": "tiny or bench: the bench's cpu int4 bundle of this preset", "
         "rounds": "run each level this many times, keep each side's fastest", "soak_requests": "0: no soak",
         "live_tokens_per_s": "pieces of text (about 4 characters each) a live session sends per second",
         "stall": "cloning requests (10-s clips) sent with a voice upload while /health is timed: how long the "
-                 "event loop is held (bench/serve_stall.py; 0: none)"}
+                 "event loop is held (bench/serving/stall.py; 0: none)"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.serve_load", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.serving.load", description=__doc__.split("\n\n")[0])
     for f in fields(LoadOptions):  # a flag per option of a plain type, default and type from LoadOptions
         kind = {"int": int, "float": float, "str": str}.get(str(f.type).split(" |")[0])
         if kind is not None:

@@ -266,7 +266,7 @@ def gemm_peak(config: Mapping[str, Any], rows: Sequence[int] = PREFILL_LENGTHS, 
 
 def worker_gemm_peak(spec: dict[str, Any]) -> dict[str, Any]:
     """The bench's ``gemm_peak`` worker: :func:`gemm_peak` of ``spec["config"]`` at ``spec["rows"]``."""
-    from bench.systems import peak_rss_mb
+    from bench.common.systems import peak_rss_mb
 
     out = gemm_peak(spec["config"], spec.get("rows", PREFILL_LENGTHS), spec.get("rounds", 2))
     return {**out, "gemm_peak_rss_mb": round(peak_rss_mb(), 1)}
@@ -317,7 +317,7 @@ def table(report: Mapping[str, Any]) -> str:
     return text
 
 
-HELP = "one decoder layer's MatMuls per arithmetic and row count (bench/gemm.py; no checkpoint)"
+HELP = "one decoder layer's MatMuls per arithmetic and row count (bench/decoder/gemm.py; no checkpoint)"
 
 
 def add_arguments(parser: Any) -> None:
@@ -345,7 +345,7 @@ def command(args: Any) -> int:
     import onnxruntime
     import openvino
 
-    from bench.systems import loadavg, machine_facts, print_report
+    from bench.common.systems import loadavg, machine_facts, print_report
     from higgs_pack.manifests.errors import InputError
 
     machine, variants = machine_facts(), [v for v in args.variants.split(",") if v.strip()]

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 #: The checkout (``bench`` is not in the wheel): children get it first on ``PYTHONPATH``.
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 PYTORCH = "pytorch"
 PRESETS = ("tiny", "bench", "full")
@@ -224,10 +224,11 @@ class WorkerError(RuntimeError):
 
 #: Worker tasks -> the ``module:function`` that runs one in its own process.
 WORKERS = {
-    "measure": "bench.workers:worker_measure", "checkpoint": "bench.workers:worker_checkpoint",
-    "build": "bench.workers:worker_build", "bandwidth": "bench.workers:worker_bandwidth",
-    "batch": "bench.batch:measure_batches", "fit": "bench.batch:fit_run",
-    "gemm_peak": "bench.gemm:worker_gemm_peak", "our_steps": "bench.decoder_steps:measure_our_steps", "llama_steps": "bench.decoder_steps:measure_llama_steps",
+    "measure": "bench.decoder.workers:worker_measure", "checkpoint": "bench.decoder.workers:worker_checkpoint",
+    "build": "bench.decoder.workers:worker_build", "bandwidth": "bench.decoder.workers:worker_bandwidth",
+    "batch": "bench.decoder.batch:measure_batches", "fit": "bench.decoder.batch:fit_run",
+    "gemm_peak": "bench.decoder.gemm:worker_gemm_peak", "our_steps": "bench.decoder.steps:measure_our_steps",
+    "llama_steps": "bench.decoder.steps:measure_llama_steps",
 }
 
 

@@ -1,6 +1,6 @@
 """What each response format and each ``speed`` costs: CPU per second of audio, bits, first audio.
 
-``python -m bench.formats [--clip WAV] [--seconds 60] [--out run.json]`` streams real speech (the
+``python -m bench.serving.formats [--clip WAV] [--seconds 60] [--out run.json]`` streams real speech (the
 cases' reference clip, resampled to 24 kHz and repeated to ``--seconds``) through each format's
 :class:`~higgs_pack.serve.formats.StreamEncoder` in 0.4 s pieces (10 codec frames, as a stream
 sends them; and in 10 ms pieces until what was sent decodes), through
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.systems import machine_facts
+from bench.common.systems import machine_facts
 from higgs_pack.runtime.audio import load_audio
 from higgs_pack.serve.formats import FORMATS, StreamEncoder, encode_whole
 from higgs_pack.serve.tempo import TimeStretch
@@ -130,8 +130,8 @@ def atempo_table(run: dict[str, Any]) -> tuple[list[str], list[list[str]], list[
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.formats", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--clip", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "cases"
+    parser = argparse.ArgumentParser(prog="python -m bench.serving.formats", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clip", type=Path, default=Path(__file__).resolve().parents[3] / "shared" / "cases"
                         / "ref_en_16k.wav", help="speech to encode (default: the cases' reference clip)")
     parser.add_argument("--seconds", type=float, default=60.0, help="audio seconds per run")
     parser.add_argument("--repeats", type=int, default=3, help="runs per figure; the least is kept")

@@ -1,9 +1,9 @@
 """Streamed against plain aggregate frames/s with the stateful streaming codec (issue 31 item 1).
 
-``python -m bench.stream_codec BUNDLE [--batch 1,4] [--frames 100] [--repeats 2]``: per batch
+``python -m bench.decoder.stream_codec BUNDLE [--batch 1,4] [--frames 100] [--repeats 2]``: per batch
 size, rounds of **plain**, **stateful** (each request streamed on its own thread, the B streams'
 codec steps batched), **stateful-alone** (one stream step per codec run) and **windows** (the
-streaming codec hidden: the window codec).  Rates as ``bench.batch``'s; ratios to plain within a
+streaming codec hidden: the window codec).  Rates as ``bench.decoder.batch``'s; ratios to plain within a
 round, medians over rounds (``over_plain``, ``delivered_over_plain``).  Prints one JSON object.
 """
 
@@ -16,8 +16,8 @@ import sys
 import time
 from typing import Any
 
-from bench.batch import engine_run, probe
-from bench.systems import load_1m, peak_rss_mb
+from bench.common.systems import load_1m, peak_rss_mb
+from bench.decoder.batch import engine_run, probe
 
 TEXT = "The quick brown fox jumps over the lazy dog, and then it runs far away into the forest."
 MODES = ("plain", "stateful", "stateful-alone", "windows")

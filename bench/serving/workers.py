@@ -1,6 +1,6 @@
-"""The load test's other processes: :class:`ServerProcess` (``higgs-pack serve`` on 127.0.0.1,
-also the tests' live server), :class:`EngineProcess` and :func:`engine_worker` (the same bundle
-through ``tts.engine(max_batch)``), and the server's counters (:func:`scrape`)."""
+"""The load test's other processes: :class:`ServerProcess` (``higgs-pack serve`` on 127.0.0.1),
+:class:`EngineProcess` and :func:`engine_worker` (the same bundle through
+``tts.engine(max_batch)``), and the server's counters (:func:`scrape`)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
-from bench.serve_checks import Expected, Job, pcm16
-from bench.systems import cpu_s
+from bench.common.systems import cpu_s
+from bench.serving.checks import Expected, Job, pcm16
 
 #: Most seconds a server started here may live, and may take to get ready (or the engine to load).
 SERVER_LIFETIME_S = 3600.0

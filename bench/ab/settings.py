@@ -8,8 +8,8 @@ the CPU, its ISA and the load.  Printed as Markdown (docs/measurements.md), JSON
 * ``ort-kv-cache``: float and int8 KV caches, with code agreement and a teacher-forced sequence;
 * ``ov-properties``: OpenVINO CPU compile properties and NNCF INT4 SYM/ASYM x group 64/128, against
   the fp32 IR (KV settings also against the same IR's f32 cache, ``*_vs_kv_f32``);
-* ``gemm-peak``, ``rolling-context BUNDLE``, ``long-text BUNDLE``: :mod:`bench.gemm`,
-  :mod:`bench.rolling`, :mod:`bench.long_text`.
+* ``gemm-peak``, ``rolling-context BUNDLE``, ``long-text BUNDLE``: :mod:`bench.decoder.gemm`,
+  :mod:`bench.ab.rolling`, :mod:`bench.ab.long_text`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import dataclasses
 import json
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -28,8 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from bench import gemm, long_text, rolling
-from bench.systems import loadavg, machine_facts, markdown, peak_rss_mb, print_report
+from bench.ab import long_text, rolling
+from bench.common.systems import loadavg, machine_facts, markdown, peak_rss_mb, print_report
+from bench.decoder import gemm
 from higgs_pack.manifests.model import SubPart
 
 #: The variant every other one's hidden states are compared with: the target's fp32 decoder.
@@ -460,6 +460,3 @@ def main(argv: list[str] | None = None) -> int:
     return print_report(report, f"{machine['cpu']}, {runtime} {report[runtime]}, preset {args.preset}, "
                         f"{args.steps} steps x {args.repeats} rounds", table(report), args.out)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

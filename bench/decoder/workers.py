@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.gemm import PREFILL_LENGTHS
-from bench.systems import PYTORCH, load_1m, median_of, peak_rss_mb, rss_mb
+from bench.common.systems import PYTORCH, load_1m, median_of, peak_rss_mb, rss_mb
+from bench.decoder.gemm import PREFILL_LENGTHS
 from higgs_pack.exporters.result import tool_versions
 from higgs_pack.runtime.backends import registered
 

@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.rolling import DEFAULT_TEXT
-from bench.systems import machine_facts, markdown, print_report
+from bench.ab.rolling import DEFAULT_TEXT
+from bench.common.systems import machine_facts, markdown, print_report
 
-HELP = "peak RSS of higgs-pack synthesize over long texts (bench/long_text.py)"
+HELP = "peak RSS of higgs-pack synthesize over long texts (bench/ab/long_text.py)"
 HEADERS = ["copies", "words", "text KB", "audio min", "wall s", "peak RSS MB"]
 
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.systems import load_1m, median_of, peak_rss_mb, rss_mb
-from bench.workers import fixed_inputs, kv_bytes_per_position, kv_itemsize, no_eoc
+from bench.common.systems import load_1m, median_of, peak_rss_mb, rss_mb
+from bench.decoder.workers import fixed_inputs, kv_bytes_per_position, kv_itemsize, no_eoc
 
 #: Steps the B - 1 running requests take together before one joins; seconds to wait for them.
 JOIN_AFTER_STEPS = 3

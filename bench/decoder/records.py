@@ -1,5 +1,6 @@
 """Benchmark records: identifying fields, the roofline, ratios, the goals they are judged against
-(README, Benchmark), the ``--batch`` memory fit and the JSON file."""
+(README, Benchmark), the ``--batch`` memory fit and the records' JSON file (goal states and the
+file written whole: :mod:`bench.common.report`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.systems import PRESETS, PYTORCH, SystemSpec
+from bench.common.report import NOT_JUDGED, Goal, write_json
+from bench.common.systems import PRESETS, PYTORCH, SystemSpec
 
 # The issues' goals (2, 3, 9; 19 for --batch, judged at the full preset only).
 GOAL_SPEEDUP_CPU_INT4 = 2.0
@@ -39,10 +41,6 @@ FIT_POSITIONS = 2000
 BUILD_MEMORY_BUDGET_MB = 12 * 1024
 #: The bundles every sized preset must measure (else their goals read "not measured").
 REQUIRED_SYSTEMS = (("cpu", "int4"), ("openvino", "int4"))
-#: Ends the ``measured`` text of a goal computed where it is not judged.
-NOT_JUDGED = "judged at full size only"
-#: ``(goal, met, measured)``; ``met`` None: not measured (``measured`` says why) or not judged.
-Goal = tuple[str, bool | None, str]
 
 
 def subpart_weight_bytes(manifest: dict[str, Any], part: str) -> int:
@@ -134,13 +132,6 @@ def add_ratios(records: list[dict[str, Any]]) -> None:
             other = cpu.get(r["precision"])
             if other is not None and r is not other and r["system"] != PYTORCH:
                 r.update(speedup_vs_cpu=r["frames_per_s"] / other["frames_per_s"], vs_cpu=other["label"])
-
-
-def goal_state(met: bool | None, measured: str = "") -> str:
-    """``met``, ``MISSED``, ``not measured`` or ``not judged``."""
-    if met is None:
-        return "not judged" if measured.endswith(NOT_JUDGED) else "not measured"
-    return "met" if met else "MISSED"
 
 
 def _find(measured: list[dict[str, Any]], preset: str, system: str, precision: str) -> dict[str, Any] | None:
@@ -377,11 +368,3 @@ def write_records(records: list[dict[str, Any]], out: Path, append: bool = False
     goals = {"kind": "goals", "goals": [{"goal": g, "met": met, "measured": m}
                                         for g, met, m in goal_checks([r for r in rows if r.get("kind") is None])]}
     write_json([*rows, goals], out)
-
-
-def write_json(data: Any, out: Path) -> None:
-    """Write ``data`` as indented JSON through a temporary file (never half a file)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    tmp.replace(out)

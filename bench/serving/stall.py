@@ -1,4 +1,5 @@
-"""Event-loop stall of ``higgs-pack serve`` under CPU work a request brings (``serve_load --stall``).
+"""Event-loop stall of ``higgs-pack serve`` under CPU work a request brings
+(``python -m bench.serving.load --stall``).
 
 While ``clones`` cloning requests (each a ``ref_audio`` clip of ``clip_seconds``, base64 in the
 JSON body) and one voice upload (``POST /v1/audio/voices``) run, ``/health`` is asked every

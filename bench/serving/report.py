@@ -8,10 +8,18 @@ import math
 from pathlib import Path
 from typing import Any
 
-from bench.records import Goal, goal_state, write_json
-from bench.report import axes, esc, goals_table, html_table, img
-from bench.serve_checks import CATEGORIES, FAILURES
-from bench.systems import machine_line, table
+from bench.common.report import (
+    Goal,
+    axes,
+    esc,
+    goal_state,
+    goals_table,
+    html_table,
+    img,
+    write_json,
+)
+from bench.common.systems import machine_line, table
+from bench.serving.checks import CATEGORIES, FAILURES
 from higgs_pack.runtime.verification.html_report import page, require_matplotlib
 
 #: No lost, truncated or malformed answer at this concurrency.
@@ -39,7 +47,7 @@ def _p50(figures: dict[str, Any] | None, key: str) -> float | None:
 
 def _live_run(record: dict[str, Any], sessions: int) -> dict[str, Any] | None:
     """The live runs of ``sessions`` sessions as one (their sentences pooled), or None."""
-    from bench.serve_live import spread
+    from bench.serving.live import spread
 
     runs = [r for r in record.get("live") or [] if r["sessions"] == sessions]
     if len(runs) < 2:
@@ -208,7 +216,7 @@ def render(record: dict[str, Any]) -> str:
 
 
 def _stall_line(stall: dict[str, Any]) -> str:
-    """The event loop's stall (bench/serve_stall.py) in a line: /health latency idle and busy."""
+    """The event loop's stall (bench/serving/stall.py) in a line: /health latency idle and busy."""
     def said(phase: dict[str, Any] | None) -> str:
         return "not measured" if not phase else (f"p50 {phase['p50_ms']:.1f} ms, p99 {phase['p99_ms']:.1f} ms, "
                                                   f"max {phase['max_ms']:.1f} ms ({phase['n']} probes)")

@@ -17,12 +17,13 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from bench import records as rec
-from bench import report, systems
-from bench.decoder_steps import run_step_comparison
-from bench.gemm import PREFILL_LENGTHS, layer_shapes, ops_per_row
-from bench.systems import SystemSpec, WorkerError, machine, ov_cache_dir, parse_system, spawn
-from bench.workers import CONTEXT_ROUNDS
+from bench.common import systems
+from bench.common.systems import SystemSpec, WorkerError, machine, ov_cache_dir, parse_system, spawn
+from bench.decoder import records as rec
+from bench.decoder import report
+from bench.decoder.gemm import PREFILL_LENGTHS, layer_shapes, ops_per_row
+from bench.decoder.steps import run_step_comparison
+from bench.decoder.workers import CONTEXT_ROUNDS
 from higgs_pack.runtime.backends import registered
 
 DEFAULT_SYSTEMS = ("pytorch", "cpu-int4", "cpu-fp32", "openvino-int4", "openvino-int8", "openvino-fp32")
@@ -201,7 +202,7 @@ def decoder_config(checkpoint: Path | None, prepared: list[Prepared]) -> dict[st
 def gemm_peak(options: BenchOptions, checkpoint: Path | None, prepared: list[Prepared], cache: Path
               ) -> dict[str, Any]:
     """The machine's GEMM peak on the decoder layer's shapes, once per run (``gemm_peak`` worker:
-    :func:`bench.gemm.gemm_peak`), and ``decoder_ops_per_position`` (the decoder's MatMul operations
+    :func:`bench.decoder.gemm.gemm_peak`), and ``decoder_ops_per_position`` (the decoder's MatMul operations
     per prompt position, attention left out), for every record; ``gemm_peak_error`` when it failed,
     nothing with ``gemm_peak`` off or no decoder config."""
     config = decoder_config(checkpoint, prepared)

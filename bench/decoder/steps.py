@@ -15,11 +15,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import llama_cpp
-from bench.gemm import PREFILL_LENGTHS
-from bench.records import base_record
-from bench.systems import STEP_KIND, WorkerError, load_1m, ov_cache_dir, peak_rss_mb, spawn
-from bench.workers import (
+from bench.common.systems import STEP_KIND, WorkerError, load_1m, ov_cache_dir, peak_rss_mb, spawn
+from bench.decoder import llama_cpp
+from bench.decoder.gemm import PREFILL_LENGTHS
+from bench.decoder.records import base_record
+from bench.decoder.workers import (
     CONTEXT_STEPS,
     PREFILL_ROUNDS,
     fastest_prefills,
@@ -74,7 +74,7 @@ def time_steps(*, prefill: Callable[[int, int], Any], step: Callable[[range, boo
 def measure_our_steps(spec: dict[str, Any]) -> dict[str, Any]:
     """The ``our_steps`` worker: a bundle's batched decoder fed the bench prompt (repeated to ``L``)
     and the BOC frame; a batch the backend refuses is a row with ``refused``.  With
-    ``prefill_lengths``, also the bundle's own decoder's prefill rates (``bench.workers.
+    ``prefill_lengths``, also the bundle's own decoder's prefill rates (``bench.decoder.workers.
     prefill_rates``), so that a steps-only run puts ours beside llama.cpp's prompt processing."""
     import numpy as np
 

@@ -631,6 +631,9 @@ def test_bench_batch_on_tiny_cpu_int4(cpu_int4_bundle, tmp_path):
         assert one["join_voice_first_audio_ms"] > 0 and "join_max_frame_gap_ms" not in one
         assert two["join_voice_rows"] == 2 and two["join_max_frame_gap_ms"] > 0
         assert two["join_text_max_frame_gap_ms"] > 0
+        # the voice joins cold first (its prefix cache emptied: the whole voice prompt prefilled), then cached
+        assert two["join_voice_cold_rows"] == 2 and two["join_cold_max_frame_gap_ms"] > 0
+        assert one["join_voice_cold_first_audio_ms"] > 0 and "join_cold_max_frame_gap_ms" not in one
     recorded = {g["goal"]: (g["met"], g["measured"]) for g in goals["goals"]}
     streamed = recorded["[tiny] cpu-int4: streamed aggregate frames/s >= 0.9x plain at every batch"]
     assert streamed[0] is None and streamed[1].startswith("B=1 ") and streamed[1].endswith("judged at full size only")

@@ -27,7 +27,8 @@ from bench.decoder.run import BENCH_TEXT, DEFAULT_VOICE_CLIP, voice_job
 
 #: Figures compared paged / stateful per batch size (lower is better for the times).
 COMPARED = ("aggregate_frames_per_s", "engine_step_ms", "bare_step_ms", "join_first_audio_ms",
-            "join_voice_first_audio_ms", "join_max_frame_gap_ms", "join_text_max_frame_gap_ms", "max_kv_bytes_in_use")
+            "join_voice_first_audio_ms", "join_max_frame_gap_ms", "join_voice_cold_first_audio_ms",
+            "join_cold_max_frame_gap_ms", "join_text_max_frame_gap_ms", "max_kv_bytes_in_use")
 
 
 def _rows(result: dict[str, Any]) -> dict[int, dict[str, Any]]:

@@ -3,8 +3,9 @@ process (the ``batch`` worker), and ``--fit-run`` (the ``fit`` worker); docs/ben
 
 Per size, in rounds over the sizes, each run on a fresh engine: **plain** (B requests submitted
 together, read with ``result()``), **streamed** (each on its own thread), **join** (one more
-request's first audio while B - 1 run; ``join_voice_*`` with a named voice, and the running rows'
-longest wait for a frame meanwhile) and **bare** (the engine's batched decoder stepped alone as
+request's first audio while B - 1 run; ``join_voice_cold_*`` and ``join_voice_*`` with a named
+voice whose prefix is not yet cached and then cached, and the running rows' longest wait for a frame
+meanwhile) and **bare** (the engine's batched decoder stepped alone as
 often).  EOC suppressed, repeat guard off: every request runs its frame cap.
 ``aggregate_frames_per_s`` counts the steps with every row busy (a plain run decodes its audio
 after them: ``stream_over_plain`` charges the codec to streaming only);
@@ -191,7 +192,7 @@ def _one_round(tts: Any, batch: int, spec: dict[str, Any], marks: list[tuple[flo
     bare_ms = _bare_run(engine.decoder, batch, prompt, step, plain["engine_steps"])
     streamed, _, stream_codes = engine_run(tts, batch, spec, marks, streamed=True)
     run = {**plain, "bare_step_ms": bare_ms, **_join_run(tts, batch, spec, marks),
-           **({} if voice is None else _join_run(tts, batch, spec, marks, voice, "join_voice", "join_max_frame_gap_ms")),
+           **({} if voice is None else _voice_joins(tts, batch, spec, marks, voice)),
            "stream_aggregate_frames_per_s": streamed["aggregate_frames_per_s"],
            "stream_delivered_frames_per_s": streamed["delivered_frames_per_s"],
            "stream_delivered_over_plain": streamed["delivered_frames_per_s"] / plain["delivered_frames_per_s"],
@@ -201,6 +202,19 @@ def _one_round(tts: Any, batch: int, spec: dict[str, Any], marks: list[tuple[flo
     if run["aggregate_frames_per_s"] and run["stream_aggregate_frames_per_s"]:
         run["stream_over_plain"] = run["stream_aggregate_frames_per_s"] / run["aggregate_frames_per_s"]
     return run
+
+
+def _voice_joins(tts: Any, batch: int, spec: dict[str, Any], marks: list[tuple[float, int]],
+                 voice: Any) -> dict[str, Any]:
+    """The named voice joining twice: **cold** (the prefix cache emptied first, so the joiner prefills
+    the voice's whole prompt and fills the cache: ``join_voice_cold_*``, ``join_cold_max_frame_gap_ms``),
+    then **cached** (its prefix restored from the cache: ``join_voice_*``, ``join_max_frame_gap_ms``).
+    A bundle without a prefix cache joins cold both times."""
+    cache = getattr(tts, "prefix_cache", None)
+    if cache is not None:
+        cache.clear()
+    cold = _join_run(tts, batch, spec, marks, voice, "join_voice_cold", "join_cold_max_frame_gap_ms")
+    return {**cold, **_join_run(tts, batch, spec, marks, voice, "join_voice", "join_max_frame_gap_ms")}
 
 
 def join_voice(tts: Any, spec: dict[str, Any]) -> tuple[Any, int | None]:

@@ -41,6 +41,7 @@ BATCH_COLUMNS = (
     ("join 1st audio ms", "join_first_audio_ms", "{:.0f}"), ("join splice ms", "join_splice_ms", "{:.1f}"),
     ("voice join 1st audio ms", "join_voice_first_audio_ms", "{:.0f}"),
     ("voice join: longest frame gap ms", "join_max_frame_gap_ms", "{:.0f}"),
+    ("cold voice join: longest frame gap ms", "join_cold_max_frame_gap_ms", "{:.0f}"),
     ("KV in use KiB", "max_kv_kib_in_use", "{:.0f}"),
 )
 #: (record key, chart title, scale, dashed line (value, label) or None) of the per-system charts.

@@ -80,15 +80,12 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from higgs_pack.manifests.errors import HiggsPackError, InputError
 from higgs_pack.runtime import text as text_rule
+from higgs_pack.runtime.loop.decode import GenerationResult
 from higgs_pack.runtime.loop.engine import EngineHandle, RequestCancelled
-from higgs_pack.runtime.loop.generate import (
-    SENTENCE_PAUSE_S,
-    GenerationResult,
-    SynthesisPlan,
-    chunk_context,
-    plan_chunks,
-)
+from higgs_pack.runtime.loop.plan import SynthesisPlan, chunk_context
 from higgs_pack.runtime.loop.sentences import GRANULARITIES, TextCommits
+from higgs_pack.runtime.loop.synthesis import SENTENCE_PAUSE_S
+from higgs_pack.runtime.loop.text_chunks import plan_chunks
 from higgs_pack.runtime.loop.words import words_json
 from higgs_pack.runtime.request import PreparedVoice, SynthesisRequest, Voice
 from higgs_pack.serve.barge_in import PLAYED_KEPT, Played, cancel_fields, heard_part, played_record

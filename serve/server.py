@@ -65,7 +65,7 @@ class Answer:
     first_audio_s: float = math.nan
     finished: bool = False
     segments: list = field(default_factory=list)
-    """The :class:`~higgs_pack.runtime.loop.generate.Segment` items of the speech."""
+    """The :class:`~higgs_pack.runtime.loop.synthesis.Segment` items of the speech."""
     route: str = "/v1/audio/speech"
     """The route it answered (its request time is recorded under it)."""
 

@@ -19,6 +19,7 @@ from test_engine import _wait_for
 
 import higgs_pack
 from higgs_pack.runtime.loop.chunking import StreamingCodec, chunk_schedule
+from higgs_pack.runtime.loop.codec import codec_context_frames, decode_codes
 from higgs_pack.runtime.loop.codec_batch import (
     BATCH_ATOL,
     CodecBatcher,
@@ -26,8 +27,6 @@ from higgs_pack.runtime.loop.codec_batch import (
     batch_support,
 )
 from higgs_pack.runtime.loop.engine import RequestCancelled
-from higgs_pack.runtime.loop.generate import decode_codes
-from higgs_pack.runtime.loop.streaming import codec_context_frames
 from higgs_pack.runtime.request import StreamSchedule
 
 #: (text, seed, max_frames, schedule keywords): different lengths and stream schedules.

@@ -478,7 +478,7 @@ def test_a_prepared_voice_gives_the_codes_of_its_clip(tts, cases_dir):
 
 def _positions(tts, i: int) -> int:
     """Peak positions of :data:`REQUESTS` ``i`` on a row (its prompt + audio steps)."""
-    from higgs_pack.runtime.loop.generate import chunk_positions
+    from higgs_pack.runtime.loop.text_chunks import chunk_positions
 
     text, _seed, cap = REQUESTS[i]
     return chunk_positions(tts.pipeline, text, cap)
@@ -518,7 +518,8 @@ def test_default_budget_is_half_the_available_memory(monkeypatch, tmp_path):
 
 def test_chunk_positions_are_the_prompt_and_the_audio_steps(tts, cases_dir):
     """What admission counts is exactly what the row holds: build_prompt's length + cap + N - 1."""
-    from higgs_pack.runtime.loop.generate import build_prompt, chunk_positions
+    from higgs_pack.runtime.loop.prompt import build_prompt
+    from higgs_pack.runtime.loop.text_chunks import chunk_positions
 
     n = tts.pipeline.constants.num_codebooks
     clip, transcript = cases_dir / "ref_en_16k.wav", (cases_dir / "ref_en_16k.txt").read_text().strip()

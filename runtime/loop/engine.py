@@ -45,19 +45,11 @@ import numpy as np
 
 from higgs_pack.manifests.errors import HiggsPackError, InputError
 from higgs_pack.runtime.loop.codec_batch import CodecBatcher
+from higgs_pack.runtime.loop.decode import FiniteChecks, GenerationResult, check_context
 from higgs_pack.runtime.loop.frames import CodeSteps
-from higgs_pack.runtime.loop.generate import (
-    GenerationResult,
-    SynthesisPlan,
-    SynthesisResult,
-    _FiniteChecks,
-    check_context,
-    chunk_prompt,
-    join_results,
-    plan_request,
-)
 from higgs_pack.runtime.loop.kv_memory import KVBudget, default_kv_budget
 from higgs_pack.runtime.loop.pipeline import Decoder, Pipeline
+from higgs_pack.runtime.loop.plan import SynthesisPlan, chunk_prompt, plan_request
 from higgs_pack.runtime.loop.prefix_cache import (
     PrefixCache,
     Prompt,
@@ -70,6 +62,7 @@ from higgs_pack.runtime.loop.streaming import (
     AudioChunk,
     SpeechStream,
 )
+from higgs_pack.runtime.loop.synthesis import SynthesisResult, join_results
 from higgs_pack.runtime.request import SynthesisRequest
 
 #: Default most positions per request of :meth:`higgs_pack.TTS.engine` (prompt + frames; 4096
@@ -196,7 +189,7 @@ class EngineHandle:
     def __init__(self, engine: Engine, plan: SynthesisPlan, submitted: float):
         self._engine = engine
         self.plan = plan
-        """The request as the loop runs it (:class:`~higgs_pack.runtime.loop.generate.SynthesisPlan`)."""
+        """The request as the loop runs it (:class:`~higgs_pack.runtime.loop.plan.SynthesisPlan`)."""
         self.submitted = submitted
         """``time.perf_counter()`` at :meth:`Engine.submit` (a stream's ``first_audio_s`` counts from it)."""
         self._events: queue.SimpleQueue = queue.SimpleQueue()
@@ -268,7 +261,7 @@ class EngineHandle:
             timeout: most seconds to wait for each engine event (None: no limit).
 
         Returns:
-            The :class:`~higgs_pack.runtime.loop.generate.SynthesisResult` that
+            The :class:`~higgs_pack.runtime.loop.synthesis.SynthesisResult` that
             ``synthesize`` gives for the same arguments (same codes for the same seed).
 
         Raises:
@@ -350,7 +343,7 @@ class _Row:
     row: int
     chunk: int = 0
     rules: CodeSteps | None = None
-    checks: _FiniteChecks | None = None
+    checks: FiniteChecks | None = None
     last: np.ndarray | None = None  # float32 [1, 1, H]
     prompt_length: int = 0
     started: float = 0.0
@@ -843,7 +836,7 @@ class Engine:
         c = self.pipeline.constants
         self._prefilling.remove(state)
         state.prompt = None
-        state.checks = _FiniteChecks(self.pipeline, {"hidden": (1, 1, c.hidden_size),
+        state.checks = FiniteChecks(self.pipeline, {"hidden": (1, 1, c.hidden_size),
                                                      "logits": (c.num_codebooks, c.audio_vocab_size)})
         state.last = np.array(hidden[:, -1:], dtype=np.float32)
         state.last_frame_at, state.waited_for_join = 0.0, False

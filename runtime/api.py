@@ -29,15 +29,11 @@ from higgs_pack.manifests.errors import InputError, Problem
 from higgs_pack.manifests.manifest import MANIFEST_NAME
 from higgs_pack.manifests.model import SubPart
 from higgs_pack.runtime.backends import backend_of
+from higgs_pack.runtime.engine.engine import DEFAULT_JOIN_GAP_STEPS, DEFAULT_MAX_LENGTH, Engine
+from higgs_pack.runtime.engine.handle import EngineClosed
 from higgs_pack.runtime.loop.codec import encode_reference
 from higgs_pack.runtime.loop.decode import ProgressCallback
 from higgs_pack.runtime.loop.dialogue import DialogueRequest
-from higgs_pack.runtime.loop.engine import (
-    DEFAULT_JOIN_GAP_STEPS,
-    DEFAULT_MAX_LENGTH,
-    Engine,
-    EngineClosed,
-)
 from higgs_pack.runtime.loop.pipeline import Pipeline
 from higgs_pack.runtime.loop.plan import plan_request
 from higgs_pack.runtime.loop.prefix_cache import PrefixCache, bundle_identity, prefix_layout
@@ -330,13 +326,13 @@ class TTS:
                max_kv_bytes: int | None = None, prefill_chunk: int | str = "auto",
                join_gap_steps: float = DEFAULT_JOIN_GAP_STEPS) -> Engine:
         """A continuous-batching engine over this bundle: requests submitted from any thread
-        join and leave between decoder steps (:mod:`higgs_pack.runtime.loop.engine`).
+        join and leave between decoder steps (:mod:`higgs_pack.runtime.engine`).
 
         Args:
             max_batch: requests decoded together (rows), >= 1.  More than 1 needs a bundle
                 whose decoder runs on ONNX Runtime's CPU execution provider.
             max_length: most positions (prompt + frames) per request; default the decoder's
-                context, at most :data:`~higgs_pack.runtime.loop.engine.DEFAULT_MAX_LENGTH`.
+                context, at most :data:`~higgs_pack.runtime.engine.engine.DEFAULT_MAX_LENGTH`.
                 Address space is reserved for ``max_batch * max_length`` positions; memory is
                 committed as positions are written and given back when a request leaves.
             max_kv_bytes: most bytes of KV cache the admitted requests may reach together; a
@@ -348,10 +344,10 @@ class TTS:
                 machine does not say (logged) or the cache is in GPU memory.
             prefill_chunk, join_gap_steps: how a prompt joining running requests is prefilled
                 (in chunks between their steps, so they keep getting frames): see
-                :class:`~higgs_pack.runtime.loop.engine.Engine`.
+                :class:`~higgs_pack.runtime.engine.engine.Engine`.
 
         Returns:
-            An :class:`~higgs_pack.runtime.loop.engine.Engine` (``submit(text, **options)``
+            An :class:`~higgs_pack.runtime.engine.engine.Engine` (``submit(text, **options)``
             -> handle; ``handle.result()`` or iterate it for chunks; ``kv_bytes_per_position``,
             ``kv_budget_bytes``, ``kv_bytes_in_use`` for figures); close it, or use ``with``.
 

@@ -80,8 +80,8 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from higgs_pack.manifests.errors import HiggsPackError, InputError
 from higgs_pack.runtime import text as text_rule
+from higgs_pack.runtime.engine.handle import EngineHandle, RequestCancelled
 from higgs_pack.runtime.loop.decode import GenerationResult
-from higgs_pack.runtime.loop.engine import EngineHandle, RequestCancelled
 from higgs_pack.runtime.loop.plan import SynthesisPlan, chunk_context
 from higgs_pack.runtime.loop.sentences import GRANULARITIES, TextCommits
 from higgs_pack.runtime.loop.synthesis import SENTENCE_PAUSE_S

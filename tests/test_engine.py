@@ -18,7 +18,8 @@ import higgs_pack
 from higgs_pack.manifests.errors import InputError
 from higgs_pack.runtime.backends import get_backend
 from higgs_pack.runtime.backends.onnxruntime.batched import BatchedOrtDecoder
-from higgs_pack.runtime.loop.engine import Engine, EngineClosed, RequestCancelled
+from higgs_pack.runtime.engine.engine import Engine
+from higgs_pack.runtime.engine.handle import EngineClosed, RequestCancelled
 
 #: (text, seed, max_frames): different text lengths and frame caps.
 REQUESTS = [
@@ -440,7 +441,7 @@ class _PoisonedRow:
 
 def test_a_row_with_non_finite_output_fails_that_request_alone(tts, alone):
     from higgs_pack.manifests.errors import NumericalError
-    from higgs_pack.runtime.loop.engine import Engine
+    from higgs_pack.runtime.engine.engine import Engine
 
     with Engine(tts.pipeline, _PoisonedRow(_batched(tts, max_batch=3, max_length=1024), row=1, after=5)) as engine:
         # A decoder that does not state its KV bytes (as OpenVINO's): admission by free rows only.
@@ -504,7 +505,7 @@ def test_kv_bytes_per_position_is_layers_x_2_x_kv_heads_x_head_dim_x_itemsize(tt
 
 
 def test_default_budget_is_half_the_available_memory(monkeypatch, tmp_path):
-    from higgs_pack.runtime.loop import kv_memory
+    from higgs_pack.runtime.engine import kv_memory
 
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       16000000 kB\nMemFree:         1000000 kB\nMemAvailable:    8000000 kB\n")
@@ -572,7 +573,7 @@ def test_admission_is_first_in_first_out(tts, alone):
 
 
 def test_a_request_larger_than_the_whole_budget_is_refused_naming_both_sizes(tts, alone):
-    from higgs_pack.runtime.loop.kv_memory import mib
+    from higgs_pack.runtime.engine.kv_memory import mib
 
     positions = _positions(tts, 0)
     budget = (positions - 10) * 512

@@ -15,10 +15,7 @@ from higgs_pack.runtime.loop.decode import check_finite
 from higgs_pack.runtime.loop.delay import apply_delay
 from higgs_pack.runtime.loop.pipeline import Pipeline
 from higgs_pack.runtime.loop.prefix_cache import Prompt, voice_prompt
-from higgs_pack.runtime.request import (
-    refuse,
-    voice_pair_problems,
-)
+from higgs_pack.runtime.request import refuse, voice_pair_problems
 
 
 def check_text_tokens(pipeline: Pipeline, text: str, field: str = "text") -> list[int]:

@@ -102,7 +102,7 @@ class SpeechStream(Iterator[AudioChunk]):
     (:data:`~higgs_pack.runtime.loop.stateful_codec.Step`) instead of running its sub-part here;
     ``reading`` (optional) is a context manager held while the stream runs (from its first
     chunk asked for until it ends or is closed): the engine hands all three to its codec thread
-    (:class:`~higgs_pack.runtime.loop.codec_batch.CodecBatcher`).
+    (:class:`~higgs_pack.runtime.engine.codec_batch.CodecBatcher`).
 
     Attributes:
         results: :class:`GenerationResult` of each text chunk finished so far.

@@ -155,7 +155,7 @@ def join_results(pipeline: Pipeline, results: list[GenerationResult],
         results: each text chunk's :class:`~higgs_pack.runtime.loop.decode.GenerationResult`, in order.
         decode: optional; decodes all windows (int64 codes [T, N] each) to their samples
             (float32 [T * hop] each) instead of :func:`~higgs_pack.runtime.loop.codec.decode_codes` one by one (the engine's
-            batched codec thread, :class:`~higgs_pack.runtime.loop.codec_batch.CodecBatcher`).
+            batched codec thread, :class:`~higgs_pack.runtime.engine.codec_batch.CodecBatcher`).
         plan: the plan the results are of: gives the result its :attr:`SynthesisResult.segments`
             (:func:`chunk_segments`); None: no segments.
 

@@ -16,9 +16,7 @@ from higgs_pack.manifests.errors import Problem, literal
 from higgs_pack.runtime.loop.pipeline import Pipeline
 from higgs_pack.runtime.loop.prompt import Context
 from higgs_pack.runtime.loop.sentences import split_sentences
-from higgs_pack.runtime.request import (
-    refuse,
-)
+from higgs_pack.runtime.request import refuse
 
 #: Frame cap per text token and its floor, when the caller gives no ``max_frames``.
 #: 10 frames (0.4 s at 25 fps) per token is well above normal speech

@@ -1,6 +1,6 @@
 """Codec decoding batched across requests: one codec thread per engine (:class:`CodecBatcher`).
 
-The engine's readers (:meth:`EngineHandle.result <higgs_pack.runtime.loop.engine.EngineHandle.result>`
+The engine's readers (:meth:`EngineHandle.result <higgs_pack.runtime.engine.handle.EngineHandle.result>`
 and streams iterating handles) do not run the codec (``audio_tokenizer``) themselves: they hand
 their windows of codes to the engine's one codec thread and wait.  That thread takes every
 window waiting, groups those of the same shape (frames T, codebooks N) and decodes each group as

@@ -31,7 +31,7 @@ _EXPORTS = {
     "load": "higgs_pack.runtime.api",
     "TTS": "higgs_pack.runtime.api",
     "TTSInfo": "higgs_pack.runtime.api",
-    "SynthesisResult": "higgs_pack.runtime.loop.generate",
+    "SynthesisResult": "higgs_pack.runtime.loop.synthesis",
     "SynthesisRequest": "higgs_pack.runtime.request",
     "write_wav": "higgs_pack.runtime.audio",
     "WavFileWriter": "higgs_pack.runtime.audio",

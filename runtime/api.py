@@ -29,25 +29,18 @@ from higgs_pack.manifests.errors import InputError, Problem
 from higgs_pack.manifests.manifest import MANIFEST_NAME
 from higgs_pack.manifests.model import SubPart
 from higgs_pack.runtime.backends import backend_of
+from higgs_pack.runtime.engine.engine import DEFAULT_JOIN_GAP_STEPS, DEFAULT_MAX_LENGTH, Engine
+from higgs_pack.runtime.engine.handle import EngineClosed
+from higgs_pack.runtime.loop.codec import encode_reference
+from higgs_pack.runtime.loop.decode import ProgressCallback
 from higgs_pack.runtime.loop.dialogue import DialogueRequest
-from higgs_pack.runtime.loop.engine import (
-    DEFAULT_JOIN_GAP_STEPS,
-    DEFAULT_MAX_LENGTH,
-    Engine,
-    EngineClosed,
-)
-from higgs_pack.runtime.loop.generate import (
-    ProgressCallback,
-    SynthesisResult,
-    check_text_tokens,
-    encode_reference,
-    plan_request,
-    run_plan,
-    voice_room_problems,
-)
 from higgs_pack.runtime.loop.pipeline import Pipeline
+from higgs_pack.runtime.loop.plan import plan_request
 from higgs_pack.runtime.loop.prefix_cache import PrefixCache, bundle_identity, prefix_layout
+from higgs_pack.runtime.loop.prompt import check_text_tokens
 from higgs_pack.runtime.loop.streaming import SpeechStream, stream_plan
+from higgs_pack.runtime.loop.synthesis import SynthesisResult, run_plan
+from higgs_pack.runtime.loop.text_chunks import voice_room_problems
 from higgs_pack.runtime.request import PreparedVoice, SynthesisRequest, Voice, plain_type, refuse
 from higgs_pack.runtime.sources.bundle import Bundle, load_pipeline, open_bundle
 
@@ -132,7 +125,8 @@ class TTS:
     Attributes:
         info: :class:`TTSInfo` (bundle, target, precision, provider/device in use, why).
         pipeline: the underlying :class:`~higgs_pack.runtime.loop.pipeline.Pipeline`
-            (for :mod:`higgs_pack.runtime.loop.generate`'s lower-level functions).
+            (for the lower-level functions of :mod:`higgs_pack.runtime.loop.plan` and
+            :mod:`~higgs_pack.runtime.loop.synthesis`).
         sample_rate: output sample rate in Hz (24000).
 
     A TTS loaded from an archive keeps the extracted bundle in a temporary folder
@@ -204,7 +198,7 @@ class TTS:
                 chunk at 25 per second; None: from the text length).
 
         Returns:
-            :class:`~higgs_pack.runtime.loop.generate.SynthesisResult`: ``samples`` float32
+            :class:`~higgs_pack.runtime.loop.synthesis.SynthesisResult`: ``samples`` float32
             [samples] mono, nominally in [-1, 1]; ``sample_rate`` in Hz (24000);
             ``codes`` int64 [frames, 8] codec codes; ``chunks`` per-chunk details.
             The whole audio is held: 96 KB per second (an hour of speech is 346 MB of samples,
@@ -277,7 +271,7 @@ class TTS:
                 earlier chunks in each prompt).
 
         Returns:
-            A :class:`~higgs_pack.runtime.loop.generate.SynthesisResult`.
+            A :class:`~higgs_pack.runtime.loop.synthesis.SynthesisResult`.
 
         Raises:
             InputError: before anything is generated: an empty turn, a bad speaker name, a voice
@@ -332,13 +326,13 @@ class TTS:
                max_kv_bytes: int | None = None, prefill_chunk: int | str = "auto",
                join_gap_steps: float = DEFAULT_JOIN_GAP_STEPS) -> Engine:
         """A continuous-batching engine over this bundle: requests submitted from any thread
-        join and leave between decoder steps (:mod:`higgs_pack.runtime.loop.engine`).
+        join and leave between decoder steps (:mod:`higgs_pack.runtime.engine`).
 
         Args:
             max_batch: requests decoded together (rows), >= 1.  More than 1 needs a bundle
                 whose decoder runs on ONNX Runtime's CPU execution provider.
             max_length: most positions (prompt + frames) per request; default the decoder's
-                context, at most :data:`~higgs_pack.runtime.loop.engine.DEFAULT_MAX_LENGTH`.
+                context, at most :data:`~higgs_pack.runtime.engine.engine.DEFAULT_MAX_LENGTH`.
                 Address space is reserved for ``max_batch * max_length`` positions; memory is
                 committed as positions are written and given back when a request leaves.
             max_kv_bytes: most bytes of KV cache the admitted requests may reach together; a
@@ -350,10 +344,10 @@ class TTS:
                 machine does not say (logged) or the cache is in GPU memory.
             prefill_chunk, join_gap_steps: how a prompt joining running requests is prefilled
                 (in chunks between their steps, so they keep getting frames): see
-                :class:`~higgs_pack.runtime.loop.engine.Engine`.
+                :class:`~higgs_pack.runtime.engine.engine.Engine`.
 
         Returns:
-            An :class:`~higgs_pack.runtime.loop.engine.Engine` (``submit(text, **options)``
+            An :class:`~higgs_pack.runtime.engine.engine.Engine` (``submit(text, **options)``
             -> handle; ``handle.result()`` or iterate it for chunks; ``kv_bytes_per_position``,
             ``kv_budget_bytes``, ``kv_bytes_in_use`` for figures); close it, or use ``with``.
 
@@ -403,7 +397,7 @@ class TTS:
 
         Returns:
             An iterator of ``(index, result)``: ``index`` into ``texts`` (0-based), ``result``
-            a :class:`~higgs_pack.runtime.loop.generate.SynthesisResult` or the exception that
+            a :class:`~higgs_pack.runtime.loop.synthesis.SynthesisResult` or the exception that
             text raised (:class:`InputError`, :class:`NumericalError`, …).
             ``list(tts.synthesize_many(texts))`` holds every pair, in order.
 

@@ -5,7 +5,7 @@ width of the file's line count (``07.wav`` for line 7 of a 12-line file), spoken
 engine (:meth:`higgs_pack.runtime.api.TTS.synthesize_many`, ``N`` requests per decoder step)
 with seed ``--seed + line - 1``: with an fp32 bundle a line gets the codes it gets alone
 (``higgs-pack synthesize BUNDLE --text "…" --seed S`` repeats it), whichever lines run beside
-it; int4 kernels may round differently with more rows (:mod:`higgs_pack.runtime.loop.engine`).
+it; int4 kernels may round differently with more rows (:mod:`higgs_pack.runtime.engine`).
 
 Files are written as they finish, each to a hidden temporary name in the folder and then
 renamed, and after each one :data:`MANIFEST` (JSON) is rewritten the same way: what was

@@ -11,7 +11,7 @@ What needs the loaded bundle is resolved afterwards, each in one place: the samp
 options (:meth:`SynthesisRequest.sampling_options`: the bundle's manifest
 ``generation`` defaults fill the fields the request leaves unset), the reference clip
 (:meth:`Voice.prepared`: resampled to the codec's rate) and the text against the
-tokenizer's special tokens (:func:`higgs_pack.runtime.loop.generate.check_text_tokens`).
+tokenizer's special tokens (:func:`higgs_pack.runtime.loop.prompt.check_text_tokens`).
 
 Runtime code: no torch, no build tools.
 """
@@ -147,7 +147,7 @@ class PreparedVoice:
     Raises:
         InputError: codes that are not int [frames >= 1, codebooks], or a blank transcript.
             The values are checked against the bundle when a request uses the voice
-            (:func:`higgs_pack.runtime.loop.generate.check_voice_codes`).
+            (:func:`higgs_pack.runtime.loop.codec.check_voice_codes`).
     """
 
     codes: np.ndarray
@@ -275,7 +275,7 @@ class SynthesisRequest:
             first, each a :class:`PreparedVoice` (its codes and what it says): a live session's
             previous sentences (serve/live.py).  Each becomes one ``<|ref_text|> text
             <|ref_audio|> codes`` pair after the voice's, as a long text's earlier chunks do
-            (:func:`higgs_pack.runtime.loop.generate.chunk_context`), so the voice stays the
+            (:func:`higgs_pack.runtime.loop.plan.chunk_context`), so the voice stays the
             prompt's prefix and its KV is restored from the prefix cache.  Needs ``voice``; the
             last ``context_chunks`` are used (fewer where the decoder's context is short).
             Not a keyword of :meth:`create` (set the field).
@@ -378,8 +378,8 @@ class SynthesisRequest:
         """
         if isinstance(text, SynthesisRequest):
             if keywords:
-                raise InputError(f"a SynthesisRequest carries its own options; got {', '.join(sorted(keywords))} "
-                                 "beside it (set them when making the request)")
+                raise InputError.of(Problem.said(f"a SynthesisRequest carries its own options; got {', '.join(sorted(keywords))} "
+                                 "beside it (set them when making the request)"))
             return text
         return cls.create(text, **keywords)
 
@@ -395,8 +395,8 @@ class SynthesisRequest:
         try:
             return bundle_sampling(generation_defaults, **self._chosen())
         except InputError as exc:
-            raise InputError(f"{exc} (the bundle's manifest 'generation' defaults with this request's "
-                             "options); rebuild the bundle or set the option explicitly") from exc
+            raise InputError.of(Problem.said(f"{exc} (the bundle's manifest 'generation' defaults with this request's "
+                             "options); rebuild the bundle or set the option explicitly")) from exc
 
 
 def _chosen(seed: Any, temperature: Any, top_k: Any, top_p: Any) -> dict[str, Any]:

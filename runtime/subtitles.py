@@ -1,10 +1,10 @@
 """Subtitles of a result's segments: SubRip (``.srt``, with the ``srt`` library) or WebVTT
 (``.vtt``, with ``webvtt-py``), chosen by the file's suffix (the ``[subtitles]`` extra).
 
-The cues are :attr:`~higgs_pack.runtime.loop.generate.SynthesisResult.segments`: one per
+The cues are :attr:`~higgs_pack.runtime.loop.synthesis.SynthesisResult.segments`: one per
 sentence (per turn in a dialogue), timed from frame counts, not by an aligner; a sentence that
 shared its text chunk with others has estimated ends (see
-:class:`~higgs_pack.runtime.loop.generate.Segment`), and there are no word timings.  A dialogue's
+:class:`~higgs_pack.runtime.loop.synthesis.Segment`), and there are no word timings.  A dialogue's
 cue starts with its speaker (``NAME: text``).
 
 Runtime code: no torch, no build tools.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from higgs_pack.manifests.errors import InputError, Problem, install_extra
 from higgs_pack.runtime.audio import check_writable, write_file
-from higgs_pack.runtime.loop.generate import Segment
+from higgs_pack.runtime.loop.synthesis import Segment
 
 #: Suffix -> (what it is, the module that writes it).
 FORMATS = {".srt": ("SubRip", "srt"), ".vtt": ("WebVTT", "webvtt")}

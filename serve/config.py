@@ -101,7 +101,7 @@ class ServeConfig:
             outside ``voices_dir``; servers sharing a voices folder share this file too.
         allow_local_media: ``ref_audio`` may name a file under this folder (None: never).
         max_kv_bytes: KV cache budget of the engine's admitted requests (None: the engine's
-            default, from free memory; see :func:`higgs_pack.runtime.loop.kv_memory.default_kv_budget`).
+            default, from free memory; see :func:`higgs_pack.runtime.engine.kv_memory.default_kv_budget`).
         max_input_chars: longest ``input``.
         max_upload_bytes: largest voice upload or decoded ``ref_audio``.
         max_ref_seconds: longest reference clip.

@@ -208,7 +208,7 @@ def sse_delta(audio: bytes) -> bytes:
 
 
 def segment_json(segment: Any) -> dict[str, Any]:
-    """A :class:`~higgs_pack.runtime.loop.generate.Segment` as JSON: ``text``, ``start`` and ``end``
+    """A :class:`~higgs_pack.runtime.loop.synthesis.Segment` as JSON: ``text``, ``start`` and ``end``
     (seconds from the start of the audio, to the microsecond), ``chunk`` (the text chunk it was
     generated in), ``exact`` (false: an end estimated inside a chunk), ``words`` (its estimated
     word timings: :func:`~higgs_pack.runtime.loop.words.words_json`) and, in a dialogue, ``speaker``."""

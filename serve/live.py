@@ -22,14 +22,14 @@ audio, so each sentence's bytes are a playable stream), ``{"type": "audio.done",
 "total_sentences"}``, then closes the socket (code 1000).  Beyond vllm-omni:
 
 - each sentence is generated with the rolling context of a long text
-  (:func:`~higgs_pack.runtime.loop.generate.chunk_context`): its prompt opens with the session's
+  (:func:`~higgs_pack.runtime.loop.plan.chunk_context`): its prompt opens with the session's
   voice (with none, the first sentence's own speech is the voice of the rest), then the previous
   ``context_chunks`` sentences' text and codes as pairs of their own, so voice and prosody carry
   across sentences and the voice stays the prompt's prefix: every sentence after the first
   restores the voice's KV from the prefix cache and prefills only the context and its own text;
 - ``audio.done``'s ``start`` and ``end`` are the sentence's speech in the session's audio
   (seconds; the audio before ``start`` in a sentence's frames is the
-  :data:`~higgs_pack.runtime.loop.generate.SENTENCE_PAUSE_S` pause that separates it from the
+  :data:`~higgs_pack.runtime.loop.synthesis.SENTENCE_PAUSE_S` pause that separates it from the
   previous sentence);
 - ``{"type": "input.cancel"}`` stops the sentence being spoken (its row leaves the engine), drops
   its audio not yet sent and all buffered text, and answers ``{"type": "audio.cancelled",
@@ -80,15 +80,12 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from higgs_pack.manifests.errors import HiggsPackError, InputError
 from higgs_pack.runtime import text as text_rule
-from higgs_pack.runtime.loop.engine import EngineHandle, RequestCancelled
-from higgs_pack.runtime.loop.generate import (
-    SENTENCE_PAUSE_S,
-    GenerationResult,
-    SynthesisPlan,
-    chunk_context,
-    plan_chunks,
-)
+from higgs_pack.runtime.engine.handle import EngineHandle, RequestCancelled
+from higgs_pack.runtime.loop.decode import GenerationResult
+from higgs_pack.runtime.loop.plan import SynthesisPlan, chunk_context
 from higgs_pack.runtime.loop.sentences import GRANULARITIES, TextCommits
+from higgs_pack.runtime.loop.synthesis import SENTENCE_PAUSE_S
+from higgs_pack.runtime.loop.text_chunks import plan_chunks
 from higgs_pack.runtime.loop.words import words_json
 from higgs_pack.runtime.request import PreparedVoice, SynthesisRequest, Voice
 from higgs_pack.serve.barge_in import PLAYED_KEPT, Played, cancel_fields, heard_part, played_record
@@ -575,7 +572,7 @@ def sentence_context(pipeline: Any, request: SynthesisRequest, voice: PreparedVo
                      spoken: list[_Spoken], text: str) -> tuple[PreparedVoice | None, tuple[PreparedVoice, ...]]:
     """The voice and rolling context that open a live sentence's prompt: the session's ``voice``
     and the sentences ``spoken`` before it, chosen by
-    :func:`~higgs_pack.runtime.loop.generate.chunk_context` as for a long text's chunks (the
+    :func:`~higgs_pack.runtime.loop.plan.chunk_context` as for a long text's chunks (the
     sentences are the chunks: context past the decoder's length is dropped, oldest first; each
     cut to ``context_frames``).  They go into the sentence's request apart
     (:attr:`~higgs_pack.runtime.request.SynthesisRequest.context`), so its prompt opens with the

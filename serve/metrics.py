@@ -76,7 +76,7 @@ class Metrics:
 
 
 class _EngineCollector:
-    """The engine's own counters (:class:`~higgs_pack.runtime.loop.engine.EngineStats`), read
+    """The engine's own counters (:class:`~higgs_pack.runtime.engine.state.EngineStats`), read
     at each scrape: frames and steps of every request, cancelled ones included."""
 
     def __init__(self, server: Any):

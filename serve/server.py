@@ -1,7 +1,7 @@
 """One loaded bundle served over HTTP: :class:`SpeechServer`.
 
 It owns the :class:`~higgs_pack.runtime.api.TTS`, its continuous-batching
-:class:`~higgs_pack.runtime.loop.engine.Engine`, the voice store and the metrics, and turns a
+:class:`~higgs_pack.runtime.engine.engine.Engine`, the voice store and the metrics, and turns a
 checked :class:`~higgs_pack.serve.speech.SpeechJob` into the bytes of an answer:
 
 - admission: at most ``max_batch + max_queue`` requests in flight; one more is a 429 with
@@ -31,7 +31,7 @@ import anyio
 import anyio.to_thread
 
 from higgs_pack.manifests.errors import HiggsPackError, InputError
-from higgs_pack.runtime.loop.engine import EngineHandle, RequestCancelled
+from higgs_pack.runtime.engine.handle import EngineHandle, RequestCancelled
 from higgs_pack.serve.config import ServeConfig
 from higgs_pack.serve.errors import ApiError, from_input_error
 from higgs_pack.serve.formats import (
@@ -65,7 +65,7 @@ class Answer:
     first_audio_s: float = math.nan
     finished: bool = False
     segments: list = field(default_factory=list)
-    """The :class:`~higgs_pack.runtime.loop.generate.Segment` items of the speech."""
+    """The :class:`~higgs_pack.runtime.loop.synthesis.Segment` items of the speech."""
     route: str = "/v1/audio/speech"
     """The route it answered (its request time is recorded under it)."""
 
@@ -80,7 +80,7 @@ class SpeechServer:
     Attributes:
         models: names ``model`` may take: the bundle's name, its model slug, then
             ``config.model_names``.
-        engine: the :class:`~higgs_pack.runtime.loop.engine.Engine`.
+        engine: the :class:`~higgs_pack.runtime.engine.engine.Engine`.
         batching_note: why the engine serves one request at a time, when it does ("" otherwise).
         ready: loaded and warmed up, and not stopping.
         in_flight: requests admitted and not finished.

@@ -157,7 +157,7 @@ def scale_spans(spans: Any, speed: float) -> list[Span]:
     """Timed spans at ``speed``: each a copy with ``start`` and ``end`` (seconds) divided by ``speed``.
 
     Takes any dataclass with ``start`` and ``end`` fields: a sentence's
-    :class:`~higgs_pack.runtime.loop.generate.Segment` (its ``words`` scaled too), or a word's
+    :class:`~higgs_pack.runtime.loop.synthesis.Segment` (its ``words`` scaled too), or a word's
     :class:`~higgs_pack.runtime.loop.words.Word`.
 
     Raises:
@@ -185,7 +185,7 @@ def retimed(item: Any, speed: float) -> Any:
 
 
 def at_speed(result: Any, speed: float) -> Any:
-    """A whole result (:class:`~higgs_pack.runtime.loop.generate.SynthesisResult`: ``samples``,
+    """A whole result (:class:`~higgs_pack.runtime.loop.synthesis.SynthesisResult`: ``samples``,
     ``sample_rate`` and timed spans) at ``speed``: its samples stretched (:func:`stretch`) and its
     :data:`TIMED_FIELDS` scaled to match (:func:`retimed`); ``result`` itself at speed 1."""
     if speed == 1.0:

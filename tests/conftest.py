@@ -179,8 +179,8 @@ def check_stream():
     import numpy as np
 
     from higgs_pack.runtime.loop.delay import SamplingOptions
-    from higgs_pack.runtime.loop.generate import synthesize
     from higgs_pack.runtime.loop.streaming import stream
+    from higgs_pack.runtime.loop.synthesis import synthesize
     from higgs_pack.runtime.request import StreamSchedule
 
     def check(pipeline, text, *, seed=7, max_frames=None, **schedule):

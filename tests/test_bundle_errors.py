@@ -224,7 +224,7 @@ def test_path_error_message_is_readable(bundle_copy):
 
 def test_prompt_control_tokens_in_the_text_are_refused(cpu_int4_bundle):
     from higgs_pack.manifests.errors import InputError
-    from higgs_pack.runtime.loop.generate import synthesize
+    from higgs_pack.runtime.loop.synthesis import synthesize
 
     with pytest.raises(InputError, match=r"prompt control token\(s\) <\|audio\|>"):
         synthesize(load(cpu_int4_bundle), "Say <|audio|> now.")

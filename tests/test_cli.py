@@ -685,7 +685,7 @@ def test_a_sentence_without_time_shares_the_next_cue_in_both_formats(tmp_path):
     import srt
     import webvtt
 
-    from higgs_pack.runtime.loop.generate import Segment
+    from higgs_pack.runtime.loop.synthesis import Segment
     from higgs_pack.runtime.subtitles import write_subtitles
 
     segments = [Segment("One.", 0.0, 0.0, 0, False), Segment("Two.", 0.0, 0.04, 0, False),

@@ -1,8 +1,8 @@
 """Issue 19: the engine's codec thread decodes several requests' windows in one batched run
-(:mod:`higgs_pack.runtime.loop.codec_batch`), on the real tiny cpu bundles (fp32 and int4).
+(:mod:`higgs_pack.runtime.engine.codec_batch`), on the real tiny cpu bundles (fp32 and int4).
 
 Every request's audio must equal the same codes decoded alone (within
-:data:`~higgs_pack.runtime.loop.codec_batch.BATCH_ATOL`), streamed chunks must still join to the
+:data:`~higgs_pack.runtime.engine.codec_batch.BATCH_ATOL`), streamed chunks must still join to the
 one-shot decode, and a cancelled, failing or closing request must not hold up the others.
 """
 
@@ -18,16 +18,15 @@ from conftest import slow_fixture
 from test_engine import _wait_for
 
 import higgs_pack
-from higgs_pack.runtime.loop.chunking import StreamingCodec, chunk_schedule
-from higgs_pack.runtime.loop.codec_batch import (
+from higgs_pack.runtime.engine.codec_batch import (
     BATCH_ATOL,
     CodecBatcher,
     CodecRunError,
     batch_support,
 )
-from higgs_pack.runtime.loop.engine import RequestCancelled
-from higgs_pack.runtime.loop.generate import decode_codes
-from higgs_pack.runtime.loop.streaming import codec_context_frames
+from higgs_pack.runtime.engine.handle import RequestCancelled
+from higgs_pack.runtime.loop.chunking import StreamingCodec, chunk_schedule
+from higgs_pack.runtime.loop.codec import codec_context_frames, decode_codes
 from higgs_pack.runtime.request import StreamSchedule
 
 #: (text, seed, max_frames, schedule keywords): different lengths and stream schedules.

@@ -107,7 +107,7 @@ def test_fifth_target_builds_verifies_and_packages(exact_cpu, tiny_checkpoint, t
     from dataclasses import fields
 
     from higgs_pack.runtime.loop.delay import SamplingOptions
-    from higgs_pack.runtime.loop.generate import FRAMES_PER_TEXT_TOKEN, MIN_MAX_FRAMES
+    from higgs_pack.runtime.loop.text_chunks import FRAMES_PER_TEXT_TOKEN, MIN_MAX_FRAMES
 
     sampling = {f.name for f in fields(SamplingOptions)} - {"seed"}
     gen = m["generation"]

@@ -93,8 +93,9 @@ def test_bad_turns_and_voices_are_named_before_anything_runs():
 def test_each_turn_opens_with_its_speakers_voice_and_own_last_turn(oracle):
     """ANN has no voice: her first turn is zero-shot and then her voice; BEN has a prepared voice;
     a turn's context is its own speaker's turns only; one exact segment per turn, back to back."""
-    from higgs_pack.runtime.loop.generate import build_prompt, prompt_of, run_plan
+    from higgs_pack.runtime.loop.prompt import build_prompt, prompt_of
     from higgs_pack.runtime.loop.streaming import stream_plan
+    from higgs_pack.runtime.loop.synthesis import run_plan
 
     ben = PreparedVoice(np.random.default_rng(0).integers(0, 1024, size=(20, N)), "Ben's voice.")
     turns = [("ANN", "Good morning."), ("BEN", "Hello there."), ("ANN", "How are you?"), ("ANN", "Still here."),
@@ -218,7 +219,7 @@ def test_the_dialogue_command_refuses_a_bad_script_before_loading(tmp_path, make
 
 
 def test_dialogue_json_round_trip_of_segments():
-    from higgs_pack.runtime.loop.generate import Segment
+    from higgs_pack.runtime.loop.synthesis import Segment
     from higgs_pack.runtime.loop.words import word_timings
     from higgs_pack.serve.formats import segment_json
 

@@ -18,7 +18,8 @@ import higgs_pack
 from higgs_pack.manifests.errors import InputError
 from higgs_pack.runtime.backends import get_backend
 from higgs_pack.runtime.backends.onnxruntime.batched import BatchedOrtDecoder
-from higgs_pack.runtime.loop.engine import Engine, EngineClosed, RequestCancelled
+from higgs_pack.runtime.engine.engine import Engine
+from higgs_pack.runtime.engine.handle import EngineClosed, RequestCancelled
 
 #: (text, seed, max_frames): different text lengths and frame caps.
 REQUESTS = [
@@ -440,7 +441,7 @@ class _PoisonedRow:
 
 def test_a_row_with_non_finite_output_fails_that_request_alone(tts, alone):
     from higgs_pack.manifests.errors import NumericalError
-    from higgs_pack.runtime.loop.engine import Engine
+    from higgs_pack.runtime.engine.engine import Engine
 
     with Engine(tts.pipeline, _PoisonedRow(_batched(tts, max_batch=3, max_length=1024), row=1, after=5)) as engine:
         # A decoder that does not state its KV bytes (as OpenVINO's): admission by free rows only.
@@ -478,7 +479,7 @@ def test_a_prepared_voice_gives_the_codes_of_its_clip(tts, cases_dir):
 
 def _positions(tts, i: int) -> int:
     """Peak positions of :data:`REQUESTS` ``i`` on a row (its prompt + audio steps)."""
-    from higgs_pack.runtime.loop.generate import chunk_positions
+    from higgs_pack.runtime.loop.text_chunks import chunk_positions
 
     text, _seed, cap = REQUESTS[i]
     return chunk_positions(tts.pipeline, text, cap)
@@ -504,7 +505,7 @@ def test_kv_bytes_per_position_is_layers_x_2_x_kv_heads_x_head_dim_x_itemsize(tt
 
 
 def test_default_budget_is_half_the_available_memory(monkeypatch, tmp_path):
-    from higgs_pack.runtime.loop import kv_memory
+    from higgs_pack.runtime.engine import kv_memory
 
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       16000000 kB\nMemFree:         1000000 kB\nMemAvailable:    8000000 kB\n")
@@ -518,7 +519,8 @@ def test_default_budget_is_half_the_available_memory(monkeypatch, tmp_path):
 
 def test_chunk_positions_are_the_prompt_and_the_audio_steps(tts, cases_dir):
     """What admission counts is exactly what the row holds: build_prompt's length + cap + N - 1."""
-    from higgs_pack.runtime.loop.generate import build_prompt, chunk_positions
+    from higgs_pack.runtime.loop.prompt import build_prompt
+    from higgs_pack.runtime.loop.text_chunks import chunk_positions
 
     n = tts.pipeline.constants.num_codebooks
     clip, transcript = cases_dir / "ref_en_16k.wav", (cases_dir / "ref_en_16k.txt").read_text().strip()
@@ -571,7 +573,7 @@ def test_admission_is_first_in_first_out(tts, alone):
 
 
 def test_a_request_larger_than_the_whole_budget_is_refused_naming_both_sizes(tts, alone):
-    from higgs_pack.runtime.loop.kv_memory import mib
+    from higgs_pack.runtime.engine.kv_memory import mib
 
     positions = _positions(tts, 0)
     budget = (positions - 10) * 512

@@ -41,7 +41,8 @@ from higgs_pack.manifests.errors import InputError, NumericalError  # noqa: E402
 from higgs_pack.runtime.backends import get_backend  # noqa: E402
 from higgs_pack.runtime.backends.openvino.batched import OvBatchedDecoder, cache_bytes_per_position  # noqa: E402
 from higgs_pack.runtime.backends.openvino.runners import OvStatefulDecoder  # noqa: E402
-from higgs_pack.runtime.loop.engine import Engine, SingleRowDecoder  # noqa: E402
+from higgs_pack.runtime.engine.decoders import SingleRowDecoder  # noqa: E402
+from higgs_pack.runtime.engine.engine import Engine  # noqa: E402
 
 #: Largest |batched - alone| / max|alone| of a hidden state with the u8 KV cache (int4 weights
 #: in both runs; the difference is the u8 cache quantized again at a splice).

@@ -15,7 +15,7 @@ must give the codes and samples of the same request run alone through ``TTS.synt
 schedules' engines; a cancelled one reads as cancelled (or gave its whole result before the
 cancel came), and a cancelled stream's chunks are the first chunks of its stream alone.
 Codes are compared exactly; samples within the codec batcher's
-:data:`~higgs_pack.runtime.loop.codec_batch.BATCH_ATOL` (the engine's codec thread decodes
+:data:`~higgs_pack.runtime.engine.codec_batch.BATCH_ATOL` (the engine's codec thread decodes
 same-length windows of several readers in one run: OpenVINO's CPU convolutions then round a
 row up to ~5e-7 apart from the window decoded alone; ONNX Runtime's are exact here).
 
@@ -39,8 +39,8 @@ from conftest import slow_fixture
 from test_engine import _wait_for
 
 import higgs_pack
-from higgs_pack.runtime.loop.codec_batch import BATCH_ATOL
-from higgs_pack.runtime.loop.engine import RequestCancelled
+from higgs_pack.runtime.engine.codec_batch import BATCH_ATOL
+from higgs_pack.runtime.engine.handle import RequestCancelled
 
 #: Schedules run per backend (seeds 0..N-1); a handful, so each backend takes well under a minute.
 SCHEDULES = 5

@@ -122,14 +122,6 @@ def test_an_input_error_is_its_problems_and_each_door_says_their_code():
         InputError.of()
 
 
-#: Modules that still build an InputError from a plain message (being rewritten beside this change;
-#: each leaves this list when it builds its errors from problems).  bench/ is outside the package.
-PLAIN_MESSAGE_MODULES = frozenset({
-    "runtime/request.py", "runtime/loop/delay.py", "runtime/loop/generate.py", "runtime/loop/engine.py",
-    "runtime/loop/codec_batch.py", "runtime/loop/prefix_cache.py", "runtime/loop/kv_memory.py",
-    "runtime/loop/kv_blocks.py", "serve/schema.py", "serve/speech.py", "serve/live.py", "runtime/cli.py",
-    "serve/integrations/protocol.py",
-})
 
 
 def _plain_input_errors(path) -> list[int]:
@@ -151,7 +143,6 @@ def test_every_input_error_is_built_from_problems():
     plain = [f"{path.relative_to(root).as_posix()}:{line}"
              for room in ("targets", "exporters", "serve", "runtime", "manifests", "higgs_pack")
              for path in sorted((root / room).rglob("*.py"))
-             if path.relative_to(root).as_posix() not in PLAIN_MESSAGE_MODULES
              for line in _plain_input_errors(path)]
     assert not plain, f"InputError built from a plain message (use InputError.of(Problem.said(...))): {plain}"
 

@@ -5,8 +5,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from higgs_pack.runtime.loop.decode import generate_codes
 from higgs_pack.runtime.loop.delay import SamplingOptions
-from higgs_pack.runtime.loop.generate import build_prompt, generate_codes, prompt_of
+from higgs_pack.runtime.loop.prompt import build_prompt, prompt_of
 
 BOC, EOC, N = 1024, 1025, 8
 
@@ -159,7 +160,8 @@ def test_loop_accepts_extreme_but_finite_outputs(oracle, part, change):
 ])
 def test_special_tokens_of_the_tokenizer_are_refused(oracle, text, message):
     from higgs_pack.manifests.errors import InputError
-    from higgs_pack.runtime.loop.generate import check_text_tokens, synthesize
+    from higgs_pack.runtime.loop.prompt import check_text_tokens
+    from higgs_pack.runtime.loop.synthesis import synthesize
 
     with pytest.raises(InputError, match=message):
         check_text_tokens(oracle, text)
@@ -168,7 +170,7 @@ def test_special_tokens_of_the_tokenizer_are_refused(oracle, text, message):
 
 
 def test_ordinary_and_non_special_added_tokens_pass(oracle):
-    from higgs_pack.runtime.loop.generate import check_text_tokens
+    from higgs_pack.runtime.loop.prompt import check_text_tokens
 
     tok = oracle.tokenizer
     assert check_text_tokens(oracle, "Hello world.") == tok.encode("Hello world.", add_special_tokens=False).ids
@@ -183,7 +185,8 @@ STORY = " ".join(["This is one more sentence of a long story told in one steady 
 
 
 def test_a_long_text_is_chunked_by_words_and_each_chunk_opens_with_the_voice_and_the_last_chunk(oracle):
-    from higgs_pack.runtime.loop.generate import CHUNK_WORDS, plan_synthesis, run_plan
+    from higgs_pack.runtime.loop.plan import CHUNK_WORDS, plan_synthesis
+    from higgs_pack.runtime.loop.synthesis import run_plan
 
     plan = plan_synthesis(oracle, STORY, options=SamplingOptions(seed=3), max_frames=12)
     assert len(plan.chunks) == 3 and all(len(chunk.split()) <= CHUNK_WORDS for chunk, _ in plan.chunks)
@@ -200,11 +203,8 @@ def test_a_long_text_is_chunked_by_words_and_each_chunk_opens_with_the_voice_and
 
 
 def test_a_reference_voice_leads_the_context_and_zero_context_keeps_chunks_apart(oracle):
-    from higgs_pack.runtime.loop.generate import (
-        chunk_context,
-        plan_synthesis,
-        run_plan,
-    )
+    from higgs_pack.runtime.loop.plan import chunk_context, plan_synthesis
+    from higgs_pack.runtime.loop.synthesis import run_plan
 
     voice = np.random.default_rng(0).integers(0, 1024, size=(20, N))
     plan = plan_synthesis(oracle, STORY, options=SamplingOptions(seed=3), ref_codes=voice, ref_text="A voice.",
@@ -228,7 +228,7 @@ def test_a_reference_voice_leads_the_context_and_zero_context_keeps_chunks_apart
 
 def test_a_sentence_too_long_names_the_frame_cap_only_where_lowering_it_helps(oracle):
     from higgs_pack.manifests.errors import InputError
-    from higgs_pack.runtime.loop.generate import plan_synthesis
+    from higgs_pack.runtime.loop.plan import plan_synthesis
 
     endless = "x" * 60000  # one word with no space or comma: nowhere to cut it, longer than the context
     with pytest.raises(InputError) as caught:
@@ -254,7 +254,8 @@ def test_text_of_clauses_without_a_full_stop_is_cut_until_it_fits(oracle, text):
     """A list or a paragraph of commas with no sentence end (a new user's report: 'one sentence needs
     4410 positions' for 250 items): its pieces are halved at spaces, or after clause marks in text
     without spaces (CJK), until each chunk's prompt and frames fit the context; nothing is lost."""
-    from higgs_pack.runtime.loop.generate import chunk_positions, plan_synthesis
+    from higgs_pack.runtime.loop.plan import plan_synthesis
+    from higgs_pack.runtime.loop.text_chunks import chunk_positions
 
     plan = plan_synthesis(oracle, text, options=None, context_chunks=0)
     assert len(plan.chunks) > 1
@@ -269,7 +270,8 @@ def test_the_rolling_context_respects_a_decoders_own_prompt_limit(oracle):
     a context that fits the window but not the prompt is dropped, not sent."""
     from dataclasses import replace as with_fields
 
-    from higgs_pack.runtime.loop.generate import chunk_context, plan_synthesis, run_plan
+    from higgs_pack.runtime.loop.plan import chunk_context, plan_synthesis
+    from higgs_pack.runtime.loop.synthesis import run_plan
 
     plan = plan_synthesis(oracle, STORY, options=SamplingOptions(seed=3), max_frames=12)
     results = run_plan(oracle, plan).chunks

@@ -16,8 +16,9 @@ pytorch/ (the sub-part modules and the oracle, which read checkpoints), onnx/ an
 code imports (``onnx``, ``openvino``, ``torch``...): the rooms named for them would hide them.
 
 Inside runtime/ the backends run a bundle they are handed (they never find, open or choose
-one), the loop knows no bundle source, and the types both sides name (machine/facts.py,
-sources/opened.py) import nothing of the runtime.  No module of the package reaches itself
+one), the loop (one request) knows no bundle source and no serving engine, the engine (many
+requests on the loop's plans) knows no bundle source, and the types both sides name
+(machine/facts.py, sources/opened.py) import nothing of the runtime.  No module of the package reaches itself
 through its imports.
 """
 
@@ -151,11 +152,13 @@ def hiding_imports(root: Path) -> list[str]:
 RUNTIME_TYPES = ("machine/facts.py", "sources/opened.py")
 #: runtime room -> runtime modules (dotted, below ``higgs_pack.runtime``) it must never import: a
 #: backend runs a bundle it is handed and never finds, opens or chooses one (it names their
-#: types through :data:`RUNTIME_TYPES`); the loop runs requests on sub-parts and knows no source.
+#: types through :data:`RUNTIME_TYPES`); the loop runs one request on sub-parts and knows no source
+#: and no serving engine; the engine serves many requests with the loop's plans and knows no source.
 RUNTIME_FORBIDDEN: dict[str, tuple[str, ...]] = {
     "backends": ("api", "cli", "batch", "machine.choice", "machine.inventory", "sources.bundle", "sources.hub",
                  "sources.archive", "sources.installed"),
-    "loop": ("api", "cli", "batch", "machine", "sources", "verification"),
+    "loop": ("api", "cli", "batch", "machine", "sources", "verification", "engine"),
+    "engine": ("api", "cli", "batch", "machine", "sources", "verification"),
 }
 
 
@@ -226,9 +229,12 @@ def test_a_runtime_room_violation_and_a_circle_are_found(tmp_path):
     (tmp_path / "runtime" / "machine" / "choice.py").write_text("def f():\n    from ..backends import x\n")
     (tmp_path / "runtime" / "backends" / "x.py").write_text(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from higgs_pack.runtime.machine.choice import f\n")
+    (tmp_path / "runtime" / "loop").mkdir()
+    (tmp_path / "runtime" / "loop" / "plan.py").write_text("from higgs_pack.runtime.engine.engine import Engine\n")
     assert runtime_violations(tmp_path) == [
         "runtime/machine/facts.py:1: imports higgs_pack.runtime.machine.choice",
-        "runtime/backends/x.py:3: runtime/backends imports runtime.machine.choice.f"]
+        "runtime/backends/x.py:3: runtime/backends imports runtime.machine.choice.f",
+        "runtime/loop/plan.py:1: runtime/loop imports runtime.engine.engine.Engine"]
     assert import_circles(tmp_path) == [["higgs_pack.runtime.backends.x", "higgs_pack.runtime.machine.choice"]]
 
 
@@ -297,7 +303,7 @@ def test_a_violation_is_found(tmp_path, room, source, expected):
 
 def test_allowed_directions_pass(tmp_path):
     for room, source in (("targets", "from higgs_pack.exporters import catalog\n"),
-                         ("exporters", "from higgs_pack.runtime.loop.generate import synthesize\n"),
+                         ("exporters", "from higgs_pack.runtime.loop.synthesis import synthesize\n"),
                          ("runtime", "from higgs_pack.manifests.errors import BundleError\n"),
                          ("bench", "from higgs_pack.targets.build import build\nimport bench.decoder.records\n")):
         (tmp_path / room).mkdir()

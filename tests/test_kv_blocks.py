@@ -1,11 +1,11 @@
-"""The KV block pool of the paged engine (runtime/loop/kv_blocks.py): references, sharing, growth."""
+"""The KV block pool of the paged engine (runtime/engine/kv_blocks.py): references, sharing, growth."""
 
 from __future__ import annotations
 
 import pytest
 
 from higgs_pack.manifests.errors import InputError
-from higgs_pack.runtime.loop.kv_blocks import BlockPool, blocks_for
+from higgs_pack.runtime.engine.kv_blocks import BlockPool, blocks_for
 
 
 def test_blocks_for_rounds_up():

@@ -168,7 +168,7 @@ def test_the_session_takes_int8_kv_and_the_decoder_binds_int8_buffers(kv8):
 
 
 def _prompt(pipeline) -> np.ndarray:
-    from higgs_pack.runtime.loop.generate import build_prompt
+    from higgs_pack.runtime.loop.prompt import build_prompt
 
     return build_prompt(pipeline, kv.CALIBRATION_TEXTS["ref_en_16k"])
 
@@ -210,7 +210,7 @@ def test_hidden_states_and_codes_agree_with_the_float_kv_bundle(kv8, float_kv):
 
 def test_synthesize_runs_on_the_int8_kv_bundle(kv8, float_kv):
     from higgs_pack.runtime.loop.delay import SamplingOptions
-    from higgs_pack.runtime.loop.generate import synthesize
+    from higgs_pack.runtime.loop.synthesis import synthesize
 
     text = kv.CALIBRATION_TEXTS["text_en_basic"]
     out = synthesize(kv8, text, options=SamplingOptions(seed=0), max_frames=48)

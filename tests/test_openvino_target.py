@@ -35,7 +35,7 @@ from higgs_pack.manifests.errors import (  # noqa: E402
 from higgs_pack.manifests.manifest import file_entry, read_manifest, write_manifest  # noqa: E402
 from higgs_pack.runtime.backends.openvino.parts import open_openvino_parts  # noqa: E402
 from higgs_pack.runtime.loop.chunking import chunk_windows  # noqa: E402
-from higgs_pack.runtime.loop.generate import synthesize  # noqa: E402
+from higgs_pack.runtime.loop.synthesis import synthesize  # noqa: E402
 from higgs_pack.runtime.sources.bundle import load_pipeline as load  # noqa: E402
 from higgs_pack.runtime.sources.bundle import open_bundle  # noqa: E402
 from higgs_pack.runtime.verification.verify import verify_bundle  # noqa: E402

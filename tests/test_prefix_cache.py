@@ -22,8 +22,8 @@ import pytest
 
 import higgs_pack
 from higgs_pack.manifests.errors import InputError
-from higgs_pack.runtime.loop.generate import prompt_of
 from higgs_pack.runtime.loop.prefix_cache import PrefixCache, Prompt, bundle_identity, voice_digest
+from higgs_pack.runtime.loop.prompt import prompt_of
 from higgs_pack.runtime.request import PreparedVoice
 
 TEXTS = [("Hello there, how are you today?", 3, 40), ("The quick brown fox jumps over the lazy dog.", 5, 40),

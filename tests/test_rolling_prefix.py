@@ -1,7 +1,7 @@
 """Issue 30 items 1 and 4 together: the voice is a true prefix of every chunk's prompt.
 
 A rolling context's chunk prompt is ``[voice pair] [earlier chunk pairs] <|text|> text <|audio|>``
-(:func:`~higgs_pack.runtime.loop.generate.prompt_of`): the voice's pair is the same first positions
+(:func:`~higgs_pack.runtime.loop.prompt.prompt_of`): the voice's pair is the same first positions
 as a prompt of the voice alone, so every chunk after the first restores the voice's cached KV and
 prefills only its context and its own text.  On the real tiny cpu fp32 bundle: the positions
 prefilled per chunk, codes with the cache equal to codes without, a dialogue's speakers each with
@@ -18,8 +18,9 @@ import pytest
 
 import higgs_pack
 from higgs_pack.manifests.errors import InputError
-from higgs_pack.runtime.loop.generate import chunk_context, context_tail, plan_request, prompt_of
+from higgs_pack.runtime.loop.plan import chunk_context, context_tail, plan_request
 from higgs_pack.runtime.loop.prefix_cache import PrefixCache, bundle_identity
+from higgs_pack.runtime.loop.prompt import prompt_of
 from higgs_pack.runtime.request import PreparedVoice, SynthesisRequest
 
 #: Three chunks of at most 200 words (CHUNK_WORDS) each.
@@ -150,7 +151,7 @@ def test_a_requests_earlier_speech_is_a_rolling_context_after_the_voice(tts, voi
     """SynthesisRequest.context (a live session's previous sentences, serve/live.py): the request's
     first chunk gets the prompt a long text's later chunk gets with the same context, its voice
     restored from the prefix cache; refused without a voice or when not PreparedVoices."""
-    from higgs_pack.runtime.loop.generate import chunk_prompt
+    from higgs_pack.runtime.loop.plan import chunk_prompt
 
     result = tts.synthesize(STORY, voice=voice, seed=4, max_frames=12, context_chunks=2)
     long_plan = plan_request(tts.pipeline, SynthesisRequest(STORY, voice, 4, max_frames=12, context_chunks=2))

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from higgs_pack.runtime.loop.generate import split_sentences as planner_split
 from higgs_pack.runtime.loop.sentences import SentenceSplitter, split_sentences
+from higgs_pack.runtime.loop.text_chunks import split_sentences as planner_split
 
 
 @pytest.mark.parametrize(("text", "sentences"), [
@@ -43,7 +43,7 @@ from higgs_pack.runtime.loop.sentences import SentenceSplitter, split_sentences
 ])
 def test_sentence_ends(text, sentences):
     assert split_sentences(text) == sentences
-    assert planner_split(text) == sentences  # generate.py's name is this one
+    assert planner_split(text) == sentences  # text_chunks.py's name is this one
 
 
 def test_an_end_at_the_end_of_a_piece_waits_for_what_follows():

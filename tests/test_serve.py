@@ -462,7 +462,7 @@ def test_each_stream_cancels_its_request_once_however_it_ends(cpu_int4_bundle, m
     after the end), in the app's close, not again in the body's generator."""
     import asyncio
 
-    from higgs_pack.runtime.loop.engine import EngineHandle
+    from higgs_pack.runtime.engine.handle import EngineHandle
     from higgs_pack.serve.app import create_app
     from higgs_pack.serve.config import ServeConfig
     from higgs_pack.serve.server import SpeechServer

@@ -18,7 +18,7 @@ pytest.importorskip("fastapi", reason="the [serve] extra (FastAPI) is not instal
 
 import av
 
-from higgs_pack.runtime.loop.generate import Segment, SynthesisResult
+from higgs_pack.runtime.loop.synthesis import Segment, SynthesisResult
 from higgs_pack.serve.formats import FORMATS, PCM_FORMATS, StreamEncoder, encode_whole
 from higgs_pack.serve.tempo import (
     TimeStretch,

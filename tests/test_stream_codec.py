@@ -212,7 +212,7 @@ def test_the_engine_batches_the_stream_steps_of_its_requests(cpu_fp32_bundle):
             assert stats.max_rows == 2, stats
         else:
             assert stats.max_rows == 1, stats
-    from higgs_pack.runtime.loop.generate import decode_codes
+    from higgs_pack.runtime.loop.codec import decode_codes
 
     for i in range(2):
         want = decode_codes(pipeline, codes[i])

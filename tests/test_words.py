@@ -62,7 +62,7 @@ def test_a_dialogue_turn_of_two_chunks_has_each_chunks_words_in_its_own_span(ora
     """The PyTorch reference of the tiny checkpoint: a turn of 260 words is two text chunks; its
     segment is the whole turn (exact), its words are each chunk's words within that chunk's frames."""
     from higgs_pack.runtime.loop.dialogue import DialogueRequest
-    from higgs_pack.runtime.loop.generate import run_plan
+    from higgs_pack.runtime.loop.synthesis import run_plan
 
     long_turn = " ".join(f"word{i}" for i in range(259)) + " end."
     turns = [("ANN", "Good morning."), ("BEN", long_turn)]

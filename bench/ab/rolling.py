@@ -76,14 +76,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     """
     import higgs_pack
     from higgs_pack.manifests.errors import InputError
-    from higgs_pack.runtime.loop.generate import (
-        _most_positions,
-        chunk_prompt,
-        generate_codes,
-        plan_chunks,
-        plan_request,
-        prompt_of,
-    )
+    from higgs_pack.runtime.loop.decode import generate_codes
+    from higgs_pack.runtime.loop.plan import chunk_prompt, most_positions, plan_request
+    from higgs_pack.runtime.loop.prompt import prompt_of
+    from higgs_pack.runtime.loop.text_chunks import plan_chunks
     from higgs_pack.runtime.request import SynthesisRequest
 
     ks = _whole_list(args.k, "--k", least=0)
@@ -110,7 +106,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 request = SynthesisRequest.create(text, voice=voice, seed=args.seed, max_frames=args.max_frames,
                                                   context_chunks=k, context_frames=keep)
                 plan = dataclasses.replace(plan_request(pipeline, request), chunks=chunks)
-                plan = dataclasses.replace(plan, positions=_most_positions(pipeline, plan))
+                plan = dataclasses.replace(plan, positions=most_positions(pipeline, plan))
                 results, rows, before = [], [], loadavg()
                 for index, (_, cap) in enumerate(plan.chunks):
                     prompt = chunk_prompt(pipeline, plan, index, results)

@@ -46,7 +46,7 @@ class _HeadsProbe:
 def probe(tts: Any) -> list[tuple[float, int]]:
     """Ready ``tts`` for engine runs: repeat guard off, EOC suppressed and the audio heads marking
     ``(time, rows)`` once per engine step into the returned list, the codec context measured."""
-    from higgs_pack.runtime.loop.streaming import codec_context_frames
+    from higgs_pack.runtime.loop.codec import codec_context_frames
 
     pipeline, marks = tts.pipeline, []
     defaults = dict(pipeline.generation_defaults)
@@ -135,7 +135,8 @@ def _join_run(tts: Any, batch: int, spec: dict[str, Any], marks: list[tuple[floa
     ``<key>_first_audio_ms``, ``<key>_rows`` and, beside running rows, ``gap`` (their longest
     wait for a frame, ms, from the submission to the joiner's first audio) and OpenVINO's
     ``<key>_splice_ms``."""
-    from higgs_pack.runtime.loop.streaming import FIRST_CHUNK_FRAMES, codec_context_frames
+    from higgs_pack.runtime.loop.codec import codec_context_frames
+    from higgs_pack.runtime.loop.streaming import FIRST_CHUNK_FRAMES
 
     # the running ones outlast the joiner's prefill, first chunk, codec context and delay ramp, twice
     ramp = FIRST_CHUNK_FRAMES + codec_context_frames(tts.pipeline) + tts.pipeline.constants.num_codebooks
@@ -222,7 +223,7 @@ def join_voice(tts: Any, spec: dict[str, Any]) -> tuple[Any, int | None]:
     joining request of the ``join_voice`` run speaks in, and its prompt's positions with the bench
     text (a 7-second clip: about 219); ``(None, None)`` without a clip or an audio encoder."""
     from higgs_pack.manifests.errors import InputError
-    from higgs_pack.runtime.loop.generate import build_prompt
+    from higgs_pack.runtime.loop.prompt import build_prompt
 
     if not spec.get("voice_clip"):
         return None, None

@@ -89,7 +89,9 @@ def _instrument(pipeline: Any) -> dict[str, list[float]]:
 def _one_run(pipeline: Any, logs: dict[str, list[float]], text: str, frames: int,
              options: Any) -> tuple[dict[str, Any], np.ndarray]:
     """Prompt, loop and codec decode timed step by step; the figures and the codes (int64 [frames, N])."""
-    from higgs_pack.runtime.loop.generate import build_prompt, decode_codes, generate_codes
+    from higgs_pack.runtime.loop.codec import decode_codes
+    from higgs_pack.runtime.loop.decode import generate_codes
+    from higgs_pack.runtime.loop.prompt import build_prompt
 
     for log in logs.values():
         log.clear()
@@ -237,7 +239,7 @@ def first_audio_by_voice(pipeline: Any, logs: dict[str, list[float]], text: str,
     cache's ``voice_cache_stats`` (hits, misses, bytes) and, where
     ``named_cached`` is missing, ``voice_cache`` (why).  Without a clip, or a pipeline without an
     audio encoder (PyTorch here), only ``zero_shot``."""
-    from higgs_pack.runtime.loop.generate import encode_reference
+    from higgs_pack.runtime.loop.codec import encode_reference
     from higgs_pack.runtime.loop.streaming import stream
     from higgs_pack.runtime.request import Voice
 
@@ -318,7 +320,7 @@ def kv_bytes_per_position(constants: Any, itemsize: int | None) -> int | None:
 
 def fixed_inputs(pipeline: Any, text: str) -> tuple[np.ndarray, np.ndarray]:
     """The bench prompt's embeddings (float32 [1, P, H]) and one frame of BOC codes embedded [1, 1, H]."""
-    from higgs_pack.runtime.loop.generate import build_prompt
+    from higgs_pack.runtime.loop.prompt import build_prompt
 
     c = pipeline.constants
     step = pipeline.audio_embed.run({"codes": np.full((1, 1, c.num_codebooks), c.boc, dtype=np.int64)})
@@ -366,8 +368,8 @@ def _load_pytorch(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
 def worker_measure(spec: dict[str, Any]) -> dict[str, Any]:
     """The ``measure`` worker: load, warm up, then ``repeats`` times the loop, the stream and the
     bare decoder side by side (medians), the context steps and the KV bytes."""
+    from higgs_pack.runtime.loop.codec import codec_context_frames
     from higgs_pack.runtime.loop.delay import SamplingOptions
-    from higgs_pack.runtime.loop.streaming import codec_context_frames
 
     before = load_1m()
     pipeline, info = (_load_pytorch if spec["kind"] == PYTORCH else load_bundle)(spec)

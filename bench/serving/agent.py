@@ -172,7 +172,7 @@ def measure_floor(tts: Any, text: str, repeats: int = 5) -> dict[str, Any]:
     ``repeats`` after a warm-up: its prompt's prefill, a decoder step (the loop's seconds less the
     prefill, over its steps), one codec call on the stream's first window (lookahead + 1 frames),
     and ``floor_s`` = prefill + (lookahead + 1) steps + codec call."""
-    from higgs_pack.runtime.loop.generate import decode_codes
+    from higgs_pack.runtime.loop.codec import decode_codes
 
     lookahead = tts.stream(text, max_frames=1).lookahead_frames
     frames = lookahead + 1

@@ -175,14 +175,14 @@ class Backend:
                 )
 
     def batched_decoder(self, pipeline: Any, max_batch: int, max_length: int) -> Any:
-        """The decoder of a continuous-batching engine (:mod:`higgs_pack.runtime.loop.engine`)
+        """The decoder of a continuous-batching engine (:mod:`higgs_pack.runtime.engine`)
         for ``max_batch`` rows of at most ``max_length`` positions each; the base class serves
         ``max_batch=1`` through the pipeline's own decoder and refuses more.
 
         Raises:
             InputError: this backend (or this bundle's placement) cannot batch, saying why.
         """
-        from higgs_pack.runtime.loop.engine import SingleRowDecoder
+        from higgs_pack.runtime.engine.decoders import SingleRowDecoder
 
         if max_batch == 1:
             return SingleRowDecoder(pipeline.decoder, max_length)

@@ -2,14 +2,14 @@
 
 Every front door (``TTS.dialogue`` and ``TTS.stream_dialogue``, ``higgs-pack dialogue``,
 ``POST /v1/audio/dialogue``) makes one :class:`DialogueRequest`, checked when made; it is
-planned against a loaded bundle into one :class:`~higgs_pack.runtime.loop.generate.SynthesisPlan`
+planned against a loaded bundle into one :class:`~higgs_pack.runtime.loop.plan.SynthesisPlan`
 (:func:`plan_dialogue`) whose text chunks are the turns' chunks in order and whose
-:class:`~higgs_pack.runtime.loop.generate.Cast` says each chunk's turn and speaker.  That plan
+:class:`~higgs_pack.runtime.loop.plan.Cast` says each chunk's turn and speaker.  That plan
 runs where any plan runs (``run_plan``, ``stream_plan``, the engine), with the same rolling
 context: each chunk's prompt opens with its speaker's voice (a named voice, a clip with its
 transcript, or none: then the speaker's first turn becomes its voice) and the speaker's last
-``context_chunks`` chunks (:func:`~higgs_pack.runtime.loop.generate.chunk_context`).  The turns join
-as continuous speech (:func:`~higgs_pack.runtime.loop.generate.join_results`) with one exact
+``context_chunks`` chunks (:func:`~higgs_pack.runtime.loop.plan.chunk_context`).  The turns join
+as continuous speech (:func:`~higgs_pack.runtime.loop.synthesis.join_results`) with one exact
 segment per turn.
 
 Why only the speaker's own turns as context: the TTS prompt (MODEL.md) has no speaker tag, so
@@ -31,17 +31,11 @@ from typing import Any
 import numpy as np
 
 from higgs_pack.manifests.errors import HiggsPackError, InputError, Problem, literal
-from higgs_pack.runtime.loop.generate import (
-    CHUNK_WORDS,
-    Cast,
-    SynthesisPlan,
-    _most_positions,
-    check_text_tokens,
-    check_voice_codes,
-    encode_reference,
-    plan_chunks,
-)
+from higgs_pack.runtime.loop.codec import check_voice_codes, encode_reference
 from higgs_pack.runtime.loop.pipeline import Pipeline
+from higgs_pack.runtime.loop.plan import CHUNK_WORDS, Cast, SynthesisPlan, most_positions
+from higgs_pack.runtime.loop.prompt import check_text_tokens
+from higgs_pack.runtime.loop.text_chunks import plan_chunks
 from higgs_pack.runtime.request import (
     PreparedVoice,
     SynthesisRequest,
@@ -290,13 +284,13 @@ class DialogueRequest:
 
 
 def plan_dialogue(pipeline: Pipeline, request: DialogueRequest) -> SynthesisPlan:
-    """A dialogue resolved against a loaded bundle: one :class:`~higgs_pack.runtime.loop.generate.SynthesisPlan`
-    of every turn's text chunks, in order, with its :class:`~higgs_pack.runtime.loop.generate.Cast`.
+    """A dialogue resolved against a loaded bundle: one :class:`~higgs_pack.runtime.loop.plan.SynthesisPlan`
+    of every turn's text chunks, in order, with its :class:`~higgs_pack.runtime.loop.plan.Cast`.
 
     Each speaker's clip is read and codec-encoded once (a prepared voice's codes checked against
     the codec); each turn is cut at sentence ends into chunks of at most
-    :data:`~higgs_pack.runtime.loop.generate.CHUNK_WORDS` words that fit the context with its
-    speaker's voice (:func:`~higgs_pack.runtime.loop.generate.plan_chunks`).
+    :data:`~higgs_pack.runtime.loop.plan.CHUNK_WORDS` words that fit the context with its
+    speaker's voice (:func:`~higgs_pack.runtime.loop.text_chunks.plan_chunks`).
 
     Raises:
         InputError: a clip that cannot be read or used, a special token in a turn or a
@@ -347,4 +341,4 @@ def plan_dialogue(pipeline: Pipeline, request: DialogueRequest) -> SynthesisPlan
     plan = SynthesisPlan(sampling, None, None, tuple(chunks), options.schedule, 0, options.context_chunks,
                          pipeline.decoder.max_length, getattr(pipeline.decoder, "max_prompt_length", None), cast,
                          options.context_frames)
-    return dataclasses.replace(plan, positions=_most_positions(pipeline, plan))
+    return dataclasses.replace(plan, positions=most_positions(pipeline, plan))

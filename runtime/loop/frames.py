@@ -2,8 +2,8 @@
 
 :class:`CodeSteps` holds what a request's steps need between decoder calls (its sampler,
 its random generator, the codes drawn so far), so the same rules serve the one-request
-loop (:func:`higgs_pack.runtime.loop.generate.generate_steps`) and the batched engine
-(:mod:`higgs_pack.runtime.loop.engine`), where each row of a batch has its own.
+loop (:func:`higgs_pack.runtime.loop.decode.generate_steps`) and the batched engine
+(:mod:`higgs_pack.runtime.engine`), where each row of a batch has its own.
 """
 
 from __future__ import annotations

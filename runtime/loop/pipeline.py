@@ -3,7 +3,7 @@
 A :class:`Pipeline` is the six sub-parts of Higgs-Audio-v3 served by one backend
 (ONNX Runtime, OpenVINO, or the PyTorch oracle in ``exporters/pytorch/reference.py``),
 plus the tokenizer and the model constants.  The loop in
-:mod:`higgs_pack.runtime.loop.generate` only sees this interface, so the same loop
+:mod:`higgs_pack.runtime.loop.decode` only sees this interface, so the same loop
 runs every target and the oracle.
 
 All arrays crossing the interface are numpy, batch 1:

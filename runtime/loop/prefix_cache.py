@@ -67,7 +67,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from higgs_pack.manifests.errors import InputError
+from higgs_pack.manifests.errors import InputError, Problem
 
 log = logging.getLogger(__name__)
 
@@ -256,7 +256,7 @@ class PrefixCache:
 
     def __post_init__(self) -> None:
         if isinstance(self.max_bytes, bool) or not isinstance(self.max_bytes, int) or self.max_bytes < 0:
-            raise InputError(f"prefix cache max_bytes must be a whole number of bytes >= 0, got {self.max_bytes!r}")
+            raise InputError.of(Problem.said(f"prefix cache max_bytes must be a whole number of bytes >= 0, got {self.max_bytes!r}"))
         self._entries: OrderedDict[str, PrefixEntry] = OrderedDict()
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[PrefixEntry, str, str]] = queue.Queue()  # entries to persist (put)

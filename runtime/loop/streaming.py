@@ -1,4 +1,4 @@
-"""Streaming synthesis: the TTS loop of :mod:`higgs_pack.runtime.loop.generate` with the codec
+"""Streaming synthesis: the TTS loop of :mod:`higgs_pack.runtime.loop.decode` with the codec
 decoding frames as they arrive (:func:`stream`, :class:`SpeechStream`, :class:`AudioChunk`).
 
 A bundle with the stateful streaming codec (sub-part ``audio_tokenizer_stream``) decodes each frame
@@ -7,7 +7,7 @@ lookahead (and one frame) has arrived (:class:`higgs_pack.runtime.loop.stateful_
 A bundle built before it decodes windows that carry the codec's receptive-field context on both
 sides (:func:`codec_context_frames`, :class:`higgs_pack.runtime.loop.chunking.StreamingCodec`) and
 says so once (:func:`window_codec_notice`).  Either way the joined chunks equal the one-shot decode
-of :func:`~higgs_pack.runtime.loop.generate.synthesize` within the codec's parity limit.
+of :func:`~higgs_pack.runtime.loop.synthesis.synthesize` within the codec's parity limit.
 """
 
 from __future__ import annotations
@@ -24,21 +24,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from higgs_pack.runtime.loop.chunking import StreamingCodec, chunk_schedule
+from higgs_pack.runtime.loop.codec import codec_context_frames, decode_codes
+from higgs_pack.runtime.loop.decode import GenerationResult, ProgressCallback, generate_steps
 from higgs_pack.runtime.loop.delay import SamplingOptions
-from higgs_pack.runtime.loop.generate import (
-    GenerationResult,
-    ProgressCallback,
-    Segment,
-    SynthesisPlan,
-    chunk_prompt,
-    chunk_segments,
-    codec_context_frames,
-    decode_codes,
-    generate_steps,
-    plan_synthesis,
-)
 from higgs_pack.runtime.loop.pipeline import Pipeline
+from higgs_pack.runtime.loop.plan import SynthesisPlan, chunk_prompt, plan_synthesis
 from higgs_pack.runtime.loop.stateful_codec import StatefulCodec, Step, runner_step
+from higgs_pack.runtime.loop.synthesis import Segment, chunk_segments
 from higgs_pack.runtime.request import FIRST_CHUNK_FRAMES, StreamSchedule  # noqa: F401 (the bench reads the default here)
 
 log = logging.getLogger(__name__)
@@ -74,7 +66,7 @@ class AudioChunk:
         sample_rate: Hz (24000).
         text_chunk: index of the text chunk (sentence group) its samples belong to (a
             decoded core that straddles a seam between text chunks comes as two pieces).
-        segments: the :class:`~higgs_pack.runtime.loop.generate.Segment` items (sentences, or a
+        segments: the :class:`~higgs_pack.runtime.loop.synthesis.Segment` items (sentences, or a
             dialogue's turns) whose audio this piece completes: with the last piece of a text
             chunk, the segments of that chunk (a chunk's timings are known once its last frame
             is); else empty.
@@ -101,21 +93,21 @@ class SpeechStream(Iterator[AudioChunk]):
     The pipeline serves one stream at a time.
 
     ``steps`` (optional) gives each text chunk's codes instead of running
-    :func:`~higgs_pack.runtime.loop.generate.generate_steps` here: called as
+    :func:`~higgs_pack.runtime.loop.decode.generate_steps` here: called as
     ``steps(index, chunk_text, frame_cap)``, it returns a generator with that function's
     yields and return value (the batched engine feeds its rows' codes this way).  ``decode``
     (optional) codec-decodes one window, int64 codes [T, N] -> float32 samples [T * hop],
-    instead of :func:`~higgs_pack.runtime.loop.generate.decode_codes` on the iterating thread;
+    instead of :func:`~higgs_pack.runtime.loop.codec.decode_codes` on the iterating thread;
     ``codec_step`` (optional) is one call of the stateful streaming codec
     (:data:`~higgs_pack.runtime.loop.stateful_codec.Step`) instead of running its sub-part here;
     ``reading`` (optional) is a context manager held while the stream runs (from its first
     chunk asked for until it ends or is closed): the engine hands all three to its codec thread
-    (:class:`~higgs_pack.runtime.loop.codec_batch.CodecBatcher`).
+    (:class:`~higgs_pack.runtime.engine.codec_batch.CodecBatcher`).
 
     Attributes:
         results: :class:`GenerationResult` of each text chunk finished so far.
-        segments: the :class:`~higgs_pack.runtime.loop.generate.Segment` items of those chunks
-            (as :attr:`~higgs_pack.runtime.loop.generate.SynthesisResult.segments`).
+        segments: the :class:`~higgs_pack.runtime.loop.synthesis.Segment` items of those chunks
+            (as :attr:`~higgs_pack.runtime.loop.synthesis.SynthesisResult.segments`).
         samples_out: samples yielded so far.
         pushed: the frames handed to the codec so far (int64 [N] each, every text chunk's in
             order, an unfinished chunk's too): the codes of the audio made or being made
@@ -295,6 +287,6 @@ def stream(
 
 def stream_plan(pipeline: Pipeline, plan: SynthesisPlan, progress: ProgressCallback | None = None,
                 started: float | None = None) -> SpeechStream:
-    """A :class:`SpeechStream` of a planned request (:func:`~higgs_pack.runtime.loop.generate.plan_request`); ``started`` (``time.perf_counter()``,
+    """A :class:`SpeechStream` of a planned request (:func:`~higgs_pack.runtime.loop.plan.plan_request`); ``started`` (``time.perf_counter()``,
     default now) is when ``first_audio_s`` counts from."""
     return SpeechStream(pipeline, plan, progress, time.perf_counter() if started is None else started)

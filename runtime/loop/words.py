@@ -3,8 +3,8 @@
 Higgs-Audio-v3 has no duration model and this runtime no forced aligner, so where a word is
 inside its chunk's audio is not measured: the span (the chunk's first and last frame, 25 frames
 per second, exact by construction) is divided in proportion to the words' characters
-(whitespace not counted), as :class:`~higgs_pack.runtime.loop.generate.Segment` divides a chunk
-between its sentences and :func:`~higgs_pack.runtime.loop.generate.context_tail` cuts a context.
+(whitespace not counted), as :class:`~higgs_pack.runtime.loop.synthesis.Segment` divides a chunk
+between its sentences and :func:`~higgs_pack.runtime.loop.plan.context_tail` cuts a context.
 A word's start and end are such estimates (:attr:`Word.exact` False) unless the word is the
 whole span.  Peers that give word timings measure them: ElevenLabs and Cartesia from their
 models' alignment, Kokoro-FastAPI from its duration predictor, vllm-omni with a forced aligner

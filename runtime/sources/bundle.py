@@ -229,7 +229,7 @@ def load_pipeline(
 
     Returns:
         A :class:`~higgs_pack.runtime.loop.pipeline.Pipeline` ready for
-        :func:`higgs_pack.runtime.loop.generate.synthesize`.
+        :func:`higgs_pack.runtime.loop.synthesis.synthesize`.
 
     Raises:
         BundleError, ManifestError, UnsupportedFormatVersion: the bundle is not valid.

@@ -31,13 +31,11 @@ from higgs_pack.runtime.backends.onnxruntime.distributions import (
     installed_ort_distributions,
 )
 from higgs_pack.runtime.backends.onnxruntime.failures import provider_cannot_run
+from higgs_pack.runtime.loop.decode import generate_codes
 from higgs_pack.runtime.loop.delay import SamplingOptions
-from higgs_pack.runtime.loop.generate import (
-    build_prompt,
-    generate_codes,
-    synthesize,
-)
 from higgs_pack.runtime.loop.pipeline import Pipeline
+from higgs_pack.runtime.loop.prompt import build_prompt
+from higgs_pack.runtime.loop.synthesis import synthesize
 from higgs_pack.runtime.sources.bundle import Bundle, find_bundle, load_pipeline, open_bundle
 from higgs_pack.runtime.sources.file_kinds import check_bundle_files
 from higgs_pack.runtime.verification.backend_checks import (

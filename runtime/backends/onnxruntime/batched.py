@@ -46,7 +46,7 @@ from higgs_pack.runtime.backends.onnxruntime.runners import (
     shared_kv_device,
 )
 from higgs_pack.runtime.backends.onnxruntime.sessions import ORT_TYPES
-from higgs_pack.runtime.loop.kv_memory import mib
+from higgs_pack.runtime.engine.kv_memory import mib
 from higgs_pack.runtime.loop.pipeline import check_decoder_room
 
 

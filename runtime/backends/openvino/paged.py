@@ -45,7 +45,7 @@ from higgs_pack.manifests.errors import (
     Problem,
     SignatureMismatch,
 )
-from higgs_pack.runtime.loop.kv_blocks import BlockPool, blocks_for
+from higgs_pack.runtime.engine.kv_blocks import BlockPool, blocks_for
 from higgs_pack.runtime.loop.pipeline import check_decoder_room
 
 #: The inputs the paged model takes besides the caches (OpenVINO 2026.4's transformation).
@@ -116,7 +116,7 @@ class _Shared:
 
 class OvPagedDecoder:
     """Up to ``max_batch`` rows on the PagedAttention form of the stateful decoder IR
-    (module docstring); a ``BatchedDecoder`` of :mod:`higgs_pack.runtime.loop.engine`.
+    (module docstring); a ``BatchedDecoder`` of :mod:`higgs_pack.runtime.engine`.
 
     Args:
         compiled: the paged model (:func:`paged_model`) compiled for its device.
@@ -131,7 +131,7 @@ class OvPagedDecoder:
         block_bytes: bytes of one block over every layer's K and V.
         kv_bytes_per_position: ``ceil(block_bytes / block_size)`` (the engine's KV budget unit).
         kv_device: ``"cpu"`` on the CPU device (host memory), else the device.
-        pool: the :class:`~higgs_pack.runtime.loop.kv_blocks.BlockPool`.
+        pool: the :class:`~higgs_pack.runtime.engine.kv_blocks.BlockPool`.
         max_blocks: the most blocks its doubling grows the pool to (a row that needs more still
             gets them); the engine sets it from its KV budget, which admits requests by the
             blocks their positions need, so a running row always gets its next block.

@@ -6,7 +6,7 @@ steps of its frame cap, and ``bytes_per_position`` is ``num_layers x 2 (key, val
 kv_heads x head_dim x`` the itemsize of the KV dtype the decoder binds (the tiny model at
 fp32: 2 x 2 x 2 x 16 x 4 = 512 B; the 4B model at fp32: 36 x 2 x 8 x 128 x 4 = 288 KiB).
 :class:`KVBudget` counts the bytes the admitted requests may reach and says whether
-another fits; the engine (:mod:`higgs_pack.runtime.loop.engine`) admits a waiting request
+another fits; the engine (:mod:`higgs_pack.runtime.engine`) admits a waiting request
 only when it does.
 
 The default budget (:func:`default_kv_budget`) is :data:`DEFAULT_KV_FRACTION` of the memory

@@ -1,6 +1,6 @@
 """Codec decoding batched across requests: one codec thread per engine (:class:`CodecBatcher`).
 
-The engine's readers (:meth:`EngineHandle.result <higgs_pack.runtime.loop.engine.EngineHandle.result>`
+The engine's readers (:meth:`EngineHandle.result <higgs_pack.runtime.engine.handle.EngineHandle.result>`
 and streams iterating handles) do not run the codec (``audio_tokenizer``) themselves: they hand
 their windows of codes to the engine's one codec thread and wait.  That thread takes every
 window waiting, groups those of the same shape (frames T, codebooks N) and decodes each group as
@@ -80,7 +80,8 @@ from typing import Any
 import numpy as np
 
 from higgs_pack.manifests.errors import HiggsPackError
-from higgs_pack.runtime.loop.generate import _check_finite, decode_codes
+from higgs_pack.runtime.loop.codec import decode_codes
+from higgs_pack.runtime.loop.decode import check_finite
 from higgs_pack.runtime.loop.pipeline import Pipeline
 from higgs_pack.runtime.loop.stateful_codec import runner_step
 
@@ -410,7 +411,7 @@ class CodecBatcher:
                 job.error.__cause__ = error
             else:
                 try:
-                    row = _check_finite("audio_tokenizer", waveform[i], self._pipeline)
+                    row = check_finite("audio_tokenizer", waveform[i], self._pipeline)
                     job.samples = np.array(row.reshape(-1), dtype=np.float32)  # its own copy, not a view of the batch
                     if streaming:
                         job.state = np.array(states[i], dtype=np.float32)

@@ -15,7 +15,7 @@ tensors moves the data (:mod:`higgs_pack.runtime.backends.openvino.paged`).
 
 from __future__ import annotations
 
-from higgs_pack.manifests.errors import InputError
+from higgs_pack.manifests.errors import InputError, Problem
 
 
 def blocks_for(positions: int, block_size: int) -> int:
@@ -40,7 +40,7 @@ class BlockPool:
 
     def __init__(self, block_size: int, capacity: int = 0):
         if block_size < 1 or capacity < 0:
-            raise InputError(f"block_size must be >= 1 and capacity >= 0, got {block_size} and {capacity}")
+            raise InputError.of(Problem.said(f"block_size must be >= 1 and capacity >= 0, got {block_size} and {capacity}"))
         self.block_size = int(block_size)
         self.capacity = 0
         self._refs: list[int] = []

@@ -16,6 +16,10 @@ session's ``session.config``.  Everything else is derived from it:
   its whole-number fields and the keyword each field sets (:func:`http_keywords`);
 - the field table of the documentation (``docs/hooks/request_fields.py``).
 
+Beside it, what the loop samples with once a request meets a bundle: :class:`SamplingOptions`
+(the bundle's manifest ``generation`` defaults, then the request's choices: :func:`bundle_sampling`),
+judged by the same declaration.
+
 A field added here appears at every door (``tests/test_request_fields.py`` checks that the CLI's
 help, the OpenAPI schema, a live session and the docs agree with it).
 
@@ -29,6 +33,7 @@ Runtime code: no torch, no web stack (pydantic is a dependency of the runtime).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cache
@@ -39,7 +44,7 @@ import annotated_types
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
-from higgs_pack.manifests.errors import Problem
+from higgs_pack.manifests.errors import InputError, Problem
 
 #: Rolling context of a long text: previous text chunks whose text and codes open the next chunk's
 #: prompt (Higgs' own long-form generation calls it ``generation_chunk_buffer_size``).  1 carries the
@@ -257,6 +262,72 @@ def value_problems(values: Mapping[str, Any]) -> list[Problem]:
     if unknown:
         raise KeyError(sorted(unknown)[0])
     return found
+
+
+# --- what the loop samples with ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How each codebook's next code is drawn.
+
+    Attributes:
+        temperature: 0 means greedy (argmax); the model's authors' common default is
+            0.8 (MODEL.md: greedy alone degenerates into a buzz on the real model).
+        top_k: keep the k most likely codes (0 = all); default 50.
+        top_p: nucleus mass in (0, 1]; 1.0 = off.
+        seed: seed of the numpy PCG64 generator; same seed, same logits -> same codes.
+        repeat_guard_frames: stop once codebook 0 repeats one code this many frames
+            in a row (0 = off).
+    """
+
+    temperature: float = 0.8
+    top_k: int = 50
+    top_p: float = 1.0
+    seed: int | None = 0
+    repeat_guard_frames: int = 50
+
+    def __post_init__(self) -> None:
+        found = sampling_problems(dataclasses.asdict(self))
+        if found:
+            raise InputError(problems=found)
+
+
+def sampling_problems(values: Mapping[str, Any]) -> list[Problem]:
+    """One problem per bad :class:`SamplingOptions` field of ``values`` (its name, the value given and
+    what is allowed), in field order; ``[]`` when all are valid.  Fields ``values`` leaves out are
+    not judged.  The seed and the three sampling knobs are judged by the request's one declaration
+    (:func:`~higgs_pack.runtime.options.value_problems`: a bundle's defaults and a caller's choices
+    by the same limits); ``repeat_guard_frames`` is the bundle's alone."""
+    found = value_problems({k: v for k, v in values.items() if k != "repeat_guard_frames"})
+    found += [Problem(name, None, "a whole number" if is_whole(name) else "a number")  # None is a request's
+              for name in ("temperature", "top_k", "top_p") if name in values and values[name] is None]  # "unset"
+    if "repeat_guard_frames" in values:
+        guard = values["repeat_guard_frames"]
+        if isinstance(guard, bool) or not isinstance(guard, Integral):
+            found.append(Problem("repeat_guard_frames", guard, "a whole number"))
+        elif guard < 0:
+            found.append(Problem("repeat_guard_frames", guard, ">= 0"))
+    return found
+
+
+def bundle_sampling(generation_defaults: Mapping[str, Any], **overrides: Any) -> SamplingOptions:
+    """The sampling options a request runs with: the bundle's defaults, then ``overrides``.
+
+    The one place a bundle's own defaults (the manifest's ``generation`` object, which
+    :func:`higgs_pack.runtime.sources.bundle.load_pipeline` puts in ``Pipeline.generation_defaults["sampling"]``)
+    meet the caller's choices; fields neither gives keep the :class:`SamplingOptions` defaults.
+
+    Args:
+        generation_defaults: ``Pipeline.generation_defaults`` (its ``"sampling"`` mapping is read).
+        overrides: :class:`SamplingOptions` fields to set (pass only those the caller chose).
+
+    Returns:
+        :class:`SamplingOptions` (checked when made).
+
+    Raises:
+        InputError: a resulting option is out of range (its problems name it).
+    """
+    return SamplingOptions(**{**generation_defaults.get("sampling", {}), **overrides})
 
 
 # --- what each door derives ---------------------------------------------------------------------

@@ -26,7 +26,6 @@ from typing import Any
 import numpy as np
 
 from higgs_pack.manifests.errors import InputError, Problem, literal, unknown_choice
-from higgs_pack.runtime.loop.delay import SamplingOptions, bundle_sampling
 from higgs_pack.runtime.options import (
     CHUNK_GROWTH,
     CONTEXT_CHUNKS,
@@ -34,6 +33,8 @@ from higgs_pack.runtime.options import (
     FIELDS,
     FIRST_CHUNK_FRAMES,
     MAX_CHUNK_FRAMES,
+    SamplingOptions,
+    bundle_sampling,
     how_set,
     value_problems,
 )

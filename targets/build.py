@@ -33,9 +33,9 @@ from higgs_pack.manifests.manifest import (
     write_manifest,
 )
 from higgs_pack.manifests.model import SubPart
-from higgs_pack.runtime.loop.delay import SamplingOptions
 from higgs_pack.runtime.loop.text_chunks import FRAMES_PER_TEXT_TOKEN, MIN_MAX_FRAMES
 from higgs_pack.runtime.machine.cpu import cpu_info
+from higgs_pack.runtime.options import SamplingOptions
 from higgs_pack.runtime.sources.paths import cache_root
 from higgs_pack.targets.base import (
     CODE_AGREEMENT_THRESHOLD,
@@ -476,7 +476,7 @@ def _assemble(plan: BuildPlan, ckpt, slug: str, source: str, bundle_dir: Path, r
 
 def generation_defaults() -> dict[str, Any]:
     """The manifest's ``generation`` entry: the runtime's own defaults (the sampling options of
-    :class:`~higgs_pack.runtime.loop.delay.SamplingOptions` but the per-call seed, and the frame
+    :class:`~higgs_pack.runtime.options.SamplingOptions` but the per-call seed, and the frame
     cap of :mod:`higgs_pack.runtime.loop.text_chunks`), so a bundle never records other numbers."""
     sampling = {k: v for k, v in asdict(SamplingOptions()).items() if k != "seed"}
     return {**sampling, "frames_per_text_token": FRAMES_PER_TEXT_TOKEN, "min_max_frames": MIN_MAX_FRAMES}

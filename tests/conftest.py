@@ -178,9 +178,9 @@ def check_stream():
     1e-4 (contiguous offsets, no gap); returns ``(speech stream, chunks, one-shot result)``."""
     import numpy as np
 
-    from higgs_pack.runtime.loop.delay import SamplingOptions
     from higgs_pack.runtime.loop.streaming import stream
     from higgs_pack.runtime.loop.synthesis import synthesize
+    from higgs_pack.runtime.options import SamplingOptions
     from higgs_pack.runtime.request import StreamSchedule
 
     def check(pipeline, text, *, seed=7, max_frames=None, **schedule):

@@ -9,11 +9,11 @@ from higgs_pack.manifests.manifest import FORMAT_VERSION, read_manifest, schema
 from higgs_pack.manifests.model import SubPart
 from higgs_pack.runtime.audio import load_audio, prepare_reference
 from higgs_pack.runtime.loop.decode import generate_codes
-from higgs_pack.runtime.loop.delay import SamplingOptions
 from higgs_pack.runtime.loop.prompt import build_prompt
 from higgs_pack.runtime.loop.sentences import split_sentences
 from higgs_pack.runtime.loop.synthesis import synthesize
 from higgs_pack.runtime.loop.text_chunks import plan_chunks
+from higgs_pack.runtime.options import SamplingOptions
 from higgs_pack.runtime.sources.bundle import load_pipeline as load
 from higgs_pack.runtime.verification.verify import verify_bundle
 

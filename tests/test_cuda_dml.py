@@ -22,8 +22,8 @@ from higgs_pack.manifests.errors import ExecutionProviderUnavailable, NumericalE
 from higgs_pack.manifests.manifest import file_entry, read_manifest, write_manifest
 from higgs_pack.runtime.backends.onnxruntime.distributions import import_ort
 from higgs_pack.runtime.backends.onnxruntime.sessions import session_options_for
-from higgs_pack.runtime.loop.delay import SamplingOptions
 from higgs_pack.runtime.loop.synthesis import synthesize
+from higgs_pack.runtime.options import SamplingOptions
 from higgs_pack.runtime.sources.bundle import load_pipeline as load
 from higgs_pack.runtime.sources.bundle import open_bundle
 from higgs_pack.runtime.verification.backend_checks import compare_providers

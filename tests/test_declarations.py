@@ -106,8 +106,8 @@ def test_fifth_target_builds_verifies_and_packages(exact_cpu, tiny_checkpoint, t
     # The generation defaults a bundle records are the runtime's own (every sampling option but the seed).
     from dataclasses import fields
 
-    from higgs_pack.runtime.loop.delay import SamplingOptions
     from higgs_pack.runtime.loop.text_chunks import FRAMES_PER_TEXT_TOKEN, MIN_MAX_FRAMES
+    from higgs_pack.runtime.options import SamplingOptions
 
     sampling = {f.name for f in fields(SamplingOptions)} - {"seed"}
     gen = m["generation"]

@@ -4,13 +4,8 @@ import numpy as np
 import pytest
 
 from higgs_pack.manifests.errors import InputError
-from higgs_pack.runtime.loop.delay import (
-    Sampler,
-    SamplingOptions,
-    apply_delay,
-    bundle_sampling,
-    undo_delay,
-)
+from higgs_pack.runtime.loop.delay import Sampler, apply_delay, undo_delay
+from higgs_pack.runtime.options import SamplingOptions, bundle_sampling
 
 BOC, EOC, N = 1024, 1025, 8
 
@@ -97,7 +92,7 @@ def test_bad_sampling_options_name_the_option(kwargs, message):
 
 
 def test_every_bad_option_is_named_once():
-    from higgs_pack.runtime.loop.delay import sampling_problems
+    from higgs_pack.runtime.options import sampling_problems
 
     problems = sampling_problems({"temperature": "hot", "top_k": -2, "top_p": 0, "seed": 1.5})
     assert [p.render() for p in problems] == [

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from higgs_pack.runtime.loop.decode import generate_codes
-from higgs_pack.runtime.loop.delay import SamplingOptions
 from higgs_pack.runtime.loop.prompt import build_prompt, prompt_of
+from higgs_pack.runtime.options import SamplingOptions
 
 BOC, EOC, N = 1024, 1025, 8
 

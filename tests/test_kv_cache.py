@@ -209,8 +209,8 @@ def test_hidden_states_and_codes_agree_with_the_float_kv_bundle(kv8, float_kv):
 
 
 def test_synthesize_runs_on_the_int8_kv_bundle(kv8, float_kv):
-    from higgs_pack.runtime.loop.delay import SamplingOptions
     from higgs_pack.runtime.loop.synthesis import synthesize
+    from higgs_pack.runtime.options import SamplingOptions
 
     text = kv.CALIBRATION_TEXTS["text_en_basic"]
     out = synthesize(kv8, text, options=SamplingOptions(seed=0), max_frames=48)

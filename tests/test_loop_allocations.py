@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from higgs_pack.runtime.loop.decode import generate_steps
-from higgs_pack.runtime.loop.delay import SamplingOptions
 from higgs_pack.runtime.loop.prompt import build_prompt
+from higgs_pack.runtime.options import SamplingOptions
 from higgs_pack.runtime.sources.bundle import load_pipeline as load
 
 TEXT = "Count the bytes of every step."

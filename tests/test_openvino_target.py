@@ -476,7 +476,7 @@ def test_step_outputs_as_views_give_the_codes_of_copies(ov_bundles):
     (The npu variant's static runners pad and copy: not covered.)"""
     from higgs_pack.runtime.backends.openvino.devices import precision_config
     from higgs_pack.runtime.backends.openvino.runners import OvSubPart
-    from higgs_pack.runtime.loop.delay import SamplingOptions
+    from higgs_pack.runtime.options import SamplingOptions
 
     pipeline = load(ov_bundles["int4"], device="CPU")
     assert {read_manifest(ov_bundles["int4"])["subparts"][p]["precision"] for p in ("audio_heads", "audio_embed")} == {"int4"}

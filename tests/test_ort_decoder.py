@@ -11,8 +11,8 @@ from higgs_pack.manifests.errors import InputError
 from higgs_pack.runtime.backends.onnxruntime import runners
 from higgs_pack.runtime.backends.onnxruntime import sessions as ort_backend
 from higgs_pack.runtime.backends.onnxruntime.runners import OrtDecoder, OrtSubPart
-from higgs_pack.runtime.loop.delay import SamplingOptions
 from higgs_pack.runtime.loop.synthesis import synthesize
+from higgs_pack.runtime.options import SamplingOptions
 from higgs_pack.runtime.sources.bundle import load_pipeline as load
 
 

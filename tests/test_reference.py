@@ -129,9 +129,9 @@ def test_the_oracle_speaks_with_the_loops_own_defaults(pipeline: Pipeline):
     """The oracle has no manifest: ``options=None`` samples exactly as ``SamplingOptions()``, its
     prompt starts with the tokenizer's ``<|tts|> <|text|>`` found by name, and a text too long
     for the checkpoint's context (4096 positions) is refused naming that context."""
-    from higgs_pack.runtime.loop.delay import SamplingOptions
     from higgs_pack.runtime.loop.prompt import build_prompt
     from higgs_pack.runtime.loop.synthesis import synthesize
+    from higgs_pack.runtime.options import SamplingOptions
 
     default = synthesize(pipeline, "Hello.", max_frames=6)
     explicit = synthesize(pipeline, "Hello.", options=SamplingOptions(), max_frames=6)

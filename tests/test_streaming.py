@@ -28,8 +28,8 @@ from higgs_pack.runtime.loop.chunking import (
     measure_codec_context,
 )
 from higgs_pack.runtime.loop.codec import codec_context_frames, decode_codes
-from higgs_pack.runtime.loop.delay import SamplingOptions
 from higgs_pack.runtime.loop.streaming import stream
+from higgs_pack.runtime.options import SamplingOptions
 from higgs_pack.runtime.request import StreamSchedule
 from higgs_pack.runtime.sources.bundle import load_pipeline as load
 

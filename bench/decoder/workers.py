@@ -369,7 +369,7 @@ def worker_measure(spec: dict[str, Any]) -> dict[str, Any]:
     """The ``measure`` worker: load, warm up, then ``repeats`` times the loop, the stream and the
     bare decoder side by side (medians), the context steps and the KV bytes."""
     from higgs_pack.runtime.loop.codec import codec_context_frames
-    from higgs_pack.runtime.loop.delay import SamplingOptions
+    from higgs_pack.runtime.options import SamplingOptions
 
     before = load_1m()
     pipeline, info = (_load_pytorch if spec["kind"] == PYTORCH else load_bundle)(spec)

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from higgs_pack.runtime.loop.decode import generate_codes
-from higgs_pack.runtime.loop.delay import SamplingOptions
 from higgs_pack.runtime.loop.prompt import build_prompt
+from higgs_pack.runtime.options import SamplingOptions
 from higgs_pack.runtime.verification.kv_parity import GOLDEN_KV
 
 #: Text of the greedy-parity check (recorded in the manifest's ``reference.cases``).

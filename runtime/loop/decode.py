@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from higgs_pack.manifests.errors import InputError, NumericalError, Problem
-from higgs_pack.runtime.loop.delay import SamplingOptions
 from higgs_pack.runtime.loop.frames import CodeSteps
 from higgs_pack.runtime.loop.pipeline import Pipeline
 from higgs_pack.runtime.loop.prefix_cache import Prompt, prefill_prompt
+from higgs_pack.runtime.options import SamplingOptions
 
 ProgressCallback = Callable[[int, int], None]
 """Called as ``progress(frames_done, frame_cap)`` after every generated frame."""

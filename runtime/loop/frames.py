@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from higgs_pack.runtime.loop.delay import Sampler, SamplingOptions, undo_delay
+from higgs_pack.runtime.loop.delay import Sampler, undo_delay
 from higgs_pack.runtime.loop.pipeline import ModelConstants
+from higgs_pack.runtime.options import SamplingOptions
 
 
 class CodeSteps:

@@ -16,11 +16,11 @@ import numpy as np
 from higgs_pack.manifests.errors import InputError, Problem
 from higgs_pack.runtime.loop.codec import check_voice_codes, encode_reference
 from higgs_pack.runtime.loop.decode import GenerationResult
-from higgs_pack.runtime.loop.delay import SamplingOptions, bundle_sampling
 from higgs_pack.runtime.loop.pipeline import Pipeline
 from higgs_pack.runtime.loop.prefix_cache import Prompt
 from higgs_pack.runtime.loop.prompt import Context, check_text_tokens, prompt_of, special_tokens
 from higgs_pack.runtime.loop.text_chunks import chunk_positions, plan_chunks, token_count
+from higgs_pack.runtime.options import SamplingOptions, bundle_sampling
 from higgs_pack.runtime.request import (
     CONTEXT_CHUNKS,
     PreparedVoice,
@@ -131,7 +131,7 @@ def plan_synthesis(pipeline: Pipeline, text: str, *, options: SamplingOptions | 
         pipeline: a loaded bundle or the oracle.
         text: what to say.
         options: sampling options; None: the bundle's defaults
-            (:func:`~higgs_pack.runtime.loop.delay.bundle_sampling`).
+            (:func:`~higgs_pack.runtime.options.bundle_sampling`).
         ref_samples: float32 [samples] mono at the codec's rate, a multiple of ``hop_length``
             long (``audio.prepare_reference``): encoded here.  Or
         ref_codes: int64 [frames, N] codes encoded before (never both).

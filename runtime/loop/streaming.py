@@ -26,11 +26,11 @@ import numpy as np
 from higgs_pack.runtime.loop.chunking import StreamingCodec, chunk_schedule
 from higgs_pack.runtime.loop.codec import codec_context_frames, decode_codes
 from higgs_pack.runtime.loop.decode import GenerationResult, ProgressCallback, generate_steps
-from higgs_pack.runtime.loop.delay import SamplingOptions
 from higgs_pack.runtime.loop.pipeline import Pipeline
 from higgs_pack.runtime.loop.plan import SynthesisPlan, chunk_prompt, plan_synthesis
 from higgs_pack.runtime.loop.stateful_codec import StatefulCodec, Step, runner_step
 from higgs_pack.runtime.loop.synthesis import Segment, chunk_segments
+from higgs_pack.runtime.options import SamplingOptions
 from higgs_pack.runtime.request import FIRST_CHUNK_FRAMES, StreamSchedule  # noqa: F401 (the bench reads the default here)
 
 log = logging.getLogger(__name__)

@@ -16,11 +16,11 @@ import numpy as np
 from higgs_pack.runtime.loop.chunking import context_window
 from higgs_pack.runtime.loop.codec import codec_context_frames, decode_codes
 from higgs_pack.runtime.loop.decode import GenerationResult, ProgressCallback, generate_codes
-from higgs_pack.runtime.loop.delay import SamplingOptions
 from higgs_pack.runtime.loop.pipeline import Pipeline
 from higgs_pack.runtime.loop.plan import SynthesisPlan, chunk_prompt, plan_synthesis
 from higgs_pack.runtime.loop.sentences import split_sentences
 from higgs_pack.runtime.loop.words import Word, proportional_bounds, word_timings
+from higgs_pack.runtime.options import SamplingOptions
 
 
 @dataclass(frozen=True)

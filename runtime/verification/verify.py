@@ -32,10 +32,10 @@ from higgs_pack.runtime.backends.onnxruntime.distributions import (
 )
 from higgs_pack.runtime.backends.onnxruntime.failures import provider_cannot_run
 from higgs_pack.runtime.loop.decode import generate_codes
-from higgs_pack.runtime.loop.delay import SamplingOptions
 from higgs_pack.runtime.loop.pipeline import Pipeline
 from higgs_pack.runtime.loop.prompt import build_prompt
 from higgs_pack.runtime.loop.synthesis import synthesize
+from higgs_pack.runtime.options import SamplingOptions
 from higgs_pack.runtime.sources.bundle import Bundle, find_bundle, load_pipeline, open_bundle
 from higgs_pack.runtime.sources.file_kinds import check_bundle_files
 from higgs_pack.runtime.verification.backend_checks import (

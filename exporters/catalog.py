@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from higgs_pack.manifests.errors import BuildPlanError, unknown_choice
+from higgs_pack.errors import BuildPlanError, unknown_choice
 
 
 @dataclass(frozen=True)

@@ -35,12 +35,12 @@ _EXPORTS = {
     "SynthesisRequest": "higgs_pack.runtime.request",
     "write_wav": "higgs_pack.runtime.audio",
     "WavFileWriter": "higgs_pack.runtime.audio",
-    "HiggsPackError": "higgs_pack.manifests.errors",
-    "BundleError": "higgs_pack.manifests.errors",
-    "ManifestError": "higgs_pack.manifests.errors",
-    "ExecutionProviderUnavailable": "higgs_pack.manifests.errors",
-    "InputError": "higgs_pack.manifests.errors",
-    "PackagingError": "higgs_pack.manifests.errors",
+    "HiggsPackError": "higgs_pack.errors",
+    "BundleError": "higgs_pack.errors",
+    "ManifestError": "higgs_pack.errors",
+    "ExecutionProviderUnavailable": "higgs_pack.errors",
+    "InputError": "higgs_pack.errors",
+    "PackagingError": "higgs_pack.errors",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -3,7 +3,7 @@
 Pure data and validation; imports no other higgs-pack subpackage.
 """
 
-from higgs_pack.manifests.errors import (
+from higgs_pack.errors import (
     BuildError,
     BuildPlanError,
     BundleError,

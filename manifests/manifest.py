@@ -19,7 +19,7 @@ from typing import Any
 
 import jsonschema
 
-from higgs_pack.manifests.errors import BundleError, ManifestError, UnsupportedFormatVersion
+from higgs_pack.errors import BundleError, ManifestError, UnsupportedFormatVersion
 
 MANIFEST_NAME = "manifest.json"
 CHUNK = 1 << 20

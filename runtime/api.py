@@ -25,7 +25,7 @@ from numbers import Integral
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.manifests.errors import InputError, Problem
+from higgs_pack.errors import InputError, Problem
 from higgs_pack.manifests.manifest import MANIFEST_NAME
 from higgs_pack.manifests.model import SubPart
 from higgs_pack.runtime.backends import backend_of

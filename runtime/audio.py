@@ -1,7 +1,7 @@
 """Audio in and out: reference clips for voice cloning, and wav writing.
 
 soundfile (libsndfile) reads and writes, soxr resamples.  Every problem with a
-user's file becomes an :class:`~higgs_pack.manifests.errors.InputError` that names
+user's file becomes an :class:`~higgs_pack.errors.InputError` that names
 the file and what to do.
 """
 
@@ -22,7 +22,7 @@ import numpy as np
 import soundfile as sf
 import soxr
 
-from higgs_pack.manifests.errors import InputError, Problem, literal
+from higgs_pack.errors import InputError, Problem, literal
 
 #: Shortest usable reference, seconds (shorter clips carry too little voice).
 MIN_REFERENCE_S = 0.5

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.manifests.errors import InputError, Problem, literal
+from higgs_pack.errors import InputError, Problem, literal
 from higgs_pack.manifests.manifest import sha256_file
 
 #: The manifest of a batch folder.

@@ -19,7 +19,7 @@ from typing import Any
 
 import click
 
-from higgs_pack.manifests.errors import HiggsPackError, install_extra
+from higgs_pack.errors import HiggsPackError, install_extra
 from higgs_pack.manifests.model import NAME_WIDTH
 from higgs_pack.manifests.providers import EXECUTION_PROVIDERS
 from higgs_pack.runtime.exit_status import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_TERMINATED

@@ -8,7 +8,7 @@ session's ``session.config``.  Everything else is derived from it:
 
 - the checks of the Python API and the CLI (:func:`value_problems`, called by
   :class:`~higgs_pack.runtime.request.SynthesisRequest`), each bad value one
-  :class:`~higgs_pack.manifests.errors.Problem` whose ``allowed`` is rendered from the limits;
+  :class:`~higgs_pack.errors.Problem` whose ``allowed`` is rendered from the limits;
 - the names each door uses in messages (:data:`FIELDS`, :func:`how_set`);
 - the CLI's click options (:func:`click_options`);
 - the speech and dialogue bodies' pydantic models, so ``/docs`` shows the true defaults and
@@ -44,7 +44,7 @@ import annotated_types
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
-from higgs_pack.manifests.errors import InputError, Problem
+from higgs_pack.errors import InputError, Problem
 
 #: Rolling context of a long text: previous text chunks whose text and codes open the next chunk's
 #: prompt (Higgs' own long-form generation calls it ``generation_chunk_buffer_size``).  1 carries the

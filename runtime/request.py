@@ -5,7 +5,7 @@ written: the Python API (:meth:`higgs_pack.runtime.api.TTS.synthesize` and
 :meth:`~higgs_pack.runtime.api.TTS.stream`, from their keywords) and the CLI's
 ``synthesize`` (from its flags).  A request is frozen and checked when it is made:
 every bad field is named with the value given, what is allowed, and the flag and
-keyword that set it, all in one :class:`~higgs_pack.manifests.errors.InputError`.
+keyword that set it, all in one :class:`~higgs_pack.errors.InputError`.
 
 What needs the loaded bundle is resolved afterwards, each in one place: the sampling
 options (:meth:`SynthesisRequest.sampling_options`: the bundle's manifest
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from higgs_pack.manifests.errors import InputError, Problem, literal, unknown_choice
+from higgs_pack.errors import InputError, Problem, literal, unknown_choice
 from higgs_pack.runtime.options import (
     CHUNK_GROWTH,
     CONTEXT_CHUNKS,

@@ -19,7 +19,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from higgs_pack.manifests.errors import InputError, Problem, install_extra
+from higgs_pack.errors import InputError, Problem, install_extra
 from higgs_pack.runtime.audio import check_writable, write_file
 from higgs_pack.runtime.loop.synthesis import Segment
 

@@ -27,7 +27,7 @@ import re
 import unicodedata
 from typing import Any
 
-from higgs_pack.manifests.errors import InputError, Problem, literal
+from higgs_pack.errors import InputError, Problem, literal
 
 #: The byte-order mark, dropped where a text starts.
 BOM = "\ufeff"

@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
-from higgs_pack.manifests.errors import (
+from higgs_pack.errors import (
     HiggsPackError,
     InputError,
     Problem,

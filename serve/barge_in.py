@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from higgs_pack.manifests.errors import Problem
+from higgs_pack.errors import Problem
 from higgs_pack.runtime.loop.decode import GenerationResult
 from higgs_pack.runtime.loop.words import Word, heard_words, word_timings, words_prefix
 from higgs_pack.serve.errors import refused

@@ -25,7 +25,7 @@ from typing import Any
 
 import click
 
-from higgs_pack.manifests.errors import InputError
+from higgs_pack.errors import InputError
 from higgs_pack.serve.config import ServeConfig, settings
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ def serve(source: str, host: str, port: int, device: str | None, log_level: str,
 
         from higgs_pack.serve.app import CutOffLog, create_app
     except ImportError as exc:  # the command is registered by the runtime; its web stack is the extra's
-        from higgs_pack.manifests.errors import install_extra
+        from higgs_pack.errors import install_extra
         from higgs_pack.runtime.cli import MissingExtra
 
         raise MissingExtra(f"`higgs-pack serve` needs the [serve] extra, which is not installed ({exc}); "

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.manifests.errors import InputError, Problem
+from higgs_pack.errors import InputError, Problem
 
 #: Longest ``input`` by default (characters): about 8,000 English words, some 45 minutes of speech,
 #: spoken in chunks with a rolling context.  OpenAI's own limit is 4,096 (openai-python

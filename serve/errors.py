@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from higgs_pack.manifests.errors import HiggsPackError, InputError, Problem
+from higgs_pack.errors import HiggsPackError, InputError, Problem
 from higgs_pack.runtime.text import plain_type
 
 #: HTTP status -> OpenAI's error ``type``.
@@ -66,10 +66,10 @@ def http_name(field: str | None) -> str | None:
 
 def from_input_error(exc: InputError, status: int = 400, code: str | None = None,
                      param: str | None = None) -> ApiError:
-    """The HTTP door: an :class:`~higgs_pack.manifests.errors.InputError` said in this server's
+    """The HTTP door: an :class:`~higgs_pack.errors.InputError` said in this server's
     terms: each of its problems with the field's HTTP name (no CLI flag or Python keyword), every
     one at once, the first named field as ``param`` (or ``param`` when none is named) and the
-    first problem's :attr:`~higgs_pack.manifests.errors.Problem.code` as ``code`` (or ``code``
+    first problem's :attr:`~higgs_pack.errors.Problem.code` as ``code`` (or ``code``
     when given).  The WebSocket door's ``error`` event is this answer's fields with its status.
 
     Returns:

@@ -78,7 +78,7 @@ import numpy as np
 from fastapi import FastAPI, WebSocket
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
-from higgs_pack.manifests.errors import HiggsPackError, InputError
+from higgs_pack.errors import HiggsPackError, InputError
 from higgs_pack.runtime import text as text_rule
 from higgs_pack.runtime.engine.handle import EngineHandle, RequestCancelled
 from higgs_pack.runtime.loop.decode import GenerationResult

@@ -61,7 +61,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.manifests.errors import InputError, Problem, did_you_mean, install_extra
+from higgs_pack.errors import InputError, Problem, did_you_mean, install_extra
 
 try:
     from ray import serve

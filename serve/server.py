@@ -30,7 +30,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from higgs_pack.manifests.errors import HiggsPackError, InputError
+from higgs_pack.errors import HiggsPackError, InputError
 from higgs_pack.runtime.engine.handle import EngineHandle, RequestCancelled
 from higgs_pack.serve.config import ServeConfig
 from higgs_pack.serve.errors import ApiError, from_input_error

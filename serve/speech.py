@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.manifests.errors import InputError, Problem, literal, unknown_choice
+from higgs_pack.errors import InputError, Problem, literal, unknown_choice
 from higgs_pack.runtime.audio import read_audio_bytes
 from higgs_pack.runtime.options import MAX_CHUNK_FRAMES, http_keywords, is_whole
 from higgs_pack.runtime.request import SynthesisRequest, plain_type, unspeakable

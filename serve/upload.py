@@ -15,7 +15,7 @@ from starlette.datastructures import FormData
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 
-from higgs_pack.manifests.errors import InputError, Problem
+from higgs_pack.errors import InputError, Problem
 from higgs_pack.runtime import text as text_rule
 from higgs_pack.serve.errors import ApiError, refused
 from higgs_pack.serve.speech import unknown_fields

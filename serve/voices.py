@@ -74,7 +74,7 @@ def load_prefix_key(path: Path, voices_dir: Path | None) -> bytes:
             sign a forgery), or holds something other than 64 hex digits.
         OSError: it cannot be read or created (said by the caller with the path).
     """
-    from higgs_pack.manifests.errors import InputError, Problem
+    from higgs_pack.errors import InputError, Problem
 
     path = Path(path)
     if voices_dir is not None and path.absolute().resolve().is_relative_to(Path(voices_dir).absolute().resolve()):

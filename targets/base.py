@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from higgs_pack.manifests.errors import BuildPlanError, unknown_choice
+from higgs_pack.errors import BuildPlanError, unknown_choice
 from higgs_pack.manifests.model import FP32_ONLY, SubPart
 from higgs_pack.manifests.providers import EXECUTION_PROVIDERS, ExecutionProvider
 from higgs_pack.runtime.backends import registered

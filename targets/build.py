@@ -23,8 +23,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from higgs_pack.errors import BuildError, BundleError, HiggsPackError
 from higgs_pack.exporters.result import installed_version
-from higgs_pack.manifests.errors import BuildError, BundleError, HiggsPackError
 from higgs_pack.manifests.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,

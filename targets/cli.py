@@ -16,7 +16,7 @@ def _require_build_tools() -> None:
     runtime-only install), as every other missing part of the environment does."""
     import importlib.util
 
-    from higgs_pack.manifests.errors import install_extra
+    from higgs_pack.errors import install_extra
     from higgs_pack.runtime.cli import MissingExtra
 
     missing = [m for m in _BUILD_MODULES if importlib.util.find_spec(m) is None]

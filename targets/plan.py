@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from higgs_pack.errors import BuildPlanError
 from higgs_pack.exporters.catalog import ExporterInfo, get_exporter
-from higgs_pack.manifests.errors import BuildPlanError
 from higgs_pack.manifests.model import NAME_WIDTH, SubPart
 from higgs_pack.targets.base import Target, Variant
 from higgs_pack.targets.registry import get_target

@@ -7,8 +7,8 @@ a target is (base), the registry imports the declarations.
 
 from __future__ import annotations
 
+from higgs_pack.errors import BuildPlanError, unknown_choice
 from higgs_pack.exporters.catalog import get_exporter
-from higgs_pack.manifests.errors import BuildPlanError, unknown_choice
 from higgs_pack.manifests.model import SubPart
 from higgs_pack.runtime.backends import registered
 from higgs_pack.targets import declarations

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from higgs_pack.errors import BuildError, HiggsPackError
 from higgs_pack.exporters.process import StepRecord, TreeMemory, run_step
-from higgs_pack.manifests.errors import BuildError, HiggsPackError
 from higgs_pack.manifests.model import SUBPART_IO, SubPart
 
 __all__ = ["StepRecord", "TreeMemory", "run_step"]

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from higgs_pack.manifests.errors import BuildError, InputError, Problem
+from higgs_pack.errors import BuildError, InputError, Problem
 
 log = logging.getLogger(__name__)
 

@@ -184,7 +184,7 @@ def test_a_request_carries_its_options_and_python_keywords_make_the_same_one(cpu
 
 
 def test_requests_are_checked_without_a_bundle(tmp_path):
-    from higgs_pack.manifests.errors import InputError
+    from higgs_pack.errors import InputError
     from higgs_pack.runtime.request import StreamSchedule, SynthesisRequest, Voice
 
     request = SynthesisRequest.create("Hi.", top_k=5)

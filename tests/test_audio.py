@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from higgs_pack.manifests.errors import InputError
+from higgs_pack.errors import InputError
 from higgs_pack.runtime.audio import load_audio, prepare_reference, write_wav
 
 SR, HOP = 24000, 960

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from higgs_pack.manifests.errors import ManifestError
+from higgs_pack.errors import ManifestError
 from higgs_pack.manifests.manifest import read_manifest
 from higgs_pack.runtime.backends import get_backend, placement_of, registered, unregister
 

@@ -18,7 +18,7 @@ from bench.common import systems
 from bench.common.report import goal_state
 from bench.decoder import records as bench_records
 from bench.decoder import report, run, workers
-from higgs_pack.manifests.errors import BuildPlanError
+from higgs_pack.errors import BuildPlanError
 
 #: Keys every measured record carries, with their types.
 RECORD_TYPES = {
@@ -410,7 +410,7 @@ def test_prefill_against_the_peak_table_and_goals():
 
 
 def test_voice_clip_needs_its_transcript(tmp_path):
-    from higgs_pack.manifests.errors import InputError
+    from higgs_pack.errors import InputError
 
     assert run.voice_job(None) == {}
     clip = tmp_path / "v.wav"

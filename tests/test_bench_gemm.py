@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench.decoder import gemm
-from higgs_pack.manifests.errors import InputError
+from higgs_pack.errors import InputError
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 16, "num_hidden_layers": 2}

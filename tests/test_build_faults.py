@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from higgs_pack.errors import BuildError
 from higgs_pack.exporters.process import run_step
-from higgs_pack.manifests.errors import BuildError
 from higgs_pack.targets.workspace import WORK_PREFIX, SpaceNeed, check_space, work_area
 
 
@@ -117,8 +117,8 @@ def test_a_sub_part_built_with_other_quantization_settings_is_refused(tmp_path, 
 def test_a_bad_work_dir_is_refused_before_the_checkpoint_is_opened(tmp_path, monkeypatch):
     """Path problems are the caller's input (InputError naming the argument), found before any
     work: the checkpoint (perhaps a download) is never opened."""
+    from higgs_pack.errors import InputError
     from higgs_pack.exporters.checkpoint import reader
-    from higgs_pack.manifests.errors import InputError
     from higgs_pack.targets.build import build
 
     def never(*args, **kwargs):

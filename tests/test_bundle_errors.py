@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from higgs_pack.manifests.errors import (
+from higgs_pack.errors import (
     BundleError,
     CheckpointError,
     ExecutionProviderUnavailable,
@@ -187,7 +187,7 @@ def test_failure_midway_through_export_leaves_nothing(tmp_path, tiny_checkpoint)
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from higgs_pack.manifests.errors import HiggsPackError
+    from higgs_pack.errors import HiggsPackError
     from higgs_pack.targets.build import build
 
     broken = Path(shutil.copytree(tiny_checkpoint, tmp_path / "broken"))
@@ -223,7 +223,7 @@ def test_path_error_message_is_readable(bundle_copy):
 
 
 def test_prompt_control_tokens_in_the_text_are_refused(cpu_int4_bundle):
-    from higgs_pack.manifests.errors import InputError
+    from higgs_pack.errors import InputError
     from higgs_pack.runtime.loop.synthesis import synthesize
 
     with pytest.raises(InputError, match=r"prompt control token\(s\) <\|audio\|>"):
@@ -365,7 +365,7 @@ def test_unreadable_file_is_named_by_load_and_verify(bundle_copy):
         pytest.skip("running as root without capsh: no way to make a file unreadable to this process")
     target = bundle_copy / "tokenizer.json"
     target.chmod(0)
-    code = ("import sys\nfrom higgs_pack.runtime.sources.bundle import load_pipeline as load\nfrom higgs_pack.manifests.errors import BundleError\n"
+    code = ("import sys\nfrom higgs_pack.runtime.sources.bundle import load_pipeline as load\nfrom higgs_pack.errors import BundleError\n"
             "try:\n    load(sys.argv[1])\nexcept BundleError as exc:\n    print(exc)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
 
@@ -408,7 +408,7 @@ def test_a_load_parses_each_graph_and_the_tokenizer_once(cpu_int4_bundle, monkey
 def test_an_option_of_the_other_backend_is_named(ov_int4_bundle):
     """An OpenVINO bundle loaded with execution_provider= says it is an OpenVINO bundle and which
     option chooses where it runs (the message said 'a OpenVINO bundle')."""
-    from higgs_pack.manifests.errors import ExecutionProviderUnavailable
+    from higgs_pack.errors import ExecutionProviderUnavailable
 
     with pytest.raises(ExecutionProviderUnavailable, match=r"is an OpenVINO bundle; choose where it runs with "
                                                            r"--device \(device=\), not --execution-provider"):

@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
+from higgs_pack.errors import CheckpointError  # noqa: E402
 from higgs_pack.exporters.checkpoint.layout import (  # noqa: E402
     AUDIO_EMBEDDING,
     AUDIO_HEAD_PREFIX,
@@ -30,7 +31,6 @@ from higgs_pack.exporters.checkpoint.models import (  # noqa: E402
     write_qwen3_hf_dir,
 )
 from higgs_pack.exporters.checkpoint.reader import HiggsCheckpoint, open_checkpoint  # noqa: E402
-from higgs_pack.manifests.errors import CheckpointError  # noqa: E402
 from higgs_pack.manifests.model import SPECIAL_TOKENS  # noqa: E402
 from higgs_pack.runtime.loop.pipeline import ModelConstants  # noqa: E402
 

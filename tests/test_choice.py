@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from higgs_pack.manifests.errors import BundleError
+from higgs_pack.errors import BundleError
 from higgs_pack.runtime.machine.choice import candidate_of, choose, require
 from higgs_pack.runtime.machine.facts import Candidate, Inventory
 

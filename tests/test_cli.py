@@ -596,7 +596,7 @@ def test_verify_refuses_a_cases_folder_without_cases(tmp_path):
 
 
 def test_a_missing_bundle_says_what_is_installed_in_words(tmp_path):
-    from higgs_pack.manifests.errors import BundleError
+    from higgs_pack.errors import BundleError
     from higgs_pack.runtime.sources.bundle import find_bundle
 
     with pytest.raises(BundleError) as caught:
@@ -644,7 +644,7 @@ def test_verify_and_devices_refuse_folders_that_are_not_what_they_should_be(tmp_
 
 
 def test_a_complex_reference_array_is_refused():
-    from higgs_pack.manifests.errors import InputError
+    from higgs_pack.errors import InputError
     from higgs_pack.runtime.request import SynthesisRequest
 
     with pytest.raises(InputError, match=r"ref_audio samples must be real numbers .*, got complex128"):

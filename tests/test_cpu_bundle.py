@@ -195,14 +195,14 @@ def test_planning_a_long_text_tokenizes_each_sentence_once(cpu_int4_bundle, case
 
 @pytest.mark.parametrize("text", ["", "   \n\t "])
 def test_empty_text_is_refused(cpu_int4_bundle, text):
-    from higgs_pack.manifests.errors import InputError
+    from higgs_pack.errors import InputError
 
     with pytest.raises(InputError, match=r"text is (empty|only whitespace): there is nothing to speak"):
         synthesize(load(cpu_int4_bundle), text)
 
 
 def test_one_sentence_longer_than_the_context_is_refused(cpu_int4_bundle):
-    from higgs_pack.manifests.errors import InputError
+    from higgs_pack.errors import InputError
 
     pipe = load(cpu_int4_bundle)
     # One word, no place to cut it: many words without a sentence end are cut at word boundaries
@@ -213,7 +213,7 @@ def test_one_sentence_longer_than_the_context_is_refused(cpu_int4_bundle):
 
 
 def test_clone_needs_both_audio_and_transcript(cpu_int4_bundle):
-    from higgs_pack.manifests.errors import InputError
+    from higgs_pack.errors import InputError
 
     with pytest.raises(InputError, match=r"voice cloning needs both ref_audio= and ref_text="):
         synthesize(load(cpu_int4_bundle), "Hi.", ref_samples=np.zeros(24000, np.float32))

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from conftest import slow_fixture
 from onnx import TensorProto, helper
 
-from higgs_pack.manifests.errors import ExecutionProviderUnavailable, NumericalError
+from higgs_pack.errors import ExecutionProviderUnavailable, NumericalError
 from higgs_pack.manifests.manifest import file_entry, read_manifest, write_manifest
 from higgs_pack.runtime.backends.onnxruntime.distributions import import_ort
 from higgs_pack.runtime.backends.onnxruntime.sessions import session_options_for

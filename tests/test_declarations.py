@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import tomllib
 
+from higgs_pack.errors import BuildPlanError
 from higgs_pack.manifests import providers
-from higgs_pack.manifests.errors import BuildPlanError
 from higgs_pack.manifests.model import SubPart
 from higgs_pack.manifests.providers import (
     EXECUTION_PROVIDERS,

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from higgs_pack.manifests.errors import InputError
+from higgs_pack.errors import InputError
 from higgs_pack.runtime.loop.delay import Sampler, apply_delay, undo_delay
 from higgs_pack.runtime.options import SamplingOptions, bundle_sampling
 
@@ -84,7 +84,7 @@ def test_sampling_follows_the_distribution():
     ({"repeat_guard_frames": -1}, "repeat_guard_frames"),
 ])
 def test_bad_sampling_options_name_the_option(kwargs, message):
-    from higgs_pack.manifests.errors import InputError
+    from higgs_pack.errors import InputError
 
     with pytest.raises(InputError, match=message) as caught:
         SamplingOptions(**kwargs)  # checked once, when made

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from higgs_pack.manifests.errors import InputError
+from higgs_pack.errors import InputError
 from higgs_pack.runtime.loop.dialogue import MAX_TURNS, DialogueRequest, Turn, parse_script
 from higgs_pack.runtime.request import PreparedVoice
 

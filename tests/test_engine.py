@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import higgs_pack
-from higgs_pack.manifests.errors import InputError
+from higgs_pack.errors import InputError
 from higgs_pack.runtime.backends import get_backend
 from higgs_pack.runtime.backends.onnxruntime.batched import BatchedOrtDecoder
 from higgs_pack.runtime.engine.engine import Engine
@@ -440,7 +440,7 @@ class _PoisonedRow:
 
 
 def test_a_row_with_non_finite_output_fails_that_request_alone(tts, alone):
-    from higgs_pack.manifests.errors import NumericalError
+    from higgs_pack.errors import NumericalError
     from higgs_pack.runtime.engine.engine import Engine
 
     with Engine(tts.pipeline, _PoisonedRow(_batched(tts, max_batch=3, max_length=1024), row=1, after=5)) as engine:

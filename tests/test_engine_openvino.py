@@ -37,7 +37,7 @@ from test_engine import (  # noqa: E402
 )
 
 import higgs_pack  # noqa: E402
-from higgs_pack.manifests.errors import InputError, NumericalError  # noqa: E402
+from higgs_pack.errors import InputError, NumericalError  # noqa: E402
 from higgs_pack.runtime.backends import get_backend  # noqa: E402
 from higgs_pack.runtime.backends.openvino.batched import OvBatchedDecoder, cache_bytes_per_position  # noqa: E402
 from higgs_pack.runtime.backends.openvino.runners import OvStatefulDecoder  # noqa: E402

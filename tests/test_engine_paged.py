@@ -21,7 +21,7 @@ ov = pytest.importorskip("openvino", reason="the paged engine tests need the ope
                          exc_type=ImportError)
 
 import higgs_pack  # noqa: E402
-from higgs_pack.manifests.errors import ExecutionProviderUnavailable, SignatureMismatch  # noqa: E402
+from higgs_pack.errors import ExecutionProviderUnavailable, SignatureMismatch  # noqa: E402
 from higgs_pack.runtime.backends.openvino.paged import (  # noqa: E402
     PAGED_INPUTS,
     OvPagedDecoder,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from higgs_pack.manifests.errors import (
+from higgs_pack.errors import (
     BundleError,
     HiggsPackError,
     HubError,
@@ -74,7 +74,7 @@ def test_a_hub_download_that_fills_the_disk_says_so(monkeypatch, tmp_path: Path)
 def test_a_problem_prints_as_its_sentence_in_the_python_terms():
     """``print(problem)`` of a real InputError's problems: sentences with the keyword filled in,
     never the ``{name}`` template its message field keeps for the other front doors."""
-    from higgs_pack.manifests.errors import InputError
+    from higgs_pack.errors import InputError
     from higgs_pack.runtime.request import SynthesisRequest
 
     try:
@@ -92,7 +92,7 @@ def test_a_problem_prints_as_its_sentence_in_the_python_terms():
 def test_an_unknown_choice_that_differs_by_case_is_named():
     """``--execution-provider CPU``: "did you mean 'cpu'?" (difflib finds no close match for a
     word that differs only by case)."""
-    from higgs_pack.manifests.errors import unknown_choice
+    from higgs_pack.errors import unknown_choice
 
     said = unknown_choice("execution provider", "CPU", ["cpu", "cuda", "dml"], "--execution-provider")
     assert "unknown execution provider 'CPU' (did you mean 'cpu'?)" in said
@@ -103,7 +103,7 @@ def test_an_input_error_is_its_problems_and_each_door_says_their_code():
     """``InputError.of(Problem(...))``: the Python and CLI line is the problems' sentence, the HTTP
     answer names the field by its HTTP name and carries the problem's code (it was
     ``invalid_value`` for every problem)."""
-    from higgs_pack.manifests.errors import InputError, Problem
+    from higgs_pack.errors import InputError, Problem
     from higgs_pack.serve.errors import from_input_error, refused
 
     exc = InputError.of(Problem("max_frames", None, message="{name} is missing: give it", code="missing_field"),

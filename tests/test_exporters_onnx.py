@@ -24,16 +24,16 @@ pytest.importorskip("olive")
 pytest.importorskip("onnxruntime_genai")
 transformers = pytest.importorskip("transformers")
 
-from higgs_pack.exporters.onnx import graphs  # noqa: E402
-from higgs_pack.exporters.onnx.modelbuilder import build_llm_decoder, passes_for  # noqa: E402
-from higgs_pack.exporters.onnx.olive import export_onnx, plan_passes  # noqa: E402
-from higgs_pack.exporters.result import ExportResult, TensorSpec  # noqa: E402
-from higgs_pack.manifests.errors import (  # noqa: E402
+from higgs_pack.errors import (  # noqa: E402
     BuildError,
     BuildPlanError,
     CheckpointError,
     InputError,
 )
+from higgs_pack.exporters.onnx import graphs  # noqa: E402
+from higgs_pack.exporters.onnx.modelbuilder import build_llm_decoder, passes_for  # noqa: E402
+from higgs_pack.exporters.onnx.olive import export_onnx, plan_passes  # noqa: E402
+from higgs_pack.exporters.result import ExportResult, TensorSpec  # noqa: E402
 
 HIDDEN = 64
 LAYERS = 2

@@ -134,7 +134,7 @@ def _set(index, value):
     ("audio_embed", _set((0, 0, 1), np.inf), r"audio_embed returned non-finite"),
 ])
 def test_loop_stops_on_a_broken_output_and_names_the_subpart(oracle, part, change, error):
-    from higgs_pack.manifests.errors import NumericalError
+    from higgs_pack.errors import NumericalError
 
     pipe = replace(oracle, **{part: _Altered(getattr(oracle, part), 5, change)})
     with pytest.raises(NumericalError, match=error):
@@ -159,7 +159,7 @@ def test_loop_accepts_extreme_but_finite_outputs(oracle, part, change):
     ("<|higgs_reserved_3|>", r"special token\(s\) <\|higgs_reserved_3\|>"),
 ])
 def test_special_tokens_of_the_tokenizer_are_refused(oracle, text, message):
-    from higgs_pack.manifests.errors import InputError
+    from higgs_pack.errors import InputError
     from higgs_pack.runtime.loop.prompt import check_text_tokens
     from higgs_pack.runtime.loop.synthesis import synthesize
 
@@ -227,7 +227,7 @@ def test_a_reference_voice_leads_the_context_and_zero_context_keeps_chunks_apart
 
 
 def test_a_sentence_too_long_names_the_frame_cap_only_where_lowering_it_helps(oracle):
-    from higgs_pack.manifests.errors import InputError
+    from higgs_pack.errors import InputError
     from higgs_pack.runtime.loop.plan import plan_synthesis
 
     endless = "x" * 60000  # one word with no space or comma: nowhere to cut it, longer than the context

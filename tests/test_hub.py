@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from higgs_pack.manifests.errors import BundleError, HubError
+from higgs_pack.errors import BundleError, HubError
 from higgs_pack.manifests.manifest import sha256_file
 
 pytestmark = pytest.mark.slow

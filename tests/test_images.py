@@ -27,7 +27,7 @@ import soundfile as sf
 from click.testing import CliRunner
 from conftest import slow_fixture
 
-from higgs_pack.manifests.errors import PackagingError
+from higgs_pack.errors import PackagingError
 from higgs_pack.manifests.manifest import sha256_file
 from higgs_pack.targets.packaging import image
 

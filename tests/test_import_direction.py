@@ -304,7 +304,7 @@ def test_a_violation_is_found(tmp_path, room, source, expected):
 def test_allowed_directions_pass(tmp_path):
     for room, source in (("targets", "from higgs_pack.exporters import catalog\n"),
                          ("exporters", "from higgs_pack.runtime.loop.synthesis import synthesize\n"),
-                         ("runtime", "from higgs_pack.manifests.errors import BundleError\n"),
+                         ("runtime", "from higgs_pack.errors import BundleError\n"),
                          ("bench", "from higgs_pack.targets.build import build\nimport bench.decoder.records\n")):
         (tmp_path / room).mkdir()
         (tmp_path / room / "ok.py").write_text(source)

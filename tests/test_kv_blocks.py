@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from higgs_pack.manifests.errors import InputError
+from higgs_pack.errors import InputError
 from higgs_pack.runtime.engine.kv_blocks import BlockPool, blocks_for
 
 

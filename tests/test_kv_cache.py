@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from conftest import slow_fixture
 
+from higgs_pack.errors import BuildError, BuildPlanError, ManifestError
 from higgs_pack.exporters.onnx import kv_quantization as kv
-from higgs_pack.manifests.errors import BuildError, BuildPlanError, ManifestError
 from higgs_pack.manifests.model import SubPart
 from higgs_pack.targets.plan import bundle_name, make_plan, plan_mismatches
 

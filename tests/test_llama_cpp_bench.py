@@ -18,7 +18,7 @@ from bench.common import systems
 from bench.decoder import llama_cpp, report, run
 from bench.decoder import records as bench_records
 from bench.decoder import steps as decoder_steps
-from higgs_pack.manifests.errors import BuildError, InputError
+from higgs_pack.errors import BuildError, InputError
 
 needs_llama = pytest.mark.skipif(llama_cpp.llama_cpp_missing() is not None,
                                  reason=llama_cpp.NOT_INSTALLED)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from higgs_pack.manifests.errors import InputError
+from higgs_pack.errors import InputError
 from higgs_pack.runtime.audio import PARTIAL_WAV_PREFIX, WavFileWriter, write_wav
 
 HIGGS = [sys.executable, "-m", "higgs_pack.runtime.cli"]

@@ -22,6 +22,12 @@ pytest.importorskip("nncf")
 pytest.importorskip("optimum.intel")
 transformers = pytest.importorskip("transformers")
 
+from higgs_pack.errors import (  # noqa: E402
+    BuildError,
+    BuildPlanError,
+    ExecutionProviderUnavailable,
+    SignatureMismatch,
+)
 from higgs_pack.exporters.openvino.decoder import convert_llm_decoder  # noqa: E402
 from higgs_pack.exporters.openvino.ir import (  # noqa: E402
     ir_io_signature,
@@ -30,12 +36,6 @@ from higgs_pack.exporters.openvino.ir import (  # noqa: E402
     weight_summary,
 )
 from higgs_pack.exporters.openvino.subpart import convert_subpart  # noqa: E402
-from higgs_pack.manifests.errors import (  # noqa: E402
-    BuildError,
-    BuildPlanError,
-    ExecutionProviderUnavailable,
-    SignatureMismatch,
-)
 from higgs_pack.manifests.model import SUBPART_IO, SubPart  # noqa: E402
 from higgs_pack.runtime.backends.openvino.devices import (  # noqa: E402
     check_device,

@@ -21,7 +21,7 @@ onnx = pytest.importorskip("onnx")
 
 from onnx import TensorProto, helper  # noqa: E402
 
-from higgs_pack.manifests.errors import ExecutionProviderUnavailable  # noqa: E402
+from higgs_pack.errors import ExecutionProviderUnavailable  # noqa: E402
 from higgs_pack.runtime.backends.onnxruntime import sessions as ort_backend  # noqa: E402
 from higgs_pack.runtime.backends.onnxruntime.distributions import (  # noqa: E402
     import_ort,

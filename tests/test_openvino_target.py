@@ -25,7 +25,7 @@ ov = pytest.importorskip("openvino")
 pytest.importorskip("optimum.intel")
 pytest.importorskip("nncf")
 
-from higgs_pack.manifests.errors import (  # noqa: E402
+from higgs_pack.errors import (  # noqa: E402
     BuildPlanError,
     BundleError,
     ExecutionProviderUnavailable,
@@ -95,7 +95,7 @@ def test_the_npu_variant_takes_batch_1_and_the_int4_bundle_batches_on_the_cpu(ov
     the bundle that batches, and the server then serves it one request at a time saying so; the
     stateful int4 bundle gets the paged decoder (issue 39)."""
     import higgs_pack
-    from higgs_pack.manifests.errors import InputError
+    from higgs_pack.errors import InputError
     from higgs_pack.runtime.backends.openvino.paged import OvPagedDecoder
     from higgs_pack.serve.server import _make_engine
 

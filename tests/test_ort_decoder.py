@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from higgs_pack.manifests.errors import InputError
+from higgs_pack.errors import InputError
 from higgs_pack.runtime.backends.onnxruntime import runners
 from higgs_pack.runtime.backends.onnxruntime import sessions as ort_backend
 from higgs_pack.runtime.backends.onnxruntime.runners import OrtDecoder, OrtSubPart

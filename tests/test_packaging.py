@@ -36,7 +36,7 @@ from onnx import TensorProto, helper  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 from tokenizers.models import WordLevel  # noqa: E402
 
-from higgs_pack.manifests.errors import PackagingError  # noqa: E402
+from higgs_pack.errors import PackagingError  # noqa: E402
 from higgs_pack.manifests.manifest import (  # noqa: E402
     MANIFEST_NAME,
     check_files,

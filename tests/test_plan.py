@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from higgs_pack.errors import BuildPlanError
 from higgs_pack.exporters.catalog import EXPORTERS
-from higgs_pack.manifests.errors import BuildPlanError
 from higgs_pack.manifests.model import SubPart
 from higgs_pack.targets.base import Recipe, Target
 from higgs_pack.targets.plan import make_plan

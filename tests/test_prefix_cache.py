@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import higgs_pack
-from higgs_pack.manifests.errors import InputError
+from higgs_pack.errors import InputError
 from higgs_pack.runtime.loop.prefix_cache import PrefixCache, Prompt, bundle_identity, voice_digest
 from higgs_pack.runtime.loop.prompt import prompt_of
 from higgs_pack.runtime.request import PreparedVoice

@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 ort = pytest.importorskip("onnxruntime")
 pytest.importorskip("transformers")
 
+from higgs_pack.errors import InputError  # noqa: E402
 from higgs_pack.exporters.checkpoint.models import codec_model, qwen3_model  # noqa: E402
 from higgs_pack.exporters.pytorch.modules import (  # noqa: E402
     DYNAMIC_AXES,
@@ -24,7 +25,6 @@ from higgs_pack.exporters.pytorch.reference import (  # noqa: E402
     TorchDecoder,
     reference_pipeline,
 )
-from higgs_pack.manifests.errors import InputError  # noqa: E402
 from higgs_pack.manifests.model import SUBPART_IO, SubPart  # noqa: E402
 from higgs_pack.runtime.loop.pipeline import Pipeline  # noqa: E402
 

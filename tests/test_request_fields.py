@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 from pydantic import Field, create_model
 
-from higgs_pack.manifests.errors import InputError
+from higgs_pack.errors import InputError
 from higgs_pack.runtime import options
 from higgs_pack.runtime.cli import main
 from higgs_pack.runtime.options import FIELDS, RequestFields, allowed, door_of, http_keywords

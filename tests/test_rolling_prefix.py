@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import higgs_pack
-from higgs_pack.manifests.errors import InputError
+from higgs_pack.errors import InputError
 from higgs_pack.runtime.loop.plan import chunk_context, context_tail, plan_request
 from higgs_pack.runtime.loop.prefix_cache import PrefixCache, bundle_identity
 from higgs_pack.runtime.loop.prompt import prompt_of

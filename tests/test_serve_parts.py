@@ -13,7 +13,7 @@ import soundfile as sf
 
 pytest.importorskip("fastapi", reason="the [serve] extra (FastAPI) is not installed")
 
-from higgs_pack.manifests.errors import InputError
+from higgs_pack.errors import InputError
 from higgs_pack.runtime.request import CONTEXT_FRAMES, PreparedVoice
 from higgs_pack.serve.config import ServeConfig
 from higgs_pack.serve.errors import ApiError
@@ -199,7 +199,7 @@ def test_config_limits_are_checked(tmp_path):
 def test_a_requests_problems_are_said_in_the_servers_terms():
     """The runtime's problems carry their fields; the server names them as its body does, with
     no CLI flag or Python keyword, every problem at once, the first field as param."""
-    from higgs_pack.manifests.errors import Problem
+    from higgs_pack.errors import Problem
     from higgs_pack.runtime.request import SynthesisRequest
     from higgs_pack.serve.errors import from_input_error
 

@@ -32,7 +32,7 @@ openai = pytest.importorskip("openai", reason="the official openai client is a d
 
 from ray.serve.schema import ServeDeploySchema  # noqa: E402
 
-from higgs_pack.manifests.errors import InputError  # noqa: E402
+from higgs_pack.errors import InputError  # noqa: E402
 from higgs_pack.serve import ray_app  # noqa: E402
 from higgs_pack.serve.config import ServeConfig  # noqa: E402
 from higgs_pack.serve.server import SpeechServer  # noqa: E402

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from higgs_pack.manifests.errors import InputError
+from higgs_pack.errors import InputError
 from higgs_pack.runtime.audio import AudioSink, streaming_wav_header
 from higgs_pack.runtime.loop.chunking import (
     NotLocalError,

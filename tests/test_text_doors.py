@@ -21,7 +21,7 @@ import httpx
 import pytest
 from live_server import LiveServer
 
-from higgs_pack.manifests.errors import InputError
+from higgs_pack.errors import InputError
 from higgs_pack.runtime import text as text_rule
 from higgs_pack.runtime.batch import read_lines
 from higgs_pack.runtime.loop.dialogue import as_turns, parse_script

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402
 
+from higgs_pack.errors import BuildPlanError  # noqa: E402
 from higgs_pack.exporters.checkpoint.layout import (  # noqa: E402
     AUDIO_EMBEDDING,
     BODY_PREFIX,
@@ -30,7 +31,6 @@ from higgs_pack.exporters.checkpoint.tiny import (  # noqa: E402
     tensor_plan,
 )
 from higgs_pack.exporters.checkpoint.tiny_tokenizer import HIGGS_SPECIAL_IDS  # noqa: E402
-from higgs_pack.manifests.errors import BuildPlanError  # noqa: E402
 
 SHARDS = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
 

@@ -235,8 +235,8 @@ def test_device_parity_judges_relative_l2(cpu_fp32_bundle, scaled_decoder):
 
 def test_build_refuses_a_read_back_weight_that_is_not_its_tensor(cpu_int4_bundle, tiny_ckpt, tmp_path):
     """A misplaced layer in the exported graph fails the build's weight check (before any golden)."""
+    from higgs_pack.errors import BuildError
     from higgs_pack.exporters.pytorch.golden import capture_golden
-    from higgs_pack.manifests.errors import BuildError
 
     bundle = Path(shutil.copytree(cpu_int4_bundle, tmp_path / "b"))
     swap_layers(bundle)

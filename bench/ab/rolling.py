@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _whole_list(value: str, flag: str, *, least: int, all_ok: bool = False) -> list[int | None]:
-    from higgs_pack.manifests.errors import InputError
+    from higgs_pack.errors import InputError
 
     out: list[int | None] = []
     for item in (v.strip() for v in value.split(",") if v.strip()):
@@ -75,7 +75,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         InputError: a bad flag value, a missing clip or transcript, an unreadable text.
     """
     import higgs_pack
-    from higgs_pack.manifests.errors import InputError
+    from higgs_pack.errors import InputError
     from higgs_pack.runtime.loop.decode import generate_codes
     from higgs_pack.runtime.loop.plan import chunk_prompt, most_positions, plan_request
     from higgs_pack.runtime.loop.prompt import prompt_of
@@ -152,7 +152,7 @@ def table(report: dict[str, Any]) -> str:
 
 def command(args: argparse.Namespace) -> int:
     """``rolling-context``: measure, print, write ``--out``; 2 with the message on a bad input."""
-    from higgs_pack.manifests.errors import InputError
+    from higgs_pack.errors import InputError
 
     machine = machine_facts()
     started = time.perf_counter()

@@ -53,7 +53,7 @@ def parse_quant(name: str) -> str:
     """``q4_0`` / ``q4_k_m`` from a quant name in any case; InputError for another."""
     key = name.strip().lower().replace("-", "_")
     if key not in QUANTS:
-        from higgs_pack.manifests.errors import InputError
+        from higgs_pack.errors import InputError
 
         raise InputError(f"unknown llama.cpp quant {name!r}; known: {', '.join(QUANTS)}")
     return key
@@ -68,7 +68,7 @@ def parse_system(text: str) -> SystemSpec:
     if text.lower().startswith(LLAMA_CPP + "-"):
         quant = parse_quant(text[len(LLAMA_CPP) + 1:])
         return SystemSpec(label=f"{LLAMA_CPP}-{quant}", target=LLAMA_CPP, precision=quant)
-    from higgs_pack.manifests.errors import BuildPlanError
+    from higgs_pack.errors import BuildPlanError
     from higgs_pack.targets.plan import make_plan
 
     base, _, device = text.partition("@")

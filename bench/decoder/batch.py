@@ -222,7 +222,7 @@ def join_voice(tts: Any, spec: dict[str, Any]) -> tuple[Any, int | None]:
     """The prepared voice of ``spec["voice_clip"]`` (its transcript ``voice_transcript``) that a
     joining request of the ``join_voice`` run speaks in, and its prompt's positions with the bench
     text (a 7-second clip: about 219); ``(None, None)`` without a clip or an audio encoder."""
-    from higgs_pack.manifests.errors import InputError
+    from higgs_pack.errors import InputError
     from higgs_pack.runtime.loop.prompt import build_prompt
 
     if not spec.get("voice_clip"):
@@ -253,7 +253,7 @@ def measure_batches(spec: dict[str, Any]) -> dict[str, Any]:
     (None where it cannot say) and ``kv_budget_bytes``, the bench's own ``bench_kv_bytes_per_position``,
     ``prompt_length``, ``loadavg_1m`` (before, after), ``peak_rss_mb``."""
     import higgs_pack
-    from higgs_pack.manifests.errors import InputError
+    from higgs_pack.errors import InputError
 
     before = load_1m()
     tts = higgs_pack.load(spec["bundle"], spec.get("device") or "auto", cache_dir=spec.get("ov_cache"))

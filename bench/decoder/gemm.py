@@ -87,7 +87,7 @@ class Variant:
 def parse_variant(name: str) -> Variant:
     """``fp32``, ``int8``, ``int4_b<block>_l<level>[_asym]``, ``ov_fp32``, ``ov_int8_sym`` or
     ``ov_int4_sym_g<group>[_<suffix>]`` (suffix a key of :data:`OV_SUFFIXES`); InputError otherwise."""
-    from higgs_pack.manifests.errors import InputError
+    from higgs_pack.errors import InputError
 
     parts = name.split("_")
     try:
@@ -346,7 +346,7 @@ def command(args: Any) -> int:
     import openvino
 
     from bench.common.systems import loadavg, machine_facts, print_report
-    from higgs_pack.manifests.errors import InputError
+    from higgs_pack.errors import InputError
 
     machine, variants = machine_facts(), [v for v in args.variants.split(",") if v.strip()]
     options = None if args.plain_session else {}

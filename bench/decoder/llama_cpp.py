@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common.systems import LLAMA_CPP, QUANTS, child_env, parse_quant
-from higgs_pack.manifests.errors import BuildError, InputError
+from higgs_pack.errors import BuildError, InputError
 
 #: Why the llama.cpp systems and tests do not run without the extra.
 NOT_INSTALLED = "llama-cpp-python is not installed (the [llamacpp] extra compiles llama.cpp)"

@@ -88,7 +88,7 @@ def say(options: BenchOptions, msg: str) -> None:
 
 def _reusable(bundle: Path, checkpoint: Path) -> bool:
     """A cached bundle opens, names this checkpoint as its source and is newer than it."""
-    from higgs_pack.manifests.errors import HiggsPackError
+    from higgs_pack.errors import HiggsPackError
     from higgs_pack.runtime.sources.bundle import open_bundle
 
     try:
@@ -273,7 +273,7 @@ def voice_job(clip: str | None) -> dict[str, Any]:
     InputError naming ``--voice-clip`` when the clip or its transcript is missing."""
     if not clip:
         return {}
-    from higgs_pack.manifests.errors import InputError
+    from higgs_pack.errors import InputError
 
     path = Path(clip)
     transcript = path.with_suffix(".txt")
@@ -403,7 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(why)
     options = BenchOptions(**{f.name: getattr(args, f.name) for f in fields(BenchOptions)})
     options.bundles, options.fit_memory_bytes = tuple(options.bundles), int(args.fit_memory_gib * 2**30)
-    from higgs_pack.manifests.errors import HiggsPackError
+    from higgs_pack.errors import HiggsPackError
 
     try:
         records = run_bench(options)

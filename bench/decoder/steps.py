@@ -48,7 +48,7 @@ def time_steps(*, prefill: Callable[[int, int], Any], step: Callable[[range, boo
     """Per context, ``prefill(row, L)`` every row, then per batch (ascending) one untimed and
     ``steps`` timed ``step(rows, wants_output)``: ``{batch, context, step_ms}`` (median ms) per
     (L, B), with ``no_output`` also ``step_ms_no_output``.  InputError for empty or non-positive sizes."""
-    from higgs_pack.manifests.errors import InputError
+    from higgs_pack.errors import InputError
 
     if not batches or not contexts or steps < 1 or min(batches) < 1 or min(contexts) < 1:
         raise InputError(f"batches and contexts must be non-empty and positive, steps >= 1; got {list(batches)}, "
@@ -79,7 +79,7 @@ def measure_our_steps(spec: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
 
     import higgs_pack
-    from higgs_pack.manifests.errors import InputError
+    from higgs_pack.errors import InputError
     from higgs_pack.runtime.backends import backend_of
 
     before, t = load_1m(), time.perf_counter()
@@ -192,7 +192,7 @@ def run_step_comparison(llama: list[Any], ours: list[tuple[Any, Path, dict[str, 
     manifest)``) and theirs in turns; one ``decoder_step`` record each (a failure: ``error``), with
     each system's prefill (llama.cpp's own prompt processing) at ``prefill_lengths`` and ``extra``
     (the run's GEMM peak)."""
-    from higgs_pack.manifests.errors import HiggsPackError
+    from higgs_pack.errors import HiggsPackError
 
     threads = threads or default_threads()
     common = {"contexts": list(contexts), "batches": list(batches), "steps": CONTEXT_STEPS, "text": text,

@@ -89,7 +89,7 @@ def case_texts(cases: Path) -> list[str]:
     texts = [line.strip() for name in ("text_en_basic.txt", "text_zh.txt") if (cases / name).is_file()
              for line in (cases / name).read_text(encoding="utf-8").splitlines() if line.strip()]
     if not texts:
-        from higgs_pack.manifests.errors import InputError
+        from higgs_pack.errors import InputError
 
         raise InputError(f"no texts in {cases} (text_en_basic.txt, text_zh.txt); give --cases or $HIGGS_PACK_CASES")
     return texts

@@ -42,7 +42,7 @@ from bench.serving.checks import (
 from bench.serving.live import run_live
 from bench.serving.stall import run_stall
 from bench.serving.workers import EngineProcess, ServerProcess, scrape
-from higgs_pack.manifests.errors import HiggsPackError, InputError
+from higgs_pack.errors import HiggsPackError, InputError
 
 DEFAULT_CLIENTS = (1, 4, 16, 64)
 #: Requests per level, at most, by preset (the level's seconds bound it too).

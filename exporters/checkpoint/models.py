@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from higgs_pack.errors import CheckpointError, first_line
 from higgs_pack.exporters.checkpoint.layout import (
     BODY_PREFIX,
     CODEC_CONFIG_KEY,
@@ -28,7 +29,6 @@ from higgs_pack.exporters.checkpoint.layout import (
     llm_tensor_shapes,
 )
 from higgs_pack.exporters.checkpoint.safetensors_writer import LazyTensor, write_sharded_safetensors
-from higgs_pack.manifests.errors import CheckpointError, first_line
 
 if TYPE_CHECKING:  # heavy imports stay lazy: planning must not import torch
     import torch

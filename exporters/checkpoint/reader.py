@@ -24,7 +24,7 @@ MODEL.md).
 
 Only safetensors are read (never pickles), one tensor at a time through
 ``safetensors.safe_open``.  Every problem is a
-:class:`~higgs_pack.manifests.errors.CheckpointError` that names the file, says what is
+:class:`~higgs_pack.errors.CheckpointError` that names the file, says what is
 wrong and what to do.
 
 The layout facts live in :mod:`higgs_pack.exporters.checkpoint.layout`, the transformers
@@ -44,6 +44,13 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from higgs_pack.errors import (
+    CheckpointError,
+    did_you_mean,
+    disk_full,
+    disk_full_message,
+    first_line,
+)
 from higgs_pack.exporters.checkpoint.layout import (
     AUDIO_EMBEDDING,
     AUDIO_HEAD_PREFIX,
@@ -61,13 +68,6 @@ from higgs_pack.exporters.checkpoint.layout import (
     llm_tensor_shapes,
 )
 from higgs_pack.exporters.checkpoint.safetensors_writer import ST_DTYPES
-from higgs_pack.manifests.errors import (
-    CheckpointError,
-    did_you_mean,
-    disk_full,
-    disk_full_message,
-    first_line,
-)
 from higgs_pack.manifests.model import SPECIAL_TOKENS
 from higgs_pack.runtime.loop.pipeline import ModelConstants
 

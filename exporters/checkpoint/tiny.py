@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from higgs_pack.errors import BuildPlanError, unknown_choice
 from higgs_pack.exporters.checkpoint.layout import (
     AUDIO_EMBEDDING,
     CODEC_CONFIG_KEY,
@@ -56,7 +57,6 @@ from higgs_pack.exporters.checkpoint.layout import (
 )
 from higgs_pack.exporters.checkpoint.safetensors_writer import LazyTensor, write_sharded_safetensors
 from higgs_pack.exporters.checkpoint.tiny_tokenizer import write_higgs_tokenizer
-from higgs_pack.manifests.errors import BuildPlanError, unknown_choice
 
 
 @dataclass(frozen=True)

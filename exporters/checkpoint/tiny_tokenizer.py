@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.manifests.errors import CheckpointError
+from higgs_pack.errors import CheckpointError
 
 #: Higgs special tokens at the ids reported for the real tokenizer (MODEL.md).
 HIGGS_SPECIAL_IDS: dict[str, int] = {

@@ -16,8 +16,8 @@ from typing import Any
 
 import onnx
 
+from higgs_pack.errors import BuildError
 from higgs_pack.exporters.result import TensorSpec
-from higgs_pack.manifests.errors import BuildError
 
 #: Weight-only quantized ops (ONNX Runtime contrib ops) whose settings we record.
 QUANTIZED_OP_TYPES = ("MatMulNBits", "GatherBlockQuantized")

@@ -44,9 +44,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from higgs_pack.errors import BuildError, BuildPlanError, unknown_choice
 from higgs_pack.exporters.process import describe_exit, run_tool
 from higgs_pack.exporters.result import log_tail
-from higgs_pack.manifests.errors import BuildError, BuildPlanError, unknown_choice
 
 #: The ``--kv-cache`` value of a float KV cache (the I/O dtype: float32 on cpu, float16 for
 #: cuda/dml fp16 and int4).

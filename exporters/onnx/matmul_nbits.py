@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.manifests.errors import BuildError
+from higgs_pack.errors import BuildError
 
 #: Tensors at least this large start at a multiple of :data:`ALIGNMENT` in the
 #: external-data file, so ONNX Runtime can memory-map them.

@@ -21,13 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.exporters.catalog import MODELBUILDER
-from higgs_pack.exporters.onnx import graphs
-from higgs_pack.exporters.onnx import kv_quantization as kv
-from higgs_pack.exporters.onnx.matmul_nbits import quantize_matmuls, raise_disk_error
-from higgs_pack.exporters.process import describe_exit, run_tool
-from higgs_pack.exporters.result import ExportResult, installed_version, log_tail
-from higgs_pack.manifests.errors import (
+from higgs_pack.errors import (
     BuildError,
     BuildPlanError,
     CheckpointError,
@@ -35,6 +29,12 @@ from higgs_pack.manifests.errors import (
     Problem,
     unknown_choice,
 )
+from higgs_pack.exporters.catalog import MODELBUILDER
+from higgs_pack.exporters.onnx import graphs
+from higgs_pack.exporters.onnx import kv_quantization as kv
+from higgs_pack.exporters.onnx.matmul_nbits import quantize_matmuls, raise_disk_error
+from higgs_pack.exporters.process import describe_exit, run_tool
+from higgs_pack.exporters.result import ExportResult, installed_version, log_tail
 from higgs_pack.manifests.model import SubPart
 from higgs_pack.manifests.providers import EXECUTION_PROVIDERS as PROVIDER_ROWS
 

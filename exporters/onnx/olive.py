@@ -46,16 +46,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from higgs_pack.exporters.catalog import OLIVE_ONNX
-from higgs_pack.exporters.onnx import graphs
-from higgs_pack.exporters.result import ExportResult, installed_version, log_tail
-from higgs_pack.manifests.errors import (
+from higgs_pack.errors import (
     BuildError,
     BuildPlanError,
     InputError,
     Problem,
     unknown_choice,
 )
+from higgs_pack.exporters.catalog import OLIVE_ONNX
+from higgs_pack.exporters.onnx import graphs
+from higgs_pack.exporters.result import ExportResult, installed_version, log_tail
 
 if TYPE_CHECKING:
     import torch

@@ -16,8 +16,8 @@ from typing import Any
 
 import openvino as ov
 
+from higgs_pack.errors import BuildError
 from higgs_pack.exporters.openvino.plan import compress_settings
-from higgs_pack.manifests.errors import BuildError
 
 
 def _nncf_kwargs(settings: Mapping[str, Any]) -> dict[str, Any]:

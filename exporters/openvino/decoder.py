@@ -31,6 +31,7 @@ from pathlib import Path
 
 import openvino as ov
 
+from higgs_pack.errors import BuildError
 from higgs_pack.exporters.openvino.compression import nncf_compress
 from higgs_pack.exporters.openvino.ir import (
     Precision,
@@ -46,7 +47,6 @@ from higgs_pack.exporters.openvino.plan import DECODER_EXPORT_PASS, DECODER_NNCF
 from higgs_pack.exporters.openvino.static_decoder import convert_static_decoder
 from higgs_pack.exporters.process import disk_note
 from higgs_pack.exporters.result import ExportResult, tool_versions
-from higgs_pack.manifests.errors import BuildError
 from higgs_pack.manifests.model import SubPart
 from higgs_pack.runtime.backends.openvino.runners import DECODER_OUTPUT
 from higgs_pack.runtime.machine.mapped_pages import paging_out

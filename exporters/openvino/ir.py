@@ -25,9 +25,9 @@ from typing import Any, Literal
 import numpy as np
 import openvino as ov
 
+from higgs_pack.errors import BuildError, BuildPlanError, unknown_choice
 from higgs_pack.exporters.catalog import OPTIMUM_OPENVINO
 from higgs_pack.exporters.result import ExportResult, TensorSpec
-from higgs_pack.manifests.errors import BuildError, BuildPlanError, unknown_choice
 from higgs_pack.manifests.model import FP32_ONLY, SubPart
 from higgs_pack.runtime.backends.openvino.devices import decoder_compile_properties
 
@@ -273,7 +273,7 @@ def qwen3_config(hf_dir: Path):
     """
     from transformers import AutoConfig
 
-    from higgs_pack.manifests.errors import CheckpointError
+    from higgs_pack.errors import CheckpointError
 
     if not (hf_dir / "config.json").is_file():
         raise CheckpointError(f"{hf_dir} has no config.json; pass a Qwen3 Hugging Face directory as hf_dir=")

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import openvino as ov
 
+from higgs_pack.errors import BuildError, BuildPlanError
 from higgs_pack.exporters.openvino.compression import nncf_compress
 from higgs_pack.exporters.openvino.ir import (
     Precision,
@@ -25,7 +26,6 @@ from higgs_pack.exporters.openvino.ir import (
 )
 from higgs_pack.exporters.openvino.plan import DECODER_NNCF, STATIC_DECODER_PASS
 from higgs_pack.exporters.result import ExportResult, tool_versions
-from higgs_pack.manifests.errors import BuildError, BuildPlanError
 from higgs_pack.manifests.model import SubPart
 from higgs_pack.runtime.backends.openvino.runners import DECODER_OUTPUT
 

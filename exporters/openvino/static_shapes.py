@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import openvino as ov
 
+from higgs_pack.errors import BuildError, BuildPlanError
 from higgs_pack.exporters.result import TensorSpec
-from higgs_pack.manifests.errors import BuildError, BuildPlanError
 from higgs_pack.manifests.model import SubPart
 
 if TYPE_CHECKING:

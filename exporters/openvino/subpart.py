@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import openvino as ov
 
+from higgs_pack.errors import BuildError, BuildPlanError, unknown_choice
 from higgs_pack.exporters.catalog import OLIVE_OPENVINO
 from higgs_pack.exporters.openvino.compression import nncf_compress
 from higgs_pack.exporters.openvino.ir import (
@@ -46,7 +47,6 @@ from higgs_pack.exporters.openvino.ir import (
 from higgs_pack.exporters.openvino.plan import SUBPART_NNCF, compress_settings
 from higgs_pack.exporters.openvino.static_shapes import StaticPlan
 from higgs_pack.exporters.result import ExportResult, tool_versions
-from higgs_pack.manifests.errors import BuildError, BuildPlanError, unknown_choice
 from higgs_pack.manifests.model import SUBPART_IO, SubPart
 
 if TYPE_CHECKING:

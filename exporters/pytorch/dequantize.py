@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from higgs_pack.manifests.errors import BuildError
+from higgs_pack.errors import BuildError
 
 #: ModelBuilder's decoder MatMul node names: /model/layers.{i}/{attn|mlp}/{proj}/MatMul[_Q4].
 MODELBUILDER_NODE = re.compile(r"^/model/layers\.(\d+)/(attn|mlp)/(\w+)/MatMul(?:_Q\d+)?$")

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from higgs_pack.manifests.errors import BuildError
+from higgs_pack.errors import BuildError
 from higgs_pack.manifests.model import SUBPART_IO, SubPart
 from higgs_pack.runtime.verification.kv_parity import GOLDEN_KV_MATCHED
 

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from higgs_pack.manifests.errors import InputError, Problem
+from higgs_pack.errors import InputError, Problem
 from higgs_pack.manifests.model import SubPart
 
 if TYPE_CHECKING:
@@ -397,7 +397,7 @@ def codec_stream_context(module: nn.Module, constants: ModelConstants) -> dict[s
     Raises:
         BuildError: the codec is not local (its reach exceeds the longest probe).
     """
-    from higgs_pack.manifests.errors import BuildError
+    from higgs_pack.errors import BuildError
     from higgs_pack.runtime.loop.chunking import NotLocalError, measure_codec_context
 
     try:

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from higgs_pack.errors import InputError, Problem
 from higgs_pack.exporters.pytorch.modules import build_modules
-from higgs_pack.manifests.errors import InputError, Problem
 from higgs_pack.manifests.model import SUBPART_IO, SubPart
 from higgs_pack.runtime.loop.pipeline import Pipeline
 

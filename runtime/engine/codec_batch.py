@@ -79,7 +79,7 @@ from typing import Any
 
 import numpy as np
 
-from higgs_pack.manifests.errors import HiggsPackError
+from higgs_pack.errors import HiggsPackError
 from higgs_pack.runtime.loop.codec import decode_codes
 from higgs_pack.runtime.loop.decode import check_finite
 from higgs_pack.runtime.loop.pipeline import Pipeline

@@ -40,7 +40,7 @@ from dataclasses import replace
 from numbers import Integral
 from typing import Any
 
-from higgs_pack.manifests.errors import InputError, Problem
+from higgs_pack.errors import InputError, Problem
 from higgs_pack.runtime.engine.codec_batch import CodecBatcher
 from higgs_pack.runtime.engine.decoders import BatchedDecoder
 from higgs_pack.runtime.engine.handle import EngineClosed, EngineHandle, RequestCancelled

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from higgs_pack.manifests.errors import HiggsPackError, InputError, Problem
+from higgs_pack.errors import HiggsPackError, InputError, Problem
 from higgs_pack.runtime.engine.codec_batch import CodecBatcher
 from higgs_pack.runtime.loop.decode import GenerationResult
 from higgs_pack.runtime.loop.pipeline import Pipeline

@@ -15,7 +15,7 @@ tensors moves the data (:mod:`higgs_pack.runtime.backends.openvino.paged`).
 
 from __future__ import annotations
 
-from higgs_pack.manifests.errors import InputError, Problem
+from higgs_pack.errors import InputError, Problem
 
 
 def blocks_for(positions: int, block_size: int) -> int:

@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from higgs_pack.manifests.errors import Problem
+from higgs_pack.errors import Problem
 from higgs_pack.runtime.request import refuse
 
 log = logging.getLogger(__name__)

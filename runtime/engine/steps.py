@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from higgs_pack.manifests.errors import HiggsPackError
+from higgs_pack.errors import HiggsPackError
 from higgs_pack.runtime.engine.decoders import BatchedDecoder
 from higgs_pack.runtime.engine.handle import EngineHandle, RequestCancelled
 from higgs_pack.runtime.engine.kv_memory import KVBudget

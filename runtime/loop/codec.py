@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from higgs_pack.manifests.errors import InputError, Problem
+from higgs_pack.errors import InputError, Problem
 from higgs_pack.runtime.loop.chunking import NotLocalError, measure_codec_context
 from higgs_pack.runtime.loop.decode import check_finite
 from higgs_pack.runtime.loop.pipeline import Pipeline

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from higgs_pack.manifests.errors import InputError, NumericalError, Problem
+from higgs_pack.errors import InputError, NumericalError, Problem
 from higgs_pack.runtime.loop.frames import CodeSteps
 from higgs_pack.runtime.loop.pipeline import Pipeline
 from higgs_pack.runtime.loop.prefix_cache import Prompt, prefill_prompt

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from higgs_pack.manifests.errors import HiggsPackError, InputError, Problem, literal
+from higgs_pack.errors import HiggsPackError, InputError, Problem, literal
 from higgs_pack.runtime.loop.codec import check_voice_codes, encode_reference
 from higgs_pack.runtime.loop.pipeline import Pipeline
 from higgs_pack.runtime.loop.plan import CHUNK_WORDS, Cast, SynthesisPlan, most_positions

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from higgs_pack.manifests.errors import InputError, Problem, SignatureMismatch
+from higgs_pack.errors import InputError, Problem, SignatureMismatch
 from higgs_pack.manifests.model import SubPart
 
 

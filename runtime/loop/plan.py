@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from higgs_pack.manifests.errors import InputError, Problem
+from higgs_pack.errors import InputError, Problem
 from higgs_pack.runtime.loop.codec import check_voice_codes, encode_reference
 from higgs_pack.runtime.loop.decode import GenerationResult
 from higgs_pack.runtime.loop.pipeline import Pipeline

@@ -67,7 +67,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from higgs_pack.manifests.errors import InputError, Problem
+from higgs_pack.errors import InputError, Problem
 
 log = logging.getLogger(__name__)
 

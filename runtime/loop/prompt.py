@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from higgs_pack.manifests.errors import Problem, literal
+from higgs_pack.errors import Problem, literal
 from higgs_pack.runtime.loop.decode import check_finite
 from higgs_pack.runtime.loop.delay import apply_delay
 from higgs_pack.runtime.loop.pipeline import Pipeline
@@ -30,7 +30,7 @@ def check_text_tokens(pipeline: Pipeline, text: str, field: str = "text") -> lis
         pipeline: the backend (its tokenizer and special-token ids).
         text: text to speak, or a reference transcript.
         field: the request field ``text`` came from (``"text"``, ``"ref_text"``), for the
-            :class:`~higgs_pack.manifests.errors.Problem` of the error (each front door names
+            :class:`~higgs_pack.errors.Problem` of the error (each front door names
             the field in its own terms).
 
     Returns:

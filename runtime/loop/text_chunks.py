@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from higgs_pack.manifests.errors import Problem, literal
+from higgs_pack.errors import Problem, literal
 from higgs_pack.runtime.loop.pipeline import Pipeline
 from higgs_pack.runtime.loop.prompt import Context
 from higgs_pack.runtime.loop.sentences import split_sentences

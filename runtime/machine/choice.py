@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.manifests.errors import BundleError, ManifestError
+from higgs_pack.errors import BundleError, ManifestError
 from higgs_pack.manifests.manifest import check_files
 from higgs_pack.manifests.providers import CPU_RUNG, EXECUTION_PROVIDERS, ChoiceRung
 from higgs_pack.runtime.machine.facts import Candidate, Inventory, Placement

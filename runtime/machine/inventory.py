@@ -23,7 +23,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from higgs_pack.manifests.errors import HiggsPackError, install_extra
+from higgs_pack.errors import HiggsPackError, install_extra
 from higgs_pack.manifests.manifest import MANIFEST_NAME, read_manifest
 from higgs_pack.manifests.providers import EXECUTION_PROVIDERS
 from higgs_pack.runtime.machine.choice import candidate_of

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO
 
-from higgs_pack.manifests.errors import PackagingError
+from higgs_pack.errors import PackagingError
 from higgs_pack.manifests.manifest import CHUNK
 
 CHECKSUMS_NAME = "SHA256SUMS"

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from higgs_pack.manifests.errors import BundleError, ManifestError
+from higgs_pack.errors import BundleError, ManifestError
 from higgs_pack.manifests.manifest import (
     MANIFEST_NAME,
     hub_cache_blobs,

@@ -18,7 +18,7 @@ manifest lists:
   ``.json`` is UTF-8 JSON.
 
 ``load()`` (through ``open_bundle``) and ``verify`` both call it, so both refuse such a
-file with the same :class:`~higgs_pack.manifests.errors.BundleError` naming it.
+file with the same :class:`~higgs_pack.errors.BundleError` naming it.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from higgs_pack.manifests.errors import BundleError, last_line
+from higgs_pack.errors import BundleError, last_line
 from higgs_pack.manifests.manifest import check_files
 
 #: Bytes read to prove a file can be read.

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from higgs_pack.manifests.errors import HiggsPackError, HubError, disk_full, disk_full_message
+from higgs_pack.errors import HiggsPackError, HubError, disk_full, disk_full_message
 from higgs_pack.manifests.manifest import MANIFEST_NAME, read_manifest
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from higgs_pack.manifests.errors import HiggsPackError, last_line
+from higgs_pack.errors import HiggsPackError, last_line
 from higgs_pack.manifests.model import SubPart
 from higgs_pack.manifests.providers import CPU_PROVIDER, EXECUTION_PROVIDERS
 from higgs_pack.runtime.backends.onnxruntime.failures import provider_cannot_run

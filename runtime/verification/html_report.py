@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from higgs_pack.manifests.errors import HiggsPackError, install_extra
+from higgs_pack.errors import HiggsPackError, install_extra
 from higgs_pack.runtime.verification.report import export_error
 
 EXTRA_HINT = install_extra("report") + " (it adds matplotlib)"

@@ -14,7 +14,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-from higgs_pack.manifests.errors import HiggsPackError
+from higgs_pack.errors import HiggsPackError
 from higgs_pack.manifests.providers import CPU_PROVIDER, EXECUTION_PROVIDERS
 from higgs_pack.runtime.verification.onnx_types import (
     ONNX_DOMAIN,

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from higgs_pack.manifests.errors import BundleError
+from higgs_pack.errors import BundleError
 from higgs_pack.manifests.model import SubPart
 
 #: ``GroupQueryAttention`` input positions of the KV scales (com.microsoft schema order, as
@@ -189,7 +189,7 @@ def check_kv_cache(bundle: Any, pipeline: Any, report: Any) -> None:
     :func:`~higgs_pack.runtime.verification.report.judge_parity`; the measured errors go to
     ``report.parity["llm_decoder"]["kv_cache"]`` (the build records them in the manifest).
     """
-    from higgs_pack.manifests.errors import HiggsPackError
+    from higgs_pack.errors import HiggsPackError
     from higgs_pack.runtime.verification.report import judge_parity, read_golden
 
     spec = bundle.manifest["subparts"].get(SubPart.LLM_DECODER.value, {})

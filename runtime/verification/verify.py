@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from higgs_pack.manifests.errors import HiggsPackError, InputError, Problem
+from higgs_pack.errors import HiggsPackError, InputError, Problem
 from higgs_pack.manifests.manifest import read_manifest
 from higgs_pack.manifests.providers import CPU_PROVIDER, EXECUTION_PROVIDERS
 from higgs_pack.runtime.backends import get_backend

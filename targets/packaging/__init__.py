@@ -46,7 +46,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.manifests.errors import HiggsPackError, PackagingError, unknown_choice
+from higgs_pack.errors import HiggsPackError, PackagingError, unknown_choice
 from higgs_pack.manifests.manifest import read_manifest
 from higgs_pack.targets.packaging.archives import write_tar_gz, write_zip
 from higgs_pack.targets.packaging.content import (

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, BinaryIO
 
-from higgs_pack.manifests.errors import HiggsPackError, PackagingError
+from higgs_pack.errors import HiggsPackError, PackagingError
 from higgs_pack.manifests.manifest import CHUNK, MANIFEST_NAME, sha256_file
 from higgs_pack.runtime.sources.archive import CHECKSUMS_NAME
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.manifests.errors import HiggsPackError, PackagingError
+from higgs_pack.errors import HiggsPackError, PackagingError
 from higgs_pack.manifests.manifest import MANIFEST_NAME, read_manifest, sha256_file
 
 log = logging.getLogger(__name__)

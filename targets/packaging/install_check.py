@@ -44,7 +44,7 @@ from email.parser import HeaderParser
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.manifests.errors import HiggsPackError
+from higgs_pack.errors import HiggsPackError
 
 
 @dataclass(frozen=True)

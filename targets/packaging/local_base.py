@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from higgs_pack.manifests.errors import PackagingError
+from higgs_pack.errors import PackagingError
 
 #: The command that writes the root file system; its last argument, the tarball, is appended.
 MMDEBSTRAP = ("mmdebstrap", "--variant=minbase", "--include=python3,python3-venv,ca-certificates", "bookworm")

@@ -11,7 +11,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.manifests.errors import PackagingError, install_extra
+from higgs_pack.errors import PackagingError, install_extra
 from higgs_pack.manifests.manifest import MANIFEST_NAME
 from higgs_pack.runtime.backends import placement_of
 from higgs_pack.targets.packaging.archives import _zip_member, _zipinfo

@@ -36,7 +36,7 @@ import mmap
 
 import numpy as np
 
-from higgs_pack.manifests.errors import InputError, Problem, SignatureMismatch
+from higgs_pack.errors import InputError, Problem, SignatureMismatch
 from higgs_pack.runtime.backends.onnxruntime.distributions import import_ort
 from higgs_pack.runtime.backends.onnxruntime.failures import _raise_unsupported, out_of_memory
 from higgs_pack.runtime.backends.onnxruntime.runners import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib.metadata
 
-from higgs_pack.manifests.errors import (
+from higgs_pack.errors import (
     ExecutionProviderUnavailable,
     install_extra,
 )

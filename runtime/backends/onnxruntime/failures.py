@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 import sys
 
-from higgs_pack.manifests.errors import (
+from higgs_pack.errors import (
     ExecutionProviderUnavailable,
 )
 

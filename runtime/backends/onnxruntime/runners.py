@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from higgs_pack.manifests.errors import (
+from higgs_pack.errors import (
     SignatureMismatch,
 )
 from higgs_pack.manifests.providers import EXECUTION_PROVIDERS

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from higgs_pack.manifests.errors import (
+from higgs_pack.errors import (
     ExecutionProviderUnavailable,
     unknown_choice,
 )

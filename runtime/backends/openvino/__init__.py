@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from higgs_pack.manifests.errors import (
+from higgs_pack.errors import (
     ExecutionProviderUnavailable,
     InputError,
     Problem,

@@ -34,7 +34,7 @@ import time
 import numpy as np
 import openvino as ov
 
-from higgs_pack.manifests.errors import InputError, Problem
+from higgs_pack.errors import InputError, Problem
 from higgs_pack.runtime.backends.openvino.runners import read_state, state_layout, write_state
 from higgs_pack.runtime.loop.pipeline import check_decoder_room
 

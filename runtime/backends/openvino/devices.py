@@ -16,7 +16,7 @@ from typing import Any
 
 import openvino as ov
 
-from higgs_pack.manifests.errors import (
+from higgs_pack.errors import (
     ExecutionProviderUnavailable,
 )
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import openvino as ov
 
-from higgs_pack.manifests.errors import (
+from higgs_pack.errors import (
     ExecutionProviderUnavailable,
     InputError,
     Problem,

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import openvino as ov
 
-from higgs_pack.manifests.errors import (
+from higgs_pack.errors import (
     InputError,
     Problem,
     SignatureMismatch,

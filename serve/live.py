@@ -82,10 +82,8 @@ from higgs_pack.errors import HiggsPackError, InputError
 from higgs_pack.runtime import text as text_rule
 from higgs_pack.runtime.engine.handle import EngineHandle, RequestCancelled
 from higgs_pack.runtime.loop.decode import GenerationResult
-from higgs_pack.runtime.loop.plan import SynthesisPlan, chunk_context
 from higgs_pack.runtime.loop.sentences import GRANULARITIES, TextCommits
 from higgs_pack.runtime.loop.synthesis import SENTENCE_PAUSE_S
-from higgs_pack.runtime.loop.text_chunks import plan_chunks
 from higgs_pack.runtime.loop.words import words_json
 from higgs_pack.runtime.request import PreparedVoice, SynthesisRequest, Voice
 from higgs_pack.serve.barge_in import PLAYED_KEPT, Played, cancel_fields, heard_part, played_record
@@ -505,11 +503,11 @@ class Session:
         seed = None if base.seed is None else base.seed + index
         spoken = list(self.spoken)
 
-        def request() -> SynthesisRequest:  # plans and tokenizes: off the event loop
-            voice, context = sentence_context(self.server.engine.pipeline, base, self.voice, spoken, text)
+        def request() -> SynthesisRequest:  # checks its text: off the event loop
+            voice, context = sentence_context(self.voice, spoken, base.context_chunks)
             return dataclasses.replace(base, text=text, voice=voice, context=context, seed=seed)
 
-        try:  # a sentence the planner refuses (say, one word too long for the context) is this sentence's error
+        try:  # a sentence the request refuses is this sentence's error (the engine's plan refuses the rest)
             return dataclasses.replace(self.job, request=await self.server.off_loop(request))
         except InputError as exc:
             raise from_input_error(exc, param="text") from exc
@@ -568,45 +566,34 @@ class Session:
         return kind != "session.done"
 
 
-def sentence_context(pipeline: Any, request: SynthesisRequest, voice: PreparedVoice | None,
-                     spoken: list[_Spoken], text: str) -> tuple[PreparedVoice | None, tuple[PreparedVoice, ...]]:
-    """The voice and rolling context that open a live sentence's prompt: the session's ``voice``
-    and the sentences ``spoken`` before it, chosen by
-    :func:`~higgs_pack.runtime.loop.plan.chunk_context` as for a long text's chunks (the
-    sentences are the chunks: context past the decoder's length is dropped, oldest first; each
-    cut to ``context_frames``).  They go into the sentence's request apart
-    (:attr:`~higgs_pack.runtime.request.SynthesisRequest.context`), so its prompt opens with the
-    voice alone and the voice's KV comes from the prefix cache after the first sentence.
+def sentence_context(voice: PreparedVoice | None, spoken: list[_Spoken],
+                     context_chunks: int) -> tuple[PreparedVoice | None, tuple[PreparedVoice, ...]]:
+    """The voice and the earlier sentences a live sentence's request carries
+    (:attr:`~higgs_pack.runtime.request.SynthesisRequest.context`), whole: the request's plan
+    chooses and cuts them as it does a long text's chunks (:func:`~higgs_pack.runtime.loop.plan.chunk_context`:
+    the last ``context_chunks``, each cut to ``context_frames``, the oldest left out while the prompt
+    would not fit), so the route neither plans nor cuts.  The voice goes apart, so the prompt opens
+    with it alone and its KV comes from the prefix cache after the first sentence.
 
     Args:
-        pipeline: the engine's pipeline (its decoder's length).
-        request: the session's request (frame cap, ``context_chunks``, ``context_frames``).
-        voice: the session's voice, or None (the bundle's own; the first sentence then becomes
-            the voice: a PreparedVoice of its codes and text, the same for every later
-            sentence, so its prefix is cached too).
+        voice: the session's voice, or None (the bundle's own: the first sentence's speech is then
+            the voice of the rest, as a long text's first chunk is; the same codes and text each
+            time, so its prefix is cached too).
         spoken: the sentences kept as context (:meth:`Session._keep`), oldest first.
-        text: the sentence about to be spoken.
+        context_chunks: the session's; 0: each sentence is spoken on its own (no earlier sentence, and
+            no first-sentence voice).
 
     Returns:
         ``(voice, context)``: the voice (``voice`` itself, the first sentence's, or None) and the
-        context sentences as :class:`~higgs_pack.runtime.request.PreparedVoice` (codes int64
-        [frames, N] and text), oldest first; ``(voice, ())`` when there is none.
+        earlier sentences as :class:`~higgs_pack.runtime.request.PreparedVoice` (codes int64
+        [frames, N] and text), oldest first.
     """
-    if not spoken or request.context_chunks == 0:
+    if not spoken or context_chunks == 0:
         return voice, ()
-    cap = max(c for _, c in plan_chunks(pipeline, text.strip(), None, None, request.max_frames))
-    decoder = pipeline.decoder
-    plan = SynthesisPlan(request.sampling_options(pipeline.generation_defaults),
-                         None if voice is None else voice.codes, None if voice is None else voice.transcript,
-                         (*((s.text, s.cap) for s in spoken), (text, cap)), request.schedule, 0,
-                         request.context_chunks, decoder.max_length, getattr(decoder, "max_prompt_length", None),
-                         context_frames=request.context_frames)
-    codes, words, context = chunk_context(pipeline, plan, len(spoken), [s.result for s in spoken])
-    if codes is None:
-        return None, ()
-    if voice is None or codes is not voice.codes:  # the first sentence's speech (its cache key is its codes and text)
-        voice = PreparedVoice(codes, words or "", "live first sentence")
-    return voice, tuple(PreparedVoice(part, said, "live context") for part, said in context)
+    if voice is None:
+        first, *spoken = spoken
+        voice = PreparedVoice(first.result.codes, first.text, "live first sentence")
+    return voice, tuple(PreparedVoice(s.result.codes, s.text, "live context") for s in spoken if len(s.result.codes))
 
 
 #: session.config fields checked together when each bad field is looked for (one needs the other).

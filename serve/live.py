@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -323,42 +324,18 @@ class Session:
             ApiError: the config refused as a whole, naming every bad field (:func:`config_error`).
         """
         fields = {k: v for k, v in data.items() if k != "type"}
+        check = functools.partial(config_job, self.server)
         try:
-            job = self._config_job(fields)
+            job = check(fields)
         except ApiError as exc:
-            raise config_error(exc, fields, self._config_job) from exc
+            raise config_error(exc, fields, check) from exc
         voice = job.request.voice
         if isinstance(voice, Voice):
             try:
                 voice = self.server.tts.prepare_voice(voice.audio, voice.transcript, "ref_audio")
             except InputError as exc:
-                raise config_error(from_input_error(exc, param="ref_audio"), {}, self._config_job) from exc
+                raise config_error(from_input_error(exc, param="ref_audio"), {}, check) from exc
         return job, voice
-
-    def _config_job(self, fields: dict[str, Any]) -> SpeechJob:
-        """``fields`` of a session.config checked by the HTTP route's :func:`parse_speech`.
-
-        Raises:
-            ApiError: the first bad field.
-        """
-        for name in NOT_IN_CONFIG:
-            if name in fields:
-                raise _bad(f"session.config takes no {name}: text comes in input.text messages and is always "
-                           "streamed", name, "unknown_field")
-        live_options(fields)
-        fields = {k: v for k, v in fields.items() if k not in SessionFields.model_fields}
-        fmt = fields.get("response_format")
-        if fmt is not None and fmt not in PCM_FORMATS:
-            raise _bad(f"response_format {short(fmt)} is not carried by a live session: its binary messages are "
-                       f"{' or '.join(PCM_FORMATS)}", "response_format", "unsupported_value")
-        if fields.get("speed") not in (None, 1, 1.0) or isinstance(fields.get("speed"), bool):
-            raise _bad(f"session.config takes no speed other than 1.0 (got {short(fields['speed'])}): a live session "
-                       "sends each sentence as it is generated; POST /v1/audio/speech takes speed", "speed",
-                       "unsupported_value")
-        body = {"model": self.server.models[0], "response_format": "pcm", **fields, "input": "session",
-                "stream_format": "audio"}
-        server = self.server
-        return parse_speech(body, models=server.models, voices=server.voices, config=server.config)
 
     def _add_text(self, text: Any) -> None:
         if not isinstance(text, str):
@@ -564,6 +541,32 @@ class Session:
             event = {**event, "end": now}
         await self.ws.send_text(json.dumps(event))
         return kind != "session.done"
+
+
+def config_job(server: Any, fields: dict[str, Any]) -> SpeechJob:
+    """``fields`` of a session.config on ``server`` (its models, voices and limits), checked by the
+    HTTP route's :func:`parse_speech`.
+
+    Raises:
+        ApiError: the first bad field.
+    """
+    for name in NOT_IN_CONFIG:
+        if name in fields:
+            raise _bad(f"session.config takes no {name}: text comes in input.text messages and is always "
+                       "streamed", name, "unknown_field")
+    live_options(fields)
+    fields = {k: v for k, v in fields.items() if k not in SessionFields.model_fields}
+    fmt = fields.get("response_format")
+    if fmt is not None and fmt not in PCM_FORMATS:
+        raise _bad(f"response_format {short(fmt)} is not carried by a live session: its binary messages are "
+                   f"{' or '.join(PCM_FORMATS)}", "response_format", "unsupported_value")
+    if fields.get("speed") not in (None, 1, 1.0) or isinstance(fields.get("speed"), bool):
+        raise _bad(f"session.config takes no speed other than 1.0 (got {short(fields['speed'])}): a live session "
+                   "sends each sentence as it is generated; POST /v1/audio/speech takes speed", "speed",
+                   "unsupported_value")
+    body = {"model": server.models[0], "response_format": "pcm", **fields, "input": "session",
+            "stream_format": "audio"}
+    return parse_speech(body, models=server.models, voices=server.voices, config=server.config)
 
 
 def sentence_context(voice: PreparedVoice | None, spoken: list[_Spoken],

@@ -756,7 +756,7 @@ def test_the_stop_reasons_of_many_chunks_are_counted():
     """A 1000-chunk text's summary counts its stop reasons, not a list of 1000 (H-newuser 8)."""
     from types import SimpleNamespace
 
-    from higgs_pack.runtime.cli import stop_summary
+    from higgs_pack.runtime.speech_output import stop_summary
 
     few = [SimpleNamespace(stop_reason=r) for r in ("eos", "max_frames")]
     assert stop_summary(few) == "eos, max_frames"

@@ -151,6 +151,85 @@ def open_checkpoint(
     return HiggsCheckpoint(Path(local), source=text)
 
 
+def read_config(root: Path) -> dict[str, Any]:
+    """``root/config.json`` of a Higgs-Audio-v3 checkpoint.
+
+    Raises:
+        CheckpointError: no config.json, or another model type.
+    """
+    path = root / "config.json"
+    if not path.is_file():
+        raise CheckpointError(
+            f"{root}: no config.json. A Higgs-Audio-v3 checkpoint directory holds "
+            f"config.json, model*.safetensors and tokenizer.json. {_FIX_MODEL}"
+        )
+    config = _read_json(path, "config.json")
+    model_type = config.get("model_type")
+    if model_type != MODEL_TYPE:
+        hint = (
+            " This looks like a plain Qwen3 checkpoint, not Higgs-Audio-v3."
+            if model_type == "qwen3"
+            else ""
+        )
+        raise CheckpointError(
+            f"{path}: model_type is {model_type!r}, expected {MODEL_TYPE!r} "
+            f"(Higgs-Audio-v3, e.g. bosonai/higgs-audio-v3-tts-4b).{hint} {_FIX_MODEL}"
+        )
+    return config
+
+def checked_text_config(path: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """The ``text_config`` (the Qwen3 backbone's) of ``config`` read from ``path``, its sizes checked.
+
+    Raises:
+        CheckpointError: missing, or a size that is not an integer.
+    """
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError(
+            f"{path}: no text_config object (the Qwen3 backbone config). The file is "
+            f"incomplete; re-download the checkpoint."
+        )
+    for key in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "intermediate_size",
+        "vocab_size",
+    ):
+        if not isinstance(text.get(key), int):
+            raise CheckpointError(
+                f"{path}: text_config.{key} is missing or not an integer "
+                f"(found {text.get(key)!r}). Re-download the checkpoint."
+            )
+    return fixed_text_config(text)
+
+def checked_audio_config(path: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """The ``audio_encoder_config`` of ``config`` read from ``path``, checked to be discrete codebooks.
+
+    Raises:
+        CheckpointError: missing, a size that is not an integer, or another encoder type.
+    """
+    audio = config.get("audio_encoder_config")
+    if not isinstance(audio, dict):
+        raise CheckpointError(
+            f"{path}: no audio_encoder_config object (expected {{encoder_type: "
+            f"'discrete', num_codebooks: 8, vocab_size: 1026, ...}}). Re-download the "
+            f"checkpoint."
+        )
+    for key in ("num_codebooks", "vocab_size"):
+        if not isinstance(audio.get(key), int):
+            raise CheckpointError(
+                f"{path}: audio_encoder_config.{key} is missing or not an integer "
+                f"(found {audio.get(key)!r})."
+            )
+    if audio.get("encoder_type", "discrete") != "discrete":
+        raise CheckpointError(
+            f"{path}: audio_encoder_config.encoder_type is {audio['encoder_type']!r}; "
+            f"higgs-pack supports 'discrete' (Higgs-Audio-v3)."
+        )
+    return dict(audio)
+
+
 class HiggsCheckpoint:
     """An opened Higgs-Audio-v3 checkpoint (use :func:`open_checkpoint`).
 
@@ -168,9 +247,9 @@ class HiggsCheckpoint:
     def __init__(self, root: Path, *, source: str | None = None) -> None:
         self.root = Path(root)
         self.source = source if source is not None else str(root)
-        self.config = self._read_config()
-        self._text_config = self._check_text_config()
-        self._audio_config = self._check_audio_config()
+        self.config = read_config(self.root)
+        self._text_config = checked_text_config(self.root / "config.json", self.config)
+        self._audio_config = checked_audio_config(self.root / "config.json", self.config)
         self._handles: dict[str, Any] = {}
         self._files, self._name_to_file, self._index_path = self._read_weights()
         self._check_layout()
@@ -191,71 +270,6 @@ class HiggsCheckpoint:
         self._handles.clear()
 
     # ------------------------------------------------------------------ config
-
-    def _read_config(self) -> dict[str, Any]:
-        path = self.root / "config.json"
-        if not path.is_file():
-            raise CheckpointError(
-                f"{self.root}: no config.json. A Higgs-Audio-v3 checkpoint directory holds "
-                f"config.json, model*.safetensors and tokenizer.json. {_FIX_MODEL}"
-            )
-        config = _read_json(path, "config.json")
-        model_type = config.get("model_type")
-        if model_type != MODEL_TYPE:
-            hint = (
-                " This looks like a plain Qwen3 checkpoint, not Higgs-Audio-v3."
-                if model_type == "qwen3"
-                else ""
-            )
-            raise CheckpointError(
-                f"{path}: model_type is {model_type!r}, expected {MODEL_TYPE!r} "
-                f"(Higgs-Audio-v3, e.g. bosonai/higgs-audio-v3-tts-4b).{hint} {_FIX_MODEL}"
-            )
-        return config
-
-    def _check_text_config(self) -> dict[str, Any]:
-        path = self.root / "config.json"
-        text = self.config.get("text_config")
-        if not isinstance(text, dict):
-            raise CheckpointError(
-                f"{path}: no text_config object (the Qwen3 backbone config). The file is "
-                f"incomplete; re-download the checkpoint."
-            )
-        for key in (
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "intermediate_size",
-            "vocab_size",
-        ):
-            if not isinstance(text.get(key), int):
-                raise CheckpointError(
-                    f"{path}: text_config.{key} is missing or not an integer "
-                    f"(found {text.get(key)!r}). Re-download the checkpoint."
-                )
-        return fixed_text_config(text)
-
-    def _check_audio_config(self) -> dict[str, Any]:
-        path = self.root / "config.json"
-        audio = self.config.get("audio_encoder_config")
-        if not isinstance(audio, dict):
-            raise CheckpointError(
-                f"{path}: no audio_encoder_config object (expected {{encoder_type: "
-                f"'discrete', num_codebooks: 8, vocab_size: 1026, ...}}). Re-download the "
-                f"checkpoint."
-            )
-        for key in ("num_codebooks", "vocab_size"):
-            if not isinstance(audio.get(key), int):
-                raise CheckpointError(
-                    f"{path}: audio_encoder_config.{key} is missing or not an integer "
-                    f"(found {audio.get(key)!r})."
-                )
-        if audio.get("encoder_type", "discrete") != "discrete":
-            raise CheckpointError(
-                f"{path}: audio_encoder_config.encoder_type is {audio['encoder_type']!r}; "
-                f"higgs-pack supports 'discrete' (Higgs-Audio-v3)."
-            )
-        return dict(audio)
 
     @property
     def text_config(self) -> dict[str, Any]:

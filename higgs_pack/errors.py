@@ -80,6 +80,19 @@ CODES = (
     "builtin_voice",       # the bundle's own voice, which cannot be deleted
     "voice_exists",        # a voice's name that is taken
     "invalid_barge_in",    # a barge-in names audio that was not sent
+    "unknown_voice",       # a voice that is not stored
+    "unknown_speaker",     # a dialogue's voice for a speaker who says no turn
+    "too_many_turns",      # a dialogue longer than one request takes
+    "reference_too_long",  # a reference clip over the server's limit
+    "url_refused",         # a URL where the server fetches none
+    "local_media_refused", # a file path the server may not read
+    "local_media_missing", # a file path that names no file in the allowed folder
+    "unknown_type",        # a live message of no known type
+    "invalid_message",     # a live message that is not a JSON object
+    "invalid_config",      # a live session.config with several bad fields
+    "config_refused",      # live text sent before a valid session.config
+    "config_too_late",     # a live session.config after text
+    "session_ended",       # a live message after input.done
 )
 
 

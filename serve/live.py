@@ -79,7 +79,7 @@ import numpy as np
 from fastapi import FastAPI, WebSocket
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
-from higgs_pack.errors import HiggsPackError, InputError
+from higgs_pack.errors import HiggsPackError, InputError, Problem
 from higgs_pack.runtime import text as text_rule
 from higgs_pack.runtime.engine.handle import EngineHandle, RequestCancelled
 from higgs_pack.runtime.loop.decode import GenerationResult
@@ -88,7 +88,7 @@ from higgs_pack.runtime.loop.synthesis import SENTENCE_PAUSE_S
 from higgs_pack.runtime.loop.words import words_json
 from higgs_pack.runtime.request import PreparedVoice, SynthesisRequest, Voice
 from higgs_pack.serve.barge_in import PLAYED_KEPT, Played, cancel_fields, heard_part, played_record
-from higgs_pack.serve.errors import ApiError, from_input_error
+from higgs_pack.serve.errors import ApiError, from_input_error, refused
 from higgs_pack.serve.formats import PCM_FORMATS, StreamEncoder
 from higgs_pack.serve.schema import FIRST_COMMIT_WORDS_MAX, NOT_IN_CONFIG, SessionFields
 from higgs_pack.serve.speech import SpeechJob, parse_speech, short
@@ -668,5 +668,6 @@ def error_event(exc: ApiError, text_param: str | None = None) -> dict[str, Any]:
 
 
 def _bad(message: str, param: str | None, code: str) -> ApiError:
-    return ApiError(400, message, param=param, code=code)
+    """The 400 of one problem a live message's own checks found, answered as the HTTP door answers it."""
+    return refused(Problem.said(message, code=code), param=param)
 

@@ -30,7 +30,7 @@ from higgs_pack.runtime.options import MAX_CHUNK_FRAMES, http_keywords, is_whole
 from higgs_pack.runtime.request import SynthesisRequest, plain_type, unspeakable
 from higgs_pack.runtime.text import clean
 from higgs_pack.serve.config import ServeConfig
-from higgs_pack.serve.errors import ApiError, from_input_error
+from higgs_pack.serve.errors import ApiError, from_input_error, refused
 from higgs_pack.serve.formats import DEFAULT_FORMAT, FORMATS
 from higgs_pack.serve.schema import DialogueBody, SpeechBody
 from higgs_pack.serve.tempo import SPEED_RANGE
@@ -68,8 +68,9 @@ class SpeechJob:
     speed: float = 1.0
 
 
-def _bad(message: str, param: str | None, code: str = "invalid_value", status: int = 400) -> ApiError:
-    return ApiError(status, message, param=param, code=code)
+def _bad(message: str, param: str | None, code: str = "invalid_value") -> ApiError:
+    """The HTTP door's 400 of one problem the body's own checks found (its words, its ``code``)."""
+    return refused(Problem.said(message, code=code), param=param)
 
 
 def _check_body(body: Any, fields: Any) -> None:

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from higgs_pack import errors
 from higgs_pack.errors import BuildError, HiggsPackError
-from higgs_pack.manifests import errors
 
 #: Seconds between two samples of the process tree's resident memory.
 SAMPLE_INTERVAL_S = 0.1

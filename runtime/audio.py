@@ -63,6 +63,39 @@ def require_audio_file(path: str | Path) -> Path:
     return path
 
 
+def check_audio_file(path: str | Path) -> Path:
+    """:func:`require_audio_file`, and the file's header read (not its samples): libsndfile reads it
+    and its length is a reference clip's (:data:`MIN_REFERENCE_S` to :data:`MAX_REFERENCE_S`), so a
+    request is refused before a bundle loads; silence is judged once the samples are read.
+
+    Raises:
+        InputError: missing, a folder, not audio libsndfile reads, or too short or long.
+    """
+    path = require_audio_file(path)
+    source = f"reference audio {path}"
+    try:
+        info = sf.info(str(path))
+    except (sf.LibsndfileError, RuntimeError, ValueError, TypeError) as exc:
+        raise _unreadable(source, exc, "") from exc
+    if info.frames > 0 and info.samplerate > 0:
+        _check_length(source, info.frames / info.samplerate)
+    return path
+
+
+def _unreadable(source: str, exc: Exception, how: str) -> InputError:
+    reason = re.sub(r"^Error opening <[^>]*>: ", "", str(exc))  # not the repr of an in-memory file
+    return clip_error(source, f" is not a readable audio file ({reason}); give a file libsndfile reads: wav, flac, "
+                              "ogg (Vorbis or Opus) or mp3" + (f" with {how}" if how else ""))
+
+
+def _check_length(source: str, seconds: float) -> None:
+    if seconds < MIN_REFERENCE_S:
+        raise clip_error(source, f" is {seconds:.2f} s long; a voice reference needs at least {MIN_REFERENCE_S} s "
+                                 "of speech (3-10 s works best)")
+    if seconds > MAX_REFERENCE_S:
+        raise clip_error(source, f" is {seconds:.1f} s long; use a clip of at most {MAX_REFERENCE_S:.0f} s")
+
+
 def load_audio(path: str | Path) -> tuple[np.ndarray, int]:
     """Read any libsndfile format as mono float32.
 
@@ -113,9 +146,7 @@ def _decode(file: Path | BinaryIO, source: str, how: str, max_seconds: float = M
                                          f"{max_seconds:g} s{limit} (3-10 s of speech works best)")
             data = f.read(frames=cap, dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, ValueError, TypeError) as exc:
-        reason = re.sub(r"^Error opening <[^>]*>: ", "", str(exc))  # not the repr of an in-memory file
-        raise clip_error(source, f" is not a readable audio file ({reason}); give a file libsndfile reads: wav, flac, ogg (Vorbis or Opus) or mp3"
-                                 + (f" with {how}" if how else "")) from exc
+        raise _unreadable(source, exc, how) from exc
     if len(data) >= cap:
         raise clip_error(source, f" is longer than {max_seconds:g} s; use a clip of at most "
                                  f"{max_seconds:g} s{limit} (3-10 s of speech works best)")
@@ -148,12 +179,7 @@ def prepare_reference(samples: np.ndarray, rate: int, target_rate: int, hop_leng
     """
     if not np.isfinite(samples).all():
         raise clip_error(source, " contains NaN or infinite samples; re-export the file")
-    seconds = len(samples) / rate
-    if seconds < MIN_REFERENCE_S:
-        raise clip_error(source, f" is {seconds:.2f} s long; a voice reference needs at least {MIN_REFERENCE_S} s "
-                                 "of speech (3-10 s works best)")
-    if seconds > MAX_REFERENCE_S:
-        raise clip_error(source, f" is {seconds:.1f} s long; use a clip of at most {MAX_REFERENCE_S:.0f} s")
+    _check_length(source, len(samples) / rate)
     if float(np.abs(samples).max()) < SILENCE_PEAK:
         raise clip_error(source, f" is silent (peak below {SILENCE_PEAK}); give a recording of speech")
     if rate != target_rate:

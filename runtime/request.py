@@ -172,8 +172,8 @@ class PreparedVoice:
 
 
 def voice_problems(audio: Any, transcript: Any) -> list[Problem]:
-    """One problem per bad part of a voice (the clip is checked to exist, not read); ``[]`` when usable."""
-    from higgs_pack.runtime.audio import require_audio_file
+    """One problem per bad part of a voice (the clip file is checked to exist and its header read: audio, 0.5 s to 60 s; its samples are read later); ``[]`` when usable."""
+    from higgs_pack.runtime.audio import check_audio_file
 
     found = voice_pair_problems(audio, transcript)
     if audio is None:
@@ -182,7 +182,7 @@ def voice_problems(audio: Any, transcript: Any) -> list[Problem]:
         found += _tuple_problems(audio)
     elif isinstance(audio, (str, os.PathLike)):
         try:
-            require_audio_file(audio)
+            check_audio_file(audio)
         except InputError as exc:
             found.append(Problem("ref_audio", os.fspath(audio), message=literal(str(exc))))
     else:

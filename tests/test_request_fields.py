@@ -191,3 +191,18 @@ def test_a_missing_reference_clip_is_refused_by_the_request_with_the_flag(tmp_pa
     assert result.exit_code == 2, result.output
     assert "missing.wav does not exist" in result.output and "--ref-audio" in result.output
     assert not (tmp_path / "out.wav").exists()
+
+
+def test_a_clip_that_is_not_audio_or_too_short_is_refused_before_the_bundle_loads(tmp_path):
+    import numpy as np
+    import soundfile as sf
+
+    (tmp_path / "notes.wav").write_text("not audio")
+    sf.write(tmp_path / "short.wav", np.zeros(2400, np.float32), 24000)  # 0.1 s
+    for clip, words in (("notes.wav", "is not a readable audio file"), ("short.wav", "is 0.10 s long")):
+        with pytest.raises(InputError, match=words):
+            SynthesisRequest.create("Hi.", ref_audio=tmp_path / clip, ref_text="Hi.")
+        result = CliRunner().invoke(main, ["synthesize", str(tmp_path / "no-bundle"), "--text", "Hi.", "-o",
+                                           str(tmp_path / "out.wav"), "--ref-audio", str(tmp_path / clip),
+                                           "--ref-text", "Hi."])
+        assert result.exit_code == 2 and words in result.output and "no such bundle" not in result.output

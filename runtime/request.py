@@ -172,7 +172,8 @@ class PreparedVoice:
 
 
 def voice_problems(audio: Any, transcript: Any) -> list[Problem]:
-    """One problem per bad part of a voice (the clip file is checked to exist and its header read: audio, 0.5 s to 60 s; its samples are read later); ``[]`` when usable."""
+    """One problem per bad part of a voice; ``[]`` when usable.  A clip file is checked to exist and
+    its header is read (audio libsndfile reads, 0.5 s to 60 s); its samples are read later."""
     from higgs_pack.runtime.audio import check_audio_file
 
     found = voice_pair_problems(audio, transcript)

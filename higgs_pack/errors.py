@@ -80,6 +80,7 @@ CODES = (
     "builtin_voice",       # the bundle's own voice, which cannot be deleted
     "voice_exists",        # a voice's name that is taken
     "invalid_barge_in",    # a barge-in names audio that was not sent
+    "unreadable_audio",    # bytes that are not audio the reader knows
     "unknown_voice",       # a voice that is not stored
     "unknown_speaker",     # a dialogue's voice for a speaker who says no turn
     "too_many_turns",      # a dialogue longer than one request takes

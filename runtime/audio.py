@@ -34,7 +34,7 @@ PAD_REFERENCE_TO_S = 1.0
 SILENCE_PEAK = 1e-3
 
 
-def clip_error(source: str, rest: str) -> InputError:
+def clip_error(source: str, rest: str, code: str = "invalid_value") -> InputError:
     """The :class:`InputError` of an unusable reference clip, as data: a problem of the field
     ``ref_audio`` (the server names it in its own terms: ``ref_audio`` in a speech body, ``audio``
     in a voice upload).  ``source`` is what the message calls the clip: the field itself (a clip
@@ -43,9 +43,10 @@ def clip_error(source: str, rest: str) -> InputError:
     Args:
         source: ``"ref_audio"``, or a description such as ``"reference audio voice.wav"``.
         rest: the sentence after it (" is silent (...)...").
+        code: the problem's code (``unreadable_audio`` for bytes libsndfile cannot read).
     """
     message = "{name}" + literal(rest) if source == "ref_audio" else literal(source + rest)
-    return InputError(problems=[Problem("ref_audio", None, message=message)])
+    return InputError(problems=[Problem("ref_audio", None, message=message, code=code)])
 
 
 def require_audio_file(path: str | Path) -> Path:
@@ -85,7 +86,7 @@ def check_audio_file(path: str | Path) -> Path:
 def _unreadable(source: str, exc: Exception, how: str) -> InputError:
     reason = re.sub(r"^Error opening <[^>]*>: ", "", str(exc))  # not the repr of an in-memory file
     return clip_error(source, f" is not a readable audio file ({reason}); give a file libsndfile reads: wav, flac, "
-                              "ogg (Vorbis or Opus) or mp3" + (f" with {how}" if how else ""))
+                              "ogg (Vorbis or Opus) or mp3" + (f" with {how}" if how else ""), "unreadable_audio")
 
 
 def _check_length(source: str, seconds: float) -> None:

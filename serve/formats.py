@@ -197,6 +197,40 @@ class StreamEncoder:
         return self._out.take() if isinstance(self._out, _Pipe) else b""
 
 
+def decode_with_ffmpeg(data: bytes, max_seconds: float) -> tuple[np.ndarray, int] | None:
+    """A clip libsndfile cannot read (AAC in ADTS or MP4, say: what this server itself writes for
+    ``response_format`` aac), decoded by FFmpeg through PyAV: its first audio stream, channels mixed
+    to mono, at its own rate; decoding stops once past ``max_seconds``, so a long file costs no more
+    than a clip.
+
+    Returns:
+        ``(float32 [samples] in [-1, 1], sample rate in Hz)``, or None when FFmpeg finds no audio
+        it can decode.
+    """
+    import av
+
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            stream = next((s for s in container.streams if s.type == "audio"), None)
+            if stream is None or not stream.rate:
+                return None
+            resampler = av.AudioResampler(format="flt", layout="mono", rate=stream.rate)
+            pieces: list[np.ndarray] = []
+            cap, total = int(max_seconds * stream.rate) + 1, 0
+            for frame in container.decode(stream):
+                for out in resampler.resample(frame):
+                    pieces.append(out.to_ndarray().reshape(-1))
+                    total += len(pieces[-1])
+                if total >= cap:
+                    break
+            pieces += [out.to_ndarray().reshape(-1) for out in resampler.resample(None)]
+    except (av.error.FFmpegError, ValueError):
+        return None
+    if not pieces:
+        return None
+    return np.concatenate(pieces).astype(np.float32, copy=False), int(stream.rate)
+
+
 def sse_event(event: dict[str, Any]) -> bytes:
     """One server-sent event: ``data: <json>`` and a blank line."""
     return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"

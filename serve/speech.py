@@ -31,7 +31,7 @@ from higgs_pack.runtime.request import SynthesisRequest, plain_type, unspeakable
 from higgs_pack.runtime.text import clean
 from higgs_pack.serve.config import ServeConfig
 from higgs_pack.serve.errors import ApiError, from_input_error, refused
-from higgs_pack.serve.formats import DEFAULT_FORMAT, FORMATS
+from higgs_pack.serve.formats import DEFAULT_FORMAT, FORMATS, decode_with_ffmpeg
 from higgs_pack.serve.schema import DialogueBody, SpeechBody
 from higgs_pack.serve.tempo import SPEED_RANGE
 
@@ -438,7 +438,12 @@ def _decoded(data: bytes, source: str, config: ServeConfig, param: str) -> tuple
         samples, rate = read_audio_bytes(data, source, param, max_seconds=config.max_ref_seconds,
                                          limit=" (--max-ref-seconds)")
     except InputError as exc:
-        raise _bad(str(exc), param) from exc
+        unreadable = exc.code == "unreadable_audio"  # what libsndfile cannot read (AAC, which this server writes)
+        decoded = decode_with_ffmpeg(data, config.max_ref_seconds) if unreadable else None
+        if decoded is None:
+            raise _bad(str(exc) + ("; FFmpeg could not decode it either" if unreadable else ""), param,
+                       exc.code) from exc
+        samples, rate = decoded
     seconds = len(samples) / rate
     if seconds > config.max_ref_seconds:
         raise _bad(f"{source} is {seconds:.1f} s long; this server takes reference clips of at most "

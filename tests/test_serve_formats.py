@@ -302,3 +302,27 @@ def test_the_formats_bench_measures_every_format_and_speed(cases_dir):
     assert all(v["streamed_ms_per_s"] >= 0 for v in run["formats"].values()) and run["machine"]["cpu"]
     assert run["formats"]["pcm"]["first_audio_ms"] == 10.0  # the first 10 ms piece is sent as it is
     assert run["formats"]["mp3"]["first_audio_ms"] >= 24.0  # at least one 576-sample frame and LAME's lookahead
+
+
+def test_a_voice_clip_in_a_format_this_server_writes_but_libsndfile_cannot_read_is_decoded_by_ffmpeg():
+    """AAC (``response_format`` aac) is refused by libsndfile; the server's clip reader falls back to
+    FFmpeg, bounded by --max-ref-seconds, and bytes that neither reads are refused naming both."""
+    from higgs_pack.serve.config import ServeConfig
+    from higgs_pack.serve.errors import ApiError
+    from higgs_pack.serve.speech import reference_clip
+
+    rate = 24000
+    tone = (0.3 * np.sin(2 * np.pi * 220 * np.arange(3 * rate) / rate)).astype(np.float32)
+    aac = encode_whole(tone, rate, "aac")
+    samples, got_rate = reference_clip(base64.b64encode(aac).decode(), ServeConfig())
+    assert got_rate == rate and abs(len(samples) / rate - 3.0) < 0.1
+    spectrum = np.abs(np.fft.rfft(samples[rate // 2:rate // 2 + rate]))  # one second: bins of 1 Hz
+    assert int(np.argmax(spectrum)) == 220 and 0.2 < float(np.abs(samples).max()) < 0.4  # the tone, its level
+    with pytest.raises(ApiError) as caught:
+        reference_clip(base64.b64encode(b"not audio at all" * 64).decode(), ServeConfig())
+    assert "not a readable audio file" in caught.value.message and "FFmpeg could not decode it either" in \
+        caught.value.message and caught.value.code == "unreadable_audio"
+    long = encode_whole(np.tile(tone, 20), rate, "aac")  # 60 s: over the default limit, decoded only that far
+    with pytest.raises(ApiError) as caught:
+        reference_clip(base64.b64encode(long).decode(), ServeConfig())
+    assert caught.value.code == "reference_too_long"

@@ -241,7 +241,7 @@ def test_stream_refuses_bad_requests_before_generating(cpu_pipeline):
     ({"first_chunk_frames": 50, "max_chunk_frames": 5}, r"max_chunk_frames must be >= first_chunk_frames \(50\), "
                                                          r"got 5"),
     ({"chunk_growth": 0.5}, r"chunk_growth must be a finite number >= 1 \(1 = equal chunks\), got 0.5"),
-    ({"max_chunk_frames": 2.5}, r"max_chunk_frames must be a whole number of frames, 25 per second, got 2.5"),
+    ({"max_chunk_frames": 2.5}, r"max_chunk_frames must be a whole number, got 2.5"),
 ])
 def test_a_bad_stream_schedule_names_its_field(schedule, message):
     with pytest.raises(InputError, match=message):

@@ -340,8 +340,9 @@ def http_fields(dialogue: bool = False) -> dict[str, tuple[Any, FieldInfo]]:
     for _name, info, door in _valued():
         if door.http is None or (dialogue and not door.dialogue):
             continue
-        limits = {key: value for key, value in _limits(info).items() if key != "finite"}
-        if _limits(info).get("finite"):
+        declared = _limits(info)
+        limits = {key: value for key, value in declared.items() if key != "finite"}
+        if declared.get("finite"):
             limits["allow_inf_nan"] = False
         kind = _kind(info)
         for http in (door.http, *door.aliases):

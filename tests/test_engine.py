@@ -446,7 +446,9 @@ def test_a_row_with_non_finite_output_fails_that_request_alone(tts, alone):
     with Engine(tts.pipeline, _PoisonedRow(_batched(tts, max_batch=3, max_length=1024), row=1, after=5)) as engine:
         # A decoder that does not state its KV bytes (as OpenVINO's): admission by free rows only.
         assert (engine.kv_bytes_per_position, engine.kv_budget_bytes) == (None, None)
-        handles = [_submit(engine, tts, i) for i in range(3)]
+        # admitted together (prefilled whole, stepping together from the first step): joined one
+        # by one, the later ones' chunks could outlast the poisoned row's 5 steps
+        handles = engine.submit_together([{"text": t, "seed": s, "max_frames": c} for t, s, c in REQUESTS[:3]])
         with pytest.raises(NumericalError, match="llm_decoder returned non-finite"):
             handles[1].result(timeout=60)
         assert engine.stats.max_rows == 3

@@ -44,7 +44,7 @@ from higgs_pack.errors import InputError, Problem
 from higgs_pack.runtime.engine.codec_batch import CodecBatcher
 from higgs_pack.runtime.engine.decoders import BatchedDecoder
 from higgs_pack.runtime.engine.handle import EngineClosed, EngineHandle, RequestCancelled
-from higgs_pack.runtime.engine.joins import PromptJoins
+from higgs_pack.runtime.engine.joins import MIN_PREFILL_CHUNK, PromptJoins
 from higgs_pack.runtime.engine.kv_memory import KVBudget, default_kv_budget
 from higgs_pack.runtime.engine.state import EngineStats, Row
 from higgs_pack.runtime.engine.steps import BatchSteps
@@ -83,9 +83,10 @@ class Engine(BatchSteps, PromptJoins):
             (a cache in GPU memory gets no default limit).  Ignored when the decoder does not
             state its KV bytes per position (then admission is by free rows only).
         prefill_chunk: how a prompt joining rows that are decoding is prefilled: ``"auto"``
-            (default) in chunks sized at run time from the measured costs of a step and of a
-            prefilled position, so a running request waits about ``join_gap_steps`` of its own
-            steps for its next frame; a whole number >= 2: chunks of that many positions; 0:
+            (default) in chunks sized at run time from the measured cost of a step and the
+            positions per second the chunks so far have taken (:mod:`~higgs_pack.runtime.engine.joins`
+            says why), so a running request waits about ``join_gap_steps`` of its own steps for
+            its next frame; a whole number >= 2: chunks of that many positions; 0:
             whole prompts (each running request waits for all of it).  On a decoder that packs
             prefill (``packs_prefill``: OpenVINO's paged one) each chunk rides in the running rows'
             step, one forward for both.  A prompt with no row decoding beside it is prefilled whole.  Chunks never leave a last chunk of one
@@ -143,8 +144,9 @@ class Engine(BatchSteps, PromptJoins):
         self._prefilling: list[Row] = []  # rows whose prompt is being prefilled, oldest first
         self._riding: tuple[Row, int, int] | None = None  # (row, start, end) of the next step's chunk
         self._forward_cost: float | None = None  # running mean: seconds of a decoder step alone
-        self._step_cost: float | None = None  # running means: seconds of a step, of a prefilled position
-        self._position_cost: float | None = None
+        self._step_cost: float | None = None  # running means: seconds of a step, positions per second of a chunk
+        self._chunk_rate: float | None = None
+        self._chunk_last, self._chunk_carry = MIN_PREFILL_CHUNK, 0.0  # the last chunk measured; a size's fraction
         self._cond = threading.Condition()
         self._waiting: list[EngineHandle] = []
         self._rows: dict[int, Row] = {}

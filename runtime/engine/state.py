@@ -69,7 +69,8 @@ class EngineStats:
             left (a row was free).
         max_kv_bytes_in_use: most KV bytes reserved by admitted requests at once.
         prefill_positions: prompt positions prefilled (a cached voice prefix's not counted).
-        prefill_chunks: prefill runs (a prompt prefilled in chunks counts each).
+        prefill_chunks: prefill runs (a prompt prefilled in chunks counts each; a turn that only
+            copied a voice prefix in or out is not one).
         prefill_chunk_positions: the chunk size last chosen for a joining prompt (0: none yet).
         prefix_hits, prefix_misses: this engine's voice prefix cache lookups served / not served
             (the cache's own ``stats`` count every user of it).

@@ -213,4 +213,5 @@ class BatchSteps:
             self._prefilling.remove(state)
             self._leave(state, exc)
             return
+        self._chunk_learned(end - start, dt)
         self._filled(state, end - start, dt, hidden)

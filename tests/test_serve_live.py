@@ -277,7 +277,8 @@ def test_bad_messages_get_an_error_naming_the_field_and_the_session_goes_on(serv
 
 @pytest.mark.parametrize(("config", "param", "code"), [
     ({"response_format": "flac"}, "response_format", "unsupported_value"),
-    ({"speed": 2.0}, "speed", "unsupported_value"),
+    ({"speed": 5}, "speed", "invalid_value"),
+    ({"speed": "fast"}, "speed", "invalid_value"),
     ({"voice": "nobody"}, "voice", "unknown_voice"),
     ({"sede": 1}, "sede", "unknown_field"),
     ({"input": "hello"}, "input", "unknown_field"),

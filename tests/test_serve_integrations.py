@@ -24,6 +24,9 @@ LONG_CAP_FRAMES = 1960
 #: (``max_new_tokens`` 100: :data:`CUT_SENTENCE_S`).
 CUT_TURN = "One two three four five six seven eight nine ten. Eleven twelve thirteen fourteen fifteen."
 CUT_SENTENCE_S = 4.0
+#: The commit rule of the tests that time words within whole sentences (the server's default also
+#: commits a response's first words alone and cuts at clauses: docs/serving/live.md).
+BY_SENTENCE = {"split_granularity": "sentence", "first_commit_words": 0}
 
 
 def _words_started(played_s: float) -> int:
@@ -59,7 +62,7 @@ class TestPipecat:
 
         from higgs_pack.serve.integrations.pipecat_tts import HiggsTTSService
 
-        tts = HiggsTTSService(base_url=server.url, sample_rate=rate, options={"seed": 3, **options})
+        tts = HiggsTTSService(base_url=server.url, sample_rate=rate, options={"seed": 3, **BY_SENTENCE, **options})
         down, _ = asyncio.run(run_test(tts, frames_to_send=frames,
                                        pipeline_params=PipelineParams(audio_out_sample_rate=rate)))
         return down
@@ -193,7 +196,8 @@ class TestPipecat:
         text = CUT_TURN
         context = LLMContext()
         pair = LLMContextAggregatorPair(context)
-        tts = HiggsTTSService(base_url=server.url, sample_rate=16000, options={"seed": 3, "max_new_tokens": 100})
+        tts = HiggsTTSService(base_url=server.url, sample_rate=16000, options={"seed": 3, "max_new_tokens": 100,
+                                                                                     **BY_SENTENCE})
         pipeline = Pipeline([tts, Speaker(TransportParams(audio_out_enabled=True, audio_out_sample_rate=16000,
                                                         audio_out_end_silence_secs=0)),
                              pair.assistant()])
@@ -219,7 +223,7 @@ class TestLiveKit:
         from higgs_pack.serve.integrations.livekit_tts import HiggsTTS
 
         async def run():
-            tts = HiggsTTS(base_url=server.url, sample_rate=16000, seed=3)
+            tts = HiggsTTS(base_url=server.url, sample_rate=16000, seed=3, **BY_SENTENCE)
             stream = tts.stream()
             stream.push_text("Hello there. How are")
             stream.push_text(" you today?")
@@ -247,7 +251,7 @@ class TestLiveKit:
         from higgs_pack.serve.integrations.livekit_tts import HiggsTTS
 
         async def run():
-            tts = HiggsTTS(base_url=server.url, seed=2)
+            tts = HiggsTTS(base_url=server.url, seed=2, **BY_SENTENCE)
             stream = tts.stream()
             stream.push_text(LONG + " ")
             stream.flush()
@@ -322,7 +326,8 @@ class TestLiveKit:
         text, speaker = CUT_TURN, Speaker()
 
         async def run():
-            higgs = HiggsTTS(base_url=server.url, sample_rate=16000, seed=3, max_new_tokens=100)
+            higgs = HiggsTTS(base_url=server.url, sample_rate=16000, seed=3, max_new_tokens=100,
+                             **BY_SENTENCE)
             session = AgentSession(tts=higgs, use_tts_aligned_transcript=True)
             sync = TranscriptSynchronizer(next_in_chain_audio=speaker, next_in_chain_text=None)
             session.output.audio, session.output.transcription = sync.audio_output, sync.text_output

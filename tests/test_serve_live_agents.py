@@ -12,7 +12,17 @@ import json
 import pytest
 from conftest import slow_fixture
 from live_server import LiveServer
-from test_serve_live import HOP, LONG, PAUSE, RATE, Heard, _check_sentences, _read, _session
+from test_serve_live import (
+    BY_SENTENCE,
+    HOP,
+    LONG,
+    PAUSE,
+    RATE,
+    Heard,
+    _check_sentences,
+    _read,
+    _session,
+)
 
 websockets = pytest.importorskip("websockets", reason="the websockets client is a dev dependency")
 
@@ -26,7 +36,7 @@ def server(cpu_int4_bundle):
 
 def test_audio_done_carries_each_words_estimated_times(server):
     texts = ["Hello there, this is a test.", "And another one here!"]
-    heard = asyncio.run(_session(server.ws, [" ".join(texts)], {"seed": 3}))
+    heard = asyncio.run(_session(server.ws, [" ".join(texts)], {"seed": 3, **BY_SENTENCE}))
     _check_sentences(heard, texts)
     for text, done in zip(texts, heard.of("audio.done"), strict=True):
         words = done["words"]
@@ -78,7 +88,7 @@ def test_a_barge_in_mid_sentence_estimates_the_words_heard(server):
     the session's speaking rate: a prefix of the sentence; the session goes on."""
     async def run() -> Heard:
         async with websockets.connect(server.ws) as ws:
-            await ws.send(json.dumps({"type": "session.config", "max_new_tokens": 2000, "seed": 2}))
+            await ws.send(json.dumps({"type": "session.config", "max_new_tokens": 2000, "seed": 2, **BY_SENTENCE}))
             await ws.send(json.dumps({"type": "input.text", "text": LONG + " Dropped."}))
             heard = await _read(ws, Heard(), "audio.start")
             while not heard.audio.get(0):
@@ -105,7 +115,7 @@ async def _speak(url: str, texts: list[str], config: dict, cancel_at: float | No
     """Speak ``texts`` (one input.text each); with ``cancel_at`` (a fraction), once sentence 0's
     ``audio.done`` came, barge in with ``played_ms`` at that fraction of its audio, as received."""
     async with websockets.connect(url) as ws:
-        await ws.send(json.dumps({"type": "session.config", **config}))
+        await ws.send(json.dumps({"type": "session.config", **BY_SENTENCE, **config}))
         for text in texts:
             await ws.send(json.dumps({"type": "input.text", "text": text + " "}))
         if cancel_at is not None:
@@ -205,6 +215,15 @@ def test_clause_granularity_and_a_first_commit_speak_sooner_and_lose_no_word(ser
     parts = ["Right, so here", "is the plan for today,", "step by step,", "and then a rest.", "Fine"]
     _check_sentences(heard, parts)
     assert [w["text"] for d in heard.of("audio.done") for w in d["words"]] == text.split()
+
+
+def test_by_default_a_responses_first_four_words_and_its_clauses_are_spoken_alone(server):
+    """The default commit rule (clause, first_commit_words 4), with no commit field in the config:
+    the first four words alone, then clauses of three words or more, then sentences."""
+    text = "Right, so here is the plan for today, step by step, and then a rest. Fine"
+    pieces = [text[i:i + 5] for i in range(0, len(text), 5)]
+    heard = asyncio.run(_session(server.ws, pieces, {"seed": 3}))
+    _check_sentences(heard, ["Right, so here is", "the plan for today,", "step by step,", "and then a rest.", "Fine"])
 
 
 @pytest.mark.parametrize(("config", "param"), [({"split_granularity": "word"}, "split_granularity"),

@@ -38,8 +38,10 @@ class Played:
         speech: session samples before its speech (after the pause); None before its speech.
         stream: its :class:`~higgs_pack.runtime.loop.streaming.SpeechStream` (codes pushed so far).
         cap: its frame cap.
-        words: its word timings, seconds from its speech's start (from ``audio.done``); None
-            while it is still being generated.
+        words: its word timings, seconds from its speech's start as generated (at speed 1; from
+            ``audio.done``); None while it is still being generated.
+        speed: the session's ``speed`` (0.25 to 4.0): its audio went out stretched, ``1 / speed``
+            times as long as generated (:mod:`~higgs_pack.serve.tempo`).
     """
 
     index: int
@@ -49,6 +51,7 @@ class Played:
     cap: int
     speech: int | None = None
     words: tuple[Word, ...] | None = None
+    speed: float = 1.0
 
 
 def played_record(played: list[Played], index: int | None) -> Played | None:
@@ -109,7 +112,9 @@ def heard_part(record: Played | None, played_ms: float, played: list[Played], ra
 
     Args:
         record: the sentence (None: none had audio sent; nothing was heard).
-        played_ms: milliseconds of its audio played.
+        played_ms: milliseconds of its audio played, as the client played it: at the session's
+            speed (``record.speed``), mapped back to generated time (times ``speed``) before its
+            words and frames are looked up.
         played: the session's sentences whose audio went out (their speaking rate).
         rate: samples per second (24000).
         frame_s: seconds per frame (0.04).
@@ -120,7 +125,7 @@ def heard_part(record: Played | None, played_ms: float, played: list[Played], ra
     """
     if record is None or record.speech is None:
         return 0, "", None
-    speech_s = played_ms / 1000 - (record.speech - record.first) / rate
+    speech_s = (played_ms / 1000 - (record.speech - record.first) / rate) * record.speed  # generated seconds
     heard = heard_words(record.words or estimated_words(record, played, frame_s), speech_s)
     pushed = list(record.stream.pushed)[:round(heard[-1].end / frame_s)] if heard else []
     if not pushed:

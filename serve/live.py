@@ -5,11 +5,13 @@ its clients work unchanged; docs/serving/live.md describes it for users.  The cl
 text messages:
 
 - ``{"type": "session.config", ...}`` (optional, first): ``voice``, ``response_format``
-  (``pcm``, the default, or ``wav``) and the sampling fields of ``POST /v1/audio/speech``
+  (``pcm``, the default, or ``wav``), ``speed`` (0.25 to 4.0: each sentence's audio, its pause
+  too, stretched with the pitch kept by :class:`~higgs_pack.serve.tempo.TimeStretch` as it is
+  made, its times divided by ``speed``) and the sampling fields of ``POST /v1/audio/speech``
   (``seed``, ``temperature``, ``top_k``, ``top_p``, ``max_new_tokens``, ``ref_audio`` with
   ``ref_text``, ``references``, ``context_chunks``, ``context_frames``, ``initial_chunk_frames``), checked by the
   HTTP route's own :func:`~higgs_pack.serve.speech.parse_speech`, and the live route's own
-  ``split_granularity`` (``sentence`` or ``clause``) and ``first_commit_words`` (:func:`live_options`);
+  ``split_granularity`` (``clause``, the default, or ``sentence``) and ``first_commit_words`` (default 4) (:func:`live_options`);
 - ``{"type": "input.text", "text": ...}`` pieces (an LLM's tokens, or whole sentences);
 - ``{"type": "input.done"}``: speak what is left and end the session.
 
@@ -27,15 +29,15 @@ audio, so each sentence's bytes are a playable stream), ``{"type": "audio.done",
   ``context_chunks`` sentences' text and codes as pairs of their own, so voice and prosody carry
   across sentences and the voice stays the prompt's prefix: every sentence after the first
   restores the voice's KV from the prefix cache and prefills only the context and its own text;
-- ``audio.done``'s ``start`` and ``end`` are the sentence's speech in the session's audio
-  (seconds; the audio before ``start`` in a sentence's frames is the
+- ``audio.done``'s ``start`` and ``end`` are the sentence's speech in the session's audio as
+  sent (seconds, at the session's ``speed``; ``frames`` are generated frames; the audio before ``start`` in a sentence's frames is the
   :data:`~higgs_pack.runtime.loop.synthesis.SENTENCE_PAUSE_S` pause that separates it from the
   previous sentence);
 - ``{"type": "input.cancel"}`` stops the sentence being spoken (its row leaves the engine), drops
   its audio not yet sent and all buffered text, and answers ``{"type": "audio.cancelled",
   "sentence_index", "end"}`` (``end``: the session's audio sent so far, seconds); the session goes
   on with the next text.  With ``played_ms`` (and optionally ``sentence_index``: the audio the
-  client played of a sentence) it also answers ``played_ms``, ``heard_text`` and ``heard_words``
+  client played of a sentence, at the session's speed) it also answers ``played_ms``, ``heard_text`` and ``heard_words``
   and keeps only the heard words and their frames as the rolling context (:func:`~higgs_pack.serve.barge_in.heard_part`);
 - ``{"type": "input.flush"}`` speaks buffered text that has no sentence end yet;
 - a bad message gets ``{"type": "error", "message", "param", "code", "status"}`` naming the
@@ -92,6 +94,7 @@ from higgs_pack.serve.errors import ApiError, from_input_error, refused
 from higgs_pack.serve.formats import PCM_FORMATS, StreamEncoder
 from higgs_pack.serve.schema import FIRST_COMMIT_WORDS_MAX, NOT_IN_CONFIG, SessionFields
 from higgs_pack.serve.speech import SpeechJob, parse_speech, short
+from higgs_pack.serve.tempo import TimeStretch, scale_spans
 
 log = logging.getLogger(__name__)
 
@@ -416,33 +419,40 @@ class Session:
             return
         self.handle, self.speaking = handle, index
         self.next_index += 1
-        fmt, stream = job.response_format, iter(handle)
-        record = Played(index, sentence.text, 0, stream, max(c for _, c in handle.plan.chunks))
+        fmt, stream, speed = job.response_format, iter(handle), job.speed
+        record = Played(index, sentence.text, 0, stream, max(c for _, c in handle.plan.chunks), speed=speed)
         await self._put(_Item(epoch, {"type": "audio.start", "sentence_index": index, "sentence_text": sentence.text,
                                       "format": fmt, "sample_rate": self.rate}, keep=True, played=record))
-        encoder = StreamEncoder(fmt, self.rate)
+        encoder, tempo = StreamEncoder(fmt, self.rate), TimeStretch(speed, self.rate)
         head = encoder.start()
         if head:
             await self._put(_Item(epoch, audio=head))
         if index and self.samples_sent:
-            pause = np.zeros(int(SENTENCE_PAUSE_S * self.rate), np.float32)
+            pause = np.zeros(round(SENTENCE_PAUSE_S * self.rate / speed), np.float32)
             await self._put(_Item(epoch, audio=encoder.chunk(pause), samples=len(pause)))
+
+        def step() -> tuple[Any, np.ndarray]:
+            """The next piece and its audio at the session's speed, on a worker thread (the stretch
+            is FFmpeg's); at the end, None and the stretch's rest."""
+            chunk = next(stream, None)
+            return chunk, tempo.finish() if chunk is None else tempo.push(chunk.samples)
+
         first = math.nan
         t0 = time.perf_counter()
         try:
             while True:
-                chunk = await anyio.to_thread.run_sync(next, stream, None, abandon_on_cancel=True,
-                                                       limiter=self.server.limiter)
-                if chunk is None:
-                    break
+                chunk, samples = await anyio.to_thread.run_sync(step, abandon_on_cancel=True,
+                                                                limiter=self.server.limiter)
                 if epoch != self.epoch:
                     handle.cancel()
                     return
-                if math.isnan(first):
+                if chunk is not None and math.isnan(first):
                     first = time.perf_counter() - sentence.complete_at
                     self.server.metrics.first_audio.observe(first)
-                await self._put(_Item(epoch, audio=encoder.chunk(chunk.samples), samples=len(chunk.samples),
-                                      speech=True))
+                if samples.size:  # a stretch holds its first window back: an empty piece is not sent
+                    await self._put(_Item(epoch, audio=encoder.chunk(samples), samples=samples.size, speech=True))
+                if chunk is None:
+                    break
         except RequestCancelled:
             return
         except HiggsPackError as exc:
@@ -453,7 +463,7 @@ class Session:
             return
         results = stream.results
         frames = int(sum(r.codes.shape[0] for r in results))
-        seconds = stream.samples_out / self.rate
+        seconds = tempo.samples_out / self.rate  # the audio sent, at speed
         record.words = tuple(word for segment in stream.segments for word in segment.words)
         if results:  # kept whole as context
             self._keep(_Spoken(index, sentence.text, record.cap, dataclasses.replace(
@@ -468,7 +478,7 @@ class Session:
                                       "first_audio_s": None if math.isnan(first) else round(first, 4),
                                       "prefill_s": round(prefill, 4),
                                       "prefilled": int(sum(max(r.prefilled, 0) for r in results)),
-                                      "words": record.words}))
+                                      "words": tuple(scale_spans(record.words, speed))}))
 
     async def _sentence_job(self, text: str, index: int) -> SpeechJob:
         """The engine request of sentence ``index``: the session's options, its seed plus
@@ -560,10 +570,6 @@ def config_job(server: Any, fields: dict[str, Any]) -> SpeechJob:
     if fmt is not None and fmt not in PCM_FORMATS:
         raise _bad(f"response_format {short(fmt)} is not carried by a live session: its binary messages are "
                    f"{' or '.join(PCM_FORMATS)}", "response_format", "unsupported_value")
-    if fields.get("speed") not in (None, 1, 1.0) or isinstance(fields.get("speed"), bool):
-        raise _bad(f"session.config takes no speed other than 1.0 (got {short(fields['speed'])}): a live session "
-                   "sends each sentence as it is generated; POST /v1/audio/speech takes speed", "speed",
-                   "unsupported_value")
     body = {"model": server.models[0], "response_format": "pcm", **fields, "input": "session",
             "stream_format": "audio"}
     return parse_speech(body, models=server.models, voices=server.voices, config=server.config)

@@ -328,7 +328,7 @@ def test_type_while_it_speaks_plays_the_first_sentence_and_cancel_stops_it(page,
     page.page.wait_for_timeout(300)
     assert page.page.evaluate("higgsDemo.context.currentTime") > t0  # it plays
     # a long sentence (a cap of about 80 s of audio), cancelled as soon as it speaks
-    long = "This one sentence goes on and on, " * 24 + "until it ends. "
+    long = "This one sentence goes on and on and " * 24 + "until it ends. "  # no clause end: one part
     page.page.fill("#live-text", "Hello there. " + long)
     page.page.dispatch_event("#live-text", "input")
     page.page.wait_for_function("higgsDemo.live.sentences.length === 2 && higgsDemo.live.sources.size > 0",

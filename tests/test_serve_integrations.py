@@ -1,7 +1,10 @@
 """Issue 31 item 3: the Pipecat TTS service and the LiveKit Agents TTS plugin against a live
 ``higgs-pack serve`` (a real subprocess on 127.0.0.1 serving the real tiny cpu int4 bundle),
 driven through each framework's own classes: Pipecat's ``run_test`` pipeline harness with its
-frames, LiveKit's ``SynthesizeStream`` and ``AudioEmitter``.
+frames, LiveKit's ``SynthesizeStream`` and ``AudioEmitter``.  Issue 41 item 3: after an
+interruption, the conversation keeps only the words played, in Pipecat's ``LLMContext`` (its output
+transport's clock and ``LLMContextAggregatorPair``) and in a LiveKit ``AgentSession``'s history
+(``use_tts_aligned_transcript`` with its ``TranscriptSynchronizer``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,24 @@ from live_server import LiveServer
 LONG = "This one sentence goes on and on, " * 24 + "until it ends."
 #: LONG's frame cap: 196 text tokens x 10 frames per token (generate.FRAMES_PER_TEXT_TOKEN).
 LONG_CAP_FRAMES = 1960
+#: A turn the interruption tests cut in its first sentence, which the tiny model speaks to its cap
+#: (``max_new_tokens`` 100: :data:`CUT_SENTENCE_S`).
+CUT_TURN = "One two three four five six seven eight nine ten. Eleven twelve thirteen fourteen fifteen."
+CUT_SENTENCE_S = 4.0
+#: The commit rule of the tests that time words within whole sentences (the server's default also
+#: commits a response's first words alone and cuts at clauses: docs/serving/live.md).
+BY_SENTENCE = {"split_granularity": "sentence", "first_commit_words": 0}
+
+
+def _words_started(played_s: float) -> int:
+    """How many words of CUT_TURN's first sentence had begun after ``played_s`` seconds of its audio,
+    by the server's estimate (its span shared by the words' characters: runtime/loop/words.py)."""
+    words = CUT_TURN.split(".")[0].split()
+    total, seen, count = sum(map(len, words)) + 1, 0, 0  # the sentence's "." counts with "ten."
+    for word in words:
+        count += seen / total * CUT_SENTENCE_S <= played_s
+        seen += len(word)
+    return count
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +62,7 @@ class TestPipecat:
 
         from higgs_pack.serve.integrations.pipecat_tts import HiggsTTSService
 
-        tts = HiggsTTSService(base_url=server.url, sample_rate=rate, options={"seed": 3, **options})
+        tts = HiggsTTSService(base_url=server.url, sample_rate=rate, options={"seed": 3, **BY_SENTENCE, **options})
         down, _ = asyncio.run(run_test(tts, frames_to_send=frames,
                                        pipeline_params=PipelineParams(audio_out_sample_rate=rate)))
         return down
@@ -140,6 +161,58 @@ class TestPipecat:
         _wait_idle(server)
         assert server.metric("higgs_pack_in_flight") == 0  # the pipeline's end closed the session
 
+    def test_after_an_interruption_the_context_holds_only_the_words_played(self, server):
+        """A Pipecat pipeline as an agent's: the service, Pipecat's own output transport (its clock
+        releases each word's TTSTextFrame at its pts, and an interruption drops the words not yet
+        released; the speaker it writes to plays in real time) and the assistant half of
+        LLMContextAggregatorPair.  Interrupted about 2 s into a turn of some 8 s, the context's
+        assistant message is the turn's first words, up to about where playback stopped."""
+        from pipecat.frames.frames import InterruptionFrame, TTSSpeakFrame
+        from pipecat.pipeline.pipeline import Pipeline
+        from pipecat.pipeline.task import PipelineParams
+        from pipecat.processors.aggregators.llm_context import LLMContext
+        from pipecat.processors.aggregators.llm_response_universal import LLMContextAggregatorPair
+        from pipecat.tests.utils import SleepFrame, run_test
+        from pipecat.transports.base_output import BaseOutputTransport
+        from pipecat.transports.base_transport import TransportParams
+
+        from higgs_pack.serve.integrations.pipecat_tts import HiggsTTSService
+
+        class Speaker(BaseOutputTransport):
+            """Pipecat's output transport writing to a speaker that plays in real time (as its
+            WebSocket transports pace their writes)."""
+
+            async def start(self, frame):
+                await super().start(frame)
+                await self.set_transport_ready(frame)
+
+            played = 0.0  # seconds of audio handed to the speaker
+
+            async def write_audio_frame(self, frame) -> bool:
+                Speaker.played += len(frame.audio) / 2 / frame.sample_rate
+                await asyncio.sleep(len(frame.audio) / 2 / frame.sample_rate)
+                return True
+
+        text = CUT_TURN
+        context = LLMContext()
+        pair = LLMContextAggregatorPair(context)
+        tts = HiggsTTSService(base_url=server.url, sample_rate=16000, options={"seed": 3, "max_new_tokens": 100,
+                                                                                     **BY_SENTENCE})
+        pipeline = Pipeline([tts, Speaker(TransportParams(audio_out_enabled=True, audio_out_sample_rate=16000,
+                                                        audio_out_end_silence_secs=0)),
+                             pair.assistant()])
+        frames = [TTSSpeakFrame(text), SleepFrame(sleep=2.5), InterruptionFrame(), SleepFrame(sleep=1.0)]
+        asyncio.run(run_test(pipeline, frames_to_send=frames,
+                             pipeline_params=PipelineParams(audio_out_sample_rate=16000)))
+        said = [m["content"] for m in context.get_messages() if m["role"] == "assistant"]
+        assert len(said) == 1, context.get_messages()
+        words = said[0].split()
+        # a prefix of the turn cut inside its first sentence, where playback stopped (Pipecat releases a
+        # word's frame at its start), within a word; every word would be there if not held to their times
+        assert words == text.split()[:len(words)], said
+        assert 1.0 < Speaker.played < CUT_SENTENCE_S - 0.5
+        assert abs(len(words) - _words_started(Speaker.played)) <= 1, (said, Speaker.played)
+
 
 class TestLiveKit:
     livekit = pytest.importorskip("livekit.agents", reason="the [livekit] extra (livekit-agents) is not installed: `nox -s integrations` runs these tests in a venv with it")
@@ -150,7 +223,7 @@ class TestLiveKit:
         from higgs_pack.serve.integrations.livekit_tts import HiggsTTS
 
         async def run():
-            tts = HiggsTTS(base_url=server.url, sample_rate=16000, seed=3)
+            tts = HiggsTTS(base_url=server.url, sample_rate=16000, seed=3, **BY_SENTENCE)
             stream = tts.stream()
             stream.push_text("Hello there. How are")
             stream.push_text(" you today?")
@@ -178,7 +251,7 @@ class TestLiveKit:
         from higgs_pack.serve.integrations.livekit_tts import HiggsTTS
 
         async def run():
-            tts = HiggsTTS(base_url=server.url, seed=2)
+            tts = HiggsTTS(base_url=server.url, seed=2, **BY_SENTENCE)
             stream = tts.stream()
             stream.push_text(LONG + " ")
             stream.flush()
@@ -201,3 +274,77 @@ class TestLiveKit:
         while time.monotonic() < deadline and server.metric("higgs_pack_in_flight"):
             time.sleep(0.05)
         assert server.metric("higgs_pack_in_flight") == 0
+
+
+    def test_after_an_interruption_the_transcript_is_cut_where_the_user_interrupted(self, server):
+        """A LiveKit AgentSession with use_tts_aligned_transcript, its outputs wired as RoomIO wires
+        them (a TranscriptSynchronizer over the audio sink, which here is a speaker playing in real
+        time): the agent says a turn of some 8 s and is interrupted about 2 s in; the assistant
+        message in the session's history is marked interrupted and holds the turn's first words, up
+        to about where playback stopped (the synchronizer paces them by the TimedStrings)."""
+        from livekit.agents import Agent, AgentSession
+        from livekit.agents.voice import io
+        from livekit.agents.voice.transcription import TranscriptSynchronizer
+
+        from higgs_pack.serve.integrations.livekit_tts import HiggsTTS
+
+        class Speaker(io.AudioOutput):
+            """LiveKit's audio sink interface over a speaker that plays in real time: a segment plays
+            from its first frame, and clear_buffer (an interruption) stops it where it is."""
+
+            def __init__(self) -> None:
+                super().__init__(label="speaker", capabilities=io.AudioOutputCapabilities(pause=False))
+                self.started, self.pushed, self.ending = None, 0.0, None
+                self.cut_at: float | None = None  # seconds played when a segment was interrupted
+
+            async def capture_frame(self, frame) -> None:
+                await super().capture_frame(frame)
+                if self.started is None:
+                    self.started = time.time()
+                    self.on_playback_started(created_at=self.started)
+                self.pushed += frame.duration
+
+            def flush(self) -> None:
+                super().flush()
+                if self.started is not None:
+                    self.ending = asyncio.get_running_loop().call_later(
+                        max(0.0, self.pushed - (time.time() - self.started)), self._finished, False)
+
+            def clear_buffer(self) -> None:
+                if self.started is not None:
+                    self._finished(True)
+
+            def _finished(self, interrupted: bool) -> None:
+                if self.ending is not None:
+                    self.ending.cancel()
+                position = min(time.time() - self.started, self.pushed)
+                if interrupted:
+                    self.cut_at = position
+                self.started, self.pushed, self.ending = None, 0.0, None
+                self.on_playback_finished(playback_position=position, interrupted=interrupted)
+
+        text, speaker = CUT_TURN, Speaker()
+
+        async def run():
+            higgs = HiggsTTS(base_url=server.url, sample_rate=16000, seed=3, max_new_tokens=100,
+                             **BY_SENTENCE)
+            session = AgentSession(tts=higgs, use_tts_aligned_transcript=True)
+            sync = TranscriptSynchronizer(next_in_chain_audio=speaker, next_in_chain_text=None)
+            session.output.audio, session.output.transcription = sync.audio_output, sync.text_output
+            await session.start(Agent(instructions="Say what you are given."))
+            handle = session.say(text)
+            await asyncio.sleep(2.5)
+            handle.interrupt()
+            await handle
+            said = [m for m in session.history.items if m.type == "message" and m.role == "assistant"]
+            await session.aclose()
+            await higgs.aclose()
+            return said
+
+        (said,) = asyncio.run(run())
+        words = (said.text_content or "").split()
+        assert said.interrupted
+        # a prefix of the turn cut inside its first sentence, where playback stopped, within a word
+        assert words == text.split()[:len(words)], said.text_content
+        assert speaker.cut_at is not None and 1.0 < speaker.cut_at < CUT_SENTENCE_S - 0.5
+        assert abs(len(words) - _words_started(speaker.cut_at)) <= 1, (said.text_content, speaker.cut_at)

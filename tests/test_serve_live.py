@@ -23,6 +23,9 @@ HOP = 960  # samples per frame
 PAUSE = int(0.2 * RATE)  # SENTENCE_PAUSE_S
 #: A sentence that runs long: the tiny model speaks to its frame cap.
 LONG = "This sentence is long enough to be stopped while it is still being spoken out loud."
+#: The commit rule of the tests of sentence mechanics: whole sentences (the default commits a
+#: response's first words alone and cuts at clause ends too: docs/serving/live.md).
+BY_SENTENCE = {"split_granularity": "sentence", "first_commit_words": 0}
 
 
 @dataclass
@@ -113,7 +116,7 @@ def test_a_number_cut_across_pieces_is_not_a_sentence_end(server):
 
 def test_text_in_pieces_is_spoken_sentence_by_sentence(server):
     pieces = ["Hello there", ", this is", " a test. And", " another one here!", " Trailing bit"]
-    heard = asyncio.run(_session(server.ws, pieces, {"seed": 3}))
+    heard = asyncio.run(_session(server.ws, pieces, {"seed": 3, **BY_SENTENCE}))
     _check_sentences(heard, ["Hello there, this is a test.", "And another one here!", "Trailing bit"])
     # the events of a sentence come in order: its start, its audio, its done, then the next start
     kinds = [o["type"] if isinstance(o, dict) else "audio" for o in heard.order]
@@ -160,7 +163,7 @@ def test_later_sentences_restore_the_voice_from_the_prefix_cache(server, cases_d
     for config, (hits, misses) in (({"voice": "live-prefix", "seed": 4}, (2, 1)), ({"seed": 4}, (1, 1)),
                                    ({"voice": "live-prefix", "seed": 4, "context_frames": 5}, (3, 0))):
         before = counts()
-        heard = asyncio.run(_session(server.ws, [" ".join(texts)], config))
+        heard = asyncio.run(_session(server.ws, [" ".join(texts)], {**config, **BY_SENTENCE}))
         _check_sentences(heard, texts)
         assert all(done["frames"] > 0 and done["prefill_s"] > 0 and done["prefilled"] > 0
                    for done in heard.of("audio.done"))
@@ -187,7 +190,7 @@ def test_flush_speaks_text_with_no_sentence_end(server):
 def test_cancel_stops_the_sentence_drops_buffered_text_and_the_session_goes_on(server):
     async def run() -> Heard:
         async with websockets.connect(server.ws) as ws:
-            await ws.send(json.dumps({"type": "session.config", "max_new_tokens": 2000, "seed": 2}))
+            await ws.send(json.dumps({"type": "session.config", "max_new_tokens": 2000, "seed": 2, **BY_SENTENCE}))
             await ws.send(json.dumps({"type": "input.text", "text": LONG + " Buffered but never spoken. And a rest"}))
             heard = Heard()
             while not heard.audio.get(0):  # the first audio of sentence 0
@@ -277,7 +280,8 @@ def test_bad_messages_get_an_error_naming_the_field_and_the_session_goes_on(serv
 
 @pytest.mark.parametrize(("config", "param", "code"), [
     ({"response_format": "flac"}, "response_format", "unsupported_value"),
-    ({"speed": 2.0}, "speed", "unsupported_value"),
+    ({"speed": 5}, "speed", "invalid_value"),
+    ({"speed": "fast"}, "speed", "invalid_value"),
     ({"voice": "nobody"}, "voice", "unknown_voice"),
     ({"sede": 1}, "sede", "unknown_field"),
     ({"input": "hello"}, "input", "unknown_field"),
@@ -342,7 +346,7 @@ def test_eight_sessions_at_once_lose_and_reorder_no_audio(server):
              for s in range(8)]
 
     async def together() -> list[Heard]:
-        return await asyncio.gather(*(_session(server.ws, t, {"seed": 10 + s}) for s, t in enumerate(texts)))
+        return await asyncio.gather(*(_session(server.ws, t, {"seed": 10 + s, **BY_SENTENCE}) for s, t in enumerate(texts)))
 
     heard = asyncio.run(together())
     for s, one in enumerate(heard):
@@ -426,7 +430,7 @@ def test_a_client_that_does_not_read_holds_the_session_back(server):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)
         sock.connect((host, int(port)))
         async with websockets.connect(server.ws, sock=sock, max_queue=1) as ws:
-            await ws.send(json.dumps({"type": "session.config", "seed": 6}))
+            await ws.send(json.dumps({"type": "session.config", "seed": 6, **BY_SENTENCE}))
             await ws.send(json.dumps({"type": "input.text", "text": long * 6}))
             await ws.send(json.dumps({"type": "input.done"}))
             readings = [server.metric("higgs_pack_codec_frames_total")]

@@ -12,7 +12,17 @@ import json
 import pytest
 from conftest import slow_fixture
 from live_server import LiveServer
-from test_serve_live import HOP, LONG, RATE, Heard, _check_sentences, _read, _session
+from test_serve_live import (
+    BY_SENTENCE,
+    HOP,
+    LONG,
+    PAUSE,
+    RATE,
+    Heard,
+    _check_sentences,
+    _read,
+    _session,
+)
 
 websockets = pytest.importorskip("websockets", reason="the websockets client is a dev dependency")
 
@@ -26,7 +36,7 @@ def server(cpu_int4_bundle):
 
 def test_audio_done_carries_each_words_estimated_times(server):
     texts = ["Hello there, this is a test.", "And another one here!"]
-    heard = asyncio.run(_session(server.ws, [" ".join(texts)], {"seed": 3}))
+    heard = asyncio.run(_session(server.ws, [" ".join(texts)], {"seed": 3, **BY_SENTENCE}))
     _check_sentences(heard, texts)
     for text, done in zip(texts, heard.of("audio.done"), strict=True):
         words = done["words"]
@@ -78,7 +88,7 @@ def test_a_barge_in_mid_sentence_estimates_the_words_heard(server):
     the session's speaking rate: a prefix of the sentence; the session goes on."""
     async def run() -> Heard:
         async with websockets.connect(server.ws) as ws:
-            await ws.send(json.dumps({"type": "session.config", "max_new_tokens": 2000, "seed": 2}))
+            await ws.send(json.dumps({"type": "session.config", "max_new_tokens": 2000, "seed": 2, **BY_SENTENCE}))
             await ws.send(json.dumps({"type": "input.text", "text": LONG + " Dropped."}))
             heard = await _read(ws, Heard(), "audio.start")
             while not heard.audio.get(0):
@@ -99,6 +109,66 @@ def test_a_barge_in_mid_sentence_estimates_the_words_heard(server):
     assert LONG.startswith(cancelled["heard_text"]) and len(cancelled["heard_text"].split()) == cancelled["heard_words"]
     assert [e["sentence_text"] for e in heard.of("audio.start")] == [LONG, "After the cancel."]
     assert heard.of("session.done")[0]["total_sentences"] == 2
+
+
+async def _speak(url: str, texts: list[str], config: dict, cancel_at: float | None = None) -> Heard:
+    """Speak ``texts`` (one input.text each); with ``cancel_at`` (a fraction), once sentence 0's
+    ``audio.done`` came, barge in with ``played_ms`` at that fraction of its audio, as received."""
+    async with websockets.connect(url) as ws:
+        await ws.send(json.dumps({"type": "session.config", **BY_SENTENCE, **config}))
+        for text in texts:
+            await ws.send(json.dumps({"type": "input.text", "text": text + " "}))
+        if cancel_at is not None:
+            heard = await _read(ws, Heard(), "audio.done")
+            played_ms = len(heard.audio[0]) / 2 / RATE * 1000 * cancel_at
+            await ws.send(json.dumps({"type": "input.cancel", "played_ms": played_ms, "sentence_index": 0}))
+            await _read(ws, heard, "audio.cancelled")
+        else:
+            heard = Heard()
+        await ws.send(json.dumps({"type": "input.done"}))
+        await _read(ws, heard)
+        return await _read(ws, heard, None, 10)
+
+
+@pytest.mark.parametrize("speed", [2.0, 0.5])
+def test_speed_stretches_each_sentences_audio_and_its_word_timings(server, speed):
+    """speed on a live session: each sentence's audio (its pause too) is round(n / speed) samples of
+    the n generated at speed 1 with the same seed (the same frames), and its span and word timings
+    are the speed-1 ones divided by speed, in the session's (stretched) audio."""
+    texts = ["Hello there, this is a test.", "And another one here!"]
+    plain = asyncio.run(_speak(server.ws, texts, {"seed": 3}))
+    fast = asyncio.run(_speak(server.ws, texts, {"seed": 3, "speed": speed}))
+    for heard in (plain, fast):
+        assert [e["sentence_text"] for e in heard.of("audio.start")] == texts and heard.close_code == 1000
+    for index, (one, done) in enumerate(zip(plain.of("audio.done"), fast.of("audio.done"), strict=True)):
+        assert done["frames"] == one["frames"]
+        pause = round(PAUSE / speed) if index else 0
+        assert len(fast.audio[index]) == 2 * (pause + round(one["frames"] * HOP / speed))
+        assert len(plain.audio[index]) == 2 * ((PAUSE if index else 0) + one["frames"] * HOP)
+        assert done["end"] - done["start"] == pytest.approx((one["end"] - one["start"]) / speed, abs=1e-3)
+        assert [w["text"] for w in done["words"]] == [w["text"] for w in one["words"]]
+        for w, w1 in zip(done["words"], one["words"], strict=True):
+            assert w["start"] - done["start"] == pytest.approx((w1["start"] - one["start"]) / speed, abs=1e-4)
+            assert w["end"] - done["start"] == pytest.approx((w1["end"] - one["start"]) / speed, abs=1e-4)
+    assert fast.of("audio.done")[1]["start"] == pytest.approx(len(fast.audio[0]) / 2 / RATE + PAUSE / speed / RATE,
+                                                               abs=1e-3)
+
+
+def test_a_barge_in_at_speed_maps_played_ms_back_to_the_words_heard(server):
+    """At speed 2 the client plays stretched audio: played_ms at half of sentence 0's audio is half
+    of its words' (stretched) time, so the words heard are those ended by then, not half as many."""
+    text = "Alpha bravo charlie delta echo foxtrot golf hotel india juliet."
+    heard = asyncio.run(_speak(server.ws, [text, "Next one here."], {"seed": 4, "speed": 2.0}, cancel_at=0.5))
+    done = heard.of("audio.done")[0]
+    (cancelled,) = heard.of("audio.cancelled")
+    half = len(heard.audio[0]) / 2 / RATE / 2  # seconds of the stretched audio played
+    assert cancelled["played_ms"] == pytest.approx(half * 1000)
+    # heard: a word whose end (generated time: stretched x 2) is within half a frame of the point played
+    expected = [w["text"] for w in done["words"] if (w["end"] - done["start"]) * 2 <= half * 2 + 0.02]
+    assert 3 <= len(expected) < len(text.split())
+    assert cancelled["heard_words"] == len(expected)
+    assert cancelled["heard_text"] == " ".join(expected)
+    assert heard.of("session.done")[0]["total_sentences"] >= 1
 
 
 BAD_CANCELS = [
@@ -145,6 +215,15 @@ def test_clause_granularity_and_a_first_commit_speak_sooner_and_lose_no_word(ser
     parts = ["Right, so here", "is the plan for today,", "step by step,", "and then a rest.", "Fine"]
     _check_sentences(heard, parts)
     assert [w["text"] for d in heard.of("audio.done") for w in d["words"]] == text.split()
+
+
+def test_by_default_a_responses_first_four_words_and_its_clauses_are_spoken_alone(server):
+    """The default commit rule (clause, first_commit_words 4), with no commit field in the config:
+    the first four words alone, then clauses of three words or more, then sentences."""
+    text = "Right, so here is the plan for today, step by step, and then a rest. Fine"
+    pieces = [text[i:i + 5] for i in range(0, len(text), 5)]
+    heard = asyncio.run(_session(server.ws, pieces, {"seed": 3}))
+    _check_sentences(heard, ["Right, so here is", "the plan for today,", "step by step,", "and then a rest.", "Fine"])
 
 
 @pytest.mark.parametrize(("config", "param"), [({"split_granularity": "word"}, "split_granularity"),

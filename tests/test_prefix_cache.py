@@ -445,3 +445,71 @@ def test_the_engine_persists_a_cold_voice_in_the_background_and_reads_it_before_
         np.testing.assert_array_equal(handle.result(timeout=120).codes, want)
         assert engine.stats.prefix_hits == 1 and cache.stats.hits == 1  # the engine's lookup: from memory
     _fresh(tts)
+
+
+class _HostCosts:
+    """The real batched decoder on a slower host: each prefill forward takes ``fixed`` s plus
+    ``per_position`` s a position, each step ``step`` s more (slept before the real run), as the
+    full-size model does on 2 vCPUs (about 100 ms + 15 ms a position, a step about 110 ms: issue
+    37 item 7).  Records ``(time, rows)`` per step and the positions of each prefill."""
+
+    def __init__(self, inner, fixed: float, per_position: float, step: float):
+        self._inner, self._costs = inner, (fixed, per_position, step)
+        self.steps: list[tuple[float, int]] = []
+        self.prefills: list[int] = []
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def prefill(self, row, inputs_embeds, start=0, final=True):
+        self.prefills.append(inputs_embeds.shape[1])
+        time.sleep(self._costs[0] + self._costs[1] * inputs_embeds.shape[1])
+        return self._inner.prefill(row, inputs_embeds, start, final)
+
+    def step(self, rows, inputs_embeds):
+        time.sleep(self._costs[2])
+        out = self._inner.step(rows, inputs_embeds)
+        self.steps.append((time.perf_counter(), len(rows)))
+        return out
+
+
+@pytest.mark.parametrize(("cached", "gap_steps"), [(False, 2.0), (True, 2.0), (False, 3.0)],
+                         ids=["cold voice", "cached voice", "cold voice, 3 steps"])
+def test_a_voice_joins_within_the_gap_it_was_given_where_a_forward_has_a_fixed_cost(tts, voice, cached, gap_steps):
+    """A named voice joins a running request on a host where a prefill forward costs a fixed
+    part close to a whole step, as at full size on 2 vCPUs (about 0.9 and 0.13 of a step a
+    position; the engine had sized chunks from a cost per position measured on a longer prompt
+    and never under 8 positions: 2.9 steps where 2 were asked): the running request waits at most
+    ``join_gap_steps`` + 0.5 of its steps for any frame, its voice prefix cold (prefilled in
+    chunks, kept in a turn of its own) or restored; no chunk is of one position, and where the
+    host allows (3 steps) the chunks grow past the smallest size."""
+    from higgs_pack.runtime.backends import backend_of
+    from higgs_pack.runtime.engine.engine import Engine
+
+    cache = _fresh(tts)
+    if cached:
+        tts.synthesize(TEXTS[2][0], voice=voice, seed=1, max_frames=4)
+        assert cache.stats.entries == 1
+    inner = backend_of(tts.bundle.manifest).batched_decoder(tts.pipeline, 2, 1024)
+    host = _HostCosts(inner, fixed=0.036, per_position=0.0052, step=0.04)
+    with Engine(tts.pipeline, host, join_gap_steps=gap_steps) as engine:
+        running = engine.submit(TEXTS[0][0], seed=3, max_frames=600)
+        while len(host.steps) < 6:
+            time.sleep(0.005)
+        since, before = time.perf_counter(), len(host.steps)
+        joiner = engine.submit(TEXTS[2][0], voice=voice, seed=1, max_frames=40)
+        while not any(rows == 2 for _, rows in host.steps[before:]):
+            assert not joiner.done and not running.done, "the running request ended before the join"
+            time.sleep(0.005)
+        running.cancel()
+        joiner.cancel()
+        stats = engine.stats
+    times = [since] + [t for t, rows in host.steps[before:] if rows == 1]
+    step = float(np.median(np.diff([t for t, _ in host.steps[:before]])))
+    gaps = np.diff(times) / step
+    chunks = host.prefills[1:]  # the running request's prompt was prefilled whole
+    assert (stats.prefix_hits, stats.prefix_misses) == ((1, 0) if cached else (0, 1))
+    assert gaps.max() <= gap_steps + 0.5, f"longest gap {gaps.max():.2f} steps of {step * 1e3:.0f} ms; chunks {chunks}"
+    assert min(chunks) >= 2, chunks
+    if gap_steps == 3.0:
+        assert max(chunks) > 2, chunks

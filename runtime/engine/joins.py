@@ -77,7 +77,8 @@ class PromptJoins:
             self._fill(self._prefilling[0], chunked=True)
 
     def _chunk_size(self, remaining: int) -> int:
-        """Positions of the next chunk of a prompt joining decoding rows (``remaining`` left):
+        """Positions of the next chunk of a prompt joining decoding rows (``remaining`` left in its
+        part, :meth:`_part_end`):
         ``prefill_chunk``, or for ``"auto"`` what the chunks measured so far say costs
         ``join_gap_steps - 1`` of the running rows' mean step (the module docstring): the measured
         positions per second times that budget, at most :data:`CHUNK_GROWTH` times the last chunk
@@ -131,7 +132,7 @@ class PromptJoins:
                     self._part_done(state, end)
                     n += end - start
             elif not self._copied_prefix(state):
-                start, end = self._part(state, self._chunk_size(prompt.length - state.filled))
+                start, end = self._part(state, self._chunk_size(self._part_end(state) - state.filled))
                 t1 = time.perf_counter()
                 hidden = self._prefill(state, start, end)
                 self._chunk_learned(end - start, time.perf_counter() - t1)
@@ -175,13 +176,17 @@ class PromptJoins:
 
     @staticmethod
     def _part(state: Row, budget: int) -> tuple[int, int]:
-        """The next positions ``(start, end)`` of the row's prompt to prefill, at most ``budget``;
-        a voice prefix still to be kept is a part of its own."""
-        start = state.filled
-        end = min(start + budget, state.prompt.length)
-        if state.store_key is not None:
-            end = min(end, state.prompt.prefix_length)
-        return start, end
+        """The next positions ``(start, end)`` of the row's prompt to prefill, at most ``budget``,
+        up to :meth:`_part_end`."""
+        return state.filled, min(state.filled + budget, PromptJoins._part_end(state))
+
+    @staticmethod
+    def _part_end(state: Row) -> int:
+        """Where the row's current part of its prompt ends: a voice prefix still to be kept is a
+        part of its own, so its end; else the prompt's."""
+        if state.store_key is not None and state.filled < state.prompt.prefix_length:
+            return state.prompt.prefix_length
+        return state.prompt.length
 
     def _part_done(self, state: Row, end: int) -> None:
         """The row's prompt is prefilled up to ``end``: keep its voice prefix once it holds it."""
@@ -226,6 +231,6 @@ class PromptJoins:
             self._leave(state, exc)
             return
         if state.filled < state.prompt.length:
-            self._riding = (state, *self._part(state, self._chunk_size(state.prompt.length - state.filled)))
+            self._riding = (state, *self._part(state, self._chunk_size(self._part_end(state) - state.filled)))
         else:  # the cached prefix was the whole prompt but its last position: never here (prefix < prompt)
             self._fill(state, chunked=True)

@@ -233,7 +233,11 @@ class BatchedOrtDecoder:
         length, head_dim] in the cache dtype."""
         if length > self.lengths[row]:
             raise ValueError(f"row {row} holds {int(self.lengths[row])} positions, not {length}")
-        return {n: self.kv_row(n, row)[:, :length].copy() for n in self._past}
+        if self._on_values:
+            return {n: self.kv_row(n, row)[:, :length].copy() for n in self._past}
+        # the positions alone (kv_row copies the whole row first: 4096 positions, 1.2 GB for the
+        # 36 layers at full size, which took a join 441 ms where these 60 MB take about 40)
+        return {n: self.kv[n][row, :, :length].copy() for n in self._past}
 
     def write_prefix(self, row: int, arrays: dict[str, np.ndarray], length: int) -> None:
         """Start row ``row`` over holding ``arrays`` (:meth:`read_prefix`'s) as its first

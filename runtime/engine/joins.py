@@ -84,8 +84,9 @@ class PromptJoins:
         positions per second times that budget, at most :data:`CHUNK_GROWTH` times the last chunk
         measured, at least :data:`MIN_PREFILL_CHUNK` (also the engine's first chunk).  A
         fractional size is carried to the next chunk (sizes 2, 3, 2, 3 for 2.5), so the sizes
-        average the target.  A rest shorter than the minimum (2 for a fixed size) joins the
-        chunk, so no chunk of one position ends a prompt (it takes another kernel path)."""
+        average the target.  No chunk leaves a rest shorter than the minimum (2 for a fixed
+        size; a chunk of one position takes another kernel path): the chunk is shortened to
+        leave the minimum, or takes the whole rest when that is under twice the minimum."""
         if self.prefill_chunk != "auto":
             n, least = int(self.prefill_chunk), 2
         elif self._chunk_rate is None or self._step_cost is None:
@@ -96,8 +97,8 @@ class PromptJoins:
             n = max(math.floor(want), MIN_PREFILL_CHUNK)
             self._chunk_carry = min(max(want - n, 0.0), 1.0)
             least = MIN_PREFILL_CHUNK
-        if remaining - n < least:
-            n = remaining
+        if remaining - n < least:  # no rest shorter than the minimum: shorten this chunk, or take it all
+            n = remaining if n >= remaining or remaining < 2 * least else remaining - least
         self.stats.prefill_chunk_positions = n
         return n
 

@@ -102,6 +102,32 @@ def test_a_row_gives_the_stateful_decoders_hidden_states(ov_int4_bundle):
     assert paged.pool.in_use == 0 and paged.kv_bytes_in_use == 0
 
 
+def test_engines_share_one_compiled_paged_model(ov_int4_bundle):
+    """The paged model is compiled once per stateful decoder: every engine of a bundle (each with
+    its own infer request and block pool) runs the same compiled model, not a copy of the weights
+    each; two decoders on it, stepped in turn, give the hidden states of a decoder compiled apart."""
+    with (higgs_pack.load(ov_int4_bundle, "cpu", cache_dir=False) as tts, tts.engine(max_batch=2) as first,
+          tts.engine(max_batch=3) as second):
+        assert first.decoder.compiled is second.decoder.compiled
+        assert first.decoder._request is not second.decoder._request
+    stateful = _stateful(ov_int4_bundle, F32)
+    assert compile_paged(stateful, 2) is compile_paged(stateful, 2)
+    a, b = (OvPagedDecoder(compile_paged(stateful, 2), max_batch=2, max_length=512, device="CPU", initial_blocks=2)
+            for _ in range(2))
+    apart = _paged(ov_int4_bundle, F32)
+    assert apart.compiled is not a.compiled
+    rng = np.random.default_rng(3)
+    prompts, steps = (_embeds(rng, 40), _embeds(rng, 33)), rng.standard_normal((5, 2, 1, H)).astype(np.float32)
+    got = [[a.prefill(0, prompts[0])], [b.prefill(0, prompts[1])]]
+    for s in steps:
+        got[0].append(a.step(np.array([0]), s[:1]))
+        got[1].append(b.step(np.array([0]), s[1:]))
+    for i in (0, 1):
+        want = [apart.prefill(0, prompts[i])] + [apart.step(np.array([0]), s[i:i + 1]) for s in steps]
+        for g, w in zip(got[i], want, strict=True):
+            np.testing.assert_array_equal(g, w)
+
+
 def test_a_packed_forward_gives_each_row_its_hidden_states_alone(ov_int4_bundle):
     """Two rows decoding while a third's 45-position prompt rides along in chunks of 9: the
     chunks' hidden states equal the prompt prefilled whole alone, and the rows' steps equal

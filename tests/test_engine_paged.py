@@ -156,6 +156,47 @@ def test_a_packed_forward_gives_each_row_its_hidden_states_alone(ov_int4_bundle)
     assert packed.packed_forwards == 5 and packed.lengths[:3].tolist() == [26, 76, 45]
 
 
+class _Recorder:
+    """An infer request that keeps a copy of every feed and gives zeros of the output's shape
+    [T, 1, H]."""
+
+    def __init__(self, request, output):
+        self.request, self.output, self.feeds = request, output, []
+
+    def infer(self, feeds):
+        self.feeds.append({k: np.array(v, copy=True) for k, v in feeds.items()})
+        return {self.output: np.zeros((feeds["inputs_embeds"].shape[0], 1, H), np.float32)}
+
+    def set_tensor(self, name, tensor):
+        self.request.set_tensor(name, tensor)
+
+
+def test_a_packed_forward_feeds_the_paged_inputs(ov_int4_bundle):
+    """What a forward feeds: two decode rows (at 40 and 3 positions) and a 5-position chunk
+    riding along from position 32 give the packed positions, past lengths, sequence begins and
+    block tables the PagedAttention inputs take, in the types the transformed model declares."""
+    rng = np.random.default_rng(4)
+    decoder = _paged(ov_int4_bundle, F32)
+    decoder._request = recorder = _Recorder(decoder._request, decoder._output)
+    decoder.prefill(0, _embeds(rng, 40))
+    decoder.prefill(1, _embeds(rng, 3))
+    decoder.prefill(2, _embeds(rng, 32))
+    steps, chunk = rng.standard_normal((2, 1, H)).astype(np.float32), _embeds(rng, 5)
+    decoder.step(np.array([0, 1]), steps, prefill=(2, chunk, 32))
+    fed = recorder.feeds[-1]
+    np.testing.assert_array_equal(fed["inputs_embeds"], np.concatenate([steps[:, 0], chunk[0]]))
+    assert fed["position_ids"].tolist() == [40, 3, 32, 33, 34, 35, 36]
+    assert fed["past_lens"].tolist() == [40, 3, 32] and fed["subsequence_begins"].tolist() == [0, 1, 2, 7]
+    tables = [decoder.tables[r] for r in (0, 1, 2)]
+    assert [len(t) for t in tables] == [2, 1, 2]
+    assert fed["block_indices"].tolist() == tables[0] + tables[1] + tables[2]
+    assert fed["block_indices_begins"].tolist() == [0, 2, 3, 5] and int(fed["max_context_len"]) == 41
+    assert {k: v.dtype for k, v in fed.items() if k != "inputs_embeds"} == {
+        "position_ids": np.int64, "past_lens": np.int32, "subsequence_begins": np.int32, "block_indices": np.int32,
+        "block_indices_begins": np.int32, "max_context_len": np.int32}
+    assert decoder.lengths[:3].tolist() == [41, 4, 37]
+
+
 def test_a_voice_prefix_is_shared_blocks(ov_int4_bundle):
     """A 40-position prefix read from the row that computed it: a second row restoring it names
     its full block (one more reference, no copy) and gets its own copy of the partly filled

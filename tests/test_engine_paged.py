@@ -337,3 +337,41 @@ def test_a_persisted_voice_prefix_restores_into_blocks(tts_exact, cases_dir, tmp
         assert len(list(tmp_path.glob("*.prefix.safetensors"))) == 1
     finally:
         tts_exact.pipeline.prefix_cache = kept
+
+
+def test_openvino_engine_picks_the_decoder_and_bad_values_are_refused_by_name(ov_int4_bundle, monkeypatch):
+    """``engine(openvino_engine=...)``: ``"paged"`` (and the default) the paged decoder, ``"stateful"``
+    the spliced one, ``max_batch=1`` the bundle's own decoder either way; a value of neither, the
+    choice for a decoder without the two engines (the NPU variant's static one) or for a bundle
+    not on OpenVINO is refused naming ``openvino_engine``."""
+    from types import SimpleNamespace
+
+    import higgs_pack.runtime.api as api
+    from higgs_pack.errors import InputError
+    from higgs_pack.runtime.backends import get_backend
+    from higgs_pack.runtime.backends.openvino.batched import OvBatchedDecoder
+    from higgs_pack.runtime.engine.decoders import SingleRowDecoder
+
+    with higgs_pack.load(ov_int4_bundle, "cpu", cache_dir=False) as tts:
+        for choice, kind in ((None, OvPagedDecoder), ("paged", OvPagedDecoder), ("stateful", OvBatchedDecoder)):
+            with tts.engine(max_batch=2, openvino_engine=choice) as engine:
+                assert type(engine.decoder) is kind, choice
+                assert engine.submit("Hello.", seed=0, max_frames=12).result(timeout=120).codes.shape[0] == 12
+        with tts.engine(max_batch=1, openvino_engine="stateful") as engine:
+            assert isinstance(engine.decoder, SingleRowDecoder)
+        for bad in ("Paged", "spliced", 2):
+            with pytest.raises(InputError, match=r"openvino_engine must be 'paged' or 'stateful'"):
+                tts.engine(max_batch=2, openvino_engine=bad)
+        with pytest.raises(InputError, match=r"openvino_engine must be 'paged' or 'stateful'"):
+            list(tts.synthesize_many(["Hi."], max_batch=2, openvino_engine="fast"))
+        kept = tts.pipeline.decoder
+        tts.pipeline.decoder = SimpleNamespace(max_length=kept.max_length)  # a decoder of neither engine (as the NPU's)
+        try:
+            with pytest.raises(InputError, match=r"openvino_engine='stateful' chooses how the stateful decoder batches"):
+                tts.engine(max_batch=1, openvino_engine="stateful")
+        finally:
+            tts.pipeline.decoder = kept
+        monkeypatch.setattr(api, "backend_of", lambda manifest: get_backend("onnxruntime"))
+        with pytest.raises(InputError, match=r"openvino_engine='paged' chooses between the engines of an OpenVINO "
+                                             r"bundle; .* runs on ONNX Runtime"):
+            tts.engine(max_batch=2, openvino_engine="paged")

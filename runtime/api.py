@@ -324,7 +324,7 @@ class TTS:
 
     def engine(self, max_batch: int = 4, *, max_length: int | None = None,
                max_kv_bytes: int | None = None, prefill_chunk: int | str = "auto",
-               join_gap_steps: float = DEFAULT_JOIN_GAP_STEPS) -> Engine:
+               join_gap_steps: float = DEFAULT_JOIN_GAP_STEPS, openvino_engine: str | None = None) -> Engine:
         """A continuous-batching engine over this bundle: requests submitted from any thread
         join and leave between decoder steps (:mod:`higgs_pack.runtime.engine`).
 
@@ -345,6 +345,12 @@ class TTS:
             prefill_chunk, join_gap_steps: how a prompt joining running requests is prefilled
                 (in chunks between their steps, so they keep getting frames): see
                 :class:`~higgs_pack.runtime.engine.engine.Engine`.
+            openvino_engine: an OpenVINO bundle's engine for ``max_batch > 1``: ``"paged"`` (None:
+                the default; PagedAttention, a joining request prefilled inside the running rows'
+                step: short joins) or ``"stateful"`` (rows spliced into the stateful decoder's
+                batched state: the CPU's faster step, joins of several steps; CPU device only).
+                ``max_batch=1`` runs the bundle's own decoder either way.  Only for OpenVINO
+                bundles, not their NPU variant (docs/using/engine.md).
 
         Returns:
             An :class:`~higgs_pack.runtime.engine.engine.Engine` (``submit(text, **options)``
@@ -352,9 +358,12 @@ class TTS:
             ``kv_budget_bytes``, ``kv_bytes_in_use`` for figures); close it, or use ``with``.
 
         Raises:
-            InputError: a bad size, or ``max_batch > 1`` on a backend or device that cannot
-                batch (the message says why).
+            InputError: a bad size, ``max_batch > 1`` on a backend or device that cannot
+                batch (the message says why), or an ``openvino_engine`` that is not ``"paged"`` or
+                ``"stateful"``, given for another bundle than OpenVINO's, for its NPU variant, or
+                ``"stateful"`` on another device than the CPU (each naming ``openvino_engine``).
         """
+        self._check_openvino_engine(openvino_engine)
         for name, value in (("max_batch", max_batch), ("max_length", max_length), ("max_kv_bytes", max_kv_bytes)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, Integral) or value < 1):
                 raise InputError.of(Problem.said(f"{name} must be a whole number >= 1, got {value!r}"))
@@ -362,13 +371,27 @@ class TTS:
         length = min(limit, DEFAULT_MAX_LENGTH) if max_length is None else max_length
         if length > limit:
             raise InputError.of(Problem.said(f"max_length={length} is more than the decoder's context of {limit} positions"))
-        decoder = backend_of(self.bundle.manifest).batched_decoder(self.pipeline, int(max_batch), int(length))
+        backend = backend_of(self.bundle.manifest)
+        choice = {} if openvino_engine is None else {"openvino_engine": openvino_engine}
+        decoder = backend.batched_decoder(self.pipeline, int(max_batch), int(length), **choice)
         return Engine(self.pipeline, decoder, max_kv_bytes=max_kv_bytes, prefill_chunk=prefill_chunk,
                       join_gap_steps=join_gap_steps)
 
+    def _check_openvino_engine(self, openvino_engine: str | None) -> None:
+        """Refuse a bad ``openvino_engine``, or one given for a bundle not on OpenVINO (InputError)."""
+        from higgs_pack.runtime.engine.decoders import check_openvino_engine
+
+        check_openvino_engine(openvino_engine)
+        backend = backend_of(self.bundle.manifest)
+        if openvino_engine is not None and backend.name != "openvino":
+            raise InputError.of(Problem.said(
+                f"openvino_engine={openvino_engine!r} chooses between the engines of an OpenVINO bundle; {self.bundle.name} "
+                f"runs on {backend.label}, which has one engine: leave openvino_engine (--openvino-engine) out",
+                field="openvino_engine", value=openvino_engine, code="unsupported_value"))
+
     def synthesize_many(self, texts: Iterable[str | SynthesisRequest], *, max_batch: int = 4,
                         in_order: bool = True, max_length: int | None = None, max_kv_bytes: int | None = None,
-                        **options: Any) -> Iterator[tuple[int, SynthesisResult | Exception]]:
+                        openvino_engine: str | None = None, **options: Any) -> Iterator[tuple[int, SynthesisResult | Exception]]:
         """Speak many texts through one engine (:meth:`engine`), several decoded per step.
 
         Text ``i`` is spoken with seed ``seed + i`` (``seed`` defaults to 0; ``seed=None`` draws
@@ -388,7 +411,7 @@ class TTS:
         Args:
             texts: what to say, one item per utterance (str or ``SynthesisRequest``); read
                 lazily, at most ``4 * max_batch`` ahead of what has been yielded.
-            max_batch, max_length, max_kv_bytes: as :meth:`engine`.
+            max_batch, max_length, max_kv_bytes, openvino_engine: as :meth:`engine`.
             in_order: True (default): yield in the order of ``texts``; False: as each text
                 finishes (what a writer of files wants; the indices say which).
             options: the keywords of :meth:`synthesize` (``seed``, ``temperature``, ``top_k``,
@@ -414,6 +437,7 @@ class TTS:
             template = dataclasses.replace(template, voice=self.prepare_voice(template.voice.audio,
                                                                               template.voice.transcript))
         base_seed = template.seed
+        self._check_openvino_engine(openvino_engine)
         engine_kwargs = {"max_length": max_length, "max_kv_bytes": max_kv_bytes}
         for name, value in (("max_batch", max_batch), *engine_kwargs.items()):
             if (value is not None or name == "max_batch") and (
@@ -426,7 +450,8 @@ class TTS:
             seed = None if base_seed is None else base_seed + index
             return dataclasses.replace(template, text=item, seed=seed)  # the text and seed checked again
 
-        return _many(self, enumerate(texts), request_of, int(max_batch), in_order, engine_kwargs)
+        return _many(self, enumerate(texts), request_of, int(max_batch), in_order,
+                     {**engine_kwargs, "openvino_engine": openvino_engine})
 
 
 def _many(tts: TTS, items: Iterator[tuple[int, Any]], request_of, max_batch: int, in_order: bool,

@@ -235,7 +235,7 @@ class BatchOutcome:
 
 def run_batch(tts: Any, lines: list[Line], requests: list[Any], manifest: BatchManifest, folder: Path, *,
               max_batch: int, subtype: str, say: Callable[[str, bool], None],
-              progress: Callable[[int], None] | None = None) -> BatchOutcome:
+              progress: Callable[[int], None] | None = None, openvino_engine: str | None = None) -> BatchOutcome:
     """Speak ``requests`` (one per entry of ``lines``, those not yet in ``manifest.files``)
     through one engine and write each finished wav and the manifest into ``folder``.
 
@@ -248,6 +248,7 @@ def run_batch(tts: Any, lines: list[Line], requests: list[Any], manifest: BatchM
         subtype: ``"PCM_16"`` or ``"FLOAT"``.
         say: ``say(message, is_error)`` prints one line per file written or line failed.
         progress: called with the number of lines done after each.
+        openvino_engine: an OpenVINO bundle's engine (``TTS.engine``'s; None: its default).
 
     Returns:
         A :class:`BatchOutcome`.
@@ -263,7 +264,8 @@ def run_batch(tts: Any, lines: list[Line], requests: list[Any], manifest: BatchM
     manifest.state = "running"
     manifest.save(folder)
     try:
-        for index, result in tts.synthesize_many(requests, max_batch=max_batch, in_order=False):
+        for index, result in tts.synthesize_many(requests, max_batch=max_batch, in_order=False,
+                                                    openvino_engine=openvino_engine):
             line = lines[index]
             if isinstance(result, Exception):
                 # a line's text is not set with --text: its problems said without how to set them

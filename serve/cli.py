@@ -79,7 +79,7 @@ def config_options(command: Any) -> Any:
              "folder": click.Path(file_okay=False, path_type=Path), "file": click.Path(dir_okay=False, path_type=Path)}
     defaults = ServeConfig()
     for name, setting in reversed(settings().items()):  # decorators apply bottom-up: keep the declared order
-        kind = kinds[setting.kind]
+        kind = kinds[setting.kind] if setting.choices is None else click.Choice(setting.choices)
         if setting.minimum is not None:
             low = setting.minimum
             kind = click.IntRange(min=int(low)) if setting.kind == "whole" else click.FloatRange(min=low)

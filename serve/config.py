@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from higgs_pack.errors import InputError, Problem
+from higgs_pack.manifests.providers import OPENVINO_ENGINES
 
 #: Longest ``input`` by default (characters): about 8,000 English words, some 45 minutes of speech,
 #: spoken in chunks with a rolling context.  OpenAI's own limit is 4,096 (openai-python
@@ -56,6 +57,8 @@ class Setting:
         unit: bytes per unit of a size given in MiB (``2**20``; the field holds bytes), else 1.
         envvar: an environment variable of its own (``HIGGS_PACK_API_KEY``), or None.
         metavar: the option's metavar in ``--help``, or None.
+        choices: the only values a ``"text"`` takes (the option offers them; :class:`ServeConfig`
+            refuses any other, naming the field), or None for any text.
     """
 
     flag: str
@@ -65,6 +68,7 @@ class Setting:
     unit: int = 1
     envvar: str | None = None
     metavar: str | None = None
+    choices: tuple[str, ...] | None = None
 
     @property
     def name(self) -> str:
@@ -102,6 +106,9 @@ class ServeConfig:
         allow_local_media: ``ref_audio`` may name a file under this folder (None: never).
         max_kv_bytes: KV cache budget of the engine's admitted requests (None: the engine's
             default, from free memory; see :func:`higgs_pack.runtime.engine.kv_memory.default_kv_budget`).
+        openvino_engine: an OpenVINO bundle's engine for ``max_batch > 1``: ``"paged"`` (short joins)
+            or ``"stateful"`` (the spliced engine: the CPU's faster step); None: the engine's default
+            (paged).  Refused at start for other bundles and the NPU variant (``TTS.engine``).
         max_input_chars: longest ``input``.
         max_upload_bytes: largest voice upload or decoded ``ref_audio``.
         max_ref_seconds: longest reference clip.
@@ -133,6 +140,10 @@ class ServeConfig:
     max_kv_bytes: int | None = _setting(None, "--max-kv-mb", "KV cache budget of the requests in the batch, MiB "
                                         "(default: half the memory available at start); a request that does not "
                                         "fit waits.", "number", minimum=1, unit=2**20)
+    openvino_engine: str | None = _setting(None, "--openvino-engine", "OpenVINO bundles, --max-batch > 1: paged "
+                                           "(default; a joining request waits ~2-3 steps) or stateful (the spliced "
+                                           "engine: the CPU's faster step, joins of 6-11 steps).", "text",
+                                           choices=OPENVINO_ENGINES)
     max_input_chars: int = _setting(MAX_INPUT_CHARS, "--max-input-chars", "Longest `input` of a speech request, "
                                     "characters; a longer one is answered 400.", "whole", minimum=1)
     max_upload_bytes: int = _setting(MAX_UPLOAD_BYTES, "--max-upload-mb", "Largest voice upload or ref_audio, MiB.",
@@ -181,6 +192,10 @@ class ServeConfig:
             elif not whole and (isinstance(value, bool) or not isinstance(value, (int, float))
                                 or not low <= value < float("inf")):
                 problems.append(f"{name} must be a number >= {low:g}, got {value!r}")
+        for name, setting in settings().items():  # a text of a few values, as declared
+            value = getattr(self, name)
+            if setting.choices is not None and value is not None and value not in setting.choices:
+                problems.append(f"{name} must be one of {', '.join(setting.choices)}, got {value!r}")
         if any(not isinstance(name, str) or not name.strip() for name in self.model_names):
             problems.append("a --model-name is blank; give each extra model name as a non-empty word, or leave "
                             "--model-name out")

@@ -91,7 +91,8 @@ class SpeechServer:
 
     def __init__(self, tts: Any, config: ServeConfig):
         self.tts, self.config = tts, config
-        self.engine, self.batching_note = _make_engine(tts, config.max_batch, config.max_kv_bytes)
+        self.engine, self.batching_note = _make_engine(tts, config.max_batch, config.max_kv_bytes,
+                                                       config.openvino_engine)
         info = tts.info
         self.models = tuple(dict.fromkeys((info.bundle, info.model, *config.model_names)))
         self.voices = VoiceStore(config.voices_dir, _codec_sha256(tts), _prefix_key(config))
@@ -345,17 +346,25 @@ async def _cancel_on_disconnect(receive: Any, handle: EngineHandle, scope: anyio
             return
 
 
-def _make_engine(tts: Any, max_batch: int | None, max_kv_bytes: int | None) -> tuple[Any, str]:
-    """The engine for ``max_batch`` rows; None: :data:`DEFAULT_MAX_BATCH` where the backend
-    batches, else one row with the backend's reason (logged, and shown by ``/ready``)."""
+def _make_engine(tts: Any, max_batch: int | None, max_kv_bytes: int | None,
+                 openvino_engine: str | None = None) -> tuple[Any, str]:
+    """The engine for ``max_batch`` rows (on ``openvino_engine``, ``TTS.engine``'s); None:
+    :data:`DEFAULT_MAX_BATCH` where the backend batches, else one row with the backend's reason
+    (logged, and shown by ``/ready``).
+
+    Raises:
+        InputError: as ``TTS.engine``: an ``openvino_engine`` this bundle does not take is refused
+            at one row too, so it is never dropped silently.
+    """
+    keywords = {"max_kv_bytes": max_kv_bytes, "openvino_engine": openvino_engine}
     if max_batch is not None:
-        return tts.engine(max_batch, max_kv_bytes=max_kv_bytes), ""
+        return tts.engine(max_batch, **keywords), ""
     try:
-        return tts.engine(DEFAULT_MAX_BATCH, max_kv_bytes=max_kv_bytes), ""
+        return tts.engine(DEFAULT_MAX_BATCH, **keywords), ""
     except InputError as exc:  # the backend cannot batch (a problem of another kind recurs at one row)
         note = f"one request at a time: {exc}"
         log.info("serving %s", note)
-        return tts.engine(1, max_kv_bytes=max_kv_bytes), note
+        return tts.engine(1, **keywords), note
 
 
 def _codec_sha256(tts: Any) -> str:

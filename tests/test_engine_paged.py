@@ -102,6 +102,32 @@ def test_a_row_gives_the_stateful_decoders_hidden_states(ov_int4_bundle):
     assert paged.pool.in_use == 0 and paged.kv_bytes_in_use == 0
 
 
+def test_engines_share_one_compiled_paged_model(ov_int4_bundle):
+    """The paged model is compiled once per stateful decoder: every engine of a bundle (each with
+    its own infer request and block pool) runs the same compiled model, not a copy of the weights
+    each; two decoders on it, stepped in turn, give the hidden states of a decoder compiled apart."""
+    with (higgs_pack.load(ov_int4_bundle, "cpu", cache_dir=False) as tts, tts.engine(max_batch=2) as first,
+          tts.engine(max_batch=3) as second):
+        assert first.decoder.compiled is second.decoder.compiled
+        assert first.decoder._request is not second.decoder._request
+    stateful = _stateful(ov_int4_bundle, F32)
+    assert compile_paged(stateful, 2) is compile_paged(stateful, 2)
+    a, b = (OvPagedDecoder(compile_paged(stateful, 2), max_batch=2, max_length=512, device="CPU", initial_blocks=2)
+            for _ in range(2))
+    apart = _paged(ov_int4_bundle, F32)
+    assert apart.compiled is not a.compiled
+    rng = np.random.default_rng(3)
+    prompts, steps = (_embeds(rng, 40), _embeds(rng, 33)), rng.standard_normal((5, 2, 1, H)).astype(np.float32)
+    got = [[a.prefill(0, prompts[0])], [b.prefill(0, prompts[1])]]
+    for s in steps:
+        got[0].append(a.step(np.array([0]), s[:1]))
+        got[1].append(b.step(np.array([0]), s[1:]))
+    for i in (0, 1):
+        want = [apart.prefill(0, prompts[i])] + [apart.step(np.array([0]), s[i:i + 1]) for s in steps]
+        for g, w in zip(got[i], want, strict=True):
+            np.testing.assert_array_equal(g, w)
+
+
 def test_a_packed_forward_gives_each_row_its_hidden_states_alone(ov_int4_bundle):
     """Two rows decoding while a third's 45-position prompt rides along in chunks of 9: the
     chunks' hidden states equal the prompt prefilled whole alone, and the rows' steps equal
@@ -128,6 +154,47 @@ def test_a_packed_forward_gives_each_row_its_hidden_states_alone(ov_int4_bundle)
     for row in (0, 1):
         np.testing.assert_array_equal(np.stack([g[row] for g in got]), want[row])
     assert packed.packed_forwards == 5 and packed.lengths[:3].tolist() == [26, 76, 45]
+
+
+class _Recorder:
+    """An infer request that keeps a copy of every feed and gives zeros of the output's shape
+    [T, 1, H]."""
+
+    def __init__(self, request, output):
+        self.request, self.output, self.feeds = request, output, []
+
+    def infer(self, feeds):
+        self.feeds.append({k: np.array(v, copy=True) for k, v in feeds.items()})
+        return {self.output: np.zeros((feeds["inputs_embeds"].shape[0], 1, H), np.float32)}
+
+    def set_tensor(self, name, tensor):
+        self.request.set_tensor(name, tensor)
+
+
+def test_a_packed_forward_feeds_the_paged_inputs(ov_int4_bundle):
+    """What a forward feeds: two decode rows (at 40 and 3 positions) and a 5-position chunk
+    riding along from position 32 give the packed positions, past lengths, sequence begins and
+    block tables the PagedAttention inputs take, in the types the transformed model declares."""
+    rng = np.random.default_rng(4)
+    decoder = _paged(ov_int4_bundle, F32)
+    decoder._request = recorder = _Recorder(decoder._request, decoder._output)
+    decoder.prefill(0, _embeds(rng, 40))
+    decoder.prefill(1, _embeds(rng, 3))
+    decoder.prefill(2, _embeds(rng, 32))
+    steps, chunk = rng.standard_normal((2, 1, H)).astype(np.float32), _embeds(rng, 5)
+    decoder.step(np.array([0, 1]), steps, prefill=(2, chunk, 32))
+    fed = recorder.feeds[-1]
+    np.testing.assert_array_equal(fed["inputs_embeds"], np.concatenate([steps[:, 0], chunk[0]]))
+    assert fed["position_ids"].tolist() == [40, 3, 32, 33, 34, 35, 36]
+    assert fed["past_lens"].tolist() == [40, 3, 32] and fed["subsequence_begins"].tolist() == [0, 1, 2, 7]
+    tables = [decoder.tables[r] for r in (0, 1, 2)]
+    assert [len(t) for t in tables] == [2, 1, 2]
+    assert fed["block_indices"].tolist() == tables[0] + tables[1] + tables[2]
+    assert fed["block_indices_begins"].tolist() == [0, 2, 3, 5] and int(fed["max_context_len"]) == 41
+    assert {k: v.dtype for k, v in fed.items() if k != "inputs_embeds"} == {
+        "position_ids": np.int64, "past_lens": np.int32, "subsequence_begins": np.int32, "block_indices": np.int32,
+        "block_indices_begins": np.int32, "max_context_len": np.int32}
+    assert decoder.lengths[:3].tolist() == [41, 4, 37]
 
 
 def test_a_voice_prefix_is_shared_blocks(ov_int4_bundle):
@@ -270,3 +337,41 @@ def test_a_persisted_voice_prefix_restores_into_blocks(tts_exact, cases_dir, tmp
         assert len(list(tmp_path.glob("*.prefix.safetensors"))) == 1
     finally:
         tts_exact.pipeline.prefix_cache = kept
+
+
+def test_openvino_engine_picks_the_decoder_and_bad_values_are_refused_by_name(ov_int4_bundle, monkeypatch):
+    """``engine(openvino_engine=...)``: ``"paged"`` (and the default) the paged decoder, ``"stateful"``
+    the spliced one, ``max_batch=1`` the bundle's own decoder either way; a value of neither, the
+    choice for a decoder without the two engines (the NPU variant's static one) or for a bundle
+    not on OpenVINO is refused naming ``openvino_engine``."""
+    from types import SimpleNamespace
+
+    import higgs_pack.runtime.api as api
+    from higgs_pack.errors import InputError
+    from higgs_pack.runtime.backends import get_backend
+    from higgs_pack.runtime.backends.openvino.batched import OvBatchedDecoder
+    from higgs_pack.runtime.engine.decoders import SingleRowDecoder
+
+    with higgs_pack.load(ov_int4_bundle, "cpu", cache_dir=False) as tts:
+        for choice, kind in ((None, OvPagedDecoder), ("paged", OvPagedDecoder), ("stateful", OvBatchedDecoder)):
+            with tts.engine(max_batch=2, openvino_engine=choice) as engine:
+                assert type(engine.decoder) is kind, choice
+                assert engine.submit("Hello.", seed=0, max_frames=12).result(timeout=120).codes.shape[0] == 12
+        with tts.engine(max_batch=1, openvino_engine="stateful") as engine:
+            assert isinstance(engine.decoder, SingleRowDecoder)
+        for bad in ("Paged", "spliced", 2):
+            with pytest.raises(InputError, match=r"openvino_engine must be 'paged' or 'stateful'"):
+                tts.engine(max_batch=2, openvino_engine=bad)
+        with pytest.raises(InputError, match=r"openvino_engine must be 'paged' or 'stateful'"):
+            list(tts.synthesize_many(["Hi."], max_batch=2, openvino_engine="fast"))
+        kept = tts.pipeline.decoder
+        tts.pipeline.decoder = SimpleNamespace(max_length=kept.max_length)  # a decoder of neither engine (as the NPU's)
+        try:
+            with pytest.raises(InputError, match=r"openvino_engine='stateful' chooses how the stateful decoder batches"):
+                tts.engine(max_batch=1, openvino_engine="stateful")
+        finally:
+            tts.pipeline.decoder = kept
+        monkeypatch.setattr(api, "backend_of", lambda manifest: get_backend("onnxruntime"))
+        with pytest.raises(InputError, match=r"openvino_engine='paged' chooses between the engines of an OpenVINO "
+                                             r"bundle; .* runs on ONNX Runtime"):
+            tts.engine(max_batch=2, openvino_engine="paged")

@@ -560,3 +560,47 @@ def test_each_server_setting_is_declared_once_and_every_door_has_it(monkeypatch,
     assert len(captured) == 2 and captured[0] == captured[1] == from_ray
     assert from_ray.max_kv_bytes == 64 * 2**20 and from_ray.model_names == ("a",)
 
+
+
+def test_the_openvino_engine_setting_reaches_the_engine_and_bad_values_are_refused_by_name(monkeypatch):
+    """``--openvino-engine`` (``HIGGS_PACK_SERVE_OPENVINO_ENGINE``, Ray's ``openvino_engine``): paged or
+    stateful, the same config from every door, handed to ``tts.engine``; another value is refused
+    naming the setting at every door."""
+    from click.testing import CliRunner
+
+    from higgs_pack.errors import InputError
+    from higgs_pack.serve.cli import serve
+    from higgs_pack.serve.ray_app import parse_args
+    from higgs_pack.serve.server import SpeechServer, _make_engine
+
+    captured = []
+
+    def opened(cls, source, config, device=None):
+        captured.append(config)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(SpeechServer, "open", classmethod(opened))
+    assert CliRunner().invoke(serve, ["bundle", "--port", "0", "--openvino-engine", "stateful"]).exit_code == 0
+    assert CliRunner().invoke(serve, ["bundle", "--port", "0"],
+                              env={"HIGGS_PACK_SERVE_OPENVINO_ENGINE": "stateful"}).exit_code == 0
+    bad = CliRunner().invoke(serve, ["bundle", "--port", "0", "--openvino-engine", "fast"])
+    assert bad.exit_code == 2 and "--openvino-engine" in bad.output and "'paged', 'stateful'" in bad.output
+    monkeypatch.undo()
+    _, from_ray, _ = parse_args({"source": "bundle", "openvino_engine": "stateful"})
+    assert captured == [from_ray, from_ray] and from_ray.openvino_engine == "stateful"
+    assert ServeConfig().openvino_engine is None
+    for given in ({"openvino_engine": "fast"}, {"openvino_engine": ""}):
+        with pytest.raises(InputError, match=r"openvino_engine must be one of paged, stateful, got 'f?a?s?t?'"):
+            ServeConfig(**given)
+    with pytest.raises(InputError, match="openvino_engine must be one of paged, stateful"):
+        parse_args({"source": "bundle", "openvino_engine": "fast"})
+
+    calls = []
+
+    class FakeTTS:
+        def engine(self, max_batch, **keywords):
+            calls.append((max_batch, keywords))
+            return "engine"
+
+    assert _make_engine(FakeTTS(), None, 2**20, "stateful") == ("engine", "")
+    assert calls == [(4, {"max_kv_bytes": 2**20, "openvino_engine": "stateful"})]

@@ -9,8 +9,22 @@ from typing import Protocol
 
 import numpy as np
 
+from higgs_pack.errors import InputError, Problem
+from higgs_pack.manifests.providers import OPENVINO_ENGINES
 from higgs_pack.runtime.loop.pipeline import Decoder
 from higgs_pack.runtime.loop.prefix_cache import prefix_layout
+
+
+def check_openvino_engine(value: object) -> None:
+    """Refuse an ``openvino_engine`` that is not None or one of
+    :data:`~higgs_pack.manifests.providers.OPENVINO_ENGINES`.
+
+    Raises:
+        InputError: naming the field, the value and the ones allowed.
+    """
+    if value is not None and value not in OPENVINO_ENGINES:
+        raise InputError.of(Problem("openvino_engine", value, allowed=" or ".join(repr(e) for e in OPENVINO_ENGINES)
+                                    + " (None: the default, 'paged')"))
 
 
 class BatchedDecoder(Protocol):

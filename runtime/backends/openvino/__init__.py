@@ -45,21 +45,41 @@ class OpenVINOBackend(Backend):
     install_hint = f"{install_extra('openvino')} ({OPENVINO_REQUIREMENT})"
     batching_refusal = "the NPU variant's static shapes take batch 1: its decoder is compiled for one row"
 
-    def batched_decoder(self, pipeline, max_batch: int, max_length: int):
-        """For ``max_batch > 1`` an :class:`~higgs_pack.runtime.backends.openvino.paged.OvPagedDecoder`
-        on the stateful decoder IR turned to PagedAttention at load, compiled on the decoder's
-        own device with its own properties (CPU and GPU alike: the device picks the cache
-        layout); ``max_batch=1`` the bundle's batch-1 decoder.
+    def batched_decoder(self, pipeline, max_batch: int, max_length: int, *, openvino_engine: str | None = None):
+        """The decoder of an engine of ``max_batch`` rows: for ``max_batch > 1`` the engine
+        ``openvino_engine`` names (:data:`~higgs_pack.runtime.engine.decoders.OPENVINO_ENGINES`):
+
+        * ``"paged"`` (None: the default): an :class:`~higgs_pack.runtime.backends.openvino.paged.OvPagedDecoder`
+          on the stateful decoder IR turned to PagedAttention at load, compiled (once per decoder) on
+          the decoder's own device with its own properties (CPU and GPU alike: the device picks the
+          cache layout);
+        * ``"stateful"``: the spliced :class:`~higgs_pack.runtime.backends.openvino.batched.OvBatchedDecoder`
+          (:meth:`stateful_batched_decoder`; the CPU device only).
+
+        ``max_batch=1`` is the bundle's batch-1 decoder whichever is named (both engines serve one
+        row with it).
 
         Raises:
-            InputError: ``max_batch > 1`` on the NPU variant (its static decoder takes batch 1).
+            InputError: a bad ``openvino_engine`` (the field named); ``max_batch > 1`` on the NPU
+                variant (its static decoder takes batch 1), or ``openvino_engine`` given for it (it
+                has neither engine); ``"stateful"`` on another device than the CPU.
             SignatureMismatch, ExecutionProviderUnavailable: as
                 :func:`~higgs_pack.runtime.backends.openvino.paged.compile_paged`.
         """
         from higgs_pack.runtime.backends.openvino.runners import OvStatefulDecoder
+        from higgs_pack.runtime.engine.decoders import check_openvino_engine
 
+        check_openvino_engine(openvino_engine)
         decoder = pipeline.decoder
-        if max_batch > 1 and isinstance(decoder, OvStatefulDecoder):
+        stateful = isinstance(decoder, OvStatefulDecoder)
+        if openvino_engine is not None and not stateful:
+            raise InputError.of(Problem.said(
+                f"openvino_engine={openvino_engine!r} chooses how the stateful decoder batches; this bundle's decoder "
+                f"({self.batching_refusal}) has neither engine: leave openvino_engine (--openvino-engine) out",
+                field="openvino_engine", value=openvino_engine, code="unsupported_value"))
+        if max_batch > 1 and stateful and openvino_engine == "stateful":
+            return self.stateful_batched_decoder(pipeline, max_batch, max_length)
+        if max_batch > 1 and stateful:
             from higgs_pack.runtime.backends.openvino.paged import OvPagedDecoder, compile_paged
 
             compiled = compile_paged(decoder, pipeline.constants.num_layers)
@@ -72,20 +92,23 @@ class OpenVINOBackend(Backend):
         return super().batched_decoder(pipeline, max_batch, max_length)
 
     def stateful_batched_decoder(self, pipeline, max_batch: int, max_length: int):
-        """The former engine's decoder, kept for side-by-side measurement (``bench``): an
+        """The spliced stateful engine's decoder (``openvino_engine="stateful"``): an
         :class:`~higgs_pack.runtime.backends.openvino.batched.OvBatchedDecoder` (rows spliced into
         one stateful KV state through the state API) on the CPU device.
 
         Raises:
-            InputError: the decoder is not the stateful IR on the CPU device.
+            InputError: the decoder is not the stateful IR on the CPU device (``openvino_engine``
+                named).
         """
         from higgs_pack.runtime.backends.openvino.batched import OvBatchedDecoder
         from higgs_pack.runtime.backends.openvino.runners import OvStatefulDecoder
 
         decoder = pipeline.decoder
         if not isinstance(decoder, OvStatefulDecoder) or decoder.device.split(".")[0] != "CPU":
-            raise InputError.of(Problem.said("the stateful batched decoder splices requests into the stateful KV cache on the CPU "
-                                             "device only; load the openvino bundle (not --npu) with device='CPU'", code="unsupported_value"))
+            raise InputError.of(Problem.said(
+                "openvino_engine='stateful' splices requests into the stateful KV cache on the CPU device only; load the "
+                "openvino bundle (not --npu) with device='CPU', or use openvino_engine='paged' (--openvino-engine paged)",
+                field="openvino_engine", value="stateful", code="unsupported_value"))
         c = pipeline.constants
         return OvBatchedDecoder(decoder, max_batch=max_batch, max_length=max_length,
                                 num_layers=c.num_layers, kv_heads=c.num_key_value_heads, head_dim=c.head_dim)

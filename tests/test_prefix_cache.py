@@ -271,7 +271,8 @@ def test_engine_joins_mid_stream_give_codes_alone(tts, voice, prefill_chunk):
     assert stats.prefix_misses == 1 and stats.prefix_hits == 1 and cache.stats.entries == 1
     if prefill_chunk == 3:  # a joiner was prefilled in several chunks of 3 (how many joined while rows were
         # decoding depends on thread timing: 13 chunks on a quiet machine, 7 under load)
-        assert stats.prefill_chunks >= 3 and stats.prefill_chunk_positions >= 3
+        # (the size last chosen is 2 or 3: a chunk that would leave one position is shortened to 2)
+        assert stats.prefill_chunks >= 3 and stats.prefill_chunk_positions in (2, 3)
     assert stats.join_max_frame_gap_ms > 0 and stats.prefill_positions > 0
     assert stats.prefill_positions_per_s > 0 and stats.engine_step_ms > 0
 

@@ -65,7 +65,9 @@ def read_lines(text: str, base_seed: int | None) -> tuple[list[Line], int]:
         base_seed: ``--seed`` (line ``n`` gets ``base_seed + n - 1``), or None.
 
     Returns:
-        ``(lines, line_count)``; empty and whitespace-only lines are left out but counted.
+        ``(lines, line_count)``; empty and whitespace-only lines (also after a leading byte-order
+        mark is dropped, :func:`~higgs_pack.runtime.text.clean`, as from HTTP's ``input``) are left
+        out but counted.
 
     Raises:
         InputError: no line holds any text, or a line cannot be spoken (only control
@@ -73,13 +75,16 @@ def read_lines(text: str, base_seed: int | None) -> tuple[list[Line], int]:
             every such line named.
     """
     from higgs_pack.runtime.request import refuse, unspeakable
+    from higgs_pack.runtime.text import clean
     from higgs_pack.runtime.text import lines as text_lines
 
     raw = text_lines(text)  # LF, CR LF, CR: the one line rule (runtime/text.py)
     if raw and raw[-1] == "":
         raw.pop()  # the line feed that ends the last line ends no line of its own
-    lines = [Line(n, s.strip(), None if base_seed is None else base_seed + n - 1)
-             for n, s in enumerate(raw, start=1) if s.strip()]
+    # each line is one text, read as HTTP's input is (clean: a leading BOM dropped); a line empty
+    # after that is skipped as a whitespace-only line is, keeping its number
+    said = [(n, clean(s).strip()) for n, s in enumerate(raw, start=1)]
+    lines = [Line(n, s, None if base_seed is None else base_seed + n - 1) for n, s in said if s]
     if not lines:
         raise InputError.of(Problem.said(f"the text file has no non-empty line ({len(raw)} lines); --batch speaks one wav per "
                                          "non-empty line"))

@@ -88,6 +88,14 @@ def test_batch_lines_end_at_lf_crlf_and_cr_only():
         read_lines("fine.\nnot \x1b fine.\n", None)
 
 
+def test_batch_lines_read_a_bom_as_http_input_does():
+    # each line is one text: a leading BOM dropped (as HTTP's input), then a line empty after it is
+    # skipped as a whitespace-only line is (its number kept)
+    lines, count = read_lines("First.\n" + BOM + "\n   \n" + BOM + "Fourth.\n", 7)
+    assert [(line.number, line.text, line.seed) for line in lines] == [(1, "First.", 7), (4, "Fourth.", 10)]
+    assert count == 4
+
+
 # the command line
 def _run(*args, input=None):
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}

@@ -57,12 +57,13 @@ class Line:
     seed: int | None
 
 
-def read_lines(text: str, base_seed: int | None) -> tuple[list[Line], int]:
+def read_lines(text: str, base_seed: int | None, source: str = "the text file") -> tuple[list[Line], int]:
     """The lines to speak of a text file's contents, and the file's line count.
 
     Args:
         text: the whole file (UTF-8 decoded).
         base_seed: ``--seed`` (line ``n`` gets ``base_seed + n - 1``), or None.
+        source: how messages name the file (its path, or ``standard input``).
 
     Returns:
         ``(lines, line_count)``; empty and whitespace-only lines (also after a leading byte-order
@@ -86,11 +87,11 @@ def read_lines(text: str, base_seed: int | None) -> tuple[list[Line], int]:
     said = [(n, clean(s).strip()) for n, s in enumerate(raw, start=1)]
     lines = [Line(n, s, None if base_seed is None else base_seed + n - 1) for n, s in said if s]
     if not lines:
-        raise InputError.of(Problem.said(f"the text file has no non-empty line ({len(raw)} lines); --batch speaks one wav per "
+        raise InputError.of(Problem.said(f"{source} has no non-empty line ({len(raw)} lines); --batch speaks one wav per "
                                          "non-empty line"))
     refuse([Problem(None, line.text, message=literal(problem),
                     fix="fix or remove that line of --text-file") for line in lines
-            if (problem := unspeakable(line.text, f"line {line.number}")) is not None])
+            if (problem := unspeakable(line.text, f"line {line.number} of {source}")) is not None])
     return lines, len(raw)
 
 

@@ -92,13 +92,15 @@ def main(verbose: int) -> None:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
 
 
-def _read_text(text: str | None, text_file: Path | None) -> str:
+def _read_text(text: str | None, text_file: Path | None, one_text: bool = True) -> str:
     """The words to speak: ``--text``, ``--text-file``, or stdin (``--text -``, ``--text-file -`` or neither),
     as the one text rule reads bytes (:func:`higgs_pack.runtime.text.decode`: UTF-8, a leading BOM dropped).
+    ``one_text=False``: a file of texts (``--batch``), whose lines are checked each, named by line.
 
     Raises:
         click.UsageError: both given, or no text and a terminal on stdin.
-        InputError: the file or stdin is not UTF-8 (the byte named).
+        InputError: the file, stdin or ``--text`` is not UTF-8 (the byte named), or the file or stdin
+            holds a control character (the file named; ``--text``'s is the request's check).
     """
     if text is not None and text_file is not None:
         raise click.UsageError("give the text once: --text or --text-file, not both")
@@ -106,10 +108,43 @@ def _read_text(text: str | None, text_file: Path | None) -> str:
     if from_stdin:
         if sys.stdin is None or sys.stdin.isatty():
             raise click.UsageError("no text: pass --text \"…\", --text-file FILE, or pipe text on stdin")
-        return decode(sys.stdin.buffer.read(), "standard input")
+        return _read_bytes(sys.stdin.buffer.read(), "standard input", one_text)
     if text_file is not None:
-        return decode(text_file.read_bytes(), f"--text-file {text_file}")
+        return _read_bytes(text_file.read_bytes(), f"--text-file {text_file}", one_text)
+    return argument_text(text, "--text")
+
+
+def _read_bytes(data: bytes, where: str, check: bool = True) -> str:
+    """A file's or stdin's bytes as text (:func:`~higgs_pack.runtime.text.decode`), a control
+    character in it (``check``) refused naming ``where`` as a byte that is not UTF-8 is.
+
+    Raises:
+        InputError: not UTF-8, or a control character other than tab and line breaks.
+    """
+    from higgs_pack.errors import InputError, Problem, literal
+    from higgs_pack.runtime.text import character_problem
+
+    text = decode(data, where)
+    if check and (bad := character_problem(text, where)) is not None:
+        raise InputError.of(Problem(None, message=literal(bad)))
     return text
+
+
+def argument_text(value: str, flag: str) -> str:
+    """A command-line argument's text, its bytes judged as a file's are: Python hands bytes that are
+    not UTF-8 over as lone surrogates (``surrogateescape``), which are turned back into those bytes
+    and refused naming the byte (:func:`~higgs_pack.runtime.text.decode`), not the surrogate.
+
+    Raises:
+        InputError: ``flag``'s bytes are not UTF-8 (the byte named).
+    """
+    if not any("\udc80" <= char <= "\udcff" for char in value):
+        return value
+    try:
+        data = value.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return value  # a surrogate no byte makes: the text check names it
+    return decode(data, flag, fix="give it as UTF-8 text (is the shell's locale UTF-8?)")
 
 
 def _check_output(output: Path, bundle: str, inputs: list[Path | None], fmt: str = "wav") -> None:
@@ -206,7 +241,8 @@ class SynthesizeFlags:
 
     def voice(self) -> dict[str, Any]:
         """The reference clip and its transcript (``SynthesisRequest.create``'s keywords)."""
-        return {"ref_audio": self.ref_audio, "ref_text": self.ref_text}
+        ref_text = None if self.ref_text is None else argument_text(self.ref_text, "--ref-text")
+        return {"ref_audio": self.ref_audio, "ref_text": ref_text}
 
     def load_keywords(self) -> dict[str, Any]:
         """Where to run the bundle (:func:`higgs_pack.runtime.api.load`'s keywords)."""
@@ -412,7 +448,7 @@ def _batch_lines(f: SynthesizeFlags) -> tuple[list[Any], int, list[Any]]:
     if f.fmt != "wav":
         raise click.UsageError("--format raw writes one text to stdout; --batch writes wav files: drop --format")
     _check_output_folder(output, f.bundle, [text_file, f.ref_audio])
-    lines, line_count = read_lines(_read_text(None, text_file), f.seed)
+    lines, line_count = read_lines(_read_text(None, text_file, one_text=False), f.seed, _source_name(text_file))
     first = SynthesisRequest.create(lines[0].text, **f.voice(), **{**f.sampling(), "seed": lines[0].seed})
     return lines, line_count, [first] + [replace(first, text=line.text, seed=line.seed) for line in lines[1:]]
 

@@ -494,7 +494,7 @@ def test_batch_killed_or_interrupted_keeps_finished_files_and_resumes(cpu_int4_b
     (["--text-file", "{tmp}/lines.txt", "--batch", "2", "-o", "{tmp}/no/out"], "does not exist; create it first"),
     (["--text-file", "{tmp}/lines.txt", "--batch", "2", "-o", "-"], "--batch writes a folder of wavs"),
     (["--text-file", "{tmp}/lines.txt", "--batch", "0", "-o", "{tmp}/out"], "0 is not in the range x>=1"),
-    (["--text-file", "{tmp}/empty.txt", "--batch", "2", "-o", "{tmp}/out"], "the text file has no non-empty line"),
+    (["--text-file", "{tmp}/empty.txt", "--batch", "2", "-o", "{tmp}/out"], "empty.txt has no non-empty line"),
     (["--text-file", "{tmp}/lines.txt", "--batch", "2", "-o", "{tmp}/out", "--top-p", "2"], "top_p must be in (0, 1]"),
 ])
 def test_batch_usage_errors_before_the_bundle_is_looked_at(tmp_path, args, message):
@@ -583,7 +583,8 @@ def test_a_batch_line_that_cannot_be_spoken_is_named(tmp_path):
     code, err = invoke("synthesize", tmp_path / "no-bundle", "--text-file", tmp_path / "lines.txt", "--batch", "2",
                        "-o", tmp_path / "out")
     assert code == 2 and "2 problems with the request:" in err, err
-    assert "line 2 holds a control character" in err and "line 4 holds a control character at character 1 (U+0000, NUL)" in err
+    named = f"line 4 of {tmp_path / 'lines.txt'} holds a control character at character 1 (U+0000, NUL)"
+    assert f"line 2 of {tmp_path / 'lines.txt'} holds a control character" in err and named in err, err
     assert not (tmp_path / "out").exists()
 
 

@@ -84,7 +84,7 @@ def test_a_script_and_turns_read_a_bom_line_separators_and_nul_one_way():
 def test_batch_lines_end_at_lf_crlf_and_cr_only():
     lines, count = read_lines("one\u2028still one.\r\ntwo.\rthree.\n", None)
     assert [line.text for line in lines] == ["one\u2028still one.", "two.", "three."] and count == 3
-    with pytest.raises(InputError, match=r"line 2 holds a control character .*ESCAPE"):
+    with pytest.raises(InputError, match=r"line 2 of the text file holds a control character .*ESCAPE"):
         read_lines("fine.\nnot \x1b fine.\n", None)
 
 
@@ -100,6 +100,37 @@ def test_batch_lines_read_a_bom_as_http_input_does():
 def _run(*args, input=None):
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     return subprocess.run([*HIGGS, *map(str, args)], capture_output=True, input=input, env=env)
+
+
+def test_cli_names_a_bad_byte_and_a_control_character_the_same_way_at_every_text_door(tmp_path, monkeypatch):
+    from higgs_pack.runtime.cli import _read_text
+
+    argv = os.fsdecode(b"Caf\xe9 au lait.")  # a Latin-1 argument, as Python hands it over (surrogateescape)
+    with pytest.raises(InputError, match=r"^--text is not UTF-8 text \(byte 4 is 0xE9"):
+        _read_text(argv, None)
+    assert _read_text("Caf\u00e9 \U0001f600.", None) == "Caf\u00e9 \U0001f600."
+    notes = tmp_path / "notes.txt"
+    notes.write_bytes(b"Hello\x00 there.")
+    with pytest.raises(InputError, match=rf"^--text-file {notes} holds a control character at character 6 .*NUL"):
+        _read_text(None, notes)
+
+    class Stdin:
+        buffer = __import__("io").BytesIO(b"Hello\x1b there.")
+
+        @staticmethod
+        def isatty():
+            return False
+
+    monkeypatch.setattr(sys, "stdin", Stdin)
+    with pytest.raises(InputError, match=r"^standard input holds a control character at character 6 .*ESCAPE"):
+        _read_text("-", None)
+
+
+def test_batch_line_problems_name_the_file():
+    with pytest.raises(InputError, match=r"^line 2 of notes.txt holds a control character .*ESCAPE"):
+        read_lines("fine.\nnot \x1b fine.\n", None, "notes.txt")
+    with pytest.raises(InputError, match=r"^standard input has no non-empty line"):
+        read_lines("\n \n", None, "standard input")
 
 
 def test_cli_text_files_stdin_and_scripts_drop_a_bom_and_refuse_other_bytes(cpu_int4_bundle, tmp_path):

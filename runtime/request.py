@@ -243,7 +243,8 @@ def schedule_problems(first_chunk_frames: Any, chunk_growth: Any, max_chunk_fram
     if not {p.field for p in found} & {"first_chunk_frames", "max_chunk_frames"} \
             and max_chunk_frames < first_chunk_frames:
         found.append(Problem("max_chunk_frames", max_chunk_frames, f">= first_chunk_frames ({first_chunk_frames})",
-                             fix=f"first_chunk_frames is set with {how_set('first_chunk_frames')}"))
+                             fix=f"first_chunk_frames is set with {how_set('first_chunk_frames')}",
+                             code="conflicting_fields"))  # two fields that disagree
     return found
 
 
@@ -357,7 +358,7 @@ class SynthesisRequest:
                 "use ref_audio= with ref_text="))]
             if ref_audio is not None or ref_text is not None:
                 found.append(Problem("voice", None, message="give a voice as voice= (prepared) or as ref_audio= "
-                                                            "with ref_text=, not both"))
+                                                            "with ref_text=, not both", code="conflicting_fields"))
         else:
             found = voice_problems(ref_audio, ref_text)
         refuse(found

@@ -365,7 +365,7 @@ def _voice(body: dict, voices: Any, config: ServeConfig) -> tuple[str, dict[str,
     text_param = "ref_text"
     if body.get("references") is not None:
         if ref_audio is not None or ref_text is not None:
-            raise _bad("give references or ref_audio with ref_text, not both", "references")
+            raise _bad("give references or ref_audio with ref_text, not both", "references", "conflicting_fields")
         ref_audio, ref_text = _reference_entry(body["references"])
         text_param = "references[0].text"
     if ref_audio is None:
@@ -380,7 +380,7 @@ def _voice(body: dict, voices: Any, config: ServeConfig) -> tuple[str, dict[str,
                        "unknown_voice")
         return voice, {"voice": prepared}
     if voice != DEFAULT_VOICE:
-        raise _bad(f"give voice ({short(voice)}) or ref_audio with ref_text, not both", "voice")
+        raise _bad(f"give voice ({short(voice)}) or ref_audio with ref_text, not both", "voice", "conflicting_fields")
     if ref_text is None:
         raise _bad(f"ref_audio needs {text_param}, the exact transcript of the clip", text_param.split("[", 1)[0],
                    "missing_field")

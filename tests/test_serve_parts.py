@@ -604,3 +604,27 @@ def test_the_openvino_engine_setting_reaches_the_engine_and_bad_values_are_refus
 
     assert _make_engine(FakeTTS(), None, 2**20, "stateful") == ("engine", "")
     assert calls == [(4, {"max_kv_bytes": 2**20, "openvino_engine": "stateful"})]
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"voice": "anna", "ref_audio": "UklGRg==", "ref_text": "Her words."}, "voice"),
+    ({"references": [{"audio": "UklGRg==", "text": "a"}], "ref_audio": "UklGRg==", "ref_text": "b"}, "references"),
+])
+def test_two_ways_of_giving_the_voice_at_once_are_conflicting_fields(fields, param):
+    with pytest.raises(ApiError) as err:
+        _parse(**fields)
+    assert err.value.status == 400 and err.value.param == param and err.value.code == "conflicting_fields", err.value
+    assert "not both" in err.value.message
+
+
+def test_a_prepared_voice_beside_ref_audio_is_conflicting_fields_in_python(tmp_path):
+    from higgs_pack.runtime.request import SynthesisRequest
+
+    clip = tmp_path / "clip.wav"
+    sf.write(clip, np.zeros(24000, dtype=np.float32), 24000)
+    with pytest.raises(InputError, match="not both") as err:
+        SynthesisRequest.create("Hi.", voice=_voice("anna"), ref_audio=clip, ref_text="Her words.")
+    assert err.value.code == "conflicting_fields"
+    with pytest.raises(InputError, match="max_chunk_frames must be >= first_chunk_frames") as err:
+        SynthesisRequest.create("Hi.", first_chunk_frames=20, max_chunk_frames=10)
+    assert err.value.code == "conflicting_fields"

@@ -152,7 +152,8 @@ def plan_synthesis(pipeline: Pipeline, text: str, *, options: SamplingOptions | 
         InputError: as listed above.
     """
     if ref_samples is not None and ref_codes is not None:
-        raise InputError.of(Problem.said("give a voice as reference samples or as prepared codes, not both"))
+        raise InputError.of(Problem.said("give a voice as reference samples or as prepared codes, not both",
+                                         code="conflicting_fields"))
     if not checked:
         voice = ref_samples if ref_codes is None else ref_codes
         refuse(text_problems(text) or voice_pair_problems(voice, ref_text))

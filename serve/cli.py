@@ -145,9 +145,8 @@ def serve(source: str, host: str, port: int, device: str | None, log_level: str,
     app = create_app(server)
     shown = sock.getsockname()
     url_host = f"[{shown[0]}]" if sock.family == socket.AF_INET6 else shown[0]
-    click.echo(f"serving http://{url_host}:{shown[1]} (model {server.models[0]}, max_batch "
-               f"{server.engine.max_batch}, max_queue {config.max_queue}); /ready answers 200 once warmed up",
-               err=True)
+    click.echo(f"serving http://{url_host}:{shown[1]} (model {server.models[0]}, {server.engine_summary()}, "
+               f"max_queue {config.max_queue}); /ready answers 200 once warmed up", err=True)
     grace = int(config.grace_seconds + 0.999)  # uvicorn takes whole seconds
 
     class Uvicorn(uvicorn.Server):

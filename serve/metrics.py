@@ -6,7 +6,8 @@ Names (all prefixed ``higgs_pack_``): ``requests_total{route,status}``,
 ``audio_seconds_total``, ``engine_frames_total`` and ``engine_steps_total`` (the engine's
 own counts, cancelled requests included), ``codec_frames_total`` (frames its codec thread decoded), ``queue_depth`` (requests waiting for a row), ``active_batch`` (rows
 busy), ``in_flight`` (requests admitted and not done), ``ready``, and the engine's KV bytes
-where it reports them; the voice prefix cache's ``prefix_cache_hits_total``,
+where it reports them (``kv_blocks_in_use`` and ``kv_prefix_blocks_shared`` only for a paged
+decoder's block pool); the voice prefix cache's ``prefix_cache_hits_total``,
 ``prefix_cache_misses_total``, ``prefix_cache_bytes`` and ``prefix_cache_entries``; the engine's
 ``prefill_positions_total``, ``prefill_seconds_total`` and ``join_max_frame_gap_seconds``
 (longest wait of a running request for its next frame while a prompt joined).
@@ -62,11 +63,12 @@ class Metrics:
         r.register(_EngineCollector(server))
         Gauge("higgs_pack_kv_bytes", "KV cache bytes reserved by the admitted requests", registry=r).set_function(
             lambda: server.engine.kv_bytes_in_use)
-        Gauge("higgs_pack_kv_blocks_in_use", "KV blocks the requests name now in the paged decoder's pool (a "
-              "shared voice prefix block once; 0: a decoder without blocks)", registry=r).set_function(
-            lambda: server.engine.kv_blocks_in_use or 0)
-        Gauge("higgs_pack_kv_prefix_blocks_shared", "Voice prefix KV blocks that several requests name now (paged "
-              "decoder)", registry=r).set_function(lambda: server.engine.prefix_blocks_shared or 0)
+        if server.engine.kv_blocks_in_use is not None:  # a paged decoder's block pool; none without one
+            Gauge("higgs_pack_kv_blocks_in_use", "KV blocks the requests name now in the paged decoder's pool (a "
+                  "shared voice prefix block once)", registry=r).set_function(
+                lambda: server.engine.kv_blocks_in_use or 0)
+            Gauge("higgs_pack_kv_prefix_blocks_shared", "Voice prefix KV blocks that several requests name now (paged "
+                  "decoder)", registry=r).set_function(lambda: server.engine.prefix_blocks_shared or 0)
         Gauge("higgs_pack_kv_budget_bytes", "Most KV bytes the admitted requests may reach (0: no limit)",
               registry=r).set_function(lambda: server.engine.kv_budget_bytes or 0)
 

@@ -31,6 +31,7 @@ import anyio
 import anyio.to_thread
 
 from higgs_pack.errors import HiggsPackError, InputError
+from higgs_pack.manifests.providers import OPENVINO_ENGINES
 from higgs_pack.runtime.engine.handle import EngineHandle, RequestCancelled
 from higgs_pack.serve.config import ServeConfig
 from higgs_pack.serve.errors import ApiError, from_input_error
@@ -82,6 +83,8 @@ class SpeechServer:
             ``config.model_names``.
         engine: the :class:`~higgs_pack.runtime.engine.engine.Engine`.
         batching_note: why the engine serves one request at a time, when it does ("" otherwise).
+        openvino_engine: the OpenVINO engine that batches (``"paged"`` or ``"stateful"``) for an
+            OpenVINO bundle served with ``max_batch > 1``; None otherwise (one engine, or one row).
         ready: loaded and warmed up, and not stopping.
         in_flight: requests admitted and not finished.
 
@@ -94,6 +97,9 @@ class SpeechServer:
         self.engine, self.batching_note = _make_engine(tts, config.max_batch, config.max_kv_bytes,
                                                        config.openvino_engine)
         info = tts.info
+        self.openvino_engine = (config.openvino_engine or OPENVINO_ENGINES[0]) \
+            if info.backend == "openvino" and self.engine.max_batch > 1 else None
+        log.info("engine: %s", self.engine_summary())
         self.models = tuple(dict.fromkeys((info.bundle, info.model, *config.model_names)))
         self.voices = VoiceStore(config.voices_dir, _codec_sha256(tts), _prefix_key(config))
         if self.engine.prefix_cache is not None:  # named voices' prefix KV persists beside them
@@ -153,13 +159,29 @@ class SpeechServer:
         self.engine.close(timeout=30)
         self.tts.close()
 
+    @property
+    def batching(self) -> str:
+        """How requests share the engine, in words: ``continuous batching``, or ``one request at a
+        time`` and why (the backend's reason, or ``--max-batch 1``)."""
+        if self.batching_note:
+            return self.batching_note
+        return "continuous batching" if self.engine.max_batch > 1 else "one request at a time: max_batch is 1 (--max-batch)"
+
+    def engine_summary(self) -> str:
+        """The engine in the startup line's and the log's words: ``max_batch 4`` and, for an
+        OpenVINO bundle that batches, ``openvino_engine paged`` (or ``stateful``)."""
+        engine = f", openvino_engine {self.openvino_engine}" if self.openvino_engine else ""
+        return f"max_batch {self.engine.max_batch}{engine}"
+
     def describe(self) -> dict[str, Any]:
-        """What ``/ready`` and ``/v1/models`` tell about the bundle and the engine."""
+        """What ``/ready`` and ``/v1/models`` tell about the bundle and the engine (``openvino_engine``
+        only where an OpenVINO bundle batches: :attr:`openvino_engine`)."""
         info = self.tts.info
+        engine = {"openvino_engine": self.openvino_engine} if self.openvino_engine else {}
         return {"bundle": info.bundle, "model": info.model, "target": info.target, "precision": info.precision,
                 "backend": info.backend, "device": info.device, "sample_rate": info.sample_rate,
-                "max_batch": self.engine.max_batch, "max_queue": self.config.max_queue,
-                "batching": self.batching_note or "continuous batching",
+                "max_batch": self.engine.max_batch, **engine, "max_queue": self.config.max_queue,
+                "batching": self.batching,
                 "kv_bytes_per_position": self.engine.kv_bytes_per_position,
                 "kv_budget_bytes": self.engine.kv_budget_bytes}
 

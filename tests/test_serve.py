@@ -645,6 +645,7 @@ def test_an_openvino_bundle_is_served_batched(ov_int4_bundle):
         # the paged decoder's u8 blocks (issue 39): 2 layers x (key 2 heads x (32 + 8) x 16 + value
         # 2 x 32 x (16 + 8)) bytes per 32 positions = 176 a position
         assert ready["batching"] == "continuous batching" and ready["kv_bytes_per_position"] == 176
+        assert ready["openvino_engine"] == "paged"  # the default engine, said
         answers: list[httpx.Response] = []
         threads = [threading.Thread(target=lambda s=s: answers.append(_speech(
             live, input=TEXT, seed=s, max_new_tokens=40, response_format="pcm",

@@ -628,3 +628,75 @@ def test_a_prepared_voice_beside_ref_audio_is_conflicting_fields_in_python(tmp_p
     with pytest.raises(InputError, match="max_chunk_frames must be >= first_chunk_frames") as err:
         SynthesisRequest.create("Hi.", first_chunk_frames=20, max_chunk_frames=10)
     assert err.value.code == "conflicting_fields"
+
+
+class _FakeEngine:
+    """What the server reads of an engine, without a bundle: ``pool`` stands for a paged decoder's
+    block pool (None: a decoder without blocks)."""
+
+    def __init__(self, max_batch, pool=None):
+        from types import SimpleNamespace
+
+        self.max_batch, self.prefix_cache, self.crashed = max_batch, None, None
+        self.kv_blocks_in_use = None if pool is None else 0
+        self.prefix_blocks_shared = None if pool is None else 0
+        self.waiting = self.busy_rows = self.kv_bytes_in_use = 0
+        self.kv_bytes_per_position, self.kv_budget_bytes = 176, None
+        self.stats = SimpleNamespace(frames=0, steps=0, step_seconds=0.0, prefill_positions=0, prefill_seconds=0.0,
+                                     engine_step_ms=0.0, join_max_frame_gap_ms=0.0)
+        self.codec = SimpleNamespace(stats=SimpleNamespace(frames=0))
+
+    def close(self, timeout=None):
+        pass
+
+
+class _FakeTTS:
+    """A loaded bundle as the server sees it: ``backend`` names its backend; ``refuse`` is an
+    InputError ``engine`` raises (as ``TTS.engine`` refuses an openvino_engine)."""
+
+    def __init__(self, backend="openvino", refuse=None):
+        from types import SimpleNamespace
+
+        self.info = SimpleNamespace(bundle="tiny-ov", model="higgs-audio-v3-tiny", target=backend, precision="int4",
+                                    backend=backend, device="CPU", sample_rate=24000)
+        self.bundle = SimpleNamespace(manifest={})
+        self.refuse, self.calls = refuse, []
+
+    def engine(self, max_batch, *, max_kv_bytes=None, openvino_engine=None):
+        self.calls.append((max_batch, openvino_engine))
+        if self.refuse is not None:
+            raise self.refuse
+        paged = self.info.backend == "openvino" and max_batch > 1 and openvino_engine in (None, "paged")
+        return _FakeEngine(max_batch, pool=object() if paged else None)
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize(("backend", "config", "engine", "batching"), [
+    ("openvino", {}, "paged", "continuous batching"),
+    ("openvino", {"openvino_engine": "paged"}, "paged", "continuous batching"),
+    ("openvino", {"openvino_engine": "stateful"}, "stateful", "continuous batching"),
+    ("openvino", {"max_batch": 1}, None, "one request at a time"),
+    ("onnxruntime", {}, None, "continuous batching"),
+    ("onnxruntime", {"max_batch": 1}, None, "one request at a time"),
+])
+def test_ready_and_the_startup_line_say_which_engine_serves(caplog, backend, config, engine, batching):
+    from higgs_pack.serve.server import SpeechServer
+
+    with caplog.at_level("INFO", logger="higgs_pack.serve.server"):
+        server = SpeechServer(_FakeTTS(backend), ServeConfig(**config))
+    described = server.describe()
+    assert described.get("openvino_engine") == engine and described["batching"].startswith(batching), described
+    summary = server.engine_summary()
+    assert summary.startswith(f"max_batch {server.engine.max_batch}")
+    if engine is None:
+        assert "openvino_engine" not in summary and "openvino_engine" not in caplog.text
+    else:
+        assert f"openvino_engine {engine}" in summary and f"openvino_engine {engine}" in caplog.text
+    # the paged pool's gauges only where there is a block pool
+    metrics = server.metrics.render().decode()
+    pooled = engine == "paged"
+    assert ("higgs_pack_kv_blocks_in_use" in metrics) is pooled
+    assert ("higgs_pack_kv_prefix_blocks_shared" in metrics) is pooled
+    assert "higgs_pack_kv_bytes" in metrics

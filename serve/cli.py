@@ -93,6 +93,26 @@ def config_options(command: Any) -> Any:
     return command
 
 
+def envvar(setting: Any) -> str:
+    """The environment variable that sets ``setting`` (a :class:`~higgs_pack.serve.config.Setting`):
+    its own, else ``HIGGS_PACK_SERVE_`` and its option's name in capitals."""
+    return setting.envvar or f"{ENV_PREFIX}_{setting.name.upper()}"
+
+
+def from_environment(ctx: click.Context, message: str) -> str:
+    """``message`` (an error about the settings) with, for each setting it names (by its flag or its
+    field's name) whose value came from the environment, where that value came from: a user who
+    never typed ``--openvino-engine`` learns which variable to change.  The one way every setting's
+    error names its environment variable."""
+    from click.core import ParameterSource
+
+    came = [f"{setting.flag} was set by {envvar(setting)} in the environment"
+            for name, setting in settings().items()
+            if ctx.get_parameter_source(setting.name) is ParameterSource.ENVIRONMENT
+            and (setting.flag in message or name in message or setting.name in message)]
+    return message + (f" ({'; '.join(came)})" if came else "")
+
+
 @click.command(context_settings={"auto_envvar_prefix": ENV_PREFIX})
 @click.argument("source")
 @click.option("--host", default="127.0.0.1", show_default=True,
@@ -124,10 +144,11 @@ def serve(source: str, host: str, port: int, device: str | None, log_level: str,
     from higgs_pack.serve.server import SpeechServer
 
     logging.getLogger("higgs_pack").setLevel(log_level.upper())
+    ctx = click.get_current_context()
     try:
         config = ServeConfig.given(given)
     except InputError as exc:
-        raise click.UsageError(str(exc)) from exc
+        raise click.UsageError(from_environment(ctx, str(exc))) from exc
     if not _loopback(host) and config.api_key is None:
         click.echo(f"warning: listening on {host} without --api-key: anyone who reaches this port can use it",
                    err=True)
@@ -142,6 +163,9 @@ def serve(source: str, host: str, port: int, device: str | None, log_level: str,
         sock.close()
         click.echo("interrupted while loading the bundle; nothing was served", err=True)
         raise SystemExit(INTERRUPTED) from None
+    except InputError as exc:  # a setting the bundle does not take: named as it was set
+        sock.close()
+        raise InputError(from_environment(ctx, str(exc)), problems=exc.problems) from exc
     app = create_app(server)
     shown = sock.getsockname()
     url_host = f"[{shown[0]}]" if sock.family == socket.AF_INET6 else shown[0]

@@ -376,7 +376,7 @@ def _make_engine(tts: Any, max_batch: int | None, max_kv_bytes: int | None,
 
     Raises:
         InputError: as ``TTS.engine``: an ``openvino_engine`` this bundle does not take is refused
-            at one row too, so it is never dropped silently.
+            as it is (before anything is logged), never dropped silently for one row.
     """
     keywords = {"max_kv_bytes": max_kv_bytes, "openvino_engine": openvino_engine}
     if max_batch is not None:
@@ -384,6 +384,8 @@ def _make_engine(tts: Any, max_batch: int | None, max_kv_bytes: int | None,
     try:
         return tts.engine(DEFAULT_MAX_BATCH, **keywords), ""
     except InputError as exc:  # the backend cannot batch (a problem of another kind recurs at one row)
+        if any(problem.field == "openvino_engine" for problem in exc.problems):
+            raise  # the setting itself is refused: one row would not take it either
         note = f"one request at a time: {exc}"
         log.info("serving %s", note)
         return tts.engine(1, **keywords), note

@@ -700,3 +700,43 @@ def test_ready_and_the_startup_line_say_which_engine_serves(caplog, backend, con
     assert ("higgs_pack_kv_blocks_in_use" in metrics) is pooled
     assert ("higgs_pack_kv_prefix_blocks_shared" in metrics) is pooled
     assert "higgs_pack_kv_bytes" in metrics
+
+
+def test_an_openvino_engine_the_bundle_does_not_take_is_refused_before_anything_is_logged(caplog):
+    from higgs_pack.errors import Problem
+    from higgs_pack.serve.server import _make_engine
+
+    refusal = InputError.of(Problem.said("openvino_engine='stateful' chooses between the engines of an OpenVINO "
+                                         "bundle", field="openvino_engine", value="stateful"))
+    tts = _FakeTTS("onnxruntime", refuse=refusal)
+    with caplog.at_level("INFO"), pytest.raises(InputError, match="openvino_engine='stateful'"):
+        _make_engine(tts, None, None, "stateful")
+    assert "one request at a time" not in caplog.text and tts.calls == [(4, "stateful")]
+    cannot = _FakeTTS("openvino", refuse=InputError.of(Problem.said("this decoder cannot batch requests")))
+    with caplog.at_level("INFO"), pytest.raises(InputError):  # another problem: one row is tried, and said
+        _make_engine(cannot, None, None, None)
+    assert "serving one request at a time: this decoder cannot batch" in caplog.text and len(cannot.calls) == 2
+
+
+def test_a_setting_refused_names_its_environment_variable_when_it_came_from_there(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    from higgs_pack.errors import Problem
+    from higgs_pack.runtime.cli import main
+    from higgs_pack.serve.server import SpeechServer
+
+    def opened(cls, source, config, device=None):
+        raise InputError.of(Problem.said(f"openvino_engine={config.openvino_engine!r} chooses between the engines of "
+                                         "an OpenVINO bundle: leave openvino_engine (--openvino-engine) out",
+                                         field="openvino_engine"))
+
+    monkeypatch.setattr(SpeechServer, "open", classmethod(opened))
+    run = CliRunner().invoke(main, ["serve", "bundle", "--port", "0"],
+                             env={"HIGGS_PACK_SERVE_OPENVINO_ENGINE": "stateful"})
+    assert run.exit_code == 2 and "--openvino-engine" in run.output, run.output
+    assert "HIGGS_PACK_SERVE_OPENVINO_ENGINE" in run.output, run.output
+    run = CliRunner().invoke(main, ["serve", "bundle", "--port", "0", "--openvino-engine", "stateful"])
+    assert run.exit_code == 2 and "--openvino-engine" in run.output and "HIGGS_PACK_" not in run.output, run.output
+    run = CliRunner().invoke(main, ["serve", "bundle", "--port", "0"],
+                             env={"HIGGS_PACK_SERVE_VOICES_DIR": str(tmp_path / "no" / "voices")})
+    assert run.exit_code == 2 and "HIGGS_PACK_SERVE_VOICES_DIR" in run.output, run.output

@@ -14,8 +14,8 @@ failed and why, and ``state`` (``running``, ``interrupted``, ``stopped by an err
 ``finished``).  A run stopped by Ctrl-C, a crash or a kill keeps its finished files, and the
 manifest lists exactly those.  Running the same command again resumes: a line whose file is
 listed with the same text and seed and still has the listed sha256 is skipped (the command
-says how many); a manifest written with other settings (bundle, sampling, voice, format) is
-refused rather than mixed with.
+says how many); a manifest written with other settings (bundle, sampling, voice, format, the
+OpenVINO engine) is refused rather than mixed with.
 
 Runtime code: no torch.
 """
@@ -315,7 +315,7 @@ def run_batch(tts: Any, lines: list[Line], requests: list[Any], manifest: BatchM
 
 
 def batch_settings(bundle_name: str, request: Any, base_seed: int | None, subtype: str,
-                   ref_audio: Path | None) -> dict[str, Any]:
+                   ref_audio: Path | None, openvino_engine: str | None = None) -> dict[str, Any]:
     """What a batch folder's lines share besides text and seed (compared when resuming).
 
     Args:
@@ -324,6 +324,9 @@ def batch_settings(bundle_name: str, request: Any, base_seed: int | None, subtyp
         base_seed: ``--seed``.
         subtype: the wav sample format (``PCM_16`` or ``FLOAT``).
         ref_audio: the reference clip (its sha256 is recorded), or None.
+        openvino_engine: the OpenVINO engine that batches the lines
+            (:func:`~higgs_pack.runtime.engine.decoders.chosen_openvino_engine`; the engines are not
+            bit-identical), or None where there is no choice.
 
     Returns:
         A JSON-ready dict.
@@ -332,5 +335,5 @@ def batch_settings(bundle_name: str, request: Any, base_seed: int | None, subtyp
         "bundle": bundle_name, "temperature": request.temperature, "top_k": request.top_k,
         "top_p": request.top_p, "max_frames": request.max_frames, "base_seed": base_seed, "format": subtype,
         "ref_audio_sha256": sha256_file(ref_audio) if ref_audio is not None else None,
-        "ref_text": getattr(request.voice, "transcript", None),
+        "ref_text": getattr(request.voice, "transcript", None), "openvino_engine": openvino_engine,
     }

@@ -470,6 +470,7 @@ def _synthesize_batch(f: SynthesizeFlags) -> None:
         remove_partials,
         run_batch,
     )
+    from higgs_pack.runtime.engine.decoders import chosen_openvino_engine
 
     lines, line_count, requests = _batch_lines(f)
     first, output, text_file, ref_audio, ref_text = requests[0], f.output, f.text_file, f.ref_audio, f.ref_text
@@ -480,7 +481,8 @@ def _synthesize_batch(f: SynthesizeFlags) -> None:
     removed = remove_partials(output)
     if removed:
         click.echo(f"removed {removed} unfinished file(s) a stopped run left in {output}", err=True)
-    settings = batch_settings(tts.info.bundle, first, f.seed, subtype, ref_audio)
+    engine = chosen_openvino_engine(tts.info.backend, batch, f.openvino_engine)
+    settings = batch_settings(tts.info.bundle, first, f.seed, subtype, ref_audio, openvino_engine=engine)
     previous = BatchManifest.read(output)
     done = finished_lines(previous, settings, lines, output)
     manifest = BatchManifest(settings, str(text_file), line_count, len(lines), files=done)

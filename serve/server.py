@@ -31,7 +31,7 @@ import anyio
 import anyio.to_thread
 
 from higgs_pack.errors import HiggsPackError, InputError
-from higgs_pack.manifests.providers import OPENVINO_ENGINES
+from higgs_pack.runtime.engine.decoders import chosen_openvino_engine
 from higgs_pack.runtime.engine.handle import EngineHandle, RequestCancelled
 from higgs_pack.serve.config import ServeConfig
 from higgs_pack.serve.errors import ApiError, from_input_error
@@ -97,8 +97,7 @@ class SpeechServer:
         self.engine, self.batching_note = _make_engine(tts, config.max_batch, config.max_kv_bytes,
                                                        config.openvino_engine)
         info = tts.info
-        self.openvino_engine = (config.openvino_engine or OPENVINO_ENGINES[0]) \
-            if info.backend == "openvino" and self.engine.max_batch > 1 else None
+        self.openvino_engine = chosen_openvino_engine(info.backend, self.engine.max_batch, config.openvino_engine)
         log.info("engine: %s", self.engine_summary())
         self.models = tuple(dict.fromkeys((info.bundle, info.model, *config.model_names)))
         self.voices = VoiceStore(config.voices_dir, _codec_sha256(tts), _prefix_key(config))

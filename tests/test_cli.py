@@ -814,3 +814,26 @@ def test_a_dialogue_stopped_by_ctrl_c_suggests_nothing_it_does_not_have(cpu_int4
     assert proc.returncode == 130, stderr
     assert f"interrupted (Ctrl-C): nothing written to {wav}; the audio generated so far was not kept\n" in stderr
     assert "--stream" not in stderr and "Traceback" not in stderr and not wav.exists()
+
+
+def test_a_batch_manifest_records_the_openvino_engine_and_a_resume_on_the_other_is_refused(tmp_path):
+    """The two OpenVINO engines are not bit-identical: a folder written on one is not resumed on the
+    other (the manifest's settings hold the engine that batched, naming openvino_engine)."""
+    from higgs_pack.errors import InputError
+    from higgs_pack.runtime.batch import batch_settings, finished_lines
+    from higgs_pack.runtime.engine.decoders import chosen_openvino_engine
+    from higgs_pack.runtime.request import SynthesisRequest
+
+    assert chosen_openvino_engine("openvino", 4, None) == "paged"
+    assert chosen_openvino_engine("openvino", 4, "stateful") == "stateful"
+    assert chosen_openvino_engine("openvino", 1, "stateful") is None  # one row: the bundle's own decoder
+    assert chosen_openvino_engine("onnxruntime", 4, None) is None
+    request = SynthesisRequest.create("Hi.", seed=0)
+    stateful = batch_settings("tiny-ov", request, 0, "PCM_16", None, openvino_engine="stateful")
+    paged = batch_settings("tiny-ov", request, 0, "PCM_16", None, openvino_engine="paged")
+    assert stateful["openvino_engine"] == "stateful"
+    assert finished_lines({"settings": stateful, "files": []}, dict(stateful), [], tmp_path) == {}
+    with pytest.raises(InputError, match=r"other settings \(openvino_engine: 'stateful' there, 'paged' now\)"):
+        finished_lines({"settings": stateful, "files": []}, paged, [], tmp_path)
+    onnx = batch_settings("tiny-cpu", request, 0, "PCM_16", None)
+    assert onnx["openvino_engine"] is None

@@ -27,6 +27,16 @@ def check_openvino_engine(value: object) -> None:
                                     + " (None: the default, 'paged')"))
 
 
+def chosen_openvino_engine(backend: str, max_batch: int, openvino_engine: str | None) -> str | None:
+    """The OpenVINO engine that batches an engine of ``max_batch`` rows (``openvino_engine``, None:
+    the default, ``'paged'``), or None where there is no choice: another backend's bundle, or one
+    row (the bundle's own batch-1 decoder).  What the server shows and a ``--batch`` manifest
+    records: the two engines are not bit-identical."""
+    if backend != "openvino" or max_batch <= 1:
+        return None
+    return openvino_engine or OPENVINO_ENGINES[0]
+
+
 class BatchedDecoder(Protocol):
     """A decoder holding the KV cache of up to ``max_batch`` requests, one row each.
 

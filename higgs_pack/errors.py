@@ -64,37 +64,40 @@ def literal(sentence: str) -> str:
     return sentence.replace("{", "{{").replace("}", "}}")
 
 
-#: Every :attr:`Problem.code`: what kind of thing is wrong, for programs (the server's error ``code``).
-CODES = (
-    "invalid_value",       # a field holds a value it does not take
-    "missing_field",       # a field that is needed was not given
-    "unknown_field",       # a field (or part) that does not exist
-    "duplicate_field",     # a field given more than once
-    "conflicting_fields",  # two fields whose values disagree
-    "unknown_value",       # a name that is not one of the known choices (a voice, a format)
-    "unsupported_value",   # a value the bundle or this machine cannot do (a length, an option of its decoder)
-    "input_too_long",      # text or audio over its limit
-    "invalid_body",        # the request as a whole is not the shape it must be
-    "invalid_json",        # the body is not JSON
-    "invalid_name",        # a name (of a voice) that cannot be kept
-    "builtin_voice",       # the bundle's own voice, which cannot be deleted
-    "voice_exists",        # a voice's name that is taken
-    "invalid_barge_in",    # a barge-in names audio that was not sent
-    "unreadable_audio",    # bytes that are not audio the reader knows
-    "unknown_voice",       # a voice that is not stored
-    "unknown_speaker",     # a dialogue's voice for a speaker who says no turn
-    "too_many_turns",      # a dialogue longer than one request takes
-    "reference_too_long",  # a reference clip over the server's limit
-    "url_refused",         # a URL where the server fetches none
-    "local_media_refused", # a file path the server may not read
-    "local_media_missing", # a file path that names no file in the allowed folder
-    "unknown_type",        # a live message of no known type
-    "invalid_message",     # a live message that is not a JSON object
-    "invalid_config",      # a live session.config with several bad fields
-    "config_refused",      # live text sent before a valid session.config
-    "config_too_late",     # a live session.config after text
-    "session_ended",       # a live message after input.done
-)
+#: Every :attr:`Problem.code` and what it means: what kind of thing is wrong, for programs (the
+#: server's error ``code``; the server's page lists them from here: docs/hooks/error_codes.py).
+CODE_MEANINGS = {
+    "invalid_value": "a field holds a value it does not take",
+    "missing_field": "a field that is needed was not given",
+    "unknown_field": "a field (or part) that does not exist",
+    "duplicate_field": "a field given more than once",
+    "conflicting_fields": "two fields whose values disagree",
+    "unknown_value": "a name that is not one of the known choices (a voice, a format)",
+    "unsupported_value": "a value the bundle or this machine cannot do (a length, an option of its decoder)",
+    "input_too_long": "text or audio over its limit",
+    "invalid_body": "the request as a whole is not the shape it must be",
+    "invalid_json": "the body is not JSON",
+    "invalid_name": "a name (of a voice) that cannot be kept",
+    "builtin_voice": "the bundle's own voice, which cannot be deleted",
+    "voice_exists": "a voice's name that is taken",
+    "invalid_barge_in": "a barge-in names audio that was not sent",
+    "unreadable_audio": "bytes that are not audio the reader knows",
+    "unknown_voice": "a voice that is not stored",
+    "unknown_speaker": "a dialogue's voice for a speaker who says no turn",
+    "too_many_turns": "a dialogue longer than one request takes",
+    "reference_too_long": "a reference clip over the server's limit",
+    "url_refused": "a URL where the server fetches none",
+    "local_media_refused": "a file path the server may not read",
+    "local_media_missing": "a file path that names no file in the allowed folder",
+    "unknown_type": "a live message of no known type",
+    "invalid_message": "a live message that is not a JSON object",
+    "invalid_config": "a live session.config with several bad fields",
+    "config_refused": "live text sent before a valid session.config",
+    "config_too_late": "a live session.config after text",
+    "session_ended": "a live message after input.done",
+}
+#: Every :attr:`Problem.code`, in the order declared.
+CODES = tuple(CODE_MEANINGS)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,34 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
                429: "rate_limit_error", 499: "request_cancelled", 500: "server_error", 503: "server_unavailable"}
 
+#: The transport's own ``code`` of each error that is not a request's problem
+#: (:data:`higgs_pack.errors.CODES`, each a 400 unless its answer says otherwise): code ->
+#: (HTTP status, what it means).  With ``CODES``, every ``code`` the server answers; the server's
+#: page lists both from here (docs/hooks/error_codes.py), and a test holds every code the server's
+#: source answers to being in one of them.
+TRANSPORT_CODES = {
+    "invalid_api_key": (401, "no Authorization: Bearer key, or not the server's (--api-key)"),
+    "cross_origin": (403, "a web page whose origin is not allowed (--allow-origin) called the server"),
+    "model_not_found": (404, "model names no model this server serves (GET /v1/models lists them)"),
+    "not_found": (404, "no route at this path"),
+    "method_not_allowed": (405, "the route does not take this method (the Allow header says which do)"),
+    "too_large": (413, "the body or the upload is over its limit"),
+    "unsupported_media_type": (415, "a body that is not JSON (Content-Type) where JSON is taken"),
+    "unsupported_encoding": (415, "a body sent with a Content-Encoding (gzip, ...): send it uncompressed"),
+    "upgrade_required": (426, "plain HTTP to the live WebSocket route"),
+    "queue_full": (429, "every row of the batch and every place in the queue is taken (Retry-After says when "
+                        "to retry)"),
+    "cancelled": (499, "the client closed the request (in the metrics and the log: the client is gone)"),
+    "internal_error": (500, "a bug: the message names the exception"),
+    "generation_failed": (500, "the engine failed while generating this request"),
+    "storage": (500, "a voice cannot be written to --voices-dir"),
+    "engine_stopped": (503, "the engine has stopped and takes no requests (/ready answers 503)"),
+    "not_ready": (503, "the bundle is still warming up (retry when /ready answers 200)"),
+    "stopping": (503, "the server is shutting down and takes no new request"),
+    "shutting_down": (503, "a request still running when the shutdown's grace period ended, cut off"),
+    "out_of_disk": (507, "no room left to keep a voice in --voices-dir"),
+}
+
 
 class ApiError(HiggsPackError):
     """An answer that is an error: its status, what was wrong and what is allowed.

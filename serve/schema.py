@@ -133,7 +133,7 @@ DialogueBody = create_model("DialogueBody", __base__=_DialogueBody, __doc__=_Dia
                           __module__=__name__, **http_fields(dialogue=True))  # type: ignore[call-overload]
 
 
-#: The most words a live response's first commit may hold (``first_commit_words``).
+#: The largest ``first_commit_words``: the word count that triggers a live response's first commit.
 FIRST_COMMIT_WORDS_MAX = 50
 
 
@@ -146,8 +146,10 @@ class SessionFields(BaseModel):
     split_granularity: Literal[GRANULARITIES] = Field(  # type: ignore[valid-type]
         "clause", description="Text is committed to speech at sentence ends, or at clause ends too (the default, "
         "with first_commit_words 4: the rule that spoke soonest in the agent benchmark, docs/benchmarks/agent.md).")
-    first_commit_words: int = Field(4, ge=0, le=FIRST_COMMIT_WORDS_MAX, description="The most words of a response's first commit "
-                                    "(0: none): the first words are spoken before their sentence ends.")
+    first_commit_words: int = Field(4, ge=0, le=FIRST_COMMIT_WORDS_MAX, description="How many whole words of a "
+                                    "response start its speech: once that many have arrived, they are spoken "
+                                    "alone, before their sentence ends, unless a sentence or clause end came first "
+                                    "(0: no first commit).")
 
 
 #: Fields of the speech body a session cannot take: the request fields declared not live (text comes

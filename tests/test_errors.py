@@ -301,3 +301,69 @@ def test_openvinos_real_damaged_weights_error_is_a_bundle_error(tmp_path: Path):
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(BundleError, match=r"cannot read tiny.xml with its weights tiny.bin \(Incorrect weights"):
         compile_ir(ov.Core(), tmp_path / "tiny.xml", "CPU")
+
+
+#: Where serve/ passes a ``code`` by position: the function and the argument's index.
+_CODE_POSITIONS = {"_bad": 2, "_refuse": 5, "sse_error": 1, "error_body": 3, "Problem.said": 3}
+
+
+def _codes_answered() -> dict[str, str]:
+    """Every literal ``code`` the server's source answers with (``code=...``, a ``code`` variable,
+    or the code argument of the helpers that take it by position), by code: where it is."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "serve"
+    found: dict[str, str] = {}
+
+    def take(node, where):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            found.setdefault(node.value, where)
+
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            where = f"{path.name}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Call):
+                for keyword in node.keywords:
+                    if keyword.arg == "code":
+                        take(keyword.value, where)
+                name = node.func.id if isinstance(node.func, ast.Name) else \
+                    node.func.attr if isinstance(node.func, ast.Attribute) else ""
+                index = _CODE_POSITIONS.get(name)
+                if index is not None and len(node.args) > index:
+                    take(node.args[index], where)
+            elif isinstance(node, ast.Assign):
+                for target in node.targets:
+                    names = target.elts if isinstance(target, ast.Tuple) else [target]
+                    values = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
+                    for name, value in zip(names, values, strict=False):
+                        if isinstance(name, ast.Name) and name.id == "code":
+                            take(value, where)
+    return found
+
+
+def test_every_code_the_server_answers_is_declared_and_listed_in_the_docs():
+    """docs/serving/index.md's list of codes is made from CODE_MEANINGS and TRANSPORT_CODES (the
+    error_codes hook); every code the server's source answers is in one of them, so in the list."""
+    import importlib.util
+
+    from higgs_pack.errors import CODE_MEANINGS, CODES
+    from higgs_pack.serve.errors import TRANSPORT_CODES
+
+    answered = _codes_answered()
+    assert {"model_not_found", "upgrade_required", "method_not_allowed", "unsupported_encoding", "cross_origin",
+            "shutting_down", "conflicting_fields"} <= set(answered)  # the scan sees each way a code is given
+    declared = set(CODES) | set(TRANSPORT_CODES)
+    missing = {code: where for code, where in answered.items() if code not in declared}
+    assert not missing, f"codes the server answers that no declaration lists: {missing}"
+    assert not set(CODES) & set(TRANSPORT_CODES) and tuple(CODE_MEANINGS) == CODES
+    assert all(400 <= status < 600 for status, _ in TRANSPORT_CODES.values())
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("error_codes_hook", root / "docs" / "hooks" / "error_codes.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    page = hook.on_page_markdown("before\n<!-- error-codes -->\nafter", page=None)
+    assert "error-codes" not in page
+    for code in [*CODES, *TRANSPORT_CODES, "unreadable_audio"]:
+        assert f"| `{code}` |" in page, code
+    assert "<!-- error-codes -->" in (root / "docs" / "serving" / "index.md").read_text(encoding="utf-8")
+    assert "docs/hooks/error_codes.py" in (root / "mkdocs.yml").read_text(encoding="utf-8")

@@ -740,3 +740,10 @@ def test_a_setting_refused_names_its_environment_variable_when_it_came_from_ther
     run = CliRunner().invoke(main, ["serve", "bundle", "--port", "0"],
                              env={"HIGGS_PACK_SERVE_VOICES_DIR": str(tmp_path / "no" / "voices")})
     assert run.exit_code == 2 and "HIGGS_PACK_SERVE_VOICES_DIR" in run.output, run.output
+
+
+def test_first_commit_words_is_described_as_the_count_that_triggers_the_first_commit():
+    from higgs_pack.serve.schema import SessionFields
+
+    description = SessionFields.model_fields["first_commit_words"].description
+    assert "once that many have arrived" in description and "most words" not in description

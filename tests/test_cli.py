@@ -251,9 +251,9 @@ def invoke(*args, input=None):
     (["--text", "-"], "", "text is empty: there is nothing to speak"),
     (["--text", "\x01\x02"], None, "text holds a control character"),
     (["--text", "\u200b\x00 "], None, "text holds a control character"),
-    # Bytes that are not UTF-8 reach Python's argv as lone surrogates (surrogateescape).
-    (["--text", "\udced\udca0\udc80 bad \udcff"], None,
-     "text is not valid Unicode: character 1 is a lone surrogate (U+DCED"),
+    # Bytes that are not UTF-8 reach Python's argv as lone surrogates (surrogateescape): named as the
+    # byte, as --text-file's and stdin's are
+    (["--text", "\udced\udca0\udc80 bad \udcff"], None, "--text is not UTF-8 text (byte 1 is 0xED"),
     (["--text", "Hi.", "--ref-audio", "{ref}", "--ref-text", "\x07"], None,
      "ref_text holds a control character"),
     (["--text", "Hi.", "--first-chunk-frames", "2"], None,
@@ -546,7 +546,7 @@ def test_text_bytes_that_are_not_utf8_exit_2_naming_the_problem(tmp_path):
                           b"--text", b"\xed\xa0\x80 bad \xff", b"-o", os.fsencode(tmp_path / "o.wav")],
                          capture_output=True, text=True, errors="replace")
     assert out.returncode == 2, out.stderr
-    assert "text is not valid Unicode: character 1 is a lone surrogate" in out.stderr
+    assert "--text is not UTF-8 text (byte 1 is 0xED" in out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "o.wav").exists()
 
 

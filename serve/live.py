@@ -87,6 +87,7 @@ from higgs_pack.runtime.engine.handle import EngineHandle, RequestCancelled
 from higgs_pack.runtime.loop.decode import GenerationResult
 from higgs_pack.runtime.loop.sentences import GRANULARITIES, TextCommits
 from higgs_pack.runtime.loop.synthesis import SENTENCE_PAUSE_S
+from higgs_pack.runtime.loop.text_chunks import frame_cap_problems
 from higgs_pack.runtime.loop.words import words_json
 from higgs_pack.runtime.request import PreparedVoice, SynthesisRequest, Voice
 from higgs_pack.serve.barge_in import PLAYED_KEPT, Played, cancel_fields, heard_part, played_record
@@ -338,6 +339,10 @@ class Session:
                 voice = self.server.tts.prepare_voice(voice.audio, voice.transcript, "ref_audio")
             except InputError as exc:
                 raise config_error(from_input_error(exc, param="ref_audio"), {}, check) from exc
+            try:  # the frame cap beside this voice (config_job checked it beside none)
+                check_frame_cap(self.server, job.request.max_frames, voice)
+            except ApiError as exc:
+                raise config_error(exc, {}, check) from exc
         return job, voice
 
     def _add_text(self, text: Any) -> None:
@@ -572,7 +577,25 @@ def config_job(server: Any, fields: dict[str, Any]) -> SpeechJob:
                    f"{' or '.join(PCM_FORMATS)}", "response_format", "unsupported_value")
     body = {"model": server.models[0], "response_format": "pcm", **fields, "input": "session",
             "stream_format": "audio"}
-    return parse_speech(body, models=server.models, voices=server.voices, config=server.config)
+    job = parse_speech(body, models=server.models, voices=server.voices, config=server.config)
+    voice = job.request.voice  # a stored voice; a clip is checked once encoded (Session._parse_config)
+    check_frame_cap(server, job.request.max_frames, voice if isinstance(voice, PreparedVoice) else None)
+    return job
+
+
+def check_frame_cap(server: Any, max_frames: int | None, voice: PreparedVoice | None) -> None:
+    """Refuse at config time what the HTTP route refuses at once and every sentence of a session
+    would be refused for: a frame cap (``max_new_tokens``) past the bundle's context less the
+    prompt, or a voice that leaves no room for a word
+    (:func:`~higgs_pack.runtime.loop.text_chunks.frame_cap_problems`).
+
+    Raises:
+        ApiError: 400 naming ``max_new_tokens`` (or ``ref_text``), in the HTTP route's words.
+    """
+    codes, transcript = (None, None) if voice is None else (voice.codes, voice.transcript)
+    problems = frame_cap_problems(server.tts.pipeline, max_frames, codes, transcript)
+    if problems:
+        raise from_input_error(InputError(problems=problems))
 
 
 def sentence_context(voice: PreparedVoice | None, spoken: list[_Spoken],

@@ -288,6 +288,7 @@ def test_bad_messages_get_an_error_naming_the_field_and_the_session_goes_on(serv
     ({"temperature": -1}, "temperature", "invalid_value"),
     ({"context_frames": 0}, "context_frames", "invalid_value"),
     ({"model": "gpt-4o-mini-tts"}, "model", "model_not_found"),
+    ({"max_new_tokens": 50000}, "max_new_tokens", "invalid_value"),  # past the bundle's context: HTTP's 400 too
 ])
 def test_a_bad_config_is_refused_by_the_http_routes_checks_and_the_session_goes_on(server, config, param, code):
     async def run() -> Heard:
@@ -305,6 +306,9 @@ def test_a_bad_config_is_refused_by_the_http_routes_checks_and_the_session_goes_
     assert (error["param"], error["code"]) == (param, code), error
     if code == "unknown_field" and param == "sede":
         assert "did you mean 'seed'" in error["message"]
+    if param == "max_new_tokens":
+        assert "max_new_tokens is at most" in error["message"] and "for this bundle" in error["message"], error
+        assert ".." not in error["message"], error
     _check_sentences(heard, ["Good after bad."])
 
 

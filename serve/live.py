@@ -93,8 +93,13 @@ from higgs_pack.runtime.request import PreparedVoice, SynthesisRequest, Voice
 from higgs_pack.serve.barge_in import PLAYED_KEPT, Played, cancel_fields, heard_part, played_record
 from higgs_pack.serve.errors import ApiError, from_input_error, refused
 from higgs_pack.serve.formats import PCM_FORMATS, StreamEncoder
-from higgs_pack.serve.schema import FIRST_COMMIT_WORDS_MAX, NOT_IN_CONFIG, SessionFields
-from higgs_pack.serve.speech import SpeechJob, parse_speech, short
+from higgs_pack.serve.schema import (
+    FIRST_COMMIT_WORDS_MAX,
+    NOT_IN_CONFIG,
+    SessionFields,
+    config_fields,
+)
+from higgs_pack.serve.speech import SpeechJob, parse_speech, short, unknown_fields
 from higgs_pack.serve.tempo import TimeStretch, scale_spans
 
 log = logging.getLogger(__name__)
@@ -108,8 +113,10 @@ ROUTE = "/v1/audio/speech/stream"
 OUTBOX = 4
 #: The client's message types.
 MESSAGES = ("session.config", "input.text", "input.flush", "input.done", "input.cancel")
-#: Fields each client message takes besides ``type`` (``session.config``'s are the speech body's).
+#: Fields each client message takes besides ``type``; ``session.config``'s are :data:`CONFIG_FIELDS`.
 FIELDS = {"input.text": ("text",), "input.flush": (), "input.done": (), "input.cancel": ("played_ms", "sentence_index")}
+#: The fields a ``session.config`` takes besides ``type`` (:func:`~higgs_pack.serve.schema.config_fields`).
+CONFIG_FIELDS = config_fields()
 #: Close code of a session refused for load (RFC 6455 1013 "try again later").
 TRY_AGAIN_LATER = 1013
 #: Close code of a refused API key (RFC 6455 1008 "policy violation").
@@ -565,10 +572,13 @@ def config_job(server: Any, fields: dict[str, Any]) -> SpeechJob:
     Raises:
         ApiError: the first bad field.
     """
-    for name in NOT_IN_CONFIG:
+    for name, why in NOT_IN_CONFIG.items():
         if name in fields:
-            raise _bad(f"session.config takes no {name}: text comes in input.text messages and is always "
-                       "streamed", name, "unknown_field")
+            raise _bad(f"session.config takes no {name}: {why}", name, "unknown_field")
+    unknown = [name for name in fields if name not in CONFIG_FIELDS]
+    if unknown:  # the session's fields listed, not the HTTP body's (parse_speech would list those)
+        raise _bad(unknown_fields(unknown, CONFIG_FIELDS, fix="one of these fields of session.config "
+                                  "(docs/serving/live.md)"), unknown[0][:80], "unknown_field")
     live_options(fields)
     fields = {k: v for k, v in fields.items() if k not in SessionFields.model_fields}
     fmt = fields.get("response_format")
@@ -662,10 +672,15 @@ def config_error(first: ApiError, fields: dict[str, Any], check: Any) -> ApiErro
     if first.param not in [e.param for e in errors]:
         errors.insert(0, first)
     if len(errors) == 1:
-        return ApiError(first.status, f"{first.message}. {CONFIG_REFUSED}", param=first.param, code=first.code)
-    listed = "; ".join(f"({i}) {e.param}: {e.message}" for i, e in enumerate(errors, 1))
+        return ApiError(first.status, f"{_ended(first.message)} {CONFIG_REFUSED}", param=first.param, code=first.code)
+    listed = "; ".join(f"({i}) {e.param}: {e.message.rstrip('.')}" for i, e in enumerate(errors, 1))
     return ApiError(max(e.status for e in errors), f"{len(errors)} bad fields: {listed}. {CONFIG_REFUSED}",
                     param=errors[0].param, code="invalid_config")
+
+
+def _ended(message: str) -> str:
+    """``message`` ending with one full stop (a message may end with its own)."""
+    return message if message.endswith(".") else f"{message}."
 
 
 def live_options(fields: dict[str, Any]) -> dict[str, Any]:

@@ -312,6 +312,32 @@ def test_a_bad_config_is_refused_by_the_http_routes_checks_and_the_session_goes_
     _check_sentences(heard, ["Good after bad."])
 
 
+def test_an_unknown_config_field_lists_the_fields_a_session_config_takes(server):
+    """The fields listed are a session.config's (derived from the declarations: schema.config_fields),
+    not the HTTP body's: the live-only commit fields in, the body's text and answer-shape fields out;
+    one full stop between the message and what is said of every refused config."""
+    from higgs_pack.serve.schema import config_fields
+
+    async def run() -> Heard:
+        async with websockets.connect(server.ws) as ws:
+            heard = Heard()
+            for config in ({"bogus": 1}, {"segments": True}):
+                await ws.send(json.dumps({"type": "session.config", **config}))
+                await _read(ws, heard, "error")
+            return heard
+
+    unknown, segments = asyncio.run(run()).of("error")
+    assert (unknown["param"], unknown["code"]) == ("bogus", "unknown_field"), unknown
+    listed = unknown["message"].split("known: ", 1)[1].split(".", 1)[0]
+    assert listed.split(", ") == sorted(config_fields()), unknown
+    assert {"split_granularity", "first_commit_words"} <= set(listed.split(", "))
+    for name in ("input", "stream", "stream_format", "segments"):
+        assert name not in listed.split(", "), unknown
+    assert ".." not in unknown["message"], unknown
+    assert (segments["param"], segments["code"]) == ("segments", "unknown_field"), segments
+    assert "audio.done" in segments["message"], segments
+
+
 def test_a_config_with_several_bad_fields_names_each_and_text_waits_for_a_good_one(server):
     """A refused session.config names every bad field and leaves no setting taken; text sent
     before a valid config is refused (never spoken in default settings), then a corrected config

@@ -99,7 +99,7 @@ from higgs_pack.serve.schema import (
     SessionFields,
     config_fields,
 )
-from higgs_pack.serve.speech import SpeechJob, parse_speech, short, unknown_fields
+from higgs_pack.serve.speech import SpeechJob, parse_speech, short, unique_keys, unknown_fields
 from higgs_pack.serve.tempo import TimeStretch, scale_spans
 
 log = logging.getLogger(__name__)
@@ -280,11 +280,18 @@ class Session:
         if message.get("bytes") is not None:
             raise _bad("binary messages are not taken: send JSON text messages (session.config, input.text, "
                        "input.flush, input.done, input.cancel)", "type", "invalid_message")
+        text = message.get("text") or ""
         try:
-            data = json.loads(message.get("text") or "")
+            data = json.loads(text, object_pairs_hook=_UNIQUE_KEYS)
         except json.JSONDecodeError as exc:
             raise _bad(f"the message is not JSON ({exc}); send a JSON object with a \"type\"", "type",
                        "invalid_json") from exc
+        except ApiError as exc:  # a field given twice (the HTTP door's refusal): a config so is refused whole
+            if _message_type(text) != "session.config" or self.configured or self.text_seen:
+                raise
+            self.config_refused = True
+            raise ApiError(exc.status, f"{_ended(exc.message)} {CONFIG_REFUSED}", param=exc.param,
+                           code=exc.code) from exc
         if not isinstance(data, dict):
             raise _bad("a message is a JSON object with a \"type\"", "type", "invalid_message")
         kind = data.get("type")
@@ -702,6 +709,16 @@ def live_options(fields: dict[str, Any]) -> dict[str, Any]:
                    f"(0: none); got "
                    f"{short(words)}", "first_commit_words", "invalid_value")
     return {"granularity": granularity, "first_words": words}
+
+
+#: A live message's keys, each given once (the HTTP door's check: :func:`~higgs_pack.serve.speech.unique_keys`).
+_UNIQUE_KEYS = functools.partial(unique_keys, where="the message")
+
+
+def _message_type(text: str) -> Any:
+    """The ``type`` of a JSON message read without the duplicate check (None when it has none)."""
+    data = json.loads(text)
+    return data.get("type") if isinstance(data, dict) else None
 
 
 def error_event(exc: ApiError, text_param: str | None = None) -> dict[str, Any]:

@@ -338,6 +338,34 @@ def test_an_unknown_config_field_lists_the_fields_a_session_config_takes(server)
     assert "audio.done" in segments["message"], segments
 
 
+def test_a_field_given_twice_in_a_message_is_refused_as_the_http_route_refuses_it(server):
+    """Which of two values counts is ambiguous: refused (HTTP's 400 duplicate_field), never the last
+    one taken; a session.config with a field twice is refused whole (text waits for a good one)."""
+    async def run() -> Heard:
+        async with websockets.connect(server.ws) as ws:
+            heard = Heard()
+            await ws.send('{"type": "input.text", "text": "dup", "text": "Spoken twice."}')
+            await _read(ws, heard, "error")
+            await ws.send('{"type": "session.config", "speed": 2.0, "speed": 9}')
+            await _read(ws, heard, "error")
+            await ws.send(json.dumps({"type": "input.text", "text": "Not in defaults."}))
+            await _read(ws, heard, "error")
+            await ws.send(json.dumps({"type": "session.config", "seed": 2}))
+            await ws.send(json.dumps({"type": "input.text", "text": "Good."}))
+            await ws.send(json.dumps({"type": "input.done"}))
+            await _read(ws, heard)
+            return await _read(ws, heard, None, 10)
+
+    heard = asyncio.run(run())
+    text, config, waiting = heard.of("error")
+    assert (text["param"], text["code"], text["status"]) == ("text", "duplicate_field", 400), text
+    assert "gives 'text' twice" in text["message"], text
+    assert (config["param"], config["code"]) == ("speed", "duplicate_field"), config
+    assert "refused whole" in config["message"], config
+    assert (waiting["param"], waiting["code"]) == ("session.config", "config_refused"), waiting
+    _check_sentences(heard, ["Good."])
+
+
 def test_a_config_with_several_bad_fields_names_each_and_text_waits_for_a_good_one(server):
     """A refused session.config names every bad field and leaves no setting taken; text sent
     before a valid config is refused (never spoken in default settings), then a corrected config

@@ -226,6 +226,16 @@ def test_by_default_a_responses_first_four_words_and_its_clauses_are_spoken_alon
     _check_sentences(heard, ["Right, so here is", "the plan for today,", "step by step,", "and then a rest.", "Fine"])
 
 
+def test_the_first_commit_never_cuts_a_sentence_that_arrived_whole(server):
+    """The first four words are cut alone only while no end has arrived after them: a sentence sent
+    in one message is one part (it was "One two three four" + "five.", a one-word part)."""
+    heard = asyncio.run(_session(server.ws, ["One two three four five. Six seven."], {"seed": 3}))
+    _check_sentences(heard, ["One two three four five.", "Six seven."])
+    heard = asyncio.run(_session(server.ws, ["Hello", " there, this is", " streamed. And a", " second sentence."],
+                                 {"seed": 3}))  # docs/serving/live.md's example
+    _check_sentences(heard, ["Hello there, this is streamed.", "And a second sentence."])
+
+
 @pytest.mark.parametrize(("config", "param"), [({"split_granularity": "word"}, "split_granularity"),
                                                ({"first_commit_words": -2}, "first_commit_words"),
                                                ({"first_commit_words": 2.5, "seed": -1}, "first_commit_words")])

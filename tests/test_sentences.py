@@ -191,6 +191,21 @@ def test_the_first_commit_never_cuts_an_end_that_has_arrived():
     assert commits.feed("One two three four five six") == ["One two three four"]
 
 
+def test_the_first_commit_counts_words_as_word_timings_do():
+    """Chinese and Japanese have no spaces: each ideograph or kana is a word (split_words), whole once
+    the next character (not punctuation of its own) has arrived."""
+    from higgs_pack.runtime.loop.sentences import TextCommits
+    from higgs_pack.runtime.loop.words import split_words
+
+    text = "你好世界今天天气很好我们去公园散步吧然后回家"
+    commits = TextCommits("clause", first_words=4)
+    pieces = [commits.feed(character) for character in text]
+    assert pieces[4] == ["你好世界"] and not any(pieces[:4]) and split_words("你好世界") == list("你好世界")
+    assert [p for ps in pieces for p in ps] + commits.flush() == ["你好世界", text[4:]]
+    commits = TextCommits("sentence", first_words=2)
+    assert commits.feed("こん") == [] and commits.feed("、") == [] and commits.feed("に") == ["こん、"]
+
+
 @pytest.mark.parametrize("options", [{"granularity": "word"}, {"first_words": -1}])
 def test_commits_refuse_a_bad_rule(options):
     from higgs_pack.runtime.loop.sentences import TextCommits

@@ -236,6 +236,15 @@ def test_the_first_commit_never_cuts_a_sentence_that_arrived_whole(server):
     _check_sentences(heard, ["Hello there, this is streamed.", "And a second sentence."])
 
 
+def test_the_first_commit_counts_chinese_words_as_word_timings_do(server):
+    """Each ideograph is a word (as in audio.done's words): sent a character at a time, the first
+    four are spoken alone (nothing was spoken before input.done)."""
+    text = "你好世界今天天气很好我们去公园散步吧然后回家"
+    heard = asyncio.run(_session(server.ws, list(text), {"seed": 3}))
+    _check_sentences(heard, ["你好世界", text[4:]])
+    assert [w["text"] for w in heard.of("audio.done")[0]["words"]] == list("你好世界")
+
+
 @pytest.mark.parametrize(("config", "param"), [({"split_granularity": "word"}, "split_granularity"),
                                                ({"first_commit_words": -2}, "first_commit_words"),
                                                ({"first_commit_words": 2.5, "seed": -1}, "first_commit_words")])

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import re
 
-from higgs_pack.runtime.loop.words import split_words
+from higgs_pack.runtime.loop.words import split_words, word_ends
 
 #: Latin-style sentence punctuation: an end only when whitespace (or a CJK character) follows.
 LATIN_STOPS = ".!?;…"
@@ -131,7 +131,6 @@ CJK_CLAUSE_MARKS = "，、：；"
 #: own: a shorter one ("Well,", "Yes, ") waits and joins the next.
 MIN_CLAUSE_WORDS = 3
 _CLAUSE_END = re.compile(rf"[{LATIN_CLAUSE_MARKS}][{re.escape(CLOSERS)}]*(?=\s)|[{CJK_CLAUSE_MARKS}]")
-_WORD_END = re.compile(r"\S(?=\s)")
 
 
 class TextCommits:
@@ -224,7 +223,7 @@ class TextCommits:
                     return match.end()
         if final or not (self._first and self.first_words) or self._may_end(text):
             return None
-        whole = [match.end() for match in _WORD_END.finditer(text, at)]
+        whole = [end for end in word_ends(text, at) if end < len(text)]
         return whole[self.first_words - 1] if len(whole) >= self.first_words else None
 
     def _may_end(self, text: str) -> bool:

@@ -91,7 +91,7 @@ from higgs_pack.runtime.loop.text_chunks import frame_cap_problems
 from higgs_pack.runtime.loop.words import words_json
 from higgs_pack.runtime.request import PreparedVoice, SynthesisRequest, Voice
 from higgs_pack.serve.barge_in import PLAYED_KEPT, Played, cancel_fields, heard_part, played_record
-from higgs_pack.serve.errors import ApiError, from_input_error, refused
+from higgs_pack.serve.errors import ApiError, from_input_error, from_live_input_error, refused
 from higgs_pack.serve.formats import PCM_FORMATS, StreamEncoder
 from higgs_pack.serve.schema import (
     FIRST_COMMIT_WORDS_MAX,
@@ -432,7 +432,7 @@ class Session:
         codes as the next sentence's context (unless it was cancelled)."""
         epoch, index = self.epoch, self.next_index
         job = await self._sentence_job(sentence.text, index)
-        handle = await self.server.submit(job)
+        handle = await self.server.submit(job, said=from_live_input_error)
         if epoch != self.epoch or self.gone:  # cancelled (or left) while it was being submitted
             handle.cancel()
             return
@@ -516,7 +516,7 @@ class Session:
         try:  # a sentence the request refuses is this sentence's error (the engine's plan refuses the rest)
             return dataclasses.replace(self.job, request=await self.server.off_loop(request))
         except InputError as exc:
-            raise from_input_error(exc, param="text") from exc
+            raise from_live_input_error(exc, param="text") from exc
 
     def _keep(self, spoken: _Spoken) -> None:
         """Keep a sentence (or the part of it heard) as context: the first one (the voice of the

@@ -587,3 +587,14 @@ def test_a_later_sentence_the_planner_refuses_is_its_own_error_and_the_session_g
     assert "positions" in errors[0]["message"]
     assert [e["sentence_text"] for e in heard.of("audio.start")] == ["Hello there.", "Goodbye now."]
     assert heard.of("session.done") and heard.close_code == 1000
+
+
+def test_a_special_token_in_the_text_is_said_of_text_this_doors_field(server):
+    """The HTTP route's field is input; a session's text comes in input.text's text, and the error
+    says so in its message as well as its param (it said "input contains ...")."""
+    heard = asyncio.run(_session(server.ws, ["Say <|endoftext|> now. Fine."], {"seed": 1, **BY_SENTENCE}))
+    (error,) = heard.of("error")
+    assert (error["param"], error["sentence_text"]) == ("text", "Say <|endoftext|> now."), error
+    assert error["message"].startswith("text contains the tokenizer's special token"), error
+    assert "input" not in error["message"], error
+    assert [e["sentence_text"] for e in heard.of("audio.start")] == ["Fine."]

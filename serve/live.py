@@ -99,7 +99,7 @@ from higgs_pack.serve.schema import (
     SessionFields,
     config_fields,
 )
-from higgs_pack.serve.speech import SpeechJob, parse_speech, short, unique_keys, unknown_fields
+from higgs_pack.serve.speech import SpeechJob, got, parse_speech, unique_keys, unknown_fields
 from higgs_pack.serve.tempo import TimeStretch, scale_spans
 
 log = logging.getLogger(__name__)
@@ -296,7 +296,7 @@ class Session:
             raise _bad("a message is a JSON object with a \"type\"", "type", "invalid_message")
         kind = data.get("type")
         if kind not in MESSAGES:
-            raise _bad(f"type {short(kind)} is not a message of this protocol; use one of {', '.join(MESSAGES)}",
+            raise _bad(f"type {got(kind)} is not a message of this protocol; use one of {', '.join(MESSAGES)}",
                        "type", "unknown_type")
         extra = [] if kind == "session.config" else sorted(set(data) - {"type", *FIELDS[kind]})
         if extra:
@@ -361,7 +361,7 @@ class Session:
 
     def _add_text(self, text: Any) -> None:
         if not isinstance(text, str):
-            raise _bad(f"input.text needs \"text\", a string, got {short(text)}", "text",
+            raise _bad(f"input.text needs \"text\", a string, got {got(text)}", "text",
                        "missing_field" if text is None else "invalid_value")
         if (problem := text_rule.character_problem(text, "text")) is not None:  # the one text rule
             raise _bad(problem, "text", "invalid_value")
@@ -590,7 +590,7 @@ def config_job(server: Any, fields: dict[str, Any]) -> SpeechJob:
     fields = {k: v for k, v in fields.items() if k not in SessionFields.model_fields}
     fmt = fields.get("response_format")
     if fmt is not None and fmt not in PCM_FORMATS:
-        raise _bad(f"response_format {short(fmt)} is not carried by a live session: its binary messages are "
+        raise _bad(f"response_format {got(fmt)} is not carried by a live session: its binary messages are "
                    f"{' or '.join(PCM_FORMATS)}", "response_format", "unsupported_value")
     body = {"model": server.models[0], "response_format": "pcm", **fields, "input": "session",
             "stream_format": "audio"}
@@ -698,16 +698,18 @@ def live_options(fields: dict[str, Any]) -> dict[str, Any]:
     Raises:
         ApiError: 400 naming the bad field.
     """
-    defaults = SessionFields.model_fields
-    granularity = fields.get("split_granularity", defaults["split_granularity"].default)
-    words = fields.get("first_commit_words", defaults["first_commit_words"].default)
+    defaults = SessionFields.model_fields  # null counts as left out, as in the speech body
+    granularity = fields.get("split_granularity")
+    granularity = defaults["split_granularity"].default if granularity is None else granularity
+    words = fields.get("first_commit_words")
+    words = defaults["first_commit_words"].default if words is None else words
     if granularity not in GRANULARITIES:
         raise _bad(f"split_granularity is one of {', '.join(GRANULARITIES)} (text committed to speech at sentence "
-                   f"ends, or at clause ends too); got {short(granularity)}", "split_granularity", "invalid_value")
+                   f"ends, or at clause ends too); got {got(granularity)}", "split_granularity", "invalid_value")
     if not isinstance(words, int) or isinstance(words, bool) or not 0 <= words <= FIRST_COMMIT_WORDS_MAX:
         raise _bad(f"first_commit_words is the most words of a response's first commit, 0 to {FIRST_COMMIT_WORDS_MAX} "
                    f"(0: none); got "
-                   f"{short(words)}", "first_commit_words", "invalid_value")
+                   f"{got(words)}", "first_commit_words", "invalid_value")
     return {"granularity": granularity, "first_words": words}
 
 

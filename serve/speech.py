@@ -298,10 +298,14 @@ def short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _got(value: Any) -> str:
+def got(value: Any) -> str:
     """``value`` for a message in JSON's words: a string quoted (cut to 80 characters), else
-    what it is (``a number (1.5)``, ``a boolean (true)``, ``a list``), never a Python type name."""
+    what it is (``a number (1.5)``, ``a boolean (true)``, ``a list``), never a Python type name
+    (the HTTP bodies' and a live session's messages)."""
     return short(value) if isinstance(value, str) else plain_type(value)
+
+
+_got = got  # the name this module's checks use
 
 
 def _text(value: Any, param: str, meaning: str, why: str = "") -> str:

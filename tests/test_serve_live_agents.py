@@ -258,6 +258,37 @@ def test_a_bad_commit_rule_is_refused_with_the_config(server, config, param):
     assert error["param"] == param and param in error["message"] and error["status"] == 400
 
 
+def test_null_commit_fields_are_the_defaults_and_messages_show_json_values(server):
+    """As in the HTTP body, a field sent as null counts as left out (split_granularity and
+    first_commit_words were refused while speed null was the default); values are said in JSON's
+    words (true, null), never Python's (True, None)."""
+    text = "Right, so here is the plan for today, step by step, and then a rest. Fine"
+    pieces = [text[i:i + 5] for i in range(0, len(text), 5)]
+    heard = asyncio.run(_session(server.ws, pieces, {"seed": 3, "split_granularity": None, "first_commit_words": None,
+                                                     "speed": None}))
+    assert not heard.of("error"), heard.of("error")
+    _check_sentences(heard, ["Right, so here is", "the plan for today,", "step by step,", "and then a rest.", "Fine"])
+
+    async def run() -> Heard:
+        async with websockets.connect(server.ws) as ws:
+            heard = Heard()
+            for message in ({"type": "input.text", "text": None}, {"type": "input.text", "text": True},
+                            {"type": "session.config", "first_commit_words": True},
+                            {"type": "session.config", "split_granularity": False},
+                            {"type": "input.cancel", "played_ms": True}, {"type": True}):
+                await ws.send(json.dumps(message))
+                await _read(ws, heard, "error")
+            return heard
+
+    errors = asyncio.run(run()).of("error")
+    assert [e["param"] for e in errors] == ["text", "text", "first_commit_words", "split_granularity", "played_ms",
+                                            "type"]
+    for error in errors:
+        assert "True" not in error["message"] and "False" not in error["message"], error
+    assert "null" in errors[0]["message"] and "got a boolean (true)" in errors[1]["message"], errors[:2]
+    assert "got a boolean (true)" in errors[2]["message"] and "got a boolean (false)" in errors[3]["message"]
+
+
 def test_the_client_side_maps_a_players_position_to_the_sentence_and_its_played_ms():
     """protocol.Reader (the plugins' client side): sentence starts in the session's audio, what a
     player at a position has played of which sentence, and the input.cancel that says so."""

@@ -52,6 +52,7 @@ from higgs_pack.serve.speech import (
     parse_speech,
     reference_clip,
     short,
+    unique_keys,
 )
 from higgs_pack.serve.upload import Upload, read_upload
 
@@ -345,17 +346,6 @@ def _check_encoding(request: Request) -> None:
                        "(no Content-Encoding header)", param="Content-Encoding", code="unsupported_encoding")
 
 
-def _duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object's pairs as a dict, refusing a key given twice (which value counts is ambiguous)."""
-    seen: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in seen:
-            raise refused(Problem.said(f"the JSON body gives {short(key)} twice; give each field once",
-                                       code="duplicate_field"), param=key[:80])
-        seen[key] = value
-    return seen
-
-
 def _check_json_type(request: Request) -> None:
     """Refuse a body whose ``Content-Type`` is not JSON (``application/json`` or ``application/*+json``; none
     given is read as JSON).  A ``text/plain`` or form body is what a web page of any origin may
@@ -386,7 +376,7 @@ async def _json_body(request: Request, limit: int, server: SpeechServer) -> Any:
         if len(data) > limit:
             raise ApiError(413, f"the body is over the limit of {limit} bytes (--max-upload-mb)", code="too_large")
     try:
-        parse = functools.partial(json.loads, data, object_pairs_hook=_duplicate_keys)
+        parse = functools.partial(json.loads, data, object_pairs_hook=unique_keys)
         return parse() if len(data) <= JSON_ON_LOOP_BYTES else await server.off_loop(parse)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise refused(Problem.said(f"the body is not JSON ({exc}); send a JSON object with model, input and voice",

@@ -16,7 +16,7 @@ from higgs_pack.runtime.loop.decode import GenerationResult
 from higgs_pack.runtime.loop.words import Word, heard_words, word_timings, words_prefix
 from higgs_pack.serve.errors import refused
 from higgs_pack.serve.integrations.protocol import spoken_chars
-from higgs_pack.serve.speech import short
+from higgs_pack.serve.speech import got
 
 #: Sentences whose audio went out that a barge-in's ``sentence_index`` may name (the last ones).
 PLAYED_KEPT = 8
@@ -82,10 +82,10 @@ def cancel_fields(data: dict[str, Any]) -> tuple[float | None, int | None]:
     if played_ms is not None and not (isinstance(played_ms, (int, float)) and not isinstance(played_ms, bool)
                                       and math.isfinite(played_ms) and played_ms >= 0):
         raise refused(Problem.said(f"played_ms is the milliseconds of the sentence's audio the client played, a "
-                                   f"number >= 0; got {short(played_ms)}", "played_ms", played_ms))
+                                   f"number >= 0; got {got(played_ms)}", "played_ms", played_ms))
     if index is not None and (played_ms is None or not isinstance(index, int) or isinstance(index, bool)):
         raise refused(Problem.said(f"sentence_index names the sentence played_ms is of (an audio.start's "
-                                   f"sentence_index, with played_ms); got {short(index)}"
+                                   f"sentence_index, with played_ms); got {got(index)}"
                                    f"{'' if played_ms is not None else ' without played_ms'}", "sentence_index",
                                    index))
     return played_ms, index

@@ -106,6 +106,19 @@ def from_input_error(exc: InputError, status: int = 400, code: str | None = None
     return _said(exc, http_name, status, code, param)
 
 
+def live_name(field: str | None) -> str | None:
+    """A request field's name in a live session (``/v1/audio/speech/stream``): the text is
+    ``input.text``'s ``text`` (the speech body's ``input``), the rest the speech body's (:func:`http_name`)."""
+    return "text" if field == "text" else http_name(field)
+
+
+def from_live_input_error(exc: InputError, status: int = 400, code: str | None = None,
+                          param: str | None = None) -> ApiError:
+    """:func:`from_input_error` in a live session's terms (:func:`live_name`): a problem of the
+    text names ``text``, in its message and as ``param``."""
+    return _said(exc, live_name, status, code, param)
+
+
 def refused(*problems: Problem, param: str | None = None, status: int = 400) -> ApiError:
     """The HTTP door's answer to ``problems`` of a request that this server found itself (a body,
     an upload, a barge-in): :func:`from_input_error` of them, ``param`` where none names a field."""

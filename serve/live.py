@@ -87,13 +87,19 @@ from higgs_pack.runtime.engine.handle import EngineHandle, RequestCancelled
 from higgs_pack.runtime.loop.decode import GenerationResult
 from higgs_pack.runtime.loop.sentences import GRANULARITIES, TextCommits
 from higgs_pack.runtime.loop.synthesis import SENTENCE_PAUSE_S
+from higgs_pack.runtime.loop.text_chunks import frame_cap_problems
 from higgs_pack.runtime.loop.words import words_json
 from higgs_pack.runtime.request import PreparedVoice, SynthesisRequest, Voice
 from higgs_pack.serve.barge_in import PLAYED_KEPT, Played, cancel_fields, heard_part, played_record
-from higgs_pack.serve.errors import ApiError, from_input_error, refused
+from higgs_pack.serve.errors import ApiError, from_input_error, from_live_input_error, refused
 from higgs_pack.serve.formats import PCM_FORMATS, StreamEncoder
-from higgs_pack.serve.schema import FIRST_COMMIT_WORDS_MAX, NOT_IN_CONFIG, SessionFields
-from higgs_pack.serve.speech import SpeechJob, parse_speech, short
+from higgs_pack.serve.schema import (
+    FIRST_COMMIT_WORDS_MAX,
+    NOT_IN_CONFIG,
+    SessionFields,
+    config_fields,
+)
+from higgs_pack.serve.speech import SpeechJob, got, parse_speech, unique_keys, unknown_fields
 from higgs_pack.serve.tempo import TimeStretch, scale_spans
 
 log = logging.getLogger(__name__)
@@ -107,8 +113,10 @@ ROUTE = "/v1/audio/speech/stream"
 OUTBOX = 4
 #: The client's message types.
 MESSAGES = ("session.config", "input.text", "input.flush", "input.done", "input.cancel")
-#: Fields each client message takes besides ``type`` (``session.config``'s are the speech body's).
+#: Fields each client message takes besides ``type``; ``session.config``'s are :data:`CONFIG_FIELDS`.
 FIELDS = {"input.text": ("text",), "input.flush": (), "input.done": (), "input.cancel": ("played_ms", "sentence_index")}
+#: The fields a ``session.config`` takes besides ``type`` (:func:`~higgs_pack.serve.schema.config_fields`).
+CONFIG_FIELDS = config_fields()
 #: Close code of a session refused for load (RFC 6455 1013 "try again later").
 TRY_AGAIN_LATER = 1013
 #: Close code of a refused API key (RFC 6455 1008 "policy violation").
@@ -272,16 +280,23 @@ class Session:
         if message.get("bytes") is not None:
             raise _bad("binary messages are not taken: send JSON text messages (session.config, input.text, "
                        "input.flush, input.done, input.cancel)", "type", "invalid_message")
+        text = message.get("text") or ""
         try:
-            data = json.loads(message.get("text") or "")
+            data = json.loads(text, object_pairs_hook=_UNIQUE_KEYS)
         except json.JSONDecodeError as exc:
             raise _bad(f"the message is not JSON ({exc}); send a JSON object with a \"type\"", "type",
                        "invalid_json") from exc
+        except ApiError as exc:  # a field given twice (the HTTP door's refusal): a config so is refused whole
+            if _message_type(text) != "session.config" or self.configured or self.text_seen:
+                raise
+            self.config_refused = True
+            raise ApiError(exc.status, f"{_ended(exc.message)} {CONFIG_REFUSED}", param=exc.param,
+                           code=exc.code) from exc
         if not isinstance(data, dict):
             raise _bad("a message is a JSON object with a \"type\"", "type", "invalid_message")
         kind = data.get("type")
         if kind not in MESSAGES:
-            raise _bad(f"type {short(kind)} is not a message of this protocol; use one of {', '.join(MESSAGES)}",
+            raise _bad(f"type {got(kind)} is not a message of this protocol; use one of {', '.join(MESSAGES)}",
                        "type", "unknown_type")
         extra = [] if kind == "session.config" else sorted(set(data) - {"type", *FIELDS[kind]})
         if extra:
@@ -338,11 +353,15 @@ class Session:
                 voice = self.server.tts.prepare_voice(voice.audio, voice.transcript, "ref_audio")
             except InputError as exc:
                 raise config_error(from_input_error(exc, param="ref_audio"), {}, check) from exc
+            try:  # the frame cap beside this voice (config_job checked it beside none)
+                check_frame_cap(self.server, job.request.max_frames, voice)
+            except ApiError as exc:
+                raise config_error(exc, {}, check) from exc
         return job, voice
 
     def _add_text(self, text: Any) -> None:
         if not isinstance(text, str):
-            raise _bad(f"input.text needs \"text\", a string, got {short(text)}", "text",
+            raise _bad(f"input.text needs \"text\", a string, got {got(text)}", "text",
                        "missing_field" if text is None else "invalid_value")
         if (problem := text_rule.character_problem(text, "text")) is not None:  # the one text rule
             raise _bad(problem, "text", "invalid_value")
@@ -413,7 +432,7 @@ class Session:
         codes as the next sentence's context (unless it was cancelled)."""
         epoch, index = self.epoch, self.next_index
         job = await self._sentence_job(sentence.text, index)
-        handle = await self.server.submit(job)
+        handle = await self.server.submit(job, said=from_live_input_error)
         if epoch != self.epoch or self.gone:  # cancelled (or left) while it was being submitted
             handle.cancel()
             return
@@ -497,7 +516,7 @@ class Session:
         try:  # a sentence the request refuses is this sentence's error (the engine's plan refuses the rest)
             return dataclasses.replace(self.job, request=await self.server.off_loop(request))
         except InputError as exc:
-            raise from_input_error(exc, param="text") from exc
+            raise from_live_input_error(exc, param="text") from exc
 
     def _keep(self, spoken: _Spoken) -> None:
         """Keep a sentence (or the part of it heard) as context: the first one (the voice of the
@@ -560,19 +579,40 @@ def config_job(server: Any, fields: dict[str, Any]) -> SpeechJob:
     Raises:
         ApiError: the first bad field.
     """
-    for name in NOT_IN_CONFIG:
+    for name, why in NOT_IN_CONFIG.items():
         if name in fields:
-            raise _bad(f"session.config takes no {name}: text comes in input.text messages and is always "
-                       "streamed", name, "unknown_field")
+            raise _bad(f"session.config takes no {name}: {why}", name, "unknown_field")
+    unknown = [name for name in fields if name not in CONFIG_FIELDS]
+    if unknown:  # the session's fields listed, not the HTTP body's (parse_speech would list those)
+        raise _bad(unknown_fields(unknown, CONFIG_FIELDS, fix="one of these fields of session.config "
+                                  "(docs/serving/live.md)"), unknown[0][:80], "unknown_field")
     live_options(fields)
     fields = {k: v for k, v in fields.items() if k not in SessionFields.model_fields}
     fmt = fields.get("response_format")
     if fmt is not None and fmt not in PCM_FORMATS:
-        raise _bad(f"response_format {short(fmt)} is not carried by a live session: its binary messages are "
+        raise _bad(f"response_format {got(fmt)} is not carried by a live session: its binary messages are "
                    f"{' or '.join(PCM_FORMATS)}", "response_format", "unsupported_value")
     body = {"model": server.models[0], "response_format": "pcm", **fields, "input": "session",
             "stream_format": "audio"}
-    return parse_speech(body, models=server.models, voices=server.voices, config=server.config)
+    job = parse_speech(body, models=server.models, voices=server.voices, config=server.config)
+    voice = job.request.voice  # a stored voice; a clip is checked once encoded (Session._parse_config)
+    check_frame_cap(server, job.request.max_frames, voice if isinstance(voice, PreparedVoice) else None)
+    return job
+
+
+def check_frame_cap(server: Any, max_frames: int | None, voice: PreparedVoice | None) -> None:
+    """Refuse at config time what the HTTP route refuses at once and every sentence of a session
+    would be refused for: a frame cap (``max_new_tokens``) past the bundle's context less the
+    prompt, or a voice that leaves no room for a word
+    (:func:`~higgs_pack.runtime.loop.text_chunks.frame_cap_problems`).
+
+    Raises:
+        ApiError: 400 naming ``max_new_tokens`` (or ``ref_text``), in the HTTP route's words.
+    """
+    codes, transcript = (None, None) if voice is None else (voice.codes, voice.transcript)
+    problems = frame_cap_problems(server.tts.pipeline, max_frames, codes, transcript)
+    if problems:
+        raise from_input_error(InputError(problems=problems))
 
 
 def sentence_context(voice: PreparedVoice | None, spoken: list[_Spoken],
@@ -639,10 +679,15 @@ def config_error(first: ApiError, fields: dict[str, Any], check: Any) -> ApiErro
     if first.param not in [e.param for e in errors]:
         errors.insert(0, first)
     if len(errors) == 1:
-        return ApiError(first.status, f"{first.message}. {CONFIG_REFUSED}", param=first.param, code=first.code)
-    listed = "; ".join(f"({i}) {e.param}: {e.message}" for i, e in enumerate(errors, 1))
+        return ApiError(first.status, f"{_ended(first.message)} {CONFIG_REFUSED}", param=first.param, code=first.code)
+    listed = "; ".join(f"({i}) {e.param}: {e.message.rstrip('.')}" for i, e in enumerate(errors, 1))
     return ApiError(max(e.status for e in errors), f"{len(errors)} bad fields: {listed}. {CONFIG_REFUSED}",
                     param=errors[0].param, code="invalid_config")
+
+
+def _ended(message: str) -> str:
+    """``message`` ending with one full stop (a message may end with its own)."""
+    return message if message.endswith(".") else f"{message}."
 
 
 def live_options(fields: dict[str, Any]) -> dict[str, Any]:
@@ -653,17 +698,29 @@ def live_options(fields: dict[str, Any]) -> dict[str, Any]:
     Raises:
         ApiError: 400 naming the bad field.
     """
-    defaults = SessionFields.model_fields
-    granularity = fields.get("split_granularity", defaults["split_granularity"].default)
-    words = fields.get("first_commit_words", defaults["first_commit_words"].default)
+    defaults = SessionFields.model_fields  # null counts as left out, as in the speech body
+    granularity = fields.get("split_granularity")
+    granularity = defaults["split_granularity"].default if granularity is None else granularity
+    words = fields.get("first_commit_words")
+    words = defaults["first_commit_words"].default if words is None else words
     if granularity not in GRANULARITIES:
         raise _bad(f"split_granularity is one of {', '.join(GRANULARITIES)} (text committed to speech at sentence "
-                   f"ends, or at clause ends too); got {short(granularity)}", "split_granularity", "invalid_value")
+                   f"ends, or at clause ends too); got {got(granularity)}", "split_granularity", "invalid_value")
     if not isinstance(words, int) or isinstance(words, bool) or not 0 <= words <= FIRST_COMMIT_WORDS_MAX:
         raise _bad(f"first_commit_words is the most words of a response's first commit, 0 to {FIRST_COMMIT_WORDS_MAX} "
                    f"(0: none); got "
-                   f"{short(words)}", "first_commit_words", "invalid_value")
+                   f"{got(words)}", "first_commit_words", "invalid_value")
     return {"granularity": granularity, "first_words": words}
+
+
+#: A live message's keys, each given once (the HTTP door's check: :func:`~higgs_pack.serve.speech.unique_keys`).
+_UNIQUE_KEYS = functools.partial(unique_keys, where="the message")
+
+
+def _message_type(text: str) -> Any:
+    """The ``type`` of a JSON message read without the duplicate check (None when it has none)."""
+    data = json.loads(text)
+    return data.get("type") if isinstance(data, dict) else None
 
 
 def error_event(exc: ApiError, text_param: str | None = None) -> dict[str, Any]:

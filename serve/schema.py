@@ -152,10 +152,14 @@ class SessionFields(BaseModel):
                                     "(0: no first commit).")
 
 
-#: Fields of the speech body a session cannot take: the request fields declared not live (text comes
-#: in ``input.text`` messages: :class:`~higgs_pack.runtime.options.Door`), and the stream switches
-#: (a session always streams).
-NOT_IN_CONFIG = (*(door.http for door in FIELDS.values() if door.http and not door.live), "stream_format", "stream")
+#: Fields of the speech body a session cannot take, each with why (said when one is sent): the
+#: request fields declared not live (text comes in ``input.text`` messages:
+#: :class:`~higgs_pack.runtime.options.Door`), the stream switches (a session always streams) and
+#: ``segments`` (a whole answer's timings: a session's ``audio.done`` carries them).
+NOT_IN_CONFIG: dict[str, str] = {
+    **{door.http: "text comes in input.text messages" for door in FIELDS.values() if door.http and not door.live},
+    "stream_format": "a session always streams its audio", "stream": "a session always streams its audio",
+    "segments": "each sentence's timings come in its audio.done event"}
 
 
 def config_fields() -> tuple[str, ...]:

@@ -239,8 +239,10 @@ class SpeechServer:
             if seconds is not None:
                 self._mean_seconds = 0.9 * self._mean_seconds + 0.1 * seconds
 
-    async def submit(self, job: SpeechJob) -> EngineHandle:
-        """Hand ``job`` to the engine (on a worker thread: a reference clip is encoded there).
+    async def submit(self, job: SpeechJob, said: Any = from_input_error) -> EngineHandle:
+        """Hand ``job`` to the engine (on a worker thread: a reference clip is encoded there);
+        ``said``: how its refusal is said (a live session's text is ``text``:
+        :func:`~higgs_pack.serve.errors.from_live_input_error`).
 
         Raises:
             ApiError: 400 for what the engine refuses at once (a special token in the text, a
@@ -258,7 +260,7 @@ class SpeechServer:
         try:
             return await anyio.to_thread.run_sync(submit, limiter=self.limiter)
         except InputError as exc:
-            raise from_input_error(exc, param="input" if plan is None else "turns") from exc
+            raise said(exc, param="input" if plan is None else "turns") from exc
         except HiggsPackError as exc:
             raise ApiError(503, f"the engine cannot take requests: {exc}", code="engine_stopped") from exc
 

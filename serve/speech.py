@@ -276,16 +276,36 @@ def unknown_fields(unknown: list[str], known: tuple[str, ...], kind: str = "fiel
     return message
 
 
+def unique_keys(pairs: list[tuple[str, Any]], where: str = "the JSON body") -> dict[str, Any]:
+    """A JSON object's pairs as a dict, refusing a key given twice (which value counts is ambiguous):
+    ``json.loads``'s ``object_pairs_hook`` of every JSON door (the HTTP bodies; a live message, with
+    ``where`` "the message").
+
+    Raises:
+        ApiError: 400 ``duplicate_field`` naming the key.
+    """
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _bad(f"{where} gives {short(key)} twice; give each field once", key[:80], "duplicate_field")
+        seen[key] = value
+    return seen
+
+
 def short(value: Any) -> str:
     """``repr(value)``, cut to 80 characters (an error never echoes a huge input)."""
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _got(value: Any) -> str:
+def got(value: Any) -> str:
     """``value`` for a message in JSON's words: a string quoted (cut to 80 characters), else
-    what it is (``a number (1.5)``, ``a boolean (true)``, ``a list``), never a Python type name."""
+    what it is (``a number (1.5)``, ``a boolean (true)``, ``a list``), never a Python type name
+    (the HTTP bodies' and a live session's messages)."""
     return short(value) if isinstance(value, str) else plain_type(value)
+
+
+_got = got  # the name this module's checks use
 
 
 def _text(value: Any, param: str, meaning: str, why: str = "") -> str:

@@ -142,7 +142,8 @@ def test_commits_at_sentences_clauses_and_first_words_lose_nothing(size):
     assert clause == ["Well, I think that the weather today,", "all things considered,", "is fine.",
                       "It costs 1,000 dollars:", "a lot.", "Bye"]
     first = [p for ps in _commits(PROSE, size, granularity="clause", first_words=4) for p in ps]
-    assert first == ["Well, I think that", "the weather today,", *clause[1:]]
+    # the first four words alone when they arrive before the clause's end; all at once, the clause is one part
+    assert first == (["Well, I think that", "the weather today,", *clause[1:]] if size < 1000 else clause)
     assert " ".join(first).split() == PROSE.split()
     # the first words alone are committed as soon as the fourth word is known whole (a space after it)
     if size == 1:
@@ -163,6 +164,46 @@ def test_commits_cut_cjk_clauses_and_restart_after_a_barge_in():
     assert commits.feed(" four five six") == [] and commits.pending.strip() == "three four five six"
     commits.restart()
     assert commits.pending == "" and commits.feed("Seven eight nine") == ["Seven eight"]
+
+
+def test_the_first_commit_never_cuts_an_end_that_has_arrived():
+    """The first words are cut alone only while no clause or sentence end has arrived after them: a
+    sentence that arrives whole is one part (it was "One two three four" + "five."), and a "." at
+    the end of what arrived, which may be a sentence's end, holds the cut until the next piece."""
+    from higgs_pack.runtime.loop.sentences import TextCommits
+
+    for granularity in ("clause", "sentence"):
+        commits = TextCommits(granularity, first_words=4)
+        assert commits.feed("One two three four five. Six seven") == ["One two three four five."]
+        assert commits.flush() == ["Six seven"]
+        commits = TextCommits(granularity, first_words=4)  # the docs' example
+        assert commits.feed("Hello") == [] and commits.feed(" there, this is") == []
+        assert commits.feed(" streamed. And a") == ["Hello there, this is streamed."]
+        commits = TextCommits(granularity, first_words=4)
+        assert commits.feed("One two three four five.") == []  # its "." may be the sentence's end
+        assert commits.feed(" Six") == ["One two three four five."]
+        commits = TextCommits(granularity, first_words=4)  # word by word: the cut at four words
+        assert [commits.feed(w) for w in ("One", " two", " three", " four", " five")][-1] == ["One two three four"]
+        assert commits.feed(" six.") == [] and commits.feed(" Seven") == ["five six."]
+    commits = TextCommits("clause", first_words=4)  # a clause end that has arrived is the cut
+    assert commits.feed("One two three four five six, seven") == ["One two three four five six,"]
+    commits = TextCommits("clause", first_words=4)
+    assert commits.feed("One two three four five six") == ["One two three four"]
+
+
+def test_the_first_commit_counts_words_as_word_timings_do():
+    """Chinese and Japanese have no spaces: each ideograph or kana is a word (split_words), whole once
+    the next character (not punctuation of its own) has arrived."""
+    from higgs_pack.runtime.loop.sentences import TextCommits
+    from higgs_pack.runtime.loop.words import split_words
+
+    text = "你好世界今天天气很好我们去公园散步吧然后回家"
+    commits = TextCommits("clause", first_words=4)
+    pieces = [commits.feed(character) for character in text]
+    assert pieces[4] == ["你好世界"] and not any(pieces[:4]) and split_words("你好世界") == list("你好世界")
+    assert [p for ps in pieces for p in ps] + commits.flush() == ["你好世界", text[4:]]
+    commits = TextCommits("sentence", first_words=2)
+    assert commits.feed("こん") == [] and commits.feed("、") == [] and commits.feed("に") == ["こん、"]
 
 
 @pytest.mark.parametrize("options", [{"granularity": "word"}, {"first_words": -1}])

@@ -288,6 +288,7 @@ def test_bad_messages_get_an_error_naming_the_field_and_the_session_goes_on(serv
     ({"temperature": -1}, "temperature", "invalid_value"),
     ({"context_frames": 0}, "context_frames", "invalid_value"),
     ({"model": "gpt-4o-mini-tts"}, "model", "model_not_found"),
+    ({"max_new_tokens": 50000}, "max_new_tokens", "invalid_value"),  # past the bundle's context: HTTP's 400 too
 ])
 def test_a_bad_config_is_refused_by_the_http_routes_checks_and_the_session_goes_on(server, config, param, code):
     async def run() -> Heard:
@@ -305,7 +306,64 @@ def test_a_bad_config_is_refused_by_the_http_routes_checks_and_the_session_goes_
     assert (error["param"], error["code"]) == (param, code), error
     if code == "unknown_field" and param == "sede":
         assert "did you mean 'seed'" in error["message"]
+    if param == "max_new_tokens":
+        assert "max_new_tokens is at most" in error["message"] and "for this bundle" in error["message"], error
+        assert ".." not in error["message"], error
     _check_sentences(heard, ["Good after bad."])
+
+
+def test_an_unknown_config_field_lists_the_fields_a_session_config_takes(server):
+    """The fields listed are a session.config's (derived from the declarations: schema.config_fields),
+    not the HTTP body's: the live-only commit fields in, the body's text and answer-shape fields out;
+    one full stop between the message and what is said of every refused config."""
+    from higgs_pack.serve.schema import config_fields
+
+    async def run() -> Heard:
+        async with websockets.connect(server.ws) as ws:
+            heard = Heard()
+            for config in ({"bogus": 1}, {"segments": True}):
+                await ws.send(json.dumps({"type": "session.config", **config}))
+                await _read(ws, heard, "error")
+            return heard
+
+    unknown, segments = asyncio.run(run()).of("error")
+    assert (unknown["param"], unknown["code"]) == ("bogus", "unknown_field"), unknown
+    listed = unknown["message"].split("known: ", 1)[1].split(".", 1)[0]
+    assert listed.split(", ") == sorted(config_fields()), unknown
+    assert {"split_granularity", "first_commit_words"} <= set(listed.split(", "))
+    for name in ("input", "stream", "stream_format", "segments"):
+        assert name not in listed.split(", "), unknown
+    assert ".." not in unknown["message"], unknown
+    assert (segments["param"], segments["code"]) == ("segments", "unknown_field"), segments
+    assert "audio.done" in segments["message"], segments
+
+
+def test_a_field_given_twice_in_a_message_is_refused_as_the_http_route_refuses_it(server):
+    """Which of two values counts is ambiguous: refused (HTTP's 400 duplicate_field), never the last
+    one taken; a session.config with a field twice is refused whole (text waits for a good one)."""
+    async def run() -> Heard:
+        async with websockets.connect(server.ws) as ws:
+            heard = Heard()
+            await ws.send('{"type": "input.text", "text": "dup", "text": "Spoken twice."}')
+            await _read(ws, heard, "error")
+            await ws.send('{"type": "session.config", "speed": 2.0, "speed": 9}')
+            await _read(ws, heard, "error")
+            await ws.send(json.dumps({"type": "input.text", "text": "Not in defaults."}))
+            await _read(ws, heard, "error")
+            await ws.send(json.dumps({"type": "session.config", "seed": 2}))
+            await ws.send(json.dumps({"type": "input.text", "text": "Good."}))
+            await ws.send(json.dumps({"type": "input.done"}))
+            await _read(ws, heard)
+            return await _read(ws, heard, None, 10)
+
+    heard = asyncio.run(run())
+    text, config, waiting = heard.of("error")
+    assert (text["param"], text["code"], text["status"]) == ("text", "duplicate_field", 400), text
+    assert "gives 'text' twice" in text["message"], text
+    assert (config["param"], config["code"]) == ("speed", "duplicate_field"), config
+    assert "refused whole" in config["message"], config
+    assert (waiting["param"], waiting["code"]) == ("session.config", "config_refused"), waiting
+    _check_sentences(heard, ["Good."])
 
 
 def test_a_config_with_several_bad_fields_names_each_and_text_waits_for_a_good_one(server):
@@ -529,3 +587,14 @@ def test_a_later_sentence_the_planner_refuses_is_its_own_error_and_the_session_g
     assert "positions" in errors[0]["message"]
     assert [e["sentence_text"] for e in heard.of("audio.start")] == ["Hello there.", "Goodbye now."]
     assert heard.of("session.done") and heard.close_code == 1000
+
+
+def test_a_special_token_in_the_text_is_said_of_text_this_doors_field(server):
+    """The HTTP route's field is input; a session's text comes in input.text's text, and the error
+    says so in its message as well as its param (it said "input contains ...")."""
+    heard = asyncio.run(_session(server.ws, ["Say <|endoftext|> now. Fine."], {"seed": 1, **BY_SENTENCE}))
+    (error,) = heard.of("error")
+    assert (error["param"], error["sentence_text"]) == ("text", "Say <|endoftext|> now."), error
+    assert error["message"].startswith("text contains the tokenizer's special token"), error
+    assert "input" not in error["message"], error
+    assert [e["sentence_text"] for e in heard.of("audio.start")] == ["Fine."]

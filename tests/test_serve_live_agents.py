@@ -226,6 +226,25 @@ def test_by_default_a_responses_first_four_words_and_its_clauses_are_spoken_alon
     _check_sentences(heard, ["Right, so here is", "the plan for today,", "step by step,", "and then a rest.", "Fine"])
 
 
+def test_the_first_commit_never_cuts_a_sentence_that_arrived_whole(server):
+    """The first four words are cut alone only while no end has arrived after them: a sentence sent
+    in one message is one part (it was "One two three four" + "five.", a one-word part)."""
+    heard = asyncio.run(_session(server.ws, ["One two three four five. Six seven."], {"seed": 3}))
+    _check_sentences(heard, ["One two three four five.", "Six seven."])
+    heard = asyncio.run(_session(server.ws, ["Hello", " there, this is", " streamed. And a", " second sentence."],
+                                 {"seed": 3}))  # docs/serving/live.md's example
+    _check_sentences(heard, ["Hello there, this is streamed.", "And a second sentence."])
+
+
+def test_the_first_commit_counts_chinese_words_as_word_timings_do(server):
+    """Each ideograph is a word (as in audio.done's words): sent a character at a time, the first
+    four are spoken alone (nothing was spoken before input.done)."""
+    text = "你好世界今天天气很好我们去公园散步吧然后回家"
+    heard = asyncio.run(_session(server.ws, list(text), {"seed": 3}))
+    _check_sentences(heard, ["你好世界", text[4:]])
+    assert [w["text"] for w in heard.of("audio.done")[0]["words"]] == list("你好世界")
+
+
 @pytest.mark.parametrize(("config", "param"), [({"split_granularity": "word"}, "split_granularity"),
                                                ({"first_commit_words": -2}, "first_commit_words"),
                                                ({"first_commit_words": 2.5, "seed": -1}, "first_commit_words")])
@@ -237,6 +256,37 @@ def test_a_bad_commit_rule_is_refused_with_the_config(server, config, param):
 
     (error,) = asyncio.run(run()).of("error")
     assert error["param"] == param and param in error["message"] and error["status"] == 400
+
+
+def test_null_commit_fields_are_the_defaults_and_messages_show_json_values(server):
+    """As in the HTTP body, a field sent as null counts as left out (split_granularity and
+    first_commit_words were refused while speed null was the default); values are said in JSON's
+    words (true, null), never Python's (True, None)."""
+    text = "Right, so here is the plan for today, step by step, and then a rest. Fine"
+    pieces = [text[i:i + 5] for i in range(0, len(text), 5)]
+    heard = asyncio.run(_session(server.ws, pieces, {"seed": 3, "split_granularity": None, "first_commit_words": None,
+                                                     "speed": None}))
+    assert not heard.of("error"), heard.of("error")
+    _check_sentences(heard, ["Right, so here is", "the plan for today,", "step by step,", "and then a rest.", "Fine"])
+
+    async def run() -> Heard:
+        async with websockets.connect(server.ws) as ws:
+            heard = Heard()
+            for message in ({"type": "input.text", "text": None}, {"type": "input.text", "text": True},
+                            {"type": "session.config", "first_commit_words": True},
+                            {"type": "session.config", "split_granularity": False},
+                            {"type": "input.cancel", "played_ms": True}, {"type": True}):
+                await ws.send(json.dumps(message))
+                await _read(ws, heard, "error")
+            return heard
+
+    errors = asyncio.run(run()).of("error")
+    assert [e["param"] for e in errors] == ["text", "text", "first_commit_words", "split_granularity", "played_ms",
+                                            "type"]
+    for error in errors:
+        assert "True" not in error["message"] and "False" not in error["message"], error
+    assert "null" in errors[0]["message"] and "got a boolean (true)" in errors[1]["message"], errors[:2]
+    assert "got a boolean (true)" in errors[2]["message"] and "got a boolean (false)" in errors[3]["message"]
 
 
 def test_the_client_side_maps_a_players_position_to_the_sentence_and_its_played_ms():

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import re
 
-from higgs_pack.runtime.loop.words import split_words
+from higgs_pack.runtime.loop.words import split_words, word_ends
 
 #: Latin-style sentence punctuation: an end only when whitespace (or a CJK character) follows.
 LATIN_STOPS = ".!?;…"
@@ -131,7 +131,6 @@ CJK_CLAUSE_MARKS = "，、：；"
 #: own: a shorter one ("Well,", "Yes, ") waits and joins the next.
 MIN_CLAUSE_WORDS = 3
 _CLAUSE_END = re.compile(rf"[{LATIN_CLAUSE_MARKS}][{re.escape(CLOSERS)}]*(?=\s)|[{CJK_CLAUSE_MARKS}]")
-_WORD_END = re.compile(r"\S(?=\s)")
 
 
 class TextCommits:
@@ -139,8 +138,13 @@ class TextCommits:
     :class:`SentenceSplitter`, cut also at clause ends with ``granularity`` ``"clause"`` (a clause
     mark, :data:`LATIN_CLAUSE_MARKS` then whitespace or one of :data:`CJK_CLAUSE_MARKS`, once the
     clause has :data:`MIN_CLAUSE_WORDS` words), and, first of all, the ``first_words`` first
-    words of a response alone when they come before any other cut (so its speech starts sooner;
-    0: no such rule).  :meth:`restart` makes the next words a response's first again (a barge-in).
+    words of a response alone when they arrive before any other cut (so its speech starts sooner;
+    0: no such rule): while the text received holds no clause or sentence end after them, and
+    does not end in a stop that may be one (``five.`` waits for the next piece); when an end has
+    arrived, the first part runs to it (a sentence that arrives whole is one part).  Words are
+    counted as word timings count them (:func:`~higgs_pack.runtime.loop.words.split_words`: in
+    Chinese and Japanese each ideograph or kana is a word), a word whole once what follows it
+    has arrived.  :meth:`restart` makes the next words a response's first again (a barge-in).
 
     Args:
         granularity: one of :data:`GRANULARITIES`.
@@ -192,7 +196,7 @@ class TextCommits:
         sentence's when ``final``), advancing past them in the pending text when not ``final``."""
         parts, at = [], 0
         while True:
-            end = self._next_end(text, at)
+            end = self._next_end(text, at, final)
             if end is None:
                 break
             part = text[at:end].strip()
@@ -209,17 +213,21 @@ class TextCommits:
             self._taken += at
         return parts
 
-    def _next_end(self, text: str, at: int) -> int | None:
-        """Where the next part that starts at ``at`` ends: the first words' cut, else a clause end
-        after :data:`MIN_CLAUSE_WORDS` words (clause mode); None when none has arrived yet."""
-        ends = []
-        if self._first and self.first_words:
-            words = list(_WORD_END.finditer(text, at))
-            if len(words) >= self.first_words:
-                ends.append(words[self.first_words - 1].end())
+    def _next_end(self, text: str, at: int, final: bool) -> int | None:
+        """Where the next part that starts at ``at`` ends: a clause end after :data:`MIN_CLAUSE_WORDS`
+        words (clause mode), else the first words' cut when no end has arrived (``text`` is not a
+        whole sentence, ``final``, nor ends in a stop that may be an end); None when none is due yet."""
         if self.granularity == "clause":
             for match in _CLAUSE_END.finditer(text, at):
                 if len(split_words(text[at:match.end()])) >= MIN_CLAUSE_WORDS:
-                    ends.append(match.end())
-                    break
-        return min(ends) if ends else None
+                    return match.end()
+        if final or not (self._first and self.first_words) or self._may_end(text):
+            return None
+        whole = [end for end in word_ends(text, at) if end < len(text)]
+        return whole[self.first_words - 1] if len(whole) >= self.first_words else None
+
+    def _may_end(self, text: str) -> bool:
+        """Whether ``text`` ends in a stop (or, in clause mode, a clause mark) that the next piece
+        may confirm as an end (``five.`` of ``five. Six``)."""
+        marks = LATIN_STOPS + SCRIPT_STOPS + (LATIN_CLAUSE_MARKS if self.granularity == "clause" else "")
+        return text.rstrip(CLOSERS)[-1:] in tuple(marks)

@@ -84,6 +84,18 @@ def _cap_too_large(max_frames: int | None, limit: int, fixed: int, voice: bool) 
         f"{max_frames}; a longer text is spoken in several chunks, each with its own cap"))]
 
 
+def frame_cap_problems(pipeline: Pipeline, max_frames: int | None, ref_codes: np.ndarray | None = None,
+                       ref_text: str | None = None) -> list[Problem]:
+    """The problems of a voice and a frame cap that no text fits beside, known before any text
+    (:func:`plan_chunks` refuses them first; a live session's ``session.config`` is checked with
+    them), else ``[]``: a voice whose prompt leaves no room for a word, or a ``max_frames`` past the
+    decoder's context less the prompt (with ``ref_codes`` and ``ref_text``, the voice, when given).
+    """
+    fixed = _prompt_overhead(pipeline, ref_codes, ref_text)
+    return (([] if ref_codes is None else voice_room_problems(pipeline, ref_codes, ref_text or ""))
+            or _cap_too_large(max_frames, pipeline.decoder.max_length, fixed, ref_codes is not None))
+
+
 def chunk_positions(pipeline: Pipeline, text: str, cap: int, ref_codes: np.ndarray | None = None,
                     ref_text: str | None = None, context: Context = ()) -> int:
     """Most positions one text chunk holds in the decoder: its prompt (exactly the length
@@ -183,8 +195,7 @@ def plan_chunks(pipeline: Pipeline, text: str, ref_codes: np.ndarray | None = No
     fpt = gen.get("frames_per_text_token", FRAMES_PER_TEXT_TOKEN)
     floor = gen.get("min_max_frames", MIN_MAX_FRAMES)
     fixed = _prompt_overhead(pipeline, ref_codes, ref_text)
-    refuse(([] if ref_codes is None else voice_room_problems(pipeline, ref_codes, ref_text or ""))
-           or _cap_too_large(max_frames, limit, fixed, ref_codes is not None))
+    refuse(frame_cap_problems(pipeline, max_frames, ref_codes, ref_text))
 
     def cap_of(tokens: int) -> int:
         return max_frames if max_frames is not None else frame_cap(tokens, fpt, floor)

@@ -94,12 +94,19 @@ def heard_words(words: Sequence[Word], played: float) -> list[Word]:
     return [w for w in words if w.end <= played + 0.02]
 
 
+def word_ends(text: str, start: int = 0) -> list[int]:
+    """Where each word (:func:`split_words`) of ``text`` from ``start`` on ends: the index after its
+    last character, in order.  A word ending before ``len(text)`` is whole: what follows it has
+    arrived (for text that arrives in pieces, the last word may still grow)."""
+    return [m.end() for m in _WORD.finditer(text, start)]
+
+
 def words_prefix(text: str, count: int) -> str:
     """``text`` up to the end of its ``count``-th word (:func:`split_words`), as written: what was
     said when ``count`` words were heard (``""`` for 0; the whole text, stripped, for all)."""
     if count <= 0:
         return ""
-    ends = [m.end() for m in _WORD.finditer(text)]
+    ends = word_ends(text)
     start = len(text) - len(text.lstrip())
     return text[start:ends[min(count, len(ends)) - 1]] if ends else ""
 

@@ -364,7 +364,14 @@ def _check_json_type(request: Request) -> None:
 JSON_ON_LOOP_BYTES = 64 * 1024
 
 
-async def _json_body(request: Request, limit: int, server: SpeechServer) -> Any:
+async def _json_body(request: Request, limit: int, server: SpeechServer, model: Any) -> Any:
+    """The JSON body of a request to a route whose body is ``model`` (a :mod:`~higgs_pack.serve.schema`
+    body, whose fields a refusal names: :func:`~higgs_pack.serve.schema.body_hint`).
+
+    Raises:
+        ApiError: 415 (compressed, not JSON's Content-Type), 413 (over ``limit`` bytes), 400
+            ``invalid_json`` (not JSON).
+    """
     _check_encoding(request)
     _check_json_type(request)
     size = request.headers.get("content-length")
@@ -379,11 +386,10 @@ async def _json_body(request: Request, limit: int, server: SpeechServer) -> Any:
         parse = functools.partial(json.loads, data, object_pairs_hook=unique_keys)
         return parse() if len(data) <= JSON_ON_LOOP_BYTES else await server.off_loop(parse)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise refused(Problem.said(f"the body is not JSON ({exc}); send a JSON object with model, input and voice",
-                                   code="invalid_json")) from exc
+        raise refused(Problem.said(f"the body is not JSON ({exc}); {schema.body_hint(model)}", code="invalid_json")) from exc
     except RecursionError as exc:
-        raise refused(Problem.said("the body nests JSON arrays or objects too deeply to read; send a flat JSON "
-                                   "object with model, input and voice", code="invalid_json")) from exc
+        raise refused(Problem.said("the body nests JSON arrays or objects too deeply to read; "
+                                   f"{schema.body_hint(model, 'a flat JSON object')}", code="invalid_json")) from exc
 
 
 def _routes(app: FastAPI, server: SpeechServer) -> None:
@@ -440,7 +446,7 @@ def _speech_route(app: FastAPI, server: SpeechServer) -> None:
         _check_key(server, request)
         t0 = time.perf_counter()
         async with _admitted(server):  # admission first: a flood gets its 429s before any body is decoded
-            body = await _json_body(request, body_limit, server)
+            body = await _json_body(request, body_limit, server, schema.SpeechBody)
             parse = functools.partial(parse_speech, body, models=server.models, voices=server.voices,
                                       config=server.config)
             # Checking the fields takes microseconds: off the event loop only when it reads a file or decodes
@@ -458,7 +464,7 @@ def _speech_route(app: FastAPI, server: SpeechServer) -> None:
         _check_key(server, request)
         t0 = time.perf_counter()
         async with _admitted(server):
-            body = await _json_body(request, body_limit, server)
+            body = await _json_body(request, body_limit, server, schema.DialogueBody)
             job = await server.off_loop(functools.partial(
                 parse_dialogue, body, models=server.models, voices=server.voices, config=server.config))
         return await _answer(server, job, request, t0)

@@ -212,6 +212,14 @@ def json_body(model: type[BaseModel]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": _ref(model)}}}}
 
 
+def body_hint(model: type[BaseModel], what: str = "a JSON object") -> str:
+    """What a JSON body of ``model`` is, for the refusal of a body that is not JSON: an object with the
+    model's first three fields (what a request names: the model, the words, the voices), so each
+    route names its own ("model, input and voice"; a dialogue's "model, turns and voices")."""
+    first, second, third = list(model.model_fields)[:3]
+    return f"send {what} with {first}, {second} and {third}"
+
+
 def form_body(model: type[BaseModel]) -> dict[str, Any]:
     """``openapi_extra`` for a route whose body is ``model`` as multipart/form-data."""
     return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": _ref(model)}}}}

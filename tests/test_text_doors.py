@@ -195,6 +195,19 @@ def test_http_text_is_cleaned_as_at_every_other_door(server):
     assert [(e["speaker"], e["text"]) for e in segments] == [("ANN", "Hello\u2028there.")], segments
 
 
+def _post_bytes(server, route, data):
+    return httpx.post(server.url + route, content=data, headers={"Content-Type": "application/json"}, timeout=120)
+
+
+@pytest.mark.parametrize(("route", "fields"), [("/v1/audio/speech", "model, input and voice"),
+                                               ("/v1/audio/dialogue", "model, turns and voices")])
+def test_a_body_that_is_not_json_is_told_the_routes_own_fields(server, route, fields):
+    answer = _post_bytes(server, route, b"{bad")
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == "invalid_json" and error["message"].endswith(f"; send a JSON object with {fields}")
+
+
 @pytest.mark.parametrize(("part", "value"), [("transcript", b"The quick \xff fox."), ("name", b"caf\xe9")])
 def test_a_voice_upload_refuses_a_part_that_is_not_utf8_naming_the_part(server, cases_dir, part, value):
     parts = {"name": b"fine", "transcript": b"Exact words."}

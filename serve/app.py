@@ -39,6 +39,7 @@ from higgs_pack.errors import (
     disk_full,
     disk_full_message,
 )
+from higgs_pack.runtime.text import decode
 from higgs_pack.serve import schema
 from higgs_pack.serve.errors import ApiError, error_body, from_input_error, refused, upload_error
 from higgs_pack.serve.formats import FORMATS, media_type, sse_error
@@ -383,13 +384,27 @@ async def _json_body(request: Request, limit: int, server: SpeechServer, model: 
         if len(data) > limit:
             raise ApiError(413, f"the body is over the limit of {limit} bytes (--max-upload-mb)", code="too_large")
     try:
-        parse = functools.partial(json.loads, data, object_pairs_hook=unique_keys)
+        parse = functools.partial(_parse_json, data)
         return parse() if len(data) <= JSON_ON_LOOP_BYTES else await server.off_loop(parse)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except InputError as exc:  # not UTF-8: said as every door says bytes that are not
+        raise refused(Problem.said(str(exc), code="invalid_json")) from None
+    except json.JSONDecodeError as exc:
         raise refused(Problem.said(f"the body is not JSON ({exc}); {schema.body_hint(model)}", code="invalid_json")) from exc
     except RecursionError as exc:
         raise refused(Problem.said("the body nests JSON arrays or objects too deeply to read; "
                                    f"{schema.body_hint(model, 'a flat JSON object')}", code="invalid_json")) from exc
+
+
+def _parse_json(data: bytes | bytearray) -> Any:
+    """A JSON body's bytes read as the one text rule reads bytes (:func:`~higgs_pack.runtime.text.decode`:
+    UTF-8 only, a leading BOM dropped), then parsed (``json.loads`` of bytes would guess UTF-16 or
+    UTF-32 and let UTF-8-encoded surrogates through).
+
+    Raises:
+        InputError: not UTF-8 (the byte named).
+        json.JSONDecodeError: not JSON.
+    """
+    return json.loads(decode(data, "the body", fix="send the JSON as UTF-8"), object_pairs_hook=unique_keys)
 
 
 def _routes(app: FastAPI, server: SpeechServer) -> None:

@@ -208,6 +208,19 @@ def test_a_body_that_is_not_json_is_told_the_routes_own_fields(server, route, fi
     assert error["code"] == "invalid_json" and error["message"].endswith(f"; send a JSON object with {fields}")
 
 
+@pytest.mark.parametrize(("words", "byte"), [(b"Caf\xe9 au lait.", "0xE9"),  # Latin-1
+                                             (b"Cesu \xed\xa0\x80 bytes.", "0xED")])  # an encoded surrogate
+def test_a_json_body_that_is_not_utf8_is_refused_naming_the_byte_as_every_door_does(server, words, byte):
+    body = b'{"model": "higgs-audio-v3-tiny", "input": "' + words + b'"}'
+    answer = _post_bytes(server, "/v1/audio/speech", body)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == "invalid_json" and error["param"] is None
+    assert error["message"].startswith(f"the body is not UTF-8 text (byte {body.index(bytes.fromhex(byte[2:])) + 1} is {byte}")
+    bom = b"\xef\xbb\xbf" + json.dumps({"model": "higgs-audio-v3-tiny", "input": "Hi.", "max_new_tokens": 10}).encode()
+    assert _post_bytes(server, "/v1/audio/speech", bom).status_code == 200  # a BOM before the JSON is dropped
+
+
 @pytest.mark.parametrize(("part", "value"), [("transcript", b"The quick \xff fox."), ("name", b"caf\xe9")])
 def test_a_voice_upload_refuses_a_part_that_is_not_utf8_naming_the_part(server, cases_dir, part, value):
     parts = {"name": b"fine", "transcript": b"Exact words."}

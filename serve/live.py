@@ -280,7 +280,7 @@ class Session:
         if message.get("bytes") is not None:
             raise _bad("binary messages are not taken: send JSON text messages (session.config, input.text, "
                        "input.flush, input.done, input.cancel)", "type", "invalid_message")
-        text = message.get("text") or ""
+        text = text_rule.clean(message.get("text") or "")  # a BOM before the JSON dropped, as an HTTP body's
         try:
             data = json.loads(text, object_pairs_hook=_UNIQUE_KEYS)
         except json.JSONDecodeError as exc:

@@ -278,3 +278,23 @@ def test_websocket_text_follows_the_rule_and_a_frame_that_is_not_utf8_is_closed_
     assert "NUL" in errors[0]["message"] and errors[1]["message"].startswith("text is not valid Unicode")
     assert [e["sentence_text"] for e in events if e["type"] == "audio.start"] == ["Hi there."]
     assert code == 1007
+
+
+def test_a_live_message_may_start_with_a_bom_before_its_json_as_an_http_body_may(server):
+    websockets = pytest.importorskip("websockets", reason="the websockets client is a dev dependency")
+
+    async def session() -> list[dict]:
+        events = []
+        async with websockets.connect(server.ws) as ws:
+            await ws.send(BOM + json.dumps({"type": "input.text", "text": "Hi there."}))
+            await ws.send(BOM + json.dumps({"type": "input.done"}))
+            while True:
+                message = await asyncio.wait_for(ws.recv(), 120)
+                if isinstance(message, str):
+                    events.append(json.loads(message))
+                    if events[-1]["type"] == "session.done":
+                        return events
+
+    events = asyncio.run(session())
+    assert [e for e in events if e["type"] == "error"] == []
+    assert [e["sentence_text"] for e in events if e["type"] == "audio.start"] == ["Hi there."]

@@ -610,6 +610,7 @@ def _voice_flag(value: str) -> tuple[str, tuple[Path, str]]:
 
     Raises:
         click.BadParameter: no ``=``, no file, or no transcript (each with the form expected).
+        InputError: the transcript's bytes are not UTF-8 (:func:`argument_text`, as ``--ref-text``'s).
     """
     name, sep, rest = value.partition("=")
     if not sep or not name.strip():
@@ -620,7 +621,8 @@ def _voice_flag(value: str) -> tuple[str, tuple[Path, str]]:
         if Path(rest[:cut]).is_file():
             if not rest[cut + 1:].strip():
                 break
-            return name.strip(), (Path(rest[:cut]), rest[cut + 1:])
+            words = argument_text(rest[cut + 1:], f"the transcript in --voice {name.strip()!r}")  # as --ref-text's
+            return name.strip(), (Path(rest[:cut]), words)
     if not rest.split(":", 1)[0].strip():
         raise click.BadParameter(f"the voice of {name.strip()!r} names no clip: write {name.strip()}=clip.wav:"
                                  "\"exact words\"", param_hint="--voice")

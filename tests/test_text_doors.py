@@ -298,3 +298,13 @@ def test_a_live_message_may_start_with_a_bom_before_its_json_as_an_http_body_may
     events = asyncio.run(session())
     assert [e for e in events if e["type"] == "error"] == []
     assert [e["sentence_text"] for e in events if e["type"] == "audio.start"] == ["Hi there."]
+
+
+def test_a_voice_flags_transcript_that_is_not_utf8_is_refused_naming_the_byte_as_ref_text_is(cases_dir):
+    from higgs_pack.runtime.cli import _voice_flag
+
+    clip = cases_dir / "ref_en_16k.wav"
+    latin = os.fsdecode(b"Caf\xe9.")  # as Python hands a Latin-1 argument over (surrogateescape)
+    with pytest.raises(InputError, match=r"^the transcript in --voice 'ANN' is not UTF-8 text \(byte 4 is 0xE9"):
+        _voice_flag(f"ANN={clip}:{latin}")
+    assert _voice_flag(f"ANN={clip}:Caf\u00e9.") == ("ANN", (clip, "Caf\u00e9."))

@@ -612,8 +612,11 @@ def _voice_flag(value: str) -> tuple[str, tuple[Path, str]]:
         click.BadParameter: no ``=``, no file, or no transcript (each with the form expected).
         InputError: the transcript's bytes are not UTF-8 (:func:`argument_text`, as ``--ref-text``'s).
     """
+    from higgs_pack.runtime.loop.dialogue import speaker_name
+
     name, sep, rest = value.partition("=")
-    if not sep or not name.strip():
+    name = speaker_name(name)  # as a script's speaker: a leading BOM dropped
+    if not sep or not name:
         raise click.BadParameter(f"{value[:80]!r}: write a voice as NAME=clip.wav:\"exact words of the clip\"",
                                  param_hint="--voice")
     cuts = [i for i, char in enumerate(rest) if char == ":"]
@@ -621,17 +624,17 @@ def _voice_flag(value: str) -> tuple[str, tuple[Path, str]]:
         if Path(rest[:cut]).is_file():
             if not rest[cut + 1:].strip():
                 break
-            words = argument_text(rest[cut + 1:], f"the transcript in --voice {name.strip()!r}")  # as --ref-text's
-            return name.strip(), (Path(rest[:cut]), words)
+            words = argument_text(rest[cut + 1:], f"the transcript in --voice {name!r}")  # as --ref-text's
+            return name, (Path(rest[:cut]), words)
     if not rest.split(":", 1)[0].strip():
-        raise click.BadParameter(f"the voice of {name.strip()!r} names no clip: write {name.strip()}=clip.wav:"
+        raise click.BadParameter(f"the voice of {name!r} names no clip: write {name}=clip.wav:"
                                  "\"exact words\"", param_hint="--voice")
     clip = Path(rest.split(":", 1)[0])
     if Path(rest).is_file() or (cuts and clip.is_file()):
-        raise click.BadParameter(f"the voice of {name.strip()!r} needs the exact words said in its clip: "
-                                 f"{name.strip()}=clip.wav:\"exact words\"", param_hint="--voice")
+        raise click.BadParameter(f"the voice of {name!r} needs the exact words said in its clip: "
+                                 f"{name}=clip.wav:\"exact words\"", param_hint="--voice")
     what = f"{clip} is a folder, not an audio file" if clip.is_dir() else f"no file {clip}"
-    raise click.BadParameter(f"the voice of {name.strip()!r}: {what} (write NAME=clip.wav:\"exact words\")",
+    raise click.BadParameter(f"the voice of {name!r}: {what} (write NAME=clip.wav:\"exact words\")",
                              param_hint="--voice")
 
 

@@ -182,6 +182,7 @@ def parse_dialogue(body: Any, *, models: tuple[str, ...], voices: Any, config: S
         TURN_PROBLEMS_SAID,
         DialogueRequest,
         Turn,
+        speaker_name,
     )
 
     _check_body(body, DIALOGUE_FIELDS)
@@ -209,7 +210,7 @@ def parse_dialogue(body: Any, *, models: tuple[str, ...], voices: Any, config: S
                 if problem is not None:
                     bad.append(Problem(f"{where}.{key}", None, message=literal(f"{problem}; {where}.{key} is {meaning}")))
             if not bad:
-                checked.append(Turn(clean(turn["speaker"]).strip(), clean(turn["input"])))  # " ANN " is ANN, as as_turns
+                checked.append(Turn(speaker_name(turn["speaker"]), clean(turn["input"])))  # " ANN " is ANN, as as_turns
         if len(bad) >= TURN_PROBLEMS_SAID:
             bad.append(MORE_PROBLEMS)
             break
@@ -236,15 +237,25 @@ def _dialogue_voices(given: Any, speakers: set[str], voices: Any, config: ServeC
         return {}
     if not isinstance(given, dict):
         raise _bad(f"voices must be an object mapping a speaker to a voice, got {_got(given)}", "voices")
+    from higgs_pack.runtime.loop.dialogue import speaker_name
+
     out: dict[str, Any] = {}
-    for speaker, voice in given.items():
+    for key, voice in given.items():
+        problem = unspeakable(key, "a key of voices", "")
+        if problem is not None:
+            raise _bad(f"{problem}; a key of voices is the name of a speaker of the turns", "voices")
+        speaker = speaker_name(key)  # as a turn's speaker is read: a leading BOM dropped, stripped
         where = f"voices.{speaker[:40]}"
+        if speaker in out:
+            raise _bad(f"voices gives {short(speaker)} more than once ({short(key)} is the same name)", where,
+                       "duplicate_field")
         if speaker not in speakers:
             raise _bad(f"voices names {short(speaker)}, who speaks no turn; the speakers are "
                        f"{', '.join(sorted(map(repr, speakers))[:20])}", where, "unknown_speaker")
         if isinstance(voice, dict) and set(voice) == {"id"}:
             voice = voice["id"]
         if isinstance(voice, str):
+            voice = _text(voice, where, f"a voice name ({DEFAULT_VOICE!r}, or one GET /v1/audio/voices lists)")  # as speech's voice
             if voice == DEFAULT_VOICE:
                 out[speaker] = None
                 continue

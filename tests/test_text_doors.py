@@ -308,3 +308,27 @@ def test_a_voice_flags_transcript_that_is_not_utf8_is_refused_naming_the_byte_as
     with pytest.raises(InputError, match=r"^the transcript in --voice 'ANN' is not UTF-8 text \(byte 4 is 0xE9"):
         _voice_flag(f"ANN={clip}:{latin}")
     assert _voice_flag(f"ANN={clip}:Caf\u00e9.") == ("ANN", (clip, "Caf\u00e9."))
+
+
+def test_a_dialogue_voice_key_and_a_stored_voice_name_follow_the_rule_of_speechs_voice(server):
+    turns = [{"speaker": "ANN", "input": "Hi."}]
+    for voices in ({BOM + "ANN": "default"}, {"ANN": BOM + "default"}, {" ANN ": {"id": "default"}}):
+        answer = _post(server, "/v1/audio/dialogue", {"turns": turns, "voices": voices, "max_new_tokens": 10})
+        assert answer.status_code == 200, (voices, answer.text)
+    for voices, param in (({"ANN": "bad\u0000name"}, "voices.ANN"), ({"A\u0000NN": "default"}, "voices")):
+        answer = _post(server, "/v1/audio/dialogue", {"turns": turns, "voices": voices})
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert (error["param"], error["code"]) == (param, "invalid_value") and "control character" in error["message"]
+    answer = _post(server, "/v1/audio/dialogue", {"turns": turns, "voices": {"ANN": "default", BOM + "ANN": "default"}})
+    assert answer.status_code == 400 and answer.json()["error"]["code"] == "duplicate_field", answer.text
+
+
+def test_a_voice_flags_name_and_a_python_voices_key_drop_a_bom_as_a_speaker_does(cases_dir):
+    from higgs_pack.runtime.cli import _voice_flag
+    from higgs_pack.runtime.loop.dialogue import DialogueRequest
+
+    clip = cases_dir / "ref_en_16k.wav"
+    assert _voice_flag(f"{BOM}ANN={clip}:Words.") == ("ANN", (clip, "Words."))
+    request = DialogueRequest.create([("ANN", "Hi.")], {BOM + "ANN": None})
+    assert list(request.voices) == ["ANN"]

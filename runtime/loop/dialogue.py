@@ -125,6 +125,14 @@ def _speaker_problems(speaker: Any, where: str, field: str = "turns") -> list[Pr
     return [] if problem is None else [Problem(field, None, message=literal(problem))]
 
 
+def speaker_name(name: Any) -> Any:
+    """A speaker's name as every door reads one (a turn's, a voice's key, ``--voice NAME=``): the one
+    text rule's :func:`~higgs_pack.runtime.text.clean` (a leading BOM dropped) and surrounding
+    whitespace stripped (" ANN " is ANN, as in a script); what is not a string is kept as it is."""
+    name = clean(name)
+    return name.strip() if isinstance(name, str) else name
+
+
 def as_turns(turns: Iterable[Any]) -> list[Any]:
     """``turns`` as :class:`Turn` items where they are ``Turn``, ``(speaker, text)`` pairs or
     ``{"speaker", "text"}`` mappings, each speaker's name stripped of surrounding whitespace;
@@ -136,9 +144,7 @@ def as_turns(turns: Iterable[Any]) -> list[Any]:
         elif isinstance(turn, tuple) and len(turn) == 2:
             turn = Turn(*turn)
         if isinstance(turn, Turn):  # the one text rule (runtime/text.py); " ANN " is ANN, as in a script
-            speaker = clean(turn.speaker)
-            turn = dataclasses.replace(turn, speaker=speaker.strip() if isinstance(speaker, str) else speaker,
-                                       text=clean(turn.text))
+            turn = dataclasses.replace(turn, speaker=speaker_name(turn.speaker), text=clean(turn.text))
         out.append(turn)
     return out
 
@@ -246,7 +252,7 @@ class DialogueRequest:
             raise InputError(problems=[*found, Problem("voices", None, message=literal(
                 f"voices must be a mapping of speaker name to voice (a prepared voice, a (clip, transcript) "
                 f"pair or None), got {plain_type(voices)}"))])
-        voices = dict(voices or {})
+        voices = {speaker_name(name): voice for name, voice in (voices or {}).items()}  # as the turns' speakers
         speakers = [] if found else list(dict.fromkeys(turn.speaker for turn in turns))  # (bad turns: no speakers)
         found += stray_voices(voices, speakers)
         chosen: dict[str, VoiceChoice] = {}

@@ -133,7 +133,7 @@ def _speed(speed: Any) -> float:
     low, high = SPEED_RANGE
     if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not low <= speed <= high:
         raise _bad(f"speed must be a number from {low} to {high} (1.0: as generated; 2.0: twice as fast, the same "
-                   f"pitch), got {_got(speed)}", "speed", "invalid_value")
+                   f"pitch), got {got(speed)}", "speed", "invalid_value")
     return float(speed)
 
 
@@ -148,7 +148,7 @@ def segments_wanted(body: dict, stream_format: str | None) -> bool:
     if wanted is None:
         return False
     if not isinstance(wanted, bool):
-        raise _bad(f"segments must be true or false, got {_got(wanted)}", "segments")
+        raise _bad(f"segments must be true or false, got {got(wanted)}", "segments")
     if wanted and stream_format == "audio":
         raise _bad("segments true needs an answer with room for timings: stream_format \"sse\" sends them as "
                    "speech.segment events, and the whole answer (no stream_format) as JSON; a stream of "
@@ -189,8 +189,8 @@ def parse_dialogue(body: Any, *, models: tuple[str, ...], voices: Any, config: S
     model = _model(body, models)
     turns = body.get("turns")
     if not isinstance(turns, list) or not turns:
-        got = "an empty list" if turns == [] else _got(turns)
-        raise _bad(f"turns must be a list of {{\"speaker\", \"input\"}} objects, one per turn, got {got}", "turns",
+        shown = "an empty list" if turns == [] else got(turns)
+        raise _bad(f"turns must be a list of {{\"speaker\", \"input\"}} objects, one per turn, got {shown}", "turns",
                    "missing_field" if turns is None else "invalid_value")
     if len(turns) > MAX_TURNS:
         raise _bad(f"turns holds {len(turns)} turns; at most {MAX_TURNS} are spoken in one dialogue: split it",
@@ -202,7 +202,7 @@ def parse_dialogue(body: Any, *, models: tuple[str, ...], voices: Any, config: S
         if not isinstance(turn, dict) or set(turn) != {"speaker", "input"}:
             bad.append(Problem(where, None, message=literal(
                 f"{where} must be an object with exactly speaker and input, got "
-                f"{short(sorted(turn)) if isinstance(turn, dict) else _got(turn)}")))
+                f"{short(sorted(turn)) if isinstance(turn, dict) else got(turn)}")))
         else:
             for key, meaning, why in (("speaker", "the name of who says the turn", ""),
                                       ("input", "the words of the turn", "there is nothing to speak")):
@@ -236,7 +236,7 @@ def _dialogue_voices(given: Any, speakers: set[str], voices: Any, config: ServeC
     if given is None:
         return {}
     if not isinstance(given, dict):
-        raise _bad(f"voices must be an object mapping a speaker to a voice, got {_got(given)}", "voices")
+        raise _bad(f"voices must be an object mapping a speaker to a voice, got {got(given)}", "voices")
     from higgs_pack.runtime.loop.dialogue import speaker_name
 
     out: dict[str, Any] = {}
@@ -271,7 +271,7 @@ def _dialogue_voices(given: Any, speakers: set[str], voices: Any, config: ServeC
             out[speaker] = (reference_clip(clip, config, f"{where}.audio"), text)
         else:
             raise _bad(f"{where} must be a stored voice's name, {{\"id\": name}}, or a clip {{\"audio\", \"text\"}}, "
-                       f"got {_got(voice) if not isinstance(voice, dict) else short(sorted(voice))}", where)
+                       f"got {got(voice) if not isinstance(voice, dict) else short(sorted(voice))}", where)
     return out
 
 
@@ -316,7 +316,6 @@ def got(value: Any) -> str:
     return short(value) if isinstance(value, str) else plain_type(value)
 
 
-_got = got  # the name this module's checks use
 
 
 def _text(value: Any, param: str, meaning: str, why: str = "") -> str:
@@ -337,7 +336,7 @@ def _model(body: dict, models: tuple[str, ...]) -> str:
     if model is None:
         raise _bad(f"model is required; this server serves {', '.join(models)}", "model", "missing_field")
     if not isinstance(model, str) or not model.strip():
-        raise _bad(f"model must be a model name, got {_got(model)}; this server serves {', '.join(models)}",
+        raise _bad(f"model must be a model name, got {got(model)}; this server serves {', '.join(models)}",
                    "model")
     if model not in models:
         raise ApiError(404, f"model {short(model)} is not served here; this server serves {', '.join(models)}",
@@ -360,14 +359,14 @@ def _formats(body: dict) -> tuple[str, str | None]:
     response_format = body.get("response_format")
     response_format = DEFAULT_FORMAT if response_format is None else response_format
     if not isinstance(response_format, str) or response_format not in FORMATS:
-        raise _bad(f"response_format {_got(response_format)} is not supported; use one of {', '.join(FORMATS)}",
+        raise _bad(f"response_format {got(response_format)} is not supported; use one of {', '.join(FORMATS)}",
                    "response_format", "unsupported_value")
     stream_format = body.get("stream_format")
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
-        raise _bad(f"stream must be true or false, got {_got(stream)}", "stream")
+        raise _bad(f"stream must be true or false, got {got(stream)}", "stream")
     if stream_format not in (None, "audio", "sse"):
-        raise _bad(f"stream_format {_got(stream_format)} is not supported; use \"audio\" (bytes as they are "
+        raise _bad(f"stream_format {got(stream_format)} is not supported; use \"audio\" (bytes as they are "
                    "generated) or \"sse\" (speech.audio.delta events), or leave it out for the whole file",
                    "stream_format", "unsupported_value")
     if stream is not None and stream_format is not None and not (stream and stream_format == "audio"):
@@ -390,7 +389,7 @@ def _voice(body: dict, voices: Any, config: ServeConfig) -> tuple[str, dict[str,
             raise _bad(f"voice as an object takes only \"id\", got {short(sorted(voice))}", "voice")
         voice = voice["id"]
     if not isinstance(voice, str):
-        raise _bad(f"voice must be a voice name or {{\"id\": name}}, got {_got(voice)}", "voice")
+        raise _bad(f"voice must be a voice name or {{\"id\": name}}, got {got(voice)}", "voice")
     voice = _text(voice, "voice", f"a voice name ({DEFAULT_VOICE!r}, or one GET /v1/audio/voices lists)")
     ref_audio, ref_text = body.get("ref_audio"), body.get("ref_text")
     text_param = "ref_text"
@@ -422,10 +421,10 @@ def _voice(body: dict, voices: Any, config: ServeConfig) -> tuple[str, dict[str,
 
 def _reference_entry(references: Any) -> tuple[Any, Any]:
     if not isinstance(references, list) or len(references) != 1 or not isinstance(references[0], dict):
-        got = (f"a list of {len(references)}" if isinstance(references, list) and len(references) != 1 else
-               "a list holding " + plain_type(references[0]) if isinstance(references, list) else _got(references))
+        shown = (f"a list of {len(references)}" if isinstance(references, list) and len(references) != 1 else
+                 "a list holding " + plain_type(references[0]) if isinstance(references, list) else got(references))
         raise _bad(f"references must be a list of exactly one {{\"audio\", \"text\"}} object (one reference "
-                   f"voice per request), got {got}", "references")
+                   f"voice per request), got {shown}", "references")
     entry = references[0]
     extra = set(entry) - {"audio", "audio_path", "text"}
     if extra:
@@ -449,8 +448,8 @@ def reference_clip(ref_audio: Any, config: ServeConfig, param: str = "ref_audio"
     if isinstance(ref_audio, bytes):  # an upload's bytes
         return _decoded(ref_audio, param, config, param)
     if not isinstance(ref_audio, str) or not ref_audio:
-        got = "an empty string" if ref_audio == "" else plain_type(ref_audio)
-        raise _bad(f"{param} must be a base64 string or a data: URI, got {got}", param)
+        shown = "an empty string" if ref_audio == "" else plain_type(ref_audio)
+        raise _bad(f"{param} must be a base64 string or a data: URI, got {shown}", param)
     if re.match(r"^[a-z][a-z0-9+.-]*://", ref_audio, re.IGNORECASE) and not ref_audio.startswith("file://"):
         raise _bad(f"{param} is a URL ({ref_audio[:60]}); this server does not fetch URLs: send the clip as "
                    "base64 or a data: URI", param, "url_refused")

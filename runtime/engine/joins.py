@@ -95,7 +95,7 @@ class PromptJoins:
             budget = (self.join_gap_steps - 1) * self._step_cost
             want = min(self._chunk_rate * budget, CHUNK_GROWTH * self._chunk_last) + self._chunk_carry
             n = max(math.floor(want), MIN_PREFILL_CHUNK)
-            self._chunk_carry = min(max(want - n, 0.0), 1.0)
+            self._chunk_carry = max(want - n, 0.0)  # under 1: n is want's floor, or the minimum above it
             least = MIN_PREFILL_CHUNK
         if remaining - n < least:  # no rest shorter than the minimum: shorten this chunk, or take it all
             n = remaining if n >= remaining or remaining < 2 * least else remaining - least

@@ -11,7 +11,7 @@ import difflib
 import errno
 import os
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -207,12 +207,18 @@ class InputError(HiggsPackError):
         return self.problems[0].code
 
     def say(self, render: Any) -> str:
-        """Every problem said with ``render`` (a :class:`Problem` -> one line): the one line, or
-        "N problems with the request:" and one indented line each; how each front door words it."""
-        lines = [render(problem) for problem in self.problems]
-        if len(lines) == 1:
-            return lines[0]
-        return f"{len(lines)} problems with the request:\n" + "\n".join(f"  - {line}" for line in lines)
+        """Every problem said with ``render`` (a :class:`Problem` -> one line), as :func:`said_all`
+        says several; how each front door words it."""
+        return said_all([render(problem) for problem in self.problems])
+
+
+def said_all(lines: Sequence[str]) -> str:
+    """Several problems of one request as every front door says them (the Python API, the CLI, the
+    HTTP routes, a live session's ``error`` event): the one line, or "N problems with the request:"
+    and one indented line each (``  - LINE``)."""
+    if len(lines) == 1:
+        return lines[0]
+    return f"{len(lines)} problems with the request:\n" + "\n".join(f"  - {line}" for line in lines)
 
 
 class NumericalError(HiggsPackError):

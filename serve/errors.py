@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from higgs_pack.errors import HiggsPackError, InputError, Problem
+from higgs_pack.errors import HiggsPackError, InputError, Problem, said_all
 from higgs_pack.runtime.text import plain_type
 
 #: HTTP status -> OpenAI's error ``type``.
@@ -60,13 +60,18 @@ class ApiError(HiggsPackError):
         param: the request field at fault, or None.
         code: a stable machine-readable name (``unknown_field``, ``queue_full``, ...).
         headers: extra response headers (``Retry-After`` on a 429).
+        lines: each problem's line when ``message`` says several
+            (:func:`~higgs_pack.errors.said_all` of them), so that a door that joins errors (a live
+            session.config's, :func:`~higgs_pack.serve.live.config_error`) says all their problems
+            in the one shape; left out: the message is one line.
     """
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, lines: tuple[str, ...] = ()):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers or {}
+        self.lines = lines or (message,)
 
     def body(self) -> dict[str, Any]:
         """The JSON body: ``{"error": {"message", "type", "param", "code"}}``."""
@@ -136,9 +141,9 @@ def json_words(value: Any) -> str:
 
 
 def _said(exc: InputError, name: Any, status: int, code: str | None, param: str | None) -> ApiError:
-    message = exc.say(lambda problem: problem.render(name=name(problem.field), show=json_words))
+    lines = tuple(problem.render(name=name(problem.field), show=json_words) for problem in exc.problems)
     named = next((name(problem.field) for problem in exc.problems if problem.field), None)
-    return ApiError(status, message, param=named or param, code=code or exc.code)
+    return ApiError(status, said_all(lines), param=named or param, code=code or exc.code, lines=lines)
 
 
 #: A voice upload's parts by the request fields the runtime names: the clip is ``audio``, its

@@ -81,7 +81,7 @@ import numpy as np
 from fastapi import FastAPI, WebSocket
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
-from higgs_pack.errors import HiggsPackError, InputError, Problem
+from higgs_pack.errors import HiggsPackError, InputError, Problem, said_all
 from higgs_pack.runtime import text as text_rule
 from higgs_pack.runtime.engine.handle import EngineHandle, RequestCancelled
 from higgs_pack.runtime.loop.decode import GenerationResult
@@ -666,7 +666,9 @@ def config_error(first: ApiError, fields: dict[str, Any], check: Any) -> ApiErro
 
     Returns:
         An ApiError with ``first``'s status and code when one field is bad (``invalid_config``
-        with several), ``param`` the first bad field's, and a message listing each bad field.
+        with several), ``param`` the first bad field's, and a message listing each problem as the
+        HTTP route lists a body's (:func:`~higgs_pack.errors.said_all`: "N problems with the
+        request:" and a line each), then that the config was refused whole.
     """
     grouped = {name for group in CONFIG_GROUPS for name in group}
     groups = [tuple(n for n in g if n in fields) for g in CONFIG_GROUPS] + [(n,) for n in fields if n not in grouped]
@@ -678,11 +680,12 @@ def config_error(first: ApiError, fields: dict[str, Any], check: Any) -> ApiErro
             errors.append(exc)
     if first.param not in [e.param for e in errors]:
         errors.insert(0, first)
+    lines = [line for error in errors for line in error.lines]
+    said = said_all(lines)  # several: the HTTP route's shape (higgs_pack.errors.said_all)
+    message = f"{_ended(said)} {CONFIG_REFUSED}" if len(lines) == 1 else f"{said}\n{CONFIG_REFUSED}"
     if len(errors) == 1:
-        return ApiError(first.status, f"{_ended(first.message)} {CONFIG_REFUSED}", param=first.param, code=first.code)
-    listed = "; ".join(f"({i}) {e.param}: {e.message.rstrip('.')}" for i, e in enumerate(errors, 1))
-    return ApiError(max(e.status for e in errors), f"{len(errors)} bad fields: {listed}. {CONFIG_REFUSED}",
-                    param=errors[0].param, code="invalid_config")
+        return ApiError(first.status, message, param=first.param, code=first.code)
+    return ApiError(max(e.status for e in errors), message, param=errors[0].param, code="invalid_config")
 
 
 def _ended(message: str) -> str:

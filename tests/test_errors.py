@@ -367,3 +367,31 @@ def test_every_code_the_server_answers_is_declared_and_listed_in_the_docs():
         assert f"| `{code}` |" in page, code
     assert "<!-- error-codes -->" in (root / "docs" / "serving" / "index.md").read_text(encoding="utf-8")
     assert "docs/hooks/error_codes.py" in (root / "mkdocs.yml").read_text(encoding="utf-8")
+
+
+def test_several_problems_are_one_shape_on_http_and_on_the_live_route():
+    """Issue 37: a live session.config with several bad fields was "N bad fields: (1) ...; (2) ...",
+    a body with several "N problems with the request:" and a line each; both are now
+    :func:`~higgs_pack.errors.said_all`'s, every problem a line (a field's own several too)."""
+    pytest.importorskip("fastapi", reason="the server needs the [serve] extra")
+    from higgs_pack.errors import InputError, Problem
+    from higgs_pack.serve.errors import from_input_error, refused
+    from higgs_pack.serve.live import config_error
+
+    top_p = Problem("top_p", 2, allowed="in (0, 1]")
+    seed = Problem("seed", -1, allowed=">= 0")
+    cap = Problem("max_frames", 0, allowed=">= 1")
+    http = from_input_error(InputError.of(top_p, seed, cap))
+    bad = {"top_p": refused(top_p), "seed": refused(seed, cap)}  # one field's check may find two
+
+    def check(fields):
+        raise bad[next(iter(fields))]
+
+    live = config_error(bad["top_p"], {"top_p": 2, "seed": -1}, check)
+    assert (live.param, live.code) == ("top_p", "invalid_config")
+    said, refused_whole = live.message.rsplit("\n", 1)
+    assert said == http.message, live.message
+    assert said.startswith("3 problems with the request:\n  - top_p must be in (0, 1], got 2\n")
+    assert refused_whole.startswith("session.config refused whole")
+    one = config_error(bad["top_p"], {"top_p": 2}, check)
+    assert one.message.startswith("top_p must be in (0, 1], got 2. session.config refused whole"), one.message

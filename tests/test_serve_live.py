@@ -387,8 +387,9 @@ def test_a_config_with_several_bad_fields_names_each_and_text_waits_for_a_good_o
     config, text = heard.of("error")
     assert (config["param"], config["code"], config["status"]) == ("voice", "invalid_config", 400), config
     for name in ("voice", "temperature", "response_format"):
-        assert f") {name}: " in config["message"], config
-    assert "3 bad fields" in config["message"] and "none of its settings were taken" in config["message"]
+        assert f"\n  - {name} " in config["message"], config
+    assert config["message"].startswith("3 problems with the request:\n"), config  # the HTTP route's shape
+    assert "none of its settings were taken" in config["message"]
     assert (text["param"], text["code"]) == ("session.config", "config_refused"), text
     _check_sentences(heard, ["Good after bad."])
     assert heard.of("audio.done")[0]["frames"] <= 5  # the corrected config's max_new_tokens

@@ -100,7 +100,8 @@ def _read_text(text: str | None, text_file: Path | None, one_text: bool = True) 
     Raises:
         click.UsageError: both given, or no text and a terminal on stdin.
         InputError: the file, stdin or ``--text`` is not UTF-8 (the byte named), or the file or stdin
-            holds a control character (the file named; ``--text``'s is the request's check).
+            holds a control character or nothing but whitespace (the file named; ``--text``'s is the
+            request's check).
     """
     if text is not None and text_file is not None:
         raise click.UsageError("give the text once: --text or --text-file, not both")
@@ -108,24 +109,31 @@ def _read_text(text: str | None, text_file: Path | None, one_text: bool = True) 
     if from_stdin:
         if sys.stdin is None or sys.stdin.isatty():
             raise click.UsageError("no text: pass --text \"…\", --text-file FILE, or pipe text on stdin")
-        return _read_bytes(sys.stdin.buffer.read(), "standard input", one_text)
+        return _read_bytes(sys.stdin.buffer.read(), "standard input", one_text,
+                           "pipe the words in, or give them with --text or --text-file")
     if text_file is not None:
-        return _read_bytes(text_file.read_bytes(), f"--text-file {text_file}", one_text)
+        return _read_bytes(text_file.read_bytes(), f"--text-file {text_file}", one_text,
+                           "write the words to speak in it, or give them with --text")
     return argument_text(text, "--text")
 
 
-def _read_bytes(data: bytes, where: str, check: bool = True) -> str:
-    """A file's or stdin's bytes as text (:func:`~higgs_pack.runtime.text.decode`), a control
-    character in it (``check``) refused naming ``where`` as a byte that is not UTF-8 is.
+def _read_bytes(data: bytes, where: str, check: bool = True, fix: str = "") -> str:
+    """A file's or stdin's bytes as text (:func:`~higgs_pack.runtime.text.decode`), checked
+    (``check``) by the one text rule (:func:`~higgs_pack.runtime.text.problem`: a control
+    character, or nothing but whitespace) naming ``where`` as a byte that is not UTF-8 is.
+
+    Args:
+        fix: what to do when there is nothing to speak in it (after "there is nothing to speak").
 
     Raises:
-        InputError: not UTF-8, or a control character other than tab and line breaks.
+        InputError: not UTF-8, a control character other than tab and line breaks, or empty
+            or whitespace-only.
     """
     from higgs_pack.errors import InputError, Problem, literal
-    from higgs_pack.runtime.text import character_problem
+    from higgs_pack.runtime.text import problem
 
     text = decode(data, where)
-    if check and (bad := character_problem(text, where)) is not None:
+    if check and (bad := problem(text, where, f"there is nothing to speak; {fix}" if fix else "")) is not None:
         raise InputError.of(Problem(None, message=literal(bad)))
     return text
 

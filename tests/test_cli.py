@@ -248,7 +248,7 @@ def invoke(*args, input=None):
 @pytest.mark.parametrize(("args", "input", "message"), [
     (["--text", "   "], None, "text is only whitespace: there is nothing to speak; set it with "
                               "--text or --text-file / text="),  # the file's flag named too (H-newuser 6)
-    (["--text", "-"], "", "text is empty: there is nothing to speak"),
+    (["--text", "-"], "", "standard input is empty: there is nothing to speak; pipe the words in"),
     (["--text", "\x01\x02"], None, "text holds a control character"),
     (["--text", "\u200b\x00 "], None, "text holds a control character"),
     # Bytes that are not UTF-8 reach Python's argv as lone surrogates (surrogateescape): named as the

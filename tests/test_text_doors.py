@@ -126,6 +126,21 @@ def test_cli_names_a_bad_byte_and_a_control_character_the_same_way_at_every_text
         _read_text("-", None)
 
 
+@pytest.mark.parametrize(("content", "kind"), [(b"", "empty"), (b"\xef\xbb\xbf \r\n\t\n", "only whitespace")])
+def test_an_empty_text_file_or_stdin_is_named_as_a_control_character_in_it_is(tmp_path, content, kind):
+    """Issue 37: an empty --text-file said "text is empty ...; set it with --text or --text-file /
+    text=", not naming the file; a control character in it names it."""
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(content)
+    out = _run("synthesize", tmp_path / "no-bundle", "--text-file", empty, "-o", tmp_path / "a.wav")
+    said = out.stderr.decode()
+    assert out.returncode == 2 and f"--text-file {empty} is {kind}: there is nothing to speak; write the words" in said, said
+    assert "set it with --text" not in said and not (tmp_path / "a.wav").exists()
+    out = _run("synthesize", tmp_path / "no-bundle", "-o", tmp_path / "b.wav", input=content)
+    said = out.stderr.decode()
+    assert out.returncode == 2 and f"standard input is {kind}: there is nothing to speak; pipe the words in" in said, said
+
+
 def test_batch_line_problems_name_the_file():
     with pytest.raises(InputError, match=r"^line 2 of notes.txt holds a control character .*ESCAPE"):
         read_lines("fine.\nnot \x1b fine.\n", None, "notes.txt")

@@ -89,10 +89,56 @@ def read_lines(text: str, base_seed: int | None, source: str = "the text file") 
     if not lines:
         raise InputError.of(Problem.said(f"{source} has no non-empty line ({len(raw)} lines); --batch speaks one wav per "
                                          "non-empty line"))
-    refuse([Problem(None, line.text, message=literal(problem),
-                    fix="fix or remove that line of --text-file") for line in lines
-            if (problem := unspeakable(line.text, f"line {line.number} of {source}")) is not None])
+    refuse([_line_problem(line, problem) for line in lines
+            if (problem := unspeakable(line.text, _where(line, source))) is not None])
     return lines, len(raw)
+
+
+def refuse_unplannable(pipeline: Any, lines: list[Line], requests: list[Any], source: str = "the text file") -> None:
+    """Every line's text checked against the loaded bundle before any line is spoken, as
+    :func:`read_lines` checks its characters: each request planned
+    (:func:`~higgs_pack.runtime.loop.plan.plan_request`: a special token of the tokenizer, a
+    sentence too long for the decoder's context), every line's problem named with its number.
+    What is the same for every line (a voice or a frame cap that leaves no room for a word:
+    :func:`~higgs_pack.runtime.loop.text_chunks.frame_cap_problems`) is refused first, once.
+
+    Args:
+        pipeline: the loaded bundle's pipeline (``TTS.pipeline``).
+        lines, requests: the lines to speak and their ``SynthesisRequest`` (same order; a voice
+            prepared once, ``TTS.prepare_voice``, not a clip each line would encode again).
+        source: how messages name the file (its path, or ``standard input``).
+
+    Raises:
+        InputError: every line that cannot be spoken, each named by its number.
+    """
+    from higgs_pack.runtime.loop.plan import plan_request
+    from higgs_pack.runtime.loop.text_chunks import frame_cap_problems
+    from higgs_pack.runtime.request import PreparedVoice, refuse, say
+
+    if not requests:
+        return
+    voice = requests[0].voice
+    prepared = (voice.codes, voice.transcript) if isinstance(voice, PreparedVoice) else ()
+    refuse(frame_cap_problems(pipeline, requests[0].max_frames, *prepared))
+    found: list[Problem] = []
+    for line, request in zip(lines, requests, strict=True):
+        try:
+            plan_request(pipeline, request)
+        except InputError as exc:  # a line is not set with --text: its text's problems named by the line
+            where = _where(line, source)
+            found += [_line_problem(line, problem.render(name=where) if problem.field == "text"
+                                    else f"{where}: {say(problem)}") for problem in exc.problems]
+    refuse(found)
+
+
+def _where(line: Line, source: str) -> str:
+    """How messages name a line: ``line 3 of notes.txt``."""
+    return f"line {line.number} of {source}"
+
+
+def _line_problem(line: Line, sentence: str) -> Problem:
+    """The problem of a line that cannot be spoken, ``sentence`` naming it (:func:`_where`)."""
+    return Problem(None, line.text, message=literal(sentence), fix="fix or remove that line of --text-file")
 
 
 def file_name(number: int, line_count: int) -> str:

@@ -475,6 +475,7 @@ def _synthesize_batch(f: SynthesizeFlags) -> None:
         file_name,
         finished_lines,
         refuse_strangers,
+        refuse_unplannable,
         remove_partials,
         run_batch,
     )
@@ -485,10 +486,6 @@ def _synthesize_batch(f: SynthesizeFlags) -> None:
     subtype, no_progress, batch = f.subtype, f.no_progress, f.batch
     tts = load(f.bundle, **f.load_keywords())
     click.echo(f"using {tts.info}", err=True)
-    output.mkdir(exist_ok=True)
-    removed = remove_partials(output)
-    if removed:
-        click.echo(f"removed {removed} unfinished file(s) a stopped run left in {output}", err=True)
     engine = chosen_openvino_engine(tts.info.backend, batch, f.openvino_engine)
     settings = batch_settings(tts.info.bundle, first, f.seed, subtype, ref_audio, openvino_engine=engine)
     previous = BatchManifest.read(output)
@@ -496,11 +493,17 @@ def _synthesize_batch(f: SynthesizeFlags) -> None:
     manifest = BatchManifest(settings, str(text_file), line_count, len(lines), files=done)
     todo = [i for i, line in enumerate(lines) if line.number not in done]
     refuse_strangers(output, [file_name(lines[i].number, line_count) for i in todo], previous)
-    if done:
-        click.echo(f"skipping {len(done)} of {len(lines)} lines: already written ({output / MANIFEST})", err=True)
     if ref_audio is not None and todo:
         prepared = tts.prepare_voice(ref_audio, ref_text)  # encoded once for every line
         requests = [replace(r, voice=prepared) for r in requests]
+    # every line's text against the bundle before any is spoken, as its characters were (read_lines)
+    refuse_unplannable(tts.pipeline, [lines[i] for i in todo], [requests[i] for i in todo], _source_name(text_file))
+    output.mkdir(exist_ok=True)
+    removed = remove_partials(output)
+    if removed:
+        click.echo(f"removed {removed} unfinished file(s) a stopped run left in {output}", err=True)
+    if done:
+        click.echo(f"skipping {len(done)} of {len(lines)} lines: already written ({output / MANIFEST})", err=True)
     from tqdm import tqdm
 
     quiet = no_progress or not (sys.stderr is not None and sys.stderr.isatty())

@@ -148,6 +148,23 @@ def test_batch_line_problems_name_the_file():
         read_lines("\n \n", None, "standard input")
 
 
+def test_batch_refuses_every_lines_special_token_before_any_line_is_spoken(cpu_int4_bundle, tmp_path):
+    """Issue 37: a special token in one line of --batch failed that line after the others were
+    spoken, while a control character refuses the run first; now both refuse the run before
+    anything is spoken, every line named."""
+    lines = tmp_path / "lines.txt"
+    lines.write_text("First line.\nSay <|endoftext|> now.\nThird line.\n<|im_start|> too.\n")
+    out = _run("synthesize", cpu_int4_bundle, "--text-file", lines, "--batch", "2", "-o", tmp_path / "out",
+               "--max-frames", "10", "--no-progress")
+    said = out.stderr.decode()
+    assert out.returncode == 2, said
+    assert "2 problems with the request:" in said, said
+    assert f"  - line 2 of {lines} contains the tokenizer's special token(s) <|endoftext|>" in said, said
+    assert f"  - line 4 of {lines} contains the tokenizer's special token(s) <|im_start|>" in said, said
+    assert said.count("fix or remove that line of --text-file") == 2 and "--text /" not in said, said
+    assert not (tmp_path / "out").exists()  # nothing spoken, no folder made
+
+
 def test_cli_text_files_stdin_and_scripts_drop_a_bom_and_refuse_other_bytes(cpu_int4_bundle, tmp_path):
     pytest.importorskip("srt", reason="--subtitles needs the [subtitles] extra")
     notes = tmp_path / "notes.txt"

@@ -54,6 +54,7 @@ from higgs_pack.serve.speech import (
     reference_clip,
     short,
     unique_keys,
+    voice_name,
 )
 from higgs_pack.serve.upload import Upload, read_upload
 
@@ -586,6 +587,7 @@ def _voice_routes(app: FastAPI, server: SpeechServer) -> None:
     async def delete_voice(name: str, request: Request) -> dict[str, Any]:
         """Forget a stored voice (and its file in --voices-dir)."""
         _check_key(server, request)
+        name = voice_name(name, "name")  # read as speech's voice and an upload's name are (a BOM dropped)
         if name == DEFAULT_VOICE:
             raise refused(Problem.said(f"voice {DEFAULT_VOICE!r} is the bundle's built-in voice: it cannot be deleted "
                                        "(only uploaded voices can)", "name", name, code="builtin_voice"))

@@ -255,7 +255,7 @@ def _dialogue_voices(given: Any, speakers: set[str], voices: Any, config: ServeC
         if isinstance(voice, dict) and set(voice) == {"id"}:
             voice = voice["id"]
         if isinstance(voice, str):
-            voice = _text(voice, where, f"a voice name ({DEFAULT_VOICE!r}, or one GET /v1/audio/voices lists)")  # as speech's voice
+            voice = voice_name(voice, where)  # as speech's voice
             if voice == DEFAULT_VOICE:
                 out[speaker] = None
                 continue
@@ -316,6 +316,17 @@ def got(value: Any) -> str:
     return short(value) if isinstance(value, str) else plain_type(value)
 
 
+
+
+def voice_name(value: Any, param: str) -> str:
+    """A voice's name as every door that names one reads it (speech's ``voice``, a dialogue's
+    ``voices.NAME``, ``DELETE /v1/audio/voices/NAME``): under the one text rule (:func:`_text`: a
+    leading BOM dropped, a control character refused), so one name is one voice at every door.
+
+    Raises:
+        ApiError: 400 naming ``param``.
+    """
+    return _text(value, param, f"a voice name ({DEFAULT_VOICE!r}, or one GET /v1/audio/voices lists)")
 
 
 def _text(value: Any, param: str, meaning: str, why: str = "") -> str:
@@ -390,7 +401,7 @@ def _voice(body: dict, voices: Any, config: ServeConfig) -> tuple[str, dict[str,
         voice = voice["id"]
     if not isinstance(voice, str):
         raise _bad(f"voice must be a voice name or {{\"id\": name}}, got {got(voice)}", "voice")
-    voice = _text(voice, "voice", f"a voice name ({DEFAULT_VOICE!r}, or one GET /v1/audio/voices lists)")
+    voice = voice_name(voice, "voice")
     ref_audio, ref_text = body.get("ref_audio"), body.get("ref_text")
     text_param = "ref_text"
     if body.get("references") is not None:

@@ -364,3 +364,21 @@ def test_a_voice_flags_name_and_a_python_voices_key_drop_a_bom_as_a_speaker_does
     assert _voice_flag(f"{BOM}ANN={clip}:Words.") == ("ANN", (clip, "Words."))
     request = DialogueRequest.create([("ANN", "Hi.")], {BOM + "ANN": None})
     assert list(request.voices) == ["ANN"]
+
+
+def test_deleting_a_voice_reads_its_name_as_using_and_uploading_one_do(server, cases_dir):
+    """Issue 37: DELETE /v1/audio/voices/<BOM>name kept the BOM (404), while an upload's name and
+    speech's voice drop it; a control character in the name is refused naming ``name``."""
+    answer = httpx.post(server.url + "/v1/audio/voices", timeout=60,
+                        files={"audio": ("r.wav", (cases_dir / "ref_en_16k.wav").read_bytes(), "audio/wav"),
+                               "name": (None, (BOM + "bomvoice").encode()), "transcript": (None, b"Exact words.")})
+    assert answer.status_code == 201 and answer.json()["name"] == "bomvoice", answer.text
+    assert _post(server, "/v1/audio/speech", {"input": "Hi.", "voice": BOM + "bomvoice", "max_new_tokens": 5}
+                 ).status_code == 200
+    bad = httpx.delete(server.url + "/v1/audio/voices/bom%00voice", timeout=30)
+    assert bad.status_code == 400, bad.text
+    error = bad.json()["error"]
+    assert error["param"] == "name" and "holds a control character" in error["message"], error
+    gone = httpx.delete(server.url + "/v1/audio/voices/%EF%BB%BFbomvoice", timeout=30)
+    assert gone.status_code == 200 and gone.json() == {"name": "bomvoice", "deleted": True}, gone.text
+    assert httpx.get(server.url + "/v1/audio/voices").json()["voices"][1:] == []

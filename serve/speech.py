@@ -210,7 +210,8 @@ def parse_dialogue(body: Any, *, models: tuple[str, ...], voices: Any, config: S
                 if problem is not None:
                     bad.append(Problem(f"{where}.{key}", None, message=literal(f"{problem}; {where}.{key} is {meaning}")))
             if not bad:
-                checked.append(Turn(speaker_name(turn["speaker"]), clean(turn["input"])))  # " ANN " is ANN, as as_turns
+                # " ANN " is ANN, as as_turns; named turns[i] by every later check, as here and in param
+                checked.append(Turn(speaker_name(turn["speaker"]), clean(turn["input"]), where))
         if len(bad) >= TURN_PROBLEMS_SAID:
             bad.append(MORE_PROBLEMS)
             break

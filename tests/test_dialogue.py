@@ -36,11 +36,12 @@ def test_a_script_is_one_turn_per_line():
 
 @pytest.mark.parametrize(("script", "message"), [
     ("ANN: Hello.\nno speaker on this line\n", "line 2 of s.txt has no speaker: write it as NAME: text"),
-    ("ANN: Hello.\nBEN:   \n", "the text of s.txt line 2 ('BEN') is empty: there is nothing to speak"),
+    ("ANN: Hello.\nBEN:   \n", "the text of line 2 of s.txt ('BEN') is empty: there is nothing to speak"),
     ("ANN: Hello.\n: Who?\n", "line 2 of s.txt has no speaker"),
-    ("ANN: a\x00b", "the text of s.txt line 1 ('ANN') holds a control character at character 2 (U+0000, NUL)"),
+    ("ANN: a\x00b", "the text of line 1 of s.txt ('ANN') holds a control character at character 2 (U+0000, NUL)"),
     ("\n# only a comment\n", "s.txt holds no turns"),
     ("ANN: hi\n" * 10_000, f"s.txt holds 10000 turns; at most {MAX_TURNS}"),
+    ("A" * 65 + ": hi", "the speaker of line 1 of s.txt ('AAAA"),  # every problem names a line one way
     ("A" * 65 + ": hi", "must be a name of at most 64 characters"),
 ])
 def test_a_bad_script_names_its_line(script, message):
@@ -134,7 +135,7 @@ def test_tts_dialogue_on_the_cpu_bundle_clones_a_clip_and_streams_the_same(cpu_i
     joined = np.concatenate([p.samples for p in stream])
     assert np.array_equal(stream.codes, whole.codes) and stream.segments == whole.segments
     assert float(np.abs(joined - whole.samples).max()) <= 1e-4
-    with pytest.raises(InputError, match=r"turn 2 \('BEN'\): text contains the prompt control token") as found:
+    with pytest.raises(InputError, match=r"turn 2 \('BEN'\): its text contains the prompt control token") as found:
         tts.dialogue([("ANN", "Hi."), ("BEN", "Say <|audio|> now.")])
     assert "--text" not in str(found.value) and "text=" not in str(found.value)
     with pytest.raises(InputError) as found:  # every bad turn at once, not the first alone
@@ -144,7 +145,7 @@ def test_tts_dialogue_on_the_cpu_bundle_clones_a_clip_and_streams_the_same(cpu_i
         tts.dialogue([("ANN", "x" * 60000)])  # one word: no place to cut it
     assert "--text" not in str(found.value) and "text=" not in str(found.value)
     script = parse_script("# a talk\nANN: Hi.\n\nBEN: Say <|audio|> now.\n", "talk.txt")
-    with pytest.raises(InputError, match=r"line 4 of talk.txt \('BEN'\): text contains"):
+    with pytest.raises(InputError, match=r"line 4 of talk.txt \('BEN'\): its text contains"):
         tts.dialogue(script)  # a script's turn is named by its line, as the script's own problems are
     assert script == [Turn("ANN", "Hi."), Turn("BEN", "Say <|audio|> now.")]  # where is not part of a turn's value
 
@@ -290,8 +291,13 @@ def test_the_dialogue_route_answers_audio_segments_and_sse(server, cases_dir):
     ({"voices": {"ANN": "nobody"}}, "voices.ANN", "voice 'nobody' is not known"),
     ({"voices": {"CAT": "default"}}, "voices.CAT", "who speaks no turn"),
     ({"voice": "default"}, "voice", "unknown field 'voice' (did you mean 'voices'?)"),
-    ({"turns": [{"speaker": "ANN", "input": "Say <|audio|> now."}]}, "turns[0].input", "turn 1 ('ANN')"),
+    ({"turns": [{"speaker": "ANN", "input": "Say <|audio|> now."}]}, "turns[0].input", "turns[0] ('ANN'): its text contains"),
     ({"turns": [{"speaker": "A:B", "input": "Hi."}]}, "turns[0].speaker", "without ':'"),  # H-newuser 6
+    # a turn is named as param names it, turns[i] from 0, in every message (issue 37: one said "turn 1")
+    ({"turns": [{"speaker": "ANN", "input": "Hi."}, {"speaker": "B:N", "input": "Yo."}]}, "turns[1].speaker",
+     "the speaker of turns[1] ('B:N') must be"),
+    ({"turns": [{"speaker": "ANN", "input": "Hi."}, {"speaker": "BEN", "input": "Say <|audio|> now."}]},
+     "turns[1].input", "turns[1] ('BEN'): its text contains the prompt control token"),
     ({"segments": True, "stream_format": "audio"}, "segments", "segments true needs an answer with room"),
     ({"speed": 8}, "speed", "speed must be a number from 0.25 to 4.0"),
     # every bad turn at once, as a speech body's fields (a new user's finding: only the first was said)

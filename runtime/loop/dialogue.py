@@ -66,8 +66,10 @@ class Turn:
     Attributes:
         speaker: who says it (1 to :data:`MAX_SPEAKER_CHARS` characters, no ``:``).
         text: what they say (speakable text; inline controls pass as text).
-        where: how errors name it when it came from a script (``line 4 of talk.txt``); None:
-            ``turn N``.  Not part of its value.
+        where: how errors name it, in its door's terms (:func:`turn_label`): a script's line
+            (``line 4 of talk.txt``, counted from 1 as editors count), the HTTP body's JSON path
+            (``turns[3]``, counted from 0 as the error's ``param`` is); None: ``turn N`` (the
+            Python API's, counted from 1).  Not part of its value.
     """
 
     speaker: str
@@ -75,10 +77,17 @@ class Turn:
     where: str | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
-def turn_problems(turns: Any, where: str = "turn", numbers: list[int] | None = None) -> list[Problem]:
-    """One problem per bad turn (each named ``turn N``; a script's ``line N``, with ``where`` and
-    each turn's line ``numbers``), and one for no turns or more than :data:`MAX_TURNS`; ``[]``
-    when the turns can be spoken."""
+def turn_label(turn: Any, index: int) -> str:
+    """How every message names the turn at ``index`` (from 0): its :attr:`Turn.where` (a script's
+    ``line 4 of talk.txt``, the HTTP body's ``turns[3]``), else ``turn N`` counted from 1 (the
+    Python API's); one label per turn, whichever check finds its problem."""
+    where = turn.where if isinstance(turn, Turn) else None
+    return where or f"turn {index + 1}"
+
+
+def turn_problems(turns: Any) -> list[Problem]:
+    """One problem per bad turn (each named by :func:`turn_label`), and one for no turns or more
+    than :data:`MAX_TURNS`; ``[]`` when the turns can be spoken."""
     if not isinstance(turns, (list, tuple)):
         return [Problem("turns", None, message=f"{{name}} must be a list of turns, got {plain_type(turns)}")]
     if not turns:
@@ -88,7 +97,7 @@ def turn_problems(turns: Any, where: str = "turn", numbers: list[int] | None = N
                                                "in one dialogue: split the script into several")]
     found: list[Problem] = []
     for index, turn in enumerate(turns):
-        number = index + 1 if numbers is None else numbers[index]
+        label = turn_label(turn, index)
         if not isinstance(turn, Turn):
             if isinstance(turn, (list, tuple)):
                 got = f"{len(turn)} item{'s' * (len(turn) != 1)} ({repr(turn)[:60]})"
@@ -96,12 +105,12 @@ def turn_problems(turns: Any, where: str = "turn", numbers: list[int] | None = N
                 got = f"a mapping with {sorted(map(str, turn))[:5]} (it needs exactly speaker and text)"
             else:
                 got = plain_type(turn)
-            found.append(Problem("turns", None, message=literal(f"{where} {number} must be a Turn(speaker, text) or "
+            found.append(Problem("turns", None, message=literal(f"{label} must be a Turn(speaker, text) or "
                                                                 f"a (speaker, text) pair, got {got}")))
             continue
-        found += _speaker_problems(turn.speaker, f"{where} {number}", f"turns[{index}].speaker")
+        found += _speaker_problems(turn.speaker, label, f"turns[{index}].speaker")
         name = turn.speaker[:40] if isinstance(turn.speaker, str) else turn.speaker
-        problem = unspeakable(turn.text, f"the text of {where} {number} ({name!r})")
+        problem = unspeakable(turn.text, f"the text of {label} ({name!r})")
         if problem is not None:
             found.append(Problem(f"turns[{index}].text", None, message=literal(problem)))
         if len(found) >= TURN_PROBLEMS_SAID:
@@ -176,7 +185,6 @@ def parse_script(script: str, source: str = "the script", voices: Iterable[str] 
             to say, no turns, more than :data:`MAX_TURNS`: each named by its line number.
     """
     turns: list[Turn] = []
-    lines: list[int] = []
     found: list[Problem] = []
     for number, line in enumerate(text_lines(script), 1):  # LF, CR LF, CR: the one line rule (runtime/text.py)
         if not line.strip() or line.lstrip().startswith("#"):
@@ -187,14 +195,13 @@ def parse_script(script: str, source: str = "the script", voices: Iterable[str] 
                 f"line {number} of {source} has no speaker: write it as NAME: text (got {line.strip()[:60]!r})")))
         else:
             turns.append(Turn(match["speaker"].strip(), match["text"].strip(), f"line {number} of {source}"))
-            lines.append(number)
         if len(found) >= TURN_PROBLEMS_SAID:
             break
     if len(turns) > MAX_TURNS:
         found.append(Problem("turns", None, message=literal(
             f"{source} holds {len(turns)} turns; at most {MAX_TURNS} are spoken in one dialogue: split it")))
     elif turns and len(found) < TURN_PROBLEMS_SAID:
-        found += turn_problems(turns, f"{source} line", lines)  # named by their lines in the file
+        found += turn_problems(turns)  # named by their lines in the file (each turn's where)
     if found:  # said beside the script's problems (DialogueRequest.create says it of a good script)
         found += stray_voices(voices, list(dict.fromkeys(turn.speaker for turn in turns)))
     if not turns and not found:
@@ -333,8 +340,9 @@ def plan_dialogue(pipeline: Pipeline, request: DialogueRequest) -> SynthesisPlan
             check_text_tokens(pipeline, turn.text)
             found = plan_chunks(pipeline, turn.text.strip(), *voices[speaker], options.max_frames, CHUNK_WORDS)
         except InputError as exc:
+            said = exc.say(lambda problem: problem.render(name="its text" if problem.field == "text" else None))
             bad.append(Problem(f"turns[{number}].text", None, message=literal(
-                f"{turn.where or f'turn {number + 1}'} ({turn.speaker!r}): {plain(exc)}")))
+                f"{turn_label(turn, number)} ({turn.speaker!r}): {said}")))
             if len(bad) >= TURN_PROBLEMS_SAID:
                 bad.append(MORE_PROBLEMS)
                 break

@@ -65,7 +65,7 @@ def literal(sentence: str) -> str:
 
 
 #: Every :attr:`Problem.code` and what it means: what kind of thing is wrong, for programs (the
-#: server's error ``code``; the server's page lists them from here: docs/hooks/error_codes.py).
+#: server's error ``code``; the server's page lists them from here: docs/hooks/generated.py).
 CODE_MEANINGS = {
     "invalid_value": "a field holds a value it does not take",
     "missing_field": "a field that is needed was not given",

@@ -14,7 +14,7 @@ session's ``session.config``.  Everything else is derived from it:
 - the speech and dialogue bodies' pydantic models, so ``/docs`` shows the true defaults and
   limits (:func:`http_fields`, used by :mod:`higgs_pack.serve.schema`), the body's field list,
   its whole-number fields and the keyword each field sets (:func:`http_keywords`);
-- the field table of the documentation (``docs/hooks/request_fields.py``).
+- the field table of the documentation (``docs/hooks/generated.py``, kept in the Markdown).
 
 Beside it, what the loop samples with once a request meets a bundle: :class:`SamplingOptions`
 (the bundle's manifest ``generation`` defaults, then the request's choices: :func:`bundle_sampling`),

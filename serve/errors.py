@@ -19,7 +19,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 #: The transport's own ``code`` of each error that is not a request's problem
 #: (:data:`higgs_pack.errors.CODES`, each a 400 unless its answer says otherwise): code ->
 #: (HTTP status, what it means).  With ``CODES``, every ``code`` the server answers; the server's
-#: page lists both from here (docs/hooks/error_codes.py), and a test holds every code the server's
+#: page lists both from here (docs/hooks/generated.py), and a test holds every code the server's
 #: source answers to being in one of them.
 TRANSPORT_CODES = {
     "invalid_api_key": (401, "no Authorization: Bearer key, or not the server's (--api-key)"),

@@ -343,7 +343,8 @@ def _codes_answered() -> dict[str, str]:
 
 def test_every_code_the_server_answers_is_declared_and_listed_in_the_docs():
     """docs/serving/index.md's list of codes is made from CODE_MEANINGS and TRANSPORT_CODES (the
-    error_codes hook); every code the server's source answers is in one of them, so in the list."""
+    generated tables, docs/hooks/generated.py); every code the server's source answers is in one of
+    them, so in the list."""
     import importlib.util
 
     from higgs_pack.errors import CODE_MEANINGS, CODES
@@ -358,15 +359,15 @@ def test_every_code_the_server_answers_is_declared_and_listed_in_the_docs():
     assert not set(CODES) & set(TRANSPORT_CODES) and tuple(CODE_MEANINGS) == CODES
     assert all(400 <= status < 600 for status, _ in TRANSPORT_CODES.values())
     root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("error_codes_hook", root / "docs" / "hooks" / "error_codes.py")
+    spec = importlib.util.spec_from_file_location("generated_hook", root / "docs" / "hooks" / "generated.py")
     hook = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hook)
-    page = hook.on_page_markdown("before\n<!-- error-codes -->\nafter", page=None)
-    assert "error-codes" not in page
+    page = hook.on_page_markdown("before\n<!-- error-codes -->\n<!-- /error-codes -->\nafter", page=None)
+    kept = (root / "docs" / "serving" / "index.md").read_text(encoding="utf-8")
     for code in [*CODES, *TRANSPORT_CODES, "unreadable_audio"]:
-        assert f"| `{code}` |" in page, code
-    assert "<!-- error-codes -->" in (root / "docs" / "serving" / "index.md").read_text(encoding="utf-8")
-    assert "docs/hooks/error_codes.py" in (root / "mkdocs.yml").read_text(encoding="utf-8")
+        assert f"| `{code}` |" in page and f"| `{code}` |" in kept, code  # in the Markdown too, not the site only
+    assert hook.fill(kept) == kept, "the error codes in docs/serving/index.md are stale: python -m docs.hooks.generated --write"
+    assert "docs/hooks/generated.py" in (root / "mkdocs.yml").read_text(encoding="utf-8")
 
 
 def test_several_problems_are_one_shape_on_http_and_on_the_live_route():

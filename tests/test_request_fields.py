@@ -116,10 +116,10 @@ def test_every_body_field_of_the_declaration_and_only_those_are_generated():
 
 
 def test_the_docs_table_is_the_declaration():
-    from docs.hooks.request_fields import on_page_markdown
+    from docs.hooks.generated import on_page_markdown
 
-    page = on_page_markdown("before\n<!-- request-fields -->\nafter", page=None)
-    assert "request-fields" not in page
+    page = on_page_markdown("before\n<!-- request-fields -->\n<!-- /request-fields -->\nafter", page=None)
+    assert page.startswith("before\n<!-- request-fields -->\n| keyword |") and page.endswith("<!-- /request-fields -->\nafter")
     for name, info in RequestFields.model_fields.items():
         row = next(line for line in page.splitlines() if line.startswith(f"| `{name}` |"))
         door = door_of(info)
@@ -136,7 +136,23 @@ def test_the_docs_page_asks_for_the_table_and_the_hook_is_installed():
 
     root = Path(__file__).resolve().parents[1]
     assert "<!-- request-fields -->" in (root / "docs/using/python.md").read_text()
-    assert "docs/hooks/request_fields.py" in (root / "mkdocs.yml").read_text()
+    assert "docs/hooks/generated.py" in (root / "mkdocs.yml").read_text()
+
+
+def test_the_markdown_holds_the_generated_tables_as_the_declarations_make_them():
+    """Issue 37: the table was on the built site only (a hook filled a marker), not in the Markdown
+    read on GitHub; now the pages hold it, and a page that differs from what the declarations
+    render fails here (python -m docs.hooks.generated --write renders them)."""
+    from docs.hooks.generated import TABLES, main, pages
+
+    found = pages()
+    assert {page.name for page in found} >= {"python.md", "index.md"}, found
+    named = "".join(text for text, _filled in found.values())
+    for name in TABLES:
+        assert f"<!-- {name} -->\n| " in named and f"|\n<!-- /{name} -->" in named, name
+    stale = [str(page) for page, (text, filled) in found.items() if text != filled]
+    assert not stale, f"{stale}: run python -m docs.hooks.generated --write"
+    assert main([]) == 0
 
 
 def test_a_field_added_to_the_declaration_appears_at_every_door(monkeypatch):

@@ -75,7 +75,7 @@ def test_a_request_holds_the_cleaned_text_and_refuses_nul_naming_its_field(cases
 def test_a_script_and_turns_read_a_bom_line_separators_and_nul_one_way():
     turns = parse_script(BOM + "ANN: Hello\u2028there.\r\nBEN: Hi.\rANN: Bye.\n", "talk.txt")
     assert [(t.speaker, t.text) for t in turns] == [("ANN", "Hello\u2028there."), ("BEN", "Hi."), ("ANN", "Bye.")]
-    with pytest.raises(InputError, match=r"line 2 \('BEN'\) holds a control character at character 3 .*NUL"):
+    with pytest.raises(InputError, match=r"the text of line 2 of talk.txt \('BEN'\) holds a control character at character 3 .*NUL"):
         parse_script("ANN: Hello.\nBEN: Hi\x00 there.\n", "talk.txt")
     (turn,) = as_turns([(BOM + "ANN", "Hello\r\nthere.")])
     assert (turn.speaker, turn.text) == ("ANN", "Hello\nthere.")

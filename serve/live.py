@@ -95,6 +95,7 @@ from higgs_pack.serve.errors import ApiError, from_input_error, from_live_input_
 from higgs_pack.serve.formats import PCM_FORMATS, StreamEncoder
 from higgs_pack.serve.schema import (
     FIRST_COMMIT_WORDS_MAX,
+    LIVE_FIRST_CHUNK_FRAMES,
     NOT_IN_CONFIG,
     SessionFields,
     config_fields,
@@ -592,6 +593,8 @@ def config_job(server: Any, fields: dict[str, Any]) -> SpeechJob:
     if fmt is not None and fmt not in PCM_FORMATS:
         raise _bad(f"response_format {got(fmt)} is not carried by a live session: its binary messages are "
                    f"{' or '.join(PCM_FORMATS)}", "response_format", "unsupported_value")
+    if all(fields.get(name) is None for name in ("initial_chunk_frames", "initial_codec_chunk_frames")):
+        fields = {**fields, "initial_chunk_frames": LIVE_FIRST_CHUNK_FRAMES}  # first audio after lookahead + 1 frames
     body = {"model": server.models[0], "response_format": "pcm", **fields, "input": "session",
             "stream_format": "audio"}
     job = parse_speech(body, models=server.models, voices=server.voices, config=server.config)

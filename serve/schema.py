@@ -137,6 +137,14 @@ DialogueBody = create_model("DialogueBody", __base__=_DialogueBody, __doc__=_Dia
 FIRST_COMMIT_WORDS_MAX = 50
 
 
+#: A live session's ``initial_chunk_frames`` when its config gives none: its first audio is the
+#: stateful codec's first call, made once the codec's lookahead and ONE frame past it exist (issue 41
+#: goal 2: first audio at prefill + lookahead + 1 frames + one codec call).  The HTTP route's default
+#: (:data:`~higgs_pack.runtime.options.FIRST_CHUNK_FRAMES`, 10) waited for 9 frames more before it (at
+#: full size on 2 cores, 9 x 75 ms of decoder steps); a session that wants a larger first piece says so.
+LIVE_FIRST_CHUNK_FRAMES = 1
+
+
 class SessionFields(BaseModel):
     """The fields a live session's ``session.config`` takes besides the speech body's
     (``/v1/audio/speech/stream``, docs/serving/live.md): how text is committed to speech

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+import numpy as np
 import pytest
 from live_server import LiveServer
 
@@ -124,6 +125,25 @@ def test_text_in_pieces_is_spoken_sentence_by_sentence(server):
     for i, kind in enumerate(kinds[:-1]):
         if kind == "audio.start":
             assert kinds[i + 1] == "audio" and "audio.done" not in kinds[i + 1:i + 2]
+
+
+def test_the_first_audio_is_one_frame_made_once_the_codec_lookahead_and_one_frame_exist(server):
+    """Issue 41 goal 2: a live session's first audio message is the codec's first call's, made once
+    the stateful codec's lookahead and one frame have been generated: one frame of audio (the HTTP
+    route's first piece is initial_chunk_frames, 10 frames, which waited 9 frames more); a
+    session.config's initial_chunk_frames still chooses it, and the spoken codes are the same."""
+    async def first_audio(config: dict) -> tuple[int, Heard]:
+        heard = await _session(server.ws, ["One two three four five six seven."], {"seed": 5, **BY_SENTENCE, **config})
+        return next(size for kind, *rest in (o for o in heard.order if isinstance(o, tuple))
+                    for index, size in [rest] if index == 0), heard
+
+    size, heard = asyncio.run(first_audio({}))
+    assert size == 2 * HOP  # 16-bit PCM: one frame's 960 samples
+    asked, again = asyncio.run(first_audio({"initial_chunk_frames": 10}))
+    assert asked == 2 * 10 * HOP
+    assert heard.of("audio.done")[0]["frames"] == again.of("audio.done")[0]["frames"]
+    one, ten = (np.frombuffer(bytes(h.audio[0]), np.int16).astype(np.int32) for h in (heard, again))
+    assert one.shape == ten.shape and np.abs(one - ten).max() <= 2  # the same codes; the codec's calls differ
 
 
 def test_wav_sessions_open_each_sentence_with_a_header(server):

@@ -21,8 +21,10 @@ records
 Per level (a commit rule, a rate, a number of sessions at once) the p50 and p90 over sessions and
 ``core_s_per_audio_s``: the server process's CPU time (user + system, all threads; psutil) over
 the audio seconds made (its inverse is real-time streams per core).  Beside them, in the same
-run, the **floor** of this machine: the first commit's prefill + (lookahead + 1) decoder steps +
-one codec call, measured in this process on the same bundle (:func:`measure_floor`).
+run, the **floor** of this machine: the first commit's prefill + (lookahead + 1 + 7) decoder steps
+(the codec's lookahead and one frame, each whole 7 steps after its first codebook: the delay
+pattern) + one call of the streaming codec on those frames, measured in this process on the same
+bundle (:func:`measure_floor`).
 
 Kept as JSON (``--out``, e.g. docs/benchmarks/runs/agent-bench-DATE.json) and rendered in the
 docs by the docs hook (``<!-- bench-table NAME agent -->``, :func:`agent_table`).
@@ -170,25 +172,42 @@ def measure_floors(bundle: str, texts: Sequence[str], repeats: int = 5) -> dict[
 def measure_floor(tts: Any, text: str, repeats: int = 5) -> dict[str, Any]:
     """The floor of first speech on this machine for ``text`` (a first commit), medians of
     ``repeats`` after a warm-up: its prompt's prefill, a decoder step (the loop's seconds less the
-    prefill, over its steps), one codec call on the stream's first window (lookahead + 1 frames),
-    and ``floor_s`` = prefill + (lookahead + 1) steps + codec call."""
-    from higgs_pack.runtime.loop.codec import decode_codes
+    prefill, over its steps), and one call of the codec the server streams with on the frames its
+    first audio needs (the stateful streaming codec's first call, lookahead + 1 frames; a bundle
+    without one: the one-shot codec on as many).
 
+    ``floor_s`` = prefill + (lookahead + 1 + ramp) steps + codec call, where ``ramp`` is the delay
+    pattern's (codebooks - 1 = 7): codebook c of a frame is drawn c steps after its codebook 0, so
+    frame ``lookahead``, the last the first frame's audio needs, is whole only ``lookahead + 1 + ramp``
+    steps after the prefill.  ``floor_without_ramp_s`` is the floor as the first runs counted it
+    (lookahead + 1 steps: a time no server can reach), kept to compare with them."""
+    from higgs_pack.runtime.loop.codec import decode_codes
+    from higgs_pack.runtime.loop.stateful_codec import first_call_feeds
+
+    pipeline = tts.pipeline
     lookahead = tts.stream(text, max_frames=1).lookahead_frames
     frames = lookahead + 1
-    prefill, step, codec = [], [], []
+    ramp = pipeline.constants.num_codebooks - 1
+    spec, stream = pipeline.stream_codec, pipeline.audio_tokenizer_stream
+    prefill, step, codec, prompt = [], [], [], None
     for i in range(repeats + 1):
-        result = tts.synthesize(text, seed=i, max_frames=frames + 8)
+        result = tts.synthesize(text, seed=i, max_frames=frames + ramp + 8)
         chunk = result.chunks[0]
+        codes = result.codes[:frames]
         started = time.perf_counter()
-        decode_codes(tts.pipeline, result.codes[:frames])
+        if spec is not None and stream is not None:  # the first call of a stream: lookahead + 1 frames
+            stream.run(first_call_feeds(codes.T[None], spec.state_size))
+        else:
+            decode_codes(pipeline, codes)
         if i:  # the first is the warm-up
             prefill.append(chunk.prefill_s)
             step.append((chunk.seconds - chunk.prefill_s) / max(len(chunk.delayed), 1))
             codec.append(time.perf_counter() - started)
+        prompt = chunk.prompt_length
     p, s, c = (statistics.median(v) for v in (prefill, step, codec))
-    return {"text": text, "lookahead_frames": lookahead, "prefill_s": p, "step_s": s, "codec_call_s": c,
-            "floor_s": p + frames * s + c, "repeats": repeats}
+    return {"text": text, "prompt_positions": prompt, "lookahead_frames": lookahead, "ramp_steps": ramp,
+            "prefill_s": p, "step_s": s, "codec_call_s": c, "codec": "stream" if spec is not None else "one-shot",
+            "floor_s": p + (frames + ramp) * s + c, "floor_without_ramp_s": p + frames * s + c, "repeats": repeats}
 
 
 def agent_table(record: dict[str, Any]) -> tuple[list[str], list[list[str]], list[str]]:
@@ -203,8 +222,10 @@ def agent_table(record: dict[str, Any]) -> tuple[list[str], list[list[str]], lis
              str(lv["underruns"]), "-" if lv["core_s_per_audio_s"] is None else f"{lv['core_s_per_audio_s']:.2f}"]
             for lv in record["levels"]]
     facts = [f"floor of the first commit {f['text']!r}: prefill {f['prefill_s'] * 1000:.0f} ms + "
-             f"{f['lookahead_frames'] + 1} steps x {f['step_s'] * 1000:.1f} ms + codec call "
-             f"{f['codec_call_s'] * 1000:.0f} ms = **{f['floor_s'] * 1000:.0f} ms**" for f in record["floors"].values()]
+             f"{f['lookahead_frames'] + 1 + f.get('ramp_steps', 0)} steps x {f['step_s'] * 1000:.1f} ms + codec call "
+             f"{f['codec_call_s'] * 1000:.0f} ms = **{f['floor_s'] * 1000:.0f} ms**"
+             + (f" (lookahead + 1 + the delay pattern's {f['ramp_steps']})" if f.get("ramp_steps") else "")
+             for f in record["floors"].values()]
     facts += [f"preset {record['preset']}, bundle {record['model']}, {record.get('repeats', 1)} run(s) of each level "
               f"pooled; load average {record['loadavg'][0]:.1f} at the start, {record['loadavg_end'][0]:.1f} at the end; "
               f"{record['machine_line']}"]
@@ -249,9 +270,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     record["floors"] = measure_floors(bundle, firsts or texts[:1])
     record["loadavg_end"] = os.getloadavg()
     for level in record["levels"]:  # the goal's ratio: what the server adds over its first commit's floor
-        ratios = [r["server_added_s"] / record["floors"][r["parts"][0]]["floor_s"] for r in level["session_records"]
-                  if r["server_added_s"] is not None and r["parts"]]
-        level["server_added_over_floor"] = spread(ratios)
+        for key, floor in (("server_added_over_floor", "floor_s"),
+                           ("server_added_over_floor_without_ramp", "floor_without_ramp_s")):
+            level[key] = spread([r["server_added_s"] / record["floors"][r["parts"][0]][floor]
+                                 for r in level["session_records"] if r["server_added_s"] is not None and r["parts"]])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     print(json.dumps(record["floors"]), file=sys.stderr)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench.ab.paged import compare, u8_parity
+from bench.ab.paged import compare, engine_job, main, u8_parity
+from bench.decoder.batch import open_engine
+from higgs_pack.runtime.engine.engine import DEFAULT_JOIN_GAP_STEPS
 
 
 def _result(rows):
@@ -28,6 +30,35 @@ def test_compare_gives_both_figures_their_ratio_and_the_gap_in_steps():
     assert four["frames_per_s_over_batch1"] == {"paged": 3.0, "stateful": 2.4}
     assert four["join_first_audio_ms"] == {"paged": None, "stateful": None, "ratio": None}, "missing: None"
     assert compare(_result([]), stateful) == []
+    other = compare(paged, stateful, "paged:1.5")[1]
+    assert other["engine_step_ms"] == {"paged:1.5": 130.0, "stateful": 160.0, "ratio": 130.0 / 160.0}
+    assert other["join_voice_gap_steps"] == {"paged:1.5": 1.5, "stateful": 11.0}
+
+
+def test_engine_labels_give_the_worker_its_engine_and_join_gap():
+    assert engine_job("paged") == {"ov_engine": "paged", "join_gap_steps": None}
+    assert engine_job("stateful") == {"ov_engine": "stateful", "join_gap_steps": None}
+    assert engine_job("paged:1.5") == {"ov_engine": "paged", "join_gap_steps": 1.5}
+    for bad in ("stateful:2", "paged:1", "paged:x", "spliced"):
+        with pytest.raises(ValueError, match="--engines"):
+            engine_job(bad)
+
+
+def test_engines_must_include_stateful(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "--engines", "paged,paged:1.5", "--out", str(tmp_path / "x.json")])
+    assert "must include stateful" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_the_worker_opens_its_engines_with_the_jobs_join_gap(cpu_int4_bundle):
+    import higgs_pack
+
+    tts = higgs_pack.load(str(cpu_int4_bundle))
+    with open_engine(tts, 2, {"join_gap_steps": 1.5}) as engine:
+        assert engine.join_gap_steps == 1.5
+    with open_engine(tts, 2, {"join_gap_steps": None}) as engine:
+        assert engine.join_gap_steps == DEFAULT_JOIN_GAP_STEPS
 
 
 def test_u8_parity_on_the_tiny_bundle(ov_int4_bundle):

@@ -35,34 +35,56 @@ def _rows(result: dict[str, Any]) -> dict[int, dict[str, Any]]:
     return {row["batch"]: row for row in result.get("rows", []) if "refused" not in row}
 
 
-def compare(paged: dict[str, Any], stateful: dict[str, Any]) -> list[dict[str, Any]]:
+def compare(paged: dict[str, Any], stateful: dict[str, Any], name: str = "paged") -> list[dict[str, Any]]:
     """Per batch size both engines ran: each of :data:`COMPARED` for both and paged / stateful, and
-    the voice join's gap in steps of the running rows (its ms over the engine's step ms)."""
+    the voice join's gap in steps of the running rows (its ms over the engine's step ms).  ``name``
+    is the paged engine's label in the rows (``paged:1.5`` for one run at another ``join_gap_steps``)."""
     out = []
     a, b = _rows(paged), _rows(stateful)
+    names = (name, "stateful")
     for batch in sorted(set(a) & set(b)):
         row: dict[str, Any] = {"batch": batch}
         for key in COMPARED:
             x, y = a[batch].get(key), b[batch].get(key)
-            row[key] = {"paged": x, "stateful": y, "ratio": x / y if x and y else None}
-        for name, engine in (("paged", a[batch]), ("stateful", b[batch])):
+            row[key] = {name: x, "stateful": y, "ratio": x / y if x and y else None}
+        for label, engine in zip(names, (a[batch], b[batch]), strict=True):
             gap, step = engine.get("join_max_frame_gap_ms"), engine.get("engine_step_ms")
-            row.setdefault("join_voice_gap_steps", {})[name] = gap / step if gap and step else None
+            row.setdefault("join_voice_gap_steps", {})[label] = gap / step if gap and step else None
         out.append(row)
-    one = {name: rows.get(1, {}).get("aggregate_frames_per_s") for name, rows in (("paged", a), ("stateful", b))}
+    one = {label: rows.get(1, {}).get("aggregate_frames_per_s") for label, rows in zip(names, (a, b), strict=True)}
     for row in out:
-        row["frames_per_s_over_batch1"] = {name: (row["aggregate_frames_per_s"][name] / one[name]
-                                                  if one[name] and row["aggregate_frames_per_s"][name] else None)
-                                           for name in ("paged", "stateful")}
+        row["frames_per_s_over_batch1"] = {label: (row["aggregate_frames_per_s"][label] / one[label]
+                                                   if one[label] and row["aggregate_frames_per_s"][label] else None)
+                                           for label in names}
     return out
 
 
-def measure_engines(job: dict[str, Any], rounds: int, cache: Path, timeout: float | None) -> dict[str, Any]:
-    """``rounds`` rounds of the ``batch`` worker, paged then stateful, in fresh processes."""
-    runs: dict[str, list[dict[str, Any]]] = {"paged": [], "stateful": []}
+def engine_job(label: str) -> dict[str, Any]:
+    """The batch worker's settings for an ``--engines`` entry: ``paged``, ``stateful``, or
+    ``paged:X`` (the paged engine with ``join_gap_steps`` X, a number > 1).
+
+    Raises:
+        ValueError: any other entry."""
+    engine, _, gap = label.partition(":")
+    if engine not in ("paged", "stateful") or (gap and engine != "paged"):
+        raise ValueError(f"--engines: {label!r} is not paged, stateful or paged:JOIN_GAP_STEPS")
+    try:
+        steps = float(gap) if gap else None
+    except ValueError:
+        raise ValueError(f"--engines: {label!r}: {gap!r} is not a number of steps") from None
+    if steps is not None and not steps > 1:
+        raise ValueError(f"--engines: {label!r}: join_gap_steps must be > 1")
+    return {"ov_engine": engine, "join_gap_steps": steps}
+
+
+def measure_engines(job: dict[str, Any], rounds: int, cache: Path, timeout: float | None,
+                    engines: tuple[str, ...] = ("paged", "stateful")) -> dict[str, Any]:
+    """``rounds`` rounds of the ``batch`` worker, each of ``engines`` (:func:`engine_job`'s labels)
+    in turn, in fresh processes."""
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label in engines}
     for _ in range(rounds):
-        for engine in runs:
-            runs[engine].append(spawn("batch", {**job, "ov_engine": engine}, cache=cache, timeout=timeout))
+        for label in runs:
+            runs[label].append(spawn("batch", {**job, **engine_job(label)}, cache=cache, timeout=timeout))
     return runs
 
 
@@ -114,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--frames", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=1, help="runs per size inside one worker (default 1)")
     parser.add_argument("--voice-clip", default=str(DEFAULT_VOICE_CLIP) if DEFAULT_VOICE_CLIP.is_file() else "")
+    parser.add_argument("--engines", default="paged,stateful",
+                        help="comma-separated: paged, stateful, paged:JOIN_GAP_STEPS (default paged,stateful); "
+                             "each paged one is compared with stateful")
     parser.add_argument("--parity-steps", type=int, default=0, help="also measure u8 parity over this many steps")
     parser.add_argument("--cache", default=None, help="HIGGS_PACK_CACHE of the workers (default: a temporary one)")
     parser.add_argument("--timeout", type=float, default=None)
@@ -127,15 +152,26 @@ def main(argv: list[str] | None = None) -> int:
     cache = Path(options.cache or Path(options.out).with_suffix(".cache"))
     record: dict[str, Any] = {"machine": machine(), "openvino": ov.__version__, "job": {**job, "text": job["text"][:60]},
                               "rounds": options.rounds}
-    runs = measure_engines(job, options.rounds, cache, options.timeout)
+    engines = tuple(dict.fromkeys(label.strip() for label in options.engines.split(",") if label.strip()))
+    try:
+        for label in engines:
+            engine_job(label)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if "stateful" not in engines:
+        parser.error("--engines must include stateful: every paged engine is compared with it")
+    runs = measure_engines(job, options.rounds, cache, options.timeout, engines)
     record["runs"] = runs
-    record["compare"] = [compare(p, s) for p, s in zip(runs["paged"], runs["stateful"], strict=True)]
+    # per paged engine, per round: its figures against the stateful engine's of the same round
+    record["compare"] = {label: [compare(p, s, label) for p, s in zip(runs[label], runs["stateful"], strict=True)]
+                         for label in engines if label != "stateful"}
     if options.parity_steps:
         record["u8_parity"] = u8_parity(job["bundle"], BENCH_TEXT, options.parity_steps)
     Path(options.out).parent.mkdir(parents=True, exist_ok=True)
     Path(options.out).write_text(json.dumps(record, indent=1, default=str))
-    for row in record["compare"][-1]:
-        print(json.dumps(row), file=sys.stderr)
+    for rows in record["compare"].values():
+        for row in rows[-1]:
+            print(json.dumps(row), file=sys.stderr)
     return 0
 
 

@@ -70,13 +70,20 @@ def _request(spec: dict[str, Any], index: int, frames: int) -> dict[str, Any]:
             "top_p": 1.0, "max_frames": frames}
 
 
+def open_engine(tts: Any, batch: int, spec: dict[str, Any]) -> Any:
+    """``tts.engine(max_batch=batch)`` with the job's engine settings: ``join_gap_steps`` where the
+    job sets one (``python -m bench.ab.paged --engines paged:1.5``), else the engine's default."""
+    settings = {"join_gap_steps": spec["join_gap_steps"]} if spec.get("join_gap_steps") else {}
+    return tts.engine(max_batch=batch, **settings)
+
+
 def engine_run(tts: Any, batch: int, spec: dict[str, Any], marks: list[tuple[float, int]], *,
                 streamed: bool) -> tuple[dict[str, Any], Any, list[np.ndarray]]:
     """One plain or streamed run of ``batch`` requests on a fresh engine: its figures, the closed
     engine and each request's codes."""
     frames = spec["frames"]
     marks.clear()
-    with tts.engine(max_batch=batch) as engine:
+    with open_engine(tts, batch, spec) as engine:
         t0 = time.perf_counter()
         # together: the engine admits all B in one turn (one by one, the first could step alone)
         handles = engine.submit_together([{"text": spec["text"], **_request(spec, i, frames)} for i in range(batch)])
@@ -142,7 +149,7 @@ def _join_run(tts: Any, batch: int, spec: dict[str, Any], marks: list[tuple[floa
     ramp = FIRST_CHUNK_FRAMES + codec_context_frames(tts.pipeline) + tts.pipeline.constants.num_codebooks
     longer = spec["frames"] + JOIN_AFTER_STEPS + 2 * ramp
     marks.clear()
-    with tts.engine(max_batch=batch) as engine:
+    with open_engine(tts, batch, spec) as engine:
         running = [engine.submit(spec["text"], **_request(spec, i, longer)) for i in range(batch - 1)]
         deadline = time.monotonic() + JOIN_WAIT_S
         while running and sum(1 for _, rows in list(marks) if rows == batch - 1) < JOIN_AFTER_STEPS:
@@ -268,7 +275,7 @@ def measure_batches(spec: dict[str, Any]) -> dict[str, Any]:
     per_position = budget = None
     for batch in dict.fromkeys(sizes):
         try:
-            with tts.engine(max_batch=batch) as engine:
+            with open_engine(tts, batch, spec) as engine:
                 if per_position is None:
                     per_position, budget = engine.kv_bytes_per_position, engine.kv_budget_bytes
         except InputError as exc:

@@ -245,6 +245,32 @@ def test_the_first_commit_counts_chinese_words_as_word_timings_do(server):
     assert [w["text"] for w in heard.of("audio.done")[0]["words"]] == list("你好世界")
 
 
+def test_a_second_response_after_a_flush_starts_with_its_first_words_alone(server):
+    """One session, two responses as an agent's turns (each ended by input.flush, as the plugins end
+    a turn): the second response's first four words are committed as soon as they are whole, before
+    any flush, as the first response's were (the rule is a response's, not only the session's first)."""
+    async def run() -> tuple[Heard, dict]:
+        async with websockets.connect(server.ws) as ws:
+            await ws.send(json.dumps({"type": "session.config", "seed": 3}))
+            for word in ("One", " two", " three", " four", " five", " six."):
+                await ws.send(json.dumps({"type": "input.text", "text": word}))
+            await ws.send(json.dumps({"type": "input.flush"}))
+            heard = await _read(ws, Heard(), "audio.done")
+            heard = await _read(ws, heard, "audio.done")  # the first response spoken
+            for word in ("Seven", " eight", " nine", " ten", " eleven"):
+                await ws.send(json.dumps({"type": "input.text", "text": word}))
+            await _read(ws, heard, "audio.start", timeout=30)  # no flush yet: the first words' own part
+            second = heard.of("audio.start")[-1]
+            await ws.send(json.dumps({"type": "input.flush"}))
+            await ws.send(json.dumps({"type": "input.done"}))
+            await _read(ws, heard)
+            return await _read(ws, heard, None, 10), second
+
+    heard, second = asyncio.run(run())
+    assert second["sentence_index"] == 2 and second["sentence_text"] == "Seven eight nine ten"
+    _check_sentences(heard, ["One two three four", "five six.", "Seven eight nine ten", "eleven"])
+
+
 @pytest.mark.parametrize(("config", "param"), [({"split_granularity": "word"}, "split_granularity"),
                                                ({"first_commit_words": -2}, "first_commit_words"),
                                                ({"first_commit_words": 2.5, "seed": -1}, "first_commit_words")])

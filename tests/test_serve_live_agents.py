@@ -76,7 +76,7 @@ def test_a_barge_in_answers_what_was_heard_and_only_that_stays_as_context(server
     cancelled = cut.of("audio.cancelled")
     assert cancelled == [{"type": "audio.cancelled", "sentence_index": 0, "end": done["end"],
                           "played_ms": pytest.approx(third * 1000 + 1), "heard_text": "Alpha bravo charlie",
-                          "heard_words": 3}]
+                          "heard_words": 3, "words": done["words"][:3]}]  # the heard words, timed as audio.done's
     after_whole, after_cut = whole.of("audio.done")[1], cut.of("audio.done")[1]
     assert after_cut["sentence_index"] == 1
     not_heard = done["frames"] - round(third * RATE / HOP)
@@ -107,6 +107,11 @@ def test_a_barge_in_mid_sentence_estimates_the_words_heard(server):
     assert cancelled["sentence_index"] == 0 and cancelled["played_ms"] == 2500
     assert 1 <= cancelled["heard_words"] < len(LONG.split())
     assert LONG.startswith(cancelled["heard_text"]) and len(cancelled["heard_text"].split()) == cancelled["heard_words"]
+    # the heard words' estimated times in the session's audio: back to back, the last ended by the point played
+    words = cancelled["words"]
+    assert [w["text"] for w in words] == cancelled["heard_text"].split() and not any(w["exact"] for w in words)
+    assert words[0]["start"] == 0.0 and all(a["end"] == b["start"] for a, b in itertools.pairwise(words))
+    assert words[-1]["end"] <= 2.5 + 0.02
     assert [e["sentence_text"] for e in heard.of("audio.start")] == [LONG, "After the cancel."]
     assert heard.of("session.done")[0]["total_sentences"] == 2
 
@@ -168,6 +173,7 @@ def test_a_barge_in_at_speed_maps_played_ms_back_to_the_words_heard(server):
     assert 3 <= len(expected) < len(text.split())
     assert cancelled["heard_words"] == len(expected)
     assert cancelled["heard_text"] == " ".join(expected)
+    assert cancelled["words"] == done["words"][:len(expected)]  # in the stretched audio, as audio.done's
     assert heard.of("session.done")[0]["total_sentences"] >= 1
 
 
@@ -200,7 +206,7 @@ def test_a_bad_barge_in_is_an_error_naming_the_field_and_cancels_nothing(server)
     assert [(e["param"], e["status"]) for e in heard.of("error")] == [(p, 400) for _, p in BAD_CANCELS]
     assert "sentence_index 7 is not a sentence whose audio was sent" in heard.of("error")[4]["message"]
     assert heard.of("audio.cancelled") == [{"type": "audio.cancelled", "sentence_index": None, "end": 0.0,
-                                            "played_ms": 0, "heard_text": "", "heard_words": 0}]
+                                            "played_ms": 0, "heard_text": "", "heard_words": 0, "words": []}]
     _check_sentences(heard, ["Still here."])
     assert len(heard.audio[0]) == 2 * heard.of("audio.done")[0]["frames"] * HOP
 
@@ -338,5 +344,7 @@ def test_the_client_side_maps_a_players_position_to_the_sentence_and_its_played_
     assert json.loads(cancel_message((1, 300.04))) == {"type": "input.cancel", "sentence_index": 1, "played_ms": 300.0}
     reader.cancelling()
     cancelled = reader.read(json.dumps({"type": "audio.cancelled", "sentence_index": 1, "end": 1.5,
-                                        "heard_text": "More", "heard_words": 1, "played_ms": 300}))
+                                        "heard_text": "More", "heard_words": 1, "played_ms": 300,
+                                        "words": [{"text": "More", "start": 1.2, "end": 1.28, "exact": False}]}))
     assert (cancelled.kind, cancelled.heard, reader.received) == ("cancelled", "More", 1.5)
+    assert cancelled.words == (("More", 1.2, 1.28),)

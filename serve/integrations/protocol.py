@@ -75,8 +75,8 @@ class Event:
         end: seconds where it ends (done, cancelled: the audio sent so far).
         param: the field an error names.
         message: an error's message.
-        words: ``(word, start, end)`` of each word (done; seconds in the session's audio,
-            estimated by the server), in order.
+        words: ``(word, start, end)`` of each word (done; cancelled with played_ms: each word
+            heard; seconds in the session's audio, estimated by the server), in order.
         heard: the text the listener heard of the sentence cut off (cancelled, with played_ms).
     """
 
@@ -151,7 +151,8 @@ class Reader:
         if kind == "audio.cancelled":
             self.dropping = False
             self.position = self.received = data.get("end", self.position)
-            return Event("cancelled", data.get("sentence_index"), end=self.position, heard=data.get("heard_text", ""))
+            return Event("cancelled", data.get("sentence_index"), end=self.position, heard=data.get("heard_text", ""),
+                         words=_words(data))
         if kind == "error":
             return Event("error", text=data.get("sentence_text", ""), param=data.get("param"),
                          message=data.get("message", ""))
@@ -166,9 +167,14 @@ class Reader:
             return Event("start", index, self._texts[index])
         if kind == "audio.done":
             self.position = data["end"]
-            words = tuple((w["text"], w["start"], w["end"]) for w in data.get("words", ()))
-            return Event("done", index, self._texts.pop(index, ""), start=data["start"], end=data["end"], words=words)
+            return Event("done", index, self._texts.pop(index, ""), start=data["start"], end=data["end"],
+                         words=_words(data))
         return None
+
+
+def _words(data: dict[str, Any]) -> tuple[tuple[str, float, float], ...]:
+    """An event's ``words`` as ``(word, start, end)``."""
+    return tuple((w["text"], w["start"], w["end"]) for w in data.get("words") or ())
 
 
 def spoken_chars(text: str) -> int:

@@ -53,6 +53,28 @@ def _wait_idle(server, rows: int = 0, timeout: float = 20) -> None:
     assert server.metric("higgs_pack_active_batch") == rows
 
 
+def _pipecat_speaker():
+    """Pipecat's own output transport writing to a speaker that plays in real time (as its WebSocket
+    transports pace their writes): its clock releases each word's TTSTextFrame at its pts, and an
+    interruption drops the words not yet released.  ``played``: seconds of audio handed to the speaker."""
+    from pipecat.transports.base_output import BaseOutputTransport
+    from pipecat.transports.base_transport import TransportParams
+
+    class Speaker(BaseOutputTransport):
+        played = 0.0
+
+        async def start(self, frame):
+            await super().start(frame)
+            await self.set_transport_ready(frame)
+
+        async def write_audio_frame(self, frame) -> bool:
+            self.played += len(frame.audio) / 2 / frame.sample_rate
+            await asyncio.sleep(len(frame.audio) / 2 / frame.sample_rate)
+            return True
+
+    return Speaker(TransportParams(audio_out_enabled=True, audio_out_sample_rate=16000, audio_out_end_silence_secs=0))
+
+
 class TestPipecat:
     pipecat = pytest.importorskip("pipecat", reason="the [pipecat] extra (pipecat-ai) is not installed: `nox -s integrations` runs these tests in a venv with it")
 
@@ -173,34 +195,16 @@ class TestPipecat:
         from pipecat.processors.aggregators.llm_context import LLMContext
         from pipecat.processors.aggregators.llm_response_universal import LLMContextAggregatorPair
         from pipecat.tests.utils import SleepFrame, run_test
-        from pipecat.transports.base_output import BaseOutputTransport
-        from pipecat.transports.base_transport import TransportParams
 
         from higgs_pack.serve.integrations.pipecat_tts import HiggsTTSService
-
-        class Speaker(BaseOutputTransport):
-            """Pipecat's output transport writing to a speaker that plays in real time (as its
-            WebSocket transports pace their writes)."""
-
-            async def start(self, frame):
-                await super().start(frame)
-                await self.set_transport_ready(frame)
-
-            played = 0.0  # seconds of audio handed to the speaker
-
-            async def write_audio_frame(self, frame) -> bool:
-                Speaker.played += len(frame.audio) / 2 / frame.sample_rate
-                await asyncio.sleep(len(frame.audio) / 2 / frame.sample_rate)
-                return True
 
         text = CUT_TURN
         context = LLMContext()
         pair = LLMContextAggregatorPair(context)
         tts = HiggsTTSService(base_url=server.url, sample_rate=16000, options={"seed": 3, "max_new_tokens": 100,
                                                                                      **BY_SENTENCE})
-        pipeline = Pipeline([tts, Speaker(TransportParams(audio_out_enabled=True, audio_out_sample_rate=16000,
-                                                        audio_out_end_silence_secs=0)),
-                             pair.assistant()])
+        speaker = _pipecat_speaker()
+        pipeline = Pipeline([tts, speaker, pair.assistant()])
         frames = [TTSSpeakFrame(text), SleepFrame(sleep=2.5), InterruptionFrame(), SleepFrame(sleep=1.0)]
         asyncio.run(run_test(pipeline, frames_to_send=frames,
                              pipeline_params=PipelineParams(audio_out_sample_rate=16000)))
@@ -210,8 +214,60 @@ class TestPipecat:
         # a prefix of the turn cut inside its first sentence, where playback stopped (Pipecat releases a
         # word's frame at its start), within a word; every word would be there if not held to their times
         assert words == text.split()[:len(words)], said
-        assert 1.0 < Speaker.played < CUT_SENTENCE_S - 0.5
-        assert abs(len(words) - _words_started(Speaker.played)) <= 1, (said, Speaker.played)
+        assert 1.0 < speaker.played < CUT_SENTENCE_S - 0.5
+        assert abs(len(words) - _words_started(speaker.played)) <= 1, (said, speaker.played)
+
+    def test_an_interruption_before_the_sentences_end_keeps_the_words_heard_of_it(self, server):
+        """Interrupted about 2 s into LONG, a sentence still being generated (its audio.done, which
+        times its words, never comes): the context's assistant message is the words the server's
+        audio.cancelled says were heard (a prefix of the sentence), added with their times; without
+        them the context would hold nothing of what the user heard."""
+        from pipecat.frames.frames import InterruptionFrame, TTSSpeakFrame, TTSTextFrame
+        from pipecat.pipeline.pipeline import Pipeline
+        from pipecat.pipeline.task import PipelineParams
+        from pipecat.processors.aggregators.llm_context import LLMContext
+        from pipecat.processors.aggregators.llm_response_universal import LLMContextAggregatorPair
+        from pipecat.processors.frame_processor import FrameProcessor
+        from pipecat.tests.utils import SleepFrame, run_test
+
+        from higgs_pack.serve.integrations.pipecat_tts import HiggsTTSService
+
+        class Words(FrameProcessor):
+            """The word frames on their way from the output transport to the aggregator."""
+
+            def __init__(self):
+                super().__init__()
+                self.seen = []
+
+            async def process_frame(self, frame, direction):
+                await super().process_frame(frame, direction)
+                if isinstance(frame, TTSTextFrame):
+                    self.seen.append(frame)
+                await self.push_frame(frame, direction)
+
+        context = LLMContext()
+        pair = LLMContextAggregatorPair(context)
+        tts = HiggsTTSService(base_url=server.url, sample_rate=16000, options={"seed": 3, **BY_SENTENCE})
+        speaker, words_seen = _pipecat_speaker(), Words()
+        pipeline = Pipeline([tts, speaker, words_seen, pair.assistant()])
+        frames = [TTSSpeakFrame(LONG), SleepFrame(sleep=2.0), InterruptionFrame(), SleepFrame(sleep=1.0)]
+        generated = server.metric("higgs_pack_engine_frames_total")
+        asyncio.run(run_test(pipeline, frames_to_send=frames,
+                             pipeline_params=PipelineParams(audio_out_sample_rate=16000)))
+        assert server.metric("higgs_pack_engine_frames_total") - generated < LONG_CAP_FRAMES  # cut mid-sentence
+        said = [m["content"] for m in context.get_messages() if m["role"] == "assistant"]
+        assert len(said) == 1, context.get_messages()
+        words = said[0].split()
+        assert 1 <= len(words) < 20 and words == LONG.split()[:len(words)], (said, speaker.played)
+        # the server's estimate (12.5 characters a second, the rate of a session with no finished sentence,
+        # or slower) at the service's guess of the point played (2 s after the text went out, at most), no
+        # less than what the speaker (which lags the wall clock a little) had played, within a word
+        chars = sum(map(len, words))
+        assert 12.5 * speaker.played - len("sentence") <= chars <= 12.5 * 2.0 + 1, (said, speaker.played)
+        # each word with its time: frames in order, at increasing times within the 2 s played
+        assert [f.text for f in words_seen.seen] == words
+        times = [f.pts for f in words_seen.seen]
+        assert times == sorted(times) and (times[-1] - times[0]) / 1e9 < 2.0
 
 
 class TestLiveKit:

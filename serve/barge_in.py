@@ -15,15 +15,11 @@ from higgs_pack.errors import Problem
 from higgs_pack.runtime.loop.decode import GenerationResult
 from higgs_pack.runtime.loop.words import Word, heard_words, word_timings, words_prefix
 from higgs_pack.serve.errors import refused
-from higgs_pack.serve.integrations.protocol import spoken_chars
+from higgs_pack.serve.integrations.protocol import SPEECH_CHARS_PER_S, spoken_chars
 from higgs_pack.serve.speech import got
 
 #: Sentences whose audio went out that a barge-in's ``sentence_index`` may name (the last ones).
 PLAYED_KEPT = 8
-#: Characters (whitespace not counted) per second of speech, for the word timings of a sentence
-#: cut off before its end was generated, until the session has spoken a sentence to measure its own
-#: rate: about 150 words a minute (a common conversational rate) of 5 characters with punctuation.
-SPEECH_CHARS_PER_S = 12.5
 
 
 @dataclass

@@ -270,6 +270,46 @@ class TestPipecat:
         assert times == sorted(times) and (times[-1] - times[0]) / 1e9 < 2.0
 
 
+def _livekit_speaker():
+    """LiveKit's audio sink interface over a speaker that plays in real time: a segment plays from its
+    first frame, and clear_buffer (an interruption) stops it where it is (``cut_at``: seconds played)."""
+    from livekit.agents.voice import io
+
+    class Speaker(io.AudioOutput):
+        def __init__(self) -> None:
+            super().__init__(label="speaker", capabilities=io.AudioOutputCapabilities(pause=False))
+            self.started, self.pushed, self.ending = None, 0.0, None
+            self.cut_at: float | None = None  # seconds played when a segment was interrupted
+
+        async def capture_frame(self, frame) -> None:
+            await super().capture_frame(frame)
+            if self.started is None:
+                self.started = time.time()
+                self.on_playback_started(created_at=self.started)
+            self.pushed += frame.duration
+
+        def flush(self) -> None:
+            super().flush()
+            if self.started is not None:
+                self.ending = asyncio.get_running_loop().call_later(
+                    max(0.0, self.pushed - (time.time() - self.started)), self._finished, False)
+
+        def clear_buffer(self) -> None:
+            if self.started is not None:
+                self._finished(True)
+
+        def _finished(self, interrupted: bool) -> None:
+            if self.ending is not None:
+                self.ending.cancel()
+            position = min(time.time() - self.started, self.pushed)
+            if interrupted:
+                self.cut_at = position
+            self.started, self.pushed, self.ending = None, 0.0, None
+            self.on_playback_finished(playback_position=position, interrupted=interrupted)
+
+    return Speaker()
+
+
 class TestLiveKit:
     livekit = pytest.importorskip("livekit.agents", reason="the [livekit] extra (livekit-agents) is not installed: `nox -s integrations` runs these tests in a venv with it")
 
@@ -339,47 +379,11 @@ class TestLiveKit:
         message in the session's history is marked interrupted and holds the turn's first words, up
         to about where playback stopped (the synchronizer paces them by the TimedStrings)."""
         from livekit.agents import Agent, AgentSession
-        from livekit.agents.voice import io
         from livekit.agents.voice.transcription import TranscriptSynchronizer
 
         from higgs_pack.serve.integrations.livekit_tts import HiggsTTS
 
-        class Speaker(io.AudioOutput):
-            """LiveKit's audio sink interface over a speaker that plays in real time: a segment plays
-            from its first frame, and clear_buffer (an interruption) stops it where it is."""
-
-            def __init__(self) -> None:
-                super().__init__(label="speaker", capabilities=io.AudioOutputCapabilities(pause=False))
-                self.started, self.pushed, self.ending = None, 0.0, None
-                self.cut_at: float | None = None  # seconds played when a segment was interrupted
-
-            async def capture_frame(self, frame) -> None:
-                await super().capture_frame(frame)
-                if self.started is None:
-                    self.started = time.time()
-                    self.on_playback_started(created_at=self.started)
-                self.pushed += frame.duration
-
-            def flush(self) -> None:
-                super().flush()
-                if self.started is not None:
-                    self.ending = asyncio.get_running_loop().call_later(
-                        max(0.0, self.pushed - (time.time() - self.started)), self._finished, False)
-
-            def clear_buffer(self) -> None:
-                if self.started is not None:
-                    self._finished(True)
-
-            def _finished(self, interrupted: bool) -> None:
-                if self.ending is not None:
-                    self.ending.cancel()
-                position = min(time.time() - self.started, self.pushed)
-                if interrupted:
-                    self.cut_at = position
-                self.started, self.pushed, self.ending = None, 0.0, None
-                self.on_playback_finished(playback_position=position, interrupted=interrupted)
-
-        text, speaker = CUT_TURN, Speaker()
+        text, speaker = CUT_TURN, _livekit_speaker()
 
         async def run():
             higgs = HiggsTTS(base_url=server.url, sample_rate=16000, seed=3, max_new_tokens=100,
@@ -404,3 +408,42 @@ class TestLiveKit:
         assert words == text.split()[:len(words)], said.text_content
         assert speaker.cut_at is not None and 1.0 < speaker.cut_at < CUT_SENTENCE_S - 0.5
         assert abs(len(words) - _words_started(speaker.cut_at)) <= 1, (said.text_content, speaker.cut_at)
+
+    def test_an_interruption_before_the_sentences_end_cuts_the_transcript_at_the_words_heard(self, server):
+        """As above, but the turn is LONG, a sentence still being generated when the agent is
+        interrupted about 2 s in (its audio.done, which times its words, never comes): the assistant
+        message holds the words the server's audio.cancelled says were heard (a prefix of the
+        sentence), not the whole sentence nor nothing."""
+        from livekit.agents import Agent, AgentSession
+        from livekit.agents.voice.transcription import TranscriptSynchronizer
+
+        from higgs_pack.serve.integrations.livekit_tts import HiggsTTS
+
+        speaker = _livekit_speaker()
+
+        async def run():
+            higgs = HiggsTTS(base_url=server.url, sample_rate=16000, seed=3, **BY_SENTENCE)
+            session = AgentSession(tts=higgs, use_tts_aligned_transcript=True)
+            sync = TranscriptSynchronizer(next_in_chain_audio=speaker, next_in_chain_text=None)
+            session.output.audio, session.output.transcription = sync.audio_output, sync.text_output
+            await session.start(Agent(instructions="Say what you are given."))
+            handle = session.say(LONG)
+            await asyncio.sleep(2.5)
+            handle.interrupt()
+            await handle
+            said = [m for m in session.history.items if m.type == "message" and m.role == "assistant"]
+            await session.aclose()
+            await higgs.aclose()
+            return said
+
+        generated = server.metric("higgs_pack_engine_frames_total")
+        (said,) = asyncio.run(run())
+        assert server.metric("higgs_pack_engine_frames_total") - generated < LONG_CAP_FRAMES  # cut mid-sentence
+        words = (said.text_content or "").split()
+        assert said.interrupted
+        assert 1 <= len(words) < 20 and words == LONG.split()[:len(words)], said.text_content
+        # the server's estimate (12.5 characters a second, or slower: the rate of a session with no finished
+        # sentence) at the point played, within a word
+        chars = sum(map(len, words))
+        assert speaker.cut_at is not None and chars <= 12.5 * speaker.cut_at + len("sentence"), \
+            (said.text_content, speaker.cut_at)

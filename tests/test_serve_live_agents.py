@@ -348,3 +348,39 @@ def test_the_client_side_maps_a_players_position_to_the_sentence_and_its_played_
                                         "words": [{"text": "More", "start": 1.2, "end": 1.28, "exact": False}]}))
     assert (cancelled.kind, cancelled.heard, reader.received) == ("cancelled", "More", 1.5)
     assert cancelled.words == (("More", 1.2, 1.28),)
+
+
+def test_the_client_side_estimates_a_sentence_still_being_generated_as_the_server_would():
+    """protocol.Reader.estimated_words (the LiveKit plugin gives LiveKit these words while a sentence
+    plays before its audio.done): the open sentence's words timed as barge_in.estimated_words times
+    the words heard of a sentence cut there, at the session's rate, or over the audio made so far."""
+    from types import SimpleNamespace
+
+    from higgs_pack.runtime.loop.synthesis import SENTENCE_PAUSE_S
+    from higgs_pack.runtime.loop.words import Word
+    from higgs_pack.serve.barge_in import PLAYED_KEPT, Played, estimated_words
+    from higgs_pack.serve.integrations import protocol
+
+    assert (protocol.SENTENCE_PAUSE_S, protocol.RATE_KEPT) == (SENTENCE_PAUSE_S, PLAYED_KEPT)
+    reader = protocol.Reader()
+    assert reader.estimated_words() == () and reader.played_position() is None
+    reader.read(json.dumps({"type": "audio.start", "sentence_index": 0, "sentence_text": "Hi there."}))
+    # before any finished sentence: the default rate, 12.5 characters a second (8 characters: 0.64 s)
+    assert reader.estimated_words() == (("Hi", 0.0, pytest.approx(0.16)), ("there.", pytest.approx(0.16), 0.64))
+    reader.read(bytes(2 * RATE))  # 1 s of sentence 0
+    assert reader.estimated_words()[-1][2] == pytest.approx(1.0)  # over the audio made, which is longer
+    reader.read(json.dumps({"type": "audio.done", "sentence_index": 0, "start": 0.0, "end": 1.0,
+                            "words": [{"text": "Hi", "start": 0.0, "end": 0.25, "exact": False},
+                                      {"text": "there.", "start": 0.25, "end": 1.0, "exact": False}]}))
+    assert reader.open is None and reader.estimated_words() == ()
+    text = "One two three four."
+    reader.read(json.dumps({"type": "audio.start", "sentence_index": 1, "sentence_text": text}))
+    reader.read(bytes(2 * RATE // 2))  # 0.5 s: its pause and 0.3 s of speech
+    client = reader.estimated_words()
+    record = Played(1, text, RATE, SimpleNamespace(pushed=[0] * round(0.3 / 0.04)), 100, speech=round(1.2 * RATE))
+    done = Played(0, "Hi there.", 0, None, 100, speech=0, words=(Word("Hi", 0.0, 0.25), Word("there.", 0.25, 1.0)))
+    server = estimated_words(record, [done, record], 0.04)  # seconds from the sentence's speech
+    assert [w[0] for w in client] == [w.text for w in server] == text.split()
+    for (_, start, end), word in zip(client, server, strict=True):  # 8 characters a second: 16 take 2 s
+        assert (start, end) == (pytest.approx(1.2 + word.start), pytest.approx(1.2 + word.end))
+    assert client[-1][2] == pytest.approx(1.2 + 2.0)

@@ -343,6 +343,32 @@ class TestLiveKit:
         assert timed[-1].end_time == pytest.approx(seconds, abs=0.1)
         assert events[-1].is_final
 
+    def test_every_turn_of_a_session_starts_speaking_after_its_first_words(self, server):
+        """The server's default commit rule (first_commit_words 4) on one session kept open across two
+        turns (each stream's end flushes: a response's end): each turn's first audio comes once its
+        first four words are whole, before the turn's text ends, the second turn's as the first's."""
+        from higgs_pack.serve.integrations.livekit_tts import HiggsTTS
+
+        async def run() -> list[float]:
+            tts = HiggsTTS(base_url=server.url, seed=3)
+            seconds = []
+            for turn in (["One", " two", " three", " four", " five", " six."],
+                         ["Seven", " eight", " nine", " ten", " eleven", " twelve."]):
+                stream = tts.stream()
+                for token in turn[:5]:
+                    stream.push_text(token)
+                first = await asyncio.wait_for(stream.__anext__(), 30)  # no end of input yet
+                stream.push_text(turn[5])
+                stream.end_input()
+                frames = [first.frame, *[event.frame async for event in stream]]
+                await stream.aclose()
+                seconds.append(sum(f.samples_per_channel for f in frames) / 24000)
+            await tts.aclose()
+            return seconds
+
+        seconds = asyncio.run(run())
+        assert all(s >= 4.0 for s in seconds), seconds  # two parts of >= 2 s each per turn
+
     def test_closing_a_stream_mid_sentence_cancels_it_and_the_session_goes_on(self, server):
         from higgs_pack.serve.integrations.livekit_tts import HiggsTTS
 

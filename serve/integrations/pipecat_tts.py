@@ -234,7 +234,6 @@ class HiggsTTSService(WebsocketTTSService):
         played = self._reader.played_now()
         origin, clock = self._origins.pop(context_id, None), self._clocks.pop(context_id, None)
         tts_context = getattr(self, "_tts_contexts", {}).get(context_id)  # Pipecat's: its append_to_context
-        self._cut = None
         if (played is not None and played[0] == self._sentence and self._current == context_id
                 and origin is not None and clock is not None and getattr(tts_context, "append_to_context", True)):
             self._cut = _Cut(context_id, played[0], origin, clock)

@@ -15,15 +15,11 @@ from higgs_pack.errors import Problem
 from higgs_pack.runtime.loop.decode import GenerationResult
 from higgs_pack.runtime.loop.words import Word, heard_words, word_timings, words_prefix
 from higgs_pack.serve.errors import refused
-from higgs_pack.serve.integrations.protocol import spoken_chars
+from higgs_pack.serve.integrations.protocol import SPEECH_CHARS_PER_S, spoken_chars
 from higgs_pack.serve.speech import got
 
 #: Sentences whose audio went out that a barge-in's ``sentence_index`` may name (the last ones).
 PLAYED_KEPT = 8
-#: Characters (whitespace not counted) per second of speech, for the word timings of a sentence
-#: cut off before its end was generated, until the session has spoken a sentence to measure its own
-#: rate: about 150 words a minute (a common conversational rate) of 5 characters with punctuation.
-SPEECH_CHARS_PER_S = 12.5
 
 
 @dataclass
@@ -105,7 +101,7 @@ def estimated_words(record: Played, played: list[Played], frame_s: float) -> tup
 
 
 def heard_part(record: Played | None, played_ms: float, played: list[Played], rate: int,
-               frame_s: float) -> tuple[int, str, GenerationResult | None]:
+               frame_s: float) -> tuple[list[Word], str, GenerationResult | None]:
     """What a listener heard of ``record``'s sentence in ``played_ms`` of its audio (from its first
     byte, its pause included): the words ended by then (:func:`heard_words`; a sentence still
     being generated has its words from :func:`estimated_words`).
@@ -120,17 +116,18 @@ def heard_part(record: Played | None, played_ms: float, played: list[Played], ra
         frame_s: seconds per frame (0.04).
 
     Returns:
-        ``(words heard, the text up to the last of them, a GenerationResult holding the int64
-        codes [frames, N] of those words (stop_reason "cancelled"), or None when none was heard)``.
+        ``(the words heard, their times in seconds from the sentence's speech as generated (at
+        speed 1), the text up to the last of them, a GenerationResult holding the int64 codes
+        [frames, N] of those words (stop_reason "cancelled"), or None when none was heard)``.
     """
     if record is None or record.speech is None:
-        return 0, "", None
+        return [], "", None
     speech_s = (played_ms / 1000 - (record.speech - record.first) / rate) * record.speed  # generated seconds
     heard = heard_words(record.words or estimated_words(record, played, frame_s), speech_s)
     pushed = list(record.stream.pushed)[:round(heard[-1].end / frame_s)] if heard else []
     if not pushed:
-        return len(heard), words_prefix(record.text, len(heard)), None
+        return heard, words_prefix(record.text, len(heard)), None
     codes = np.stack(pushed)
-    return len(heard), words_prefix(record.text, len(heard)), GenerationResult(codes[:0], codes, "cancelled", 0,
-                                                                               math.nan, 0.0, 0.0)
+    return heard, words_prefix(record.text, len(heard)), GenerationResult(codes[:0], codes, "cancelled", 0,
+                                                                          math.nan, 0.0, 0.0)
 

@@ -37,9 +37,10 @@ audio, so each sentence's bytes are a playable stream), ``{"type": "audio.done",
   its audio not yet sent and all buffered text, and answers ``{"type": "audio.cancelled",
   "sentence_index", "end"}`` (``end``: the session's audio sent so far, seconds); the session goes
   on with the next text.  With ``played_ms`` (and optionally ``sentence_index``: the audio the
-  client played of a sentence, at the session's speed) it also answers ``played_ms``, ``heard_text`` and ``heard_words``
-  and keeps only the heard words and their frames as the rolling context (:func:`~higgs_pack.serve.barge_in.heard_part`);
-- ``{"type": "input.flush"}`` speaks buffered text that has no sentence end yet;
+  client played of a sentence, at the session's speed) it also answers ``played_ms``, ``heard_text``, ``heard_words``
+  and ``words`` (the heard words' times in the session's audio, as ``audio.done``'s) and keeps only the heard words and their frames as the rolling context (:func:`~higgs_pack.serve.barge_in.heard_part`);
+- ``{"type": "input.flush"}`` speaks buffered text that has no sentence end yet and ends a
+  response (as ``input.cancel`` does): the next text's first words are committed alone again;
 - a bad message gets ``{"type": "error", "message", "param", "code", "status"}`` naming the
   field; the session goes on.  A bad ``session.config`` is refused whole, its event naming every
   bad field (:func:`config_error`); text sent before a valid config is then refused too (never
@@ -402,8 +403,10 @@ class Session:
             self.handle.cancel()
         if played_ms is not None:  # the context: the sentences before the one played, then what was heard of it
             frame_s = self.server.engine.pipeline.constants.hop_length / self.rate
-            count, text, result = heard_part(record, played_ms, self.played, self.rate, frame_s)
-            event.update({"played_ms": played_ms, "heard_text": text, "heard_words": count})
+            words, text, result = heard_part(record, played_ms, self.played, self.rate, frame_s)
+            event.update({"played_ms": played_ms, "heard_text": text, "heard_words": len(words), "words": []})
+            if words:  # in the session's audio as sent, as audio.done's words
+                event["words"] = words_json(scale_spans(words, record.speed), round(record.speech / self.rate, 4))
             if record is not None:
                 event["sentence_index"] = record.index
                 self.spoken = [s for s in self.spoken if s.index < record.index]

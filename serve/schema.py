@@ -157,7 +157,8 @@ class SessionFields(BaseModel):
     first_commit_words: int = Field(4, ge=0, le=FIRST_COMMIT_WORDS_MAX, description="How many whole words of a "
                                     "response start its speech: once that many have arrived, they are spoken "
                                     "alone, before their sentence ends, unless a sentence or clause end came first "
-                                    "(0: no first commit).")
+                                    "(0: no first commit). A response ends at input.flush or input.cancel: the next "
+                                    "text is a new response's.")
 
 
 #: Fields of the speech body a session cannot take, each with why (said when one is sent): the

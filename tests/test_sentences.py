@@ -166,6 +166,21 @@ def test_commits_cut_cjk_clauses_and_restart_after_a_barge_in():
     assert commits.pending == "" and commits.feed("Seven eight nine") == ["Seven eight"]
 
 
+def test_a_flush_ends_a_response_and_the_next_words_are_a_responses_first():
+    """An agent's turn ends with a flush (the plugins flush at each turn's end): the next turn's first
+    words are cut alone as the first turn's were, not held for a clause or sentence end."""
+    from higgs_pack.runtime.loop.sentences import TextCommits
+
+    for granularity in ("clause", "sentence"):
+        commits = TextCommits(granularity, first_words=4)
+        assert [commits.feed(w) for w in ("One", " two", " three", " four", " five")][-1] == ["One two three four"]
+        assert commits.feed(" six") == [] and commits.flush() == ["five six"]
+        assert [commits.feed(w) for w in ("Seven", " eight", " nine", " ten")] == [[], [], [], []]
+        assert commits.feed(" eleven") == ["Seven eight nine ten"]
+        assert commits.flush() == ["eleven"]
+        assert commits.feed("Whole one. Two") == ["Whole one."]  # an end that arrived is still the cut
+
+
 def test_the_first_commit_never_cuts_an_end_that_has_arrived():
     """The first words are cut alone only while no clause or sentence end has arrived after them: a
     sentence that arrives whole is one part (it was "One two three four" + "five."), and a "." at

@@ -53,6 +53,28 @@ def _wait_idle(server, rows: int = 0, timeout: float = 20) -> None:
     assert server.metric("higgs_pack_active_batch") == rows
 
 
+def _pipecat_speaker():
+    """Pipecat's own output transport writing to a speaker that plays in real time (as its WebSocket
+    transports pace their writes): its clock releases each word's TTSTextFrame at its pts, and an
+    interruption drops the words not yet released.  ``played``: seconds of audio handed to the speaker."""
+    from pipecat.transports.base_output import BaseOutputTransport
+    from pipecat.transports.base_transport import TransportParams
+
+    class Speaker(BaseOutputTransport):
+        played = 0.0
+
+        async def start(self, frame):
+            await super().start(frame)
+            await self.set_transport_ready(frame)
+
+        async def write_audio_frame(self, frame) -> bool:
+            self.played += len(frame.audio) / 2 / frame.sample_rate
+            await asyncio.sleep(len(frame.audio) / 2 / frame.sample_rate)
+            return True
+
+    return Speaker(TransportParams(audio_out_enabled=True, audio_out_sample_rate=16000, audio_out_end_silence_secs=0))
+
+
 class TestPipecat:
     pipecat = pytest.importorskip("pipecat", reason="the [pipecat] extra (pipecat-ai) is not installed: `nox -s integrations` runs these tests in a venv with it")
 
@@ -173,34 +195,16 @@ class TestPipecat:
         from pipecat.processors.aggregators.llm_context import LLMContext
         from pipecat.processors.aggregators.llm_response_universal import LLMContextAggregatorPair
         from pipecat.tests.utils import SleepFrame, run_test
-        from pipecat.transports.base_output import BaseOutputTransport
-        from pipecat.transports.base_transport import TransportParams
 
         from higgs_pack.serve.integrations.pipecat_tts import HiggsTTSService
-
-        class Speaker(BaseOutputTransport):
-            """Pipecat's output transport writing to a speaker that plays in real time (as its
-            WebSocket transports pace their writes)."""
-
-            async def start(self, frame):
-                await super().start(frame)
-                await self.set_transport_ready(frame)
-
-            played = 0.0  # seconds of audio handed to the speaker
-
-            async def write_audio_frame(self, frame) -> bool:
-                Speaker.played += len(frame.audio) / 2 / frame.sample_rate
-                await asyncio.sleep(len(frame.audio) / 2 / frame.sample_rate)
-                return True
 
         text = CUT_TURN
         context = LLMContext()
         pair = LLMContextAggregatorPair(context)
         tts = HiggsTTSService(base_url=server.url, sample_rate=16000, options={"seed": 3, "max_new_tokens": 100,
                                                                                      **BY_SENTENCE})
-        pipeline = Pipeline([tts, Speaker(TransportParams(audio_out_enabled=True, audio_out_sample_rate=16000,
-                                                        audio_out_end_silence_secs=0)),
-                             pair.assistant()])
+        speaker = _pipecat_speaker()
+        pipeline = Pipeline([tts, speaker, pair.assistant()])
         frames = [TTSSpeakFrame(text), SleepFrame(sleep=2.5), InterruptionFrame(), SleepFrame(sleep=1.0)]
         asyncio.run(run_test(pipeline, frames_to_send=frames,
                              pipeline_params=PipelineParams(audio_out_sample_rate=16000)))
@@ -210,8 +214,100 @@ class TestPipecat:
         # a prefix of the turn cut inside its first sentence, where playback stopped (Pipecat releases a
         # word's frame at its start), within a word; every word would be there if not held to their times
         assert words == text.split()[:len(words)], said
-        assert 1.0 < Speaker.played < CUT_SENTENCE_S - 0.5
-        assert abs(len(words) - _words_started(Speaker.played)) <= 1, (said, Speaker.played)
+        assert 1.0 < speaker.played < CUT_SENTENCE_S - 0.5
+        assert abs(len(words) - _words_started(speaker.played)) <= 1, (said, speaker.played)
+
+    def test_an_interruption_before_the_sentences_end_keeps_the_words_heard_of_it(self, server):
+        """Interrupted about 2 s into LONG, a sentence still being generated (its audio.done, which
+        times its words, never comes): the context's assistant message is the words the server's
+        audio.cancelled says were heard (a prefix of the sentence), added with their times; without
+        them the context would hold nothing of what the user heard."""
+        from pipecat.frames.frames import InterruptionFrame, TTSSpeakFrame, TTSTextFrame
+        from pipecat.pipeline.pipeline import Pipeline
+        from pipecat.pipeline.task import PipelineParams
+        from pipecat.processors.aggregators.llm_context import LLMContext
+        from pipecat.processors.aggregators.llm_response_universal import LLMContextAggregatorPair
+        from pipecat.processors.frame_processor import FrameProcessor
+        from pipecat.tests.utils import SleepFrame, run_test
+
+        from higgs_pack.serve.integrations.pipecat_tts import HiggsTTSService
+
+        class Words(FrameProcessor):
+            """The word frames on their way from the output transport to the aggregator."""
+
+            def __init__(self):
+                super().__init__()
+                self.seen = []
+
+            async def process_frame(self, frame, direction):
+                await super().process_frame(frame, direction)
+                if isinstance(frame, TTSTextFrame):
+                    self.seen.append(frame)
+                await self.push_frame(frame, direction)
+
+        context = LLMContext()
+        pair = LLMContextAggregatorPair(context)
+        tts = HiggsTTSService(base_url=server.url, sample_rate=16000, options={"seed": 3, **BY_SENTENCE})
+        speaker, words_seen = _pipecat_speaker(), Words()
+        pipeline = Pipeline([tts, speaker, words_seen, pair.assistant()])
+        frames = [TTSSpeakFrame(LONG), SleepFrame(sleep=2.0), InterruptionFrame(), SleepFrame(sleep=1.0)]
+        generated = server.metric("higgs_pack_engine_frames_total")
+        asyncio.run(run_test(pipeline, frames_to_send=frames,
+                             pipeline_params=PipelineParams(audio_out_sample_rate=16000)))
+        assert server.metric("higgs_pack_engine_frames_total") - generated < LONG_CAP_FRAMES  # cut mid-sentence
+        said = [m["content"] for m in context.get_messages() if m["role"] == "assistant"]
+        assert len(said) == 1, context.get_messages()
+        words = said[0].split()
+        assert 1 <= len(words) < 20 and words == LONG.split()[:len(words)], (said, speaker.played)
+        # the server's estimate (12.5 characters a second, the rate of a session with no finished sentence,
+        # or slower) at the service's guess of the point played (2 s after the text went out, at most), no
+        # less than what the speaker (which lags the wall clock a little) had played, within a word
+        chars = sum(map(len, words))
+        assert 12.5 * speaker.played - len("sentence") <= chars <= 12.5 * 2.0 + 1, (said, speaker.played)
+        # each word with its time: frames in order, at increasing times within the 2 s played
+        assert [f.text for f in words_seen.seen] == words
+        times = [f.pts for f in words_seen.seen]
+        assert times == sorted(times) and (times[-1] - times[0]) / 1e9 < 2.0
+
+
+def _livekit_speaker():
+    """LiveKit's audio sink interface over a speaker that plays in real time: a segment plays from its
+    first frame, and clear_buffer (an interruption) stops it where it is (``cut_at``: seconds played)."""
+    from livekit.agents.voice import io
+
+    class Speaker(io.AudioOutput):
+        def __init__(self) -> None:
+            super().__init__(label="speaker", capabilities=io.AudioOutputCapabilities(pause=False))
+            self.started, self.pushed, self.ending = None, 0.0, None
+            self.cut_at: float | None = None  # seconds played when a segment was interrupted
+
+        async def capture_frame(self, frame) -> None:
+            await super().capture_frame(frame)
+            if self.started is None:
+                self.started = time.time()
+                self.on_playback_started(created_at=self.started)
+            self.pushed += frame.duration
+
+        def flush(self) -> None:
+            super().flush()
+            if self.started is not None:
+                self.ending = asyncio.get_running_loop().call_later(
+                    max(0.0, self.pushed - (time.time() - self.started)), self._finished, False)
+
+        def clear_buffer(self) -> None:
+            if self.started is not None:
+                self._finished(True)
+
+        def _finished(self, interrupted: bool) -> None:
+            if self.ending is not None:
+                self.ending.cancel()
+            position = min(time.time() - self.started, self.pushed)
+            if interrupted:
+                self.cut_at = position
+            self.started, self.pushed, self.ending = None, 0.0, None
+            self.on_playback_finished(playback_position=position, interrupted=interrupted)
+
+    return Speaker()
 
 
 class TestLiveKit:
@@ -246,6 +342,32 @@ class TestLiveKit:
         assert timed[2].start_time == pytest.approx(timed[1].end_time + 0.2, abs=1e-3)  # the pause
         assert timed[-1].end_time == pytest.approx(seconds, abs=0.1)
         assert events[-1].is_final
+
+    def test_every_turn_of_a_session_starts_speaking_after_its_first_words(self, server):
+        """The server's default commit rule (first_commit_words 4) on one session kept open across two
+        turns (each stream's end flushes: a response's end): each turn's first audio comes once its
+        first four words are whole, before the turn's text ends, the second turn's as the first's."""
+        from higgs_pack.serve.integrations.livekit_tts import HiggsTTS
+
+        async def run() -> list[float]:
+            tts = HiggsTTS(base_url=server.url, seed=3)
+            seconds = []
+            for turn in (["One", " two", " three", " four", " five", " six."],
+                         ["Seven", " eight", " nine", " ten", " eleven", " twelve."]):
+                stream = tts.stream()
+                for token in turn[:5]:
+                    stream.push_text(token)
+                first = await asyncio.wait_for(stream.__anext__(), 30)  # no end of input yet
+                stream.push_text(turn[5])
+                stream.end_input()
+                frames = [first.frame, *[event.frame async for event in stream]]
+                await stream.aclose()
+                seconds.append(sum(f.samples_per_channel for f in frames) / 24000)
+            await tts.aclose()
+            return seconds
+
+        seconds = asyncio.run(run())
+        assert all(s >= 4.0 for s in seconds), seconds  # two parts of >= 2 s each per turn
 
     def test_closing_a_stream_mid_sentence_cancels_it_and_the_session_goes_on(self, server):
         from higgs_pack.serve.integrations.livekit_tts import HiggsTTS
@@ -283,47 +405,11 @@ class TestLiveKit:
         message in the session's history is marked interrupted and holds the turn's first words, up
         to about where playback stopped (the synchronizer paces them by the TimedStrings)."""
         from livekit.agents import Agent, AgentSession
-        from livekit.agents.voice import io
         from livekit.agents.voice.transcription import TranscriptSynchronizer
 
         from higgs_pack.serve.integrations.livekit_tts import HiggsTTS
 
-        class Speaker(io.AudioOutput):
-            """LiveKit's audio sink interface over a speaker that plays in real time: a segment plays
-            from its first frame, and clear_buffer (an interruption) stops it where it is."""
-
-            def __init__(self) -> None:
-                super().__init__(label="speaker", capabilities=io.AudioOutputCapabilities(pause=False))
-                self.started, self.pushed, self.ending = None, 0.0, None
-                self.cut_at: float | None = None  # seconds played when a segment was interrupted
-
-            async def capture_frame(self, frame) -> None:
-                await super().capture_frame(frame)
-                if self.started is None:
-                    self.started = time.time()
-                    self.on_playback_started(created_at=self.started)
-                self.pushed += frame.duration
-
-            def flush(self) -> None:
-                super().flush()
-                if self.started is not None:
-                    self.ending = asyncio.get_running_loop().call_later(
-                        max(0.0, self.pushed - (time.time() - self.started)), self._finished, False)
-
-            def clear_buffer(self) -> None:
-                if self.started is not None:
-                    self._finished(True)
-
-            def _finished(self, interrupted: bool) -> None:
-                if self.ending is not None:
-                    self.ending.cancel()
-                position = min(time.time() - self.started, self.pushed)
-                if interrupted:
-                    self.cut_at = position
-                self.started, self.pushed, self.ending = None, 0.0, None
-                self.on_playback_finished(playback_position=position, interrupted=interrupted)
-
-        text, speaker = CUT_TURN, Speaker()
+        text, speaker = CUT_TURN, _livekit_speaker()
 
         async def run():
             higgs = HiggsTTS(base_url=server.url, sample_rate=16000, seed=3, max_new_tokens=100,
@@ -348,3 +434,42 @@ class TestLiveKit:
         assert words == text.split()[:len(words)], said.text_content
         assert speaker.cut_at is not None and 1.0 < speaker.cut_at < CUT_SENTENCE_S - 0.5
         assert abs(len(words) - _words_started(speaker.cut_at)) <= 1, (said.text_content, speaker.cut_at)
+
+    def test_an_interruption_before_the_sentences_end_cuts_the_transcript_at_the_words_heard(self, server):
+        """As above, but the turn is LONG, a sentence still being generated when the agent is
+        interrupted about 2 s in (its audio.done, which times its words, never comes): the assistant
+        message holds the words the server's audio.cancelled says were heard (a prefix of the
+        sentence), not the whole sentence nor nothing."""
+        from livekit.agents import Agent, AgentSession
+        from livekit.agents.voice.transcription import TranscriptSynchronizer
+
+        from higgs_pack.serve.integrations.livekit_tts import HiggsTTS
+
+        speaker = _livekit_speaker()
+
+        async def run():
+            higgs = HiggsTTS(base_url=server.url, sample_rate=16000, seed=3, **BY_SENTENCE)
+            session = AgentSession(tts=higgs, use_tts_aligned_transcript=True)
+            sync = TranscriptSynchronizer(next_in_chain_audio=speaker, next_in_chain_text=None)
+            session.output.audio, session.output.transcription = sync.audio_output, sync.text_output
+            await session.start(Agent(instructions="Say what you are given."))
+            handle = session.say(LONG)
+            await asyncio.sleep(2.5)
+            handle.interrupt()
+            await handle
+            said = [m for m in session.history.items if m.type == "message" and m.role == "assistant"]
+            await session.aclose()
+            await higgs.aclose()
+            return said
+
+        generated = server.metric("higgs_pack_engine_frames_total")
+        (said,) = asyncio.run(run())
+        assert server.metric("higgs_pack_engine_frames_total") - generated < LONG_CAP_FRAMES  # cut mid-sentence
+        words = (said.text_content or "").split()
+        assert said.interrupted
+        assert 1 <= len(words) < 20 and words == LONG.split()[:len(words)], said.text_content
+        # the server's estimate (12.5 characters a second, or slower: the rate of a session with no finished
+        # sentence) at the point played, within a word
+        chars = sum(map(len, words))
+        assert speaker.cut_at is not None and chars <= 12.5 * speaker.cut_at + len("sentence"), \
+            (said.text_content, speaker.cut_at)

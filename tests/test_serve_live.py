@@ -50,8 +50,10 @@ def server(cpu_int4_bundle):
 
 
 async def _read(ws, heard: Heard, until: str | None = "session.done", timeout: float = 120) -> Heard:
-    """Read messages into ``heard`` until an event of type ``until`` (None: until the close)."""
-    current = None
+    """Read messages into ``heard`` until an event of type ``until`` (None: until the close); audio
+    belongs to the last ``audio.start`` read, in this call or an earlier one."""
+    starts = heard.of("audio.start")
+    current = starts[-1]["sentence_index"] if starts else None
     deadline = time.monotonic() + timeout
     while True:
         try:

@@ -76,7 +76,7 @@ def test_a_barge_in_answers_what_was_heard_and_only_that_stays_as_context(server
     cancelled = cut.of("audio.cancelled")
     assert cancelled == [{"type": "audio.cancelled", "sentence_index": 0, "end": done["end"],
                           "played_ms": pytest.approx(third * 1000 + 1), "heard_text": "Alpha bravo charlie",
-                          "heard_words": 3}]
+                          "heard_words": 3, "words": done["words"][:3]}]  # the heard words, timed as audio.done's
     after_whole, after_cut = whole.of("audio.done")[1], cut.of("audio.done")[1]
     assert after_cut["sentence_index"] == 1
     not_heard = done["frames"] - round(third * RATE / HOP)
@@ -107,6 +107,11 @@ def test_a_barge_in_mid_sentence_estimates_the_words_heard(server):
     assert cancelled["sentence_index"] == 0 and cancelled["played_ms"] == 2500
     assert 1 <= cancelled["heard_words"] < len(LONG.split())
     assert LONG.startswith(cancelled["heard_text"]) and len(cancelled["heard_text"].split()) == cancelled["heard_words"]
+    # the heard words' estimated times in the session's audio: back to back, the last ended by the point played
+    words = cancelled["words"]
+    assert [w["text"] for w in words] == cancelled["heard_text"].split() and not any(w["exact"] for w in words)
+    assert words[0]["start"] == 0.0 and all(a["end"] == b["start"] for a, b in itertools.pairwise(words))
+    assert words[-1]["end"] <= 2.5 + 0.02
     assert [e["sentence_text"] for e in heard.of("audio.start")] == [LONG, "After the cancel."]
     assert heard.of("session.done")[0]["total_sentences"] == 2
 
@@ -168,6 +173,7 @@ def test_a_barge_in_at_speed_maps_played_ms_back_to_the_words_heard(server):
     assert 3 <= len(expected) < len(text.split())
     assert cancelled["heard_words"] == len(expected)
     assert cancelled["heard_text"] == " ".join(expected)
+    assert cancelled["words"] == done["words"][:len(expected)]  # in the stretched audio, as audio.done's
     assert heard.of("session.done")[0]["total_sentences"] >= 1
 
 
@@ -200,7 +206,7 @@ def test_a_bad_barge_in_is_an_error_naming_the_field_and_cancels_nothing(server)
     assert [(e["param"], e["status"]) for e in heard.of("error")] == [(p, 400) for _, p in BAD_CANCELS]
     assert "sentence_index 7 is not a sentence whose audio was sent" in heard.of("error")[4]["message"]
     assert heard.of("audio.cancelled") == [{"type": "audio.cancelled", "sentence_index": None, "end": 0.0,
-                                            "played_ms": 0, "heard_text": "", "heard_words": 0}]
+                                            "played_ms": 0, "heard_text": "", "heard_words": 0, "words": []}]
     _check_sentences(heard, ["Still here."])
     assert len(heard.audio[0]) == 2 * heard.of("audio.done")[0]["frames"] * HOP
 
@@ -243,6 +249,32 @@ def test_the_first_commit_counts_chinese_words_as_word_timings_do(server):
     heard = asyncio.run(_session(server.ws, list(text), {"seed": 3}))
     _check_sentences(heard, ["你好世界", text[4:]])
     assert [w["text"] for w in heard.of("audio.done")[0]["words"]] == list("你好世界")
+
+
+def test_a_second_response_after_a_flush_starts_with_its_first_words_alone(server):
+    """One session, two responses as an agent's turns (each ended by input.flush, as the plugins end
+    a turn): the second response's first four words are committed as soon as they are whole, before
+    any flush, as the first response's were (the rule is a response's, not only the session's first)."""
+    async def run() -> tuple[Heard, dict]:
+        async with websockets.connect(server.ws) as ws:
+            await ws.send(json.dumps({"type": "session.config", "seed": 3}))
+            for word in ("One", " two", " three", " four", " five", " six."):
+                await ws.send(json.dumps({"type": "input.text", "text": word}))
+            await ws.send(json.dumps({"type": "input.flush"}))
+            heard = await _read(ws, Heard(), "audio.done")
+            heard = await _read(ws, heard, "audio.done")  # the first response spoken
+            for word in ("Seven", " eight", " nine", " ten", " eleven"):
+                await ws.send(json.dumps({"type": "input.text", "text": word}))
+            await _read(ws, heard, "audio.start", timeout=30)  # no flush yet: the first words' own part
+            second = heard.of("audio.start")[-1]
+            await ws.send(json.dumps({"type": "input.flush"}))
+            await ws.send(json.dumps({"type": "input.done"}))
+            await _read(ws, heard)
+            return await _read(ws, heard, None, 10), second
+
+    heard, second = asyncio.run(run())
+    assert second["sentence_index"] == 2 and second["sentence_text"] == "Seven eight nine ten"
+    _check_sentences(heard, ["One two three four", "five six.", "Seven eight nine ten", "eleven"])
 
 
 @pytest.mark.parametrize(("config", "param"), [({"split_granularity": "word"}, "split_granularity"),
@@ -312,5 +344,43 @@ def test_the_client_side_maps_a_players_position_to_the_sentence_and_its_played_
     assert json.loads(cancel_message((1, 300.04))) == {"type": "input.cancel", "sentence_index": 1, "played_ms": 300.0}
     reader.cancelling()
     cancelled = reader.read(json.dumps({"type": "audio.cancelled", "sentence_index": 1, "end": 1.5,
-                                        "heard_text": "More", "heard_words": 1, "played_ms": 300}))
+                                        "heard_text": "More", "heard_words": 1, "played_ms": 300,
+                                        "words": [{"text": "More", "start": 1.2, "end": 1.28, "exact": False}]}))
     assert (cancelled.kind, cancelled.heard, reader.received) == ("cancelled", "More", 1.5)
+    assert cancelled.words == (("More", 1.2, 1.28),)
+
+
+def test_the_client_side_estimates_a_sentence_still_being_generated_as_the_server_would():
+    """protocol.Reader.estimated_words (the LiveKit plugin gives LiveKit these words while a sentence
+    plays before its audio.done): the open sentence's words timed as barge_in.estimated_words times
+    the words heard of a sentence cut there, at the session's rate, or over the audio made so far."""
+    from types import SimpleNamespace
+
+    from higgs_pack.runtime.loop.synthesis import SENTENCE_PAUSE_S
+    from higgs_pack.runtime.loop.words import Word
+    from higgs_pack.serve.barge_in import PLAYED_KEPT, Played, estimated_words
+    from higgs_pack.serve.integrations import protocol
+
+    assert (protocol.SENTENCE_PAUSE_S, protocol.RATE_KEPT) == (SENTENCE_PAUSE_S, PLAYED_KEPT)
+    reader = protocol.Reader()
+    assert reader.estimated_words() == () and reader.played_position() is None
+    reader.read(json.dumps({"type": "audio.start", "sentence_index": 0, "sentence_text": "Hi there."}))
+    # before any finished sentence: the default rate, 12.5 characters a second (8 characters: 0.64 s)
+    assert reader.estimated_words() == (("Hi", 0.0, pytest.approx(0.16)), ("there.", pytest.approx(0.16), 0.64))
+    reader.read(bytes(2 * RATE))  # 1 s of sentence 0
+    assert reader.estimated_words()[-1][2] == pytest.approx(1.0)  # over the audio made, which is longer
+    reader.read(json.dumps({"type": "audio.done", "sentence_index": 0, "start": 0.0, "end": 1.0,
+                            "words": [{"text": "Hi", "start": 0.0, "end": 0.25, "exact": False},
+                                      {"text": "there.", "start": 0.25, "end": 1.0, "exact": False}]}))
+    assert reader.open is None and reader.estimated_words() == ()
+    text = "One two three four."
+    reader.read(json.dumps({"type": "audio.start", "sentence_index": 1, "sentence_text": text}))
+    reader.read(bytes(2 * RATE // 2))  # 0.5 s: its pause and 0.3 s of speech
+    client = reader.estimated_words()
+    record = Played(1, text, RATE, SimpleNamespace(pushed=[0] * round(0.3 / 0.04)), 100, speech=round(1.2 * RATE))
+    done = Played(0, "Hi there.", 0, None, 100, speech=0, words=(Word("Hi", 0.0, 0.25), Word("there.", 0.25, 1.0)))
+    server = estimated_words(record, [done, record], 0.04)  # seconds from the sentence's speech
+    assert [w[0] for w in client] == [w.text for w in server] == text.split()
+    for (_, start, end), word in zip(client, server, strict=True):  # 8 characters a second: 16 take 2 s
+        assert (start, end) == (pytest.approx(1.2 + word.start), pytest.approx(1.2 + word.end))
+    assert client[-1][2] == pytest.approx(1.2 + 2.0)

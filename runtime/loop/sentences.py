@@ -144,7 +144,9 @@ class TextCommits:
     arrived, the first part runs to it (a sentence that arrives whole is one part).  Words are
     counted as word timings count them (:func:`~higgs_pack.runtime.loop.words.split_words`: in
     Chinese and Japanese each ideograph or kana is a word), a word whole once what follows it
-    has arrived.  :meth:`restart` makes the next words a response's first again (a barge-in).
+    has arrived.  A response ends at :meth:`flush` (its text all committed: the end of an
+    LLM's turn) or at :meth:`restart` (a barge-in, its text dropped): the next words are a
+    response's first again.
 
     Args:
         granularity: one of :data:`GRANULARITIES`.
@@ -185,10 +187,11 @@ class TextCommits:
         return parts
 
     def flush(self) -> list[str]:
-        """The text not committed as one last part (``[]`` when blank)."""
+        """The text not committed as one last part (``[]`` when blank); the response ends: the next
+        words are a response's first."""
         rest = self.pending.strip()
         self.sentences.flush()
-        self._taken = 0
+        self._taken, self._first = 0, True
         return [rest] if rest else []
 
     def _cut(self, text: str, final: bool) -> list[str]:

@@ -16,7 +16,14 @@ the way LiveKit's streaming TTS plugins do (``livekit.agents.tts.TTS`` with
 - a stream closed before its end (the agent interrupted) sends ``input.cancel`` with
   ``played_ms`` (:meth:`~higgs_pack.serve.integrations.protocol.Reader.played_now`): the
   sentence being spoken stops on the server, its row leaves the engine, the server keeps only
-  the words heard as context, and the session stays open for the next turn.
+  the words heard as context, and the session stays open for the next turn;
+- a sentence still being generated when its playback has run :data:`EARLY_WORDS_AFTER_S` (its
+  ``audio.done``, which times its words, not come) has its words given as playback reaches them
+  (:data:`EARLY_WORDS_LEAD_S` ahead), timed as the server times the words heard of a sentence cut
+  there (:meth:`~higgs_pack.serve.integrations.protocol.Reader.estimated_words`); its
+  ``audio.done`` gives the rest.  LiveKit cuts the transcript of an interrupted turn at the
+  playback position from the words it was given before the interruption (the stream's tasks are
+  cancelled first), so a sentence cut before its ``audio.done`` would leave nothing of it.
 """
 
 from __future__ import annotations
@@ -46,6 +53,14 @@ from higgs_pack.serve.integrations.protocol import (
 
 log = logging.getLogger(__name__)
 
+#: Seconds a sentence plays without its ``audio.done`` before its words are given from the
+#: estimate (a sentence whose generation keeps ahead of playback has its ``audio.done`` sooner
+#: and keeps the server's times for every word).
+EARLY_WORDS_AFTER_S = 0.5
+#: Seconds ahead of playback at which such a word is given, so that LiveKit's transcript
+#: synchronizer has it before it is heard.
+EARLY_WORDS_LEAD_S = 0.3
+
 
 class HiggsTTS(tts.TTS):
     """Higgs-Audio-v3 speech from a ``higgs-pack serve`` server, streamed.
@@ -66,8 +81,9 @@ class HiggsTTS(tts.TTS):
                          sample_rate=sample_rate, num_channels=1)
         self._url, self._headers = stream_url(base_url), auth_headers(api_key)
         self._config = config_message(voice, **options)
+        self._speed = float(options.get("speed") or 1.0)
         self._ws: Any = None
-        self._reader = Reader()
+        self._reader = Reader(self._speed)
         self._lock = asyncio.Lock()
 
     @property
@@ -93,7 +109,7 @@ class HiggsTTS(tts.TTS):
                 self._ws = await websockets.connect(self._url, additional_headers=self._headers, max_size=None)
             except (OSError, websockets.InvalidHandshake) as exc:
                 raise APIConnectionError(f"cannot reach higgs-pack serve at {self._url}: {exc}") from exc
-            self._reader = Reader()
+            self._reader = Reader(self._speed)
             await self._ws.send(self._config)
         return self._ws
 
@@ -110,6 +126,8 @@ class HiggsStream(tts.SynthesizeStream):
         super().__init__(tts=tts, conn_options=conn_options)
         self._higgs = tts
         self._speaking = False  # a sentence of this stream started and is not done
+        self._given = 0  # words of that sentence given before its audio.done (from the estimate)
+        self._last = 0.0  # where the last word given ends (seconds of the segment's audio)
 
     async def _run(self, output_emitter: tts.AudioEmitter) -> None:
         higgs = self._higgs
@@ -169,6 +187,8 @@ class HiggsStream(tts.SynthesizeStream):
                 event = reader.read(message)
                 if event is not None:
                     self._on(event, pending, emitter, resampler, origin)
+                if self._speaking:
+                    self._give_early_words(reader, emitter, origin)
         finally:
             sender.cancel()
         if resampler is not None:
@@ -184,11 +204,11 @@ class HiggsStream(tts.SynthesizeStream):
                     emitter.push(frame.data.tobytes())
         elif event.kind == "start":
             pending.spoken(event.text)
-            self._speaking = True
+            self._speaking, self._given = True, 0
         elif event.kind == "done":
             self._speaking = False
-            for word, start, end in event.words or ((event.text, event.start, event.end),):
-                emitter.push_timed_transcript(TimedString(word + " ", start_time=start - origin, end_time=end - origin))
+            words = event.words or ((event.text, event.start, event.end),)
+            self._give(emitter, words[self._given:], origin)
         elif event.kind == "error":
             if event.param in ("text", None) and event.text:  # one sentence refused; the rest go on
                 pending.spoken(event.text)
@@ -196,3 +216,22 @@ class HiggsStream(tts.SynthesizeStream):
             else:
                 raise APIStatusError(f"higgs-pack serve: {event.message}", status_code=400, body=event.message,
                                      retryable=False)
+
+    def _give(self, emitter: tts.AudioEmitter, words: Any, origin: float) -> None:
+        """Give LiveKit ``words`` (``(word, start, end)``, session seconds) as TimedStrings in the
+        segment's audio (from ``origin``), never before the end of a word given earlier."""
+        for word, start, end in words:
+            start = max(start - origin, self._last)
+            self._last = max(end - origin, start)
+            emitter.push_timed_transcript(TimedString(word + " ", start_time=start, end_time=self._last))
+
+    def _give_early_words(self, reader: Reader, emitter: tts.AudioEmitter, origin: float) -> None:
+        """The sentence being received has played :data:`EARLY_WORDS_AFTER_S` without its
+        ``audio.done``: give its words that playback will reach within :data:`EARLY_WORDS_LEAD_S`,
+        timed by :meth:`Reader.estimated_words`."""
+        at = reader.played_position()
+        if at is None or reader.open is None or at < reader.open[2] + EARLY_WORDS_AFTER_S:
+            return
+        due = [w for w in reader.estimated_words()[self._given:] if w[1] <= at + EARLY_WORDS_LEAD_S]
+        self._give(emitter, due, origin)
+        self._given += len(due)

@@ -18,12 +18,19 @@ context; source: pipecat-ai 1.14 ``pipecat/services/tts_service.py`` and its Gra
 - an interruption (``on_audio_context_interrupted``) sends ``input.cancel`` with ``played_ms``
   (:meth:`~higgs_pack.serve.integrations.protocol.Reader.played_now`): the sentence being
   spoken stops on the server, its row leaves the engine, the server keeps only the words heard
-  as context, and the session stays open.
+  as context, and the session stays open;
+- a sentence cut before its ``audio.done`` (still being generated, its words not yet timed) has
+  its heard words from the server's ``audio.cancelled`` (each with its time): they reach the
+  assistant aggregator after the interruption (Pipecat's output transport lets the
+  ``InterruptionFrame`` overtake every frame), so they are pushed as an utterance of their own,
+  ``TTSStartedFrame``, a ``TTSTextFrame`` per word at its time, then
+  ``LLMAssistantPushAggregationFrame`` (as Pipecat commits a ``TTSSpeakFrame``'s words), and
+  the context gets them as an assistant message after the words of the turn's earlier sentences.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,12 +41,17 @@ from pipecat.frames.frames import (
     EndFrame,
     ErrorFrame,
     Frame,
+    LLMAssistantPushAggregationFrame,
     TTSAudioRawFrame,
+    TTSStartedFrame,
     TTSStoppedFrame,
+    TTSTextFrame,
 )
 from pipecat.processors.frame_processor import FrameProcessorSetup
 from pipecat.services.settings import TTSSettings
 from pipecat.services.tts_service import WebsocketTTSService
+from pipecat.utils.text.base_text_aggregator import TextType
+from pipecat.utils.time import seconds_to_nanoseconds
 from websockets.protocol import State
 
 from higgs_pack.serve.integrations.protocol import (
@@ -54,6 +66,24 @@ from higgs_pack.serve.integrations.protocol import (
     stream_url,
     text_message,
 )
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """A sentence interrupted before its ``audio.done``: whose words the server's ``audio.cancelled``
+    will say were heard.
+
+    Attributes:
+        context_id: its Pipecat audio context.
+        sentence: its index on the server.
+        origin: session seconds where the context's audio begins (its words' times count from there).
+        clock: the pipeline clock (ns) when the context's first audio arrived.
+    """
+
+    context_id: str
+    sentence: int
+    origin: float
+    clock: int
 
 
 @dataclass
@@ -92,8 +122,11 @@ class HiggsTTSService(WebsocketTTSService):
         self._receive_task = None
         self._reader, self._pending = Reader(), Pending()
         self._current: str | None = None  # the context of the sentence being received
+        self._sentence: int | None = None  # that sentence's index (started, not done)
         self._origins: dict[str, float] = {}  # session seconds where a context's audio begins
+        self._clocks: dict[str, int] = {}  # the pipeline clock (ns) at a context's first audio
         self._ending: set[str] = set()  # contexts whose turn ended (flushed)
+        self._cut: _Cut | None = None  # a sentence interrupted before its audio.done
         self._resampler = create_stream_resampler()
 
     def can_generate_metrics(self) -> bool:
@@ -144,7 +177,8 @@ class HiggsTTSService(WebsocketTTSService):
             self._websocket = await self._websocket_connect(self._url, additional_headers=self._headers,
                                                             max_size=None)
             self._reader, self._pending = Reader(), Pending()
-            self._current, self._origins, self._ending = None, {}, set()
+            self._current, self._sentence, self._origins, self._clocks, self._ending = None, None, {}, {}, set()
+            self._cut = None
             await self._websocket.send(config_message(self._settings.voice or "default", **self._options))
             await self._call_event_handler("on_connected")
         except Exception as exc:
@@ -194,14 +228,20 @@ class HiggsTTSService(WebsocketTTSService):
         await self._finish_if_spoken(context_id)
 
     async def on_audio_context_interrupted(self, context_id: str) -> None:
-        """Barge-in: stop the sentence on the server (``input.cancel``), forget the text sent."""
+        """Barge-in: stop the sentence on the server (``input.cancel`` with ``played_ms``), forget
+        the text sent; when the sentence played is this context's one still without its
+        ``audio.done``, its heard words are added once the server's ``audio.cancelled`` names them."""
         played = self._reader.played_now()
+        origin, clock = self._origins.pop(context_id, None), self._clocks.pop(context_id, None)
+        tts_context = getattr(self, "_tts_contexts", {}).get(context_id)  # Pipecat's: its append_to_context
+        if (played is not None and played[0] == self._sentence and self._current == context_id
+                and origin is not None and clock is not None and getattr(tts_context, "append_to_context", True)):
+            self._cut = _Cut(context_id, played[0], origin, clock)
         self._reader.cancelling()
         self._reader.new_turn()
         self._pending.clear()
-        self._current = None
+        self._current = self._sentence = None
         self._ending.discard(context_id)
-        self._origins.pop(context_id, None)
         if self._websocket and self._websocket.state is State.OPEN:
             await self._websocket.send(cancel_message(played))
         await self.stop_all_metrics()
@@ -221,23 +261,28 @@ class HiggsTTSService(WebsocketTTSService):
 
     async def _on(self, event: Event) -> None:
         if event.kind == "start":
-            self._current = self._pending.spoken(event.text)
+            self._current, self._sentence = self._pending.spoken(event.text), event.sentence
             if self._current is not None and self._current not in self._origins:
                 self._origins[self._current] = self._reader.position
                 self._reader.new_turn()
         elif event.kind == "audio":
             context_id = self._current
             if context_id and self.audio_context_available(context_id):
+                self._clocks.setdefault(context_id, self.get_clock().get_time())
                 audio = await self._resampler.resample(event.audio, SERVER_RATE, self.sample_rate)
                 await self.append_to_audio_context(context_id, TTSAudioRawFrame(
                     audio=audio, sample_rate=self.sample_rate, num_channels=1, context_id=context_id))
         elif event.kind == "done":
-            context_id, self._current = self._current, None
+            context_id, self._current, self._sentence = self._current, None, None
             if context_id and self.audio_context_available(context_id):
                 origin = self._origins.get(context_id, event.start)
                 words = [(word, start - origin) for word, start, _ in event.words] or [(event.text, event.start - origin)]
                 await self.add_word_timestamps(words, context_id)
                 await self._finish_if_spoken(context_id)
+        elif event.kind == "cancelled":
+            cut, self._cut = self._cut, None
+            if cut is not None and event.sentence == cut.sentence and event.words:
+                await self._add_heard(cut, event.words)
         elif event.kind == "error":
             context_id = self._pending.spoken(event.text) if event.text else None
             logger.warning(f"{self}: higgs-pack serve: {event.message}")
@@ -245,11 +290,31 @@ class HiggsTTSService(WebsocketTTSService):
             if context_id:
                 await self._finish_if_spoken(context_id)
 
+    async def _add_heard(self, cut: _Cut, words: Sequence[tuple[str, float, float]]) -> None:
+        """Push the words heard of ``cut``'s sentence (``(word, start, end)``, session seconds) as an
+        utterance of their own: each word's ``TTSTextFrame`` at its time in the turn's audio (the
+        clock at its first audio plus its offset; in the past, so the output transport's clock
+        releases it at once), between a ``TTSStartedFrame`` that opens an assistant turn in the
+        aggregator (the interruption closed the turn) and an ``LLMAssistantPushAggregationFrame``
+        just after the last word, which commits them to the context."""
+        times = [cut.clock + seconds_to_nanoseconds(max(0.0, start - cut.origin)) for _, start, _ in words]
+        started = TTSStartedFrame(context_id=cut.context_id)
+        started.pts = max(1, times[0] - 1)  # through the transport's clock queue, before the words
+        await self.push_frame(started)
+        for (word, _, _), pts in zip(words, times, strict=True):
+            frame = TTSTextFrame(word, text_type=TextType.WORD, context_id=cut.context_id)
+            frame.pts = pts
+            await self.push_frame(frame)
+        commit = LLMAssistantPushAggregationFrame()
+        commit.pts = times[-1] + 1
+        await self.push_frame(commit)
+
     async def _finish_if_spoken(self, context_id: str) -> None:
         """End ``context_id``'s audio once its turn ended and every sentence of it is done."""
         if context_id in self._ending and not self._pending.waiting(context_id) and self._current != context_id:
             self._ending.discard(context_id)
             self._origins.pop(context_id, None)
+            self._clocks.pop(context_id, None)
             if self.audio_context_available(context_id):
                 await self.append_to_audio_context(context_id, TTSStoppedFrame(context_id=context_id))
                 await self.remove_audio_context(context_id)

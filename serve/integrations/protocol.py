@@ -3,7 +3,8 @@ docs/serving/live.md), shared by the Pipecat service and the LiveKit plugin.
 
 It only builds messages and reads them (:class:`Reader`): each framework keeps its own
 connection (Pipecat's ``WebsocketService`` reconnects its socket itself).  Needs nothing but
-the standard library, so the frameworks' processes need no server dependencies.
+the standard library (and the runtime's word-timing rule, :mod:`higgs_pack.runtime.loop.words`,
+itself standard library only), so the frameworks' processes need no server dependencies.
 """
 
 from __future__ import annotations
@@ -13,8 +14,21 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from higgs_pack.runtime.loop.words import word_timings
+
 #: The server's audio: 16-bit little-endian mono PCM at this rate (Hz).
 SERVER_RATE = 24000
+#: Seconds of silence before each sentence's speech but the session's first, at speed 1 (the
+#: server's :data:`~higgs_pack.runtime.loop.synthesis.SENTENCE_PAUSE_S`).
+SENTENCE_PAUSE_S = 0.2
+#: Characters (whitespace not counted) per second of speech at speed 1 by which the server times
+#: the words of a sentence cut off before its end was generated, until the session has spoken a
+#: sentence to measure its own rate: about 150 words a minute (a common conversational rate) of 5
+#: characters with punctuation.
+SPEECH_CHARS_PER_S = 12.5
+#: Finished sentences whose speaking rate the estimate uses: the last ones whose audio went out
+#: (the server's ``PLAYED_KEPT``).
+RATE_KEPT = 8
 #: The route on a server's address.
 ROUTE = "/v1/audio/speech/stream"
 
@@ -75,8 +89,8 @@ class Event:
         end: seconds where it ends (done, cancelled: the audio sent so far).
         param: the field an error names.
         message: an error's message.
-        words: ``(word, start, end)`` of each word (done; seconds in the session's audio,
-            estimated by the server), in order.
+        words: ``(word, start, end)`` of each word (done; cancelled with played_ms: each word
+            heard; seconds in the session's audio, estimated by the server), in order.
         heard: the text the listener heard of the sentence cut off (cancelled, with played_ms).
     """
 
@@ -97,11 +111,15 @@ class Reader:
     until the server's ``audio.cancelled`` (audio of the stopped sentence already on the wire),
     so what follows is the next text's.
 
+    Args:
+        speed: the session's ``speed`` (its audio and times are ``1 / speed`` as long).
+
     Raises:
         ValueError: a message that is not this protocol's (not JSON, no known ``type``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, speed: float = 1.0) -> None:
+        self.speed = speed
         self.dropping = False
         self.position = 0.0
         """Seconds of the session's audio the server has sent, as of its last ``audio.done`` or
@@ -111,6 +129,10 @@ class Reader:
         self._texts: dict[int, str] = {}
         self._starts: list[tuple[int, float]] = []  # (sentence, session seconds of its first audio), recent
         self._playing: tuple[float, float] | None = None  # (monotonic time, session seconds) of a turn's first audio
+        self.open: tuple[int, str, float] | None = None
+        """The sentence being received, started and not done: its index, text and session seconds
+        where its speech begins (after its pause)."""
+        self._rates: list[tuple[int, int, float]] = []  # (sentence, characters, seconds of speech) of finished ones
 
     def cancelling(self) -> None:
         """The client sent ``input.cancel``."""
@@ -120,14 +142,20 @@ class Reader:
         """A turn begins: its first audio starts the player's clock (:meth:`played_now`)."""
         self._playing = None
 
-    def played_now(self) -> tuple[int, float] | None:
-        """:meth:`played` at the position of a player that started playing the turn's first audio
-        when it was read and plays in real time (at most what was read): what a barge-in now
-        interrupted, as near as a client that does not see its player can tell."""
+    def played_position(self) -> float | None:
+        """Seconds of the session's audio played now by a player that started playing the turn's
+        first audio when it was read and plays in real time (at most what was read); None before
+        the turn's first audio."""
         if self._playing is None:
             return None
         since, position = self._playing
-        return self.played(position + time.monotonic() - since)
+        return min(position + time.monotonic() - since, self.received)
+
+    def played_now(self) -> tuple[int, float] | None:
+        """:meth:`played` at :meth:`played_position`: what a barge-in now interrupted, as near as a
+        client that does not see its player can tell."""
+        at = self.played_position()
+        return None if at is None else self.played(at)
 
     def played(self, played_s: float) -> tuple[int, float] | None:
         """The sentence playing at ``played_s`` seconds of the session's audio (a player's
@@ -139,6 +167,24 @@ class Reader:
         index, start = found[-1]
         return index, max(0.0, min(played_s, self.received) - start) * 1000
 
+    def estimated_words(self) -> tuple[tuple[str, float, float], ...]:
+        """``(word, start, end)`` of each word of the sentence being received (:attr:`open`; ``()``
+        when none), in seconds of the session's audio, estimated as the server estimates the words
+        heard of a sentence cut off before its end was generated (``barge_in.estimated_words``):
+        spread over its characters at the session's own speaking rate (its last finished
+        sentences', else :data:`SPEECH_CHARS_PER_S`), or over the audio read of it so far, whichever
+        is longer.  Before its ``audio.done`` these are the times by which a barge-in's
+        ``audio.cancelled`` will say which words were heard."""
+        if self.open is None:
+            return ()
+        _, text, speech = self.open
+        recent = {index for index, _ in self._starts}
+        chars = sum(c for index, c, _ in self._rates if index in recent)
+        seconds = sum(s for index, _, s in self._rates if index in recent)
+        rate = chars / seconds if chars and seconds > 0 else SPEECH_CHARS_PER_S * self.speed
+        length = max(spoken_chars(text) / rate, self.received - speech)
+        return tuple((w.text, w.start, w.end) for w in word_timings(text, speech, speech + length))
+
     def read(self, message: str | bytes) -> Event | None:
         """The event of one message, or None for one to ignore (stale audio, unknown events)."""
         if isinstance(message, (bytes, bytearray)):
@@ -149,9 +195,10 @@ class Reader:
         data = json.loads(message)
         kind = data.get("type")
         if kind == "audio.cancelled":
-            self.dropping = False
+            self.dropping, self.open = False, None
             self.position = self.received = data.get("end", self.position)
-            return Event("cancelled", data.get("sentence_index"), end=self.position, heard=data.get("heard_text", ""))
+            return Event("cancelled", data.get("sentence_index"), end=self.position, heard=data.get("heard_text", ""),
+                         words=_words(data))
         if kind == "error":
             return Event("error", text=data.get("sentence_text", ""), param=data.get("param"),
                          message=data.get("message", ""))
@@ -162,13 +209,24 @@ class Reader:
         index = data.get("sentence_index")
         if kind == "audio.start":
             self._texts[index] = data.get("sentence_text", "")
-            self._starts = [*self._starts[-7:], (index, self.received)]
+            pause = SENTENCE_PAUSE_S / self.speed if index and self.received else 0.0  # as the server pauses
+            self.open = (index, self._texts[index], self.received + pause)
+            self._starts = [*self._starts[1 - RATE_KEPT:], (index, self.received)]
             return Event("start", index, self._texts[index])
         if kind == "audio.done":
-            self.position = data["end"]
-            words = tuple((w["text"], w["start"], w["end"]) for w in data.get("words", ()))
-            return Event("done", index, self._texts.pop(index, ""), start=data["start"], end=data["end"], words=words)
+            self.position, self.open = data["end"], None
+            event = Event("done", index, self._texts.pop(index, ""), start=data["start"], end=data["end"],
+                          words=_words(data))
+            if event.words:  # the session's speaking rate: characters per second of speech
+                self._rates = [*self._rates[1 - RATE_KEPT:],
+                               (index, spoken_chars(event.text), event.words[-1][2] - event.start)]
+            return event
         return None
+
+
+def _words(data: dict[str, Any]) -> tuple[tuple[str, float, float], ...]:
+    """An event's ``words`` as ``(word, start, end)``."""
+    return tuple((w["text"], w["start"], w["end"]) for w in data.get("words") or ())
 
 
 def spoken_chars(text: str) -> int:

@@ -6,9 +6,10 @@ peer server (vllm-omni, sglang-omni) answers the same way.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from higgs_pack.errors import HiggsPackError, InputError, Problem, said_all
+from higgs_pack.errors import HiggsPackError, InputError, Problem, clipped, encodable, said_all
 from higgs_pack.runtime.text import plain_type
 
 #: HTTP status -> OpenAI's error ``type``.
@@ -68,14 +69,22 @@ class ApiError(HiggsPackError):
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None, lines: tuple[str, ...] = ()):
+        message, lines = encodable(message), tuple(map(encodable, lines))  # a lone surrogate echoed: escaped
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param, self.code = status, message, echoed_name(param), code
         self.headers = headers or {}
         self.lines = lines or (message,)
 
     def body(self) -> dict[str, Any]:
         """The JSON body: ``{"error": {"message", "type", "param", "code"}}``."""
         return error_body(self.status, self.message, self.param, self.code)
+
+
+def echoed_name(name: str | None) -> str | None:
+    """A field's name as an answer's ``param`` carries it (the key the request sent, which may be an
+    unknown one): :func:`~higgs_pack.errors.clipped`, so a lone surrogate is written as its escape and a
+    huge key is not echoed whole."""
+    return None if name is None else clipped(name)
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.errors import InputError, Problem, literal, unknown_choice
+from higgs_pack.errors import InputError, Problem, clipped, literal, unknown_choice
 from higgs_pack.runtime.audio import read_audio_bytes
 from higgs_pack.runtime.options import MAX_CHUNK_FRAMES, http_keywords, is_whole
 from higgs_pack.runtime.request import SynthesisRequest, plain_type, unspeakable
@@ -305,9 +305,8 @@ def unique_keys(pairs: list[tuple[str, Any]], where: str = "the JSON body") -> d
 
 
 def short(value: Any) -> str:
-    """``repr(value)``, cut to 80 characters (an error never echoes a huge input)."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    """``repr(value)``, :func:`~higgs_pack.errors.clipped` (an error never echoes a huge input)."""
+    return clipped(repr(value))
 
 
 def got(value: Any) -> str:

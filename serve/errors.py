@@ -100,24 +100,33 @@ def http_name(field: str | None) -> str | None:
     from higgs_pack.runtime.options import FIELDS
 
     head, dot, last = (field or "").rpartition(".")
-    if dot:  # a path into the body: a dialogue's turns[0].text is turns[0].input
-        return f"{head}.{http_name(last)}"
+    if dot:  # a path into the body: a dialogue's turns[0].text is turns[0].input; voices.ANN.text is itself
+        return f"{head}.{http_name(last)}" if head.startswith("turns[") else field
     names = FIELDS.get(field or "")
     return names.http if names is not None and names.http else field
 
 
 def from_input_error(exc: InputError, status: int = 400, code: str | None = None,
-                     param: str | None = None) -> ApiError:
+                     param: str | None = None, names: Mapping[str, str] | None = None) -> ApiError:
     """The HTTP door: an :class:`~higgs_pack.errors.InputError` said in this server's
     terms: each of its problems with the field's HTTP name (no CLI flag or Python keyword), every
     one at once, the first named field as ``param`` (or ``param`` when none is named) and the
     first problem's :attr:`~higgs_pack.errors.Problem.code` as ``code`` (or ``code``
     when given).  The WebSocket door's ``error`` event is this answer's fields with its status.
 
+    Args:
+        names: a field's name where the request named it otherwise than the speech body does
+            (``ref_text`` sent as ``references[0].text``: :attr:`~higgs_pack.serve.speech.SpeechJob.names`).
+
     Returns:
         The :class:`ApiError` to raise (``status`` 400 unless given).
     """
-    return _said(exc, http_name, status, code, param)
+    return _said(exc, _renamed(http_name, names), status, code, param)
+
+
+def _renamed(name: Any, names: Mapping[str, str] | None) -> Any:
+    """``name`` (a door's field namer), except for the fields ``names`` renames."""
+    return (lambda field: names[field] if field in names else name(field)) if names else name
 
 
 def live_name(field: str | None) -> str | None:
@@ -127,10 +136,10 @@ def live_name(field: str | None) -> str | None:
 
 
 def from_live_input_error(exc: InputError, status: int = 400, code: str | None = None,
-                          param: str | None = None) -> ApiError:
+                          param: str | None = None, names: Mapping[str, str] | None = None) -> ApiError:
     """:func:`from_input_error` in a live session's terms (:func:`live_name`): a problem of the
     text names ``text``, in its message and as ``param``."""
-    return _said(exc, live_name, status, code, param)
+    return _said(exc, _renamed(live_name, names), status, code, param)
 
 
 def refused(*problems: Problem, param: str | None = None, status: int = 400) -> ApiError:

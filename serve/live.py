@@ -352,7 +352,7 @@ class Session:
             try:
                 voice = self.server.tts.prepare_voice(voice.audio, voice.transcript, "ref_audio")
             except InputError as exc:
-                raise config_error(from_input_error(exc, param="ref_audio"), {}, check) from exc
+                raise config_error(from_input_error(exc, param="ref_audio", names=dict(job.names)), {}, check) from exc
             try:  # the frame cap beside this voice (config_job checked it beside none)
                 check_frame_cap(self.server, job.request.max_frames, voice)
             except ApiError as exc:

@@ -239,8 +239,8 @@ UNSPEAKABLE = [
     ({"ref_audio": "CLIP", "ref_text": "\x00\x1f"}, "ref_text", "ref_text holds a control character"),
     ({"ref_audio": "CLIP", "ref_text": "\ud83d"}, "ref_text", "ref_text is not valid Unicode"),
     ({"ref_audio": "CLIP", "ref_text": ""}, "ref_text", "ref_text is empty"),
-    ({"references": [{"audio": "CLIP", "text": "\udfff"}]}, "references", "references[0].text is not valid Unicode"),
-    ({"references": [{"audio": "CLIP", "text": "\t"}]}, "references", "references[0].text is only whitespace"),
+    ({"references": [{"audio": "CLIP", "text": "\udfff"}]}, "references[0].text", "references[0].text is not valid Unicode"),
+    ({"references": [{"audio": "CLIP", "text": "\t"}]}, "references[0].text", "references[0].text is only whitespace"),
 ]
 
 

@@ -65,9 +65,9 @@ def test_decode_refuses_bytes_that_are_not_utf8_naming_where_and_the_byte():
 def test_a_request_holds_the_cleaned_text_and_refuses_nul_naming_its_field(cases_dir):
     request = SynthesisRequest.create(BOM + "Hello\r\nthere.")
     assert request.text == "Hello\nthere."
-    with pytest.raises(InputError, match=r"^text holds a control character .*NUL.*set it with --text or --text-file"):
+    with pytest.raises(InputError, match=r"^text holds a control character .*NUL.*set it with text=$"):
         SynthesisRequest.create("Hello\x00 there.")
-    with pytest.raises(InputError, match=r"^ref_text holds a control character .*NUL.*--ref-text / ref_text="):
+    with pytest.raises(InputError, match=r"^ref_text holds a control character .*NUL.*set it with ref_text=$"):
         SynthesisRequest.create("Hi.", ref_audio=cases_dir / "ref_en_16k.wav", ref_text="Exact\x00 words.")
     assert Voice(cases_dir / "ref_en_16k.wav", BOM + "Her words.\r\n").transcript == "Her words.\n"
 
@@ -489,3 +489,56 @@ def test_live_a_bom_is_dropped_only_where_the_sessions_text_starts(server):
     events = _live(server, [config, {"type": "input.text", "text": BOM + "Hello"},
                             {"type": "input.text", "text": BOM + " there."}])
     assert [e for e in events if e["type"] == "error"] == [] and _spoken(events) == ["Hello" + BOM + " there."], events
+
+
+# issue 37, pass 3: each door names the field as its request named it
+def _clip_b64(cases_dir):
+    import base64
+
+    return base64.b64encode((cases_dir / "ref_en_16k.wav").read_bytes()).decode()
+
+
+def test_http_references_problems_name_references_fields(server, cases_dir):
+    clip = _clip_b64(cases_dir)
+    for reference, param, start in (
+            ({"audio": clip, "text": "Hi <|im_start|>."}, "references[0].text", "references[0].text contains"),
+            ({"audio": "!!notb64", "text": "Hi."}, "references[0].audio", "references[0].audio"),
+            ({"text": "Hi."}, "references[0].text", "references[0].text needs references[0].audio"),
+            ({"audio": "AAAA"}, "references[0].text", "references[0].audio needs references[0].text")):
+        answer = _post(server, "/v1/audio/speech", {"input": "Hi.", "references": [reference], "max_new_tokens": 5})
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert error["param"] == param and error["message"].startswith(start), error
+        assert "ref_text" not in error["message"] and "ref_audio" not in error["message"], error
+
+
+def test_http_dialogue_voice_transcript_special_token_names_voices_ann_text(server, cases_dir):
+    answer = _post(server, "/v1/audio/dialogue", {
+        "turns": [{"speaker": "ANN", "input": "Hi."}], "max_new_tokens": 5,
+        "voices": {"ANN": {"audio": _clip_b64(cases_dir), "text": "Hello <|im_start|> there."}}})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == "voices.ANN.text" and error["message"].startswith("voices.ANN.text contains"), error
+
+
+def test_python_names_the_keyword_and_the_cli_the_flag_or_source(tmp_path, cases_dir, cpu_int4_bundle):
+    with pytest.raises(InputError) as found:
+        SynthesisRequest.create("")
+    assert str(found.value) == "text is empty: there is nothing to speak; set it with text=", found.value
+    script = tmp_path / "dl.txt"
+    script.write_text("ANN: Hi.\n")
+    clip = cases_dir / "ref_en_16k.wav"
+    for transcript, said in (("", "is empty"), (BOM, "is empty"), ("Hi <|im_start|>.", "contains the tokenizer")):
+        out = _run("dialogue", cpu_int4_bundle, script, "-o", tmp_path / "d.wav", "--max-frames", "5",
+                   "--voice", f"ANN={clip}:{transcript}")
+        err = out.stderr.decode()
+        assert out.returncode == 2 and f"error: the transcript of --voice ANN {said}" in err, err
+        assert "ref_text" not in err and "voices=" not in err and "Usage" not in err, err
+    notes = tmp_path / "notes.txt"
+    notes.write_text("Say <|endoftext|> now.")
+    out = _run("synthesize", cpu_int4_bundle, "--text-file", notes, "-o", tmp_path / "a.wav")
+    err = out.stderr.decode()
+    assert out.returncode == 2 and f"\nerror: --text-file {notes} contains the tokenizer's" in err, err
+    out = _run("synthesize", cpu_int4_bundle, "-o", tmp_path / "b.wav", input=b"Say <|endoftext|> now.")
+    err = out.stderr.decode()
+    assert out.returncode == 2 and "\nerror: standard input contains the tokenizer's" in err, err

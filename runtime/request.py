@@ -56,8 +56,11 @@ def say(problem: Problem) -> str:
 
 def cli_say(problem: Problem, text: str = "--text") -> str:
     """A problem in the CLI's terms: the flag (``--top-p must be ...``), the words' source for the
-    text (``text``: ``--text``, ``--text-file FILE``, ``standard input``), no Python keyword."""
-    return problem.render(name=cli_name(problem.field, text))
+    text (``text``: ``--text``, ``--text-file FILE``, ``standard input``), no Python keyword; a
+    whole sentence that does not name its field ends "; set it with FLAG"."""
+    name = cli_name(problem.field, text)
+    unnamed = problem.message and "{name}" not in problem.message and name != problem.field
+    return problem.render(name=name, how=name if unnamed else None)
 
 
 def refuse(problems: list[Problem]) -> None:

@@ -69,7 +69,7 @@ def test_bad_inputs_exit_2_with_a_message(cpu_int4_bundle, tmp_path):
     out = run("synthesize", tmp_path / "nope", "--text", "Hi.", "-o", tmp_path / "g.wav", check=False)
     assert out.returncode == 2 and "no such bundle directory" in out.stderr
     out = run("synthesize", cpu_int4_bundle, "--text", "Hi.", "-o", tmp_path / "h.wav", "--top-p", "0", check=False)
-    assert out.returncode == 2 and "top_p must be in (0, 1]" in out.stderr
+    assert out.returncode == 2 and "--top-p must be in (0, 1]" in out.stderr
 
 
 def test_inspect_and_verify(cpu_int4_bundle, cases_dir, tmp_path):
@@ -506,7 +506,7 @@ def test_batch_killed_or_interrupted_keeps_finished_files_and_resumes(cpu_int4_b
     (["--text-file", "{tmp}/lines.txt", "--batch", "2", "-o", "-"], "--batch writes a folder of wavs"),
     (["--text-file", "{tmp}/lines.txt", "--batch", "0", "-o", "{tmp}/out"], "0 is not in the range x>=1"),
     (["--text-file", "{tmp}/empty.txt", "--batch", "2", "-o", "{tmp}/out"], "empty.txt has no non-empty line"),
-    (["--text-file", "{tmp}/lines.txt", "--batch", "2", "-o", "{tmp}/out", "--top-p", "2"], "top_p must be in (0, 1]"),
+    (["--text-file", "{tmp}/lines.txt", "--batch", "2", "-o", "{tmp}/out", "--top-p", "2"], "--top-p must be in (0, 1]"),
 ])
 def test_batch_usage_errors_before_the_bundle_is_looked_at(tmp_path, args, message):
     (tmp_path / "lines.txt").write_text("One.\nTwo.\n")

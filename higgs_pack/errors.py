@@ -58,6 +58,26 @@ class ExecutionProviderUnavailable(HiggsPackError):
     """The execution provider or OpenVINO device asked for is not usable here."""
 
 
+#: How many characters of a text an error echoes back (:func:`clipped`).
+ECHO_LIMIT = 80
+
+
+def encodable(text: str) -> str:
+    """``text`` as an error may carry it to any door: every lone surrogate (U+D800-U+DFFF, not valid
+    Unicode, which UTF-8 cannot encode: a JSON ``"\\ud800"`` key, a command-line argument's bytes
+    that are not UTF-8) written as its escape ``\\ud800``; other text as it is.  The one place an
+    echoed key or value is made safe for an HTTP body, a live ``error`` event and a terminal."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8") if isinstance(text, str) else text
+
+
+def clipped(text: str, limit: int = ECHO_LIMIT) -> str:
+    """``text`` (:func:`encodable`) as an error echoes it back: whole when it has at most ``limit``
+    characters, else its first ``limit`` characters, an ellipsis and its length
+    (``"Lorem ipsum…" (49000 characters)``), so an error never echoes a huge input whole."""
+    text = encodable(text)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
+
+
 def literal(sentence: str) -> str:
     """``sentence`` as a :attr:`Problem.message` that is shown as it is: its braces escaped, so a
     text quoted in it (a sentence, a token) is never read as a ``{name}`` field."""
@@ -107,7 +127,7 @@ class Problem:
     Attributes:
         field: the request field at fault, by its Python keyword (``"top_p"``,
             ``"max_frames"``), or None when the problem is the request as a whole.
-        value: the value given (never shown whole: :meth:`shown` cuts it to 80 characters).
+        value: the value given (never shown whole: :meth:`shown` clips it, :func:`clipped`).
         allowed: what the field takes ("in (0, 1]", "a whole number >= 1 (frames, 25 per second)").
         fix: what to do besides setting the field ("" when setting it is the fix).
         message: the whole sentence, for problems that are not "FIELD must be ALLOWED, got
@@ -137,13 +157,13 @@ class Problem:
 
     def shown(self, show: Callable[[Any], str] | None = None) -> str:
         """The value as messages show it: ``show(value)`` when given (a door's own words: JSON's at
-        the server), else numbers as written and other values as repr; cut to 80 characters."""
+        the server), else numbers as written and other values as repr; :func:`clipped`."""
         if show is not None:
             text = show(self.value)
         else:
             text = str(self.value) if isinstance(self.value, (int, float)) and not isinstance(self.value, bool) \
                 else repr(self.value)
-        return text if len(text) <= 80 else text[:77] + "..."
+        return clipped(text)
 
     def render(self, name: str | None = None, how: str | None = None,
                show: Callable[[Any], str] | None = None) -> str:

@@ -67,7 +67,8 @@ def read_lines(text: str, base_seed: int | None, source: str = "the text file") 
 
     Returns:
         ``(lines, line_count)``; empty and whitespace-only lines (also after a leading byte-order
-        mark is dropped, :func:`~higgs_pack.runtime.text.clean`, as from HTTP's ``input``) are left
+        mark is dropped, :func:`~higgs_pack.runtime.text.clean`, as from HTTP's ``input``), and lines
+        of only whitespace and format characters (:func:`~higgs_pack.runtime.text.blank`), are left
         out but counted.
 
     Raises:
@@ -76,16 +77,17 @@ def read_lines(text: str, base_seed: int | None, source: str = "the text file") 
             every such line named.
     """
     from higgs_pack.runtime.request import refuse, unspeakable
-    from higgs_pack.runtime.text import clean
+    from higgs_pack.runtime.text import blank, clean
     from higgs_pack.runtime.text import lines as text_lines
 
     raw = text_lines(text)  # LF, CR LF, CR: the one line rule (runtime/text.py)
     if raw and raw[-1] == "":
         raw.pop()  # the line feed that ends the last line ends no line of its own
     # each line is one text, read as HTTP's input is (clean: a leading BOM dropped); a line empty
-    # after that is skipped as a whitespace-only line is, keeping its number
+    # after that is skipped as a whitespace-only line is, keeping its number, and so is a line of only
+    # whitespace and format characters (U+200B: blank, nothing to speak, the one rule of runtime/text.py)
     said = [(n, clean(s).strip()) for n, s in enumerate(raw, start=1)]
-    lines = [Line(n, s, None if base_seed is None else base_seed + n - 1) for n, s in said if s]
+    lines = [Line(n, s, None if base_seed is None else base_seed + n - 1) for n, s in said if not blank(s)]
     if not lines:
         raise InputError.of(Problem.said(f"{source} has no non-empty line ({len(raw)} lines); --batch speaks one wav per "
                                          "non-empty line"))

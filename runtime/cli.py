@@ -74,7 +74,7 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except HiggsPackError as exc:
-            click.echo(f"error: {exc}", err=True)
+            click.echo(f"error: {_said(exc, ctx)}", err=True)
             ctx.exit(2)
         except KeyboardInterrupt:
             # Ctrl-C anywhere a command does not handle it itself (loading, preparing the text):
@@ -92,6 +92,28 @@ def main(verbose: int) -> None:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
 
 
+#: Where ``click`` context's ``meta`` keeps the source of the words to speak, for messages.
+TEXT_SOURCE = "higgs_pack.text_source"
+
+
+def _said(exc: HiggsPackError, ctx: click.Context) -> str:
+    """An error in the CLI's terms: a request's problems said again with the flags
+    (:func:`~higgs_pack.runtime.request.cli_say`; the words named by where they came from), the
+    rest as raised."""
+    from higgs_pack.errors import InputError
+
+    if not isinstance(exc, InputError) or all(problem.field is None for problem in exc.problems):
+        return str(exc)
+    from higgs_pack.errors import Problem
+    from higgs_pack.runtime.request import cli_say, say
+
+    if str(exc) not in (exc.say(say), exc.say(Problem.render)):  # a message of its own (serve's settings)
+        return str(exc)
+
+    source = ctx.meta.get(TEXT_SOURCE, "--text")
+    return exc.say(lambda problem: cli_say(problem, source))
+
+
 def _read_text(text: str | None, text_file: Path | None, one_text: bool = True) -> str:
     """The words to speak: ``--text``, ``--text-file``, or stdin (``--text -``, ``--text-file -`` or neither),
     as the one text rule reads bytes (:func:`higgs_pack.runtime.text.decode`: UTF-8, a leading BOM dropped).
@@ -106,6 +128,10 @@ def _read_text(text: str | None, text_file: Path | None, one_text: bool = True) 
     if text is not None and text_file is not None:
         raise click.UsageError("give the text once: --text or --text-file, not both")
     from_stdin = text == "-" or str(text_file) == "-" or (text is None and text_file is None)
+    context = click.get_current_context(silent=True)
+    if context is not None:  # how a problem of the words names them (_said)
+        context.meta[TEXT_SOURCE] = ("standard input" if from_stdin else
+                                     f"--text-file {text_file}" if text_file is not None else "--text")
     if from_stdin:
         if sys.stdin is None or sys.stdin.isatty():
             raise click.UsageError("no text: pass --text \"…\", --text-file FILE, or pipe text on stdin")
@@ -632,9 +658,7 @@ def _voice_flag(value: str) -> tuple[str, tuple[Path, str]]:
                                  param_hint="--voice")
     cuts = [i for i, char in enumerate(rest) if char == ":"]
     for cut in reversed(cuts):
-        if Path(rest[:cut]).is_file():
-            if not rest[cut + 1:].strip():
-                break
+        if Path(rest[:cut]).is_file():  # an empty transcript is the request's to refuse, as every text is
             words = argument_text(rest[cut + 1:], f"the transcript in --voice {name!r}")  # as --ref-text's
             return name, (Path(rest[:cut]), words)
     if not rest.split(":", 1)[0].strip():

@@ -9,7 +9,8 @@ session's ``session.config``.  Everything else is derived from it:
 - the checks of the Python API and the CLI (:func:`value_problems`, called by
   :class:`~higgs_pack.runtime.request.SynthesisRequest`), each bad value one
   :class:`~higgs_pack.errors.Problem` whose ``allowed`` is rendered from the limits;
-- the names each door uses in messages (:data:`FIELDS`, :func:`how_set`);
+- the names each door uses in messages (:data:`FIELDS`, :func:`how_set` and :func:`python_name` for
+  Python's, :func:`cli_name` for the CLI's);
 - the CLI's click options (:func:`click_options`);
 - the speech and dialogue bodies' pydantic models, so ``/docs`` shows the true defaults and
   limits (:func:`http_fields`, used by :mod:`higgs_pack.serve.schema`), the body's field list,
@@ -34,6 +35,7 @@ Runtime code: no torch, no web stack (pydantic is a dependency of the runtime).
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cache
@@ -164,11 +166,36 @@ FIELDS["voices"] = Door("--voice", "voices", shaped=True)
 
 
 def how_set(field: str | None) -> str | None:
-    """How the Python API and the CLI set ``field``: ``"--top-p / top_p="`` (None for no field)."""
+    """How the Python API sets ``field``: its keyword, ``"top_p="`` (None for no field).  The CLI
+    names the flag itself instead (:func:`cli_name`), the server the body's field."""
+    return f"{field}=" if field in FIELDS else None
+
+
+#: A dialogue voice's part, as a problem names it (``voices.ANN.text``), in words.
+_VOICE_PART = re.compile(r"voices\.(?P<speaker>.+)\.(?P<part>text|audio)", re.DOTALL)
+_PART_WORDS = {"text": "transcript", "audio": "clip"}
+
+
+def python_name(field: str | None) -> str | None:
+    """A problem's field in the Python API's terms: the keyword (``top_p``); a dialogue voice's part
+    as ``the transcript of voices['ANN']``."""
+    found = _VOICE_PART.fullmatch(field or "")
+    if found:
+        return f"the {_PART_WORDS[found['part']]} of voices[{found['speaker']!r}]"
+    return field
+
+
+def cli_name(field: str | None, text: str = "--text") -> str | None:
+    """A problem's field in the CLI's terms: its flag (``--top-p``); the words to speak as where they
+    came from (``text``: ``--text``, ``--text-file FILE``, ``standard input``); a dialogue voice's
+    part as ``the transcript of --voice ANN``."""
+    found = _VOICE_PART.fullmatch(field or "")
+    if found:
+        return f"the {_PART_WORDS[found['part']]} of --voice {found['speaker']}"
+    if field == "text":
+        return text
     door = FIELDS.get(field or "")
-    if door is None:
-        return None
-    return f"{door.flag} / {field}=" if door.flag else f"{field}="
+    return door.flag if door is not None and door.flag else field
 
 
 def _limits(info: FieldInfo) -> dict[str, Any]:

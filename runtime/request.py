@@ -35,7 +35,9 @@ from higgs_pack.runtime.options import (
     MAX_CHUNK_FRAMES,
     SamplingOptions,
     bundle_sampling,
+    cli_name,
     how_set,
+    python_name,
     value_problems,
 )
 from higgs_pack.runtime.text import clean, plain_type
@@ -47,8 +49,18 @@ or [samples, channels] in [-1, 1], Hz)."""
 
 
 def say(problem: Problem) -> str:
-    """A problem in the Python API's and the CLI's terms: the keyword, and how to set it."""
-    return problem.render(how=how_set(problem.field))
+    """A problem in the Python API's terms: the keyword, and how to set it (``; set it with top_p=``);
+    the CLI says it again in its own (:func:`cli_say`)."""
+    return problem.render(name=python_name(problem.field), how=how_set(problem.field))
+
+
+def cli_say(problem: Problem, text: str = "--text") -> str:
+    """A problem in the CLI's terms: the flag (``--top-p must be ...``), the words' source for the
+    text (``text``: ``--text``, ``--text-file FILE``, ``standard input``), no Python keyword; a
+    whole sentence that does not name its field ends "; set it with FLAG"."""
+    name = cli_name(problem.field, text)
+    unnamed = problem.message and "{name}" not in problem.message and name != problem.field
+    return problem.render(name=name, how=name if unnamed else None)
 
 
 def refuse(problems: list[Problem]) -> None:

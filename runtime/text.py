@@ -12,6 +12,11 @@ same text at every door:
   a line, as an editor shows them (the sentence splitter,
   :mod:`higgs_pack.runtime.loop.sentences`, still ends a sentence at them), so a script line or an
   HTTP turn holding one is one turn;
+- **nothing to speak**: text made only of whitespace and format characters (Unicode category Cf:
+  U+200B ZERO WIDTH SPACE, U+200D ZERO WIDTH JOINER, a U+FEFF that is not leading) is
+  :func:`blank`, as whitespace is: a whole text so is refused as empty (:func:`problem`), and a
+  sentence so is dropped as a blank one is (never spoken, never a segment or a subtitle cue; a
+  ``--batch`` line so is skipped; a live ``input.text`` so is taken in silence);
 - **control characters** inside text are refused (:func:`problem`): the C0 set other than tab and
   line feed (NUL, U+0001-U+0008, U+000B-U+001F), DEL and the C1 set (U+0080-U+009F), each named
   with its position; a lone surrogate (U+D800-U+DFFF: what bytes that are not UTF-8 become in a
@@ -37,12 +42,24 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 _LINE_END = re.compile("\r\n?")
 
 
-def clean(value: Any) -> Any:
+def clean(value: Any, start: bool = True) -> Any:
     """``value`` with a leading byte-order mark dropped and CR LF / CR as LF; anything that is
-    not a string is returned as it is (its check, :func:`problem`, names its type)."""
+    not a string is returned as it is (its check, :func:`problem`, names its type).
+
+    Args:
+        start: whether ``value`` starts a text (False for a later piece of one, a live session's
+            second ``input.text``: a U+FEFF there is inside the text, not a byte-order mark, and is kept).
+    """
     if not isinstance(value, str):
         return value
-    return _LINE_END.sub("\n", value.removeprefix(BOM))
+    return _LINE_END.sub("\n", value.removeprefix(BOM) if start else value)
+
+
+def blank(value: str) -> bool:
+    """Whether ``value`` holds nothing to speak: only whitespace and format characters (Unicode
+    category Cf, such as U+200B, U+200D, U+FEFF), or nothing.  A blank text is empty at every door;
+    a blank sentence is dropped, as a whitespace-only one is."""
+    return all(char.isspace() or unicodedata.category(char) == "Cf" for char in value)
 
 
 def lines(text: str) -> list[str]:
@@ -91,7 +108,7 @@ def problem(value: Any, what: str, why: str = "there is nothing to speak") -> st
     value = clean(value)
     if (bad := character_problem(value, what)) is not None:
         return bad
-    if not any(not char.isspace() and unicodedata.category(char) != "Cf" for char in value):
+    if blank(value):
         kind = "empty" if not value else ("only whitespace" if value.isspace() else
                                             "only whitespace and format characters")
         return f"{what} is {kind}" + (f": {why}" if why else "")

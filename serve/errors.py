@@ -6,9 +6,10 @@ peer server (vllm-omni, sglang-omni) answers the same way.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from higgs_pack.errors import HiggsPackError, InputError, Problem, said_all
+from higgs_pack.errors import HiggsPackError, InputError, Problem, clipped, encodable, said_all
 from higgs_pack.runtime.text import plain_type
 
 #: HTTP status -> OpenAI's error ``type``.
@@ -68,14 +69,22 @@ class ApiError(HiggsPackError):
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None, lines: tuple[str, ...] = ()):
+        message, lines = encodable(message), tuple(map(encodable, lines))  # a lone surrogate echoed: escaped
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param, self.code = status, message, echoed_name(param), code
         self.headers = headers or {}
         self.lines = lines or (message,)
 
     def body(self) -> dict[str, Any]:
         """The JSON body: ``{"error": {"message", "type", "param", "code"}}``."""
         return error_body(self.status, self.message, self.param, self.code)
+
+
+def echoed_name(name: str | None) -> str | None:
+    """A field's name as an answer's ``param`` carries it (the key the request sent, which may be an
+    unknown one): :func:`~higgs_pack.errors.clipped`, so a lone surrogate is written as its escape and a
+    huge key is not echoed whole."""
+    return None if name is None else clipped(name)
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -91,24 +100,33 @@ def http_name(field: str | None) -> str | None:
     from higgs_pack.runtime.options import FIELDS
 
     head, dot, last = (field or "").rpartition(".")
-    if dot:  # a path into the body: a dialogue's turns[0].text is turns[0].input
-        return f"{head}.{http_name(last)}"
+    if dot:  # a path into the body: a dialogue's turns[0].text is turns[0].input; voices.ANN.text is itself
+        return f"{head}.{http_name(last)}" if head.startswith("turns[") else field
     names = FIELDS.get(field or "")
     return names.http if names is not None and names.http else field
 
 
 def from_input_error(exc: InputError, status: int = 400, code: str | None = None,
-                     param: str | None = None) -> ApiError:
+                     param: str | None = None, names: Mapping[str, str] | None = None) -> ApiError:
     """The HTTP door: an :class:`~higgs_pack.errors.InputError` said in this server's
     terms: each of its problems with the field's HTTP name (no CLI flag or Python keyword), every
     one at once, the first named field as ``param`` (or ``param`` when none is named) and the
     first problem's :attr:`~higgs_pack.errors.Problem.code` as ``code`` (or ``code``
     when given).  The WebSocket door's ``error`` event is this answer's fields with its status.
 
+    Args:
+        names: a field's name where the request named it otherwise than the speech body does
+            (``ref_text`` sent as ``references[0].text``: :attr:`~higgs_pack.serve.speech.SpeechJob.names`).
+
     Returns:
         The :class:`ApiError` to raise (``status`` 400 unless given).
     """
-    return _said(exc, http_name, status, code, param)
+    return _said(exc, _renamed(http_name, names), status, code, param)
+
+
+def _renamed(name: Any, names: Mapping[str, str] | None) -> Any:
+    """``name`` (a door's field namer), except for the fields ``names`` renames."""
+    return (lambda field: names[field] if field in names else name(field)) if names else name
 
 
 def live_name(field: str | None) -> str | None:
@@ -118,10 +136,10 @@ def live_name(field: str | None) -> str | None:
 
 
 def from_live_input_error(exc: InputError, status: int = 400, code: str | None = None,
-                          param: str | None = None) -> ApiError:
+                          param: str | None = None, names: Mapping[str, str] | None = None) -> ApiError:
     """:func:`from_input_error` in a live session's terms (:func:`live_name`): a problem of the
     text names ``text``, in its message and as ``param``."""
-    return _said(exc, live_name, status, code, param)
+    return _said(exc, _renamed(live_name, names), status, code, param)
 
 
 def refused(*problems: Problem, param: str | None = None, status: int = 400) -> ApiError:

@@ -82,7 +82,7 @@ import numpy as np
 from fastapi import FastAPI, WebSocket
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
-from higgs_pack.errors import HiggsPackError, InputError, Problem, said_all
+from higgs_pack.errors import HiggsPackError, InputError, Problem, clipped, said_all
 from higgs_pack.runtime import text as text_rule
 from higgs_pack.runtime.engine.handle import EngineHandle, RequestCancelled
 from higgs_pack.runtime.loop.decode import GenerationResult
@@ -354,7 +354,7 @@ class Session:
             try:
                 voice = self.server.tts.prepare_voice(voice.audio, voice.transcript, "ref_audio")
             except InputError as exc:
-                raise config_error(from_input_error(exc, param="ref_audio"), {}, check) from exc
+                raise config_error(from_input_error(exc, param="ref_audio", names=dict(job.names)), {}, check) from exc
             try:  # the frame cap beside this voice (config_job checked it beside none)
                 check_frame_cap(self.server, job.request.max_frames, voice)
             except ApiError as exc:
@@ -367,7 +367,7 @@ class Session:
                        "missing_field" if text is None else "invalid_value")
         if (problem := text_rule.character_problem(text, "text")) is not None:  # the one text rule
             raise _bad(problem, "text", "invalid_value")
-        text = text_rule.clean(text)
+        text = text_rule.clean(text, start=not self.text_seen)  # a BOM is a byte-order mark only where the text starts
         waiting = len(self.text.pending) + sum(len(s.text) for s in self.sentences if isinstance(s, _Sentence))
         limit = self.server.config.max_input_chars
         if waiting + len(text) > limit:
@@ -428,7 +428,7 @@ class Session:
             try:
                 await self._say(sentence)
             except ApiError as exc:  # this sentence is not spoken; the session goes on
-                event = {**error_event(exc, "text"), "sentence_text": sentence.text}
+                event = {**error_event(exc, "text"), "sentence_text": clipped(sentence.text)}  # never echoed whole
                 await self._put(_Item(self.epoch, event, keep=True))
 
     async def _say(self, sentence: _Sentence) -> None:

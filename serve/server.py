@@ -260,7 +260,7 @@ class SpeechServer:
         try:
             return await anyio.to_thread.run_sync(submit, limiter=self.limiter)
         except InputError as exc:
-            raise said(exc, param="input" if plan is None else "turns") from exc
+            raise said(exc, param="input" if plan is None else "turns", names=dict(job.names)) from exc
         except HiggsPackError as exc:
             raise ApiError(503, f"the engine cannot take requests: {exc}", code="engine_stopped") from exc
 

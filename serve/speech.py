@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from higgs_pack.errors import InputError, Problem, literal, unknown_choice
+from higgs_pack.errors import InputError, Problem, clipped, literal, unknown_choice
 from higgs_pack.runtime.audio import read_audio_bytes
 from higgs_pack.runtime.options import MAX_CHUNK_FRAMES, http_keywords, is_whole
 from higgs_pack.runtime.request import SynthesisRequest, plain_type, unspeakable
@@ -57,6 +57,9 @@ class SpeechJob:
             (:func:`~higgs_pack.serve.formats.segments_answer`), not the bare file.
         speed: the audio's tempo, 0.25 to 4.0 (2.0: half as long, the same pitch;
             :mod:`~higgs_pack.serve.tempo`).
+        names: the request's fields as this body named them, where they differ from the speech
+            body's own (``{"ref_text": "references[0].text", "ref_audio": "references[0].audio"}``):
+            a refusal found later (a special token, at submission) names the field the body sent.
     """
 
     request: SynthesisRequest
@@ -66,6 +69,7 @@ class SpeechJob:
     voice: str
     segments: bool = False
     speed: float = 1.0
+    names: tuple[tuple[str, str], ...] = ()
 
 
 def _bad(message: str, param: str | None, code: str = "invalid_value") -> ApiError:
@@ -113,13 +117,18 @@ def parse_speech(body: Any, *, models: tuple[str, ...], voices: Any, config: Ser
                    "(the tokenizer has no instruction control token); write inline controls such as "
                    "<|emotion:amusement|> in the input instead", "instructions", "unsupported_value")
     voice_name, voice_keywords = _voice(body, voices, config)
+    names = REFERENCE_NAMES if body.get("references") is not None else ()
     keywords = {**voice_keywords, **_sampling(body)}
     try:
         request = SynthesisRequest.create(text, **keywords)
     except InputError as exc:
-        raise from_input_error(exc) from exc
+        raise from_input_error(exc, names=dict(names)) from exc
     return SpeechJob(request, response_format, stream_format, model, voice_name, segments_wanted(body, stream_format),
-                     speed)
+                     speed, names)
+
+
+#: ``ref_audio`` and ``ref_text`` as a body that sends ``references`` names them.
+REFERENCE_NAMES = (("ref_audio", "references[0].audio"), ("ref_text", "references[0].text"))
 
 
 def _speed(speed: Any) -> float:
@@ -305,9 +314,8 @@ def unique_keys(pairs: list[tuple[str, Any]], where: str = "the JSON body") -> d
 
 
 def short(value: Any) -> str:
-    """``repr(value)``, cut to 80 characters (an error never echoes a huge input)."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    """``repr(value)``, :func:`~higgs_pack.errors.clipped` (an error never echoes a huge input)."""
+    return clipped(repr(value))
 
 
 def got(value: Any) -> str:
@@ -339,7 +347,7 @@ def _text(value: Any, param: str, meaning: str, why: str = "") -> str:
     """
     problem = unspeakable(value, param, why)
     if problem is not None:
-        raise _bad(f"{problem}; {param} is {meaning}", param.split("[", 1)[0])
+        raise _bad(f"{problem}; {param} is {meaning}", param)
     return clean(value)
 
 
@@ -404,15 +412,16 @@ def _voice(body: dict, voices: Any, config: ServeConfig) -> tuple[str, dict[str,
         raise _bad(f"voice must be a voice name or {{\"id\": name}}, got {got(voice)}", "voice")
     voice = voice_name(voice, "voice")
     ref_audio, ref_text = body.get("ref_audio"), body.get("ref_text")
-    text_param = "ref_text"
+    audio_param, text_param = "ref_audio", "ref_text"
     if body.get("references") is not None:
         if ref_audio is not None or ref_text is not None:
             raise _bad("give references or ref_audio with ref_text, not both", "references", "conflicting_fields")
         ref_audio, ref_text = _reference_entry(body["references"])
-        text_param = "references[0].text"
+        audio_param, text_param = (name for _, name in REFERENCE_NAMES)
     if ref_audio is None:
         if ref_text is not None:
-            raise _bad("ref_text needs ref_audio (the clip it is the transcript of)", "ref_text", "missing_field")
+            raise _bad(f"{text_param} needs {audio_param} (the clip it is the transcript of)", text_param,
+                       "missing_field")
         if voice == DEFAULT_VOICE:
             return voice, {}
         prepared = voices.get(voice)
@@ -422,12 +431,12 @@ def _voice(body: dict, voices: Any, config: ServeConfig) -> tuple[str, dict[str,
                        "unknown_voice")
         return voice, {"voice": prepared}
     if voice != DEFAULT_VOICE:
-        raise _bad(f"give voice ({short(voice)}) or ref_audio with ref_text, not both", "voice", "conflicting_fields")
+        raise _bad(f"give voice ({short(voice)}) or {audio_param} with {text_param}, not both", "voice",
+                   "conflicting_fields")
     if ref_text is None:
-        raise _bad(f"ref_audio needs {text_param}, the exact transcript of the clip", text_param.split("[", 1)[0],
-                   "missing_field")
+        raise _bad(f"{audio_param} needs {text_param}, the exact transcript of the clip", text_param, "missing_field")
     _text(ref_text, text_param, "the exact transcript of the reference clip")
-    samples, rate = reference_clip(ref_audio, config)
+    samples, rate = reference_clip(ref_audio, config, audio_param)
     return "ref_audio", {"ref_audio": (samples, rate), "ref_text": ref_text}
 
 

@@ -180,7 +180,7 @@ def test_a_request_carries_its_options_and_python_keywords_make_the_same_one(cpu
         tts.synthesize("Hi <|endoftext|>.", ref_audio=write_voice_clip(tmp_path / "voice.wav"), ref_text="<|audio|> words")
     assert [p.field for p in both.value.problems] == ["text", "ref_text"], both.value.problems
     assert "ref_text contains the prompt control token(s) <|audio|>" in str(both.value)
-    assert "set it with --ref-text / ref_text=" in str(both.value)
+    assert "set it with ref_text=" in str(both.value) and "--ref-text" not in str(both.value)  # Python's terms
 
 
 def test_requests_are_checked_without_a_bundle(tmp_path):
@@ -195,7 +195,7 @@ def test_requests_are_checked_without_a_bundle(tmp_path):
     options = request.sampling_options({"sampling": {"temperature": 0.6, "top_k": 40, "repeat_guard_frames": 9}})
     assert (options.temperature, options.top_k, options.top_p, options.seed, options.repeat_guard_frames) \
         == (0.6, 5, 1.0, 0, 9)
-    with pytest.raises(InputError, match="top_p must be in \\(0, 1\\], got 2; set it with --top-p / top_p="):
+    with pytest.raises(InputError, match=r"top_p must be in \(0, 1\], got 2; set it with top_p=$"):
         SynthesisRequest("Hi.", top_p=2)  # made field by field: checked the same
     with pytest.raises(InputError, match=r"text must be text \(a string\), got bytes"):
         SynthesisRequest.create(b"Hi.")

@@ -69,7 +69,7 @@ def test_bad_inputs_exit_2_with_a_message(cpu_int4_bundle, tmp_path):
     out = run("synthesize", tmp_path / "nope", "--text", "Hi.", "-o", tmp_path / "g.wav", check=False)
     assert out.returncode == 2 and "no such bundle directory" in out.stderr
     out = run("synthesize", cpu_int4_bundle, "--text", "Hi.", "-o", tmp_path / "h.wav", "--top-p", "0", check=False)
-    assert out.returncode == 2 and "top_p must be in (0, 1]" in out.stderr
+    assert out.returncode == 2 and "--top-p must be in (0, 1]" in out.stderr
 
 
 def test_inspect_and_verify(cpu_int4_bundle, cases_dir, tmp_path):
@@ -246,8 +246,7 @@ def invoke(*args, input=None):
 
 
 @pytest.mark.parametrize(("args", "input", "message"), [
-    (["--text", "   "], None, "text is only whitespace: there is nothing to speak; set it with "
-                              "--text or --text-file / text="),  # the file's flag named too (H-newuser 6)
+    (["--text", "   "], None, "--text is only whitespace: there is nothing to speak"),  # issue 37: the flag, no Python keyword
     (["--text", "-"], "", "standard input is empty: there is nothing to speak; pipe the words in"),
     (["--text", "\x01\x02"], None, "text holds a control character"),
     (["--text", "\u200b\x00 "], None, "text holds a control character"),
@@ -255,20 +254,20 @@ def invoke(*args, input=None):
     # byte, as --text-file's and stdin's are
     (["--text", "\udced\udca0\udc80 bad \udcff"], None, "--text is not UTF-8 text (byte 1 is 0xED"),
     (["--text", "Hi.", "--ref-audio", "{ref}", "--ref-text", "\x07"], None,
-     "ref_text holds a control character"),
+     "--ref-text holds a control character"),
     (["--text", "Hi.", "--first-chunk-frames", "2"], None,
      "--first-chunk-frames shapes the chunks of --stream, and --stream is not given: add --stream, or drop it"),
     (["--text", "Hi.", "--chunk-growth", "3", "--max-chunk-frames", "5"], None,
      "--chunk-growth and --max-chunk-frames shape the chunks of --stream"),
-    (["--text", "Hi.", "--top-p", "0"], None, r"top_p must be in (0, 1], got 0.0; set it with --top-p / top_p="),
+    (["--text", "Hi.", "--top-p", "0"], None, r"--top-p must be in (0, 1], got 0.0"),
     (["--text", "Hi.", "--seed", "-1"], None, "seed must be >= 0"),
-    (["--text", "Hi.", "--max-frames", "0"], None, "max_frames must be >= 1 (frames, 25 per second), got 0"),
-    (["--text", "Hi.", "--context-frames", "0"], None, "context_frames must be >= 1 (frames of each context chunk, "
-                                                       "25 per second), got 0; set it with --context-frames"),
+    (["--text", "Hi.", "--max-frames", "0"], None, "--max-frames must be >= 1 (frames, 25 per second), got 0"),
+    (["--text", "Hi.", "--context-frames", "0"], None, "--context-frames must be >= 1 (frames of each context chunk, "
+                                                       "25 per second), got 0"),
     (["--text", "Hi.", "--temperature", "inf"], None, "temperature must be a finite number >= 0 (0 = greedy), got inf"),
     (["--text", "Hi.", "--stream", "--first-chunk-frames", "50", "--max-chunk-frames", "5"], None,
-     "max_chunk_frames must be >= first_chunk_frames (50), got 5"),
-    (["--text", "Hi.", "--stream", "--chunk-growth", "0.5"], None, "chunk_growth must be a finite number >= 1"),
+     "--max-chunk-frames must be >= first_chunk_frames (50), got 5"),
+    (["--text", "Hi.", "--stream", "--chunk-growth", "0.5"], None, "--chunk-growth must be a finite number >= 1"),
     (["--text", "Hi.", "--ref-text", "Hello."], None, "voice cloning needs both ref_audio= and ref_text="),
 ])
 def test_a_bad_request_is_refused_before_the_bundle_is_looked_at(tmp_path, args, input, message):
@@ -286,19 +285,19 @@ def test_every_bad_option_is_named_at_once(tmp_path):
                        "--top-k", "-3", "--top-p", "2", "--max-frames", "0")
     assert code == 2 and "3 problems with the request:" in err, err
     assert [line.split(" must ")[0] for line in err.splitlines() if line.startswith("  - ")] \
-        == ["  - top_k", "  - top_p", "  - max_frames"]
+        == ["  - --top-k", "  - --top-p", "  - --max-frames"]
 
 
 def test_stream_schedule_and_special_tokens_are_refused_before_a_byte_is_written(cpu_int4_bundle, tmp_path):
     wav = tmp_path / "s.wav"
     out = run("synthesize", cpu_int4_bundle, "-t", "Hi.", "--stream", "--first-chunk-frames", "50",
               "--max-chunk-frames", "5", "-o", wav, check=False)
-    assert out.returncode == 2 and "max_chunk_frames must be >= first_chunk_frames (50), got 5" in out.stderr
+    assert out.returncode == 2 and "--max-chunk-frames must be >= first_chunk_frames (50), got 5" in out.stderr
     assert "Traceback" not in out.stderr and not wav.exists()  # no 44-byte header left behind
     for text, token in (("Say <|endoftext|> now.", "<|endoftext|>"), ("<|im_start|>user", "<|im_start|>")):
         out = run("synthesize", cpu_int4_bundle, "-t", text, "--stream", "-o", wav, check=False)
         assert out.returncode == 2, out.stderr
-        assert f"text contains the tokenizer's special token(s) {token}" in out.stderr
+        assert f"error: --text contains the tokenizer's special token(s) {token}" in out.stderr
         assert not wav.exists()
 
 
@@ -507,7 +506,7 @@ def test_batch_killed_or_interrupted_keeps_finished_files_and_resumes(cpu_int4_b
     (["--text-file", "{tmp}/lines.txt", "--batch", "2", "-o", "-"], "--batch writes a folder of wavs"),
     (["--text-file", "{tmp}/lines.txt", "--batch", "0", "-o", "{tmp}/out"], "0 is not in the range x>=1"),
     (["--text-file", "{tmp}/empty.txt", "--batch", "2", "-o", "{tmp}/out"], "empty.txt has no non-empty line"),
-    (["--text-file", "{tmp}/lines.txt", "--batch", "2", "-o", "{tmp}/out", "--top-p", "2"], "top_p must be in (0, 1]"),
+    (["--text-file", "{tmp}/lines.txt", "--batch", "2", "-o", "{tmp}/out", "--top-p", "2"], "--top-p must be in (0, 1]"),
 ])
 def test_batch_usage_errors_before_the_bundle_is_looked_at(tmp_path, args, message):
     (tmp_path / "lines.txt").write_text("One.\nTwo.\n")

@@ -588,7 +588,7 @@ def test_a_request_larger_than_the_whole_budget_is_refused_naming_both_sizes(tts
         message = str(refused.value)
         assert f"needs {mib(positions * 512)} of KV cache ({positions} positions x 512 B)" in message
         assert f"whole KV budget of {mib(budget)} (max_kv_bytes={budget})" in message
-        assert "lower max_frames;" in message and message.endswith("set it with --max-frames / max_frames="), message
+        assert "lower max_frames;" in message and message.endswith("set it with max_frames="), message
         assert "tts.engine(max_kv_bytes=...)" in message
         assert engine.waiting == 0
         small = engine.submit("Hi.", seed=0, max_frames=20)  # the engine goes on

@@ -205,7 +205,7 @@ def test_a_requests_problems_are_said_in_the_servers_terms():
 
     with pytest.raises(InputError) as caught:
         SynthesisRequest.create("Hi.", top_p=2, max_frames=0, first_chunk_frames=0)
-    assert "set it with --max-frames / max_frames=" in str(caught.value)  # the Python API's and CLI's terms
+    assert "set it with max_frames=" in str(caught.value)  # the Python API's terms (the CLI says the flag)
     answer = from_input_error(caught.value)
     assert answer.status == 400 and answer.param == "initial_chunk_frames"
     assert answer.message.startswith("3 problems with the request:")
@@ -239,8 +239,8 @@ UNSPEAKABLE = [
     ({"ref_audio": "CLIP", "ref_text": "\x00\x1f"}, "ref_text", "ref_text holds a control character"),
     ({"ref_audio": "CLIP", "ref_text": "\ud83d"}, "ref_text", "ref_text is not valid Unicode"),
     ({"ref_audio": "CLIP", "ref_text": ""}, "ref_text", "ref_text is empty"),
-    ({"references": [{"audio": "CLIP", "text": "\udfff"}]}, "references", "references[0].text is not valid Unicode"),
-    ({"references": [{"audio": "CLIP", "text": "\t"}]}, "references", "references[0].text is only whitespace"),
+    ({"references": [{"audio": "CLIP", "text": "\udfff"}]}, "references[0].text", "references[0].text is not valid Unicode"),
+    ({"references": [{"audio": "CLIP", "text": "\t"}]}, "references[0].text", "references[0].text is only whitespace"),
 ]
 
 

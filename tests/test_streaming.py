@@ -237,7 +237,7 @@ def test_stream_refuses_bad_requests_before_generating(cpu_pipeline):
 
 @pytest.mark.parametrize(("schedule", "message"), [
     ({"first_chunk_frames": 0}, r"first_chunk_frames must be >= 1 \(frames, 25 per second\), got 0; "
-                                r"set it with --first-chunk-frames / first_chunk_frames="),
+                                r"set it with first_chunk_frames="),
     ({"first_chunk_frames": 50, "max_chunk_frames": 5}, r"max_chunk_frames must be >= first_chunk_frames \(50\), "
                                                          r"got 5"),
     ({"chunk_growth": 0.5}, r"chunk_growth must be a finite number >= 1 \(1 = equal chunks\), got 0.5"),

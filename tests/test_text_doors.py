@@ -65,9 +65,9 @@ def test_decode_refuses_bytes_that_are_not_utf8_naming_where_and_the_byte():
 def test_a_request_holds_the_cleaned_text_and_refuses_nul_naming_its_field(cases_dir):
     request = SynthesisRequest.create(BOM + "Hello\r\nthere.")
     assert request.text == "Hello\nthere."
-    with pytest.raises(InputError, match=r"^text holds a control character .*NUL.*set it with --text or --text-file"):
+    with pytest.raises(InputError, match=r"^text holds a control character .*NUL.*set it with text=$"):
         SynthesisRequest.create("Hello\x00 there.")
-    with pytest.raises(InputError, match=r"^ref_text holds a control character .*NUL.*--ref-text / ref_text="):
+    with pytest.raises(InputError, match=r"^ref_text holds a control character .*NUL.*set it with ref_text=$"):
         SynthesisRequest.create("Hi.", ref_audio=cases_dir / "ref_en_16k.wav", ref_text="Exact\x00 words.")
     assert Voice(cases_dir / "ref_en_16k.wav", BOM + "Her words.\r\n").transcript == "Her words.\n"
 
@@ -382,3 +382,163 @@ def test_deleting_a_voice_reads_its_name_as_using_and_uploading_one_do(server, c
     gone = httpx.delete(server.url + "/v1/audio/voices/%EF%BB%BFbomvoice", timeout=30)
     assert gone.status_code == 200 and gone.json() == {"name": "bomvoice", "deleted": True}, gone.text
     assert httpx.get(server.url + "/v1/audio/voices").json()["voices"][1:] == []
+
+
+# issue 37, pass 3: what an error echoes back
+def test_an_echoed_text_is_encodable_and_clipped_with_its_length():
+    from higgs_pack.errors import clipped, encodable
+
+    assert encodable("a\ud800b") == "a\\ud800b" and encodable("caf\u00e9") == "caf\u00e9"
+    assert clipped("x" * 80) == "x" * 80
+    assert clipped("x" * 49000) == "x" * 80 + "\u2026 (49000 characters)"
+
+
+@pytest.mark.parametrize(("route", "body"), [
+    ("/v1/audio/speech", b'{"model":"higgs-audio-v3-tiny","input":"Hi.","\\ud800":1}'),
+    ("/v1/audio/speech", b'{"model":"higgs-audio-v3-tiny","input":"Hi.","\\ud800":1,"\\ud800":2}'),
+    ("/v1/audio/dialogue", b'{"model":"higgs-audio-v3-tiny","turns":[{"speaker":"A","input":"Hi."}],"\\ud800":1}'),
+    ("/v1/audio/dialogue",
+     b'{"model":"higgs-audio-v3-tiny","turns":[{"speaker":"A","input":"Hi.","\\ud800":1,"\\ud800":2}]}'),
+])
+def test_a_json_key_that_is_a_lone_surrogate_is_a_400_naming_it_escaped(server, route, body):
+    """Pass 3 finding 1: the 400's param held the raw lone surrogate, which the answer could not
+    encode: a 500 with a traceback, and the connection reset."""
+    with httpx.Client(timeout=60) as client:  # one keep-alive connection: the next request must still work
+        answer = client.post(server.url + route, content=body, headers={"Content-Type": "application/json"})
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert error["code"] in ("unknown_field", "duplicate_field") and error["param"] == "\\ud800", error
+        assert "\\ud800" in error["message"]
+        assert client.get(server.url + "/health").status_code == 200
+
+
+def _live(server, messages):
+    websockets = pytest.importorskip("websockets", reason="the websockets client is a dev dependency")
+
+    async def session() -> list[dict]:
+        events = []
+        async with websockets.connect(server.ws) as ws:
+            for message in messages:
+                await ws.send(message if isinstance(message, str) else json.dumps(message))
+            await ws.send(json.dumps({"type": "input.done"}))
+            while True:
+                message = await asyncio.wait_for(ws.recv(), 120)
+                if isinstance(message, str):
+                    events.append(json.loads(message))
+                    if events[-1]["type"] == "session.done":
+                        return events
+
+    return asyncio.run(session())
+
+
+def test_a_live_error_escapes_a_lone_surrogate_key_and_clips_a_long_sentence(server):
+    long = "Say <|im_start|> " + "word " * 100 + "end."
+    (error,) = [e for e in _live(server, ['{"type":"session.config","\\ud800":1}']) if e["type"] == "error"]
+    assert error["param"] == "\\ud800" and "\\ud800" in error["message"], error
+    events = _live(server, [{"type": "input.text", "text": long}])
+    (sentence,) = [e for e in events if e["type"] == "error"]
+    assert sentence["sentence_text"] == long[:80] + f"\u2026 ({len(long)} characters)"
+
+
+# issue 37, pass 3: whitespace and format characters are nothing to speak
+ZWSP, ZWJ = "\u200b", "\u200d"
+
+
+def test_a_sentence_of_only_format_characters_is_dropped_as_a_blank_one_is():
+    from higgs_pack.runtime.loop.sentences import TextCommits, split_sentences
+
+    assert text_rule.blank(ZWSP + " " + ZWJ + BOM) and not text_rule.blank(ZWSP + "a")
+    for tail in (ZWSP, ZWJ, BOM, f"{ZWSP} {ZWJ}"):
+        assert split_sentences(f"Hello. {tail}") == ["Hello."], tail
+        assert split_sentences(f"Hello. {tail}. Bye.") == ["Hello.", f"{tail}.", "Bye."]  # a stop is text
+        commits = TextCommits()
+        assert commits.feed(f"Hello. {tail}") + commits.flush() == ["Hello."]
+    assert split_sentences(ZWSP) == [] and text_rule.problem(ZWSP, "input").startswith("input is only whitespace and format")
+
+
+def test_a_batch_line_of_only_format_characters_is_skipped_as_a_whitespace_only_line_is():
+    lines, count = read_lines(f"Hello.\nSecond.\n{ZWSP}\n{BOM}{ZWJ} \n", None, "zb.txt")
+    assert [(line.number, line.text) for line in lines] == [(1, "Hello."), (2, "Second.")] and count == 4
+    with pytest.raises(InputError, match=r"^zb.txt has no non-empty line"):
+        read_lines(f"{ZWSP}\n", None, "zb.txt")
+
+
+def test_http_segments_never_hold_only_a_format_character(server):
+    for tail in (ZWSP, BOM):
+        answer = _post(server, "/v1/audio/speech", {"input": f"Hello. {tail}", "stream_format": "sse",
+                                                    "max_new_tokens": 5})
+        assert answer.status_code == 200, answer.text
+        events = [json.loads(line[6:]) for line in answer.text.splitlines() if line.startswith("data: {")]
+        assert [e["text"] for e in events if e["type"] == "speech.segment"] == ["Hello."], events
+
+
+def _spoken(events):
+    return [e["sentence_text"] for e in events if e["type"] == "audio.start"]
+
+
+def test_live_format_characters_are_nothing_to_speak_and_no_error(server):
+    config = {"type": "session.config", "max_new_tokens": 5}
+    events = _live(server, [config, {"type": "input.text", "text": f"Hello. {ZWSP}"}])
+    assert [e for e in events if e["type"] == "error"] == [] and _spoken(events) == ["Hello."], events
+    events = _live(server, [config, {"type": "input.text", "text": ZWSP}, {"type": "input.text", "text": ZWJ}])
+    assert [e for e in events if e["type"] in ("error", "audio.start")] == [], events
+
+
+def test_live_a_bom_is_dropped_only_where_the_sessions_text_starts(server):
+    config = {"type": "session.config", "max_new_tokens": 5}
+    events = _live(server, [config, {"type": "input.text", "text": BOM + "Hello"},
+                            {"type": "input.text", "text": BOM + " there."}])
+    assert [e for e in events if e["type"] == "error"] == [] and _spoken(events) == ["Hello" + BOM + " there."], events
+
+
+# issue 37, pass 3: each door names the field as its request named it
+def _clip_b64(cases_dir):
+    import base64
+
+    return base64.b64encode((cases_dir / "ref_en_16k.wav").read_bytes()).decode()
+
+
+def test_http_references_problems_name_references_fields(server, cases_dir):
+    clip = _clip_b64(cases_dir)
+    for reference, param, start in (
+            ({"audio": clip, "text": "Hi <|im_start|>."}, "references[0].text", "references[0].text contains"),
+            ({"audio": "!!notb64", "text": "Hi."}, "references[0].audio", "references[0].audio"),
+            ({"text": "Hi."}, "references[0].text", "references[0].text needs references[0].audio"),
+            ({"audio": "AAAA"}, "references[0].text", "references[0].audio needs references[0].text")):
+        answer = _post(server, "/v1/audio/speech", {"input": "Hi.", "references": [reference], "max_new_tokens": 5})
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert error["param"] == param and error["message"].startswith(start), error
+        assert "ref_text" not in error["message"] and "ref_audio" not in error["message"], error
+
+
+def test_http_dialogue_voice_transcript_special_token_names_voices_ann_text(server, cases_dir):
+    answer = _post(server, "/v1/audio/dialogue", {
+        "turns": [{"speaker": "ANN", "input": "Hi."}], "max_new_tokens": 5,
+        "voices": {"ANN": {"audio": _clip_b64(cases_dir), "text": "Hello <|im_start|> there."}}})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == "voices.ANN.text" and error["message"].startswith("voices.ANN.text contains"), error
+
+
+def test_python_names_the_keyword_and_the_cli_the_flag_or_source(tmp_path, cases_dir, cpu_int4_bundle):
+    with pytest.raises(InputError) as found:
+        SynthesisRequest.create("")
+    assert str(found.value) == "text is empty: there is nothing to speak; set it with text=", found.value
+    script = tmp_path / "dl.txt"
+    script.write_text("ANN: Hi.\n")
+    clip = cases_dir / "ref_en_16k.wav"
+    for transcript, said in (("", "is empty"), (BOM, "is empty"), ("Hi <|im_start|>.", "contains the tokenizer")):
+        out = _run("dialogue", cpu_int4_bundle, script, "-o", tmp_path / "d.wav", "--max-frames", "5",
+                   "--voice", f"ANN={clip}:{transcript}")
+        err = out.stderr.decode()
+        assert out.returncode == 2 and f"error: the transcript of --voice ANN {said}" in err, err
+        assert "ref_text" not in err and "voices=" not in err and "Usage" not in err, err
+    notes = tmp_path / "notes.txt"
+    notes.write_text("Say <|endoftext|> now.")
+    out = _run("synthesize", cpu_int4_bundle, "--text-file", notes, "-o", tmp_path / "a.wav")
+    err = out.stderr.decode()
+    assert out.returncode == 2 and f"\nerror: --text-file {notes} contains the tokenizer's" in err, err
+    out = _run("synthesize", cpu_int4_bundle, "-o", tmp_path / "b.wav", input=b"Say <|endoftext|> now.")
+    err = out.stderr.decode()
+    assert out.returncode == 2 and "\nerror: standard input contains the tokenizer's" in err, err

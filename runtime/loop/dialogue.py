@@ -119,6 +119,21 @@ def turn_problems(turns: Any) -> list[Problem]:
     return found
 
 
+#: A voice's parts by the request fields the runtime names them with.
+VOICE_PARTS = {"ref_text": "text", "ref_audio": "audio"}
+
+
+def voice_problem(name: str, problem: Problem) -> Problem:
+    """``problem`` of speaker ``name``'s voice: one of its transcript or clip (``ref_text``,
+    ``ref_audio``) as the field ``voices.NAME.text`` / ``voices.NAME.audio``, which each door names
+    in its terms (HTTP: that path; the CLI: ``--voice NAME``'s transcript); another one of the voice."""
+    part = VOICE_PARTS.get(problem.field or "")
+    if part is not None and "{name}" in problem.message:  # "{name} is empty": named by each door
+        return dataclasses.replace(problem, field=f"voices.{name}.{part}")
+    return Problem(f"voices.{name}" + (f".{part}" if part else ""), None,
+                   message=literal(f"the voice of {name!r}: {problem.render()}"), code=problem.code)
+
+
 def plain(exc: BaseException) -> str:
     """An error said without the Python keyword / CLI flag that sets its field (a turn's text is
     a script line or a ``turns`` item, a voice a ``--voice`` or a ``voices`` entry, not
@@ -268,7 +283,7 @@ class DialogueRequest:
                 try:
                     voice = Voice(*voice)
                 except InputError as exc:
-                    found.append(Problem("voices", None, message=literal(f"the voice of {name!r}: {plain(exc)}")))
+                    found += [voice_problem(name, problem) for problem in exc.problems]
                     continue
             if voice is not None and not isinstance(voice, (Voice, PreparedVoice)):
                 found.append(Problem("voices", None, message=literal(
@@ -327,6 +342,8 @@ def plan_dialogue(pipeline: Pipeline, request: DialogueRequest) -> SynthesisPlan
                 voices.append((voice.codes, voice.transcript))
             else:
                 voices.append((None, None))
+        except InputError as exc:  # a transcript's or a clip's problem names that part of the voice
+            raise InputError(problems=[voice_problem(name, problem) for problem in exc.problems]) from exc
         except HiggsPackError as exc:
             raise InputError(problems=[Problem(f"voices.{name}", None, message=literal(
                 f"the voice of {name!r}: {plain(exc)}"))]) from exc

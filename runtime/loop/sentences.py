@@ -27,6 +27,7 @@ from __future__ import annotations
 import re
 
 from higgs_pack.runtime.loop.words import split_words, word_ends
+from higgs_pack.runtime.text import blank
 
 #: Latin-style sentence punctuation: an end only when whitespace (or a CJK character) follows.
 LATIN_STOPS = ".!?;…"
@@ -58,7 +59,8 @@ class SentenceSplitter:
 
     ``feed`` returns the sentences its text completed; ``flush`` returns the rest as the last
     sentence (the text is over, or the caller wants it spoken now).  Sentences are stripped of
-    surrounding whitespace and never blank.  Each character is scanned a bounded number of
+    surrounding whitespace and never blank (:func:`~higgs_pack.runtime.text.blank`: only whitespace
+    and format characters, such as U+200B, is nothing to speak and is dropped).  Each character is scanned a bounded number of
     times, so feeding a text in any number of pieces is linear in its length.
     """
 
@@ -79,7 +81,7 @@ class SentenceSplitter:
             if match.start() > at and not self._ends(buffer, at, match):
                 continue
             sentence = buffer[at:match.end()].strip()
-            if sentence:
+            if not blank(sentence):  # only whitespace and format characters: nothing to speak (runtime/text.py)
                 sentences.append(sentence)
             at = match.end()
         self._buffer = buffer[at:]
@@ -94,7 +96,7 @@ class SentenceSplitter:
         """The rest as the last sentence (``[]`` when it is blank); the splitter starts afresh."""
         rest = self._buffer.strip()
         self._buffer, self._scan = "", 0
-        return [rest] if rest else []
+        return [] if blank(rest) else [rest]
 
     @staticmethod
     def _ends(buffer: str, at: int, match: re.Match[str]) -> bool:
@@ -180,7 +182,7 @@ class TextCommits:
         parts, sentences = [], self.sentences.feed(text)
         for i, sentence in enumerate(sentences):
             rest = sentence[len(before):].strip() if i == 0 and before else sentence
-            parts += self._cut(rest + " ", final=True) if rest else []
+            parts += [] if blank(rest) else self._cut(rest + " ", final=True)
         if sentences:
             self._taken = 0
         parts += self._cut(self.pending, final=False)
@@ -192,7 +194,7 @@ class TextCommits:
         rest = self.pending.strip()
         self.sentences.flush()
         self._taken, self._first = 0, True
-        return [rest] if rest else []
+        return [] if blank(rest) else [rest]
 
     def _cut(self, text: str, final: bool) -> list[str]:
         """The parts at the front of ``text`` that may be committed now (the whole of a complete
@@ -203,13 +205,13 @@ class TextCommits:
             if end is None:
                 break
             part = text[at:end].strip()
-            if part:
+            if not blank(part):
                 parts.append(part)
                 self._first = False
             at = end
         if final:
             rest = text[at:].strip()
-            if rest:
+            if not blank(rest):
                 parts.append(rest)
                 self._first = False
         else:

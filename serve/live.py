@@ -101,7 +101,14 @@ from higgs_pack.serve.schema import (
     SessionFields,
     config_fields,
 )
-from higgs_pack.serve.speech import SpeechJob, got, parse_speech, unique_keys, unknown_fields
+from higgs_pack.serve.speech import (
+    SpeechJob,
+    chosen_names,
+    got,
+    parse_speech,
+    unique_keys,
+    unknown_fields,
+)
 from higgs_pack.serve.tempo import TimeStretch, scale_spans
 
 log = logging.getLogger(__name__)
@@ -334,7 +341,7 @@ class Session:
             self.config_refused = True  # text now waits for a valid config: no speaking with defaults
             raise
         self.configured, self.config_refused = True, False
-        self.text = TextCommits(**live_options(data))
+        self.text = TextCommits(**live_options(chosen_names(data)))
 
     def _parse_config(self, data: dict[str, Any]) -> tuple[SpeechJob, PreparedVoice | None]:
         """The session's :class:`SpeechJob` (its ``input`` a placeholder) and voice: the HTTP route's
@@ -590,6 +597,7 @@ def config_job(server: Any, fields: dict[str, Any]) -> SpeechJob:
     if unknown:  # the session's fields listed, not the HTTP body's (parse_speech would list those)
         raise _bad(unknown_fields(unknown, CONFIG_FIELDS, fix="one of these fields of session.config "
                                   "(docs/serving/live.md)"), unknown[0][:80], "unknown_field")
+    fields = chosen_names(fields)  # "\ufeffpcm" is "pcm", as the HTTP body's names are read
     live_options(fields)
     fields = {k: v for k, v in fields.items() if k not in SessionFields.model_fields}
     fmt = fields.get("response_format")

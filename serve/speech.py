@@ -108,6 +108,7 @@ def parse_speech(body: Any, *, models: tuple[str, ...], voices: Any, config: Ser
             over the upload limit.
     """
     _check_body(body, FIELDS)
+    body = chosen_names(body)
     model = _model(body, models)
     text = _input(body, config)
     response_format, stream_format = _formats(body)
@@ -195,6 +196,7 @@ def parse_dialogue(body: Any, *, models: tuple[str, ...], voices: Any, config: S
     )
 
     _check_body(body, DIALOGUE_FIELDS)
+    body = chosen_names(body)
     model = _model(body, models)
     turns = body.get("turns")
     if not isinstance(turns, list) or not turns:
@@ -325,6 +327,20 @@ def got(value: Any) -> str:
     return short(value) if isinstance(value, str) else plain_type(value)
 
 
+
+
+#: The fields whose value is a name chosen from a list (the served model, a format, a live session's
+#: commit rule): read by :func:`chosen_names` as :func:`voice_name` reads a voice's name, a leading
+#: BOM dropped (the one text rule's :func:`~higgs_pack.runtime.text.clean`), so ``"\ufeffwav"`` is
+#: ``"wav"`` as ``"\ufeffdefault"`` is ``"default"``.
+CHOICE_FIELDS = ("model", "response_format", "stream_format", "split_granularity")
+
+
+def chosen_names(body: dict) -> dict:
+    """``body`` (a speech or dialogue body, a live session.config) with each :data:`CHOICE_FIELDS`
+    value read by the text rule (a leading BOM dropped); every other field as it is, and a value
+    that is not a string left for its check to name."""
+    return {key: clean(value) if key in CHOICE_FIELDS else value for key, value in body.items()}
 
 
 def voice_name(value: Any, param: str) -> str:

@@ -542,3 +542,23 @@ def test_python_names_the_keyword_and_the_cli_the_flag_or_source(tmp_path, cases
     out = _run("synthesize", cpu_int4_bundle, "-o", tmp_path / "b.wav", input=b"Say <|endoftext|> now.")
     err = out.stderr.decode()
     assert out.returncode == 2 and "\nerror: standard input contains the tokenizer's" in err, err
+
+
+# issue 37, pass 3 item 7: every name-like choice reads a leading BOM as voice does
+@pytest.mark.parametrize("field", [{"model": BOM + "higgs-audio-v3-tiny"}, {"response_format": BOM + "wav"},
+                                   {"stream_format": BOM + "sse"}, {"voice": BOM + "default"}])
+def test_a_bom_led_model_or_format_is_read_as_a_bom_led_voice_is(server, field):
+    answer = _post(server, "/v1/audio/speech", {"input": "Hi.", "max_new_tokens": 5, **field})
+    assert answer.status_code == 200, answer.text
+    turns = [{"speaker": "ANN", "input": "Hi."}]
+    if "voice" not in field:
+        answer = _post(server, "/v1/audio/dialogue", {"turns": turns, "max_new_tokens": 5, **field})
+        assert answer.status_code == 200, answer.text
+
+
+def test_a_live_config_reads_a_bom_led_format_or_commit_rule_as_a_bom_led_voice(server):
+    config = {"type": "session.config", "max_new_tokens": 5, "model": BOM + "higgs-audio-v3-tiny",
+              "response_format": BOM + "pcm", "split_granularity": BOM + "sentence", "voice": BOM + "default"}
+    events = _live(server, [config, {"type": "input.text", "text": "Hello."}])
+    assert [e for e in events if e["type"] == "error"] == [] and _spoken(events) == ["Hello."], events
+

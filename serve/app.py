@@ -18,6 +18,7 @@ import json
 import logging
 import threading
 import time
+import urllib.parse
 from contextlib import asynccontextmanager
 from importlib import resources
 from typing import Any
@@ -54,9 +55,8 @@ from higgs_pack.serve.speech import (
     reference_clip,
     short,
     unique_keys,
-    voice_name,
 )
-from higgs_pack.serve.upload import Upload, read_upload
+from higgs_pack.serve.upload import Upload, given_name, read_upload
 
 log = logging.getLogger(__name__)
 
@@ -587,7 +587,11 @@ def _voice_routes(app: FastAPI, server: SpeechServer) -> None:
     async def delete_voice(name: str, request: Request) -> dict[str, Any]:
         """Forget a stored voice (and its file in --voices-dir)."""
         _check_key(server, request)
-        name = voice_name(name, "name")  # read as speech's voice and an upload's name are (a BOM dropped)
+        raw = urllib.parse.unquote_to_bytes(request.scope.get("raw_path", b"").rpartition(b"/")[2])
+        # the path's bytes, not Starlette's text (bytes that are not UTF-8 become U+FFFD there): read as an
+        # upload's name part is (not UTF-8, a control character: a 400 naming name; a BOM dropped)
+        name = given_name(raw if raw.decode("utf-8", "replace") == name else name, "the NAME of "
+                          "DELETE /v1/audio/voices/NAME")
         if name == DEFAULT_VOICE:
             raise refused(Problem.said(f"voice {DEFAULT_VOICE!r} is the bundle's built-in voice: it cannot be deleted "
                                        "(only uploaded voices can)", "name", name, code="builtin_voice"))

@@ -344,8 +344,9 @@ def chosen_names(body: dict) -> dict:
 
 
 def voice_name(value: Any, param: str) -> str:
-    """A voice's name as every door that names one reads it (speech's ``voice``, a dialogue's
-    ``voices.NAME``, ``DELETE /v1/audio/voices/NAME``): under the one text rule (:func:`_text`: a
+    """A voice's name as every door that names one in JSON reads it (speech's ``voice``, a dialogue's
+    ``voices.NAME``; an upload's name and ``DELETE /v1/audio/voices/NAME``, which may be bytes, are read
+    by :func:`~higgs_pack.serve.upload.given_name`): under the one text rule (:func:`_text`: a
     leading BOM dropped, a control character refused), so one name is one voice at every door.
 
     Raises:

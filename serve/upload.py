@@ -27,7 +27,7 @@ PARTS = ("name", "transcript", "ref_text", "audio", "file")
 
 class _StrictParts(MultiPartParser):
     """Starlette's multipart parser, but a text part that is not UTF-8 is kept as its bytes (Starlette
-    would decode it as Latin-1), so :func:`_text_part` refuses it naming the part."""
+    would decode it as Latin-1), so :func:`given_text` refuses it naming the part."""
 
     def on_part_end(self) -> None:
         part = self._current_part
@@ -70,14 +70,16 @@ async def read_upload(request: Request, max_bytes: int) -> Upload:
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise refused(Problem.said("a voice upload is multipart/form-data with the parts audio (the clip), "
                                    "transcript and name", code="invalid_body"), param="audio")
+    parser = _StrictParts(request.headers, request.stream(), max_files=1, max_fields=8, max_part_size=max_bytes + 1)
     try:
-        form = await _StrictParts(request.headers, request.stream(), max_files=1, max_fields=8,
-                                  max_part_size=max_bytes + 1).parse()
+        form = await parser.parse()
     except MultiPartException as exc:  # the parser's limits: more than one file, too many parts
         raise refused(Problem.said(f"{exc.message} A voice upload is one audio file part with transcript and "
                                    "name parts", code="invalid_body"), param="audio") from exc
     _check_parts(form)
-    name = _text_part(form, "name", "name", "a voice is stored under a name", code="invalid_name")
+    if form.get("name") is None:
+        raise refused(Problem.said(name_problem(None) or "", "name", code="missing_field"))
+    name = given_name(form["name"])  # type: ignore[arg-type]
     if (problem := name_problem(name)) is not None:
         raise refused(Problem.said(problem, "name", name, code="invalid_name"))
     upload = form.get("audio", form.get("file"))
@@ -121,13 +123,33 @@ def _text_part(form: FormData, key: str, param: str, why: str, code: str = "inva
     """
     value = form.get(key)
     if value is None:
-        if param == "name":
-            raise refused(Problem.said(name_problem(None) or "", param, code="missing_field"))
         raise refused(Problem.said(f"the upload needs '{param}': the exact words said in the clip", param,
                                    code="missing_field"))
+    return given_text(value, param, f"the {param} part", why, code, fix)  # type: ignore[arg-type]
+
+
+def given_name(value: str | bytes, where: str = "the name part") -> str:
+    """A voice's name as an upload's ``name`` part and the ``NAME`` of ``DELETE /v1/audio/voices/NAME``
+    give it (one check for both): bytes that are not UTF-8 refused naming ``where`` and the byte, then
+    the one text rule (a leading BOM dropped, a control character refused), ``param`` ``name``.
+
+    Raises:
+        ApiError: 400 ``invalid_name``.
+    """
+    return given_text(value, "name", where, "a voice is stored under a name", code="invalid_name")
+
+
+def given_text(value: str | bytes, param: str, where: str, why: str, code: str = "invalid_value",
+               fix: str = "") -> str:
+    """``value`` (text, or bytes that should be UTF-8 text) under the one text rule, named ``param``
+    in errors and ``where`` when its bytes are not UTF-8 (``"the transcript part"``).
+
+    Raises:
+        ApiError: 400 ``code`` (not UTF-8, a control character, blank).
+    """
     if isinstance(value, bytes):
         try:
-            value = text_rule.decode(value, f"the {param} part", fix="send it as UTF-8 text")
+            value = text_rule.decode(value, where, fix="send it as UTF-8 text")
         except InputError as exc:
             raise refused(Problem.said(str(exc), param, code=code)) from None
     problem = text_rule.problem(value, param, why)

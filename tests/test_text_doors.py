@@ -562,3 +562,15 @@ def test_a_live_config_reads_a_bom_led_format_or_commit_rule_as_a_bom_led_voice(
     events = _live(server, [config, {"type": "input.text", "text": "Hello."}])
     assert [e for e in events if e["type"] == "error"] == [] and _spoken(events) == ["Hello."], events
 
+
+# issue 37, pass 3 item 8: DELETE's NAME is checked by the upload's name check
+@pytest.mark.parametrize(("path", "said"), [("%FF", "the NAME of DELETE /v1/audio/voices/NAME is not UTF-8 text "
+                                                    "(byte 1 is 0xFF"),
+                                            ("%00x", "name holds a control character at character 1 (U+0000, NUL)")])
+def test_deleting_a_name_that_is_not_utf8_or_holds_nul_is_refused_as_an_upload_is(server, path, said):
+    answer = httpx.delete(server.url + "/v1/audio/voices/" + path, timeout=30)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert (error["param"], error["code"]) == ("name", "invalid_name") and error["message"].startswith(said), error
+    assert "\ufffd" not in error["message"], error
+

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from starlette.datastructures import FormData
-from starlette.formparsers import MultiPartException, MultiPartParser
+from starlette.formparsers import MultiPartException, MultiPartParser, parse_options_header
 from starlette.requests import Request
 
 from higgs_pack.errors import InputError, Problem
@@ -28,6 +28,20 @@ PARTS = ("name", "transcript", "ref_text", "audio", "file")
 class _StrictParts(MultiPartParser):
     """Starlette's multipart parser, but a text part that is not UTF-8 is kept as its bytes (Starlette
     would decode it as Latin-1), so :func:`given_text` refuses it naming the part."""
+
+    #: The first part name that is not UTF-8, as its bytes (Starlette would read it as Latin-1, so a
+    #: name b"\xff" would be said as 'ÿ'); :func:`read_upload` refuses it naming the byte.
+    bad_name: bytes | None = None
+
+    def on_headers_finished(self) -> None:
+        super().on_headers_finished()
+        _, options = parse_options_header(self._current_part.content_disposition)
+        raw = options[b"name"]
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            self.bad_name = self.bad_name or raw
+            self._current_part.field_name = raw.decode("utf-8", "backslashreplace")  # '\\xff', never 'ÿ'
 
     def on_part_end(self) -> None:
         part = self._current_part
@@ -76,6 +90,14 @@ async def read_upload(request: Request, max_bytes: int) -> Upload:
     except MultiPartException as exc:  # the parser's limits: more than one file, too many parts
         raise refused(Problem.said(f"{exc.message} A voice upload is one audio file part with transcript and "
                                    "name parts", code="invalid_body"), param="audio") from exc
+    if parser.bad_name is not None:  # named by its bytes, as a part's value that is not UTF-8 is
+        await form.close()
+        escaped = parser.bad_name.decode("utf-8", "backslashreplace")[:80]
+        try:
+            text_rule.decode(parser.bad_name, f"the name of the part '{escaped}'", fix="name the part audio, "
+                             "transcript or name, in UTF-8")
+        except InputError as exc:
+            raise refused(Problem.said(str(exc), code="unknown_field"), param=escaped) from None
     _check_parts(form)
     if form.get("name") is None:
         raise refused(Problem.said(name_problem(None) or "", "name", code="missing_field"))

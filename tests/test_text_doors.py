@@ -574,3 +574,22 @@ def test_deleting_a_name_that_is_not_utf8_or_holds_nul_is_refused_as_an_upload_i
     assert (error["param"], error["code"]) == ("name", "invalid_name") and error["message"].startswith(said), error
     assert "\ufffd" not in error["message"], error
 
+
+# issue 37, pass 3 item 9: a part's name that is not UTF-8 is named by its bytes, never read as Latin-1
+@pytest.mark.parametrize(("name", "escaped", "byte"), [(b"\xff", "\\xff", "byte 1 is 0xFF"),
+                                                        (b"\xed\xa0\x80", "\\xed\\xa0\\x80", "byte 1 is 0xED")])
+def test_a_part_name_that_is_not_utf8_is_named_by_its_bytes(server, cases_dir, name, escaped, byte):
+    boundary = b"b0undary"
+    parts = [(b"audio", b'; filename="r.wav"', (cases_dir / "ref_en_16k.wav").read_bytes()),
+             (b"transcript", b"", b"Exact words."), (b"name", b"", b"fine"), (name, b"", b"x")]
+    body = b"".join(b"--" + boundary + b'\r\nContent-Disposition: form-data; name="' + key + b'"' + extra
+                    + b"\r\n\r\n" + value + b"\r\n" for key, extra, value in parts) + b"--" + boundary + b"--\r\n"
+    answer = httpx.post(server.url + "/v1/audio/voices", content=body, timeout=60,
+                        headers={"Content-Type": "multipart/form-data; boundary=b0undary"})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == escaped and error["code"] == "unknown_field", error
+    assert error["message"].startswith(f"the name of the part '{escaped}' is not UTF-8 text ({byte}"), error
+    assert "\u00ff" not in error["message"] and "\u00ed" not in error["message"], error
+    assert httpx.get(server.url + "/v1/audio/voices").json()["voices"][1:] == []
+

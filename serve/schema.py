@@ -21,6 +21,7 @@ from higgs_pack.runtime.options import FIELDS, http_fields
 from higgs_pack.serve.config import MAX_INPUT_CHARS, MAX_REF_SECONDS
 from higgs_pack.serve.formats import DEFAULT_FORMAT, FORMATS
 from higgs_pack.serve.tempo import SPEED_RANGE
+from higgs_pack.serve.voices import NAME_RULE, RESERVED
 
 #: The ``response_format`` values, as the schema lists them.
 ResponseFormat = Literal[tuple(FORMATS)]  # type: ignore[valid-type]
@@ -185,8 +186,7 @@ class VoiceUpload(BaseModel):
     audio: bytes = Field(description="The clip: a file libsndfile reads, 0.5 s to --max-ref-seconds, at most "
                          "--max-upload-mb.", json_schema_extra={"format": "binary"})
     transcript: str = Field(description="The exact words said in the clip.")
-    name: str = Field(description="1 to 64 letters, digits, '_', '-' or '.', starting with a letter or digit; "
-                      "not 'default' or 'ref_audio'.")
+    name: str = Field(description=f"{NAME_RULE}; not {' or '.join(map(repr, RESERVED))}.")
 
 
 class ErrorDetail(BaseModel):

@@ -35,9 +35,13 @@ from higgs_pack.runtime.request import PreparedVoice
 
 log = logging.getLogger(__name__)
 
-#: A voice name: letters, digits, ``_``, ``-`` and ``.`` (no path separators), starting with a
+#: A voice name: ASCII letters, digits, ``_``, ``-`` and ``.`` (no path separators), starting with a
 #: letter or digit, at most 64 characters.
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+#: :data:`NAME_PATTERN` in words, as every message and the API docs say it (``é`` or ``ß`` is not an
+#: ASCII letter: a name is a file name on every system).
+NAME_RULE = ("1 to 64 ASCII letters (a-z, A-Z), digits (0-9), '_', '-' or '.', starting with a letter or digit, "
+             "without '..'")
 #: Names that are not voices in the store.
 RESERVED = ("default", "ref_audio")
 SUFFIX = ".safetensors"
@@ -48,10 +52,9 @@ PREFIX_FOLDER = ".prefix-kv"
 def name_problem(name: Any) -> str | None:
     """Why ``name`` cannot name a voice, or None when it can."""
     if not isinstance(name, str) or not name:
-        return "a voice needs a name (1 to 64 letters, digits, '_', '-' or '.')"
+        return f"a voice needs a name ({NAME_RULE})"
     if not NAME_PATTERN.match(name) or ".." in name:
-        return (f"voice name {name[:80]!r} is not allowed: use 1 to 64 letters, digits, '_', '-' or '.', starting "
-                "with a letter or digit, without '..' or path separators")
+        return f"voice name {name[:80]!r} is not allowed: use {NAME_RULE}"
     if name.lower() in RESERVED:  # Default is default: stored voices' names differ by more than case
         return f"voice name {name!r} is reserved ({', '.join(RESERVED)}); choose another"
     return None

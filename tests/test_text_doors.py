@@ -593,3 +593,13 @@ def test_a_part_name_that_is_not_utf8_is_named_by_its_bytes(server, cases_dir, n
     assert "\u00ff" not in error["message"] and "\u00ed" not in error["message"], error
     assert httpx.get(server.url + "/v1/audio/voices").json()["voices"][1:] == []
 
+
+# issue 37, pass 3 item 12: the voice-name rule says the letters it means
+def test_the_voice_name_rule_says_ascii_letters_in_its_message_and_the_api_docs():
+    from higgs_pack.serve.schema import VoiceUpload
+    from higgs_pack.serve.voices import name_problem
+
+    problem = name_problem("n\u00e4me")
+    assert problem is not None and "1 to 64 ASCII letters (a-z, A-Z), digits (0-9)" in problem, problem
+    assert name_problem("Name-2.v") is None and name_problem(None).startswith("a voice needs a name (1 to 64 ASCII")
+    assert VoiceUpload.model_fields["name"].description.startswith("1 to 64 ASCII letters (a-z, A-Z)")

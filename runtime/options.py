@@ -104,8 +104,10 @@ class RequestFields(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
     text: Annotated[Any, Door("--text or --text-file", "input", live=False, shaped=True, dialogue=False)] = Field(
-        description="The words to speak: valid Unicode, not only whitespace or control characters; inline "
-        "controls such as <|emotion:amusement|> are read as text.")
+        description="The words to speak, as valid Unicode. Refused when it holds, anywhere, a control character "
+        "other than tab and line breaks, or one of the tokenizer's special tokens (<|im_start|>, <|endoftext|>...); "
+        "refused when it has nothing to speak: empty, or only whitespace and format characters (U+200B, U+FEFF...). "
+        "A leading byte-order mark is dropped; inline controls such as <|emotion:amusement|> are read as text.")
     ref_audio: Annotated[Any, Door("--ref-audio", "ref_audio", shaped=True, dialogue=False)] = Field(
         None, description="A reference clip to clone (a file; in a body base64 or a data: URI). Needs ref_text.")
     ref_text: Annotated[Any, Door("--ref-text", "ref_text", shaped=True, dialogue=False)] = Field(

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from higgs_pack.runtime.loop.sentences import GRANULARITIES
-from higgs_pack.runtime.options import FIELDS, http_fields
+from higgs_pack.runtime.options import FIELDS, RequestFields, http_fields
 from higgs_pack.serve.config import MAX_INPUT_CHARS, MAX_REF_SECONDS
 from higgs_pack.serve.formats import DEFAULT_FORMAT, FORMATS
 from higgs_pack.serve.tempo import SPEED_RANGE
@@ -58,9 +58,8 @@ class _SpeechBody(BaseModel):
 
     model: str = Field(description="The bundle's name or its model slug (GET /v1/models lists them, with the "
                        "names --model-name adds).")
-    input: str = Field(description=f"The words to speak: at most {MAX_INPUT_CHARS} characters by default "
-                       "(--max-input-chars); valid Unicode, not only whitespace or control characters. Inline "
-                       "controls such as <|emotion:amusement|> are read as text.")
+    input: str = Field(description=f"{RequestFields.model_fields['text'].description} At most {MAX_INPUT_CHARS} "
+                       "characters by default (--max-input-chars).")  # the rule in the field's one declaration
     voice: str | VoiceId = Field("default", description="\"default\" (the bundle's own voice), a stored voice's "
                                  "name (GET /v1/audio/voices), or {\"id\": name}.")
     response_format: ResponseFormat = Field(

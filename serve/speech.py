@@ -103,7 +103,7 @@ def parse_speech(body: Any, *, models: tuple[str, ...], voices: Any, config: Ser
     Raises:
         ApiError: 400 for an unknown field (with a close match when there is one), a bad value
             (the field named, with what is allowed), text that is not speakable (not a string,
-            not valid Unicode, only whitespace or control characters), or ``stream`` and
+            not valid Unicode, a control character, nothing to speak), or ``stream`` and
             ``stream_format`` that disagree; 404 for an unknown model; 413 for a ``ref_audio``
             over the upload limit.
     """

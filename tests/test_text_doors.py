@@ -603,3 +603,17 @@ def test_the_voice_name_rule_says_ascii_letters_in_its_message_and_the_api_docs(
     assert problem is not None and "1 to 64 ASCII letters (a-z, A-Z), digits (0-9)" in problem, problem
     assert name_problem("Name-2.v") is None and name_problem(None).startswith("a voice needs a name (1 to 64 ASCII")
     assert VoiceUpload.model_fields["name"].description.startswith("1 to 64 ASCII letters (a-z, A-Z)")
+
+
+# issue 37, pass 3 item 13: /docs says the text rule as the field's one declaration states it
+def test_the_api_docs_input_states_the_text_rule_from_the_fields_declaration():
+    from higgs_pack.runtime.options import RequestFields
+    from higgs_pack.serve.schema import SpeechBody
+
+    declared = RequestFields.model_fields["text"].description
+    shown = SpeechBody.model_json_schema()["properties"]["input"]["description"]
+    assert shown.startswith(declared), shown
+    for said in ("anywhere, a control character other than tab and line breaks", "special tokens",
+                 "empty, or only whitespace and format characters"):
+        assert said in shown, said
+    assert "not only whitespace or control characters" not in shown

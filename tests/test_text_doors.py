@@ -617,3 +617,22 @@ def test_the_api_docs_input_states_the_text_rule_from_the_fields_declaration():
                  "empty, or only whitespace and format characters"):
         assert said in shown, said
     assert "not only whitespace or control characters" not in shown
+
+
+# issue 37, pass 3 item 11: what synthesize_many yields for a failed or blank text, said where it is documented
+def test_synthesize_many_yields_a_blank_texts_error_in_its_place_as_the_readme_and_engine_page_say(cpu_int4_bundle):
+    from pathlib import Path
+
+    import higgs_pack
+
+    tts = higgs_pack.load(cpu_int4_bundle)
+    results = dict(tts.synthesize_many(["Hi.", "", ZWSP, "Ho."], max_frames=3))
+    assert sorted(results) == [0, 1, 2, 3]
+    assert isinstance(results[1], InputError) and isinstance(results[2], InputError), results
+    assert not isinstance(results[0], Exception) and not isinstance(results[3], Exception), results
+    root = Path(__file__).resolve().parents[1]
+    readme = " ".join((root / "README.md").read_text().split())
+    assert "(a failed text's result is its exception: [details](docs/using/engine.md#many-texts-synthesize_many))" in readme
+    engine = " ".join((root / "docs/using/engine.md").read_text().split())
+    assert "so is an empty text, or one of only whitespace and format characters" in engine
+    assert "It skips a blank line (nothing to speak: a file's layout) before handing the others to `synthesize_many`" in engine

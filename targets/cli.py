@@ -100,13 +100,24 @@ def make_tiny_checkpoint(out, preset, seed):
 def package(bundle, fmt, out_dir, force, base_image, runtime, extras, tag, pip_cert, no_build):
     """Package BUNDLE as a per-hardware wheel, an archive, or a container image."""
     if fmt == "image":
-        from higgs_pack.targets.packaging.image import build_image, write_image_context
+        from higgs_pack.targets.packaging.image import (
+            build_image,
+            remove_context,
+            write_image_context,
+        )
 
         context = write_image_context(bundle, out_dir=out_dir, base=base_image, runtime=runtime, extras=extras,
                                       force=force)
-        click.echo(str(context.path))
+        built = None
         if not no_build:
-            click.echo(build_image(context, tag=tag, pip_cert=pip_cert))
+            try:
+                built = build_image(context, tag=tag, pip_cert=pip_cert)
+            except BaseException:  # a failed (or interrupted) build leaves nothing: a rerun needs no --force
+                remove_context(context)
+                raise
+        click.echo(str(context.path))  # said once it is a result: the context, and the image built from it
+        if built is not None:
+            click.echo(built)
         return
     given = [name for name, value in (("--base-image", base_image), ("--runtime", runtime), ("--tag", tag),
                                       ("--extra", extras != ("serve",)), ("--no-build", no_build)) if value]

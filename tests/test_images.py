@@ -399,3 +399,39 @@ def _the_voice_and_its_prefix_are_still_there(box: Container) -> None:
     metrics = httpx.get(box.url + "/metrics", timeout=30).text
     assert "higgs_pack_prefix_cache_hits_total 1.0" in metrics, "the persisted prefix was not read back"
     assert "higgs_pack_prefix_cache_misses_total 0.0" in metrics
+
+
+def test_a_docker_without_buildkit_refusing_the_pip_cert_secret_is_said_and_leaves_nothing(cpu_int4_bundle,
+                                                                                           tmp_path, monkeypatch):
+    """Issue 37 pass 3 item 10: a fake docker (it only refuses --secret as docker's legacy builder does)
+    tests our handling: the path is not printed as a result, the failure says what to do, and nothing
+    is left behind, so a rerun needs no --force."""
+    from higgs_pack.targets.cli import package
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "docker"
+    fake.write_text("#!/bin/sh\necho 'DEPRECATED: The legacy builder is deprecated' >&2\n"
+                    "echo 'unknown flag: --secret' >&2\nexit 125\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    cert = tmp_path / "ca.crt"
+    cert.write_text("not a real CA\n")
+    monkeypatch.setenv("PIP_CERT", str(cert))
+    wheel = tmp_path / "higgs_pack-0.0.0-py3-none-any.whl"  # copied into the context, never installed here
+    wheel.write_bytes(b"")
+    out = tmp_path / "dist"
+    args = [str(cpu_int4_bundle), "--format", "image", "--out-dir", str(out), "--runtime", str(wheel)]
+    for _ in range(2):  # the second run fails the same way: no "already exists; pass --force"
+        result = CliRunner().invoke(package, args)
+        assert isinstance(result.exception, PackagingError), (result.output, result.exception)
+        message = str(result.exception)
+        assert "docker build of" in message and "failed (exit 125)" in message, message
+        assert "no BuildKit" in message and "DOCKER_BUILDKIT=1" in message and "podman" in message, message
+        assert "already exists" not in message and "its output above says why" not in message, message
+        assert str(out / "image") not in result.stdout, result.stdout
+        assert not (out / "image").exists()
+    fake.write_text("#!/bin/sh\necho 'some other failure' >&2\nexit 1\n")
+    result = CliRunner().invoke(package, args)
+    assert "failed (exit 1); its output above says why" in str(result.exception), result.exception
+    assert not (out / "image").exists()

@@ -24,6 +24,8 @@ voices folder that way, and a user overrides any of them with ``-e``.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
 import os
 import shutil
@@ -271,6 +273,14 @@ def write_image_context(bundle: str | Path, *, out_dir: str | Path = "dist", bas
     return ImageContext(context, tag, _windows(target), found)
 
 
+def remove_context(context: ImageContext) -> None:
+    """Remove ``context``'s folder (and ``image/`` above it when that leaves it empty): what
+    ``package --format image`` wrote, when its build failed."""
+    shutil.rmtree(context.path, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        context.path.parent.rmdir()  # image/, only if empty
+
+
 def containerfile(manifest: dict[str, Any], target: Any, *, base: str, extras: tuple[str, ...], tag: str,
                   labels: dict[str, str], runtime_wheel: Path, bundle_wheel: Path) -> str:
     """The Containerfile of a bundle's image: :data:`WINDOWS_CONTAINERFILE` for a Windows-only
@@ -382,15 +392,34 @@ def build_command(context: ImageContext, *, tag: str | None = None, engine: str 
 
 def build_image(context: ImageContext, *, tag: str | None = None, engine: str | None = None,
                 pip_cert: str | Path | None = None) -> str:
-    """Build ``context`` (its output goes to this process's stderr); return the image's tag.
+    """Build ``context`` (its output goes to this process's stderr as it comes); return the image's tag.
 
     Raises:
-        PackagingError: as :func:`build_command`, or the build failed (its exit status).
+        PackagingError: as :func:`build_command`, or the build failed: its exit status, and what to
+            do where the engine refused the ``--pip-cert`` secret (:func:`secret_refused`).
     """
     argv = build_command(context, tag=tag, engine=engine, pip_cert=pip_cert)
     log.info("building %s: %s", context.path, " ".join(argv))
-    done = subprocess.run(argv, stdout=sys.stderr, check=False)
-    if done.returncode:
-        raise PackagingError(f"{Path(argv[0]).name} build of {context.path} failed (exit {done.returncode}); "
-                             "its output above says why")
+    tail: collections.deque[str] = collections.deque(maxlen=200)  # the end of the output, read for a refusal
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          errors="replace") as build:
+        for line in build.stdout or ():
+            sys.stderr.write(line)
+            tail.append(line)
+    if build.returncode:
+        engine_name = Path(argv[0]).name
+        why = secret_refused("".join(tail)) if pip_cert else None
+        raise PackagingError(f"{engine_name} build of {context.path} failed (exit {build.returncode}); "
+                             + (why or "its output above says why"))
     return tag or context.tag
+
+
+def secret_refused(output: str) -> str | None:
+    """What to do when a build's ``output`` says the engine refused ``--secret`` (docker's legacy
+    builder, without BuildKit: "unknown flag: --secret"), or None when it does not say so."""
+    if "unknown flag: --secret" not in output and "requires BuildKit" not in output:
+        return None
+    return ("this docker has no BuildKit, which the build secret --secret needs (the CA bundle of --pip-cert, "
+            "by default $PIP_CERT); install docker-buildx (docker buildx) and set DOCKER_BUILDKIT=1, or use "
+            "podman, or leave --pip-cert and $PIP_CERT unset where pip needs no extra CA, or write the context "
+            "alone with --no-build and build it elsewhere")

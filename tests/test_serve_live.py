@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 from live_server import LiveServer
 
+from higgs_pack.errors import clipped
+
 websockets = pytest.importorskip("websockets", reason="the websockets client is a dev dependency")
 
 RATE = 24000
@@ -606,7 +608,9 @@ def test_a_later_sentence_the_planner_refuses_is_its_own_error_and_the_session_g
     heard = asyncio.run(_session(server.ws, ["Hello there. ", endless + ". ", "Goodbye now."],
                                  {"seed": 1}))  # the frame cap from each text: the long word's does not fit
     errors = heard.of("error")
-    assert len(errors) == 1 and errors[0]["param"] == "text" and errors[0]["sentence_text"] == endless + "."
+    assert len(errors) == 1 and errors[0]["param"] == "text"
+    assert errors[0]["sentence_text"] == clipped(endless + "."), "the sentence echoed clipped, with its length"
+    assert errors[0]["sentence_text"].endswith("(3001 characters)")
     assert "positions" in errors[0]["message"]
     assert [e["sentence_text"] for e in heard.of("audio.start")] == ["Hello there.", "Goodbye now."]
     assert heard.of("session.done") and heard.close_code == 1000

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.serving.agent import RATE, agent_table, session_record, token_pieces
+from bench.serving.agent import RATE, agent_table, commit_rule, main, session_record, token_pieces
 from bench.tables import TableError, render
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,3 +56,18 @@ def test_the_kept_run_renders_and_a_wrong_file_is_refused(tmp_path):
     (tmp_path / "x.json").write_text(json.dumps([{"kind": "serve-bench"}]))
     with pytest.raises(TableError, match=r"not a python -m bench\.serving\.agent run"):
         render(tmp_path / "x.json", "agent")
+
+
+def test_a_commit_rule_is_a_known_name_or_granularity_plus_first_words():
+    assert commit_rule("clause+first4") == {"split_granularity": "clause", "first_commit_words": 4}
+    assert commit_rule("clause+first3") == {"split_granularity": "clause", "first_commit_words": 3}
+    assert commit_rule("sentence+first2") == {"split_granularity": "sentence", "first_commit_words": 2}
+    for bad in ("clause+first0", "clause+firstx", "word+first3", "clauses"):
+        with pytest.raises(ValueError, match="--rules"):
+            commit_rule(bad)
+
+
+def test_an_unknown_rule_is_refused_before_a_bundle_is_built_or_a_server_started(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--rules", "sentence,clause+firstx", "--bundle", str(tmp_path / "none"), "--out", str(tmp_path / "a.json")])
+    assert "clause+firstx" in capsys.readouterr().err and not (tmp_path / "a.json").exists()

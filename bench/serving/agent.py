@@ -52,6 +52,20 @@ RULES = {
     "clause": {"split_granularity": "clause", "first_commit_words": 0},
     "clause+first4": {"split_granularity": "clause", "first_commit_words": 4},
 }
+
+
+def commit_rule(name: str) -> dict[str, Any]:
+    """The session.config fields of a ``--rules`` entry: a name of :data:`RULES`, or
+    ``GRANULARITY+firstN`` (``clause+first3``: split at clauses, the first 3 words alone).
+
+    Raises:
+        ValueError: any other name."""
+    if name in RULES:
+        return RULES[name]
+    granularity, _, first = name.partition("+first")
+    if granularity in ("sentence", "clause") and first.isdigit() and int(first) > 0:
+        return {"split_granularity": granularity, "first_commit_words": int(first)}
+    raise ValueError(f"--rules: {name!r} is not one of {', '.join(RULES)} or GRANULARITY+firstN (e.g. clause+first3)")
 #: The LLM rates measured, tokens per second.
 RATES = (20.0, 40.0)
 #: The server's audio: 16-bit mono PCM at this rate.
@@ -142,7 +156,7 @@ def run_level(url: str, pid: int, texts: Sequence[list[str]], rate: float, rule:
     before = sum(server.cpu_times()[:2])
 
     async def all_sessions(first: int) -> list[dict[str, Any]]:
-        return await asyncio.gather(*(agent_session(ws_url, texts[i % len(texts)], rate, RULES[rule], i, timeout)
+        return await asyncio.gather(*(agent_session(ws_url, texts[i % len(texts)], rate, commit_rule(rule), i, timeout)
                                       for i in range(first, first + sessions)))
 
     records = [r for k in range(repeats) for r in asyncio.run(all_sessions(k * sessions))]
@@ -152,7 +166,7 @@ def run_level(url: str, pid: int, texts: Sequence[list[str]], rate: float, rule:
     def over(key: str) -> dict[str, float] | None:
         return spread([r[key] for r in records if r[key] is not None])
 
-    return {"rule": rule, **RULES[rule], "tokens_per_s": rate, "sessions": sessions, "repeats": repeats,
+    return {"rule": rule, **commit_rule(rule), "tokens_per_s": rate, "sessions": sessions, "repeats": repeats,
             "first_token_to_speech_s": over("first_token_to_speech_s"), "first_commit_text_s": over("first_commit_text_s"),
             "server_added_s": over("server_added_s"),
             "sentence_gap_s": spread([g for r in records for g in r["sentence_gaps_s"]]),
@@ -250,6 +264,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--out", default="dist/agent-bench.json")
     args = p.parse_args(argv)
+    try:  # every rule checked before a bundle is built or a server started
+        for rule in args.rules.split(","):
+            commit_rule(rule)
+    except ValueError as exc:
+        p.error(str(exc))
     bundle = args.bundle or _bundle_for_preset(args.preset, None, False)
     texts = [t for t in case_texts(Path(args.cases)) if t.isascii()]  # the English prose
     tokenizer = Path(bundle) / "tokenizer.json"

@@ -270,6 +270,33 @@ class TestPipecat:
         assert times == sorted(times) and (times[-1] - times[0]) / 1e9 < 2.0
 
 
+def _livekit_say_interrupted(server, text: str, speaker, **options):
+    """``text`` said by an ``AgentSession(use_tts_aligned_transcript=True)`` wired to ``speaker``
+    through LiveKit's TranscriptSynchronizer, as a room wires it, and interrupted 2.5 s in: the
+    assistant messages of the session's history."""
+    from livekit.agents import Agent, AgentSession
+    from livekit.agents.voice.transcription import TranscriptSynchronizer
+
+    from higgs_pack.serve.integrations.livekit_tts import HiggsTTS
+
+    async def run():
+        higgs = HiggsTTS(base_url=server.url, sample_rate=16000, seed=3, **options, **BY_SENTENCE)
+        session = AgentSession(tts=higgs, use_tts_aligned_transcript=True)
+        sync = TranscriptSynchronizer(next_in_chain_audio=speaker, next_in_chain_text=None)
+        session.output.audio, session.output.transcription = sync.audio_output, sync.text_output
+        await session.start(Agent(instructions="Say what you are given."))
+        handle = session.say(text)
+        await asyncio.sleep(2.5)
+        handle.interrupt()
+        await handle
+        said = [m for m in session.history.items if m.type == "message" and m.role == "assistant"]
+        await session.aclose()
+        await higgs.aclose()
+        return said
+
+    return asyncio.run(run())
+
+
 def _livekit_speaker():
     """LiveKit's audio sink interface over a speaker that plays in real time: a segment plays from its
     first frame, and clear_buffer (an interruption) stops it where it is (``cut_at``: seconds played)."""
@@ -404,30 +431,8 @@ class TestLiveKit:
         time): the agent says a turn of some 8 s and is interrupted about 2 s in; the assistant
         message in the session's history is marked interrupted and holds the turn's first words, up
         to about where playback stopped (the synchronizer paces them by the TimedStrings)."""
-        from livekit.agents import Agent, AgentSession
-        from livekit.agents.voice.transcription import TranscriptSynchronizer
-
-        from higgs_pack.serve.integrations.livekit_tts import HiggsTTS
-
         text, speaker = CUT_TURN, _livekit_speaker()
-
-        async def run():
-            higgs = HiggsTTS(base_url=server.url, sample_rate=16000, seed=3, max_new_tokens=100,
-                             **BY_SENTENCE)
-            session = AgentSession(tts=higgs, use_tts_aligned_transcript=True)
-            sync = TranscriptSynchronizer(next_in_chain_audio=speaker, next_in_chain_text=None)
-            session.output.audio, session.output.transcription = sync.audio_output, sync.text_output
-            await session.start(Agent(instructions="Say what you are given."))
-            handle = session.say(text)
-            await asyncio.sleep(2.5)
-            handle.interrupt()
-            await handle
-            said = [m for m in session.history.items if m.type == "message" and m.role == "assistant"]
-            await session.aclose()
-            await higgs.aclose()
-            return said
-
-        (said,) = asyncio.run(run())
+        (said,) = _livekit_say_interrupted(server, text, speaker, max_new_tokens=100)
         words = (said.text_content or "").split()
         assert said.interrupted
         # a prefix of the turn cut inside its first sentence, where playback stopped, within a word
@@ -440,30 +445,9 @@ class TestLiveKit:
         interrupted about 2 s in (its audio.done, which times its words, never comes): the assistant
         message holds the words the server's audio.cancelled says were heard (a prefix of the
         sentence), not the whole sentence nor nothing."""
-        from livekit.agents import Agent, AgentSession
-        from livekit.agents.voice.transcription import TranscriptSynchronizer
-
-        from higgs_pack.serve.integrations.livekit_tts import HiggsTTS
-
         speaker = _livekit_speaker()
-
-        async def run():
-            higgs = HiggsTTS(base_url=server.url, sample_rate=16000, seed=3, **BY_SENTENCE)
-            session = AgentSession(tts=higgs, use_tts_aligned_transcript=True)
-            sync = TranscriptSynchronizer(next_in_chain_audio=speaker, next_in_chain_text=None)
-            session.output.audio, session.output.transcription = sync.audio_output, sync.text_output
-            await session.start(Agent(instructions="Say what you are given."))
-            handle = session.say(LONG)
-            await asyncio.sleep(2.5)
-            handle.interrupt()
-            await handle
-            said = [m for m in session.history.items if m.type == "message" and m.role == "assistant"]
-            await session.aclose()
-            await higgs.aclose()
-            return said
-
         generated = server.metric("higgs_pack_engine_frames_total")
-        (said,) = asyncio.run(run())
+        (said,) = _livekit_say_interrupted(server, LONG, speaker)
         assert server.metric("higgs_pack_engine_frames_total") - generated < LONG_CAP_FRAMES  # cut mid-sentence
         words = (said.text_content or "").split()
         assert said.interrupted

@@ -34,6 +34,7 @@ from higgs_pack.serve.errors import ApiError, from_input_error, refused
 from higgs_pack.serve.formats import DEFAULT_FORMAT, FORMATS, decode_with_ffmpeg
 from higgs_pack.serve.schema import DialogueBody, SpeechBody
 from higgs_pack.serve.tempo import SPEED_RANGE
+from higgs_pack.serve.voices import name_problem
 
 #: Every field the body may hold (its model's, :class:`~higgs_pack.serve.schema.SpeechBody`).
 FIELDS = tuple(SpeechBody.model_fields)
@@ -272,6 +273,8 @@ def _dialogue_voices(given: Any, speakers: set[str], voices: Any, config: ServeC
                 out[speaker] = None
                 continue
             prepared = voices.get(voice)
+            if prepared is None and (problem := name_problem(voice)) is not None:
+                raise _bad(f"{where}: {problem}", where, "invalid_name")
             if prepared is None:
                 raise _bad(f"{where}: voice {short(voice)} is not known; use one of "
                            f"{', '.join([DEFAULT_VOICE, *voices.names()])} (upload one with POST /v1/audio/voices), "
@@ -442,6 +445,8 @@ def _voice(body: dict, voices: Any, config: ServeConfig) -> tuple[str, dict[str,
         if voice == DEFAULT_VOICE:
             return voice, {}
         prepared = voices.get(voice)
+        if prepared is None and (problem := name_problem(voice)) is not None:  # no stored voice breaks the rule
+            raise _bad(problem, "voice", "invalid_name")
         if prepared is None:
             raise _bad(f"voice {short(voice)} is not known; use one of {', '.join([DEFAULT_VOICE, *voices.names()])} "
                        "(upload one with POST /v1/audio/voices), or clone with ref_audio and ref_text", "voice",

@@ -636,3 +636,27 @@ def test_synthesize_many_yields_a_blank_texts_error_in_its_place_as_the_readme_a
     engine = " ".join((root / "docs/using/engine.md").read_text().split())
     assert "so is an empty text, or one of only whitespace and format characters" in engine
     assert "It skips a blank line (nothing to speak: a file's layout) before handing the others to `synthesize_many`" in engine
+
+
+# issue 37, pass 4
+@pytest.mark.parametrize("name", ["p8\n", "q1\n", "default\n"])
+def test_a_voice_name_ending_in_a_line_feed_breaks_the_name_rule(name):
+    """Pass 4 finding 2: ``$`` matched before a final LF, so ``p8\\n`` was stored as a voice."""
+    from higgs_pack.runtime.backends.openvino.devices import _PLAIN_RE
+    from higgs_pack.runtime.sources.hub import parse_ref
+    from higgs_pack.serve.voices import name_problem
+
+    assert "is not allowed" in (name_problem(name) or "") and name_problem(name.rstrip()) in (None, name_problem("default"))
+    with pytest.raises(Exception, match="is not a hub reference"):
+        parse_ref("my-org/bundles\n")
+    assert _PLAIN_RE.fullmatch("CPU\n") is None
+
+
+def test_an_upload_name_or_voice_ending_in_a_line_feed_is_invalid_name(server, cases_dir):
+    answer = httpx.post(server.url + "/v1/audio/voices", timeout=60,
+                        files={"audio": ("r.wav", (cases_dir / "ref_en_16k.wav").read_bytes(), "audio/wav"),
+                               "name": (None, b"p8\r\n"), "transcript": (None, b"Hi.")})
+    assert answer.status_code == 400 and answer.json()["error"]["code"] == "invalid_name", answer.text
+    answer = _post(server, "/v1/audio/speech", {"input": "Hi.", "voice": "nosuch\n"})
+    assert answer.status_code == 400 and answer.json()["error"]["code"] == "invalid_name", answer.text
+    assert httpx.get(server.url + "/v1/audio/voices").json()["voices"][1:] == []

@@ -660,3 +660,43 @@ def test_an_upload_name_or_voice_ending_in_a_line_feed_is_invalid_name(server, c
     answer = _post(server, "/v1/audio/speech", {"input": "Hi.", "voice": "nosuch\n"})
     assert answer.status_code == 400 and answer.json()["error"]["code"] == "invalid_name", answer.text
     assert httpx.get(server.url + "/v1/audio/voices").json()["voices"][1:] == []
+
+
+def test_audio_at_a_path_that_is_not_utf8_is_written_and_read(tmp_path, cases_dir):
+    """Pass 4 finding 1: soundfile encodes a path as strict UTF-8, so ``-o`` at such a path was a
+    UnicodeEncodeError traceback after all the audio was made, and a clip there "not a readable
+    audio file"; Linux takes those bytes (``--subtitles`` and ``--text-file`` did)."""
+    import numpy as np
+
+    from higgs_pack import write_wav
+    from higgs_pack.runtime.audio import AudioSink, WavFileWriter, check_audio_file, load_audio
+
+    clip = tmp_path / os.fsdecode(b"c\xff.wav")
+    clip.write_bytes((cases_dir / "ref_en_16k.wav").read_bytes())
+    assert check_audio_file(clip) == clip
+    samples, rate = load_audio(clip)
+    assert np.array_equal(samples, load_audio(cases_dir / "ref_en_16k.wav")[0])
+    out = tmp_path / os.fsdecode(b"w\xff.wav")
+    assert write_wav(out, samples * 2, rate).scaled and load_audio(out)[1] == rate
+    with WavFileWriter(tmp_path / os.fsdecode(b"d\xe9.wav"), rate) as writer:  # 16-bit deferred: converted at the end
+        writer.write(samples)
+    with AudioSink(tmp_path / os.fsdecode(b"k\xe9.wav"), rate) as sink:
+        sink.write(samples)
+    assert len(load_audio(tmp_path / os.fsdecode(b"d\xe9.wav"))[0]) == len(samples)
+    assert len(load_audio(tmp_path / os.fsdecode(b"k\xe9.wav"))[0]) == len(samples)
+    assert sorted(os.listdir(os.fsencode(tmp_path))) == [b"c\xff.wav", b"d\xe9.wav", b"k\xe9.wav", b"w\xff.wav"]
+
+
+def test_cli_writes_and_reads_audio_at_a_path_that_is_not_utf8(tmp_path, cases_dir, cpu_int4_bundle):
+    clip = tmp_path / os.fsdecode(b"c\xff.wav")
+    clip.write_bytes((cases_dir / "ref_en_16k.wav").read_bytes())
+    out = _run("synthesize", cpu_int4_bundle, "--text", "Hi.", "-o", tmp_path / os.fsdecode(b"o\xff.wav"),
+               "--max-frames", "5", "--ref-audio", clip, "--ref-text", "Hello there.")
+    assert out.returncode == 0, out.stderr.decode()
+    assert (tmp_path / os.fsdecode(b"o\xff.wav")).stat().st_size > 44
+    lines = tmp_path / "two.txt"
+    lines.write_text("One.\nTwo.\n")
+    folder = tmp_path / os.fsdecode(b"b\xff")
+    out = _run("synthesize", cpu_int4_bundle, "--text-file", lines, "--batch", "2", "-o", folder, "--max-frames", "5")
+    assert out.returncode == 0, out.stderr.decode()
+    assert len([p for p in folder.iterdir() if p.suffix == ".wav"]) == 2

@@ -250,13 +250,13 @@ def _dialogue_voices(given: Any, speakers: set[str], voices: Any, config: ServeC
         return {}
     if not isinstance(given, dict):
         raise _bad(f"voices must be an object mapping a speaker to a voice, got {got(given)}", "voices")
-    from higgs_pack.runtime.loop.dialogue import speaker_name
+    from higgs_pack.runtime.loop.dialogue import key_problem, speaker_name
 
     out: dict[str, Any] = {}
     for key, voice in given.items():
-        problem = unspeakable(key, "a key of voices", "")
+        problem = key_problem(key, "a key of voices")  # as the Python and CLI doors check a speaker's key
         if problem is not None:
-            raise _bad(f"{problem}; a key of voices is the name of a speaker of the turns", "voices")
+            raise _bad(problem, "voices")
         speaker = speaker_name(key)  # as a turn's speaker is read: a leading BOM dropped, stripped
         where = f"voices.{speaker[:40]}"
         if speaker in out:

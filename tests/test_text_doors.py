@@ -700,3 +700,29 @@ def test_cli_writes_and_reads_audio_at_a_path_that_is_not_utf8(tmp_path, cases_d
     out = _run("synthesize", cpu_int4_bundle, "--text-file", lines, "--batch", "2", "-o", folder, "--max-frames", "5")
     assert out.returncode == 0, out.stderr.decode()
     assert len([p for p in folder.iterdir() if p.suffix == ".wav"]) == 2
+
+
+@pytest.mark.parametrize(("key", "said"), [("ANN\x00", "holds a control character at character 4 (U+0000"),
+                                           ("AN\x85N", "holds a control character at character 3 (U+0085"),
+                                           ("AN\ud800", "is not valid Unicode: character 3 is a lone surrogate")])
+def test_a_python_voices_key_follows_the_text_rule_as_https_does(cases_dir, key, said):
+    """Pass 4 finding 3: such a key was refused as a name "who speaks no turn" from Python."""
+    from higgs_pack.runtime.loop.dialogue import DialogueRequest
+
+    with pytest.raises(InputError) as found:
+        DialogueRequest.create([("ANN", "Hi.")], {key: (cases_dir / "ref_en_16k.wav", "Hello.")})
+    message = str(found.value)
+    assert message.startswith(f"voices[{key!r}] {said}") and "speaks no turn" not in message, message
+    assert f"; voices[{key!r}] is the name of a speaker of the turns; set it with voices=" in message, message
+
+
+@pytest.mark.parametrize(("name", "said"), [(os.fsdecode(b"AN\xc9"), "is not UTF-8 text (byte 3 is 0xC9"),
+                                            ("AN\x1bN", "holds a control character at character 3 (U+001B"),
+                                            ("AN\x85N", "holds a control character at character 3 (U+0085")])
+def test_a_voice_flags_name_follows_the_text_rule_as_a_scripts_speaker_does(cases_dir, name, said):
+    from higgs_pack.runtime.cli import _voice_flag
+
+    with pytest.raises(InputError) as found:
+        _voice_flag(f"{name}={cases_dir / 'ref_en_16k.wav'}:Hello.")
+    message = str(found.value)
+    assert message.startswith(f"the NAME of --voice {said}") and "\\udc" not in message, message

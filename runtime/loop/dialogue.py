@@ -157,6 +157,14 @@ def speaker_name(name: Any) -> Any:
     return name.strip() if isinstance(name, str) else name
 
 
+def key_problem(name: Any, what: str, who: str = "a speaker of the turns") -> str | None:
+    """Why ``name``, given as the speaker of a voice (a ``voices`` key, ``--voice NAME=``), cannot
+    name a speaker, or None: the one text rule (:func:`~higgs_pack.runtime.text.problem`), said
+    with ``what`` (each door's own name of the field) at every door."""
+    problem = unspeakable(name, what, "")
+    return None if problem is None else f"{problem}; {what} is the name of {who}"
+
+
 def as_turns(turns: Iterable[Any]) -> list[Any]:
     """``turns`` as :class:`Turn` items where they are ``Turn``, ``(speaker, text)`` pairs or
     ``{"speaker", "text"}`` mappings, each speaker's name stripped of surrounding whitespace;
@@ -274,7 +282,12 @@ class DialogueRequest:
             raise InputError(problems=[*found, Problem("voices", None, message=literal(
                 f"voices must be a mapping of speaker name to voice (a prepared voice, a (clip, transcript) "
                 f"pair or None), got {plain_type(voices)}"))])
-        voices = {speaker_name(name): voice for name, voice in (voices or {}).items()}  # as the turns' speakers
+        voices = dict(voices or {})
+        for name in list(voices):  # a key is a speaker's name: the text rule, as a turn's speaker and HTTP's key
+            if (problem := key_problem(name, f"voices[{name!r:.60}]")) is not None:
+                found.append(Problem.said(problem, "voices"))
+                del voices[name]
+        voices = {speaker_name(name): voice for name, voice in voices.items()}  # as the turns' speakers
         speakers = [] if found else list(dict.fromkeys(turn.speaker for turn in turns))  # (bad turns: no speakers)
         found += stray_voices(voices, speakers)
         chosen: dict[str, VoiceChoice] = {}

@@ -726,3 +726,23 @@ def test_a_voice_flags_name_follows_the_text_rule_as_a_scripts_speaker_does(case
         _voice_flag(f"{name}={cases_dir / 'ref_en_16k.wav'}:Hello.")
     message = str(found.value)
     assert message.startswith(f"the NAME of --voice {said}") and "\\udc" not in message, message
+
+
+def test_a_dialogue_voice_without_room_names_its_transcript_at_every_door(server, cases_dir, cpu_int4_bundle):
+    """Pass 4 finding 4: a voice transcript too long for the context was said of turns[0].input,
+    and Python named a voice transcript's special tokens with HTTP's field (voices.ANN.text)."""
+    import higgs_pack
+
+    answer = _post(server, "/v1/audio/dialogue", {
+        "turns": [{"speaker": "A", "input": "Hi."}], "max_new_tokens": 5,
+        "voices": {"A": {"audio": _clip_b64(cases_dir), "text": "Long " + "b" * 20000}}})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == "voices.A.text" and "positions of the decoder's context" in error["message"], error
+    tts = higgs_pack.load(cpu_int4_bundle)
+    clip = cases_dir / "ref_en_16k.wav"
+    with pytest.raises(InputError, match=r"^the transcript of voices\['ANN'\] contains the tokenizer's special"):
+        tts.dialogue([("ANN", "Hi.")], voices={"ANN": (clip, "Hi <|endoftext|>.")}, max_frames=5)
+    with pytest.raises(InputError, match=r"^the voice of 'ANN': the voice takes \d+ positions") as found:
+        tts.dialogue([("ANN", "Hi.")], voices={"ANN": (clip, "Long " + "b" * 20000)}, max_frames=5)
+    assert [problem.field for problem in found.value.problems] == ["voices.ANN.text"]

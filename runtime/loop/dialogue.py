@@ -35,13 +35,14 @@ from higgs_pack.runtime.loop.codec import check_voice_codes, encode_reference
 from higgs_pack.runtime.loop.pipeline import Pipeline
 from higgs_pack.runtime.loop.plan import CHUNK_WORDS, Cast, SynthesisPlan, most_positions
 from higgs_pack.runtime.loop.prompt import check_text_tokens
-from higgs_pack.runtime.loop.text_chunks import plan_chunks
+from higgs_pack.runtime.loop.text_chunks import plan_chunks, voice_room_problems
 from higgs_pack.runtime.request import (
     PreparedVoice,
     SynthesisRequest,
     Voice,
     plain_type,
     refuse,
+    say,
     unspeakable,
 )
 from higgs_pack.runtime.text import clean
@@ -355,8 +356,11 @@ def plan_dialogue(pipeline: Pipeline, request: DialogueRequest) -> SynthesisPlan
                 voices.append((voice.codes, voice.transcript))
             else:
                 voices.append((None, None))
+            if voices[-1][0] is not None:  # a voice with no room left is the voice's problem, not a turn's
+                refuse(voice_room_problems(pipeline, *voices[-1]))
         except InputError as exc:  # a transcript's or a clip's problem names that part of the voice
-            raise InputError(problems=[voice_problem(name, problem) for problem in exc.problems]) from exc
+            raise InputError(problems=[voice_problem(name, problem) for problem in exc.problems],
+                             render=say) from exc  # (Python: "the transcript of voices['ANN']")
         except HiggsPackError as exc:
             raise InputError(problems=[Problem(f"voices.{name}", None, message=literal(
                 f"the voice of {name!r}: {plain(exc)}"))]) from exc

@@ -335,8 +335,8 @@ def got(value: Any) -> str:
 #: The fields whose value is a name chosen from a list (the served model, a format, a live session's
 #: commit rule): read by :func:`chosen_names` as :func:`voice_name` reads a voice's name, a leading
 #: BOM dropped (the one text rule's :func:`~higgs_pack.runtime.text.clean`), so ``"\ufeffwav"`` is
-#: ``"wav"`` as ``"\ufeffdefault"`` is ``"default"``.
-CHOICE_FIELDS = ("model", "response_format", "stream_format", "split_granularity")
+#: ``"wav"`` as ``"\ufeffdefault"`` is ``"default"``; and a live message's ``type``.
+CHOICE_FIELDS = ("model", "response_format", "stream_format", "split_granularity", "type")
 
 
 def chosen_names(body: dict) -> dict:

@@ -746,3 +746,12 @@ def test_a_dialogue_voice_without_room_names_its_transcript_at_every_door(server
     with pytest.raises(InputError, match=r"^the voice of 'ANN': the voice takes \d+ positions") as found:
         tts.dialogue([("ANN", "Hi.")], voices={"ANN": (clip, "Long " + "b" * 20000)}, max_frames=5)
     assert [problem.field for problem in found.value.problems] == ["voices.ANN.text"]
+
+
+def test_a_live_messages_type_drops_a_leading_bom_as_every_other_name_like_field(server):
+    """Pass 4 finding 5: ``"\\ufeffinput.text"`` was unknown_type while a BOM is dropped on
+    model, voice, response_format and the JSON itself."""
+    events = _live(server, [{"type": BOM + "session.config", "max_new_tokens": 5},
+                            {"type": BOM + "input.text", "text": "Hi there."}])
+    assert [e for e in events if e["type"] == "error"] == [], events
+    assert _spoken(events) == ["Hi there."], events

@@ -34,6 +34,39 @@ PAD_REFERENCE_TO_S = 1.0
 SILENCE_PEAK = 1e-3
 
 
+class _OwnedSoundFile(sf.SoundFile):
+    """A :class:`soundfile.SoundFile` on a file object it closes with itself."""
+
+    def __init__(self, owned: BinaryIO, *args, **kwargs):
+        object.__setattr__(self, "_owned", owned)
+        try:
+            super().__init__(owned, *args, **kwargs)
+        except BaseException:
+            owned.close()
+            raise
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._owned.close()
+
+
+def sound_file(path: str | Path, mode: str = "r", *args, **kwargs) -> sf.SoundFile:
+    """``soundfile.SoundFile(path, mode, ...)`` for any path the operating system takes.
+
+    soundfile encodes a path as strict UTF-8, so a Linux path holding bytes that are not UTF-8
+    (Python hands them over as lone surrogates) raised a raw UnicodeEncodeError: such a path is
+    opened by Python (binary, ``w+b`` to write) and the file object handed over, closed with it.
+    """
+    name = os.fspath(path)
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return _OwnedSoundFile(open(name, "rb" if mode == "r" else "w+b"), mode, *args, **kwargs)
+    return sf.SoundFile(name, mode, *args, **kwargs)
+
+
 def clip_error(source: str, rest: str, code: str = "invalid_value") -> InputError:
     """The :class:`InputError` of an unusable reference clip, as data: a problem of the field
     ``ref_audio`` (the server names it in its own terms: ``ref_audio`` in a speech body, ``audio``
@@ -75,11 +108,12 @@ def check_audio_file(path: str | Path) -> Path:
     path = require_audio_file(path)
     source = f"reference audio {path}"
     try:
-        info = sf.info(str(path))
-    except (sf.LibsndfileError, RuntimeError, ValueError, TypeError) as exc:
+        with sound_file(path) as info:
+            frames, rate = info.frames, info.samplerate
+    except (sf.LibsndfileError, RuntimeError, ValueError, TypeError, OSError) as exc:
         raise _unreadable(source, exc, "") from exc
-    if info.frames > 0 and info.samplerate > 0:
-        _check_length(source, info.frames / info.samplerate)
+    if frames > 0 and rate > 0:
+        _check_length(source, frames / rate)
     return path
 
 
@@ -140,13 +174,13 @@ def _decode(file: Path | BinaryIO, source: str, how: str, max_seconds: float = M
     small compressed file of hours (1.1 MB of FLAC holding 4 hours decoded to 4.3 GB before) costs
     no more than a reference clip."""
     try:
-        with sf.SoundFile(file) as f:
+        with (sound_file(file) if isinstance(file, Path) else sf.SoundFile(file)) as f:
             rate, cap = int(f.samplerate), int(max_seconds * f.samplerate) + 1
             if f.frames > cap:
                 raise clip_error(source, f" is {f.frames / rate:.1f} s long; use a clip of at most "
                                          f"{max_seconds:g} s{limit} (3-10 s of speech works best)")
             data = f.read(frames=cap, dtype="float32", always_2d=True)
-    except (sf.LibsndfileError, RuntimeError, ValueError, TypeError) as exc:
+    except (sf.LibsndfileError, RuntimeError, ValueError, TypeError, OSError) as exc:
         raise _unreadable(source, exc, how) from exc
     if len(data) >= cap:
         raise clip_error(source, f" is longer than {max_seconds:g} s; use a clip of at most "
@@ -397,7 +431,7 @@ class WavFileWriter:
 
     def _open(self, where: Path, subtype: str) -> sf.SoundFile:
         try:
-            return sf.SoundFile(where, "w", self.sample_rate, 1, subtype=subtype, format="WAV")
+            return sound_file(where, "w", self.sample_rate, 1, subtype=subtype, format="WAV")
         except (sf.LibsndfileError, RuntimeError, OSError) as exc:
             if where is not self._target:
                 Path(where).unlink(missing_ok=True)
@@ -476,7 +510,7 @@ class WavFileWriter:
         if self._in_place:
             self._partial = None
             try:
-                with sf.SoundFile(floats) as source, open(self._target, "wb") as out:
+                with sound_file(floats) as source, open(self._target, "wb") as out:
                     out.write(streaming_wav_header(self.sample_rate, self.subtype, source.frames))
                     for block in source.blocks(WRITE_BLOCK_SAMPLES, dtype="float32"):
                         out.write(pcm_samples(block if scale is None else block * scale, self.subtype).tobytes())
@@ -486,7 +520,7 @@ class WavFileWriter:
         pcm = floats.with_name(floats.name + ".pcm")
         self._partial = pcm
         try:
-            with sf.SoundFile(floats) as source, sf.SoundFile(pcm, "w", self.sample_rate, 1, subtype="PCM_16",
+            with sound_file(floats) as source, sound_file(pcm, "w", self.sample_rate, 1, subtype="PCM_16",
                                                               format="WAV") as out:
                 for block in source.blocks(WRITE_BLOCK_SAMPLES, dtype="float32"):
                     out.write(block if scale is None else block * scale)
@@ -615,7 +649,7 @@ class AudioSink:
             if container != "wav":
                 raise InputError.of(Problem.said("raw PCM goes to stdout (-o -); a file output is a .wav"))
             try:
-                self._file = sf.SoundFile(target, "w", sample_rate, 1, subtype=subtype, format="WAV")
+                self._file = sound_file(target, "w", sample_rate, 1, subtype=subtype, format="WAV")
             except (sf.LibsndfileError, RuntimeError, OSError) as exc:
                 check_writable(target)  # names the cause libsndfile calls "System error."
                 raise InputError.of(Problem.said(f"cannot write {target}: {exc}; choose a writable path")) from exc

@@ -649,9 +649,15 @@ def _voice_flag(value: str) -> tuple[str, tuple[Path, str]]:
         click.BadParameter: no ``=``, no file, or no transcript (each with the form expected).
         InputError: the transcript's bytes are not UTF-8 (:func:`argument_text`, as ``--ref-text``'s).
     """
-    from higgs_pack.runtime.loop.dialogue import speaker_name
+    from higgs_pack.runtime.loop.dialogue import key_problem, speaker_name
 
     name, sep, rest = value.partition("=")
+    if sep:  # the speaker's name: its bytes and characters judged as a script's speaker's are
+        from higgs_pack.errors import InputError, Problem
+
+        name = argument_text(name, "the NAME of --voice")
+        if speaker_name(name) and (problem := key_problem(name, "the NAME of --voice", "a speaker of the script")):
+            raise InputError.of(Problem.said(problem, "voices"))
     name = speaker_name(name)  # as a script's speaker: a leading BOM dropped
     if not sep or not name:
         raise click.BadParameter(f"{value[:80]!r}: write a voice as NAME=clip.wav:\"exact words of the clip\"",

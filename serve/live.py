@@ -303,6 +303,7 @@ class Session:
                            code=exc.code) from exc
         if not isinstance(data, dict):
             raise _bad("a message is a JSON object with a \"type\"", "type", "invalid_message")
+        data = chosen_names(data)  # "\ufeffinput.text" is input.text, as a config's "\ufeffwav" is wav
         kind = data.get("type")
         if kind not in MESSAGES:
             raise _bad(f"type {got(kind)} is not a message of this protocol; use one of {', '.join(MESSAGES)}",
@@ -737,7 +738,7 @@ _UNIQUE_KEYS = functools.partial(unique_keys, where="the message")
 def _message_type(text: str) -> Any:
     """The ``type`` of a JSON message read without the duplicate check (None when it has none)."""
     data = json.loads(text)
-    return data.get("type") if isinstance(data, dict) else None
+    return chosen_names(data).get("type") if isinstance(data, dict) else None
 
 
 def error_event(exc: ApiError, text_param: str | None = None) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from higgs_pack.serve.errors import ApiError, from_input_error, refused
 from higgs_pack.serve.formats import DEFAULT_FORMAT, FORMATS, decode_with_ffmpeg
 from higgs_pack.serve.schema import DialogueBody, SpeechBody
 from higgs_pack.serve.tempo import SPEED_RANGE
+from higgs_pack.serve.voices import name_problem
 
 #: Every field the body may hold (its model's, :class:`~higgs_pack.serve.schema.SpeechBody`).
 FIELDS = tuple(SpeechBody.model_fields)
@@ -249,13 +250,13 @@ def _dialogue_voices(given: Any, speakers: set[str], voices: Any, config: ServeC
         return {}
     if not isinstance(given, dict):
         raise _bad(f"voices must be an object mapping a speaker to a voice, got {got(given)}", "voices")
-    from higgs_pack.runtime.loop.dialogue import speaker_name
+    from higgs_pack.runtime.loop.dialogue import key_problem, speaker_name
 
     out: dict[str, Any] = {}
     for key, voice in given.items():
-        problem = unspeakable(key, "a key of voices", "")
+        problem = key_problem(key, "a key of voices")  # as the Python and CLI doors check a speaker's key
         if problem is not None:
-            raise _bad(f"{problem}; a key of voices is the name of a speaker of the turns", "voices")
+            raise _bad(problem, "voices")
         speaker = speaker_name(key)  # as a turn's speaker is read: a leading BOM dropped, stripped
         where = f"voices.{speaker[:40]}"
         if speaker in out:
@@ -272,6 +273,8 @@ def _dialogue_voices(given: Any, speakers: set[str], voices: Any, config: ServeC
                 out[speaker] = None
                 continue
             prepared = voices.get(voice)
+            if prepared is None and (problem := name_problem(voice)) is not None:
+                raise _bad(f"{where}: {problem}", where, "invalid_name")
             if prepared is None:
                 raise _bad(f"{where}: voice {short(voice)} is not known; use one of "
                            f"{', '.join([DEFAULT_VOICE, *voices.names()])} (upload one with POST /v1/audio/voices), "
@@ -332,8 +335,8 @@ def got(value: Any) -> str:
 #: The fields whose value is a name chosen from a list (the served model, a format, a live session's
 #: commit rule): read by :func:`chosen_names` as :func:`voice_name` reads a voice's name, a leading
 #: BOM dropped (the one text rule's :func:`~higgs_pack.runtime.text.clean`), so ``"\ufeffwav"`` is
-#: ``"wav"`` as ``"\ufeffdefault"`` is ``"default"``.
-CHOICE_FIELDS = ("model", "response_format", "stream_format", "split_granularity")
+#: ``"wav"`` as ``"\ufeffdefault"`` is ``"default"``; and a live message's ``type``.
+CHOICE_FIELDS = ("model", "response_format", "stream_format", "split_granularity", "type")
 
 
 def chosen_names(body: dict) -> dict:
@@ -442,6 +445,8 @@ def _voice(body: dict, voices: Any, config: ServeConfig) -> tuple[str, dict[str,
         if voice == DEFAULT_VOICE:
             return voice, {}
         prepared = voices.get(voice)
+        if prepared is None and (problem := name_problem(voice)) is not None:  # no stored voice breaks the rule
+            raise _bad(problem, "voice", "invalid_name")
         if prepared is None:
             raise _bad(f"voice {short(voice)} is not known; use one of {', '.join([DEFAULT_VOICE, *voices.names()])} "
                        "(upload one with POST /v1/audio/voices), or clone with ref_audio and ref_text", "voice",

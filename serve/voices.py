@@ -53,7 +53,7 @@ def name_problem(name: Any) -> str | None:
     """Why ``name`` cannot name a voice, or None when it can."""
     if not isinstance(name, str) or not name:
         return f"a voice needs a name ({NAME_RULE})"
-    if not NAME_PATTERN.match(name) or ".." in name:
+    if not NAME_PATTERN.fullmatch(name) or ".." in name:
         return f"voice name {name[:80]!r} is not allowed: use {NAME_RULE}"
     if name.lower() in RESERVED:  # Default is default: stored voices' names differ by more than case
         return f"voice name {name!r} is reserved ({', '.join(RESERVED)}); choose another"

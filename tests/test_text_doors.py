@@ -636,3 +636,122 @@ def test_synthesize_many_yields_a_blank_texts_error_in_its_place_as_the_readme_a
     engine = " ".join((root / "docs/using/engine.md").read_text().split())
     assert "so is an empty text, or one of only whitespace and format characters" in engine
     assert "It skips a blank line (nothing to speak: a file's layout) before handing the others to `synthesize_many`" in engine
+
+
+# issue 37, pass 4
+@pytest.mark.parametrize("name", ["p8\n", "q1\n", "default\n"])
+def test_a_voice_name_ending_in_a_line_feed_breaks_the_name_rule(name):
+    """Pass 4 finding 2: ``$`` matched before a final LF, so ``p8\\n`` was stored as a voice."""
+    from higgs_pack.runtime.backends.openvino.devices import _PLAIN_RE
+    from higgs_pack.runtime.sources.hub import parse_ref
+    from higgs_pack.serve.voices import name_problem
+
+    assert "is not allowed" in (name_problem(name) or "") and name_problem(name.rstrip()) in (None, name_problem("default"))
+    with pytest.raises(Exception, match="is not a hub reference"):
+        parse_ref("my-org/bundles\n")
+    assert _PLAIN_RE.fullmatch("CPU\n") is None
+
+
+def test_an_upload_name_or_voice_ending_in_a_line_feed_is_invalid_name(server, cases_dir):
+    answer = httpx.post(server.url + "/v1/audio/voices", timeout=60,
+                        files={"audio": ("r.wav", (cases_dir / "ref_en_16k.wav").read_bytes(), "audio/wav"),
+                               "name": (None, b"p8\r\n"), "transcript": (None, b"Hi.")})
+    assert answer.status_code == 400 and answer.json()["error"]["code"] == "invalid_name", answer.text
+    answer = _post(server, "/v1/audio/speech", {"input": "Hi.", "voice": "nosuch\n"})
+    assert answer.status_code == 400 and answer.json()["error"]["code"] == "invalid_name", answer.text
+    assert httpx.get(server.url + "/v1/audio/voices").json()["voices"][1:] == []
+
+
+def test_audio_at_a_path_that_is_not_utf8_is_written_and_read(tmp_path, cases_dir):
+    """Pass 4 finding 1: soundfile encodes a path as strict UTF-8, so ``-o`` at such a path was a
+    UnicodeEncodeError traceback after all the audio was made, and a clip there "not a readable
+    audio file"; Linux takes those bytes (``--subtitles`` and ``--text-file`` did)."""
+    import numpy as np
+
+    from higgs_pack import write_wav
+    from higgs_pack.runtime.audio import AudioSink, WavFileWriter, check_audio_file, load_audio
+
+    clip = tmp_path / os.fsdecode(b"c\xff.wav")
+    clip.write_bytes((cases_dir / "ref_en_16k.wav").read_bytes())
+    assert check_audio_file(clip) == clip
+    samples, rate = load_audio(clip)
+    assert np.array_equal(samples, load_audio(cases_dir / "ref_en_16k.wav")[0])
+    out = tmp_path / os.fsdecode(b"w\xff.wav")
+    assert write_wav(out, samples * 2, rate).scaled and load_audio(out)[1] == rate
+    with WavFileWriter(tmp_path / os.fsdecode(b"d\xe9.wav"), rate) as writer:  # 16-bit deferred: converted at the end
+        writer.write(samples)
+    with AudioSink(tmp_path / os.fsdecode(b"k\xe9.wav"), rate) as sink:
+        sink.write(samples)
+    assert len(load_audio(tmp_path / os.fsdecode(b"d\xe9.wav"))[0]) == len(samples)
+    assert len(load_audio(tmp_path / os.fsdecode(b"k\xe9.wav"))[0]) == len(samples)
+    assert sorted(os.listdir(os.fsencode(tmp_path))) == [b"c\xff.wav", b"d\xe9.wav", b"k\xe9.wav", b"w\xff.wav"]
+
+
+def test_cli_writes_and_reads_audio_at_a_path_that_is_not_utf8(tmp_path, cases_dir, cpu_int4_bundle):
+    clip = tmp_path / os.fsdecode(b"c\xff.wav")
+    clip.write_bytes((cases_dir / "ref_en_16k.wav").read_bytes())
+    out = _run("synthesize", cpu_int4_bundle, "--text", "Hi.", "-o", tmp_path / os.fsdecode(b"o\xff.wav"),
+               "--max-frames", "5", "--ref-audio", clip, "--ref-text", "Hello there.")
+    assert out.returncode == 0, out.stderr.decode()
+    assert (tmp_path / os.fsdecode(b"o\xff.wav")).stat().st_size > 44
+    lines = tmp_path / "two.txt"
+    lines.write_text("One.\nTwo.\n")
+    folder = tmp_path / os.fsdecode(b"b\xff")
+    out = _run("synthesize", cpu_int4_bundle, "--text-file", lines, "--batch", "2", "-o", folder, "--max-frames", "5")
+    assert out.returncode == 0, out.stderr.decode()
+    assert len([p for p in folder.iterdir() if p.suffix == ".wav"]) == 2
+
+
+@pytest.mark.parametrize(("key", "said"), [("ANN\x00", "holds a control character at character 4 (U+0000"),
+                                           ("AN\x85N", "holds a control character at character 3 (U+0085"),
+                                           ("AN\ud800", "is not valid Unicode: character 3 is a lone surrogate")])
+def test_a_python_voices_key_follows_the_text_rule_as_https_does(cases_dir, key, said):
+    """Pass 4 finding 3: such a key was refused as a name "who speaks no turn" from Python."""
+    from higgs_pack.runtime.loop.dialogue import DialogueRequest
+
+    with pytest.raises(InputError) as found:
+        DialogueRequest.create([("ANN", "Hi.")], {key: (cases_dir / "ref_en_16k.wav", "Hello.")})
+    message = str(found.value)
+    assert message.startswith(f"voices[{key!r}] {said}") and "speaks no turn" not in message, message
+    assert f"; voices[{key!r}] is the name of a speaker of the turns; set it with voices=" in message, message
+
+
+@pytest.mark.parametrize(("name", "said"), [(os.fsdecode(b"AN\xc9"), "is not UTF-8 text (byte 3 is 0xC9"),
+                                            ("AN\x1bN", "holds a control character at character 3 (U+001B"),
+                                            ("AN\x85N", "holds a control character at character 3 (U+0085")])
+def test_a_voice_flags_name_follows_the_text_rule_as_a_scripts_speaker_does(cases_dir, name, said):
+    from higgs_pack.runtime.cli import _voice_flag
+
+    with pytest.raises(InputError) as found:
+        _voice_flag(f"{name}={cases_dir / 'ref_en_16k.wav'}:Hello.")
+    message = str(found.value)
+    assert message.startswith(f"the NAME of --voice {said}") and "\\udc" not in message, message
+
+
+def test_a_dialogue_voice_without_room_names_its_transcript_at_every_door(server, cases_dir, cpu_int4_bundle):
+    """Pass 4 finding 4: a voice transcript too long for the context was said of turns[0].input,
+    and Python named a voice transcript's special tokens with HTTP's field (voices.ANN.text)."""
+    import higgs_pack
+
+    answer = _post(server, "/v1/audio/dialogue", {
+        "turns": [{"speaker": "A", "input": "Hi."}], "max_new_tokens": 5,
+        "voices": {"A": {"audio": _clip_b64(cases_dir), "text": "Long " + "b" * 20000}}})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == "voices.A.text" and "positions of the decoder's context" in error["message"], error
+    tts = higgs_pack.load(cpu_int4_bundle)
+    clip = cases_dir / "ref_en_16k.wav"
+    with pytest.raises(InputError, match=r"^the transcript of voices\['ANN'\] contains the tokenizer's special"):
+        tts.dialogue([("ANN", "Hi.")], voices={"ANN": (clip, "Hi <|endoftext|>.")}, max_frames=5)
+    with pytest.raises(InputError, match=r"^the voice of 'ANN': the voice takes \d+ positions") as found:
+        tts.dialogue([("ANN", "Hi.")], voices={"ANN": (clip, "Long " + "b" * 20000)}, max_frames=5)
+    assert [problem.field for problem in found.value.problems] == ["voices.ANN.text"]
+
+
+def test_a_live_messages_type_drops_a_leading_bom_as_every_other_name_like_field(server):
+    """Pass 4 finding 5: ``"\\ufeffinput.text"`` was unknown_type while a BOM is dropped on
+    model, voice, response_format and the JSON itself."""
+    events = _live(server, [{"type": BOM + "session.config", "max_new_tokens": 5},
+                            {"type": BOM + "input.text", "text": "Hi there."}])
+    assert [e for e in events if e["type"] == "error"] == [], events
+    assert _spoken(events) == ["Hi there."], events

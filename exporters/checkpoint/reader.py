@@ -119,7 +119,7 @@ def open_checkpoint(
                 f"config.json, model*.safetensors and tokenizer.json. {_FIX_MODEL}"
             )
         return HiggsCheckpoint(path, source=text)
-    if isinstance(path_or_repo, Path) or not _REPO_ID.match(text):
+    if isinstance(path_or_repo, Path) or not _REPO_ID.fullmatch(text):
         raise CheckpointError(
             f"checkpoint directory {path} does not exist (and {text!r} is not a Hub repo id "
             f"of the form owner/name). {_FIX_MODEL}"

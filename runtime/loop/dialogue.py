@@ -35,13 +35,14 @@ from higgs_pack.runtime.loop.codec import check_voice_codes, encode_reference
 from higgs_pack.runtime.loop.pipeline import Pipeline
 from higgs_pack.runtime.loop.plan import CHUNK_WORDS, Cast, SynthesisPlan, most_positions
 from higgs_pack.runtime.loop.prompt import check_text_tokens
-from higgs_pack.runtime.loop.text_chunks import plan_chunks
+from higgs_pack.runtime.loop.text_chunks import plan_chunks, voice_room_problems
 from higgs_pack.runtime.request import (
     PreparedVoice,
     SynthesisRequest,
     Voice,
     plain_type,
     refuse,
+    say,
     unspeakable,
 )
 from higgs_pack.runtime.text import clean
@@ -155,6 +156,14 @@ def speaker_name(name: Any) -> Any:
     whitespace stripped (" ANN " is ANN, as in a script); what is not a string is kept as it is."""
     name = clean(name)
     return name.strip() if isinstance(name, str) else name
+
+
+def key_problem(name: Any, what: str, who: str = "a speaker of the turns") -> str | None:
+    """Why ``name``, given as the speaker of a voice (a ``voices`` key, ``--voice NAME=``), cannot
+    name a speaker, or None: the one text rule (:func:`~higgs_pack.runtime.text.problem`), said
+    with ``what`` (each door's own name of the field) at every door."""
+    problem = unspeakable(name, what, "")
+    return None if problem is None else f"{problem}; {what} is the name of {who}"
 
 
 def as_turns(turns: Iterable[Any]) -> list[Any]:
@@ -274,7 +283,12 @@ class DialogueRequest:
             raise InputError(problems=[*found, Problem("voices", None, message=literal(
                 f"voices must be a mapping of speaker name to voice (a prepared voice, a (clip, transcript) "
                 f"pair or None), got {plain_type(voices)}"))])
-        voices = {speaker_name(name): voice for name, voice in (voices or {}).items()}  # as the turns' speakers
+        voices = dict(voices or {})
+        for name in list(voices):  # a key is a speaker's name: the text rule, as a turn's speaker and HTTP's key
+            if (problem := key_problem(name, f"voices[{name!r:.60}]")) is not None:
+                found.append(Problem.said(problem, "voices"))
+                del voices[name]
+        voices = {speaker_name(name): voice for name, voice in voices.items()}  # as the turns' speakers
         speakers = [] if found else list(dict.fromkeys(turn.speaker for turn in turns))  # (bad turns: no speakers)
         found += stray_voices(voices, speakers)
         chosen: dict[str, VoiceChoice] = {}
@@ -342,8 +356,11 @@ def plan_dialogue(pipeline: Pipeline, request: DialogueRequest) -> SynthesisPlan
                 voices.append((voice.codes, voice.transcript))
             else:
                 voices.append((None, None))
+            if voices[-1][0] is not None:  # a voice with no room left is the voice's problem, not a turn's
+                refuse(voice_room_problems(pipeline, *voices[-1]))
         except InputError as exc:  # a transcript's or a clip's problem names that part of the voice
-            raise InputError(problems=[voice_problem(name, problem) for problem in exc.problems]) from exc
+            raise InputError(problems=[voice_problem(name, problem) for problem in exc.problems],
+                             render=say) from exc  # (Python: "the transcript of voices['ANN']")
         except HiggsPackError as exc:
             raise InputError(problems=[Problem(f"voices.{name}", None, message=literal(
                 f"the voice of {name!r}: {plain(exc)}"))]) from exc

@@ -65,7 +65,7 @@ def parse_ref(text: str) -> HubRef:
         HubError: not of that form (the message shows the form and an example).
     """
     body = text[len(SCHEME):] if text.startswith(SCHEME) else text
-    match = _REF.match(body)
+    match = _REF.fullmatch(body)
     if not match:
         raise HubError(
             f"{text!r} is not a hub reference; the form is [hf://]ORG/REPO[@REVISION][/VARIANT], "

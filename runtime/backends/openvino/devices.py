@@ -68,9 +68,9 @@ def normalize_device(device: str) -> str:
     base, sep, rest = text.partition(":")
     ok = False
     if not sep:
-        ok = bool(_PLAIN_RE.match(text)) or text == "AUTO"
+        ok = bool(_PLAIN_RE.fullmatch(text)) or text == "AUTO"
     elif base in META_DEVICES and rest:
-        ok = all(_PLAIN_RE.match(part) for part in rest.split(","))
+        ok = all(_PLAIN_RE.fullmatch(part) for part in rest.split(","))
     if not ok:
         raise ExecutionProviderUnavailable(
             f"unknown OpenVINO device {device!r}; allowed forms: {_ALLOWED_FORMS}. "

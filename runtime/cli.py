@@ -586,7 +586,7 @@ def dialogue(bundle, script, output, voices, subtitles, execution_provider, devi
     higgs-pack dialogue BUNDLE script.txt -o talk.wav --subtitles talk.srt --voice ANN=ann.wav:"Words of the clip."
     """
     from higgs_pack.runtime.api import load
-    from higgs_pack.runtime.loop.dialogue import DialogueRequest, parse_script
+    from higgs_pack.runtime.loop.dialogue import DialogueRequest, named_twice, parse_script
     from higgs_pack.runtime.sources.bundle import require_bundle_dir
 
     require_bundle_dir(Path(bundle), folders_of_bundles=True)
@@ -598,7 +598,7 @@ def dialogue(bundle, script, output, voices, subtitles, execution_provider, devi
     _check_output(output, bundle, inputs)
     check_subtitles(subtitles, output, inputs)
     turns = parse_script(_read_script(script), _source_name(script), voices=[name for name, _ in chosen])
-    twice = sorted({name for name, _ in chosen if [n for n, _ in chosen].count(name) > 1})
+    twice = sorted(named_twice(name for name, _ in chosen))
     if twice:
         raise click.BadParameter(f"--voice gives {', '.join(map(repr, twice))} more than once; give each speaker "
                                  "one voice", param_hint="--voice")

@@ -250,18 +250,19 @@ def _dialogue_voices(given: Any, speakers: set[str], voices: Any, config: ServeC
         return {}
     if not isinstance(given, dict):
         raise _bad(f"voices must be an object mapping a speaker to a voice, got {got(given)}", "voices")
-    from higgs_pack.runtime.loop.dialogue import key_problem, speaker_name
+    from higgs_pack.runtime.loop.dialogue import key_problem, named_twice, speaker_name
 
     out: dict[str, Any] = {}
+    twice = named_twice(k for k in given if key_problem(k, "a key of voices") is None)
     for key, voice in given.items():
         problem = key_problem(key, "a key of voices")  # as the Python and CLI doors check a speaker's key
         if problem is not None:
             raise _bad(problem, "voices")
         speaker = speaker_name(key)  # as a turn's speaker is read: a leading BOM dropped, stripped
         where = f"voices.{speaker[:40]}"
-        if speaker in out:
-            raise _bad(f"voices gives {short(speaker)} more than once ({short(key)} is the same name)", where,
-                       "duplicate_field")
+        if speaker in twice:
+            raise _bad(f"voices gives {short(speaker)} more than once (the keys {', '.join(map(short, twice[speaker]))} "
+                       "are one speaker's name); give each speaker one voice", where, "duplicate_field")
         if speaker not in speakers:
             raise _bad(f"voices names {short(speaker)}, who speaks no turn; the speakers are "
                        f"{', '.join(sorted(map(repr, speakers))[:20])}", where, "unknown_speaker")

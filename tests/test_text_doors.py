@@ -755,3 +755,20 @@ def test_a_live_messages_type_drops_a_leading_bom_as_every_other_name_like_field
                             {"type": BOM + "input.text", "text": "Hi there."}])
     assert [e for e in events if e["type"] == "error"] == [], events
     assert _spoken(events) == ["Hi there."], events
+
+
+def test_one_speaker_given_two_voices_by_keys_read_alike_is_refused_at_every_door(server, tmp_path):
+    """"A", " A " and "A\\n" are one speaker's name (speaker_name): HTTP refused two such keys as
+    duplicate_field (naming only one of them) and --voice as given more than once, while Python's
+    voices= took them and kept one voice silently (a fifth new-user pass)."""
+    from higgs_pack.runtime.loop.dialogue import DialogueRequest, named_twice
+
+    assert named_twice(["A", "B", " A ", "A\n", BOM + "B"]) == {"A": ["A", " A ", "A\n"], "B": ["B", BOM + "B"]}
+    assert named_twice(["A", "B"]) == {}
+    with pytest.raises(InputError, match=r"voices gives 'A' more than once \(the keys 'A', 'A\\n' are one"):
+        DialogueRequest.create([("A", "Hi.")], {"A": None, "A\n": None})
+    answer = _post(server, "/v1/audio/dialogue", {"turns": [{"speaker": "A", "input": "Hi."}],
+                                                  "voices": {"A\n": "default", "A": "default"}})
+    error = answer.json()["error"]
+    assert answer.status_code == 400 and error["code"] == "duplicate_field", answer.text
+    assert "the keys 'A\\n', 'A' are one speaker's name" in error["message"], error["message"]

@@ -158,6 +158,16 @@ def speaker_name(name: Any) -> Any:
     return name.strip() if isinstance(name, str) else name
 
 
+def named_twice(keys: Iterable[Any]) -> dict[Any, list[Any]]:
+    """The speakers that more than one of ``keys`` names once read as :func:`speaker_name` reads
+    them (``"A"``, ``" A "`` and ``"A\\n"`` are one speaker), each with those keys in their order:
+    every door refuses them (HTTP ``duplicate_field``, ``--voice``, Python ``voices``)."""
+    seen: dict[Any, list[Any]] = {}
+    for key in keys:
+        seen.setdefault(speaker_name(key), []).append(key)
+    return {speaker: given for speaker, given in seen.items() if len(given) > 1}
+
+
 def key_problem(name: Any, what: str, who: str = "a speaker of the turns") -> str | None:
     """Why ``name``, given as the speaker of a voice (a ``voices`` key, ``--voice NAME=``), cannot
     name a speaker, or None: the one text rule (:func:`~higgs_pack.runtime.text.problem`), said
@@ -288,6 +298,10 @@ class DialogueRequest:
             if (problem := key_problem(name, f"voices[{name!r:.60}]")) is not None:
                 found.append(Problem.said(problem, "voices"))
                 del voices[name]
+        for speaker, given in named_twice(voices).items():  # one speaker, two keys: as HTTP and --voice refuse it
+            found.append(Problem.said(f"voices gives {speaker!r:.60} more than once (the keys "
+                                      f"{', '.join(f'{key!r:.60}' for key in given)} are one speaker's name); "
+                                      "give each speaker one voice", "voices"))
         voices = {speaker_name(name): voice for name, voice in voices.items()}  # as the turns' speakers
         speakers = [] if found else list(dict.fromkeys(turn.speaker for turn in turns))  # (bad turns: no speakers)
         found += stray_voices(voices, speakers)

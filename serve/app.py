@@ -54,7 +54,7 @@ from higgs_pack.serve.speech import (
     parse_speech,
     reference_clip,
     short,
-    unique_keys,
+    unique_json,
 )
 from higgs_pack.serve.upload import Upload, given_name, read_upload
 
@@ -405,7 +405,7 @@ def _parse_json(data: bytes | bytearray) -> Any:
         InputError: not UTF-8 (the byte named).
         json.JSONDecodeError: not JSON.
     """
-    return json.loads(decode(data, "the body", fix="send the JSON as UTF-8"), object_pairs_hook=unique_keys)
+    return unique_json(decode(data, "the body", fix="send the JSON as UTF-8"))
 
 
 def _routes(app: FastAPI, server: SpeechServer) -> None:

@@ -106,7 +106,7 @@ from higgs_pack.serve.speech import (
     chosen_names,
     got,
     parse_speech,
-    unique_keys,
+    unique_json,
     unknown_fields,
 )
 from higgs_pack.serve.tempo import TimeStretch, scale_spans
@@ -291,7 +291,7 @@ class Session:
                        "input.flush, input.done, input.cancel)", "type", "invalid_message")
         text = text_rule.clean(message.get("text") or "")  # a BOM before the JSON dropped, as an HTTP body's
         try:
-            data = json.loads(text, object_pairs_hook=_UNIQUE_KEYS)
+            data = unique_json(text, "the message")
         except json.JSONDecodeError as exc:
             raise _bad(f"the message is not JSON ({exc}); send a JSON object with a \"type\"", "type",
                        "invalid_json") from exc
@@ -731,8 +731,6 @@ def live_options(fields: dict[str, Any]) -> dict[str, Any]:
     return {"granularity": granularity, "first_words": words}
 
 
-#: A live message's keys, each given once (the HTTP door's check: :func:`~higgs_pack.serve.speech.unique_keys`).
-_UNIQUE_KEYS = functools.partial(unique_keys, where="the message")
 
 
 def _message_type(text: str) -> Any:

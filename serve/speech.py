@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -303,20 +304,52 @@ def unknown_fields(unknown: list[str], known: tuple[str, ...], kind: str = "fiel
     return message
 
 
-def unique_keys(pairs: list[tuple[str, Any]], where: str = "the JSON body") -> dict[str, Any]:
-    """A JSON object's pairs as a dict, refusing a key given twice (which value counts is ambiguous):
-    ``json.loads``'s ``object_pairs_hook`` of every JSON door (the HTTP bodies; a live message, with
+class _Keyed(dict):
+    """A JSON object as :func:`unique_json` parses it: ``twice`` is the first key given twice in it."""
+
+    twice: str | None = None
+
+
+def _keyed(pairs: list[tuple[str, Any]]) -> _Keyed:
+    out = _Keyed()
+    for key, value in pairs:
+        if key in out and out.twice is None:
+            out.twice = key
+        out[key] = value
+    return out
+
+
+def _twice_at(value: Any, path: str = "") -> tuple[str, str] | None:
+    """The first key given twice in ``value`` and its name in the request (``voices.A``,
+    ``turns[0].speaker``, ``input``), or None."""
+    if isinstance(value, _Keyed):
+        if value.twice is not None:
+            return (f"{path}.{value.twice}" if path else value.twice), value.twice
+        children = ((f"{path}.{key}" if path else key, item) for key, item in value.items())
+    elif isinstance(value, list):
+        children = ((f"{path}[{i}]", item) for i, item in enumerate(value))
+    else:
+        return None
+    return next((found for name, item in children if (found := _twice_at(item, name)) is not None), None)
+
+
+def unique_json(text: str, where: str = "the JSON body") -> Any:
+    """``text`` parsed as JSON, refusing a key given twice in any object (which value counts is
+    ambiguous), named by its place in the request as every other field is (``voices.A``,
+    ``turns[0].speaker``): every JSON door's parser (the HTTP bodies; a live message, with
     ``where`` "the message").
 
     Raises:
-        ApiError: 400 ``duplicate_field`` naming the key.
+        json.JSONDecodeError: not JSON.
+        ApiError: 400 ``duplicate_field`` naming the key and its place.
     """
-    seen: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in seen:
-            raise _bad(f"{where} gives {short(key)} twice; give each field once", key[:80], "duplicate_field")
-        seen[key] = value
-    return seen
+    data = json.loads(text, object_pairs_hook=_keyed)
+    found = _twice_at(data)
+    if found is not None:
+        place, key = found
+        raise _bad(f"{where} gives {short(key)} twice{'' if place == key else f' (at {short(place)})'}; "
+                   "give each field once", clipped(place), "duplicate_field")
+    return data
 
 
 def short(value: Any) -> str:

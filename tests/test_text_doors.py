@@ -407,7 +407,8 @@ def test_a_json_key_that_is_a_lone_surrogate_is_a_400_naming_it_escaped(server, 
         answer = client.post(server.url + route, content=body, headers={"Content-Type": "application/json"})
         assert answer.status_code == 400, answer.text
         error = answer.json()["error"]
-        assert error["code"] in ("unknown_field", "duplicate_field") and error["param"] == "\\ud800", error
+        assert error["code"] in ("unknown_field", "duplicate_field"), error
+        assert error["param"] in ("\\ud800", "turns[0].\\ud800"), error  # a nested key named by its place
         assert "\\ud800" in error["message"]
         assert client.get(server.url + "/health").status_code == 200
 
@@ -772,3 +773,22 @@ def test_one_speaker_given_two_voices_by_keys_read_alike_is_refused_at_every_doo
     error = answer.json()["error"]
     assert answer.status_code == 400 and error["code"] == "duplicate_field", answer.text
     assert "the keys 'A\\n', 'A' are one speaker's name" in error["message"], error["message"]
+
+
+@pytest.mark.parametrize(("route", "body", "place"), [
+    ("/v1/audio/speech", '"input": "a", "input": "b"', "input"),
+    ("/v1/audio/dialogue", '"turns": [{"speaker": "A", "speaker": "B", "input": "Hi."}]', "turns[0].speaker"),
+    ("/v1/audio/dialogue", '"turns": [{"speaker": "A", "input": "Hi."}], "voices": {"A": "default", "A": "x"}',
+     "voices.A"),
+    ("/v1/audio/speech", '"input": "Hi.", "references": [{"audio": "", "text": "a", "text": "b"}]',
+     "references[0].text"),
+])
+def test_a_key_given_twice_is_named_by_its_place_in_the_body(server, route, body, place):
+    """A fifth new-user pass: a nested key given twice was named bare ('speaker', 'A', 'text'), where
+    every other problem names its field's place in the body (turns[0].speaker)."""
+    answer = httpx.post(server.url + route, content=f'{{"model": "higgs-audio-v3-tiny", {body}}}'.encode(),
+                        headers={"Content-Type": "application/json"}, timeout=60)
+    error = answer.json()["error"]
+    assert answer.status_code == 400 and (error["code"], error["param"]) == ("duplicate_field", place), error
+    key = place.rsplit(".", 1)[-1]
+    assert f"gives {key!r} twice" in error["message"], error["message"]

@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import skip_on_amx
 
 # Without OpenVINO (a runtime venv with only [cpu]) this module skips, naming the package, instead of
 # failing collection.
@@ -182,6 +183,7 @@ def test_rows_at_different_positions_give_their_hidden_states_alone(tts, tts_f32
     """Four rows with prompts of 9, 30, 4 and 17 positions joining at steps 0, 0, 5 and 12:
     every hidden state equals the row's run alone, bit for bit with an f32 cache and within
     :data:`U8_TOLERANCE` with the bundle's u8 cache."""
+    skip_on_amx()
     plan = [(0, 9, 0), (1, 30, 0), (2, 4, 5), (3, 17, 12)]
     for loaded, exact in ((tts_f32, True), (tts, False)):
         decoder = _decoder(loaded)
@@ -352,6 +354,7 @@ def test_eight_concurrent_requests(ov_int4_bundle, capsys):
     ends and the agreement with its run alone is reported.  The runs alone come from a bundle
     loaded for them (written while ``synthesize`` after an engine gave other codes, issue 30
     item 5, since fixed)."""
+    skip_on_amx()
     for f32 in (True, False):
         with _load(ov_int4_bundle, f32) as fresh:
             single = [fresh.synthesize(text, seed=seed, max_frames=cap) for text, seed, cap in EIGHT]

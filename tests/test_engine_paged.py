@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import slow_fixture
+from conftest import skip_on_amx, slow_fixture
 
 ov = pytest.importorskip("openvino", reason="the paged engine tests need the openvino package ([openvino] extra)",
                          exc_type=ImportError)
@@ -132,6 +132,7 @@ def test_a_packed_forward_gives_each_row_its_hidden_states_alone(ov_int4_bundle)
     """Two rows decoding while a third's 45-position prompt rides along in chunks of 9: the
     chunks' hidden states equal the prompt prefilled whole alone, and the rows' steps equal
     their steps alone, bit for bit (bf16 inference and cache)."""
+    skip_on_amx()
     config = exact_config()
     rng = np.random.default_rng(1)
     alone, packed = _paged(ov_int4_bundle, config), _paged(ov_int4_bundle, config)
@@ -258,6 +259,7 @@ def test_admission_counts_blocks_and_a_request_waits_never_fails(tts_exact):
     """A KV budget of the blocks two requests need: the third waits for a row's blocks (admitted
     by whole blocks, its peak), every request ends with its codes alone, and the pool never
     grows past the budget."""
+    skip_on_amx()
     alone = [_alone(tts_exact, *r) for r in REQUESTS]
     with tts_exact.engine(max_batch=3) as probe:
         block_bytes, per_block = probe.decoder.block_bytes, probe.decoder.block_size

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from conftest import slow_fixture
+from conftest import skip_on_amx, slow_fixture
 from test_engine import _wait_for
 
 import higgs_pack
@@ -344,6 +344,7 @@ def test_random_schedules_on_openvino(ov_tts, ov_alone, seed, prefix_cache):
     """The paged engine (issue 39): prompts prefilled in chunks riding in the decode rows'
     forwards, voice prefixes restored as shared blocks (or no prefix cache at all), every
     request giving exactly its codes alone."""
+    skip_on_amx()
     max_batch = make_schedule(seed).max_batch
     if max_batch == 1 and not prefix_cache:
         pytest.skip("one row runs the stateful decoder, whose prompt prefilled whole is not bit-identical to the "

@@ -277,17 +277,8 @@ def test_websocket_text_follows_the_rule_and_a_frame_that_is_not_utf8_is_closed_
     websockets = pytest.importorskip("websockets", reason="the websockets client is a dev dependency")
 
     async def session() -> tuple[list[dict], int | None]:
-        events = []
-        async with websockets.connect(server.ws) as ws:
-            for piece in ["Hello\x00", "bad \ud800 piece", BOM + "Hi there.\r\n"]:
-                await ws.send(json.dumps({"type": "input.text", "text": piece}))
-            await ws.send(json.dumps({"type": "input.done"}))
-            while True:
-                message = await asyncio.wait_for(ws.recv(), 120)
-                if isinstance(message, str):
-                    events.append(json.loads(message))
-                    if events[-1]["type"] == "session.done":
-                        break
+        events = await _live_session(websockets, server, [{"type": "input.text", "text": piece} for piece in
+                                                          ["Hello\x00", "bad \ud800 piece", BOM + "Hi there.\r\n"]])
         async with websockets.connect(server.ws) as ws:
             # a text frame whose payload is not UTF-8: the protocol's 1007 (RFC 6455 section 8.1)
             await ws.send(b"\xff\xfe", text=True)
@@ -413,23 +404,25 @@ def test_a_json_key_that_is_a_lone_surrogate_is_a_400_naming_it_escaped(server, 
         assert client.get(server.url + "/health").status_code == 200
 
 
+async def _live_session(websockets, server, messages) -> list[dict]:
+    """The live route's JSON events for ``messages`` (a str is sent as it is, else as JSON) and
+    ``input.done``, up to ``session.done``."""
+    events = []
+    async with websockets.connect(server.ws) as ws:
+        for message in messages:
+            await ws.send(message if isinstance(message, str) else json.dumps(message))
+        await ws.send(json.dumps({"type": "input.done"}))
+        while True:
+            message = await asyncio.wait_for(ws.recv(), 120)
+            if isinstance(message, str):
+                events.append(json.loads(message))
+                if events[-1]["type"] == "session.done":
+                    return events
+
+
 def _live(server, messages):
     websockets = pytest.importorskip("websockets", reason="the websockets client is a dev dependency")
-
-    async def session() -> list[dict]:
-        events = []
-        async with websockets.connect(server.ws) as ws:
-            for message in messages:
-                await ws.send(message if isinstance(message, str) else json.dumps(message))
-            await ws.send(json.dumps({"type": "input.done"}))
-            while True:
-                message = await asyncio.wait_for(ws.recv(), 120)
-                if isinstance(message, str):
-                    events.append(json.loads(message))
-                    if events[-1]["type"] == "session.done":
-                        return events
-
-    return asyncio.run(session())
+    return asyncio.run(_live_session(websockets, server, messages))
 
 
 def test_a_live_error_escapes_a_lone_surrogate_key_and_clips_a_long_sentence(server):

@@ -304,21 +304,8 @@ def test_websocket_text_follows_the_rule_and_a_frame_that_is_not_utf8_is_closed_
 
 
 def test_a_live_message_may_start_with_a_bom_before_its_json_as_an_http_body_may(server):
-    websockets = pytest.importorskip("websockets", reason="the websockets client is a dev dependency")
-
-    async def session() -> list[dict]:
-        events = []
-        async with websockets.connect(server.ws) as ws:
-            await ws.send(BOM + json.dumps({"type": "input.text", "text": "Hi there."}))
-            await ws.send(BOM + json.dumps({"type": "input.done"}))
-            while True:
-                message = await asyncio.wait_for(ws.recv(), 120)
-                if isinstance(message, str):
-                    events.append(json.loads(message))
-                    if events[-1]["type"] == "session.done":
-                        return events
-
-    events = asyncio.run(session())
+    events = _live(server, [BOM + json.dumps({"type": "input.text", "text": "Hi there."})],
+                   done=BOM + json.dumps({"type": "input.done"}))
     assert [e for e in events if e["type"] == "error"] == []
     assert [e["sentence_text"] for e in events if e["type"] == "audio.start"] == ["Hi there."]
 
@@ -404,14 +391,14 @@ def test_a_json_key_that_is_a_lone_surrogate_is_a_400_naming_it_escaped(server, 
         assert client.get(server.url + "/health").status_code == 200
 
 
-async def _live_session(websockets, server, messages) -> list[dict]:
+async def _live_session(websockets, server, messages, done: str = '{"type": "input.done"}') -> list[dict]:
     """The live route's JSON events for ``messages`` (a str is sent as it is, else as JSON) and
-    ``input.done``, up to ``session.done``."""
+    ``done``, up to ``session.done``."""
     events = []
     async with websockets.connect(server.ws) as ws:
         for message in messages:
             await ws.send(message if isinstance(message, str) else json.dumps(message))
-        await ws.send(json.dumps({"type": "input.done"}))
+        await ws.send(done)
         while True:
             message = await asyncio.wait_for(ws.recv(), 120)
             if isinstance(message, str):
@@ -420,9 +407,9 @@ async def _live_session(websockets, server, messages) -> list[dict]:
                     return events
 
 
-def _live(server, messages):
+def _live(server, messages, **done):
     websockets = pytest.importorskip("websockets", reason="the websockets client is a dev dependency")
-    return asyncio.run(_live_session(websockets, server, messages))
+    return asyncio.run(_live_session(websockets, server, messages, **done))
 
 
 def test_a_live_error_escapes_a_lone_surrogate_key_and_clips_a_long_sentence(server):

@@ -52,13 +52,16 @@ class _OwnedSoundFile(sf.SoundFile):
             self._owned.close()
 
 
-def sound_file(path: str | Path, mode: str = "r", *args, **kwargs) -> sf.SoundFile:
-    """``soundfile.SoundFile(path, mode, ...)`` for any path the operating system takes.
+def sound_file(path: str | Path | BinaryIO, mode: str = "r", *args, **kwargs) -> sf.SoundFile:
+    """``soundfile.SoundFile(path, mode, ...)`` for any path the operating system takes, or a file
+    object (handed over as it is).
 
     soundfile encodes a path as strict UTF-8, so a Linux path holding bytes that are not UTF-8
     (Python hands them over as lone surrogates) raised a raw UnicodeEncodeError: such a path is
     opened by Python (binary, ``w+b`` to write) and the file object handed over, closed with it.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        return sf.SoundFile(path, mode, *args, **kwargs)
     name = os.fspath(path)
     try:
         name.encode("utf-8")
@@ -174,7 +177,7 @@ def _decode(file: Path | BinaryIO, source: str, how: str, max_seconds: float = M
     small compressed file of hours (1.1 MB of FLAC holding 4 hours decoded to 4.3 GB before) costs
     no more than a reference clip."""
     try:
-        with (sound_file(file) if isinstance(file, Path) else sf.SoundFile(file)) as f:
+        with sound_file(file) as f:
             rate, cap = int(f.samplerate), int(max_seconds * f.samplerate) + 1
             if f.frames > cap:
                 raise clip_error(source, f" is {f.frames / rate:.1f} s long; use a clip of at most "

@@ -254,11 +254,12 @@ def _dialogue_voices(given: Any, speakers: set[str], voices: Any, config: ServeC
     from higgs_pack.runtime.loop.dialogue import key_problem, named_twice, speaker_name
 
     out: dict[str, Any] = {}
-    twice = named_twice(k for k in given if key_problem(k, "a key of voices") is None)
+    # as the Python and CLI doors check a speaker's key
+    problems = {key: key_problem(key, "a key of voices") for key in given}
+    twice = named_twice(key for key, problem in problems.items() if problem is None)
     for key, voice in given.items():
-        problem = key_problem(key, "a key of voices")  # as the Python and CLI doors check a speaker's key
-        if problem is not None:
-            raise _bad(problem, "voices")
+        if problems[key] is not None:
+            raise _bad(problems[key], "voices")
         speaker = speaker_name(key)  # as a turn's speaker is read: a leading BOM dropped, stripped
         where = f"voices.{speaker[:40]}"
         if speaker in twice:
@@ -362,8 +363,6 @@ def got(value: Any) -> str:
     what it is (``a number (1.5)``, ``a boolean (true)``, ``a list``), never a Python type name
     (the HTTP bodies' and a live session's messages)."""
     return short(value) if isinstance(value, str) else plain_type(value)
-
-
 
 
 #: The fields whose value is a name chosen from a list (the served model, a format, a live session's

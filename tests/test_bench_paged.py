@@ -71,3 +71,42 @@ def test_u8_parity_on_the_tiny_bundle(ov_int4_bundle):
         figures = out[name]
         assert 0 < figures["rel_l2_steps_max"] < 0.2, (name, figures)
         assert 0 <= figures["rel_l2_prompt"] < 0.2
+
+
+def test_rows_of_one_voice_and_the_2000_position_count_on_the_tiny_bundle(ov_int4_bundle, cases_dir):
+    """Three rows of one voice on the paged engine name its prefix blocks once (blocks in use =
+    named - 2 x shared), and the count is the 4 GiB budget over whole blocks of 2,000 positions;
+    the stateful engine's count is by positions and it says nothing of blocks."""
+    pytest.importorskip("openvino")
+    import higgs_pack
+    from bench.decoder.batch import COUNT_BUDGET_BYTES, positions_count, use_stateful_engine, voice_rows
+    from higgs_pack.runtime.engine.kv_blocks import blocks_for
+
+    tts = higgs_pack.load(str(ov_int4_bundle), "cpu")
+    clip = cases_dir / "ref_en_16k.wav"
+    voice = tts.prepare_voice(clip, clip.with_suffix(".txt").read_text().strip(), "clip")
+    spec = {"text": "The voice reads this line.", "seed": 0, "temperature": 0.8, "top_k": 50, "frames": 12,
+            "join_gap_steps": None}
+    got = voice_rows(tts, 3, spec, voice)
+    assert got["voice_rows_batch"] == 3 and got["voice_rows_prefix_blocks_shared"] >= 1, got
+    assert got["voice_rows_prefix_held_once"] is True, got
+    assert got["voice_rows_blocks_in_use"] < got["voice_rows_blocks_named"], "shared blocks counted once"
+    assert got["voice_rows_pool_bytes"] >= got["voice_rows_blocks_in_use"] * got["voice_rows_block_bytes"]
+    assert got["voice_rows_rss_growth_mb"] is not None
+    with open_engine(tts, 2, spec) as engine:
+        count = positions_count(engine)
+        block = engine.decoder.block_bytes
+        want = blocks_for(2000, engine.decoder.block_size) * block
+    assert count["count_request_bytes"] == want and count["count_requests"] == COUNT_BUDGET_BYTES // want
+    use_stateful_engine()
+    try:
+        with open_engine(tts, 2, spec) as engine:
+            count = positions_count(engine)
+            assert not hasattr(engine.decoder, "pool")
+            assert count["count_request_bytes"] == 2000 * engine.kv_bytes_per_position
+        assert "voice_rows_blocks_in_use" not in voice_rows(tts, 2, spec, voice)
+    finally:
+        from higgs_pack.runtime.backends import get_backend
+
+        backend = get_backend("openvino")
+        vars(backend).pop("batched_decoder", None)

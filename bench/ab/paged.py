@@ -4,7 +4,9 @@ one (issue 39), in one run, and the paged engine's u8 KV cache against an f32 on
 **engines**: the ``batch`` worker (:func:`bench.decoder.batch.measure_batches`: plain, streamed, join and
 voice-join runs per batch size) in fresh processes, the paged and the stateful engine in turn for
 ``--rounds`` rounds, so both see the same machine load; each size's medians and their ratios
-(paged / stateful) are in ``compare``.  **u8 parity** (``--parity``): the decoder's hidden states
+(paged / stateful) are in ``compare``.  **memory** (per engine, per round): the largest batch of
+rows of one voice, with the blocks they hold and the RSS they add, and how many requests of
+2,000 positions the engine admits in a 4 GiB KV budget.  **u8 parity** (``--parity``): the decoder's hidden states
 over a bench prompt and ``--parity-steps`` steps, paged with the bundle's own cache (u8 on the CPU)
 against paged with an f32 cache (f32 inference both), and the same for the stateful decoder, as
 relative L2 distances (the measure of ``python -m bench.ab ov-properties``).
@@ -57,6 +59,14 @@ def compare(paged: dict[str, Any], stateful: dict[str, Any], name: str = "paged"
                                                    if one[label] and row["aggregate_frames_per_s"][label] else None)
                                            for label in names}
     return out
+
+
+def memory(run: dict[str, Any]) -> dict[str, Any]:
+    """One engine run's KV memory figures (issue 39): rows of one voice at the largest batch
+    (:func:`bench.decoder.batch.voice_rows`) and requests of 2,000 positions in a 4 GiB budget
+    (:func:`bench.decoder.batch.positions_count`), with the worker's peak RSS."""
+    return {key: value for key, value in run.items()
+            if key.startswith(("voice_rows_", "count_")) or key in ("peak_rss_mb", "kv_bytes_per_position")}
 
 
 def engine_job(label: str) -> dict[str, Any]:
@@ -148,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
     job = {"bundle": str(Path(options.bundle).resolve()), "device": "CPU", "batch": options.batch, "ov_cache": None,
            "frames": options.frames, "seed": 0, "temperature": 0.8, "top_k": 50, "text": BENCH_TEXT, "warmup": 1,
-           "repeats": options.repeats, **voice_job(options.voice_clip)}
+           "repeats": options.repeats, "voice_rows": True, **voice_job(options.voice_clip)}
     cache = Path(options.cache or Path(options.out).with_suffix(".cache"))
     record: dict[str, Any] = {"machine": machine(), "openvino": ov.__version__, "job": {**job, "text": job["text"][:60]},
                               "rounds": options.rounds}
@@ -165,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     # per paged engine, per round: its figures against the stateful engine's of the same round
     record["compare"] = {label: [compare(p, s, label) for p, s in zip(runs[label], runs["stateful"], strict=True)]
                          for label in engines if label != "stateful"}
+    record["memory"] = {label: [memory(run) for run in runs[label]] for label in engines}
     if options.parity_steps:
         record["u8_parity"] = u8_parity(job["bundle"], BENCH_TEXT, options.parity_steps)
     Path(options.out).parent.mkdir(parents=True, exist_ok=True)
@@ -172,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     for rows in record["compare"].values():
         for row in rows[-1]:
             print(json.dumps(row), file=sys.stderr)
+    print(json.dumps(record["memory"]), file=sys.stderr)
     return 0
 
 

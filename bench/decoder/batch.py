@@ -241,6 +241,60 @@ def join_voice(tts: Any, spec: dict[str, Any]) -> tuple[Any, int | None]:
     return voice, int(build_prompt(tts.pipeline, spec["text"], voice.codes, voice.transcript).shape[1])
 
 
+#: ``fit_positions_count``: positions of each request (issue 39: "requests of 2,000 positions that
+#: fit in a 4 GiB KV budget") and the budget, bytes.
+COUNT_POSITIONS, COUNT_BUDGET_BYTES = 2000, 4 * 2**30
+
+
+def voice_rows(tts: Any, batch: int, spec: dict[str, Any], voice: Any) -> dict[str, Any]:
+    """``batch`` requests of one prepared voice submitted together on a fresh engine, the voice's
+    prefix already in the prefix cache (one request of it run first): what the KV cache holds
+    while all rows decode (issue 39, "eight rows of one voice hold its prefix once").
+
+    Keys (``voice_rows_`` prefix): ``kv_bytes_in_use`` (max, the engine's reservation: each row's
+    positions), and for a paged decoder ``blocks_in_use`` (max, a shared block once),
+    ``blocks_named`` (blocks the rows name, a shared one per row), ``prefix_blocks_shared``,
+    ``prefix_held_once`` (blocks in use = blocks named - (rows - 1) x shared prefix blocks: one
+    prefix and every row's tail), ``pool_bytes`` (the pool's tensors, allocated), ``block_bytes``;
+    ``rss_growth_mb`` (the process's RSS during the run minus before it, MiB): the RSS check."""
+    with open_engine(tts, 1, spec) as engine:  # the prefix computed and kept by one request
+        engine.submit(spec["text"], **_request(spec, 0, 4), voice=voice).wait()
+    before = rss_mb()
+    seen: dict[str, Any] = {"kv_bytes_in_use": 0, "rss_mb": before}
+    with open_engine(tts, batch, spec) as engine:
+        handles = engine.submit_together([{"text": spec["text"], "voice": voice, **_request(spec, i, spec["frames"])}
+                                          for i in range(batch)])
+        decoder, pool = engine.decoder, getattr(engine.decoder, "pool", None)
+        while not all(h.done for h in handles):
+            seen["kv_bytes_in_use"] = max(seen["kv_bytes_in_use"], engine.kv_bytes_in_use)
+            seen["rss_mb"] = max(seen["rss_mb"] or 0.0, rss_mb() or 0.0)
+            if pool is not None and engine.busy_rows == batch:
+                tables = [len(t) for t in list(decoder.tables.values())]
+                shared, in_use = engine.prefix_blocks_shared or 0, pool.in_use
+                if in_use >= seen.get("blocks_in_use", 0):
+                    seen.update(blocks_in_use=in_use, blocks_named=sum(tables), prefix_blocks_shared=shared)
+            time.sleep(0.005)
+        for handle in handles:
+            handle.result()
+        if pool is not None:
+            seen.update(pool_bytes=pool.capacity * decoder.block_bytes, block_bytes=decoder.block_bytes)
+    if "blocks_in_use" in seen:
+        seen["prefix_held_once"] = seen["blocks_in_use"] == seen["blocks_named"] - (batch - 1) * seen["prefix_blocks_shared"]
+    seen["rss_growth_mb"] = None if before is None else seen.pop("rss_mb") - before
+    seen.pop("rss_mb", None)
+    return {"voice_rows_batch": batch, **{f"voice_rows_{k}": v for k, v in seen.items()}}
+
+
+def positions_count(engine: Any) -> dict[str, Any]:
+    """How many requests of :data:`COUNT_POSITIONS` positions the engine's admission lets hold KV
+    at once in a :data:`COUNT_BUDGET_BYTES` budget: the budget over the bytes its admission
+    reserves for one (``KVBudget.request_bytes``: whole blocks on a paged decoder, positions x
+    bytes per position otherwise); None where the engine cannot say its bytes."""
+    need = engine.kv.request_bytes(COUNT_POSITIONS)
+    return {"count_positions": COUNT_POSITIONS, "count_budget_bytes": COUNT_BUDGET_BYTES,
+            "count_request_bytes": need, "count_requests": None if not need else COUNT_BUDGET_BYTES // need}
+
+
 def use_stateful_engine() -> None:
     """Make the openvino backend's engines of ``max_batch > 1`` run the spliced stateful decoder
     (``OpenVINOBackend.stateful_batched_decoder``) instead of the paged one, in this process (a
@@ -273,11 +327,13 @@ def measure_batches(spec: dict[str, Any]) -> dict[str, Any]:
     sizes = [int(b) for b in spec["batch"]]
     refused: dict[int, str] = {}
     per_position = budget = None
+    count: dict[str, Any] = {}
     for batch in dict.fromkeys(sizes):
         try:
             with open_engine(tts, batch, spec) as engine:
                 if per_position is None:
                     per_position, budget = engine.kv_bytes_per_position, engine.kv_budget_bytes
+                    count = positions_count(engine)
         except InputError as exc:
             refused[batch] = str(exc)
     usable = [b for b in dict.fromkeys(sizes) if b not in refused]
@@ -298,7 +354,13 @@ def measure_batches(spec: dict[str, Any]) -> dict[str, Any]:
         if row.get("aggregate_frames_per_s"):
             row["per_request_frames_per_s"] = row["aggregate_frames_per_s"] / batch
         rows.append({**row, "rounds": rounds[batch]})
-    return {"rows": rows, "kv_bytes_per_position": per_position, "kv_budget_bytes": budget,
+    shared: dict[str, Any] = {}
+    if voice is not None and usable and spec.get("voice_rows"):
+        try:
+            shared = voice_rows(tts, max(usable), spec, voice)
+        except Exception as exc:  # the rounds' figures are kept whatever this run does
+            shared = {"voice_rows_error": f"{type(exc).__name__}: {exc}"}
+    return {"rows": rows, **count, **shared, "kv_bytes_per_position": per_position, "kv_budget_bytes": budget,
             "bench_kv_bytes_per_position": kv_bytes_per_position(c, kv_itemsize(pipeline.decoder)),
             "prompt_length": int(prompt.shape[1]), "join_voice_prompt_length": voice_positions,
             "loadavg_1m": [before, load_1m()], "peak_rss_mb": peak_rss_mb()}

@@ -79,7 +79,12 @@ def test_rows_of_one_voice_and_the_2000_position_count_on_the_tiny_bundle(ov_int
     the stateful engine's count is by positions and it says nothing of blocks."""
     pytest.importorskip("openvino")
     import higgs_pack
-    from bench.decoder.batch import COUNT_BUDGET_BYTES, positions_count, use_stateful_engine, voice_rows
+    from bench.decoder.batch import (
+        COUNT_BUDGET_BYTES,
+        positions_count,
+        use_stateful_engine,
+        voice_rows,
+    )
     from higgs_pack.runtime.engine.kv_blocks import blocks_for
 
     tts = higgs_pack.load(str(ov_int4_bundle), "cpu")

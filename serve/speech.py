@@ -244,6 +244,25 @@ def parse_dialogue(body: Any, *, models: tuple[str, ...], voices: Any, config: S
                      segments_wanted(body, stream_format), _speed(body.get("speed")))
 
 
+def _stored_voice(voices: Any, name: str, where: str, clone: str) -> Any:
+    """The stored voice ``name`` (a voice name, not the default) that the field ``where`` names
+    (``voice``, or a dialogue's ``voices.SPEAKER``, whose messages it begins with).
+
+    Raises:
+        ApiError (400) ``invalid_name``: no such voice is stored and the name breaks the rule
+            (a voice stored before the rule keeps its name); ``unknown_voice``: no such voice,
+            naming those there are, how to upload one and ``clone``, the way to clone instead.
+    """
+    prepared = voices.get(name)
+    if prepared is not None:
+        return prepared
+    lead = "" if where == "voice" else f"{where}: "
+    if (problem := name_problem(name)) is not None:
+        raise _bad(lead + problem, where, "invalid_name")
+    raise _bad(f"{lead}voice {short(name)} is not known; use one of {', '.join([DEFAULT_VOICE, *voices.names()])} "
+               f"(upload one with POST /v1/audio/voices), or {clone}", where, "unknown_voice")
+
+
 def _dialogue_voices(given: Any, speakers: set[str], voices: Any, config: ServeConfig) -> dict[str, Any]:
     """``voices`` of a dialogue body as ``DialogueRequest.create`` takes them (speaker -> a prepared
     voice, a ``((samples, rate), transcript)`` clip, or None)."""
@@ -275,14 +294,7 @@ def _dialogue_voices(given: Any, speakers: set[str], voices: Any, config: ServeC
             if voice == DEFAULT_VOICE:
                 out[speaker] = None
                 continue
-            prepared = voices.get(voice)
-            if prepared is None and (problem := name_problem(voice)) is not None:
-                raise _bad(f"{where}: {problem}", where, "invalid_name")
-            if prepared is None:
-                raise _bad(f"{where}: voice {short(voice)} is not known; use one of "
-                           f"{', '.join([DEFAULT_VOICE, *voices.names()])} (upload one with POST /v1/audio/voices), "
-                           "or give a clip as {\"audio\", \"text\"}", where, "unknown_voice")
-            out[speaker] = prepared
+            out[speaker] = _stored_voice(voices, voice, where, 'give a clip as {"audio", "text"}')
         elif isinstance(voice, dict) and set(voice) <= {"audio", "audio_path", "text"} and "text" in voice:
             text = _text(voice["text"], f"{where}.text", "the exact transcript of the clip")
             clip = voice.get("audio", voice.get("audio_path"))
@@ -477,13 +489,7 @@ def _voice(body: dict, voices: Any, config: ServeConfig) -> tuple[str, dict[str,
                        "missing_field")
         if voice == DEFAULT_VOICE:
             return voice, {}
-        prepared = voices.get(voice)
-        if prepared is None and (problem := name_problem(voice)) is not None:  # no stored voice breaks the rule
-            raise _bad(problem, "voice", "invalid_name")
-        if prepared is None:
-            raise _bad(f"voice {short(voice)} is not known; use one of {', '.join([DEFAULT_VOICE, *voices.names()])} "
-                       "(upload one with POST /v1/audio/voices), or clone with ref_audio and ref_text", "voice",
-                       "unknown_voice")
+        prepared = _stored_voice(voices, voice, "voice", "clone with ref_audio and ref_text")
         return voice, {"voice": prepared}
     if voice != DEFAULT_VOICE:
         raise _bad(f"give voice ({short(voice)}) or {audio_param} with {text_param}, not both", "voice",

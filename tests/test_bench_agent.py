@@ -71,19 +71,3 @@ def test_an_unknown_rule_is_refused_before_a_bundle_is_built_or_a_server_started
     with pytest.raises(SystemExit):
         main(["--rules", "sentence,clause+firstx", "--bundle", str(tmp_path / "none"), "--out", str(tmp_path / "a.json")])
     assert "clause+firstx" in capsys.readouterr().err and not (tmp_path / "a.json").exists()
-
-
-def test_the_floor_gives_the_whole_first_call_and_the_last_frames_call_fed_ahead(cpu_int4_bundle):
-    """measure_floor on a real bundle with a stream codec: the floor as the issue counts it (the
-    codec's first call on lookahead + 1 frames) and, fed ahead, with the last frame's call instead."""
-    import higgs_pack
-    from bench.serving.agent import measure_floor
-
-    tts = higgs_pack.load(str(cpu_int4_bundle))
-    assert tts.pipeline.stream_codec is not None
-    floor = measure_floor(tts, "The sun rises", repeats=2)
-    assert floor["codec"] == "stream" and floor["lookahead_frames"] == 10 and floor["ramp_steps"] == 7
-    steps = (floor["lookahead_frames"] + 1 + floor["ramp_steps"]) * floor["step_s"]
-    assert floor["floor_s"] == pytest.approx(floor["prefill_s"] + steps + floor["codec_call_s"])
-    assert floor["codec_last_call_s"] > 0
-    assert floor["floor_fed_ahead_s"] == pytest.approx(floor["prefill_s"] + steps + floor["codec_last_call_s"])

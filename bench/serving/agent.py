@@ -194,15 +194,7 @@ def measure_floor(tts: Any, text: str, repeats: int = 5) -> dict[str, Any]:
     pattern's (codebooks - 1 = 7): codebook c of a frame is drawn c steps after its codebook 0, so
     frame ``lookahead``, the last the first frame's audio needs, is whole only ``lookahead + 1 + ramp``
     steps after the prefill.  ``floor_without_ramp_s`` is the floor as the first runs counted it
-    (lookahead + 1 steps: a time no server can reach), kept to compare with them.
-
-    The server feeds the stream codec ahead of the first audio
-    (:data:`~higgs_pack.runtime.loop.stateful_codec.FEED_AHEAD_FRAMES`), so its first audio can come
-    before ``floor_s``: ``codec_last_call_s`` is a call on the last of those frames alone (the first
-    ``lookahead`` fed before it), and ``floor_fed_ahead_s`` the floor with that call in place of the
-    whole one (the codec's other work overlapping the steps entirely: a bound, not a promise)."""
-    import numpy as np
-
+    (lookahead + 1 steps: a time no server can reach), kept to compare with them."""
     from higgs_pack.runtime.loop.codec import decode_codes
     from higgs_pack.runtime.loop.stateful_codec import first_call_feeds
 
@@ -211,7 +203,7 @@ def measure_floor(tts: Any, text: str, repeats: int = 5) -> dict[str, Any]:
     frames = lookahead + 1
     ramp = pipeline.constants.num_codebooks - 1
     spec, stream = pipeline.stream_codec, pipeline.audio_tokenizer_stream
-    prefill, step, codec, last, prompt = [], [], [], [], None
+    prefill, step, codec, prompt = [], [], [], None
     for i in range(repeats + 1):
         result = tts.synthesize(text, seed=i, max_frames=frames + ramp + 8)
         chunk = result.chunks[0]
@@ -221,28 +213,15 @@ def measure_floor(tts: Any, text: str, repeats: int = 5) -> dict[str, Any]:
             stream.run(first_call_feeds(codes.T[None], spec.state_size))
         else:
             decode_codes(pipeline, codes)
-        whole = time.perf_counter() - started
-        if spec is not None and stream is not None:  # fed ahead: the last frame alone, after the others
-            feeds = first_call_feeds(codes[:-1].T[None], spec.state_size)
-            state = stream.run(feeds)["codec_state_out"]
-            feeds.update(audio_codes=np.ascontiguousarray(codes[-1:].T[None]), codec_state=state,
-                         start_frame=np.full(1, frames - 1, dtype=np.int64))
-            started = time.perf_counter()
-            stream.run(feeds)
-            last.append(time.perf_counter() - started)
         if i:  # the first is the warm-up
             prefill.append(chunk.prefill_s)
             step.append((chunk.seconds - chunk.prefill_s) / max(len(chunk.delayed), 1))
-            codec.append(whole)
+            codec.append(time.perf_counter() - started)
         prompt = chunk.prompt_length
     p, s, c = (statistics.median(v) for v in (prefill, step, codec))
-    out = {"text": text, "prompt_positions": prompt, "lookahead_frames": lookahead, "ramp_steps": ramp,
-           "prefill_s": p, "step_s": s, "codec_call_s": c, "codec": "stream" if spec is not None else "one-shot",
-           "floor_s": p + (frames + ramp) * s + c, "floor_without_ramp_s": p + frames * s + c, "repeats": repeats}
-    if last:
-        out["codec_last_call_s"] = statistics.median(last[1:] or last)
-        out["floor_fed_ahead_s"] = p + (frames + ramp) * s + out["codec_last_call_s"]
-    return out
+    return {"text": text, "prompt_positions": prompt, "lookahead_frames": lookahead, "ramp_steps": ramp,
+            "prefill_s": p, "step_s": s, "codec_call_s": c, "codec": "stream" if spec is not None else "one-shot",
+            "floor_s": p + (frames + ramp) * s + c, "floor_without_ramp_s": p + frames * s + c, "repeats": repeats}
 
 
 def agent_table(record: dict[str, Any]) -> tuple[list[str], list[list[str]], list[str]]:
@@ -260,8 +239,6 @@ def agent_table(record: dict[str, Any]) -> tuple[list[str], list[list[str]], lis
              f"{f['lookahead_frames'] + 1 + f.get('ramp_steps', 0)} steps x {f['step_s'] * 1000:.1f} ms + codec call "
              f"{f['codec_call_s'] * 1000:.0f} ms = **{f['floor_s'] * 1000:.0f} ms**"
              + (f" (lookahead + 1 + the delay pattern's {f['ramp_steps']})" if f.get("ramp_steps") else "")
-             + (f"; fed ahead, the last frame's call {f['codec_last_call_s'] * 1000:.0f} ms: "
-                f"{f['floor_fed_ahead_s'] * 1000:.0f} ms" if f.get("floor_fed_ahead_s") else "")
              for f in record["floors"].values()]
     facts += [f"preset {record['preset']}, bundle {record['model']}, {record.get('repeats', 1)} run(s) of each level "
               f"pooled; load average {record['loadavg'][0]:.1f} at the start, {record['loadavg_end'][0]:.1f} at the end; "

@@ -73,8 +73,7 @@ def test_a_stream_codec_first_returns_its_first_chunk_once_the_lookahead_past_it
     """The first call returns the schedule's first size of audio (issue 37: it returned one frame
     whatever first_chunk_frames said), made once that many frames and the lookahead have arrived."""
     spec = StreamCodecSpec.from_options(stream_module.options(), 960)
-    codec = StatefulCodec(runner_step(torch_runner(stream_module)), spec, itertools.chain([3], itertools.repeat(2)),
-                          feed_ahead=0)
+    codec = StatefulCodec(runner_step(torch_runner(stream_module)), spec, itertools.chain([3], itertools.repeat(2)))
     out = [codec.push(frame) for frame in random_codes(17)]
     assert all(o is None for o in out[:12]) and out[12] is not None
     assert len(out[12]) == 3 * 960  # one call for the first 13 frames: 3 frames of audio, 10 of lookahead
@@ -85,35 +84,6 @@ def test_a_stream_codec_first_returns_its_first_chunk_once_the_lookahead_past_it
     assert first[:10] == [None] * 10 and len(first[10]) == 960  # the earliest audio: 1 frame past the lookahead
     with pytest.raises(ValueError, match="do not start with the frames streamed"):
         codec.finish(random_codes(17, seed=1))
-
-
-def test_frames_fed_ahead_of_the_first_audio_leave_its_call_the_last_frames_and_the_audio_unchanged(stream_module):
-    """Fed ahead 2 frames a call (issue 41), the call that returns the first audio is given only
-    the frames since the last call ahead, the pieces have the sizes they had without feeding ahead,
-    and the audio is the same; feeding ahead stops at the first audio (then the schedule's calls)."""
-    spec = StreamCodecSpec.from_options(stream_module.options(), 960)
-    sizes: list[int] = []
-    run = runner_step(torch_runner(stream_module))
-
-    def step(codes, start, end, state):
-        sizes.append(len(codes))
-        return run(codes, start, end, state)
-
-    codes = random_codes(19)
-    ahead = StatefulCodec(step, spec, itertools.chain([1], itertools.repeat(4)), feed_ahead=2)
-    got = [ahead.push(frame) for frame in codes]
-    plain = StatefulCodec(run, spec, itertools.chain([1], itertools.repeat(4)), feed_ahead=0)
-    want = [plain.push(frame) for frame in codes]
-    assert [None if p is None else len(p) for p in got] == [None if p is None else len(p) for p in want]
-    assert got[10] is not None and len(got[10]) == 960, "the first audio: 1 frame past the lookahead"
-    assert sizes[:6] == [2, 2, 2, 2, 2, 1], "frames 0-9 fed ahead two a call, frame 10 alone with the audio"
-    assert sizes[6:] == [4, 4], "after the first audio, the schedule's sizes"
-    joined = [p for p in got if p is not None] + [ahead.finish(codes)]
-    plain_joined = [p for p in want if p is not None] + [plain.finish(codes)]
-    np.testing.assert_allclose(np.concatenate(joined), np.concatenate(plain_joined), atol=1e-5)
-    short = StatefulCodec(run, spec, iter([1]), feed_ahead=2)  # ends before its first audio
-    assert all(short.push(frame) is None for frame in codes[:5])
-    np.testing.assert_allclose(short.finish(codes[:5]), one_shot(stream_module, codes[:5]), atol=1e-5)
 
 
 def test_a_stream_yields_the_chunk_sizes_its_caller_asked_for(cpu_fp32_bundle):

@@ -27,15 +27,6 @@ import numpy as np
 #: mask overflowed and zeroed every sample, measured).  Also the longest stream the decoder takes.
 OPEN_END = 1 << 20
 
-#: Before a stream's first audio, the frames that have arrived are fed to the decoder in calls of at
-#: least this many (their samples lie in the delay and are dropped, or are held for the first
-#: audio), so that once the lookahead is complete only the frames since the last such call are left:
-#: the codec's work on the lookahead overlaps the decoder steps that make it.  Issue 41 measured the
-#: first call on lookahead + 1 frames at about 100-130 ms on the bench preset (2 vCPUs), a third of
-#: the server's time from a first commit to its first audio; a call costs about 10 ms plus 8.5 ms
-#: a frame there, so calls of 2 frames keep the extra calls' cost small.  0: no feeding ahead.
-FEED_AHEAD_FRAMES = 2
-
 Step = Callable[[np.ndarray, int, int, np.ndarray], tuple[np.ndarray, np.ndarray]]
 """``step(codes, start_frame, end_frame, state)``: int64 codes [T, N] of one stream, its frame
 offset and end, float32 state [S] -> (float32 samples [T * hop], new state [S])."""
@@ -105,28 +96,21 @@ class StatefulCodec:
     audio (a remainder of the delay short of a frame waits for the next call, so every piece but the
     last is whole frames).
 
-    Before the first audio, frames are fed ahead as they arrive, ``feed_ahead`` or more a call
-    (:data:`FEED_AHEAD_FRAMES`): the audio is the same (each frame is decoded once, whatever the
-    calls' sizes), and the first call that returns audio has only the frames since the last one.
-
     Args:
         step: one decoder call (:func:`runner_step`, or the engine's batched one).
         spec: the decoder's lookahead, delay and state size.
         schedule: frames of audio per call (:func:`~higgs_pack.runtime.loop.chunking.chunk_schedule`).
-        feed_ahead: the fewest frames of a call before the first audio; 0 feeds nothing ahead.
 
     Attributes:
         fed: frames given to the decoder so far.
         calls: decoder calls so far.
     """
 
-    def __init__(self, step: Step, spec: StreamCodecSpec, schedule: Iterator[int],
-                 feed_ahead: int = FEED_AHEAD_FRAMES):
+    def __init__(self, step: Step, spec: StreamCodecSpec, schedule: Iterator[int]):
         self._step, self.spec, self._schedule = step, spec, schedule
-        self.feed_ahead = int(feed_ahead)
         self._state = np.zeros(spec.state_size, dtype=np.float32)
         self._codes: list[np.ndarray] = []
-        self._due = spec.first_frames - 1 + max(1, int(next(schedule)))  # frames at the next call with audio
+        self._next = spec.first_frames - 1 + max(1, int(next(schedule)))
         self.fed = 0
         self.calls = 0
         self._skip = spec.delay_samples  # delayed samples still to drop
@@ -141,15 +125,13 @@ class StatefulCodec:
         """Add one frame (int64 [N]); return float32 samples (whole frames: the first call's one
         frame, then each call's frames) when a call was due, else None."""
         self._codes.append(np.asarray(frame, dtype=np.int64))
-        if self.frames < self._due:
-            if not self._out and 0 < self.feed_ahead <= self.frames - self.fed:  # ahead of the first audio
-                self._held = np.concatenate([self._held, self._feed(np.stack(self._codes[self.fed:]), OPEN_END)])
+        if self.frames - self.fed < self._next:
             return None
         samples = np.concatenate([self._held, self._feed(np.stack(self._codes[self.fed:]), OPEN_END)])
         whole = len(samples) // self.spec.hop * self.spec.hop
         self._held = samples[whole:]
         self._out += whole
-        self._due = self.frames + max(1, int(next(self._schedule)))
+        self._next = max(1, int(next(self._schedule)))
         return samples[:whole]
 
     def finish(self, codes: np.ndarray) -> np.ndarray:

@@ -115,3 +115,18 @@ def test_rows_of_one_voice_and_the_2000_position_count_on_the_tiny_bundle(ov_int
 
         backend = get_backend("openvino")
         vars(backend).pop("batched_decoder", None)
+
+
+def test_the_compile_worker_fills_the_model_cache_the_batch_workers_load(ov_int4_bundle, tmp_path):
+    """Run before the rounds, the ``compile`` worker leaves OpenVINO's compiled models in the
+    workers' cache (so no measured worker is the one that compiles), for either engine."""
+    pytest.importorskip("openvino")
+    from bench.common.systems import spawn
+
+    job = {"bundle": str(ov_int4_bundle), "device": "CPU", "batch": [1, 2], "ov_cache": None}
+    out = spawn("compile", {**job, "ov_engine": "paged"}, cache=tmp_path / "cache", timeout=300)
+    assert out["compile_s"] > 0
+    blobs = sorted((tmp_path / "cache").rglob("*.blob"))
+    assert blobs, "the model cache holds the compiled models"
+    spawn("compile", {**job, "ov_engine": "stateful"}, cache=tmp_path / "cache", timeout=300)
+    assert len(list((tmp_path / "cache").rglob("*.blob"))) > len(blobs), "the stateful engine's batched model too"

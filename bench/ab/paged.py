@@ -90,7 +90,11 @@ def engine_job(label: str) -> dict[str, Any]:
 def measure_engines(job: dict[str, Any], rounds: int, cache: Path, timeout: float | None,
                     engines: tuple[str, ...] = ("paged", "stateful")) -> dict[str, Any]:
     """``rounds`` rounds of the ``batch`` worker, each of ``engines`` (:func:`engine_job`'s labels)
-    in turn, in fresh processes."""
+    in turn, in fresh processes, after a ``compile`` worker per engine has filled the model cache
+    (:func:`bench.decoder.batch.compile_engines`: else the first worker, which compiles, is slower
+    than the rest, and it was always the first engine's)."""
+    for kind in dict.fromkeys(engine_job(label)["ov_engine"] for label in engines):
+        spawn("compile", {**job, "ov_engine": kind}, cache=cache, timeout=timeout)
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label in engines}
     for _ in range(rounds):
         for label in runs:

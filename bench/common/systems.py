@@ -227,6 +227,7 @@ WORKERS = {
     "measure": "bench.decoder.workers:worker_measure", "checkpoint": "bench.decoder.workers:worker_checkpoint",
     "build": "bench.decoder.workers:worker_build", "bandwidth": "bench.decoder.workers:worker_bandwidth",
     "batch": "bench.decoder.batch:measure_batches", "fit": "bench.decoder.batch:fit_run",
+    "compile": "bench.decoder.batch:compile_engines",
     "gemm_peak": "bench.decoder.gemm:worker_gemm_peak", "our_steps": "bench.decoder.steps:measure_our_steps",
     "llama_steps": "bench.decoder.steps:measure_llama_steps",
 }

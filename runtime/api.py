@@ -29,7 +29,7 @@ from higgs_pack.errors import InputError, Problem
 from higgs_pack.manifests.manifest import MANIFEST_NAME
 from higgs_pack.manifests.model import SubPart
 from higgs_pack.runtime.backends import backend_of
-from higgs_pack.runtime.engine.engine import DEFAULT_JOIN_GAP_STEPS, DEFAULT_MAX_LENGTH, Engine
+from higgs_pack.runtime.engine.engine import DEFAULT_MAX_LENGTH, Engine
 from higgs_pack.runtime.engine.handle import EngineClosed
 from higgs_pack.runtime.loop.codec import encode_reference
 from higgs_pack.runtime.loop.decode import ProgressCallback
@@ -324,7 +324,7 @@ class TTS:
 
     def engine(self, max_batch: int = 4, *, max_length: int | None = None,
                max_kv_bytes: int | None = None, prefill_chunk: int | str = "auto",
-               join_gap_steps: float = DEFAULT_JOIN_GAP_STEPS, openvino_engine: str | None = None) -> Engine:
+               join_gap_steps: float | None = None, openvino_engine: str | None = None) -> Engine:
         """A continuous-batching engine over this bundle: requests submitted from any thread
         join and leave between decoder steps (:mod:`higgs_pack.runtime.engine`).
 

@@ -103,6 +103,10 @@ class _EngineCollector:
         yield GaugeMetricFamily("higgs_pack_join_max_frame_gap_seconds", "Longest wait of a running request for "
                                 "its next frame while another prompt was prefilled",
                                 value=stats.join_max_frame_gap_ms / 1000)
+        yield CounterMetricFamily("higgs_pack_first_audio_holds", "Times the engine held its steps while a "
+                                  "stream's first audio was in the codec", value=stats.first_audio_holds)
+        yield CounterMetricFamily("higgs_pack_first_audio_hold_seconds", "Seconds the engine held its steps for "
+                                  "streams' first audio", value=stats.first_audio_hold_seconds)
         cache = self._server.engine.prefix_cache
         if cache is not None:
             cached = cache.stats

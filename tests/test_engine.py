@@ -302,6 +302,45 @@ def test_streamed_chunks_join_to_the_result(tts, alone):
         handle.result()
 
 
+def _first_audio_beside(engine, tts, lead_frames: int):
+    """A long request (not streamed) on one row, ``lead_frames`` of its codes sent, then request
+    1 streamed with the earliest first audio; returns the stream, read to its end."""
+    other = engine.submit("A request that runs well ahead of real time.", seed=9, max_frames=3000)
+    _wait_for(lambda: engine.stats.frames >= lead_frames, f"{lead_frames} frames of the running request")
+    stream = iter(_submit(engine, tts, 1, first_chunk_frames=1))
+    for _ in stream:
+        pass
+    assert not other.done, "the long request ran beside the stream throughout"
+    other.cancel()
+    return stream
+
+
+def test_a_streams_first_audio_holds_the_steps_where_no_listener_can_hear_it(tts, alone, monkeypatch):
+    """Issue 41: a stream alone holds the steps once, while its first codec step runs; beside a
+    row with the lead in hand it holds too, beside a row short of it (a lead no row reaches) it
+    does not; the codes are the stream's alone whatever holds."""
+    from higgs_pack.runtime.engine import engine as engine_module
+
+    with tts.engine(max_batch=2) as engine:
+        stream = iter(_submit(engine, tts, 1, first_chunk_frames=1))
+        assert next(stream).samples.size > 0
+        assert engine.stats.first_audio_holds == 1 and engine.stats.first_audio_hold_seconds > 0
+        for _ in stream:
+            pass
+    np.testing.assert_array_equal(stream.codes, alone[1].codes)
+    monkeypatch.setattr(engine_module, "HOLD_LEAD_S", 0.5)
+    with tts.engine(max_batch=2) as engine:
+        # 200 frames are 8 s of audio, made here in well under 7.5 s: 0.5 s in hand
+        stream = _first_audio_beside(engine, tts, 200)
+        assert engine.stats.first_audio_holds == 1
+    np.testing.assert_array_equal(stream.codes, alone[1].codes)
+    monkeypatch.setattr(engine_module, "HOLD_LEAD_S", 1e9)
+    with tts.engine(max_batch=2) as engine:
+        stream = _first_audio_beside(engine, tts, 200)
+        assert engine.stats.first_audio_holds == 0, "a row short of the lead keeps the steps running"
+    np.testing.assert_array_equal(stream.codes, alone[1].codes)
+
+
 def check_cancel_frees_the_row(tts, alone, timeout: float = 60.0, **engine_options) -> None:
     """Two long requests fill both rows and a short one waits; cancelling the first lets the
     short one in (it finishes with its codes alone) while the second goes on.  Shared by every

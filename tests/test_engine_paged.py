@@ -377,3 +377,17 @@ def test_openvino_engine_picks_the_decoder_and_bad_values_are_refused_by_name(ov
         with pytest.raises(InputError, match=r"openvino_engine='paged' chooses between the engines of an OpenVINO "
                                              r"bundle; .* runs on ONNX Runtime"):
             tts.engine(max_batch=2, openvino_engine="paged")
+
+
+def test_the_paged_engine_joins_at_one_and_a_half_steps_by_default(ov_int4_bundle):
+    """A chunk that rides in the step defaults to half a step (issue 39's goal); the spliced
+    engine's chunks are forwards of their own and keep two; a value given is kept."""
+    from higgs_pack.runtime.engine.engine import DEFAULT_JOIN_GAP_STEPS, PACKED_JOIN_GAP_STEPS
+
+    tts = higgs_pack.load(ov_int4_bundle, "cpu")
+    with tts.engine(max_batch=2) as engine:
+        assert engine.decoder.packs_prefill and engine.join_gap_steps == PACKED_JOIN_GAP_STEPS == 1.5
+    with tts.engine(max_batch=2, openvino_engine="stateful") as engine:
+        assert engine.join_gap_steps == DEFAULT_JOIN_GAP_STEPS == 2.0
+    with tts.engine(max_batch=2, join_gap_steps=2.5) as engine:
+        assert engine.join_gap_steps == 2.5

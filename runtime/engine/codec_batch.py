@@ -195,6 +195,7 @@ class CodecBatcher:
         self.stats = CodecStats()
         self._cond = threading.Condition()
         self._pending: list[_Job] = []
+        self._first: dict[int, Any] = {}  # a stream's first step (its first audio) waiting or running: id(job) -> owner
         self._streams = 0
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name="higgs-pack-codec", daemon=True)
@@ -293,14 +294,34 @@ class CodecBatcher:
             alone = self._closed
             if not alone:
                 self._pending.append(job)
+                if start == 0:  # the stream's first step: what its listener waits for
+                    self._first[id(job)] = owner
                 self._cond.notify_all()
         if not alone:
-            job.done.wait()
+            try:
+                job.done.wait()
+            finally:
+                if start == 0:
+                    with self._cond:
+                        self._first.pop(id(job), None)
+                        self._cond.notify_all()
             if job.error is not None:
                 raise job.error
             if not job.alone:
                 return job.samples, job.state
         return runner_step(self._pipeline.audio_tokenizer_stream.run)(job.codes, *job.stream)
+
+    def first_steps(self) -> list[Any]:
+        """The owners of streams whose first step (:meth:`step` at frame 0, their first audio) is
+        waiting or running now."""
+        with self._cond:
+            return list(self._first.values())
+
+    def wait_first_steps(self, timeout: float) -> bool:
+        """Block until no stream's first step waits or runs, at most ``timeout`` seconds; whether
+        none does."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._first or self._closed, timeout)
 
     def withdraw(self, owner: Any, error: BaseException) -> int:
         """Drop ``owner``'s windows not yet running; their readers get ``error``.  A run under

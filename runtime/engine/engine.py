@@ -56,9 +56,26 @@ from higgs_pack.runtime.request import SynthesisRequest
 #: Default most positions per request of :meth:`higgs_pack.TTS.engine` (prompt + frames; 4096
 #: positions hold 2.7 minutes of audio at 25 frames per second).
 DEFAULT_MAX_LENGTH = 4096
-#: ``join_gap_steps`` default: a running request waits about two of its steps for its next frame
-#: while a prompt joins (issue 32 item 3).
+#: ``join_gap_steps`` default where a joining prompt's chunk is a forward of its own between the
+#: running rows' steps: they wait about two of their steps for their next frame (issue 32 item 3;
+#: a chunk's fixed part, every weight read once, is near a step at full size on 2 vCPUs).
 DEFAULT_JOIN_GAP_STEPS = 2.0
+#: ``join_gap_steps`` default where the chunk rides in the running rows' step (``packs_prefill``:
+#: OpenVINO's paged engine), issue 39's goal.  At full size (Intel Xeon, 2 vCPUs, OpenVINO 2026.4.1;
+#: docs/benchmarks/runs/paged-vs-stateful-full-xeon-quiet-2026-12-06.json, -warm-2026-12-07.json)
+#: the running rows waited 1.2-2.6 of their steps at a voice join at batch 4 and 8, and the voice
+#: joiner's first audio was 0.41-0.91x the spliced stateful engine's.
+PACKED_JOIN_GAP_STEPS = 1.5
+#: A stream's first audio is one codec step on the lookahead and a frame (about 80 ms alone at the
+#: bench preset, 140 ms at full size, on 2 vCPUs); run beside the engine's steps it shared the
+#: cores with them and its listener waited longer.  So while it runs the engine holds its steps
+#: (:meth:`Engine._hold_for_first_audio`), once per stream and at most :data:`MAX_HOLD_S`, when
+#: every other decoding row has at least ``HOLD_LEAD_S`` of audio in hand (made ahead of real time
+#: since its first frame, its delay ramp and the codec's lookahead not counted): a hold cannot
+#: make such a row's listener wait.  Measured (issue 41; bench preset cpu int4, Intel Xeon, 2
+#: vCPUs, one stream): first audio 241-251 ms with the steps running beside it, 178-187 ms held.
+HOLD_LEAD_S = 1.0
+MAX_HOLD_S = 0.5
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +108,8 @@ class Engine(BatchSteps, PromptJoins):
             prefill (``packs_prefill``: OpenVINO's paged one) each chunk rides in the running rows'
             step, one forward for both.  A prompt with no row decoding beside it is prefilled whole.  Chunks never leave a last chunk of one
             position (merged into the one before).
-        join_gap_steps: ``"auto"``'s target, in steps of the running rows (> 1; default
+        join_gap_steps: ``"auto"``'s target, in steps of the running rows (> 1; None, the
+            default: :data:`PACKED_JOIN_GAP_STEPS` on a decoder that packs prefill, else
             :data:`DEFAULT_JOIN_GAP_STEPS`): each chunk costs about ``join_gap_steps - 1`` steps.
             A larger target brings the joining request's first frame closer to its prefill
             alone (it waits one step per chunk: about ``1 + 1 / (join_gap_steps - 1)`` times its
@@ -111,11 +129,13 @@ class Engine(BatchSteps, PromptJoins):
     """
 
     def __init__(self, pipeline: Pipeline, decoder: BatchedDecoder, *, max_kv_bytes: int | None = None,
-                 prefill_chunk: int | str = "auto", join_gap_steps: float = DEFAULT_JOIN_GAP_STEPS):
+                 prefill_chunk: int | str = "auto", join_gap_steps: float | None = None):
         if prefill_chunk != "auto" and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, Integral)
                                         or prefill_chunk < 0 or prefill_chunk == 1):
             raise InputError.of(Problem.said(f"prefill_chunk must be 'auto', 0 (whole prompts) or a whole number of positions >= 2, "
                              f"got {prefill_chunk!r}"))
+        if join_gap_steps is None:
+            join_gap_steps = PACKED_JOIN_GAP_STEPS if getattr(decoder, "packs_prefill", False) else DEFAULT_JOIN_GAP_STEPS
         if isinstance(join_gap_steps, bool) or not isinstance(join_gap_steps, (int, float)) \
                 or not join_gap_steps > 1 or not math.isfinite(join_gap_steps):
             raise InputError.of(Problem.said(f"join_gap_steps must be a number of steps > 1, got {join_gap_steps!r}"))
@@ -320,6 +340,7 @@ class Engine(BatchSteps, PromptJoins):
                 for handle, row in admitted:
                     self._admit(handle, row)
                 self._drop_cancelled()
+                self._hold_for_first_audio()
                 self._prefill_turn()
                 if any(s.prompt is None for s in self._rows.values()):
                     self._step()
@@ -329,6 +350,33 @@ class Engine(BatchSteps, PromptJoins):
             self._fail_all(exc)
             raise
         self._fail_all(EngineClosed("the engine was closed before this request finished"))
+
+    def _hold_for_first_audio(self) -> None:
+        """Hold the steps while a stream's first codec step runs (:data:`HOLD_LEAD_S` says why),
+        once per stream and at most :data:`MAX_HOLD_S`, if every other decoding row has
+        :data:`HOLD_LEAD_S` of audio in hand; rows still prefilling do not count (a hold delays
+        their prefill by the codec step that would otherwise have slowed it)."""
+        owners = self.codec.first_steps()
+        if not owners:
+            return
+        waiting = [s for s in self._rows.values() if any(s.handle is o for o in owners)]
+        if not waiting or all(s.held_for_first_audio for s in waiting):
+            return
+        c, spec = self.pipeline.constants, self.pipeline.stream_codec
+        frame_s = c.hop_length / c.sample_rate
+        unheard = c.num_codebooks - 1 + (spec.lookahead_frames if spec is not None else 0)  # steps before audio
+        now = time.perf_counter()
+        for state in self._rows.values():
+            if any(state is w for w in waiting) or state.prompt is not None:
+                continue
+            if state.audio_from is None or (state.frames_out - unheard) * frame_s - (now - state.audio_from) < HOLD_LEAD_S:
+                return
+        for state in waiting:
+            state.held_for_first_audio = True
+        t0 = time.perf_counter()
+        self.codec.wait_first_steps(MAX_HOLD_S)
+        self.stats.first_audio_holds += 1
+        self.stats.first_audio_hold_seconds += time.perf_counter() - t0
 
     def _next_admissions(self) -> list[tuple[EngineHandle, int]] | None:
         """Wait until there is work; pop waiting requests, oldest first, into the free rows

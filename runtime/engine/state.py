@@ -49,6 +49,12 @@ class Row:
     store_key: str | None = None
     """The prefix cache key to keep this prompt's voice prefix under once it is prefilled."""
     last_frame_at: float = 0.0
+    frames_out: int = 0
+    """Steps that sent this request's codes, every text chunk's (its delay ramp included)."""
+    audio_from: float | None = None
+    """When its first codes were sent (``time.perf_counter()``)."""
+    held_for_first_audio: bool = False
+    """The engine held its steps once for this request's first audio."""
     waited_for_join: bool = False
     """A prefill chunk of another row ran since this row's last frame."""
     results: list[GenerationResult] = field(default_factory=list)
@@ -76,6 +82,9 @@ class EngineStats:
             (the cache's own ``stats`` count every user of it).
         join_max_frame_gap_ms: longest time between two frames of a running request while
             another request's prompt was prefilled in between (ms; 0.0: no such join yet).
+        first_audio_holds, first_audio_hold_seconds: times the steps were held while a stream's
+            first audio was in the codec, and the seconds held
+            (:meth:`~higgs_pack.runtime.engine.engine.Engine._hold_for_first_audio`).
     """
 
     steps: int = 0
@@ -91,6 +100,8 @@ class EngineStats:
     prefix_hits: int = 0
     prefix_misses: int = 0
     join_max_frame_gap_ms: float = 0.0
+    first_audio_holds: int = 0
+    first_audio_hold_seconds: float = 0.0
 
     @property
     def prefill_positions_per_s(self) -> float:

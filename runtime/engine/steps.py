@@ -140,6 +140,9 @@ class BatchSteps:
             gap_ms = 1000 * (now - state.last_frame_at)
             self.stats.join_max_frame_gap_ms = max(self.stats.join_max_frame_gap_ms, gap_ms)
         state.last_frame_at, state.waited_for_join = now, False
+        state.frames_out += 1
+        if state.audio_from is None:
+            state.audio_from = now
         state.handle._send("codes", state.chunk, codes)
         if not rules.done:
             return codes

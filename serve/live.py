@@ -11,7 +11,7 @@ text messages:
   (``seed``, ``temperature``, ``top_k``, ``top_p``, ``max_new_tokens``, ``ref_audio`` with
   ``ref_text``, ``references``, ``context_chunks``, ``context_frames``, ``initial_chunk_frames``), checked by the
   HTTP route's own :func:`~higgs_pack.serve.speech.parse_speech`, and the live route's own
-  ``split_granularity`` (``clause``, the default, or ``sentence``) and ``first_commit_words`` (default 4) (:func:`live_options`);
+  ``split_granularity`` (``clause``, the default, or ``sentence``) and ``first_commit_words`` (default 3) (:func:`live_options`);
 - ``{"type": "input.text", "text": ...}`` pieces (an LLM's tokens, or whole sentences);
 - ``{"type": "input.done"}``: speak what is left and end the session.
 

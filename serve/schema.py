@@ -153,8 +153,8 @@ class SessionFields(BaseModel):
     model_config = ConfigDict(extra="forbid")
     split_granularity: Literal[GRANULARITIES] = Field(  # type: ignore[valid-type]
         "clause", description="Text is committed to speech at sentence ends, or at clause ends too (the default, "
-        "with first_commit_words 4: the rule that spoke soonest in the agent benchmark, docs/benchmarks/agent.md).")
-    first_commit_words: int = Field(4, ge=0, le=FIRST_COMMIT_WORDS_MAX, description="How many whole words of a "
+        "with first_commit_words 3: the rule the agent benchmark chose, docs/benchmarks/agent.md).")
+    first_commit_words: int = Field(3, ge=0, le=FIRST_COMMIT_WORDS_MAX, description="How many whole words of a "
                                     "response start its speech: once that many have arrived, they are spoken "
                                     "alone, before their sentence ends, unless a sentence or clause end came first "
                                     "(0: no first commit). A response ends at input.flush or input.cancel: the next "

@@ -199,8 +199,8 @@ def test_a_session_config_takes_the_speech_body_less_the_stream_switches_and_the
     assert "input" not in fields and "stream" not in fields and "stream_format" not in fields
     assert {"seed", "context_frames", "initial_chunk_frames"} <= set(fields)
     assert set(SessionFields.model_fields) <= set(fields)
-    # the default rule, from the agent benchmark (docs/benchmarks/agent.md): clause ends and a first commit of 4 words
-    assert SessionFields().split_granularity == "clause" and SessionFields().first_commit_words == 4
+    # the default rule, from the agent benchmark (docs/benchmarks/agent.md): clause ends and a first commit of 3 words
+    assert SessionFields().split_granularity == "clause" and SessionFields().first_commit_words == 3
 
 
 def test_a_missing_reference_clip_is_refused_by_the_request_with_the_flag(tmp_path):

@@ -371,9 +371,9 @@ class TestLiveKit:
         assert events[-1].is_final
 
     def test_every_turn_of_a_session_starts_speaking_after_its_first_words(self, server):
-        """The server's default commit rule (first_commit_words 4) on one session kept open across two
+        """The server's default commit rule (first_commit_words 3) on one session kept open across two
         turns (each stream's end flushes: a response's end): each turn's first audio comes once its
-        first four words are whole, before the turn's text ends, the second turn's as the first's."""
+        first words are whole, before the turn's text ends, the second turn's as the first's."""
         from higgs_pack.serve.integrations.livekit_tts import HiggsTTS
 
         async def run() -> list[float]:

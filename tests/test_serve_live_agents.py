@@ -223,37 +223,38 @@ def test_clause_granularity_and_a_first_commit_speak_sooner_and_lose_no_word(ser
     assert [w["text"] for d in heard.of("audio.done") for w in d["words"]] == text.split()
 
 
-def test_by_default_a_responses_first_four_words_and_its_clauses_are_spoken_alone(server):
-    """The default commit rule (clause, first_commit_words 4), with no commit field in the config:
-    the first four words alone, then clauses of three words or more, then sentences."""
+def test_by_default_a_responses_first_three_words_and_its_clauses_are_spoken_alone(server):
+    """The default commit rule (clause, first_commit_words 3), with no commit field in the config:
+    the first three words alone, then clauses of three words or more, then sentences."""
     text = "Right, so here is the plan for today, step by step, and then a rest. Fine"
     pieces = [text[i:i + 5] for i in range(0, len(text), 5)]
     heard = asyncio.run(_session(server.ws, pieces, {"seed": 3}))
-    _check_sentences(heard, ["Right, so here is", "the plan for today,", "step by step,", "and then a rest.", "Fine"])
+    _check_sentences(heard, ["Right, so here", "is the plan for today,", "step by step,", "and then a rest.", "Fine"])
 
 
 def test_the_first_commit_never_cuts_a_sentence_that_arrived_whole(server):
-    """The first four words are cut alone only while no end has arrived after them: a sentence sent
-    in one message is one part (it was "One two three four" + "five.", a one-word part)."""
+    """The first words are cut alone only while no end has arrived after them: a sentence sent in
+    one message is one part (it was "One two three four" + "five.", a one-word part, with 4)."""
     heard = asyncio.run(_session(server.ws, ["One two three four five. Six seven."], {"seed": 3}))
     _check_sentences(heard, ["One two three four five.", "Six seven."])
     heard = asyncio.run(_session(server.ws, ["Hello", " there, this is", " streamed. And a", " second sentence."],
                                  {"seed": 3}))  # docs/serving/live.md's example
-    _check_sentences(heard, ["Hello there, this is streamed.", "And a second sentence."])
+    # "this" is whole once " is" came: the first three words alone, the sentence's rest at its end
+    _check_sentences(heard, ["Hello there, this", "is streamed.", "And a second sentence."])
 
 
 def test_the_first_commit_counts_chinese_words_as_word_timings_do(server):
     """Each ideograph is a word (as in audio.done's words): sent a character at a time, the first
-    four are spoken alone (nothing was spoken before input.done)."""
+    three are spoken alone (nothing was spoken before input.done)."""
     text = "你好世界今天天气很好我们去公园散步吧然后回家"
     heard = asyncio.run(_session(server.ws, list(text), {"seed": 3}))
-    _check_sentences(heard, ["你好世界", text[4:]])
-    assert [w["text"] for w in heard.of("audio.done")[0]["words"]] == list("你好世界")
+    _check_sentences(heard, ["你好世", text[3:]])
+    assert [w["text"] for w in heard.of("audio.done")[0]["words"]] == list("你好世")
 
 
 def test_a_second_response_after_a_flush_starts_with_its_first_words_alone(server):
     """One session, two responses as an agent's turns (each ended by input.flush, as the plugins end
-    a turn): the second response's first four words are committed as soon as they are whole, before
+    a turn): the second response's first three words are committed as soon as they are whole, before
     any flush, as the first response's were (the rule is a response's, not only the session's first)."""
     async def run() -> tuple[Heard, dict]:
         async with websockets.connect(server.ws) as ws:
@@ -273,8 +274,8 @@ def test_a_second_response_after_a_flush_starts_with_its_first_words_alone(serve
             return await _read(ws, heard, None, 10), second
 
     heard, second = asyncio.run(run())
-    assert second["sentence_index"] == 2 and second["sentence_text"] == "Seven eight nine ten"
-    _check_sentences(heard, ["One two three four", "five six.", "Seven eight nine ten", "eleven"])
+    assert second["sentence_index"] == 2 and second["sentence_text"] == "Seven eight nine"
+    _check_sentences(heard, ["One two three", "four five six.", "Seven eight nine", "ten eleven"])
 
 
 @pytest.mark.parametrize(("config", "param"), [({"split_granularity": "word"}, "split_granularity"),

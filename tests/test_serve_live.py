@@ -197,7 +197,8 @@ def test_later_sentences_restore_the_voice_from_the_prefix_cache(server, cases_d
 
 def test_flush_speaks_text_with_no_sentence_end(server):
     async def run() -> Heard:
-        async with websockets.connect(server.ws) as ws:
+        async with websockets.connect(server.ws) as ws:  # no first commit: the flush alone cuts
+            await ws.send(json.dumps({"type": "session.config", "first_commit_words": 0}))
             await ws.send(json.dumps({"type": "input.text", "text": "No sentence end here"}))
             await ws.send(json.dumps({"type": "input.flush"}))
             heard = await _read(ws, Heard(), "audio.done")

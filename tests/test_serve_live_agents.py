@@ -300,7 +300,7 @@ def test_null_commit_fields_are_the_defaults_and_messages_show_json_values(serve
     heard = asyncio.run(_session(server.ws, pieces, {"seed": 3, "split_granularity": None, "first_commit_words": None,
                                                      "speed": None}))
     assert not heard.of("error"), heard.of("error")
-    _check_sentences(heard, ["Right, so here is", "the plan for today,", "step by step,", "and then a rest.", "Fine"])
+    _check_sentences(heard, ["Right, so here", "is the plan for today,", "step by step,", "and then a rest.", "Fine"])
 
     async def run() -> Heard:
         async with websockets.connect(server.ws) as ws:

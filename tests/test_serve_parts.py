@@ -637,13 +637,14 @@ class _FakeEngine:
     def __init__(self, max_batch, pool=None):
         from types import SimpleNamespace
 
+        from higgs_pack.runtime.engine.state import EngineStats
+
         self.max_batch, self.prefix_cache, self.crashed = max_batch, None, None
         self.kv_blocks_in_use = None if pool is None else 0
         self.prefix_blocks_shared = None if pool is None else 0
         self.waiting = self.busy_rows = self.kv_bytes_in_use = 0
         self.kv_bytes_per_position, self.kv_budget_bytes = 176, None
-        self.stats = SimpleNamespace(frames=0, steps=0, step_seconds=0.0, prefill_positions=0, prefill_seconds=0.0,
-                                     engine_step_ms=0.0, join_max_frame_gap_ms=0.0)
+        self.stats = EngineStats()  # the engine's own counters, all 0
         self.codec = SimpleNamespace(stats=SimpleNamespace(frames=0))
 
     def close(self, timeout=None):

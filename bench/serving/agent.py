@@ -46,11 +46,12 @@ from typing import Any
 
 from bench.serving.live import GAP_S, spread
 
-#: The commit rules compared (session.config fields; docs/serving/live.md).
+#: The commit rules compared by default (session.config fields; docs/serving/live.md): whole
+#: sentences, clauses, and the live route's default (clause+first3).
 RULES = {
     "sentence": {"split_granularity": "sentence", "first_commit_words": 0},
     "clause": {"split_granularity": "clause", "first_commit_words": 0},
-    "clause+first4": {"split_granularity": "clause", "first_commit_words": 4},
+    "clause+first3": {"split_granularity": "clause", "first_commit_words": 3},
 }
 
 

@@ -731,8 +731,6 @@ def live_options(fields: dict[str, Any]) -> dict[str, Any]:
     return {"granularity": granularity, "first_words": words}
 
 
-
-
 def _message_type(text: str) -> Any:
     """The ``type`` of a JSON message read without the duplicate check (None when it has none)."""
     data = json.loads(text)

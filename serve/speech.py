@@ -270,7 +270,12 @@ def _dialogue_voices(given: Any, speakers: set[str], voices: Any, config: ServeC
         return {}
     if not isinstance(given, dict):
         raise _bad(f"voices must be an object mapping a speaker to a voice, got {got(given)}", "voices")
-    from higgs_pack.runtime.loop.dialogue import key_problem, named_twice, speaker_name
+    from higgs_pack.runtime.loop.dialogue import (
+        key_problem,
+        named_twice,
+        speaker_name,
+        twice_message,
+    )
 
     out: dict[str, Any] = {}
     # as the Python and CLI doors check a speaker's key
@@ -282,8 +287,7 @@ def _dialogue_voices(given: Any, speakers: set[str], voices: Any, config: ServeC
         speaker = speaker_name(key)  # as a turn's speaker is read: a leading BOM dropped, stripped
         where = f"voices.{speaker[:40]}"
         if speaker in twice:
-            raise _bad(f"voices gives {short(speaker)} more than once (the keys {', '.join(map(short, twice[speaker]))} "
-                       "are one speaker's name); give each speaker one voice", where, "duplicate_field")
+            raise _bad(twice_message(speaker, twice[speaker], short), where, "duplicate_field")
         if speaker not in speakers:
             raise _bad(f"voices names {short(speaker)}, who speaks no turn; the speakers are "
                        f"{', '.join(sorted(map(repr, speakers))[:20])}", where, "unknown_speaker")

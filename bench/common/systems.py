@@ -141,19 +141,25 @@ def load_1m() -> float | None:
 
 
 def machine() -> dict[str, Any]:
-    """What every record says of the machine: CPU model, logical CPUs, Python, ISA, last-level cache."""
+    """What every record says of the machine: CPU model, logical CPUs, Python, ISA, last-level cache,
+    and ``isa_ceiling``, oneDNN's ``ONEDNN_MAX_CPU_ISA`` where it is set (OpenVINO's CPU kernels then use
+    no instructions above it, e.g. ``AVX512_CORE_BF16``: no AMX; CPUID still shows the host's flags)."""
     from higgs_pack.runtime.machine.cpu import cpu_info
 
     cpu = cpu_info()
-    return {"cpu": cpu.model, "cores": cpu.logical_cpus, "python": platform.python_version(), "isa": cpu.isa,
-            "llc_bytes": cpu.llc_bytes, "llc_level": cpu.llc_level}
+    out = {"cpu": cpu.model, "cores": cpu.logical_cpus, "python": platform.python_version(), "isa": cpu.isa,
+           "llc_bytes": cpu.llc_bytes, "llc_level": cpu.llc_level}
+    if os.environ.get("ONEDNN_MAX_CPU_ISA"):
+        out["isa_ceiling"] = os.environ["ONEDNN_MAX_CPU_ISA"]
+    return out
 
 
 def machine_line(m: dict[str, Any]) -> str:
     isa = m.get("isa") or {}
     llc = f", {m['llc_bytes'] / 2**20:g} MiB L{m.get('llc_level', '?')} cache" if m.get("llc_bytes") else ""
+    ceiling = f", kernels capped at {m['isa_ceiling']}" if m.get("isa_ceiling") else ""
     return (f"machine: {m.get('cpu')}, {m.get('cores')} logical CPUs, {' '.join(isa.get('flags', [])) or 'no ISA flags'}"
-            f" (AVX-512 {'yes' if isa.get('avx512') else 'no'}, VNNI {'yes' if isa.get('vnni') else 'no'}){llc}")
+            f" (AVX-512 {'yes' if isa.get('avx512') else 'no'}, VNNI {'yes' if isa.get('vnni') else 'no'}){llc}{ceiling}")
 
 
 def ov_cache_dir(cache: Path, bundle: Path, spec: SystemSpec) -> Path:

@@ -259,7 +259,7 @@ def get_backend(name: str | None) -> Backend:
     """
     backends = registered()
     if name not in backends:
-        raise ManifestError(f"unknown backend {name!r} (known: {', '.join(backends)}); "
+        raise ManifestError(f"unknown backend {name!r} (known: {', '.join(sorted(backends))}); "
                             "upgrade higgs-pack, install the distribution that provides it, or rebuild the bundle")
     return backends[name]
 

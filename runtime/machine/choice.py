@@ -147,7 +147,7 @@ def placements(c: Candidate, inv: Inventory, bench: Mapping[str, float] | None =
 
     backend = registered().get(c.backend)
     if backend is None:
-        return [], f"unknown backend {c.backend!r} (known: {', '.join(registered())})"
+        return [], f"unknown backend {c.backend!r} (known: {', '.join(sorted(registered()))})"
     return backend.placements(c, inv, bench or {})
 
 

@@ -251,10 +251,3 @@ CPU_PROVIDER = EXECUTION_PROVIDERS["cpu"]
 
 #: OpenVINO runtime requirement for bundles in OpenVINO IR.
 OPENVINO_REQUIREMENT = "openvino>=2026.4,<2027"
-
-#: The engines an OpenVINO bundle's decoder runs ``max_batch > 1`` requests on (the engine's
-#: ``openvino_engine=``, the CLI's and the server's ``--openvino-engine``): ``"paged"`` (the default:
-#: PagedAttention, every row's KV in blocks of one pool, a joining prompt prefilled in the running
-#: rows' forward: short joins) or ``"stateful"`` (the rows spliced into the stateful decoder's one
-#: batched state: the faster step on the CPU, long joins; the CPU device only).
-OPENVINO_ENGINES = ("paged", "stateful")

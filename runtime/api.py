@@ -324,13 +324,14 @@ class TTS:
 
     def engine(self, max_batch: int = 4, *, max_length: int | None = None,
                max_kv_bytes: int | None = None, prefill_chunk: int | str = "auto",
-               join_gap_steps: float | None = None, openvino_engine: str | None = None) -> Engine:
+               join_gap_steps: float | None = None) -> Engine:
         """A continuous-batching engine over this bundle: requests submitted from any thread
         join and leave between decoder steps (:mod:`higgs_pack.runtime.engine`).
 
         Args:
-            max_batch: requests decoded together (rows), >= 1.  More than 1 needs a bundle
-                whose decoder runs on ONNX Runtime's CPU execution provider.
+            max_batch: requests decoded together (rows), >= 1.  More than 1 needs a decoder
+                that batches: ONNX Runtime's on its CPU and CUDA providers, OpenVINO's on
+                PagedAttention (any device; not the NPU variant's static decoder).
             max_length: most positions (prompt + frames) per request; default the decoder's
                 context, at most :data:`~higgs_pack.runtime.engine.engine.DEFAULT_MAX_LENGTH`.
                 Address space is reserved for ``max_batch * max_length`` positions; memory is
@@ -345,12 +346,6 @@ class TTS:
             prefill_chunk, join_gap_steps: how a prompt joining running requests is prefilled
                 (in chunks between their steps, so they keep getting frames): see
                 :class:`~higgs_pack.runtime.engine.engine.Engine`.
-            openvino_engine: an OpenVINO bundle's engine for ``max_batch > 1``: ``"paged"`` (None:
-                the default; PagedAttention, a joining request prefilled inside the running rows'
-                step: short joins) or ``"stateful"`` (rows spliced into the stateful decoder's
-                batched state: the CPU's faster step, joins of several steps; CPU device only).
-                ``max_batch=1`` runs the bundle's own decoder either way.  Only for OpenVINO
-                bundles, not their NPU variant (docs/using/engine.md).
 
         Returns:
             An :class:`~higgs_pack.runtime.engine.engine.Engine` (``submit(text, **options)``
@@ -359,11 +354,8 @@ class TTS:
 
         Raises:
             InputError: a bad size, ``max_batch > 1`` on a backend or device that cannot
-                batch (the message says why), or an ``openvino_engine`` that is not ``"paged"`` or
-                ``"stateful"``, given for another bundle than OpenVINO's, for its NPU variant, or
-                ``"stateful"`` on another device than the CPU (each naming ``openvino_engine``).
+                batch (the message says why).
         """
-        self._check_openvino_engine(openvino_engine)
         for name, value in (("max_batch", max_batch), ("max_length", max_length), ("max_kv_bytes", max_kv_bytes)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, Integral) or value < 1):
                 raise InputError.of(Problem.said(f"{name} must be a whole number >= 1, got {value!r}"))
@@ -372,26 +364,13 @@ class TTS:
         if length > limit:
             raise InputError.of(Problem.said(f"max_length={length} is more than the decoder's context of {limit} positions"))
         backend = backend_of(self.bundle.manifest)
-        choice = {} if openvino_engine is None else {"openvino_engine": openvino_engine}
-        decoder = backend.batched_decoder(self.pipeline, int(max_batch), int(length), **choice)
+        decoder = backend.batched_decoder(self.pipeline, int(max_batch), int(length))
         return Engine(self.pipeline, decoder, max_kv_bytes=max_kv_bytes, prefill_chunk=prefill_chunk,
                       join_gap_steps=join_gap_steps)
 
-    def _check_openvino_engine(self, openvino_engine: str | None) -> None:
-        """Refuse a bad ``openvino_engine``, or one given for a bundle not on OpenVINO (InputError)."""
-        from higgs_pack.runtime.engine.decoders import check_openvino_engine
-
-        check_openvino_engine(openvino_engine)
-        backend = backend_of(self.bundle.manifest)
-        if openvino_engine is not None and backend.name != "openvino":
-            raise InputError.of(Problem.said(
-                f"openvino_engine={openvino_engine!r} chooses between the engines of an OpenVINO bundle; {self.bundle.name} "
-                f"runs on {backend.label}, which has one engine: leave openvino_engine (--openvino-engine) out",
-                field="openvino_engine", value=openvino_engine, code="unsupported_value"))
-
     def synthesize_many(self, texts: Iterable[str | SynthesisRequest], *, max_batch: int = 4,
                         in_order: bool = True, max_length: int | None = None, max_kv_bytes: int | None = None,
-                        openvino_engine: str | None = None, **options: Any) -> Iterator[tuple[int, SynthesisResult | Exception]]:
+                        **options: Any) -> Iterator[tuple[int, SynthesisResult | Exception]]:
         """Speak many texts through one engine (:meth:`engine`), several decoded per step.
 
         Text ``i`` is spoken with seed ``seed + i`` (``seed`` defaults to 0; ``seed=None`` draws
@@ -411,7 +390,7 @@ class TTS:
         Args:
             texts: what to say, one item per utterance (str or ``SynthesisRequest``); read
                 lazily, at most ``4 * max_batch`` ahead of what has been yielded.
-            max_batch, max_length, max_kv_bytes, openvino_engine: as :meth:`engine`.
+            max_batch, max_length, max_kv_bytes: as :meth:`engine`.
             in_order: True (default): yield in the order of ``texts``; False: as each text
                 finishes (what a writer of files wants; the indices say which).
             options: the keywords of :meth:`synthesize` (``seed``, ``temperature``, ``top_k``,
@@ -437,7 +416,6 @@ class TTS:
             template = dataclasses.replace(template, voice=self.prepare_voice(template.voice.audio,
                                                                               template.voice.transcript))
         base_seed = template.seed
-        self._check_openvino_engine(openvino_engine)
         engine_kwargs = {"max_length": max_length, "max_kv_bytes": max_kv_bytes}
         for name, value in (("max_batch", max_batch), *engine_kwargs.items()):
             if (value is not None or name == "max_batch") and (
@@ -451,7 +429,7 @@ class TTS:
             return dataclasses.replace(template, text=item, seed=seed)  # the text and seed checked again
 
         return _many(self, enumerate(texts), request_of, int(max_batch), in_order,
-                     {**engine_kwargs, "openvino_engine": openvino_engine})
+                     engine_kwargs)
 
 
 def _many(tts: TTS, items: Iterator[tuple[int, Any]], request_of, max_batch: int, in_order: bool,

@@ -289,7 +289,7 @@ class BatchOutcome:
 
 def run_batch(tts: Any, lines: list[Line], requests: list[Any], manifest: BatchManifest, folder: Path, *,
               max_batch: int, subtype: str, say: Callable[[str, bool], None],
-              progress: Callable[[int], None] | None = None, openvino_engine: str | None = None) -> BatchOutcome:
+              progress: Callable[[int], None] | None = None) -> BatchOutcome:
     """Speak ``requests`` (one per entry of ``lines``, those not yet in ``manifest.files``)
     through one engine and write each finished wav and the manifest into ``folder``.
 
@@ -302,7 +302,6 @@ def run_batch(tts: Any, lines: list[Line], requests: list[Any], manifest: BatchM
         subtype: ``"PCM_16"`` or ``"FLOAT"``.
         say: ``say(message, is_error)`` prints one line per file written or line failed.
         progress: called with the number of lines done after each.
-        openvino_engine: an OpenVINO bundle's engine (``TTS.engine``'s; None: its default).
 
     Returns:
         A :class:`BatchOutcome`.
@@ -318,8 +317,7 @@ def run_batch(tts: Any, lines: list[Line], requests: list[Any], manifest: BatchM
     manifest.state = "running"
     manifest.save(folder)
     try:
-        for index, result in tts.synthesize_many(requests, max_batch=max_batch, in_order=False,
-                                                    openvino_engine=openvino_engine):
+        for index, result in tts.synthesize_many(requests, max_batch=max_batch, in_order=False):
             line = lines[index]
             if isinstance(result, Exception):
                 # a line's text is not set with --text: its problems said without how to set them
@@ -373,8 +371,8 @@ def batch_settings(bundle_name: str, request: Any, base_seed: int | None, subtyp
         subtype: the wav sample format (``PCM_16`` or ``FLOAT``).
         ref_audio: the reference clip (its sha256 is recorded), or None.
         openvino_engine: the OpenVINO engine that batches the lines
-            (:func:`~higgs_pack.runtime.engine.decoders.chosen_openvino_engine`; the engines are not
-            bit-identical), or None where there is no choice.
+            (:func:`~higgs_pack.runtime.engine.decoders.openvino_engine_of`: ``"paged"``, or None
+            where the lines are not batched on OpenVINO; the kernels are not bit-identical).
 
     Returns:
         A JSON-ready dict.

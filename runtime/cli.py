@@ -20,7 +20,7 @@ import click
 
 from higgs_pack.errors import HiggsPackError, install_extra
 from higgs_pack.manifests.model import NAME_WIDTH
-from higgs_pack.manifests.providers import EXECUTION_PROVIDERS, OPENVINO_ENGINES
+from higgs_pack.manifests.providers import EXECUTION_PROVIDERS
 from higgs_pack.runtime.exit_status import EXIT_INTERRUPTED, EXIT_TERMINATED
 from higgs_pack.runtime.options import MAX_CHUNK_FRAMES, click_options
 from higgs_pack.runtime.speech_output import (
@@ -262,7 +262,6 @@ class SynthesizeFlags:
     chunk_growth: float
     max_chunk_frames: int
     batch: int | None
-    openvino_engine: str | None
     context_chunks: int
     context_frames: int | None
     subtitles: Path | None
@@ -338,9 +337,6 @@ SUBTITLES_OPTION = click.option(
 @click.option("--batch", type=click.IntRange(min=1),
               help="Speak every non-empty line of --text-file into its own wav in the folder -o, this many "
                    "lines decoded together; rerun to resume.")
-@click.option("--openvino-engine", type=click.Choice(OPENVINO_ENGINES),
-              help="With --batch > 1 on an OpenVINO bundle: paged (default; short joins) or stateful (the "
-                   "spliced engine: the CPU's faster step).")
 @SUBTITLES_OPTION
 def synthesize(**flags: Any) -> None:
     """Speak TEXT with BUNDLE into a wav (or, with -o -, to stdout).
@@ -373,9 +369,6 @@ def synthesize(**flags: Any) -> None:
     output = f.output
     require_bundle_dir(Path(f.bundle), folders_of_bundles=True)  # before -o is judged against it
     _refuse_schedule_without_stream(click.get_current_context(), f.streaming)
-    if f.openvino_engine is not None and f.batch is None:
-        raise click.UsageError("--openvino-engine chooses the engine that --batch decodes lines on; add --batch N, "
-                               "or drop --openvino-engine")
     if f.batch is not None:
         if f.subtitles is not None:
             raise click.UsageError("--subtitles writes one file for one text; --batch writes a wav per line: "
@@ -505,14 +498,14 @@ def _synthesize_batch(f: SynthesizeFlags) -> None:
         remove_partials,
         run_batch,
     )
-    from higgs_pack.runtime.engine.decoders import chosen_openvino_engine
+    from higgs_pack.runtime.engine.decoders import openvino_engine_of
 
     lines, line_count, requests = _batch_lines(f)
     first, output, text_file, ref_audio, ref_text = requests[0], f.output, f.text_file, f.ref_audio, f.ref_text
     subtype, no_progress, batch = f.subtype, f.no_progress, f.batch
     tts = load(f.bundle, **f.load_keywords())
     click.echo(f"using {tts.info}", err=True)
-    engine = chosen_openvino_engine(tts.info.backend, batch, f.openvino_engine)
+    engine = openvino_engine_of(tts.info.backend, batch)
     settings = batch_settings(tts.info.bundle, first, f.seed, subtype, ref_audio, openvino_engine=engine)
     previous = BatchManifest.read(output)
     done = finished_lines(previous, settings, lines, output)
@@ -541,7 +534,7 @@ def _synthesize_batch(f: SynthesizeFlags) -> None:
     try:
         with sigterm_as_interrupt():
             outcome = run_batch(tts, [lines[i] for i in todo], [requests[i] for i in todo], manifest, output,
-                                max_batch=batch, subtype=subtype, say=say, openvino_engine=f.openvino_engine,
+                                max_batch=batch, subtype=subtype, say=say,
                                 progress=lambda n: bar.update(n - bar.n))
     except KeyboardInterrupt as exc:
         bar.close()

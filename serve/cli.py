@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import ipaddress
 import logging
+import os
 import signal
 import socket
 from pathlib import Path
@@ -102,7 +103,7 @@ def envvar(setting: Any) -> str:
 def from_environment(ctx: click.Context, message: str) -> str:
     """``message`` (an error about the settings) with, for each setting it names (by its flag or its
     field's name) whose value came from the environment, where that value came from: a user who
-    never typed ``--openvino-engine`` learns which variable to change.  The one way every setting's
+    never typed ``--max-kv-mb`` learns which variable to change.  The one way every setting's
     error names its environment variable."""
     from click.core import ParameterSource
 
@@ -111,6 +112,25 @@ def from_environment(ctx: click.Context, message: str) -> str:
             if ctx.get_parameter_source(setting.name) is ParameterSource.ENVIRONMENT
             and (setting.flag in message or name in message or setting.name in message)]
     return message + (f" ({'; '.join(came)})" if came else "")
+
+
+def refuse_unknown_environment(ctx: click.Context) -> None:
+    """Refuse a ``HIGGS_PACK_SERVE_*`` variable that sets no option of ``ctx``'s command (a typo, or
+    one a version before read, as ``HIGGS_PACK_SERVE_OPENVINO_ENGINE``): click reads the variables
+    it knows and would pass over the others silently, so the server would start without the
+    setting its operator meant.
+
+    Raises:
+        click.UsageError: naming each such variable and the ones the command reads.
+    """
+    known = {f"{ENV_PREFIX}_{param.name.upper()}" for param in ctx.command.params
+             if isinstance(param, click.Option) and param.name and not param.envvar}  # an envvar of its own: not ours
+    unknown = sorted(name for name in os.environ if name.startswith(f"{ENV_PREFIX}_") and name not in known)
+    if unknown:
+        raise click.UsageError(
+            f"{', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} set in the environment but "
+            f"{'sets' if len(unknown) == 1 else 'set'} no option of `higgs-pack serve`; unset or rename "
+            f"{'it' if len(unknown) == 1 else 'them'} (the variables it reads: {', '.join(sorted(known))})")
 
 
 @click.command(context_settings={"auto_envvar_prefix": ENV_PREFIX})
@@ -145,6 +165,7 @@ def serve(source: str, host: str, port: int, device: str | None, log_level: str,
 
     logging.getLogger("higgs_pack").setLevel(log_level.upper())
     ctx = click.get_current_context()
+    refuse_unknown_environment(ctx)
     try:
         config = ServeConfig.given(given)
     except InputError as exc:

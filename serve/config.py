@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 from higgs_pack.errors import InputError, Problem
-from higgs_pack.manifests.providers import OPENVINO_ENGINES
 
 #: Longest ``input`` by default (characters): about 8,000 English words, some 45 minutes of speech,
 #: spoken in chunks with a rolling context.  OpenAI's own limit is 4,096 (openai-python
@@ -106,9 +105,6 @@ class ServeConfig:
         allow_local_media: ``ref_audio`` may name a file under this folder (None: never).
         max_kv_bytes: KV cache budget of the engine's admitted requests (None: the engine's
             default, from free memory; see :func:`higgs_pack.runtime.engine.kv_memory.default_kv_budget`).
-        openvino_engine: an OpenVINO bundle's engine for ``max_batch > 1``: ``"paged"`` (short joins)
-            or ``"stateful"`` (the spliced engine: the CPU's faster step); None: the engine's default
-            (paged).  Refused at start for other bundles and the NPU variant (``TTS.engine``).
         max_input_chars: longest ``input``.
         max_upload_bytes: largest voice upload or decoded ``ref_audio``.
         max_ref_seconds: longest reference clip.
@@ -140,10 +136,6 @@ class ServeConfig:
     max_kv_bytes: int | None = _setting(None, "--max-kv-mb", "KV cache budget of the requests in the batch, MiB "
                                         "(default: half the memory available at start); a request that does not "
                                         "fit waits.", "number", minimum=1, unit=2**20)
-    openvino_engine: str | None = _setting(None, "--openvino-engine", "OpenVINO bundles, --max-batch > 1: paged "
-                                           "(default; a joining request waits ~2-3 steps) or stateful (the spliced "
-                                           "engine: the CPU's faster step, joins of 6-11 steps).", "text",
-                                           choices=OPENVINO_ENGINES)
     max_input_chars: int = _setting(MAX_INPUT_CHARS, "--max-input-chars", "Longest `input` of a speech request, "
                                     "characters; a longer one is answered 400.", "whole", minimum=1)
     max_upload_bytes: int = _setting(MAX_UPLOAD_BYTES, "--max-upload-mb", "Largest voice upload or ref_audio, MiB.",

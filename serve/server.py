@@ -31,7 +31,7 @@ import anyio
 import anyio.to_thread
 
 from higgs_pack.errors import HiggsPackError, InputError
-from higgs_pack.runtime.engine.decoders import chosen_openvino_engine
+from higgs_pack.runtime.engine.decoders import openvino_engine_of
 from higgs_pack.runtime.engine.handle import EngineHandle, RequestCancelled
 from higgs_pack.serve.config import ServeConfig
 from higgs_pack.serve.errors import ApiError, from_input_error
@@ -83,8 +83,8 @@ class SpeechServer:
             ``config.model_names``.
         engine: the :class:`~higgs_pack.runtime.engine.engine.Engine`.
         batching_note: why the engine serves one request at a time, when it does ("" otherwise).
-        openvino_engine: the OpenVINO engine that batches (``"paged"`` or ``"stateful"``) for an
-            OpenVINO bundle served with ``max_batch > 1``; None otherwise (one engine, or one row).
+        openvino_engine: ``"paged"`` for an OpenVINO bundle served with ``max_batch > 1``
+            (:func:`~higgs_pack.runtime.engine.decoders.openvino_engine_of`); None otherwise.
         ready: loaded and warmed up, and not stopping.
         in_flight: requests admitted and not finished.
 
@@ -94,10 +94,9 @@ class SpeechServer:
 
     def __init__(self, tts: Any, config: ServeConfig):
         self.tts, self.config = tts, config
-        self.engine, self.batching_note = _make_engine(tts, config.max_batch, config.max_kv_bytes,
-                                                       config.openvino_engine)
+        self.engine, self.batching_note = _make_engine(tts, config.max_batch, config.max_kv_bytes)
         info = tts.info
-        self.openvino_engine = chosen_openvino_engine(info.backend, self.engine.max_batch, config.openvino_engine)
+        self.openvino_engine = openvino_engine_of(info.backend, self.engine.max_batch)
         log.info("engine: %s", self.engine_summary())
         self.models = tuple(dict.fromkeys((info.bundle, info.model, *config.model_names)))
         self.voices = VoiceStore(config.voices_dir, _codec_sha256(tts), _prefix_key(config))
@@ -168,7 +167,7 @@ class SpeechServer:
 
     def engine_summary(self) -> str:
         """The engine in the startup line's and the log's words: ``max_batch 4`` and, for an
-        OpenVINO bundle that batches, ``openvino_engine paged`` (or ``stateful``)."""
+        OpenVINO bundle that batches, ``openvino_engine paged``."""
         engine = f", openvino_engine {self.openvino_engine}" if self.openvino_engine else ""
         return f"max_batch {self.engine.max_batch}{engine}"
 
@@ -369,27 +368,21 @@ async def _cancel_on_disconnect(receive: Any, handle: EngineHandle, scope: anyio
             return
 
 
-def _make_engine(tts: Any, max_batch: int | None, max_kv_bytes: int | None,
-                 openvino_engine: str | None = None) -> tuple[Any, str]:
-    """The engine for ``max_batch`` rows (on ``openvino_engine``, ``TTS.engine``'s); None:
-    :data:`DEFAULT_MAX_BATCH` where the backend batches, else one row with the backend's reason
-    (logged, and shown by ``/ready``).
+def _make_engine(tts: Any, max_batch: int | None, max_kv_bytes: int | None) -> tuple[Any, str]:
+    """The engine for ``max_batch`` rows; None: :data:`DEFAULT_MAX_BATCH` where the backend
+    batches, else one row with the backend's reason (logged, and shown by ``/ready``).
 
     Raises:
-        InputError: as ``TTS.engine``: an ``openvino_engine`` this bundle does not take is refused
-            as it is (before anything is logged), never dropped silently for one row.
+        InputError: as ``TTS.engine``.
     """
-    keywords = {"max_kv_bytes": max_kv_bytes, "openvino_engine": openvino_engine}
     if max_batch is not None:
-        return tts.engine(max_batch, **keywords), ""
+        return tts.engine(max_batch, max_kv_bytes=max_kv_bytes), ""
     try:
-        return tts.engine(DEFAULT_MAX_BATCH, **keywords), ""
+        return tts.engine(DEFAULT_MAX_BATCH, max_kv_bytes=max_kv_bytes), ""
     except InputError as exc:  # the backend cannot batch (a problem of another kind recurs at one row)
-        if any(problem.field == "openvino_engine" for problem in exc.problems):
-            raise  # the setting itself is refused: one row would not take it either
         note = f"one request at a time: {exc}"
         log.info("serving %s", note)
-        return tts.engine(1, **keywords), note
+        return tts.engine(1, max_kv_bytes=max_kv_bytes), note
 
 
 def _codec_sha256(tts: Any) -> str:

@@ -1,5 +1,5 @@
-"""bench/ab/paged.py: the paged and stateful engines' figures compared per batch size, and the u8
-KV parity measurement on the real tiny openvino bundle."""
+"""bench/ab/paged.py: the paged engine's figures at two settings compared per batch size, and the
+u8 KV parity measurement on the real tiny openvino bundle."""
 
 from __future__ import annotations
 
@@ -15,39 +15,36 @@ def _result(rows):
 
 
 def test_compare_gives_both_figures_their_ratio_and_the_gap_in_steps():
-    paged = _result([{"batch": 1, "aggregate_frames_per_s": 10.0, "engine_step_ms": 100.0},
-                     {"batch": 4, "aggregate_frames_per_s": 30.0, "engine_step_ms": 130.0,
-                      "join_max_frame_gap_ms": 195.0}])
-    stateful = _result([{"batch": 1, "aggregate_frames_per_s": 10.0, "engine_step_ms": 100.0},
-                        {"batch": 4, "aggregate_frames_per_s": 24.0, "engine_step_ms": 160.0,
-                         "join_max_frame_gap_ms": 1760.0},
-                        {"batch": 8, "refused": "no"}])
-    rows = compare(paged, stateful)
+    run = _result([{"batch": 1, "aggregate_frames_per_s": 10.0, "engine_step_ms": 100.0},
+                   {"batch": 4, "aggregate_frames_per_s": 30.0, "engine_step_ms": 130.0,
+                    "join_max_frame_gap_ms": 195.0}])
+    base = _result([{"batch": 1, "aggregate_frames_per_s": 10.0, "engine_step_ms": 100.0},
+                    {"batch": 4, "aggregate_frames_per_s": 24.0, "engine_step_ms": 160.0,
+                     "join_max_frame_gap_ms": 1760.0},
+                    {"batch": 8, "refused": "no"}])
+    rows = compare(run, base, "paged:1.5", "paged")
     assert [r["batch"] for r in rows] == [1, 4], "only sizes both ran"
     four = rows[1]
-    assert four["aggregate_frames_per_s"] == {"paged": 30.0, "stateful": 24.0, "ratio": 1.25}
-    assert four["join_voice_gap_steps"] == {"paged": 1.5, "stateful": 11.0}
-    assert four["frames_per_s_over_batch1"] == {"paged": 3.0, "stateful": 2.4}
-    assert four["join_first_audio_ms"] == {"paged": None, "stateful": None, "ratio": None}, "missing: None"
-    assert compare(_result([]), stateful) == []
-    other = compare(paged, stateful, "paged:1.5")[1]
-    assert other["engine_step_ms"] == {"paged:1.5": 130.0, "stateful": 160.0, "ratio": 130.0 / 160.0}
-    assert other["join_voice_gap_steps"] == {"paged:1.5": 1.5, "stateful": 11.0}
+    assert four["aggregate_frames_per_s"] == {"paged:1.5": 30.0, "paged": 24.0, "ratio": 1.25}
+    assert four["engine_step_ms"] == {"paged:1.5": 130.0, "paged": 160.0, "ratio": 130.0 / 160.0}
+    assert four["join_voice_gap_steps"] == {"paged:1.5": 1.5, "paged": 11.0}
+    assert four["frames_per_s_over_batch1"] == {"paged:1.5": 3.0, "paged": 2.4}
+    assert four["join_first_audio_ms"] == {"paged:1.5": None, "paged": None, "ratio": None}, "missing: None"
+    assert compare(_result([]), base, "paged:2", "paged") == []
 
 
-def test_engine_labels_give_the_worker_its_engine_and_join_gap():
-    assert engine_job("paged") == {"ov_engine": "paged", "join_gap_steps": None}
-    assert engine_job("stateful") == {"ov_engine": "stateful", "join_gap_steps": None}
-    assert engine_job("paged:1.5") == {"ov_engine": "paged", "join_gap_steps": 1.5}
-    for bad in ("stateful:2", "paged:1", "paged:x", "spliced"):
+def test_engine_labels_give_the_worker_its_join_gap():
+    assert engine_job("paged") == {"join_gap_steps": None}
+    assert engine_job("paged:1.5") == {"join_gap_steps": 1.5}
+    for bad in ("stateful", "stateful:2", "paged:1", "paged:x", "spliced"):
         with pytest.raises(ValueError, match="--engines"):
             engine_job(bad)
 
 
-def test_engines_must_include_stateful(tmp_path, capsys):
+def test_a_bad_engine_label_is_refused_before_anything_runs(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        main([str(tmp_path), "--engines", "paged,paged:1.5", "--out", str(tmp_path / "x.json")])
-    assert "must include stateful" in capsys.readouterr().err
+        main([str(tmp_path), "--engines", "paged,stateful", "--out", str(tmp_path / "x.json")])
+    assert "'stateful' is not paged or paged:JOIN_GAP_STEPS" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
 
 
@@ -73,16 +70,15 @@ def test_u8_parity_on_the_tiny_bundle(ov_int4_bundle):
         assert 0 <= figures["rel_l2_prompt"] < 0.2
 
 
-def test_rows_of_one_voice_and_the_2000_position_count_on_the_tiny_bundle(ov_int4_bundle, cases_dir):
+def test_rows_of_one_voice_and_the_2000_position_count_on_the_tiny_bundle(ov_int4_bundle, cpu_int4_bundle, cases_dir):
     """Three rows of one voice on the paged engine name its prefix blocks once (blocks in use =
     named - 2 x shared), and the count is the 4 GiB budget over whole blocks of 2,000 positions;
-    the stateful engine's count is by positions and it says nothing of blocks."""
+    an engine without blocks (ONNX Runtime's) counts by positions and says nothing of blocks."""
     pytest.importorskip("openvino")
     import higgs_pack
     from bench.decoder.batch import (
         COUNT_BUDGET_BYTES,
         positions_count,
-        use_stateful_engine,
         voice_rows,
     )
     from higgs_pack.runtime.engine.kv_blocks import blocks_for
@@ -103,29 +99,25 @@ def test_rows_of_one_voice_and_the_2000_position_count_on_the_tiny_bundle(ov_int
         block = engine.decoder.block_bytes
         want = blocks_for(2000, engine.decoder.block_size) * block
     assert count["count_request_bytes"] == want and count["count_requests"] == COUNT_BUDGET_BYTES // want
-    use_stateful_engine()
-    try:
-        with open_engine(tts, 2, spec) as engine:
-            count = positions_count(engine)
-            assert not hasattr(engine.decoder, "pool")
-            assert count["count_request_bytes"] == 2000 * engine.kv_bytes_per_position
-        assert "voice_rows_blocks_in_use" not in voice_rows(tts, 2, spec, voice)
-    finally:
-        from higgs_pack.runtime.backends import get_backend
-
-        backend = get_backend("openvino")
-        vars(backend).pop("batched_decoder", None)
+    ort = higgs_pack.load(str(cpu_int4_bundle))
+    with open_engine(ort, 2, spec) as engine:
+        count = positions_count(engine)
+        assert not hasattr(engine.decoder, "pool")
+        assert count["count_request_bytes"] == 2000 * engine.kv_bytes_per_position
+    ort_voice = ort.prepare_voice(clip, clip.with_suffix(".txt").read_text().strip(), "clip")
+    assert "voice_rows_blocks_in_use" not in voice_rows(ort, 2, spec, ort_voice)
 
 
 def test_the_compile_worker_fills_the_model_cache_the_batch_workers_load(ov_int4_bundle, tmp_path):
     """Run before the rounds, the ``compile`` worker leaves OpenVINO's compiled models in the
-    workers' cache (so no measured worker is the one that compiles); the stateful engine's runs too."""
+    workers' cache (so no measured worker is the one that compiles)."""
     pytest.importorskip("openvino")
     from bench.common.systems import spawn
 
     job = {"bundle": str(ov_int4_bundle), "device": "CPU", "batch": [1, 2], "ov_cache": None}
-    out = spawn("compile", {**job, "ov_engine": "paged"}, cache=tmp_path / "cache", timeout=300)
+    out = spawn("compile", job, cache=tmp_path / "cache", timeout=300)
     assert out["compile_s"] > 0
     blobs = sorted((tmp_path / "cache").rglob("*.blob"))
-    assert blobs, "the model cache holds the compiled models"
-    assert spawn("compile", {**job, "ov_engine": "stateful"}, cache=tmp_path / "cache", timeout=300)["compile_s"] > 0
+    assert len(blobs) >= 2, "the model cache holds the batch-1 and the paged decoder (and the sub-parts)"
+    spawn("compile", job, cache=tmp_path / "cache", timeout=300)
+    assert sorted((tmp_path / "cache").rglob("*.blob")) == blobs, "a second worker compiled nothing new"

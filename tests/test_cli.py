@@ -828,17 +828,17 @@ def test_a_dialogue_stopped_by_ctrl_c_suggests_nothing_it_does_not_have(cpu_int4
 
 
 def test_a_batch_manifest_records_the_openvino_engine_and_a_resume_on_the_other_is_refused(tmp_path):
-    """The two OpenVINO engines are not bit-identical: a folder written on one is not resumed on the
-    other (the manifest's settings hold the engine that batched, naming openvino_engine)."""
+    """OpenVINO's paged engine, its batch-1 decoder and the spliced stateful engine of earlier
+    versions are not bit-identical: a folder written on one is not resumed on another (the
+    manifest's settings hold the engine that batched, naming openvino_engine)."""
     from higgs_pack.errors import InputError
     from higgs_pack.runtime.batch import batch_settings, finished_lines
-    from higgs_pack.runtime.engine.decoders import chosen_openvino_engine
+    from higgs_pack.runtime.engine.decoders import openvino_engine_of
     from higgs_pack.runtime.request import SynthesisRequest
 
-    assert chosen_openvino_engine("openvino", 4, None) == "paged"
-    assert chosen_openvino_engine("openvino", 4, "stateful") == "stateful"
-    assert chosen_openvino_engine("openvino", 1, "stateful") is None  # one row: the bundle's own decoder
-    assert chosen_openvino_engine("onnxruntime", 4, None) is None
+    assert openvino_engine_of("openvino", 4) == "paged"
+    assert openvino_engine_of("openvino", 1) is None  # one row: the bundle's own decoder
+    assert openvino_engine_of("onnxruntime", 4) is None
     request = SynthesisRequest.create("Hi.", seed=0)
     stateful = batch_settings("tiny-ov", request, 0, "PCM_16", None, openvino_engine="stateful")
     paged = batch_settings("tiny-ov", request, 0, "PCM_16", None, openvino_engine="paged")

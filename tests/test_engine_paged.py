@@ -341,53 +341,48 @@ def test_a_persisted_voice_prefix_restores_into_blocks(tts_exact, cases_dir, tmp
         tts_exact.pipeline.prefix_cache = kept
 
 
-def test_openvino_engine_picks_the_decoder_and_bad_values_are_refused_by_name(ov_int4_bundle, monkeypatch):
-    """``engine(openvino_engine=...)``: ``"paged"`` (and the default) the paged decoder, ``"stateful"``
-    the spliced one, ``max_batch=1`` the bundle's own decoder either way; a value of neither, the
-    choice for a decoder without the two engines (the NPU variant's static one) or for a bundle
-    not on OpenVINO is refused naming ``openvino_engine``."""
-    from types import SimpleNamespace
-
-    import higgs_pack.runtime.api as api
-    from higgs_pack.errors import InputError
-    from higgs_pack.runtime.backends import get_backend
-    from higgs_pack.runtime.backends.openvino.batched import OvBatchedDecoder
-    from higgs_pack.runtime.engine.decoders import SingleRowDecoder
-
-    with higgs_pack.load(ov_int4_bundle, "cpu", cache_dir=False) as tts:
-        for choice, kind in ((None, OvPagedDecoder), ("paged", OvPagedDecoder), ("stateful", OvBatchedDecoder)):
-            with tts.engine(max_batch=2, openvino_engine=choice) as engine:
-                assert type(engine.decoder) is kind, choice
-                assert engine.submit("Hello.", seed=0, max_frames=12).result(timeout=120).codes.shape[0] == 12
-        with tts.engine(max_batch=1, openvino_engine="stateful") as engine:
-            assert isinstance(engine.decoder, SingleRowDecoder)
-        for bad in ("Paged", "spliced", 2):
-            with pytest.raises(InputError, match=r"openvino_engine must be 'paged' or 'stateful'"):
-                tts.engine(max_batch=2, openvino_engine=bad)
-        with pytest.raises(InputError, match=r"openvino_engine must be 'paged' or 'stateful'"):
-            list(tts.synthesize_many(["Hi."], max_batch=2, openvino_engine="fast"))
-        kept = tts.pipeline.decoder
-        tts.pipeline.decoder = SimpleNamespace(max_length=kept.max_length)  # a decoder of neither engine (as the NPU's)
-        try:
-            with pytest.raises(InputError, match=r"openvino_engine='stateful' chooses how the stateful decoder batches"):
-                tts.engine(max_batch=1, openvino_engine="stateful")
-        finally:
-            tts.pipeline.decoder = kept
-        monkeypatch.setattr(api, "backend_of", lambda manifest: get_backend("onnxruntime"))
-        with pytest.raises(InputError, match=r"openvino_engine='paged' chooses between the engines of an OpenVINO "
-                                             r"bundle; .* runs on ONNX Runtime"):
-            tts.engine(max_batch=2, openvino_engine="paged")
-
-
 def test_the_paged_engine_joins_at_one_and_a_half_steps_by_default(ov_int4_bundle):
-    """A chunk that rides in the step defaults to half a step (issue 39's goal); the spliced
-    engine's chunks are forwards of their own and keep two; a value given is kept."""
+    """A chunk that rides in the step defaults to half a step (issue 39's goal); a decoder whose
+    chunks are forwards of their own (ONNX Runtime's) keeps two; a value given is kept."""
     from higgs_pack.runtime.engine.engine import DEFAULT_JOIN_GAP_STEPS, PACKED_JOIN_GAP_STEPS
 
     tts = higgs_pack.load(ov_int4_bundle, "cpu")
     with tts.engine(max_batch=2) as engine:
         assert engine.decoder.packs_prefill and engine.join_gap_steps == PACKED_JOIN_GAP_STEPS == 1.5
-    with tts.engine(max_batch=2, openvino_engine="stateful") as engine:
-        assert engine.join_gap_steps == DEFAULT_JOIN_GAP_STEPS == 2.0
     with tts.engine(max_batch=2, join_gap_steps=2.5) as engine:
         assert engine.join_gap_steps == 2.5
+    assert DEFAULT_JOIN_GAP_STEPS == 2.0
+
+
+def test_verify_judges_the_paged_decoder_and_fails_it_against_a_broken_reference(ov_int4_bundle, tmp_path):
+    """``verify``'s OpenVINO check of the paged engine's decoder (issue 39 item 4): on the bundle
+    as built its u8 cache passes the decoder's parity rule against the oracle's references; the
+    same bundle whose stored step reference is off by 10 % fails it, saying the export error."""
+    import shutil
+
+    from higgs_pack.runtime.sources.bundle import load_pipeline, open_bundle
+    from higgs_pack.runtime.verification.backend_checks import check_paged_decoder
+    from higgs_pack.runtime.verification.report import VerifyReport
+
+    pipeline = load_pipeline(ov_int4_bundle, device="CPU")
+
+    def judged(bundle_dir):  # the references and rule of bundle_dir, the decoder of the bundle as built
+        report = VerifyReport(bundle_dir.name)
+        check_paged_decoder(open_bundle(bundle_dir, check_hashes=False), pipeline, report)
+        (check,) = report.checks
+        return check
+
+    good = judged(ov_int4_bundle)
+    assert good.ok is True and good.name == "paged decoder (max_batch > 1)", good
+    assert good.detail.startswith("u8 KV cache in blocks of 32: export error"), good.detail
+    broken = tmp_path / ov_int4_bundle.name
+    shutil.copytree(ov_int4_bundle, broken)
+    golden_file = broken / "reference" / "golden.npz"
+    with np.load(golden_file, allow_pickle=False) as data:
+        golden = {k: data[k] for k in data.files}
+    for key in ("llm_decoder/out/step_hidden_states", "llm_decoder/matched/step_hidden_states"):
+        if key in golden:
+            golden[key] = golden[key] * np.float32(1.1)
+    np.savez(golden_file, **golden)
+    bad = judged(broken)
+    assert bad.ok is False and "export error" in bad.detail, bad.detail

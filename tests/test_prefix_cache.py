@@ -354,28 +354,6 @@ def test_openvino_cache_hits_equal_misses_and_agreement_without_it(ov_tts, ov_vo
               f"first differing frame with vs without the cache: {firsts} of {[len(b.codes) for b in base]}")
 
 
-def test_openvino_engine_with_cached_prefixes_gives_codes_alone(ov_tts, ov_voice, capsys, monkeypatch):
-    """The spliced stateful engine (the paged one: tests/test_engine_paged.py and the schedules):
-    whole prompts (prefill_chunk=0): each request equals its run alone with the cache.  In
-    chunks, OpenVINO's prefill of other lengths is not bit-identical: agreement printed."""
-    from higgs_pack.runtime.backends import get_backend
-
-    backend = get_backend("openvino")
-    monkeypatch.setattr(backend, "batched_decoder", backend.stateful_batched_decoder)
-    _fresh(ov_tts)
-    results, stats, alone = run_joins(ov_tts, ov_voice, prefill_chunk=0)
-    for got, want in zip(results, alone, strict=True):
-        np.testing.assert_array_equal(got.codes, want.codes)
-    assert stats.prefix_hits == 1 and stats.prefix_misses == 1
-    results, stats, alone = run_joins(ov_tts, ov_voice, prefill_chunk=4)
-    firsts = [_first_difference(a.codes, b.codes) for a, b in zip(results, alone, strict=True)]
-    assert stats.prefill_chunks > 4 and stats.prefix_hits == 2
-    with capsys.disabled():
-        print(f"\nopenvino f32 KV, joins prefilled in chunks of 4: first differing frame vs alone {firsts} "
-              f"of {[len(b.codes) for b in alone]}; join_max_frame_gap_ms {stats.join_max_frame_gap_ms:.1f}, "
-              f"engine_step_ms {stats.engine_step_ms:.2f}")
-
-
 def test_a_prompt_object_without_a_prefix_prefills_whole(tts):
     embeds = prompt_of(tts.pipeline, "Plain.").embeds
     assert Prompt(embeds).length == embeds.shape[1]

@@ -4,8 +4,10 @@ body's checks, the response formats and the config's limits (fast tier)."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import struct
+import sys
 
 import numpy as np
 import pytest
@@ -562,38 +564,32 @@ def test_each_server_setting_is_declared_once_and_every_door_has_it(monkeypatch,
 
 
 
-def test_the_openvino_engine_setting_reaches_the_engine_and_bad_values_are_refused_by_name(monkeypatch):
-    """``--openvino-engine`` (``HIGGS_PACK_SERVE_OPENVINO_ENGINE``, Ray's ``openvino_engine``): paged or
-    stateful, the same config from every door, handed to ``tts.engine``; another value is refused
-    naming the setting at every door."""
+def test_a_serve_variable_that_sets_no_option_is_refused_naming_it(monkeypatch):
+    """``HIGGS_PACK_SERVE_OPENVINO_ENGINE`` (read until the paged engine became OpenVINO's only one)
+    or a typo such as ``HIGGS_PACK_SERVE_MAX_BACTH``: refused before anything loads, naming it and
+    the variables serve reads; the command-line option is gone and click says so; the engine is
+    made with the budget alone."""
     from click.testing import CliRunner
 
-    from higgs_pack.errors import InputError
     from higgs_pack.serve.cli import serve
-    from higgs_pack.serve.ray_app import parse_args
     from higgs_pack.serve.server import SpeechServer, _make_engine
 
-    captured = []
+    opened = []
+    monkeypatch.setattr(SpeechServer, "open", classmethod(lambda cls, *a, **k: opened.append(a) or sys.exit(0)))
+    for name in ("HIGGS_PACK_SERVE_OPENVINO_ENGINE", "HIGGS_PACK_SERVE_MAX_BACTH"):
+        run = CliRunner().invoke(serve, ["bundle", "--port", "0"], env={name: "4"})
+        assert run.exit_code == 2 and f"{name} is set in the environment but sets no option" in run.output, run.output
+        assert "HIGGS_PACK_SERVE_MAX_BATCH" in run.output and "HIGGS_PACK_SERVE_OPENVINO_ENGINE," not in run.output
+    assert not opened
+    run = CliRunner().invoke(serve, ["bundle", "--port", "0"], env={"HIGGS_PACK_SERVE_MAX_BATCH": "2"})
+    assert run.exit_code == 0 and len(opened) == 1, run.output
+    run = CliRunner().invoke(serve, ["bundle", "--port", "0", "--openvino-engine", "paged"])
+    assert run.exit_code == 2 and "No such option '--openvino-engine'" in run.output, run.output
+    assert "openvino_engine" not in {f.name for f in dataclasses.fields(ServeConfig)}
+    from higgs_pack.serve.ray_app import parse_args
 
-    def opened(cls, source, config, device=None):
-        captured.append(config)
-        raise SystemExit(0)
-
-    monkeypatch.setattr(SpeechServer, "open", classmethod(opened))
-    assert CliRunner().invoke(serve, ["bundle", "--port", "0", "--openvino-engine", "stateful"]).exit_code == 0
-    assert CliRunner().invoke(serve, ["bundle", "--port", "0"],
-                              env={"HIGGS_PACK_SERVE_OPENVINO_ENGINE": "stateful"}).exit_code == 0
-    bad = CliRunner().invoke(serve, ["bundle", "--port", "0", "--openvino-engine", "fast"])
-    assert bad.exit_code == 2 and "--openvino-engine" in bad.output and "'paged', 'stateful'" in bad.output
-    monkeypatch.undo()
-    _, from_ray, _ = parse_args({"source": "bundle", "openvino_engine": "stateful"})
-    assert captured == [from_ray, from_ray] and from_ray.openvino_engine == "stateful"
-    assert ServeConfig().openvino_engine is None
-    for given in ({"openvino_engine": "fast"}, {"openvino_engine": ""}):
-        with pytest.raises(InputError, match=r"openvino_engine must be one of paged, stateful, got 'f?a?s?t?'"):
-            ServeConfig(**given)
-    with pytest.raises(InputError, match="openvino_engine must be one of paged, stateful"):
-        parse_args({"source": "bundle", "openvino_engine": "fast"})
+    with pytest.raises(InputError, match=r"unknown build_app argument\(s\) 'openvino_engine'"):
+        parse_args({"source": "bundle", "openvino_engine": "paged"})
 
     calls = []
 
@@ -602,8 +598,8 @@ def test_the_openvino_engine_setting_reaches_the_engine_and_bad_values_are_refus
             calls.append((max_batch, keywords))
             return "engine"
 
-    assert _make_engine(FakeTTS(), None, 2**20, "stateful") == ("engine", "")
-    assert calls == [(4, {"max_kv_bytes": 2**20, "openvino_engine": "stateful"})]
+    assert _make_engine(FakeTTS(), None, 2**20) == ("engine", "")
+    assert calls == [(4, {"max_kv_bytes": 2**20})]
 
 
 @pytest.mark.parametrize(("fields", "param"), [
@@ -653,7 +649,7 @@ class _FakeEngine:
 
 class _FakeTTS:
     """A loaded bundle as the server sees it: ``backend`` names its backend; ``refuse`` is an
-    InputError ``engine`` raises (as ``TTS.engine`` refuses an openvino_engine)."""
+    InputError ``engine`` raises (as ``TTS.engine`` refuses a batch its decoder cannot run)."""
 
     def __init__(self, backend="openvino", refuse=None):
         from types import SimpleNamespace
@@ -663,11 +659,11 @@ class _FakeTTS:
         self.bundle = SimpleNamespace(manifest={})
         self.refuse, self.calls = refuse, []
 
-    def engine(self, max_batch, *, max_kv_bytes=None, openvino_engine=None):
-        self.calls.append((max_batch, openvino_engine))
-        if self.refuse is not None:
+    def engine(self, max_batch, *, max_kv_bytes=None):
+        self.calls.append(max_batch)
+        if self.refuse is not None and max_batch > 1:
             raise self.refuse
-        paged = self.info.backend == "openvino" and max_batch > 1 and openvino_engine in (None, "paged")
+        paged = self.info.backend == "openvino" and max_batch > 1
         return _FakeEngine(max_batch, pool=object() if paged else None)
 
     def close(self):
@@ -676,8 +672,6 @@ class _FakeTTS:
 
 @pytest.mark.parametrize(("backend", "config", "engine", "batching"), [
     ("openvino", {}, "paged", "continuous batching"),
-    ("openvino", {"openvino_engine": "paged"}, "paged", "continuous batching"),
-    ("openvino", {"openvino_engine": "stateful"}, "stateful", "continuous batching"),
     ("openvino", {"max_batch": 1}, None, "one request at a time"),
     ("onnxruntime", {}, None, "continuous batching"),
     ("onnxruntime", {"max_batch": 1}, None, "one request at a time"),
@@ -703,20 +697,19 @@ def test_ready_and_the_startup_line_say_which_engine_serves(caplog, backend, con
     assert "higgs_pack_kv_bytes" in metrics
 
 
-def test_an_openvino_engine_the_bundle_does_not_take_is_refused_before_anything_is_logged(caplog):
+def test_a_bundle_that_cannot_batch_is_served_one_request_at_a_time_and_says_why(caplog):
     from higgs_pack.errors import Problem
-    from higgs_pack.serve.server import _make_engine
+    from higgs_pack.serve.server import SpeechServer
 
-    refusal = InputError.of(Problem.said("openvino_engine='stateful' chooses between the engines of an OpenVINO "
-                                         "bundle", field="openvino_engine", value="stateful"))
-    tts = _FakeTTS("onnxruntime", refuse=refusal)
-    with caplog.at_level("INFO"), pytest.raises(InputError, match="openvino_engine='stateful'"):
-        _make_engine(tts, None, None, "stateful")
-    assert "one request at a time" not in caplog.text and tts.calls == [(4, "stateful")]
     cannot = _FakeTTS("openvino", refuse=InputError.of(Problem.said("this decoder cannot batch requests")))
-    with caplog.at_level("INFO"), pytest.raises(InputError):  # another problem: one row is tried, and said
-        _make_engine(cannot, None, None, None)
-    assert "serving one request at a time: this decoder cannot batch" in caplog.text and len(cannot.calls) == 2
+    with caplog.at_level("INFO"):
+        server = SpeechServer(cannot, ServeConfig())
+    assert cannot.calls == [4, 1] and server.engine.max_batch == 1
+    assert "serving one request at a time: this decoder cannot batch" in caplog.text
+    assert server.describe()["batching"] == "one request at a time: this decoder cannot batch requests"
+    assert "openvino_engine" not in server.describe()
+    with pytest.raises(InputError, match="cannot batch"):  # asked for by name: refused, not served at one row
+        SpeechServer(_FakeTTS("openvino", refuse=cannot.refuse), ServeConfig(max_batch=2))
 
 
 def test_a_setting_refused_names_its_environment_variable_when_it_came_from_there(monkeypatch, tmp_path):
@@ -727,17 +720,15 @@ def test_a_setting_refused_names_its_environment_variable_when_it_came_from_ther
     from higgs_pack.serve.server import SpeechServer
 
     def opened(cls, source, config, device=None):
-        raise InputError.of(Problem.said(f"openvino_engine={config.openvino_engine!r} chooses between the engines of "
-                                         "an OpenVINO bundle: leave openvino_engine (--openvino-engine) out",
-                                         field="openvino_engine"))
+        raise InputError.of(Problem.said(f"max_kv_bytes={config.max_kv_bytes} is less than one request of this "
+                                         "bundle needs (--max-kv-mb)", field="max_kv_bytes"))
 
     monkeypatch.setattr(SpeechServer, "open", classmethod(opened))
-    run = CliRunner().invoke(main, ["serve", "bundle", "--port", "0"],
-                             env={"HIGGS_PACK_SERVE_OPENVINO_ENGINE": "stateful"})
-    assert run.exit_code == 2 and "--openvino-engine" in run.output, run.output
-    assert "HIGGS_PACK_SERVE_OPENVINO_ENGINE" in run.output, run.output
-    run = CliRunner().invoke(main, ["serve", "bundle", "--port", "0", "--openvino-engine", "stateful"])
-    assert run.exit_code == 2 and "--openvino-engine" in run.output and "HIGGS_PACK_" not in run.output, run.output
+    run = CliRunner().invoke(main, ["serve", "bundle", "--port", "0"], env={"HIGGS_PACK_SERVE_MAX_KV_MB": "1"})
+    assert run.exit_code == 2 and "--max-kv-mb" in run.output, run.output
+    assert "HIGGS_PACK_SERVE_MAX_KV_MB" in run.output, run.output
+    run = CliRunner().invoke(main, ["serve", "bundle", "--port", "0", "--max-kv-mb", "1"])
+    assert run.exit_code == 2 and "--max-kv-mb" in run.output and "HIGGS_PACK_" not in run.output, run.output
     run = CliRunner().invoke(main, ["serve", "bundle", "--port", "0"],
                              env={"HIGGS_PACK_SERVE_VOICES_DIR": str(tmp_path / "no" / "voices")})
     assert run.exit_code == 2 and "HIGGS_PACK_SERVE_VOICES_DIR" in run.output, run.output

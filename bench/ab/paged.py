@@ -1,14 +1,18 @@
-"""``python -m bench.ab.paged BUNDLE``: an openvino bundle's paged engine beside the spliced stateful
-one (issue 39), in one run, and the paged engine's u8 KV cache against an f32 one.
+"""``python -m bench.ab.paged BUNDLE``: an openvino bundle's paged engine at two or more settings
+side by side (issue 39: ``join_gap_steps``), in one run, and its u8 KV cache against an f32 one.
 
-**engines**: the ``batch`` worker (:func:`bench.decoder.batch.measure_batches`: plain, streamed, join and
-voice-join runs per batch size) in fresh processes, the paged and the stateful engine in turn for
-``--rounds`` rounds, so both see the same machine load; each size's medians and their ratios
-(paged / stateful) are in ``compare``.  **memory** (per engine, per round): the largest batch of
-rows of one voice, with the blocks they hold and the RSS they add, and how many requests of
-2,000 positions the engine admits in a 4 GiB KV budget.  **u8 parity** (``--parity``): the decoder's hidden states
-over a bench prompt and ``--parity-steps`` steps, paged with the bundle's own cache (u8 on the CPU)
-against paged with an f32 cache (f32 inference both), and the same for the stateful decoder, as
+**engines** (``--engines paged:1.5,paged:2``; ``paged`` is the engine's default): the ``batch`` worker
+(:func:`bench.decoder.batch.measure_batches`: plain, streamed, join and voice-join runs per batch
+size) in fresh processes, each setting in turn for ``--rounds`` rounds, so all see the same machine
+load; each size's medians and their ratios (each setting / the first) are in ``compare``.  The
+spliced stateful engine this once compared the paged one with is gone (the paged engine was at
+least as fast; the kept runs docs/benchmarks/runs/paged-vs-stateful-*.json hold that comparison).
+
+**memory** (per setting, per round): the largest batch of rows of one voice, with the blocks they
+hold and the RSS they add, and how many requests of 2,000 positions the engine admits in a 4 GiB
+KV budget.  **u8 parity** (``--parity-steps``): the decoder's hidden states over a bench prompt and
+``--parity-steps`` steps, paged with the bundle's own cache (u8 on the CPU) against paged with an
+f32 cache (f32 inference both), and the same for the bundle's batch-1 stateful decoder, as
 relative L2 distances (the measure of ``python -m bench.ab ov-properties``).
 
 The JSON (``--out``) keeps the machine (CPU model and ISA), OpenVINO's version and every figure.
@@ -27,7 +31,7 @@ import numpy as np
 from bench.common.systems import machine, spawn
 from bench.decoder.run import BENCH_TEXT, DEFAULT_VOICE_CLIP, voice_job
 
-#: Figures compared paged / stateful per batch size (lower is better for the times).
+#: Figures compared per batch size, each setting / the first (lower is better for the times).
 COMPARED = ("aggregate_frames_per_s", "engine_step_ms", "bare_step_ms", "join_first_audio_ms",
             "join_voice_first_audio_ms", "join_max_frame_gap_ms", "join_voice_cold_first_audio_ms",
             "join_cold_max_frame_gap_ms", "join_text_max_frame_gap_ms", "max_kv_bytes_in_use")
@@ -37,18 +41,18 @@ def _rows(result: dict[str, Any]) -> dict[int, dict[str, Any]]:
     return {row["batch"]: row for row in result.get("rows", []) if "refused" not in row}
 
 
-def compare(paged: dict[str, Any], stateful: dict[str, Any], name: str = "paged") -> list[dict[str, Any]]:
-    """Per batch size both engines ran: each of :data:`COMPARED` for both and paged / stateful, and
-    the voice join's gap in steps of the running rows (its ms over the engine's step ms).  ``name``
-    is the paged engine's label in the rows (``paged:1.5`` for one run at another ``join_gap_steps``)."""
+def compare(run: dict[str, Any], base: dict[str, Any], name: str, base_name: str) -> list[dict[str, Any]]:
+    """Per batch size both runs have: each of :data:`COMPARED` for both (keyed by ``name`` and
+    ``base_name``) and ``ratio`` (``run`` / ``base``), the voice join's gap in steps of the running
+    rows (its ms over the engine's step ms), and aggregate frames/s over batch 1's."""
     out = []
-    a, b = _rows(paged), _rows(stateful)
-    names = (name, "stateful")
+    a, b = _rows(run), _rows(base)
+    names = (name, base_name)
     for batch in sorted(set(a) & set(b)):
         row: dict[str, Any] = {"batch": batch}
         for key in COMPARED:
             x, y = a[batch].get(key), b[batch].get(key)
-            row[key] = {name: x, "stateful": y, "ratio": x / y if x and y else None}
+            row[key] = {name: x, base_name: y, "ratio": x / y if x and y else None}
         for label, engine in zip(names, (a[batch], b[batch]), strict=True):
             gap, step = engine.get("join_max_frame_gap_ms"), engine.get("engine_step_ms")
             row.setdefault("join_voice_gap_steps", {})[label] = gap / step if gap and step else None
@@ -70,31 +74,30 @@ def memory(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def engine_job(label: str) -> dict[str, Any]:
-    """The batch worker's settings for an ``--engines`` entry: ``paged``, ``stateful``, or
-    ``paged:X`` (the paged engine with ``join_gap_steps`` X, a number > 1).
+    """The batch worker's settings for an ``--engines`` entry: ``paged`` (the engine's defaults) or
+    ``paged:X`` (``join_gap_steps`` X, a number > 1).
 
     Raises:
         ValueError: any other entry."""
     engine, _, gap = label.partition(":")
-    if engine not in ("paged", "stateful") or (gap and engine != "paged"):
-        raise ValueError(f"--engines: {label!r} is not paged, stateful or paged:JOIN_GAP_STEPS")
+    if engine != "paged":
+        raise ValueError(f"--engines: {label!r} is not paged or paged:JOIN_GAP_STEPS")
     try:
         steps = float(gap) if gap else None
     except ValueError:
         raise ValueError(f"--engines: {label!r}: {gap!r} is not a number of steps") from None
     if steps is not None and not steps > 1:
         raise ValueError(f"--engines: {label!r}: join_gap_steps must be > 1")
-    return {"ov_engine": engine, "join_gap_steps": steps}
+    return {"join_gap_steps": steps}
 
 
 def measure_engines(job: dict[str, Any], rounds: int, cache: Path, timeout: float | None,
-                    engines: tuple[str, ...] = ("paged", "stateful")) -> dict[str, Any]:
+                    engines: tuple[str, ...] = ("paged",)) -> dict[str, Any]:
     """``rounds`` rounds of the ``batch`` worker, each of ``engines`` (:func:`engine_job`'s labels)
-    in turn, in fresh processes, after a ``compile`` worker per engine has filled the model cache
+    in turn, in fresh processes, after a ``compile`` worker has filled the model cache
     (:func:`bench.decoder.batch.compile_engines`: else the first worker, which compiles, is slower
-    than the rest, and it was always the first engine's)."""
-    for kind in dict.fromkeys(engine_job(label)["ov_engine"] for label in engines):
-        spawn("compile", {**job, "ov_engine": kind}, cache=cache, timeout=timeout)
+    than the rest, and it is always the first setting's)."""
+    spawn("compile", job, cache=cache, timeout=timeout)
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label in engines}
     for _ in range(rounds):
         for label in runs:
@@ -108,7 +111,8 @@ def _relative_l2(a: np.ndarray, b: np.ndarray) -> float:
 
 def u8_parity(bundle: str, text: str, steps: int) -> dict[str, Any]:
     """Hidden states of the bench prompt and ``steps`` steps (fixed inputs, :func:`bench.decoder.workers.
-    fixed_inputs`) with the bundle's own KV cache against an f32 one, paged and stateful."""
+    fixed_inputs`) with the bundle's own KV cache against an f32 one, on the paged decoder and on the
+    bundle's batch-1 stateful decoder."""
     import openvino as ov
 
     import higgs_pack
@@ -146,13 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.ab.paged", description=__doc__.split("\n\n")[0])
     parser.add_argument("bundle", help="an openvino bundle folder")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8])
-    parser.add_argument("--rounds", type=int, default=2, help="rounds of both engines in turn (default 2)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of every setting in turn (default 2)")
     parser.add_argument("--frames", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=1, help="runs per size inside one worker (default 1)")
     parser.add_argument("--voice-clip", default=str(DEFAULT_VOICE_CLIP) if DEFAULT_VOICE_CLIP.is_file() else "")
-    parser.add_argument("--engines", default="paged,stateful",
-                        help="comma-separated: paged, stateful, paged:JOIN_GAP_STEPS (default paged,stateful); "
-                             "each paged one is compared with stateful")
+    parser.add_argument("--engines", default="paged",
+                        help="comma-separated: paged (the defaults) or paged:JOIN_GAP_STEPS (default paged); "
+                             "each is compared with the first")
     parser.add_argument("--parity-steps", type=int, default=0, help="also measure u8 parity over this many steps")
     parser.add_argument("--cache", default=None, help="HIGGS_PACK_CACHE of the workers (default: a temporary one)")
     parser.add_argument("--timeout", type=float, default=None)
@@ -172,13 +176,12 @@ def main(argv: list[str] | None = None) -> int:
             engine_job(label)
     except ValueError as exc:
         parser.error(str(exc))
-    if "stateful" not in engines:
-        parser.error("--engines must include stateful: every paged engine is compared with it")
     runs = measure_engines(job, options.rounds, cache, options.timeout, engines)
     record["runs"] = runs
-    # per paged engine, per round: its figures against the stateful engine's of the same round
-    record["compare"] = {label: [compare(p, s, label) for p, s in zip(runs[label], runs["stateful"], strict=True)]
-                         for label in engines if label != "stateful"}
+    # per setting after the first, per round: its figures against the first's of the same round
+    base = engines[0]
+    record["compare"] = {label: [compare(r, b, label, base) for r, b in zip(runs[label], runs[base], strict=True)]
+                         for label in engines[1:]}
     record["memory"] = {label: [memory(run) for run in runs[label]] for label in engines}
     if options.parity_steps:
         record["u8_parity"] = u8_parity(job["bundle"], BENCH_TEXT, options.parity_steps)
@@ -187,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     for rows in record["compare"].values():
         for row in rows[-1]:
             print(json.dumps(row), file=sys.stderr)
+    if not record["compare"]:
+        for row in runs[base][-1].get("rows", []):
+            print(json.dumps({k: v for k, v in row.items() if k in ("batch", *COMPARED)}), file=sys.stderr)
     print(json.dumps(record["memory"]), file=sys.stderr)
     return 0
 

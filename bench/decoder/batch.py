@@ -140,8 +140,8 @@ def _join_run(tts: Any, batch: int, spec: dict[str, Any], marks: list[tuple[floa
     """First streamed audio of a request joining ``batch - 1`` running ones (alone at batch 1),
     with ``voice`` (a prepared voice: its whole prompt prefilled at the join) or none:
     ``<key>_first_audio_ms``, ``<key>_rows`` and, beside running rows, ``gap`` (their longest
-    wait for a frame, ms, from the submission to the joiner's first audio) and OpenVINO's
-    ``<key>_splice_ms``."""
+    wait for a frame, ms, from the submission to the joiner's first audio) and, on a paged
+    decoder, ``<key>_kv_blocks_in_use`` and ``<key>_prefix_blocks_shared`` at the joiner's first audio."""
     from higgs_pack.runtime.loop.codec import codec_context_frames
     from higgs_pack.runtime.loop.streaming import FIRST_CHUNK_FRAMES
 
@@ -170,9 +170,6 @@ def _join_run(tts: Any, batch: int, spec: dict[str, Any], marks: list[tuple[floa
         if engine.kv_blocks_in_use is not None:  # paged: blocks held at the joiner's first audio
             out[f"{key}_kv_blocks_in_use"] = engine.kv_blocks_in_use
             out[f"{key}_prefix_blocks_shared"] = engine.prefix_blocks_shared
-        splice_s = getattr(engine.decoder, "last_splice_seconds", None)  # OpenVINO: the joiner's splice
-        if splice_s is not None:
-            out[f"{key}_splice_ms"] = splice_s * 1e3
         for handle in [joiner, *running]:
             handle.cancel()
     return out
@@ -294,19 +291,6 @@ def positions_count(engine: Any) -> dict[str, Any]:
             "count_request_bytes": need, "count_requests": None if not need else COUNT_BUDGET_BYTES // need}
 
 
-def use_stateful_engine() -> None:
-    """Make the openvino backend's engines of ``max_batch > 1`` run the spliced stateful decoder
-    (``OpenVINOBackend.stateful_batched_decoder``) instead of the paged one, in this process (a
-    bench worker) only: the former engine measured side by side with the paged one."""
-    from higgs_pack.runtime.backends import get_backend
-
-    backend = get_backend("openvino")
-    paged = type(backend).batched_decoder
-    backend.batched_decoder = lambda pipeline, max_batch, max_length: (
-        paged(backend, pipeline, max_batch, max_length) if max_batch == 1
-        else backend.stateful_batched_decoder(pipeline, max_batch, max_length))
-
-
 def compile_engines(spec: dict[str, Any]) -> dict[str, Any]:
     """The ``compile`` worker: load the bundle and open an engine of each of ``spec["batch"]`` (the
     job's engine), so that OpenVINO's model cache (``HIGGS_PACK_CACHE``) holds every compiled model
@@ -318,8 +302,6 @@ def compile_engines(spec: dict[str, Any]) -> dict[str, Any]:
 
     started = time.perf_counter()
     tts = higgs_pack.load(spec["bundle"], spec.get("device") or "auto", cache_dir=spec.get("ov_cache"))
-    if spec.get("ov_engine") == "stateful":
-        use_stateful_engine()
     for batch in dict.fromkeys(int(b) for b in spec["batch"]):
         with open_engine(tts, batch, spec):
             pass
@@ -336,8 +318,6 @@ def measure_batches(spec: dict[str, Any]) -> dict[str, Any]:
 
     before = load_1m()
     tts = higgs_pack.load(spec["bundle"], spec.get("device") or "auto", cache_dir=spec.get("ov_cache"))
-    if spec.get("ov_engine") == "stateful":  # the spliced stateful decoder, for side-by-side runs
-        use_stateful_engine()
     pipeline, c = tts.pipeline, tts.pipeline.constants
     marks = probe(tts)
     prompt, step = fixed_inputs(pipeline, spec["text"])

@@ -38,7 +38,7 @@ BATCH_COLUMNS = (
     ("streamed f/s", "stream_aggregate_frames_per_s", "{:.1f}"), ("streamed/plain", "stream_over_plain", "{:.2f}x"),
     ("delivered f/s (codec incl.)", "delivered_frames_per_s", "{:.1f}"),
     ("streamed/plain delivered", "stream_delivered_over_plain", "{:.2f}x"),
-    ("join 1st audio ms", "join_first_audio_ms", "{:.0f}"), ("join splice ms", "join_splice_ms", "{:.1f}"),
+    ("join 1st audio ms", "join_first_audio_ms", "{:.0f}"),
     ("voice join 1st audio ms", "join_voice_first_audio_ms", "{:.0f}"),
     ("voice join: longest frame gap ms", "join_max_frame_gap_ms", "{:.0f}"),
     ("cold voice join: longest frame gap ms", "join_cold_max_frame_gap_ms", "{:.0f}"),

@@ -9,32 +9,18 @@ from typing import Protocol
 
 import numpy as np
 
-from higgs_pack.errors import InputError, Problem
-from higgs_pack.manifests.providers import OPENVINO_ENGINES
 from higgs_pack.runtime.loop.pipeline import Decoder
 from higgs_pack.runtime.loop.prefix_cache import prefix_layout
 
 
-def check_openvino_engine(value: object) -> None:
-    """Refuse an ``openvino_engine`` that is not None or one of
-    :data:`~higgs_pack.manifests.providers.OPENVINO_ENGINES`.
-
-    Raises:
-        InputError: naming the field, the value and the ones allowed.
-    """
-    if value is not None and value not in OPENVINO_ENGINES:
-        raise InputError.of(Problem("openvino_engine", value, allowed=" or ".join(repr(e) for e in OPENVINO_ENGINES)
-                                    + " (None: the default, 'paged')"))
-
-
-def chosen_openvino_engine(backend: str, max_batch: int, openvino_engine: str | None) -> str | None:
-    """The OpenVINO engine that batches an engine of ``max_batch`` rows (``openvino_engine``, None:
-    the default, ``'paged'``), or None where there is no choice: another backend's bundle, or one
-    row (the bundle's own batch-1 decoder).  What the server shows and a ``--batch`` manifest
-    records: the two engines are not bit-identical."""
-    if backend != "openvino" or max_batch <= 1:
-        return None
-    return openvino_engine or OPENVINO_ENGINES[0]
+def openvino_engine_of(backend: str, max_batch: int) -> str | None:
+    """``"paged"`` for an engine of ``max_batch > 1`` rows on an OpenVINO bundle (PagedAttention,
+    :mod:`higgs_pack.runtime.backends.openvino.paged`), None elsewhere: another backend's bundle,
+    or one row (the bundle's own batch-1 decoder).  What ``/ready`` shows and a ``--batch``
+    manifest records, so that a folder is not resumed on other kernels (the paged and batch-1
+    decoders are not bit-identical, nor the spliced stateful engine of earlier versions that
+    recorded ``"stateful"``)."""
+    return "paged" if backend == "openvino" and max_batch > 1 else None
 
 
 class BatchedDecoder(Protocol):

@@ -1,7 +1,7 @@
 """Checks that only some backends or providers need; :mod:`higgs_pack.runtime.verification.verify` registers them.
 
-OpenVINO: the decoder's state, static-shape promises (NPU variant), GPU and NPU
-devices where present.  ONNX Runtime: node placement on a non-CPU provider, and
+OpenVINO: the decoder's state, static-shape promises (NPU variant), the paged engine's
+decoder, GPU and NPU devices where present.  ONNX Runtime: node placement on a non-CPU provider, and
 the comparison of a GPU provider's outputs with the CPU provider's
 (:func:`compare_providers`).  This module never imports :mod:`~higgs_pack.runtime.verification.verify`.
 """
@@ -18,6 +18,7 @@ from higgs_pack.runtime.loop.pipeline import Pipeline
 from higgs_pack.runtime.sources.bundle import Bundle, load_pipeline
 from higgs_pack.runtime.verification.report import (
     VerifyReport,
+    errors_against,
     judge_parity,
     judge_subpart,
     output_errors,
@@ -127,6 +128,36 @@ def check_gpu(bundle: Bundle, pipeline: Pipeline, report: VerifyReport) -> None:
 def check_npu(bundle: Bundle, pipeline: Pipeline, report: VerifyReport) -> None:
     """OpenVINO: parity on the Intel NPU (``NPU``) for static bundles, or skipped with the reason."""
     _check_on_device("NPU", bundle, pipeline, report)
+
+
+def check_paged_decoder(bundle: Bundle, pipeline: Pipeline, report: VerifyReport) -> None:
+    """OpenVINO: the paged engine's decoder, what ``max_batch > 1`` runs
+    (:mod:`higgs_pack.runtime.backends.openvino.paged`: the decoder IR turned to PagedAttention at
+    load), on the golden prompt and step, with the KV cache the device compiles it with (u8 on
+    the CPU, where its prompt's attention already reads the quantized K/V), judged by the
+    decoder's own parity rule (:func:`~higgs_pack.runtime.verification.report.judge_parity`)
+    against the oracle's stored references: issue 39 keeps the u8 cache the default only where
+    this holds.  Skipped for a decoder that does not batch (the NPU variant's static one)."""
+    from higgs_pack.runtime.backends import get_backend
+    from higgs_pack.runtime.backends.openvino.runners import OvStatefulDecoder
+
+    name = "paged decoder (max_batch > 1)"
+    if not isinstance(pipeline.decoder, OvStatefulDecoder):
+        report.add(name, None, "this bundle's decoder takes one row (the NPU variant's static one): no engine batches it")
+        return
+    golden = read_golden(bundle)
+    try:
+        paged = get_backend("openvino").batched_decoder(pipeline, 2, pipeline.decoder.max_length)
+        first = paged.prefill(0, golden["llm_decoder/in/inputs_embeds"])
+        step = paged.step(np.array([0]), golden["llm_decoder/in/step_embeds"])
+    except Exception as exc:  # HiggsPackError, or OpenVINO's RuntimeError while compiling or inferring
+        report.add(name, False, f"{type(exc).__name__}: {last_line(exc)}")
+        return
+    rule = bundle.manifest["subparts"][SubPart.LLM_DECODER]["parity"]
+    errors = errors_against(golden, SubPart.LLM_DECODER, {"hidden_states": first, "step_hidden_states": step},
+                            rule["metric"])
+    ok, detail = judge_parity(rule, errors)
+    report.add(name, ok, f"{paged.cache_types} KV cache in blocks of {paged.block_size}: {detail}", errors["measured"])
 
 
 def check_node_placement(bundle: Bundle, pipeline: Pipeline, report: VerifyReport) -> None:

@@ -123,7 +123,13 @@ def subpart_errors(pipeline: Pipeline, golden: dict[str, np.ndarray], part: str,
         :func:`output_errors` against the float oracle (``measured``, ``measured_max_abs``,
         ``rel_l2``) and, when matched references exist, ``matched_rel_l2`` and ``matched_cosine``.
     """
-    outs = _run_subpart(pipeline, golden, part)
+    return errors_against(golden, part, _run_subpart(pipeline, golden, part), metric)
+
+
+def errors_against(golden: dict[str, np.ndarray], part: str, outs: dict[str, np.ndarray], metric: str
+                   ) -> dict[str, float | None]:
+    """:func:`subpart_errors` of outputs already computed: ``outs`` by golden output name (the
+    decoder's ``hidden_states`` and ``step_hidden_states``, from any runner of it)."""
     result: dict[str, float | None] = {}
     for kind, prefix in (("", f"{part}/out/"), ("matched_", f"{part}/matched/")):
         pairs = [(v, outs[k[len(prefix):]]) for k, v in golden.items() if k.startswith(prefix)]

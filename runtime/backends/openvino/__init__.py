@@ -45,41 +45,27 @@ class OpenVINOBackend(Backend):
     install_hint = f"{install_extra('openvino')} ({OPENVINO_REQUIREMENT})"
     batching_refusal = "the NPU variant's static shapes take batch 1: its decoder is compiled for one row"
 
-    def batched_decoder(self, pipeline, max_batch: int, max_length: int, *, openvino_engine: str | None = None):
-        """The decoder of an engine of ``max_batch`` rows: for ``max_batch > 1`` the engine
-        ``openvino_engine`` names (:data:`~higgs_pack.runtime.engine.decoders.OPENVINO_ENGINES`):
+    def batched_decoder(self, pipeline, max_batch: int, max_length: int):
+        """The decoder of an engine of ``max_batch`` rows: for ``max_batch > 1`` an
+        :class:`~higgs_pack.runtime.backends.openvino.paged.OvPagedDecoder` on the stateful
+        decoder IR turned to PagedAttention at load, compiled (once per decoder) on the
+        decoder's own device with its own properties (CPU and GPU alike: the device picks the
+        cache layout); ``max_batch=1`` the bundle's batch-1 decoder.
 
-        * ``"paged"`` (None: the default): an :class:`~higgs_pack.runtime.backends.openvino.paged.OvPagedDecoder`
-          on the stateful decoder IR turned to PagedAttention at load, compiled (once per decoder) on
-          the decoder's own device with its own properties (CPU and GPU alike: the device picks the
-          cache layout);
-        * ``"stateful"``: the spliced :class:`~higgs_pack.runtime.backends.openvino.batched.OvBatchedDecoder`
-          (:meth:`stateful_batched_decoder`; the CPU device only).
-
-        ``max_batch=1`` is the bundle's batch-1 decoder whichever is named (both engines serve one
-        row with it).
+        The rows were once spliced into the stateful decoder's one batched state through the
+        state API; the paged engine replaced that engine wherever PagedAttention runs (issue 39:
+        at least as fast at full size, joins of 1.2-2.6 steps against 3.4-10.7;
+        docs/using/engine.md).
 
         Raises:
-            InputError: a bad ``openvino_engine`` (the field named); ``max_batch > 1`` on the NPU
-                variant (its static decoder takes batch 1), or ``openvino_engine`` given for it (it
-                has neither engine); ``"stateful"`` on another device than the CPU.
+            InputError: ``max_batch > 1`` on the NPU variant (its static decoder takes batch 1).
             SignatureMismatch, ExecutionProviderUnavailable: as
                 :func:`~higgs_pack.runtime.backends.openvino.paged.compile_paged`.
         """
         from higgs_pack.runtime.backends.openvino.runners import OvStatefulDecoder
-        from higgs_pack.runtime.engine.decoders import check_openvino_engine
 
-        check_openvino_engine(openvino_engine)
         decoder = pipeline.decoder
-        stateful = isinstance(decoder, OvStatefulDecoder)
-        if openvino_engine is not None and not stateful:
-            raise InputError.of(Problem.said(
-                f"openvino_engine={openvino_engine!r} chooses how the stateful decoder batches; this bundle's decoder "
-                f"({self.batching_refusal}) has neither engine: leave openvino_engine (--openvino-engine) out",
-                field="openvino_engine", value=openvino_engine, code="unsupported_value"))
-        if max_batch > 1 and stateful and openvino_engine == "stateful":
-            return self.stateful_batched_decoder(pipeline, max_batch, max_length)
-        if max_batch > 1 and stateful:
+        if max_batch > 1 and isinstance(decoder, OvStatefulDecoder):
             from higgs_pack.runtime.backends.openvino.paged import OvPagedDecoder, compile_paged
 
             compiled = compile_paged(decoder, pipeline.constants.num_layers)
@@ -88,30 +74,8 @@ class OpenVINOBackend(Backend):
             raise InputError.of(
                 Problem.said(f"this OpenVINO bundle's decoder cannot batch requests ({self.batching_refusal}); use "
                              "engine(max_batch=1) (the CLI's --batch 1), or the openvino bundle without --npu (it batches "
-                             "on the CPU device)", code="unsupported_value"))
+                             "on the CPU and GPU devices)", code="unsupported_value"))
         return super().batched_decoder(pipeline, max_batch, max_length)
-
-    def stateful_batched_decoder(self, pipeline, max_batch: int, max_length: int):
-        """The spliced stateful engine's decoder (``openvino_engine="stateful"``): an
-        :class:`~higgs_pack.runtime.backends.openvino.batched.OvBatchedDecoder` (rows spliced into
-        one stateful KV state through the state API) on the CPU device.
-
-        Raises:
-            InputError: the decoder is not the stateful IR on the CPU device (``openvino_engine``
-                named).
-        """
-        from higgs_pack.runtime.backends.openvino.batched import OvBatchedDecoder
-        from higgs_pack.runtime.backends.openvino.runners import OvStatefulDecoder
-
-        decoder = pipeline.decoder
-        if not isinstance(decoder, OvStatefulDecoder) or decoder.device.split(".")[0] != "CPU":
-            raise InputError.of(Problem.said(
-                "openvino_engine='stateful' splices requests into the stateful KV cache on the CPU device only; load the "
-                "openvino bundle (not --npu) with device='CPU', or use openvino_engine='paged' (--openvino-engine paged)",
-                field="openvino_engine", value="stateful", code="unsupported_value"))
-        c = pipeline.constants
-        return OvBatchedDecoder(decoder, max_batch=max_batch, max_length=max_length,
-                                num_layers=c.num_layers, kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
 
     def open(self, bundle: Bundle, options: OpenOptions) -> OpenedParts:
         """Compile every IR on the device asked for (default: the manifest's); see
@@ -145,10 +109,14 @@ class OpenVINOBackend(Backend):
         return (check_decoder_state, check_static_shapes)
 
     def runtime_checks(self):
-        """Parity on the GPU and NPU devices where they are present."""
-        from higgs_pack.runtime.verification.backend_checks import check_gpu, check_npu
+        """Parity of the paged engine's decoder, and on the GPU and NPU devices where they are present."""
+        from higgs_pack.runtime.verification.backend_checks import (
+            check_gpu,
+            check_npu,
+            check_paged_decoder,
+        )
 
-        return (check_gpu, check_npu)
+        return (check_paged_decoder, check_gpu, check_npu)
 
     def placements(self, candidate: Candidate, inventory: Inventory, bench: Mapping[str, float]
                    ) -> tuple[list[Placement], str | None]:

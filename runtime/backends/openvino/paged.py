@@ -205,6 +205,12 @@ class OvPagedDecoder:
         self._shared: dict[int, _Shared] = {}
         self.forwards = self.packed_forwards = 0
 
+    @property
+    def cache_types(self) -> str:
+        """The element types of the KV cache inputs as the device compiled them (``"u8"`` on the
+        CPU by default; ``"bf16"``, ``"f32"``, or several, comma-separated)."""
+        return ", ".join(sorted({kind.get_type_name() for kind, _ in self._layout.values()}))
+
     # the pool
     def _grow(self, blocks: int) -> None:
         """Make the pool hold at least ``blocks`` blocks (doubling), copying the cache tensors."""

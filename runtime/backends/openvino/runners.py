@@ -286,16 +286,15 @@ class OvStatefulDecoder:
             ``max_position_embeddings`` or less).
         allow_fallback: See :class:`OvSubPart`.
         share_inputs: ``InferRequest.infer``'s flag: read the inputs in place instead of
-            copying them into the request.  Off by default, and refused by
-            :class:`~higgs_pack.runtime.backends.openvino.batched.OvBatchedDecoder`: the CPU
-            plugin binds a shared input's memory to the input of the graph that every infer
-            request of one compiled model (one stream) runs on, and it stays bound after the
-            infer; another request's infer then copies its own input into that memory.  Measured
-            with OpenVINO 2026.4.1 on the tiny bundle: after the batched decoder's first
-            two-row step, this decoder's ``attention_mask`` array (a view of one ones-row) held
-            the batch's mask with its zeros of left padding, so every later ``synthesize`` read
-            masked positions and gave other codes from its second step on (issue 30 item 5;
-            ``tests/test_engine_openvino.py``).  On only for a compiled model no other infer
+            copying them into the request.  Off by default: the CPU plugin binds a shared
+            input's memory to the input of the graph that every infer request of one compiled
+            model (one stream) runs on, and it stays bound after the infer; another request's
+            infer then copies its own input into that memory.  Measured with OpenVINO 2026.4.1 on
+            the tiny bundle (issue 30 item 5), with the spliced stateful engine that batched on
+            a second request of this compiled model until the paged engine replaced it: after
+            its first two-row step, this decoder's ``attention_mask`` array held the batch's
+            mask with its zeros of left padding, and every later ``synthesize`` gave other codes
+            from its second step on.  On only for a compiled model no other infer
             request uses (the benchmark); off costs a copy of ``inputs_embeds`` and two int64
             rows per step: the same speed within noise on the bench bundle
             (``python -m bench.ab ov-properties``,

@@ -39,6 +39,7 @@ BATCH_COLUMNS = (
     ("delivered f/s (codec incl.)", "delivered_frames_per_s", "{:.1f}"),
     ("streamed/plain delivered", "stream_delivered_over_plain", "{:.2f}x"),
     ("join 1st audio ms", "join_first_audio_ms", "{:.0f}"),
+    ("join splice ms", "join_splice_ms", "{:.1f}"),  # kept runs of the spliced OpenVINO engine (before issue 39)
     ("voice join 1st audio ms", "join_voice_first_audio_ms", "{:.0f}"),
     ("voice join: longest frame gap ms", "join_max_frame_gap_ms", "{:.0f}"),
     ("cold voice join: longest frame gap ms", "join_cold_max_frame_gap_ms", "{:.0f}"),

@@ -28,7 +28,7 @@ from test_engine import (  # noqa: E402
     codes_agreement,
     run_eight_concurrent,
 )
-from test_engine_paged import exact_config  # noqa: E402
+from test_engine_paged import _alone, exact_config  # noqa: E402
 
 import higgs_pack  # noqa: E402
 from higgs_pack.errors import NumericalError  # noqa: E402
@@ -57,15 +57,6 @@ def tts(ov_int4_bundle):
     """The bundle as built: int4 weights, the CPU plugin's u8 KV cache."""
     with _load(ov_int4_bundle) as loaded:
         yield loaded
-
-
-def _alone_on_paged(tts, requests) -> list:
-    """Each of ``requests`` alone on a paged engine of its own (the codes its runs beside others give)."""
-    out = []
-    for text, seed, cap in requests:
-        with tts.engine(max_batch=2) as engine:
-            out.append(engine.submit(text, seed=seed, max_frames=cap).result(timeout=120))
-    return out
 
 
 def test_the_backend_batches_on_the_paged_decoder_and_one_row_on_the_bundles_own(tts):
@@ -117,7 +108,7 @@ def test_eight_concurrent_requests(ov_int4_bundle, capsys):
     skip_on_amx()
     for config in (exact_config(), None):
         with _load(ov_int4_bundle, config) as loaded:
-            single = _alone_on_paged(loaded, EIGHT)
+            single = [_alone(loaded, *request) for request in EIGHT]
             batched = run_eight_concurrent(loaded, timeout=240)
         if config is not None:
             for got, want in zip(batched, single, strict=True):
@@ -154,7 +145,7 @@ def test_a_row_with_non_finite_output_fails_that_request_alone(ov_int4_bundle):
     their whole frame caps, under ``exact_config`` with their codes alone on the paged engine
     (on a CPU without AMX)."""
     with _load(ov_int4_bundle, exact_config()) as tts:
-        alone = _alone_on_paged(tts, REQUESTS[:3])
+        alone = [_alone(tts, *request) for request in REQUESTS[:3]]
         decoder = _PoisonedPaged(get_backend("openvino").batched_decoder(tts.pipeline, 3, 1024), row=1, after=5)
         with Engine(tts.pipeline, decoder) as engine:
             handles = engine.submit_together([{"text": t, "seed": s, "max_frames": c} for t, s, c in REQUESTS[:3]])

@@ -251,8 +251,9 @@ REQUESTS = [("Hello there.", 0, 40), ("A somewhat longer sentence to say, with m
 
 
 def _alone(tts, text, seed, cap, **extra):
+    """The request alone on a paged engine of its own: the result its runs beside others must give."""
     with tts.engine(max_batch=2) as engine:
-        return engine.submit(text, seed=seed, max_frames=cap, **extra).result(timeout=120).codes
+        return engine.submit(text, seed=seed, max_frames=cap, **extra).result(timeout=120)
 
 
 def test_admission_counts_blocks_and_a_request_waits_never_fails(tts_exact):
@@ -260,7 +261,7 @@ def test_admission_counts_blocks_and_a_request_waits_never_fails(tts_exact):
     by whole blocks, its peak), every request ends with its codes alone, and the pool never
     grows past the budget."""
     skip_on_amx()
-    alone = [_alone(tts_exact, *r) for r in REQUESTS]
+    alone = [_alone(tts_exact, *r).codes for r in REQUESTS]
     with tts_exact.engine(max_batch=3) as probe:
         block_bytes, per_block = probe.decoder.block_bytes, probe.decoder.block_size
         need = [probe.kv.request_bytes(probe.submit(t, seed=s, max_frames=c).plan.positions) for t, s, c in REQUESTS]
@@ -285,7 +286,7 @@ def test_rows_of_one_voice_name_its_prefix_blocks_once(tts_exact, cases_dir):
     voice = tts_exact.prepare_voice(clip, transcript, "clip")
     texts = [("The voice reads this line.", 3, 30), ("Another line, same voice.", 4, 30), ("A third.", 5, 30)]
     tts_exact.pipeline.prefix_cache.clear()
-    alone = [_alone(tts_exact, t, s, c, voice=voice) for t, s, c in texts]
+    alone = [_alone(tts_exact, t, s, c, voice=voice).codes for t, s, c in texts]
     tts_exact.pipeline.prefix_cache.clear()
     seen = []
     with tts_exact.engine(max_batch=3, prefill_chunk=0) as engine:
@@ -330,10 +331,10 @@ def test_a_persisted_voice_prefix_restores_into_blocks(tts_exact, cases_dir, tmp
                                     "clip")
     kept = tts_exact.pipeline.prefix_cache
     try:
-        want = _alone(tts_exact, "Read back from the voices folder.", 6, 30, voice=voice)
+        want = _alone(tts_exact, "Read back from the voices folder.", 6, 30, voice=voice).codes
         for round_ in range(2):
             cache = tts_exact.pipeline.prefix_cache = PrefixCache(kept.identity, store=_Store(tmp_path))
-            got = _alone(tts_exact, "Read back from the voices folder.", 6, 30, voice=voice)
+            got = _alone(tts_exact, "Read back from the voices folder.", 6, 30, voice=voice).codes
             np.testing.assert_array_equal(got, want)
             assert (cache.stats.disk_writes, cache.stats.disk_loads) == ((1, 0) if round_ == 0 else (0, 1))
         assert len(list(tmp_path.glob("*.prefix.safetensors"))) == 1

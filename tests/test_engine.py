@@ -318,8 +318,12 @@ def _first_audio_beside(engine, tts, lead_frames: int):
 def test_a_streams_first_audio_holds_the_steps_where_no_listener_can_hear_it(tts, alone, monkeypatch):
     """Issue 41: a stream alone holds the steps once, while its first codec step runs; beside a
     row with the lead in hand it holds too, beside a row short of it (a lead no row reaches) it
-    does not; the codes are the stream's alone whatever holds."""
+    does not; the codes are the stream's alone whatever holds.  The stream's codec is fed once, when
+    its first chunk is due (its first-audio step then takes the whole first chunk and outlasts a
+    tiny step, so the engine's next turn sees it; fed 4 frames at a time it could end first)."""
     from higgs_pack.runtime.engine import engine as engine_module
+
+    monkeypatch.setattr(tts.pipeline, "codec_feed_frames", None)
 
     with tts.engine(max_batch=2) as engine:
         stream = iter(_submit(engine, tts, 1, first_chunk_frames=1))

@@ -73,17 +73,56 @@ def test_a_stream_codec_first_returns_its_first_chunk_once_the_lookahead_past_it
     """The first call returns the schedule's first size of audio (issue 37: it returned one frame
     whatever first_chunk_frames said), made once that many frames and the lookahead have arrived."""
     spec = StreamCodecSpec.from_options(stream_module.options(), 960)
-    codec = StatefulCodec(runner_step(torch_runner(stream_module)), spec, itertools.chain([3], itertools.repeat(2)))
+    codec = StatefulCodec(runner_step(torch_runner(stream_module)), spec, itertools.chain([3], itertools.repeat(2)),
+                          feed_frames=None)
     out = [codec.push(frame) for frame in random_codes(17)]
     assert all(o is None for o in out[:12]) and out[12] is not None
     assert len(out[12]) == 3 * 960  # one call for the first 13 frames: 3 frames of audio, 10 of lookahead
     assert out[13] is None and len(out[14]) == 2 * 960 and out[15] is None and len(out[16]) == 2 * 960
     assert codec.calls == 3  # then 2 a call
-    single = StatefulCodec(runner_step(torch_runner(stream_module)), spec, itertools.repeat(1))
+    single = StatefulCodec(runner_step(torch_runner(stream_module)), spec, itertools.repeat(1), feed_frames=None)
     first = [single.push(frame) for frame in random_codes(11)]
     assert first[:10] == [None] * 10 and len(first[10]) == 960  # the earliest audio: 1 frame past the lookahead
     with pytest.raises(ValueError, match="do not start with the frames streamed"):
         codec.finish(random_codes(17, seed=1))
+
+
+def test_a_stream_codec_feeds_its_frames_before_the_chunk_is_due(stream_module):
+    """Fed 4 frames at a time (FEED_FRAMES), the codec has decoded all but the last frames when a
+    chunk is due: the chunks are those of one call per chunk, the same audio within float rounding,
+    and only the call that makes the first chunk says ``first_audio`` (what the engine's hold
+    waits on)."""
+    spec = StreamCodecSpec.from_options(stream_module.options(), 960)
+    run, calls = runner_step(torch_runner(stream_module)), []
+
+    def step(codes, start, end, state, first_audio=False):
+        calls.append((start, len(codes), first_audio))
+        return run(codes, start, end, state)
+
+    codes = random_codes(31)
+    sizes = [10, 20, 40]  # the default schedule's first chunks: due at 20 (10 + lookahead) and 40 frames
+    fed = StatefulCodec(step, spec, iter(sizes), feed_frames=4)
+    once = StatefulCodec(runner_step(torch_runner(stream_module)), spec, iter(sizes), feed_frames=None)
+    got = [fed.push(frame) for frame in codes[:30]]
+    want = [once.push(frame) for frame in codes[:30]]
+    assert [i for i, o in enumerate(got) if o is not None] == [19] == [i for i, o in enumerate(want) if o is not None]
+    assert len(got[19]) == 10 * 960 and rel_l2(want[19], got[19]) < 1e-5
+    # calls of 4 frames as they arrive; the due one takes the rest: 20 = 4 * 4 + 4, then 4, 4 of the next
+    assert calls[:5] == [(0, 4, False), (4, 4, False), (8, 4, False), (12, 4, False), (16, 4, True)]
+    assert [c[1] for c in calls[5:]] == [4, 4] and not any(c[2] for c in calls[5:])
+    assert fed.fed == 28 and once.fed == 20
+    np.testing.assert_allclose(fed.finish(codes), once.finish(codes), atol=1e-5)
+    with pytest.raises(ValueError, match="feed_frames must be None or >= 1"):
+        StatefulCodec(step, spec, iter(sizes), feed_frames=0)
+
+
+@pytest.mark.parametrize("feed", [1, 3, 4], ids=lambda f: f"feed{f}")
+def test_a_fed_stream_equals_one_shot(stream_module, feed):
+    codes = random_codes(47, seed=2)
+    spec = StreamCodecSpec.from_options(stream_module.options(), 960)
+    got = stream_decode(runner_step(torch_runner(stream_module)), spec, codes, iter([10, 20, 40, 80]), feed)
+    want = one_shot(stream_module, codes)
+    assert got.shape == want.shape and rel_l2(want, got) < 1e-5
 
 
 def test_a_stream_yields_the_chunk_sizes_its_caller_asked_for(cpu_fp32_bundle):

@@ -277,13 +277,14 @@ class CodecBatcher:
                 out.append(job.samples)
         return out
 
-    def step(self, codes: np.ndarray, start: int, end: int, state: np.ndarray, owner: Any = None
-             ) -> tuple[np.ndarray, np.ndarray]:
+    def step(self, codes: np.ndarray, start: int, end: int, state: np.ndarray, owner: Any = None,
+             first_audio: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """One call of a stream's stateful codec (``audio_tokenizer_stream``,
-        :data:`~higgs_pack.runtime.loop.stateful_codec.Step`): int64 codes [T, N], its frame offset and
+        :class:`~higgs_pack.runtime.loop.stateful_codec.Step`): int64 codes [T, N], its frame offset and
         end, float32 state [S] -> (float32 samples [T * hop], new state [S]).  Steps of several
         streams with the same T share one run (their states stacked as rows) while
-        :attr:`batch_streams`; blocks until its run is done.
+        :attr:`batch_streams`; blocks until its run is done.  ``first_audio``: the stream's first
+        audio waits on this step (:meth:`first_steps` lists its owner meanwhile).
 
         Raises:
             CodecRunError: the codec failed on this step (run alone).
@@ -294,14 +295,14 @@ class CodecBatcher:
             alone = self._closed
             if not alone:
                 self._pending.append(job)
-                if start == 0:  # the stream's first step: what its listener waits for
+                if first_audio:  # what the stream's listener waits for
                     self._first[id(job)] = owner
                 self._cond.notify_all()
         if not alone:
             try:
                 job.done.wait()
             finally:
-                if start == 0:
+                if first_audio:
                     with self._cond:
                         self._first.pop(id(job), None)
                         self._cond.notify_all()
@@ -312,7 +313,7 @@ class CodecBatcher:
         return runner_step(self._pipeline.audio_tokenizer_stream.run)(job.codes, *job.stream)
 
     def first_steps(self) -> list[Any]:
-        """The owners of streams whose first step (:meth:`step` at frame 0, their first audio) is
+        """The owners of streams whose first audio's step (:meth:`step` with ``first_audio``) is
         waiting or running now."""
         with self._cond:
             return list(self._first.values())

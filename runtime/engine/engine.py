@@ -66,9 +66,11 @@ DEFAULT_JOIN_GAP_STEPS = 2.0
 #: the running rows waited 1.2-2.6 of their steps at a voice join at batch 4 and 8, and the voice
 #: joiner's first audio was 0.41-0.91x the spliced stateful engine's.
 PACKED_JOIN_GAP_STEPS = 1.5
-#: A stream's first audio is one codec step on the lookahead and a frame (about 80 ms alone at the
-#: bench preset, 140 ms at full size, on 2 vCPUs); run beside the engine's steps it shared the
-#: cores with them and its listener waited longer.  So while it runs the engine holds its steps
+#: A stream's first audio waits on one codec step: the frames of its first chunk and the lookahead
+#: not fed yet (all of them, 11 frames, with ``first_chunk_frames`` 1 and no earlier feed: about 80 ms
+#: alone at the bench preset, 140 ms at full size, on 2 vCPUs; up to
+#: :data:`~higgs_pack.runtime.loop.stateful_codec.FEED_FRAMES` fed as they come); run beside the
+#: engine's steps it shared the cores with them and its listener waited longer.  So while it runs the engine holds its steps
 #: (:meth:`Engine._hold_for_first_audio`), once per stream and at most :data:`MAX_HOLD_S`, when
 #: every other decoding row has at least ``HOLD_LEAD_S`` of audio in hand (made ahead of real time
 #: since its first frame, its delay ramp and the codec's lookahead not counted): a hold cannot

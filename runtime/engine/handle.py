@@ -165,9 +165,10 @@ class EngineHandle:
         self._raise_if_cancelled()
         return self._engine.codec.decode_many(windows, self)
 
-    def _codec_step(self, codes: np.ndarray, start: int, end: int, state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _codec_step(self, codes: np.ndarray, start: int, end: int, state: np.ndarray, first_audio: bool = False,
+                    ) -> tuple[np.ndarray, np.ndarray]:
         self._raise_if_cancelled()
-        return self._engine.codec.step(codes, start, end, state, self)
+        return self._engine.codec.step(codes, start, end, state, self, first_audio=first_audio)
 
     def _claim(self) -> None:
         if self._read:

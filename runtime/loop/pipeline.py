@@ -32,6 +32,7 @@ import numpy as np
 
 from higgs_pack.errors import InputError, Problem, SignatureMismatch
 from higgs_pack.manifests.model import SubPart
+from higgs_pack.runtime.loop.stateful_codec import FEED_FRAMES
 
 
 class SubPartRunner(Protocol):
@@ -133,6 +134,9 @@ class Pipeline:
             built before it (manifest format 1): they stream with windows of ``audio_tokenizer``.
         stream_codec: its lookahead, delay and state size
             (:class:`~higgs_pack.runtime.loop.stateful_codec.StreamCodecSpec`), None without it.
+        codec_feed_frames: frames a stream feeds that codec at a time before its next chunk is
+            due (:class:`~higgs_pack.runtime.loop.stateful_codec.StatefulCodec`; default
+            :data:`~higgs_pack.runtime.loop.stateful_codec.FEED_FRAMES`), None for one call per chunk.
     """
 
     tokenizer: Any
@@ -151,6 +155,7 @@ class Pipeline:
     the loop and the engine use (None: every prompt is prefilled whole)."""
     audio_tokenizer_stream: SubPartRunner | None = None
     stream_codec: Any = None
+    codec_feed_frames: int | None = FEED_FRAMES
 
 
 def step_input_shapes(part: str, constants: ModelConstants) -> dict[str, tuple[int, ...]] | None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -27,9 +27,23 @@ import numpy as np
 #: mask overflowed and zeroed every sample, measured).  Also the longest stream the decoder takes.
 OPEN_END = 1 << 20
 
-Step = Callable[[np.ndarray, int, int, np.ndarray], tuple[np.ndarray, np.ndarray]]
-"""``step(codes, start_frame, end_frame, state)``: int64 codes [T, N] of one stream, its frame
-offset and end, float32 state [S] -> (float32 samples [T * hop], new state [S])."""
+#: Frames a stream's codec is fed at a time while its next chunk is not yet due
+#: (:class:`StatefulCodec`), so that a chunk's decoding is spread over the decoder steps that make its
+#: frames instead of one run when the chunk is due.  Such a run beside a batch's steps shares the
+#: cores with them: a stream joining a batch of 4 at full size decoded its first chunk (20 frames, 10
+#: of them lookahead) in one 410-655 ms run, and the running rows waited 2.0-3.4 of their steps for
+#: a frame meanwhile (issue 39's trace, Intel Xeon, 2 vCPUs).  ``None`` feeds only when a chunk is due.
+FEED_FRAMES: int | None = 4
+
+
+class Step(Protocol):
+    """``step(codes, start_frame, end_frame, state, first_audio=False)``: int64 codes [T, N] of one
+    stream, its frame offset and end, float32 state [S] -> (float32 samples [T * hop], new state [S]).
+    ``first_audio`` is True on the call after which the stream returns its first audio (what its
+    listener waits for: the engine's codec thread tells its engine, ``CodecBatcher.first_steps``)."""
+
+    def __call__(self, codes: np.ndarray, start: int, end: int, state: np.ndarray, first_audio: bool = False,
+                 ) -> tuple[np.ndarray, np.ndarray]: ...
 
 
 @dataclass(frozen=True)
@@ -76,7 +90,8 @@ def first_call_feeds(codes: np.ndarray, state_size: int) -> dict[str, np.ndarray
 def runner_step(run: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]) -> Step:
     """A :data:`Step` that runs the sub-part's runner on one row."""
 
-    def step(codes: np.ndarray, start: int, end: int, state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def step(codes: np.ndarray, start: int, end: int, state: np.ndarray, first_audio: bool = False,
+             ) -> tuple[np.ndarray, np.ndarray]:
         out = run({"audio_codes": np.ascontiguousarray(codes.T[None], dtype=np.int64),
                    "start_frame": np.array([start], dtype=np.int64), "end_frame": np.array([end], dtype=np.int64),
                    "codec_state": state[None].astype(np.float32, copy=False)})
@@ -89,32 +104,43 @@ class StatefulCodec:
     """Decodes one stream's frames as they arrive, each frame once (same interface as
     :class:`~higgs_pack.runtime.loop.chunking.StreamingCodec`).
 
-    The first call is made once the schedule's first size of frames, plus the decoder's lookahead
-    (:attr:`StreamCodecSpec.first_frames` - 1), have arrived, and returns that many frames of audio
-    (``first_chunk_frames`` means the same with either codec: the audio of the first chunk, not the
-    frames fed); later calls take the next scheduled number of frames and return as many frames of
-    audio (a remainder of the delay short of a frame waits for the next call, so every piece but the
-    last is whole frames).
+    A chunk is due once the schedule's next size of audio can be complete: for the first, its
+    frames plus the decoder's lookahead (:attr:`StreamCodecSpec.first_frames` - 1) have arrived;
+    then each further size of frames.  The push that makes a chunk due returns exactly that chunk's
+    audio (``first_chunk_frames`` means the same with either codec: the audio of the first chunk,
+    not the frames fed; a remainder of the delay short of a frame waits for the next chunk, so
+    every piece but the last is whole frames).  Until then the decoder is fed ``feed_frames`` at
+    a time (:data:`FEED_FRAMES`) and keeps what it made, so the push that makes a chunk due
+    decodes only the frames since the last feed: a chunk's decoding is spread over the steps that
+    make it, not run at once when it is due.
 
     Args:
         step: one decoder call (:func:`runner_step`, or the engine's batched one).
         spec: the decoder's lookahead, delay and state size.
-        schedule: frames of audio per call (:func:`~higgs_pack.runtime.loop.chunking.chunk_schedule`).
+        schedule: frames of audio per chunk (:func:`~higgs_pack.runtime.loop.chunking.chunk_schedule`).
+        feed_frames: frames per call before a chunk is due (>= 1); ``None`` feeds only when a chunk
+            is due (one call per chunk); default :data:`FEED_FRAMES`.
 
     Attributes:
         fed: frames given to the decoder so far.
         calls: decoder calls so far.
+
+    Raises:
+        ValueError: ``feed_frames`` below 1.
     """
 
-    def __init__(self, step: Step, spec: StreamCodecSpec, schedule: Iterator[int]):
-        self._step, self.spec, self._schedule = step, spec, schedule
+    def __init__(self, step: Step, spec: StreamCodecSpec, schedule: Iterator[int],
+                 feed_frames: int | None = FEED_FRAMES):
+        if feed_frames is not None and feed_frames < 1:
+            raise ValueError(f"feed_frames must be None or >= 1, got {feed_frames}")
+        self._step, self.spec, self._schedule, self.feed_frames = step, spec, schedule, feed_frames
         self._state = np.zeros(spec.state_size, dtype=np.float32)
         self._codes: list[np.ndarray] = []
-        self._next = spec.first_frames - 1 + max(1, int(next(schedule)))
+        self._due = spec.first_frames - 1 + max(1, int(next(schedule)))  # frames when the next chunk is due
         self.fed = 0
         self.calls = 0
         self._skip = spec.delay_samples  # delayed samples still to drop
-        self._held = np.zeros(0, dtype=np.float32)  # decoded samples short of a whole frame
+        self._held = np.zeros(0, dtype=np.float32)  # decoded samples not returned yet
         self._out = 0  # samples returned
 
     @property
@@ -122,16 +148,20 @@ class StatefulCodec:
         return len(self._codes)
 
     def push(self, frame: np.ndarray) -> np.ndarray | None:
-        """Add one frame (int64 [N]); return float32 samples (whole frames: the first call's one
-        frame, then each call's frames) when a call was due, else None."""
+        """Add one frame (int64 [N]); return float32 samples (whole frames: the first chunk, then
+        each chunk of the schedule) when a chunk is due, else None (the frames may have been fed)."""
         self._codes.append(np.asarray(frame, dtype=np.int64))
-        if self.frames - self.fed < self._next:
+        due = self.frames >= self._due
+        if due or (self.feed_frames is not None and self.frames - self.fed >= self.feed_frames):
+            made = self._feed(np.stack(self._codes[self.fed:]), OPEN_END, first_audio=due and self._out == 0)
+            self._held = np.concatenate([self._held, made])
+        if not due:
             return None
-        samples = np.concatenate([self._held, self._feed(np.stack(self._codes[self.fed:]), OPEN_END)])
+        samples = self._held
         whole = len(samples) // self.spec.hop * self.spec.hop
         self._held = samples[whole:]
         self._out += whole
-        self._next = max(1, int(next(self._schedule)))
+        self._due += max(1, int(next(self._schedule)))
         return samples[:whole]
 
     def finish(self, codes: np.ndarray) -> np.ndarray:
@@ -160,8 +190,8 @@ class StatefulCodec:
         self._out = max(before, total * self.spec.hop)
         return out[:max(total * self.spec.hop - before, 0)].astype(np.float32, copy=False)
 
-    def _feed(self, codes: np.ndarray, end: int) -> np.ndarray:
-        samples, self._state = self._step(codes, self.fed, end, self._state)
+    def _feed(self, codes: np.ndarray, end: int, first_audio: bool = False) -> np.ndarray:
+        samples, self._state = self._step(codes, self.fed, end, self._state, first_audio=first_audio)
         self.fed += len(codes)
         self.calls += 1
         drop = min(self._skip, len(samples))
@@ -169,10 +199,12 @@ class StatefulCodec:
         return samples[drop:].astype(np.float32, copy=False)
 
 
-def stream_decode(step: Step, spec: StreamCodecSpec, codes: np.ndarray, sizes: Iterator[int]) -> np.ndarray:
+def stream_decode(step: Step, spec: StreamCodecSpec, codes: np.ndarray, sizes: Iterator[int],
+                  feed_frames: int | None = None) -> np.ndarray:
     """Decode ``codes`` (int64 [T, N]) through a :class:`StatefulCodec`, pushing frame by frame
-    with calls of ``sizes`` frames after the first; returns the joined float32 samples [T * hop]."""
-    codec = StatefulCodec(step, spec, sizes)
+    with chunks of ``sizes`` frames after the first (fed ``feed_frames`` at a time, default one
+    call per chunk); returns the joined float32 samples [T * hop]."""
+    codec = StatefulCodec(step, spec, sizes, feed_frames)
     pieces = [p for frame in codes if (p := codec.push(frame)) is not None]
     pieces.append(codec.finish(codes))
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)

@@ -181,7 +181,7 @@ class SpeechStream(Iterator[AudioChunk]):
         n, hop = c.num_codebooks, c.hop_length
         sizes = chunk_schedule(schedule.first_chunk_frames, schedule.chunk_growth, schedule.max_chunk_frames)
         if pipeline.stream_codec is not None:
-            codec = StatefulCodec(self._codec_step, pipeline.stream_codec, sizes)
+            codec = StatefulCodec(self._codec_step, pipeline.stream_codec, sizes, pipeline.codec_feed_frames)
         else:
             codec = StreamingCodec(self._decode, self.context_frames, hop, sizes)
         seams: list[int] = []  # the sample index where each finished text chunk ends

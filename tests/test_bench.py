@@ -64,6 +64,8 @@ def check_record(record: dict) -> None:
     # the budget's parts are disjoint pieces of the streamed run's first-audio interval
     assert record["first_audio_prefill_ms"] > 0 and record["first_audio_steps_ms"] >= 0
     assert record["first_audio_budget_ms"] <= record["first_audio_ms"] + 1e-6
+    if record["stream_context_frames"] == 0:  # the stateful codec, fed 4 frames at a time between the steps
+        assert 0 < record["first_chunk_codec_fed_ms"] < record["first_chunk_codec_ms"]
     # The bare decoder's rate beside the loop's is a timing, not a behaviour: on the loaded 2-core CI
     # machine the bare pytorch decoder's 14 steps measured 177 f/s against the loop's 472. What holds
     # on any machine: the ratio the record reports is these two figures' (positive, finite: POSITIVE).
@@ -630,6 +632,8 @@ def test_bench_batch_on_tiny_cpu_int4(cpu_int4_bundle, tmp_path):
         one, two = batch["rows"]
         assert one["join_voice_first_audio_ms"] > 0 and "join_max_frame_gap_ms" not in one
         assert two["join_voice_rows"] == 2 and two["join_max_frame_gap_ms"] > 0
+        # the joiner's codec until its first audio: its first chunk (10 frames) and the lookahead, fed 4 at a time
+        assert two["join_voice_codec_runs"] == 5 and 0 < two["join_voice_max_codec_run_ms"] < two["join_voice_codec_ms"]
         assert two["join_text_max_frame_gap_ms"] > 0
         # the voice joins cold first (its prefix cache emptied: the whole voice prompt prefilled), then cached
         assert two["join_voice_cold_rows"] == 2 and two["join_cold_max_frame_gap_ms"] > 0

@@ -33,18 +33,26 @@ def test_compare_gives_both_figures_their_ratio_and_the_gap_in_steps():
     assert compare(_result([]), base, "paged:2", "paged") == []
 
 
-def test_engine_labels_give_the_worker_its_join_gap():
+def test_engine_labels_give_the_worker_its_settings():
     assert engine_job("paged") == {"join_gap_steps": None}
     assert engine_job("paged:1.5") == {"join_gap_steps": 1.5}
-    for bad in ("stateful", "stateful:2", "paged:1", "paged:x", "spliced"):
-        with pytest.raises(ValueError, match="--engines"):
+    assert engine_job("paged:feed=none") == {"join_gap_steps": None, "codec_feed_frames": None}
+    assert engine_job("paged:2:feed=1:first=3") == {"join_gap_steps": 2.0, "codec_feed_frames": 1,
+                                                    "join_first_chunk_frames": 3}
+    for bad, said in (("stateful", "does not start with paged"), ("stateful:2", "does not start with paged"),
+                      ("paged:1", "must be > 1"), ("paged:x", "'x' is not a number of steps"),
+                      ("spliced", "does not start"), ("paged:feed=0", "feed must be a whole number >= 1 or none"),
+                      ("paged:first=none", "first must be a whole number >= 1, got 'none'"),
+                      ("paged:depth=2", "unknown setting 'depth' (known: feed, first)")):
+        with pytest.raises(ValueError, match="--engines") as caught:
             engine_job(bad)
+        assert said in str(caught.value), (bad, str(caught.value))
 
 
 def test_a_bad_engine_label_is_refused_before_anything_runs(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([str(tmp_path), "--engines", "paged,stateful", "--out", str(tmp_path / "x.json")])
-    assert "'stateful' is not paged or paged:JOIN_GAP_STEPS" in capsys.readouterr().err
+    assert "'stateful' does not start with paged" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
 
 

@@ -1,7 +1,9 @@
 """``python -m bench.ab.paged BUNDLE``: an openvino bundle's paged engine at two or more settings
-side by side (issue 39: ``join_gap_steps``), in one run, and its u8 KV cache against an f32 one.
+side by side (issue 39: ``join_gap_steps``, the codec's feed, the joiner's first chunk), in one run,
+and its u8 KV cache against an f32 one.
 
-**engines** (``--engines paged:1.5,paged:2``; ``paged`` is the engine's default): the ``batch`` worker
+**engines** (``--engines paged,paged:feed=none``; ``paged`` is the engine's default, settings after it
+as :func:`engine_job` reads them): the ``batch`` worker
 (:func:`bench.decoder.batch.measure_batches`: plain, streamed, join and voice-join runs per batch
 size) in fresh processes, each setting in turn for ``--rounds`` rounds, so all see the same machine
 load; each size's medians and their ratios (each setting / the first) are in ``compare``.  The
@@ -33,8 +35,9 @@ from bench.decoder.run import BENCH_TEXT, DEFAULT_VOICE_CLIP, voice_job
 
 #: Figures compared per batch size, each setting / the first (lower is better for the times).
 COMPARED = ("aggregate_frames_per_s", "engine_step_ms", "bare_step_ms", "join_first_audio_ms",
-            "join_voice_first_audio_ms", "join_max_frame_gap_ms", "join_voice_cold_first_audio_ms",
-            "join_cold_max_frame_gap_ms", "join_text_max_frame_gap_ms", "max_kv_bytes_in_use")
+            "join_voice_first_audio_ms", "join_max_frame_gap_ms", "join_voice_codec_ms", "join_voice_max_codec_run_ms",
+            "join_voice_cold_first_audio_ms", "join_cold_max_frame_gap_ms", "join_text_max_frame_gap_ms",
+            "stream_engine_step_ms", "stream_delivered_frames_per_s", "max_kv_bytes_in_use")
 
 
 def _rows(result: dict[str, Any]) -> dict[int, dict[str, Any]]:
@@ -73,22 +76,47 @@ def memory(run: dict[str, Any]) -> dict[str, Any]:
             if key.startswith(("voice_rows_", "count_")) or key in ("peak_rss_mb", "kv_bytes_per_position")}
 
 
+#: The ``--engines`` settings after ``paged``, ``:``-separated (:func:`engine_job`): the batch
+#: worker's spec key each sets and how its value is read.
+ENGINE_SETTINGS = {"feed": "codec_feed_frames", "first": "join_first_chunk_frames"}
+
+
 def engine_job(label: str) -> dict[str, Any]:
-    """The batch worker's settings for an ``--engines`` entry: ``paged`` (the engine's defaults) or
-    ``paged:X`` (``join_gap_steps`` X, a number > 1).
+    """The batch worker's settings for an ``--engines`` entry: ``paged`` (the engine's defaults),
+    then ``:``-separated settings: a number X > 1 (``join_gap_steps``), ``feed=N`` or ``feed=none``
+    (``Pipeline.codec_feed_frames``: frames a stream's codec is fed at a time before its chunk is
+    due; none, one call per chunk), ``first=N`` (the joining request's ``first_chunk_frames``).
+    E.g. ``paged:1.5``, ``paged:feed=none``, ``paged:2:first=1``.
 
     Raises:
-        ValueError: any other entry."""
-    engine, _, gap = label.partition(":")
+        ValueError: any other entry, naming what is wrong."""
+    engine, *settings = label.split(":")
     if engine != "paged":
-        raise ValueError(f"--engines: {label!r} is not paged or paged:JOIN_GAP_STEPS")
-    try:
-        steps = float(gap) if gap else None
-    except ValueError:
-        raise ValueError(f"--engines: {label!r}: {gap!r} is not a number of steps") from None
-    if steps is not None and not steps > 1:
-        raise ValueError(f"--engines: {label!r}: join_gap_steps must be > 1")
-    return {"join_gap_steps": steps}
+        raise ValueError(f"--engines: {label!r} does not start with paged (paged[:JOIN_GAP_STEPS][:feed=N|none]"
+                         "[:first=N])")
+    job: dict[str, Any] = {"join_gap_steps": None}
+    for setting in settings:
+        key, eq, value = setting.partition("=")
+        if not eq:
+            try:
+                steps = float(setting)
+            except ValueError:
+                raise ValueError(f"--engines: {label!r}: {setting!r} is not a number of steps nor "
+                                 f"{'=N, '.join(ENGINE_SETTINGS)}=N") from None
+            if not steps > 1:
+                raise ValueError(f"--engines: {label!r}: join_gap_steps must be > 1")
+            job["join_gap_steps"] = steps
+            continue
+        if key not in ENGINE_SETTINGS:
+            raise ValueError(f"--engines: {label!r}: unknown setting {key!r} (known: {', '.join(ENGINE_SETTINGS)})")
+        if key == "feed" and value == "none":
+            job[ENGINE_SETTINGS[key]] = None
+            continue
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"--engines: {label!r}: {key} must be a whole number >= 1"
+                             f"{' or none' if key == 'feed' else ''}, got {value!r}")
+        job[ENGINE_SETTINGS[key]] = int(value)
+    return job
 
 
 def measure_engines(job: dict[str, Any], rounds: int, cache: Path, timeout: float | None,
@@ -155,8 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1, help="runs per size inside one worker (default 1)")
     parser.add_argument("--voice-clip", default=str(DEFAULT_VOICE_CLIP) if DEFAULT_VOICE_CLIP.is_file() else "")
     parser.add_argument("--engines", default="paged",
-                        help="comma-separated: paged (the defaults) or paged:JOIN_GAP_STEPS (default paged); "
-                             "each is compared with the first")
+                        help="comma-separated: paged (the defaults), then :-separated settings: JOIN_GAP_STEPS, "
+                             "feed=N|none, first=N (default paged); each is compared with the first")
     parser.add_argument("--parity-steps", type=int, default=0, help="also measure u8 parity over this many steps")
     parser.add_argument("--cache", default=None, help="HIGGS_PACK_CACHE of the workers (default: a temporary one)")
     parser.add_argument("--timeout", type=float, default=None)

@@ -138,10 +138,14 @@ def max_gap_ms(marks: list[tuple[float, int]], since: float, until: float) -> fl
 def _join_run(tts: Any, batch: int, spec: dict[str, Any], marks: list[tuple[float, int]], voice: Any = None,
               key: str = "join", gap: str = "join_text_max_frame_gap_ms") -> dict[str, Any]:
     """First streamed audio of a request joining ``batch - 1`` running ones (alone at batch 1),
-    with ``voice`` (a prepared voice: its whole prompt prefilled at the join) or none:
-    ``<key>_first_audio_ms``, ``<key>_rows`` and, beside running rows, ``gap`` (their longest
-    wait for a frame, ms, from the submission to the joiner's first audio) and, on a paged
-    decoder, ``<key>_kv_blocks_in_use`` and ``<key>_prefix_blocks_shared`` at the joiner's first audio."""
+    with ``voice`` (a prepared voice: its whole prompt prefilled at the join) or none, read with
+    ``spec["join_first_chunk_frames"]`` as its first chunk where set:
+    ``<key>_first_audio_ms``, ``<key>_rows``, the codec's part until then (only the joiner streams):
+    ``<key>_codec_ms`` (the codec thread's time in runs, ms), ``<key>_codec_runs`` and
+    ``<key>_max_codec_run_ms`` (its longest run: what ran beside the running rows' steps at once),
+    and, beside running rows, ``gap`` (their longest wait for a frame, ms, from the submission to
+    the joiner's first audio) and, on a paged decoder, ``<key>_kv_blocks_in_use`` and
+    ``<key>_prefix_blocks_shared`` at the joiner's first audio."""
     from higgs_pack.runtime.loop.codec import codec_context_frames
     from higgs_pack.runtime.loop.streaming import FIRST_CHUNK_FRAMES
 
@@ -159,12 +163,17 @@ def _join_run(tts: Any, batch: int, spec: dict[str, Any], marks: list[tuple[floa
             time.sleep(0.001)
         start, since = len(marks), time.perf_counter()
         extra = {"voice": voice} if voice is not None else {}
+        if spec.get("join_first_chunk_frames"):
+            extra["first_chunk_frames"] = spec["join_first_chunk_frames"]
         joiner = engine.submit(spec["text"], **_request(spec, batch - 1, spec["frames"]), **extra)
         speech = iter(joiner)
         next(speech)
         until = time.perf_counter()
+        codec = engine.codec.stats  # a fresh engine whose running rows are not read: the joiner's runs
         out = {f"{key}_first_audio_ms": speech.first_audio_s * 1e3,
-               f"{key}_rows": max((rows for _, rows in marks[start:]), default=0)}
+               f"{key}_rows": max((rows for _, rows in marks[start:]), default=0),
+               f"{key}_codec_ms": codec.seconds * 1e3, f"{key}_codec_runs": codec.runs,
+               f"{key}_max_codec_run_ms": codec.max_run_seconds * 1e3}
         if batch > 1:
             out[gap] = max_gap_ms(list(marks), since, until)
         if engine.kv_blocks_in_use is not None:  # paged: blocks held at the joiner's first audio
@@ -319,6 +328,8 @@ def measure_batches(spec: dict[str, Any]) -> dict[str, Any]:
     before = load_1m()
     tts = higgs_pack.load(spec["bundle"], spec.get("device") or "auto", cache_dir=spec.get("ov_cache"))
     pipeline, c = tts.pipeline, tts.pipeline.constants
+    if "codec_feed_frames" in spec:  # python -m bench.ab.paged --engines paged:feed=N|none
+        pipeline.codec_feed_frames = spec["codec_feed_frames"]
     marks = probe(tts)
     prompt, step = fixed_inputs(pipeline, spec["text"])
     voice, voice_positions = join_voice(tts, spec)

@@ -111,11 +111,13 @@ def prefill_vs_peak(record: dict[str, Any]) -> None:
 def first_audio_budget(record: dict[str, Any]) -> float | None:
     """Ms the first streamed audio should take, from the same streamed run's parts (prompt embed,
     prefill, steps to the first chunk, its codec decode: a shared VM's step drifts too much between
-    runs to borrow them); None without them."""
+    runs to borrow them; the codec fed between the steps, ``first_chunk_codec_fed_ms``, is inside
+    the steps' span and counted once); None without them."""
     need = ("first_audio_prefill_ms", "first_audio_steps_ms", "first_chunk_codec_ms")
     if any(record.get(k) is None for k in need):
         return None
-    return record.get("first_audio_prompt_embed_ms", 0.0) + sum(record[k] for k in need)
+    return (record.get("first_audio_prompt_embed_ms", 0.0) + sum(record[k] for k in need)
+            - record.get("first_chunk_codec_fed_ms", 0.0))
 
 
 def add_ratios(records: list[dict[str, Any]]) -> None:

@@ -83,6 +83,8 @@ def _instrument(pipeline: Any) -> dict[str, list[float]]:
     pipeline.audio_embed = _Timed(pipeline.audio_embed, logs["embed"])
     pipeline.text_embed = _Timed(pipeline.text_embed, logs["text_embed"])
     pipeline.audio_tokenizer = _Timed(pipeline.audio_tokenizer, logs["codec"])
+    if getattr(pipeline, "audio_tokenizer_stream", None) is not None:  # the stateful streaming codec: streams run it
+        pipeline.audio_tokenizer_stream = _Timed(pipeline.audio_tokenizer_stream, logs["codec"])
     return logs
 
 
@@ -124,28 +126,33 @@ def _one_run(pipeline: Any, logs: dict[str, list[float]], text: str, frames: int
 def _stream_run(pipeline: Any, logs: dict[str, list[float]], text: str, frames: int, options: Any,
                 codes: np.ndarray) -> dict[str, Any]:
     """The same request through ``streaming.stream``: first audio (ms from the call) and its parts
-    (prompt embedding, prefill, steps, codec), the first chunk, frames/s, codes equal to ``codes``."""
+    (prompt embedding, prefill, steps, codec), the first chunk, frames/s, codes equal to ``codes``.
+    ``first_chunk_codec_ms`` is all the codec's time until the first audio; with the stateful codec
+    fed before the chunk is due (``Pipeline.codec_feed_frames``) ``first_chunk_codec_fed_ms`` of it
+    ran between the steps, inside ``first_audio_steps_ms``."""
     from higgs_pack.runtime.loop.streaming import FIRST_CHUNK_FRAMES, stream
 
     for log in logs.values():
         log.clear()
-    marks: list[float] = []
+    marks: list[tuple[float, float]] = []  # (time, codec seconds so far) per step
     first: tuple[float, ...] | None = None
     speech = stream(pipeline, text, options=options, max_frames=frames,
-                    progress=lambda done, cap: marks.append(time.perf_counter()))
+                    progress=lambda done, cap: marks.append((time.perf_counter(), sum(logs["codec"]))))
     for _chunk in speech:
         if first is None:
-            first = (len(marks), sum(logs["codec"]), sum(logs["text_embed"]), logs["decoder"][0], marks[-1] - marks[0])
+            first = (len(marks), sum(logs["codec"]), sum(logs["text_embed"]), logs["decoder"][0],
+                     marks[-1][0] - marks[0][0], marks[-1][1] - marks[0][1])
     if speech.codes.shape[0] != frames:
         raise RuntimeError(f"the stream gave {speech.codes.shape[0]} frames, expected {frames}")
-    steps, codec, embed, prefill, span = first
+    steps, codec, embed, prefill, span, fed = first
     return {
         "first_audio_ms": speech.first_audio_s * 1e3, "stream_chunk_frames": FIRST_CHUNK_FRAMES,
         "stream_context_frames": int(speech.context_frames), "first_audio_steps": steps,
         "stream_lookahead_frames": int(speech.lookahead_frames or 0),
-        "first_chunk_codec_ms": codec * 1e3, "first_audio_prompt_embed_ms": embed * 1e3,
+        "first_chunk_codec_ms": codec * 1e3, "first_chunk_codec_fed_ms": fed * 1e3,
+        "first_audio_prompt_embed_ms": embed * 1e3,
         "first_audio_prefill_ms": prefill * 1e3, "first_audio_steps_ms": span * 1e3,
-        "stream_frames_per_s": (len(marks) - 1) / (marks[-1] - marks[0]),
+        "stream_frames_per_s": (len(marks) - 1) / (marks[-1][0] - marks[0][0]),
         "stream_codes_match": bool(np.array_equal(speech.codes, codes)),
     }
 

@@ -114,6 +114,7 @@ class CodecStats:
         windows: windows decoded by those runs (``windows / runs``: rows per run on average).
         frames: frames decoded (context frames included).
         seconds: seconds inside the runs.
+        max_run_seconds: the longest run's seconds.
         max_rows: most windows in one run.
         retried: batched runs that failed and were retried one row per run.
         withdrawn: windows dropped unrun because their request was cancelled.
@@ -123,6 +124,7 @@ class CodecStats:
     windows: int = 0
     frames: int = 0
     seconds: float = 0.0
+    max_run_seconds: float = 0.0
     max_rows: int = 0
     retried: int = 0
     withdrawn: int = 0
@@ -447,4 +449,5 @@ class CodecBatcher:
         s.windows += len(jobs)
         s.frames += sum(j.codes.shape[0] for j in jobs)
         s.seconds += seconds
+        s.max_run_seconds = max(s.max_run_seconds, seconds)
         s.max_rows = max(s.max_rows, len(jobs))

@@ -118,5 +118,12 @@ class _EngineCollector:
                                     value=cached.bytes)
             yield GaugeMetricFamily("higgs_pack_prefix_cache_entries", "Voice prefixes held in memory",
                                     value=cached.entries)
+        codec = self._server.engine.codec.stats
         yield CounterMetricFamily("higgs_pack_codec_frames", "Frames the engine's codec thread decoded (each "
-                                  "window's context frames included)", value=self._server.engine.codec.stats.frames)
+                                  "window's context frames included)", value=codec.frames)
+        yield CounterMetricFamily("higgs_pack_codec_runs", "Runs of the engine's codec thread (one run decodes the "
+                                  "windows or stream steps of several requests)", value=codec.runs)
+        yield CounterMetricFamily("higgs_pack_codec_seconds", "Seconds the engine's codec thread spent in runs",
+                                  value=codec.seconds)
+        yield GaugeMetricFamily("higgs_pack_codec_max_run_seconds", "The engine's longest codec run (it shares "
+                                "the cores with the decode steps while it runs)", value=codec.max_run_seconds)

@@ -632,6 +632,7 @@ def test_bench_batch_on_tiny_cpu_int4(cpu_int4_bundle, tmp_path):
         one, two = batch["rows"]
         assert one["join_voice_first_audio_ms"] > 0 and "join_max_frame_gap_ms" not in one
         assert two["join_voice_rows"] == 2 and two["join_max_frame_gap_ms"] > 0
+        assert two["join_voice_running_step_ms"] > 0 and "join_voice_running_step_ms" not in one
         # the joiner's codec until its first audio: its first chunk (10 frames) and the lookahead, fed 4 at a time
         assert two["join_voice_codec_runs"] == 5 and 0 < two["join_voice_max_codec_run_ms"] < two["join_voice_codec_ms"]
         assert two["join_text_max_frame_gap_ms"] > 0

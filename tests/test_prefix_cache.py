@@ -395,6 +395,10 @@ def test_the_server_persists_a_named_voice_prefix_and_exports_its_metrics(cpu_fp
             assert f"higgs_pack_prefix_cache_misses_total {float(1 - restart)}" in text
             assert f"higgs_pack_prefix_cache_bytes {float(stats.bytes)}" in text and stats.bytes > 0
             assert "higgs_pack_join_max_frame_gap_seconds" in text and "higgs_pack_prefill_positions_total" in text
+            codec = server.engine.codec.stats  # result(): the request's codes decoded in one codec run
+            assert codec.runs == 1 and 0 < codec.max_run_seconds == codec.seconds
+            assert "higgs_pack_codec_runs_total 1.0" in text
+            assert f"higgs_pack_codec_max_run_seconds {codec.max_run_seconds}" in text
         finally:
             server.close()
     assert (tmp_path / "voices" / ".prefix-kv" / "alice.safetensors").is_file()

@@ -35,7 +35,8 @@ from bench.decoder.run import BENCH_TEXT, DEFAULT_VOICE_CLIP, voice_job
 
 #: Figures compared per batch size, each setting / the first (lower is better for the times).
 COMPARED = ("aggregate_frames_per_s", "engine_step_ms", "bare_step_ms", "join_first_audio_ms",
-            "join_voice_first_audio_ms", "join_max_frame_gap_ms", "join_voice_codec_ms", "join_voice_max_codec_run_ms",
+            "join_voice_first_audio_ms", "join_max_frame_gap_ms", "join_voice_running_step_ms", "join_voice_codec_ms",
+            "join_voice_max_codec_run_ms",
             "join_voice_cold_first_audio_ms", "join_cold_max_frame_gap_ms", "join_text_max_frame_gap_ms",
             "stream_engine_step_ms", "stream_delivered_frames_per_s", "max_kv_bytes_in_use")
 
@@ -47,7 +48,8 @@ def _rows(result: dict[str, Any]) -> dict[int, dict[str, Any]]:
 def compare(run: dict[str, Any], base: dict[str, Any], name: str, base_name: str) -> list[dict[str, Any]]:
     """Per batch size both runs have: each of :data:`COMPARED` for both (keyed by ``name`` and
     ``base_name``) and ``ratio`` (``run`` / ``base``), the voice join's gap in steps of the running
-    rows (its ms over the engine's step ms), and aggregate frames/s over batch 1's."""
+    rows (its ms over their step ms just before the join, ``join_voice_running_step_ms``; in runs
+    without it, over the plain run's ``engine_step_ms``), and aggregate frames/s over batch 1's."""
     out = []
     a, b = _rows(run), _rows(base)
     names = (name, base_name)
@@ -57,7 +59,8 @@ def compare(run: dict[str, Any], base: dict[str, Any], name: str, base_name: str
             x, y = a[batch].get(key), b[batch].get(key)
             row[key] = {name: x, base_name: y, "ratio": x / y if x and y else None}
         for label, engine in zip(names, (a[batch], b[batch]), strict=True):
-            gap, step = engine.get("join_max_frame_gap_ms"), engine.get("engine_step_ms")
+            gap = engine.get("join_max_frame_gap_ms")
+            step = engine.get("join_voice_running_step_ms") or engine.get("engine_step_ms")
             row.setdefault("join_voice_gap_steps", {})[label] = gap / step if gap and step else None
         out.append(row)
     one = {label: rows.get(1, {}).get("aggregate_frames_per_s") for label, rows in zip(names, (a, b), strict=True)}

@@ -24,8 +24,9 @@ import numpy as np
 from bench.common.systems import load_1m, median_of, peak_rss_mb, rss_mb
 from bench.decoder.workers import fixed_inputs, kv_bytes_per_position, kv_itemsize, no_eoc
 
-#: Steps the B - 1 running requests take together before one joins; seconds to wait for them.
-JOIN_AFTER_STEPS = 3
+#: Steps the B - 1 running requests take together before one joins (their step time before the
+#: join is the median of these steps' intervals: ``<key>_running_step_ms``); seconds to wait for them.
+JOIN_AFTER_STEPS = 6
 JOIN_WAIT_S = 120.0
 #: Decode steps timed once every row of ``--fit-run`` is full.
 FIT_STEPS = 3
@@ -144,8 +145,10 @@ def _join_run(tts: Any, batch: int, spec: dict[str, Any], marks: list[tuple[floa
     ``<key>_codec_ms`` (the codec thread's time in runs, ms), ``<key>_codec_runs`` and
     ``<key>_max_codec_run_ms`` (its longest run: what ran beside the running rows' steps at once),
     and, beside running rows, ``gap`` (their longest wait for a frame, ms, from the submission to
-    the joiner's first audio) and, on a paged decoder, ``<key>_kv_blocks_in_use`` and
-    ``<key>_prefix_blocks_shared`` at the joiner's first audio."""
+    the joiner's first audio) and ``<key>_running_step_ms`` (their step just before the join: the
+    median interval of their last steps together, which the gap is counted in, measured in the
+    same run because a shared VM's speed drifts between runs) and, on a paged decoder,
+    ``<key>_kv_blocks_in_use`` and ``<key>_prefix_blocks_shared`` at the joiner's first audio."""
     from higgs_pack.runtime.loop.codec import codec_context_frames
     from higgs_pack.runtime.loop.streaming import FIRST_CHUNK_FRAMES
 
@@ -176,6 +179,8 @@ def _join_run(tts: Any, batch: int, spec: dict[str, Any], marks: list[tuple[floa
                f"{key}_max_codec_run_ms": codec.max_run_seconds * 1e3}
         if batch > 1:
             out[gap] = max_gap_ms(list(marks), since, until)
+            together = [t for t, rows in marks[:start] if rows == batch - 1]
+            out[f"{key}_running_step_ms"] = float(np.median(np.diff(together))) * 1e3
         if engine.kv_blocks_in_use is not None:  # paged: blocks held at the joiner's first audio
             out[f"{key}_kv_blocks_in_use"] = engine.kv_blocks_in_use
             out[f"{key}_prefix_blocks_shared"] = engine.prefix_blocks_shared

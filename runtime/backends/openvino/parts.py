@@ -32,6 +32,7 @@ from higgs_pack.runtime.backends.openvino.devices import (
     device_base,
     precision_config,
     subpart_device,
+    thread_config,
 )
 from higgs_pack.runtime.backends.openvino.runners import (
     OvStatefulDecoder,
@@ -76,7 +77,8 @@ def open_openvino_parts(bundle: Any, *, device: str | None = None, allow_fallbac
         extra = dict(m["provider_options"].get(device_base(part_device), {}))
         recorded = dict((options.get("compile_properties") or {}).get(device_base(part_device), {}))
         stateful = bool(options.get("stateful", part == SubPart.LLM_DECODER))
-        config = {**precision_config(part_device, spec["precision"], stateful=stateful), **recorded, **extra}
+        config = {**thread_config(part_device), **precision_config(part_device, spec["precision"], stateful=stateful),
+                  **recorded, **extra}
         runner = _runner(core, bundle, part, spec, part_device, cache, config, constants,
                          allow_fallback=allow_fallback)
         check_signature(runner, part, spec)

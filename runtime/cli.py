@@ -382,6 +382,8 @@ def synthesize(**flags: Any) -> None:
                                               "chunk_growth": f.chunk_growth, "max_chunk_frames": f.max_chunk_frames}
     request = SynthesisRequest.create(_read_text(f.text, f.text_file), **f.voice(), **f.sampling(), **schedule)
     tts = load(f.bundle, **f.load_keywords())
+    if not f.streaming:  # no one hears a piece before the whole: one codec call per piece, the fewest
+        tts.pipeline.codec_feed_frames = None
     click.echo(f"using {tts.info}", err=True)
     for name, why in tts.info.not_chosen.items():
         click.echo(f"  not chosen: {name}: {why}", err=True)

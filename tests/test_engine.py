@@ -318,11 +318,25 @@ def _first_audio_beside(engine, tts, lead_frames: int):
 def test_a_streams_first_audio_holds_the_steps_where_no_listener_can_hear_it(tts, alone, monkeypatch):
     """Issue 41: a stream alone holds the steps once, while its first codec step runs; beside a
     row with the lead in hand it holds too, beside a row short of it (a lead no row reaches) it
-    does not; the codes are the stream's alone whatever holds.  The stream's codec is fed once, when
-    its first chunk is due (its first-audio step then takes the whole first chunk and outlasts a
-    tiny step, so the engine's next turn sees it; fed 4 frames at a time it could end first)."""
+    does not; the codes are the stream's alone whatever holds.  The codec is fed once, when the first
+    chunk is due (fed 4 frames at a time, the slowed calls below leave the reader behind a tiny
+    engine that has ended before the first audio's call), and each call takes 50 ms more, as a
+    full-size codec call outlasts a step (140 ms against 110-190): the tiny codec's call could end
+    before the engine's next turn looked, and the engine has nothing to hold then."""
     from higgs_pack.runtime.engine import engine as engine_module
 
+    class SlowCodec:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def run(self, feeds):
+            time.sleep(0.05)
+            return self.inner.run(feeds)
+
+    monkeypatch.setattr(tts.pipeline, "audio_tokenizer_stream", SlowCodec(tts.pipeline.audio_tokenizer_stream))
     monkeypatch.setattr(tts.pipeline, "codec_feed_frames", None)
 
     with tts.engine(max_batch=2) as engine:

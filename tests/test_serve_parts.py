@@ -633,6 +633,7 @@ class _FakeEngine:
     def __init__(self, max_batch, pool=None):
         from types import SimpleNamespace
 
+        from higgs_pack.runtime.engine.codec_batch import CodecStats
         from higgs_pack.runtime.engine.state import EngineStats
 
         self.max_batch, self.prefix_cache, self.crashed = max_batch, None, None
@@ -641,7 +642,7 @@ class _FakeEngine:
         self.waiting = self.busy_rows = self.kv_bytes_in_use = 0
         self.kv_bytes_per_position, self.kv_budget_bytes = 176, None
         self.stats = EngineStats()  # the engine's own counters, all 0
-        self.codec = SimpleNamespace(stats=SimpleNamespace(frames=0))
+        self.codec = SimpleNamespace(stats=CodecStats())  # the codec thread's counters, all 0
 
     def close(self, timeout=None):
         pass

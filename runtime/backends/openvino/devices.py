@@ -176,7 +176,7 @@ def thread_config(device: str) -> dict[str, Any]:
     Returns:
         A properties dict to merge into ``compile_model``'s config (empty off the CPU).
     """
-    return {"ENABLE_CPU_PINNING": False} if device.split(".")[0] == "CPU" else {}
+    return {"ENABLE_CPU_PINNING": False} if device_base(device) == "CPU" else {}
 
 
 def precision_config(device: str, precision: str, *, stateful: bool = False) -> dict[str, str]:
